@@ -1,0 +1,241 @@
+"""The one place where hf_tpu changes third-party code.
+
+Every change to an attribute of another library (accelerate, transformers, diffusers, torch) goes through
+:func:`patch`, which records ``(owner, attribute, original)`` so that :func:`revert` puts back exactly what was
+there. A patch names the feature it belongs to and the upstream version range it was written for; outside that
+range it still applies, but says so once in a warning, so that a user on a newer release knows where to look.
+
+Integrations (device_map, generation, tensor parallel, diffusers, kernels, ...) are listed in
+:data:`INTEGRATIONS` by import path and loaded only when :func:`enable` runs, which keeps ``import hf_tpu``
+cheap. Each integration module exposes ``apply()`` that calls :func:`patch` (or an upstream registration API
+paired with an undo through :func:`on_revert`).
+
+Example:
+    >>> import hf_tpu
+    >>> with hf_tpu.enabled():
+    ...     pass  # accelerate and transformers know about TPU here
+    >>> # and upstream is exactly as it was again here
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("hf_tpu.patch")
+
+__all__ = [
+    "INTEGRATIONS",
+    "PatchRecord",
+    "applied",
+    "disable",
+    "enable",
+    "enabled",
+    "is_enabled",
+    "on_revert",
+    "patch",
+    "revert",
+    "version_matches",
+]
+
+# Integration name -> "module:function". Loaded lazily, applied in this order by enable().
+INTEGRATIONS: dict[str, str] = {}
+
+_MISSING = object()
+_LOCK = threading.RLock()
+
+
+@dataclass
+class PatchRecord:
+    owner: Any
+    name: str
+    original: Any
+    replacement: Any
+    feature: str
+    package: str | None
+    versions: str | None
+
+    @property
+    def target(self) -> str:
+        owner_name = getattr(self.owner, "__qualname__", None) or getattr(self.owner, "__name__", repr(self.owner))
+        module = getattr(self.owner, "__module__", None)
+        if module and not owner_name.startswith(module) and not isinstance(self.owner, type(logging)):
+            owner_name = f"{module}.{owner_name}"
+        return f"{owner_name}.{self.name}"
+
+
+@dataclass
+class _State:
+    patches: dict[tuple[int, str], PatchRecord] = field(default_factory=dict)
+    undo: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
+    enabled: list[str] = field(default_factory=list)
+    warned_versions: set[tuple[str, str]] = field(default_factory=set)
+
+
+_STATE = _State()
+
+
+def version_matches(package: str, spec: str) -> tuple[bool, str | None]:
+    """Whether the installed ``package`` satisfies the PEP 440 ``spec``; returns ``(ok, installed_version)``."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    try:
+        installed = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return False, None
+    # Compare the release only, so that 5.24.0.dev0 and 2.13.0+cpu match "<6" and "<=2.15".
+    return Version(Version(installed).base_version) in SpecifierSet(spec), installed
+
+
+def _check_version(feature: str, package: str | None, versions: str | None) -> None:
+    if package is None or versions is None:
+        return
+    key = (package, versions)
+    if key in _STATE.warned_versions:
+        return
+    ok, installed = version_matches(package, versions)
+    if not ok:
+        _STATE.warned_versions.add(key)
+        warnings.warn(
+            f"hf_tpu's '{feature}' integration was written for {package}{versions}, but {package} "
+            f"{installed or '(not installed)'} is installed. It is applied anyway; if something breaks, "
+            f"pin {package}{versions} or report the version at the hf_tpu issue tracker.",
+            stacklevel=3,
+        )
+
+
+def patch(
+    owner: Any,
+    name: str,
+    replacement: Any,
+    *,
+    feature: str,
+    package: str | None = None,
+    versions: str | None = None,
+) -> PatchRecord:
+    """Set ``owner.name = replacement`` and remember the original so that :func:`revert` restores it.
+
+    Idempotent: patching the same attribute again with the same replacement does nothing; with another
+    replacement it replaces the replacement but keeps the first original. ``package``/``versions`` name the
+    upstream release range the patch was written for (a warning is given outside it).
+    """
+    with _LOCK:
+        _check_version(feature, package, versions)
+        key = (id(owner), name)
+        record = _STATE.patches.get(key)
+        if record is not None:
+            if record.replacement is not replacement:
+                setattr(owner, name, replacement)
+                record.replacement = replacement
+            return record
+        original = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name)
+        record = PatchRecord(owner, name, original, replacement, feature, package, versions)
+        setattr(owner, name, replacement)
+        _STATE.patches[key] = record
+        logger.debug("hf_tpu[%s]: patched %s", feature, record.target)
+        return record
+
+
+def on_revert(feature: str, undo: Callable[[], None]) -> None:
+    """Register ``undo`` to run when ``feature`` is reverted (for upstream registries such as
+    ``ALL_EXPERTS_FUNCTIONS.register`` that are not plain attributes)."""
+    with _LOCK:
+        _STATE.undo.append((feature, undo))
+
+
+def revert(feature: str | None = None) -> None:
+    """Undo the patches of ``feature`` (all of them when None), newest first."""
+    with _LOCK:
+        for key, record in reversed(list(_STATE.patches.items())):
+            if feature is not None and record.feature != feature:
+                continue
+            if record.original is _MISSING:
+                with contextlib.suppress(AttributeError):
+                    delattr(record.owner, record.name)
+            else:
+                setattr(record.owner, record.name, record.original)
+            del _STATE.patches[key]
+            logger.debug("hf_tpu[%s]: restored %s", record.feature, record.target)
+        keep = []
+        for feat, undo in reversed(_STATE.undo):
+            if feature is None or feat == feature:
+                undo()
+            else:
+                keep.append((feat, undo))
+        _STATE.undo = list(reversed(keep))
+        if feature is None:
+            _STATE.enabled.clear()
+        elif feature in _STATE.enabled:
+            _STATE.enabled.remove(feature)
+
+
+def applied(feature: str | None = None) -> list[PatchRecord]:
+    """The patches in force, oldest first."""
+    with _LOCK:
+        return [r for r in _STATE.patches.values() if feature is None or r.feature == feature]
+
+
+def is_enabled(name: str | None = None) -> bool:
+    with _LOCK:
+        return bool(_STATE.enabled) if name is None else name in _STATE.enabled
+
+
+def _load(name: str) -> Callable[[], None]:
+    try:
+        target = INTEGRATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown hf_tpu integration {name!r}; known: {', '.join(INTEGRATIONS)}") from None
+    module_name, _, func = target.partition(":")
+    return getattr(importlib.import_module(module_name), func or "apply")
+
+
+def enable(*names: str) -> list[str]:
+    """Apply the named integrations (all of them when none are named). Idempotent.
+
+    Returns the names of the integrations in force afterwards.
+    """
+    with _LOCK:
+        for name in names or tuple(INTEGRATIONS):
+            if name in _STATE.enabled:
+                continue
+            apply = _load(name)
+            try:
+                apply()
+            except BaseException:
+                revert(name)
+                raise
+            _STATE.enabled.append(name)
+            logger.info("hf_tpu: enabled the %s integration", name)
+        return list(_STATE.enabled)
+
+
+def disable(*names: str) -> None:
+    """Revert the named integrations (all when none are named) to exactly the upstream state."""
+    with _LOCK:
+        if not names:
+            revert()
+            return
+        for name in names:
+            revert(name)
+
+
+@contextlib.contextmanager
+def enabled(*names: str) -> Iterator[list[str]]:
+    """Context manager: integrations applied inside, reverted on exit (only those this call enabled)."""
+    with _LOCK:
+        before = list(_STATE.enabled)
+    now = enable(*names)
+    try:
+        yield now
+    finally:
+        for name in reversed(now):
+            if name not in before:
+                revert(name)

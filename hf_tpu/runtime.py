@@ -1,0 +1,183 @@
+"""Which TPU this process has: a real one through torch_tpu, the simulated one, or none.
+
+The decision is made once per process and never falls back silently: asking for ``tpu`` with neither real
+chips nor the simulator raises :class:`TPUNotAvailableError`, which says how to get one or the other.
+
+Example:
+    >>> from hf_tpu import runtime
+    >>> info = runtime.detect()
+    >>> info.mode in ("real", "simulated", "none")
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+__all__ = [
+    "GENERATIONS",
+    "RuntimeInfo",
+    "TPUNotAvailableError",
+    "detect",
+    "device_count",
+    "hbm_bytes",
+    "is_real",
+    "is_simulated",
+    "require_tpu",
+    "scan_pci_chips",
+]
+
+GiB = 1024**3
+
+# Per-chip HBM of the TPU generations torch_tpu knows (Google Cloud TPU documentation). torch_tpu shows one
+# device per process; on v7 a chip holds two devices (TensorCores), each seeing half of the chip's HBM.
+GENERATIONS: dict[str, dict[str, int | str]] = {
+    "v4": {"name": "TPU v4", "hbm_per_chip": 32 * GiB, "devices_per_chip": 1, "pci_id": "0x005e"},
+    "v5e": {"name": "TPU v5e", "hbm_per_chip": 16 * GiB, "devices_per_chip": 1, "pci_id": "0x0063"},
+    "v5p": {"name": "TPU v5p", "hbm_per_chip": 95 * GiB, "devices_per_chip": 1, "pci_id": "0x0062"},
+    "v6e": {"name": "TPU v6e", "hbm_per_chip": 32 * GiB, "devices_per_chip": 1, "pci_id": "0x006f"},
+    "v7": {"name": "TPU v7", "hbm_per_chip": 192 * GiB, "devices_per_chip": 2, "pci_id": "0x0076"},
+}
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+Mode = Literal["real", "simulated", "none"]
+
+INSTALL_HINT = (
+    "install torch-tpu on a TPU VM (`pip install 'hf-tpu[tpu]'`), or run on the simulated device: set "
+    "HF_TPU_SIMULATE=1, call hf_tpu.sim.enable(), or pass --simulate to the hf-tpu command"
+)
+
+
+class TPUNotAvailableError(RuntimeError):
+    """A TPU was asked for, and this process has neither real TPU chips nor the simulated device."""
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    mode: Mode
+    device_count: int  # devices this process can address (torch_tpu: 1 per process, seen as tpu:0)
+    chips_on_host: int  # TPU chips found on the PCI bus (0 when simulated or none)
+    hbm_bytes: int  # memory of one device
+    generation: str | None  # key of GENERATIONS, or None
+    torch_tpu_version: str | None
+    libtpu_version: str | None
+    reason: str  # why this mode was chosen, for `hf-tpu env`
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_SIMULATED: RuntimeInfo | None = None
+
+
+def _pkg_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def scan_pci_chips(root: str | os.PathLike = "/sys/bus/pci/devices") -> tuple[int, str | None]:
+    """Count Google TPU chips on the PCI bus without initialising any runtime.
+
+    Returns ``(chips, generation)``; reading sysfs is what torch_tpu's own hardware check does, and it never
+    contacts libtpu or the cloud metadata server.
+    """
+    by_pci = {v["pci_id"]: k for k, v in GENERATIONS.items()}
+    chips, generation = 0, None
+    base = Path(root)
+    if not base.is_dir():
+        return 0, None
+    for dev in base.iterdir():
+        try:
+            if (dev / "vendor").read_text().strip() != _GOOGLE_PCI_VENDOR:
+                continue
+            device_id = (dev / "device").read_text().strip()
+        except OSError:
+            continue
+        if device_id in by_pci:
+            chips += 1
+            generation = by_pci[device_id]
+    return chips, generation
+
+
+def _set_simulated(info: RuntimeInfo | None) -> None:
+    """Called by :mod:`hf_tpu.sim` when it registers (or, in tests, forgets) the simulated device."""
+    global _SIMULATED
+    _SIMULATED = info
+    detect.cache_clear()
+
+
+def _real_hbm(generation: str | None) -> int:
+    import torch
+
+    tpu = getattr(torch, "tpu", None)
+    if tpu is not None and hasattr(tpu, "get_device_properties"):
+        try:
+            return int(tpu.get_device_properties().total_memory)
+        except Exception:  # torch_tpu raises on an unrecognised generation
+            pass
+    if generation is None:
+        return 0
+    spec = GENERATIONS[generation]
+    return int(spec["hbm_per_chip"]) // int(spec["devices_per_chip"])
+
+
+@functools.cache
+def detect() -> RuntimeInfo:
+    """Decide the runtime mode of this process (cached; the simulator resets it when it is enabled)."""
+    torch_tpu_version = _pkg_version("torch-tpu") or _pkg_version("torch_tpu")
+    libtpu_version = _pkg_version("libtpu")
+    if _SIMULATED is not None:
+        return _SIMULATED
+    chips, generation = scan_pci_chips()
+    if chips and torch_tpu_version:
+        return RuntimeInfo(
+            mode="real",
+            device_count=1,
+            chips_on_host=chips,
+            hbm_bytes=_real_hbm(generation),
+            generation=generation,
+            torch_tpu_version=torch_tpu_version,
+            libtpu_version=libtpu_version,
+            reason=f"{chips} TPU chip(s) on the PCI bus and torch-tpu {torch_tpu_version} installed",
+        )
+    if chips:
+        reason = f"{chips} TPU chip(s) found but torch-tpu is not installed: pip install 'hf-tpu[tpu]'"
+    elif torch_tpu_version:
+        reason = f"torch-tpu {torch_tpu_version} is installed but this host has no TPU chips"
+    else:
+        reason = "no TPU chips and no torch-tpu"
+    return RuntimeInfo("none", 0, chips, 0, generation, torch_tpu_version, libtpu_version, reason)
+
+
+def is_simulated() -> bool:
+    return detect().mode == "simulated"
+
+
+def is_real() -> bool:
+    return detect().mode == "real"
+
+
+def device_count() -> int:
+    return detect().device_count
+
+
+def hbm_bytes() -> int:
+    return detect().hbm_bytes
+
+
+def require_tpu(what: str = "a tpu device") -> RuntimeInfo:
+    """Return the runtime info, or raise :class:`TPUNotAvailableError` naming ``what`` was asked and the fix."""
+    info = detect()
+    if info.mode == "none":
+        raise TPUNotAvailableError(f"{what} was requested but this process has no TPU ({info.reason}): {INSTALL_HINT}.")
+    if info.mode == "real" and importlib.util.find_spec("torch_tpu") is None:  # pragma: no cover - defensive
+        raise TPUNotAvailableError(f"{what} was requested but torch_tpu cannot be imported: {INSTALL_HINT}.")
+    return info
