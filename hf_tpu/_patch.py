@@ -40,13 +40,16 @@ __all__ = [
     "enabled",
     "is_enabled",
     "on_revert",
+    "original",
     "patch",
     "revert",
     "version_matches",
 ]
 
 # Integration name -> "module:function". Loaded lazily, applied in this order by enable().
-INTEGRATIONS: dict[str, str] = {}
+INTEGRATIONS: dict[str, str] = {
+    "device_map": "hf_tpu.device_map._integration:apply",
+}
 
 _MISSING = object()
 _LOCK = threading.RLock()
@@ -142,6 +145,18 @@ def patch(
         _STATE.patches[key] = record
         logger.debug("hf_tpu[%s]: patched %s", feature, record.target)
         return record
+
+
+def original(owner: Any, name: str) -> Any:
+    """The upstream value of ``owner.name``: what was there before hf_tpu patched it (the current value if unpatched).
+
+    A replacement uses this to call the function it wraps without holding its own reference to it.
+    """
+    with _LOCK:
+        record = _STATE.patches.get((id(owner), name))
+        if record is None or record.original is _MISSING:
+            return getattr(owner, name)
+        return record.original
 
 
 def on_revert(feature: str, undo: Callable[[], None]) -> None:
