@@ -11,6 +11,8 @@ accelerate (``package="accelerate"``, written for 1.15):
 - ``infer_auto_device_map``: its integer ids become ``"tpu:N"``.
 - ``dispatch_model``, ``load_checkpoint_in_model``: integer ids in a passed map become ``"tpu:N"`` (torch_tpu
   ignores the index of ``.to(int)``); tied weights are tied again after a single-device ``model.to``.
+- ``utils.offload.OffloadedWeightsLoader.__getitem__``: disk-offloaded weights are read on the host and copied to
+  the TPU (safetensors refuses to open a file on ``tpu:0``).
 
 transformers (``package="transformers"``, written for 5.24):
 - ``integrations.accelerate.check_and_set_device_map``: ``device_map="tpu"``/``"tpu:N"``/``0`` become
@@ -189,11 +191,36 @@ def _make_get_device_map(upstream: Callable) -> Callable:
         user_max_memory = dict(max_memory) if max_memory else None
         result = normalize_device_map(upstream(model, device_map, max_memory, hf_quantizer, *args, **kwargs))
         options = _LOAD.get() or {}
+        asked = options["device_map"] if options.get("device_map") is not None else device_map
         disk_allowed = options.get("offload_folder") is not None or bool(user_max_memory and "disk" in user_max_memory)
-        check_placement(model, result, asked=device_map, inferred=inferred, disk_allowed=disk_allowed, limits=limits)
+        check_placement(model, result, asked=asked, inferred=inferred, disk_allowed=disk_allowed, limits=limits)
         return result
 
     return replacement
+
+
+def _patch_offloaded_weights_loader() -> None:
+    """Disk-offloaded weights read from the checkpoint's safetensors files: safetensors cannot open a file "on"
+    ``tpu:0`` (``SafetensorError: device tpu:0 is invalid``), so read on the host and copy to the TPU."""
+    from accelerate.utils.offload import OffloadedWeightsLoader
+
+    from hf_tpu.device_map.devices import is_tpu_device
+
+    upstream = _patch.original(OffloadedWeightsLoader, "__getitem__")
+
+    @functools.wraps(upstream)
+    def __getitem__(self, key):
+        device = self.device
+        if not (active() and is_tpu_device(device)):
+            return upstream(self, key)
+        self.device = None
+        try:
+            tensor = upstream(self, key)
+        finally:
+            self.device = device
+        return tensor.to(device)
+
+    _patch.patch(OffloadedWeightsLoader, "__getitem__", __getitem__, feature=FEATURE, **ACCELERATE)
 
 
 def _patch_from_pretrained() -> None:
@@ -204,7 +231,7 @@ def _patch_from_pretrained() -> None:
 
     @functools.wraps(func)
     def from_pretrained(cls, *args, **kwargs):
-        token = _LOAD.set({"offload_folder": kwargs.get("offload_folder")})
+        token = _LOAD.set({"offload_folder": kwargs.get("offload_folder"), "device_map": kwargs.get("device_map")})
         try:
             return func(cls, *args, **kwargs)
         finally:
@@ -301,6 +328,7 @@ def apply() -> None:
         TRANSFORMERS,
     )
     _patch_function("transformers.integrations.accelerate", "_get_device_map", _make_get_device_map, TRANSFORMERS)
+    _patch_offloaded_weights_loader()
     _patch_from_pretrained()
     _patch_module_to()
     _patch_pipeline_init()
