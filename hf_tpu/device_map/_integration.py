@@ -11,6 +11,8 @@ accelerate (``package="accelerate"``, written for 1.15):
 - ``infer_auto_device_map``: its integer ids become ``"tpu:N"``.
 - ``dispatch_model``, ``load_checkpoint_in_model``: integer ids in a passed map become ``"tpu:N"`` (torch_tpu
   ignores the index of ``.to(int)``); tied weights are tied again after a single-device ``model.to``.
+- ``utils.modeling.load_state_dict``: weights bound for the TPU are read on the host (safetensors cannot open a
+  file on ``tpu:0``) and moved by ``load_checkpoint_in_model`` as usual.
 - ``utils.offload.OffloadedWeightsLoader.__getitem__``: disk-offloaded weights are read on the host and copied to
   the TPU (safetensors refuses to open a file on ``tpu:0``).
 
@@ -138,6 +140,19 @@ def _make_load_checkpoint_in_model(upstream: Callable) -> Callable:
         bound = _bind(upstream, args, kwargs)
         bound.arguments["device_map"] = normalize_device_map(bound.arguments.get("device_map"))
         return upstream(*bound.args, **bound.kwargs)
+
+    return replacement
+
+
+def _make_load_state_dict(upstream: Callable) -> Callable:
+    from hf_tpu.device_map.devices import is_tpu_device
+
+    def replacement(checkpoint_file, device_map=None, *args, **kwargs):
+        if active() and isinstance(device_map, dict) and any(is_tpu_device(d) for d in device_map.values()):
+            # safetensors cannot open a file on tpu:N; read on the host, set_module_tensor_to_device moves each
+            # weight to its device right after.
+            device_map = {name: "cpu" if is_tpu_device(d) else d for name, d in device_map.items()}
+        return upstream(checkpoint_file, device_map, *args, **kwargs)
 
     return replacement
 
@@ -320,6 +335,7 @@ def apply() -> None:
     _patch_function(
         "accelerate.utils.modeling", "load_checkpoint_in_model", _make_load_checkpoint_in_model, ACCELERATE
     )
+    _patch_function("accelerate.utils.modeling", "load_state_dict", _make_load_state_dict, ACCELERATE)
     _patch_function("accelerate.big_modeling", "dispatch_model", _make_dispatch_model, ACCELERATE)
     _patch_function(
         "transformers.integrations.accelerate",

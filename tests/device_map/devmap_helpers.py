@@ -28,12 +28,13 @@ def tiny_llama_config(tied: bool):
 
 
 def _save_tokenizer(path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 4)]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()  # joins words with spaces
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
