@@ -104,10 +104,11 @@ def tpu_memory(index: int = 0) -> TPUMemory:
         True
     """
     count = tpu_device_count()
-    if not 0 <= index < max(count, 1) or count == 0:
+    if count == 0:
         from hf_tpu import runtime
 
         runtime.require_tpu(f"tpu:{index}")
+    if not 0 <= index < count:
         raise ValueError(
             f"tpu:{index} was asked for, but this process addresses {count} TPU device(s) "
             f"({', '.join(f'tpu:{i}' for i in range(count))}); torch_tpu gives each process one chip, seen as "

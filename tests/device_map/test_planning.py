@@ -94,3 +94,30 @@ def test_without_hf_tpu_the_planner_ignores_the_tpu(sim):
     model = _empty_model(tied=False)
     plan = infer_auto_device_map(model, max_memory={"cpu": "1GiB"})
     assert set(plan.values()) == {"cpu"}
+
+
+def test_auto_keeps_a_tenth_of_the_tpu_for_activations(device_map_on, sim):
+    import transformers.integrations.accelerate as tf_acc
+
+    sim.enable(hbm=sim.memory_allocated() + 10 * 1024**2)
+    budget = tf_acc.get_balanced_memory(_empty_model(tied=False), max_memory=None)
+    assert budget[0] == pytest.approx(0.9 * tpu_memory(0).free)
+
+
+def test_real_mode_reads_device_properties_and_allocator_stats(monkeypatch):
+    """The real-torch_tpu branch, against the shape of torch_tpu's API (total from get_device_properties)."""
+    import types
+
+    from hf_tpu import runtime
+    from hf_tpu.device_map import devices
+
+    info = runtime.RuntimeInfo("real", 1, 4, 16 * 1024**3, "v5e", "0.2.0", None, "test")
+    monkeypatch.setattr(runtime, "detect", lambda: info)
+    props = types.SimpleNamespace(total_memory=16 * 1024**3, name="TPU v5 lite")
+    fake = types.SimpleNamespace(get_device_properties=lambda index=None: props)
+    monkeypatch.setattr(torch, "tpu", fake, raising=False)
+    assert devices.tpu_memory(0) == devices.TPUMemory(0, 16 * 1024**3, 0)  # 0.2.0: no allocator statistics
+    fake.memory_allocated = lambda index: 3 * 1024**3
+    assert devices.tpu_memory(0).free == 13 * 1024**3
+    with pytest.raises(ValueError, match="one chip"):
+        devices.tpu_memory(1)
