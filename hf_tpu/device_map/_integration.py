@@ -34,6 +34,7 @@ import importlib
 import inspect
 import logging
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -178,9 +179,9 @@ def _make_check_and_set_device_map(upstream: Callable) -> Callable:
 
 
 def _make_get_device_map(upstream: Callable) -> Callable:
-    from hf_tpu.device_map.devices import tpu_available
-    from hf_tpu.device_map.maps import int_means_tpu, names_tpu, normalize_device_map
-    from hf_tpu.device_map.preflight import check_placement
+    from hf_tpu.device_map.devices import is_tpu_device, tpu_available, tpu_memory
+    from hf_tpu.device_map.maps import names_tpu, normalize_device_map
+    from hf_tpu.device_map.preflight import check_placement, format_bytes
 
     def replacement(model, device_map, max_memory, hf_quantizer, *args, **kwargs):
         if not active():
@@ -199,7 +200,7 @@ def _make_get_device_map(upstream: Callable) -> Callable:
                 )
             return upstream(model, device_map, max_memory, hf_quantizer, *args, **kwargs)
         limits = None
-        if inferred and int_means_tpu():
+        if inferred:
             import transformers.integrations.accelerate as tf_acc
 
             limits = tf_acc.get_max_memory(dict(max_memory) if max_memory else None)
@@ -208,7 +209,18 @@ def _make_get_device_map(upstream: Callable) -> Callable:
         options = _LOAD.get() or {}
         asked = options["device_map"] if options.get("device_map") is not None else device_map
         disk_allowed = options.get("offload_folder") is not None or bool(user_max_memory and "disk" in user_max_memory)
-        check_placement(model, result, asked=asked, inferred=inferred, disk_allowed=disk_allowed, limits=limits)
+        placed = check_placement(
+            model, result, asked=asked, inferred=inferred, disk_allowed=disk_allowed, limits=limits
+        )
+        if inferred and placed and not any(is_tpu_device(d) for d in placed):
+            warnings.warn(
+                f"device_map={asked!r} placed nothing on the TPU: tpu:0 has {format_bytes(tpu_memory(0).free)} "
+                f"free (planning limit {format_bytes((limits or {}).get(0, 0))}), too little for the first block, "
+                f"so the whole model ({format_bytes(sum(placed.values()))}) runs from "
+                f"{' and '.join(map(str, placed))}. Free TPU memory or raise max_memory for the TPU.",
+                UserWarning,
+                stacklevel=2,
+            )
         return result
 
     return replacement

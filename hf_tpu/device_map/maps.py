@@ -4,7 +4,7 @@ Upstream device maps hold ints for "the accelerator" (``{"": 0}``), ``torch.devi
 side. On TPU an int means nothing to torch_tpu (it ignores the index in ``tensor.to(int)``), and a pipeline reads
 an int as CUDA and falls back to CPU when there is none. So every TPU value becomes the string ``"tpu:N"``:
 
-- ``0`` -> ``"tpu:0"`` (when the TPU is this process's accelerator and CUDA is not present)
+- ``0`` -> ``"tpu:0"`` (when this process has a TPU)
 - ``"tpu"``, ``torch.device("tpu")`` -> ``"tpu:0"``; ``"tpu:N"`` is checked against the devices this process sees
 - ``torch.device("cpu")`` -> ``"cpu"``; ``"disk"``, ``"cpu"``, ``"meta"`` and other strings are kept
 
@@ -23,12 +23,11 @@ __all__ = ["int_means_tpu", "names_tpu", "normalize_device", "normalize_device_m
 
 
 def int_means_tpu() -> bool:
-    """Whether an integer device id refers to a TPU here: a TPU is present and no CUDA device competes for ints."""
-    if not tpu_available():
-        return False
-    import torch
+    """Whether an integer device id refers to a TPU here: whenever this process has one (real or simulated).
 
-    return not torch.cuda.is_available()
+    With hf_tpu enabled and a TPU present, the TPU is the accelerator, also on a host that has CUDA devices too.
+    """
+    return tpu_available()
 
 
 def _tpu_index(value: Any) -> int:

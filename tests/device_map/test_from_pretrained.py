@@ -153,3 +153,11 @@ def test_auto_split_keeps_tied_weights_on_one_device(device_map_on, tied_path, i
     assert _device_for("lm_head.weight", plan) == _device_for("model.embed_tokens.weight", plan) == "tpu:0"
     assert model.lm_head.weight is model.model.embed_tokens.weight
     torch.testing.assert_close(_logits(model, input_ids), cpu_logits(tied_path, input_ids))
+
+
+def test_auto_that_places_nothing_on_the_tpu_says_so(device_map_on, sim, untied_path, input_ids):
+    sim.enable(hbm=sim.memory_allocated() + 1024)
+    with pytest.warns(UserWarning, match=r"placed nothing on the TPU: tpu:0 has 1.00 KiB free"):
+        model = _load(untied_path, device_map="auto")
+    assert _devices(model) == {"cpu"}
+    torch.testing.assert_close(_logits(model, input_ids), cpu_logits(untied_path, input_ids))
