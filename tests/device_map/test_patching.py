@@ -63,3 +63,14 @@ def test_every_patch_names_the_upstream_release_it_was_written_for():
         for r in _patch.applied("device_map"):
             assert r.package in ("accelerate", "transformers") and r.versions, r.target
             assert _patch.version_matches(r.package, r.versions)[0], r.target
+
+
+def test_original_gives_the_raw_class_attribute_before_and_after_patching():
+    from transformers import PreTrainedModel
+
+    raw = PreTrainedModel.__dict__["from_pretrained"]
+    assert _patch.original(PreTrainedModel, "from_pretrained") is raw  # a classmethod, not a bound method
+    with hf_tpu.enabled("device_map"):
+        assert PreTrainedModel.__dict__["from_pretrained"] is not raw
+        assert _patch.original(PreTrainedModel, "from_pretrained") is raw
+    assert PreTrainedModel.__dict__["from_pretrained"] is raw
