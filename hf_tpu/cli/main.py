@@ -142,9 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from hf_tpu.runtime import TPUNotAvailableError
 
-    try:
-        if args.simulate or args.sim_generation or args.sim_hbm:
+    if args.simulate or args.sim_generation or args.sim_hbm:
+        try:
             _enable_simulator(args)
+        except (RuntimeError, ValueError) as err:  # real chips on this host, or an unknown generation
+            print(f"hf-tpu {args.command}: cannot enable the simulated tpu device: {err}", file=sys.stderr)
+            return 2
+    try:
         return int(args._module.run(args) or 0)
     except TPUNotAvailableError as err:
         print(f"hf-tpu {args.command}: {err}", file=sys.stderr)
