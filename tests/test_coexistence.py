@@ -91,7 +91,8 @@ def test_hf_tpu_env(autoload, simulate):
     report = json.loads(proc.stdout)
     assert report["versions"]["torch-tpu"] == TORCH_TPU == "0.2.0"
     assert report["versions"]["libtpu"] == importlib.metadata.version("libtpu")
-    assert report["torch_tpu_autoload"] is (autoload is None)
+    # --simulate turns torch_tpu's autoload off for its own process (before torch is imported).
+    assert report["torch_tpu_autoload"] is (autoload is None and not simulate)
     rt = report["runtime"]
     if simulate:
         assert rt["mode"] == "simulated" and rt["device_count"] == 1 and rt["hbm_bytes"] > 0
