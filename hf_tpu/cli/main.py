@@ -62,6 +62,8 @@ def _selected_command(argv: Sequence[str], commands: dict[str, str]) -> str | No
 def _add_simulate_flags(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
     # On a subcommand the flags default to SUPPRESS so that they do not overwrite the top-level values.
     default = {} if top_level else {"default": argparse.SUPPRESS}
+    if "--simulate" in parser._option_string_actions:  # the command defines them itself
+        return
     group = parser.add_argument_group("simulated device")
     group.add_argument(
         "--simulate",
