@@ -5,6 +5,10 @@ Each subcommand is a module ``hf_tpu.cli.<name>`` with two functions:
 - ``register(subparsers)``: adds its parser with ``subparsers.add_parser(<name>, help=..., ...)``;
 - ``run(args) -> int``: does the work and returns the exit status.
 
+``--simulate``, ``--sim-generation`` and ``--sim-hbm`` are added to every command by this module (accepted before
+or after the command name) and the simulator is enabled before ``run`` is called: commands do not define them.
+Errors a command raises as :class:`hf_tpu.runtime.TPUNotAvailableError` are printed without a traceback.
+
 ``COMMANDS`` lists them with a one-line summary. A command shows up only when its module exists, and only the
 module of the command being run is imported, so ``hf-tpu --help`` stays fast (no torch import).
 
