@@ -83,6 +83,14 @@ def _patch_function(
     for owner, attr in [(module, name), *_aliases(upstream, (name, *aliases))]:
         _patch.patch(owner, attr, replacement, feature=FEATURE, **versions)
 
+    def restore_late_aliases() -> None:
+        # A module imported while the integration was on (``from accelerate import dispatch_model`` in diffusers,
+        # say) bound the wrapper; give it upstream's object back too.
+        for owner, attr in _aliases(replacement, (name, *aliases)):
+            setattr(owner, attr, upstream)
+
+    _patch.on_revert(FEATURE, restore_late_aliases)
+
 
 def _bind(fn: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
     bound = inspect.signature(fn).bind(*args, **kwargs)

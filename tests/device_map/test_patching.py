@@ -74,3 +74,21 @@ def test_original_gives_the_raw_class_attribute_before_and_after_patching():
         assert PreTrainedModel.__dict__["from_pretrained"] is not raw
         assert _patch.original(PreTrainedModel, "from_pretrained") is raw
     assert PreTrainedModel.__dict__["from_pretrained"] is raw
+
+
+def test_a_module_imported_while_enabled_gets_upstream_back(monkeypatch):
+    import sys
+    import types
+
+    import accelerate.big_modeling
+
+    upstream = accelerate.big_modeling.dispatch_model
+    hf_tpu.enable("device_map")
+    try:
+        late = types.ModuleType("diffusers._hf_tpu_late_import_probe")
+        late.dispatch_model = accelerate.big_modeling.dispatch_model  # what `from accelerate import ...` binds now
+        monkeypatch.setitem(sys.modules, late.__name__, late)
+        assert late.dispatch_model is not upstream
+    finally:
+        hf_tpu.disable("device_map")
+    assert late.dispatch_model is upstream
