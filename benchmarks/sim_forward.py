@@ -15,9 +15,9 @@ import time
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-import torch  # noqa: E402
+import torch
 
-import hf_tpu.sim  # noqa: E402
+import hf_tpu.sim
 
 
 def build(hidden: int, layers: int, vocab: int = 1000):
