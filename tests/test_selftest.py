@@ -105,6 +105,9 @@ def test_cli_exit_status_and_table(registry, capsys, tmp_path):
     assert "bad failed: RuntimeError: broken on purpose" in out
     data = json.loads(report.read_text())
     assert data["summary"] == {"passed": 1, "failed": 1, "skipped": 0}
+    assert data["command"] == ["hf-tpu", "selftest", "--report", str(report)]
+    assert {c["name"]: c["status"] for c in data["checks"]} == {"ok": "passed", "bad": "failed"}
+    assert "broken on purpose" in data["checks"][1]["error"]
     assert main(["selftest", "--only", "missing"]) == 2
 
 
