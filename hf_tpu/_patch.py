@@ -46,7 +46,9 @@ __all__ = [
 ]
 
 # Integration name -> "module:function". Loaded lazily, applied in this order by enable().
-INTEGRATIONS: dict[str, str] = {}
+INTEGRATIONS: dict[str, str] = {
+    "tensor_parallel": "hf_tpu.distributed.tp_plan:apply",
+}
 
 _MISSING = object()
 _LOCK = threading.RLock()

@@ -112,7 +112,10 @@ def set_simulated_launch_env(
             )
         base_port = int(env.get("TORCH_TPU_BASE_PORT", "8070"))
         per_host = int(env.get("TORCH_TPU_DEVICES_PER_HOST", count))
-        once("TORCH_TPU_SLICEBUILDER_ADDRESSES", ",".join(f"{h}:{base_port + i}" for h in hosts for i in range(per_host)))
+        once(
+            "TORCH_TPU_SLICEBUILDER_ADDRESSES",
+            ",".join(f"{h}:{base_port + i}" for h in hosts for i in range(per_host)),
+        )
         once("NNODES", nnodes if nnodes is not None else len(hosts))
         if "NODE_RANK" not in env:
             if completion_index is None:

@@ -98,7 +98,7 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
         self._gloo = ProcessGroupGloo(PrefixStore("hf_tpu_sim_gloo", store), rank, size, timeout)
 
     # -- identity -------------------------------------------------------------------------------------------------
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+    def getBackendName(self) -> str:
         return BACKEND_NAME
 
     @property
@@ -237,7 +237,9 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
     def alltoall(self, output_tensors, input_tensors, opts=None):
         opts = opts or AllToAllOptions()
         return self._run(
-            lambda s: self._gloo.alltoall([s(t, output=True) for t in output_tensors], [s(t) for t in input_tensors], opts)
+            lambda s: self._gloo.alltoall(
+                [s(t, output=True) for t in output_tensors], [s(t) for t in input_tensors], opts
+            )
         )
 
     def all_to_all_single(self, output_tensor, input_tensor, output_split_sizes, input_split_sizes, opts=None):
