@@ -44,7 +44,8 @@ __all__ = [
 BOOTSTRAP_MODULE = "hf_tpu.distributed._bootstrap"
 
 # torchrun's defaults for the flags the multi-host launch environment may fill (torch 2.11-2.15).
-_TORCHRUN_DEFAULTS = {"nnodes": "1", "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None}
+_TORCHRUN_DEFAULTS = {"node_rank": 0, "master_addr": "127.0.0.1", "master_port": None}
+_DEFAULT_NNODES = ("1", "1:1")
 
 # Chip count -> "x,y,z" mesh, as torch_tpu reports it for one v6e host; other counts are laid out as 1,n,1.
 _SIM_TOPOLOGY = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
@@ -209,7 +210,7 @@ def _resolve_nproc(args: argparse.Namespace, simulate: bool) -> None:
 
 def _fill_multihost_flags(args: argparse.Namespace) -> None:
     """Fill the torchrun rendezvous flags left at their defaults from the launch environment."""
-    if "NNODES" in os.environ and args.nnodes == _TORCHRUN_DEFAULTS["nnodes"]:
+    if "NNODES" in os.environ and args.nnodes in _DEFAULT_NNODES:
         args.nnodes = os.environ["NNODES"]
     if "NODE_RANK" in os.environ and args.node_rank == _TORCHRUN_DEFAULTS["node_rank"]:
         args.node_rank = int(os.environ["NODE_RANK"])
@@ -244,6 +245,22 @@ def _is_simulated(args: argparse.Namespace) -> bool:
     return runtime.detect().mode == "simulated"
 
 
+_SECONDARY_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _root_cause(failures: dict) -> tuple[int, object]:
+    """The failure that started it: earliest first; at the same second, a rank's own error before the errors
+    other ranks got because it went away (a closed gloo connection, a signal from the launcher)."""
+
+    def key(item):
+        rank, failure = item
+        text = failure.message if isinstance(failure.message, str) else str(failure.message)
+        secondary = failure.exitcode < 0 or any(s in text for s in _SECONDARY_ERRORS)
+        return (failure.timestamp, secondary, rank)
+
+    return min(failures.items(), key=key)
+
+
 def launch(args: argparse.Namespace) -> int:
     """Set the launch environment for ``args`` (a parsed torchrun namespace) and run torchrun; the exit status.
 
@@ -258,7 +275,7 @@ def launch(args: argparse.Namespace) -> int:
     simulate = _is_simulated(args)
     _resolve_nproc(args, simulate)
     nnodes = None
-    if args.nnodes != _TORCHRUN_DEFAULTS["nnodes"]:
+    if args.nnodes not in _DEFAULT_NNODES:
         min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
         nnodes = max_nodes if min_nodes == max_nodes else None
     nproc = _int_or_none(args.nproc_per_node)
@@ -279,7 +296,7 @@ def launch(args: argparse.Namespace) -> int:
     try:
         run(args)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = _root_cause(err.failures)
         detail = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
         if isinstance(failure.message, dict):
             trace = failure.message.get("extraInfo", {}).get("py_callstack")

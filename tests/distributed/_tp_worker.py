@@ -36,7 +36,9 @@ ids = torch.tensor([[1, 5, 9, 23, 77, 3, 41]])
 
 def run_model(path: str, **load_kwargs) -> dict:
     ref = AutoModelForCausalLM.from_pretrained(path).to("tpu")
-    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=tp_size, **load_kwargs))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(tp_size=tp_size, **load_kwargs)
+    )
     x = ids.to("tpu")
     with torch.no_grad():
         ref_logits = ref(x).logits.cpu()

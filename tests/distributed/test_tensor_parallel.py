@@ -27,15 +27,27 @@ def models(tmp_path_factory):
     torch.manual_seed(0)
     llama = LlamaForCausalLM(
         LlamaConfig(
-            vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=2, max_position_embeddings=64,
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
         )
     )
     llama.save_pretrained(root / "llama_kv2")
     qwen = Qwen3ForCausalLM(
         Qwen3Config(
-            vocab_size=1001, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=64,
+            vocab_size=1001,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            max_position_embeddings=64,
         )
     )
     assert qwen.lm_head.weight is qwen.model.embed_tokens.weight
