@@ -123,12 +123,14 @@ def test_tp4_matches_tp1_with_plan_fixes(tmp_path, models):
 
 
 def test_not_launched_is_a_clear_error(models):
-    import hf_tpu
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
+    import hf_tpu
     from hf_tpu.distributed.tp_plan import TensorParallelConfigError
 
-    with hf_tpu.enabled("tensor_parallel"):
-        with pytest.raises(TensorParallelConfigError, match="hf-tpu launch --nproc_per_node=2"):
-            AutoModelForCausalLM.from_pretrained(models[0], distributed_config=DistributedConfig(tp_size=2))
+    with (
+        hf_tpu.enabled("tensor_parallel"),
+        pytest.raises(TensorParallelConfigError, match="hf-tpu launch --nproc_per_node=2"),
+    ):
+        AutoModelForCausalLM.from_pretrained(models[0], distributed_config=DistributedConfig(tp_size=2))

@@ -131,8 +131,9 @@ def test_check_world():
 
 
 def test_integration_patches_and_reverts():
-    import hf_tpu
     from transformers.distributed import mixin
+
+    import hf_tpu
 
     before = (mixin.DistributedMixin._resolve_parallel_plans, mixin.initialize_distributed_mesh)
     with hf_tpu.enabled("tensor_parallel"):
