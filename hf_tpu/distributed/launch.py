@@ -281,6 +281,12 @@ def launch(args: argparse.Namespace) -> int:
     nproc = _int_or_none(args.nproc_per_node)
     if simulate:
         set_simulated_launch_env(nnodes=nnodes, nproc_per_node=nproc)
+        from hf_tpu import runtime
+
+        info = runtime.detect()
+        if info.mode == "simulated":  # this process chose a generation / HBM (hf-tpu --sim-generation ...)
+            os.environ.setdefault("HF_TPU_SIM_GENERATION", str(info.generation))
+            os.environ.setdefault("HF_TPU_SIM_HBM", str(info.hbm_bytes))
     else:
         from hf_tpu import runtime
 

@@ -259,7 +259,11 @@ def check_world(tp_size: int, mesh_size: int, *, world_size: int | None, launche
             f"`hf-tpu launch --nproc_per_node={mesh_size} your_script.py` (add --simulate without TPU chips)."
         )
     if world_size is not None and world_size != mesh_size:
-        hint = f"--nproc_per_node={mesh_size}" if world_size < mesh_size else f"tp_size={world_size}"
+        other = max(1, mesh_size // max(1, tp_size))  # pp * dp_replicate * fsdp
+        if world_size > mesh_size and world_size % other == 0:
+            hint = f"tp_size={world_size // other}, or --nproc_per_node={mesh_size}"
+        else:
+            hint = f"--nproc_per_node={mesh_size}"
         raise TensorParallelConfigError(
             f"DistributedConfig(tp_size={tp_size}) needs {mesh_size} processes (pp*dp_replicate*fsdp*tp), but this "
             f"job has WORLD_SIZE={world_size}. Launch with {hint}, so that the mesh fills the job exactly."
@@ -288,6 +292,14 @@ def _module_key(model: Any, module: Any) -> str | None:
 
 
 def _resolve_with_fixes(original):
+    """Wrap ``DistributedMixin._resolve_parallel_plans`` (transformers >=5.24,<6).
+
+    Upstream merges the user's ``tp_plan`` over the model's and shards by it whatever the config says; the
+    wrapper first runs :func:`fix_plan` on the merged plan and stores the fixed plan on the model
+    (``model._tp_plan``, which generation also reads to size the static cache), then lets upstream proceed.
+    Needed as long as upstream does not check heads against ``tp_size`` (still the case in 5.24).
+    """
+
     def _resolve_parallel_plans(self, distributed_config):
         tp_size = getattr(distributed_config, "tp_size", 1) or 1
         if tp_size > 1:
@@ -326,6 +338,14 @@ def _resolve_with_fixes(original):
 
 
 def _mesh_with_checks(original):
+    """Wrap ``transformers.distributed.mixin.initialize_distributed_mesh`` (transformers >=5.24,<6).
+
+    Upstream tries ``init_process_group`` and reports a failure as "We tried to initialize torch.distributed for
+    you, but it failed", or a mesh/world mismatch without saying what to run. The wrapper checks the job first
+    (:func:`check_world`) and, on the simulator, registers the simulated ``tpu_dist`` backend that upstream picks
+    for the ``tpu`` device.
+    """
+
     def initialize_distributed_mesh(distributed_config):
         import torch
         import torch.distributed as dist

@@ -30,7 +30,13 @@ from hf_tpu.distributed.tp_plan import TensorParallelConfigError
 out_dir, tp_size, model_dirs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 checks = [c for c in os.environ.get("HF_TPU_TP_CHECKS", "").split(",") if c]
 rank = int(os.environ["RANK"])
-result: dict = {"rank": rank, "world_size": int(os.environ["WORLD_SIZE"]), "models": {}, "checks": {}}
+result: dict = {
+    "rank": rank,
+    "world_size": int(os.environ["WORLD_SIZE"]),
+    "hbm": torch.tpu.get_device_properties().total_memory,
+    "models": {},
+    "checks": {},
+}
 ids = torch.tensor([[1, 5, 9, 23, 77, 3, 41]])
 
 

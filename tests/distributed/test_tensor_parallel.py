@@ -55,13 +55,13 @@ def models(tmp_path_factory):
     return [str(root / "llama_kv2"), str(root / "qwen3_tied")]
 
 
-def _run(tmp_path, tp: int, models: list[str], checks: str) -> list[dict]:
+def _run(tmp_path, tp: int, models: list[str], checks: str, env: dict | None = None) -> list[dict]:
     out = tmp_path / f"tp{tp}"
     out.mkdir()
     code, log, _ = launch(
         ["--simulate", f"--nproc_per_node={tp}", WORKER, str(out), str(tp), *models],
         timeout=480,
-        env={"HF_TPU_TP_CHECKS": checks},
+        env={"HF_TPU_TP_CHECKS": checks, **(env or {})},
     )
     assert code == 0, log[-6000:]
     assert not processes_mentioning(str(out)), "ranks left running after the launcher exited"
@@ -81,8 +81,10 @@ def _check_model(res: dict, *, expect_fixes: set[str]) -> None:
 
 @pytest.mark.timeout(600)
 def test_tp2_matches_tp1(tmp_path, models):
-    results = _run(tmp_path, 2, models, "collectives,override,too_big")
+    # The launcher passes the simulated generation on to every rank (v5e: 16 GiB HBM per chip).
+    results = _run(tmp_path, 2, models, "collectives,override,too_big", env={"HF_TPU_SIM_GENERATION": "v5e"})
     for r in results:
+        assert r["hbm"] == 16 * 1024**3
         coll = r["checks"]["collectives"]
         assert coll["all_reduce"] == [3.0] * 4 and coll["all_gather"] == [0.0, 0.0, 1.0, 1.0]
         assert coll["device"] == "tpu:0" and coll["backend"] == "tpu_dist"

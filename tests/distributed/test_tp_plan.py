@@ -124,8 +124,10 @@ def test_check_world():
     check_world(4, 4, world_size=4, launched=True)
     with pytest.raises(TensorParallelConfigError, match=r"WORLD_SIZE=2\. Launch with --nproc_per_node=4"):
         check_world(4, 4, world_size=2, launched=True)
-    with pytest.raises(TensorParallelConfigError, match="Launch with tp_size=8"):
+    with pytest.raises(TensorParallelConfigError, match="Launch with tp_size=8, or --nproc_per_node=4"):
         check_world(4, 4, world_size=8, launched=True)
+    with pytest.raises(TensorParallelConfigError, match="Launch with tp_size=4, or --nproc_per_node=3"):
+        check_world(3, 3, world_size=4, launched=True)
     with pytest.raises(TensorParallelConfigError, match="not started by a launcher"):
         check_world(2, 2, world_size=None, launched=False)
 
