@@ -49,6 +49,7 @@ __all__ = [
 # Integration name -> "module:function". Loaded lazily, applied in this order by enable().
 INTEGRATIONS: dict[str, str] = {
     "device_map": "hf_tpu.device_map._integration:apply",
+    "tensor_parallel": "hf_tpu.distributed.tp_plan:apply",
 }
 
 _MISSING = object()
