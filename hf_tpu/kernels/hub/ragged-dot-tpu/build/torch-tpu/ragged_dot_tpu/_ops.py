@@ -53,15 +53,15 @@ def _host_view(t: torch.Tensor) -> torch.Tensor | None:
     """The CPU tensor sharing a *simulated* ``tpu`` tensor's buffer, or None for any other tensor.
 
     Hook for hf_tpu's simulated device (a ``tpu`` device over CPU memory used to test TPU code on hosts
-    without one). The kernel does not import hf_tpu: it only looks for the simulator if the simulator is
-    already loaded and ``torch_tpu`` is not, and then reads and writes the simulated buffers in place, like a
-    device kernel would (no host transfer is recorded).
+    without one). The kernel does not import hf_tpu: it only asks the simulator if the simulator is already
+    loaded (``hf_tpu.sim.is_sim_tensor`` / ``hf_tpu.sim.host_view``), and then reads and writes the simulated
+    buffers in place, like a device kernel would (no host transfer is recorded).
     """
-    if t.device.type != "tpu" or "torch_tpu" in sys.modules:
-        return None
     sim = sys.modules.get("hf_tpu.sim")
-    host_view = getattr(sim, "host_view", None)
-    return host_view(t) if host_view is not None else None
+    is_sim_tensor = getattr(sim, "is_sim_tensor", None)
+    if is_sim_tensor is None or not is_sim_tensor(t):
+        return None
+    return sim.host_view(t)
 
 
 def _cpu_impl(impl: str) -> str:
