@@ -16,7 +16,14 @@ from typing import Any
 
 from hf_tpu import _patch
 
-__all__ = ["FEATURE", "apply", "register_experts", "registered_experts", "unregister_experts", "use_ragged_dot_experts"]
+__all__ = [
+    "FEATURE",
+    "apply",
+    "register_experts",
+    "registered_experts",
+    "unregister_experts",
+    "use_ragged_dot_experts",
+]
 
 FEATURE = "kernels"
 RAGGED_DOT_NAME = "ragged_dot_tpu"

@@ -7,18 +7,25 @@ import torch
 
 pytest.importorskip("jax", reason="the ragged-dot kernel runs in JAX: pip install 'hf-tpu[kernels]'")
 
-from ragged_helpers import experts_reference, make_experts, routing  # noqa: E402
+from ragged_helpers import experts_reference, make_experts, routing
 
-import hf_tpu  # noqa: E402
-from hf_tpu.kernels import register_experts, registered_experts, unregister_experts, use_ragged_dot_experts  # noqa: E402
+import hf_tpu
+from hf_tpu.kernels import register_experts, registered_experts, unregister_experts, use_ragged_dot_experts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("kind", "top_k", "num_tokens"),
     # num_tokens * top_k is 8 throughout, so that the cases share one compiled program per dtype
-    [("random", 1, 8), ("random", 2, 4), ("random", 8, 1), ("one_expert", 4, 2), ("one_expert", 1, 8),
-     ("half_empty", 2, 4), ("half_empty", 8, 1)],
+    [
+        ("random", 1, 8),
+        ("random", 2, 4),
+        ("random", 8, 1),
+        ("one_expert", 4, 2),
+        ("one_expert", 1, 8),
+        ("half_empty", 2, 4),
+        ("half_empty", 8, 1),
+    ],
 )
 def test_experts_forward_matches_float64(kernel, kind, top_k, num_tokens, dtype):
     module = make_experts(num_experts=8, dtype=dtype)
@@ -57,15 +64,30 @@ def _tiny(family: str):
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
         config = Qwen3MoeConfig(
-            vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=8,
+            num_experts_per_tok=2,
         )
         return Qwen3MoeForCausalLM, config
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(  # same expert shapes as the Qwen3-MoE one: the compiled programs are shared
-        vocab_size=256, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
     )
     return MixtralForCausalLM, config
 
@@ -83,9 +105,10 @@ def test_tiny_moe_model_logits_and_greedy_tokens_match_eager(family, tmp_path):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # a left-padded row
     with torch.no_grad():
-        torch.testing.assert_close(fast(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits,
-                                   atol=1e-5, rtol=1e-5)
-    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        torch.testing.assert_close(
+            fast(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits, atol=1e-5, rtol=1e-5
+        )
+    kwargs = {"attention_mask": mask, "max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
     torch.testing.assert_close(fast.generate(ids, **kwargs), eager.generate(ids, **kwargs), atol=0, rtol=0)
 
 

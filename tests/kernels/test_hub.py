@@ -87,9 +87,8 @@ def test_get_kernel_offline_from_the_local_hub_cache(tmp_path, monkeypatch, back
         with tpu_variant_selection():
             module = get_kernel(REPO_ID, version=1, trust_remote_code=[REPO_ID])
     assert module.__file__.startswith(str(tmp_path / "kernels--hf-tpu-test--ragged-dot-tpu" / "snapshots" / COMMIT))
-    with pytest.raises(ValueError, match="Version 2 not found"):
-        with tpu_variant_selection():
-            get_kernel(REPO_ID, version=2, trust_remote_code=True)
+    with pytest.raises(ValueError, match="Version 2 not found"), tpu_variant_selection():
+        get_kernel(REPO_ID, version=2, trust_remote_code=True)
     # the same build loaded from two places registers its op once and shares it
     shipped = load_local_kernel(RAGGED_DOT_REPO)
     assert module.OP_NAMESPACE == shipped.OP_NAMESPACE
@@ -107,6 +106,13 @@ def test_kernel_is_standalone_and_loads_without_importing_jax():
         "assert not bad, bad\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                            cwd=RAGGED_DOT_REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=RAGGED_DOT_REPO,
+    )
     assert result.returncode == 0, result.stderr[-2000:]

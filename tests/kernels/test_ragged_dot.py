@@ -8,7 +8,7 @@ import torch
 
 jax = pytest.importorskip("jax", reason="the ragged-dot kernel runs in JAX: pip install 'hf-tpu[kernels]'")
 
-from ragged_helpers import ragged_dot_reference  # noqa: E402
+from ragged_helpers import ragged_dot_reference
 
 SHAPES = [  # (M, K, N, G)
     (1, 32, 64, 4),
@@ -45,8 +45,9 @@ CASES = [  # every shape, every routing kind and both weight layouts, without th
 ]
 
 
-@pytest.mark.parametrize(("shape", "kind", "rhs_transposed"), CASES, ids=lambda v: "x".join(map(str, v)) if
-                         isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize(
+    ("shape", "kind", "rhs_transposed"), CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v)
+)
 def test_pallas_kernel_interpret_matches_float64(kernel, shape, kind, rhs_transposed):
     m, k, n, g = shape
     rng = np.random.default_rng(hash((shape, kind)) % 2**32)

@@ -7,8 +7,9 @@ import torch
 
 pytest.importorskip("jax", reason="the ragged-dot kernel runs in JAX: pip install 'hf-tpu[kernels]'")
 
-import hf_tpu.sim  # noqa: E402
-from ragged_helpers import make_experts, routing  # noqa: E402
+from ragged_helpers import make_experts, routing
+
+import hf_tpu.sim
 
 
 @pytest.fixture(autouse=True)
@@ -55,8 +56,16 @@ def test_tiny_qwen3_moe_on_the_simulator_matches_cpu(tmp_path):
     from hf_tpu.kernels import use_ragged_dot_experts
 
     config = Qwen3MoeConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
     )
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
@@ -69,5 +78,5 @@ def test_tiny_qwen3_moe_on_the_simulator_matches_cpu(tmp_path):
     assert logits.device.type == "tpu"
     with torch.no_grad():
         torch.testing.assert_close(logits.cpu(), cpu(ids).logits, atol=1e-5, rtol=1e-5)
-    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     torch.testing.assert_close(dev.generate(ids.to("tpu"), **kwargs).cpu(), cpu.generate(ids, **kwargs))

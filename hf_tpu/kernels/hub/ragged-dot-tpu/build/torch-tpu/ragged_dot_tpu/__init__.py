@@ -21,8 +21,15 @@ import torch
 
 from ._ops import IMPLEMENTATIONS, OP_NAMESPACE, ragged_dot, ragged_dot_op
 
-__all__ = ["IMPLEMENTATIONS", "OP_NAMESPACE", "experts_forward", "make_experts_forward", "ragged_dot",
-           "ragged_dot_op", "route"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "OP_NAMESPACE",
+    "experts_forward",
+    "make_experts_forward",
+    "ragged_dot",
+    "ragged_dot_op",
+    "route",
+]
 
 __version__ = "1.0.0"
 
@@ -73,8 +80,13 @@ def make_experts_forward(implementation: str = "auto"):
         if has_bias:
             h = h + (self.gate_up_proj_bias if has_gate else self.up_proj_bias)[expert_ids]
         h = self._apply_gate(h) if has_gate else self.act_fn(h)
-        h = ragged_dot(h.to(self.down_proj.dtype), self.down_proj, group_sizes, rhs_transposed=rhs_transposed,
-                       implementation=implementation)
+        h = ragged_dot(
+            h.to(self.down_proj.dtype),
+            self.down_proj,
+            group_sizes,
+            rhs_transposed=rhs_transposed,
+            implementation=implementation,
+        )
         if has_bias:
             h = h + self.down_proj_bias[expert_ids]
         if getattr(self, "has_post_expert_norm", False):

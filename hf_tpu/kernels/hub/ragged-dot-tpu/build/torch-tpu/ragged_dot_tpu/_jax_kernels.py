@@ -57,8 +57,9 @@ def visit_plan(group_sizes: jax.Array, m_padded: int, tm: int) -> tuple[jax.Arra
     return g, tile, first, starts.astype(jnp.int32), ends.astype(jnp.int32)
 
 
-def _gmm_kernel(gid_ref, tid_ref, first_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, *, tm, num_groups,
-                rhs_transposed):
+def _gmm_kernel(
+    gid_ref, tid_ref, first_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, *, tm, num_groups, rhs_transposed
+):
     from jax.experimental import pallas as pl
 
     v = pl.program_id(1)
@@ -146,27 +147,63 @@ def ragged_dot_xla(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, rh
     return out.astype(lhs.dtype)
 
 
+def _row_gather(lhs, rhs, group_sizes, rhs_transposed):
+    """Each row times its own group's weight (gathered per row): cheapest for a handful of rows."""
+    num_groups = rhs.shape[0]
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    rows = jnp.arange(lhs.shape[0], dtype=jnp.int32)
+    group = jnp.searchsorted(ends, rows, side="right")
+    w = rhs[jnp.minimum(group, num_groups - 1)]
+    spec = "sk,snk->sn" if rhs_transposed else "sk,skn->sn"
+    out = jnp.einsum(spec, lhs, w, preferred_element_type=jnp.float32)
+    return jnp.where((group < num_groups)[:, None], out, 0.0)
+
+
+def _group_loop(lhs, rhs, group_sizes, rhs_transposed, tm):
+    """XLA loop over the groups, and inside each non-empty group over its rows ``tm`` at a time.
+
+    Each active group's weight is sliced once (XLA on CPU copies dynamic slices, so slicing it per row tile
+    would cost a copy per tile); the inner trip count is data dependent, the shapes are not.
+    """
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
+    lhs_p = jnp.pad(lhs, ((0, tm), (0, 0)))  # a window starting at any row < m stays in bounds
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    row_offsets = jnp.arange(tm, dtype=jnp.int32)
+
+    def group(g, out):
+        def compute(out):
+            w = rhs[g].T if rhs_transposed else rhs[g]  # (K, N), laid out once per group
+
+            def tile(i, out):
+                r0 = starts[g] + i * tm
+                keep = (r0 + row_offsets) < ends[g]
+                x = jnp.where(keep[:, None], lax.dynamic_slice_in_dim(lhs_p, r0, tm), jnp.zeros((), lhs.dtype))
+                y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+                return lax.dynamic_update_slice_in_dim(out, lax.dynamic_slice_in_dim(out, r0, tm) + y, r0, 0)
+
+            return lax.fori_loop(0, (sizes[g] + tm - 1) // tm, tile, out)
+
+        return lax.cond(sizes[g] > 0, compute, lambda out: out, out)
+
+    out = lax.fori_loop(0, num_groups, group, jnp.zeros((m + tm, n), jnp.float32))
+    return out[:m]
+
+
 @functools.partial(jax.jit, static_argnames=("rhs_transposed", "tm"))
 def ragged_dot_xla_tiled(
     lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, rhs_transposed: bool = False, tm: int = 8
 ):
-    """The Pallas kernel's visit plan written in plain XLA ops: a batched matmul over (tile, group) visits.
+    """CPU path: an XLA loop over the groups and their row tiles (a per-row gather for a handful of rows).
 
-    Static shapes, and ``(m_tiles + G) * tm`` rows of work instead of the ``M * G`` of XLA's dense CPU lowering
-    of ``ragged_dot``; this is the path used on CPU hosts.
+    Static shapes, at most ``M + G * tm`` rows of work and each active group's weight read once, instead of the
+    ``M * G`` rows of XLA's dense CPU lowering of ``ragged_dot``.
     """
-    m, k = lhs.shape
-    num_groups = rhs.shape[0]
-    m_padded = _round_up(max(m, 1), tm)
-    m_tiles = m_padded // tm
-    lhs_p = jnp.pad(lhs, ((0, m_padded - m), (0, 0))) if m_padded != m else lhs
-    gid, tid, _, starts, ends = visit_plan(group_sizes, m_padded, tm)
-    x = lhs_p.reshape(m_tiles, tm, k)[tid]
-    rows = tid[:, None] * tm + jnp.arange(tm, dtype=jnp.int32)[None, :]
-    keep = (rows >= starts[gid][:, None]) & (rows < ends[gid][:, None]) & (gid < num_groups)[:, None]
-    x = jnp.where(keep[..., None], x, jnp.zeros((), x.dtype))
-    w = rhs[jnp.minimum(gid, num_groups - 1)]
-    spec = "vtk,vnk->vtn" if rhs_transposed else "vtk,vkn->vtn"
-    y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-    out = jax.ops.segment_sum(y, tid, num_segments=m_tiles, indices_are_sorted=True)
-    return out.reshape(m_padded, -1)[:m].astype(lhs.dtype)
+    if lhs.shape[0] <= 2 * tm:
+        out = _row_gather(lhs, rhs, group_sizes, rhs_transposed)
+    else:
+        out = _group_loop(lhs, rhs, group_sizes, rhs_transposed, tm)
+    return out.astype(lhs.dtype)

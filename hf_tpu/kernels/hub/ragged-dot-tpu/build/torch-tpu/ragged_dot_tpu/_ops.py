@@ -82,8 +82,9 @@ def _run_jax(impl: str, lhs, rhs, group_sizes, rhs_transposed: bool):
     raise ValueError(f"ragged_dot: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
 
 
-def _ragged_dot_host(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, rhs_transposed: bool,
-                     impl: str) -> torch.Tensor:
+def _ragged_dot_host(
+    lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, rhs_transposed: bool, impl: str
+) -> torch.Tensor:
     """CPU tensors in, CPU tensor out, through DLPack (zero-copy both ways when the layout allows)."""
     jax = _jax()
     with jax.default_device(jax.devices("cpu")[0]):
@@ -139,8 +140,9 @@ def _check(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, rhs_
     return rhs.shape[1] if rhs_transposed else rhs.shape[2]
 
 
-def _impl(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, rhs_transposed: bool,
-          implementation: str) -> torch.Tensor:
+def _impl(
+    lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, rhs_transposed: bool, implementation: str
+) -> torch.Tensor:
     _check(lhs, rhs, group_sizes, rhs_transposed)
     if lhs.device.type == "cpu":
         return _ragged_dot_host(lhs, rhs, group_sizes, rhs_transposed, implementation)
