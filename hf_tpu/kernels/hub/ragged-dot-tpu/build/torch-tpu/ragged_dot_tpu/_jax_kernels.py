@@ -165,7 +165,7 @@ def _group_loop(lhs, rhs, group_sizes, rhs_transposed, tm):
     Each active group's weight is sliced once (XLA on CPU copies dynamic slices, so slicing it per row tile
     would cost a copy per tile); the inner trip count is data dependent, the shapes are not.
     """
-    m, k = lhs.shape
+    m = lhs.shape[0]
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
     lhs_p = jnp.pad(lhs, ((0, tm), (0, 0)))  # a window starting at any row < m stays in bounds
