@@ -50,6 +50,7 @@ __all__ = [
 INTEGRATIONS: dict[str, str] = {
     "device_map": "hf_tpu.device_map._integration:apply",
     "tensor_parallel": "hf_tpu.distributed.tp_plan:apply",
+    "kernels": "hf_tpu.kernels:apply",
 }
 
 _MISSING = object()
