@@ -699,3 +699,41 @@ def _device_types(*types: str) -> Iterator[None]:
         yield
     finally:
         _DEVICE_TYPES.difference_update(added)
+
+
+def _warm(model, plan: ShapePlan) -> list[tuple]:
+    """Compile (or find compiled) every graph a call with ``plan`` runs, on dummy inputs; returns their keys."""
+    import torch
+
+    state = _state(model)
+    device = model.device
+    batch = plan.batch
+    with torch.no_grad():
+        if plan.encoder_bucket is not None:
+            enc_key = ("encoder", batch, plan.encoder_bucket)
+            ids = torch.zeros(batch, plan.encoder_bucket, dtype=torch.long)
+            mask = torch.ones(batch, plan.encoder_bucket, dtype=torch.long)
+            mask_dev = mask.to(device)
+            hidden = _run(model, state, enc_key, ids.to(device), mask_dev)
+            start = model.generation_config.decoder_start_token_id
+            start = 0 if start is None else int(start)
+            cache = _cache_for(model, state, batch, plan.cache_bucket, plan.encoder_bucket)
+            prefill_key = ("seq2seq_prefill", batch, plan.encoder_bucket, plan.prompt_len, plan.cache_bucket)
+            decode_key = ("seq2seq_decode", batch, plan.encoder_bucket, plan.cache_bucket)
+            step = torch.full((batch, plan.prompt_len), start, dtype=torch.long).to(device)
+            _run(model, state, prefill_key, step, hidden, mask_dev, cache)
+            step = torch.full((batch, 1), start, dtype=torch.long).to(device)
+            _run(model, state, decode_key, step, hidden, mask_dev, cache)
+            return [enc_key, prefill_key, decode_key]
+        p, c = plan.prompt_bucket, plan.cache_bucket
+        extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
+        cache = _cache_for(model, state, batch, c, None)
+        mask_dev = torch.ones(batch, c, dtype=torch.bool).to(device)
+        pos = torch.arange(p, dtype=torch.long).expand(batch, p)
+        packed = torch.cat([torch.zeros(batch, p, dtype=torch.long), pos], dim=1).to(device)
+        prefill_key = ("prefill", batch, p, c)
+        decode_key = ("decode", batch, c)
+        _run(model, state, prefill_key, packed, mask_dev, cache, extra)
+        step = torch.tensor([[0, p]], dtype=torch.long).expand(batch, 2).contiguous().to(device)
+        _run(model, state, decode_key, step, mask_dev, cache, extra)
+        return [prefill_key, decode_key]
