@@ -319,7 +319,7 @@ def _static_cache_problem(model) -> str | None:
         return f"{type(model).__name__} keeps its own cache type"
     try:
         probe = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=16)
-    except Exception as exc:  # pragma: no cover - depends on exotic configs
+    except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as exc:  # pragma: no cover
         return f"a static cache cannot be built for it ({exc})"
     kinds = {type(layer).__name__ for layer in probe.layers if type(layer) is not StaticLayer}
     if kinds:
@@ -483,7 +483,10 @@ def _decode_loop(
         ids = F.pad(input_ids, (pad, 0), value=pad_id)
         pos = F.pad(positions, (pad, 0), value=0)
         full_mask = torch.cat(
-            [F.pad(mask.bool(), (pad, 0), value=False), torch.ones(batch, plan.cache_bucket - plan.prompt_bucket, dtype=torch.bool)],
+            [
+                F.pad(mask.bool(), (pad, 0), value=False),
+                torch.ones(batch, plan.cache_bucket - plan.prompt_bucket, dtype=torch.bool),
+            ],
             dim=1,
         )
         cache = _cache_for(model, state, batch, plan.cache_bucket, None)
@@ -570,7 +573,7 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
         return "synced_gpus is not supported by the bucketed loop"
     try:
         config, model_kwargs = model._prepare_generation_config(args.get("generation_config"), **kwargs)
-    except Exception:
+    except (ValueError, TypeError, AttributeError):
         return "silent:upstream rejects the arguments"  # let upstream raise its own error
     if config.disable_compile:
         return "silent:disable_compile=True"
@@ -659,9 +662,7 @@ def generate(self, *args, **kwargs):
         input_ids, extra_kwargs = _encode(self, input_ids, extra_kwargs)
 
     arguments.pop("self", None)
-    arguments["custom_generate"] = functools.partial(
-        _decode_loop, hf_tpu_plan={"streamer": arguments.get("streamer")}
-    )
+    arguments["custom_generate"] = functools.partial(_decode_loop, hf_tpu_plan={"streamer": arguments.get("streamer")})
     result = upstream(self, input_ids, **arguments, **extra_kwargs)
     return _output_to(result, out_device)
 
