@@ -51,6 +51,7 @@ INTEGRATIONS: dict[str, str] = {
     "device_map": "hf_tpu.device_map._integration:apply",
     "tensor_parallel": "hf_tpu.distributed.tp_plan:apply",
     "kernels": "hf_tpu.kernels:apply",
+    "generation": "hf_tpu.transformers._integration:apply",
 }
 
 _MISSING = object()
