@@ -46,7 +46,9 @@ __all__ = [
 ]
 
 # Integration name -> "module:function". Loaded lazily, applied in this order by enable().
-INTEGRATIONS: dict[str, str] = {}
+INTEGRATIONS: dict[str, str] = {
+    "diffusers": "hf_tpu.diffusers.placement:apply",
+}
 
 _MISSING = object()
 _LOCK = threading.RLock()
