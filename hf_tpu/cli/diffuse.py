@@ -28,7 +28,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="run a diffusers pipeline on the tpu device",
         description="Make one image with a diffusers pipeline from a local directory, on the tpu device.",
     )
-    parser.add_argument("model_dir", metavar="MODEL_DIR", help="a directory saved by DiffusionPipeline.save_pretrained")
+    parser.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="a directory saved by DiffusionPipeline.save_pretrained"
+    )
     parser.add_argument("--prompt", required=True, help="the text prompt")
     parser.add_argument("--negative-prompt", default=None, help="what the image should not show")
     parser.add_argument("--out", required=True, help="where to write the image (PNG, JPEG, ... by extension)")

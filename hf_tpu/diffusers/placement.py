@@ -66,10 +66,8 @@ def _component_problems(pipe: Any) -> list[str]:
                 f"before pipe.to('tpu'), or offload to the TPU with enable_sequential_cpu_offload(device='tpu')"
             )
             continue
-        try:
-            grouped = pipe._maybe_raise_error_if_group_offload_active(raise_error=False, module=module)
-        except Exception:  # an older diffusers without group offloading
-            grouped = False
+        group_check = getattr(pipe, "_maybe_raise_error_if_group_offload_active", None)  # absent before 0.33
+        grouped = bool(group_check(raise_error=False, module=module)) if group_check else False
         if grouped:
             problems.append(
                 f"{label} is group-offloaded and would stay on the host: reload it without enable_group_offload, "

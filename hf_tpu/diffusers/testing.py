@@ -79,6 +79,11 @@ def _clip_config(projection: bool, vocab_size: int) -> Any:
 
 
 def _finish(pipe: Any, path: str | os.PathLike | None) -> Any:
+    import torch
+
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()  # built from configs they start in training mode, with dropout on
     pipe.set_progress_bar_config(disable=True)
     if path is None:
         return pipe
@@ -165,7 +170,7 @@ def tiny_sd3_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, w
 def tiny_sd_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) -> Any:
     """A tiny :class:`diffusers.StableDiffusionPipeline` (CLIP encoder, UNet2DConditionModel, DDIM, VAE).
 
-    The VAE halves the resolution and the UNet has two levels, so an image side must be a multiple of 4.
+    The VAE divides the resolution by 8 (the multiple the pipeline checks for), the UNet has two levels.
     Returns the pipeline, or the directory it was saved to when ``path`` is given.
     """
     import torch
@@ -187,13 +192,13 @@ def tiny_sd_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) ->
         norm_num_groups=4,
     )
     text_encoder = CLIPTextModel(_clip_config(False, len(tok)))
-    vae = AutoencoderKL(
+    vae = AutoencoderKL(  # four levels: the VAE scale is 8, as the SD pipeline's own size check assumes
         sample_size=32,
         in_channels=3,
         out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
         layers_per_block=1,
         latent_channels=4,
         norm_num_groups=2,
