@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+from hf_tpu.diffusers._call_checks import has_call_checks, install_call_checks, remove_call_checks
 from hf_tpu.diffusers._checks import (
     check_components_on,
     check_generator,
@@ -33,6 +34,9 @@ __all__ = [
     "compile_pipeline",
     "compiled_modules",
     "denoiser",
+    "has_call_checks",
+    "install_call_checks",
+    "remove_call_checks",
     "resolution_limits",
     "uncompile_pipeline",
     "warmup",

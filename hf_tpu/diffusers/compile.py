@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hf_tpu.diffusers._call_checks import install_call_checks
 from hf_tpu.diffusers._checks import check_resolution, denoiser
 
 __all__ = ["WarmupResult", "compile_pipeline", "compiled_modules", "uncompile_pipeline", "warmup"]
@@ -77,7 +78,8 @@ def compile_pipeline(
     silent slow path, and each resolution/batch size compiles exactly once. ``recompile_limit`` is how many
     shapes one module may be compiled for (torch's default of 8 would stop at the eighth resolution; with
     ``fullgraph=True`` going past the limit raises instead of falling back to eager). Calling it again with
-    the same arguments does nothing.
+    the same arguments does nothing. Each later call's size and generator are checked before the compiled
+    graph sees them (:func:`check_resolution`, :func:`check_generator`).
 
     Example:
         >>> pipe.to("tpu")                 # doctest: +SKIP
@@ -110,6 +112,8 @@ def compile_pipeline(
             continue
         module.compile(**kwargs)
         setattr(module, _MARK, dict(kwargs))
+    # Check each call's size and generator before the compiled graph sees them (see _call_checks).
+    install_call_checks(pipe)
     return pipe
 
 

@@ -11,7 +11,8 @@ latents on the host and copies them over). What it does not do for a ``tpu`` tar
 
 This integration wraps ``DiffusionPipeline.to`` (through :mod:`hf_tpu._patch`, reverted by
 ``hf_tpu.disable()``) so that for a ``tpu`` target those cases raise an error naming the component and the fix,
-and after the move it checks that no tensor of any model component was left behind. Other targets (``cpu``,
+and after the move it checks that no tensor of any model component was left behind, and installs the per-call
+size and generator checks of :mod:`hf_tpu.diffusers._call_checks` on that pipeline. Other targets (``cpu``,
 ``cuda``, a dtype) go straight to upstream.
 
 Example:
@@ -90,6 +91,7 @@ def _to(original: Any) -> Any:
         target = is_tpu_target(args, kwargs)
         if target is None:
             return original(self, *args, **kwargs)
+        from hf_tpu.diffusers._call_checks import install_call_checks
         from hf_tpu.diffusers._checks import check_components_on
         from hf_tpu.runtime import require_tpu
 
@@ -103,6 +105,7 @@ def _to(original: Any) -> Any:
             )
         result = original(self, *args, **kwargs)
         check_components_on(self, target)
+        install_call_checks(self)
         return result
 
     to.__hf_tpu_original__ = original  # type: ignore[attr-defined]
