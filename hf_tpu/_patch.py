@@ -49,6 +49,10 @@ __all__ = [
 # Integration name -> "module:function". Loaded lazily, applied in this order by enable().
 INTEGRATIONS: dict[str, str] = {
     "device_map": "hf_tpu.device_map._integration:apply",
+    "tensor_parallel": "hf_tpu.distributed.tp_plan:apply",
+    "kernels": "hf_tpu.kernels:apply",
+    "generation": "hf_tpu.transformers._integration:apply",
+    "diffusers": "hf_tpu.diffusers.placement:apply",
 }
 
 _MISSING = object()
