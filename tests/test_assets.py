@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -134,11 +135,17 @@ def test_model_is_small_and_real(model):
 def test_greedy_generation_is_english(model, tokenizer, random_twin, known_words):
     texts = _continuations(model, tokenizer)
     fraction, count = _known_fraction(texts, known_words)
-    random_fraction, _ = _known_fraction(_continuations(random_twin, tokenizer), known_words)
-    report = f"trained: {fraction:.2f} of {count} words known, random twin: {random_fraction:.2f}; {texts!r}"
+    # English's most frequent words (the, and, I, my, ...), counted in the held-out excerpt: a model that learned
+    # the language uses them all the time; one that learned nothing rarely hits them.
+    heldout = (default_model_path() / "heldout.txt").read_text(encoding="utf-8")
+    frequent = {w for w, _ in Counter(w.lower() for w in WORD.findall(heldout)).most_common(100)}
+    common, _ = _known_fraction(texts, frequent)
+    random_common, _ = _known_fraction(_continuations(random_twin, tokenizer), frequent)
+    report = f"{fraction:.2f} of {count} words known, {common:.2f} frequent (random twin {random_common:.2f}); {texts!r}"
     assert count >= 10 * len(PROMPTS), report
-    assert fraction >= 0.85, report
-    assert fraction - random_fraction >= 0.25, report
+    assert fraction >= 0.8, report
+    assert common >= 0.3, report
+    assert common - random_common >= 0.2, report
     distinct = {w.lower() for text in texts for w in WORD.findall(text)}
     assert len(distinct) >= 15, report
 
