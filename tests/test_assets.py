@@ -157,3 +157,20 @@ def test_heldout_perplexity_far_below_uniform(model, tokenizer, random_twin):
     random_ppl = _perplexity(random_twin, tokenizer, text)
     assert ppl < uniform / 10, (ppl, uniform)
     assert ppl < random_ppl / 10, (ppl, random_ppl)
+
+
+def test_shipped_model_generates_the_same_on_simulated_tpu(model, tokenizer):
+    """The README demo's path: the shipped model on the simulated ``tpu`` device, greedy, equals CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_tpu.sim
+
+    hf_tpu.sim.enable()
+    enc = tokenizer(PROMPTS[0], return_tensors="pt")
+    with torch.no_grad():
+        reference = model.generate(**enc, do_sample=False, max_new_tokens=24)
+        on_tpu = AutoModelForCausalLM.from_pretrained(default_model_path()).eval().to("tpu")
+        out = on_tpu.generate(**{k: v.to("tpu") for k, v in enc.items()}, do_sample=False, max_new_tokens=24)
+    assert out.device.type == "tpu"
+    assert torch.equal(out.cpu(), reference), (tokenizer.decode(out[0].cpu()), tokenizer.decode(reference[0]))
