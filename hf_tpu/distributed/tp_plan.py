@@ -50,6 +50,8 @@ TRANSFORMERS_VERSIONS = ">=5.24,<6"
 _HEAD_PROJECTIONS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "q_a_proj", "q_b_proj", "kv_b_proj"}
 _KEY_PROJECTIONS = {"k_proj", "v_proj", "qkv_proj", "query_key_value", "kv_b_proj"}
 _HEAD_SPLITTING_STYLES = {"colwise", "packed_colwise", "local_colwise"}
+# Styles that split heads or expect their input split by heads: impossible in a replicated attention block.
+_HEAD_SHARDED_STYLES = _HEAD_SPLITTING_STYLES | {"rowwise", "packed_rowwise", "local_rowwise"}
 
 
 class TensorParallelConfigError(ValueError):
@@ -168,20 +170,26 @@ def fix_plan(
             splits_kv = any(r.rsplit(".", 1)[-1] in _KEY_PROJECTIONS for r in rules)
             if not splits_kv and not [h for h in heads if h % tp_size]:
                 continue
-            if user_rules_hit := sorted(user & set(rules)):
+            # A user rule that splits heads (or expects split heads) cannot work here: say so. Other user rules in
+            # the block (say a gathered k_proj) are kept as given; the model's own rules are dropped.
+            if conflicting := sorted(r for r in user & set(rules) if fixed[r] in _HEAD_SHARDED_STYLES):
                 raise TensorParallelConfigError(
-                    f"your tp_plan rules {user_rules_hit} split the heads of {prefix} over tp_size={tp_size}, but "
+                    f"your tp_plan rules {conflicting} split the heads of {prefix} over tp_size={tp_size}, but "
                     f"the model's {what} do not divide by {tp_size}. Drop those rules (hf_tpu then "
                     f"replicates this attention block), or use a tp_size that divides the head counts."
                 )
-            for rule in rules:
+            dropped = [r for r in rules if r not in user]
+            for rule in dropped:
                 del fixed[rule]
+            kept = [r for r in rules if r in user]
             report.fixes.append(
                 PlanFix(
                     "replicate_attention",
-                    tuple(rules),
+                    tuple(dropped),
                     f"the model's {what} do not divide by tp_size={tp_size}: {prefix} is replicated on every rank "
-                    f"(rules dropped: {', '.join(r.rsplit('.', 1)[-1] for r in rules)}); the other layers stay sharded",
+                    f"(rules dropped: {', '.join(r.rsplit('.', 1)[-1] for r in dropped)}"
+                    + (f"; your rules kept: {', '.join(r.rsplit('.', 1)[-1] for r in kept)}" if kept else "")
+                    + "); the other layers stay sharded",
                 )
             )
 

@@ -60,6 +60,20 @@ def test_user_rule_that_cannot_work_is_an_error_not_rewritten():
         fix_plan(LLAMA_PLAN, cfg(kv=2), 4, user_rules={"model.layers.*.self_attn.k_proj"}, **KEYS)
 
 
+def test_user_rule_that_expects_split_heads_is_an_error():
+    with pytest.raises(TensorParallelConfigError, match="o_proj"):
+        fix_plan(LLAMA_PLAN, cfg(kv=2), 4, user_rules={"model.layers.*.self_attn.o_proj"}, **KEYS)
+
+
+def test_user_rule_compatible_with_replication_is_kept():
+    plan = LLAMA_PLAN | {"model.layers.*.self_attn.k_proj": "colwise_gather_output"}
+    report = fix_plan(plan, cfg(kv=2), 4, user_rules={"model.layers.*.self_attn.k_proj"}, **KEYS)
+    assert report.kinds() == ["replicate_attention"]
+    assert report.plan["model.layers.*.self_attn.k_proj"] == "colwise_gather_output"
+    assert "model.layers.*.self_attn.q_proj" not in report.plan
+    assert "your rules kept: k_proj" in report.fixes[0].reason
+
+
 def test_user_rules_elsewhere_do_not_block_the_fix():
     plan = LLAMA_PLAN | {"model.layers.*.mlp.down_proj": "rowwise"}
     report = fix_plan(plan, cfg(kv=2), 4, user_rules={"model.layers.*.mlp.down_proj"}, **KEYS)
