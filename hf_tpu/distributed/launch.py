@@ -272,7 +272,9 @@ def launch(args: argparse.Namespace) -> int:
     from torch.distributed.run import parse_min_max_nnodes, run
 
     if not args.training_script:
-        raise LaunchError("no script to launch: pass it after the launcher flags, e.g. hf-tpu launch --nproc_per_node=2 run.py")
+        raise LaunchError(
+            "no script to launch: pass it after the launcher flags, e.g. hf-tpu launch --nproc_per_node=2 run.py"
+        )
     simulate = _is_simulated(args)
     if simulate:
         from hf_tpu.runtime import scan_pci_chips
