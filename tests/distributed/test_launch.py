@@ -192,3 +192,12 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_hf_tpu_launch_parses_through_the_cli_frame():
+    from hf_tpu.cli.main import build_parser
+
+    argv = ["launch", "--simulate", "--sim-generation", "v5e", "--nproc_per_node=2", "--nnodes=1", "x.py", "--y"]
+    args = build_parser(argv).parse_args(argv)
+    assert args.simulate and args.sim_generation == "v5e"
+    assert args.nproc_per_node == "2" and args.training_script == "x.py" and args.training_script_args == ["--y"]
