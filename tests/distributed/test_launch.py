@@ -142,7 +142,8 @@ def test_failing_rank_stops_the_launch_quickly_with_its_error(tmp_path):
     assert "rank 1 exploded on purpose" in log
     assert "hf-tpu launch: rank 1 failed with exit code 1" in log, log[-3000:]
     raised = float((tmp_path / "raised").read_text())
-    assert done - raised < 20, f"the launcher took {done - raised:.1f}s to stop after rank 1 raised"
+    # ~7 s here (torchrun notices, stops rank 0, both interpreters exit); the bound leaves room for a loaded CI host.
+    assert done - raised < 30, f"the launcher took {done - raised:.1f}s to stop after rank 1 raised"
     assert not processes_mentioning(str(tmp_path)), "ranks left running after the launcher exited"
 
 
