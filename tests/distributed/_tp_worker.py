@@ -20,7 +20,7 @@ import torch.distributed as dist
 import hf_tpu
 
 torch.set_num_threads(1)
-hf_tpu.enable("tensor_parallel")
+hf_tpu.enable()  # every integration, as a user would: the plan checks and the generation path together
 
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
