@@ -13,7 +13,7 @@ ATOL = 1e-4  # float32 on both sides; the images are in [0, 1]
 
 @pytest.fixture(scope="module")
 def cpu_reference(model_dirs):
-    from tests.diffusers.conftest import load, run
+    from diffusers_helpers import load, run
 
     refs = {}
     for kind in ("sd3", "sd"):
