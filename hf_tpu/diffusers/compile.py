@@ -172,14 +172,16 @@ def warmup(
     resolutions: Iterable[int | Sequence[int]],
     *,
     prompt: str | None = "warm-up",
-    num_inference_steps: int = 2,
+    num_inference_steps: int | None = None,
     progress: bool = True,
     **call_kwargs: Any,
 ) -> list[WarmupResult]:
     """Run the pipeline once at each resolution so that every graph those sizes need is compiled before use.
 
     Pass the call arguments that change shapes as you will use them later (``guidance_scale`` decides whether
-    the batch is doubled for classifier-free guidance, ``num_images_per_prompt``, ``max_sequence_length``).
+    the batch is doubled for classifier-free guidance, ``num_images_per_prompt``, ``max_sequence_length``, and
+    ``num_inference_steps``: the denoiser's graph does not depend on it, but the scheduler's small eager ops
+    do; ``None`` runs the pipeline's default).
     Every size is checked first (:func:`check_resolution`), so a bad one fails before anything compiles.
     Returns one :class:`WarmupResult` per size.
 
@@ -197,6 +199,8 @@ def warmup(
     for height, width in sizes:
         check_resolution(pipe, height, width)
     params = inspect.signature(pipe.__call__).parameters
+    if num_inference_steps is not None:
+        call_kwargs["num_inference_steps"] = num_inference_steps
     if prompt is not None and "prompt" in params:
         call_kwargs.setdefault("prompt", prompt)
     call_kwargs.setdefault("output_type", "np")
@@ -211,13 +215,7 @@ def warmup(
             start = time.perf_counter()
             # No inference_mode here: the pipeline runs under no_grad, and a graph compiled for inference
             # tensors would not be reused by a later ordinary call.
-            pipe(
-                height=height,
-                width=width,
-                num_inference_steps=num_inference_steps,
-                generator=torch.Generator("cpu").manual_seed(0),
-                **call_kwargs,
-            )
+            pipe(height=height, width=width, generator=torch.Generator("cpu").manual_seed(0), **call_kwargs)
             results.append(WarmupResult(height, width, time.perf_counter() - start, _graphs_compiled() - before))
     finally:
         pipe._progress_bar_config = saved_bar
