@@ -1,6 +1,6 @@
-"""One rank of the diffusers tensor-parallel check, started by ``hf-tpu launch --simulate`` from test_tensor_parallel.
+"""One rank of the diffusers tensor-parallel check, started by ``hf-tpu launch --simulate`` from test_diffusers_tp.
 
-``python _tp_worker.py OUT_DIR TP_SIZE PIPELINE_DIR``. Each rank makes the same image twice on its own simulated
+``python _flux_tp_worker.py OUT_DIR TP_SIZE PIPELINE_DIR``. Each rank makes the same image twice on its own
 ``tpu:0``: with the whole pipeline on the device (TP=1), and with the Flux transformer loaded sharded through
 diffusers' own ``TensorParallelConfig(tp_degree=TP_SIZE)``. It writes both images and what it saw of the shards
 to ``OUT_DIR/rank{RANK}.npz`` / ``.json``.

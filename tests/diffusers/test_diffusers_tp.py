@@ -17,7 +17,7 @@ import pytest
 from hf_tpu.diffusers.testing import tiny_flux_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("_tp_worker.py")
+WORKER = Path(__file__).with_name("_flux_tp_worker.py")
 
 
 def _launch(args: list[str], timeout: float) -> tuple[int, str]:
