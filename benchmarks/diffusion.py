@@ -10,7 +10,7 @@ Each mode starts cold (compiled graphs and seen eager shapes forgotten, as in a 
 simulator is CPU time plus bookkeeping, so read the compile counts as the TPU-relevant numbers
 and the times only as "where the compile cost lands".
 
-Run: ``PYTHONPATH=. python benchmarks/diffusers.py`` (``--help`` for options). Prints a table and a JSON line.
+Run: ``PYTHONPATH=. python benchmarks/diffusion.py`` (``--help`` for options). Prints a table and a JSON line.
 """
 
 from __future__ import annotations
@@ -20,11 +20,6 @@ import json
 import os
 import sys
 import time
-
-# Run as a script, this file's folder comes first on sys.path and the file itself would shadow the diffusers
-# package it measures; take the folder off.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
