@@ -105,6 +105,10 @@ def test_cli_exit_status_and_table(registry, capsys, tmp_path):
     assert "bad failed: RuntimeError: broken on purpose" in out
     data = json.loads(report.read_text())
     assert data["summary"] == {"passed": 1, "failed": 1, "skipped": 0}
+    assert data["command"] == ["hf-tpu", "selftest", "--report", str(report)]
+    checks = {c["name"]: c for c in data["checks"]}
+    assert {name: c["status"] for name, c in checks.items()} == {"ok": "passed", "bad": "failed"}
+    assert "broken on purpose" in checks["bad"]["error"] and checks["ok"]["figures"] == {"answer": 42}
     assert main(["selftest", "--only", "missing"]) == 2
 
 

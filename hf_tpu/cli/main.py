@@ -143,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # the command line as given, for reports
     if args.command is None:
         parser.print_help()
         return 2

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     print(format_results(results), end="")
     if args.report:
-        report = build_report(results)
+        report = build_report(results, getattr(args, "argv", None))
         with open(args.report, "w") as f:
             json.dump(report, f, indent=2)
         print(f"report written to {args.report}")
