@@ -129,3 +129,28 @@ def test_shape_errors_name_the_shapes(kernel):
         kernel.ragged_dot(torch.randn(4, 8), torch.randn(2, 9, 3), torch.tensor([2, 2]))
     with pytest.raises(ValueError, match="unknown implementation"):
         kernel.ragged_dot(torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([2, 2]), implementation="cuda")
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "g", "rhs_transposed", "dtype"),
+    [(64 * 8, 2048, 1536, 128, True, "bfloat16"), (37, 64, 96, 8, False, "float32")],
+    ids=["qwen3-30b-a3b-gate-up-bf16", "ragged-f32"],
+)
+def test_pallas_kernel_lowers_for_tpu(kernel, m, k, n, g, rhs_transposed, dtype):
+    """Without a TPU: export the kernel for the TPU platform, the way TorchTPU's JAX bridge does (jax.export), so
+    that Pallas' Mosaic lowering checks block shapes, scalar prefetch and the kernel body's ops."""
+    import functools
+
+    from jax import export
+
+    jnp = jax.numpy
+    fn = functools.partial(_jax_kernels(kernel).ragged_dot_pallas, rhs_transposed=rhs_transposed)
+    rhs_shape = (g, n, k) if rhs_transposed else (g, k, n)
+    args = (
+        jax.ShapeDtypeStruct((m, k), dtype),
+        jax.ShapeDtypeStruct(rhs_shape, dtype),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+    )
+    exported = export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    assert "tpu_custom_call" in exported.mlir_module()
+    assert exported.out_avals[0].shape == (m, n) and exported.out_avals[0].dtype == jnp.dtype(dtype)
