@@ -127,6 +127,8 @@ def test_custom_op_compiles_fullgraph_without_graph_breaks(kernel):
 def test_shape_errors_name_the_shapes(kernel):
     with pytest.raises(ValueError, match=r"\(4, 8\)"):
         kernel.ragged_dot(torch.randn(4, 8), torch.randn(2, 9, 3), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="pallas_interpret"):
+        kernel.ragged_dot(torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([2, 2]), implementation="pallas")
     with pytest.raises(ValueError, match="unknown implementation"):
         kernel.ragged_dot(torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([2, 2]), implementation="cuda")
 

@@ -65,6 +65,11 @@ def _host_view(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _cpu_impl(impl: str) -> str:
+    if impl == "pallas":
+        raise ValueError(
+            "ragged_dot: implementation='pallas' compiles a TPU (Mosaic) kernel, but these tensors live in host memory "
+            "(CPU or the simulated device); use 'pallas_interpret' to run the same kernel body there, or 'auto'."
+        )
     return "xla_tiled" if impl == "auto" else impl
 
 
@@ -85,16 +90,21 @@ def _run_jax(impl: str, lhs, rhs, group_sizes, rhs_transposed: bool):
 def _ragged_dot_host(
     lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, rhs_transposed: bool, impl: str
 ) -> torch.Tensor:
-    """CPU tensors in, CPU tensor out, through DLPack (zero-copy both ways when the layout allows)."""
+    """CPU tensors in, CPU tensor out, through DLPack (zero-copy both ways when the layout allows).
+
+    The arrays are committed to JAX's CPU device, so the computation runs there whatever JAX's default backend.
+    (JAX starts every backend it finds on first use: in a TorchTPU process, set ``JAX_PLATFORMS=cpu`` so that it
+    leaves the chip to TorchTPU.)
+    """
     jax = _jax()
-    with jax.default_device(jax.devices("cpu")[0]):
-        out = _run_jax(
-            _cpu_impl(impl),
-            jax.dlpack.from_dlpack(lhs.detach().contiguous()),
-            jax.dlpack.from_dlpack(rhs.detach().contiguous()),
-            jax.dlpack.from_dlpack(group_sizes.detach().to(torch.int32).contiguous()),
-            rhs_transposed,
-        )
+    impl = _cpu_impl(impl)
+    out = _run_jax(
+        impl,
+        jax.dlpack.from_dlpack(lhs.detach().contiguous()),
+        jax.dlpack.from_dlpack(rhs.detach().contiguous()),
+        jax.dlpack.from_dlpack(group_sizes.detach().to(torch.int32).contiguous()),
+        rhs_transposed,
+    )
     return torch.from_dlpack(out)
 
 
