@@ -118,4 +118,4 @@ def test_torch_tpu_branch_hands_the_jax_function_to_torch_tpu_bridge(kernel, mon
         )
         assert out.device.type == "tpu"
         torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
-    assert calls == [("ragged_dot_tpu_pallas_interpret", False)]
+    assert calls == [("ragged_dot_tpu_ragged_dot_pallas_interpret_nk", False)]
