@@ -44,6 +44,24 @@ def test_experts_forward_matches_float64(kernel, kind, top_k, num_tokens, dtype)
     assert (out.double() - ref).abs().max() <= (eager.double() - ref).abs().max() * 2 + tol / 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unfused_path_for_other_activations_matches_the_eager_loop(kernel, dtype):
+    """A non-SiLU activation takes the two-ragged-dot path with the module's own gate (upstream's eager loop
+    applies the same act_fn, so it is the reference here)."""
+    module = make_experts(num_experts=8, dtype=dtype)
+    assert kernel._fusable(module)
+    module.act_fn = torch.nn.GELU()
+    assert not kernel._fusable(module)
+    g = torch.Generator().manual_seed(5)
+    index, weights = routing("half_empty", 4, 8, 2, g)
+    x = torch.randn(4, 32, generator=g).to(dtype)
+    with torch.no_grad():
+        out = kernel.experts_forward(module, x, index, weights.to(dtype))
+        eager = module.forward.__wrapped__(module, x, index, weights.to(dtype))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, eager, atol=tol, rtol=tol)
+
+
 def test_expert_parallel_sentinels_contribute_nothing(kernel):
     module = make_experts(num_experts=8)
     module._is_expert_parallel = True

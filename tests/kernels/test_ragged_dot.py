@@ -74,9 +74,9 @@ def test_pallas_small_tiles_cross_group_boundaries(kernel):
 
 
 def test_visit_plan_is_static_and_covers_every_row(kernel):
-    jk = _jax_kernels(kernel)
+    plan = jax.jit(_jax_kernels(kernel).visit_plan, static_argnums=(1, 2))
     for sizes in ([5, 0, 0, 11], [0, 0, 16, 0], [1, 1, 1, 1], [0, 0, 0, 0]):
-        gid, tid, first, starts, ends = (np.asarray(a) for a in jk.visit_plan(jax.numpy.array(sizes), 16, 4))
+        gid, tid, first, starts, ends = (np.asarray(a) for a in plan(jax.numpy.array(sizes, jax.numpy.int32), 16, 4))
         assert gid.shape == (4 + 4,)  # m_tiles + G whatever the sizes
         covered = np.zeros(16, int)
         for g, t in zip(gid, tid, strict=True):
@@ -127,5 +127,52 @@ def test_custom_op_compiles_fullgraph_without_graph_breaks(kernel):
 def test_shape_errors_name_the_shapes(kernel):
     with pytest.raises(ValueError, match=r"\(4, 8\)"):
         kernel.ragged_dot(torch.randn(4, 8), torch.randn(2, 9, 3), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="pallas_interpret"):
+        kernel.ragged_dot(torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([2, 2]), implementation="pallas")
     with pytest.raises(ValueError, match="unknown implementation"):
         kernel.ragged_dot(torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([2, 2]), implementation="cuda")
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "g", "rhs_transposed", "dtype"),
+    [(64 * 8, 2048, 1536, 128, True, "bfloat16"), (37, 64, 96, 8, False, "float32")],
+    ids=["qwen3-30b-a3b-gate-up-bf16", "ragged-f32"],
+)
+def test_pallas_kernel_lowers_for_tpu(kernel, m, k, n, g, rhs_transposed, dtype):
+    """Without a TPU: export the kernel for the TPU platform, the way TorchTPU's JAX bridge does (jax.export), so
+    that Pallas' Mosaic lowering checks block shapes, scalar prefetch and the kernel body's ops."""
+    import functools
+
+    from jax import export
+
+    jnp = jax.numpy
+    fn = functools.partial(_jax_kernels(kernel).ragged_dot_pallas, rhs_transposed=rhs_transposed)
+    rhs_shape = (g, n, k) if rhs_transposed else (g, k, n)
+    args = (
+        jax.ShapeDtypeStruct((m, k), dtype),
+        jax.ShapeDtypeStruct(rhs_shape, dtype),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+    )
+    exported = export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    assert "tpu_custom_call" in exported.mlir_module()
+    assert exported.out_avals[0].shape == (m, n) and exported.out_avals[0].dtype == jnp.dtype(dtype)
+
+
+def test_fused_gated_mlp_lowers_for_tpu(kernel):
+    """The whole expert MLP (two Pallas grouped matmuls and the SiLU gate) exports for the TPU platform."""
+    import functools
+
+    from jax import export
+
+    jnp = jax.numpy
+    fn = functools.partial(_jax_kernels(kernel).gated_mlp, rhs_transposed=True, implementation="pallas")
+    m, hidden, inter, g = 64 * 8, 2048, 768, 128  # Qwen3-30B-A3B experts at 64 tokens, top-8
+    args = (
+        jax.ShapeDtypeStruct((m, hidden), "bfloat16"),
+        jax.ShapeDtypeStruct((g, 2 * inter, hidden), "bfloat16"),
+        jax.ShapeDtypeStruct((g, hidden, inter), "bfloat16"),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+    )
+    exported = export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    assert exported.mlir_module().count("tpu_custom_call") >= 2
+    assert exported.out_avals[0].shape == (m, hidden)

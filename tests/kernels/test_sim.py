@@ -80,3 +80,42 @@ def test_tiny_qwen3_moe_on_the_simulator_matches_cpu(tmp_path):
         torch.testing.assert_close(logits.cpu(), cpu(ids).logits, atol=1e-5, rtol=1e-5)
     kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     torch.testing.assert_close(dev.generate(ids.to("tpu"), **kwargs).cpu(), cpu.generate(ids, **kwargs))
+
+
+def test_torch_tpu_branch_hands_the_jax_function_to_torch_tpu_bridge(kernel, monkeypatch):
+    """Real-TPU branch, against the shape of torch_tpu 0.2's API: ``torch.tpu.pallas.custom_jax_kernel(fn,
+    name=..., warn_deprecated=False)`` returns a callable taking torch tensors. The stand-in bridge runs the JAX
+    function on the tensors' host views; the tensors count as non-simulated, as TorchTPU's would."""
+    import importlib
+    import types
+
+    import jax
+
+    ops = importlib.import_module(f"{kernel.__name__}._ops")
+    calls = []
+
+    def custom_jax_kernel(fn, name=None, warn_deprecated=True):
+        calls.append((name, warn_deprecated))
+
+        def run(*tensors):
+            arrays = [jax.dlpack.from_dlpack(hf_tpu.sim.host_view(t).contiguous()) for t in tensors]
+            result = torch.from_dlpack(fn(*arrays))
+            out = torch.empty(result.shape, dtype=result.dtype, device="tpu")
+            hf_tpu.sim.host_view(out).copy_(result)
+            return out
+
+        return run
+
+    monkeypatch.setattr(torch.tpu, "pallas", types.SimpleNamespace(custom_jax_kernel=custom_jax_kernel), raising=False)
+    monkeypatch.setattr(ops, "_host_view", lambda t: None)  # as if these were TorchTPU tensors
+    monkeypatch.setattr(ops, "_TPU_CALLABLES", {})
+    g = torch.Generator().manual_seed(0)
+    lhs, rhs, sizes = torch.randn(12, 16, generator=g), torch.randn(3, 24, 16, generator=g), torch.tensor([4, 0, 8])
+    expected = kernel.ragged_dot(lhs, rhs, sizes, rhs_transposed=True)
+    for _ in range(2):  # the bridge callable is built once per (implementation, layout)
+        out = kernel.ragged_dot(
+            lhs.to("tpu"), rhs.to("tpu"), sizes.to("tpu"), rhs_transposed=True, implementation="pallas_interpret"
+        )
+        assert out.device.type == "tpu"
+        torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+    assert calls == [("ragged_dot_tpu_ragged_dot_pallas_interpret_nk", False)]

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from ._ops import IMPLEMENTATIONS, OP_NAMESPACE, ragged_dot, ragged_dot_op
+from ._ops import IMPLEMENTATIONS, OP_NAMESPACE, gated_mlp_op, ragged_dot, ragged_dot_op
 
 __all__ = [
     "IMPLEMENTATIONS",
     "OP_NAMESPACE",
     "experts_forward",
+    "gated_mlp_op",
     "make_experts_forward",
     "ragged_dot",
     "ragged_dot_op",
@@ -47,6 +48,21 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
     counts.scatter_add_(0, clamped, torch.ones_like(clamped, dtype=torch.int32))
     return order, counts[:num_experts]
+
+
+def _fusable(module: torch.nn.Module) -> bool:
+    """Whether the whole expert MLP can run as one JAX program (``gated_mlp``): transformers' default gate
+    (``act(gate) * up`` on the concatenated halves) with SiLU, no biases, no post-expert norm."""
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    act = getattr(module, "act_fn", None)
+    return (
+        getattr(module, "has_gate", True)
+        and getattr(module, "is_concatenated", True)
+        and not getattr(module, "has_bias", False)
+        and not getattr(module, "has_post_expert_norm", False)
+        and getattr(apply_gate, "__name__", None) == "_default_apply_gate"
+        and type(act).__name__ in ("SiLUActivation", "SiLU")
+    )
 
 
 def make_experts_forward(implementation: str = "auto"):
@@ -76,6 +92,11 @@ def make_experts_forward(implementation: str = "auto"):
 
         up_w = self.gate_up_proj if has_gate else self.up_proj
         x = hidden_states[order // top_k].to(up_w.dtype)
+        if _fusable(self):  # one crossing into JAX for the whole MLP
+            h = gated_mlp_op(x, up_w, self.down_proj, group_sizes, rhs_transposed, implementation)
+            h = h * weights.unsqueeze(-1).to(h.dtype)
+            out = torch.zeros_like(h).index_copy_(0, order, h)
+            return out.view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
         h = ragged_dot(x, up_w, group_sizes, rhs_transposed=rhs_transposed, implementation=implementation)
         if has_bias:
             h = h + (self.gate_up_proj_bias if has_gate else self.up_proj_bias)[expert_ids]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["IMPLEMENTATIONS", "OP_NAMESPACE", "ragged_dot", "ragged_dot_op"]
+__all__ = ["IMPLEMENTATIONS", "OP_NAMESPACE", "gated_mlp_op", "ragged_dot", "ragged_dot_op"]
 
 IMPLEMENTATIONS = ("auto", "pallas", "pallas_interpret", "xla", "xla_tiled")
 
@@ -64,8 +64,98 @@ def _host_view(t: torch.Tensor) -> torch.Tensor | None:
     return sim.host_view(t)
 
 
-def _cpu_impl(impl: str) -> str:
+def _placement(t: torch.Tensor) -> str:
+    """``"cpu"``, ``"sim"`` (hf_tpu's simulated tpu) or ``"torch_tpu"``: decides how the tensors reach JAX."""
+    if t.device.type == "cpu":
+        return "cpu"
+    if _host_view(t) is not None:
+        return "sim"
+    if t.device.type == "tpu":
+        return "torch_tpu"
+    raise NotImplementedError(
+        f"ragged_dot_tpu runs on 'tpu' (TorchTPU or hf_tpu's simulator) and 'cpu' tensors; got {t.device}. "
+        "Move the tensors to one of those devices."
+    )
+
+
+def _resolve(impl: str, placement: str) -> str:
+    """The implementation to run: Pallas where a TPU compiles it, the XLA loop in host memory."""
+    if placement == "torch_tpu":
+        return "pallas" if impl == "auto" else impl
+    if impl == "pallas":
+        raise ValueError(
+            "ragged_dot: implementation='pallas' compiles a TPU (Mosaic) kernel, but these tensors live in host memory "
+            "(CPU or the simulated device); use 'pallas_interpret' to run the same kernel body there, or 'auto'."
+        )
     return "xla_tiled" if impl == "auto" else impl
+
+
+def _host_call(jax_fn, *tensors: torch.Tensor) -> torch.Tensor:
+    """Run ``jax_fn`` on CPU tensors through DLPack (zero-copy both ways when the layout allows).
+
+    The arrays are committed to JAX's CPU device, so the computation runs there whatever JAX's default backend.
+    (JAX starts every backend it finds on first use: in a TorchTPU process, set ``JAX_PLATFORMS=cpu`` so that it
+    leaves the chip to TorchTPU.)
+    """
+    jax = _jax()
+    arrays = [jax.dlpack.from_dlpack(t.detach().contiguous()) for t in tensors]
+    return torch.from_dlpack(jax_fn(*arrays))
+
+
+_TPU_CALLABLES: dict[str, object] = {}
+
+
+def _torch_tpu_callable(name: str, jax_fn):
+    """TorchTPU's JAX bridge around ``jax_fn``, built once per name: TorchTPU exports the function (Pallas kernels
+    inside), compiles it into the device program and runs it on the device tensors where they are."""
+    fn = _TPU_CALLABLES.get(name)
+    if fn is None:
+        pallas = getattr(getattr(torch, "tpu", None), "pallas", None)
+        if pallas is None or not hasattr(pallas, "custom_jax_kernel"):
+            raise RuntimeError(
+                "ragged_dot_tpu got tensors on a 'tpu' device, but torch.tpu.pallas.custom_jax_kernel (TorchTPU's "
+                "JAX bridge) is missing; install torch-tpu>=0.2 with jax, or move the tensors to the CPU."
+            )
+        _jax()
+        fn = pallas.custom_jax_kernel(jax_fn, name=name, warn_deprecated=False)
+        _TPU_CALLABLES[name] = fn
+    return fn
+
+
+def _run(name: str, jax_fn, *tensors: torch.Tensor) -> torch.Tensor:
+    """Run ``jax_fn`` (JAX arrays in, one array out) where the tensors are."""
+    placement = _placement(tensors[0])
+    if placement == "cpu":
+        return _host_call(jax_fn, *tensors)
+    if placement == "sim":
+        result = _host_call(jax_fn, *(_host_view(t) for t in tensors))
+        out = torch.empty(result.shape, dtype=result.dtype, device=tensors[0].device)
+        _host_view(out).copy_(result)
+        return out
+    return _torch_tpu_callable(name, jax_fn)(*tensors)
+
+
+_JAX_FNS: dict[str, object] = {}
+
+
+def _jax_fn(kind: str, impl: str, rhs_transposed: bool):
+    """One JAX function object per (kind, implementation, layout), so TorchTPU's bridge caches its compilation."""
+    name = f"ragged_dot_tpu_{kind}_{impl}_{'nk' if rhs_transposed else 'kn'}"
+    fn = _JAX_FNS.get(name)
+    if fn is None:
+        from . import _jax_kernels as jk
+
+        if kind == "ragged_dot":
+
+            def fn(lhs, rhs, group_sizes):
+                return _run_jax(impl, lhs, rhs, group_sizes, rhs_transposed)
+        else:
+
+            def fn(x, gate_up, down, group_sizes):
+                return jk.gated_mlp(x, gate_up, down, group_sizes, rhs_transposed=rhs_transposed, implementation=impl)
+
+        _JAX_FNS[name] = fn
+    return name, fn
 
 
 def _run_jax(impl: str, lhs, rhs, group_sizes, rhs_transposed: bool):
@@ -80,47 +170,6 @@ def _run_jax(impl: str, lhs, rhs, group_sizes, rhs_transposed: bool):
     if impl == "xla_tiled":
         return jk.ragged_dot_xla_tiled(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed)
     raise ValueError(f"ragged_dot: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
-
-
-def _ragged_dot_host(
-    lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, rhs_transposed: bool, impl: str
-) -> torch.Tensor:
-    """CPU tensors in, CPU tensor out, through DLPack (zero-copy both ways when the layout allows)."""
-    jax = _jax()
-    with jax.default_device(jax.devices("cpu")[0]):
-        out = _run_jax(
-            _cpu_impl(impl),
-            jax.dlpack.from_dlpack(lhs.detach().contiguous()),
-            jax.dlpack.from_dlpack(rhs.detach().contiguous()),
-            jax.dlpack.from_dlpack(group_sizes.detach().to(torch.int32).contiguous()),
-            rhs_transposed,
-        )
-    return torch.from_dlpack(out)
-
-
-_TPU_CALLABLES: dict[tuple[str, bool], object] = {}
-
-
-def _ragged_dot_torch_tpu(lhs, rhs, group_sizes, rhs_transposed: bool, impl: str) -> torch.Tensor:
-    """Real TPU: TorchTPU compiles the JAX function (Pallas kernel inside) and runs it on the device tensors."""
-    impl = "pallas" if impl == "auto" else impl
-    key = (impl, rhs_transposed)
-    fn = _TPU_CALLABLES.get(key)
-    if fn is None:
-        pallas = getattr(getattr(torch, "tpu", None), "pallas", None)
-        if pallas is None or not hasattr(pallas, "custom_jax_kernel"):
-            raise RuntimeError(
-                "ragged_dot got tensors on a 'tpu' device, but torch.tpu.pallas.custom_jax_kernel (TorchTPU's JAX "
-                "bridge) is missing; install torch-tpu>=0.2 with jax, or move the tensors to the CPU."
-            )
-        _jax()
-
-        def kernel(lhs, rhs, group_sizes):
-            return _run_jax(impl, lhs, rhs, group_sizes, rhs_transposed)
-
-        fn = pallas.custom_jax_kernel(kernel, name=f"ragged_dot_tpu_{impl}", warn_deprecated=False)
-        _TPU_CALLABLES[key] = fn
-    return fn(lhs, rhs, group_sizes.to(torch.int32))
 
 
 def _check(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, rhs_transposed: bool) -> int:
@@ -144,20 +193,21 @@ def _impl(
     lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, rhs_transposed: bool, implementation: str
 ) -> torch.Tensor:
     _check(lhs, rhs, group_sizes, rhs_transposed)
-    if lhs.device.type == "cpu":
-        return _ragged_dot_host(lhs, rhs, group_sizes, rhs_transposed, implementation)
-    host = [_host_view(t) for t in (lhs, rhs, group_sizes)]
-    if all(h is not None for h in host):
-        result = _ragged_dot_host(*host, rhs_transposed, implementation)
-        out = torch.empty(result.shape, dtype=result.dtype, device=lhs.device)
-        _host_view(out).copy_(result)
-        return out
-    if lhs.device.type == "tpu":
-        return _ragged_dot_torch_tpu(lhs, rhs, group_sizes, rhs_transposed, implementation)
-    raise NotImplementedError(
-        f"ragged_dot runs on 'tpu' (TorchTPU or hf_tpu's simulator) and 'cpu' tensors; got {lhs.device}. "
-        "Move the tensors to one of those devices."
-    )
+    name, fn = _jax_fn("ragged_dot", _resolve(implementation, _placement(lhs)), rhs_transposed)
+    return _run(name, fn, lhs, rhs, group_sizes.to(torch.int32))
+
+
+def _gated_mlp_impl(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    group_sizes: torch.Tensor,
+    rhs_transposed: bool,
+    implementation: str,
+) -> torch.Tensor:
+    _check(x, gate_up, group_sizes, rhs_transposed)
+    name, fn = _jax_fn("gated_mlp", _resolve(implementation, _placement(x)), rhs_transposed)
+    return _run(name, fn, x, gate_up, down, group_sizes.to(torch.int32))
 
 
 def _fake(lhs, rhs, group_sizes, rhs_transposed, implementation):
@@ -165,24 +215,35 @@ def _fake(lhs, rhs, group_sizes, rhs_transposed, implementation):
     return lhs.new_empty((lhs.shape[0], n))
 
 
-def _register():
+def _gated_mlp_fake(x, gate_up, down, group_sizes, rhs_transposed, implementation):
+    _check(x, gate_up, group_sizes, rhs_transposed)
+    return x.new_empty((x.shape[0], down.shape[1] if rhs_transposed else down.shape[2]))
+
+
+def _register(name: str, impl, fake, schema: str):
     from torch._library import custom_ops
 
-    qualname = f"{OP_NAMESPACE}::ragged_dot"
+    qualname = f"{OP_NAMESPACE}::{name}"
     existing = getattr(custom_ops, "OPDEFS", {}).get(qualname)
     if existing is not None:  # this very build was imported before (e.g. from another path)
         return existing
-    op = torch.library.custom_op(
-        qualname,
-        _impl,
-        mutates_args=(),
-        schema="(Tensor lhs, Tensor rhs, Tensor group_sizes, bool rhs_transposed, str implementation) -> Tensor",
-    )
-    op.register_fake(_fake)
+    op = torch.library.custom_op(qualname, impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
     return op
 
 
-ragged_dot_op = _register()
+ragged_dot_op = _register(
+    "ragged_dot",
+    _impl,
+    _fake,
+    "(Tensor lhs, Tensor rhs, Tensor group_sizes, bool rhs_transposed, str implementation) -> Tensor",
+)
+gated_mlp_op = _register(
+    "gated_mlp",
+    _gated_mlp_impl,
+    _gated_mlp_fake,
+    "(Tensor x, Tensor gate_up, Tensor down, Tensor group_sizes, bool rhs_transposed, str implementation) -> Tensor",
+)
 
 
 def ragged_dot(
