@@ -83,6 +83,7 @@ def enable(generation: str = "v6e", hbm: int | None = None) -> None:
     from hf_tpu.sim import _backend, _device, _device_module
 
     _device.register()
+    _device.patch_storage_to()  # again, in case hf_tpu.disable() reverted it
     _backend.register()
     name = f"{spec['name']} (simulated)"
     _device_module._configure(name, hbm_bytes)

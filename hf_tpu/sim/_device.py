@@ -74,6 +74,7 @@ def register() -> None:
         torch.backends.tpu = _backends_module()  # type: ignore[attr-defined]
         sys.modules["torch.backends.tpu"] = torch.backends.tpu
     _ops.install()
+    patch_storage_to()
     _register_dynamo_interface()
     _REGISTERED = True
 
@@ -105,3 +106,35 @@ def _register_dynamo_interface() -> None:
     with contextlib.suppress(NotImplementedError, RuntimeError):
         di.get_interface_for_device("tpu")  # lets torch register its own interfaces first
     di.register_interface_for_device("tpu", SimTpuInterface)
+
+
+def _storage_to_tpu(original):
+    """torch's ``storage.to(device)`` allocates through the device's C++ allocator, which a Python backend
+    cannot register (it segfaults); for ``tpu`` build the device storage over a CPU copy instead."""
+    from hf_tpu.sim._counters import STATE
+    from hf_tpu.sim._tensors import new_device_storage
+
+    def _to(self, device, non_blocking=False):
+        if isinstance(device, torch.device) and device.type == "tpu" and self.device.type == "cpu":
+            _device_module._index(device)
+            cpu = torch.UntypedStorage(self.nbytes())
+            cpu.copy_(self)
+            STATE.h2d_copies += 1
+            STATE.h2d_bytes += self.nbytes()
+            return new_device_storage(cpu, "storage.to('tpu')")
+        return original(self, device, non_blocking)
+
+    _to.__wrapped__ = original  # type: ignore[attr-defined]
+    return _to
+
+
+def patch_storage_to() -> None:
+    """Let ``torch.load(..., map_location="tpu")`` and ``storage.to("tpu")`` work (torch <= 2.13)."""
+    import torch.storage
+
+    from hf_tpu._patch import patch
+
+    current = torch.storage._to
+    if getattr(current, "__wrapped__", None) is not None:
+        return
+    patch(torch.storage, "_to", _storage_to_tpu(current), feature="sim", package="torch", versions=">=2.11,<=2.15")

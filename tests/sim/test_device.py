@@ -1,5 +1,7 @@
 """Device semantics of the simulated tpu: placement, views, in-place ops, out=, resize_, autograd, errors."""
 
+import io
+
 import pytest
 import torch
 
@@ -164,3 +166,22 @@ def test_fft_matches_cpu():
     x = torch.randn(4, 8)
     torch.testing.assert_close(torch.fft.rfft(x.to("tpu")).cpu(), torch.fft.rfft(x))
     torch.testing.assert_close(torch.fft.fft2(x.to("tpu")).cpu(), torch.fft.fft2(x))
+
+
+def test_torch_load_map_location_tpu():
+    buf = io.BytesIO()
+    w = torch.arange(6.0).view(2, 3)
+    torch.save({"w": w, "tail": w.flatten()[2:]}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, map_location="tpu")
+    assert loaded["w"].device.type == "tpu" and torch.equal(loaded["w"].cpu(), w)
+    assert torch.equal(loaded["tail"].cpu(), w.flatten()[2:])
+
+
+def test_tensor_constructor_under_fake_mode():
+    # torch.compile traces with FakeTensorMode active; torch.tensor(..., device="tpu") inside must work
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        t = torch.tensor([1.0, 2.0], device="tpu")
+    assert t.device.type == "tpu" and t.shape == (2,)
