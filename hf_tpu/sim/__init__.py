@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
+from hf_tpu.sim._after_import import after_import
 from hf_tpu.sim._counters import STATE, SimStrictError, Stats, stats, strict
 from hf_tpu.sim._tensors import host_view, is_sim_tensor
 
@@ -84,7 +85,7 @@ def enable(generation: str = "v6e", hbm: int | None = None) -> None:
 
     _device.register()
     _device.patch_storage_to()  # again, in case hf_tpu.disable() reverted it
-    _backend.register()
+    after_import("torch._dynamo", _backend.register)  # importing dynamo costs seconds: wait until it is used
     name = f"{spec['name']} (simulated)"
     _device_module._configure(name, hbm_bytes)
     STATE.hbm_bytes = hbm_bytes

@@ -14,6 +14,7 @@ import types
 import torch
 
 from hf_tpu.sim import _device_module, _ops
+from hf_tpu.sim._after_import import after_import
 
 __all__ = ["register"]
 
@@ -75,7 +76,7 @@ def register() -> None:
         sys.modules["torch.backends.tpu"] = torch.backends.tpu
     _ops.install()
     patch_storage_to()
-    _register_dynamo_interface()
+    after_import("torch._dynamo", _register_dynamo_interface)
     _REGISTERED = True
 
 
