@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from hf_tpu.sim import _device_module, _ops
+from hf_tpu.sim import _attention, _device_module, _ops
 from hf_tpu.sim._after_import import after_import
 
 __all__ = ["register"]
@@ -75,6 +75,7 @@ def register() -> None:
         torch.backends.tpu = _backends_module()  # type: ignore[attr-defined]
         sys.modules["torch.backends.tpu"] = torch.backends.tpu
     _ops.install()
+    _attention.install()
     patch_storage_to()
     after_import("torch._dynamo", _register_dynamo_interface)
     _REGISTERED = True

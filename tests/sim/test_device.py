@@ -185,3 +185,33 @@ def test_tensor_constructor_under_fake_mode():
     with FakeTensorMode():
         t = torch.tensor([1.0, 2.0], device="tpu")
     assert t.device.type == "tpu" and t.shape == (2,)
+
+
+def test_sdpa_runs_fused_and_matches_cpu_with_grads():
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    mask = torch.randn(16, 16)
+    qt, kt, vt = (t.detach().to("tpu").requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with hf_tpu.sim.stats() as s:
+        out_t = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask.to("tpu"))
+    assert s.ops == 1  # one fused device op, as on torch_tpu, not the math decomposition
+    torch.testing.assert_close(out_t.cpu(), out)
+    g = torch.randn_like(out)
+    out.backward(g)
+    out_t.backward(g.to("tpu"))
+    for a, b in zip((q, k, v), (qt, kt, vt), strict=True):
+        assert b.grad.device.type == "tpu"
+        torch.testing.assert_close(b.grad.cpu(), a.grad)
+
+
+def test_sdpa_dropout_uses_device_generator():
+    import torch.nn.functional as F
+
+    q = torch.randn(1, 2, 8, 4, device="tpu")
+    torch.manual_seed(3)
+    a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).cpu()
+    torch.manual_seed(3)
+    b = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).cpu()
+    assert torch.equal(a, b)
