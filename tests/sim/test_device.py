@@ -193,9 +193,10 @@ def test_sdpa_runs_fused_and_matches_cpu_with_grads():
     q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
     mask = torch.randn(16, 16)
     qt, kt, vt = (t.detach().to("tpu").requires_grad_() for t in (q, k, v))
+    mask_t = mask.to("tpu")
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     with hf_tpu.sim.stats() as s:
-        out_t = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask.to("tpu"))
+        out_t = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask_t)
     assert s.ops == 1  # one fused device op, as on torch_tpu, not the math decomposition
     torch.testing.assert_close(out_t.cpu(), out)
     g = torch.randn_like(out)
