@@ -33,6 +33,10 @@ GENERATOR = torch.Generator()
 
 _LIB: torch.library.Library | None = None
 _ATEN_LIB: torch.library.Library | None = None
+# View ops whose CPU kernel only makes an alias of the input's storage with new metadata, whatever the device:
+# registered for PrivateUse1 as a redispatch to that kernel, with no host views (views cost no device work on
+# torch_tpu either, so they add no op and no shape signature).
+_METADATA_VIEWS = ("view", "as_strided", "_reshape_alias", "unfold", "view_as_real", "view_as_complex")
 # Ops whose composite kernel only raises for a new backend: registered for PrivateUse1 directly.
 _DIRECT = ("convolution_overrideable", "convolution_backward_overrideable", "copy_")
 _TLS = threading.local()
@@ -261,7 +265,11 @@ def _generic(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
     n = len(cargs)
     for i in info.conv_pos:
         if i < n:
-            cargs[i] = _convert(cargs[i], op, info, smap, pairs, sig, flags)
+            a = cargs[i]
+            if isinstance(a, Tensor) and not a.is_cpu:  # the common case, inlined
+                cargs[i] = _host(a, op, smap, pairs, sig, not info.mutable)
+            else:
+                cargs[i] = _convert(a, op, info, smap, pairs, sig, flags)
     if kwargs:
         conv_kw = info.conv_kw
         ckwargs = {
@@ -429,15 +437,36 @@ def _direct_ops() -> list[str]:
     for n in torch._C._dispatch_get_all_op_names():
         if not n.startswith("aten::") or has(n, "PrivateUse1") or has(n, "CompositeImplicitAutograd"):
             continue
+        if n.partition("::")[2].partition(".")[0] in _METADATA_VIEWS:
+            continue
         explicit = has(n, "CompositeExplicitAutograd")
         if has(n, "CompositeExplicitAutogradNonFunctional") or not explicit or has(n, "CPU"):
             names.append(n)
     return names
 
 
-def _direct(op: Any) -> Any:
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def _cpu_view(op: Any) -> Any:
+    redispatch = op._handle.redispatch_boxed
+
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        return _fallback(op, *args, **kwargs)
+        return redispatch(_CPU_KEYS, *args, **kwargs)
+
+    return kernel
+
+
+def _direct(op: Any) -> Any:
+    info: _OpInfo | None = None
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        nonlocal info
+        if info is None:  # built on first use: most ops are never called
+            info = _INFO.get(id(op)) or _INFO.setdefault(id(op), _OpInfo(op))
+        if info.handler is not None:
+            return info.handler(op, info, args, kwargs)
+        return _generic(op, info, args, kwargs)
 
     return kernel
 
@@ -459,5 +488,10 @@ def install() -> None:
             name, _, overload = qualified.partition("::")[2].partition(".")
             op = getattr(getattr(aten, name), overload or "default")
             aten_lib.impl(op, _direct(op), "PrivateUse1")
+        for name in _METADATA_VIEWS:
+            for overload in getattr(aten, name).overloads():
+                op = getattr(getattr(aten, name), overload)
+                if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"):
+                    aten_lib.impl(op, _cpu_view(op), "PrivateUse1")
     _ATEN_LIB = aten_lib
     _tensors._DEVICE = torch.device("tpu", 0)
