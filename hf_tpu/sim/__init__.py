@@ -84,7 +84,8 @@ def enable(generation: str = "v6e", hbm: int | None = None) -> None:
     from hf_tpu.sim import _backend, _device, _device_module
 
     _device.register()
-    _device.patch_storage_to()  # again, in case hf_tpu.disable() reverted it
+    _device.patch_storage_to()  # again, in case hf_tpu.disable() reverted them
+    _device.patch_untyped_storage_new()
     after_import("torch._dynamo", _backend.register)  # importing dynamo costs seconds: wait until it is used
     name = f"{spec['name']} (simulated)"
     _device_module._configure(name, hbm_bytes)

@@ -216,3 +216,27 @@ def test_sdpa_dropout_uses_device_generator():
     torch.manual_seed(3)
     b = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).cpu()
     assert torch.equal(a, b)
+
+
+def test_autocast_tpu_follows_cpu_policy():
+    a, b = torch.randn(4, 8), torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.nn.functional.linear(a, b).float().softmax(-1)
+    with torch.autocast("tpu"):  # bfloat16 by default, as on TPU
+        out = torch.nn.functional.linear(a.to("tpu"), b.to("tpu"))
+        probs = out.float().softmax(-1)
+    assert out.dtype == torch.bfloat16 and probs.dtype == torch.float32
+    torch.testing.assert_close(probs.cpu(), ref)
+    lin = torch.nn.Linear(8, 3).to("tpu")
+    with torch.autocast("tpu"):
+        loss = lin(a.to("tpu")).float().square().mean()
+    loss.backward()
+    assert lin.weight.grad.dtype == torch.float32 and lin.weight.grad.device.type == "tpu"
+
+
+def test_untyped_storage_on_tpu_does_not_crash():
+    s = torch.UntypedStorage(16, device="tpu")
+    assert s.device.type == "tpu" and s.nbytes() == 16
+    t = torch.empty(0, device="tpu").set_(s, 0, (4,), (1,))
+    t.fill_(2.0)
+    assert t.cpu().tolist() == [2.0] * 4
