@@ -66,3 +66,17 @@ def test_refuses_on_host_with_real_chips(monkeypatch):
     monkeypatch.setattr(runtime, "scan_pci_chips", lambda *a, **k: (4, "v6e"))
     with pytest.raises(RuntimeError, match="real TPU chip"):
         hf_tpu.sim.enable()
+
+
+def test_env_var_enables_at_import_hf_tpu():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TORCH_DEVICE_BACKEND_AUTOLOAD="0", HF_TPU_SIMULATE="1")
+    code = (
+        "import torch, hf_tpu\n"
+        "assert hf_tpu.runtime.detect().mode == 'simulated'\n"
+        "assert torch.ones(2, device='tpu').device.type == 'tpu'\n"
+        "print('OK')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
