@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
+from hf_tpu.sim._after_import import after_import
 from hf_tpu.sim._counters import STATE, SimStrictError, Stats, stats, strict
 from hf_tpu.sim._tensors import host_view, is_sim_tensor
 
@@ -83,7 +84,9 @@ def enable(generation: str = "v6e", hbm: int | None = None) -> None:
     from hf_tpu.sim import _backend, _device, _device_module
 
     _device.register()
-    _backend.register()
+    _device.patch_storage_to()  # again, in case hf_tpu.disable() reverted them
+    _device.patch_untyped_storage_new()
+    after_import("torch._dynamo", _backend.register)  # importing dynamo costs seconds: wait until it is used
     name = f"{spec['name']} (simulated)"
     _device_module._configure(name, hbm_bytes)
     STATE.hbm_bytes = hbm_bytes

@@ -70,9 +70,8 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: A
 
 def register() -> None:
     """Make ``backend="tpu"`` this backend, keeping aside any ``"tpu"`` backend registered before (torch_tpu's)."""
-    from torch._dynamo.backends import registry
+    from torch._dynamo.backends import registry  # no _lazy_import(): this runs while dynamo is being imported
 
-    registry._lazy_import()
     current = registry._COMPILER_FNS.get("tpu")
     if current is tpu_backend:
         return

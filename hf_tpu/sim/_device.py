@@ -13,7 +13,8 @@ import types
 
 import torch
 
-from hf_tpu.sim import _device_module, _ops
+from hf_tpu.sim import _attention, _autocast, _device_module, _ops
+from hf_tpu.sim._after_import import after_import
 
 __all__ = ["register"]
 
@@ -74,7 +75,11 @@ def register() -> None:
         torch.backends.tpu = _backends_module()  # type: ignore[attr-defined]
         sys.modules["torch.backends.tpu"] = torch.backends.tpu
     _ops.install()
-    _register_dynamo_interface()
+    _attention.install()
+    _autocast.install()
+    patch_storage_to()
+    patch_untyped_storage_new()
+    after_import("torch._dynamo", _register_dynamo_interface)
     _REGISTERED = True
 
 
@@ -105,3 +110,65 @@ def _register_dynamo_interface() -> None:
     with contextlib.suppress(NotImplementedError, RuntimeError):
         di.get_interface_for_device("tpu")  # lets torch register its own interfaces first
     di.register_interface_for_device("tpu", SimTpuInterface)
+
+
+def _storage_to_tpu(original):
+    """torch's ``storage.to(device)`` allocates through the device's C++ allocator, which a Python backend
+    cannot register (it segfaults); for ``tpu`` build the device storage over a CPU copy instead."""
+    from hf_tpu.sim._counters import STATE
+    from hf_tpu.sim._tensors import new_device_storage
+
+    def _to(self, device, non_blocking=False):
+        if isinstance(device, torch.device) and device.type == "tpu" and self.device.type == "cpu":
+            _device_module._index(device)
+            cpu = torch.UntypedStorage(self.nbytes())
+            cpu.copy_(self)
+            STATE.h2d_copies += 1
+            STATE.h2d_bytes += self.nbytes()
+            return new_device_storage(cpu, "storage.to('tpu')")
+        return original(self, device, non_blocking)
+
+    _to.__wrapped__ = original  # type: ignore[attr-defined]
+    return _to
+
+
+def patch_storage_to() -> None:
+    """Let ``torch.load(..., map_location="tpu")`` and ``storage.to("tpu")`` work (torch <= 2.13)."""
+    import torch.storage
+
+    from hf_tpu._patch import patch
+
+    current = torch.storage._to
+    if getattr(current, "__wrapped__", None) is not None:
+        return
+    patch(torch.storage, "_to", _storage_to_tpu(current), feature="sim", package="torch", versions=">=2.11,<=2.15")
+
+
+def patch_untyped_storage_new() -> None:
+    """``torch.UntypedStorage(n, device="tpu")`` would allocate through the missing PrivateUse1 allocator and
+    segfault; give it a device storage over fresh CPU memory instead (torch <= 2.13)."""
+    from hf_tpu._patch import patch
+    from hf_tpu.sim._tensors import new_device_storage
+
+    cls = torch.UntypedStorage
+    current = cls.__dict__.get("__new__")
+    if getattr(current, "_hf_tpu_sim", False):
+        return
+    base_new = torch._C.StorageBase.__new__
+
+    def __new__(klass, *args, device=None, **kwargs):
+        if device is None:
+            return base_new(klass, *args, **kwargs)
+        dev = device if isinstance(device, torch.device) else torch.device(device)
+        if dev.type != "tpu":
+            return base_new(klass, *args, device=device, **kwargs)
+        _device_module._index(dev)
+        if kwargs or len(args) > 1 or (args and not isinstance(args[0], int)):
+            raise NotImplementedError(
+                "torch.UntypedStorage(..., device='tpu') takes only a size in bytes on the simulated device; "
+                "build the storage on the CPU and move a tensor over it with .to('tpu')"
+            )
+        return new_device_storage(cls(args[0] if args else 0), "torch.UntypedStorage(device='tpu')")
+
+    __new__._hf_tpu_sim = True  # type: ignore[attr-defined]
+    patch(cls, "__new__", __new__, feature="sim", package="torch", versions=">=2.11,<=2.15")

@@ -10,6 +10,7 @@ host syncs and new shape signatures are counted on the way.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -32,6 +33,10 @@ GENERATOR = torch.Generator()
 
 _LIB: torch.library.Library | None = None
 _ATEN_LIB: torch.library.Library | None = None
+# View ops whose CPU kernel only makes an alias of the input's storage with new metadata, whatever the device:
+# registered for PrivateUse1 as a redispatch to that kernel, with no host views (views cost no device work on
+# torch_tpu either, so they add no op and no shape signature).
+_METADATA_VIEWS = ("view", "as_strided", "_reshape_alias", "unfold", "view_as_real", "view_as_complex")
 # Ops whose composite kernel only raises for a new backend: registered for PrivateUse1 directly.
 _DIRECT = ("convolution_overrideable", "convolution_backward_overrideable", "copy_")
 _TLS = threading.local()
@@ -78,7 +83,20 @@ def _check_device(dev: torch.device, op: Any) -> None:
 
 
 class _OpInfo:
-    __slots__ = ("allow_cpu", "gen_index", "gen_kw", "handler", "has_device", "impl", "mutable", "name", "sync")
+    __slots__ = (
+        "allow_cpu",
+        "call",
+        "conv_kw",
+        "conv_pos",
+        "gen_index",
+        "gen_kw",
+        "handler",
+        "has_device",
+        "impl",
+        "mutable",
+        "name",
+        "sync",
+    )
 
     def __init__(self, op: Any) -> None:
         schema = op._schema
@@ -88,8 +106,14 @@ class _OpInfo:
         self.gen_kw = False
         self.has_device = False
         self.allow_cpu = False
+        conv_pos, conv_kw = [], set()
         for i, a in enumerate(schema.arguments):
             t = str(a.type)
+            if any(k in t for k in ("Tensor", "Device", "Storage", "Any")):  # arguments that may need converting
+                if a.kwarg_only:
+                    conv_kw.add(a.name)
+                else:
+                    conv_pos.append(i)
             if a.name == "generator" and "Generator" in t:
                 self.gen_index, self.gen_kw = i, a.kwarg_only
             if "Device" in t:
@@ -99,9 +123,12 @@ class _OpInfo:
         self.handler = _HANDLERS.get(str(op)) or _HANDLERS.get(self.name)
         self.impl = _IMPLS.get(str(op)) or _IMPLS.get(self.name)
         self.sync = self.name in _DATA_DEPENDENT
+        self.conv_pos = tuple(conv_pos)
+        self.conv_kw = frozenset(conv_kw)
+        self.call = self.impl or op._op  # skip OpOverload.__call__'s Python frame
 
 
-_INFO: dict[Any, _OpInfo] = {}
+_INFO: dict[int, _OpInfo] = {}
 
 
 def host_sync(what: str) -> None:
@@ -114,111 +141,142 @@ def host_sync(what: str) -> None:
     STATE.host_syncs += 1
 
 
-class _Call:
-    """Per-call state: host views made for device inputs and the device storages they came from."""
-
-    __slots__ = ("cpu_device_out", "info", "op", "pairs", "sig", "smap")
-
-    def __init__(self, op: Any, info: _OpInfo) -> None:
-        self.op = op
-        self.info = info
-        self.smap: dict[int, torch.UntypedStorage] = {}
-        self.pairs: list[tuple[Tensor, Tensor]] = []
-        self.sig: list = [op]
-        self.cpu_device_out = False
-
-    def tensor(self, a: Tensor, allow_cpu: bool) -> Tensor:
-        if a.is_cpu:
-            if a.dim() != 0 and not allow_cpu:
-                raise _same_device_error(self.op, "cpu")
-            if a.dim() != 0:
-                STATE.h2d_copies += 1
-                STATE.h2d_bytes += a.numel() * a.element_size()
-            self.sig.append((a.shape, a.dtype, "cpu"))
-            return a
-        try:
-            buf = (ws := a.untyped_storage())._hf_buf
-        except AttributeError:
-            raise _same_device_error(self.op, str(a.device)) from None
-        except NotImplementedError:
-            raise _layout_error(self.op, a) from None
+def _host(a: Tensor, op: Any, smap: dict, pairs: list, sig: list, reuse: bool) -> Tensor:
+    """The host view of device tensor ``a`` (recorded in ``smap``/``pairs``/``sig`` for this call)."""
+    try:
+        ws = a.untyped_storage()
+        buf = ws._hf_buf
+    except AttributeError:
+        raise _same_device_error(op, str(a.device)) from None
+    except NotImplementedError:
+        raise _layout_error(op, a) from None
+    hv = ws.__dict__.get("_hf_hv") if reuse else None
+    if (
+        hv is None
+        or hv.dtype != a.dtype
+        or hv.storage_offset() != a.storage_offset()
+        or hv.size() != a.size()
+        or hv.stride() != a.stride()
+        or a.is_conj()
+        or a.is_neg()
+    ):
         hv = _empty((0,), dtype=a.dtype).set_(buf, a.storage_offset(), a.size(), a.stride())
         if a.is_conj():
             _set_conj(hv, True)
         if a.is_neg():
             _set_neg(hv, True)
-        self.smap[buf._cdata] = ws
-        self.pairs.append((hv, a))
-        self.sig.append((a.shape, a.dtype))
-        return hv
+    smap[buf._cdata] = ws
+    pairs.append((hv, a))
+    sig.append(a.shape)
+    sig.append(a.dtype)
+    return hv
 
-    def arg(self, a: Any, allow_cpu: bool = False) -> Any:
-        if isinstance(a, Tensor):
-            return self.tensor(a, allow_cpu)
-        if isinstance(a, (list, tuple)):
-            if a and any(isinstance(x, Tensor) for x in a):
-                return type(a)(self.tensor(x, allow_cpu) if isinstance(x, Tensor) else x for x in a)
-            return a
-        if isinstance(a, torch.device):
-            if a.type == "cpu":
-                self.cpu_device_out = True
-                return a
-            _check_device(a, self.op)
-            return _CPU_DEVICE
-        if isinstance(a, torch.UntypedStorage) and a.device.type != "cpu":
-            buf = a._hf_buf
-            self.smap[buf._cdata] = a
-            return buf
+
+def _cpu_tensor(a: Tensor, op: Any, allow_cpu: bool, sig: list) -> Tensor:
+    if a.dim() != 0:
+        if not allow_cpu:
+            raise _same_device_error(op, "cpu")
+        STATE.h2d_copies += 1
+        STATE.h2d_bytes += a.numel() * a.element_size()
+    sig.append(a.shape)
+    sig.append("cpu")
+    return a
+
+
+def _convert(a: Any, op: Any, info: _OpInfo, smap: dict, pairs: list, sig: list, flags: list) -> Any:
+    """One argument of an op: device tensors become host views, the tpu device becomes the CPU."""
+    if isinstance(a, Tensor):
+        if a.is_cpu:
+            return _cpu_tensor(a, op, info.allow_cpu, sig)
+        return _host(a, op, smap, pairs, sig, not info.mutable)
+    if isinstance(a, (list, tuple)):
+        if a and any(isinstance(x, Tensor) for x in a):
+            reuse = not info.mutable
+            return type(a)(
+                (_cpu_tensor(x, op, info.allow_cpu, sig) if x.is_cpu else _host(x, op, smap, pairs, sig, reuse))
+                if isinstance(x, Tensor)
+                else x
+                for x in a
+            )
         return a
+    if isinstance(a, torch.device):
+        if a.type == "cpu":
+            flags[0] = True  # explicit CPU output: leave results on the host
+            return a
+        _check_device(a, op)
+        return _CPU_DEVICE
+    if isinstance(a, torch.UntypedStorage) and a.device.type != "cpu":
+        buf = a._hf_buf
+        smap[buf._cdata] = a
+        return buf
+    return a
 
-    def result(self, r: Any) -> Any:
-        if isinstance(r, Tensor):
-            for hv, w in self.pairs:
-                if r is hv:
-                    return w
-            if self.cpu_device_out or not r.is_cpu:
-                return r
-            if r.layout != torch.strided:
-                raise _layout_error(self.op, r)
-            cs = r.untyped_storage()
-            ws = self.smap.get(cs._cdata)
-            if ws is None or ws.data_ptr() != cs.data_ptr() or ws.nbytes() != cs.nbytes():
-                ws = new_device_storage(cs, str(self.op))
-                self.smap[cs._cdata] = ws
-            return wrap(ws, r)
-        if isinstance(r, (tuple, list)):
-            return type(r)(self.result(x) for x in r)
-        return r
 
-    def write_back(self) -> None:
-        """After an op that mutates inputs: rebind device tensors whose host view changed shape or memory."""
-        for hv, w in self.pairs:
-            cs = hv.untyped_storage()
-            ws = w.untyped_storage()
-            if cs.data_ptr() != ws.data_ptr() or cs.nbytes() != ws.nbytes():
-                new = self.smap.get(cs._cdata)
-                if new is None or new.data_ptr() != cs.data_ptr() or new.nbytes() != cs.nbytes():
-                    new = new_device_storage(cs, str(self.op))
-                    self.smap[cs._cdata] = new
-                rebind(w, new, hv)
-            elif hv.storage_offset() != w.storage_offset() or hv.size() != w.size() or hv.stride() != w.stride():
-                rebind(w, ws, hv)
+def _wrap_result(r: Any, op: Any, smap: dict, pairs: list, cpu_out: bool) -> Any:
+    if isinstance(r, Tensor):
+        for hv, w in pairs:
+            if r is hv:
+                return w
+        if cpu_out or not r.is_cpu:
+            return r
+        if r.layout != torch.strided:
+            raise _layout_error(op, r)
+        cs = r.untyped_storage()
+        ws = smap.get(cs._cdata)
+        if ws is None or ws.data_ptr() != cs.data_ptr() or ws.nbytes() != cs.nbytes():
+            ws = new_device_storage(cs, op)
+            smap[cs._cdata] = ws
+        return wrap(ws, r)
+    if isinstance(r, (tuple, list)):
+        return type(r)(_wrap_result(x, op, smap, pairs, cpu_out) for x in r)
+    return r
+
+
+def _write_back(op: Any, smap: dict, pairs: list) -> None:
+    """After an op that mutates inputs: rebind device tensors whose host view changed shape or memory."""
+    for hv, w in pairs:
+        cs = hv.untyped_storage()
+        ws = w.untyped_storage()
+        if cs.data_ptr() != ws.data_ptr() or cs.nbytes() != ws.nbytes():
+            new = smap.get(cs._cdata)
+            if new is None or new.data_ptr() != cs.data_ptr() or new.nbytes() != cs.nbytes():
+                new = new_device_storage(cs, op)
+                smap[cs._cdata] = new
+            rebind(w, new, hv)
+        elif hv.storage_offset() != w.storage_offset() or hv.size() != w.size() or hv.stride() != w.stride():
+            rebind(w, ws, hv)
 
 
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
-    info = _INFO.get(op)
+    info = _INFO.get(id(op))  # OpOverloads live for the whole process; hashing them is slow
     if info is None:
-        info = _INFO[op] = _OpInfo(op)
+        info = _INFO[id(op)] = _OpInfo(op)
     if info.handler is not None:
         return info.handler(op, info, args, kwargs)
     return _generic(op, info, args, kwargs)
 
 
 def _generic(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
-    call = _Call(op, info)
-    allow = info.allow_cpu
-    cargs = [call.arg(a, allow) for a in args]
-    ckwargs = {k: call.arg(v, allow) for k, v in kwargs.items()} if kwargs else {}
+    smap: dict = {}
+    pairs: list = []
+    sig: list = [info]
+    flags = [False]
+    cargs = list(args)
+    n = len(cargs)
+    for i in info.conv_pos:
+        if i < n:
+            a = cargs[i]
+            if isinstance(a, Tensor) and not a.is_cpu:  # the common case, inlined
+                cargs[i] = _host(a, op, smap, pairs, sig, not info.mutable)
+            else:
+                cargs[i] = _convert(a, op, info, smap, pairs, sig, flags)
+    if kwargs:
+        conv_kw = info.conv_kw
+        ckwargs = {
+            k: (_convert(v, op, info, smap, pairs, sig, flags) if k in conv_kw else v) for k, v in kwargs.items()
+        }
+    else:
+        ckwargs = {}
     if info.gen_index >= 0:
         if info.gen_kw or len(cargs) <= info.gen_index:
             if ckwargs.get("generator") is None:
@@ -227,28 +285,29 @@ def _generic(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
             cargs[info.gen_index] = GENERATOR
     STATE.ops += 1
     if not STATE.in_graph:
-        key = tuple(call.sig)
+        key = tuple(sig)
         seen = STATE.seen
         if key not in seen:
             seen.add(key)
             STATE.shape_signatures += 1
     if info.sync:
         host_sync(f"{info.name} has a data-dependent output shape")
-    impl = info.impl or op
     try:
-        out = impl(*cargs, **ckwargs)
+        out = info.call(*cargs, **ckwargs)
     except NotImplementedError as e:
         raise NotImplementedError(f"{op} is not supported on the simulated tpu device: {e}") from None
     except RuntimeError as e:
         # A 0-dim "wrapped number" tensor argument reaches Python as a plain number; the overload packet then
         # picks the Scalar overload, which has the same type promotion as the wrapped number.
-        if impl is not op or "Expected a value of type" not in str(e):
+        if info.impl is not None or "Expected a value of type" not in str(e):
             raise
         out = op._overloadpacket(*cargs, **ckwargs)
     if info.mutable:
-        call.write_back()
-    res = call.result(out)
-    if out is not None and not isinstance(out, (Tensor, tuple, list)) and info.name not in _METADATA_RESULT:
+        _write_back(op, smap, pairs)
+    if isinstance(out, Tensor):
+        return _wrap_result(out, op, smap, pairs, flags[0])
+    res = _wrap_result(out, op, smap, pairs, flags[0])
+    if out is not None and not isinstance(out, (tuple, list)) and info.name not in _METADATA_RESULT:
         host_sync(f"{info.name} returns a Python value computed on the device")
     return res
 
@@ -363,9 +422,51 @@ _IMPLS = {
 }
 
 
-def _direct(op: Any) -> Any:
+def _direct_ops() -> list[str]:
+    """Aten ops to register for PrivateUse1 one by one (the catch-all fallback still serves other namespaces).
+
+    - Ops that would otherwise reach the catch-all fallback: a Python *fallback* cannot run while a
+      TorchDispatchMode is active (FakeTensorMode during torch.compile tracing trips an internal assert in
+      torch 2.13's python_op_registration_trampoline_impl), a per-op registration can.
+    - Structured ops, which reach a new backend as ``empty`` + ``op.out`` (CompositeExplicitAutogradNonFunctional):
+      two trips through Python instead of one; and composites that round differently from the CPU kernel
+      (native_layer_norm): registered so that the CPU kernel runs them directly.
+    """
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    names = [f"aten::{n}" for n in _DIRECT]
+    for n in torch._C._dispatch_get_all_op_names():
+        if not n.startswith("aten::") or has(n, "PrivateUse1") or has(n, "CompositeImplicitAutograd"):
+            continue
+        if n.partition("::")[2].partition(".")[0] in _METADATA_VIEWS:
+            continue
+        explicit = has(n, "CompositeExplicitAutograd")
+        if has(n, "CompositeExplicitAutogradNonFunctional") or not explicit or has(n, "CPU"):
+            names.append(n)
+    return names
+
+
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def _cpu_view(op: Any) -> Any:
+    redispatch = op._handle.redispatch_boxed
+
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        return _fallback(op, *args, **kwargs)
+        return redispatch(_CPU_KEYS, *args, **kwargs)
+
+    return kernel
+
+
+def _direct(op: Any) -> Any:
+    info: _OpInfo | None = None
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        nonlocal info
+        if info is None:  # built on first use: most ops are never called
+            info = _INFO.get(id(op)) or _INFO.setdefault(id(op), _OpInfo(op))
+        if info.handler is not None:
+            return info.handler(op, info, args, kwargs)
+        return _generic(op, info, args, kwargs)
 
     return kernel
 
@@ -381,8 +482,16 @@ def install() -> None:
     lib.fallback(_fallback, "PrivateUse1")
     _LIB = lib
     aten_lib = torch.library.Library("aten", "IMPL")
-    for name in _DIRECT:
-        op = getattr(aten, name).default
-        aten_lib.impl(name, _direct(op), "PrivateUse1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" for the composite ones
+        for qualified in _direct_ops():
+            name, _, overload = qualified.partition("::")[2].partition(".")
+            op = getattr(getattr(aten, name), overload or "default")
+            aten_lib.impl(op, _direct(op), "PrivateUse1")
+        for name in _METADATA_VIEWS:
+            for overload in getattr(aten, name).overloads():
+                op = getattr(getattr(aten, name), overload)
+                if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"):
+                    aten_lib.impl(op, _cpu_view(op), "PrivateUse1")
     _ATEN_LIB = aten_lib
     _tensors._DEVICE = torch.device("tpu", 0)

@@ -10,14 +10,15 @@ simulated tensor's contents.
 from __future__ import annotations
 
 import torch
-from torch._C import DispatchKey
+from torch._C import DispatchKey, DispatchKeySet
 
 from hf_tpu.sim._counters import STATE
 
 __all__ = ["host_view", "is_sim_tensor"]
 
-_CPU = DispatchKey.CPU
-_set_storage = torch.ops.aten.set_.source_Storage_storage_offset._op_dk
+# set_ on a device tensor, run by the CPU kernel (the boxed redispatch is the cheapest way in from Python)
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
+_CPU = DispatchKeySet(DispatchKey.CPU)
 _create = torch._C._acc.create_empty_tensor
 _from_ptr = torch._C._construct_storage_from_data_pointer
 _empty = torch.empty
@@ -46,7 +47,7 @@ class _Allocation:
         STATE.live_bytes -= self.nbytes
 
 
-def check_oom(nbytes: int, what: str) -> None:
+def check_oom(nbytes: int, what: object) -> None:
     """Raise torch.OutOfMemoryError when ``nbytes`` more would not fit in the simulated HBM."""
     hbm = STATE.hbm_bytes
     if hbm and STATE.live_bytes + nbytes > hbm:
@@ -59,7 +60,7 @@ def check_oom(nbytes: int, what: str) -> None:
         )
 
 
-def new_device_storage(cpu_storage: torch.UntypedStorage, what: str = "an op") -> torch.UntypedStorage:
+def new_device_storage(cpu_storage: torch.UntypedStorage, what: object = "an op") -> torch.UntypedStorage:
     """A device storage over ``cpu_storage``'s memory, counted as device memory (may raise OOM)."""
     nbytes = cpu_storage.nbytes()
     if STATE.hbm_bytes and STATE.live_bytes + nbytes > STATE.hbm_bytes:
@@ -78,12 +79,15 @@ def wrap(ws: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
         _set_conj(w, True)
     if like.is_neg():
         _set_neg(w, True)
+    else:
+        ws._hf_hv = like  # the host view of w, reused while w's metadata still matches it
     return w
 
 
 def rebind(w: torch.Tensor, ws: torch.UntypedStorage, like: torch.Tensor) -> None:
     """Point existing device tensor ``w`` at ``ws`` with ``like``'s metadata (in-place ops, ``out=``, resize)."""
     _set_storage(_CPU, w, ws, like.storage_offset(), like.size(), like.stride())
+    ws._hf_hv = None
 
 
 def to_device(cpu: torch.Tensor) -> torch.Tensor:

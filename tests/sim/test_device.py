@@ -1,5 +1,7 @@
 """Device semantics of the simulated tpu: placement, views, in-place ops, out=, resize_, autograd, errors."""
 
+import io
+
 import pytest
 import torch
 
@@ -164,3 +166,77 @@ def test_fft_matches_cpu():
     x = torch.randn(4, 8)
     torch.testing.assert_close(torch.fft.rfft(x.to("tpu")).cpu(), torch.fft.rfft(x))
     torch.testing.assert_close(torch.fft.fft2(x.to("tpu")).cpu(), torch.fft.fft2(x))
+
+
+def test_torch_load_map_location_tpu():
+    buf = io.BytesIO()
+    w = torch.arange(6.0).view(2, 3)
+    torch.save({"w": w, "tail": w.flatten()[2:]}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, map_location="tpu")
+    assert loaded["w"].device.type == "tpu" and torch.equal(loaded["w"].cpu(), w)
+    assert torch.equal(loaded["tail"].cpu(), w.flatten()[2:])
+
+
+def test_tensor_constructor_under_fake_mode():
+    # torch.compile traces with FakeTensorMode active; torch.tensor(..., device="tpu") inside must work
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        t = torch.tensor([1.0, 2.0], device="tpu")
+    assert t.device.type == "tpu" and t.shape == (2,)
+
+
+def test_sdpa_runs_fused_and_matches_cpu_with_grads():
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    mask = torch.randn(16, 16)
+    qt, kt, vt = (t.detach().to("tpu").requires_grad_() for t in (q, k, v))
+    mask_t = mask.to("tpu")
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with hf_tpu.sim.stats() as s:
+        out_t = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask_t)
+    assert s.ops == 1  # one fused device op, as on torch_tpu, not the math decomposition
+    torch.testing.assert_close(out_t.cpu(), out)
+    g = torch.randn_like(out)
+    out.backward(g)
+    out_t.backward(g.to("tpu"))
+    for a, b in zip((q, k, v), (qt, kt, vt), strict=True):
+        assert b.grad.device.type == "tpu"
+        torch.testing.assert_close(b.grad.cpu(), a.grad)
+
+
+def test_sdpa_dropout_uses_device_generator():
+    import torch.nn.functional as F
+
+    q = torch.randn(1, 2, 8, 4, device="tpu")
+    torch.manual_seed(3)
+    a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).cpu()
+    torch.manual_seed(3)
+    b = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).cpu()
+    assert torch.equal(a, b)
+
+
+def test_autocast_tpu_follows_cpu_policy():
+    a, b = torch.randn(4, 8), torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.nn.functional.linear(a, b).float().softmax(-1)
+    with torch.autocast("tpu"):  # bfloat16 by default, as on TPU
+        out = torch.nn.functional.linear(a.to("tpu"), b.to("tpu"))
+        probs = out.float().softmax(-1)
+    assert out.dtype == torch.bfloat16 and probs.dtype == torch.float32
+    torch.testing.assert_close(probs.cpu(), ref)
+    lin = torch.nn.Linear(8, 3).to("tpu")
+    with torch.autocast("tpu"):
+        loss = lin(a.to("tpu")).float().square().mean()
+    loss.backward()
+    assert lin.weight.grad.dtype == torch.float32 and lin.weight.grad.device.type == "tpu"
+
+
+def test_untyped_storage_on_tpu_does_not_crash():
+    s = torch.UntypedStorage(16, device="tpu")
+    assert s.device.type == "tpu" and s.nbytes() == 16
+    t = torch.empty(0, device="tpu").set_(s, 0, (4,), (1,))
+    t.fill_(2.0)
+    assert t.cpu().tolist() == [2.0] * 4

@@ -8,6 +8,8 @@ import pytest
 import torch
 import transformers as tf
 
+import hf_tpu.sim
+
 V = 96  # vocab
 
 _DEC = {
@@ -127,3 +129,20 @@ def test_greedy_generate_token_identical(name, tmp_path):
     got = tpu.generate(input_ids=ids.to("tpu"), attention_mask=mask.to("tpu"), **kw)
     assert got.device.type == "tpu"
     assert torch.equal(got.cpu(), ref)
+
+
+def test_compiled_llama_forward_matches_cpu_and_counts_compiles(tmp_path):
+    torch._dynamo.reset()
+    cpu, tpu = _load("llama", tmp_path)
+    ids, mask = _batch()
+    forward = torch.compile(tpu.forward, backend="tpu", dynamic=False)
+    with torch.no_grad(), hf_tpu.sim.stats() as s:
+        got = forward(input_ids=ids.to("tpu"), attention_mask=mask.to("tpu")).logits
+        forward(input_ids=ids.to("tpu"), attention_mask=mask.to("tpu"))
+        ref = cpu(input_ids=ids, attention_mask=mask).logits
+    assert s.compiles >= 1
+    first = s.compiles
+    with torch.no_grad(), hf_tpu.sim.stats() as s2:
+        forward(input_ids=ids.to("tpu"), attention_mask=mask.to("tpu"))
+    assert s2.compiles == 0 and first == s.compiles
+    torch.testing.assert_close(got.cpu(), ref, rtol=1e-4, atol=1e-5)
