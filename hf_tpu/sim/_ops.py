@@ -23,6 +23,8 @@ __all__ = ["GENERATOR", "install"]
 Tensor = torch.Tensor
 aten = torch.ops.aten
 _empty = torch.empty
+_set_conj = torch._C._set_conj
+_set_neg = torch._C._set_neg
 _CPU_DEVICE = torch.device("cpu")
 
 # The device's random generator (torch_tpu keeps its own; torch.manual_seed seeds it through torch.tpu).
@@ -31,7 +33,7 @@ GENERATOR = torch.Generator()
 _LIB: torch.library.Library | None = None
 _ATEN_LIB: torch.library.Library | None = None
 # Ops whose composite kernel only raises for a new backend: registered for PrivateUse1 directly.
-_DIRECT = ("convolution_overrideable", "convolution_backward_overrideable")
+_DIRECT = ("convolution_overrideable", "convolution_backward_overrideable", "copy_")
 _TLS = threading.local()
 
 # Ops whose output shape depends on the data: a real TPU must bring a value back to the host to run them.
@@ -57,6 +59,13 @@ def _same_device_error(op: Any, found: str) -> RuntimeError:
     return RuntimeError(
         f"Expected all tensors to be on the same device, but found at least two devices, tpu:0 and {found}! "
         f"(when running {op} on the simulated tpu device; move the tensor with .to('tpu') or .cpu())"
+    )
+
+
+def _layout_error(op: Any, t: Tensor) -> NotImplementedError:
+    return NotImplementedError(
+        f"{op}: {t.layout} tensors are not supported on the simulated tpu device (torch_tpu supports strided "
+        "tensors only); use dense tensors, or run this op on the CPU."
     )
 
 
@@ -127,12 +136,17 @@ class _Call:
                 STATE.h2d_bytes += a.numel() * a.element_size()
             self.sig.append((a.shape, a.dtype, "cpu"))
             return a
-        ws = a.untyped_storage()
         try:
-            buf = ws._hf_buf
+            buf = (ws := a.untyped_storage())._hf_buf
         except AttributeError:
             raise _same_device_error(self.op, str(a.device)) from None
+        except NotImplementedError:
+            raise _layout_error(self.op, a) from None
         hv = _empty((0,), dtype=a.dtype).set_(buf, a.storage_offset(), a.size(), a.stride())
+        if a.is_conj():
+            _set_conj(hv, True)
+        if a.is_neg():
+            _set_neg(hv, True)
         self.smap[buf._cdata] = ws
         self.pairs.append((hv, a))
         self.sig.append((a.shape, a.dtype))
@@ -164,6 +178,8 @@ class _Call:
                     return w
             if self.cpu_device_out or not r.is_cpu:
                 return r
+            if r.layout != torch.strided:
+                raise _layout_error(self.op, r)
             cs = r.untyped_storage()
             ws = self.smap.get(cs._cdata)
             if ws is None or ws.data_ptr() != cs.data_ptr() or ws.nbytes() != cs.nbytes():
@@ -223,6 +239,12 @@ def _generic(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
         out = impl(*cargs, **ckwargs)
     except NotImplementedError as e:
         raise NotImplementedError(f"{op} is not supported on the simulated tpu device: {e}") from None
+    except RuntimeError as e:
+        # A 0-dim "wrapped number" tensor argument reaches Python as a plain number; the overload packet then
+        # picks the Scalar overload, which has the same type promotion as the wrapped number.
+        if impl is not op or "Expected a value of type" not in str(e):
+            raise
+        out = op._overloadpacket(*cargs, **ckwargs)
     if info.mutable:
         call.write_back()
     res = call.result(out)

@@ -21,6 +21,8 @@ _set_storage = torch.ops.aten.set_.source_Storage_storage_offset._op_dk
 _create = torch._C._acc.create_empty_tensor
 _from_ptr = torch._C._construct_storage_from_data_pointer
 _empty = torch.empty
+_set_conj = torch._C._set_conj
+_set_neg = torch._C._set_neg
 _DEVICE: torch.device | None = None  # torch.device("tpu", 0), set once the backend is renamed
 
 
@@ -72,6 +74,10 @@ def wrap(ws: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
     """A new device tensor over device storage ``ws`` with ``like``'s dtype, sizes, strides and offset."""
     w = _create((0,), like.dtype)
     _set_storage(_CPU, w, ws, like.storage_offset(), like.size(), like.stride())
+    if like.is_conj():
+        _set_conj(w, True)
+    if like.is_neg():
+        _set_neg(w, True)
     return w
 
 
@@ -108,4 +114,9 @@ def host_view(t: torch.Tensor) -> torch.Tensor:
         buf = t.untyped_storage()._hf_buf
     except AttributeError:
         raise TypeError(f"host_view() expects a tensor on the simulated tpu device, got one on {t.device}") from None
-    return _empty((0,), dtype=t.dtype).set_(buf, t.storage_offset(), t.size(), t.stride())
+    hv = _empty((0,), dtype=t.dtype).set_(buf, t.storage_offset(), t.size(), t.stride())
+    if t.is_conj():
+        _set_conj(hv, True)
+    if t.is_neg():
+        _set_neg(hv, True)
+    return hv

@@ -10,18 +10,50 @@ import transformers as tf
 
 V = 96  # vocab
 
-_DEC = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64)
+_DEC = {
+    "vocab_size": V,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
 MODELS = {
     "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(_DEC)),
     "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(_DEC, head_dim=8)),
     "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, dict(_DEC, head_dim=8)),
-    "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
-    "bert": (tf.BertConfig, tf.BertForMaskedLM, dict(vocab_size=V, hidden_size=32, num_hidden_layers=2,
-                                                     num_attention_heads=4, intermediate_size=64,
-                                                     max_position_embeddings=64)),
-    "t5": (tf.T5Config, tf.T5ForConditionalGeneration, dict(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                                            num_heads=4, decoder_start_token_id=0, pad_token_id=0)),
+    "gpt2": (
+        tf.GPT2Config,
+        tf.GPT2LMHeadModel,
+        {"vocab_size": V, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
+    ),
+    "bert": (
+        tf.BertConfig,
+        tf.BertForMaskedLM,
+        {
+            "vocab_size": V,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+            "max_position_embeddings": 64,
+        },
+    ),
+    "t5": (
+        tf.T5Config,
+        tf.T5ForConditionalGeneration,
+        {
+            "vocab_size": V,
+            "d_model": 32,
+            "d_kv": 8,
+            "d_ff": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "decoder_start_token_id": 0,
+            "pad_token_id": 0,
+        },
+    ),
 }
 DECODERS = ("llama", "qwen3", "gemma", "gpt2")
 
@@ -48,7 +80,7 @@ def _batch():
 
 
 def _inputs(name, ids, mask, device):
-    kw = dict(input_ids=ids.to(device), attention_mask=mask.to(device))
+    kw = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
     if name == "t5":
         kw["decoder_input_ids"] = ids[:, :5].to(device)
     return kw
@@ -90,7 +122,7 @@ def test_forward_and_training_step_match_cpu(name, tmp_path):
 def test_greedy_generate_token_identical(name, tmp_path):
     cpu, tpu = _load(name, tmp_path)
     ids, mask = _batch()
-    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     ref = cpu.generate(input_ids=ids, attention_mask=mask, **kw)
     got = tpu.generate(input_ids=ids.to("tpu"), attention_mask=mask.to("tpu"), **kw)
     assert got.device.type == "tpu"

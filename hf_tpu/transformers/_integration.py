@@ -1,0 +1,34 @@
+"""The ``generation`` integration: route ``GenerationMixin.generate`` on TPU-placed models through hf_tpu's loop.
+
+Upstream's ``generate`` keeps doing all the argument handling; the replacement only adds a ``custom_generate``
+loop (upstream's own extension point) when the model sits on a ``tpu`` device and the call is greedy search or
+sampling. On every other device it calls upstream unchanged. Written for transformers 5.24 (``custom_generate``
+callables and ``cache=`` naming arrived in 5.x); :func:`hf_tpu.disable` puts the original back.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hf_tpu._patch import patch
+
+__all__ = ["FEATURE", "apply"]
+
+FEATURE = "generation"
+
+
+def apply() -> None:
+    from transformers.generation.utils import GenerationMixin
+
+    from hf_tpu.transformers import generation
+
+    upstream = GenerationMixin.__dict__["generate"]
+    upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
+    generation._UPSTREAM_GENERATE = upstream
+
+    @functools.wraps(upstream)
+    def generate(self, *args, **kwargs):
+        return generation.generate(self, *args, **kwargs)
+
+    generate.__hf_tpu_upstream__ = upstream
+    patch(GenerationMixin, "generate", generate, feature=FEATURE, package="transformers", versions=">=5.0,<6")

@@ -1,0 +1,107 @@
+"""Warm-up: compile ahead of time every graph ``generate`` will need, so that serving compiles nothing.
+
+After :func:`warmup`, a ``generate`` call whose batch size was warmed, whose prompt fits the largest warmed prompt
+bucket and whose ``max_new_tokens`` is at most the warmed one runs on graphs that already exist. With
+``strict=True`` (or ``HF_TPU_STRICT_COMPILE=1``), a call that would need a new graph raises
+:class:`~hf_tpu.transformers.generation.RecompileError` naming the shape instead of compiling.
+
+Example:
+    >>> import hf_tpu                                                                        # doctest: +SKIP
+    >>> report = hf_tpu.warmup(model, max_prompt_len=256, batch_sizes=[1, 4], max_new_tokens=64)   # doctest: +SKIP
+    >>> report.graphs                                                                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from hf_tpu.transformers.buckets import BucketLadder
+
+__all__ = ["WarmupReport", "warmup"]
+
+
+@dataclass
+class WarmupReport:
+    """What :func:`warmup` did: the graph keys it covered, how many of them were new, and how long it took."""
+
+    graphs: list[tuple] = field(default_factory=list)
+    new_compiles: int = 0
+    seconds: float = 0.0
+    prompt_buckets: tuple[int, ...] = ()
+    batch_sizes: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        return (
+            f"warm-up: {len(self.graphs)} graphs ({self.new_compiles} newly compiled) for batch sizes "
+            f"{list(self.batch_sizes)} and prompt buckets {list(self.prompt_buckets)} in {self.seconds:.1f}s"
+        )
+
+
+def warmup(
+    model,
+    max_prompt_len: int = 128,
+    batch_sizes: Iterable[int] = (1,),
+    max_new_tokens: int = 32,
+    *,
+    buckets: BucketLadder | Iterable[int] | None = None,
+    strict: bool | None = None,
+    progress: bool = True,
+) -> WarmupReport:
+    """Compile the prefill and decode graphs for every prompt bucket up to ``max_prompt_len`` and every batch size.
+
+    ``buckets`` replaces the model's ladder first (see :func:`hf_tpu.transformers.generation.configure`).
+    ``strict=True`` makes a later compile an error; None keeps the current setting (or the environment variable).
+    ``progress`` shows a progress bar (tqdm) while compiling.
+
+    Example:
+        >>> hf_tpu.warmup(model, max_prompt_len=64, batch_sizes=[1], max_new_tokens=16)   # doctest: +SKIP
+        WarmupReport(graphs=[('prefill', 1, 16, 32), ('decode', 1, 32), ...], ...)
+    """
+    from tqdm.auto import tqdm
+
+    from hf_tpu.transformers import generation
+
+    if buckets is not None or strict is not None:
+        generation.configure(model, buckets=buckets, strict=strict)
+    device = getattr(model, "device", None)
+    if device is None or device.type not in generation._DEVICE_TYPES:
+        from hf_tpu.runtime import require_tpu
+
+        require_tpu("hf_tpu.warmup(model)")
+        raise ValueError(
+            f"hf_tpu.warmup needs a model placed on the TPU, but it is on {device}: "
+            "load it with device_map='tpu' or call model.to('tpu') first."
+        )
+    state = generation._state(model)
+    ladder = state.ladder(model.config)
+    batch_sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"batch_sizes must hold positive integers, got {batch_sizes!r}")
+    prompt_buckets = ladder.up_to(max_prompt_len)
+    seq2seq = bool(model.config.is_encoder_decoder)
+
+    plans = []
+    for batch in batch_sizes:
+        for bucket in prompt_buckets:
+            if seq2seq:
+                plans.append(generation.plan_shapes(model, batch, 1, max_new_tokens, encoder_len=bucket))
+            else:
+                plans.append(generation.plan_shapes(model, batch, bucket, max_new_tokens))
+
+    before = len(state.compiled)
+    start = time.perf_counter()
+    report = WarmupReport(prompt_buckets=prompt_buckets, batch_sizes=batch_sizes)
+    bar = tqdm(plans, desc="hf_tpu warm-up", unit="shape", disable=not progress)
+    for plan in bar:
+        shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
+        bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
+        for key in generation._warm(model, plan):
+            if key not in report.graphs:
+                report.graphs.append(key)
+    bar.close()
+    state.warmed = True
+    report.new_compiles = len(state.compiled) - before
+    report.seconds = time.perf_counter() - start
+    return report

@@ -1,0 +1,81 @@
+"""Tiny models for the generation tests, built from configs, saved and loaded back through ``from_pretrained``.
+
+Each model family is built once per test session (module-level cache) so that the compiled graphs are shared by the
+tests that use it: compiles, not forwards, are what costs time here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tpu
+import hf_tpu.sim
+
+VOCAB = 96
+COMMON = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def _config(family: str):
+    import transformers as T
+
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    if family == "llama":
+        return T.LlamaConfig(num_key_value_heads=2, max_position_embeddings=256, **small, **COMMON)
+    if family == "qwen3":
+        return T.Qwen3Config(num_key_value_heads=2, head_dim=8, max_position_embeddings=256, **small, **COMMON)
+    if family == "gemma":
+        return T.GemmaConfig(num_key_value_heads=1, head_dim=8, max_position_embeddings=256, **small, **COMMON)
+    if family == "gpt2":
+        return T.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, **COMMON)
+    if family == "t5":
+        return T.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0, **COMMON)
+    raise ValueError(family)
+
+
+_MODELS: dict[str, tuple] = {}
+
+
+def load_pair(family: str, tmp_root) -> tuple:
+    """(cpu_model, tpu_model): the same tiny weights, saved and loaded back, one copy on each device."""
+    if family not in _MODELS:
+        import transformers as T
+
+        torch.manual_seed(0)
+        config = _config(family)
+        cls = T.AutoModelForSeq2SeqLM if config.is_encoder_decoder else T.AutoModelForCausalLM
+        path = tmp_root / family
+        cls.from_config(config).save_pretrained(path)
+        cpu = cls.from_pretrained(path).eval()
+        tpu = cls.from_pretrained(path).eval().to("tpu")
+        _MODELS[family] = (cpu, tpu)
+    return _MODELS[family]
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gen-models")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _generation_enabled():
+    hf_tpu.sim.enable()
+    with hf_tpu.enabled("generation"):
+        yield
+
+
+@pytest.fixture
+def llama(model_root):
+    return load_pair("llama", model_root)
+
+
+def prompts(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch of random prompts of the given lengths: (input_ids, attention_mask) on the host."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[row, width - n :] = 1
+    return ids, mask

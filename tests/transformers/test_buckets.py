@@ -1,0 +1,31 @@
+import pytest
+
+from hf_tpu.transformers.buckets import BucketLadder, BucketOverflowError, default_ladder
+
+
+def test_powers_of_two_and_rounding():
+    ladder = BucketLadder.powers_of_two(16, 512)
+    assert ladder.rungs == (16, 32, 64, 128, 256, 512)
+    assert [ladder.bucket(n) for n in (1, 16, 17, 100, 512)] == [16, 16, 32, 128, 512]
+    assert ladder.up_to(33) == (16, 32, 64)
+    assert ladder.at_least(100) == (128, 256, 512)
+    assert BucketLadder.powers_of_two(16, 100).rungs == (16, 32, 64, 100)
+
+
+def test_coerce_sorts_and_dedups():
+    assert BucketLadder.coerce([64, 16, 16, 32]).rungs == (16, 32, 64)
+    with pytest.raises(ValueError, match="at least one positive"):
+        BucketLadder(())
+
+
+def test_overflow_names_the_length_and_the_fix():
+    ladder = BucketLadder((16, 32))
+    with pytest.raises(BucketOverflowError, match=r"the prompt is 40 tokens, past the largest bucket \(32"):
+        ladder.bucket(40, "the prompt")
+
+
+def test_default_ladder_follows_the_model_limit():
+    from transformers import GPT2Config, T5Config
+
+    assert default_ladder(GPT2Config(n_positions=200)).rungs == (16, 32, 64, 128, 200)
+    assert default_ladder(T5Config()).max == 4096  # relative positions: no limit in the config

@@ -1,0 +1,208 @@
+"""Generation on the simulated TPU against upstream ``generate`` on CPU, with the device counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, load_pair, prompts
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+import hf_tpu
+import hf_tpu.sim
+from hf_tpu.transformers import generation
+from hf_tpu.transformers.buckets import BucketOverflowError
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gpt2", "t5"])
+def test_greedy_matches_cpu_for_batched_prompts_of_different_lengths(family, model_root):
+    cpu, tpu = load_pair(family, model_root)
+    ids, mask = prompts([5, 11])
+    expected = cpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    got = tpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert got.device.type == "cpu"  # back on the inputs' device
+    assert torch.equal(got, expected)
+    assert generation.compiled_graphs(tpu)  # the bucketed loop ran, not upstream's
+
+
+def test_inputs_on_the_device_come_back_on_the_device(llama):
+    cpu, tpu = llama
+    ids, mask = prompts([7, 3])
+    expected = cpu.generate(ids, attention_mask=mask, max_new_tokens=4)
+    got = tpu.generate(ids.to("tpu"), attention_mask=mask.to("tpu"), max_new_tokens=4)
+    assert got.device.type == "tpu"
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_compiles_are_bounded_by_the_buckets_touched(model_root):
+    cpu, tpu = load_pair("qwen3", model_root)
+    generation.configure(tpu, buckets=[16, 32, 64])
+    batches = [(1, 3), (9, 14), (16, 5), (17, 2), (25, 31), (7, 12)]  # 11 distinct lengths in two buckets
+    with hf_tpu.sim.stats() as s:
+        for seed, lengths in enumerate(batches):
+            ids, mask = prompts(list(lengths), seed=seed)
+            got = tpu.generate(ids, attention_mask=mask, max_new_tokens=4)
+            assert torch.equal(got, cpu.generate(ids, attention_mask=mask, max_new_tokens=4))
+    graphs = set(generation.compiled_graphs(tpu))
+    # Prompt buckets 16 and 32, each with one cache bucket: one prefill and one decode graph per bucket, at most.
+    assert {k for k in graphs if k[0] == "prefill"} == {("prefill", 2, 16, 32), ("prefill", 2, 32, 64)}
+    assert s.compiles <= 4
+
+
+def test_warmup_then_no_compiles_and_strict_names_the_shape(model_root, monkeypatch):
+    cpu, tpu = load_pair("gemma", model_root)
+    generation.configure(tpu, buckets=[16, 32, 64, 128])
+    report = hf_tpu.warmup(tpu, max_prompt_len=30, batch_sizes=[2], max_new_tokens=8, progress=False)
+    assert report.prompt_buckets == (16, 32)
+    assert ("decode", 2, 32) in report.graphs and ("prefill", 2, 32, 64) in report.graphs
+    with hf_tpu.sim.stats() as s:
+        for lengths in ((2, 13), (16, 21), (30, 1)):
+            ids, mask = prompts(list(lengths))
+            got = tpu.generate(ids, attention_mask=mask, max_new_tokens=8)
+            assert torch.equal(got, cpu.generate(ids, attention_mask=mask, max_new_tokens=8))
+        # a shorter generation reuses the warmed cache bucket instead of compiling a smaller one
+        ids, mask = prompts([4, 4])
+        tpu.generate(ids, attention_mask=mask, max_new_tokens=2)
+    assert s.compiles == 0
+
+    monkeypatch.setenv(generation.STRICT_ENV, "1")
+    with pytest.raises(generation.RecompileError, match=r"prefill graph for batch=1, prompt bucket=16"):
+        tpu.generate(prompts([5])[0], max_new_tokens=8)
+    monkeypatch.delenv(generation.STRICT_ENV)
+    generation.configure(tpu, strict=True)
+    try:
+        with pytest.raises(generation.RecompileError, match="warm-up did not compile"):
+            tpu.generate(ids, attention_mask=mask, max_new_tokens=100)  # a larger cache bucket
+        tpu.generate(ids, attention_mask=mask, max_new_tokens=8)  # warmed: fine in strict mode
+    finally:
+        generation.configure(tpu, strict=False)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_at_most_one_small_copy_each_way_per_decode_step(llama, do_sample):
+    _, tpu = llama
+    ids, mask = prompts([6, 9])
+
+    def run(new_tokens):
+        torch.manual_seed(0)
+        with hf_tpu.sim.stats() as s:
+            out = tpu.generate(
+                ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=do_sample, eos_token_id=None
+            )
+        assert out.shape[1] == ids.shape[1] + new_tokens
+        return s
+
+    run(12)  # compile first
+    short, long = run(2), run(12)
+    steps = 10
+    assert (long.h2d_copies - short.h2d_copies) / steps <= 1
+    assert (long.d2h_copies - short.d2h_copies) / steps <= 1
+    assert (long.host_syncs - short.host_syncs) / steps <= 1
+    assert long.compiles == 0 and long.shape_signatures == 0
+    if not do_sample:  # greedy: only the chosen tokens come back, not the logits
+        assert (long.d2h_bytes - short.d2h_bytes) / steps <= 2 * 8
+
+
+def test_sampling_is_reproducible_with_a_seed(llama):
+    cpu, tpu = llama
+    ids, mask = prompts([4, 7])
+    kwargs = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": True, "top_k": 20, "temperature": 0.9}
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(1234)
+        runs.append(tpu.generate(ids, **kwargs))
+    torch.manual_seed(1234)
+    expected = cpu.generate(ids, **kwargs)
+    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[0], expected)  # the host samples exactly as upstream does
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_what_upstream_streams(llama):
+    cpu, tpu = llama
+    ids, _ = prompts([5, 5])
+    a, b = _Collect(), _Collect()
+    expected = cpu.generate(ids, max_new_tokens=5, streamer=a)
+    got = tpu.generate(ids, max_new_tokens=5, streamer=b)
+    assert torch.equal(got, expected)
+    assert b.chunks == a.chunks and b.ended
+
+
+def test_eos_max_length_and_custom_stopping_criteria_as_upstream(llama):
+    cpu, tpu = llama
+    ids, mask = prompts([4, 8])
+    free = cpu.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 2])  # a token the first row emits at its third step
+    for kwargs in (
+        {"max_new_tokens": 8, "eos_token_id": eos},  # row 0 stops early and is padded while row 1 goes on
+        {"max_length": ids.shape[1] + 3},
+    ):
+        assert torch.equal(
+            tpu.generate(ids, attention_mask=mask, **kwargs), cpu.generate(ids, attention_mask=mask, **kwargs)
+        )
+
+    class StopAt(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 12, dtype=torch.bool)
+
+    stop = StoppingCriteriaList([StopAt()])
+    expected = cpu.generate(ids, attention_mask=mask, max_new_tokens=16, stopping_criteria=stop)
+    got = tpu.generate(ids, attention_mask=mask, max_new_tokens=16, stopping_criteria=stop)
+    assert got.shape[1] == 12 and torch.equal(got, expected)
+
+
+def test_return_dict_with_scores(llama):
+    cpu, tpu = llama
+    ids, mask = prompts([6, 2])
+    kwargs = {"attention_mask": mask, "max_new_tokens": 3, "return_dict_in_generate": True, "output_scores": True}
+    expected, got = cpu.generate(ids, **kwargs), tpu.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert len(got.scores) == 3
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores))
+
+
+def test_bad_inputs_get_clear_messages(llama):
+    _, tpu = llama
+    limit = generation.plan_shapes(tpu, 1, 1, 1)  # the default ladder ends at max_position_embeddings
+    ladder_max = generation._state(tpu).settings.buckets.max
+    assert limit.prompt_bucket == 16
+    long_prompt = torch.randint(3, VOCAB, (1, ladder_max + 1))
+    with pytest.raises(BucketOverflowError, match=rf"the prompt is {ladder_max + 1} tokens, past the largest bucket"):
+        tpu.generate(long_prompt, max_new_tokens=2)
+    with pytest.raises(BucketOverflowError, match="plus max_new_tokens"):
+        tpu.generate(torch.randint(3, VOCAB, (1, 10)), max_new_tokens=ladder_max)
+
+
+def test_dynamic_cache_and_beam_search_warn_and_run_upstream(llama):
+    cpu, tpu = llama
+    ids, _ = prompts([5])
+    generation._WARNED.clear()
+    with pytest.warns(UserWarning, match="every decode step has a new shape and compiles"):
+        got = tpu.generate(ids, max_new_tokens=3, cache_implementation="dynamic")
+    assert torch.equal(got, cpu.generate(ids, max_new_tokens=3))
+    with pytest.warns(UserWarning, match="beam_search is not supported by the bucketed loop"):
+        got = tpu.generate(ids, max_new_tokens=3, num_beams=2)
+    assert torch.equal(got, cpu.generate(ids, max_new_tokens=3, num_beams=2))
+
+
+def test_disable_restores_upstream_generate():
+    from transformers.generation.utils import GenerationMixin
+
+    patched = GenerationMixin.generate
+    assert hasattr(patched, "__hf_tpu_upstream__")
+    hf_tpu.disable("generation")
+    try:
+        assert GenerationMixin.generate is patched.__hf_tpu_upstream__
+    finally:
+        hf_tpu.enable("generation")
+    assert GenerationMixin.generate.__hf_tpu_upstream__ is patched.__hf_tpu_upstream__
