@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from hf_tpu._patch import disable, enable, enabled, is_enabled
@@ -49,4 +50,7 @@ def _env_flag(name: str) -> bool:
 
 
 if _env_flag("HF_TPU_SIMULATE"):
+    if "torch" not in sys.modules:
+        # torch-tpu's autoload (at `import torch`) would claim the PrivateUse1 device the simulator needs.
+        os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     importlib.import_module("hf_tpu.sim").enable()

@@ -102,6 +102,22 @@ def test_hf_tpu_env(autoload, simulate):
         assert not any(p["level"] == "error" for p in report["problems"]), report["problems"]
 
 
+def test_hf_tpu_simulate_env_var_keeps_torch_tpu_out():
+    """HF_TPU_SIMULATE=1 at `import hf_tpu` (before torch) turns torch-tpu's autoload off and simulates."""
+    proc = run_python(
+        """
+        import os, sys
+        os.environ["HF_TPU_SIMULATE"] = "1"
+        import hf_tpu, torch
+        assert "torch_tpu" not in sys.modules
+        assert hf_tpu.runtime.detect().mode == "simulated"
+        assert torch.ones(2, device="tpu").device.type == "tpu"
+        """,
+        None,
+    )
+    assert proc.returncode == 0
+
+
 @pytest.mark.parametrize("autoload", AUTOLOAD.values(), ids=AUTOLOAD.keys())
 def test_simulator_runs_a_tiny_model_like_cpu(autoload):
     proc = run_python(

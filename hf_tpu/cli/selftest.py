@@ -76,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.list:
         selftest.discover()
-        for name, check in selftest.checks().items():
-            print(f"{name:12} {'quick' if check.quick else 'full ':5}  {check.description}")
+        registered = selftest.checks()
+        width = max(map(len, registered), default=5)
+        for name, check in registered.items():
+            print(f"{name.ljust(width)}  {'quick' if check.quick else 'full ':5}  {check.description}")
         return 0
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     bar = _progress_bar()
