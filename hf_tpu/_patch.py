@@ -40,6 +40,7 @@ __all__ = [
     "enabled",
     "is_enabled",
     "on_revert",
+    "original",
     "patch",
     "revert",
     "version_matches",
@@ -47,7 +48,11 @@ __all__ = [
 
 # Integration name -> "module:function". Loaded lazily, applied in this order by enable().
 INTEGRATIONS: dict[str, str] = {
+    "device_map": "hf_tpu.device_map._integration:apply",
+    "tensor_parallel": "hf_tpu.distributed.tp_plan:apply",
+    "kernels": "hf_tpu.kernels:apply",
     "generation": "hf_tpu.transformers._integration:apply",
+    "diffusers": "hf_tpu.diffusers.placement:apply",
 }
 
 _MISSING = object()
@@ -144,6 +149,24 @@ def patch(
         _STATE.patches[key] = record
         logger.debug("hf_tpu[%s]: patched %s", feature, record.target)
         return record
+
+
+def original(owner: Any, name: str) -> Any:
+    """The upstream value of ``owner.name``: what was there before hf_tpu patched it (the current value if unpatched).
+
+    For a class attribute this is the raw ``__dict__`` entry (a ``classmethod`` object, not a bound method).
+
+    A replacement uses this to call the function it wraps without holding its own reference to it.
+    """
+    with _LOCK:
+        record = _STATE.patches.get((id(owner), name))
+        if record is not None and record.original is not _MISSING:
+            return record.original
+        if record is None and isinstance(owner, type) and name in owner.__dict__:
+            return owner.__dict__[name]  # the raw attribute (a classmethod stays a classmethod), as patch() records it
+        if record is not None:  # patched where the class only inherited it: the inherited value
+            return getattr(owner.__mro__[1], name) if isinstance(owner, type) else getattr(owner, name)
+        return getattr(owner, name)
 
 
 def on_revert(feature: str, undo: Callable[[], None]) -> None:

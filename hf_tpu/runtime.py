@@ -22,6 +22,7 @@ from typing import Literal
 
 __all__ = [
     "GENERATIONS",
+    "PciScan",
     "RuntimeInfo",
     "TPUNotAvailableError",
     "detect",
@@ -30,6 +31,7 @@ __all__ = [
     "is_real",
     "is_simulated",
     "require_tpu",
+    "scan_pci",
     "scan_pci_chips",
 ]
 
@@ -83,28 +85,67 @@ def _pkg_version(name: str) -> str | None:
         return None
 
 
-def scan_pci_chips(root: str | os.PathLike = "/sys/bus/pci/devices") -> tuple[int, str | None]:
-    """Count Google TPU chips on the PCI bus without initialising any runtime.
+# Where the PCI scan looks; tests point these at a fake tree.
+PCI_ROOT = "/sys/bus/pci/devices"
+VFIO_ROOT = "/dev/vfio"
 
-    Returns ``(chips, generation)``; reading sysfs is what torch_tpu's own hardware check does, and it never
-    contacts libtpu or the cloud metadata server.
+
+@dataclass(frozen=True)
+class PciScan:
+    """What the PCI bus shows, read from sysfs the way torch_tpu's ``hardware`` module does."""
+
+    functions: int  # Google TPU PCI functions of a known generation
+    vfio: int  # of those, the ones exposed through VFIO: the devices torch_tpu can use
+    generation: str | None  # key of GENERATIONS, or None
+
+
+def scan_pci(root: str | os.PathLike | None = None, vfio_root: str | os.PathLike | None = None) -> PciScan:
+    """Scan the PCI bus for Google TPUs without initialising any runtime (no libtpu, no metadata server).
+
+    torch_tpu 0.2.0 counts a TPU function only when its IOMMU group is present under ``/dev/vfio``; ``vfio``
+    is that count, ``functions`` counts every TPU function so that a chip bound to another driver is reported.
+
+    Example:
+        >>> scan_pci("/nonexistent")
+        PciScan(functions=0, vfio=0, generation=None)
     """
     by_pci = {v["pci_id"]: k for k, v in GENERATIONS.items()}
-    chips, generation = 0, None
-    base = Path(root)
-    if not base.is_dir():
-        return 0, None
-    for dev in base.iterdir():
+    base = Path(PCI_ROOT if root is None else root)
+    vfio_base = Path(VFIO_ROOT if vfio_root is None else vfio_root)
+    functions = vfio = 0
+    generation = None
+    try:
+        entries = sorted(base.iterdir())
+    except OSError:
+        return PciScan(0, 0, None)
+    for dev in entries:
         try:
             if (dev / "vendor").read_text().strip() != _GOOGLE_PCI_VENDOR:
                 continue
             device_id = (dev / "device").read_text().strip()
         except OSError:
             continue
-        if device_id in by_pci:
-            chips += 1
-            generation = by_pci[device_id]
-    return chips, generation
+        if device_id not in by_pci:
+            continue
+        functions += 1
+        generation = generation or by_pci[device_id]
+        try:
+            (vfio_base / (dev / "iommu_group").readlink().name).stat()
+        except OSError:
+            continue
+        vfio += 1
+    return PciScan(functions, vfio, generation)
+
+
+def scan_pci_chips(root: str | os.PathLike | None = None) -> tuple[int, str | None]:
+    """``(TPU PCI functions, generation)`` on this host; see :func:`scan_pci`.
+
+    Example:
+        >>> scan_pci_chips("/nonexistent")
+        (0, None)
+    """
+    scan = scan_pci(root)
+    return scan.functions, scan.generation
 
 
 def _set_simulated(info: RuntimeInfo | None) -> None:
@@ -121,7 +162,7 @@ def _real_hbm(generation: str | None) -> int:
     if tpu is not None and hasattr(tpu, "get_device_properties"):
         try:
             return int(tpu.get_device_properties().total_memory)
-        except Exception:  # torch_tpu raises on an unrecognised generation
+        except RuntimeError:  # torch_tpu raises on a generation it does not recognise; use the table below
             pass
     if generation is None:
         return 0
@@ -136,7 +177,8 @@ def detect() -> RuntimeInfo:
     libtpu_version = _pkg_version("libtpu")
     if _SIMULATED is not None:
         return _SIMULATED
-    chips, generation = scan_pci_chips()
+    scan = scan_pci()
+    chips, generation = scan.vfio, scan.generation
     if chips and torch_tpu_version:
         return RuntimeInfo(
             mode="real",
@@ -148,7 +190,12 @@ def detect() -> RuntimeInfo:
             libtpu_version=libtpu_version,
             reason=f"{chips} TPU chip(s) on the PCI bus and torch-tpu {torch_tpu_version} installed",
         )
-    if chips:
+    if scan.functions and not chips:
+        reason = (
+            f"{scan.functions} TPU PCI device(s) found but none is exposed through VFIO ({VFIO_ROOT}), so "
+            "torch-tpu cannot use them: check that the chips are bound to vfio-pci and not held by another driver"
+        )
+    elif chips:
         reason = f"{chips} TPU chip(s) found but torch-tpu is not installed: pip install 'hf-tpu[tpu]'"
     elif torch_tpu_version:
         reason = f"torch-tpu {torch_tpu_version} is installed but this host has no TPU chips"

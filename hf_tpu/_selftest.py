@@ -1,0 +1,109 @@
+"""Self-test checks of the runtime and the ``tpu`` device itself (see :mod:`hf_tpu.selftest`).
+
+They run first: if this process has no ``tpu`` device, the ``runtime`` check fails with the fix and every other
+check is skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_tpu.selftest import CheckContext, register_check
+
+
+@register_check("runtime", description="a tpu device is present: mode, generation, chips, HBM", order=0)
+def _runtime(ctx: CheckContext) -> dict[str, Any]:
+    from hf_tpu import runtime
+
+    info = runtime.require_tpu("hf-tpu selftest")
+    import torch
+
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type != "tpu":
+        raise RuntimeError(f"runtime mode is {info.mode!r} but torch.accelerator reports {accelerator}")
+    count = torch.accelerator.device_count()
+    if count < 1:
+        raise RuntimeError(f"runtime mode is {info.mode!r} but torch.accelerator.device_count() is {count}")
+    if info.hbm_bytes <= 0:
+        raise RuntimeError(f"HBM per device is unknown for generation {info.generation!r}")
+    return {
+        "mode": info.mode,
+        "generation": info.generation,
+        "devices_in_process": count,
+        "chips_on_host": info.chips_on_host,
+        "hbm_gib": round(info.hbm_bytes / 1024**3, 2),
+    }
+
+
+@register_check("device", description="tensors, ops, a tiny MLP forward and backward match CPU", order=1)
+def _device(ctx: CheckContext) -> dict[str, Any]:
+    import torch
+
+    figures: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=g)
+    w = torch.randn(48, 32, generator=g)
+
+    # A round trip is exact, and the tensor really is on the device.
+    with ctx.measure(figures, "roundtrip"):
+        xd = ctx.to_device(x)
+        back = xd.cpu()
+    if xd.device.type != "tpu":
+        raise RuntimeError(f"x.to('tpu') landed on {xd.device}")
+    if not torch.equal(back, x):
+        raise AssertionError("a tensor copied to the device and back changed")
+
+    wd = ctx.to_device(w)
+    with ctx.measure(figures, "matmul_cold"):
+        ctx.assert_close(torch.nn.functional.gelu(xd @ wd).sum(0), torch.nn.functional.gelu(x @ w).sum(0))
+    with ctx.measure(figures, "matmul_warm"):
+        ctx.assert_close(torch.nn.functional.gelu(xd @ wd).sum(0), torch.nn.functional.gelu(x @ w).sum(0))
+    # bfloat16, the dtype TPUs compute in.
+    ctx.assert_close(
+        (xd.bfloat16() @ wd.bfloat16()).float(), (x.bfloat16() @ w.bfloat16()).float(), rtol=2e-2, atol=2e-2
+    )
+    # Views alias their base; in-place ops write through.
+    view = xd[:, :8]
+    view.mul_(2)
+    expected = x.clone()
+    expected[:, :8] *= 2
+    ctx.assert_close(xd, expected)
+
+    # A tiny MLP: forward and one SGD step equal CPU.
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    dev_model = ctx.to_device(torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)))
+    dev_model.load_state_dict(cpu_model.state_dict())
+    target = torch.randn(64, 8, generator=g)
+    for model, inp, tgt in ((cpu_model, x, target), (dev_model, ctx.to_device(x), ctx.to_device(target))):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = torch.nn.functional.mse_loss(model(inp), tgt)
+        loss.backward()
+        opt.step()
+    for (name, p_cpu), p_dev in zip(cpu_model.named_parameters(), dev_model.parameters(), strict=True):
+        ctx.assert_close(p_dev, p_cpu, rtol=1e-4, atol=1e-5, msg=f"parameter {name} after one SGD step")
+    return figures
+
+
+@register_check(
+    "compile", description="torch.compile(backend='tpu') matches eager; a second call compiles nothing", order=2
+)
+def _compile(ctx: CheckContext) -> dict[str, Any]:
+    import torch
+
+    def fn(a, b):
+        return torch.softmax(a @ b, dim=-1) * 2 + 1
+
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(16, 32, generator=g), torch.randn(32, 16, generator=g)
+    expected = fn(a, b)
+    compiled = torch.compile(fn, backend="tpu", fullgraph=True, dynamic=False)
+    ad, bd = ctx.to_device(a), ctx.to_device(b)
+    figures: dict[str, Any] = {}
+    with ctx.measure(figures, "cold"):
+        ctx.assert_close(compiled(ad, bd), expected, rtol=1e-4, atol=1e-5)
+    with ctx.measure(figures, "warm"):
+        ctx.assert_close(compiled(ad, bd), expected, rtol=1e-4, atol=1e-5)
+    if ctx.simulated and figures["warm_compiles"] != 0:
+        raise AssertionError(f"the second call with the same shapes compiled again ({figures['warm_compiles']})")
+    return figures

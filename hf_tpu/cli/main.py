@@ -1,0 +1,172 @@
+"""Entry point of ``hf-tpu``: parses the global flags and hands over to one subcommand module.
+
+Each subcommand is a module ``hf_tpu.cli.<name>`` with two functions:
+
+- ``register(subparsers)``: adds its parser with ``subparsers.add_parser(<name>, help=..., ...)``;
+- ``run(args) -> int``: does the work and returns the exit status.
+
+``--simulate``, ``--sim-generation`` and ``--sim-hbm`` are added to every command by this module (accepted before
+or after the command name) and the simulator is enabled before ``run`` is called: commands do not define them.
+Errors a command raises as :class:`hf_tpu.runtime.TPUNotAvailableError` are printed without a traceback.
+
+``COMMANDS`` lists them with a one-line summary. A command shows up only when its module exists, and only the
+module of the command being run is imported, so ``hf-tpu --help`` stays fast (no torch import).
+
+Example:
+    >>> from hf_tpu.cli.main import main
+    >>> main(["env", "--json"])  # doctest: +SKIP
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+__all__ = ["COMMANDS", "available_commands", "build_parser", "main"]
+
+# name -> one-line summary shown by `hf-tpu --help`. Add a line here when you add hf_tpu/cli/<name>.py.
+COMMANDS: dict[str, str] = {
+    "env": "versions, TPU runtime mode, chips and HBM, known incompatibilities and their fixes",
+    "generate": "generate text with a causal LM on the tpu device",
+    "diffuse": "run a diffusers pipeline on the tpu device",
+    "bench": "measure compiles, host<->device copies and step times",
+    "launch": "start one process per TPU chip (torchrun underneath)",
+    "selftest": "check every hf_tpu capability on this host and write a report",
+}
+
+
+def available_commands() -> dict[str, str]:
+    """The entries of :data:`COMMANDS` whose module is present (found without importing it)."""
+    return {name: summary for name, summary in COMMANDS.items() if importlib.util.find_spec(f"{__package__}.{name}")}
+
+
+def _selected_command(argv: Sequence[str], commands: dict[str, str]) -> str | None:
+    """The first argument that names a command (global flags before it take no value except the ones below)."""
+    takes_value = {"--sim-generation", "--sim-hbm"}
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in takes_value:
+            skip = True
+            continue
+        if arg.startswith("-"):
+            continue
+        return arg if arg in commands else None
+    return None
+
+
+def _add_simulate_flags(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
+    # On a subcommand the flags default to SUPPRESS so that they do not overwrite the top-level values.
+    default = {} if top_level else {"default": argparse.SUPPRESS}
+    if "--simulate" in parser._option_string_actions:  # the command defines them itself
+        return
+    group = parser.add_argument_group("simulated device")
+    group.add_argument(
+        "--simulate",
+        action="store_true",
+        help="run on the simulated tpu device (CPU memory); same as HF_TPU_SIMULATE=1",
+        **({"default": False} if top_level else default),
+    )
+    group.add_argument(
+        "--sim-generation",
+        metavar="GEN",
+        help="TPU generation the simulator presents: v4, v5e, v5p, v6e (default), v7",
+        **({"default": None} if top_level else default),
+    )
+    group.add_argument(
+        "--sim-hbm",
+        metavar="GiB",
+        type=float,
+        help="HBM per simulated chip in GiB (default: the generation's)",
+        **({"default": None} if top_level else default),
+    )
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The full parser; only the command named in ``argv`` (if any) has its module imported."""
+    from hf_tpu import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="hf-tpu",
+        description="Run the Hugging Face stack on Google TPUs through TorchTPU, or on a simulated tpu device.",
+    )
+    parser.add_argument("--version", action="version", version=f"hf-tpu {__version__}")
+    _add_simulate_flags(parser, top_level=True)
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>")
+    commands = available_commands()
+    selected = _selected_command(argv, commands)
+    for name, summary in commands.items():
+        if name == selected:
+            module = _load(name)
+            module.register(subparsers)
+            sub = subparsers.choices[name]
+            _add_simulate_flags(sub, top_level=False)
+            sub.set_defaults(_module=module)
+        else:
+            subparsers.add_parser(name, help=summary)
+    return parser
+
+
+def _load(name: str) -> ModuleType:
+    module = importlib.import_module(f"{__package__}.{name}")
+    for attr in ("register", "run"):
+        if not callable(getattr(module, attr, None)):
+            raise TypeError(f"hf_tpu.cli.{name} must define register(subparsers) and run(args); {attr} is missing")
+    return module
+
+
+def _enable_simulator(args: argparse.Namespace) -> None:
+    # torch_tpu must not initialise its device on a host without chips; keep it from autoloading when torch has
+    # not been imported yet (the simulator then owns the `tpu` name).
+    if "torch" not in sys.modules:
+        os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    import hf_tpu.sim
+
+    kwargs: dict = {}
+    if args.sim_generation:
+        kwargs["generation"] = args.sim_generation
+    if args.sim_hbm:
+        kwargs["hbm"] = int(args.sim_hbm * 1024**3)
+    hf_tpu.sim.enable(**kwargs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``hf-tpu`` with ``argv`` (default: the process arguments) and return the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    args.argv = argv  # the command line as given, for reports
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from hf_tpu.runtime import TPUNotAvailableError
+
+    if args.simulate or args.sim_generation or args.sim_hbm:
+        try:
+            _enable_simulator(args)
+        except (RuntimeError, ValueError) as err:  # real chips on this host, or an unknown generation
+            print(f"hf-tpu {args.command}: cannot enable the simulated tpu device: {err}", file=sys.stderr)
+            return 2
+    try:
+        return int(args._module.run(args) or 0)
+    except TPUNotAvailableError as err:
+        print(f"hf-tpu {args.command}: {err}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `hf-tpu env --json | head`
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        print(f"hf-tpu {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Validate a pipeline call's size and generator before any work reaches the TPU.
+
+A compiled denoiser turns a size error raised inside the model (SD3's "cannot be larger than pos_embed_max_size")
+into dynamo's "Observed exception" after paying for the trace, and a generator on the wrong device fails inside
+``torch.randn`` with no word about the pipeline. Every diffusers pipeline calls ``self.check_inputs(...)`` with
+the height and width first, and ``self.prepare_latents(...)`` with the generator before the first step; this
+module wraps those two methods *on one pipeline instance* (never on the class) with :func:`check_resolution` and
+:func:`check_generator`. :func:`compile_pipeline` and, with ``hf_tpu.enable("diffusers")``, ``pipe.to("tpu")``
+install them; :func:`remove_call_checks` takes them off.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+from hf_tpu.diffusers._checks import check_generator, check_resolution
+
+__all__ = ["has_call_checks", "install_call_checks", "remove_call_checks"]
+
+_METHODS = ("check_inputs", "prepare_latents")
+_FLAG = "__hf_tpu_call_check__"
+
+
+def _bind(method: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    try:
+        return dict(inspect.signature(method).bind_partial(*args, **kwargs).arguments)
+    except TypeError:  # let the upstream method raise its own error for a bad call
+        return {}
+
+
+def _checked_inputs(pipe: Any, method: Any) -> Any:
+    @functools.wraps(method)
+    def check_inputs(*args: Any, **kwargs: Any) -> Any:
+        bound = _bind(method, args, kwargs)
+        height, width = bound.get("height"), bound.get("width")
+        if isinstance(height, int) and isinstance(width, int):
+            check_resolution(pipe, height, width)
+        return method(*args, **kwargs)
+
+    setattr(check_inputs, _FLAG, True)
+    return check_inputs
+
+
+def _checked_latents(pipe: Any, method: Any) -> Any:
+    @functools.wraps(method)
+    def prepare_latents(*args: Any, **kwargs: Any) -> Any:
+        bound = _bind(method, args, kwargs)
+        if bound.get("latents") is None and bound.get("generator") is not None:
+            batch = bound.get("batch_size")
+            check_generator(pipe, bound["generator"], batch if isinstance(batch, int) else None)
+        return method(*args, **kwargs)
+
+    setattr(prepare_latents, _FLAG, True)
+    return prepare_latents
+
+
+def has_call_checks(pipe: Any) -> bool:
+    """Whether :func:`install_call_checks` is in force on ``pipe``."""
+    return any(getattr(pipe.__dict__.get(name), _FLAG, False) for name in _METHODS)
+
+
+def install_call_checks(pipe: Any) -> Any:
+    """Wrap ``pipe.check_inputs`` and ``pipe.prepare_latents`` of this instance (idempotent). Returns ``pipe``."""
+    wrappers = {"check_inputs": _checked_inputs, "prepare_latents": _checked_latents}
+    for name, wrap in wrappers.items():
+        if getattr(pipe.__dict__.get(name), _FLAG, False):
+            continue
+        method = getattr(pipe, name, None)
+        if method is None:
+            continue
+        pipe.__dict__[name] = wrap(pipe, method)
+    return pipe
+
+
+def remove_call_checks(pipe: Any) -> Any:
+    """Undo :func:`install_call_checks` on ``pipe``. Returns ``pipe``."""
+    for name in _METHODS:
+        if getattr(pipe.__dict__.get(name), _FLAG, False):
+            del pipe.__dict__[name]
+    return pipe

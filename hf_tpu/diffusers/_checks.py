@@ -1,0 +1,191 @@
+"""Checks that turn a diffusion call the TPU cannot run into an error that says what to do.
+
+Diffusers pipelines already reject some bad inputs, but on a TPU three mistakes cost more than elsewhere: an
+image size the VAE or the denoiser cannot take fails deep inside a compiled graph (or compiles a graph for
+nothing), a generator on the wrong device fails with a bare torch message, and a component that did not move
+to the TPU only shows up as a device mismatch in the middle of the denoising loop. These helpers catch all three
+before any work is done.
+
+Example:
+    >>> from hf_tpu.diffusers import check_resolution
+    >>> check_resolution(pipe, 512, 512)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = [
+    "check_components_on",
+    "check_generator",
+    "check_resolution",
+    "denoiser",
+    "resolution_limits",
+]
+
+_DENOISERS = ("transformer", "unet", "prior", "decoder")
+
+
+def denoiser(pipe: Any) -> tuple[str, Any]:
+    """The name and module of the pipeline's denoiser (``transformer`` for DiT pipelines, ``unet`` for UNets).
+
+    Example:
+        >>> name, module = denoiser(pipe)  # doctest: +SKIP
+        >>> name
+        'transformer'
+    """
+    import torch
+
+    for name in _DENOISERS:
+        module = getattr(pipe, name, None)
+        if isinstance(module, torch.nn.Module):
+            return name, module
+    components = ", ".join(k for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)) or "none"
+    raise ValueError(
+        f"{type(pipe).__name__} has no denoiser to compile: looked for a module named one of {', '.join(_DENOISERS)} "
+        f"and found these model components: {components}. Compile the module yourself with "
+        f"module.compile(backend='tpu', fullgraph=True, dynamic=False)."
+    )
+
+
+def resolution_limits(pipe: Any) -> tuple[int, int | None]:
+    """``(multiple, largest)``: image sides must be multiples of ``multiple``; ``largest`` is None if unbounded.
+
+    ``multiple`` is the VAE's downscale factor times the denoiser's patch size (1 for a UNet); ``largest`` comes
+    from the transformer's positional-embedding table where it has one (``pos_embed_max_size`` in SD3).
+    """
+    vae_scale = int(getattr(pipe, "vae_scale_factor", 0) or 0)
+    if not vae_scale:
+        vae = getattr(pipe, "vae", None)
+        blocks = getattr(getattr(vae, "config", None), "block_out_channels", None)
+        vae_scale = 2 ** (len(blocks) - 1) if blocks else 8
+    name, module = denoiser(pipe)
+    config = getattr(module, "config", None)
+    patch = int(getattr(config, "patch_size", None) or 1) if name != "unet" else 1
+    multiple = vae_scale * patch
+    largest = None
+    pos_max = getattr(config, "pos_embed_max_size", None)
+    if pos_max:
+        largest = int(pos_max) * multiple
+    return multiple, largest
+
+
+def check_resolution(pipe: Any, height: int, width: int) -> None:
+    """Raise ``ValueError`` if the pipeline cannot make a ``height`` x ``width`` image, naming valid sizes.
+
+    Example:
+        >>> check_resolution(pipe, 30, 30)  # doctest: +SKIP
+        ValueError: StableDiffusion3Pipeline cannot make a 30x30 image: ... nearest valid sizes: 28x28, 32x32
+    """
+    multiple, largest = resolution_limits(pipe)
+    problems = []
+    for side, value in (("height", height), ("width", width)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            problems.append(f"{side}={value!r} is not an int")
+        elif value < multiple:
+            problems.append(f"{side}={value} is below the smallest side, {multiple}")
+        elif value % multiple:
+            problems.append(f"{side}={value} is not a multiple of {multiple}")
+        elif largest is not None and value > largest:
+            problems.append(f"{side}={value} is above the largest side, {largest}")
+    if not problems:
+        return
+
+    def nearest(value: Any) -> list[int]:
+        if not isinstance(value, int):
+            return [multiple]
+        down = max(multiple, value - value % multiple)
+        up = down if value % multiple == 0 else down + multiple
+        if largest is not None:
+            down, up = min(down, largest), min(up, largest)
+        return sorted({down, up})
+
+    hs, ws = nearest(height), nearest(width)
+    suggestions = ", ".join(f"{h}x{w}" for h in hs for w in ws)
+    bound = f" and at most {largest}" if largest is not None else ""
+    raise ValueError(
+        f"{type(pipe).__name__} cannot make a {height}x{width} image: {'; '.join(problems)}. Image sides must be "
+        f"multiples of {multiple} (the VAE scale times the denoiser's patch size){bound}; "
+        f"nearest valid sizes: {suggestions}."
+    )
+
+
+def _generators(generator: Any) -> list[Any]:
+    if generator is None:
+        return []
+    return list(generator) if isinstance(generator, (list, tuple)) else [generator]
+
+
+def check_generator(pipe: Any, generator: Any, batch_size: int | None = None) -> None:
+    """Raise ``ValueError`` if ``generator`` (one or a list) cannot seed this pipeline's latents.
+
+    A CPU generator always works and gives the same image as the CPU pipeline with the same seed; a generator
+    on the pipeline's own device works too. Any other device, a mix of devices, or a list whose length is not
+    the batch size is refused with a message that says how to make a suitable one.
+
+    Example:
+        >>> check_generator(pipe, torch.Generator("cpu").manual_seed(0))  # doctest: +SKIP
+    """
+    import torch
+
+    gens = _generators(generator)
+    if not gens:
+        return
+    for g in gens:
+        if not isinstance(g, torch.Generator):
+            raise TypeError(
+                f"generator must be a torch.Generator or a list of them, got {type(g).__name__}: pass "
+                f"torch.Generator('cpu').manual_seed(seed)."
+            )
+    device = torch.device(pipe._execution_device if hasattr(pipe, "_execution_device") else pipe.device)
+    allowed = {"cpu", device.type}
+    found = sorted({g.device.type for g in gens})
+    bad = [d for d in found if d not in allowed]
+    if bad or len(found) > 1:
+        raise ValueError(
+            f"{type(pipe).__name__} runs on {device} but got a generator on {', '.join(str(g.device) for g in gens)}"
+            f": use torch.Generator('cpu').manual_seed(seed) (the latents are drawn on the host and copied, so the "
+            f"image equals the CPU run with that seed){'' if device.type == 'cpu' else f' or a generator on {device}'}"
+            f", and the same device for every generator in a list."
+        )
+    if batch_size is not None and isinstance(generator, (list, tuple)) and len(gens) not in (1, batch_size):
+        raise ValueError(
+            f"got a list of {len(gens)} generators for a batch of {batch_size} images: pass one generator, or one "
+            f"per image (batch size = number of prompts x num_images_per_prompt)."
+        )
+
+
+def _tensors(module: Any) -> Iterable[tuple[str, Any]]:
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def check_components_on(pipe: Any, device: Any) -> None:
+    """Raise ``RuntimeError`` naming every model component that has a tensor off ``device``.
+
+    Example:
+        >>> pipe.to("tpu"); check_components_on(pipe, "tpu")  # doctest: +SKIP
+    """
+    import torch
+
+    want = torch.device(device)
+    stray = []
+    for name, component in pipe.components.items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        off = [
+            f"{tname} ({t.device})"
+            for tname, t in _tensors(component)
+            if t.device.type != want.type or (want.index is not None and t.device.index not in (want.index, None))
+        ]
+        if off:
+            more = f" and {len(off) - 3} more" if len(off) > 3 else ""
+            stray.append(f"{name} ({type(component).__name__}): {', '.join(off[:3])}{more}")
+    if stray:
+        raise RuntimeError(
+            f"{type(pipe).__name__}.to({str(want)!r}) left tensors off {want}: " + "; ".join(stray) + ". "
+            "These components cannot be moved as they are: remove offloading hooks "
+            "(pipe.remove_all_hooks(), module.disable_group_offload()), load quantized models in a TPU-supported "
+            "format, or move them yourself and check with hf_tpu.diffusers.check_components_on(pipe, device)."
+        )

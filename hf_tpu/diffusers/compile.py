@@ -1,0 +1,224 @@
+"""Compile a diffusion pipeline's denoiser for the TPU and warm it up ahead of time, one resolution at a time.
+
+On a TPU every new input shape is a new XLA program, so the denoiser (the SD3 transformer, a UNet) is compiled
+whole (``fullgraph=True``) for fixed shapes (``dynamic=False``): one compile per resolution and batch size, after
+which every step of every call at that size reuses it. :func:`warmup` pays those compiles up front for the sizes
+a service will be asked for (its resolution buckets), with a progress bar, so that the first user does not wait.
+
+The module is compiled in place (``nn.Module.compile``), so ``pipe.transformer`` stays the same object: its
+``config``, ``pipe.to(...)``, ``save_pretrained`` and LoRA loading keep working, and :func:`uncompile_pipeline`
+undoes it.
+
+Example:
+    >>> import torch, hf_tpu
+    >>> from diffusers import StableDiffusion3Pipeline
+    >>> from hf_tpu.diffusers import compile_pipeline, warmup
+    >>> pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=torch.bfloat16).to("tpu")  # doctest: +SKIP
+    >>> compile_pipeline(pipe)                                                                  # doctest: +SKIP
+    >>> warmup(pipe, resolutions=[512, (768, 1024)])                                           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hf_tpu.diffusers._call_checks import install_call_checks
+from hf_tpu.diffusers._checks import check_resolution, denoiser
+
+__all__ = ["WarmupResult", "compile_pipeline", "compiled_modules", "uncompile_pipeline", "warmup"]
+
+_MARK = "_hf_tpu_compile_options"
+
+
+def _graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process (all backends), to report what a warm-up cost."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _module_device(module: Any) -> Any:
+    import torch
+
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _targets(pipe: Any, vae: bool) -> list[tuple[str, Any]]:
+    name, module = denoiser(pipe)
+    targets = [(name, module)]
+    if vae:
+        decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
+        if decoder is None:
+            raise ValueError(f"compile_pipeline(vae=True): {type(pipe).__name__} has no vae.decoder to compile.")
+        targets.append(("vae.decoder", decoder))
+    return targets
+
+
+def compile_pipeline(
+    pipe: Any,
+    *,
+    backend: str | Any = "tpu",
+    vae: bool = False,
+    fullgraph: bool = True,
+    dynamic: bool = False,
+    recompile_limit: int = 64,
+    options: dict[str, Any] | None = None,
+) -> Any:
+    """Compile the pipeline's denoiser (and with ``vae=True`` the VAE decoder) in place; returns ``pipe``.
+
+    ``backend="tpu", fullgraph=True, dynamic=False``: a graph break or a dynamic shape is an error rather than a
+    silent slow path, and each resolution/batch size compiles exactly once. ``recompile_limit`` is how many
+    shapes one module may be compiled for (torch's default of 8 would stop at the eighth resolution; with
+    ``fullgraph=True`` going past the limit raises instead of falling back to eager). Calling it again with
+    the same arguments does nothing. Each later call's size and generator are checked before the compiled
+    graph sees them (:func:`check_resolution`, :func:`check_generator`).
+
+    Example:
+        >>> pipe.to("tpu")                 # doctest: +SKIP
+        >>> compile_pipeline(pipe)         # doctest: +SKIP
+        >>> image = pipe("a cat", height=512, width=512).images[0]   # compiles once   # doctest: +SKIP
+        >>> image = pipe("a dog", height=512, width=512).images[0]   # compiles nothing # doctest: +SKIP
+    """
+    import torch
+
+    if backend == "tpu":
+        from hf_tpu.runtime import require_tpu
+
+        require_tpu("compile_pipeline(pipe, backend='tpu')")
+    kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
+    if options:
+        kwargs["options"] = dict(options)
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        kwargs["recompile_limit"] = recompile_limit
+    targets = _targets(pipe, vae)
+    if backend == "tpu":
+        for name, module in targets:
+            device = _module_device(module)
+            if device.type != "tpu":
+                raise ValueError(
+                    f"compile_pipeline(backend='tpu') needs {type(pipe).__name__}.{name} on the TPU, but it is on "
+                    f"{device}: call pipe.to('tpu') first."
+                )
+    for _, module in targets:
+        if getattr(module, _MARK, None) == kwargs and module._compiled_call_impl is not None:
+            continue
+        module.compile(**kwargs)
+        setattr(module, _MARK, dict(kwargs))
+    # Check each call's size and generator before the compiled graph sees them (see _call_checks).
+    install_call_checks(pipe)
+    return pipe
+
+
+def compiled_modules(pipe: Any) -> list[str]:
+    """Names of the pipeline modules that :func:`compile_pipeline` compiled (and that are still compiled)."""
+    import torch
+
+    names = []
+    for name, component in pipe.components.items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        for sub_name, sub in component.named_modules():
+            if getattr(sub, _MARK, None) is not None and sub._compiled_call_impl is not None:
+                names.append(f"{name}.{sub_name}" if sub_name else name)
+    return names
+
+
+def uncompile_pipeline(pipe: Any) -> Any:
+    """Undo :func:`compile_pipeline`: the modules run eagerly again. Returns ``pipe``."""
+    import torch
+
+    for component in pipe.components.values():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        for sub in component.modules():
+            if getattr(sub, _MARK, None) is not None:
+                sub._compiled_call_impl = None
+                delattr(sub, _MARK)
+    return pipe
+
+
+@dataclass(frozen=True)
+class WarmupResult:
+    """One warmed-up resolution: its size, the wall time of the warm-up call, and the graphs it compiled."""
+
+    height: int
+    width: int
+    seconds: float
+    graphs: int
+
+
+def _sizes(resolutions: Iterable[int | Sequence[int]]) -> list[tuple[int, int]]:
+    sizes = []
+    for r in resolutions:
+        if isinstance(r, int) and not isinstance(r, bool):
+            sizes.append((r, r))
+        elif isinstance(r, (tuple, list)) and len(r) == 2:
+            sizes.append((r[0], r[1]))
+        else:
+            raise ValueError(f"warmup: a resolution is an int (square) or a (height, width) pair, got {r!r}.")
+    return list(dict.fromkeys(sizes))
+
+
+def warmup(
+    pipe: Any,
+    resolutions: Iterable[int | Sequence[int]],
+    *,
+    prompt: str | None = "warm-up",
+    num_inference_steps: int = 2,
+    progress: bool = True,
+    **call_kwargs: Any,
+) -> list[WarmupResult]:
+    """Run the pipeline once at each resolution so that every graph those sizes need is compiled before use.
+
+    Pass the call arguments that change shapes as you will use them later (``guidance_scale`` decides whether
+    the batch is doubled for classifier-free guidance, ``num_images_per_prompt``, ``max_sequence_length``).
+    Every size is checked first (:func:`check_resolution`), so a bad one fails before anything compiles.
+    Returns one :class:`WarmupResult` per size.
+
+    Example:
+        >>> compile_pipeline(pipe)                                        # doctest: +SKIP
+        >>> for r in warmup(pipe, resolutions=[512, (512, 768)]):        # doctest: +SKIP
+        ...     print(r.height, r.width, r.graphs, f"{r.seconds:.1f}s")
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    sizes = _sizes(resolutions)
+    if not sizes:
+        raise ValueError("warmup: no resolutions given; pass e.g. resolutions=[512, (768, 1024)].")
+    for height, width in sizes:
+        check_resolution(pipe, height, width)
+    params = inspect.signature(pipe.__call__).parameters
+    if prompt is not None and "prompt" in params:
+        call_kwargs.setdefault("prompt", prompt)
+    call_kwargs.setdefault("output_type", "np")
+    saved_bar = dict(getattr(pipe, "_progress_bar_config", {}))
+    pipe.set_progress_bar_config(disable=True)
+    results = []
+    try:
+        bar = tqdm(sizes, desc="hf_tpu warm-up", unit="size", disable=not progress)
+        for height, width in bar:
+            bar.set_postfix_str(f"{height}x{width}")
+            before = _graphs_compiled()
+            start = time.perf_counter()
+            # No inference_mode here: the pipeline runs under no_grad, and a graph compiled for inference
+            # tensors would not be reused by a later ordinary call.
+            pipe(
+                height=height,
+                width=width,
+                num_inference_steps=num_inference_steps,
+                generator=torch.Generator("cpu").manual_seed(0),
+                **call_kwargs,
+            )
+            results.append(WarmupResult(height, width, time.perf_counter() - start, _graphs_compiled() - before))
+    finally:
+        pipe._progress_bar_config = saved_bar
+    return results

@@ -1,0 +1,224 @@
+"""Tiny diffusion pipelines built from configs, for tests, examples and benchmarks (nothing is downloaded).
+
+The components are random and far too small to draw anything, but they exercise every code path of the real
+pipelines: text encoders (CLIP, T5), tokenizers built locally, the denoiser (an SD3 transformer or a UNet), the
+scheduler and the VAE. :func:`tiny_sd3_pipeline` and :func:`tiny_sd_pipeline` return a pipeline on the CPU, or
+save it with ``save_pretrained`` and return the directory when ``path`` is given.
+
+Example:
+    >>> from hf_tpu.diffusers.testing import tiny_sd3_pipeline
+    >>> pipe = tiny_sd3_pipeline()
+    >>> image = pipe("a cat", num_inference_steps=2, height=32, width=32, output_type="np").images[0]
+    >>> image.shape
+    (32, 32, 3)
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from typing import Any
+
+__all__ = ["clip_tokenizer", "t5_tokenizer", "tiny_sd3_pipeline", "tiny_sd_pipeline"]
+
+_MAX_TEXT_LENGTH = 16  # CLIP tokens per prompt in the tiny pipelines
+
+
+def _byte_chars() -> list[str]:
+    """The 256 printable stand-ins that byte-level BPE uses for the bytes 0..255 (the GPT-2 table)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def clip_tokenizer(model_max_length: int = _MAX_TEXT_LENGTH) -> Any:
+    """A character-level CLIP tokenizer (byte-level BPE with no merges), about 500 tokens."""
+    from transformers import CLIPTokenizer
+
+    vocab: dict[str, int] = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for ch in _byte_chars():
+        vocab.setdefault(ch, len(vocab))
+        vocab.setdefault(ch + "</w>", len(vocab))
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
+
+
+def t5_tokenizer(model_max_length: int = 64) -> Any:
+    """A small unigram T5 tokenizer over letters, digits and punctuation, about 80 pieces."""
+    from transformers import T5Tokenizer
+
+    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    for ch in string.ascii_lowercase + string.digits + ".,!?'-":
+        pieces.append((ch, -3.0))
+        if ch.isalnum():
+            pieces.append(("▁" + ch, -2.5))
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+def _clip_config(projection: bool, vocab_size: int) -> Any:
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        hidden_size=32,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        max_position_embeddings=_MAX_TEXT_LENGTH,
+        vocab_size=vocab_size,
+        hidden_act="gelu",
+        projection_dim=32 if projection else 512,
+    )
+
+
+def _finish(pipe: Any, path: str | os.PathLike | None) -> Any:
+    import torch
+
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()  # built from configs they start in training mode, with dropout on
+    pipe.set_progress_bar_config(disable=True)
+    if path is None:
+        return pipe
+    pipe.save_pretrained(path)
+    return os.fspath(path)
+
+
+def tiny_sd3_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, with_t5: bool = True) -> Any:
+    """A tiny :class:`diffusers.StableDiffusion3Pipeline` (two CLIP encoders, a T5 encoder, an SD3 transformer).
+
+    The VAE halves the resolution and the transformer's patch is 2, so an image side must be a multiple of 4.
+    Returns the pipeline, or the directory it was saved to when ``path`` is given.
+    """
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    tok = clip_tokenizer()
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=32,
+        pooled_projection_dim=64,  # the two CLIP projections, concatenated
+        out_channels=4,
+    )
+    text_encoder = CLIPTextModelWithProjection(_clip_config(True, len(tok)))
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_config(True, len(tok)))
+    text_encoder_3 = tokenizer_3 = None
+    if with_t5:
+        tokenizer_3 = t5_tokenizer()
+        t5 = T5Config(
+            vocab_size=len(tokenizer_3),
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        )
+        text_encoder_3 = T5EncoderModel(t5)
+    vae = AutoencoderKL(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=2,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+    pipe = StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=clip_tokenizer(),
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
+        transformer=transformer,
+        vae=vae,
+    )
+    return _finish(pipe, path)
+
+
+def tiny_sd_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) -> Any:
+    """A tiny :class:`diffusers.StableDiffusionPipeline` (CLIP encoder, UNet2DConditionModel, DDIM, VAE).
+
+    The VAE divides the resolution by 8 (the multiple the pipeline checks for), the UNet has two levels.
+    Returns the pipeline, or the directory it was saved to when ``path`` is given.
+    """
+    import torch
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    tok = clip_tokenizer()
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=4,
+        norm_num_groups=4,
+    )
+    text_encoder = CLIPTextModel(_clip_config(False, len(tok)))
+    vae = AutoencoderKL(  # four levels: the VAE scale is 8, as the SD pipeline's own size check assumes
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=2,
+    )
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    return _finish(pipe, path)

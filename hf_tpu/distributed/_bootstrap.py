@@ -1,0 +1,55 @@
+"""Worker entry point used by ``hf-tpu launch``: ``python -m hf_tpu.distributed._bootstrap --script S [args]``.
+
+It imports hf_tpu first (with ``HF_TPU_SIMULATE=1`` that registers this rank's own simulated ``tpu:0`` and the
+simulated ``tpu_dist`` process-group backend), then runs the user's script or module as ``__main__`` with the
+arguments it was given. An exception is recorded for torchrun (``TORCHELASTIC_ERROR_FILE``), so the launcher
+can show which rank failed and its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+__all__ = ["main"]
+
+
+def _prepare() -> None:
+    import hf_tpu  # HF_TPU_SIMULATE=1 enables the simulated device here
+
+    if os.environ.get("HF_TPU_SIMULATE", "").strip().lower() in ("1", "true", "yes", "on"):
+        from hf_tpu.distributed import sim_backend
+
+        # The launcher passes on the generation / HBM it was asked to simulate (hf-tpu --sim-generation ...).
+        generation, hbm = os.environ.get("HF_TPU_SIM_GENERATION"), os.environ.get("HF_TPU_SIM_HBM")
+        if generation or hbm:
+            hf_tpu.sim.enable(**({"generation": generation} if generation else {}), hbm=int(hbm) if hbm else None)
+
+        sim_backend.register()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2 or argv[0] not in ("--script", "--module"):
+        raise SystemExit("usage: python -m hf_tpu.distributed._bootstrap (--script PATH | --module NAME) [args...]")
+    kind, target, rest = argv[0], argv[1], argv[2:]
+
+    @record
+    def run() -> None:
+        _prepare()
+        if kind == "--module":
+            sys.argv = [target, *rest]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *rest]
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+
+    run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Self-test check of tensor parallelism: ``hf-tpu launch`` over this host's chips, sharded output equal to TP=1.
+
+On a TPU VM run it on its own (``hf-tpu selftest --only tensor_parallel``): the ranks it launches need the chips,
+so the self-test process must not have claimed them with the device checks first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hf_tpu.selftest import CheckContext, SkipCheck, register_check
+
+_TIMEOUT_S = 600
+
+
+def _ranks(ctx: CheckContext) -> int:
+    if ctx.simulated:
+        return 2
+    from hf_tpu.runtime import GENERATIONS
+
+    per_chip = int(GENERATIONS[ctx.info.generation]["devices_per_chip"]) if ctx.info.generation else 1
+    devices = ctx.info.chips_on_host * per_chip
+    if devices < 2:
+        raise SkipCheck(f"tensor parallelism needs 2 or more TPU devices; this host has {devices}")
+    return devices
+
+
+@register_check(
+    "tensor_parallel",
+    description="hf-tpu launch + DistributedConfig(tp_size=N): logits and greedy tokens equal TP=1",
+    quick=False,
+    order=90,
+)
+def _tensor_parallel(ctx: CheckContext) -> dict[str, Any]:
+    if ctx.info.mode == "none":
+        raise SkipCheck("no tpu device (see the runtime check)")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ranks = _ranks(ctx)
+    with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_tp_") as tmp:
+        model_dir = os.path.join(tmp, "model")
+        torch.manual_seed(0)
+        # 2 KV heads: from 4 ranks on, hf_tpu has to replicate attention.
+        config = LlamaConfig(
+            vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+        )  # fmt: skip
+        LlamaForCausalLM(config).save_pretrained(model_dir)
+        cmd = [sys.executable, "-m", "hf_tpu.launch", f"--nproc_per_node={ranks}"]
+        if ctx.simulated:
+            cmd.append("--simulate")
+        cmd += ["-m", "hf_tpu.distributed._tp_check", tmp, model_dir]
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        # Own process group, so that a timeout stops the launcher and every rank it started.
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        try:
+            output, _ = proc.communicate(timeout=_TIMEOUT_S)
+        except subprocess.TimeoutExpired as err:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise RuntimeError(f"the {ranks}-rank launch did not finish within {_TIMEOUT_S}s") from err
+        results = []
+        for rank in range(ranks):
+            path = Path(tmp) / f"rank{rank}.json"
+            if not path.is_file():
+                raise RuntimeError(f"rank {rank} wrote no result; launcher output:\n{output[-3000:]}")
+            results.append(json.loads(path.read_text()))
+    for r in results:
+        if "error" in r:
+            raise RuntimeError(f"rank {r['rank']} failed:\n{r['error']}")
+        if not r["tokens_equal"]:
+            raise AssertionError(f"rank {r['rank']}: greedy tokens at TP={ranks} differ from TP=1")
+        if r["max_abs_diff"] > 1e-3:
+            raise AssertionError(f"rank {r['rank']}: logits differ from TP=1 by {r['max_abs_diff']:.2e}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"the launcher exited with {proc.returncode}:\n{output[-3000:]}")
+    return {
+        "ranks": ranks,
+        "max_abs_diff": max(r["max_abs_diff"] for r in results),
+        "plan_fixes": ",".join(results[0]["fixes"]) or "none",
+        "load_s": max(r["load_s"] for r in results),
+        "generate_s": max(r["generate_s"] for r in results),
+    }

@@ -1,0 +1,405 @@
+"""Tensor-parallel plan fixes: check a model's TP plan against its config before any weight is read.
+
+transformers shards a model at load time with ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))``
+following the model's ``tp_plan``. Some plans cannot work for some ``tp_size``; upstream then fails in the first
+forward with a shape error. With hf_tpu enabled (``hf_tpu.enable()``, integration ``"tensor_parallel"``), the plan
+is checked right after the model is built on the meta device and before the checkpoint is read:
+
+- attention heads or KV heads not divisible by ``tp_size`` (GLM-4-9B: 2 KV heads on 4 chips): the attention block
+  is replicated on every rank (its rules are dropped; MLP, embeddings and head stay sharded), and a warning says so;
+- vocabulary not divisible by ``tp_size``: kept sharded, the last rank holds the shorter slice (upstream supports
+  uneven shards); an info line says so;
+- tied word embeddings (Qwen3-0.6B): the input embedding and the LM head must shard their shared weight the same
+  way; a default plan that disagrees is aligned, so the weights load once and stay tied;
+- user ``tp_plan`` overrides (``DistributedConfig(tp_plan={...})``) are merged over the model's plan, as upstream
+  does, and honoured as given: a user rule that cannot work is an error, never silently rewritten;
+- impossible requests (``tp_size`` larger than the job, a world that the mesh does not fill, a process not started
+  by a launcher) fail before loading, with what to run instead.
+
+The checks are pure functions over a plan and a config (:func:`fix_plan`), unit-tested on CPU.
+
+Example:
+    >>> import hf_tpu; hf_tpu.enable("tensor_parallel")                          # doctest: +SKIP
+    >>> model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=4))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "PlanFix",
+    "PlanReport",
+    "TensorParallelConfigError",
+    "apply",
+    "check_world",
+    "fix_plan",
+    "weight_placement",
+]
+
+logger = logging.getLogger("hf_tpu.tp")
+
+FEATURE = "tensor_parallel"
+TRANSFORMERS_VERSIONS = ">=5.24,<6"
+
+# Projections whose output holds attention heads (query, key, value, fused), and the styles that split them.
+_HEAD_PROJECTIONS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "q_a_proj", "q_b_proj", "kv_b_proj"}
+_KEY_PROJECTIONS = {"k_proj", "v_proj", "qkv_proj", "query_key_value", "kv_b_proj"}
+_HEAD_SPLITTING_STYLES = {"colwise", "packed_colwise", "local_colwise"}
+
+
+class TensorParallelConfigError(ValueError):
+    """A tensor-parallel request that cannot work: what was asked, what was found, what to do."""
+
+
+@dataclass(frozen=True)
+class PlanFix:
+    """One change hf_tpu made to a TP plan (or a condition it checked and accepted), with the reason."""
+
+    kind: str  # "replicate_attention" | "uneven_vocab" | "tie_embeddings"
+    rules: tuple[str, ...]  # the plan keys concerned
+    reason: str
+
+
+@dataclass
+class PlanReport:
+    plan: dict[str, str]
+    fixes: list[PlanFix] = field(default_factory=list)
+
+    def kinds(self) -> list[str]:
+        return [f.kind for f in self.fixes]
+
+
+def weight_placement(style: str | None, *, embedding: bool) -> str:
+    """How a TP style lays out a module's ``weight``: ``"shard0"``, ``"shard1"`` or ``"replicate"``.
+
+    Example:
+        >>> weight_placement("embedding_rowwise", embedding=True), weight_placement("colwise_gather_output", embedding=False)
+        ('shard0', 'shard0')
+    """
+    if style is None or style in ("replicate", "replicated_with_grad_allreduce", "all_reduce", "local_params"):
+        return "replicate"
+    if embedding:
+        return {"embedding_rowwise": "shard0", "embedding_colwise": "shard1"}.get(style, "replicate")
+    if style.startswith("colwise") or style == "packed_colwise":
+        return "shard0"
+    if style.startswith("rowwise") or style == "packed_rowwise":
+        return "shard1"
+    return "replicate"
+
+
+def _text_attr(config: Any, *names: str, default: Any = None) -> Any:
+    getter = getattr(config, "get_text_config", None)
+    text = getter(decoder=True) if callable(getter) else config
+    for name in names:
+        value = getattr(text, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value if v is not None]
+
+
+def _attention_groups(plan: Mapping[str, str]) -> dict[str, list[str]]:
+    """Attention blocks whose heads the plan splits: ``{"model.layers.*.self_attn": [rules...]}``."""
+    prefixes = {
+        key.rsplit(".", 1)[0]
+        for key, style in plan.items()
+        if "." in key and key.rsplit(".", 1)[1] in _HEAD_PROJECTIONS and style in _HEAD_SPLITTING_STYLES
+    }
+    return {p: sorted(k for k in plan if k == p or k.startswith(p + ".")) for p in sorted(prefixes)}
+
+
+def fix_plan(
+    plan: Mapping[str, str],
+    config: Any,
+    tp_size: int,
+    *,
+    user_rules: Iterable[str] = (),
+    tied_embeddings: bool | None = None,
+    embedding_key: str | None = None,
+    head_key: str | None = None,
+) -> PlanReport:
+    """Check ``plan`` (already merged with the user's overrides) against ``config`` for ``tp_size`` ranks.
+
+    Returns the plan to use and the fixes made. Rules named in ``user_rules`` are never rewritten: if one of
+    them cannot work, :class:`TensorParallelConfigError` says why and what to change.
+
+    Example:
+        >>> from types import SimpleNamespace as C
+        >>> cfg = C(num_attention_heads=8, num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False)
+        >>> plan = {"model.layers.*.self_attn.k_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+        ...         "model.layers.*.mlp.up_proj": "colwise"}
+        >>> report = fix_plan(plan, cfg, 4)
+        >>> report.plan, report.kinds()
+        ({'model.layers.*.mlp.up_proj': 'colwise'}, ['replicate_attention'])
+    """
+    if tp_size < 1:
+        raise TensorParallelConfigError(f"tp_size must be >= 1, got {tp_size}.")
+    fixed = dict(plan)
+    report = PlanReport(fixed)
+    if tp_size == 1 or not fixed:
+        return report
+    user = set(user_rules)
+
+    # 1. Heads: every attention block whose heads the plan splits needs heads and KV heads divisible by tp_size.
+    heads = _as_list(_text_attr(config, "num_attention_heads", "n_head", "num_heads"))
+    kv_heads = _as_list(_text_attr(config, "num_key_value_heads", "multi_query_group_num", "num_kv_heads")) or heads
+    bad = [h for h in heads if h % tp_size] + [h for h in kv_heads if h % tp_size]
+    if bad:
+        parts = []
+        if bad_kv := sorted({h for h in kv_heads if h % tp_size}):
+            parts.append(f"{'/'.join(map(str, bad_kv))} KV heads")
+        if bad_q := sorted({h for h in heads if h % tp_size}):
+            parts.append(f"{'/'.join(map(str, bad_q))} attention heads")
+        what = " and ".join(parts)
+        for prefix, rules in _attention_groups(fixed).items():
+            # A fused/key projection is what fails; a block that splits only q_proj heads fails too when H % tp.
+            splits_kv = any(r.rsplit(".", 1)[-1] in _KEY_PROJECTIONS for r in rules)
+            if not splits_kv and not [h for h in heads if h % tp_size]:
+                continue
+            if user_rules_hit := sorted(user & set(rules)):
+                raise TensorParallelConfigError(
+                    f"your tp_plan rules {user_rules_hit} split the heads of {prefix} over tp_size={tp_size}, but "
+                    f"the model's {what} do not divide by {tp_size}. Drop those rules (hf_tpu then "
+                    f"replicates this attention block), or use a tp_size that divides the head counts."
+                )
+            for rule in rules:
+                del fixed[rule]
+            report.fixes.append(
+                PlanFix(
+                    "replicate_attention",
+                    tuple(rules),
+                    f"the model's {what} do not divide by tp_size={tp_size}: {prefix} is replicated on every rank "
+                    f"(rules dropped: {', '.join(r.rsplit('.', 1)[-1] for r in rules)}); the other layers stay sharded",
+                )
+            )
+
+    # 2. Tied embeddings: the shared weight must be laid out the same way by both rules.
+    tied = (
+        bool(_text_attr(config, "tie_word_embeddings", default=False)) if tied_embeddings is None else tied_embeddings
+    )
+    if tied and embedding_key and head_key:
+        emb_style, head_style = fixed.get(embedding_key), fixed.get(head_key)
+        emb_p = weight_placement(emb_style, embedding=True)
+        head_p = weight_placement(head_style, embedding=False)
+        if emb_p != head_p:
+            if user & {embedding_key, head_key}:
+                raise TensorParallelConfigError(
+                    f"the word embeddings are tied ({embedding_key}.weight is {head_key}.weight), but your tp_plan "
+                    f"lays the shared weight out two ways ({embedding_key}: {emb_style or 'replicated'} -> {emb_p}, "
+                    f"{head_key}: {head_style or 'replicated'} -> {head_p}). Use 'embedding_rowwise' with "
+                    f"'colwise_gather_output' (both split the vocabulary), or leave both unsharded."
+                )
+            if emb_p == "shard0" and head_p == "replicate":
+                fixed[head_key] = "colwise_gather_output"
+            elif head_p == "shard0" and emb_p == "replicate":
+                fixed[embedding_key] = "embedding_rowwise"
+            else:  # anything else: keep the shared weight whole
+                fixed.pop(embedding_key, None)
+                fixed.pop(head_key, None)
+            report.fixes.append(
+                PlanFix(
+                    "tie_embeddings",
+                    (embedding_key, head_key),
+                    f"tied embeddings: {embedding_key} ({emb_style}) and {head_key} ({head_style}) now lay the "
+                    f"shared weight out the same way ({fixed.get(embedding_key)} / {fixed.get(head_key)})",
+                )
+            )
+
+    # 3. Vocabulary not divisible: upstream shards unevenly (the last rank holds fewer rows); say so.
+    vocab = _text_attr(config, "vocab_size")
+    vocab_rules = tuple(
+        k
+        for k in (embedding_key, head_key)
+        if k and weight_placement(fixed.get(k), embedding=(k == embedding_key)) == "shard0"
+    )
+    if isinstance(vocab, int) and vocab % tp_size and vocab_rules:
+        if vocab < tp_size:
+            raise TensorParallelConfigError(
+                f"the vocabulary has {vocab} entries, fewer than tp_size={tp_size}: some ranks would hold no row. "
+                f"Use tp_size <= {vocab}."
+            )
+        per = -(-vocab // tp_size)
+        report.fixes.append(
+            PlanFix(
+                "uneven_vocab",
+                vocab_rules,
+                f"vocab_size={vocab} does not divide by tp_size={tp_size}: ranks hold {per} rows, the last "
+                f"{vocab - per * (tp_size - 1)}; logits are gathered to the full vocabulary",
+            )
+        )
+    return report
+
+
+def check_world(tp_size: int, mesh_size: int, *, world_size: int | None, launched: bool) -> None:
+    """Fail early, with the command to run, when the job cannot hold the requested mesh.
+
+    Example:
+        >>> try:
+        ...     check_world(4, 4, world_size=2, launched=True)
+        ... except TensorParallelConfigError as err:
+        ...     print(str(err).split(". ")[0])
+        DistributedConfig(tp_size=4) needs 4 processes (pp*dp_replicate*fsdp*tp), but this job has WORLD_SIZE=2
+    """
+    if not launched:
+        raise TensorParallelConfigError(
+            f"DistributedConfig(tp_size={tp_size}) needs {mesh_size} processes, one per TPU chip, but this process was "
+            f"not started by a launcher (RANK/WORLD_SIZE are unset). Run it with "
+            f"`hf-tpu launch --nproc_per_node={mesh_size} your_script.py` (add --simulate without TPU chips)."
+        )
+    if world_size is not None and world_size != mesh_size:
+        other = max(1, mesh_size // max(1, tp_size))  # pp * dp_replicate * fsdp
+        if world_size > mesh_size and world_size % other == 0:
+            hint = f"tp_size={world_size // other}, or --nproc_per_node={mesh_size}"
+        else:
+            hint = f"--nproc_per_node={mesh_size}"
+        raise TensorParallelConfigError(
+            f"DistributedConfig(tp_size={tp_size}) needs {mesh_size} processes (pp*dp_replicate*fsdp*tp), but this "
+            f"job has WORLD_SIZE={world_size}. Launch with {hint}, so that the mesh fills the job exactly."
+        )
+
+
+# -- transformers integration -----------------------------------------------------------------------------------
+
+
+def _rank0() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return not dist.is_initialized() or dist.get_rank() == 0
+    except (RuntimeError, ValueError):  # pragma: no cover
+        return True
+
+
+def _module_key(model: Any, module: Any) -> str | None:
+    if module is None:
+        return None
+    for name, mod in model.named_modules():
+        if mod is module:
+            return name
+    return None
+
+
+def _resolve_with_fixes(original):
+    """Wrap ``DistributedMixin._resolve_parallel_plans`` (transformers >=5.24,<6).
+
+    Upstream merges the user's ``tp_plan`` over the model's and shards by it whatever the config says; the
+    wrapper first runs :func:`fix_plan` on the merged plan and stores the fixed plan on the model
+    (``model._tp_plan``, which generation also reads to size the static cache), then lets upstream proceed.
+    Needed as long as upstream does not check heads against ``tp_size`` (still the case in 5.24).
+    """
+
+    def _resolve_parallel_plans(self, distributed_config):
+        tp_size = getattr(distributed_config, "tp_size", 1) or 1
+        if tp_size > 1:
+            override = distributed_config.tp_plan if isinstance(distributed_config.tp_plan, dict) else None
+            if override == {}:
+                return original(self, distributed_config)
+            merged = dict(self.tp_plan or {}) | (override or {})
+            try:
+                emb = _module_key(self, self.get_input_embeddings())
+            except (NotImplementedError, AttributeError):
+                emb = None
+            try:
+                head = _module_key(self, self.get_output_embeddings())
+            except (NotImplementedError, AttributeError):
+                head = None
+            report = fix_plan(
+                merged,
+                self.config,
+                tp_size,
+                user_rules=(override or {}).keys(),
+                embedding_key=emb,
+                head_key=head,
+            )
+            if report.fixes:
+                # Upstream merges `plan | override` again; user rules are unchanged in the fixed plan.
+                self._tp_plan = report.plan
+                if _rank0():
+                    for fix in report.fixes:
+                        level = logging.INFO if fix.kind == "uneven_vocab" else logging.WARNING
+                        logger.log(level, "hf_tpu tensor parallel: %s", fix.reason)
+            self._hf_tpu_tp_fixes = list(report.fixes)
+        return original(self, distributed_config)
+
+    _resolve_parallel_plans.__wrapped__ = original
+    return _resolve_parallel_plans
+
+
+def _mesh_with_checks(original):
+    """Wrap ``transformers.distributed.mixin.initialize_distributed_mesh`` (transformers >=5.24,<6).
+
+    Upstream tries ``init_process_group`` and reports a failure as "We tried to initialize torch.distributed for
+    you, but it failed", or a mesh/world mismatch without saying what to run. The wrapper checks the job first
+    (:func:`check_world`) and, on the simulator, registers the simulated ``tpu_dist`` backend that upstream picks
+    for the ``tpu`` device.
+    """
+
+    def initialize_distributed_mesh(distributed_config):
+        import torch
+        import torch.distributed as dist
+
+        sizes = (
+            distributed_config.pp_size,
+            distributed_config.dp_replicate_size,
+            distributed_config.fsdp_size,
+            distributed_config.tp_size,
+        )
+        mesh_size = 1
+        for s in sizes:
+            mesh_size *= int(s)
+        if mesh_size > 1:
+            if dist.is_initialized():
+                check_world(distributed_config.tp_size, mesh_size, world_size=dist.get_world_size(), launched=True)
+            else:
+                launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+                world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+                check_world(distributed_config.tp_size, mesh_size, world_size=world, launched=launched)
+            from hf_tpu import runtime
+
+            if runtime.is_simulated() and torch._C._get_accelerator().type == "tpu":
+                from hf_tpu.distributed import sim_backend
+
+                sim_backend.register()
+        return original(distributed_config)
+
+    initialize_distributed_mesh.__wrapped__ = original
+    return initialize_distributed_mesh
+
+
+def apply() -> None:
+    """Install the plan checks in transformers (``hf_tpu.enable("tensor_parallel")``)."""
+    from transformers.distributed import mixin
+
+    from hf_tpu._patch import patch
+
+    def upstream(fn):
+        return getattr(fn, "__wrapped__", fn) if getattr(fn, "__module__", "") == __name__ else fn
+
+    patch(
+        mixin.DistributedMixin,
+        "_resolve_parallel_plans",
+        _resolve_with_fixes(upstream(mixin.DistributedMixin._resolve_parallel_plans)),
+        feature=FEATURE,
+        package="transformers",
+        versions=TRANSFORMERS_VERSIONS,
+    )
+    patch(
+        mixin,
+        "initialize_distributed_mesh",
+        _mesh_with_checks(upstream(mixin.initialize_distributed_mesh)),
+        feature=FEATURE,
+        package="transformers",
+        versions=TRANSFORMERS_VERSIONS,
+    )

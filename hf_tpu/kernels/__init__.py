@@ -1,0 +1,44 @@
+"""Hub kernels on TPU: the kernel repositories shipped with hf_tpu and their registration in transformers.
+
+- :func:`use_ragged_dot_experts` loads the ragged-dot MoE kernel (``hub/ragged-dot-tpu``) and registers it in
+  transformers' experts interface; pass the returned name as ``experts_implementation``.
+- :func:`register_experts` registers any kernel's ``experts_forward`` (say one from ``kernels.get_kernel``).
+- :func:`load_local_kernel` / :func:`load_ragged_dot_kernel` load a Hub-layout kernel folder with ``kernels``.
+
+Example:
+    >>> import hf_tpu.kernels
+    >>> impl = hf_tpu.kernels.use_ragged_dot_experts()                                  # doctest: +SKIP
+    >>> model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=impl)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from hf_tpu.kernels.loader import (
+    HUB_DIR,
+    RAGGED_DOT_REPO,
+    load_local_kernel,
+    load_ragged_dot_kernel,
+    tpu_variant_selection,
+)
+from hf_tpu.kernels.registry import (
+    RAGGED_DOT_NAME,
+    apply,
+    register_experts,
+    registered_experts,
+    unregister_experts,
+    use_ragged_dot_experts,
+)
+
+__all__ = [
+    "HUB_DIR",
+    "RAGGED_DOT_NAME",
+    "RAGGED_DOT_REPO",
+    "apply",
+    "load_local_kernel",
+    "load_ragged_dot_kernel",
+    "register_experts",
+    "registered_experts",
+    "tpu_variant_selection",
+    "unregister_experts",
+    "use_ragged_dot_experts",
+]

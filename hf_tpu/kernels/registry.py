@@ -1,0 +1,139 @@
+"""Register experts implementations in transformers' experts interface, reversibly.
+
+transformers dispatches every MoE experts module decorated with ``@use_experts_implementation`` through
+``ALL_EXPERTS_FUNCTIONS`` by ``config._experts_implementation`` (the ``experts_implementation=`` argument of
+``from_pretrained``). :func:`register_experts` adds a name there with ``ALL_EXPERTS_FUNCTIONS.register`` (the
+upstream extension point) and records an undo with :func:`hf_tpu._patch.on_revert`, so ``hf_tpu.disable()``
+or :func:`unregister_experts` puts the mapping back as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from hf_tpu import _patch
+
+__all__ = [
+    "FEATURE",
+    "apply",
+    "register_experts",
+    "registered_experts",
+    "unregister_experts",
+    "use_ragged_dot_experts",
+]
+
+FEATURE = "kernels"
+RAGGED_DOT_NAME = "ragged_dot_tpu"
+
+_MISSING = object()
+_LOCK = threading.RLock()
+# name -> (function we registered, what the mapping held before)
+_OURS: dict[str, tuple[Callable, Any]] = {}
+
+
+def _interface():
+    from transformers.integrations.moe import ExpertsInterface
+
+    return ExpertsInterface
+
+
+def _resolve(kernel: ModuleType | Callable) -> Callable:
+    if isinstance(kernel, ModuleType):
+        fn = getattr(kernel, "experts_forward", None)
+        if fn is None:
+            raise AttributeError(
+                f"register_experts: kernel module {kernel.__name__!r} has no experts_forward; pass a module that "
+                "defines experts_forward(self, hidden_states, top_k_index, top_k_weights) or the function itself."
+            )
+        return fn
+    if callable(kernel):
+        return kernel
+    raise TypeError(f"register_experts: expected a kernel module or a callable, got {type(kernel).__name__}")
+
+
+def register_experts(name: str, kernel: ModuleType | Callable, *, replace: bool = False) -> str:
+    """Make ``kernel`` (a module with ``experts_forward``, or the function) available as
+    ``experts_implementation=name``. Returns ``name``.
+
+    Registering the same function under the same name again does nothing. A name that already maps to something
+    else (transformers' ``grouped_mm``, or another kernel) is an error unless ``replace=True``; the previous entry
+    comes back on :func:`unregister_experts` / ``hf_tpu.disable()``.
+
+    Example:
+        >>> from hf_tpu.kernels import load_ragged_dot_kernel, register_experts
+        >>> name = register_experts("ragged_dot_tpu", load_ragged_dot_kernel())          # doctest: +SKIP
+        >>> model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=name)  # doctest: +SKIP
+    """
+    if not name or name == "eager":
+        raise ValueError("register_experts: the name must be non-empty and not 'eager' (transformers' own loop)")
+    fn = _resolve(kernel)
+    interface = _interface()
+    mapping = interface._global_mapping
+    with _LOCK:
+        current = mapping.get(name, _MISSING)
+        if current is fn:
+            return name
+        if current is not _MISSING and not replace:
+            raise ValueError(
+                f"register_experts({name!r}): that experts implementation is already registered ({current!r}); "
+                "pick another name, or pass replace=True to override it until hf_tpu.disable()."
+            )
+        previous = _OURS[name][1] if name in _OURS else current
+        interface.register(name, fn)
+        first = name not in _OURS
+        _OURS[name] = (fn, previous)
+        if first:
+            _patch.on_revert(FEATURE, lambda: unregister_experts(name))
+    return name
+
+
+def unregister_experts(name: str) -> None:
+    """Undo :func:`register_experts` for ``name`` (restoring what was there before); unknown names are ignored."""
+    with _LOCK:
+        entry = _OURS.pop(name, None)
+        if entry is None:
+            return
+        fn, previous = entry
+        mapping = _interface()._global_mapping
+        if mapping.get(name) is not fn:  # someone else registered over us since: leave theirs in place
+            return
+        if previous is _MISSING:
+            del mapping[name]
+        else:
+            mapping[name] = previous
+
+
+def registered_experts() -> dict[str, Callable]:
+    """The experts implementations hf_tpu registered and that are still in force."""
+    with _LOCK:
+        return {name: fn for name, (fn, _) in _OURS.items()}
+
+
+def use_ragged_dot_experts(name: str = RAGGED_DOT_NAME, *, implementation: str = "auto") -> str:
+    """Load the shipped ragged-dot kernel and register its experts forward; returns the name to pass as
+    ``experts_implementation``.
+
+    ``implementation`` picks the grouped matmul (``"auto"``: the Pallas kernel on TPU, the XLA path elsewhere;
+    ``"pallas"``, ``"pallas_interpret"``, ``"xla"``, ``"xla_tiled"``).
+
+    Example:
+        >>> from hf_tpu.kernels import use_ragged_dot_experts
+        >>> impl = use_ragged_dot_experts()                                            # doctest: +SKIP
+        >>> model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=impl)  # doctest: +SKIP
+    """
+    from hf_tpu.kernels.loader import load_ragged_dot_kernel
+
+    kernel = load_ragged_dot_kernel()
+    fn = kernel.experts_forward if implementation == "auto" else kernel.make_experts_forward(implementation)
+    current = _OURS.get(name)
+    if current is not None and getattr(current[0], "__name__", None) == fn.__name__:
+        return name  # same kernel, same implementation: already in force
+    return register_experts(name, fn, replace=name in _OURS)
+
+
+def apply() -> None:
+    """hf_tpu integration entry point: ``experts_implementation="ragged_dot_tpu"`` becomes available."""
+    use_ragged_dot_experts()

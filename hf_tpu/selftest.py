@@ -1,0 +1,212 @@
+"""Self-test checks: one per capability, run by ``hf-tpu selftest`` on a TPU VM (or on the simulated device).
+
+A capability registers its check in a module named ``_selftest.py`` next to its code (``hf_tpu/_selftest.py``
+for the runtime and the device, ``hf_tpu/<area>/_selftest.py`` for the others); :func:`discover` finds those
+files without importing anything else, so adding a capability's check needs no change here.
+
+A check takes a :class:`CheckContext`, compares what the ``tpu`` device computes with the same computation on
+CPU, and returns the figures that matter on TPU (wall time of cold and warm calls, and on the simulator compiles,
+host<->device copies and host syncs). It raises :class:`SkipCheck` when it cannot run on this host (e.g. tensor
+parallel with one chip); any other exception fails it.
+
+Example:
+    >>> from hf_tpu.selftest import register_check
+    >>> @register_check("example", description="2 + 2 on the device")   # doctest: +SKIP
+    ... def _check(ctx):
+    ...     x = ctx.to_device(torch.tensor(2.0))
+    ...     ctx.assert_close(x + x, torch.tensor(4.0))
+    ...     return {"answer": (x + x).item()}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "CheckContext",
+    "CheckResult",
+    "SkipCheck",
+    "checks",
+    "discover",
+    "register_check",
+    "run_checks",
+]
+
+Status = Literal["passed", "failed", "skipped"]
+
+
+class SkipCheck(Exception):
+    """Raised by a check that cannot run on this host; the message is the reason shown in the report."""
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    fn: Callable[[CheckContext], dict[str, Any] | None]
+    description: str
+    quick: bool  # part of `--quick`
+    order: int  # lower runs first (runtime and device before the capabilities that need them)
+    module: str
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: Status
+    description: str = ""
+    reason: str | None = None  # why it was skipped
+    error: str | None = None  # what failed (the exception, and where)
+    seconds: float = 0.0
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_REGISTRY: dict[str, Check] = {}
+
+
+def register_check(
+    name: str, *, description: str = "", quick: bool = True, order: int = 50
+) -> Callable[[Callable], Callable]:
+    """Register ``fn(ctx) -> figures`` as the self-test check ``name`` (one name, one check).
+
+    Example:
+        >>> @register_check("device_map", description="device_map='auto' places a tiny model")  # doctest: +SKIP
+        ... def _check(ctx): ...
+    """
+
+    def decorator(fn: Callable) -> Callable:
+        existing = _REGISTRY.get(name)
+        if existing is not None and (existing.module, existing.fn.__qualname__) != (fn.__module__, fn.__qualname__):
+            raise ValueError(
+                f"self-test check {name!r} is registered twice: by {existing.module}.{existing.fn.__qualname__} "
+                f"and by {fn.__module__}.{fn.__qualname__}; give one of them another name"
+            )
+        _REGISTRY[name] = Check(
+            name, fn, description or (fn.__doc__ or "").strip().split("\n")[0], quick, order, fn.__module__
+        )
+        return fn
+
+    return decorator
+
+
+def discover() -> list[str]:
+    """Import every ``hf_tpu/**/_selftest.py`` module (which registers its checks); return their names."""
+    import importlib
+
+    root = Path(__file__).resolve().parent
+    names = []
+    for path in sorted(root.rglob("_selftest.py")):
+        rel = path.relative_to(root.parent).with_suffix("")
+        if any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
+            continue
+        name = ".".join(rel.parts)
+        importlib.import_module(name)
+        names.append(name)
+    return names
+
+
+def checks() -> dict[str, Check]:
+    """The registered checks, in the order they run."""
+    return dict(sorted(_REGISTRY.items(), key=lambda kv: (kv[1].order, kv[0])))
+
+
+class CheckContext:
+    """What a check gets: the runtime, the device, helpers to compare with CPU and to measure."""
+
+    def __init__(self, quick: bool = False) -> None:
+        from hf_tpu import runtime
+
+        self.quick = quick
+        self.info = runtime.detect()
+        self.simulated = self.info.mode == "simulated"
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("tpu", 0)
+
+    def to_device(self, obj):
+        """``obj.to("tpu")`` for a tensor or a module."""
+        return obj.to(self.device)
+
+    @staticmethod
+    def assert_close(actual, expected, **kwargs) -> None:
+        """``torch.testing.assert_close`` after bringing ``actual`` back to the host."""
+        import torch
+
+        actual = actual.cpu() if isinstance(actual, torch.Tensor) else actual
+        torch.testing.assert_close(actual, expected, **kwargs)
+
+    @contextlib.contextmanager
+    def measure(self, figures: dict[str, Any], prefix: str) -> Iterator[None]:
+        """Add ``<prefix>_s`` (wall time) and, on the simulator, ``<prefix>_compiles`` and the copy/sync counts.
+
+        Read a result back to the host inside the block, so that the time includes the device's work.
+        """
+        t0 = time.perf_counter()
+        if self.simulated:
+            import hf_tpu.sim
+
+            with hf_tpu.sim.stats() as s:
+                yield
+            for key in ("compiles", "h2d_copies", "d2h_copies", "host_syncs", "shape_signatures"):
+                figures[f"{prefix}_{key}"] = getattr(s, key)
+        else:
+            yield
+        figures[f"{prefix}_s"] = round(time.perf_counter() - t0, 6)
+
+
+def _error_text(err: BaseException) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {err}{where}"
+
+
+def run_checks(
+    only: list[str] | None = None,
+    quick: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> list[CheckResult]:
+    """Run the registered checks (``only`` those names, if given) and return one result per check.
+
+    ``progress(name, index, total)`` is called before each check. When the runtime check fails (no TPU in this
+    process), the checks after it are skipped with that reason.
+    """
+    discover()
+    registered = checks()
+    if only:
+        unknown = [n for n in only if n not in registered]
+        if unknown:
+            raise KeyError(f"unknown self-test check(s) {', '.join(unknown)}; known: {', '.join(registered)}")
+    selected = [c for c in registered.values() if (not only or c.name in only) and (not quick or c.quick or only)]
+    ctx = CheckContext(quick=quick)
+    results: list[CheckResult] = []
+    no_device: str | None = None
+    for index, check in enumerate(selected):
+        if progress:
+            progress(check.name, index, len(selected))
+        if no_device and check.name != "runtime":
+            results.append(CheckResult(check.name, "skipped", check.description, reason=no_device))
+            continue
+        t0 = time.perf_counter()
+        result = CheckResult(check.name, "passed", check.description)
+        try:
+            result.figures = dict(check.fn(ctx) or {})
+        except SkipCheck as skip:
+            result.status, result.reason = "skipped", str(skip) or "skipped"
+        except Exception as err:  # noqa: BLE001 - a failing check is reported, never raised
+            result.status, result.error = "failed", _error_text(err)
+            if check.name == "runtime":
+                no_device = "no tpu device in this process (see the runtime check)"
+        result.seconds = round(time.perf_counter() - t0, 3)
+        results.append(result)
+    return results

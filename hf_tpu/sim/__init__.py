@@ -1,0 +1,126 @@
+"""The simulated ``tpu`` device: the same code as on a TPU, on CPU memory, with counters.
+
+Importing this module enables the simulator (so ``TRANSFORMERS_TEST_BACKEND=hf_tpu.sim`` works); so does
+``HF_TPU_SIMULATE=1`` at ``import hf_tpu``. Tensors live in ``tpu:0``; mixing them with CPU tensors raises
+torch's usual same-device error; transfers, host syncs, compiles and new eager shape signatures are counted.
+
+Example:
+    >>> import torch, hf_tpu.sim
+    >>> hf_tpu.sim.enable(generation="v6e")
+    >>> x = torch.randn(2, 3).to("tpu")
+    >>> with hf_tpu.sim.stats() as s:
+    ...     y = (x @ x.T).relu().cpu()
+    >>> x.device.type, s.d2h_copies
+    ('tpu', 1)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from hf_tpu.sim._counters import STATE, SimStrictError, Stats, stats, strict
+from hf_tpu.sim._tensors import host_view, is_sim_tensor
+
+__all__ = [
+    "SimStrictError",
+    "Stats",
+    "enable",
+    "host_view",
+    "is_enabled",
+    "is_sim_tensor",
+    "max_memory_allocated",
+    "memory_allocated",
+    "reset_peak",
+    "stats",
+    "strict",
+]
+
+_ENABLED: dict[str, object] = {}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def enable(generation: str = "v6e", hbm: int | None = None) -> None:
+    """Register the simulated ``tpu`` device in this process (idempotent; a new call reconfigures it).
+
+    Args:
+        generation: a TPU generation preset of :data:`hf_tpu.runtime.GENERATIONS` (``"v5e"``, ``"v5p"``,
+            ``"v6e"``, ``"v7"``, ...): sets the device name and its HBM.
+        hbm: HBM of the device in bytes, overriding the preset (tests use small values to provoke OOM).
+
+    Raises:
+        RuntimeError: this host has real TPU chips (use torch_tpu), or PrivateUse1 belongs to another backend.
+        ValueError: unknown generation.
+
+    Example:
+        >>> import hf_tpu.sim
+        >>> hf_tpu.sim.enable(generation="v5e", hbm=2 * 1024**3)
+        >>> import torch; torch.tpu.get_device_properties().total_memory
+        2147483648
+    """
+    from hf_tpu import runtime
+
+    if generation not in runtime.GENERATIONS:
+        raise ValueError(
+            f"unknown TPU generation {generation!r} for the simulator; known: {', '.join(runtime.GENERATIONS)}"
+        )
+    chips, found = runtime.scan_pci_chips()
+    if chips:
+        raise RuntimeError(
+            f"refusing to simulate a TPU: this host has {chips} real TPU chip(s) ({found}). Use them through "
+            "torch_tpu (pip install 'hf-tpu[tpu]') and unset HF_TPU_SIMULATE / drop --simulate."
+        )
+    spec = runtime.GENERATIONS[generation]
+    hbm_bytes = int(hbm) if hbm is not None else int(spec["hbm_per_chip"]) // int(spec["devices_per_chip"])
+    if hbm_bytes <= 0:
+        raise ValueError(f"hbm must be a positive number of bytes, got {hbm!r}")
+
+    from hf_tpu.sim import _backend, _device, _device_module
+
+    _device.register()
+    _backend.register()
+    name = f"{spec['name']} (simulated)"
+    _device_module._configure(name, hbm_bytes)
+    STATE.hbm_bytes = hbm_bytes
+    _ENABLED.update(generation=generation, hbm=hbm_bytes)
+    runtime._set_simulated(
+        runtime.RuntimeInfo(
+            mode="simulated",
+            device_count=1,
+            chips_on_host=0,
+            hbm_bytes=hbm_bytes,
+            generation=generation,
+            torch_tpu_version=_version("torch-tpu") or _version("torch_tpu"),
+            libtpu_version=_version("libtpu"),
+            reason=f"simulated {spec['name']} with {hbm_bytes / 1024**3:.2f} GiB HBM (hf_tpu.sim, CPU memory)",
+        )
+    )
+
+
+def is_enabled() -> bool:
+    """True once :func:`enable` ran in this process."""
+    return bool(_ENABLED)
+
+
+def memory_allocated() -> int:
+    """Bytes of simulated device memory held by live tensors."""
+    return STATE.live_bytes
+
+
+def max_memory_allocated() -> int:
+    """Most simulated device memory held at once since the start or the last :func:`reset_peak`."""
+    return STATE.peak_bytes
+
+
+def reset_peak() -> None:
+    """Restart :func:`max_memory_allocated` from the current live bytes."""
+    STATE.peak_bytes = STATE.live_bytes
+
+
+if not _ENABLED:
+    enable()

@@ -1,0 +1,83 @@
+"""The ``"tpu"`` torch.compile backend of the simulated device: aot_eager underneath, every compile counted.
+
+Dynamo calls a backend once per graph it compiles (each new shape with ``dynamic=False``, each graph break),
+which is what costs a real TPU an XLA compile; the simulator counts those calls as ``stats().compiles``.
+Ops run inside a compiled graph do not add eager shape signatures (torch_tpu runs the graph as one program).
+It is registered only in simulated mode and never replaces torch_tpu's own backend on a real TPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hf_tpu.sim._counters import STATE, SimStrictError
+
+__all__ = ["register", "tpu_backend"]
+
+TAKEN_OVER: dict[str, Any] = {}
+
+
+def _in_graph(fn: Any) -> Any:
+    def run(args: list) -> Any:
+        STATE.in_graph += 1
+        try:
+            return fn(args)
+        finally:
+            STATE.in_graph -= 1
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return _in_graph(make_boxed_func(gm.forward))
+
+
+def _describe(example_inputs: Any) -> str:
+    shapes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)][:6]
+    return f"inputs {shapes}" + (" ..." if len(example_inputs) > 6 else "")
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
+    """Compile ``gm`` for the simulated device (aot_eager) and count one compile.
+
+    Example:
+        >>> import torch, hf_tpu.sim
+        >>> f = torch.compile(lambda x: x * 2 + 1, backend="tpu", dynamic=False)
+        >>> with hf_tpu.sim.stats() as s:
+        ...     _ = f(torch.ones(3, device="tpu"))
+        >>> s.compiles
+        1
+    """
+    if STATE.strict_compiles:
+        raise SimStrictError(
+            f"compile inside hf_tpu.sim.strict(): graph with {len(gm.graph.nodes)} nodes, "
+            f"{_describe(example_inputs)}. A new shape (or a graph break) compiled a new graph; warm the shape up "
+            "first, pad inputs to a bucket, or mark the dimension dynamic."
+        )
+    STATE.compiles += 1
+    STATE.last_compile = _describe(example_inputs)
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=_compiler, bw_compiler=_compiler, keep_inference_input_mutations=True)(
+        gm, example_inputs, **kwargs
+    )
+
+
+def register() -> None:
+    """Make ``backend="tpu"`` this backend, keeping aside any ``"tpu"`` backend registered before (torch_tpu's)."""
+    from torch._dynamo.backends import registry
+
+    registry._lazy_import()
+    current = registry._COMPILER_FNS.get("tpu")
+    if current is tpu_backend:
+        return
+    if current is not None:
+        TAKEN_OVER["tpu"] = current
+        del registry._COMPILER_FNS["tpu"]
+    registry._BACKENDS.pop("tpu", None)
+    registry.register_backend(compiler_fn=tpu_backend, name="tpu")

@@ -1,0 +1,186 @@
+"""Counters of the simulated device: transfers, host syncs, compiles, eager shape signatures, memory.
+
+The device code bumps plain integers on one module-level object (the hot path must stay cheap); a
+:func:`stats` block snapshots them on entry and reports the difference, so blocks nest freely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["SimStrictError", "Stats", "stats", "strict"]
+
+_FIELDS = ("compiles", "h2d_copies", "d2h_copies", "h2d_bytes", "d2h_bytes", "host_syncs", "shape_signatures", "ops")
+
+
+class SimStrictError(RuntimeError):
+    """A host sync or a compile happened inside :func:`strict`."""
+
+
+class _State:
+    """Process-wide counters (monotonic) and memory accounting."""
+
+    __slots__ = (
+        *_FIELDS,
+        "live_bytes",
+        "peak_bytes",
+        "window_peak",
+        "seen",
+        "strict_syncs",
+        "strict_compiles",
+        "hbm_bytes",
+        "last_compile",
+        "in_graph",
+    )
+
+    def __init__(self) -> None:
+        for name in _FIELDS:
+            setattr(self, name, 0)
+        self.live_bytes = 0
+        self.peak_bytes = 0  # since start or reset_peak()
+        self.window_peak = 0  # peak since the innermost open stats() block began
+        self.seen: set = set()  # eager (op, shapes, dtypes) signatures seen by this process
+        self.strict_syncs = 0  # depth of strict(host_syncs=True) blocks
+        self.strict_compiles = 0
+        self.hbm_bytes = 0
+        self.last_compile = ""
+        self.in_graph = 0  # >0 while a compiled graph runs
+
+
+STATE = _State()
+_LOCK = threading.Lock()
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class Stats:
+    """What happened on the simulated device inside one ``with hf_tpu.sim.stats() as s:`` block.
+
+    Fields read live while the block is open and freeze when it closes.
+
+    - ``compiles``: graphs compiled by the ``"tpu"`` torch.compile backend (each recompile counts).
+    - ``h2d_copies`` / ``h2d_bytes``: host→device transfers; ``d2h_copies`` / ``d2h_bytes``: device→host.
+    - ``host_syncs``: points where the host waited for a device value (``.item()``, ``.tolist()``, printing,
+      ``.cpu()``, data-dependent shapes such as ``nonzero``).
+    - ``shape_signatures``: eager (op, shapes, dtypes) signatures this process had never run before; torch_tpu
+      compiles each of them once, so this is the eager-mode compile count.
+    - ``ops``: device ops executed eagerly.
+    - ``live_bytes``: device memory in use at the end; ``peak_bytes``: the most in use during the block.
+    """
+
+    compiles: int = 0
+    h2d_copies: int = 0
+    d2h_copies: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    host_syncs: int = 0
+    shape_signatures: int = 0
+    ops: int = 0
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    _start: dict = field(default_factory=dict, repr=False)
+    _open: bool = field(default=False, repr=False)
+    _saved_window: int = field(default=0, repr=False)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _FIELDS and object.__getattribute__(self, "_open"):
+            return getattr(STATE, name) - object.__getattribute__(self, "_start")[name]
+        if name == "live_bytes" and object.__getattribute__(self, "_open"):
+            return STATE.live_bytes
+        if name == "peak_bytes" and object.__getattribute__(self, "_open"):
+            return STATE.window_peak
+        return object.__getattribute__(self, name)
+
+    def _enter(self) -> None:
+        self._start = {name: getattr(STATE, name) for name in _FIELDS}
+        self._saved_window = STATE.window_peak
+        STATE.window_peak = STATE.live_bytes
+        self._open = True
+
+    def _exit(self) -> None:
+        values = {name: getattr(self, name) for name in (*_FIELDS, "live_bytes", "peak_bytes")}
+        object.__setattr__(self, "_open", False)
+        for name, value in values.items():
+            setattr(self, name, value)
+        STATE.window_peak = max(self._saved_window, STATE.window_peak)
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters as a plain dict (for JSON, benchmarks and assertions)."""
+        return {name: getattr(self, name) for name in (*_FIELDS, "live_bytes", "peak_bytes")}
+
+    def report(self) -> str:
+        """A short human-readable summary."""
+        d = self.as_dict()
+        lines = [
+            "simulated tpu counters",
+            f"  compiles (torch.compile, backend='tpu'): {d['compiles']}",
+            f"  new eager shape signatures:              {d['shape_signatures']}",
+            f"  device ops executed:                     {d['ops']}",
+            f"  host->device copies:                     {d['h2d_copies']} ({_fmt_bytes(d['h2d_bytes'])})",
+            f"  device->host copies:                     {d['d2h_copies']} ({_fmt_bytes(d['d2h_bytes'])})",
+            f"  host syncs:                              {d['host_syncs']}",
+            (
+                f"  device memory live / peak:               {_fmt_bytes(d['live_bytes'])} / "
+                f"{_fmt_bytes(d['peak_bytes'])}"
+            ),
+        ]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+@contextlib.contextmanager
+def stats() -> Iterator[Stats]:
+    """Count what the simulated device does inside the block.
+
+    Example:
+        >>> import torch, hf_tpu.sim
+        >>> with hf_tpu.sim.stats() as s:
+        ...     x = torch.ones(4).to("tpu")
+        ...     y = (x * 2).sum().item()
+        >>> (s.h2d_copies, s.host_syncs)
+        (1, 1)
+    """
+    s = Stats()
+    s._enter()
+    try:
+        yield s
+    finally:
+        s._exit()
+
+
+@contextlib.contextmanager
+def strict(host_syncs: bool = True, recompiles: bool = True) -> Iterator[None]:
+    """Raise :class:`SimStrictError` on a host sync (``host_syncs``) or a compile (``recompiles``) in the block.
+
+    Use it after warm-up to prove a loop never waits on the device nor compiles a new graph.
+
+    Example:
+        >>> import torch, hf_tpu.sim
+        >>> x = torch.ones(4, device="tpu")
+        >>> with hf_tpu.sim.strict():
+        ...     y = x * 2            # fine: stays on the device
+        ...     # y.item() here would raise SimStrictError
+    """
+    if host_syncs:
+        STATE.strict_syncs += 1
+    if recompiles:
+        STATE.strict_compiles += 1
+    try:
+        yield
+    finally:
+        if host_syncs:
+            STATE.strict_syncs -= 1
+        if recompiles:
+            STATE.strict_compiles -= 1

@@ -1,0 +1,122 @@
+"""How a simulated ``tpu`` tensor is laid out: a PrivateUse1 tensor whose storage points at CPU memory.
+
+Every ``tpu`` tensor's storage is a non-owning PrivateUse1 storage built over the data pointer of a CPU
+storage, and that CPU storage is kept alive as an attribute of the storage's Python object (shared by every
+tensor that shares the storage: views, ``detach``, ``nn.Parameter``). A tensor's sizes, strides and offset
+are its own, so the CPU tensor with the same metadata over the CPU storage (:func:`host_view`) is exactly the
+simulated tensor's contents.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._C import DispatchKey
+
+from hf_tpu.sim._counters import STATE
+
+__all__ = ["host_view", "is_sim_tensor"]
+
+_CPU = DispatchKey.CPU
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset._op_dk
+_create = torch._C._acc.create_empty_tensor
+_from_ptr = torch._C._construct_storage_from_data_pointer
+_empty = torch.empty
+_set_conj = torch._C._set_conj
+_set_neg = torch._C._set_neg
+_DEVICE: torch.device | None = None  # torch.device("tpu", 0), set once the backend is renamed
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 1024**2:.2f} MiB" if n >= 1024**2 else f"{n} bytes"
+
+
+class _Allocation:
+    """Accounts one CPU storage as device memory for as long as a device storage refers to it."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        live = STATE.live_bytes + nbytes
+        STATE.live_bytes = live
+        STATE.peak_bytes = max(STATE.peak_bytes, live)
+        STATE.window_peak = max(STATE.window_peak, live)
+
+    def __del__(self) -> None:
+        STATE.live_bytes -= self.nbytes
+
+
+def check_oom(nbytes: int, what: str) -> None:
+    """Raise torch.OutOfMemoryError when ``nbytes`` more would not fit in the simulated HBM."""
+    hbm = STATE.hbm_bytes
+    if hbm and STATE.live_bytes + nbytes > hbm:
+        live = STATE.live_bytes
+        raise torch.OutOfMemoryError(
+            f"TPU out of memory (simulated): {what} tried to allocate {_fmt(nbytes)}; tpu:0 has {_fmt(hbm)} of "
+            f"HBM, {_fmt(live)} already allocated, {_fmt(max(hbm - live, 0))} free. Free tensors you no longer "
+            "need, use a smaller batch or a lower-precision dtype (torch.bfloat16), shard the model across chips "
+            "(tensor parallel), or enable the simulator with a larger hbm= (hf_tpu.sim.enable(hbm=...))."
+        )
+
+
+def new_device_storage(cpu_storage: torch.UntypedStorage, what: str = "an op") -> torch.UntypedStorage:
+    """A device storage over ``cpu_storage``'s memory, counted as device memory (may raise OOM)."""
+    nbytes = cpu_storage.nbytes()
+    if STATE.hbm_bytes and STATE.live_bytes + nbytes > STATE.hbm_bytes:
+        check_oom(nbytes, what)
+    ws = _from_ptr(cpu_storage.data_ptr(), _DEVICE, nbytes)
+    ws._hf_buf = cpu_storage
+    ws._hf_alloc = _Allocation(nbytes)
+    return ws
+
+
+def wrap(ws: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    """A new device tensor over device storage ``ws`` with ``like``'s dtype, sizes, strides and offset."""
+    w = _create((0,), like.dtype)
+    _set_storage(_CPU, w, ws, like.storage_offset(), like.size(), like.stride())
+    if like.is_conj():
+        _set_conj(w, True)
+    if like.is_neg():
+        _set_neg(w, True)
+    return w
+
+
+def rebind(w: torch.Tensor, ws: torch.UntypedStorage, like: torch.Tensor) -> None:
+    """Point existing device tensor ``w`` at ``ws`` with ``like``'s metadata (in-place ops, ``out=``, resize)."""
+    _set_storage(_CPU, w, ws, like.storage_offset(), like.size(), like.stride())
+
+
+def to_device(cpu: torch.Tensor) -> torch.Tensor:
+    """Move a CPU tensor's storage under a device tensor without copying (used for fresh op results)."""
+    return wrap(new_device_storage(cpu.untyped_storage()), cpu)
+
+
+def is_sim_tensor(t: object) -> bool:
+    """True for a tensor on the simulated ``tpu`` device."""
+    return isinstance(t, torch.Tensor) and not t.is_cpu and hasattr(t.untyped_storage(), "_hf_buf")
+
+
+def host_view(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor sharing the simulated tensor's memory (no copy, not counted as a transfer).
+
+    Writes to it are writes to the device tensor. It is for code that stands in for device-side work
+    (the ``tpu_dist`` collectives stand-in, kernels run on the simulator); user code should use ``.cpu()``.
+
+    Example:
+        >>> import torch, hf_tpu.sim
+        >>> x = torch.zeros(3, device="tpu")
+        >>> hf_tpu.sim.host_view(x).fill_(1.0).device.type, x.cpu().tolist()
+        ('cpu', [1.0, 1.0, 1.0])
+    """
+    if t.is_cpu:
+        raise TypeError("host_view() expects a tensor on the simulated tpu device, got a CPU tensor")
+    try:
+        buf = t.untyped_storage()._hf_buf
+    except AttributeError:
+        raise TypeError(f"host_view() expects a tensor on the simulated tpu device, got one on {t.device}") from None
+    hv = _empty((0,), dtype=t.dtype).set_(buf, t.storage_offset(), t.size(), t.stride())
+    if t.is_conj():
+        _set_conj(hv, True)
+    if t.is_neg():
+        _set_neg(hv, True)
+    return hv

@@ -1,0 +1,128 @@
+"""Run by ``hf-tpu launch --simulate`` from tests/distributed: one rank of a tensor-parallel check.
+
+``python _tp_worker.py OUT_DIR TP_SIZE MODEL_DIR...``. Each rank loads every model twice on its own simulated
+``tpu:0``: as the TP=1 reference (no distributed config) and sharded with ``DistributedConfig(tp_size=TP_SIZE)``,
+runs a forward and a greedy static-cache generation with both, and writes what it saw to
+``OUT_DIR/rank{RANK}.json``; the test asserts on those files. Extra checks named in ``HF_TPU_TP_CHECKS``
+(comma-separated) exercise collectives, user plan overrides and the errors for impossible requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import hf_tpu
+
+torch.set_num_threads(1)
+hf_tpu.enable("tensor_parallel")
+
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+
+from hf_tpu.distributed.tp_plan import TensorParallelConfigError
+
+out_dir, tp_size, model_dirs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+checks = [c for c in os.environ.get("HF_TPU_TP_CHECKS", "").split(",") if c]
+rank = int(os.environ["RANK"])
+result: dict = {
+    "rank": rank,
+    "world_size": int(os.environ["WORLD_SIZE"]),
+    "hbm": torch.tpu.get_device_properties().total_memory,
+    "models": {},
+    "checks": {},
+}
+ids = torch.tensor([[1, 5, 9, 23, 77, 3, 41]])
+
+
+def run_model(path: str, **load_kwargs) -> dict:
+    ref = AutoModelForCausalLM.from_pretrained(path).to("tpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(tp_size=tp_size, **load_kwargs)
+    )
+    x = ids.to("tpu")
+    with torch.no_grad():
+        ref_logits = ref(x).logits.cpu()
+        logits = model(x).logits
+    gen_kwargs = {"max_new_tokens": 6, "do_sample": False, "cache_implementation": "static"}
+    ref_tokens = ref.generate(x, **gen_kwargs).cpu()
+    tokens = model.generate(x, **gen_kwargs)
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    full_emb = emb.full_tensor() if hasattr(emb, "full_tensor") else emb
+    placements = {
+        name: [str(p) for p in param.placements]
+        for name, param in model.named_parameters()
+        if hasattr(param, "placements") and ".1." not in name  # one layer is enough
+    }
+    return {
+        "logits_device": str(logits.device),
+        "tokens_device": str(tokens.device),
+        "max_abs_diff": (logits.cpu() - ref_logits).abs().max().item(),
+        "tokens": tokens.cpu().tolist(),
+        "ref_tokens": ref_tokens.tolist(),
+        "tied": head is emb,
+        "embedding_equal_ref": torch.equal(full_emb.cpu(), ref.get_input_embeddings().weight.cpu()),
+        "fixes": [f.kind for f in getattr(model, "_hf_tpu_tp_fixes", [])],
+        "placements": placements,
+    }
+
+
+def expect_error(fn) -> str:
+    try:
+        fn()
+    except TensorParallelConfigError as err:
+        return str(err)
+    return "no error"
+
+
+try:
+    for path in model_dirs:
+        result["models"][os.path.basename(path)] = run_model(path)
+    if "collectives" in checks:  # the group transformers initialised
+        x = torch.full((4,), float(rank + 1), device="tpu")
+        dist.all_reduce(x)
+        gathered = torch.empty(2 * dist.get_world_size(), device="tpu")
+        dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank), device="tpu"))
+        with hf_tpu.sim.stats() as s:
+            y = torch.ones(3, device="tpu")
+            dist.all_reduce(y)
+        result["checks"]["collectives"] = {
+            "all_reduce": x.cpu().tolist(),
+            "all_gather": gathered.cpu().tolist(),
+            "device": str(x.device),
+            "copies": [s.h2d_copies, s.d2h_copies],
+            "backend": dist.get_backend(),
+        }
+    if "override" in checks:
+        # A user rule merged over the model's plan and honoured: shard the input embedding on the hidden dim.
+        path = model_dirs[0]
+        result["checks"]["override"] = run_model(path, tp_plan={"model.embed_tokens": "embedding_colwise"})
+    if "bad_override" in checks:
+        path = model_dirs[0]
+        result["checks"]["bad_override"] = expect_error(
+            lambda: AutoModelForCausalLM.from_pretrained(
+                path,
+                distributed_config=DistributedConfig(
+                    tp_size=tp_size, tp_plan={"model.layers.*.self_attn.k_proj": "colwise"}
+                ),
+            )
+        )
+    if "too_big" in checks:
+        path = model_dirs[0]
+        result["checks"]["too_big"] = expect_error(
+            lambda: AutoModelForCausalLM.from_pretrained(
+                path, distributed_config=DistributedConfig(tp_size=2 * tp_size)
+            )
+        )
+except Exception:  # noqa: BLE001 (any failure is reported to the test)
+    result["error"] = traceback.format_exc()
+finally:
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,138 @@
+"""Tensor parallelism on the simulated device, spawned with ``hf-tpu launch --simulate`` (2 and 4 ranks).
+
+Each rank compares the sharded model with the TP=1 model on its own ``tpu:0``: logits within tolerance and
+token-identical greedy generation with a static cache. The models are built here and saved to ``tmp_path``:
+a Llama with 8 heads / 2 KV heads (2 KV heads do not divide by 4: attention is replicated at TP=4) and a Qwen3 with
+tied embeddings and a vocabulary of 1001 (uneven at TP=2 and TP=4).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _launch_util import launch, processes_mentioning
+
+pytestmark = [pytest.mark.distributed]
+
+WORKER = "tests/distributed/_tp_worker.py"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("tp_models")
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
+    llama.save_pretrained(root / "llama_kv2")
+    qwen = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=1001,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            max_position_embeddings=64,
+        )
+    )
+    assert qwen.lm_head.weight is qwen.model.embed_tokens.weight
+    qwen.save_pretrained(root / "qwen3_tied")
+    return [str(root / "llama_kv2"), str(root / "qwen3_tied")]
+
+
+def _run(tmp_path, tp: int, models: list[str], checks: str, env: dict | None = None) -> list[dict]:
+    out = tmp_path / f"tp{tp}"
+    out.mkdir()
+    code, log, _ = launch(
+        ["--simulate", f"--nproc_per_node={tp}", WORKER, str(out), str(tp), *models],
+        timeout=480,
+        env={"HF_TPU_TP_CHECKS": checks, **(env or {})},
+    )
+    assert code == 0, log[-6000:]
+    assert not processes_mentioning(str(out)), "ranks left running after the launcher exited"
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp)]
+    for r in results:
+        assert "error" not in r, r["error"]
+        assert r["world_size"] == tp
+    return results
+
+
+def _check_model(res: dict, *, expect_fixes: set[str]) -> None:
+    assert res["logits_device"] == "tpu:0" and res["tokens_device"] == "tpu:0"
+    assert res["max_abs_diff"] < 1e-4, res["max_abs_diff"]
+    assert res["tokens"] == res["ref_tokens"]
+    assert set(res["fixes"]) == expect_fixes, res["fixes"]
+
+
+@pytest.mark.timeout(600)
+def test_tp2_matches_tp1(tmp_path, models):
+    # The launcher passes the simulated generation on to every rank (v5e: 16 GiB HBM per chip).
+    results = _run(tmp_path, 2, models, "collectives,override,too_big", env={"HF_TPU_SIM_GENERATION": "v5e"})
+    for r in results:
+        assert r["hbm"] == 16 * 1024**3
+        coll = r["checks"]["collectives"]
+        assert coll["all_reduce"] == [3.0] * 4 and coll["all_gather"] == [0.0, 0.0, 1.0, 1.0]
+        assert coll["device"] == "tpu:0" and coll["backend"] == "tpu_dist"
+        assert coll["copies"] == [0, 0], "a collective on the simulator must not copy between host and device"
+
+        llama = r["models"]["llama_kv2"]
+        _check_model(llama, expect_fixes=set())  # 2 KV heads split over 2 ranks: upstream plan as is
+        assert llama["placements"]["model.layers.0.self_attn.k_proj.weight"] == ["S(0)"]
+        assert not llama["tied"]
+
+        qwen = r["models"]["qwen3_tied"]
+        _check_model(qwen, expect_fixes={"uneven_vocab"})
+        assert qwen["tied"] and qwen["embedding_equal_ref"]
+
+        over = r["checks"]["override"]
+        _check_model(over, expect_fixes=set())
+        assert over["placements"]["model.embed_tokens.weight"] == ["S(1)"]  # the user's rule, honoured
+        assert over["placements"]["model.layers.0.mlp.up_proj.weight"] == ["S(0)"]  # merged with the rest
+
+        assert "needs 4 processes" in r["checks"]["too_big"] and "WORLD_SIZE=2" in r["checks"]["too_big"]
+
+
+@pytest.mark.timeout(600)
+def test_tp4_matches_tp1_with_plan_fixes(tmp_path, models):
+    results = _run(tmp_path, 4, models, "bad_override")
+    for r in results:
+        llama = r["models"]["llama_kv2"]
+        _check_model(llama, expect_fixes={"replicate_attention"})
+        assert "model.layers.0.self_attn.k_proj.weight" not in llama["placements"]  # replicated: plain tensor
+        assert llama["placements"]["model.layers.0.mlp.up_proj.weight"] == ["S(0)"]
+
+        qwen = r["models"]["qwen3_tied"]
+        _check_model(qwen, expect_fixes={"replicate_attention", "uneven_vocab"})
+        assert qwen["tied"] and qwen["embedding_equal_ref"]
+
+        err = r["checks"]["bad_override"]
+        assert "k_proj" in err and "2 KV heads" in err and "tp_size" in err, err
+
+
+def test_not_launched_is_a_clear_error(models):
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import hf_tpu
+    from hf_tpu.distributed.tp_plan import TensorParallelConfigError
+
+    with (
+        hf_tpu.enabled("tensor_parallel"),
+        pytest.raises(TensorParallelConfigError, match="hf-tpu launch --nproc_per_node=2"),
+    ):
+        AutoModelForCausalLM.from_pretrained(models[0], distributed_config=DistributedConfig(tp_size=2))

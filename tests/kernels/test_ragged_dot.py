@@ -1,0 +1,131 @@
+"""The grouped matmul itself: the Pallas kernel body (interpret mode) and the XLA paths against float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+jax = pytest.importorskip("jax", reason="the ragged-dot kernel runs in JAX: pip install 'hf-tpu[kernels]'")
+
+from ragged_helpers import ragged_dot_reference
+
+SHAPES = [  # (M, K, N, G)
+    (1, 32, 64, 4),
+    (37, 64, 128, 8),
+    (64, 16, 24, 64),
+    (200, 32, 256, 5),
+]
+
+
+def _sizes(kind: str, m: int, g: int, rng: np.random.Generator) -> np.ndarray:
+    if kind == "random":
+        return rng.multinomial(m, [1 / g] * g).astype(np.int32)
+    if kind == "one_group":
+        sizes = np.zeros(g, np.int32)
+        sizes[g // 2] = m
+        return sizes
+    if kind == "tail":  # a fifth of the rows belong to no group: they must come out as zeros
+        return rng.multinomial(m - m // 5, [1 / g] * g).astype(np.int32)
+    raise ValueError(kind)
+
+
+def _jax_kernels(kernel):
+    import importlib
+
+    return importlib.import_module(f"{kernel.__name__}._jax_kernels")
+
+
+CASES = [  # every shape, every routing kind and both weight layouts, without the full product (interpret is slow)
+    (SHAPES[0], "random", False),
+    (SHAPES[0], "one_group", True),
+    (SHAPES[1], "tail", True),
+    (SHAPES[2], "random", True),
+    (SHAPES[3], "one_group", False),
+]
+
+
+@pytest.mark.parametrize(
+    ("shape", "kind", "rhs_transposed"), CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v)
+)
+def test_pallas_kernel_interpret_matches_float64(kernel, shape, kind, rhs_transposed):
+    m, k, n, g = shape
+    rng = np.random.default_rng(hash((shape, kind)) % 2**32)
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    rhs = rng.standard_normal((g, n, k) if rhs_transposed else (g, k, n)).astype(np.float32)
+    sizes = _sizes(kind, m, g, rng)
+    jk = _jax_kernels(kernel)
+    ref = ragged_dot_reference(lhs, rhs, sizes, rhs_transposed)
+    out = np.asarray(jk.ragged_dot_pallas(lhs, rhs, sizes, rhs_transposed=rhs_transposed, interpret=True))
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
+    for fn in (jk.ragged_dot_xla, jk.ragged_dot_xla_tiled):
+        np.testing.assert_allclose(np.asarray(fn(lhs, rhs, sizes, rhs_transposed=rhs_transposed)), ref, atol=1e-4)
+
+
+def test_pallas_small_tiles_cross_group_boundaries(kernel):
+    """Tiles of 8 rows with 16 groups: most tiles hold several groups and most groups span several tiles."""
+    rng = np.random.default_rng(1)
+    lhs = rng.standard_normal((100, 16)).astype(np.float32)
+    rhs = rng.standard_normal((16, 16, 128)).astype(np.float32)
+    sizes = rng.multinomial(97, [1 / 16] * 16).astype(np.int32)
+    sizes[3] = 0
+    out = _jax_kernels(kernel).ragged_dot_pallas(lhs, rhs, sizes, interpret=True, tm=8)
+    np.testing.assert_allclose(np.asarray(out), ragged_dot_reference(lhs, rhs, sizes), rtol=1e-5, atol=1e-4)
+
+
+def test_visit_plan_is_static_and_covers_every_row(kernel):
+    jk = _jax_kernels(kernel)
+    for sizes in ([5, 0, 0, 11], [0, 0, 16, 0], [1, 1, 1, 1], [0, 0, 0, 0]):
+        gid, tid, first, starts, ends = (np.asarray(a) for a in jk.visit_plan(jax.numpy.array(sizes), 16, 4))
+        assert gid.shape == (4 + 4,)  # m_tiles + G whatever the sizes
+        covered = np.zeros(16, int)
+        for g, t in zip(gid, tid, strict=True):
+            rows = np.arange(t * 4, t * 4 + 4)
+            if g < 4:  # g == G is the virtual group of rows past the last group: masked to zeros by the kernel
+                covered[rows[(rows >= starts[g]) & (rows < ends[g])]] += 1
+        total = sum(sizes)
+        assert (covered[:total] == 1).all() and (covered[total:] == 0).all(), (sizes, gid, tid)
+        touched = np.zeros(4, int)
+        touched[tid] = 1
+        assert touched.all(), "every tile needs a visit, to be zero-initialised"
+        assert (np.diff(tid) >= 0).all() and first[0] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("implementation", ["auto", "xla", "xla_tiled", "pallas_interpret"])
+def test_torch_op_on_cpu_tensors(kernel, dtype, implementation):
+    g = torch.Generator().manual_seed(0)
+    lhs = torch.randn(24, 32, generator=g).to(dtype)
+    rhs = torch.randn(6, 48, 32, generator=g).to(dtype)
+    sizes = torch.tensor([5, 0, 7, 0, 12, 0], dtype=torch.int64)
+    out = kernel.ragged_dot(lhs, rhs, sizes, rhs_transposed=True, implementation=implementation)
+    assert out.dtype == dtype and out.shape == (24, 48) and out.device.type == "cpu"
+    ref = ragged_dot_reference(lhs.float().numpy(), rhs.float().numpy(), sizes.numpy(), True)
+    tol = 1e-4 if dtype == torch.float32 else 0.05 * np.abs(ref).max()
+    np.testing.assert_allclose(out.float().numpy(), ref, atol=tol)
+
+
+def test_custom_op_compiles_fullgraph_without_graph_breaks(kernel):
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    def f(x, w, sizes):
+        return kernel.ragged_dot(torch.relu(x), w, sizes) * 2
+
+    compiled = torch.compile(f, backend=backend, fullgraph=True, dynamic=False)
+    x, w = torch.randn(10, 8), torch.randn(3, 8, 16)
+    for sizes in ([10, 0, 0], [2, 3, 5], [0, 10, 0]):
+        sizes = torch.tensor(sizes)
+        torch.testing.assert_close(compiled(x, w, sizes), f(x, w, sizes))
+    assert len(calls) == 1, "a new routing must not retrace"
+    assert kernel.ragged_dot_op._opoverload in calls[0]
+
+
+def test_shape_errors_name_the_shapes(kernel):
+    with pytest.raises(ValueError, match=r"\(4, 8\)"):
+        kernel.ragged_dot(torch.randn(4, 8), torch.randn(2, 9, 3), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="unknown implementation"):
+        kernel.ragged_dot(torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([2, 2]), implementation="cuda")

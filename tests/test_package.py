@@ -1,0 +1,64 @@
+"""Package-level promises: ``import hf_tpu`` is light, and CI runs exactly the README's test command."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("torch_tpu", "jax", "transformers", "diffusers")
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
+    full_env.update(env, PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full_env, check=False, capture_output=True, text=True, timeout=180
+    )
+
+
+def test_import_hf_tpu_imports_no_backend_or_hf_library():
+    code = (
+        "import sys, hf_tpu, hf_tpu.runtime, hf_tpu.cli.main\n"
+        "hf_tpu.runtime.detect()\n"
+        f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
+    )
+    proc = run(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hf_tpu.sim") is None, reason="hf_tpu.sim is not on this branch yet")
+def test_import_with_simulate_still_imports_no_hf_library():
+    """HF_TPU_SIMULATE=1 registers the simulated device (torch is needed) but pulls in no HF library."""
+    proc = run(f"import sys, hf_tpu\nprint([m for m in {HEAVY!r} if m in sys.modules])", HF_TPU_SIMULATE="1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def readme_commands() -> list[str]:
+    """The command lines in README.md's bash blocks."""
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL)
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    readme_test = [line for line in readme_commands() if "pytest" in line]
+    assert len(readme_test) == 1, readme_test
+    proc = subprocess.run(
+        ["bash", str(REPO / ".ci" / "run"), "--print-test-command"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip("\n") == readme_test[0]
+    # It installs torch 2.13.0 before anything else (so pip keeps the CPU build), with the test and kernels extras.
+    assert re.search(r'pip install torch==2\.13\.0 -e "\.\[test,kernels\]"', readme_test[0])

@@ -1,0 +1,123 @@
+"""The patch registry: every change to third-party code is recorded, idempotent and exactly reversible."""
+
+import types
+import warnings
+
+import pytest
+
+from hf_tpu import _patch
+
+
+@pytest.fixture
+def target():
+    owner = types.SimpleNamespace(value="original")
+    yield owner
+    _patch.revert("test-feature")
+    _patch.revert("other-feature")
+
+
+def test_patch_and_revert_restores_identity(target):
+    original = target.value
+    _patch.patch(target, "value", "new", feature="test-feature")
+    assert target.value == "new"
+    assert [r.name for r in _patch.applied("test-feature")] == ["value"]
+    _patch.revert("test-feature")
+    assert target.value is original
+    assert _patch.applied("test-feature") == []
+
+
+def test_patch_is_idempotent_and_keeps_first_original(target):
+    _patch.patch(target, "value", "a", feature="test-feature")
+    _patch.patch(target, "value", "a", feature="test-feature")
+    _patch.patch(target, "value", "b", feature="test-feature")
+    assert target.value == "b"
+    assert len(_patch.applied("test-feature")) == 1
+    _patch.revert()
+    assert target.value == "original"
+
+
+def test_missing_attribute_is_deleted_on_revert(target):
+    _patch.patch(target, "added", 1, feature="test-feature")
+    assert target.added == 1
+    _patch.revert("test-feature")
+    assert not hasattr(target, "added")
+
+
+def test_class_attribute_inherited_is_not_copied_down():
+    class Base:
+        def f(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    _patch.patch(Child, "f", lambda self: "patched", feature="test-feature")
+    assert Child().f() == "patched"
+    _patch.revert("test-feature")
+    assert "f" not in Child.__dict__ and Child().f() == "base"
+
+
+def test_revert_one_feature_leaves_the_other(target):
+    _patch.patch(target, "value", "x", feature="test-feature")
+    _patch.patch(target, "other", "y", feature="other-feature")
+    _patch.revert("test-feature")
+    assert target.value == "original" and target.other == "y"
+
+
+def test_on_revert_runs_undo_once(target):
+    calls = []
+    _patch.on_revert("test-feature", lambda: calls.append(1))
+    _patch.revert("other-feature")
+    assert calls == []
+    _patch.revert("test-feature")
+    _patch.revert("test-feature")
+    assert calls == [1]
+
+
+def test_version_mismatch_warns_once(target):
+    with pytest.warns(UserWarning, match=r"written for torch>=999"):
+        _patch.patch(target, "value", "v", feature="test-feature", package="torch", versions=">=999")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _patch.patch(target, "value2", "v", feature="test-feature", package="torch", versions=">=999")
+
+
+def test_version_matches_ignores_local_and_dev_suffixes():
+    ok, installed = _patch.version_matches("torch", ">=2.11,<=2.15")
+    assert installed is not None
+    assert ok
+
+
+def test_enable_unknown_integration_names_known_ones():
+    with pytest.raises(ValueError, match="unknown hf_tpu integration 'nope'"):
+        _patch.enable("nope")
+
+
+def test_enabled_context_reverts_only_what_it_enabled(monkeypatch, target):
+    module = types.ModuleType("hf_tpu_fake_integration")
+
+    def apply():
+        _patch.patch(target, "value", "patched", feature="fake")
+
+    module.apply = apply
+    monkeypatch.setitem(__import__("sys").modules, "hf_tpu_fake_integration", module)
+    monkeypatch.setitem(_patch.INTEGRATIONS, "fake", "hf_tpu_fake_integration:apply")
+    with _patch.enabled("fake") as names:
+        assert "fake" in names and _patch.is_enabled("fake")
+        assert target.value == "patched"
+    assert target.value == "original" and not _patch.is_enabled("fake")
+
+
+def test_failing_apply_is_rolled_back(monkeypatch, target):
+    module = types.ModuleType("hf_tpu_broken_integration")
+
+    def apply():
+        _patch.patch(target, "value", "half", feature="broken")
+        raise RuntimeError("boom")
+
+    module.apply = apply
+    monkeypatch.setitem(__import__("sys").modules, "hf_tpu_broken_integration", module)
+    monkeypatch.setitem(_patch.INTEGRATIONS, "broken", "hf_tpu_broken_integration:apply")
+    with pytest.raises(RuntimeError, match="boom"):
+        _patch.enable("broken")
+    assert target.value == "original" and not _patch.is_enabled("broken")

@@ -1,0 +1,146 @@
+"""hf_tpu.selftest (the check registry and runner) and ``hf-tpu selftest`` on the simulated device."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_tpu import runtime, selftest
+from hf_tpu.cli.main import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """An empty registry, and discover() that finds nothing, for the duration of a test."""
+    monkeypatch.setattr(selftest, "_REGISTRY", {})
+    monkeypatch.setattr(selftest, "discover", list)
+    return selftest._REGISTRY
+
+
+def test_register_twice_under_one_name_is_an_error(registry):
+    @selftest.register_check("dup")
+    def first(ctx):
+        return {}
+
+    selftest.register_check("dup")(first)  # the same function again (a module re-import) is fine
+    with pytest.raises(ValueError, match="registered twice"):
+
+        @selftest.register_check("dup")
+        def second(ctx):
+            return {}
+
+
+def test_statuses_figures_and_order(registry):
+    @selftest.register_check("runtime", order=0)
+    def _rt(ctx):
+        return {"mode": "fake"}
+
+    @selftest.register_check("zz_skip", order=5)
+    def _skip(ctx):
+        raise selftest.SkipCheck("needs 2 chips, found 1")
+
+    @selftest.register_check("aa_fail", order=5, quick=False)
+    def _fail(ctx):
+        raise AssertionError("tpu says 5, cpu says 4")
+
+    results = selftest.run_checks()
+    assert [r.name for r in results] == ["runtime", "aa_fail", "zz_skip"]
+    by_name = {r.name: r for r in results}
+    assert by_name["runtime"].status == "passed" and by_name["runtime"].figures == {"mode": "fake"}
+    assert by_name["zz_skip"].status == "skipped" and by_name["zz_skip"].reason == "needs 2 chips, found 1"
+    failed = by_name["aa_fail"]
+    assert failed.status == "failed" and "AssertionError: tpu says 5, cpu says 4" in failed.error
+    assert "test_selftest.py" in failed.error  # says where
+
+    assert [r.name for r in selftest.run_checks(quick=True)] == ["runtime", "zz_skip"]
+    assert [r.name for r in selftest.run_checks(only=["aa_fail"])] == ["aa_fail"]
+    with pytest.raises(KeyError, match="unknown self-test check"):
+        selftest.run_checks(only=["nope"])
+
+
+def test_a_failed_runtime_check_skips_the_rest(registry):
+    @selftest.register_check("runtime", order=0)
+    def _rt(ctx):
+        raise runtime.TPUNotAvailableError("no TPU here")
+
+    @selftest.register_check("device", order=1)
+    def _dev(ctx):  # pragma: no cover - must not run
+        raise AssertionError("ran without a device")
+
+    results = selftest.run_checks()
+    assert [(r.name, r.status) for r in results] == [("runtime", "failed"), ("device", "skipped")]
+    assert "no tpu device" in results[1].reason
+
+
+def test_discover_finds_the_runtime_and_device_checks():
+    names = selftest.discover()
+    assert "hf_tpu._selftest" in names
+    assert {"runtime", "device", "compile"} <= set(selftest.checks())
+
+
+def test_cli_exit_status_and_table(registry, capsys, tmp_path):
+    @selftest.register_check("ok")
+    def _ok(ctx):
+        return {"answer": 42}
+
+    assert main(["selftest"]) == 0
+    out = capsys.readouterr().out
+    assert "ok" in out and "passed" in out and "answer=42" in out and "1 passed, 0 failed, 0 skipped" in out
+
+    @selftest.register_check("bad")
+    def _bad(ctx):
+        raise RuntimeError("broken on purpose")
+
+    report = tmp_path / "r.json"
+    assert main(["selftest", "--report", str(report)]) == 1
+    out = capsys.readouterr().out
+    assert "bad failed: RuntimeError: broken on purpose" in out
+    data = json.loads(report.read_text())
+    assert data["summary"] == {"passed": 1, "failed": 1, "skipped": 0}
+    assert data["command"] == ["hf-tpu", "selftest", "--report", str(report)]
+    checks = {c["name"]: c for c in data["checks"]}
+    assert {name: c["status"] for name, c in checks.items()} == {"ok": "passed", "bad": "failed"}
+    assert "broken on purpose" in checks["bad"]["error"] and checks["ok"]["figures"] == {"answer": 42}
+    assert main(["selftest", "--only", "missing"]) == 2
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
+    env.update(PYTHONPATH=str(REPO), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    return subprocess.run(
+        [sys.executable, "-m", "hf_tpu.cli", *args], env=env, check=False, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.skipif(runtime.scan_pci().vfio > 0, reason="this host has TPU chips: the simulator refuses to run")
+def test_selftest_passes_on_the_simulated_device(tmp_path):
+    report_path = tmp_path / "selftest.json"
+    proc = run_cli("--simulate", "selftest", "--report", str(report_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(report_path.read_text())
+    assert report["versions"]["torch"] == importlib.metadata.version("torch")
+    assert report["versions"]["transformers"] == importlib.metadata.version("transformers")
+    assert report["runtime"]["mode"] == "simulated" and report["runtime"]["generation"] == "v6e"
+    checks = {c["name"]: c for c in report["checks"]}
+    assert {"runtime", "device", "compile"} <= set(checks)
+    assert all(c["status"] == "passed" for c in checks.values()), checks
+    assert report["summary"]["failed"] == 0
+    assert checks["runtime"]["figures"]["hbm_gib"] == 32.0
+    assert checks["compile"]["figures"]["cold_compiles"] >= 1 and checks["compile"]["figures"]["warm_compiles"] == 0
+    assert checks["device"]["figures"]["roundtrip_h2d_copies"] == 1
+
+
+@pytest.mark.skipif(runtime.scan_pci().functions > 0, reason="this host has TPU chips")
+def test_selftest_without_a_tpu_fails_with_the_fix(tmp_path):
+    proc = run_cli("selftest", "--only", "runtime,device")
+    assert proc.returncode == 1
+    assert "runtime failed: TPUNotAvailableError" in proc.stdout and "--simulate" in proc.stdout
+    assert "0 passed, 1 failed, 1 skipped" in proc.stdout
