@@ -198,6 +198,16 @@ def main(argv: list[str] | None = None) -> int:
         "length seen so far, so a prompt shorter than an earlier one reuses that decode graph; its eager prefill "
         "still meets every new length op by op (the shape signatures above, each a compile on a TPU)."
     )
+    limit = torch._dynamo.config.recompile_limit
+    if up["cold"]["compiles"] >= limit:
+        print(
+            f"note: upstream's compiled decode reached torch._dynamo's recompile_limit ({limit}) and ran eagerly for "
+            "the longer lengths after that (dynamo's warning above): its compile count is capped, not bounded."
+        )
+    print(
+        "note: the simulator runs compiled graphs and eager ops at about the same speed and compiles in seconds, so "
+        "its wall times do not show what an eager op per new shape costs on a TPU; compare compiles and signatures."
+    )
     ok = (
         hf["cold"]["compiles"] <= len(touched) + len(cache_touched)
         and hf["step"]["h2d"] <= 1
