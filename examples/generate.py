@@ -33,8 +33,8 @@ if tokenizer.pad_token is None:
     tokenizer.pad_token = tokenizer.eos_token
 model = AutoModelForCausalLM.from_pretrained(path).to("tpu")
 
-# Compile every prompt bucket up to 64 tokens, for batches of 1 and 2, ahead of time (progress bar).
-print(hf_tpu.warmup(model, max_prompt_len=64, batch_sizes=[1, len(prompts)], max_new_tokens=32))
+# Compile every prompt bucket up to 32 tokens for this batch size ahead of time (progress bar).
+print(hf_tpu.warmup(model, max_prompt_len=32, batch_sizes=[len(prompts)], max_new_tokens=32))
 
 inputs = tokenizer(prompts, return_tensors="pt", padding=True)  # stays on the host: hf_tpu moves what it needs
 simulated = hf_tpu.runtime.is_simulated()

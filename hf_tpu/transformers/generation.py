@@ -725,6 +725,7 @@ def _warm(model, plan: ShapePlan) -> list[tuple]:
             _run(model, state, prefill_key, step, hidden, mask_dev, cache)
             step = torch.full((batch, 1), start, dtype=torch.long).to(device)
             _run(model, state, decode_key, step, hidden, mask_dev, cache)
+            cache.reset()  # the next call resets it too: meet the eager ops of the reset here
             return [enc_key, prefill_key, decode_key]
         p, c = plan.prompt_bucket, plan.cache_bucket
         extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
@@ -737,4 +738,5 @@ def _warm(model, plan: ShapePlan) -> list[tuple]:
         _run(model, state, prefill_key, packed, mask_dev, cache, extra)
         step = torch.tensor([[0, p]], dtype=torch.long).expand(batch, 2).contiguous().to(device)
         _run(model, state, decode_key, step, mask_dev, cache, extra)
+        cache.reset()
         return [prefill_key, decode_key]
