@@ -102,6 +102,20 @@ def test_at_most_one_small_copy_each_way_per_decode_step(llama, prompts, do_samp
         assert (long.d2h_bytes - short.d2h_bytes) / steps <= 2 * 8
 
 
+def test_repetition_penalty_runs_on_the_device_and_matches_cpu(llama, prompts):
+    cpu, tpu = llama
+    ids, mask = prompts([6, 9])
+    kwargs = {"attention_mask": mask, "repetition_penalty": 1.3, "eos_token_id": None}
+    assert torch.equal(tpu.generate(ids, max_new_tokens=12, **kwargs), cpu.generate(ids, max_new_tokens=12, **kwargs))
+    assert ("decode+repetition_penalty", 2, 32) in generation.compiled_graphs(tpu)
+    with hf_tpu.sim.stats() as short:
+        tpu.generate(ids, max_new_tokens=2, **kwargs)
+    with hf_tpu.sim.stats() as long:
+        tpu.generate(ids, max_new_tokens=12, **kwargs)
+    assert (long.d2h_bytes - short.d2h_bytes) / 10 <= 2 * 8  # the tokens come back, not the logits
+    assert (long.h2d_copies - short.h2d_copies) / 10 <= 1
+
+
 def test_sampling_is_reproducible_with_a_seed(llama, prompts):
     cpu, tpu = llama
     ids, mask = prompts([4, 7])
