@@ -69,3 +69,11 @@ def test_register_defines_the_documented_flags():
     assert (args.model_dir, args.prompt, args.max_new_tokens, args.do_sample, args.seed) == (None, "hi", 3, True, 1)
     with pytest.raises(SystemExit):
         _args(argv=["--max-new-tokens", "many"])
+
+
+def test_main_dispatches_to_the_generate_command():
+    from hf_tpu.cli.main import build_parser
+
+    argv = ["generate", "some/dir", "--prompt", "hi", "--simulate"]
+    args = build_parser(argv).parse_args(argv)
+    assert args._module is command and args.model_dir == "some/dir" and args.simulate
