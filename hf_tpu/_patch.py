@@ -131,13 +131,20 @@ def patch(
     """Set ``owner.name = replacement`` and remember the original so that :func:`revert` restores it.
 
     Idempotent: patching the same attribute again with the same replacement does nothing; with another
-    replacement it replaces the replacement but keeps the first original. ``package``/``versions`` name the
+    replacement it replaces the replacement but keeps the first original. Another feature patching an attribute
+    that one feature already patched is an error (one of the two wrappers would be lost). ``package``/``versions`` name the
     upstream release range the patch was written for (a warning is given outside it).
     """
     with _LOCK:
         _check_version(feature, package, versions)
         key = (id(owner), name)
         record = _STATE.patches.get(key)
+        if record is not None and record.feature != feature:
+            # Two integrations wrapping one attribute would silently drop one of them (each wraps upstream).
+            raise ValueError(
+                f"hf_tpu integrations {record.feature!r} and {feature!r} both patch {record.target}; only one may. "
+                "Chain them in one integration, or use an upstream extension point."
+            )
         if record is not None:
             if record.replacement is not replacement:
                 setattr(owner, name, replacement)

@@ -81,11 +81,15 @@ def run(args: argparse.Namespace) -> int:
 
         hf_tpu.sim.enable()
     require_tpu("hf-tpu diffuse")
+    with hf_tpu.enabled("diffusers"):
+        return _diffuse(args)
+
+
+def _diffuse(args: argparse.Namespace) -> int:
     import torch
 
     from hf_tpu.diffusers import check_resolution, compile_pipeline
 
-    hf_tpu.enable("diffusers")
     try:
         pipe = _load(args.model_dir, args.dtype)
         height, width = _default_size(pipe)

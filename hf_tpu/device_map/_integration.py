@@ -83,6 +83,14 @@ def _patch_function(
     for owner, attr in [(module, name), *_aliases(upstream, (name, *aliases))]:
         _patch.patch(owner, attr, replacement, feature=FEATURE, **versions)
 
+    def restore_late_aliases() -> None:
+        # A module imported while the integration was on (``from accelerate import dispatch_model`` in diffusers,
+        # say) bound the wrapper; give it upstream's object back too.
+        for owner, attr in _aliases(replacement, (name, *aliases)):
+            setattr(owner, attr, upstream)
+
+    _patch.on_revert(FEATURE, restore_late_aliases)
+
 
 def _bind(fn: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
     bound = inspect.signature(fn).bind(*args, **kwargs)
@@ -207,10 +215,18 @@ def _make_get_device_map(upstream: Callable) -> Callable:
         user_max_memory = dict(max_memory) if max_memory else None
         result = normalize_device_map(upstream(model, device_map, max_memory, hf_quantizer, *args, **kwargs))
         options = _LOAD.get() or {}
+        if options.get("distributed"):
+            return result  # sharded loading: each process holds a slice; the tensor-parallel code checks its own
         asked = options["device_map"] if options.get("device_map") is not None else device_map
         disk_allowed = options.get("offload_folder") is not None or bool(user_max_memory and "disk" in user_max_memory)
         placed = check_placement(
-            model, result, asked=asked, inferred=inferred, disk_allowed=disk_allowed, limits=limits
+            model,
+            result,
+            asked=asked,
+            inferred=inferred,
+            disk_allowed=disk_allowed,
+            limits=limits,
+            hf_quantizer=hf_quantizer,
         )
         if inferred and placed and not any(is_tpu_device(d) for d in placed):
             warnings.warn(
@@ -258,7 +274,13 @@ def _patch_from_pretrained() -> None:
 
     @functools.wraps(func)
     def from_pretrained(cls, *args, **kwargs):
-        token = _LOAD.set({"offload_folder": kwargs.get("offload_folder"), "device_map": kwargs.get("device_map")})
+        token = _LOAD.set(
+            {
+                "offload_folder": kwargs.get("offload_folder"),
+                "device_map": kwargs.get("device_map"),
+                "distributed": kwargs.get("distributed_config") is not None or kwargs.get("tp_plan") is not None,
+            }
+        )
         try:
             return func(cls, *args, **kwargs)
         finally:

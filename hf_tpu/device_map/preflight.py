@@ -45,10 +45,10 @@ def _device_for(name: str, device_map: dict[str, Any]) -> Any:
         probe = probe.rpartition(".")[0]
 
 
-def placement_bytes(model: Any, device_map: dict[str, Any]) -> dict[Any, int]:
+def placement_bytes(model: Any, device_map: dict[str, Any], hf_quantizer: Any = None) -> dict[Any, int]:
     """Bytes of parameters and buffers each device of ``device_map`` receives (tied weights counted once).
 
-    Works on a model whose tensors are on the meta device.
+    Works on a model whose tensors are on the meta device; a transformers quantizer gives the stored element size.
     """
     skip = set(getattr(model, "all_tied_weights_keys", {}) or {})
     seen: set[int] = set()
@@ -61,7 +61,11 @@ def placement_bytes(model: Any, device_map: dict[str, Any]) -> dict[Any, int]:
         device = _device_for(name, device_map)
         if device is None:
             continue
-        totals[device] += tensor.numel() * tensor.element_size()
+        if hf_quantizer is not None:
+            element = hf_quantizer.param_element_size(model, name, tensor)
+        else:
+            element = tensor.element_size()
+        totals[device] += int(tensor.numel() * element)
     return dict(totals)
 
 
@@ -77,6 +81,7 @@ def check_placement(
     inferred: bool,
     disk_allowed: bool = True,
     limits: dict[Any, int] | None = None,
+    hf_quantizer: Any = None,
 ) -> dict[Any, int]:
     """Raise :class:`DeviceMapFitError` if ``device_map`` cannot be honoured; return the bytes per device.
 
@@ -86,7 +91,7 @@ def check_placement(
 
     ``limits`` is the ``max_memory`` the plan was made with (named in the message).
     """
-    placed = placement_bytes(model, device_map)
+    placed = placement_bytes(model, device_map, hf_quantizer)
     total = sum(placed.values())
     where = ", ".join(f"{d}: {format_bytes(b)}" for d, b in placed.items())
     for device, nbytes in placed.items():

@@ -19,7 +19,7 @@ import os
 import string
 from typing import Any
 
-__all__ = ["clip_tokenizer", "t5_tokenizer", "tiny_sd3_pipeline", "tiny_sd_pipeline"]
+__all__ = ["clip_tokenizer", "t5_tokenizer", "tiny_flux_pipeline", "tiny_sd3_pipeline", "tiny_sd_pipeline"]
 
 _MAX_TEXT_LENGTH = 16  # CLIP tokens per prompt in the tiny pipelines
 
@@ -91,6 +91,76 @@ def _finish(pipe: Any, path: str | os.PathLike | None) -> Any:
     return os.fspath(path)
 
 
+def _t5_encoder(vocab_size: int) -> Any:
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=vocab_size,
+        d_model=32,
+        d_kv=8,
+        d_ff=37,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return T5EncoderModel(config)
+
+
+def tiny_flux_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) -> Any:
+    """A tiny :class:`diffusers.FluxPipeline` (CLIP, T5, a Flux transformer with a tensor-parallel plan, VAE).
+
+    Flux is one of the models diffusers can shard with ``TensorParallelConfig`` (SD3 and the UNets declare no
+    ``_tp_plan``); its 2 attention heads split over 2 ranks. The VAE halves the resolution and the pipeline packs
+    2x2 latents, so an image side must be a multiple of 4. Returns the pipeline, or the directory it was saved to.
+    """
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    tok = clip_tokenizer()
+    tokenizer_2 = t5_tokenizer()
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,  # 1 latent channel, packed 2x2
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+    )
+    vae = AutoencoderKL(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=1,
+        norm_num_groups=2,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=CLIPTextModel(_clip_config(False, len(tok))),
+        tokenizer=tok,
+        text_encoder_2=_t5_encoder(len(tokenizer_2)),
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+        vae=vae,
+    )
+    return _finish(pipe, path)
+
+
 def tiny_sd3_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, with_t5: bool = True) -> Any:
     """A tiny :class:`diffusers.StableDiffusion3Pipeline` (two CLIP encoders, a T5 encoder, an SD3 transformer).
 
@@ -104,7 +174,7 @@ def tiny_sd3_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, w
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from transformers import CLIPTextModelWithProjection
 
     tok = clip_tokenizer()
     torch.manual_seed(seed)
@@ -125,19 +195,7 @@ def tiny_sd3_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, w
     text_encoder_3 = tokenizer_3 = None
     if with_t5:
         tokenizer_3 = t5_tokenizer()
-        t5 = T5Config(
-            vocab_size=len(tokenizer_3),
-            d_model=32,
-            d_kv=8,
-            d_ff=37,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
-        )
-        text_encoder_3 = T5EncoderModel(t5)
+        text_encoder_3 = _t5_encoder(len(tokenizer_3))
     vae = AutoencoderKL(
         sample_size=32,
         in_channels=3,

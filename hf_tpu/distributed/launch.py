@@ -267,12 +267,24 @@ def launch(args: argparse.Namespace) -> int:
     A rank that fails makes torchrun stop the others; this returns that rank's exit code (non-zero) after
     printing which rank failed and its error.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_min_max_nnodes, run
 
     if not args.training_script:
-        raise LaunchError("no script to launch: pass it after the launcher flags, e.g. hf-tpu launch -n 2 run.py")
+        raise LaunchError(
+            "no script to launch: pass it after the launcher flags, e.g. hf-tpu launch --nproc_per_node=2 run.py"
+        )
     simulate = _is_simulated(args)
+    if simulate:
+        from hf_tpu.runtime import scan_pci_chips
+
+        chips, generation = scan_pci_chips()
+        if chips:
+            raise LaunchError(
+                f"a simulated launch was asked, but this host has {chips} real TPU chip(s) ({generation}); drop "
+                "--simulate / HF_TPU_SIMULATE to run on them."
+            )
     _resolve_nproc(args, simulate)
     nnodes = None
     if args.nnodes not in _DEFAULT_NNODES:
@@ -301,6 +313,9 @@ def launch(args: argparse.Namespace) -> int:
     _wrap_entrypoint(args)
     try:
         run(args)
+    except SignalException as err:  # Ctrl-C or SIGTERM to the launcher: torchrun has stopped the ranks
+        print(f"hf-tpu launch: stopped by {err.sigval.name}; the ranks were stopped too.", file=sys.stderr)
+        return 128 + int(err.sigval)
     except ChildFailedError as err:
         rank, failure = _root_cause(err.failures)
         detail = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")

@@ -7,6 +7,8 @@ is checked right after the model is built on the meta device and before the chec
 
 - attention heads or KV heads not divisible by ``tp_size`` (GLM-4-9B: 2 KV heads on 4 chips): the attention block
   is replicated on every rank (its rules are dropped; MLP, embeddings and head stay sharded), and a warning says so;
+  with :func:`set_kv_heads_strategy` ``("repeat")`` the query heads stay sharded instead and each rank computes the
+  one KV head they use;
 - vocabulary not divisible by ``tp_size``: kept sharded, the last rank holds the shorter slice (upstream supports
   uneven shards); an info line says so;
 - tied word embeddings (Qwen3-0.6B): the input embedding and the LM head must shard their shared weight the same
@@ -32,12 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "KV_HEADS_STRATEGIES",
     "PlanFix",
     "PlanReport",
     "TensorParallelConfigError",
     "apply",
     "check_world",
     "fix_plan",
+    "set_kv_heads_strategy",
     "weight_placement",
 ]
 
@@ -50,6 +54,8 @@ TRANSFORMERS_VERSIONS = ">=5.24,<6"
 _HEAD_PROJECTIONS = {"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "q_a_proj", "q_b_proj", "kv_b_proj"}
 _KEY_PROJECTIONS = {"k_proj", "v_proj", "qkv_proj", "query_key_value", "kv_b_proj"}
 _HEAD_SPLITTING_STYLES = {"colwise", "packed_colwise", "local_colwise"}
+# Styles that split heads or expect their input split by heads: impossible in a replicated attention block.
+_HEAD_SHARDED_STYLES = _HEAD_SPLITTING_STYLES | {"rowwise", "packed_rowwise", "local_rowwise"}
 
 
 class TensorParallelConfigError(ValueError):
@@ -120,6 +126,37 @@ def _attention_groups(plan: Mapping[str, str]) -> dict[str, list[str]]:
     return {p: sorted(k for k in plan if k == p or k.startswith(p + ".")) for p in sorted(prefixes)}
 
 
+KV_HEADS_STRATEGIES = ("replicate", "repeat")
+# Names of the styles the "repeat" strategy registers in transformers' ALL_PARALLEL_STYLES (one per head count).
+_KV_SELECT_STYLE = "hf_tpu_kv_head_select_{kv}"
+_LOCAL_GQA_STYLE = "hf_tpu_local_gqa_{heads}"
+
+
+def _repeat_kv_rules(
+    prefix: str,
+    rules: list[str],
+    plan: Mapping[str, str],
+    heads: list[int],
+    kv_heads: list[int],
+    tp_size: int,
+    user: set[str],
+) -> dict[str, str] | None:
+    """The rules of the "repeat" strategy for one attention block, or None when it does not apply."""
+    if len(set(heads)) != 1 or len(set(kv_heads)) != 1:
+        return None  # per-layer head counts: not handled
+    h, kv = heads[0], kv_heads[0]
+    if h % tp_size or tp_size % kv:
+        return None
+    names = {r.rsplit(".", 1)[-1]: r for r in rules}
+    k, v = names.get("k_proj"), names.get("v_proj")
+    if not k or not v or plan[k] != "colwise" or plan[v] != "colwise" or user & {k, v, prefix}:
+        return None  # fused or unusual projections, or the user's own rules: keep to replication
+    if any(r.rsplit(".", 1)[-1] in ("qkv_proj", "query_key_value", "kv_b_proj") for r in rules):
+        return None
+    select = _KV_SELECT_STYLE.format(kv=kv)
+    return {k: select, v: select, prefix: _LOCAL_GQA_STYLE.format(heads=h)}
+
+
 def fix_plan(
     plan: Mapping[str, str],
     config: Any,
@@ -129,8 +166,15 @@ def fix_plan(
     tied_embeddings: bool | None = None,
     embedding_key: str | None = None,
     head_key: str | None = None,
+    kv_heads_strategy: str = "replicate",
 ) -> PlanReport:
     """Check ``plan`` (already merged with the user's overrides) against ``config`` for ``tp_size`` ranks.
+
+    ``kv_heads_strategy`` says what to do with an attention block whose KV heads do not divide by ``tp_size``:
+    ``"replicate"`` (default) runs the whole block on every rank; ``"repeat"`` keeps the query heads and the output
+    projection sharded and gives each rank the one KV head its query heads use (each KV head is in effect repeated
+    ``tp_size / kv_heads`` times), which needs ``tp_size`` to be a multiple of the KV heads and the query heads to
+    divide by ``tp_size``; otherwise it falls back to ``"replicate"``.
 
     Returns the plan to use and the fixes made. Rules named in ``user_rules`` are never rewritten: if one of
     them cannot work, :class:`TensorParallelConfigError` says why and what to change.
@@ -146,6 +190,8 @@ def fix_plan(
     """
     if tp_size < 1:
         raise TensorParallelConfigError(f"tp_size must be >= 1, got {tp_size}.")
+    if kv_heads_strategy not in KV_HEADS_STRATEGIES:
+        raise ValueError(f"kv_heads_strategy must be one of {KV_HEADS_STRATEGIES}, got {kv_heads_strategy!r}")
     fixed = dict(plan)
     report = PlanReport(fixed)
     if tp_size == 1 or not fixed:
@@ -168,20 +214,40 @@ def fix_plan(
             splits_kv = any(r.rsplit(".", 1)[-1] in _KEY_PROJECTIONS for r in rules)
             if not splits_kv and not [h for h in heads if h % tp_size]:
                 continue
-            if user_rules_hit := sorted(user & set(rules)):
+            # A user rule that splits heads (or expects split heads) cannot work here: say so. Other user rules in
+            # the block (say a gathered k_proj) are kept as given; the model's own rules are dropped.
+            if conflicting := sorted(r for r in user & set(rules) if fixed[r] in _HEAD_SHARDED_STYLES):
                 raise TensorParallelConfigError(
-                    f"your tp_plan rules {user_rules_hit} split the heads of {prefix} over tp_size={tp_size}, but "
+                    f"your tp_plan rules {conflicting} split the heads of {prefix} over tp_size={tp_size}, but "
                     f"the model's {what} do not divide by {tp_size}. Drop those rules (hf_tpu then "
                     f"replicates this attention block), or use a tp_size that divides the head counts."
                 )
-            for rule in rules:
+            if kv_heads_strategy == "repeat" and (
+                repeat := _repeat_kv_rules(prefix, rules, fixed, heads, kv_heads, tp_size, user)
+            ):
+                fixed.update(repeat)
+                report.fixes.append(
+                    PlanFix(
+                        "repeat_kv_heads",
+                        tuple(sorted(repeat)),
+                        f"the model's {what} do not divide by tp_size={tp_size}: in {prefix} each rank keeps its "
+                        f"{heads[0] // tp_size} query head(s) and the one KV head they use (each KV head computed on "
+                        f"{tp_size // kv_heads[0]} ranks); q/o projections stay sharded",
+                    )
+                )
+                continue
+            dropped = [r for r in rules if r not in user]
+            for rule in dropped:
                 del fixed[rule]
+            kept = [r for r in rules if r in user]
             report.fixes.append(
                 PlanFix(
                     "replicate_attention",
-                    tuple(rules),
+                    tuple(dropped),
                     f"the model's {what} do not divide by tp_size={tp_size}: {prefix} is replicated on every rank "
-                    f"(rules dropped: {', '.join(r.rsplit('.', 1)[-1] for r in rules)}); the other layers stay sharded",
+                    f"(rules dropped: {', '.join(r.rsplit('.', 1)[-1] for r in dropped)}"
+                    + (f"; your rules kept: {', '.join(r.rsplit('.', 1)[-1] for r in kept)}" if kept else "")
+                    + "); the other layers stay sharded",
                 )
             )
 
@@ -272,6 +338,104 @@ def check_world(tp_size: int, mesh_size: int, *, world_size: int | None, launche
 
 # -- transformers integration -----------------------------------------------------------------------------------
 
+_SETTINGS: dict[str, str] = {"kv_heads": "replicate"}
+_REGISTERED_STYLES: set[str] = set()
+
+
+def set_kv_heads_strategy(strategy: str) -> str:
+    """Choose what loading does with attention whose KV heads do not divide by ``tp_size``; returns the previous one.
+
+    ``"replicate"`` (default): the block runs whole on every rank. ``"repeat"``: query heads and the output
+    projection stay sharded, each rank computes the one KV head its query heads use (see :func:`fix_plan`).
+
+    Example:
+        >>> previous = set_kv_heads_strategy("repeat")
+        >>> set_kv_heads_strategy(previous)
+        'repeat'
+    """
+    if strategy not in KV_HEADS_STRATEGIES:
+        raise ValueError(f"kv heads strategy must be one of {KV_HEADS_STRATEGIES}, got {strategy!r}")
+    previous, _SETTINGS["kv_heads"] = _SETTINGS["kv_heads"], strategy
+    return previous
+
+
+def _ensure_styles(plan: Mapping[str, str]) -> None:
+    """Register in transformers' ALL_PARALLEL_STYLES the hf_tpu styles that ``plan`` names."""
+    from torch import nn
+    from torch.nn import functional as F
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+    class KVHeadSelect(TensorParallelLayer):
+        """k_proj/v_proj kept whole; each rank computes only the KV head its query heads use."""
+
+        def __init__(self, kv_heads: int):
+            self.kv_heads = kv_heads
+
+        def install_forward(self, module, mesh):
+            tp = mesh.size()
+            index = mesh.get_local_rank() // (tp // self.kv_heads)
+            width = module.out_features // self.kv_heads
+            lo, hi = index * width, (index + 1) * width
+            original = module.forward
+            if isinstance(module, nn.Linear):
+
+                def forward(x, *args, **kwargs):
+                    bias = module.bias[lo:hi] if module.bias is not None else None
+                    return F.linear(x, module.weight[lo:hi], bias)
+
+            else:
+
+                def forward(*args, **kwargs):
+                    return original(*args, **kwargs)[..., lo:hi]
+
+            module.forward = forward
+            return module
+
+    class LocalGQA(TensorParallelLayer):
+        """The attention block sees H/tp query heads and one KV head: its GQA group size is H/tp."""
+
+        def __init__(self, heads: int):
+            self.heads = heads
+
+        def install_forward(self, module, mesh):
+            module.num_key_value_groups = self.heads // mesh.size()
+            return module
+
+    for style in set(plan.values()):
+        if style in _REGISTERED_STYLES or not style.startswith("hf_tpu_"):
+            continue
+        count = int(style.rsplit("_", 1)[1])
+        if style.startswith("hf_tpu_kv_head_select_"):
+            ALL_PARALLEL_STYLES[style] = KVHeadSelect(count)
+        elif style.startswith("hf_tpu_local_gqa_"):
+            ALL_PARALLEL_STYLES[style] = LocalGQA(count)
+        _REGISTERED_STYLES.add(style)
+
+
+def _forget_styles() -> None:
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    for style in list(_REGISTERED_STYLES):
+        try:
+            del ALL_PARALLEL_STYLES[style]
+        except KeyError:
+            pass
+        _REGISTERED_STYLES.discard(style)
+
+
+def _kv_heads_with_repeat(original):
+    """Wrap ``transformers.generation.utils.get_kv_heads_per_rank`` (transformers >=5.24,<6): with the "repeat"
+    strategy each rank holds one KV head, which the static cache must be sized for."""
+
+    def get_kv_heads_per_rank(tp_plan, num_heads, tp_size):
+        if tp_plan and any(str(style).startswith("hf_tpu_kv_head_select_") for style in tp_plan.values()):
+            return 1 if isinstance(num_heads, int) else [1] * len(num_heads)
+        return original(tp_plan, num_heads, tp_size)
+
+    get_kv_heads_per_rank.__wrapped__ = original
+    return get_kv_heads_per_rank
+
 
 def _rank0() -> bool:
     try:
@@ -322,7 +486,9 @@ def _resolve_with_fixes(original):
                 user_rules=(override or {}).keys(),
                 embedding_key=emb,
                 head_key=head,
+                kv_heads_strategy=_SETTINGS["kv_heads"],
             )
+            _ensure_styles(report.plan)
             if report.fixes:
                 # Upstream merges `plan | override` again; user rules are unchanged in the fixed plan.
                 self._tp_plan = report.plan
@@ -381,8 +547,9 @@ def _mesh_with_checks(original):
 def apply() -> None:
     """Install the plan checks in transformers (``hf_tpu.enable("tensor_parallel")``)."""
     from transformers.distributed import mixin
+    from transformers.generation import utils as generation_utils
 
-    from hf_tpu._patch import patch
+    from hf_tpu._patch import on_revert, patch
 
     def upstream(fn):
         return getattr(fn, "__wrapped__", fn) if getattr(fn, "__module__", "") == __name__ else fn
@@ -403,3 +570,12 @@ def apply() -> None:
         package="transformers",
         versions=TRANSFORMERS_VERSIONS,
     )
+    patch(
+        generation_utils,
+        "get_kv_heads_per_rank",
+        _kv_heads_with_repeat(upstream(generation_utils.get_kv_heads_per_rank)),
+        feature=FEATURE,
+        package="transformers",
+        versions=TRANSFORMERS_VERSIONS,
+    )
+    on_revert(FEATURE, _forget_styles)

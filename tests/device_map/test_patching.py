@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import hf_tpu
 from hf_tpu import _patch
 
@@ -74,3 +76,50 @@ def test_original_gives_the_raw_class_attribute_before_and_after_patching():
         assert PreTrainedModel.__dict__["from_pretrained"] is not raw
         assert _patch.original(PreTrainedModel, "from_pretrained") is raw
     assert PreTrainedModel.__dict__["from_pretrained"] is raw
+
+
+def test_a_module_imported_while_enabled_gets_upstream_back(monkeypatch):
+    import sys
+    import types
+
+    import accelerate.big_modeling
+
+    upstream = accelerate.big_modeling.dispatch_model
+    hf_tpu.enable("device_map")
+    try:
+        late = types.ModuleType("diffusers._hf_tpu_late_import_probe")
+        late.dispatch_model = accelerate.big_modeling.dispatch_model  # what `from accelerate import ...` binds now
+        monkeypatch.setitem(sys.modules, late.__name__, late)
+        assert late.dispatch_model is not upstream
+    finally:
+        hf_tpu.disable("device_map")
+    assert late.dispatch_model is upstream
+
+
+def test_two_features_cannot_patch_one_attribute():
+    import types
+
+    owner = types.SimpleNamespace(value="upstream")
+    _patch.patch(owner, "value", "a", feature="test-feature-a")
+    try:
+        with pytest.raises(ValueError, match=r"'test-feature-a' and 'test-feature-b' both patch"):
+            _patch.patch(owner, "value", "b", feature="test-feature-b")
+        assert owner.value == "a"
+    finally:
+        _patch.revert("test-feature-a")
+    assert owner.value == "upstream"
+
+
+def test_all_integrations_together_revert_to_upstream():
+    names = hf_tpu.enable()
+    try:
+        assert "device_map" in names
+        records = list(_patch.applied())
+    finally:
+        hf_tpu.disable()
+    assert _patch.applied() == []
+    for r in records:
+        if r.original is _patch._MISSING:
+            assert r.name not in vars(r.owner), r.target
+        else:
+            assert _current(r) is r.original, r.target

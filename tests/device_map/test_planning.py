@@ -121,3 +121,21 @@ def test_real_mode_reads_device_properties_and_allocator_stats(monkeypatch):
     assert devices.tpu_memory(0).free == 13 * 1024**3
     with pytest.raises(ValueError, match="one chip"):
         devices.tpu_memory(1)
+
+
+def test_fit_check_is_skipped_for_sharded_loading(device_map_on, sim):
+    """Under tensor parallelism each process holds a slice: the whole-model HBM check must not refuse it."""
+    import transformers.modeling_utils as tf_modeling
+
+    from hf_tpu.device_map import DeviceMapFitError
+    from hf_tpu.device_map._integration import _LOAD
+
+    sim.enable(hbm=sim.memory_allocated() + 1024)
+    model = _empty_model(tied=False)
+    with pytest.raises(DeviceMapFitError, match="on tpu:0"):
+        tf_modeling._get_device_map(model, {"": "tpu:0"}, None, None)
+    token = _LOAD.set({"distributed": True})
+    try:
+        assert tf_modeling._get_device_map(model, {"": "tpu:0"}, None, None) == {"": "tpu:0"}
+    finally:
+        _LOAD.reset(token)

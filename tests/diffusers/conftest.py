@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
+from diffusers_helpers import load, run
 
 from hf_tpu.diffusers.testing import tiny_sd3_pipeline, tiny_sd_pipeline
-
-PROMPT = "a photo of a squirrel eating a burger"
 
 
 @pytest.fixture(scope="session")
@@ -23,27 +20,6 @@ def sim():
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipelines")
     return {"sd3": tiny_sd3_pipeline(root / "sd3"), "sd": tiny_sd_pipeline(root / "sd")}
-
-
-def load(model_dirs, kind: str):
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(model_dirs[kind])
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def run(pipe, size: int | tuple[int, int] = 32, seed: int = 0, **kwargs) -> np.ndarray:
-    height, width = (size, size) if isinstance(size, int) else size
-    kwargs.setdefault("prompt", PROMPT)
-    kwargs.setdefault("num_inference_steps", 2)
-    return pipe(
-        height=height,
-        width=width,
-        generator=torch.Generator("cpu").manual_seed(seed),
-        output_type="np",
-        **kwargs,
-    ).images
 
 
 @pytest.fixture

@@ -96,3 +96,12 @@ def test_generator_on_wrong_device(sim, load_pipe, images):
             pipe("a cat", height=32, width=32, num_inference_steps=1, generator=_CudaLooking())
         with pytest.raises(ValueError, match="2 generators for a batch of 1"):
             pipe("a cat", height=32, width=32, num_inference_steps=1, generator=[torch.Generator()] * 2)
+
+
+def test_sequentially_offloaded_pipeline(sim, load_pipe):
+    pipe = load_pipe("sd")
+    pipe.enable_sequential_cpu_offload(device="tpu")
+    with pytest.raises(NotImplementedError, match="meta tensor"):  # upstream refuses only for cuda/xpu
+        pipe.to("tpu")
+    with hf_tpu.enabled("diffusers"), pytest.raises(ValueError, match=r"unet .* is sequentially offloaded"):
+        pipe.to("tpu")

@@ -20,12 +20,12 @@ import torch.distributed as dist
 import hf_tpu
 
 torch.set_num_threads(1)
-hf_tpu.enable("tensor_parallel")
+hf_tpu.enable()  # every integration, as a user would: the plan checks and the generation path together
 
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
-from hf_tpu.distributed.tp_plan import TensorParallelConfigError
+from hf_tpu.distributed.tp_plan import TensorParallelConfigError, set_kv_heads_strategy
 
 out_dir, tp_size, model_dirs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 checks = [c for c in os.environ.get("HF_TPU_TP_CHECKS", "").split(",") if c]
@@ -98,6 +98,10 @@ try:
             "copies": [s.h2d_copies, s.d2h_copies],
             "backend": dist.get_backend(),
         }
+    if "repeat" in checks:  # the other strategy for KV heads that do not divide
+        previous = set_kv_heads_strategy("repeat")
+        result["checks"]["repeat"] = {os.path.basename(p): run_model(p) for p in model_dirs}
+        set_kv_heads_strategy(previous)
     if "override" in checks:
         # A user rule merged over the model's plan and honoured: shard the input embedding on the hidden dim.
         path = model_dirs[0]

@@ -3,7 +3,7 @@
 Each rank compares the sharded model with the TP=1 model on its own ``tpu:0``: logits within tolerance and
 token-identical greedy generation with a static cache. The models are built here and saved to ``tmp_path``:
 a Llama with 8 heads / 2 KV heads (2 KV heads do not divide by 4: attention is replicated at TP=4) and a Qwen3 with
-tied embeddings and a vocabulary of 1001 (uneven at TP=2 and TP=4).
+tied embeddings and a vocabulary of 1001 (uneven at TP=2 and TP=4). At TP=4 both KV-head strategies are checked.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_tp2_matches_tp1(tmp_path, models):
 
 @pytest.mark.timeout(600)
 def test_tp4_matches_tp1_with_plan_fixes(tmp_path, models):
-    results = _run(tmp_path, 4, models, "bad_override")
+    results = _run(tmp_path, 4, models, "bad_override,repeat")
     for r in results:
         llama = r["models"]["llama_kv2"]
         _check_model(llama, expect_fixes={"replicate_attention"})
@@ -119,6 +119,16 @@ def test_tp4_matches_tp1_with_plan_fixes(tmp_path, models):
         qwen = r["models"]["qwen3_tied"]
         _check_model(qwen, expect_fixes={"replicate_attention", "uneven_vocab"})
         assert qwen["tied"] and qwen["embedding_equal_ref"]
+
+        # kv_heads strategy "repeat": queries and o_proj stay sharded, each rank computes the KV head it needs.
+        rep_llama, rep_qwen = r["checks"]["repeat"]["llama_kv2"], r["checks"]["repeat"]["qwen3_tied"]
+        _check_model(rep_llama, expect_fixes={"repeat_kv_heads"})
+        _check_model(rep_qwen, expect_fixes={"repeat_kv_heads", "uneven_vocab"})
+        for rep in (rep_llama, rep_qwen):
+            assert rep["placements"]["model.layers.0.self_attn.q_proj.weight"] == ["S(0)"]
+            assert rep["placements"]["model.layers.0.self_attn.o_proj.weight"] == ["S(1)"]
+            assert "model.layers.0.self_attn.k_proj.weight" not in rep["placements"]
+        assert rep_qwen["tied"]
 
         err = r["checks"]["bad_override"]
         assert "k_proj" in err and "2 KV heads" in err and "tp_size" in err, err

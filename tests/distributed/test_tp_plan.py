@@ -60,6 +60,20 @@ def test_user_rule_that_cannot_work_is_an_error_not_rewritten():
         fix_plan(LLAMA_PLAN, cfg(kv=2), 4, user_rules={"model.layers.*.self_attn.k_proj"}, **KEYS)
 
 
+def test_user_rule_that_expects_split_heads_is_an_error():
+    with pytest.raises(TensorParallelConfigError, match="o_proj"):
+        fix_plan(LLAMA_PLAN, cfg(kv=2), 4, user_rules={"model.layers.*.self_attn.o_proj"}, **KEYS)
+
+
+def test_user_rule_compatible_with_replication_is_kept():
+    plan = LLAMA_PLAN | {"model.layers.*.self_attn.k_proj": "colwise_gather_output"}
+    report = fix_plan(plan, cfg(kv=2), 4, user_rules={"model.layers.*.self_attn.k_proj"}, **KEYS)
+    assert report.kinds() == ["replicate_attention"]
+    assert report.plan["model.layers.*.self_attn.k_proj"] == "colwise_gather_output"
+    assert "model.layers.*.self_attn.q_proj" not in report.plan
+    assert "your rules kept: k_proj" in report.fixes[0].reason
+
+
 def test_user_rules_elsewhere_do_not_block_the_fix():
     plan = LLAMA_PLAN | {"model.layers.*.mlp.down_proj": "rowwise"}
     report = fix_plan(plan, cfg(kv=2), 4, user_rules={"model.layers.*.mlp.down_proj"}, **KEYS)
@@ -134,11 +148,42 @@ def test_check_world():
 
 def test_integration_patches_and_reverts():
     from transformers.distributed import mixin
+    from transformers.generation import utils as generation_utils
 
     import hf_tpu
 
-    before = (mixin.DistributedMixin._resolve_parallel_plans, mixin.initialize_distributed_mesh)
+    def current():
+        return (
+            mixin.DistributedMixin._resolve_parallel_plans,
+            mixin.initialize_distributed_mesh,
+            generation_utils.get_kv_heads_per_rank,
+        )
+
+    before = current()
     with hf_tpu.enabled("tensor_parallel"):
-        assert mixin.DistributedMixin._resolve_parallel_plans is not before[0]
-        assert mixin.initialize_distributed_mesh.__wrapped__ is before[1]
-    assert (mixin.DistributedMixin._resolve_parallel_plans, mixin.initialize_distributed_mesh) == before
+        assert current()[0] is not before[0]
+        assert current()[1].__wrapped__ is before[1] and current()[2].__wrapped__ is before[2]
+        # the static cache holds one KV head per rank under the "repeat" strategy, upstream's count otherwise
+        plan = {"model.layers.*.self_attn.k_proj": "hf_tpu_kv_head_select_2"}
+        assert generation_utils.get_kv_heads_per_rank(plan, 2, 4) == 1
+        assert generation_utils.get_kv_heads_per_rank({"x.k_proj": "colwise"}, 8, 4) == 2
+    assert current() == before
+
+
+def test_repeat_kv_heads_keeps_queries_sharded():
+    report = fix_plan(QWEN3_PLAN, cfg(heads=8, kv=2), 4, kv_heads_strategy="repeat", **KEYS)
+    assert report.kinds() == ["repeat_kv_heads"]
+    assert report.plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert report.plan["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert report.plan["model.layers.*.self_attn.k_proj"] == "hf_tpu_kv_head_select_2"
+    assert report.plan["model.layers.*.self_attn.v_proj"] == "hf_tpu_kv_head_select_2"
+    assert report.plan["model.layers.*.self_attn"] == "hf_tpu_local_gqa_8"
+    assert report.plan["model.layers.*.self_attn.k_norm"] == "replicated_with_grad_allreduce"
+
+
+def test_repeat_kv_heads_falls_back_to_replication_when_it_cannot_apply():
+    # tp_size=3 is not a multiple of 2 KV heads; 6 query heads would divide, but the KV heads cannot be spread.
+    report = fix_plan(LLAMA_PLAN, cfg(heads=6, kv=2, vocab=999), 3, kv_heads_strategy="repeat", **KEYS)
+    assert report.kinds() == ["replicate_attention"]
+    with pytest.raises(ValueError, match="kv_heads_strategy"):
+        fix_plan(LLAMA_PLAN, cfg(), 4, kv_heads_strategy="nope", **KEYS)

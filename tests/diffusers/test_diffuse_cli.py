@@ -1,0 +1,46 @@
+"""``hf-tpu diffuse`` on the simulated device: the PNG equals the CPU pipeline's image; bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers_helpers import PROMPT, load
+from PIL import Image
+
+from hf_tpu.cli.main import main
+
+
+@pytest.mark.parametrize("kind", ["sd3"])
+def test_diffuse_writes_the_cpu_image(sim, model_dirs, tmp_path, capsys, kind):
+    torch._dynamo.reset()
+    out = tmp_path / "image.png"
+    argv = ["diffuse", model_dirs[kind], "--prompt", PROMPT, "--out", str(out), "--steps", "2"]
+    argv += ["--height", "32", "--width", "48", "--seed", "3", "--dtype", "float32", "--json", "--simulate"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["device"] == "tpu:0" and summary["compiled"] is True and summary["graphs_compiled"] == 1
+    assert (summary["height"], summary["width"]) == (32, 48)
+
+    pipe = load(model_dirs, kind)
+    ref = pipe(PROMPT, height=32, width=48, num_inference_steps=2, generator=torch.Generator().manual_seed(3))
+    got = np.asarray(Image.open(out), dtype=np.int16)
+    assert got.shape == (32, 48, 3)
+    assert np.abs(got - np.asarray(ref.images[0], dtype=np.int16)).max() <= 1
+
+
+def test_diffuse_bad_size(sim, model_dirs, tmp_path, capsys):
+    out = tmp_path / "image.png"
+    argv = ["diffuse", model_dirs["sd"], "--prompt", "x", "--out", str(out), "--height", "36", "--simulate"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot make a 36x128 image" in err and "multiples of 8" in err
+    assert not out.exists()
+
+
+def test_diffuse_not_a_pipeline_dir(sim, tmp_path, capsys):
+    argv = ["diffuse", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "i.png"), "--simulate"]
+    assert main(argv) == 2
+    assert "no model_index.json" in capsys.readouterr().err
