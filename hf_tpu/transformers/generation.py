@@ -6,7 +6,7 @@ Upstream transformers (5.24) can already run ``generate`` on a ``tpu`` device an
 * every distinct prompt length is a new static-cache length and a new prefill shape, hence new compiles;
 * the prefill runs eagerly, op by op, so each new prompt length also compiles every op it touches;
 * each decode step sends ``input_ids``, ``position_ids`` and a 4D mask to the device and brings the full logits row
-  back (about 3 host->device and 1-2 device->host copies per step).
+  back (measured on the simulator: 3 host->device and 2 device->host copies per step).
 
 hf_tpu keeps upstream's ``generate`` (argument handling, logits processors, stopping criteria, streamers, output
 classes) and plugs its own decoding loop in through upstream's ``custom_generate`` hook. The loop:
@@ -16,8 +16,8 @@ classes) and plugs its own decoding loop in through upstream's ``custom_generate
 * runs prefill and decode as ``torch.compile`` graphs (backend ``"tpu"``, static shapes, full graph);
 * keeps the growing tensors (the sequence, the 2D mask, the positions) on the host; the padded mask goes to the
   device once per call, and each decode step sends one ``(batch, 2)`` tensor (next tokens and their positions) and
-  reads back one ``(batch,)`` tensor (the greedy tokens) or, when logits processors or sampling need them, the
-  last logits row;
+  reads back one ``(batch,)`` tensor (the greedy tokens, also with upstream's repetition penalty, which runs on
+  the device) or, when other logits processors or sampling need them, the last logits row;
 * returns the output on the device the inputs came from.
 
 Anything the loop does not cover (beam search, assisted decoding, a user cache, sliding-window caches, ...) runs
@@ -53,8 +53,10 @@ __all__ = [
     "BucketOverflowError",
     "GenerationSettings",
     "RecompileError",
+    "ShapePlan",
     "compiled_graphs",
     "configure",
+    "default_variant",
     "generate",
     "plan_shapes",
 ]
@@ -150,7 +152,13 @@ def configure(
 
 def compiled_graphs(model) -> list[tuple]:
     """The graphs hf_tpu compiled for ``model``, in order: ``("prefill", batch, prompt_bucket, cache_bucket)``,
-    ``("decode", batch, cache_bucket)``, and for encoder-decoders ``("encoder", batch, encoder_bucket)`` etc."""
+    ``("decode", batch, cache_bucket)``, and for encoder-decoders ``("encoder", batch, encoder_bucket)`` etc.
+
+    Example:
+        >>> model.generate(ids, max_new_tokens=8)             # doctest: +SKIP
+        >>> compiled_graphs(model)                            # doctest: +SKIP
+        [('prefill', 1, 16, 32), ('decode', 1, 32)]
+    """
     return list(_state(model).compile_log)
 
 
@@ -158,51 +166,69 @@ def compiled_graphs(model) -> list[tuple]:
 # Graphs. Each kind is its own top-level function, so that dynamo keeps one cache of compiled entries per kind.
 
 
-def _last_logits(out) -> tuple[Any, Any]:
-    logits = out.logits[:, -1, :]
-    return logits.argmax(dim=-1), logits.float()
+def _last_logits(out, penalty) -> tuple[Any, Any]:
+    """(greedy tokens, float32 logits) of the last position; ``penalty=(seen, value)`` applies upstream's
+    repetition penalty to the tokens marked in ``seen`` (``(batch, vocab + 1)`` bool) before the argmax."""
+    import torch
+
+    logits = out.logits[:, -1, :].float()
+    scores = logits
+    if penalty is not None:
+        seen, value = penalty
+        penalized = torch.where(logits < 0, logits * value, logits / value)
+        scores = torch.where(seen[:, : logits.shape[-1]], penalized, logits)
+    return scores.argmax(dim=-1), logits
 
 
-def _decoder_prefill(model, packed, mask, cache, extra):
+def _mark(penalty, tokens) -> None:
+    """Add the tokens just appended to the sequence to the repetition-penalty set (in place, on the device)."""
+    if penalty is not None:
+        seen = penalty[0]
+        seen.scatter_(1, tokens.clamp(max=seen.shape[1] - 1), True)
+
+
+def _decoder_prefill(model, packed, mask, cache, extra, penalty=None):
     q = packed.shape[1] // 2
     out = model(
         input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=mask, cache=cache, use_cache=True,
         return_dict=True, **extra,
     )  # fmt: skip
-    return _last_logits(out)
+    return _last_logits(out, penalty)
 
 
-def _decoder_decode(model, packed, mask, cache, extra):
+def _decoder_decode(model, packed, mask, cache, extra, penalty=None):
     q = packed.shape[1] // 2
+    _mark(penalty, packed[:, :q])
     out = model(
         input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=mask, cache=cache, use_cache=True,
         return_dict=True, **extra,
     )  # fmt: skip
-    return _last_logits(out)
+    return _last_logits(out, penalty)
 
 
 def _encoder(model, input_ids, mask):
     return model.get_encoder()(input_ids=input_ids, attention_mask=mask, return_dict=True).last_hidden_state
 
 
-def _seq2seq_prefill(model, ids, encoder_hidden, encoder_mask, cache):
+def _seq2seq_prefill(model, ids, encoder_hidden, encoder_mask, cache, penalty=None):
     from transformers.modeling_outputs import BaseModelOutput
 
     out = model(
         decoder_input_ids=ids, encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden),
         attention_mask=encoder_mask, cache=cache, use_cache=True, return_dict=True,
     )  # fmt: skip
-    return _last_logits(out)
+    return _last_logits(out, penalty)
 
 
-def _seq2seq_decode(model, ids, encoder_hidden, encoder_mask, cache):
+def _seq2seq_decode(model, ids, encoder_hidden, encoder_mask, cache, penalty=None):
     from transformers.modeling_outputs import BaseModelOutput
 
+    _mark(penalty, ids)
     out = model(
         decoder_input_ids=ids, encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden),
         attention_mask=encoder_mask, cache=cache, use_cache=True, return_dict=True,
     )  # fmt: skip
-    return _last_logits(out)
+    return _last_logits(out, penalty)
 
 
 _GRAPHS: dict[str, Callable] = {
@@ -212,6 +238,10 @@ _GRAPHS: dict[str, Callable] = {
     "seq2seq_prefill": _seq2seq_prefill,
     "seq2seq_decode": _seq2seq_decode,
 }
+# Variants with upstream's repetition penalty applied on the device (greedy search keeps its one small copy).
+_PENALTY = "+repetition_penalty"
+for _kind in ("prefill", "decode", "seq2seq_prefill", "seq2seq_decode"):
+    _GRAPHS[_kind + _PENALTY] = _GRAPHS[_kind]
 _COMPILED: dict[tuple, Callable] = {}
 
 
@@ -240,7 +270,7 @@ def _describe(key: tuple) -> str:
         "encoder": ("encoder bucket",),
         "seq2seq_prefill": ("encoder bucket", "decoder prompt", "cache bucket"),
         "seq2seq_decode": ("encoder bucket", "cache bucket"),
-    }[kind]
+    }[kind.removesuffix(_PENALTY)]
     return f"{kind} graph for batch={batch}, " + ", ".join(f"{n}={v}" for n, v in zip(names, rest))
 
 
@@ -349,7 +379,7 @@ def _cache_rungs(ladder: BucketLadder) -> BucketLadder:
 
 
 def plan_shapes(
-    model, batch: int, prompt_len: int, max_new_tokens: int, *, encoder_len: int | None = None
+    model, batch: int, prompt_len: int, max_new_tokens: int, *, encoder_len: int | None = None, variant: str = ""
 ) -> ShapePlan:
     """The buckets a ``generate`` call of this size runs in (prefers shapes already compiled for the model).
 
@@ -379,7 +409,7 @@ def plan_shapes(
         compiled = sorted(
             k[4]
             for k in state.compiled
-            if k[0] == "seq2seq_prefill" and k[1:4] == (batch, encoder_bucket, prompt_len) and k[4] >= need
+            if k[0] == "seq2seq_prefill" + variant and k[1:4] == (batch, encoder_bucket, prompt_len) and k[4] >= need
         )
         cache_bucket = compiled[0] if compiled else ladder.bucket(need)
         return ShapePlan(batch, prompt_len, prompt_len, cache_bucket, encoder_bucket)
@@ -393,7 +423,9 @@ def plan_shapes(
         )
     need = prompt_bucket + new - 1
     compiled = sorted(
-        k[3] for k in state.compiled if k[0] == "prefill" and k[1:3] == (batch, prompt_bucket) and k[3] >= need
+        k[3]
+        for k in state.compiled
+        if k[0] == "prefill" + variant and k[1:3] == (batch, prompt_bucket) and k[3] >= need
     )
     cache_bucket = compiled[0] if compiled else _cache_rungs(ladder).bucket(need)
     return ShapePlan(batch, prompt_len, prompt_bucket, cache_bucket)
@@ -420,6 +452,46 @@ def _select(
     else:
         tokens = torch.argmax(scores, dim=-1)
     return tokens, scores, logits
+
+
+def _device_penalty(logits_processor):
+    """The repetition-penalty processor when it is the only logits processor (greedy search stays on the device)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    if len(logits_processor) != 1:
+        return None
+    proc = logits_processor[0]
+    if type(proc) is not RepetitionPenaltyLogitsProcessor:
+        return None
+    return proc
+
+
+def _output_vocab(model) -> int:
+    embeddings = model.get_output_embeddings()
+    if embeddings is not None and hasattr(embeddings, "weight"):
+        return int(embeddings.weight.shape[0])
+    return int(model.config.get_text_config(decoder=True).vocab_size)
+
+
+def _penalty_state(input_ids, model, proc, device):
+    """``(seen, penalty)`` for a ``RepetitionPenaltyLogitsProcessor`` (None without one): the tokens of the sequence
+    so far as a ``(batch, vocab + 1)`` mask on the device. Ids past the vocabulary and the prompt positions the
+    processor ignores (``prompt_ignore_length``: the left padding) land in the extra column, as upstream drops them."""
+    import torch
+
+    if proc is None:
+        return None
+    vocab = _output_vocab(model)
+    ids = input_ids.clamp(max=vocab)
+    ignore = proc.prompt_ignore_length
+    if isinstance(ignore, int):
+        ids = ids[:, ignore:]
+    elif isinstance(ignore, torch.Tensor):
+        positions = torch.arange(ids.shape[1])
+        ids = ids.masked_fill(positions[None, :] < ignore.to("cpu")[:, None], vocab)
+    seen = torch.zeros(input_ids.shape[0], vocab + 1, dtype=torch.bool)
+    seen.scatter_(1, ids, True)
+    return (seen.to(device), float(proc.penalty))
 
 
 def _decode_loop(
@@ -452,6 +524,15 @@ def _decode_loop(
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     host_path = do_sample or len(logits_processor) > 0 or want_scores or want_logits
+    penalty_proc = None
+    if not (do_sample or want_scores or want_logits):
+        penalty_proc = _device_penalty(logits_processor)
+        ignore = getattr(penalty_proc, "prompt_ignore_length", None)
+        if isinstance(ignore, int) and ignore > prompt_len:  # would also ignore generated tokens: keep it on the host
+            penalty_proc = None
+    if penalty_proc is not None:
+        host_path = False
+    variant = _PENALTY if penalty_proc is not None else ""
     scores = () if want_scores else None
     raw_logits = () if want_logits else None
 
@@ -460,16 +541,19 @@ def _decode_loop(
         enc_mask = model_kwargs.get("attention_mask")
         if enc_mask is None:
             enc_mask = torch.ones(encoder_hidden.shape[:2], dtype=torch.long)
-        plan = plan_shapes(model, batch, prompt_len, new_tokens, encoder_len=encoder_hidden.shape[1])
+        plan = plan_shapes(model, batch, prompt_len, new_tokens, encoder_len=encoder_hidden.shape[1], variant=variant)
         cache = _cache_for(model, state, batch, plan.cache_bucket, encoder_hidden.shape[1])
         enc_mask_dev = enc_mask.to(device)
         step_input = input_ids.to(device)
-        prefill_key = ("seq2seq_prefill", batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
-        decode_key = ("seq2seq_decode", batch, plan.encoder_bucket, plan.cache_bucket)
-        tokens_dev, logits_dev = _run(model, state, prefill_key, step_input, encoder_hidden, enc_mask_dev, cache)
+        penalty = _penalty_state(input_ids, model, penalty_proc, device)
+        prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
+        decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
+        tokens_dev, logits_dev = _run(
+            model, state, prefill_key, step_input, encoder_hidden, enc_mask_dev, cache, penalty
+        )
         positions = None
     else:
-        plan = plan_shapes(model, batch, prompt_len, new_tokens)
+        plan = plan_shapes(model, batch, prompt_len, new_tokens, variant=variant)
         mask = model_kwargs.get("attention_mask")
         if mask is None:
             mask = torch.ones(batch, prompt_len, dtype=torch.long)
@@ -492,10 +576,11 @@ def _decode_loop(
         cache = _cache_for(model, state, batch, plan.cache_bucket, None)
         mask_dev = full_mask.to(device)
         extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
-        prefill_key = ("prefill", batch, plan.prompt_bucket, plan.cache_bucket)
-        decode_key = ("decode", batch, plan.cache_bucket)
+        penalty = _penalty_state(input_ids, model, penalty_proc, device)
+        prefill_key = ("prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket)
+        decode_key = ("decode" + variant, batch, plan.cache_bucket)
         packed = torch.cat([ids, pos], dim=1).to(device)
-        tokens_dev, logits_dev = _run(model, state, prefill_key, packed, mask_dev, cache, extra)
+        tokens_dev, logits_dev = _run(model, state, prefill_key, packed, mask_dev, cache, extra, penalty)
         positions = positions[:, -1]
 
     unfinished = torch.ones(batch, dtype=torch.long)
@@ -519,11 +604,11 @@ def _decode_loop(
         steps_left -= 1
         if is_seq2seq:
             step = next_tokens[:, None].to(device)
-            tokens_dev, logits_dev = _run(model, state, decode_key, step, encoder_hidden, enc_mask_dev, cache)
+            tokens_dev, logits_dev = _run(model, state, decode_key, step, encoder_hidden, enc_mask_dev, cache, penalty)
         else:
             positions = positions + 1
             step = torch.stack([next_tokens, positions], dim=1).to(device)
-            tokens_dev, logits_dev = _run(model, state, decode_key, step, mask_dev, cache, extra)
+            tokens_dev, logits_dev = _run(model, state, decode_key, step, mask_dev, cache, extra, penalty)
 
     if streamer is not None:
         streamer.end()
@@ -633,6 +718,10 @@ def generate(self, *args, **kwargs):
 
     Same arguments and results as upstream. On a ``tpu`` device, greedy search and sampling run the bucketed,
     compiled loop; everything else (and every other device) runs upstream's code unchanged.
+
+    Example:
+        >>> hf_tpu.enable("generation")                                   # doctest: +SKIP
+        >>> model.to("tpu").generate(input_ids, max_new_tokens=16)       # doctest: +SKIP
     """
     import torch
 
@@ -702,13 +791,28 @@ def _device_types(*types: str) -> Iterator[None]:
         _DEVICE_TYPES.difference_update(added)
 
 
-def _warm(model, plan: ShapePlan) -> list[tuple]:
+def default_variant(model) -> str:
+    """The graph variant the model's own ``generation_config`` leads to (greedy with a repetition penalty runs the
+    penalty variant); :func:`hf_tpu.warmup` compiles that one."""
+    config = model.generation_config
+    penalty = getattr(config, "repetition_penalty", None)
+    if not config.do_sample and penalty is not None and float(penalty) != 1.0:
+        return _PENALTY
+    return ""
+
+
+def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
     """Compile (or find compiled) every graph a call with ``plan`` runs, on dummy inputs; returns their keys."""
     import torch
 
     state = _state(model)
     device = model.device
     batch = plan.batch
+    value = None
+    if variant == _PENALTY:
+        from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+        value = RepetitionPenaltyLogitsProcessor(float(model.generation_config.repetition_penalty))
     with torch.no_grad():
         if plan.encoder_bucket is not None:
             enc_key = ("encoder", batch, plan.encoder_bucket)
@@ -719,22 +823,27 @@ def _warm(model, plan: ShapePlan) -> list[tuple]:
             start = model.generation_config.decoder_start_token_id
             start = 0 if start is None else int(start)
             cache = _cache_for(model, state, batch, plan.cache_bucket, plan.encoder_bucket)
-            prefill_key = ("seq2seq_prefill", batch, plan.encoder_bucket, plan.prompt_len, plan.cache_bucket)
-            decode_key = ("seq2seq_decode", batch, plan.encoder_bucket, plan.cache_bucket)
-            step = torch.full((batch, plan.prompt_len), start, dtype=torch.long).to(device)
-            _run(model, state, prefill_key, step, hidden, mask_dev, cache)
+            prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, plan.prompt_len, plan.cache_bucket)
+            decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
+            step = torch.full((batch, plan.prompt_len), start, dtype=torch.long)
+            penalty = _penalty_state(step, model, value, device)
+            _run(model, state, prefill_key, step.to(device), hidden, mask_dev, cache, penalty)
             step = torch.full((batch, 1), start, dtype=torch.long).to(device)
-            _run(model, state, decode_key, step, hidden, mask_dev, cache)
+            _run(model, state, decode_key, step, hidden, mask_dev, cache, penalty)
+            cache.reset()  # the next call resets it too: meet the eager ops of the reset here
             return [enc_key, prefill_key, decode_key]
         p, c = plan.prompt_bucket, plan.cache_bucket
         extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
         cache = _cache_for(model, state, batch, c, None)
         mask_dev = torch.ones(batch, c, dtype=torch.bool).to(device)
         pos = torch.arange(p, dtype=torch.long).expand(batch, p)
-        packed = torch.cat([torch.zeros(batch, p, dtype=torch.long), pos], dim=1).to(device)
-        prefill_key = ("prefill", batch, p, c)
-        decode_key = ("decode", batch, c)
-        _run(model, state, prefill_key, packed, mask_dev, cache, extra)
+        ids = torch.zeros(batch, p, dtype=torch.long)
+        penalty = _penalty_state(ids, model, value, device)
+        packed = torch.cat([ids, pos], dim=1).to(device)
+        prefill_key = ("prefill" + variant, batch, p, c)
+        decode_key = ("decode" + variant, batch, c)
+        _run(model, state, prefill_key, packed, mask_dev, cache, extra, penalty)
         step = torch.tensor([[0, p]], dtype=torch.long).expand(batch, 2).contiguous().to(device)
-        _run(model, state, decode_key, step, mask_dev, cache, extra)
+        _run(model, state, decode_key, step, mask_dev, cache, extra, penalty)
+        cache.reset()
         return [prefill_key, decode_key]

@@ -82,13 +82,16 @@ def warmup(
     prompt_buckets = ladder.up_to(max_prompt_len)
     seq2seq = bool(model.config.is_encoder_decoder)
 
+    variant = generation.default_variant(model)
     plans = []
     for batch in batch_sizes:
         for bucket in prompt_buckets:
             if seq2seq:
-                plans.append(generation.plan_shapes(model, batch, 1, max_new_tokens, encoder_len=bucket))
+                plans.append(
+                    generation.plan_shapes(model, batch, 1, max_new_tokens, encoder_len=bucket, variant=variant)
+                )
             else:
-                plans.append(generation.plan_shapes(model, batch, bucket, max_new_tokens))
+                plans.append(generation.plan_shapes(model, batch, bucket, max_new_tokens, variant=variant))
 
     before = len(state.compiled)
     start = time.perf_counter()
@@ -97,7 +100,7 @@ def warmup(
     for plan in bar:
         shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
         bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
-        for key in generation._warm(model, plan):
+        for key in generation._warm(model, plan, variant):
             if key not in report.graphs:
                 report.graphs.append(key)
     bar.close()

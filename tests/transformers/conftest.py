@@ -57,7 +57,7 @@ def model_root(tmp_path_factory):
     return tmp_path_factory.mktemp("gen-models")
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _generation_enabled():
     hf_tpu.sim.enable()
     with hf_tpu.enabled("generation"):
@@ -65,11 +65,23 @@ def _generation_enabled():
 
 
 @pytest.fixture
+def pair(model_root):
+    """``pair(family) -> (cpu_model, tpu_model)``."""
+    return lambda family: load_pair(family, model_root)
+
+
+@pytest.fixture
 def llama(model_root):
     return load_pair("llama", model_root)
 
 
-def prompts(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+@pytest.fixture
+def prompts():
+    """``prompts(lengths, seed=0) -> (input_ids, attention_mask)``, see :func:`make_prompts`."""
+    return make_prompts
+
+
+def make_prompts(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A left-padded batch of random prompts of the given lengths: (input_ids, attention_mask) on the host."""
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)

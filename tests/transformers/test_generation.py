@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, load_pair, prompts
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -15,8 +14,8 @@ from hf_tpu.transformers.buckets import BucketOverflowError
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gpt2", "t5"])
-def test_greedy_matches_cpu_for_batched_prompts_of_different_lengths(family, model_root):
-    cpu, tpu = load_pair(family, model_root)
+def test_greedy_matches_cpu_for_batched_prompts_of_different_lengths(family, pair, prompts):
+    cpu, tpu = pair(family)
     ids, mask = prompts([5, 11])
     expected = cpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     got = tpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
@@ -25,7 +24,7 @@ def test_greedy_matches_cpu_for_batched_prompts_of_different_lengths(family, mod
     assert generation.compiled_graphs(tpu)  # the bucketed loop ran, not upstream's
 
 
-def test_inputs_on_the_device_come_back_on_the_device(llama):
+def test_inputs_on_the_device_come_back_on_the_device(llama, prompts):
     cpu, tpu = llama
     ids, mask = prompts([7, 3])
     expected = cpu.generate(ids, attention_mask=mask, max_new_tokens=4)
@@ -34,8 +33,8 @@ def test_inputs_on_the_device_come_back_on_the_device(llama):
     assert torch.equal(got.cpu(), expected)
 
 
-def test_compiles_are_bounded_by_the_buckets_touched(model_root):
-    cpu, tpu = load_pair("qwen3", model_root)
+def test_compiles_are_bounded_by_the_buckets_touched(pair, prompts):
+    cpu, tpu = pair("qwen3")
     generation.configure(tpu, buckets=[16, 32, 64])
     batches = [(1, 3), (9, 14), (16, 5), (17, 2), (25, 31), (7, 12)]  # 11 distinct lengths in two buckets
     with hf_tpu.sim.stats() as s:
@@ -49,8 +48,8 @@ def test_compiles_are_bounded_by_the_buckets_touched(model_root):
     assert s.compiles <= 4
 
 
-def test_warmup_then_no_compiles_and_strict_names_the_shape(model_root, monkeypatch):
-    cpu, tpu = load_pair("gemma", model_root)
+def test_warmup_then_no_compiles_and_strict_names_the_shape(pair, prompts, monkeypatch):
+    cpu, tpu = pair("gemma")
     generation.configure(tpu, buckets=[16, 32, 64, 128])
     report = hf_tpu.warmup(tpu, max_prompt_len=30, batch_sizes=[2], max_new_tokens=8, progress=False)
     assert report.prompt_buckets == (16, 32)
@@ -79,7 +78,7 @@ def test_warmup_then_no_compiles_and_strict_names_the_shape(model_root, monkeypa
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_at_most_one_small_copy_each_way_per_decode_step(llama, do_sample):
+def test_at_most_one_small_copy_each_way_per_decode_step(llama, prompts, do_sample):
     _, tpu = llama
     ids, mask = prompts([6, 9])
 
@@ -103,7 +102,21 @@ def test_at_most_one_small_copy_each_way_per_decode_step(llama, do_sample):
         assert (long.d2h_bytes - short.d2h_bytes) / steps <= 2 * 8
 
 
-def test_sampling_is_reproducible_with_a_seed(llama):
+def test_repetition_penalty_runs_on_the_device_and_matches_cpu(llama, prompts):
+    cpu, tpu = llama
+    ids, mask = prompts([6, 9])
+    kwargs = {"attention_mask": mask, "repetition_penalty": 1.3, "eos_token_id": None}
+    assert torch.equal(tpu.generate(ids, max_new_tokens=12, **kwargs), cpu.generate(ids, max_new_tokens=12, **kwargs))
+    assert ("decode+repetition_penalty", 2, 32) in generation.compiled_graphs(tpu)
+    with hf_tpu.sim.stats() as short:
+        tpu.generate(ids, max_new_tokens=2, **kwargs)
+    with hf_tpu.sim.stats() as long:
+        tpu.generate(ids, max_new_tokens=12, **kwargs)
+    assert (long.d2h_bytes - short.d2h_bytes) / 10 <= 2 * 8  # the tokens come back, not the logits
+    assert (long.h2d_copies - short.h2d_copies) / 10 <= 1
+
+
+def test_sampling_is_reproducible_with_a_seed(llama, prompts):
     cpu, tpu = llama
     ids, mask = prompts([4, 7])
     kwargs = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": True, "top_k": 20, "temperature": 0.9}
@@ -128,7 +141,7 @@ class _Collect(BaseStreamer):
         self.ended = True
 
 
-def test_streamer_receives_what_upstream_streams(llama):
+def test_streamer_receives_what_upstream_streams(llama, prompts):
     cpu, tpu = llama
     ids, _ = prompts([5, 5])
     a, b = _Collect(), _Collect()
@@ -138,7 +151,7 @@ def test_streamer_receives_what_upstream_streams(llama):
     assert b.chunks == a.chunks and b.ended
 
 
-def test_eos_max_length_and_custom_stopping_criteria_as_upstream(llama):
+def test_eos_max_length_and_custom_stopping_criteria_as_upstream(llama, prompts):
     cpu, tpu = llama
     ids, mask = prompts([4, 8])
     free = cpu.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
@@ -161,7 +174,7 @@ def test_eos_max_length_and_custom_stopping_criteria_as_upstream(llama):
     assert got.shape[1] == 12 and torch.equal(got, expected)
 
 
-def test_return_dict_with_scores(llama):
+def test_return_dict_with_scores(llama, prompts):
     cpu, tpu = llama
     ids, mask = prompts([6, 2])
     kwargs = {"attention_mask": mask, "max_new_tokens": 3, "return_dict_in_generate": True, "output_scores": True}
@@ -171,19 +184,19 @@ def test_return_dict_with_scores(llama):
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores))
 
 
-def test_bad_inputs_get_clear_messages(llama):
+def test_bad_inputs_get_clear_messages(llama, prompts):
     _, tpu = llama
     limit = generation.plan_shapes(tpu, 1, 1, 1)  # the default ladder ends at max_position_embeddings
     ladder_max = generation._state(tpu).settings.buckets.max
     assert limit.prompt_bucket == 16
-    long_prompt = torch.randint(3, VOCAB, (1, ladder_max + 1))
+    long_prompt = torch.randint(3, tpu.config.vocab_size, (1, ladder_max + 1))
     with pytest.raises(BucketOverflowError, match=rf"the prompt is {ladder_max + 1} tokens, past the largest bucket"):
         tpu.generate(long_prompt, max_new_tokens=2)
     with pytest.raises(BucketOverflowError, match="plus max_new_tokens"):
-        tpu.generate(torch.randint(3, VOCAB, (1, 10)), max_new_tokens=ladder_max)
+        tpu.generate(torch.randint(3, tpu.config.vocab_size, (1, 10)), max_new_tokens=ladder_max)
 
 
-def test_dynamic_cache_and_beam_search_warn_and_run_upstream(llama):
+def test_dynamic_cache_and_beam_search_warn_and_run_upstream(llama, prompts):
     cpu, tpu = llama
     ids, _ = prompts([5])
     generation._WARNED.clear()
