@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from hf_tpu.sim import _device_module, _ops
+from hf_tpu.sim import _autocast, _device_module, _ops
 
 __all__ = ["register"]
 
@@ -74,6 +74,7 @@ def register() -> None:
         torch.backends.tpu = _backends_module()  # type: ignore[attr-defined]
         sys.modules["torch.backends.tpu"] = torch.backends.tpu
     _ops.install()
+    _autocast.install()
     _register_dynamo_interface()
     _REGISTERED = True
 
