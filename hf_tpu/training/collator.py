@@ -25,6 +25,11 @@ class BucketingCollator:
         batch_size: if given, every batch also gets this many rows (padding rows are fully masked and ignored by
             the loss), so that a short last batch does not make a new shape.
         truncate: cut examples longer than the largest bucket instead of raising.
+        return_attention_mask: include ``attention_mask``. transformers checks on the host whether a mask is all
+            ones and then takes another attention path (a host sync, and a second set of shapes per bucket when some
+            batches need no padding). A causal LM padded on the right computes the same loss without the mask (no
+            real token attends to the padding after it, and padded labels are ignored), so ``False`` gives exactly
+            one set of shapes per bucket; keep ``True`` for bidirectional models.
 
     Labels default to ``input_ids`` (causal LM); padded positions get ``-100``, which the loss ignores.
 
@@ -43,6 +48,7 @@ class BucketingCollator:
         *,
         batch_size: int | None = None,
         truncate: bool = False,
+        return_attention_mask: bool = True,
     ) -> None:
         if not buckets or any(int(b) <= 0 for b in buckets):
             raise ValueError(f"buckets must be positive sequence lengths, got {buckets!r}")
@@ -52,6 +58,7 @@ class BucketingCollator:
         self.pad_token_id = int(pad_token_id)
         self.batch_size = batch_size
         self.truncate = truncate
+        self.return_attention_mask = return_attention_mask
 
     def bucket_for(self, length: int) -> int:
         """The padded length of a batch whose longest example has ``length`` tokens."""
@@ -89,4 +96,7 @@ class BucketingCollator:
             lab = f.get("labels")
             lab = torch.tensor(list(map(int, lab))[:n], dtype=torch.long) if lab is not None else input_ids[row, :n]
             labels[row, :n] = torch.where(attention_mask[row, :n].bool(), lab, IGNORE_INDEX)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        batch = {"input_ids": input_ids, "labels": labels}
+        if self.return_attention_mask:
+            batch["attention_mask"] = attention_mask
+        return batch
