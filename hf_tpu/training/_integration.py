@@ -11,8 +11,9 @@ Upstream state (transformers 5.24, accelerate 1.15), checked on the simulated de
 - accelerate has no distributed type for torch_tpu processes: under a launcher with several ranks it would treat
   each rank as a separate single-process run (every rank trains alone). ``default_device`` refuses that case with
   :class:`~hf_tpu.training.TPUTrainingError` pointing at the data-parallel recipe in docs/training.md.
-- ``Trainer.__init__`` runs :func:`hf_tpu.training.check_trainable` when its device is a TPU (quantized models,
-  CUDA-only optimizers, fp16).
+- ``Trainer.__init__`` runs :func:`hf_tpu.training.check_trainable` first when its device is a TPU (quantized
+  models, CUDA-only optimizers, fp16). Upstream refuses fp16 too (accelerate: "fp16 mixed precision requires a
+  device in (...)"), without saying to use bf16; the others fail later, inside bitsandbytes or a CUDA kernel.
 """
 
 from __future__ import annotations
@@ -72,11 +73,14 @@ def _patch_trainer_init() -> None:
 
     @functools.wraps(upstream)
     def __init__(self, *args, **kwargs):
-        upstream(self, *args, **kwargs)
-        if getattr(self.args.device, "type", None) == "tpu":
+        # Before upstream: accelerate's own fp16 refusal does not say what to use on TPU.
+        model = kwargs.get("model", args[0] if args else None)
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None and getattr(training_args.device, "type", None) == "tpu":
             from hf_tpu.training.checks import check_trainable
 
-            check_trainable(self.model, self.args)
+            check_trainable(model, training_args)
+        upstream(self, *args, **kwargs)
 
     _patch.patch(Trainer, "__init__", __init__, feature=FEATURE, **TRANSFORMERS)
 
