@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "BucketingCollator",
+    "StepCounters",
     "TPUTrainingError",
     "check_trainable",
     "load_checkpoint",
@@ -26,6 +27,7 @@ __all__ = [
 
 _EXPORTS = {
     "BucketingCollator": "hf_tpu.training.collator",
+    "StepCounters": "hf_tpu.training.callbacks",
     "TPUTrainingError": "hf_tpu.training.checks",
     "check_trainable": "hf_tpu.training.checks",
     "load_checkpoint": "hf_tpu.training.checkpoint",
