@@ -121,3 +121,27 @@ def test_checkpoint_resume_gives_the_same_next_loss(load, tmp_path):
     load_checkpoint(ckpt, cold)
     cold_loss, _, _ = run(cold, data[2:])
     assert cold_loss[0] == pytest.approx(full[2], abs=1e-6) and cold_loss[1] != pytest.approx(full[3], abs=1e-6)
+
+
+def test_compiled_training_step_matches_cpu_and_compiles_once(load):
+    data = batches(3, mask=False)[-2:] * 2  # one shape, 4 steps
+    assert len({tuple(b["input_ids"].shape) for b in data}) == 1
+    cpu_losses, _, _ = run(load("cpu"), data)
+    model = load("tpu")
+    model.config.use_cache = False  # no DynamicCache in a training forward (dynamo cannot build one on tpu)
+    compiled = torch.compile(model, backend="tpu", dynamic=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses, steps = [], []
+    for batch in data:
+        with hf_tpu.sim.stats() as s:
+            loss = compiled(**{k: v.to("tpu") for k, v in batch.items()}).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        steps.append(s.as_dict())
+        losses.append(float(loss.detach().cpu()))
+    torch.testing.assert_close(losses, cpu_losses, rtol=1e-4, atol=1e-4)
+    assert steps[0]["compiles"] >= 1
+    assert [s["compiles"] for s in steps[1:]] == [0, 0, 0]
+    assert [s["shape_signatures"] for s in steps[2:]] == [0, 0]
