@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import SEQ, examples
+from train_helpers import SEQ, examples
 
 from hf_tpu.training import BucketingCollator
 

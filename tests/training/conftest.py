@@ -1,9 +1,12 @@
-"""Tiny causal LMs for the training tests: built from a config, saved to ``tmp_path``, loaded back twice (CPU, tpu).
+"""Tiny causal LMs for the training tests: built from a config, saved to ``tmp_path``, loaded back on each device.
 
-``hf_tpu.enable("training")`` is on for the whole session (its own test checks upstream without it).
+``hf_tpu.enable("training")`` is on for the whole session (one test turns it off to show the upstream gap).
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,17 +14,8 @@ import torch
 import hf_tpu
 import hf_tpu.sim
 
-VOCAB = 128
-SEQ = 16
-
-
-def tiny_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+sys.path.insert(0, str(Path(__file__).parent))
+from train_helpers import tiny_config
 
 
 @pytest.fixture(scope="session")
@@ -43,14 +37,6 @@ def load(model_dir):
         return AutoModelForCausalLM.from_pretrained(model_dir).to(device)
 
     return _load
-
-
-def examples(n: int, lengths: tuple[int, ...] = (5, 9, 12, SEQ), seed: int = 0) -> list[dict]:
-    """``n`` random token sequences with lengths cycling through ``lengths``."""
-    g = torch.Generator().manual_seed(seed)
-    return [
-        {"input_ids": torch.randint(3, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist()} for i in range(n)
-    ]
 
 
 @pytest.fixture(scope="session", autouse=True)

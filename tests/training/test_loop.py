@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import examples
+from train_helpers import examples
 
 import hf_tpu.sim
 from hf_tpu.training import BucketingCollator, load_checkpoint, save_checkpoint

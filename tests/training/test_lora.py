@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import examples
+from train_helpers import examples
 
 from hf_tpu.training import BucketingCollator
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import examples
+from train_helpers import examples
 
 import hf_tpu
 from hf_tpu.training import BucketingCollator, TPUTrainingError
