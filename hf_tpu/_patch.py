@@ -53,6 +53,7 @@ INTEGRATIONS: dict[str, str] = {
     "kernels": "hf_tpu.kernels:apply",
     "generation": "hf_tpu.transformers._integration:apply",
     "diffusers": "hf_tpu.diffusers.placement:apply",
+    "training": "hf_tpu.training._integration:apply",
 }
 
 _MISSING = object()

@@ -1,0 +1,130 @@
+"""Training steps on the simulated tpu: eager vs compiled, bucketed vs pad-to-longest, CPU alongside.
+
+    PYTHONPATH=. python benchmarks/training.py [--steps 12] [--warmup 4] [--hidden 64] [--layers 2] [--batch 4]
+
+Every variant trains a copy of the same tiny Llama with AdamW on the same variable-length batches, interleaved step by
+step so that machine load hits all alike. Per variant it prints warm steps/s and, after warm-up, compiles and new
+eager shape signatures per step (each is a compile on a TPU), and the ratios to the CPU eager step. "pad to longest"
+pads each batch to its own longest example (a new shape for each new length); "buckets" pads to (32, 64) with
+``hf_tpu.training.BucketingCollator``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+import torch
+
+import hf_tpu.sim
+from hf_tpu.training import BucketingCollator
+
+
+def build(hidden: int, layers: int, vocab: int = 512):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 16, 1), num_key_value_heads=max(hidden // 32, 1),
+        max_position_embeddings=128, use_cache=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def data(steps: int, batch: int, vocab: int = 512) -> list[list[dict]]:
+    """Batches alternately of short (8-32 tokens) and long (33-64 tokens) examples."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for step in range(steps):
+        low, high = (8, 33) if step % 2 == 0 else (33, 65)
+        lengths = torch.randint(low, high, (batch,), generator=g).tolist()
+        out.append([{"input_ids": torch.randint(3, vocab, (n,), generator=g).tolist()} for n in lengths])
+    return out
+
+
+class Variant:
+    def __init__(self, name: str, model, device: str, collate, compiled: bool) -> None:
+        self.name, self.device, self.collate = name, device, collate
+        self.model = model.to(device)
+        self.forward = torch.compile(self.model, backend="tpu", dynamic=False) if compiled else self.model
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.times: list[float] = []
+        self.counts: list[dict] = []
+        self.losses: list[float] = []
+
+    def step(self, rows: list[dict]) -> None:
+        batch = {k: v.to(self.device) for k, v in self.collate(rows).items()}
+        t0 = time.perf_counter()
+        with hf_tpu.sim.stats() as s:
+            loss = self.forward(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            self.opt.zero_grad()
+            self.losses.append(float(loss.detach().cpu()))
+        self.times.append(time.perf_counter() - t0)
+        self.counts.append(s.as_dict())
+
+
+def pad_to_longest(rows: list[dict]) -> dict:
+    return BucketingCollator(buckets=(max(len(r["input_ids"]) for r in rows),), return_attention_mask=False)(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the figures (2 see both buckets)")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+
+    buckets = BucketingCollator(buckets=(32, 64), batch_size=a.batch, return_attention_mask=False)
+    batches = data(a.steps, a.batch)  # the first two steps see both buckets
+
+    base = build(a.hidden, a.layers)
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+
+    def fresh():
+        m = build(a.hidden, a.layers)
+        m.load_state_dict(state)
+        return m
+
+    variants = [
+        Variant("cpu eager, buckets", fresh(), "cpu", buckets, compiled=False),
+        Variant("tpu eager, pad to longest", fresh(), "tpu", pad_to_longest, compiled=False),
+        Variant("tpu eager, buckets", fresh(), "tpu", buckets, compiled=False),
+        Variant("tpu compiled, buckets", fresh(), "tpu", buckets, compiled=True),
+    ]
+    for rows in batches:
+        for v in variants:
+            v.step(rows)
+
+    cpu_med = statistics.median(variants[0].times[a.warmup :])
+    print(f"{len(batches)} steps, batch {a.batch}, lengths 8-64, hidden {a.hidden}, {a.layers} layers; "
+          f"figures over the {len(batches) - a.warmup} steps after {a.warmup} warm-up steps")  # fmt: skip
+    print(f"{'variant':28s} {'steps/s':>8s} {'x cpu time':>10s} {'compiles/step':>14s} {'new shapes/step':>16s} "
+          f"{'warm-up compiles':>17s}")  # fmt: skip
+    for v in variants:
+        med = statistics.median(v.times[a.warmup :])
+        warm = v.counts[a.warmup :]
+        compiles = sum(c["compiles"] for c in warm) / len(warm)
+        shapes = sum(c["shape_signatures"] for c in warm) / len(warm)
+        first = sum(c["compiles"] for c in v.counts[: a.warmup])
+        print(f"{v.name:28s} {1 / med:8.2f} {med / cpu_med:10.2f} {compiles:14.2f} {shapes:16.2f} {first:17d}")
+    print("(new eager shapes are counted per process: a shape one variant made is not new for the next)")
+    ref = variants[2].losses
+    for v in variants[3:]:
+        print(f"max loss difference {v.name!r} vs 'tpu eager, buckets': "
+              f"{max(abs(x - y) for x, y in zip(v.losses, ref, strict=True)):.2e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

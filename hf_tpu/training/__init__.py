@@ -1,0 +1,41 @@
+"""Training on TPU: ``transformers.Trainer`` and plain PyTorch loops, fixed-shape batches, checkpoints, checks.
+
+``hf_tpu.enable()`` (the ``training`` integration) makes the Trainer keep a TPU-placed model on the TPU and refuses
+what cannot train there; the helpers here need no integration. Importing this package imports neither torch nor
+transformers.
+
+Example:
+    >>> import hf_tpu; hf_tpu.enable()
+    >>> from hf_tpu.training import BucketingCollator
+    >>> collate = BucketingCollator(buckets=(64, 128), pad_token_id=tok.pad_token_id)   # doctest: +SKIP
+    >>> Trainer(model=model.to("tpu"), args=args, train_dataset=ds, data_collator=collate).train()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "BucketingCollator",
+    "StepCounters",
+    "TPUTrainingError",
+    "check_trainable",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+_EXPORTS = {
+    "BucketingCollator": "hf_tpu.training.collator",
+    "StepCounters": "hf_tpu.training.callbacks",
+    "TPUTrainingError": "hf_tpu.training.checks",
+    "check_trainable": "hf_tpu.training.checks",
+    "load_checkpoint": "hf_tpu.training.checkpoint",
+    "save_checkpoint": "hf_tpu.training.checkpoint",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'hf_tpu.training' has no attribute {name!r}")

@@ -1,0 +1,106 @@
+"""Self-test check of training on the TPU (see :mod:`hf_tpu.selftest`): a few AdamW steps against CPU.
+
+A tiny Llama trains 4 steps on fixed-shape batches (``BucketingCollator``) on the device and on the CPU; the losses
+must agree step by step, and after the first step no step may compile anything new (on the simulator: no new eager
+shape signature and no graph compile). A 2-step ``transformers.Trainer`` run checks that the model stays on the TPU.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+from hf_tpu.selftest import CheckContext, SkipCheck, register_check
+
+_STEPS = 4
+
+
+def _batches():
+    import torch
+
+    from hf_tpu.training import BucketingCollator
+
+    g = torch.Generator().manual_seed(0)
+    collate = BucketingCollator(buckets=(16,), pad_token_id=0, batch_size=4, return_attention_mask=False)
+    rows = [{"input_ids": torch.randint(3, 128, (n,), generator=g).tolist()} for n in (9, 16, 12, 16) * _STEPS]
+    return [collate(rows[i : i + 4]) for i in range(0, len(rows), 4)]
+
+
+def _train(model, batches, ctx: CheckContext | None, figures: dict[str, Any]) -> list[float]:
+    import torch
+
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for i, batch in enumerate(batches):
+
+        def step(batch: dict = batch) -> float:
+            loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            return float(loss.detach().cpu())
+
+        if ctx is None:
+            losses.append(step())
+        else:
+            with ctx.measure(figures, f"step{i}"):
+                losses.append(step())
+    return losses
+
+
+@register_check("training", description="AdamW steps on the device match CPU; no compile after step 1", order=70)
+def _training(ctx: CheckContext) -> dict[str, Any]:
+    if ctx.info.mode == "none":
+        raise SkipCheck("no tpu device (see the runtime check)")
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import hf_tpu
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, use_cache=False,
+    )  # fmt: skip
+    batches = _batches()
+    raw: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_train_") as path:
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(path)
+        expected = _train(AutoModelForCausalLM.from_pretrained(path), batches, None, raw)
+        got = _train(AutoModelForCausalLM.from_pretrained(path).to(ctx.device), batches, ctx, raw)
+        # Real chips run float32 matmuls at reduced precision by default: a looser tolerance there.
+        tol = 1e-4 if ctx.simulated else 2e-2
+        diff = max(abs(a - b) for a, b in zip(got, expected, strict=True))
+        if diff > tol:
+            raise AssertionError(f"losses on the device {got} differ from CPU {expected} by {diff:.2e} (> {tol})")
+        figures: dict[str, Any] = {"steps": _STEPS, "max_loss_diff": diff, "cold_step_s": raw["step0_s"]}
+        figures["warm_step_s"] = round(sum(raw[f"step{i}_s"] for i in range(1, _STEPS)) / (_STEPS - 1), 6)
+        if ctx.simulated:
+            for key in ("compiles", "shape_signatures"):
+                figures[f"cold_{key}"] = raw[f"step0_{key}"]
+                figures[f"warm_{key}_per_step"] = sum(raw[f"step{i}_{key}"] for i in range(1, _STEPS)) / (_STEPS - 1)
+            if figures["warm_compiles_per_step"] or figures["warm_shape_signatures_per_step"]:
+                raise AssertionError(f"steps after the first compiled something new: {raw}")
+
+        from transformers import Trainer, TrainingArguments
+
+        with hf_tpu.enabled("training"):
+            args = TrainingArguments(
+                output_dir=f"{path}/trainer", per_device_train_batch_size=4, max_steps=2, report_to=[],
+                save_strategy="no", dataloader_pin_memory=False, disable_tqdm=True,
+            )  # fmt: skip
+            rows = [
+                dict(zip(("input_ids", "labels"), (b["input_ids"][r], b["labels"][r])))
+                for b in batches
+                for r in range(4)
+            ]
+            trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(path).to(ctx.device), args=args,
+                              train_dataset=rows)  # fmt: skip
+            trainer.train()
+            where = next(trainer.model.parameters()).device
+            if where.type != "tpu":
+                raise AssertionError(f"Trainer moved the model to {where}")
+            figures["trainer_device"] = str(where)
+    return figures

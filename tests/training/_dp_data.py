@@ -1,0 +1,36 @@
+"""The global batches of the data-parallel test, shared by the test (one chip) and its ranks."""
+
+from __future__ import annotations
+
+import torch
+from train_helpers import SEQ, examples
+
+from hf_tpu.training import BucketingCollator
+
+GLOBAL_BATCH = 8
+LR = 3e-3
+
+
+def global_batches(steps: int) -> list[dict]:
+    """``steps`` batches of ``GLOBAL_BATCH`` full-length rows (every slice has the same number of tokens)."""
+    collate = BucketingCollator(buckets=(SEQ,), pad_token_id=0, return_attention_mask=False)
+    data = examples(steps * GLOBAL_BATCH, lengths=(SEQ,), seed=3)
+    return [collate(data[i : i + GLOBAL_BATCH]) for i in range(0, len(data), GLOBAL_BATCH)]
+
+
+def train(model, batches: list[dict], reduce=None, sync=None) -> list[float]:
+    """AdamW over ``batches`` on the model's device; ``reduce`` turns a local loss into the global one, ``sync(model)``
+    averages the gradients over the ranks."""
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for batch in batches:
+        loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
+        loss.backward()
+        if sync is not None:
+            sync(model)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float((reduce(loss) if reduce else loss.detach()).cpu()))
+    return losses

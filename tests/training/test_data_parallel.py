@@ -1,0 +1,54 @@
+"""Data-parallel training over ``hf-tpu launch --simulate`` (2 ranks, one simulated chip each) equals one chip
+trained on the doubled batch, computed here in the test process. The launch has a timeout and leaves no process."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from _dp_data import GLOBAL_BATCH, global_batches, train
+from _launch_util import launch, processes_mentioning
+
+from hf_tpu.training import data_parallel as dp
+from hf_tpu.training.checks import TPUTrainingError
+
+pytestmark = [pytest.mark.distributed]
+WORKER = "tests/training/_dp_worker.py"
+STEPS = 3
+
+
+def test_two_chips_equal_one_chip_with_the_doubled_batch(model_dir, load, tmp_path):
+    out = tmp_path / "dp"
+    out.mkdir()
+    code, log, _ = launch(
+        ["--simulate", "--nproc_per_node=2", WORKER, str(out), str(model_dir), str(STEPS)], timeout=240
+    )
+    assert code == 0, log[-6000:]
+    assert not processes_mentioning(str(out)), "ranks left running after the launcher exited"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert "error" not in r, r["error"]
+        assert r["world_size"] == 2 and r["local_rows"] == GLOBAL_BATCH // 2 and r["device"] == "tpu:0"
+
+    one_chip = train(load("tpu"), global_batches(STEPS))
+    torch.testing.assert_close(ranks[0]["losses"], one_chip, rtol=1e-5, atol=1e-5)
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], abs=1e-9)  # replicas stay identical
+    # Half the batch on one chip is a different run: the comparison above can fail.
+    half = train(load("tpu"), [dp.shard_batch(b, 0, 2) for b in global_batches(STEPS)])
+    assert abs(half[-1] - one_chip[-1]) > 1e-4
+
+
+def test_errors_without_a_launcher(monkeypatch, load):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(TPUTrainingError, match="hf-tpu launch --nproc_per_node"):
+        dp.init()
+    with pytest.raises(ValueError, match="does not split evenly"):
+        dp.shard_batch({"input_ids": torch.zeros(3, 4)}, 0, 2)
+    with pytest.raises(TPUTrainingError, match="before wrap"):
+        dp.wrap(load("tpu"))

@@ -1,0 +1,163 @@
+"""``transformers.Trainer`` with ``TrainingArguments`` on a TPU-placed model (simulated), against a CPU Trainer.
+
+Also proves the upstream gap that the ``training`` integration closes: without it accelerate moves the model back to
+the CPU and the first step fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from train_helpers import examples
+
+import hf_tpu
+from hf_tpu.training import BucketingCollator, TPUTrainingError
+from hf_tpu.training.callbacks import StepCounters
+
+
+class Losses:
+    """Per-step training losses from the Trainer's log."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class _Losses(TrainerCallback):
+            def __init__(self):
+                self.values: list[float] = []
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    self.values.append(float(logs["loss"]))
+
+        return _Losses()
+
+
+def _args(tmp_path, device: str, **overrides):
+    from transformers import TrainingArguments
+
+    kwargs = {
+        "output_dir": str(tmp_path / device), "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4,
+        "learning_rate": 3e-3, "max_steps": 4, "logging_steps": 1, "report_to": [], "save_strategy": "no",
+        "use_cpu": device == "cpu", "dataloader_pin_memory": False, "seed": 0,
+    }  # fmt: skip
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+COLLATE = {"buckets": (16,), "pad_token_id": 0, "batch_size": 4, "return_attention_mask": False}
+
+
+def _train(load, tmp_path, device: str, *, resume: str | None = None, **overrides):
+    from transformers import Trainer
+
+    losses, counters = Losses(), StepCounters()
+    trainer = Trainer(
+        model=load(device),
+        args=_args(tmp_path, device, **overrides),
+        train_dataset=examples(32),
+        eval_dataset=examples(8, seed=1),
+        data_collator=BucketingCollator(**COLLATE),
+        callbacks=[losses, counters],
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, losses.values, counters
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory):
+    """The same 4-step run (accumulation 2, clipping 0.5, a checkpoint every 2 steps) on tpu and on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    def load(device):
+        return AutoModelForCausalLM.from_pretrained(model_dir).to(device)
+
+    tmp = tmp_path_factory.mktemp("trainer")
+    opts = {"gradient_accumulation_steps": 2, "max_grad_norm": 0.5, "save_strategy": "steps", "save_steps": 2}
+    return {device: (*_train(load, tmp, device, **opts), tmp) for device in ("tpu", "cpu")}
+
+
+def test_trainer_on_tpu_matches_cpu_and_compiles_nothing_after_warmup(runs):
+    tpu, tpu_losses, counters, _ = runs["tpu"]
+    cpu, cpu_losses, _, _ = runs["cpu"]
+    assert tpu.args.device.type == "tpu" and next(tpu.model.parameters()).device.type == "tpu"
+    assert cpu.args.device.type == "cpu"
+    assert len(tpu_losses) == 4
+    torch.testing.assert_close(tpu_losses, cpu_losses, rtol=1e-4, atol=1e-4)
+    assert len(counters.steps) == 4
+    warm = counters.after(1)
+    assert warm["shape_signatures"] == 0 and warm["compiles"] == 0, counters.steps
+
+
+def test_trainer_evaluate_on_tpu_matches_cpu(runs):
+    ev_tpu, ev_cpu = runs["tpu"][0].evaluate(), runs["cpu"][0].evaluate()
+    assert ev_tpu["eval_loss"] == pytest.approx(ev_cpu["eval_loss"], abs=1e-4)
+
+
+def test_trainer_checkpoint_resume_gives_the_same_losses(runs, load):
+    _, full, _, tmp = runs["tpu"]
+    ckpt = tmp / "tpu" / "checkpoint-2"
+    assert (ckpt / "model.safetensors").is_file()
+    trainer, resumed, _ = _train(load, tmp / "resume", "tpu", resume=str(ckpt), gradient_accumulation_steps=2,
+                                 max_grad_norm=0.5)  # fmt: skip
+    assert resumed == pytest.approx(full[2:], abs=1e-5)
+    assert next(trainer.model.parameters()).device.type == "tpu"
+
+
+def test_trainer_bf16_on_tpu_matches_cpu_bf16(load, tmp_path):
+    tpu, tpu_losses, _ = _train(load, tmp_path, "tpu", bf16=True, max_steps=2)
+    _, cpu_losses, _ = _train(load, tmp_path, "cpu", bf16=True, max_steps=2)
+    assert tpu.accelerator.mixed_precision == "bf16"
+    torch.testing.assert_close(tpu_losses, cpu_losses, rtol=2e-3, atol=2e-3)
+
+
+def test_upstream_accelerate_moves_a_tpu_model_back_to_cpu(load, tmp_path):
+    """Without the integration the Trainer breaks on TPU: accelerate's default device is the CPU."""
+    from accelerate.state import PartialState
+
+    PartialState._reset_state()
+    hf_tpu.disable("training")
+    try:
+        assert PartialState().device == torch.device("cpu")
+        with pytest.raises(RuntimeError, match="same device"):
+            _train(load, tmp_path, "tpu", max_steps=1)
+    finally:
+        PartialState._reset_state()
+        hf_tpu.enable("training")
+    assert PartialState().device == torch.device("tpu", 0)
+    PartialState._reset_state()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"fp16": True}, "bf16=True"),
+        ({"optim": "adamw_bnb_8bit"}, "adamw_torch"),
+        ({"optim": "paged_adamw_32bit"}, "paged"),
+    ],
+)
+def test_unsupported_arguments_are_refused(load, tmp_path, overrides, match):
+    from transformers import Trainer
+
+    with pytest.raises(TPUTrainingError, match=match):
+        Trainer(model=load("tpu"), args=_args(tmp_path, "tpu", **overrides), train_dataset=examples(4))
+
+
+def test_quantized_model_is_refused(load, tmp_path):
+    from transformers import BitsAndBytesConfig, Trainer
+
+    model = load("tpu")
+    model.config.quantization_config = BitsAndBytesConfig(load_in_4bit=True)
+    with pytest.raises(TPUTrainingError, match="quantized \\(bitsandbytes\\).*bfloat16"):
+        Trainer(model=model, args=_args(tmp_path, "tpu"), train_dataset=examples(4))
+
+
+def test_data_parallel_trainer_is_refused_not_run_per_rank(monkeypatch):
+    from accelerate.state import PartialState
+
+    PartialState._reset_state()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:
+        with pytest.raises(TPUTrainingError, match="data-parallel loop"):
+            PartialState().device  # noqa: B018
+    finally:
+        PartialState._reset_state()
