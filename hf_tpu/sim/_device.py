@@ -15,7 +15,6 @@ import torch
 
 from hf_tpu.sim import _attention, _autocast, _device_module, _ops
 from hf_tpu.sim._after_import import after_import
-from hf_tpu.sim import _autocast, _device_module, _ops
 
 __all__ = ["register"]
 
@@ -81,8 +80,6 @@ def register() -> None:
     patch_storage_to()
     patch_untyped_storage_new()
     after_import("torch._dynamo", _register_dynamo_interface)
-    _autocast.install()
-    _register_dynamo_interface()
     _REGISTERED = True
 
 
