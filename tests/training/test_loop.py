@@ -145,3 +145,16 @@ def test_compiled_training_step_matches_cpu_and_compiles_once(load):
     assert steps[0]["compiles"] >= 1
     assert [s["compiles"] for s in steps[1:]] == [0, 0, 0]
     assert [s["shape_signatures"] for s in steps[2:]] == [0, 0]
+
+
+def test_activation_checkpointing_matches_cpu(load):
+    data = batches(2, mask=False)
+    losses = {}
+    for device in ("cpu", "tpu"):
+        model = load(device)
+        model.config.use_cache = False
+        model.activation_checkpointing_enable()
+        model.train()
+        losses[device] = run(model, data)[0]
+    assert model.is_activation_checkpointing
+    torch.testing.assert_close(losses["tpu"], losses["cpu"], rtol=1e-5, atol=1e-5)
