@@ -10,7 +10,8 @@ Each mode starts cold (compiled graphs and seen eager shapes forgotten, as in a 
 simulator is CPU time plus bookkeeping, so read the compile counts as the TPU-relevant numbers
 and the times only as "where the compile cost lands".
 
-Run: ``PYTHONPATH=. python benchmarks/diffusion.py`` (``--help`` for options). Prints a table and a JSON line.
+Run: ``hf-tpu bench diffusion`` (``--help`` for options), or ``python benchmarks/diffusion.py`` from a checkout.
+Prints a table and a JSON line.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+
+__all__ = ["QUICK", "add_arguments", "main", "print_table", "run"]
+
+# --quick: two denoising steps (the sizes are already tiny).
+QUICK = {"steps": 2}
 
 
 def _pipeline(path: str):
@@ -75,14 +81,26 @@ def _run(pipe, sizes, steps: int) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options."""
     parser.add_argument("--pipeline", choices=("sd3", "sd"), default="sd3")
     parser.add_argument("--size", type=int, nargs=2, default=(32, 32), metavar=("H", "W"))
     parser.add_argument("--other-size", type=int, nargs=2, default=(32, 48), metavar=("H", "W"))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the three modes on a tiny pipeline.
+
+    Returns ``{"pipeline", "steps", "results": {"eager" | "compiled" | "warmed": [{size, compiles,
+    shape_signatures, host_syncs, seconds} per call]}, "warmup_seconds", "warmup_sizes", "warmup_graphs"}``.
+
+    Example:
+        >>> p = argparse.ArgumentParser(); add_arguments(p)  # doctest: +SKIP
+        >>> run(p.parse_args(["--steps", "2"]))["results"]["warmed"][0]["compiles"]  # doctest: +SKIP
+        0
+    """
     torch.set_num_threads(args.threads)
 
     import tempfile
@@ -109,9 +127,22 @@ def main(argv: list[str] | None = None) -> int:
                 warm = warmup(pipe, [sizes[0], sizes[-1]], num_inference_steps=args.steps, progress=False)
                 warm_seconds = time.perf_counter() - start
             results[mode] = _run(pipe, sizes, args.steps)
+    return {
+        "pipeline": args.pipeline,
+        "steps": args.steps,
+        "results": results,
+        "warmup_seconds": round(warm_seconds, 3),
+        "warmup_sizes": len(warm),
+        "warmup_graphs": sum(w.graphs for w in warm),
+    }
 
+
+def print_table(figures: dict) -> None:
+    """Print what :func:`run` returned: the table, a summary, then the main figures as one JSON line."""
+    results = figures["results"]
     print(
-        f"{args.pipeline}: {len(sizes)} calls ({args.steps} steps), sizes {' '.join(r['size'] for r in results['eager'])}"
+        f"{figures['pipeline']}: {len(results['eager'])} calls ({figures['steps']} steps), "
+        f"sizes {' '.join(r['size'] for r in results['eager'])}"
     )
     print(f"{'mode':<9} {'call':<5} {'size':<7} {'compiles':>8} {'new eager shapes':>17} {'syncs':>6} {'seconds':>8}")
     print("(on a TPU, each graph compile and each new eager shape is an XLA compile)")
@@ -124,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     total = {mode: sum(r["seconds"] for r in rows) for mode, rows in results.items()}
     steady = {mode: sum(r["seconds"] for r in rows[1:3]) / 2 for mode, rows in results.items()}
     print(
-        f"warm-up of {len(warm)} sizes: {sum(w.graphs for w in warm)} graphs, {warm_seconds:.2f}s\n"
+        f"warm-up of {figures['warmup_sizes']} sizes: {figures['warmup_graphs']} graphs, "
+        f"{figures['warmup_seconds']:.2f}s\n"
         f"total seconds: eager {total['eager']:.2f}, compiled {total['compiled']:.2f}, warmed {total['warmed']:.2f}\n"
         f"repeat call (calls 2-3) compiled/eager: {steady['compiled'] / steady['eager']:.2f}x; "
         f"graph compiles: eager {sum(r['compiles'] for r in results['eager'])}, "
@@ -134,7 +166,18 @@ def main(argv: list[str] | None = None) -> int:
         f"compiled {sum(r['shape_signatures'] for r in results['compiled'])}, "
         f"after warm-up {sum(r['shape_signatures'] for r in results['warmed'])}"
     )
-    print(json.dumps({"pipeline": args.pipeline, "results": results, "warmup_seconds": round(warm_seconds, 3)}))
+    print(
+        json.dumps(
+            {"pipeline": figures["pipeline"], "results": results, "warmup_seconds": figures["warmup_seconds"]}
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/diffusion.py``: parse ``argv``, run, print the table and the JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    print_table(run(parser.parse_args(argv)))
     return 0
 
 

@@ -6,7 +6,8 @@ For each batch size (tokens), on one experts layer (default 64 experts, top-8, l
   warm-up call (each one is a compile for TorchTPU's eager mode), device ops and host syncs per call;
 - on the CPU: wall time per call (median; interleaved and back-to-back), relative to grouped_mm.
 
-Run: ``PYTHONPATH=. python benchmarks/moe.py`` (``--help`` for sizes). Prints a table and a JSON line.
+Run: ``hf-tpu bench moe`` (``--help`` for sizes), or ``python benchmarks/moe.py`` from a checkout. Prints a table
+and a JSON line. Needs jax (``pip install 'hf-tpu[kernels]'``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ import time
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch
+
+__all__ = ["QUICK", "add_arguments", "main", "print_table", "run"]
+
+# --quick: fewer experts, two batch sizes, few routings and repeats.
+QUICK = {"experts": 16, "top_k": 4, "hidden": 64, "intermediate": 64, "batches": [1, 8], "routings": 8, "repeats": 5}
 
 
 def _experts(num_experts: int, hidden: int, intermediate: int, implementation: str, device: str):
@@ -105,8 +111,11 @@ def cpu_times(impls, args) -> tuple[dict, dict]:
     return interleaved, back_to_back
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+IMPLEMENTATIONS = ("ragged_dot kernel", "eager loop", "grouped_mm")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options."""
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
@@ -115,17 +124,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routings", type=int, default=100, help="random routings on the simulated device")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per implementation on the CPU")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Measure every implementation at every batch size.
+
+    Returns ``{"simulated": {"<tokens>/<implementation>": {new_signatures, ops_per_call, host_syncs_per_call} or
+    {error}}, "cpu_us_interleaved": {...: us}, "cpu_us_back_to_back": {...: us}, "config": {options}}``.
+
+    Example:
+        >>> p = argparse.ArgumentParser(); add_arguments(p)  # doctest: +SKIP
+        >>> run(p.parse_args(["--batches", "1", "--routings", "4"]))["simulated"]["1/eager loop"]  # doctest: +SKIP
+    """
     torch.set_num_threads(args.threads)
 
     from hf_tpu.kernels import use_ragged_dot_experts
 
-    impls = {"ragged_dot kernel": use_ragged_dot_experts(), "eager loop": "eager", "grouped_mm": "grouped_mm"}
+    impls = dict(zip(IMPLEMENTATIONS, (use_ragged_dot_experts(), "eager", "grouped_mm"), strict=True))
     # CPU first: the simulated runs leave many Python objects behind, and the garbage collector's pauses then land
     # on whichever implementation allocates Python objects per call (JAX's dispatch does, torch's C++ ops do not).
     cpu, cpu_b2b = cpu_times(impls, args)
     sim = simulated(impls, args)
+    return {
+        "simulated": {f"{t}/{n}": v for (t, n), v in sim.items()},
+        "cpu_us_interleaved": {f"{t}/{n}": round(v, 1) for (t, n), v in cpu.items()},
+        "cpu_us_back_to_back": {f"{t}/{n}": round(v, 1) for (t, n), v in cpu_b2b.items()},
+        "config": vars(args),
+    }
 
+
+def print_table(record: dict) -> None:
+    """Print what :func:`run` returned: the table, then the record as one JSON line."""
+    args = argparse.Namespace(**record["config"])
+    cpu, cpu_b2b = record["cpu_us_interleaved"], record["cpu_us_back_to_back"]
     print(
         f"experts layer: {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, "
         f"moe_intermediate {args.intermediate}; simulated device over {args.routings} random routings"
@@ -137,22 +168,24 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("-" * len(header))
     for tokens in args.batches:
-        for name in impls:
-            s = sim[(tokens, name)]
-            t, t2 = cpu[(tokens, name)], cpu_b2b[(tokens, name)]
-            ratio, ratio2 = t / cpu[(tokens, "grouped_mm")], t2 / cpu_b2b[(tokens, "grouped_mm")]
+        for name in IMPLEMENTATIONS:
+            key = f"{tokens}/{name}"
+            s = record["simulated"][key]
+            t, t2 = cpu[key], cpu_b2b[key]
+            ratio, ratio2 = t / cpu[f"{tokens}/grouped_mm"], t2 / cpu_b2b[f"{tokens}/grouped_mm"]
             if "error" in s:
                 sim_cols = f"{s['error'][:35]:>35}"
             else:
                 sim_cols = f"{s['new_signatures']:>14} {s['ops_per_call']:>9.1f} {s['host_syncs_per_call']:>10.1f}"
             print(f"{tokens:>6}  {name:<18} {sim_cols} {t:>14.0f} {ratio:>6.2f}x {t2:>12.0f} {ratio2:>6.2f}x")
-    record = {
-        "simulated": {f"{t}/{n}": v for (t, n), v in sim.items()},
-        "cpu_us_interleaved": {f"{t}/{n}": round(v, 1) for (t, n), v in cpu.items()},
-        "cpu_us_back_to_back": {f"{t}/{n}": round(v, 1) for (t, n), v in cpu_b2b.items()},
-        "config": vars(args),
-    }
     print(json.dumps(record))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/moe.py``: parse ``argv``, run, print the table and the JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    print_table(run(parser.parse_args(argv)))
     return 0
 
 

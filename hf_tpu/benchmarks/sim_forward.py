@@ -1,7 +1,8 @@
 """Tiny-Llama forward on the simulated tpu over the same forward on the CPU, measured side by side.
 
-    PYTHONPATH=. python benchmarks/sim_forward.py                 # two sizes: hidden 64 / seq 32 and 256 / 128
-    PYTHONPATH=. python benchmarks/sim_forward.py --hidden 128 --seq 64 --layers 2 --batch 2 --iters 30
+    hf-tpu bench sim_forward                          # two sizes: hidden 64 / seq 32 and 256 / 128
+    hf-tpu bench sim_forward --hidden 128 --seq 64 --layers 2 --batch 2 --iters 30
+    python benchmarks/sim_forward.py [same options]   # from a checkout
 
 Prints both medians and their ratio (the simulator's target is at most 2x). Both runs use the same weights,
 inputs and thread count, alternating so that machine load hits both alike. The simulator adds a roughly fixed
@@ -19,7 +20,10 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch
 
-import hf_tpu.sim
+__all__ = ["QUICK", "add_arguments", "build", "main", "print_table", "run"]
+
+# --quick: the small size only, few iterations.
+QUICK = {"hidden": 64, "seq": 32, "iters": 5}
 
 
 def build(hidden: int, layers: int, vocab: int = 1000):
@@ -38,26 +42,39 @@ def build(hidden: int, layers: int, vocab: int = 1000):
     return LlamaForCausalLM(cfg).eval()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options."""
     p.add_argument("--hidden", type=int, default=None, help="default: run hidden 64/seq 32 and hidden 256/seq 128")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
+
+
+def run(a: argparse.Namespace) -> dict:
+    """Measure every size.
+
+    Returns ``{"sizes": [{hidden, layers, batch, seq, threads, iters, cpu_ms, tpu_ms, device_ops,
+    overhead_us_per_op, ratio}, ...]}`` where ``ratio`` is ``tpu_ms / cpu_ms`` (medians).
+
+    Example:
+        >>> run(argparse.Namespace(hidden=64, layers=2, seq=32, batch=2, iters=5, threads=1))  # doctest: +SKIP
+    """
+    import hf_tpu.sim
+
+    hf_tpu.sim.enable()
     torch.set_num_threads(a.threads)
     if a.hidden is None:
         sizes = [(64, a.seq or 32), (256, a.seq or 128)]
     else:
         sizes = [(a.hidden, a.seq or 32)]
-    for hidden, seq in sizes:
-        a.hidden, a.seq = hidden, seq
-        run(a)
+    return {"sizes": [_measure(argparse.Namespace(**{**vars(a), "hidden": h, "seq": n})) for h, n in sizes]}
 
 
-def run(a: argparse.Namespace) -> None:
+def _measure(a: argparse.Namespace) -> dict:
+    import hf_tpu.sim
+
     cpu = build(a.hidden, a.layers)
     tpu = build(a.hidden, a.layers)
     tpu.load_state_dict(cpu.state_dict())
@@ -88,17 +105,35 @@ def run(a: argparse.Namespace) -> None:
         with hf_tpu.sim.stats() as s:
             run_tpu()
     mc, mt = statistics.median(t_cpu), statistics.median(t_tpu)
-    print(
-        f"tiny Llama forward (hidden {a.hidden}, {a.layers} layers, batch {a.batch}, seq {a.seq}, "
-        f"{a.threads} thread(s)), median of {a.iters}:"
-    )
-    print(f"  cpu              {mc * 1e3:8.2f} ms")
-    print(
-        f"  simulated tpu    {mt * 1e3:8.2f} ms   ({s.ops} device ops, {(mt - mc) / max(s.ops, 1) * 1e6:.1f} us "
-        "overhead per op)"
-    )
-    print(f"  ratio sim/cpu    {mt / mc:8.2f}x   (target <= 2x)")
+    return {
+        "hidden": a.hidden, "layers": a.layers, "batch": a.batch, "seq": a.seq, "threads": a.threads,
+        "iters": a.iters, "cpu_ms": mc * 1e3, "tpu_ms": mt * 1e3, "device_ops": s.ops,
+        "overhead_us_per_op": (mt - mc) / max(s.ops, 1) * 1e6, "ratio": mt / mc,
+    }  # fmt: skip
+
+
+def print_table(figures: dict) -> None:
+    """Print what :func:`run` returned, one block per size."""
+    for r in figures["sizes"]:
+        print(
+            f"tiny Llama forward (hidden {r['hidden']}, {r['layers']} layers, batch {r['batch']}, seq {r['seq']}, "
+            f"{r['threads']} thread(s)), median of {r['iters']}:"
+        )
+        print(f"  cpu              {r['cpu_ms']:8.2f} ms")
+        print(
+            f"  simulated tpu    {r['tpu_ms']:8.2f} ms   ({r['device_ops']} device ops, "
+            f"{r['overhead_us_per_op']:.1f} us overhead per op)"
+        )
+        print(f"  ratio sim/cpu    {r['ratio']:8.2f}x   (target <= 2x)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/sim_forward.py``: parse ``argv``, run, print the table."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    print_table(run(p.parse_args(argv)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,7 @@
 """Training steps on the simulated tpu: eager vs compiled, bucketed vs pad-to-longest, CPU alongside.
 
-    PYTHONPATH=. python benchmarks/training.py [--steps 12] [--warmup 4] [--hidden 64] [--layers 2] [--batch 4]
+    hf-tpu bench training [--steps 12] [--warmup 2] [--hidden 64] [--layers 2] [--batch 4]
+    python benchmarks/training.py [same options]   # from a checkout
 
 Every variant trains a copy of the same tiny Llama with AdamW on the same variable-length batches, interleaved step by
 step so that machine load hits all alike. Per variant it prints warm steps/s and, after warm-up, compiles and new
@@ -22,6 +23,11 @@ import torch
 
 import hf_tpu.sim
 from hf_tpu.training import BucketingCollator
+
+__all__ = ["QUICK", "add_arguments", "main", "print_table", "run"]
+
+# --quick: a few steps of a smaller batch (the first two see both buckets and are left out).
+QUICK = {"steps": 4, "batch": 2}
 
 
 def build(hidden: int, layers: int, vocab: int = 512):
@@ -75,15 +81,29 @@ def pad_to_longest(rows: list[dict]) -> dict:
     return BucketingCollator(buckets=(max(len(r["input_ids"]) for r in rows),), return_attention_mask=False)(rows)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options."""
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the figures (2 see both buckets)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
+
+
+def run(a: argparse.Namespace) -> dict:
+    """Train every variant on the same batches, interleaved step by step.
+
+    Returns ``{"steps", "batch", "hidden", "layers", "warmup", "variants": [{name, steps_per_s, x_cpu_time,
+    compiles_per_step, new_shapes_per_step, warmup_compiles, median_step_s}, ...], "max_loss_difference":
+    {name: float}}``; ``x_cpu_time`` is ``median_step_s`` over the CPU variant's (the first one).
+
+    Example:
+        >>> run(argparse.Namespace(steps=4, warmup=2, hidden=64, layers=2, batch=2, threads=1))  # doctest: +SKIP
+    """
+    if a.steps <= a.warmup:
+        raise ValueError(f"--steps ({a.steps}) must be larger than --warmup ({a.warmup}): no step left to measure")
+    hf_tpu.sim.enable()
     torch.set_num_threads(a.threads)
 
     buckets = BucketingCollator(buckets=(32, 64), batch_size=a.batch, return_attention_mask=False)
@@ -108,23 +128,49 @@ def main() -> None:
             v.step(rows)
 
     cpu_med = statistics.median(variants[0].times[a.warmup :])
-    print(f"{len(batches)} steps, batch {a.batch}, lengths 8-64, hidden {a.hidden}, {a.layers} layers; "
-          f"figures over the {len(batches) - a.warmup} steps after {a.warmup} warm-up steps")  # fmt: skip
-    print(f"{'variant':28s} {'steps/s':>8s} {'x cpu time':>10s} {'compiles/step':>14s} {'new shapes/step':>16s} "
-          f"{'warm-up compiles':>17s}")  # fmt: skip
+    rows = []
     for v in variants:
         med = statistics.median(v.times[a.warmup :])
         warm = v.counts[a.warmup :]
-        compiles = sum(c["compiles"] for c in warm) / len(warm)
-        shapes = sum(c["shape_signatures"] for c in warm) / len(warm)
-        first = sum(c["compiles"] for c in v.counts[: a.warmup])
-        print(f"{v.name:28s} {1 / med:8.2f} {med / cpu_med:10.2f} {compiles:14.2f} {shapes:16.2f} {first:17d}")
-    print("(new eager shapes are counted per process: a shape one variant made is not new for the next)")
+        rows.append(
+            {
+                "name": v.name,
+                "median_step_s": med,
+                "steps_per_s": 1 / med,
+                "x_cpu_time": med / cpu_med,
+                "compiles_per_step": sum(c["compiles"] for c in warm) / len(warm),
+                "new_shapes_per_step": sum(c["shape_signatures"] for c in warm) / len(warm),
+                "warmup_compiles": sum(c["compiles"] for c in v.counts[: a.warmup]),
+            }
+        )
     ref = variants[2].losses
-    for v in variants[3:]:
-        print(f"max loss difference {v.name!r} vs 'tpu eager, buckets': "
-              f"{max(abs(x - y) for x, y in zip(v.losses, ref, strict=True)):.2e}")  # fmt: skip
+    diffs = {v.name: max(abs(x - y) for x, y in zip(v.losses, ref, strict=True)) for v in variants[3:]}
+    return {"steps": len(batches), "batch": a.batch, "hidden": a.hidden, "layers": a.layers, "warmup": a.warmup,
+            "variants": rows, "max_loss_difference": diffs}  # fmt: skip
+
+
+def print_table(figures: dict) -> None:
+    """Print what :func:`run` returned."""
+    f = figures
+    print(f"{f['steps']} steps, batch {f['batch']}, lengths 8-64, hidden {f['hidden']}, {f['layers']} layers; "
+          f"figures over the {f['steps'] - f['warmup']} steps after {f['warmup']} warm-up steps")  # fmt: skip
+    print(f"{'variant':28s} {'steps/s':>8s} {'x cpu time':>10s} {'compiles/step':>14s} {'new shapes/step':>16s} "
+          f"{'warm-up compiles':>17s}")  # fmt: skip
+    for r in f["variants"]:
+        print(f"{r['name']:28s} {r['steps_per_s']:8.2f} {r['x_cpu_time']:10.2f} {r['compiles_per_step']:14.2f} "
+              f"{r['new_shapes_per_step']:16.2f} {r['warmup_compiles']:17d}")  # fmt: skip
+    print("(new eager shapes are counted per process: a shape one variant made is not new for the next)")
+    for name, diff in f["max_loss_difference"].items():
+        print(f"max loss difference {name!r} vs 'tpu eager, buckets': {diff:.2e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/training.py``: parse ``argv``, run, print the table."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    print_table(run(p.parse_args(argv)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""The project's benchmarks, shipped with the package and run by ``hf-tpu bench``.
+
+Each benchmark is a module ``hf_tpu.benchmarks.<name>`` with:
+
+- ``add_arguments(parser)``: its options (sizes, iterations, threads);
+- ``QUICK``: option defaults for ``--quick`` (small sizes, few iterations; options given explicitly still win);
+- ``run(args) -> dict``: measures and returns the figures as plain JSON-able data;
+- ``print_table(figures)``: prints them as the benchmark's table;
+- ``main(argv=None) -> int``: parse, run, print (what ``python benchmarks/<name>.py`` calls).
+
+Every figure is measured side by side in one run (a ratio of two things measured together, or counters of the
+simulated device), never against a stored number. :data:`BENCHMARKS` lists them without importing them, so
+``hf-tpu bench --list`` stays fast.
+
+Example:
+    >>> from hf_tpu.benchmarks import BENCHMARKS, load
+    >>> sorted(BENCHMARKS)[:2]
+    ['diffusion', 'generate']
+    >>> load("sim_forward").QUICK["iters"]  # doctest: +SKIP
+    5
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from types import ModuleType
+
+__all__ = ["BENCHMARKS", "Benchmark", "load", "missing_requirements"]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark: its summary and the optional packages it needs (module name, how to install it)."""
+
+    name: str
+    summary: str
+    requires: tuple[tuple[str, str], ...] = ()
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark("sim_forward", "tiny-Llama forward: simulated tpu vs CPU, time ratio (simulator overhead)"),
+        Benchmark(
+            "generate",
+            "generate: upstream transformers vs hf_tpu: compiles, host<->device copies per decode step, warm-up",
+        ),
+        Benchmark(
+            "moe",
+            "MoE experts layer: ragged-dot kernel vs eager loop vs grouped_mm: new shapes, ops, CPU time",
+            requires=(("jax", "pip install 'hf-tpu[kernels]'"),),
+        ),
+        Benchmark(
+            "diffusion",
+            "diffusers pipeline: eager vs compile_pipeline vs warmed up: compiles and time per call",
+            requires=(("diffusers", "pip install diffusers"),),
+        ),
+        Benchmark(
+            "training",
+            "training steps: eager vs compiled, buckets vs pad-to-longest: steps/s and compiles per step",
+        ),
+    )
+}
+
+
+def missing_requirements(name: str) -> list[str]:
+    """Why benchmark ``name`` cannot run here: one line per missing optional package (empty when it can).
+
+    Example:
+        >>> missing_requirements("sim_forward")
+        []
+    """
+    return [
+        f"{module} is not installed ({fix})"
+        for module, fix in BENCHMARKS[name].requires
+        if importlib.util.find_spec(module) is None
+    ]
+
+
+def load(name: str) -> ModuleType:
+    """Import benchmark ``name`` (a key of :data:`BENCHMARKS`); raises ``KeyError`` naming the known ones."""
+    if name not in BENCHMARKS:
+        raise KeyError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+    return importlib.import_module(f"{__name__}.{name}")
