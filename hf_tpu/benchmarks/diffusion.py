@@ -167,9 +167,7 @@ def print_table(figures: dict) -> None:
         f"after warm-up {sum(r['shape_signatures'] for r in results['warmed'])}"
     )
     print(
-        json.dumps(
-            {"pipeline": figures["pipeline"], "results": results, "warmup_seconds": figures["warmup_seconds"]}
-        )
+        json.dumps({"pipeline": figures["pipeline"], "results": results, "warmup_seconds": figures["warmup_seconds"]})
     )
 
 
