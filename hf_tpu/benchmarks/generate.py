@@ -12,8 +12,9 @@ For each side, on its own copy of the same tiny model:
 Upstream runs with ``cache_implementation="static"`` (its compiled decode path on a ``tpu`` device); hf_tpu runs
 with its defaults. Run::
 
-    python benchmarks/generate.py                 # 16 lengths in [1, 512], 8 new tokens
-    python benchmarks/generate.py --lengths 6 --max-prompt 128    # quicker
+    hf-tpu bench generate                                  # 16 lengths in [1, 512], 8 new tokens
+    hf-tpu bench generate --lengths 6 --max-prompt 128     # quicker
+    python benchmarks/generate.py [same options]           # from a checkout
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+__all__ = ["QUICK", "add_arguments", "main", "print_table", "run"]
+
+# --quick: 4 prompt lengths up to 64.
+QUICK = {"lengths": 4, "max_prompt": 64, "max_new_tokens": 4}
 
 
 def _model_path(arg: str | None, workdir: Path, max_len: int) -> Path:
@@ -104,15 +108,29 @@ def _per_step(model, length, vocab, extra, short=2, long=34) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options."""
     parser.add_argument("--model", help="model directory (default: the packaged tiny model, else a random tiny Llama)")
     parser.add_argument("--lengths", type=int, default=16, help="distinct prompt lengths per pass")
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> dict:
+    """Measure upstream, then hf_tpu, on copies of the same model.
+
+    Returns ``{"model", "cold_lengths", "unseen_lengths", "max_prompt", "max_new_tokens", "prompt_buckets",
+    "cache_buckets", "recompile_limit", "targets_met", "upstream" | "hf_tpu": {"cold": {compiles, signatures,
+    seconds}, "step": {h2d, d2h, h2d_bytes, d2h_bytes, syncs, ms, compiles}, "unseen": {...}, "warmup": None |
+    {compiles, seconds, graphs}}}``.
+
+    Example:
+        >>> p = argparse.ArgumentParser(); add_arguments(p)  # doctest: +SKIP
+        >>> r = run(p.parse_args(["--lengths", "4", "--max-prompt", "64"]))  # doctest: +SKIP
+        >>> r["hf_tpu"]["unseen"]["compiles"]  # doctest: +SKIP
+        0
+    """
     import tempfile
 
     import torch
@@ -165,13 +183,40 @@ def main(argv: list[str] | None = None) -> int:
         hf_unseen = _measure(model, unseen, new, vocab, {})
         results["hf_tpu"] = {"cold": hf_cold, "step": hf_step, "unseen": hf_unseen, "warmup": warm}
 
-    up, hf = results["upstream"], results["hf_tpu"]
+    hf = results["hf_tpu"]
+    ok = (
+        hf["cold"]["compiles"] <= len(touched) + len(cache_touched)
+        and hf["step"]["h2d"] <= 1
+        and hf["step"]["d2h"] <= 1
+        and hf["unseen"]["compiles"] == 0
+    )
+    return {
+        "model": str(path),
+        "cold_lengths": cold,
+        "unseen_lengths": unseen,
+        "max_prompt": args.max_prompt,
+        "max_new_tokens": new,
+        "prompt_buckets": touched,
+        "cache_buckets": cache_touched,
+        "recompile_limit": torch._dynamo.config.recompile_limit,
+        "targets_met": ok,
+        **results,
+    }
+
+
+def print_table(figures: dict) -> None:
+    """Print what :func:`run` returned: the side-by-side table, the buckets and the notes."""
+    up, hf = figures["upstream"], figures["hf_tpu"]
+    cold, unseen, new = figures["cold_lengths"], figures["unseen_lengths"], figures["max_new_tokens"]
+    touched, cache_touched = figures["prompt_buckets"], figures["cache_buckets"]
 
     def row(name, a, b, fmt="{:.0f}"):
         ratio = f"{a / b:.1f}x" if b else ("-" if not a else "inf")
         print(f"| {name} | {fmt.format(a)} | {fmt.format(b)} | {ratio} |")
 
-    print(f"\n{len(cold)} distinct prompt lengths in [1, {args.max_prompt}], {new} new tokens, batch 1, greedy\n")
+    print(
+        f"\n{len(cold)} distinct prompt lengths in [1, {figures['max_prompt']}], {new} new tokens, batch 1, greedy\n"
+    )
     print("| metric | upstream (static cache) | hf_tpu | upstream / hf_tpu |\n|---|---|---|---|")
     row("compiles, cold pass", up["cold"]["compiles"], hf["cold"]["compiles"])
     row("new eager shape signatures, cold pass", up["cold"]["signatures"], hf["cold"]["signatures"])
@@ -190,15 +235,15 @@ def main(argv: list[str] | None = None) -> int:
         "prompt bucket, one decode graph per cache bucket)."
     )
     print(
-        f"hf_tpu warm-up (max_prompt_len={args.max_prompt}, max_new_tokens={new}): {hf['warmup']['graphs']} graphs, "
-        f"{hf['warmup']['compiles']} new compiles, {hf['warmup']['seconds']:.1f}s."
+        f"hf_tpu warm-up (max_prompt_len={figures['max_prompt']}, max_new_tokens={new}): "
+        f"{hf['warmup']['graphs']} graphs, {hf['warmup']['compiles']} new compiles, {hf['warmup']['seconds']:.1f}s."
     )
     print(
         "note: the cold pass runs the lengths in ascending order. Upstream keeps its static cache at the largest "
         "length seen so far, so a prompt shorter than an earlier one reuses that decode graph; its eager prefill "
         "still meets every new length op by op (the shape signatures above, each a compile on a TPU)."
     )
-    limit = torch._dynamo.config.recompile_limit
+    limit = figures["recompile_limit"]
     if up["cold"]["compiles"] >= limit:
         print(
             f"note: upstream's compiled decode reached torch._dynamo's recompile_limit ({limit}) and ran eagerly for "
@@ -208,14 +253,16 @@ def main(argv: list[str] | None = None) -> int:
         "note: the simulator runs compiled graphs and eager ops at about the same speed and compiles in seconds, so "
         "its wall times do not show what an eager op per new shape costs on a TPU; compare compiles and signatures."
     )
-    ok = (
-        hf["cold"]["compiles"] <= len(touched) + len(cache_touched)
-        and hf["step"]["h2d"] <= 1
-        and hf["step"]["d2h"] <= 1
-        and hf["unseen"]["compiles"] == 0
-    )
-    print("targets met" if ok else "TARGETS MISSED")
-    return 0 if ok else 1
+    print("targets met" if figures["targets_met"] else "TARGETS MISSED")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/generate.py``: parse ``argv``, run, print the table; 1 when a target is missed."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    figures = run(parser.parse_args(argv))
+    print_table(figures)
+    return 0 if figures["targets_met"] else 1
 
 
 if __name__ == "__main__":
