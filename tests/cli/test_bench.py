@@ -1,0 +1,175 @@
+"""``hf-tpu bench``: listing, argument checks, a skipped benchmark, and quick runs end to end with ``--json``.
+
+The figures are checked against each other (ratios against the times they are made of, counts as non-negative
+integers, hf_tpu's bucketed generate against upstream in the same run), never against stored numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_tpu import benchmarks
+from hf_tpu.benchmarks import BENCHMARKS
+from hf_tpu.cli.main import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def bench_cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "hf_tpu.cli", "bench", *args],
+        env=env,
+        cwd=cwd,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def test_list_names_every_benchmark(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name, bench in BENCHMARKS.items():
+        line = next(line for line in out.splitlines() if line.startswith(name + " "))
+        assert bench.summary in line
+        assert ("skipped here" in line) == bool(benchmarks.missing_requirements(name))
+
+
+def test_list_says_why_a_benchmark_cannot_run(capsys, monkeypatch):
+    moe = BENCHMARKS["moe"]
+    fake = benchmarks.Benchmark(moe.name, moe.summary, requires=(("hf_tpu_no_such_module", "pip install nothing"),))
+    monkeypatch.setitem(BENCHMARKS, "moe", fake)
+    assert main(["bench", "--list"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("moe "))
+    assert "hf_tpu_no_such_module is not installed (pip install nothing)" in line
+
+
+def test_missing_dependency_is_skipped_with_the_reason(tmp_path, monkeypatch, capsys):
+    moe = BENCHMARKS["moe"]
+    fake = benchmarks.Benchmark(moe.name, moe.summary, requires=(("hf_tpu_no_such_module", "pip install nothing"),))
+    monkeypatch.setitem(BENCHMARKS, "moe", fake)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "moe", "--json", str(out)]) == 0  # nothing started: no subprocess for a skipped one
+    report = json.loads(out.read_text())
+    assert report["benchmarks"]["moe"]["status"] == "skipped"
+    assert "hf_tpu_no_such_module" in report["benchmarks"]["moe"]["reason"]
+    assert report["versions"]["hf_tpu"]
+    assert "skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "nope"], "unknown benchmark(s) nope"),
+        (["bench", "moe", "training", "--steps", "3"], "need exactly one benchmark name"),
+    ],
+)
+def test_bad_arguments_say_what_to_do(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_benchmarks_own_help(capsys):
+    assert main(["bench", "generate", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--max-prompt" in out and "hf-tpu bench generate" in out
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_every_benchmark_has_the_interface_and_valid_quick_options(name):
+    module = benchmarks.load(name)
+    for attr in ("add_arguments", "run", "print_table", "main"):
+        assert callable(getattr(module, attr)), f"hf_tpu.benchmarks.{name}.{attr}"
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    dests = {a.dest for a in parser._actions}
+    assert set(module.QUICK) <= dests, f"QUICK of {name} names options it does not have"
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_wrappers_in_benchmarks_still_import(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_wrapper_{name}", REPO / "benchmarks" / f"{name}.py")
+    wrapper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wrapper)
+    assert wrapper.main is benchmarks.load(name).main
+
+
+def test_quick_runs_end_to_end_with_consistent_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = bench_cli("sim_forward", "training", "--quick", "--simulate", "--json", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ratio sim/cpu" in proc.stdout and "compiles/step" in proc.stdout  # the tables were printed
+    report = json.loads(out.read_text())
+    assert report["quick"] is True and report["versions"]["torch"]
+    results = report["benchmarks"]
+    assert set(results) == {"sim_forward", "training"}
+
+    fwd = results["sim_forward"]
+    assert fwd["status"] == "ok" and fwd["runtime"]["mode"] == "simulated"
+    (size,) = fwd["figures"]["sizes"]  # --quick: one size
+    assert size["iters"] == fwd["options"]["iters"] == benchmarks.load("sim_forward").QUICK["iters"]
+    assert size["cpu_ms"] > 0 and size["tpu_ms"] > 0 and is_count(size["device_ops"]) and size["device_ops"] > 0
+    assert math.isclose(size["ratio"], size["tpu_ms"] / size["cpu_ms"], rel_tol=1e-9)
+    overhead = (size["tpu_ms"] - size["cpu_ms"]) * 1e3 / size["device_ops"]
+    assert math.isclose(size["overhead_us_per_op"], overhead, rel_tol=1e-9)
+
+    train = results["training"]["figures"]
+    assert results["training"]["status"] == "ok"
+    rows = {r["name"]: r for r in train["variants"]}
+    cpu = rows["cpu eager, buckets"]
+    assert cpu["x_cpu_time"] == 1.0
+    for r in rows.values():
+        assert math.isclose(r["steps_per_s"], 1 / r["median_step_s"], rel_tol=1e-9)
+        assert math.isclose(r["x_cpu_time"], r["median_step_s"] / cpu["median_step_s"], rel_tol=1e-9)
+        assert is_count(r["warmup_compiles"]) and r["compiles_per_step"] >= 0 and r["new_shapes_per_step"] >= 0
+    assert cpu["warmup_compiles"] == 0 and rows["tpu eager, buckets"]["warmup_compiles"] == 0  # eager: no graphs
+    assert rows["tpu compiled, buckets"]["warmup_compiles"] >= 1
+    # buckets: after warm-up no shape is new; padding to the longest meets new shapes
+    assert (
+        rows["tpu eager, buckets"]["new_shapes_per_step"] <= rows["tpu eager, pad to longest"]["new_shapes_per_step"]
+    )
+
+
+def test_generate_quick_buckets_compile_no_more_than_upstream(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = bench_cli("generate", "--quick", "--lengths", "3", "--json", str(out), cwd=tmp_path)
+    report = json.loads(out.read_text())
+    r = report["benchmarks"]["generate"]
+    assert proc.returncode == (0 if r["figures"]["targets_met"] else 1), proc.stderr[-3000:]
+    assert (
+        r["options"]["lengths"] == 3 and r["options"]["max_prompt"] == benchmarks.load("generate").QUICK["max_prompt"]
+    )
+    f = r["figures"]
+    assert len(f["cold_lengths"]) == len(f["unseen_lengths"]) == 3
+    up, hf = f["upstream"], f["hf_tpu"]
+    for side in (up, hf):
+        for part in ("cold", "unseen"):
+            assert is_count(side[part]["compiles"]) and is_count(side[part]["signatures"])
+        assert side["step"]["h2d"] >= 0 and side["step"]["d2h"] >= 0
+    assert hf["cold"]["compiles"] <= up["cold"]["compiles"]
+    assert hf["cold"]["compiles"] <= len(f["prompt_buckets"]) + len(f["cache_buckets"])
+    assert hf["unseen"]["compiles"] <= up["unseen"]["compiles"]
+    assert hf["unseen"]["signatures"] <= up["unseen"]["signatures"]
+    assert is_count(hf["warmup"]["graphs"]) and up["warmup"] is None
+    assert f["targets_met"] == (
+        hf["cold"]["compiles"] <= len(f["prompt_buckets"]) + len(f["cache_buckets"])
+        and hf["step"]["h2d"] <= 1
+        and hf["step"]["d2h"] <= 1
+        and hf["unseen"]["compiles"] == 0
+    )
