@@ -118,9 +118,32 @@ def test_hf_tpu_simulate_env_var_keeps_torch_tpu_out():
     assert proc.returncode == 0
 
 
-@pytest.mark.parametrize("autoload", AUTOLOAD.values(), ids=AUTOLOAD.keys())
-def test_simulator_runs_a_tiny_model_like_cpu(autoload):
-    proc = run_python(
+def test_simulator_refuses_cleanly_after_torch_tpu_autoloaded():
+    """`import torch` first with autoload on: torch_tpu's kernels own PrivateUse1 and need chips. The simulator
+    must refuse at once, with the fix, leaving torch untouched (never hang on libtpu, never crash)."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import torch
+        assert "torch_tpu" in sys.modules
+        name = torch._C._get_privateuse1_backend_name()
+        import hf_tpu.sim
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TPU_SIMULATE", "TORCH_DEVICE_BACKEND_AUTOLOAD")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "torch-tpu was autoloaded" in proc.stderr and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in proc.stderr
+    assert "HF_TPU_SIMULATE=1" in proc.stderr
+
+
+@pytest.mark.parametrize("how", ["no-autoload", "simulate-before-torch"])
+def test_simulator_runs_a_tiny_model_like_cpu(how):
+    prefix = 'import os; os.environ["HF_TPU_SIMULATE"] = "1"; import hf_tpu' if how == "simulate-before-torch" else ""
+    body = textwrap.dedent(
         """
         import sys
         import torch
@@ -146,7 +169,7 @@ def test_simulator_runs_a_tiny_model_like_cpu(autoload):
         torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
         print("autoloaded" if autoloaded else "not-autoloaded")
         """,
-        autoload,
     )
-    # Proves the case ran as intended: torch_tpu was (or was not) loaded by torch's autoload.
-    assert proc.stdout.strip().splitlines()[-1] == ("autoloaded" if autoload is None else "not-autoloaded")
+    proc = run_python(prefix + "\n" + body, "0" if how == "no-autoload" else None)
+    # Both ways keep torch_tpu's kernels out of the process (in the second, autoload is on in the environment).
+    assert proc.stdout.strip().splitlines()[-1] == "not-autoloaded"

@@ -51,6 +51,18 @@ def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
+    if "torch_tpu" in sys.modules and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "aten::empty.memory_format", "PrivateUse1"
+    ):
+        # torch-tpu's autoload (at `import torch`) registered its C++ kernels for PrivateUse1, catch-all and
+        # autocast fallbacks included. Those cannot be unregistered, and they need real chips: on this host they
+        # wait for the cloud metadata server, then crash. Refuse before changing anything.
+        raise RuntimeError(
+            "cannot enable the simulated tpu device: torch-tpu was autoloaded by `import torch` in this process and "
+            "its kernels own the PrivateUse1 device (they need real TPU chips). Turn torch-tpu's autoload off before "
+            "torch is imported: set TORCH_DEVICE_BACKEND_AUTOLOAD=0 in the environment, or set HF_TPU_SIMULATE=1 and "
+            "`import hf_tpu` before `import torch` (hf-tpu --simulate does this for you)."
+        )
     current = torch._C._get_privateuse1_backend_name()
     if current not in ("privateuseone", "tpu"):
         raise RuntimeError(
