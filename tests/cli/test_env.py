@@ -82,7 +82,6 @@ def test_env_table_lists_every_version_and_the_mode():
         assert "hf-tpu[kernels]" in out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("hf_tpu.sim") is None, reason="hf_tpu.sim is not on this branch yet")
 @pytest.mark.parametrize("how", ["flag-before", "flag-after", "env-var"])
 def test_env_reports_simulated_mode(how):
     if runtime.scan_pci().vfio:
