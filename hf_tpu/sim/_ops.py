@@ -402,6 +402,14 @@ def _native_dropout_impl(input: Tensor, p: float, train: bool | None) -> tuple[T
     return input * mask * (1.0 / keep), mask
 
 
+def _histc_impl(input: Tensor, bins: int = 100, min: float = 0, max: float = 0) -> Tensor:
+    # Accelerators count integer inputs too (transformers' grouped_mm experts path calls histc on expert ids for
+    # any non-CPU device); the CPU kernel takes floating inputs only, so count in float64 and return the int dtype.
+    if input.is_floating_point():
+        return aten.histc.default(input, bins, min, max)
+    return aten.histc.default(input.double(), bins, min, max).to(input.dtype)
+
+
 def _refuse(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
     raise NotImplementedError(
         f"{op} is not supported on the simulated tpu device ({_REFUSED.get(info.name, 'not implemented')}); "
@@ -419,6 +427,7 @@ _IMPLS = {
     "aten::convolution_overrideable": _conv_impl,
     "aten::convolution_backward_overrideable": _conv_backward_impl,
     "aten::native_dropout": _native_dropout_impl,
+    "aten::histc": _histc_impl,
 }
 
 

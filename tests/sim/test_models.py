@@ -146,3 +146,22 @@ def test_compiled_llama_forward_matches_cpu_and_counts_compiles(tmp_path):
         forward(input_ids=ids.to("tpu"), attention_mask=mask.to("tpu"))
     assert s2.compiles == 0 and first == s.compiles
     torch.testing.assert_close(got.cpu(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+def test_moe_experts_implementations_match_cpu(experts, tmp_path):
+    """transformers' grouped_mm experts path counts tokens per expert with ``histc`` on integer ids for any
+    non-CPU device: the simulator must take it (the CPU kernel alone refuses integer inputs)."""
+    config = tf.Qwen3MoeConfig(
+        **dict(_DEC, head_dim=8), moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2
+    )
+    torch.manual_seed(0)
+    tf.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    cpu = tf.Qwen3MoeForCausalLM.from_pretrained(tmp_path, experts_implementation=experts).eval()
+    dev = tf.Qwen3MoeForCausalLM.from_pretrained(tmp_path, experts_implementation=experts).eval().to("tpu")
+    ids, mask = _batch()
+    with torch.no_grad():
+        expected = cpu(input_ids=ids, attention_mask=mask).logits
+        got = dev(input_ids=ids.to("tpu"), attention_mask=mask.to("tpu")).logits
+    assert got.device.type == "tpu"
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
