@@ -144,3 +144,29 @@ def test_selftest_without_a_tpu_fails_with_the_fix(tmp_path):
     assert proc.returncode == 1
     assert "runtime failed: TPUNotAvailableError" in proc.stdout and "--simulate" in proc.stdout
     assert "0 passed, 1 failed, 1 skipped" in proc.stdout
+
+
+@pytest.mark.skipif(runtime.scan_pci().vfio > 0, reason="this host has TPU chips: the simulator refuses to run")
+def test_diffusers_check_reports_images_and_compiles(tmp_path):
+    report_path = tmp_path / "diffusers.json"
+    proc = run_cli("--simulate", "selftest", "--only", "diffusers", "--report", str(report_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (check,) = json.loads(report_path.read_text())["checks"]
+    assert check["name"] == "diffusers" and check["status"] == "passed", check
+    f = check["figures"]
+    assert f["compiled"] == "unet"
+    assert f["cold_compiles"] >= 1 and f["cold_graphs"] >= 1  # a fresh process: the first compiled call compiles
+    assert f["warm_compiles"] == 0 and f["warm_graphs"] == 0 and f["warm_shape_signatures"] == 0
+    assert f["cold_s"] > 0 and f["warm_s"] > 0 and f["eager_s"] > 0
+    assert all(f[f"{k}_max_abs_diff"] <= 1e-3 for k in ("eager", "cold", "warm"))
+
+
+def test_diffusers_check_is_skipped_without_diffusers(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "diffusers" else find_spec(name, *a)
+    )
+    (result,) = selftest.run_checks(only=["diffusers"])
+    assert result.status == "skipped" and "diffusers is not installed" in result.reason
