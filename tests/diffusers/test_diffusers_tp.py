@@ -5,42 +5,18 @@ simulated device and the tpu_dist collectives)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from _launch_util import launch, processes_mentioning
+
 from hf_tpu.diffusers.testing import tiny_flux_pipeline
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_flux_tp_worker.py")
-
-
-def _launch(args: list[str], timeout: float) -> tuple[int, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hf_tpu.launch", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks share the session
-        out, _ = proc.communicate()
-        pytest.fail(f"the launcher did not finish within {timeout}s:\n{out[-4000:]}")
-    return proc.returncode, out
 
 
 @pytest.mark.distributed
@@ -48,8 +24,9 @@ def test_flux_tp2_image_equals_tp1(tmp_path):
     path = tiny_flux_pipeline(tmp_path / "flux")
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    code, log = _launch(["--simulate", "--nproc_per_node=2", str(WORKER), str(out_dir), "2", path], timeout=540)
+    code, log, _ = launch(["--simulate", "--nproc_per_node=2", str(WORKER), str(out_dir), "2", path], timeout=540)
     assert code == 0, log[-4000:]
+    assert not processes_mentioning(str(out_dir)), "ranks left running after the launcher exited"
     images = []
     for rank in (0, 1):
         info = json.loads((out_dir / f"rank{rank}.json").read_text())
