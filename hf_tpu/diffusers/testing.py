@@ -109,6 +109,27 @@ def _t5_encoder(vocab_size: int) -> Any:
     return T5EncoderModel(config)
 
 
+def _flow_vae(latent_channels: int) -> Any:
+    """The tiny VAE of the flow-matching pipelines (SD3, Flux): halves the resolution, SD3's shift and scale."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=2,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+
+
 def tiny_flux_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) -> Any:
     """A tiny :class:`diffusers.FluxPipeline` (CLIP, T5, a Flux transformer with a tensor-parallel plan, VAE).
 
@@ -117,7 +138,7 @@ def tiny_flux_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) 
     2x2 latents, so an image side must be a multiple of 4. Returns the pipeline, or the directory it was saved to.
     """
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel
 
     tok = clip_tokenizer()
@@ -134,21 +155,7 @@ def tiny_flux_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) 
         pooled_projection_dim=32,
         axes_dims_rope=[4, 4, 8],
     )
-    vae = AutoencoderKL(
-        sample_size=32,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(8, 8),
-        layers_per_block=1,
-        latent_channels=1,
-        norm_num_groups=2,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
-    )
+    vae = _flow_vae(latent_channels=1)
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         text_encoder=CLIPTextModel(_clip_config(False, len(tok))),
@@ -169,7 +176,6 @@ def tiny_sd3_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, w
     """
     import torch
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
@@ -196,21 +202,7 @@ def tiny_sd3_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, w
     if with_t5:
         tokenizer_3 = t5_tokenizer()
         text_encoder_3 = _t5_encoder(len(tokenizer_3))
-    vae = AutoencoderKL(
-        sample_size=32,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(8, 8),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=2,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
-    )
+    vae = _flow_vae(latent_channels=4)
     pipe = StableDiffusion3Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         text_encoder=text_encoder,
