@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("jax", reason="the ragged-dot kernel runs in JAX: pip install 'hf-tpu[kernels]'")
 
-from ragged_helpers import experts_reference, make_experts, routing
+from ragged_helpers import experts_reference, make_experts, routing, tiny_moe
 
 import hf_tpu
 from hf_tpu.kernels import register_experts, registered_experts, unregister_experts, use_ragged_dot_experts
@@ -77,42 +77,9 @@ def test_expert_parallel_sentinels_contribute_nothing(kernel):
     torch.testing.assert_close(out.double(), experts_reference(module, x, index, only_first), atol=1e-5, rtol=0)
 
 
-def _tiny(family: str):
-    if family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-        config = Qwen3MoeConfig(
-            vocab_size=256,
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_experts=8,
-            num_experts_per_tok=2,
-        )
-        return Qwen3MoeForCausalLM, config
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(  # same expert shapes as the Qwen3-MoE one: the compiled programs are shared
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-    )
-    return MixtralForCausalLM, config
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_tiny_moe_model_logits_and_greedy_tokens_match_eager(family, tmp_path):
-    cls, config = _tiny(family)
+    cls, config = tiny_moe(family)
     torch.manual_seed(0)
     cls(config).save_pretrained(tmp_path)
     name = use_ragged_dot_experts()

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("jax", reason="the ragged-dot kernel runs in JAX: pip install 'hf-tpu[kernels]'")
 
-from ragged_helpers import make_experts, routing
+from ragged_helpers import make_experts, routing, tiny_moe
 
 import hf_tpu.sim
 
@@ -51,27 +51,14 @@ def test_experts_on_the_simulator_match_cpu_with_static_shapes_and_no_host_traff
 
 
 def test_tiny_qwen3_moe_on_the_simulator_matches_cpu(tmp_path):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     from hf_tpu.kernels import use_ragged_dot_experts
 
-    config = Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=8,
-        num_experts_per_tok=2,
-    )
+    cls, config = tiny_moe("qwen3_moe")
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    cls(config).save_pretrained(tmp_path)
     name = use_ragged_dot_experts()
-    cpu = Qwen3MoeForCausalLM.from_pretrained(tmp_path, experts_implementation="eager").eval()
-    dev = Qwen3MoeForCausalLM.from_pretrained(tmp_path, experts_implementation=name).eval().to("tpu")
+    cpu = cls.from_pretrained(tmp_path, experts_implementation="eager").eval()
+    dev = cls.from_pretrained(tmp_path, experts_implementation=name).eval().to("tpu")
     ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = dev(ids.to("tpu")).logits
