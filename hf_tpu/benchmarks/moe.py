@@ -4,7 +4,8 @@ For each batch size (tokens), on one experts layer (default 64 experts, top-8, l
 
 - on hf_tpu's simulated ``tpu`` device: new eager shape signatures over ``--routings`` random routings after one
   warm-up call (each one is a compile for TorchTPU's eager mode), device ops and host syncs per call;
-- on the CPU: wall time per call (median; interleaved and back-to-back), relative to grouped_mm.
+- on the CPU: wall time per call (median; interleaved in rotating order and back-to-back), relative to grouped_mm
+  (interleaved: the median of the per-round ratios, so that slow drifts of the machine cancel out).
 
 Run: ``hf-tpu bench moe`` (``--help`` for sizes), or ``python benchmarks/moe.py`` from a checkout. Prints a table
 and a JSON line. Needs jax (``pip install 'hf-tpu[kernels]'``).
@@ -78,11 +79,17 @@ def simulated(impls, args) -> dict:
     return results
 
 
-def cpu_times(impls, args) -> tuple[dict, dict]:
-    """Median CPU time per call, measured two ways: interleaved (kernel, loop, grouped_mm, kernel, ...: machine
-    noise hits all alike, and JAX's worker threads go idle between its calls, as between layers of a model) and
-    back-to-back (each implementation's calls in a row)."""
-    interleaved, back_to_back = {}, {}
+def cpu_times(impls, args) -> tuple[dict, dict, dict]:
+    """CPU time per call, measured two ways.
+
+    - interleaved: round after round, one call of each implementation in a rotating order (machine noise hits all
+      alike; JAX's worker threads go idle between its calls and the other implementations' weights pass through
+      the caches, as between the layers of a model). Per implementation the median time, and per round its time
+      over grouped_mm's in the same round: the median of those paired ratios.
+    - back-to-back: each implementation's calls in a row; the median time.
+    """
+    interleaved, paired, back_to_back = {}, {}, {}
+    names = list(impls)
     for tokens in args.batches:
         g = torch.Generator().manual_seed(tokens)
         x = torch.randn(tokens, args.hidden, generator=g)
@@ -94,10 +101,10 @@ def cpu_times(impls, args) -> tuple[dict, dict]:
         with torch.no_grad():
             for module in modules.values():  # warm-up (JAX compiles its programs here)
                 module(x, *routings[0])
-            for index, weights in routings:
-                for name, module in modules.items():
+            for i, (index, weights) in enumerate(routings):
+                for name in names[i % len(names) :] + names[: i % len(names)]:
                     start = time.perf_counter()
-                    module(x, index, weights)
+                    modules[name](x, index, weights)
                     mixed[name].append(time.perf_counter() - start)
             for name, module in modules.items():
                 row = []
@@ -108,7 +115,10 @@ def cpu_times(impls, args) -> tuple[dict, dict]:
                 back_to_back[(tokens, name)] = statistics.median(row) * 1e6
         for name in impls:
             interleaved[(tokens, name)] = statistics.median(mixed[name]) * 1e6
-    return interleaved, back_to_back
+            paired[(tokens, name)] = statistics.median(
+                a / b for a, b in zip(mixed[name], mixed["grouped_mm"], strict=True)
+            )
+    return interleaved, paired, back_to_back
 
 
 IMPLEMENTATIONS = ("ragged_dot kernel", "eager loop", "grouped_mm")
@@ -122,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--routings", type=int, default=100, help="random routings on the simulated device")
-    parser.add_argument("--repeats", type=int, default=30, help="timed calls per implementation on the CPU")
+    parser.add_argument("--repeats", type=int, default=60, help="timed calls per implementation on the CPU")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 
 
@@ -130,7 +140,8 @@ def run(args: argparse.Namespace) -> dict:
     """Measure every implementation at every batch size.
 
     Returns ``{"simulated": {"<tokens>/<implementation>": {new_signatures, ops_per_call, host_syncs_per_call} or
-    {error}}, "cpu_us_interleaved": {...: us}, "cpu_us_back_to_back": {...: us}, "config": {options}}``.
+    {error}}, "cpu_us_interleaved": {...: us}, "cpu_paired_ratio_to_grouped_mm": {...: ratio},
+    "cpu_us_back_to_back": {...: us}, "config": {options}}``.
 
     Example:
         >>> p = argparse.ArgumentParser(); add_arguments(p)  # doctest: +SKIP
@@ -143,11 +154,12 @@ def run(args: argparse.Namespace) -> dict:
     impls = dict(zip(IMPLEMENTATIONS, (use_ragged_dot_experts(), "eager", "grouped_mm"), strict=True))
     # CPU first: the simulated runs leave many Python objects behind, and the garbage collector's pauses then land
     # on whichever implementation allocates Python objects per call (JAX's dispatch does, torch's C++ ops do not).
-    cpu, cpu_b2b = cpu_times(impls, args)
+    cpu, cpu_paired, cpu_b2b = cpu_times(impls, args)
     sim = simulated(impls, args)
     return {
         "simulated": {f"{t}/{n}": v for (t, n), v in sim.items()},
         "cpu_us_interleaved": {f"{t}/{n}": round(v, 1) for (t, n), v in cpu.items()},
+        "cpu_paired_ratio_to_grouped_mm": {f"{t}/{n}": round(v, 3) for (t, n), v in cpu_paired.items()},
         "cpu_us_back_to_back": {f"{t}/{n}": round(v, 1) for (t, n), v in cpu_b2b.items()},
         "config": vars(args),
     }
@@ -157,6 +169,7 @@ def print_table(record: dict) -> None:
     """Print what :func:`run` returned: the table, then the record as one JSON line."""
     args = argparse.Namespace(**record["config"])
     cpu, cpu_b2b = record["cpu_us_interleaved"], record["cpu_us_back_to_back"]
+    paired = record["cpu_paired_ratio_to_grouped_mm"]
     print(
         f"experts layer: {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, "
         f"moe_intermediate {args.intermediate}; simulated device over {args.routings} random routings"
@@ -172,7 +185,7 @@ def print_table(record: dict) -> None:
             key = f"{tokens}/{name}"
             s = record["simulated"][key]
             t, t2 = cpu[key], cpu_b2b[key]
-            ratio, ratio2 = t / cpu[f"{tokens}/grouped_mm"], t2 / cpu_b2b[f"{tokens}/grouped_mm"]
+            ratio, ratio2 = paired[key], t2 / cpu_b2b[f"{tokens}/grouped_mm"]
             if "error" in s:
                 sim_cols = f"{s['error'][:35]:>35}"
             else:

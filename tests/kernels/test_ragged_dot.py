@@ -62,6 +62,23 @@ def test_pallas_kernel_interpret_matches_float64(kernel, shape, kind, rhs_transp
         np.testing.assert_allclose(np.asarray(fn(lhs, rhs, sizes, rhs_transposed=rhs_transposed)), ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("tm", [None, 1, 4, 16])
+@pytest.mark.parametrize("rhs_transposed", [False, True])
+@pytest.mark.parametrize("kind", ["random", "one_group", "tail"])
+def test_xla_tiled_every_tile_size(kernel, tm, rhs_transposed, kind):
+    """The CPU loop with tiles smaller than, equal to and larger than the groups (and the row-gather path for
+    few rows), empty groups skipped, rows past the last group zero."""
+    rng = np.random.default_rng(hash((tm, rhs_transposed, kind)) % 2**32)
+    jk = _jax_kernels(kernel)
+    for m, g in ((7, 5), (90, 12)):
+        lhs = rng.standard_normal((m, 24)).astype(np.float32)
+        rhs = rng.standard_normal((g, 40, 24) if rhs_transposed else (g, 24, 40)).astype(np.float32)
+        sizes = _sizes(kind, m, g, rng)
+        out = jk.ragged_dot_xla_tiled(lhs, rhs, sizes, rhs_transposed=rhs_transposed, tm=tm)
+        ref = ragged_dot_reference(lhs, rhs, sizes, rhs_transposed)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)
+
+
 def test_pallas_small_tiles_cross_group_boundaries(kernel):
     """Tiles of 8 rows with 16 groups: most tiles hold several groups and most groups span several tiles."""
     rng = np.random.default_rng(1)
@@ -176,3 +193,24 @@ def test_fused_gated_mlp_lowers_for_tpu(kernel):
     exported = export.export(jax.jit(fn), platforms=["tpu"])(*args)
     assert exported.mlir_module().count("tpu_custom_call") >= 2
     assert exported.out_avals[0].shape == (m, hidden)
+
+
+def test_fused_experts_layer_lowers_for_tpu(kernel):
+    """The whole experts layer (routing, two Pallas grouped matmuls, gate, combine) exports for the TPU platform."""
+    import functools
+
+    from jax import export
+
+    jnp = jax.numpy
+    fn = functools.partial(_jax_kernels(kernel).moe_experts, rhs_transposed=True, implementation="pallas")
+    tokens, top_k, hidden, inter, g = 64, 8, 2048, 768, 128  # Qwen3-30B-A3B experts at 64 tokens
+    args = (
+        jax.ShapeDtypeStruct((tokens, hidden), "bfloat16"),
+        jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
+        jax.ShapeDtypeStruct((tokens, top_k), "bfloat16"),
+        jax.ShapeDtypeStruct((g, 2 * inter, hidden), "bfloat16"),
+        jax.ShapeDtypeStruct((g, hidden, inter), "bfloat16"),
+    )
+    exported = export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    assert exported.mlir_module().count("tpu_custom_call") >= 2
+    assert exported.out_avals[0].shape == (tokens, hidden) and exported.out_avals[0].dtype == jnp.bfloat16

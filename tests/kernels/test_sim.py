@@ -106,3 +106,44 @@ def test_torch_tpu_branch_hands_the_jax_function_to_torch_tpu_bridge(kernel, mon
         assert out.device.type == "tpu"
         torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
     assert calls == [("ragged_dot_tpu_ragged_dot_pallas_interpret_nk", False)]
+
+
+def test_torch_tpu_branch_runs_the_fused_experts_through_the_bridge(kernel, monkeypatch):
+    """The fused experts op on the real-TPU branch: the whole layer goes to TorchTPU's bridge as one JAX function
+    (weights as arrays, never split), and comes back equal to the CPU result."""
+    import importlib
+    import types
+
+    import jax
+
+    ops = importlib.import_module(f"{kernel.__name__}._ops")
+    calls = []
+
+    def custom_jax_kernel(fn, name=None, warn_deprecated=True):
+        calls.append(name)
+
+        def run(*tensors):
+            arrays = [jax.dlpack.from_dlpack(hf_tpu.sim.host_view(t).contiguous()) for t in tensors]
+            assert all(isinstance(a, jax.Array) for a in arrays)
+            result = torch.from_dlpack(fn(*arrays))
+            out = torch.empty(result.shape, dtype=result.dtype, device="tpu")
+            hf_tpu.sim.host_view(out).copy_(result)
+            return out
+
+        return run
+
+    monkeypatch.setattr(torch.tpu, "pallas", types.SimpleNamespace(custom_jax_kernel=custom_jax_kernel), raising=False)
+    monkeypatch.setattr(ops, "_host_view", lambda t: None)
+    monkeypatch.setattr(ops, "_TPU_CALLABLES", {})
+    cpu = make_experts(num_experts=8)
+    dev = make_experts(num_experts=8).to("tpu")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 32, generator=g)
+    index, weights = routing("half_empty", 5, 8, 2, g)
+    forward = kernel.make_experts_forward("pallas_interpret")
+    with torch.no_grad():
+        out = forward(dev, x.to("tpu"), index.to("tpu"), weights.to("tpu"))
+        expected = kernel.experts_forward(cpu, x, index, weights)
+    assert out.device.type == "tpu"
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+    assert calls == ["ragged_dot_tpu_moe_experts_pallas_interpret_nk"]

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from ._ops import IMPLEMENTATIONS, OP_NAMESPACE, gated_mlp_op, ragged_dot, ragged_dot_op
+from ._ops import IMPLEMENTATIONS, OP_NAMESPACE, experts_op, ragged_dot, ragged_dot_op
 
 __all__ = [
     "IMPLEMENTATIONS",
     "OP_NAMESPACE",
     "experts_forward",
-    "gated_mlp_op",
+    "experts_op",
     "make_experts_forward",
     "ragged_dot",
     "ragged_dot_op",
@@ -51,7 +51,7 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
 
 
 def _fusable(module: torch.nn.Module) -> bool:
-    """Whether the whole expert MLP can run as one JAX program (``gated_mlp``): transformers' default gate
+    """Whether the whole experts layer can run as one JAX program (``experts_op``): transformers' default gate
     (``act(gate) * up`` on the concatenated halves) with SiLU, no biases, no post-expert norm."""
     apply_gate = getattr(type(module), "_apply_gate", None)
     act = getattr(module, "act_fn", None)
@@ -77,12 +77,23 @@ def make_experts_forward(implementation: str = "auto"):
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """transformers experts interface: (T, H) tokens, (T, k) expert ids and weights -> (T, H)."""
+        if _fusable(self):  # routing, both grouped matmuls, gate and combine: one crossing into JAX
+            rhs_transposed = not getattr(self, "is_transposed", False)  # (E, out, in) is "not transposed" upstream
+            return experts_op(
+                hidden_states,
+                top_k_index.to(torch.int32),
+                top_k_weights,
+                self.gate_up_proj,
+                self.down_proj,
+                rhs_transposed,
+                implementation,
+            )
         num_experts = self.num_experts
         num_tokens, hidden_dim = hidden_states.shape
         top_k = top_k_index.shape[-1]
         has_gate = getattr(self, "has_gate", True)
         has_bias = getattr(self, "has_bias", False)
-        rhs_transposed = not getattr(self, "is_transposed", False)  # (E, out, in) is "not transposed" upstream
+        rhs_transposed = not getattr(self, "is_transposed", False)
 
         order, group_sizes = route(top_k_index, num_experts)
         expert_ids = top_k_index.reshape(-1)[order].clamp(max=num_experts - 1)
@@ -92,11 +103,6 @@ def make_experts_forward(implementation: str = "auto"):
 
         up_w = self.gate_up_proj if has_gate else self.up_proj
         x = hidden_states[order // top_k].to(up_w.dtype)
-        if _fusable(self):  # one crossing into JAX for the whole MLP
-            h = gated_mlp_op(x, up_w, self.down_proj, group_sizes, rhs_transposed, implementation)
-            h = h * weights.unsqueeze(-1).to(h.dtype)
-            out = torch.zeros_like(h).index_copy_(0, order, h)
-            return out.view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
         h = ragged_dot(x, up_w, group_sizes, rhs_transposed=rhs_transposed, implementation=implementation)
         if has_bias:
             h = h + (self.gate_up_proj_bias if has_gate else self.up_proj_bias)[expert_ids]

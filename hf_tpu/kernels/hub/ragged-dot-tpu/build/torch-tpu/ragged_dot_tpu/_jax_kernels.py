@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["ragged_dot_pallas", "ragged_dot_xla", "ragged_dot_xla_tiled", "visit_plan"]
+__all__ = ["gated_mlp", "moe_experts", "ragged_dot_pallas", "ragged_dot_xla", "ragged_dot_xla_tiled", "visit_plan"]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -147,6 +147,15 @@ def ragged_dot_xla(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, rh
     return out.astype(lhs.dtype)
 
 
+def _contraction(rhs_transposed: bool):
+    """``dot_general`` dimension numbers for (rows, K) times one group's weight in its stored layout.
+
+    The weight is never transposed: (N, K) weights contract on their last axis, which on the CPU is a
+    row-major matrix-vector product over memory read once, instead of a (K, N) copy of the weight per group.
+    """
+    return (((1,), (1,)) if rhs_transposed else ((1,), (0,))), ((), ())
+
+
 def _row_gather(lhs, rhs, group_sizes, rhs_transposed):
     """Each row times its own group's weight (gathered per row): cheapest for a handful of rows."""
     num_groups = rhs.shape[0]
@@ -159,54 +168,117 @@ def _row_gather(lhs, rhs, group_sizes, rhs_transposed):
     return jnp.where((group < num_groups)[:, None], out, 0.0)
 
 
-def _group_loop(lhs, rhs, group_sizes, rhs_transposed, tm):
-    """XLA loop over the groups, and inside each non-empty group over its rows ``tm`` at a time.
+def _loop_tiles(m: int, num_groups: int) -> tuple[int, ...]:
+    """Row steps of the group loop, largest first: single rows (matrix-vector products, which XLA's CPU dot runs
+    about as fast per row as a handful of rows) while an even routing gives the groups fewer than 16 rows each,
+    then steps of 16 rows with single rows for the remainder."""
+    return (1,) if m < 16 * max(num_groups, 1) else (16, 1)
 
-    Each active group's weight is sliced once (XLA on CPU copies dynamic slices, so slicing it per row tile
-    would cost a copy per tile); the inner trip count is data dependent, the shapes are not.
+
+def _num_groups(rhs) -> int:
+    return len(rhs) if isinstance(rhs, (tuple, list)) else rhs.shape[0]
+
+
+def _matrix(rhs) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of one group's weight matrix."""
+    if isinstance(rhs, (tuple, list)):
+        return jax.ShapeDtypeStruct(rhs[0].shape, rhs[0].dtype)
+    return jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype)
+
+
+def _out_features(rhs, rhs_transposed: bool) -> int:
+    shape = _matrix(rhs).shape
+    return shape[0] if rhs_transposed else shape[1]
+
+
+def _group_loop(lhs, rhs, group_sizes, rhs_transposed, tiles):
+    """XLA loop over the groups that have rows; each group's rows in exact steps, never a padded or masked row.
+
+    ``rhs`` is the (G, ., .) weight array, or a tuple of the G weight matrices (separate buffers). With the
+    array, XLA on CPU copies each visited group's weight out of it (a dynamic slice is a copy there); with the
+    tuple, a ``switch`` on the group hands its matrix to the dot as it lies, so no weight is ever copied. A group
+    of ``s`` rows takes ``s // tiles[0]`` steps of ``tiles[0]`` rows, then the next tile size for the rest, down
+    to ``tiles[-1] == 1``. Empty groups cost nothing (the loop runs over the compacted list of non-empty
+    groups); trip counts depend on the routing, shapes do not.
     """
     m = lhs.shape[0]
-    num_groups = rhs.shape[0]
-    n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
-    lhs_p = jnp.pad(lhs, ((0, tm), (0, 0)))  # a window starting at any row < m stays in bounds
+    n = _out_features(rhs, rhs_transposed)
+    dims = _contraction(rhs_transposed)
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
-    row_offsets = jnp.arange(tm, dtype=jnp.int32)
+    sizes = jnp.clip(jnp.minimum(ends, m) - starts, 0)  # rows past lhs's last row (bad group sizes) are dropped
+    nonempty = sizes > 0
+    visit = jnp.argsort(~nonempty, stable=True).astype(jnp.int32)  # non-empty groups first, in order
+    split = isinstance(rhs, (tuple, list))
+    if split:
+        branches = [
+            functools.partial(lambda x, w: lax.dot_general(x, w, dims, preferred_element_type=jnp.float32), w=w)
+            for w in rhs
+        ]
 
-    def group(g, out):
-        def compute(out):
-            w = rhs[g].T if rhs_transposed else rhs[g]  # (K, N), laid out once per group
+    def group(j, out):
+        g = visit[j]
+        if split:
+            dot = functools.partial(lax.switch, g, branches)
+        else:
+            w = rhs[g]  # one copy of this group's weight, shared by its steps
+            dot = functools.partial(lambda x, w: lax.dot_general(x, w, dims, preferred_element_type=jnp.float32), w=w)
+        start, left = starts[g], sizes[g]
+        for rows in tiles:
+            count = left // rows
 
-            def tile(i, out):
-                r0 = starts[g] + i * tm
-                keep = (r0 + row_offsets) < ends[g]
-                x = jnp.where(keep[:, None], lax.dynamic_slice_in_dim(lhs_p, r0, tm), jnp.zeros((), lhs.dtype))
-                y = jnp.dot(x, w, preferred_element_type=jnp.float32)
-                return lax.dynamic_update_slice_in_dim(out, lax.dynamic_slice_in_dim(out, r0, tm) + y, r0, 0)
+            def step(i, out, rows=rows, base=start):
+                r0 = base + i * rows
+                return lax.dynamic_update_slice_in_dim(out, dot(lax.dynamic_slice_in_dim(lhs, r0, rows)), r0, 0)
 
-            return lax.fori_loop(0, (sizes[g] + tm - 1) // tm, tile, out)
+            out = lax.fori_loop(0, count, step, out)
+            start, left = start + count * rows, left - count * rows
+        return out
 
-        return lax.cond(sizes[g] > 0, compute, lambda out: out, out)
-
-    out = lax.fori_loop(0, num_groups, group, jnp.zeros((m + tm, n), jnp.float32))
-    return out[:m]
+    return lax.fori_loop(0, jnp.sum(nonempty), group, jnp.zeros((m, n), jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("rhs_transposed", "tm"))
-def ragged_dot_xla_tiled(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, rhs_transposed: bool = False, tm: int = 8
-):
-    """CPU path: an XLA loop over the groups and their row tiles (a per-row gather for a handful of rows).
+def ragged_dot_xla_tiled(lhs: jax.Array, rhs, group_sizes: jax.Array, *, rhs_transposed: bool = False, tm=None):
+    """CPU path: an XLA loop over the non-empty groups and their rows.
 
-    Static shapes, at most ``M + G * tm`` rows of work and each active group's weight read once, instead of the
-    ``M * G`` rows of XLA's dense CPU lowering of ``ragged_dot``.
+    ``rhs``: the (G, K, N) / (G, N, K) weights, or a tuple of their G matrices, which spares XLA a copy of each
+    visited weight (see :func:`_group_loop`). Static shapes, exactly ``M`` rows of work and each non-empty group's
+    weight read in its stored layout, instead of the ``M * G`` rows of XLA's dense CPU lowering of
+    ``ragged_dot``. ``tm``: rows per loop step (default: see :func:`_loop_tiles`); a handful of rows against the
+    weight array take a per-row gather instead.
     """
-    if lhs.shape[0] <= 2 * tm:
+    m = lhs.shape[0]
+    if tm is not None and tm < 1:
+        raise ValueError(f"ragged_dot_xla_tiled: tm must be at least 1, got {tm}")
+    split = isinstance(rhs, (tuple, list))
+    if m == 0 or (tm is None and m <= 16 and not split):
         out = _row_gather(lhs, rhs, group_sizes, rhs_transposed)
     else:
-        out = _group_loop(lhs, rhs, group_sizes, rhs_transposed, tm)
+        tiles = _loop_tiles(m, _num_groups(rhs)) if tm is None else tuple(sorted({min(tm, m), 1}, reverse=True))
+        out = _group_loop(lhs, rhs, group_sizes, rhs_transposed, tiles)
     return out.astype(lhs.dtype)
+
+
+def _dot_for(implementation: str):
+    try:
+        return {
+            "pallas": ragged_dot_pallas,
+            "pallas_interpret": functools.partial(ragged_dot_pallas, interpret=True),
+            "xla": ragged_dot_xla,
+            "xla_tiled": ragged_dot_xla_tiled,
+        }[implementation]
+    except KeyError:
+        raise ValueError(f"unknown ragged_dot implementation {implementation!r}") from None
+
+
+def _gated_mlp(x, gate_up, down, group_sizes, rhs_transposed, implementation):
+    dot = _dot_for(implementation)
+    h = dot(x, gate_up, group_sizes, rhs_transposed=rhs_transposed)
+    gate, up = jnp.split(h, 2, axis=-1)
+    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+    return dot(h, down, group_sizes, rhs_transposed=rhs_transposed)
 
 
 @functools.partial(jax.jit, static_argnames=("rhs_transposed", "implementation"))
@@ -219,15 +291,40 @@ def gated_mlp(
     rhs_transposed: bool,
     implementation: str,
 ) -> jax.Array:
-    """``down(silu(gate) * up)`` per group, ``gate, up`` the two halves of ``x @ gate_up``: one JAX program for the
-    whole expert MLP, so the tensors cross into JAX once per layer instead of twice."""
-    dot = {
-        "pallas": ragged_dot_pallas,
-        "pallas_interpret": functools.partial(ragged_dot_pallas, interpret=True),
-        "xla": ragged_dot_xla,
-        "xla_tiled": ragged_dot_xla_tiled,
-    }[implementation]
-    h = dot(x, gate_up, group_sizes, rhs_transposed=rhs_transposed)
-    gate, up = jnp.split(h, 2, axis=-1)
-    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-    return dot(h, down, group_sizes, rhs_transposed=rhs_transposed)
+    """``down(silu(gate) * up)`` per group, ``gate, up`` the two halves of ``x @ gate_up``."""
+    return _gated_mlp(x, gate_up, down, group_sizes, rhs_transposed, implementation)
+
+
+@functools.partial(jax.jit, static_argnames=("rhs_transposed", "implementation"))
+def moe_experts(
+    hidden: jax.Array,
+    top_k_index: jax.Array,
+    top_k_weights: jax.Array,
+    gate_up: jax.Array,
+    down: jax.Array,
+    *,
+    rhs_transposed: bool,
+    implementation: str,
+) -> jax.Array:
+    """A whole SiLU-gated experts layer as one program: route, gather, the two grouped matmuls, weigh, combine.
+
+    ``hidden`` (T, H), ``top_k_index`` / ``top_k_weights`` (T, k), ``gate_up`` (E, 2I, H) and ``down`` (E, H, I)
+    with ``rhs_transposed`` (transformers' layout; the other layout otherwise) -> (T, H) in ``hidden``'s dtype.
+    With ``implementation="xla_tiled"`` the weights may also be tuples of their E matrices.
+    Expert ids ``>= E`` (expert parallelism's sentinels for experts on other ranks) contribute nothing. The
+    arithmetic follows transformers' experts: the gathered tokens in the weights' dtype, each slot's output
+    scaled by its routing weight in that dtype, the ``k`` slots of a token summed.
+    """
+    num_tokens, top_k = top_k_index.shape
+    num_experts = _num_groups(gate_up)
+    ids = top_k_index.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(ids, stable=True)
+    group_sizes = jnp.bincount(jnp.clip(ids, 0, num_experts), length=num_experts + 1)[:num_experts]
+    x = hidden[order // top_k].astype(_matrix(gate_up).dtype)
+    h = _gated_mlp(x, gate_up, down, group_sizes.astype(jnp.int32), rhs_transposed, implementation)
+    weights = jnp.where(ids[order] < num_experts, top_k_weights.reshape(-1)[order], 0).astype(h.dtype)
+    h = h * weights[:, None]
+    slots = jnp.zeros_like(h).at[order].set(h, unique_indices=True)
+    # summed with float32 accumulation and rounded once, like torch's reductions in low precision
+    combined = slots.reshape(num_tokens, top_k, -1).astype(jnp.float32).sum(axis=1).astype(h.dtype)
+    return combined.astype(hidden.dtype)

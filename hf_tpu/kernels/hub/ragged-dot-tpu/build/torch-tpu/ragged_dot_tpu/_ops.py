@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import weakref
 from pathlib import Path
 
 import torch
 
-__all__ = ["IMPLEMENTATIONS", "OP_NAMESPACE", "gated_mlp_op", "ragged_dot", "ragged_dot_op"]
+__all__ = ["IMPLEMENTATIONS", "OP_NAMESPACE", "experts_op", "ragged_dot", "ragged_dot_op"]
 
 IMPLEMENTATIONS = ("auto", "pallas", "pallas_interpret", "xla", "xla_tiled")
 
@@ -90,15 +91,109 @@ def _resolve(impl: str, placement: str) -> str:
     return "xla_tiled" if impl == "auto" else impl
 
 
-def _host_call(jax_fn, *tensors: torch.Tensor) -> torch.Tensor:
-    """Run ``jax_fn`` on CPU tensors through DLPack (zero-copy both ways when the layout allows).
+def _public_to_jax(t: torch.Tensor):
+    return _jax().dlpack.from_dlpack(t)
 
-    The arrays are committed to JAX's CPU device, so the computation runs there whatever JAX's default backend.
-    (JAX starts every backend it finds on first use: in a TorchTPU process, set ``JAX_PLATFORMS=cpu`` so that it
-    leaves the chip to TorchTPU.)
+
+def _fast_cpu_importer():
+    """A CPU tensor -> JAX array import without ``jax.dlpack.from_dlpack``'s Python layers (~30 us a tensor, as
+    much as the arithmetic of a one-token expert layer), or None where this jaxlib does not offer it.
+
+    It calls jaxlib's DLPack import directly; it is used only after a probe shows that it returns a JAX array
+    sharing the tensor's memory with the right contents, and only for dtypes that JAX keeps as they are.
     """
     jax = _jax()
-    arrays = [jax.dlpack.from_dlpack(t.detach().contiguous()) for t in tensors]
+    try:
+        from jax._src.lib import _jax as jaxlib_ext
+        from jax._src.lib import jaxlib_extension_version
+
+        device = jax.devices("cpu")[0]
+        to_buffer = jaxlib_ext.dlpack_managed_tensor_to_buffer
+        cpu = 1  # DLPack's kDLCPU
+
+        if jaxlib_extension_version >= 467:
+
+            def importer(t):
+                return to_buffer(t.__dlpack__(), device, None, None, cpu)
+        else:
+
+            def importer(t):
+                return to_buffer(t.__dlpack__(), device, None, None)
+
+        probe = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+        array = importer(probe)
+        if not (
+            isinstance(array, jax.Array)
+            and array.unsafe_buffer_pointer() == probe.data_ptr()
+            and array.shape == (4, 4)
+            and bool((jax.numpy.asarray(array) == jax.numpy.arange(16.0).reshape(4, 4)).all())
+        ):
+            return None
+        return importer
+    except Exception:  # noqa: BLE001 - a jaxlib without this entry point, or another signature: the public API then
+        return None
+
+
+_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32)
+_importer = None
+
+
+def _to_jax(t: torch.Tensor):
+    """A contiguous CPU tensor as a JAX CPU array sharing its memory."""
+    global _importer
+    if _importer is None:
+        _importer = _fast_cpu_importer() or _public_to_jax
+    if t.dtype in _FAST_DTYPES:
+        return _importer(t)
+    return _public_to_jax(t)
+
+
+# id(weight tensor) -> (its memory signature, its matrices as JAX arrays, a weak reference to the tensor)
+_MATRICES: dict[int, tuple] = {}
+
+
+def _matrices(t: torch.Tensor, owner: torch.Tensor):
+    """The G matrices of a (G, ., .) CPU weight ``t`` as JAX arrays sharing its memory, or None.
+
+    XLA on the CPU copies a weight out of a (G, ., .) array each time a loop indexes it; handed the matrices as
+    separate arrays, it reads them where they lie. Importing G arrays costs more than the arithmetic of a small
+    batch, so they are kept per weight tensor (``owner``: the tensor the caller holds, the simulated one on
+    hf_tpu's simulator), as long as the tensor lives and its memory stays where it was. The arrays are views,
+    not copies (checked here; a weight JAX would copy is not kept), so in-place updates of the weight show
+    through; a weight moved, cast or replaced gets new arrays on its next call.
+    """
+    signature = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+    key = id(owner)
+    entry = _MATRICES.get(key)
+    if entry is not None and entry[0] == signature and entry[2]() is owner:
+        return entry[1]
+    if t.dim() != 3 or not t.is_contiguous() or t.dtype not in _FAST_DTYPES:
+        return None
+    weight = t.detach()
+    matrices = tuple(_to_jax(weight[g]) for g in range(weight.shape[0]))
+    if any(m.unsafe_buffer_pointer() != weight[g].data_ptr() for g, m in enumerate(matrices)):
+        return None  # JAX copied (say, a misaligned matrix): a kept copy would go stale
+
+    def forget(ref, key=key):
+        if _MATRICES.get(key, (None, None, None))[2] is ref:
+            del _MATRICES[key]
+
+    _MATRICES[key] = (signature, matrices, weakref.ref(owner, forget))
+    return matrices
+
+
+def _host_call(jax_fn, tensors, owners, split=()) -> torch.Tensor:
+    """Run ``jax_fn`` on CPU tensors through DLPack (zero-copy both ways when the layout allows).
+
+    ``split``: positions of (G, ., .) weights to hand over as tuples of matrices where possible (see
+    :func:`_matrices`; ``owners`` are the tensors the caller passed). The arrays are committed to JAX's CPU
+    device, so the computation runs there whatever JAX's default backend. (JAX starts every backend it finds on
+    first use: in a TorchTPU process, set ``JAX_PLATFORMS=cpu`` so that it leaves the chip to TorchTPU.)
+    """
+    arrays = []
+    for i, (t, owner) in enumerate(zip(tensors, owners, strict=True)):
+        matrices = _matrices(t, owner) if i in split else None
+        arrays.append(matrices if matrices is not None else _to_jax(t.detach().contiguous()))
     return torch.from_dlpack(jax_fn(*arrays))
 
 
@@ -122,13 +217,13 @@ def _torch_tpu_callable(name: str, jax_fn):
     return fn
 
 
-def _run(name: str, jax_fn, *tensors: torch.Tensor) -> torch.Tensor:
-    """Run ``jax_fn`` (JAX arrays in, one array out) where the tensors are."""
+def _run(name: str, jax_fn, *tensors: torch.Tensor, split: tuple[int, ...] = ()) -> torch.Tensor:
+    """Run ``jax_fn`` (JAX arrays in, one array out) where the tensors are. ``split``: see :func:`_host_call`."""
     placement = _placement(tensors[0])
     if placement == "cpu":
-        return _host_call(jax_fn, *tensors)
+        return _host_call(jax_fn, tensors, tensors, split)
     if placement == "sim":
-        result = _host_call(jax_fn, *(_host_view(t) for t in tensors))
+        result = _host_call(jax_fn, [_host_view(t) for t in tensors], tensors, split)
         out = torch.empty(result.shape, dtype=result.dtype, device=tensors[0].device)
         _host_view(out).copy_(result)
         return out
@@ -151,8 +246,16 @@ def _jax_fn(kind: str, impl: str, rhs_transposed: bool):
                 return _run_jax(impl, lhs, rhs, group_sizes, rhs_transposed)
         else:
 
-            def fn(x, gate_up, down, group_sizes):
-                return jk.gated_mlp(x, gate_up, down, group_sizes, rhs_transposed=rhs_transposed, implementation=impl)
+            def fn(hidden, top_k_index, top_k_weights, gate_up, down):
+                return jk.moe_experts(
+                    hidden,
+                    top_k_index,
+                    top_k_weights,
+                    gate_up,
+                    down,
+                    rhs_transposed=rhs_transposed,
+                    implementation=impl,
+                )
 
         _JAX_FNS[name] = fn
     return name, fn
@@ -193,21 +296,51 @@ def _impl(
     lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, rhs_transposed: bool, implementation: str
 ) -> torch.Tensor:
     _check(lhs, rhs, group_sizes, rhs_transposed)
-    name, fn = _jax_fn("ragged_dot", _resolve(implementation, _placement(lhs)), rhs_transposed)
-    return _run(name, fn, lhs, rhs, group_sizes.to(torch.int32))
+    impl = _resolve(implementation, _placement(lhs))
+    name, fn = _jax_fn("ragged_dot", impl, rhs_transposed)
+    return _run(name, fn, lhs, rhs, group_sizes.to(torch.int32), split=(1,) if impl == "xla_tiled" else ())
 
 
-def _gated_mlp_impl(
-    x: torch.Tensor,
+def _check_experts(hidden, top_k_index, top_k_weights, gate_up, down, rhs_transposed) -> None:
+    if hidden.dim() != 2 or top_k_index.dim() != 2 or top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            "moe_experts expects hidden (T, H), top_k_index and top_k_weights (T, k); got "
+            f"{tuple(hidden.shape)}, {tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}"
+        )
+    if top_k_index.shape[0] != hidden.shape[0]:
+        raise ValueError(f"moe_experts: {hidden.shape[0]} tokens but routing for {top_k_index.shape[0]}")
+    if top_k_index.dtype != torch.int32:
+        raise ValueError(f"moe_experts: top_k_index must be int32 (got {top_k_index.dtype}); call .int() first")
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+        raise ValueError(
+            f"moe_experts: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} must be (E, ., .) weights"
+        )
+    h = hidden.shape[1]
+    inter2, k_in = (gate_up.shape[1], gate_up.shape[2]) if rhs_transposed else (gate_up.shape[2], gate_up.shape[1])
+    d_out, d_in = (down.shape[1], down.shape[2]) if rhs_transposed else (down.shape[2], down.shape[1])
+    if k_in != h or d_out != h or inter2 != 2 * d_in:
+        raise ValueError(
+            f"moe_experts: hidden size {h} does not fit gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} "
+            f"(rhs_transposed={rhs_transposed}); gate_up must hold the gate and up halves (2 x intermediate)"
+        )
+    if gate_up.dtype != down.dtype:
+        raise ValueError(f"moe_experts: gate_up is {gate_up.dtype} but down is {down.dtype}; cast one of them first")
+
+
+def _experts_impl(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    group_sizes: torch.Tensor,
     rhs_transposed: bool,
     implementation: str,
 ) -> torch.Tensor:
-    _check(x, gate_up, group_sizes, rhs_transposed)
-    name, fn = _jax_fn("gated_mlp", _resolve(implementation, _placement(x)), rhs_transposed)
-    return _run(name, fn, x, gate_up, down, group_sizes.to(torch.int32))
+    _check_experts(hidden, top_k_index, top_k_weights, gate_up, down, rhs_transposed)
+    impl = _resolve(implementation, _placement(hidden))
+    name, fn = _jax_fn("moe_experts", impl, rhs_transposed)
+    split = (3, 4) if impl == "xla_tiled" else ()
+    return _run(name, fn, hidden, top_k_index, top_k_weights, gate_up, down, split=split)
 
 
 def _fake(lhs, rhs, group_sizes, rhs_transposed, implementation):
@@ -215,9 +348,9 @@ def _fake(lhs, rhs, group_sizes, rhs_transposed, implementation):
     return lhs.new_empty((lhs.shape[0], n))
 
 
-def _gated_mlp_fake(x, gate_up, down, group_sizes, rhs_transposed, implementation):
-    _check(x, gate_up, group_sizes, rhs_transposed)
-    return x.new_empty((x.shape[0], down.shape[1] if rhs_transposed else down.shape[2]))
+def _experts_fake(hidden, top_k_index, top_k_weights, gate_up, down, rhs_transposed, implementation):
+    _check_experts(hidden, top_k_index, top_k_weights, gate_up, down, rhs_transposed)
+    return hidden.new_empty(hidden.shape)
 
 
 def _register(name: str, impl, fake, schema: str):
@@ -238,11 +371,12 @@ ragged_dot_op = _register(
     _fake,
     "(Tensor lhs, Tensor rhs, Tensor group_sizes, bool rhs_transposed, str implementation) -> Tensor",
 )
-gated_mlp_op = _register(
-    "gated_mlp",
-    _gated_mlp_impl,
-    _gated_mlp_fake,
-    "(Tensor x, Tensor gate_up, Tensor down, Tensor group_sizes, bool rhs_transposed, str implementation) -> Tensor",
+experts_op = _register(
+    "moe_experts",
+    _experts_impl,
+    _experts_fake,
+    "(Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, bool rhs_transposed, "
+    "str implementation) -> Tensor",
 )
 
 
