@@ -23,6 +23,15 @@ def _jk(kernel):
     return importlib.import_module(f"{kernel.__name__}._jax_kernels")
 
 
+def _layer(seed: int, tokens: int, num_experts: int = 4):
+    """A tiny SiLU-gated experts module, tokens and a routing (top-2)."""
+    module = make_experts(num_experts=num_experts)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 32, generator=g)
+    index, weights = routing("random", tokens, num_experts, 2, g)
+    return module, x, index, weights
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
 def test_fast_import_shares_memory_and_matches_the_public_api(kernel, dtype):
     ops = _ops(kernel)
@@ -36,10 +45,7 @@ def test_fast_import_shares_memory_and_matches_the_public_api(kernel, dtype):
 
 def test_public_import_is_used_where_the_fast_one_is_unavailable(kernel, monkeypatch):
     ops = _ops(kernel)
-    module = make_experts(num_experts=4)
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, 32, generator=g)
-    index, weights = routing("random", 3, 4, 2, g)
+    module, x, index, weights = _layer(2, 3)
     with torch.no_grad():
         expected = kernel.experts_forward(module, x, index, weights)
         monkeypatch.setattr(ops, "_fast_cpu_importer", lambda: None)
@@ -52,10 +58,7 @@ def test_public_import_is_used_where_the_fast_one_is_unavailable(kernel, monkeyp
 
 def test_expert_matrices_are_kept_per_weight_and_follow_in_place_updates(kernel):
     ops = _ops(kernel)
-    module = make_experts(num_experts=4)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 32, generator=g)
-    index, weights = routing("random", 5, 4, 2, g)
+    module, x, index, weights = _layer(3, 5)
     with torch.no_grad():
         kernel.experts_forward(module, x, index, weights)
         kept = ops._MATRICES[id(module.gate_up_proj)][1]
@@ -77,10 +80,7 @@ def test_expert_matrices_are_kept_per_weight_and_follow_in_place_updates(kernel)
 
 def test_expert_matrices_are_dropped_with_their_weight(kernel):
     ops = _ops(kernel)
-    module = make_experts(num_experts=4)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(2, 32, generator=g)
-    index, weights = routing("random", 2, 4, 2, g)
+    module, x, index, weights = _layer(4, 2)
     with torch.no_grad():
         kernel.experts_forward(module, x, index, weights)
     keys = {id(module.gate_up_proj), id(module.down_proj)}

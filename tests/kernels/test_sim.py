@@ -69,10 +69,13 @@ def test_tiny_qwen3_moe_on_the_simulator_matches_cpu(tmp_path):
     torch.testing.assert_close(dev.generate(ids.to("tpu"), **kwargs).cpu(), cpu.generate(ids, **kwargs))
 
 
-def test_torch_tpu_branch_hands_the_jax_function_to_torch_tpu_bridge(kernel, monkeypatch):
-    """Real-TPU branch, against the shape of torch_tpu 0.2's API: ``torch.tpu.pallas.custom_jax_kernel(fn,
-    name=..., warn_deprecated=False)`` returns a callable taking torch tensors. The stand-in bridge runs the JAX
-    function on the tensors' host views; the tensors count as non-simulated, as TorchTPU's would."""
+@pytest.fixture
+def torch_tpu_bridge(kernel, monkeypatch):
+    """A stand-in for TorchTPU's JAX bridge, in the shape of torch_tpu 0.2's API:
+    ``torch.tpu.pallas.custom_jax_kernel(fn, name=..., warn_deprecated=False)`` returns a callable taking torch
+    tensors. It runs the JAX function on the tensors' host views (each one a whole array: TorchTPU passes no
+    tuples); the kernel sees the tensors as non-simulated, as TorchTPU's would. Yields the (name,
+    warn_deprecated) of every bridge built."""
     import importlib
     import types
 
@@ -96,6 +99,11 @@ def test_torch_tpu_branch_hands_the_jax_function_to_torch_tpu_bridge(kernel, mon
     monkeypatch.setattr(torch.tpu, "pallas", types.SimpleNamespace(custom_jax_kernel=custom_jax_kernel), raising=False)
     monkeypatch.setattr(ops, "_host_view", lambda t: None)  # as if these were TorchTPU tensors
     monkeypatch.setattr(ops, "_TPU_CALLABLES", {})
+    return calls
+
+
+def test_torch_tpu_branch_hands_the_jax_function_to_torch_tpu_bridge(kernel, torch_tpu_bridge):
+    """Real-TPU branch: the JAX function goes to TorchTPU's bridge, built once per (implementation, layout)."""
     g = torch.Generator().manual_seed(0)
     lhs, rhs, sizes = torch.randn(12, 16, generator=g), torch.randn(3, 24, 16, generator=g), torch.tensor([4, 0, 8])
     expected = kernel.ragged_dot(lhs, rhs, sizes, rhs_transposed=True)
@@ -105,36 +113,12 @@ def test_torch_tpu_branch_hands_the_jax_function_to_torch_tpu_bridge(kernel, mon
         )
         assert out.device.type == "tpu"
         torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
-    assert calls == [("ragged_dot_tpu_ragged_dot_pallas_interpret_nk", False)]
+    assert torch_tpu_bridge == [("ragged_dot_tpu_ragged_dot_pallas_interpret_nk", False)]
 
 
-def test_torch_tpu_branch_runs_the_fused_experts_through_the_bridge(kernel, monkeypatch):
+def test_torch_tpu_branch_runs_the_fused_experts_through_the_bridge(kernel, torch_tpu_bridge):
     """The fused experts op on the real-TPU branch: the whole layer goes to TorchTPU's bridge as one JAX function
-    (weights as arrays, never split), and comes back equal to the CPU result."""
-    import importlib
-    import types
-
-    import jax
-
-    ops = importlib.import_module(f"{kernel.__name__}._ops")
-    calls = []
-
-    def custom_jax_kernel(fn, name=None, warn_deprecated=True):
-        calls.append(name)
-
-        def run(*tensors):
-            arrays = [jax.dlpack.from_dlpack(hf_tpu.sim.host_view(t).contiguous()) for t in tensors]
-            assert all(isinstance(a, jax.Array) for a in arrays)
-            result = torch.from_dlpack(fn(*arrays))
-            out = torch.empty(result.shape, dtype=result.dtype, device="tpu")
-            hf_tpu.sim.host_view(out).copy_(result)
-            return out
-
-        return run
-
-    monkeypatch.setattr(torch.tpu, "pallas", types.SimpleNamespace(custom_jax_kernel=custom_jax_kernel), raising=False)
-    monkeypatch.setattr(ops, "_host_view", lambda t: None)
-    monkeypatch.setattr(ops, "_TPU_CALLABLES", {})
+    (weights as whole arrays), and comes back equal to the CPU result."""
     cpu = make_experts(num_experts=8)
     dev = make_experts(num_experts=8).to("tpu")
     g = torch.Generator().manual_seed(4)
@@ -146,4 +130,4 @@ def test_torch_tpu_branch_runs_the_fused_experts_through_the_bridge(kernel, monk
         expected = kernel.experts_forward(cpu, x, index, weights)
     assert out.device.type == "tpu"
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
-    assert calls == ["ragged_dot_tpu_moe_experts_pallas_interpret_nk"]
+    assert torch_tpu_bridge == [("ragged_dot_tpu_moe_experts_pallas_interpret_nk", False)]
