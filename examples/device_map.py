@@ -12,11 +12,12 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import hf_tpu
 from hf_tpu import runtime
 from hf_tpu.device_map import DeviceMapFitError, format_bytes, tpu_memory
+from hf_tpu.testing import tiny_model
 
 
 def main() -> None:
@@ -24,18 +25,9 @@ def main() -> None:
     print(f"TPU: {info.mode}, {info.device_count} device(s), {format_bytes(tpu_memory(0).total)} HBM on tpu:0")
     hf_tpu.enable()
 
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
     path = tempfile.mkdtemp(prefix="hf_tpu_device_map_")
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    sizes = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4}
+    tiny_model("llama", path, tie_word_embeddings=True, **sizes)
     ids = torch.tensor([[1, 17, 42, 99, 7]])
 
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # no device_map: on the CPU

@@ -6,22 +6,13 @@ No TPU and no download needed: the model is built from a config with random weig
 """
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_tpu.sim
+from hf_tpu.testing import tiny_model
 
 hf_tpu.sim.enable(generation="v6e")  # also: HF_TPU_SIMULATE=1, or `import hf_tpu.sim`
 
-torch.manual_seed(0)
-config = LlamaConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-model = LlamaForCausalLM(config).eval().to("tpu")
+model = tiny_model("llama", vocab_size=256, hidden_size=64, intermediate_size=128).to("tpu")
 print("device:", next(model.parameters()).device, "-", torch.tpu.get_device_name())
 
 ids = torch.randint(0, 256, (2, 12))

@@ -34,20 +34,10 @@ def _demo_model(folder: str) -> str:
         return str(default_model_path())
     except (ImportError, FileNotFoundError):
         pass
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_tpu.testing import tiny_model
 
     path = os.path.join(folder, "tiny-llama-2kv")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
+    tiny_model("llama", path, vocab_size=1000, hidden_size=64, intermediate_size=128, num_attention_heads=8)
     return path
 
 

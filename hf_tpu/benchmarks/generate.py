@@ -46,17 +46,11 @@ def _model_path(arg: str | None, workdir: Path, max_len: int) -> Path:
             return path
     except (ImportError, OSError, AttributeError):
         pass
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_tpu.testing import tiny_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=max(1024, max_len), bos_token_id=1, eos_token_id=2,
-        pad_token_id=0,
-    )  # fmt: skip
     path = workdir / "tiny-llama"
-    LlamaForCausalLM(config).save_pretrained(path)
+    sizes = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128}
+    tiny_model("llama", path, max_position_embeddings=max(1024, max_len), **sizes)
     return path
 
 

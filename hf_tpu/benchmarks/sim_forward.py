@@ -27,19 +27,13 @@ QUICK = {"hidden": 64, "seq": 32, "iters": 5}
 
 
 def build(hidden: int, layers: int, vocab: int = 1000):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_tpu.testing import tiny_model
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 4,
-        num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 16, 1),
-        num_key_value_heads=max(hidden // 32, 1),
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    heads = {"num_attention_heads": max(hidden // 16, 1), "num_key_value_heads": max(hidden // 32, 1)}
+    return tiny_model(
+        "llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
+        max_position_embeddings=512, **heads,
+    )  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

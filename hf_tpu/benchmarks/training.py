@@ -31,15 +31,13 @@ QUICK = {"steps": 4, "batch": 2}
 
 
 def build(hidden: int, layers: int, vocab: int = 512):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_tpu.testing import tiny_model
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 16, 1), num_key_value_heads=max(hidden // 32, 1),
-        max_position_embeddings=128, use_cache=False,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg)
+    heads = {"num_attention_heads": max(hidden // 16, 1), "num_key_value_heads": max(hidden // 32, 1)}
+    return tiny_model(
+        "llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
+        max_position_embeddings=128, use_cache=False, **heads,
+    ).train()  # fmt: skip
 
 
 def data(steps: int, batch: int, vocab: int = 512) -> list[list[dict]]:

@@ -16,25 +16,16 @@ from hf_tpu.selftest import CheckContext, register_check
 @register_check("device_map", description="device_map='tpu'/'auto' place a tiny Llama; outputs match CPU", order=60)
 def _device_map(ctx: CheckContext) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import hf_tpu
     from hf_tpu.device_map import DeviceMapFitError, placement_bytes, tpu_memory
+    from hf_tpu.testing import tiny_model
 
     figures: dict[str, Any] = {"hbm_free_mib": round(tpu_memory(0).free / 1024**2, 1)}
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
     ids = torch.tensor([[1, 17, 42, 99, 7]])
     with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_") as path:
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(path)
+        tiny_model("llama", path, tie_word_embeddings=True)
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         with torch.no_grad():
             expected = reference(ids).logits

@@ -41,19 +41,14 @@ def _ranks(ctx: CheckContext) -> int:
 def _tensor_parallel(ctx: CheckContext) -> dict[str, Any]:
     if ctx.info.mode == "none":
         raise SkipCheck("no tpu device (see the runtime check)")
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_tpu.testing import tiny_model
 
     ranks = _ranks(ctx)
     with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_tp_") as tmp:
         model_dir = os.path.join(tmp, "model")
-        torch.manual_seed(0)
         # 2 KV heads: from 4 ranks on, hf_tpu has to replicate attention.
-        config = LlamaConfig(
-            vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-        )  # fmt: skip
-        LlamaForCausalLM(config).save_pretrained(model_dir)
+        sizes = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 64}
+        tiny_model("llama", model_dir, num_attention_heads=8, num_key_value_heads=2, **sizes)
         cmd = [sys.executable, "-m", "hf_tpu.launch", f"--nproc_per_node={ranks}"]
         if ctx.simulated:
             cmd.append("--simulate")

@@ -54,20 +54,15 @@ def _train(model, batches, ctx: CheckContext | None, figures: dict[str, Any]) ->
 def _training(ctx: CheckContext) -> dict[str, Any]:
     if ctx.info.mode == "none":
         raise SkipCheck("no tpu device (see the runtime check)")
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import hf_tpu
+    from hf_tpu.testing import tiny_model
 
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, use_cache=False,
-    )  # fmt: skip
     batches = _batches()
     raw: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_train_") as path:
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(path)
+        tiny_model("llama", path, max_position_embeddings=64, use_cache=False)
         expected = _train(AutoModelForCausalLM.from_pretrained(path), batches, None, raw)
         got = _train(AutoModelForCausalLM.from_pretrained(path).to(ctx.device), batches, ctx, raw)
         # Real chips run float32 matmuls at reduced precision by default: a looser tolerance there.

@@ -22,14 +22,11 @@ from hf_tpu.selftest import CheckContext, register_check
 )
 def _generation(ctx: CheckContext) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import hf_tpu
+    from hf_tpu.testing import tiny_model
 
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
     g = torch.Generator().manual_seed(0)
     ids = torch.zeros(2, 11, dtype=torch.long)
     mask = torch.zeros(2, 11, dtype=torch.long)
@@ -39,8 +36,7 @@ def _generation(ctx: CheckContext) -> dict[str, Any]:
     new = 8
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_") as path:
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(path)
+        tiny_model("llama", path, max_position_embeddings=128)
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         expected = reference.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None)
         model = ctx.to_device(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())

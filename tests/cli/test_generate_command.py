@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-import torch
 
 import hf_tpu
 from hf_tpu.cli import generate as command
@@ -15,7 +14,9 @@ TEXT = "the king said that the queen and the prince would ride to the castle at 
 
 def _tiny_model_dir(path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_tpu.testing import tiny_model
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -24,12 +25,7 @@ def _tiny_model_dir(path):
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
     fast.save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=fast.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=None,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(path)
+    tiny_model("llama", path, vocab_size=fast.vocab_size, max_position_embeddings=128, eos_token_id=None)
     return fast
 
 

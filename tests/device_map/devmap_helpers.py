@@ -10,21 +10,9 @@ VOCAB = 96
 
 
 def tiny_llama_config(tied: bool):
-    from transformers import LlamaConfig
+    from hf_tpu.testing import tiny_config
 
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return tiny_config("llama", vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=tied)
 
 
 def _save_tokenizer(path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from _launch_util import launch, processes_mentioning
 
 pytestmark = [pytest.mark.distributed]
@@ -21,37 +20,13 @@ WORKER = "tests/distributed/_tp_worker.py"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from hf_tpu.testing import tiny_model
 
     root = tmp_path_factory.mktemp("tp_models")
-    torch.manual_seed(0)
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=1000,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    )
-    llama.save_pretrained(root / "llama_kv2")
-    qwen = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=1001,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            tie_word_embeddings=True,
-            max_position_embeddings=64,
-        )
-    )
+    wide = {"hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 64}
+    tiny_model("llama", root / "llama_kv2", vocab_size=1000, num_attention_heads=8, **wide)
+    qwen = tiny_model("qwen3", root / "qwen3_tied", vocab_size=1001, head_dim=16, tie_word_embeddings=True, **wide)
     assert qwen.lm_head.weight is qwen.model.embed_tokens.weight
-    qwen.save_pretrained(root / "qwen3_tied")
     return [str(root / "llama_kv2"), str(root / "qwen3_tied")]
 
 

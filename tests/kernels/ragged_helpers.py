@@ -72,33 +72,8 @@ def make_experts(num_experts: int, hidden: int = 32, intermediate: int = 16, dty
 
 def tiny_moe(family: str):
     """(model class, config) of a tiny Qwen3-MoE or Mixtral with the same expert shapes."""
-    if family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
 
-        config = Qwen3MoeConfig(
-            vocab_size=256,
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_experts=8,
-            num_experts_per_tok=2,
-        )
-        return Qwen3MoeForCausalLM, config
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from hf_tpu.testing import FAMILIES, tiny_config
 
-    config = MixtralConfig(  # same expert shapes as the Qwen3-MoE one: the compiled programs are shared
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-    )
-    return MixtralForCausalLM, config
+    return getattr(transformers, FAMILIES[family][1]), tiny_config(family, vocab_size=256)

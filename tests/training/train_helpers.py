@@ -9,12 +9,9 @@ SEQ = 16
 
 
 def tiny_config():
-    from transformers import LlamaConfig
+    from hf_tpu.testing import tiny_config as config
 
-    return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+    return config("llama", vocab_size=VOCAB, max_position_embeddings=64)
 
 
 def examples(n: int, lengths: tuple[int, ...] = (5, 9, 12, SEQ), seed: int = 0) -> list[dict]:

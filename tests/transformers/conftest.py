@@ -13,24 +13,12 @@ import hf_tpu
 import hf_tpu.sim
 
 VOCAB = 96
-COMMON = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
 def _config(family: str):
-    import transformers as T
+    from hf_tpu.testing import tiny_config
 
-    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
-    if family == "llama":
-        return T.LlamaConfig(num_key_value_heads=2, max_position_embeddings=256, **small, **COMMON)
-    if family == "qwen3":
-        return T.Qwen3Config(num_key_value_heads=2, head_dim=8, max_position_embeddings=256, **small, **COMMON)
-    if family == "gemma":
-        return T.GemmaConfig(num_key_value_heads=1, head_dim=8, max_position_embeddings=256, **small, **COMMON)
-    if family == "gpt2":
-        return T.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, **COMMON)
-    if family == "t5":
-        return T.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0, **COMMON)
-    raise ValueError(family)
+    return tiny_config(family, vocab_size=VOCAB)
 
 
 _MODELS: dict[str, tuple] = {}
