@@ -146,3 +146,32 @@ def test_fused_op_every_host_implementation_matches_float64(kernel, implementati
     with torch.no_grad():
         out = kernel.experts_op(x, index.int(), weights, module.gate_up_proj, module.down_proj, True, implementation)
     torch.testing.assert_close(out.double(), experts_reference(module, x, index, weights), atol=1e-5, rtol=0)
+
+
+def test_a_weight_jax_would_copy_is_not_kept_and_not_retried(kernel, monkeypatch):
+    """If JAX copied a matrix on import (a misaligned one, say), views would go stale: the weight takes the
+    whole-array path, and the failed import is remembered instead of repeated on every call."""
+    ops = _ops(kernel)
+    module, x, index, weights = _layer(9, 4)
+    matrix_ptrs = {w[g].data_ptr() for w in (module.gate_up_proj, module.down_proj) for g in range(4)}
+    imports = []
+    real = ops._to_jax
+
+    def copying(t):
+        array = real(t)
+        if t.data_ptr() in matrix_ptrs and t.dim() == 2:  # an expert matrix: comes back as a copy
+            imports.append(t.data_ptr())
+            return array.copy()
+        return array
+
+    monkeypatch.setattr(ops, "_to_jax", copying)
+    monkeypatch.setattr(ops, "_MATRICES", {})
+    with torch.no_grad():
+        first = kernel.experts_forward(module, x, index, weights)
+        tried = len(imports)
+        second = kernel.experts_forward(module, x, index, weights)
+    assert tried == 2 * 4  # both weights, 4 experts each, once
+    assert len(imports) == tried
+    assert ops._MATRICES[id(module.gate_up_proj)][1] is None
+    torch.testing.assert_close(first.double(), experts_reference(module, x, index, weights), atol=1e-5, rtol=0)
+    torch.testing.assert_close(second, first, atol=0, rtol=0)

@@ -167,12 +167,12 @@ def _matrices(t: torch.Tensor, owner: torch.Tensor):
     entry = _MATRICES.get(key)
     if entry is not None and entry[0] == signature and entry[2]() is owner:
         return entry[1]
-    if t.dim() != 3 or not t.is_contiguous() or t.dtype not in _FAST_DTYPES:
+    if t.dim() != 3 or not t.is_contiguous() or t.dtype not in _FAST_DTYPES or t.shape[0] == 0:
         return None
     weight = t.detach()
     matrices = tuple(_to_jax(weight[g]) for g in range(weight.shape[0]))
     if any(m.unsafe_buffer_pointer() != weight[g].data_ptr() for g, m in enumerate(matrices)):
-        return None  # JAX copied (say, a misaligned matrix): a kept copy would go stale
+        matrices = None  # JAX copied (say, a misaligned matrix): a kept copy would go stale; remembered as such
 
     def forget(ref, key=key):
         if _MATRICES.get(key, (None, None, None))[2] is ref:
