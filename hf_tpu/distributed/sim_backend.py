@@ -115,13 +115,15 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
         return f"SimulatedTPUProcessGroup(rank={self._rank}, size={self._size}, name={self._name!r})"
 
     # -- helpers --------------------------------------------------------------------------------------------------
-    def _run(self, fn: Callable[[_Staged], Any]):
+    def _run(self, fn: Callable[[_Staged], Any], result: Any = None):
+        """Run ``fn`` on staged CPU views; the returned work's future holds ``result``: the output tensors, as
+        c10d's own backends return them (DistributedDataParallel's reducer reads its gradients back from there)."""
         stage = _Staged(self._to_host)
         work = fn(stage)
         if work is not None:
             work.wait()
         stage.finish()
-        return _done()
+        return _done(result)
 
     @staticmethod
     def _avg(opts) -> tuple[Any, bool]:
@@ -149,18 +151,18 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
                 for v in views:
                     v.div_(self._size)
 
-        return self._run(go)
+        return self._run(go, list(tensors))
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts=None):
         for t in tensors:
             o = AllreduceOptions()
             o.reduceOp = (opts or AllreduceCoalescedOptions()).reduceOp
             self.allreduce([t], o)
-        return _done()
+        return _done(list(tensors))
 
     def broadcast(self, tensors: Sequence[torch.Tensor], opts=None):
         opts = opts or BroadcastOptions()
-        return self._run(lambda s: self._gloo.broadcast([s(t, output=True) for t in tensors], opts))
+        return self._run(lambda s: self._gloo.broadcast([s(t, output=True) for t in tensors], opts), list(tensors))
 
     def reduce(self, tensors: Sequence[torch.Tensor], opts=None):
         opts, average = self._avg(opts or ReduceOptions())
@@ -172,26 +174,29 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
                 for v in views:
                     v.div_(self._size)
 
-        return self._run(go)
+        return self._run(go, list(tensors))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts or AllgatherOptions()
         return self._run(
             lambda s: self._gloo.allgather(
                 [[s(t, output=True) for t in outs] for outs in output_tensors], [s(t) for t in input_tensors], opts
-            )
+            ),
+            [list(outs) for outs in output_tensors],
         )
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
         opts = opts or AllgatherOptions()
-        return self._run(lambda s: self._gloo._allgather_base(s(output_tensor, output=True), s(input_tensor), opts))
+        return self._run(
+            lambda s: self._gloo._allgather_base(s(output_tensor, output=True), s(input_tensor), opts), [output_tensor]
+        )
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, output_tensors, input_tensors, opts=None):
         for out, inp in zip(output_tensors, input_tensors, strict=True):
             self.all_gather_single(out, inp, opts)
-        return _done()
+        return _done(list(output_tensors))
 
     def all_gather_single_coalesced(self, output_tensors, input_tensors, opts=None):
         return self.allgather_into_tensor_coalesced(output_tensors, input_tensors, opts)
@@ -199,7 +204,7 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         for outs, inp in zip(output_lists, input_list, strict=True):
             self.allgather([outs], [inp], opts)
-        return _done()
+        return _done([list(outs) for outs in output_lists])
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
         opts, average = self._avg(opts or ReduceScatterOptions())
@@ -211,7 +216,7 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
                 for v in outs:
                     v.div_(self._size)
 
-        return self._run(go)
+        return self._run(go, list(output_tensors))
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         opts, average = self._avg(opts or ReduceScatterOptions())
@@ -222,14 +227,14 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
             if average:
                 out.div_(self._size)
 
-        return self._run(go)
+        return self._run(go, [output_tensor])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, output_tensors, input_tensors, opts=None):
         for out, inp in zip(output_tensors, input_tensors, strict=True):
             self.reduce_scatter_single(out, inp, opts)
-        return _done()
+        return _done(list(output_tensors))
 
     def reduce_scatter_single_coalesced(self, output_tensors, input_tensors, opts=None):
         return self.reduce_scatter_tensor_coalesced(output_tensors, input_tensors, opts)
@@ -239,7 +244,8 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
         return self._run(
             lambda s: self._gloo.alltoall(
                 [s(t, output=True) for t in output_tensors], [s(t) for t in input_tensors], opts
-            )
+            ),
+            list(output_tensors),
         )
 
     def all_to_all_single(self, output_tensor, input_tensor, output_split_sizes, input_split_sizes, opts=None):
@@ -251,7 +257,8 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
                 list(output_split_sizes or []),
                 list(input_split_sizes or []),
                 opts,
-            )
+            ),
+            [output_tensor],
         )
 
     alltoall_base = all_to_all_single
@@ -261,7 +268,8 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
         return self._run(
             lambda s: self._gloo.gather(
                 [[s(t, output=True) for t in outs] for outs in output_tensors], [s(t) for t in input_tensors], opts
-            )
+            ),
+            [list(outs) for outs in output_tensors],
         )
 
     def scatter(self, output_tensors, input_tensors, opts=None):
@@ -269,14 +277,15 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
         return self._run(
             lambda s: self._gloo.scatter(
                 [s(t, output=True) for t in output_tensors], [[s(t) for t in lst] for lst in input_tensors], opts
-            )
+            ),
+            list(output_tensors),
         )
 
     def send(self, tensors, dst: int, tag: int = 0):
         return self._run(lambda s: self._gloo.send([s(t) for t in tensors], dst, tag))
 
     def recv(self, tensors, src: int, tag: int = 0):
-        return self._run(lambda s: self._gloo.recv([s(t, output=True) for t in tensors], src, tag))
+        return self._run(lambda s: self._gloo.recv([s(t, output=True) for t in tensors], src, tag), list(tensors))
 
     def barrier(self, opts=None):
         return self._run(lambda s: self._gloo.barrier(opts or BarrierOptions()))

@@ -53,7 +53,8 @@ def _patch_default_device() -> None:
             raise TPUTrainingError(
                 f"accelerate {_version('accelerate')} has no distributed mode for torch_tpu processes: this is one of "
                 f"{world} ranks, and the Trainer would train each rank alone. Use the data-parallel loop of "
-                "docs/training.md (DistributedDataParallel over the tpu_dist process group), or run one process."
+                "docs/training.md (hf_tpu.training.data_parallel, or DistributedDataParallel over the tpu_dist "
+                "process group), or run one process."
             )
         return torch.device("tpu", 0)
 

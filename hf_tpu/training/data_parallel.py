@@ -52,8 +52,8 @@ def init(backend: str = "tpu_dist") -> tuple[int, int]:
 def wrap(model: Any) -> Any:
     """Check that ``model`` can train data-parallel on the TPU and give every rank rank 0's weights; returns it.
 
-    Call :func:`all_reduce_gradients` after each ``backward()``. (torch's ``DistributedDataParallel`` is not used:
-    its C++ reducer crashes on the simulated device, and one flat all-reduce per step is what TPUs want anyway.)
+    Call :func:`all_reduce_gradients` after each ``backward()``: one flat all-reduce per step. (torch's
+    ``DistributedDataParallel`` over ``tpu_dist`` works too, and all-reduces bucket by bucket inside ``backward``.)
 
     Example:
         >>> model = wrap(model.to("tpu"))   # doctest: +SKIP

@@ -1,8 +1,9 @@
 """One rank of the data-parallel training test, started by ``hf-tpu launch --simulate --nproc_per_node=N``.
 
-``python _dp_worker.py OUT_DIR MODEL_DIR STEPS``. Every rank loads the same model on its own ``tpu:0``, takes its
-slice of each global batch and averages the gradients over the ``tpu_dist`` process group
-(``hf_tpu.training.data_parallel``). It writes the all-reduced loss of every step and a checksum of its weights to
+``python _dp_worker.py OUT_DIR MODEL_DIR STEPS [hf_tpu|ddp]``. Every rank loads the same model on its own ``tpu:0``,
+takes its slice of each global batch and averages the gradients over the ``tpu_dist`` process group: with
+``hf_tpu.training.data_parallel`` (``hf_tpu``, the default) or inside ``backward`` with torch's
+``DistributedDataParallel`` (``ddp``). It writes the all-reduced loss of every step and a checksum of its weights to
 ``OUT_DIR/rank{RANK}.json``; the test compares them with one chip trained on the whole batch.
 """
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 out_dir, model_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+mode = sys.argv[4] if len(sys.argv) > 4 else "hf_tpu"
 rank = int(os.environ["RANK"])
 result: dict = {"rank": rank, "world_size": int(os.environ["WORLD_SIZE"])}
 try:
@@ -27,10 +29,14 @@ try:
     from hf_tpu.training import data_parallel as dp
 
     rank, world = dp.init()
-    model = dp.wrap(AutoModelForCausalLM.from_pretrained(model_dir).to("tpu"))
     local = [dp.shard_batch(b, rank, world) for b in global_batches(steps)]
     result["local_rows"] = int(local[0]["input_ids"].shape[0])
-    result["losses"] = train(model, local, reduce=dp.all_reduce_mean, sync=dp.all_reduce_gradients)
+    if mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(AutoModelForCausalLM.from_pretrained(model_dir).to("tpu"))
+        result["losses"] = train(model, local, reduce=dp.all_reduce_mean)  # DDP averages the gradients itself
+    else:
+        model = dp.wrap(AutoModelForCausalLM.from_pretrained(model_dir).to("tpu"))
+        result["losses"] = train(model, local, reduce=dp.all_reduce_mean, sync=dp.all_reduce_gradients)
     result["checksum"] = float(sum(p.detach().double().sum().cpu() for p in model.parameters()))
     result["device"] = str(next(model.parameters()).device)
     dist.destroy_process_group()

@@ -1,5 +1,6 @@
-"""Data-parallel training over ``hf-tpu launch --simulate`` (2 ranks, one simulated chip each) equals one chip
-trained on the doubled batch, computed here in the test process. The launch has a timeout and leaves no process."""
+"""Data-parallel training over ``hf-tpu launch --simulate`` (2 ranks, one simulated chip each), with hf_tpu's helpers
+and with torch's DistributedDataParallel, equals one chip trained on the doubled batch, computed here in the test
+process. The launch has a timeout and leaves no process."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ WORKER = "tests/training/_dp_worker.py"
 STEPS = 3
 
 
-def test_two_chips_equal_one_chip_with_the_doubled_batch(model_dir, load, tmp_path):
+@pytest.mark.parametrize("mode", ["hf_tpu", "ddp"])
+def test_two_chips_equal_one_chip_with_the_doubled_batch(model_dir, load, tmp_path, mode):
+    """``hf_tpu``: hf_tpu.training.data_parallel; ``ddp``: torch's DistributedDataParallel over ``tpu_dist``."""
     out = tmp_path / "dp"
     out.mkdir()
     code, log, _ = launch(
-        ["--simulate", "--nproc_per_node=2", WORKER, str(out), str(model_dir), str(STEPS)], timeout=240
+        ["--simulate", "--nproc_per_node=2", WORKER, str(out), str(model_dir), str(STEPS), mode], timeout=240
     )
     assert code == 0, log[-6000:]
     assert not processes_mentioning(str(out)), "ranks left running after the launcher exited"
