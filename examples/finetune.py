@@ -5,6 +5,7 @@ Runs on a TPU VM (torch-tpu installed) or anywhere on the simulated TPU:
     HF_TPU_SIMULATE=1 python examples/finetune.py                 # full fine-tune, bf16 autocast
     HF_TPU_SIMULATE=1 python examples/finetune.py --lora          # LoRA adapters with peft
     HF_TPU_SIMULATE=1 python examples/finetune.py --compare       # also train on CPU and compare losses
+    hf-tpu launch --simulate --nproc_per_node=2 examples/finetune.py   # data parallel: 2 chips, 4 rows each
 
 The data is the shipped held-out text (The Tempest, act I), cut into examples of 16-64 tokens and padded to
 fixed lengths by ``BucketingCollator`` so that, after the first step of each length, no step compiles anything.

@@ -8,9 +8,12 @@ Upstream state (transformers 5.24, accelerate 1.15), checked on the simulated de
   on the same device" (or, with CPU inputs, trains on the host without a word). hf_tpu patches
   ``PartialState.default_device`` to answer ``tpu:0`` when the current accelerator is a TPU and the state is not
   forced to the CPU.
-- accelerate has no distributed type for torch_tpu processes: under a launcher with several ranks it would treat
-  each rank as a separate single-process run (every rank trains alone). ``default_device`` refuses that case with
-  :class:`~hf_tpu.training.TPUTrainingError` pointing at the data-parallel recipe in docs/training.md.
+- accelerate has no distributed type for torch_tpu processes: under a launcher with several ranks it treats each
+  rank as a separate single-process run (every rank trains alone, on its own data). hf_tpu makes such ranks one
+  data-parallel run: accelerate's ``MULTI_CPU`` type, whose model wrapping is a plain ``DistributedDataParallel``,
+  over ``tpu_dist`` (gloo for CPU tensors), each process on its chip ``tpu:0``; the Trainer then shards the batches
+  and DDP averages the gradients. (On the simulated device ``ddp_find_unused_parameters`` defaults to False: see
+  ``_ddp_defaults``.)
 - ``Trainer.__init__`` runs :func:`hf_tpu.training.check_trainable` first when its device is a TPU (quantized
   models, CUDA-only optimizers, fp16). Upstream refuses fp16 too (accelerate: "fp16 mixed precision requires a
   device in (...)"), without saying to use bf16; the others fail later, inside bitsandbytes or a CUDA kernel.
@@ -37,6 +40,15 @@ def _tpu_is_current() -> bool:
     return accelerator is not None and accelerator.type == "tpu"
 
 
+def _launched_ranks() -> int:
+    """The number of ranks this process was launched among (``WORLD_SIZE``; 1 when not launched)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+# torch_tpu's ``tpu_dist`` for tpu tensors, gloo for the CPU tensors accelerate gathers (objects, metrics).
+DISTRIBUTED_BACKEND = "cpu:gloo,tpu:tpu_dist"
+
+
 def _patch_default_device() -> None:
     import torch
     from accelerate.state import PartialState
@@ -46,19 +58,37 @@ def _patch_default_device() -> None:
     def default_device(self) -> torch.device:
         if not _tpu_is_current():
             return upstream.fget(self)
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        if world > 1:
-            from hf_tpu.training.checks import TPUTrainingError
-
-            raise TPUTrainingError(
-                f"accelerate {_version('accelerate')} has no distributed mode for torch_tpu processes: this is one of "
-                f"{world} ranks, and the Trainer would train each rank alone. Use the data-parallel loop of "
-                "docs/training.md (hf_tpu.training.data_parallel, or DistributedDataParallel over the tpu_dist "
-                "process group), or run one process."
-            )
         return torch.device("tpu", 0)
 
     _patch.patch(PartialState, "default_device", property(default_device), feature=FEATURE, **ACCELERATE)
+
+
+def _patch_distributed_state() -> None:
+    """Several launched TPU processes become one accelerate data-parallel run: accelerate's ``MULTI_CPU`` type
+    (the one whose model wrapping is a plain ``DistributedDataParallel(model)``, without CUDA device ids) over
+    :data:`DISTRIBUTED_BACKEND`, each process on its own chip, ``tpu:0``."""
+    import torch
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    upstream_backend = _patch.original(PartialState, "_prepare_backend")
+    upstream_set_device = _patch.original(PartialState, "set_device")
+
+    def _prepare_backend(self, cpu: bool = False, sagemaker_dp=False, backend: str | None = None):
+        if cpu or sagemaker_dp or _launched_ranks() < 2 or not _tpu_is_current():
+            return upstream_backend(self, cpu, sagemaker_dp, backend)
+        self._hf_tpu_ranks = True
+        return backend or DISTRIBUTED_BACKEND, DistributedType.MULTI_CPU
+
+    def set_device(self):
+        if self.device is None and getattr(self, "_hf_tpu_ranks", False):
+            self.device = torch.device("tpu", 0)  # one chip per process: each sees its own as tpu:0
+            torch.accelerator.set_device_index(self.device)
+            return
+        return upstream_set_device(self)
+
+    _patch.patch(PartialState, "_prepare_backend", _prepare_backend, feature=FEATURE, **ACCELERATE)
+    _patch.patch(PartialState, "set_device", set_device, feature=FEATURE, **ACCELERATE)
 
 
 def _version(name: str) -> str:
@@ -81,12 +111,35 @@ def _patch_trainer_init() -> None:
             from hf_tpu.training.checks import check_trainable
 
             check_trainable(model, training_args)
+            if _launched_ranks() > 1:
+                _ddp_defaults(training_args)
         upstream(self, *args, **kwargs)
 
     _patch.patch(Trainer, "__init__", __init__, feature=FEATURE, **TRANSFORMERS)
 
 
+def _ddp_defaults(training_args) -> None:
+    """DistributedDataParallel options for TPU ranks. ``find_unused_parameters`` (the Trainer's default for models
+    without gradient checkpointing) keeps its per-step bookkeeping in pinned host memory: on hf_tpu's simulated
+    device there is none (torch offers Python backends no pinned allocator), so it defaults to False there, and an
+    explicit True is refused with the fix."""
+    from hf_tpu import runtime
+
+    if runtime.detect().mode != "simulated":
+        return
+    if training_args.ddp_find_unused_parameters:
+        from hf_tpu.training.checks import TPUTrainingError
+
+        raise TPUTrainingError(
+            "TrainingArguments(ddp_find_unused_parameters=True) needs pinned host memory, which the simulated tpu "
+            "device does not have. Set ddp_find_unused_parameters=False (every parameter must then take part in "
+            "each forward), or test this run on a TPU."
+        )
+    training_args.ddp_find_unused_parameters = False
+
+
 def apply() -> None:
     """Apply the training integration (called by :func:`hf_tpu.enable`)."""
     _patch_default_device()
+    _patch_distributed_state()
     _patch_trainer_init()

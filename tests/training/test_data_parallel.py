@@ -1,6 +1,6 @@
-"""Data-parallel training over ``hf-tpu launch --simulate`` (2 ranks, one simulated chip each), with hf_tpu's helpers
-and with torch's DistributedDataParallel, equals one chip trained on the doubled batch, computed here in the test
-process. The launch has a timeout and leaves no process."""
+"""Data-parallel training over ``hf-tpu launch --simulate`` (2 ranks, one simulated chip each), with hf_tpu's helpers,
+with torch's DistributedDataParallel and with the Trainer, equals one chip trained on the doubled batch, computed here
+in the test process. The launch has a timeout and leaves no process."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from _dp_data import GLOBAL_BATCH, global_batches, train
+from _dp_data import GLOBAL_BATCH, global_batches, train, trainer_losses
 from _launch_util import launch, processes_mentioning
 
 from hf_tpu.training import data_parallel as dp
@@ -23,9 +23,11 @@ WORKER = "tests/training/_dp_worker.py"
 STEPS = 3
 
 
-@pytest.mark.parametrize("mode", ["hf_tpu", "ddp"])
+@pytest.mark.parametrize("mode", ["hf_tpu", "ddp", "trainer"])
 def test_two_chips_equal_one_chip_with_the_doubled_batch(model_dir, load, tmp_path, mode):
-    """``hf_tpu``: hf_tpu.training.data_parallel; ``ddp``: torch's DistributedDataParallel over ``tpu_dist``."""
+    """``hf_tpu``: hf_tpu.training.data_parallel; ``ddp``: torch's DistributedDataParallel over ``tpu_dist``;
+    ``trainer``: ``transformers.Trainer`` with ``hf_tpu.enable()``, which makes the launched ranks one accelerate
+    data-parallel run (DistributedDataParallel, the batches sharded by the Trainer)."""
     out = tmp_path / "dp"
     out.mkdir()
     code, log, _ = launch(
@@ -38,7 +40,12 @@ def test_two_chips_equal_one_chip_with_the_doubled_batch(model_dir, load, tmp_pa
         assert "error" not in r, r["error"]
         assert r["world_size"] == 2 and r["local_rows"] == GLOBAL_BATCH // 2 and r["device"] == "tpu:0"
 
-    one_chip = train(load("tpu"), global_batches(STEPS))
+    if mode == "trainer":
+        assert ranks[0]["backend"] == "cpu:gloo,tpu:tpu_dist"
+        one_chip = trainer_losses(load("tpu"), STEPS, 1, str(tmp_path / "one_chip"))
+    else:
+        one_chip = train(load("tpu"), global_batches(STEPS))
+    assert len(one_chip) == STEPS
     torch.testing.assert_close(ranks[0]["losses"], one_chip, rtol=1e-5, atol=1e-5)
     assert ranks[0]["losses"] == ranks[1]["losses"]
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], abs=1e-9)  # replicas stay identical

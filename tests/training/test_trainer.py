@@ -151,13 +151,35 @@ def test_quantized_model_is_refused(load, tmp_path):
         Trainer(model=model, args=_args(tmp_path, "tpu"), train_dataset=examples(4))
 
 
-def test_data_parallel_trainer_is_refused_not_run_per_rank(monkeypatch):
-    from accelerate.state import PartialState
+def test_launched_tpu_ranks_become_one_data_parallel_run(monkeypatch):
+    """Under a launcher (WORLD_SIZE > 1) on a TPU, accelerate's backend choice is a data-parallel run over
+    tpu_dist (its MULTI_CPU type: a plain DistributedDataParallel); alone, or asked for the CPU, upstream's."""
+    import types
 
-    PartialState._reset_state()
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = types.SimpleNamespace()
     monkeypatch.setenv("WORLD_SIZE", "2")
+    assert PartialState._prepare_backend(state) == ("cpu:gloo,tpu:tpu_dist", DistributedType.MULTI_CPU)
+    assert state._hf_tpu_ranks
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert PartialState._prepare_backend(types.SimpleNamespace()) == (None, DistributedType.NO)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert PartialState._prepare_backend(types.SimpleNamespace(), cpu=True)[0] == "gloo"  # upstream's CPU run
+    hf_tpu.disable("training")
     try:
-        with pytest.raises(TPUTrainingError, match="data-parallel loop"):
-            PartialState().device  # noqa: B018
+        assert PartialState._prepare_backend(types.SimpleNamespace()) == (None, DistributedType.NO)  # every rank alone
     finally:
-        PartialState._reset_state()
+        hf_tpu.enable("training")
+
+
+def test_find_unused_parameters_defaults_off_on_the_simulator(monkeypatch, tmp_path):
+    from hf_tpu.training._integration import _ddp_defaults
+
+    args = _args(tmp_path, "tpu")
+    assert args.ddp_find_unused_parameters is None
+    _ddp_defaults(args)
+    assert args.ddp_find_unused_parameters is False
+    with pytest.raises(TPUTrainingError, match="ddp_find_unused_parameters=False"):
+        _ddp_defaults(_args(tmp_path, "tpu", ddp_find_unused_parameters=True))
