@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from train_helpers import SEQ, examples
+from train_helpers import SEQ, Losses, examples
 
 from hf_tpu.training import BucketingCollator
 
@@ -36,21 +36,6 @@ def train(model, batches: list[dict], reduce=None, sync=None) -> list[float]:
     return losses
 
 
-class _LossLog:
-    def __new__(cls):
-        from transformers import TrainerCallback
-
-        class _Log(TrainerCallback):
-            def __init__(self):
-                self.values: list[float] = []
-
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if logs and "loss" in logs:
-                    self.values.append(float(logs["loss"]))
-
-        return _Log()
-
-
 def trainer_losses(model, steps: int, world: int, output_dir: str) -> list[float]:
     """``steps`` Trainer steps of ``GLOBAL_BATCH`` rows in all (``GLOBAL_BATCH // world`` per process, the Trainer
     shards the batches over the launched ranks), constant learning rate; the logged loss of every step."""
@@ -61,7 +46,7 @@ def trainer_losses(model, steps: int, world: int, output_dir: str) -> list[float
         learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1, report_to=[],
         save_strategy="no", dataloader_pin_memory=False, seed=0,
     )  # fmt: skip
-    log = _LossLog()
+    log = Losses()
     collate = BucketingCollator(buckets=(SEQ,), pad_token_id=0, return_attention_mask=False)
     data = examples(steps * GLOBAL_BATCH, lengths=(SEQ,), seed=3)
     Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[log]).train()

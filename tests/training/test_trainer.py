@@ -8,28 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from train_helpers import examples
+from train_helpers import Losses, examples
 
 import hf_tpu
 from hf_tpu.training import BucketingCollator, TPUTrainingError
 from hf_tpu.training.callbacks import StepCounters
-
-
-class Losses:
-    """Per-step training losses from the Trainer's log."""
-
-    def __new__(cls):
-        from transformers import TrainerCallback
-
-        class _Losses(TrainerCallback):
-            def __init__(self):
-                self.values: list[float] = []
-
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if logs and "loss" in logs:
-                    self.values.append(float(logs["loss"]))
-
-        return _Losses()
 
 
 def _args(tmp_path, device: str, **overrides):

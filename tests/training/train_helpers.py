@@ -20,3 +20,20 @@ def examples(n: int, lengths: tuple[int, ...] = (5, 9, 12, SEQ), seed: int = 0) 
     return [
         {"input_ids": torch.randint(3, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist()} for i in range(n)
     ]
+
+
+class Losses:
+    """A ``TrainerCallback`` collecting the logged loss of every step in ``.values``."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class _Losses(TrainerCallback):
+            def __init__(self):
+                self.values: list[float] = []
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    self.values.append(float(logs["loss"]))
+
+        return _Losses()
