@@ -214,3 +214,54 @@ def test_fused_experts_layer_lowers_for_tpu(kernel):
     exported = export.export(jax.jit(fn), platforms=["tpu"])(*args)
     assert exported.mlir_module().count("tpu_custom_call") >= 2
     assert exported.out_avals[0].shape == (tokens, hidden) and exported.out_avals[0].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("rhs_transposed", [False, True])
+def test_pallas_contraction_tiles_accumulate(kernel, rhs_transposed):
+    """K split in 4 tiles: each visit accumulates over them, the output block is zeroed once per row tile."""
+    rng = np.random.default_rng(2)
+    lhs = rng.standard_normal((50, 64)).astype(np.float32)
+    rhs = rng.standard_normal((6, 128, 64) if rhs_transposed else (6, 64, 128)).astype(np.float32)
+    sizes = np.array([9, 0, 17, 3, 12, 4], np.int32)  # 45 rows: the last 5 belong to no group
+    out = _jax_kernels(kernel).ragged_dot_pallas(
+        lhs, rhs, sizes, rhs_transposed=rhs_transposed, interpret=True, tm=8, tk=16
+    )
+    ref = ragged_dot_reference(lhs, rhs, sizes, rhs_transposed)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="tk=24 must divide K=64"):
+        _jax_kernels(kernel).ragged_dot_pallas(lhs, rhs, sizes, rhs_transposed=rhs_transposed, interpret=True, tk=24)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "split"),
+    [
+        (512, 1536, 2048, False),  # Qwen3-30B-A3B gate_up at 64 tokens, top-8: whole K fits
+        (512, 2048, 768, False),  # ... and its down projection
+        (256, 28672, 4096, False),  # Mixtral-8x7B gate_up: whole K fits (10.8 MiB)
+        (256, 4096, 14336, True),  # ... and its down projection (K = 14336 = 7 x 2048)
+    ],
+)
+def test_tiles_fit_the_vmem_budget(kernel, m, n, k, split):
+    jk = _jax_kernels(kernel)
+    tm, tn, tk = jk._tile_sizes(m, n, k, jax.numpy.bfloat16)
+    assert n % tn == 0 and k % tk == 0
+    assert (tk < k) == split
+    assert jk.vmem_bytes(tm, tn, tk, jax.numpy.bfloat16) <= jk.VMEM_BUDGET
+    assert split or jk.vmem_bytes(tm, tn, k, jax.numpy.bfloat16) <= jk.VMEM_BUDGET
+
+
+def test_large_contraction_lowers_for_tpu(kernel):
+    """Mixtral-8x7B's down projection (K = 14336) exports for the TPU platform with the contraction tiled."""
+    from jax import export
+
+    jnp = jax.numpy
+    jk = _jax_kernels(kernel)
+    args = (
+        jax.ShapeDtypeStruct((256, 14336), "bfloat16"),
+        jax.ShapeDtypeStruct((8, 4096, 14336), "bfloat16"),
+        jax.ShapeDtypeStruct((8,), jnp.int32),
+    )
+    exported = export.export(jax.jit(lambda a, b, c: jk.ragged_dot_pallas(a, b, c, rhs_transposed=True)),
+                             platforms=["tpu"])(*args)  # fmt: skip
+    assert "tpu_custom_call" in exported.mlir_module()
+    assert exported.out_avals[0].shape == (256, 4096)

@@ -66,7 +66,7 @@ def _gmm_kernel(
     g = gid_ref[v]
     t = tid_ref[v]
 
-    @pl.when(first_ref[v] == 1)
+    @pl.when((first_ref[v] == 1) & (pl.program_id(2) == 0))
     def _init():
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
@@ -78,7 +78,22 @@ def _gmm_kernel(
     out_ref[...] += lax.dot_general(x, w, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
-def _tile_sizes(m: int, n: int, dtype) -> tuple[int, int]:
+# VMEM the kernel's blocks may take: the lhs and weight blocks double-buffered plus the float32 output block, kept
+# under the smallest default scoped VMEM limit of current TPUs (16 MiB) with room for Mosaic's own scratch.
+VMEM_BUDGET = 12 * 1024 * 1024
+
+
+def vmem_bytes(tm: int, tn: int, tk: int, dtype) -> int:
+    """VMEM taken by one grid step's blocks: (tm, tk) rows and (tk, tn) weights, both double-buffered, and the
+    (tm, tn) float32 accumulator."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return 2 * (tm * tk + tk * tn) * itemsize + tm * tn * 4
+
+
+def _tile_sizes(m: int, n: int, k: int, dtype) -> tuple[int, int, int]:
+    """Row, output and contraction tiles: up to 128 rows, 512 output columns, and the whole contraction when its
+    blocks fit :data:`VMEM_BUDGET`, else the largest of 2048 ... 128 that divides it and fits (a weight block of a
+    large model, 512 x 14336 in bf16 for Mixtral's down projection, is 14 MiB alone)."""
     sublane = 16 if jnp.dtype(dtype).itemsize < 4 else 8
     tm = min(128, _round_up(max(m, 1), sublane))
     tn = n
@@ -86,10 +101,16 @@ def _tile_sizes(m: int, n: int, dtype) -> tuple[int, int]:
         if n % cand == 0:
             tn = cand
             break
-    return tm, tn
+    tk = k
+    if vmem_bytes(tm, tn, k, dtype) > VMEM_BUDGET:
+        for cand in (2048, 1024, 512, 256, 128):
+            if k % cand == 0 and vmem_bytes(tm, tn, cand, dtype) <= VMEM_BUDGET:
+                tk = cand
+                break
+    return tm, tn, tk
 
 
-@functools.partial(jax.jit, static_argnames=("rhs_transposed", "interpret", "tm", "tn"))
+@functools.partial(jax.jit, static_argnames=("rhs_transposed", "interpret", "tm", "tn", "tk"))
 def ragged_dot_pallas(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -99,17 +120,25 @@ def ragged_dot_pallas(
     interpret: bool = False,
     tm: int | None = None,
     tn: int | None = None,
+    tk: int | None = None,
 ) -> jax.Array:
-    """Grouped matmul as a Pallas TPU kernel (``interpret=True`` runs the same kernel body on CPU)."""
+    """Grouped matmul as a Pallas TPU kernel (``interpret=True`` runs the same kernel body on CPU).
+
+    Grid: (output column tiles, visits, contraction tiles); a visit accumulates its group's product into its row
+    tile's float32 output block over the contraction tiles. Tiles: see :func:`_tile_sizes` (``tk`` must divide K).
+    """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
-    auto_tm, auto_tn = _tile_sizes(m, n, lhs.dtype)
+    auto_tm, auto_tn, auto_tk = _tile_sizes(m, n, k, lhs.dtype)
     tm = tm or auto_tm
     tn = tn or auto_tn
+    tk = tk or auto_tk
+    if k % tk or n % tn:
+        raise ValueError(f"ragged_dot_pallas: tn={tn} must divide N={n} and tk={tk} must divide K={k}")
     m_padded = _round_up(max(m, 1), tm)
     lhs_p = jnp.pad(lhs, ((0, m_padded - m), (0, 0))) if m_padded != m else lhs
     plan = visit_plan(group_sizes, m_padded, tm)
@@ -117,14 +146,14 @@ def ragged_dot_pallas(
     last = num_groups - 1
 
     if rhs_transposed:
-        rhs_spec = pl.BlockSpec((1, tn, k), lambda j, v, gid, *_: (jnp.minimum(gid[v], last), j, 0))
+        rhs_spec = pl.BlockSpec((1, tn, tk), lambda j, v, kk, gid, *_: (jnp.minimum(gid[v], last), j, kk))
     else:
-        rhs_spec = pl.BlockSpec((1, k, tn), lambda j, v, gid, *_: (jnp.minimum(gid[v], last), 0, j))
+        rhs_spec = pl.BlockSpec((1, tk, tn), lambda j, v, kk, gid, *_: (jnp.minimum(gid[v], last), kk, j))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(n // tn, num_visits),
-        in_specs=[pl.BlockSpec((tm, k), lambda j, v, gid, tid, *_: (tid[v], 0)), rhs_spec],
-        out_specs=pl.BlockSpec((tm, tn), lambda j, v, gid, tid, *_: (tid[v], j)),
+        grid=(n // tn, num_visits, k // tk),
+        in_specs=[pl.BlockSpec((tm, tk), lambda j, v, kk, gid, tid, *_: (tid[v], kk)), rhs_spec],
+        out_specs=pl.BlockSpec((tm, tn), lambda j, v, kk, gid, tid, *_: (tid[v], j)),
     )
     kernel = functools.partial(_gmm_kernel, tm=tm, num_groups=num_groups, rhs_transposed=rhs_transposed)
     out = pl.pallas_call(
@@ -132,7 +161,9 @@ def ragged_dot_pallas(
         out_shape=jax.ShapeDtypeStruct((m_padded, n), jnp.float32),
         grid_spec=grid_spec,
         interpret=interpret,
-        compiler_params=None if interpret else pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=None
+        if interpret
+        else pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         name="ragged_dot_tpu_gmm",
     )(*plan, lhs_p, rhs)
     return out[:m].astype(lhs.dtype)
