@@ -20,11 +20,12 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch
 from kernels import get_local_kernel
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import hf_tpu.sim
 from hf_tpu.kernels import RAGGED_DOT_REPO
+from hf_tpu.testing import tiny_model
 
 
 def main() -> None:
@@ -37,13 +38,9 @@ def main() -> None:
     #    reversibly).
     ALL_EXPERTS_FUNCTIONS.register("ragged_dot_tpu", kernel.experts_forward)
 
-    config = Qwen3MoeConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4,
-    )  # fmt: skip
-    torch.manual_seed(0)
+    sizes = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32}
     with tempfile.TemporaryDirectory() as path:
-        Qwen3MoeForCausalLM(config).save_pretrained(path)
+        config = tiny_model("qwen3_moe", path, head_dim=16, num_experts=16, num_experts_per_tok=4, **sizes).config
         models = {
             impl: AutoModelForCausalLM.from_pretrained(path, experts_implementation=impl).eval().to("tpu")
             for impl in ("ragged_dot_tpu", "eager")
