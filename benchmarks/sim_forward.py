@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_tpu.benchmarks.sim_forward import main
+from hf_tpu.benchmarks.__main__ import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main([Path(__file__).stem, *sys.argv[1:]]))

@@ -5,8 +5,10 @@ Each benchmark is a module ``hf_tpu.benchmarks.<name>`` with:
 - ``add_arguments(parser)``: its options (sizes, iterations, threads);
 - ``QUICK``: option defaults for ``--quick`` (small sizes, few iterations; options given explicitly still win);
 - ``run(args) -> dict``: measures and returns the figures as plain JSON-able data;
-- ``print_table(figures)``: prints them as the benchmark's table;
-- ``main(argv=None) -> int``: parse, run, print (what ``python benchmarks/<name>.py`` calls).
+- ``print_table(figures)``: prints them as the benchmark's table.
+
+``python -m hf_tpu.benchmarks NAME`` (:mod:`hf_tpu.benchmarks.__main__`) parses, runs and prints one of them; the
+scripts ``benchmarks/<name>.py`` of a checkout call it.
 
 Every figure is measured side by side in one run (a ratio of two things measured together, or counters of the
 simulated device), never against a stored number. :data:`BENCHMARKS` lists them without importing them, so

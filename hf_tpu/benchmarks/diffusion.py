@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -27,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-__all__ = ["QUICK", "add_arguments", "main", "print_table", "run"]
+__all__ = ["QUICK", "add_arguments", "print_table", "run"]
 
 # --quick: two denoising steps (the sizes are already tiny).
 QUICK = {"steps": 2}
@@ -169,15 +168,3 @@ def print_table(figures: dict) -> None:
     print(
         json.dumps({"pipeline": figures["pipeline"], "results": results, "warmup_seconds": figures["warmup_seconds"]})
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python benchmarks/diffusion.py``: parse ``argv``, run, print the table and the JSON line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    print_table(run(parser.parse_args(argv)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

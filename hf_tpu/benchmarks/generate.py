@@ -27,7 +27,7 @@ from pathlib import Path
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-__all__ = ["QUICK", "add_arguments", "main", "print_table", "run"]
+__all__ = ["QUICK", "add_arguments", "print_table", "run"]
 
 # --quick: 4 prompt lengths up to 64.
 QUICK = {"lengths": 4, "max_prompt": 64, "max_new_tokens": 4}
@@ -248,16 +248,3 @@ def print_table(figures: dict) -> None:
         "its wall times do not show what an eager op per new shape costs on a TPU; compare compiles and signatures."
     )
     print("targets met" if figures["targets_met"] else "TARGETS MISSED")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python benchmarks/generate.py``: parse ``argv``, run, print the table; 1 when a target is missed."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    figures = run(parser.parse_args(argv))
-    print_table(figures)
-    return 0 if figures["targets_met"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

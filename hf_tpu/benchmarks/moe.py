@@ -17,14 +17,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch
 
-__all__ = ["QUICK", "add_arguments", "main", "print_table", "run"]
+__all__ = ["QUICK", "add_arguments", "print_table", "run"]
 
 # --quick: fewer experts, two batch sizes, few routings and repeats.
 QUICK = {"experts": 16, "top_k": 4, "hidden": 64, "intermediate": 64, "batches": [1, 8], "routings": 8, "repeats": 5}
@@ -192,15 +191,3 @@ def print_table(record: dict) -> None:
                 sim_cols = f"{s['new_signatures']:>14} {s['ops_per_call']:>9.1f} {s['host_syncs_per_call']:>10.1f}"
             print(f"{tokens:>6}  {name:<18} {sim_cols} {t:>14.0f} {ratio:>6.2f}x {t2:>12.0f} {ratio2:>6.2f}x")
     print(json.dumps(record))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python benchmarks/moe.py``: parse ``argv``, run, print the table and the JSON line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    print_table(run(parser.parse_args(argv)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

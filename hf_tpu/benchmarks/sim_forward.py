@@ -20,7 +20,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch
 
-__all__ = ["QUICK", "add_arguments", "build", "main", "print_table", "run"]
+__all__ = ["QUICK", "add_arguments", "build", "print_table", "run"]
 
 # --quick: the small size only, few iterations.
 QUICK = {"hidden": 64, "seq": 32, "iters": 5}
@@ -119,15 +119,3 @@ def print_table(figures: dict) -> None:
             f"{r['overhead_us_per_op']:.1f} us overhead per op)"
         )
         print(f"  ratio sim/cpu    {r['ratio']:8.2f}x   (target <= 2x)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python benchmarks/sim_forward.py``: parse ``argv``, run, print the table."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    print_table(run(p.parse_args(argv)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

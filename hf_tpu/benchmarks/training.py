@@ -24,7 +24,7 @@ import torch
 import hf_tpu.sim
 from hf_tpu.training import BucketingCollator
 
-__all__ = ["QUICK", "add_arguments", "main", "print_table", "run"]
+__all__ = ["QUICK", "add_arguments", "print_table", "run"]
 
 # --quick: a few steps of a smaller batch (the first two see both buckets and are left out).
 QUICK = {"steps": 4, "batch": 2}
@@ -160,15 +160,3 @@ def print_table(figures: dict) -> None:
     print("(new eager shapes are counted per process: a shape one variant made is not new for the next)")
     for name, diff in f["max_loss_difference"].items():
         print(f"max loss difference {name!r} vs 'tpu eager, buckets': {diff:.2e}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python benchmarks/training.py``: parse ``argv``, run, print the table."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    print_table(run(p.parse_args(argv)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -94,7 +94,7 @@ def test_a_benchmarks_own_help(capsys):
 @pytest.mark.parametrize("name", list(BENCHMARKS))
 def test_every_benchmark_has_the_interface_and_valid_quick_options(name):
     module = benchmarks.load(name)
-    for attr in ("add_arguments", "run", "print_table", "main"):
+    for attr in ("add_arguments", "run", "print_table"):
         assert callable(getattr(module, attr)), f"hf_tpu.benchmarks.{name}.{attr}"
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
@@ -107,7 +107,19 @@ def test_wrappers_in_benchmarks_still_import(name):
     spec = importlib.util.spec_from_file_location(f"_bench_wrapper_{name}", REPO / "benchmarks" / f"{name}.py")
     wrapper = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(wrapper)
-    assert wrapper.main is benchmarks.load(name).main
+    from hf_tpu.benchmarks.__main__ import main as run_one
+
+    assert wrapper.main is run_one
+
+
+def test_a_wrapper_runs_its_own_benchmark():
+    """``python benchmarks/<name>.py`` passes its file name on as the benchmark to run."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "moe.py"), "--help"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "hf-tpu bench moe" in proc.stdout and "--experts" in proc.stdout
 
 
 def test_quick_runs_end_to_end_with_consistent_json(tmp_path):
