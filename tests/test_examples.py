@@ -48,13 +48,13 @@ def test_example_runs_on_the_simulator(script, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_tensor_parallel_example_runs_on_two_simulated_chips(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "hf_tpu.launch", "--simulate", "--nproc_per_node=2",
-         str(REPO / "examples" / "tp_generate.py"), "--compare"],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=280, check=False,
-    )  # fmt: skip
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+def test_tensor_parallel_example_runs_on_two_simulated_chips():
+    sys.path.insert(0, str(REPO / "tests" / "distributed"))
+    from _launch_util import launch, processes_mentioning
+
+    script = str(REPO / "examples" / "tp_generate.py")
+    code, out, _ = launch(["--simulate", "--nproc_per_node=2", script, "--compare"], timeout=280)
+    assert code == 0, out[-4000:]
     for rank in (0, 1):
         assert f"[rank {rank}] TP=2 greedy output equals the unsharded model's: True" in out, out[-4000:]
+    assert not processes_mentioning(script), "ranks left running after the launcher exited"
