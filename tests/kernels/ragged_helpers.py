@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import torch
 
@@ -77,3 +79,13 @@ def tiny_moe(family: str):
     from hf_tpu.testing import FAMILIES, tiny_config
 
     return getattr(transformers, FAMILIES[family][1]), tiny_config(family, vocab_size=256)
+
+
+def kernel_ops(kernel):
+    """The loaded kernel's torch side (``<package>._ops``)."""
+    return importlib.import_module(f"{kernel.__name__}._ops")
+
+
+def jax_kernels(kernel):
+    """The loaded kernel's JAX side (``<package>._jax_kernels``)."""
+    return importlib.import_module(f"{kernel.__name__}._jax_kernels")

@@ -4,7 +4,6 @@ input checks. Every result is compared with a float64 reference or with the same
 from __future__ import annotations
 
 import gc
-import importlib
 
 import numpy as np
 import pytest
@@ -12,15 +11,7 @@ import torch
 
 pytest.importorskip("jax", reason="the ragged-dot kernel runs in JAX: pip install 'hf-tpu[kernels]'")
 
-from ragged_helpers import experts_reference, make_experts, ragged_dot_reference, routing
-
-
-def _ops(kernel):
-    return importlib.import_module(f"{kernel.__name__}._ops")
-
-
-def _jk(kernel):
-    return importlib.import_module(f"{kernel.__name__}._jax_kernels")
+from ragged_helpers import experts_reference, jax_kernels, kernel_ops, make_experts, ragged_dot_reference, routing
 
 
 def _layer(seed: int, tokens: int, num_experts: int = 4):
@@ -34,7 +25,7 @@ def _layer(seed: int, tokens: int, num_experts: int = 4):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
 def test_fast_import_shares_memory_and_matches_the_public_api(kernel, dtype):
-    ops = _ops(kernel)
+    ops = kernel_ops(kernel)
     t = (torch.arange(24) - 7).reshape(2, 3, 4).to(dtype)
     fast = ops._to_jax(t)
     public = ops._public_to_jax(t)
@@ -44,7 +35,7 @@ def test_fast_import_shares_memory_and_matches_the_public_api(kernel, dtype):
 
 
 def test_public_import_is_used_where_the_fast_one_is_unavailable(kernel, monkeypatch):
-    ops = _ops(kernel)
+    ops = kernel_ops(kernel)
     module, x, index, weights = _layer(2, 3)
     with torch.no_grad():
         expected = kernel.experts_forward(module, x, index, weights)
@@ -57,7 +48,7 @@ def test_public_import_is_used_where_the_fast_one_is_unavailable(kernel, monkeyp
 
 
 def test_expert_matrices_are_kept_per_weight_and_follow_in_place_updates(kernel):
-    ops = _ops(kernel)
+    ops = kernel_ops(kernel)
     module, x, index, weights = _layer(3, 5)
     with torch.no_grad():
         kernel.experts_forward(module, x, index, weights)
@@ -79,7 +70,7 @@ def test_expert_matrices_are_kept_per_weight_and_follow_in_place_updates(kernel)
 
 
 def test_expert_matrices_are_dropped_with_their_weight(kernel):
-    ops = _ops(kernel)
+    ops = kernel_ops(kernel)
     module, x, index, weights = _layer(4, 2)
     with torch.no_grad():
         kernel.experts_forward(module, x, index, weights)
@@ -91,7 +82,7 @@ def test_expert_matrices_are_dropped_with_their_weight(kernel):
 
 
 def test_non_contiguous_weights_take_the_whole_array(kernel):
-    ops = _ops(kernel)
+    ops = kernel_ops(kernel)
     g = torch.Generator().manual_seed(5)
     lhs = torch.randn(40, 16, generator=g)
     rhs = torch.randn(6, 16, 24, generator=g).transpose(1, 2)  # (G, N, K) view of a (G, K, N) tensor
@@ -106,7 +97,7 @@ def test_non_contiguous_weights_take_the_whole_array(kernel):
 @pytest.mark.parametrize("rhs_transposed", [False, True])
 def test_split_weights_match_the_weight_array(kernel, rhs_transposed):
     """The JAX loop given the G matrices (the host path's default) equals the loop given the (G, ., .) array."""
-    jk = _jk(kernel)
+    jk = jax_kernels(kernel)
     rng = np.random.default_rng(6)
     for m, g in ((9, 5), (300, 12)):
         lhs = rng.standard_normal((m, 24)).astype(np.float32)
@@ -151,7 +142,7 @@ def test_fused_op_every_host_implementation_matches_float64(kernel, implementati
 def test_a_weight_jax_would_copy_is_not_kept_and_not_retried(kernel, monkeypatch):
     """If JAX copied a matrix on import (a misaligned one, say), views would go stale: the weight takes the
     whole-array path, and the failed import is remembered instead of repeated on every call."""
-    ops = _ops(kernel)
+    ops = kernel_ops(kernel)
     module, x, index, weights = _layer(9, 4)
     matrix_ptrs = {w[g].data_ptr() for w in (module.gate_up_proj, module.down_proj) for g in range(4)}
     imports = []

@@ -8,7 +8,7 @@ import torch
 
 jax = pytest.importorskip("jax", reason="the ragged-dot kernel runs in JAX: pip install 'hf-tpu[kernels]'")
 
-from ragged_helpers import ragged_dot_reference
+from ragged_helpers import jax_kernels, ragged_dot_reference
 
 SHAPES = [  # (M, K, N, G)
     (1, 32, 64, 4),
@@ -30,12 +30,6 @@ def _sizes(kind: str, m: int, g: int, rng: np.random.Generator) -> np.ndarray:
     raise ValueError(kind)
 
 
-def _jax_kernels(kernel):
-    import importlib
-
-    return importlib.import_module(f"{kernel.__name__}._jax_kernels")
-
-
 CASES = [  # every shape, every routing kind and both weight layouts, without the full product (interpret is slow)
     (SHAPES[0], "random", False),
     (SHAPES[0], "one_group", True),
@@ -54,7 +48,7 @@ def test_pallas_kernel_interpret_matches_float64(kernel, shape, kind, rhs_transp
     lhs = rng.standard_normal((m, k)).astype(np.float32)
     rhs = rng.standard_normal((g, n, k) if rhs_transposed else (g, k, n)).astype(np.float32)
     sizes = _sizes(kind, m, g, rng)
-    jk = _jax_kernels(kernel)
+    jk = jax_kernels(kernel)
     ref = ragged_dot_reference(lhs, rhs, sizes, rhs_transposed)
     out = np.asarray(jk.ragged_dot_pallas(lhs, rhs, sizes, rhs_transposed=rhs_transposed, interpret=True))
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
@@ -69,7 +63,7 @@ def test_xla_tiled_every_tile_size(kernel, tm, rhs_transposed, kind):
     """The CPU loop with tiles smaller than, equal to and larger than the groups (and the row-gather path for
     few rows), empty groups skipped, rows past the last group zero."""
     rng = np.random.default_rng(hash((tm, rhs_transposed, kind)) % 2**32)
-    jk = _jax_kernels(kernel)
+    jk = jax_kernels(kernel)
     for m, g in ((7, 5), (90, 12)):
         lhs = rng.standard_normal((m, 24)).astype(np.float32)
         rhs = rng.standard_normal((g, 40, 24) if rhs_transposed else (g, 24, 40)).astype(np.float32)
@@ -86,12 +80,12 @@ def test_pallas_small_tiles_cross_group_boundaries(kernel):
     rhs = rng.standard_normal((16, 16, 128)).astype(np.float32)
     sizes = rng.multinomial(97, [1 / 16] * 16).astype(np.int32)
     sizes[3] = 0
-    out = _jax_kernels(kernel).ragged_dot_pallas(lhs, rhs, sizes, interpret=True, tm=8)
+    out = jax_kernels(kernel).ragged_dot_pallas(lhs, rhs, sizes, interpret=True, tm=8)
     np.testing.assert_allclose(np.asarray(out), ragged_dot_reference(lhs, rhs, sizes), rtol=1e-5, atol=1e-4)
 
 
 def test_visit_plan_is_static_and_covers_every_row(kernel):
-    plan = jax.jit(_jax_kernels(kernel).visit_plan, static_argnums=(1, 2))
+    plan = jax.jit(jax_kernels(kernel).visit_plan, static_argnums=(1, 2))
     for sizes in ([5, 0, 0, 11], [0, 0, 16, 0], [1, 1, 1, 1], [0, 0, 0, 0]):
         gid, tid, first, starts, ends = (np.asarray(a) for a in plan(jax.numpy.array(sizes, jax.numpy.int32), 16, 4))
         assert gid.shape == (4 + 4,)  # m_tiles + G whatever the sizes
@@ -163,7 +157,7 @@ def test_pallas_kernel_lowers_for_tpu(kernel, m, k, n, g, rhs_transposed, dtype)
     from jax import export
 
     jnp = jax.numpy
-    fn = functools.partial(_jax_kernels(kernel).ragged_dot_pallas, rhs_transposed=rhs_transposed)
+    fn = functools.partial(jax_kernels(kernel).ragged_dot_pallas, rhs_transposed=rhs_transposed)
     rhs_shape = (g, n, k) if rhs_transposed else (g, k, n)
     args = (
         jax.ShapeDtypeStruct((m, k), dtype),
@@ -182,7 +176,7 @@ def test_fused_gated_mlp_lowers_for_tpu(kernel):
     from jax import export
 
     jnp = jax.numpy
-    fn = functools.partial(_jax_kernels(kernel).gated_mlp, rhs_transposed=True, implementation="pallas")
+    fn = functools.partial(jax_kernels(kernel).gated_mlp, rhs_transposed=True, implementation="pallas")
     m, hidden, inter, g = 64 * 8, 2048, 768, 128  # Qwen3-30B-A3B experts at 64 tokens, top-8
     args = (
         jax.ShapeDtypeStruct((m, hidden), "bfloat16"),
@@ -202,7 +196,7 @@ def test_fused_experts_layer_lowers_for_tpu(kernel):
     from jax import export
 
     jnp = jax.numpy
-    fn = functools.partial(_jax_kernels(kernel).moe_experts, rhs_transposed=True, implementation="pallas")
+    fn = functools.partial(jax_kernels(kernel).moe_experts, rhs_transposed=True, implementation="pallas")
     tokens, top_k, hidden, inter, g = 64, 8, 2048, 768, 128  # Qwen3-30B-A3B experts at 64 tokens
     args = (
         jax.ShapeDtypeStruct((tokens, hidden), "bfloat16"),
@@ -223,13 +217,13 @@ def test_pallas_contraction_tiles_accumulate(kernel, rhs_transposed):
     lhs = rng.standard_normal((50, 64)).astype(np.float32)
     rhs = rng.standard_normal((6, 128, 64) if rhs_transposed else (6, 64, 128)).astype(np.float32)
     sizes = np.array([9, 0, 17, 3, 12, 4], np.int32)  # 45 rows: the last 5 belong to no group
-    out = _jax_kernels(kernel).ragged_dot_pallas(
+    out = jax_kernels(kernel).ragged_dot_pallas(
         lhs, rhs, sizes, rhs_transposed=rhs_transposed, interpret=True, tm=8, tk=16
     )
     ref = ragged_dot_reference(lhs, rhs, sizes, rhs_transposed)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="tk=24 must divide K=64"):
-        _jax_kernels(kernel).ragged_dot_pallas(lhs, rhs, sizes, rhs_transposed=rhs_transposed, interpret=True, tk=24)
+        jax_kernels(kernel).ragged_dot_pallas(lhs, rhs, sizes, rhs_transposed=rhs_transposed, interpret=True, tk=24)
 
 
 @pytest.mark.parametrize(
@@ -242,7 +236,7 @@ def test_pallas_contraction_tiles_accumulate(kernel, rhs_transposed):
     ],
 )
 def test_tiles_fit_the_vmem_budget(kernel, m, n, k, split):
-    jk = _jax_kernels(kernel)
+    jk = jax_kernels(kernel)
     tm, tn, tk = jk._tile_sizes(m, n, k, jax.numpy.bfloat16)
     assert n % tn == 0 and k % tk == 0
     assert (tk < k) == split
@@ -255,7 +249,7 @@ def test_large_contraction_lowers_for_tpu(kernel):
     from jax import export
 
     jnp = jax.numpy
-    jk = _jax_kernels(kernel)
+    jk = jax_kernels(kernel)
     args = (
         jax.ShapeDtypeStruct((256, 14336), "bfloat16"),
         jax.ShapeDtypeStruct((8, 4096, 14336), "bfloat16"),

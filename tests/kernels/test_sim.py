@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("jax", reason="the ragged-dot kernel runs in JAX: pip install 'hf-tpu[kernels]'")
 
-from ragged_helpers import make_experts, routing, tiny_moe
+from ragged_helpers import kernel_ops, make_experts, routing, tiny_moe
 
 import hf_tpu.sim
 
@@ -76,12 +76,11 @@ def torch_tpu_bridge(kernel, monkeypatch):
     tensors. It runs the JAX function on the tensors' host views (each one a whole array: TorchTPU passes no
     tuples); the kernel sees the tensors as non-simulated, as TorchTPU's would. Yields the (name,
     warn_deprecated) of every bridge built."""
-    import importlib
     import types
 
     import jax
 
-    ops = importlib.import_module(f"{kernel.__name__}._ops")
+    ops = kernel_ops(kernel)
     calls = []
 
     def custom_jax_kernel(fn, name=None, warn_deprecated=True):
