@@ -77,11 +77,12 @@ def _patch_distributed_state() -> None:
     def _prepare_backend(self, cpu: bool = False, sagemaker_dp=False, backend: str | None = None):
         if cpu or sagemaker_dp or _launched_ranks() < 2 or not _tpu_is_current():
             return upstream_backend(self, cpu, sagemaker_dp, backend)
-        self._hf_tpu_ranks = True
         return backend or DISTRIBUTED_BACKEND, DistributedType.MULTI_CPU
 
     def set_device(self):
-        if self.device is None and getattr(self, "_hf_tpu_ranks", False):
+        # Upstream's MULTI_CPU needs cpu=True; without it, the state is the TPU ranks' run set up above.
+        tpu_ranks = self.distributed_type == DistributedType.MULTI_CPU and not self._cpu and _tpu_is_current()
+        if self.device is None and tpu_ranks:
             self.device = torch.device("tpu", 0)  # one chip per process: each sees its own as tpu:0
             torch.accelerator.set_device_index(self.device)
             return

@@ -142,10 +142,18 @@ def test_launched_tpu_ranks_become_one_data_parallel_run(monkeypatch):
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    state = types.SimpleNamespace()
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert PartialState._prepare_backend(state) == ("cpu:gloo,tpu:tpu_dist", DistributedType.MULTI_CPU)
-    assert state._hf_tpu_ranks
+    assert PartialState._prepare_backend(types.SimpleNamespace()) == (
+        "cpu:gloo,tpu:tpu_dist",
+        DistributedType.MULTI_CPU,
+    )
+    ranks = types.SimpleNamespace(device=None, distributed_type=DistributedType.MULTI_CPU, _cpu=False)
+    PartialState.set_device(ranks)
+    assert ranks.device == torch.device("tpu", 0)
+    cpu_ranks = types.SimpleNamespace(device=None, distributed_type=DistributedType.MULTI_CPU, _cpu=True)
+    cpu_ranks.local_process_index = 0
+    PartialState.set_device(cpu_ranks)  # upstream's own CPU data parallel keeps the CPU
+    assert cpu_ranks.device == torch.device("cpu", 0)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert PartialState._prepare_backend(types.SimpleNamespace()) == (None, DistributedType.NO)
     monkeypatch.setenv("WORLD_SIZE", "2")
