@@ -169,26 +169,6 @@ def test_pallas_kernel_lowers_for_tpu(kernel, m, k, n, g, rhs_transposed, dtype)
     assert exported.out_avals[0].shape == (m, n) and exported.out_avals[0].dtype == jnp.dtype(dtype)
 
 
-def test_fused_gated_mlp_lowers_for_tpu(kernel):
-    """The whole expert MLP (two Pallas grouped matmuls and the SiLU gate) exports for the TPU platform."""
-    import functools
-
-    from jax import export
-
-    jnp = jax.numpy
-    fn = functools.partial(jax_kernels(kernel).gated_mlp, rhs_transposed=True, implementation="pallas")
-    m, hidden, inter, g = 64 * 8, 2048, 768, 128  # Qwen3-30B-A3B experts at 64 tokens, top-8
-    args = (
-        jax.ShapeDtypeStruct((m, hidden), "bfloat16"),
-        jax.ShapeDtypeStruct((g, 2 * inter, hidden), "bfloat16"),
-        jax.ShapeDtypeStruct((g, hidden, inter), "bfloat16"),
-        jax.ShapeDtypeStruct((g,), jnp.int32),
-    )
-    exported = export.export(jax.jit(fn), platforms=["tpu"])(*args)
-    assert exported.mlir_module().count("tpu_custom_call") >= 2
-    assert exported.out_avals[0].shape == (m, hidden)
-
-
 def test_fused_experts_layer_lowers_for_tpu(kernel):
     """The whole experts layer (routing, two Pallas grouped matmuls, gate, combine) exports for the TPU platform."""
     import functools

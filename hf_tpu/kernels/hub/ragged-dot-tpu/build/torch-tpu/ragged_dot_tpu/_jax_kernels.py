@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["gated_mlp", "moe_experts", "ragged_dot_pallas", "ragged_dot_xla", "ragged_dot_xla_tiled", "visit_plan"]
+__all__ = ["moe_experts", "ragged_dot_pallas", "ragged_dot_xla", "ragged_dot_xla_tiled", "visit_plan"]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -310,20 +310,6 @@ def _gated_mlp(x, gate_up, down, group_sizes, rhs_transposed, implementation):
     gate, up = jnp.split(h, 2, axis=-1)
     h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
     return dot(h, down, group_sizes, rhs_transposed=rhs_transposed)
-
-
-@functools.partial(jax.jit, static_argnames=("rhs_transposed", "implementation"))
-def gated_mlp(
-    x: jax.Array,
-    gate_up: jax.Array,
-    down: jax.Array,
-    group_sizes: jax.Array,
-    *,
-    rhs_transposed: bool,
-    implementation: str,
-) -> jax.Array:
-    """``down(silu(gate) * up)`` per group, ``gate, up`` the two halves of ``x @ gate_up``."""
-    return _gated_mlp(x, gate_up, down, group_sizes, rhs_transposed, implementation)
 
 
 @functools.partial(jax.jit, static_argnames=("rhs_transposed", "implementation"))
