@@ -1,0 +1,44 @@
+"""The contract tier: hf_tpu's real-mode code against torch-tpu 0.2.0's own Python, on a host without chips.
+
+These tests run in ``.ci/run``'s second environment (``.venv-tpu``: torch 2.13.0 + torch-tpu 0.2.0 + libtpu), with
+torch_tpu autoloaded as on a TPU VM (``TORCH_DEVICE_BACKEND_AUTOLOAD=1``). They call the wheel's real functions
+(topology tables, ``set_tpu_launch_env``, ``torch.tpu.pallas.jax_op``, the patched ``torch.compile``, device
+properties); a stand-in replaces only what needs a chip (the PCI scan, device init), and is built from the wheel's
+own code or data.
+
+Where torch-tpu is not installed (the README's test venv) the whole directory is skipped, unless
+``HF_TPU_EXPECT_TORCH_TPU=1`` (set by ``.ci/run``) says it must be there: then a missing torch-tpu is an error.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import pytest
+
+
+def _torch_tpu_version() -> str | None:
+    try:
+        return importlib.metadata.version("torch-tpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+TORCH_TPU_VERSION = _torch_tpu_version()
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Skip the tier's modules (they import torch_tpu at module level) where torch-tpu is not installed."""
+    if TORCH_TPU_VERSION is not None:
+        return None
+    if os.environ.get("HF_TPU_EXPECT_TORCH_TPU") == "1":
+        raise RuntimeError("HF_TPU_EXPECT_TORCH_TPU=1 but torch-tpu is not installed in this environment")
+    return collection_path.name.startswith("test_") or None
+
+
+@pytest.fixture(scope="session")
+def torch_tpu_version() -> str:
+    """The installed torch-tpu version (the tier is written for 0.2.0)."""
+    assert TORCH_TPU_VERSION is not None
+    return TORCH_TPU_VERSION
