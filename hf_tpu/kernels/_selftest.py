@@ -42,7 +42,7 @@ def check_variant_selection() -> str:
     with hf_tpu.enabled("kernels"):
         try:
             module = get_local_kernel(RAGGED_DOT_REPO)
-        except Exception as exc:  # noqa: BLE001 - reworded below with kernels' backend
+        except Exception as exc:  # reworded below with kernels' backend
             raise AssertionError(
                 "variant: with hf_tpu.enable(), kernels.get_local_kernel did not select the torch-tpu build variant "
                 f"(kernels sees backend {_kernels_backend()!r}): {type(exc).__name__}: {exc}"

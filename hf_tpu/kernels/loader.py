@@ -90,7 +90,9 @@ def tpu_variant_selection() -> Iterator[None]:
     if hasattr(torch.backends, "tpu"):
         yield
         return
-    _patch.patch(torch.backends, "tpu", _placeholder(), feature=_FEATURE, package="kernels", versions=_KERNELS_VERSIONS)
+    _patch.patch(
+        torch.backends, "tpu", _placeholder(), feature=_FEATURE, package="kernels", versions=_KERNELS_VERSIONS
+    )
     try:
         yield
     finally:

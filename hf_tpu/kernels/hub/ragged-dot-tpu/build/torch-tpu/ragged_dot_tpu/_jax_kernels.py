@@ -225,9 +225,7 @@ def ragged_dot_pallas(
         in_specs=[pl.BlockSpec((tm, tk), lambda j, v, kk, gid, tid, *_: (tid[v], kk)), rhs_spec],
         out_specs=pl.BlockSpec((tm, tn), lambda j, v, kk, gid, tid, *_: (tid[v], j)),
     )
-    kernel = functools.partial(
-        _gmm_kernel, tm=tm, tk=tk, k=k, num_groups=num_groups, rhs_transposed=rhs_transposed
-    )
+    kernel = functools.partial(_gmm_kernel, tm=tm, tk=tk, k=k, num_groups=num_groups, rhs_transposed=rhs_transposed)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m_padded, n), jnp.float32),
