@@ -33,7 +33,7 @@ def _kernels_backend() -> str:
 
 def check_variant_selection() -> str:
     """Plain ``kernels.get_local_kernel`` on the shipped repository, with hf_tpu's kernels integration enabled, must
-    load the ``torch-tpu`` variant. Returns the loaded file; raises AssertionError naming what kernels chose."""
+    load the ``torch-tpu`` variant. Returns the variant's name; raises AssertionError naming what kernels chose."""
     from kernels import get_local_kernel
 
     import hf_tpu
@@ -50,7 +50,7 @@ def check_variant_selection() -> str:
     path = str(module.__file__).replace("\\", "/")
     if not path.endswith(_VARIANT):
         raise AssertionError(f"variant: kernels loaded {path}, expected the torch-tpu variant ({_VARIANT})")
-    return path
+    return "torch-tpu"
 
 
 def check_jax_op(kernel) -> list[str]:

@@ -75,6 +75,21 @@ def test_enable_on_a_host_with_chips_lets_plain_kernels_find_the_variant_until_d
         get_local_kernel(RAGGED_DOT_REPO)
 
 
+def test_selfcheck_names_a_wrong_variant(monkeypatch):
+    """What hf-tpu selftest reports on a TPU VM where kernels does not pick torch-tpu (say runtime finds no chips)."""
+    from hf_tpu import runtime
+    from hf_tpu.kernels._selftest import check_variant_selection
+
+    monkeypatch.setattr(runtime, "is_real", lambda: False)
+    monkeypatch.delattr(torch.backends, "tpu", raising=False)
+    hf_tpu.disable("kernels")
+    with pytest.raises(AssertionError, match=r"^variant: .*did not select the torch-tpu build variant.*'cpu'"):
+        check_variant_selection()
+    monkeypatch.setattr(runtime, "is_real", lambda: True)
+    assert check_variant_selection() == "torch-tpu"
+    assert not hasattr(torch.backends, "tpu")
+
+
 def test_enable_without_chips_leaves_kernels_detection_alone(host_with_chips, monkeypatch):
     from hf_tpu import runtime
 

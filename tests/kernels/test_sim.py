@@ -222,3 +222,14 @@ def test_a_torch_tpu_without_jax_op_is_named_in_the_error(kernel, torch_tpu_brid
     with pytest.raises(RuntimeError, match=match):
         kernel.ragged_dot(torch.randn(4, 8).to("tpu"), torch.randn(2, 8, 3).to("tpu"), torch.tensor([2, 2]).to("tpu"))
     assert torch_tpu_bridge == []
+    from hf_tpu.kernels._selftest import check_jax_op
+
+    with pytest.raises(AssertionError, match="^jax_op: .*" + match):  # what hf-tpu selftest reports
+        check_jax_op(kernel)
+
+
+def test_selfcheck_lists_the_ops_registered_through_jax_op(kernel, torch_tpu_bridge):
+    from hf_tpu.kernels._selftest import check_jax_op
+
+    ns = kernel_ops(kernel).OP_NAMESPACE
+    assert check_jax_op(kernel) == [f"{ns}::moe_experts_tpu", f"{ns}::ragged_dot_tpu"]
