@@ -66,7 +66,7 @@ def expose_tpu_backend(feature: str = "kernels") -> bool:
 
     Example:
         >>> import hf_tpu
-        >>> hf_tpu.enable("kernels")  # on a TPU VM, get_kernel("<org>/ragged-dot-tpu", version=1) then loads  # doctest: +SKIP
+        >>> hf_tpu.enable("kernels")  # on a TPU VM, plain kernels.get_kernel now finds torch-tpu  # doctest: +SKIP
     """
     import torch
 

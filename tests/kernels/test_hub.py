@@ -76,7 +76,7 @@ def test_enable_on_a_host_with_chips_lets_plain_kernels_find_the_variant_until_d
 
 
 def test_selfcheck_names_a_wrong_variant(monkeypatch):
-    """What hf-tpu selftest reports on a TPU VM where kernels does not pick torch-tpu (say runtime finds no chips)."""
+    """What hf-tpu selftest reports on a TPU VM where kernels does not pick torch-tpu (runtime finds no chips)."""
     from hf_tpu import runtime
     from hf_tpu.kernels._selftest import check_variant_selection
 
@@ -100,7 +100,7 @@ def test_enable_without_chips_leaves_kernels_detection_alone(host_with_chips, mo
 
 
 def test_enable_keeps_an_existing_torch_backends_tpu(host_with_chips, monkeypatch):
-    """A torch.backends.tpu set by someone else (the simulator, a later torch-tpu) is left as it is, also by disable."""
+    """A torch.backends.tpu set by someone else (the simulator, a later torch-tpu) is left alone, also by disable."""
     existing = types.ModuleType("torch.backends.tpu")
     monkeypatch.setattr(torch.backends, "tpu", existing, raising=False)
     with hf_tpu.enabled("kernels"):

@@ -209,7 +209,8 @@ def _jax_op():
     if tpu is None:
         raise RuntimeError(
             "ragged_dot_tpu got tensors on a 'tpu' device, but torch.tpu is missing: TorchTPU (torch_tpu) is not "
-            "loaded in this process; install torch-tpu>=0.2.0 (pip install torch-tpu jax) or move the tensors to the CPU."
+            "loaded in this process; install torch-tpu>=0.2.0 (pip install torch-tpu jax), or move the tensors to "
+            "the CPU."
         )
     try:
         pallas = tpu.pallas
