@@ -4,6 +4,8 @@
   transformers' experts interface; pass the returned name as ``experts_implementation``.
 - :func:`register_experts` registers any kernel's ``experts_forward`` (say one from ``kernels.get_kernel``).
 - :func:`load_local_kernel` / :func:`load_ragged_dot_kernel` load a Hub-layout kernel folder with ``kernels``.
+- ``hf_tpu.enable()`` on a TPU VM also lets plain ``kernels.get_kernel`` find ``torch-tpu`` build variants
+  (:func:`expose_tpu_backend`; torch-tpu 0.2.0 does not set the ``torch.backends.tpu`` that ``kernels`` looks for).
 
 Example:
     >>> import hf_tpu.kernels
@@ -16,6 +18,7 @@ from __future__ import annotations
 from hf_tpu.kernels.loader import (
     HUB_DIR,
     RAGGED_DOT_REPO,
+    expose_tpu_backend,
     load_local_kernel,
     load_ragged_dot_kernel,
     tpu_variant_selection,
@@ -34,6 +37,7 @@ __all__ = [
     "RAGGED_DOT_NAME",
     "RAGGED_DOT_REPO",
     "apply",
+    "expose_tpu_backend",
     "load_local_kernel",
     "load_ragged_dot_kernel",
     "register_experts",

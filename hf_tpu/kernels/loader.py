@@ -1,11 +1,17 @@
 """Load the Hub kernels that ship inside hf_tpu (``hf_tpu/kernels/hub/<repo>/``), through the ``kernels`` library.
 
 Each folder under ``hub/`` is a kernel repository in the Hub layout (``build/torch-tpu/<package>/`` plus its
-``metadata.json``), the same bytes one would upload with ``huggingface-cli upload``. ``kernels`` picks the
-``torch-tpu`` build variant when ``torch.backends.tpu`` exists, which TorchTPU sets when it is imported. On a
-host without TorchTPU (the simulated device, CI) the variant is still the right one to load, because the kernel
-also runs on CPU and simulated tensors through its XLA path; :func:`load_local_kernel` then makes ``kernels``
-see the TPU backend for the duration of the load only.
+``metadata.json``), the same bytes one would upload with ``huggingface-cli upload``.
+
+``kernels`` 0.17 picks the ``torch-tpu`` build variant only when ``torch.backends.tpu`` exists
+(``kernels.backends._backend``), and torch-tpu 0.2.0 never sets that attribute (no file of the wheel mentions it;
+checked after autoload). Two things close that gap:
+
+- :func:`expose_tpu_backend`, applied by ``hf_tpu.enable()`` on a host with TPU chips: a placeholder
+  ``torch.backends.tpu`` through hf_tpu's patch registry, so that plain ``kernels.get_kernel`` /
+  ``get_local_kernel`` find the variant; ``hf_tpu.disable()`` removes it.
+- :func:`tpu_variant_selection`, used by :func:`load_local_kernel`: the same placeholder for the duration of one
+  load, on any host (the kernel also runs on CPU and simulated tensors through its XLA path).
 
 Example:
     >>> from hf_tpu.kernels import load_ragged_dot_kernel
@@ -23,12 +29,53 @@ from types import ModuleType
 
 from hf_tpu import _patch
 
-__all__ = ["HUB_DIR", "RAGGED_DOT_REPO", "load_local_kernel", "load_ragged_dot_kernel", "tpu_variant_selection"]
+__all__ = [
+    "HUB_DIR",
+    "RAGGED_DOT_REPO",
+    "expose_tpu_backend",
+    "load_local_kernel",
+    "load_ragged_dot_kernel",
+    "tpu_variant_selection",
+]
 
 HUB_DIR = Path(__file__).resolve().parent / "hub"
 RAGGED_DOT_REPO = HUB_DIR / "ragged-dot-tpu"
 
 _FEATURE = "kernels-variant"
+# kernels' backend detection read for this: kernels/backends.py `_backend()`, `hasattr(torch.backends, "tpu")`.
+_KERNELS_VERSIONS = ">=0.17,<0.18"
+
+
+def _placeholder() -> types.ModuleType:
+    return types.ModuleType(
+        "torch.backends.tpu",
+        "Placeholder set by hf_tpu: kernels selects its torch-tpu build variant when torch.backends.tpu exists, and "
+        "torch-tpu 0.2.0 does not set it. Removed by hf_tpu.disable().",
+    )
+
+
+def expose_tpu_backend(feature: str = "kernels") -> bool:
+    """On a host with TPU chips, make ``kernels`` resolve build variants for the ``tpu`` backend until ``feature``
+    is reverted (``hf_tpu.disable()``). Returns whether it set anything.
+
+    Does nothing where ``torch.backends.tpu`` already exists (a future torch-tpu, or hf_tpu's simulator) or where
+    :mod:`hf_tpu.runtime` finds no real TPU (``kernels`` then keeps its own answer, ``cpu``).
+
+    Without hf_tpu, the same effect is one line before ``get_kernel``:
+    ``torch.backends.tpu = types.ModuleType("torch.backends.tpu")``.
+
+    Example:
+        >>> import hf_tpu
+        >>> hf_tpu.enable("kernels")  # on a TPU VM, plain kernels.get_kernel now finds torch-tpu  # doctest: +SKIP
+    """
+    import torch
+
+    from hf_tpu import runtime
+
+    if hasattr(torch.backends, "tpu") or not runtime.is_real():
+        return False
+    _patch.patch(torch.backends, "tpu", _placeholder(), feature=feature, package="kernels", versions=_KERNELS_VERSIONS)
+    return True
 
 
 @contextlib.contextmanager
@@ -43,8 +90,9 @@ def tpu_variant_selection() -> Iterator[None]:
     if hasattr(torch.backends, "tpu"):
         yield
         return
-    placeholder = types.ModuleType("torch.backends.tpu", "Placeholder set by hf_tpu while kernels resolves a variant.")
-    _patch.patch(torch.backends, "tpu", placeholder, feature=_FEATURE)
+    _patch.patch(
+        torch.backends, "tpu", _placeholder(), feature=_FEATURE, package="kernels", versions=_KERNELS_VERSIONS
+    )
     try:
         yield
     finally:

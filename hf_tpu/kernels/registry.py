@@ -135,5 +135,10 @@ def use_ragged_dot_experts(name: str = RAGGED_DOT_NAME, *, implementation: str =
 
 
 def apply() -> None:
-    """hf_tpu integration entry point: ``experts_implementation="ragged_dot_tpu"`` becomes available."""
+    """hf_tpu integration entry point: ``experts_implementation="ragged_dot_tpu"`` becomes available, and on a host
+    with TPU chips ``kernels.get_kernel`` selects ``torch-tpu`` build variants (see
+    :func:`hf_tpu.kernels.loader.expose_tpu_backend`)."""
+    from hf_tpu.kernels.loader import expose_tpu_backend
+
+    expose_tpu_backend(FEATURE)
     use_ragged_dot_experts()

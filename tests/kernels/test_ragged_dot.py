@@ -202,26 +202,91 @@ def test_pallas_contraction_tiles_accumulate(kernel, rhs_transposed):
     )
     ref = ragged_dot_reference(lhs, rhs, sizes, rhs_transposed)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="tk=24 must divide K=64"):
+    with pytest.raises(ValueError, match="tk=24 must divide K=64 or be a multiple of 128"):
         jax_kernels(kernel).ragged_dot_pallas(lhs, rhs, sizes, rhs_transposed=rhs_transposed, interpret=True, tk=24)
 
 
-@pytest.mark.parametrize(
-    ("m", "n", "k", "split"),
-    [
-        (512, 1536, 2048, False),  # Qwen3-30B-A3B gate_up at 64 tokens, top-8: whole K fits
-        (512, 2048, 768, False),  # ... and its down projection
-        (256, 28672, 4096, False),  # Mixtral-8x7B gate_up: whole K fits (10.8 MiB)
-        (256, 4096, 14336, True),  # ... and its down projection (K = 14336 = 7 x 2048)
-    ],
-)
-def test_tiles_fit_the_vmem_budget(kernel, m, n, k, split):
+@pytest.mark.parametrize("rhs_transposed", [False, True])
+def test_pallas_edge_tiles_past_n_and_k_are_masked(kernel, rhs_transposed):
+    """N = 300 and K = 200 with 128-wide tiles: the last output and contraction blocks reach past the arrays.
+    Interpret mode pads them with NaN (jax's pallas uninitialized_value), like a chip with unspecified values: the
+    kernel must zero the padded part of the contraction and drop the padded output columns."""
+    rng = np.random.default_rng(5)
+    lhs = rng.standard_normal((45, 200)).astype(np.float32)
+    rhs = rng.standard_normal((5, 300, 200) if rhs_transposed else (5, 200, 300)).astype(np.float32)
+    sizes = np.array([9, 0, 17, 3, 12], np.int32)  # the last 4 rows belong to no group
+    out = jax_kernels(kernel).ragged_dot_pallas(
+        lhs, rhs, sizes, rhs_transposed=rhs_transposed, interpret=True, tm=16, tn=128, tk=128
+    )
+    assert out.shape == (45, 300)
+    np.testing.assert_allclose(np.asarray(out), ragged_dot_reference(lhs, rhs, sizes, rhs_transposed), atol=1e-3)
+
+
+SHAPES_VMEM = [  # (M, N, K, dtype): expert projections of real models, some with N or K not a multiple of 128
+    (512, 1536, 2048, "bfloat16"),  # Qwen3-30B-A3B gate_up at 64 tokens, top-8
+    (512, 2048, 768, "bfloat16"),  # ... and its down projection
+    (256, 28672, 4096, "bfloat16"),  # Mixtral-8x7B gate_up
+    (256, 4096, 14336, "bfloat16"),  # ... and its down projection (K = 7 x 2048)
+    (512, 2880, 2880, "bfloat16"),  # gpt-oss down projection: N, K = 22.5 x 128
+    (512, 5760, 2880, "bfloat16"),  # gpt-oss gate_up
+    (512, 2880, 2880, "float32"),
+    (300, 1000, 50000, "float32"),  # K with no power-of-two divisor >= 128: masked contraction tiles
+    (3, 100, 40, "float32"),  # smaller than one lane: whole dimensions
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "dtype"), SHAPES_VMEM, ids=lambda v: str(v))
+def test_tiles_fit_the_vmem_budget_and_mosaic_block_rules(kernel, m, n, k, dtype):
     jk = jax_kernels(kernel)
-    tm, tn, tk = jk._tile_sizes(m, n, k, jax.numpy.bfloat16)
-    assert n % tn == 0 and k % tk == 0
-    assert (tk < k) == split
-    assert jk.vmem_bytes(tm, tn, tk, jax.numpy.bfloat16) <= jk.VMEM_BUDGET
-    assert split or jk.vmem_bytes(tm, tn, k, jax.numpy.bfloat16) <= jk.VMEM_BUDGET
+    tm, tn, tk = jk._tile_sizes(m, n, k, jax.numpy.dtype(dtype))
+    assert jk.vmem_bytes(tm, tn, tk, jax.numpy.dtype(dtype), ragged_k=k % tk != 0) <= jk.VMEM_BUDGET
+    assert tn == n or tn % 128 == 0  # a block's last two dims: multiples of (8, 128), or the whole dimension
+    assert tk == k or tk % 128 == 0
+    assert tm % 8 == 0 or tm == m
+    if k % 128 == 0 and k > tk:
+        assert k % tk == 0  # where a divisor exists, no masked contraction tile
+
+
+def test_vmem_estimate_counts_every_block(kernel):
+    """The estimate against a count by hand: rows, weights and the float32 output double-buffered, plus the masked
+    rows, the product and (ragged K) the masked weights."""
+    jk = jax_kernels(kernel)
+    bf16 = jax.numpy.dtype("bfloat16")
+    tm, tn, tk = 128, 128, 2880
+    blocks = 2 * (tm * tk * 2) + 2 * (tk * tn * 2) + 2 * (tm * tn * 4)
+    assert jk.vmem_bytes(tm, tn, tk, bf16) == blocks + tm * tk * 2 + tm * tn * 4
+    assert jk.vmem_bytes(tm, tn, tk, bf16, ragged_k=True) == blocks + tm * tk * 2 + tm * tn * 4 + tk * tn * 2
+    # the tiles the kernel used to take for gpt-oss' down projection: the whole 2880 x 2880 weight as one block
+    assert jk.vmem_bytes(128, 2880, 2880, bf16) > 2 * jk.VMEM_BUDGET
+
+
+def test_tiles_passed_by_hand_are_checked_before_compiling(kernel):
+    jk = jax_kernels(kernel)
+    lhs = jax.ShapeDtypeStruct((256, 2880), "bfloat16")
+    rhs = jax.ShapeDtypeStruct((4, 2880, 2880), "bfloat16")
+    sizes = jax.ShapeDtypeStruct((4,), "int32")
+    with pytest.raises(ValueError, match=r"tn=2880, tk=2880 need .* MiB of VMEM, over the 12 MiB budget"):
+        jax.eval_shape(lambda a, b, c: jk.ragged_dot_pallas(a, b, c, rhs_transposed=True, tn=2880, tk=2880),
+                       lhs, rhs, sizes)  # fmt: skip
+    with pytest.raises(ValueError, match="tn=100 must divide N=2880 or be a multiple of 128"):
+        jax.eval_shape(lambda a, b, c: jk.ragged_dot_pallas(a, b, c, rhs_transposed=True, tn=100), lhs, rhs, sizes)
+
+
+@pytest.mark.parametrize(("n", "k"), [(2880, 2880), (5760, 2880)], ids=["gpt-oss-down", "gpt-oss-gate-up"])
+def test_unaligned_projections_lower_for_tpu(kernel, n, k):
+    """gpt-oss' projections (N or K not a multiple of 128) export for the TPU platform with the chosen tiles."""
+    from jax import export
+
+    jk = jax_kernels(kernel)
+    args = (
+        jax.ShapeDtypeStruct((256, k), "bfloat16"),
+        jax.ShapeDtypeStruct((32, n, k), "bfloat16"),
+        jax.ShapeDtypeStruct((32,), "int32"),
+    )
+    exported = export.export(jax.jit(lambda a, b, c: jk.ragged_dot_pallas(a, b, c, rhs_transposed=True)),
+                             platforms=["tpu"])(*args)  # fmt: skip
+    assert "tpu_custom_call" in exported.mlir_module()
+    assert exported.out_avals[0].shape == (256, n)
 
 
 def test_large_contraction_lowers_for_tpu(kernel):

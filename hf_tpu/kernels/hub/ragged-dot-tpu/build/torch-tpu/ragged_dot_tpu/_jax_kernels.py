@@ -21,7 +21,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["moe_experts", "ragged_dot_pallas", "ragged_dot_xla", "ragged_dot_xla_tiled", "visit_plan"]
+__all__ = [
+    "moe_experts",
+    "moe_experts_device",
+    "ragged_dot_device",
+    "ragged_dot_pallas",
+    "ragged_dot_xla",
+    "ragged_dot_xla_tiled",
+    "visit_plan",
+]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -58,56 +66,119 @@ def visit_plan(group_sizes: jax.Array, m_padded: int, tm: int) -> tuple[jax.Arra
 
 
 def _gmm_kernel(
-    gid_ref, tid_ref, first_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, *, tm, num_groups, rhs_transposed
+    gid_ref,
+    tid_ref,
+    first_ref,
+    starts_ref,
+    ends_ref,
+    lhs_ref,
+    rhs_ref,
+    out_ref,
+    *,
+    tm,
+    tk,
+    k,
+    num_groups,
+    rhs_transposed,
 ):
     from jax.experimental import pallas as pl
 
     v = pl.program_id(1)
+    kk = pl.program_id(2)
     g = gid_ref[v]
     t = tid_ref[v]
 
-    @pl.when((first_ref[v] == 1) & (pl.program_id(2) == 0))
+    @pl.when((first_ref[v] == 1) & (kk == 0))
     def _init():
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
     rows = t * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
     keep = (rows >= starts_ref[g]) & (rows < ends_ref[g]) & (g < num_groups)
-    x = jnp.where(keep, lhs_ref[...], jnp.zeros((), lhs_ref.dtype))
     w = rhs_ref[0]
+    if k % tk:
+        # The last contraction block reaches past K: what it holds there is unspecified (Pallas pads edge blocks
+        # with undefined values), so those columns of the rows and rows of the weights are zeroed, not multiplied.
+        cols = kk * tk + lax.broadcasted_iota(jnp.int32, (1, tk), 1)
+        keep = keep & (cols < k)
+        k_axis = 1 if rhs_transposed else 0  # the weight block is (tn, tk) transposed, (tk, tn) otherwise
+        w_k = kk * tk + lax.broadcasted_iota(jnp.int32, (1, tk) if rhs_transposed else (tk, 1), k_axis)
+        w = jnp.where(w_k < k, w, jnp.zeros((), w.dtype))
+    x = jnp.where(keep, lhs_ref[...], jnp.zeros((), lhs_ref.dtype))
     contract = ((1,), (1,)) if rhs_transposed else ((1,), (0,))
     out_ref[...] += lax.dot_general(x, w, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
-# VMEM the kernel's blocks may take: the lhs and weight blocks double-buffered plus the float32 output block, kept
-# under the smallest default scoped VMEM limit of current TPUs (16 MiB) with room for Mosaic's own scratch.
+# VMEM the kernel may take (see :func:`vmem_bytes`), kept under the smallest default scoped VMEM limit of current
+# TPUs (16 MiB) with room for Mosaic's own scratch.
 VMEM_BUDGET = 12 * 1024 * 1024
+_LANE = 128
 
 
-def vmem_bytes(tm: int, tn: int, tk: int, dtype) -> int:
-    """VMEM taken by one grid step's blocks: (tm, tk) rows and (tk, tn) weights, both double-buffered, and the
-    (tm, tn) float32 accumulator."""
+def vmem_bytes(tm: int, tn: int, tk: int, dtype, *, ragged_k: bool = False) -> int:
+    """VMEM one grid step takes: the (tm, tk) row block, the (tk, tn) weight block and the (tm, tn) float32 output
+    block, each double-buffered by the pipeline, plus the kernel body's temporaries (the masked rows, the dot's
+    float32 product and, when the last contraction block reaches past K, the masked weight block)."""
     itemsize = jnp.dtype(dtype).itemsize
-    return 2 * (tm * tk + tk * tn) * itemsize + tm * tn * 4
+    blocks = 2 * (tm * tk + tk * tn) * itemsize + 2 * tm * tn * 4
+    temporaries = tm * tk * itemsize + tm * tn * 4 + (tk * tn * itemsize if ragged_k else 0)
+    return blocks + temporaries
+
+
+def _fits(tm: int, tn: int, tk: int, k: int, dtype) -> bool:
+    return vmem_bytes(tm, tn, tk, dtype, ragged_k=k % tk != 0) <= VMEM_BUDGET
 
 
 def _tile_sizes(m: int, n: int, k: int, dtype) -> tuple[int, int, int]:
-    """Row, output and contraction tiles: up to 128 rows, 512 output columns, and the whole contraction when its
-    blocks fit :data:`VMEM_BUDGET`, else the largest of 2048 ... 128 that divides it and fits (a weight block of a
-    large model, 512 x 14336 in bf16 for Mixtral's down projection, is 14 MiB alone)."""
+    """Row, output and contraction tiles whose blocks fit :data:`VMEM_BUDGET`, for any (M, N, K).
+
+    Output tiles: N itself up to 512 columns, else 512, 256 or 128 columns, one that divides N if there is one,
+    else the one with the fewest padded columns in the last tile (N = 2880: 128). Contraction: the whole K when
+    it fits, else the largest of 2048 ... 128 that divides K and fits, else (K with no such divisor) the largest
+    that fits, the last block masked past K. Rows: up to 128, halved while nothing fits. A weight block of a large
+    model, 512 x 14336 in bf16 for Mixtral's down projection, is 14 MiB alone; gpt-oss' 2880 x 2880 would be
+    16 MiB as one block.
+
+    Raises ValueError where no tiling fits (only with a budget far below any TPU's VMEM).
+    """
     sublane = 16 if jnp.dtype(dtype).itemsize < 4 else 8
     tm = min(128, _round_up(max(m, 1), sublane))
-    tn = n
-    for cand in (512, 256, 128):
-        if n % cand == 0:
-            tn = cand
-            break
-    tk = k
-    if vmem_bytes(tm, tn, k, dtype) > VMEM_BUDGET:
-        for cand in (2048, 1024, 512, 256, 128):
-            if k % cand == 0 and vmem_bytes(tm, tn, cand, dtype) <= VMEM_BUDGET:
-                tk = cand
-                break
-    return tm, tn, tk
+    if n <= 512:
+        tn_options = [n]
+    else:
+        divisors = [c for c in (512, 256, 128) if n % c == 0]
+        tn_options = divisors or sorted((512, 256, 128), key=lambda c: (_round_up(n, c), -c))
+        tn_options += [c for c in (256, 128) if c not in tn_options]
+    tk_options = [k] + [c for c in (2048, 1024, 512, 256, 128) if c < k and k % c == 0]
+    tk_options += [c for c in (2048, 1024, 512, 256, 128) if c < k and c not in tk_options]
+    while True:
+        for tn in tn_options:
+            for tk in tk_options:
+                if _fits(tm, tn, tk, k, dtype):
+                    return tm, tn, tk
+        if tm <= sublane:
+            raise ValueError(
+                f"ragged_dot_pallas: no tiling of M={m}, N={n}, K={k} ({jnp.dtype(dtype).name}) fits the "
+                f"{VMEM_BUDGET / 2**20:.0f} MiB VMEM budget; use implementation='xla' for this shape."
+            )
+        tm = max(sublane, tm // 2)
+
+
+def _check_tiles(m: int, n: int, k: int, tm: int, tn: int, tk: int, dtype, interpret: bool) -> None:
+    """Tiles passed by hand: Mosaic's block rules and the VMEM budget, checked before anything compiles."""
+    if tm < 1 or tn < 1 or tk < 1:
+        raise ValueError(f"ragged_dot_pallas: tiles must be positive, got tm={tm}, tn={tn}, tk={tk}")
+    for name, tile, dim in (("tn", tn, n), ("tk", tk, k)):
+        if dim % tile and tile % _LANE:
+            raise ValueError(
+                f"ragged_dot_pallas: {name}={tile} must divide {name[1].upper()}={dim} or be a multiple of {_LANE} "
+                "(the last block is then masked)"
+            )
+    if not interpret and not _fits(tm, tn, tk, k, dtype):
+        raise ValueError(
+            f"ragged_dot_pallas: tiles tm={tm}, tn={tn}, tk={tk} need "
+            f"{vmem_bytes(tm, tn, tk, dtype, ragged_k=k % tk != 0) / 2**20:.1f} MiB of VMEM, over the "
+            f"{VMEM_BUDGET / 2**20:.0f} MiB budget; pass smaller tiles or leave them to the kernel."
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("rhs_transposed", "interpret", "tm", "tn", "tk"))
@@ -125,7 +196,8 @@ def ragged_dot_pallas(
     """Grouped matmul as a Pallas TPU kernel (``interpret=True`` runs the same kernel body on CPU).
 
     Grid: (output column tiles, visits, contraction tiles); a visit accumulates its group's product into its row
-    tile's float32 output block over the contraction tiles. Tiles: see :func:`_tile_sizes` (``tk`` must divide K).
+    tile's float32 output block over the contraction tiles. Tiles: see :func:`_tile_sizes`; tiles passed by hand
+    must divide their dimension or be multiples of 128, and fit the VMEM budget (a ValueError says which does not).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
@@ -133,12 +205,10 @@ def ragged_dot_pallas(
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
-    auto_tm, auto_tn, auto_tk = _tile_sizes(m, n, k, lhs.dtype)
-    tm = tm or auto_tm
-    tn = tn or auto_tn
-    tk = tk or auto_tk
-    if k % tk or n % tn:
-        raise ValueError(f"ragged_dot_pallas: tn={tn} must divide N={n} and tk={tk} must divide K={k}")
+    if tm is None or tn is None or tk is None:
+        auto_tm, auto_tn, auto_tk = _tile_sizes(m, n, k, lhs.dtype)
+        tm, tn, tk = tm or auto_tm, tn or auto_tn, tk or auto_tk
+    _check_tiles(m, n, k, tm, tn, tk, lhs.dtype, interpret)
     m_padded = _round_up(max(m, 1), tm)
     lhs_p = jnp.pad(lhs, ((0, m_padded - m), (0, 0))) if m_padded != m else lhs
     plan = visit_plan(group_sizes, m_padded, tm)
@@ -151,11 +221,11 @@ def ragged_dot_pallas(
         rhs_spec = pl.BlockSpec((1, tk, tn), lambda j, v, kk, gid, *_: (jnp.minimum(gid[v], last), kk, j))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(n // tn, num_visits, k // tk),
+        grid=(pl.cdiv(n, tn), num_visits, pl.cdiv(k, tk)),
         in_specs=[pl.BlockSpec((tm, tk), lambda j, v, kk, gid, tid, *_: (tid[v], kk)), rhs_spec],
         out_specs=pl.BlockSpec((tm, tn), lambda j, v, kk, gid, tid, *_: (tid[v], j)),
     )
-    kernel = functools.partial(_gmm_kernel, tm=tm, num_groups=num_groups, rhs_transposed=rhs_transposed)
+    kernel = functools.partial(_gmm_kernel, tm=tm, tk=tk, k=k, num_groups=num_groups, rhs_transposed=rhs_transposed)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m_padded, n), jnp.float32),
@@ -345,3 +415,30 @@ def moe_experts(
     # summed with float32 accumulation and rounded once, like torch's reductions in low precision
     combined = slots.reshape(num_tokens, top_k, -1).astype(jnp.float32).sum(axis=1).astype(h.dtype)
     return combined.astype(hidden.dtype)
+
+
+# The two functions TorchTPU's public JAX bridge registers (``torch.tpu.pallas.jax_op``, see ``_ops.torch_tpu_ops``).
+# jax_op reads their annotations to build the op's schema: ``jax.Array`` parameters become tensors, the others
+# static arguments (a compile-time constant each, part of TorchTPU's kernel cache key); one array comes back.
+
+
+def ragged_dot_device(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_transposed: bool, implementation: str
+) -> jax.Array:
+    """:func:`ragged_dot_pallas` (or another ``implementation``) with every argument annotated, for ``jax_op``."""
+    return _dot_for(implementation)(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed)
+
+
+def moe_experts_device(
+    hidden: jax.Array,
+    top_k_index: jax.Array,
+    top_k_weights: jax.Array,
+    gate_up: jax.Array,
+    down: jax.Array,
+    rhs_transposed: bool,
+    implementation: str,
+) -> jax.Array:
+    """:func:`moe_experts` with every argument annotated, for ``jax_op``."""
+    return moe_experts(
+        hidden, top_k_index, top_k_weights, gate_up, down, rhs_transposed=rhs_transposed, implementation=implementation
+    )

@@ -3,9 +3,10 @@
 Where the tensors live decides how they reach JAX:
 
 - ``cpu``: zero-copy through DLPack into JAX's CPU backend; the XLA path runs there.
-- ``tpu`` under TorchTPU (``torch_tpu``): the JAX function is handed to TorchTPU's own JAX bridge
-  (``torch.tpu.pallas.custom_jax_kernel``), which compiles it into the device program and runs it on the
-  tensors where they are; the Pallas kernel runs there.
+- ``tpu`` under TorchTPU (``torch_tpu``): the JAX function goes through TorchTPU's public JAX bridge,
+  ``torch.tpu.pallas.jax_op`` (torch-tpu 0.2.0), which registers it as a ``torch.library.custom_op`` of its own;
+  calling that op exports the function for the TPU platform, and TorchTPU compiles and runs it on the tensors
+  where they are (see :func:`torch_tpu_ops`); the Pallas kernel runs there.
 - ``tpu`` on hf_tpu's simulated device (the only other way to have a ``tpu`` tensor without ``torch_tpu``):
   see :func:`_host_view`.
 
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import warnings
 import weakref
 from pathlib import Path
 
 import torch
 
-__all__ = ["IMPLEMENTATIONS", "OP_NAMESPACE", "experts_op", "ragged_dot", "ragged_dot_op"]
+__all__ = ["IMPLEMENTATIONS", "OP_NAMESPACE", "experts_op", "ragged_dot", "ragged_dot_op", "torch_tpu_ops"]
 
 IMPLEMENTATIONS = ("auto", "pallas", "pallas_interpret", "xla", "xla_tiled")
 
@@ -44,8 +46,8 @@ def _jax():
         import jax
     except ImportError as exc:  # pragma: no cover - exercised only without jax
         raise ImportError(
-            "the ragged-dot-tpu kernel runs its grouped matmul in JAX, but jax is not installed; "
-            "install it with `pip install jax` (on a TPU VM: `pip install 'jax[tpu]'`)."
+            "the ragged-dot-tpu kernel runs its grouped matmul in JAX, but jax is not installed; install it with "
+            "`pip install jax` (also on a TPU VM: not 'jax[tpu]', whose libtpu pin conflicts with torch-tpu's)."
         ) from exc
     return jax
 
@@ -197,46 +199,83 @@ def _host_call(jax_fn, tensors, owners, split=()) -> torch.Tensor:
     return torch.from_dlpack(jax_fn(*arrays))
 
 
-_TPU_CALLABLES: dict[str, object] = {}
+# The kernel's custom ops registered through TorchTPU's jax_op: kind ("ragged_dot", "moe_experts") -> op
+_TPU_OPS: dict[str, object] = {}
 
 
-def _torch_tpu_callable(name: str, jax_fn):
-    """TorchTPU's JAX bridge around ``jax_fn``, built once per name: TorchTPU exports the function (Pallas kernels
-    inside), compiles it into the device program and runs it on the device tensors where they are."""
-    fn = _TPU_CALLABLES.get(name)
-    if fn is None:
-        pallas = getattr(getattr(torch, "tpu", None), "pallas", None)
-        if pallas is None or not hasattr(pallas, "custom_jax_kernel"):
-            raise RuntimeError(
-                "ragged_dot_tpu got tensors on a 'tpu' device, but torch.tpu.pallas.custom_jax_kernel (TorchTPU's "
-                "JAX bridge) is missing; install torch-tpu>=0.2 with jax, or move the tensors to the CPU."
-            )
+def _jax_op():
+    """``torch.tpu.pallas.jax_op``, TorchTPU's public JAX bridge, or a RuntimeError naming what is missing."""
+    tpu = getattr(torch, "tpu", None)
+    if tpu is None:
+        raise RuntimeError(
+            "ragged_dot_tpu got tensors on a 'tpu' device, but torch.tpu is missing: TorchTPU (torch_tpu) is not "
+            "loaded in this process; install torch-tpu>=0.2.0 (pip install torch-tpu jax), or move the tensors to "
+            "the CPU."
+        )
+    try:
+        pallas = tpu.pallas
+        return pallas.jax_op
+    except ImportError as exc:  # torch_tpu's pallas module imports jax (and absl, frozendict) on first access
+        raise RuntimeError(
+            f"ragged_dot_tpu: torch.tpu.pallas.jax_op (TorchTPU's JAX bridge) failed to import ({exc}); "
+            "install jax next to torch-tpu: pip install jax"
+        ) from exc
+    except AttributeError as exc:
+        raise RuntimeError(
+            f"ragged_dot_tpu needs torch.tpu.pallas.jax_op (TorchTPU's public JAX bridge, torch-tpu 0.2.0), but this "
+            f"torch_tpu does not have it ({exc}); install torch-tpu 0.2.x."
+        ) from exc
+
+
+def torch_tpu_ops() -> dict[str, object]:
+    """The kernel's JAX functions as TorchTPU ops: ``{"ragged_dot": op, "moe_experts": op}``.
+
+    Registered once per process with ``torch.tpu.pallas.jax_op("<OP_NAMESPACE>::<kind>_tpu", fn)``, TorchTPU's
+    public JAX bridge (torch-tpu 0.2.0): each is a ``torch.library.custom_op`` whose schema TorchTPU derives from
+    the JAX function's annotations (``(Tensor lhs, Tensor rhs, Tensor group_sizes, bool rhs_transposed,
+    str implementation) -> Tensor``), whose fake implementation exports the function for the TPU platform to learn
+    the output shapes, and whose device implementation exports it, hands the program to TorchTPU and runs it on the
+    tensors where they are. Loading the same build twice reuses the ops (same namespace).
+    """
+    if len(_TPU_OPS) < 2:
+        jax_op = _jax_op()
         _jax()
-        fn = pallas.custom_jax_kernel(jax_fn, name=name, warn_deprecated=False)
-        _TPU_CALLABLES[name] = fn
-    return fn
+        from torch._library import custom_ops
+
+        from . import _jax_kernels as jk
+
+        for kind, fn in (("ragged_dot", jk.ragged_dot_device), ("moe_experts", jk.moe_experts_device)):
+            qualname = f"{OP_NAMESPACE}::{kind}_tpu"
+            op = getattr(custom_ops, "OPDEFS", {}).get(qualname)
+            if op is None:
+                with warnings.catch_warnings():  # jax_op warns once that it is experimental; this kernel knows
+                    warnings.filterwarnings("ignore", message=".*jax_op is experimental")
+                    op = jax_op(qualname, fn)
+            _TPU_OPS[kind] = op
+    return dict(_TPU_OPS)
 
 
-def _run(name: str, jax_fn, *tensors: torch.Tensor, split: tuple[int, ...] = ()) -> torch.Tensor:
-    """Run ``jax_fn`` (JAX arrays in, one array out) where the tensors are. ``split``: see :func:`_host_call`."""
+def _run(kind: str, impl: str, rhs_transposed: bool, *tensors: torch.Tensor, split: tuple[int, ...] = ()):
+    """Run the kernel's JAX function of ``kind`` where the tensors are. ``split``: see :func:`_host_call`."""
     placement = _placement(tensors[0])
+    if placement == "torch_tpu":
+        return torch_tpu_ops()[kind](*tensors, rhs_transposed, impl)
+    jax_fn = _jax_fn(kind, impl, rhs_transposed)
     if placement == "cpu":
         return _host_call(jax_fn, tensors, tensors, split)
-    if placement == "sim":
-        result = _host_call(jax_fn, [_host_view(t) for t in tensors], tensors, split)
-        out = torch.empty(result.shape, dtype=result.dtype, device=tensors[0].device)
-        _host_view(out).copy_(result)
-        return out
-    return _torch_tpu_callable(name, jax_fn)(*tensors)
+    result = _host_call(jax_fn, [_host_view(t) for t in tensors], tensors, split)
+    out = torch.empty(result.shape, dtype=result.dtype, device=tensors[0].device)
+    _host_view(out).copy_(result)
+    return out
 
 
-_JAX_FNS: dict[str, object] = {}
+_JAX_FNS: dict[tuple[str, str, bool], object] = {}
 
 
 def _jax_fn(kind: str, impl: str, rhs_transposed: bool):
-    """One JAX function object per (kind, implementation, layout), so TorchTPU's bridge caches its compilation."""
-    name = f"ragged_dot_tpu_{kind}_{impl}_{'nk' if rhs_transposed else 'kn'}"
-    fn = _JAX_FNS.get(name)
+    """One JAX function object per (kind, implementation, layout) for the host paths."""
+    key = (kind, impl, rhs_transposed)
+    fn = _JAX_FNS.get(key)
     if fn is None:
         from . import _jax_kernels as jk
 
@@ -257,8 +296,8 @@ def _jax_fn(kind: str, impl: str, rhs_transposed: bool):
                     implementation=impl,
                 )
 
-        _JAX_FNS[name] = fn
-    return name, fn
+        _JAX_FNS[key] = fn
+    return fn
 
 
 def _run_jax(impl: str, lhs, rhs, group_sizes, rhs_transposed: bool):
@@ -297,8 +336,8 @@ def _impl(
 ) -> torch.Tensor:
     _check(lhs, rhs, group_sizes, rhs_transposed)
     impl = _resolve(implementation, _placement(lhs))
-    name, fn = _jax_fn("ragged_dot", impl, rhs_transposed)
-    return _run(name, fn, lhs, rhs, group_sizes.to(torch.int32), split=(1,) if impl == "xla_tiled" else ())
+    split = (1,) if impl == "xla_tiled" else ()
+    return _run("ragged_dot", impl, rhs_transposed, lhs, rhs, group_sizes.to(torch.int32), split=split)
 
 
 def _check_experts(hidden, top_k_index, top_k_weights, gate_up, down, rhs_transposed) -> None:
@@ -338,9 +377,8 @@ def _experts_impl(
 ) -> torch.Tensor:
     _check_experts(hidden, top_k_index, top_k_weights, gate_up, down, rhs_transposed)
     impl = _resolve(implementation, _placement(hidden))
-    name, fn = _jax_fn("moe_experts", impl, rhs_transposed)
     split = (3, 4) if impl == "xla_tiled" else ()
-    return _run(name, fn, hidden, top_k_index, top_k_weights, gate_up, down, split=split)
+    return _run("moe_experts", impl, rhs_transposed, hidden, top_k_index, top_k_weights, gate_up, down, split=split)
 
 
 def _fake(lhs, rhs, group_sizes, rhs_transposed, implementation):
