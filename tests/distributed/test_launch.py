@@ -26,14 +26,14 @@ def test_simulated_env_single_host():
 
 def test_simulated_env_never_overwrites():
     env = {"TORCH_TPU_TOPOLOGY": "pinned", "HF_TPU_SIMULATE": "1"}
-    L.set_simulated_launch_env(nproc_per_node=2, env=env)
+    L.set_simulated_launch_env(nproc_per_node=2, env=env, generation="v5p")
     assert env["TORCH_TPU_TOPOLOGY"] == "pinned"
 
 
 def test_simulated_env_multi_host_from_worker_hostnames():
     env = {"TPU_WORKER_HOSTNAMES": "host0,host1", "JOB_COMPLETION_INDEX": "1"}
-    L.set_simulated_launch_env(nproc_per_node=2, env=env)
-    assert env["NNODES"] == "2" and env["NODE_RANK"] == "1"
+    L.set_simulated_launch_env(nproc_per_node=2, env=env, generation="v5p")
+    assert env["NNODES"] == "2" and env["NODE_RANK"] == "1" and env["TORCH_TPU_TOPOLOGY"] == "1,2,1"
     assert env["MASTER_ADDR"] == "host0" and env["MASTER_PORT"] == "29500"
     assert env["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == "host0:8070,host0:8071,host1:8070,host1:8071"
 
@@ -109,13 +109,14 @@ def test_real_mode_calls_torch_tpu_set_tpu_launch_env(monkeypatch):
     assert calls == [(2, 4)]
 
 
-def test_real_mode_without_chips_is_a_clear_error(monkeypatch):
+def test_real_mode_without_chips_is_a_clear_error(monkeypatch, tmp_path):
     from hf_tpu import runtime
 
     monkeypatch.delenv("HF_TPU_SIMULATE", raising=False)
     none = runtime.RuntimeInfo("none", 0, 0, 0, None, None, None, "no TPU chips and no torch-tpu")
     monkeypatch.setattr(runtime, "detect", lambda: none)
-    args = L.build_parser().parse_args(["--nproc_per_node=2", "run.py"])
+    (tmp_path / "run.py").write_text("")
+    args = L.build_parser().parse_args(["--nproc_per_node=2", str(tmp_path / "run.py")])
     with pytest.raises(L.LaunchError, match="no TPU chips and no torch-tpu.*--simulate|HF_TPU_SIMULATE"):
         L.launch(args)
 
