@@ -231,8 +231,6 @@ def missing_names() -> list[str]:
     Reads module attributes and torch_tpu's public API table; initialises no device. Without torch-tpu only the
     ``torch.accelerator`` names are checked.
     """
-    import torch
-
     missing = []
     have_wheel = installed_version() is not None
     for module, names in EXPECTED_NAMES.items():

@@ -43,6 +43,7 @@ GiB = 1024**3
 # hbm_per_chip, devices_per_chip (v7: 2 devices per chip, each seeing half the HBM), pci_id, and topologies
 # (devices per host -> TORCH_TPU_TOPOLOGY). torch_tpu shows one device per process.
 _GOOGLE_PCI_VENDOR = "0x1ae0"
+GENERATIONS: dict[str, dict]  # declared for readers and linters; the value comes from __getattr__
 
 
 def _generations() -> dict[str, dict]:
@@ -64,6 +65,7 @@ def __getattr__(name: str):
     if name == "GENERATIONS":
         return _generations()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 Mode = Literal["real", "simulated", "none"]
 
@@ -241,7 +243,9 @@ def require_tpu(what: str = "a tpu device") -> RuntimeInfo:
     """Return the runtime info, or raise :class:`TPUNotAvailableError` naming ``what`` was asked and the fix."""
     info = detect()
     if info.mode == "none":
-        raise TPUNotAvailableError(f"{what} was requested but this process has no TPU ({info.reason}): {INSTALL_HINT}.")
+        raise TPUNotAvailableError(
+            f"{what} was requested but this process has no TPU ({info.reason}): {INSTALL_HINT}."
+        )
     if info.mode == "real" and importlib.util.find_spec("torch_tpu") is None:  # pragma: no cover - defensive
         raise TPUNotAvailableError(f"{what} was requested but torch_tpu cannot be imported: {INSTALL_HINT}.")
     return info

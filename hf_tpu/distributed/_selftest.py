@@ -26,9 +26,13 @@ def _ranks(ctx: CheckContext) -> int:
     from hf_tpu import _torch_tpu
 
     devices = ctx.info.chips_on_host  # torch_tpu's count: VFIO-exposed TPU devices (v7: already 2 per chip)
-    counts = [c for c in _torch_tpu.valid_counts(ctx.info.generation) if 2 <= c <= devices] if ctx.info.generation else []
+    counts = (
+        [c for c in _torch_tpu.valid_counts(ctx.info.generation) if 2 <= c <= devices] if ctx.info.generation else []
+    )
     if not counts:
-        raise SkipCheck(f"tensor parallelism needs 2 or more TPU devices in a mesh torch_tpu runs; this host has {devices}")
+        raise SkipCheck(
+            f"tensor parallelism needs 2 or more TPU devices in a mesh torch_tpu runs; this host has {devices}"
+        )
     return max(counts)
 
 

@@ -141,7 +141,9 @@ def test_multi_host_env_and_refusals_equal_the_wheel(tmp_path):
     layouts = [(g, pci, n, {}) for g, pci in sorted(GENERATIONS.items()) for n in COUNTS]
     layouts += [(g, pci, n, pinned) for g, pci in sorted(GENERATIONS.items()) for n in (2, 4)]
     script = _MULTIHOST_SCRIPT.format(tests=str(Path(__file__).parent), launch_vars=LAUNCH_VARS)
-    env = dict(os.environ, TPU_WORKER_HOSTNAMES="hostA,hostB", JOB_COMPLETION_INDEX="1", TORCH_DEVICE_BACKEND_AUTOLOAD="1")
+    env = dict(
+        os.environ, TPU_WORKER_HOSTNAMES="hostA,hostB", JOB_COMPLETION_INDEX="1", TORCH_DEVICE_BACKEND_AUTOLOAD="1"
+    )
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-c", script, json.dumps(layouts), str(tmp_path)],

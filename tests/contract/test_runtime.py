@@ -24,7 +24,7 @@ def test_hf_tpu_copy_of_the_tables_equals_the_wheel():
     assert _torch_tpu.generations() == _torch_tpu._from_wheel(hardware)
     assert _torch_tpu.source() == "torch-tpu 0.2.0"
     assert _torch_tpu.GOOGLE_PCI_VENDOR == hardware._GOOGLE_PCI_VENDOR_ID == runtime._GOOGLE_PCI_VENDOR
-    for key, gen in runtime.GENERATIONS.items():
+    for gen in runtime.GENERATIONS.values():
         assert gen["topologies"] == dict(hardware._TOPOLOGY_BY_TPU_PCI_DEVICE_ID[gen["pci_id"]])
 
 

@@ -117,7 +117,9 @@ def test_real_mode_reads_free_hbm_through_torch_accelerator(monkeypatch):
     info = runtime.RuntimeInfo("real", 1, 4, 16 * GiB, "v5e", "0.2.0", None, "test")
     monkeypatch.setattr(runtime, "detect", lambda: info)
     props = types.SimpleNamespace(total_memory=16 * GiB, name="TPU v5e")
-    monkeypatch.setattr(torch, "tpu", types.SimpleNamespace(get_device_properties=lambda index=None: props), raising=False)
+    monkeypatch.setattr(
+        torch, "tpu", types.SimpleNamespace(get_device_properties=lambda index=None: props), raising=False
+    )
     asked = []
 
     def get_memory_info(index=None, /):

@@ -215,10 +215,10 @@ def test_counts_torch_tpu_refuses_are_refused_on_chips_and_simulator_alike(gener
     for count in range(1, 10):
         ok = count in TORCH_TPU_COUNTS[generation]
         for refuse in (
-            lambda: L.set_simulated_launch_env(nproc_per_node=count, env={}, generation=generation),
-            lambda: L.check_process_count(generation, count, 8, multihost=False),
-            lambda: L.check_process_count(generation, None, count, multihost=False),  # one per device found
-            lambda: L.check_process_count(generation, count, count, multihost=True),
+            lambda n=count: L.set_simulated_launch_env(nproc_per_node=n, env={}, generation=generation),
+            lambda n=count: L.check_process_count(generation, n, 8, multihost=False),
+            lambda n=count: L.check_process_count(generation, None, n, multihost=False),  # one per device found
+            lambda n=count: L.check_process_count(generation, n, n, multihost=True),
         ):
             if ok:
                 refuse()
@@ -226,7 +226,9 @@ def test_counts_torch_tpu_refuses_are_refused_on_chips_and_simulator_alike(gener
             with pytest.raises(L.LaunchError) as err:
                 refuse()
             counts = ", ".join(map(str, sorted(TORCH_TPU_COUNTS[generation])))
-            assert f"{count} process(es) per host" in str(err.value) and f"{generation} with {counts}" in str(err.value)
+            assert f"{count} process(es) per host" in str(err.value) and f"{generation} with {counts}" in str(
+                err.value
+            )
 
 
 def test_multi_host_also_checks_the_hosts_own_device_count():
@@ -272,7 +274,7 @@ def test_rendezvous_flags_reach_the_launch_environment_before_it_is_set(monkeypa
     monkeypatch.setattr(torchrun, "run", lambda args: seen.append((args, dict(os.environ))))
     argv = ["--simulate", "--nnodes=2", "--node-rank=1", "--master-addr=10.1.1.1", "--master-port=1234"]
     assert L.launch(L.build_parser().parse_args([*argv, "--nproc_per_node=2", str(script)])) == 0
-    (args, child_env), = seen
+    ((args, child_env),) = seen
     assert (args.node_rank, args.master_addr, args.master_port, args.nnodes) == (1, "10.1.1.1", 1234, "2")
     assert (child_env["NODE_RANK"], child_env["MASTER_ADDR"], child_env["MASTER_PORT"]) == ("1", "10.1.1.1", "1234")
     assert child_env["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == "hostA:8070,hostA:8071,hostB:8070,hostB:8071"
@@ -300,7 +302,9 @@ def test_single_host_flags_left_out_get_torchrun_defaults(monkeypatch, tmp_path)
 def test_refused_count_and_missing_script_start_no_rank(tmp_path):
     script = tmp_path / "never_runs.py"
     script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
-    code, out, _ = launch(["--simulate", "--nproc_per_node=2", str(script)], timeout=240, env={"HF_TPU_SIM_GENERATION": "v6e"})
+    code, out, _ = launch(
+        ["--simulate", "--nproc_per_node=2", str(script)], timeout=240, env={"HF_TPU_SIM_GENERATION": "v6e"}
+    )
     assert code == 2, out
     assert "2 process(es) per host on TPU v6e: torch_tpu runs v6e with 1, 4, 8" in out
     assert "Traceback" not in out and not (tmp_path / "ran").exists()
