@@ -325,7 +325,7 @@ def _sim_generation(args: argparse.Namespace, nproc: int | None) -> str:
         try:
             simulated_topology(count, asked)
         except LaunchError as err:
-            others = [g.key for g in known.values() if count in g.topologies]
+            others = [g for g in (SIM_DEFAULT_GENERATION, *_SIM_FALLBACK_ORDER) if count in known[g].topologies]
             hint = f" Or simulate a generation that has {count}: --sim-generation={others[0]}." if others else ""
             raise LaunchError(f"{err}{hint}") from None
         return asked

@@ -251,7 +251,7 @@ def test_simulated_generation_is_the_one_asked_for_or_one_that_has_the_count(mon
     with pytest.raises(L.LaunchError, match=r"3 process\(es\) per host on TPU v6e.*v4: 1, 2, 4, 8"):
         L._sim_generation(args, 3)
     monkeypatch.setenv("HF_TPU_SIM_GENERATION", "v6e")
-    with pytest.raises(L.LaunchError, match=r"v6e with 1, 4, 8.*--sim-generation=v4"):
+    with pytest.raises(L.LaunchError, match=r"v6e with 1, 4, 8.*--sim-generation=v5p"):
         L._sim_generation(args, 2)
     monkeypatch.setenv("HF_TPU_SIM_GENERATION", "v5p")
     assert L._sim_generation(args, 2) == "v5p"
