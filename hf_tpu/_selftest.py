@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_tpu.selftest import CheckContext, register_check
+from hf_tpu.selftest import CheckContext, SkipCheck, register_check
 
 
 @register_check("runtime", description="a tpu device is present: mode, generation, chips, HBM", order=0)
@@ -33,6 +33,25 @@ def _runtime(ctx: CheckContext) -> dict[str, Any]:
         "chips_on_host": info.chips_on_host,
         "hbm_gib": round(info.hbm_bytes / 1024**3, 2),
     }
+
+
+@register_check(
+    "torch_tpu_api",
+    description="the torch_tpu names hf_tpu relies on exist in the installed torch-tpu (hf_tpu._torch_tpu)",
+    order=0,
+)
+def _torch_tpu_api(ctx: CheckContext) -> dict[str, Any]:
+    from hf_tpu import _torch_tpu
+
+    if ctx.info.mode != "real":
+        raise SkipCheck("the simulated device does not use torch_tpu (tests/contract checks these names against it)")
+    missing = _torch_tpu.missing_names()
+    if missing:
+        raise RuntimeError(
+            f"torch-tpu {_torch_tpu.installed_version()} lacks {len(missing)} name(s) hf_tpu was written against "
+            f"(torch-tpu {_torch_tpu.WRITTEN_FOR}): {', '.join(missing)}"
+        )
+    return {"torch_tpu": _torch_tpu.installed_version(), "tables": _torch_tpu.source()}
 
 
 @register_check("device", description="tensors, ops, a tiny MLP forward and backward match CPU", order=1)

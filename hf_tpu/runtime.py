@@ -37,16 +37,35 @@ __all__ = [
 
 GiB = 1024**3
 
-# Per-chip HBM of the TPU generations torch_tpu knows (Google Cloud TPU documentation). torch_tpu shows one
-# device per process; on v7 a chip holds two devices (TensorCores), each seeing half of the chip's HBM.
-GENERATIONS: dict[str, dict[str, int | str]] = {
-    "v4": {"name": "TPU v4", "hbm_per_chip": 32 * GiB, "devices_per_chip": 1, "pci_id": "0x005e"},
-    "v5e": {"name": "TPU v5e", "hbm_per_chip": 16 * GiB, "devices_per_chip": 1, "pci_id": "0x0063"},
-    "v5p": {"name": "TPU v5p", "hbm_per_chip": 95 * GiB, "devices_per_chip": 1, "pci_id": "0x0062"},
-    "v6e": {"name": "TPU v6e", "hbm_per_chip": 32 * GiB, "devices_per_chip": 1, "pci_id": "0x006f"},
-    "v7": {"name": "TPU v7", "hbm_per_chip": 192 * GiB, "devices_per_chip": 2, "pci_id": "0x0076"},
-}
+# GENERATIONS (a module attribute computed on first use, see __getattr__): the TPU generations torch_tpu knows,
+# read through hf_tpu._torch_tpu from the installed torch-tpu's hardware tables, or from hf_tpu's copy of 0.2.0's
+# tables where torch-tpu is absent (tests/contract keeps the copy equal to the wheel). Per generation: name,
+# hbm_per_chip, devices_per_chip (v7: 2 devices per chip, each seeing half the HBM), pci_id, and topologies
+# (devices per host -> TORCH_TPU_TOPOLOGY). torch_tpu shows one device per process.
 _GOOGLE_PCI_VENDOR = "0x1ae0"
+GENERATIONS: dict[str, dict]  # declared for readers and linters; the value comes from __getattr__
+
+
+def _generations() -> dict[str, dict]:
+    from hf_tpu import _torch_tpu
+
+    return {
+        key: {
+            "name": g.name,
+            "hbm_per_chip": g.hbm_per_chip,
+            "devices_per_chip": g.devices_per_chip,
+            "pci_id": g.pci_id,
+            "topologies": dict(g.topologies),
+        }
+        for key, g in _torch_tpu.generations().items()
+    }
+
+
+def __getattr__(name: str):
+    if name == "GENERATIONS":
+        return _generations()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 Mode = Literal["real", "simulated", "none"]
 
@@ -64,7 +83,7 @@ class TPUNotAvailableError(RuntimeError):
 class RuntimeInfo:
     mode: Mode
     device_count: int  # devices this process can address (torch_tpu: 1 per process, seen as tpu:0)
-    chips_on_host: int  # TPU chips found on the PCI bus (0 when simulated or none)
+    chips_on_host: int  # TPU devices on the PCI bus exposed through VFIO, as torch_tpu counts them (v7: 2 per chip)
     hbm_bytes: int  # memory of one device
     generation: str | None  # key of GENERATIONS, or None
     torch_tpu_version: str | None
@@ -95,7 +114,7 @@ class PciScan:
     """What the PCI bus shows, read from sysfs the way torch_tpu's ``hardware`` module does."""
 
     functions: int  # Google TPU PCI functions of a known generation
-    vfio: int  # of those, the ones exposed through VFIO: the devices torch_tpu can use
+    vfio: int  # of those, the ones exposed through VFIO: the devices torch_tpu can use (v7: 2 per chip)
     generation: str | None  # key of GENERATIONS, or None
 
 
@@ -109,7 +128,7 @@ def scan_pci(root: str | os.PathLike | None = None, vfio_root: str | os.PathLike
         >>> scan_pci("/nonexistent")
         PciScan(functions=0, vfio=0, generation=None)
     """
-    by_pci = {v["pci_id"]: k for k, v in GENERATIONS.items()}
+    by_pci = {v["pci_id"]: k for k, v in _generations().items()}
     base = Path(PCI_ROOT if root is None else root)
     vfio_base = Path(VFIO_ROOT if vfio_root is None else vfio_root)
     functions = vfio = 0
@@ -166,7 +185,7 @@ def _real_hbm(generation: str | None) -> int:
             pass
     if generation is None:
         return 0
-    spec = GENERATIONS[generation]
+    spec = _generations()[generation]
     return int(spec["hbm_per_chip"]) // int(spec["devices_per_chip"])
 
 
@@ -224,7 +243,9 @@ def require_tpu(what: str = "a tpu device") -> RuntimeInfo:
     """Return the runtime info, or raise :class:`TPUNotAvailableError` naming ``what`` was asked and the fix."""
     info = detect()
     if info.mode == "none":
-        raise TPUNotAvailableError(f"{what} was requested but this process has no TPU ({info.reason}): {INSTALL_HINT}.")
+        raise TPUNotAvailableError(
+            f"{what} was requested but this process has no TPU ({info.reason}): {INSTALL_HINT}."
+        )
     if info.mode == "real" and importlib.util.find_spec("torch_tpu") is None:  # pragma: no cover - defensive
         raise TPUNotAvailableError(f"{what} was requested but torch_tpu cannot be imported: {INSTALL_HINT}.")
     return info

@@ -9,6 +9,11 @@ CPU, and returns the figures that matter on TPU (wall time of cold and warm call
 host<->device copies and host syncs). It raises :class:`SkipCheck` when it cannot run on this host (e.g. tensor
 parallel with one chip); any other exception fails it.
 
+A check registered with ``exclusive=True`` starts processes of its own that need every chip of the host (the
+tensor-parallel check launches one rank per chip). On a TPU VM the chips belong to the first process that runs a
+device operation (torch_tpu initialises its device lazily, on first use, and keeps it until the process exits), so
+exclusive checks run first, before any check touches the device in this process.
+
 Example:
     >>> from hf_tpu.selftest import register_check
     >>> @register_check("example", description="2 + 2 on the device")   # doctest: +SKIP
@@ -53,6 +58,7 @@ class Check:
     quick: bool  # part of `--quick`
     order: int  # lower runs first (runtime and device before the capabilities that need them)
     module: str
+    exclusive: bool = False  # needs every chip free (starts its own processes): runs before the in-process checks
 
 
 @dataclass
@@ -73,9 +79,12 @@ _REGISTRY: dict[str, Check] = {}
 
 
 def register_check(
-    name: str, *, description: str = "", quick: bool = True, order: int = 50
+    name: str, *, description: str = "", quick: bool = True, order: int = 50, exclusive: bool = False
 ) -> Callable[[Callable], Callable]:
     """Register ``fn(ctx) -> figures`` as the self-test check ``name`` (one name, one check).
+
+    ``exclusive=True``: the check starts processes that need every chip of the host; it runs before the checks
+    that use the device in this process (see the module docstring).
 
     Example:
         >>> @register_check("device_map", description="device_map='auto' places a tiny model")  # doctest: +SKIP
@@ -90,7 +99,7 @@ def register_check(
                 f"and by {fn.__module__}.{fn.__qualname__}; give one of them another name"
             )
         _REGISTRY[name] = Check(
-            name, fn, description or (fn.__doc__ or "").strip().split("\n")[0], quick, order, fn.__module__
+            name, fn, description or (fn.__doc__ or "").strip().split("\n")[0], quick, order, fn.__module__, exclusive
         )
         return fn
 
@@ -114,8 +123,8 @@ def discover() -> list[str]:
 
 
 def checks() -> dict[str, Check]:
-    """The registered checks, in the order they run."""
-    return dict(sorted(_REGISTRY.items(), key=lambda kv: (kv[1].order, kv[0])))
+    """The registered checks, in the order they run: exclusive checks first, then by ``order`` and name."""
+    return dict(sorted(_REGISTRY.items(), key=lambda kv: (not kv[1].exclusive, kv[1].order, kv[0])))
 
 
 class CheckContext:

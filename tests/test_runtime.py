@@ -195,3 +195,21 @@ def test_none_mode_error_names_both_fixes_in_a_fresh_process(tmp_path):
     assert "device_map='tpu' was requested" in message
     assert "pip install 'hf-tpu[tpu]'" in message  # how to get a real TPU
     assert "HF_TPU_SIMULATE=1" in message and "hf_tpu.sim.enable()" in message and "--simulate" in message
+
+
+def test_generations_come_from_the_adapter_and_name_torch_tpus_meshes():
+    """Without torch-tpu (this venv) hf_tpu._torch_tpu uses its copy of 0.2.0's tables; tests/contract checks the
+    copy against the wheel, and that with the wheel installed the tables are read from it."""
+    from hf_tpu import _torch_tpu
+
+    if _torch_tpu.installed_version() is None:
+        assert _torch_tpu.source() == "hf_tpu's copy of torch-tpu 0.2.0's tables"
+        assert _torch_tpu.generations() == _torch_tpu.copied_generations()
+    meshes = {gen: spec["topologies"] for gen, spec in runtime.GENERATIONS.items()}
+    assert meshes["v6e"] == meshes["v5e"] == {1: "1,1,1", 4: "2,2,1", 8: "2,4,1"}
+    assert meshes["v5p"] == meshes["v4"] == {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,2,2"}
+    assert meshes["v7"] == {2: "1,1,1,2", 4: "1,2,1,2", 8: "2,2,1,2"}
+    assert _torch_tpu.topology("v7", 4) == "1,2,1,2"
+    with pytest.raises(_torch_tpu.UnsupportedTopologyError, match=r"torch_tpu runs v7 with 2, 4, 8 device\(s\)"):
+        _torch_tpu.topology("v7", 1)
+    assert _torch_tpu.valid_counts("v6e") == (1, 4, 8)

@@ -66,6 +66,61 @@ def test_statuses_figures_and_order(registry):
         selftest.run_checks(only=["nope"])
 
 
+def test_exclusive_checks_run_before_any_check_uses_the_device(registry):
+    """On a TPU VM the first device operation claims the chips for this process; a check that launches one rank
+    per chip must run before that."""
+    ran: list[str] = []
+
+    @selftest.register_check("runtime", order=0)
+    def _rt(ctx):
+        ran.append("runtime")
+
+    @selftest.register_check("device", order=1)
+    def _dev(ctx):
+        ran.append("device")
+
+    @selftest.register_check("tensor_parallel", order=90, exclusive=True, quick=False)
+    def _tp(ctx):
+        assert ran == [], f"the exclusive check ran after {ran}"
+        ran.append("tensor_parallel")
+
+    results = selftest.run_checks()
+    assert [(r.name, r.status) for r in results] == [
+        ("tensor_parallel", "passed"),
+        ("runtime", "passed"),
+        ("device", "passed"),
+    ]
+    assert ran == ["tensor_parallel", "runtime", "device"]
+
+
+def test_the_real_tensor_parallel_check_is_exclusive():
+    selftest.discover()
+    registered = selftest.checks()
+    assert registered["tensor_parallel"].exclusive
+    assert next(iter(registered)) == "tensor_parallel"
+
+
+def test_torch_tpu_api_check_names_what_the_installed_wheel_lacks(monkeypatch):
+    """On a real TPU the check fails naming each missing name (hf_tpu._torch_tpu.missing_names reads them)."""
+    import torch
+
+    from hf_tpu import _torch_tpu
+
+    selftest.discover()
+    check = selftest.checks()["torch_tpu_api"]
+    ctx = selftest.CheckContext()
+    ctx.info = runtime.RuntimeInfo("real", 1, 4, 16 * 1024**3, "v5e", "0.2.0", None, "test")
+    names = dict(_torch_tpu.EXPECTED_NAMES)
+    names["torch.accelerator"] = (*names["torch.accelerator"], "no_such_entry_point")
+    monkeypatch.setattr(_torch_tpu, "EXPECTED_NAMES", names)
+    assert hasattr(torch.accelerator, "get_memory_info")
+    with pytest.raises(RuntimeError, match=r"lacks .*torch\.accelerator\.no_such_entry_point"):
+        check.fn(ctx)
+    ctx.info = runtime.RuntimeInfo("simulated", 1, 0, 16 * 1024**3, "v5e", None, None, "test")
+    with pytest.raises(selftest.SkipCheck, match="simulated device does not use torch_tpu"):
+        check.fn(ctx)
+
+
 def test_a_failed_runtime_check_skips_the_rest(registry):
     @selftest.register_check("runtime", order=0)
     def _rt(ctx):
@@ -131,8 +186,11 @@ def test_selftest_passes_on_the_simulated_device(tmp_path):
     assert report["runtime"]["mode"] == "simulated" and report["runtime"]["generation"] == "v6e"
     checks = {c["name"]: c for c in report["checks"]}
     assert {"runtime", "device", "compile"} <= set(checks)
+    # The torch_tpu names are checked on a real TPU (tests/contract checks them against the wheel).
+    assert checks.pop("torch_tpu_api")["status"] == "skipped"
     assert all(c["status"] == "passed" for c in checks.values()), checks
     assert report["summary"]["failed"] == 0
+    assert report["checks"][0]["name"] == "tensor_parallel"  # exclusive: before this process uses the device
     assert checks["runtime"]["figures"]["hbm_gib"] == 32.0
     assert checks["compile"]["figures"]["cold_compiles"] >= 1 and checks["compile"]["figures"]["warm_compiles"] == 0
     assert checks["device"]["figures"]["roundtrip_h2d_copies"] == 1

@@ -1,9 +1,13 @@
 """Which TPU devices this process can place weights on, and how much HBM each has free.
 
 Accelerate finds accelerators through ``torch.cuda``/``torch.xpu``/``torch.npu``/... and their ``mem_get_info``; it
-knows nothing of ``torch.tpu``, and torch_tpu has no ``mem_get_info``. Here the total comes from the device
-properties (``torch.tpu.get_device_properties().total_memory``, or the simulator's configured HBM) and the
-free memory is that total minus what is live on the device now.
+knows nothing of ``torch.tpu``. torch-tpu 0.2.0 has no ``torch.tpu.memory_allocated``/``mem_get_info``; its C++
+allocator (``torch_tpu::TpuAllocator``, a ``c10::DeviceAllocator`` with ``getMemoryInfo`` and ``getDeviceStats``)
+answers torch's own entry points instead: ``torch.accelerator.get_memory_info(i)`` -> ``(free, total)`` and
+``torch.accelerator.memory_allocated(i)``. Here, on a real TPU, the total comes from the device properties
+(``torch.tpu.get_device_properties().total_memory``, public in 0.2.0) and what is in use from
+``get_memory_info`` (what the device has free, whoever holds the rest), else ``memory_allocated``; on the
+simulator, from its configured HBM and its live bytes.
 
 torch_tpu gives each process one chip, addressed as ``tpu:0``; the simulator follows the same rule.
 
@@ -16,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +63,9 @@ def tpu_device_count() -> int:
     return info.device_count if info.mode != "none" else 0
 
 
-def _live_bytes(index: int) -> int:
-    """Bytes live on ``tpu:index`` now: the simulator's own count, or torch_tpu's allocator stats when it has any."""
+def _live_bytes(index: int, total: int) -> int:
+    """Bytes in use on ``tpu:index`` now: the simulator's own count, or what torch_tpu's allocator reports through
+    ``torch.accelerator`` (``total - free`` from ``get_memory_info``, else ``memory_allocated``)."""
     from hf_tpu import runtime
 
     if runtime.detect().mode == "simulated":
@@ -68,16 +74,22 @@ def _live_bytes(index: int) -> int:
         return int(hf_tpu.sim.memory_allocated())
     import torch
 
-    module = getattr(torch, "tpu", None)
-    for name in ("memory_allocated", "memory_reserved"):
-        fn = getattr(module, name, None) if module is not None else None
-        if callable(fn):
-            try:
-                return int(fn(index))
-            except (RuntimeError, NotImplementedError, TypeError) as exc:  # experimental API missing on this build
-                logger.debug("torch.tpu.%s(%d) failed: %s", name, index, exc)
-    # torch_tpu 0.2.0 exposes no allocator statistics: assume the device is empty and say so once.
-    logger.info("torch_tpu reports no live HBM usage; treating tpu:%d as empty when planning placement", index)
+    failures = []
+    try:
+        free, _ = torch.accelerator.get_memory_info(index)
+        return max(int(total) - int(free), 0)
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+        failures.append(f"torch.accelerator.get_memory_info({index}): {exc}")
+    try:
+        return int(torch.accelerator.memory_allocated(index))
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+        failures.append(f"torch.accelerator.memory_allocated({index}): {exc}")
+    warnings.warn(
+        f"cannot read how much HBM is in use on tpu:{index} ({'; '.join(failures)}); planning placement as if it "
+        "were empty. Pass max_memory={'tpu': ...} to set the budget yourself.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     return 0
 
 
@@ -114,7 +126,8 @@ def tpu_memory(index: int = 0) -> TPUMemory:
             f"({', '.join(f'tpu:{i}' for i in range(count))}); torch_tpu gives each process one chip, seen as "
             "tpu:0. Use 'tpu' (or 'tpu:0'), and `hf-tpu launch` for one process per chip."
         )
-    return TPUMemory(index=index, total=_total_bytes(index), used=_live_bytes(index))
+    total = _total_bytes(index)
+    return TPUMemory(index=index, total=total, used=_live_bytes(index, total))
 
 
 def is_tpu_device(device: Any) -> bool:

@@ -1,7 +1,7 @@
 """Self-test check of tensor parallelism: ``hf-tpu launch`` over this host's chips, sharded output equal to TP=1.
 
-On a TPU VM run it on its own (``hf-tpu selftest --only tensor_parallel``): the ranks it launches need the chips,
-so the self-test process must not have claimed them with the device checks first.
+It is an exclusive check: the ranks it launches need every chip, so it runs before the checks that use the device
+in the self-test process (which would otherwise hold the chips); see :mod:`hf_tpu.selftest`.
 """
 
 from __future__ import annotations
@@ -22,14 +22,18 @@ _TIMEOUT_S = 600
 
 def _ranks(ctx: CheckContext) -> int:
     if ctx.simulated:
-        return 2
-    from hf_tpu.runtime import GENERATIONS
+        return 2  # the launcher simulates a generation that runs 2 devices per host (v5p)
+    from hf_tpu import _torch_tpu
 
-    per_chip = int(GENERATIONS[ctx.info.generation]["devices_per_chip"]) if ctx.info.generation else 1
-    devices = ctx.info.chips_on_host * per_chip
-    if devices < 2:
-        raise SkipCheck(f"tensor parallelism needs 2 or more TPU devices; this host has {devices}")
-    return devices
+    devices = ctx.info.chips_on_host  # torch_tpu's count: VFIO-exposed TPU devices (v7: already 2 per chip)
+    counts = (
+        [c for c in _torch_tpu.valid_counts(ctx.info.generation) if 2 <= c <= devices] if ctx.info.generation else []
+    )
+    if not counts:
+        raise SkipCheck(
+            f"tensor parallelism needs 2 or more TPU devices in a mesh torch_tpu runs; this host has {devices}"
+        )
+    return max(counts)
 
 
 @register_check(
@@ -37,6 +41,7 @@ def _ranks(ctx: CheckContext) -> int:
     description="hf-tpu launch + DistributedConfig(tp_size=N): logits and greedy tokens equal TP=1",
     quick=False,
     order=90,
+    exclusive=True,
 )
 def _tensor_parallel(ctx: CheckContext) -> dict[str, Any]:
     if ctx.info.mode == "none":

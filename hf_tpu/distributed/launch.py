@@ -7,9 +7,15 @@ this launcher does (real TPU: torch_tpu's own ``set_tpu_launch_env``; simulated:
 which fills the same variables and gives every rank ``HF_TPU_SIMULATE=1``, i.e. its own simulated ``tpu:0``),
 then runs torchrun in this process with every torchrun argument passed through.
 
-On several hosts, the rendezvous values that the launch environment derives from ``TPU_WORKER_HOSTNAMES`` /
-``JOB_COMPLETION_INDEX`` fill the torchrun flags the user did not give (``--nnodes``, ``--node_rank``,
-``--master_addr``, ``--master_port``); flags given on the command line always win.
+Before any rank starts, the launcher refuses what torch_tpu would refuse: a process count that is not a mesh of
+this host's TPU generation (torch_tpu's topology tables, read through :mod:`hf_tpu._torch_tpu`: v5e and v6e take
+1, 4 or 8 devices per host, v4 and v5p 1, 2, 4 or 8, v7 2, 4 or 8), on chips and on the simulator alike, and a
+script that does not exist.
+
+On several hosts, torchrun's rendezvous flags given on the command line (``--node_rank``/``--node-rank``,
+``--master_addr``, ``--master_port``) are put into the launch environment first (``NODE_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``), as an operator would pin them, so torch_tpu's ``set_tpu_launch_env`` keeps them; the values it
+derives from ``TPU_WORKER_HOSTNAMES`` / ``JOB_COMPLETION_INDEX`` fill the flags the user did not give.
 
 Example:
     $ hf-tpu launch --nproc_per_node=4 generate.py --prompt "Hello"
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import sys
 import time
@@ -34,6 +41,7 @@ __all__ = [
     "LaunchError",
     "add_launch_arguments",
     "build_parser",
+    "check_process_count",
     "launch",
     "main",
     "set_real_launch_env",
@@ -43,21 +51,38 @@ __all__ = [
 
 BOOTSTRAP_MODULE = "hf_tpu.distributed._bootstrap"
 
-# torchrun's defaults for the flags the multi-host launch environment may fill (torch 2.11-2.15).
+# torchrun's defaults for the flags the multi-host launch environment may fill (torch 2.11-2.15). The parser
+# leaves them None, so that a flag given on the command line (even --node_rank=0) can be told from the default.
 _TORCHRUN_DEFAULTS = {"node_rank": 0, "master_addr": "127.0.0.1", "master_port": None}
 _DEFAULT_NNODES = ("1", "1:1")
 
-# Chip count -> "x,y,z" mesh, as torch_tpu reports it for one v6e host; other counts are laid out as 1,n,1.
-_SIM_TOPOLOGY = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
+# The simulator's generation when none is asked for; for a process count v6e has no mesh for, the first of the
+# others that has one (2 processes: v5p), said on stderr.
+SIM_DEFAULT_GENERATION = "v6e"
+_SIM_FALLBACK_ORDER = ("v5p", "v5e", "v4", "v7")
 
 
 class LaunchError(RuntimeError):
     """The launch cannot start: what was asked, what was found, and what to do."""
 
 
-def simulated_topology(nproc: int) -> str:
-    """The ``TORCH_TPU_TOPOLOGY`` string a host with ``nproc`` chips would report (``"2,2,1"`` for 4)."""
-    return _SIM_TOPOLOGY.get(nproc, f"1,{nproc},1")
+def simulated_topology(nproc: int, generation: str = SIM_DEFAULT_GENERATION) -> str:
+    """The ``TORCH_TPU_TOPOLOGY`` torch_tpu sets for ``nproc`` devices of ``generation`` (``"2,2,1"`` for 4).
+
+    Raises:
+        LaunchError: torch_tpu has no mesh for ``nproc`` on ``generation``; the message names the counts that work.
+    """
+    from hf_tpu import _torch_tpu
+
+    try:
+        return _torch_tpu.topology(generation, nproc)
+    except _torch_tpu.UnsupportedTopologyError as err:
+        raise LaunchError(str(err)) from None
+
+
+def _is_multihost(nnodes: int | None, env) -> bool:
+    """torch_tpu's rule: ``nnodes > 1``, two or more ``TPU_WORKER_HOSTNAMES``, or ``JOB_COMPLETION_INDEX`` set."""
+    return (nnodes is not None and nnodes > 1) or len(_worker_hostnames(env)) > 1 or "JOB_COMPLETION_INDEX" in env
 
 
 def _free_port() -> int:
@@ -71,14 +96,20 @@ def _worker_hostnames(env: os._Environ | dict) -> list[str]:
 
 
 def set_simulated_launch_env(
-    *, nnodes: int | None = None, nproc_per_node: int | None = None, env: dict | None = None
+    *,
+    nnodes: int | None = None,
+    nproc_per_node: int | None = None,
+    env: dict | None = None,
+    generation: str = SIM_DEFAULT_GENERATION,
 ) -> dict[str, str]:
     """The simulated counterpart of torch_tpu's ``set_tpu_launch_env``: same variables, same rules.
 
     Never overwrites a variable that is already set (so an operator can pin any of them). Multi-host is detected
     as torch_tpu does: ``nnodes > 1``, two or more ``TPU_WORKER_HOSTNAMES``, or ``JOB_COMPLETION_INDEX`` set.
-    Every rank also gets ``HF_TPU_SIMULATE=1`` and ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (torch_tpu must not
-    initialise a device on a host without chips). Returns the variables this call set.
+    The simulated host has ``nproc_per_node`` devices of ``generation``: a count torch_tpu has no mesh for raises
+    :class:`LaunchError` (torch_tpu's ``get_tpu_topology`` raises RuntimeError there). Every rank also gets
+    ``HF_TPU_SIMULATE=1`` and ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (torch_tpu must not initialise a device on a
+    host without chips). Returns the variables this call set.
 
     Example:
         >>> env = {}
@@ -86,6 +117,8 @@ def set_simulated_launch_env(
         '2,2,1'
     """
     env = os.environ if env is None else env
+    count = nproc_per_node or 1
+    mesh = simulated_topology(count, generation)  # refuse before changing anything
     before = dict(env)
 
     def once(name: str, value) -> None:
@@ -102,9 +135,7 @@ def set_simulated_launch_env(
             f"({env['TPU_WORKER_HOSTNAMES']!r}); pass --nnodes={len(hosts)} or fix TPU_WORKER_HOSTNAMES."
         )
     completion_index = env.get("JOB_COMPLETION_INDEX")
-    multihost = (nnodes is not None and nnodes > 1) or len(hosts) > 1 or completion_index is not None
-    count = nproc_per_node or 1
-    if multihost:
+    if _is_multihost(nnodes, env):
         if not hosts:
             raise LaunchError(
                 "a multi-host launch was asked (--nnodes > 1 or JOB_COMPLETION_INDEX set), but "
@@ -127,28 +158,49 @@ def set_simulated_launch_env(
             env["NODE_RANK"] = str(int(completion_index))
         once("MASTER_ADDR", hosts[0])
         once("MASTER_PORT", "29500")
-        once("TORCH_TPU_TOPOLOGY", simulated_topology(count))
+        once("TORCH_TPU_TOPOLOGY", mesh)
     else:
         once("TORCH_TPU_SLICEBUILDER_ADDRESSES", lambda: ",".join(f"localhost:{_free_port()}" for _ in range(count)))
-        once("TORCH_TPU_TOPOLOGY", simulated_topology(count))
+        once("TORCH_TPU_TOPOLOGY", mesh)
     return {k: v for k, v in env.items() if before.get(k) != v}
 
 
 def set_real_launch_env(*, nnodes: int | None = None, nproc_per_node: int | None = None) -> dict[str, str]:
-    """Call torch_tpu's own ``set_tpu_launch_env`` (imported only here); returns the variables it set."""
+    """Call torch_tpu's own ``set_tpu_launch_env`` (through :mod:`hf_tpu._torch_tpu`); returns what it set.
+
+    torch_tpu raises ValueError for a launch it cannot lay out (hosts, node rank) and RuntimeError for a device
+    count it has no mesh for; both become a :class:`LaunchError` (the launcher checks the count first, see
+    :func:`check_process_count`, so the second names the counts that work).
+    """
+    from hf_tpu import _torch_tpu
+
     before = dict(os.environ)
     try:
-        from torch_tpu._internal.distributed.distributed import set_tpu_launch_env
+        _torch_tpu.set_tpu_launch_env(nnodes=nnodes, nproc_per_node=nproc_per_node)
     except ImportError as err:  # pragma: no cover - needs torch-tpu
         raise LaunchError(
             f"a real TPU launch needs torch-tpu's launch environment, but it cannot be imported ({err}); install "
             "it with `pip install 'hf-tpu[tpu]'`, or pass --simulate to run on the simulated device."
         ) from err
-    try:
-        set_tpu_launch_env(nnodes=nnodes, nproc_per_node=nproc_per_node)
-    except ValueError as err:
+    except (ValueError, RuntimeError) as err:
         raise LaunchError(f"torch_tpu could not set the TPU launch environment: {err}") from err
     return {k: v for k, v in os.environ.items() if before.get(k) != v}
+
+
+def check_process_count(generation: str | None, nproc: int | None, host_devices: int, *, multihost: bool) -> None:
+    """Refuse, before any rank starts, a launch torch_tpu cannot lay out on ``generation``.
+
+    ``nproc`` is the processes asked per host (None: one per device), ``host_devices`` the TPU devices torch_tpu
+    counts on this host. torch_tpu looks up, single-host, ``nproc`` (or the device count) in its topology table
+    and, multi-host, the host's device count; on multi-host hf_tpu also refuses an ``nproc`` with no mesh.
+    """
+    if generation is None:
+        return
+    counts = {host_devices if nproc is None else nproc}
+    if multihost:
+        counts.add(host_devices)
+    for count in sorted(counts):
+        simulated_topology(count, generation)
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser, *, simulate_flag: bool = True) -> argparse.ArgumentParser:
@@ -159,6 +211,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, simulate_flag: bool
     for action in get_args_parser()._actions:
         if isinstance(action, argparse._HelpAction):
             continue
+        if action.dest in _TORCHRUN_DEFAULTS:  # None until resolved: tells a given flag from torchrun's default
+            action.default = None
         parser._add_action(action)
     if simulate_flag and not any("--simulate" in a.option_strings for a in parser._actions):
         parser.add_argument(
@@ -198,26 +252,96 @@ def _resolve_nproc(args: argparse.Namespace, simulate: bool) -> None:
                 "none; pass a number, e.g. --nproc_per_node=4."
             )
         return
-    from hf_tpu.runtime import GENERATIONS, scan_pci_chips
+    from hf_tpu.runtime import scan_pci
 
-    chips, generation = scan_pci_chips()
-    if chips:
-        per_chip = int(GENERATIONS[generation]["devices_per_chip"]) if generation else 1
-        args.nproc_per_node = str(chips * per_chip)
+    devices = scan_pci().vfio  # torch_tpu's count: every VFIO-exposed TPU function (v7: two per chip)
+    if devices:
+        args.nproc_per_node = str(devices)
     elif args.nproc_per_node == "tpu":
         raise LaunchError("--nproc_per_node=tpu was asked, but this host has no TPU chips; pass a number.")
 
 
+def _pin_rendezvous_flags(args: argparse.Namespace, nnodes: int | None) -> None:
+    """On several hosts, put the rendezvous flags given on the command line into the launch environment (they
+    win over values already there), so that the launch environment (torch_tpu's or the simulator's) keeps them."""
+    if not _is_multihost(nnodes, os.environ):
+        return
+    for dest, name in (("node_rank", "NODE_RANK"), ("master_addr", "MASTER_ADDR"), ("master_port", "MASTER_PORT")):
+        value = getattr(args, dest, None)
+        if value is not None:
+            os.environ[name] = str(value)
+
+
 def _fill_multihost_flags(args: argparse.Namespace) -> None:
-    """Fill the torchrun rendezvous flags left at their defaults from the launch environment."""
+    """Fill the torchrun rendezvous flags not given on the command line from the launch environment, then
+    torchrun's defaults."""
     if "NNODES" in os.environ and args.nnodes in _DEFAULT_NNODES:
         args.nnodes = os.environ["NNODES"]
-    if "NODE_RANK" in os.environ and args.node_rank == _TORCHRUN_DEFAULTS["node_rank"]:
+    if "NODE_RANK" in os.environ and args.node_rank is None:
         args.node_rank = int(os.environ["NODE_RANK"])
-    if "MASTER_ADDR" in os.environ and args.master_addr == _TORCHRUN_DEFAULTS["master_addr"]:
+    if "MASTER_ADDR" in os.environ and args.master_addr is None:
         args.master_addr = os.environ["MASTER_ADDR"]
     if "MASTER_PORT" in os.environ and args.master_port is None:
         args.master_port = int(os.environ["MASTER_PORT"])
+    for dest, default in _TORCHRUN_DEFAULTS.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, default)
+
+
+def _check_entrypoint(args: argparse.Namespace) -> None:
+    """A script that is not there fails here, once, instead of in every rank."""
+    if args.module:
+        return
+    script = args.training_script
+    if args.no_python:
+        if shutil.which(script) is None:
+            raise LaunchError(f"--no-python was given, but {script!r} is not an executable on PATH or a file.")
+        return
+    path = Path(script)
+    if not path.is_file():
+        where = f" (relative to {Path.cwd()})" if not path.is_absolute() else ""
+        what = "is a directory, not a script" if path.is_dir() else "does not exist"
+        raise LaunchError(
+            f"the script {script}{where} {what}; no rank was started. Check the path, or pass -m for a module."
+        )
+
+
+def _sim_generation(args: argparse.Namespace, nproc: int | None) -> str:
+    """The generation the ranks simulate: the one asked for (--sim-generation, HF_TPU_SIM_GENERATION, the
+    launcher's own simulator), refused if torch_tpu has no mesh for ``nproc`` on it; otherwise v6e, or for a count
+    v6e has none for, the first generation that has one (said on stderr)."""
+    from hf_tpu import _torch_tpu, runtime
+
+    asked = getattr(args, "sim_generation", None) or os.environ.get("HF_TPU_SIM_GENERATION")
+    if not asked:
+        info = runtime.detect()
+        if info.mode == "simulated" and info.generation != SIM_DEFAULT_GENERATION:
+            asked = info.generation
+    known = _torch_tpu.generations()
+    count = nproc or 1
+    if asked:
+        if asked not in known:
+            raise LaunchError(f"unknown TPU generation {asked!r} to simulate; known: {', '.join(known)}.")
+        try:
+            simulated_topology(count, asked)
+        except LaunchError as err:
+            others = [g for g in (SIM_DEFAULT_GENERATION, *_SIM_FALLBACK_ORDER) if count in known[g].topologies]
+            hint = f" Or simulate a generation that has {count}: --sim-generation={others[0]}." if others else ""
+            raise LaunchError(f"{err}{hint}") from None
+        return asked
+    for generation in (SIM_DEFAULT_GENERATION, *_SIM_FALLBACK_ORDER):
+        if generation in known and count in known[generation].topologies:
+            if generation != SIM_DEFAULT_GENERATION:
+                print(
+                    f"hf-tpu launch: simulating {known[generation].name}: {count} devices per host is not a "
+                    f"{SIM_DEFAULT_GENERATION} layout (torch_tpu runs {SIM_DEFAULT_GENERATION} with "
+                    f"{', '.join(map(str, _torch_tpu.valid_counts(SIM_DEFAULT_GENERATION)))}); pass "
+                    "--sim-generation to choose another.",
+                    file=sys.stderr,
+                )
+            return generation
+    simulated_topology(count, SIM_DEFAULT_GENERATION)  # raises, naming the counts of every generation
+    raise AssertionError("unreachable")
 
 
 def _wrap_entrypoint(args: argparse.Namespace) -> None:
@@ -275,6 +399,7 @@ def launch(args: argparse.Namespace) -> int:
         raise LaunchError(
             "no script to launch: pass it after the launcher flags, e.g. hf-tpu launch --nproc_per_node=2 run.py"
         )
+    _check_entrypoint(args)
     simulate = _is_simulated(args)
     if simulate:
         from hf_tpu.runtime import scan_pci_chips
@@ -291,23 +416,26 @@ def launch(args: argparse.Namespace) -> int:
         min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
         nnodes = max_nodes if min_nodes == max_nodes else None
     nproc = _int_or_none(args.nproc_per_node)
+    from hf_tpu import runtime
+
     if simulate:
-        set_simulated_launch_env(nnodes=nnodes, nproc_per_node=nproc)
-        from hf_tpu import runtime
-
+        generation = _sim_generation(args, nproc)
+        _pin_rendezvous_flags(args, nnodes)
+        set_simulated_launch_env(nnodes=nnodes, nproc_per_node=nproc, generation=generation)
+        os.environ["HF_TPU_SIM_GENERATION"] = generation
         info = runtime.detect()
-        if info.mode == "simulated":  # this process chose a generation / HBM (hf-tpu --sim-generation ...)
-            os.environ.setdefault("HF_TPU_SIM_GENERATION", str(info.generation))
-            os.environ.setdefault("HF_TPU_SIM_HBM", str(info.hbm_bytes))
+        preset = runtime.GENERATIONS[str(info.generation)] if info.mode == "simulated" else None
+        if preset and info.hbm_bytes != int(preset["hbm_per_chip"]) // int(preset["devices_per_chip"]):
+            os.environ.setdefault("HF_TPU_SIM_HBM", str(info.hbm_bytes))  # this process was given an HBM size
     else:
-        from hf_tpu import runtime
-
         info = runtime.detect()
         if info.mode != "real":
             raise LaunchError(
                 f"hf-tpu launch starts one process per TPU chip, but this host has none ({info.reason}); "
                 f"{runtime.INSTALL_HINT}."
             )
+        check_process_count(info.generation, nproc, info.chips_on_host, multihost=_is_multihost(nnodes, os.environ))
+        _pin_rendezvous_flags(args, nnodes)
         set_real_launch_env(nnodes=nnodes, nproc_per_node=nproc)
     _fill_multihost_flags(args)
     _wrap_entrypoint(args)

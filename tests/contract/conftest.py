@@ -42,3 +42,53 @@ def torch_tpu_version() -> str:
     """The installed torch-tpu version (the tier is written for 0.2.0)."""
     assert TORCH_TPU_VERSION is not None
     return TORCH_TPU_VERSION
+
+
+def make_pci_tree(root, pci_id: str, count: int, vendor: str = "0x1ae0"):
+    """A sysfs PCI tree with ``count`` devices ``vendor:pci_id``, each with an IOMMU group present under the
+    returned vfio directory: what a TPU VM shows torch_tpu. Returns ``(pci_dir, vfio_dir)``."""
+    from pathlib import Path
+
+    root = Path(root)
+    pci, vfio, groups = root / "pci", root / "vfio", root / "iommu_groups"
+    for d in (pci, vfio, groups):
+        d.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        dev = pci / f"0000:00:{i + 4:02x}.0"
+        dev.mkdir()
+        (dev / "vendor").write_text(vendor + "\n")
+        (dev / "device").write_text(pci_id + "\n")
+        group = groups / str(10 + i)
+        group.mkdir()
+        (dev / "iommu_group").symlink_to(group)
+        (vfio / str(10 + i)).write_text("")
+    return pci, vfio
+
+
+@pytest.fixture
+def fake_tpu_host(tmp_path, monkeypatch):
+    """``fake_tpu_host(pci_id, count)``: the wheel's hardware module (its real scan code) and hf_tpu's PCI scan
+    read a fake sysfs tree with ``count`` TPU devices of that PCI id; only the paths are stood in."""
+    import pathlib
+    import types
+
+    from torch_tpu._internal.utils import hardware
+
+    from hf_tpu import runtime
+
+    made = {"n": 0}
+
+    def install(pci_id: str, count: int):
+        made["n"] += 1
+        pci, vfio = make_pci_tree(tmp_path / f"host{made['n']}", pci_id, count)
+        paths = {"/sys/bus/pci/devices": pci, "/dev/vfio": vfio}
+
+        def path(p, *rest):
+            return pathlib.Path(paths.get(str(p), p), *rest)
+
+        monkeypatch.setattr(hardware, "pathlib", types.SimpleNamespace(Path=path))
+        monkeypatch.setattr(runtime, "PCI_ROOT", str(pci))
+        monkeypatch.setattr(runtime, "VFIO_ROOT", str(vfio))
+        return pci, vfio
+
+    return install

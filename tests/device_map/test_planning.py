@@ -104,21 +104,42 @@ def test_auto_keeps_a_tenth_of_the_tpu_for_activations(device_map_on, sim):
     assert budget[0] == pytest.approx(0.9 * tpu_memory(0).free)
 
 
-def test_real_mode_reads_device_properties_and_allocator_stats(monkeypatch):
-    """The real-torch_tpu branch, against the shape of torch_tpu's API (total from get_device_properties)."""
+def test_real_mode_reads_free_hbm_through_torch_accelerator(monkeypatch):
+    """The real-torch_tpu branch against 0.2.0's surface: the total from torch.tpu.get_device_properties (public),
+    what is in use from torch.accelerator.get_memory_info (torch_tpu's TpuAllocator::getMemoryInfo), else
+    torch.accelerator.memory_allocated; torch.tpu has no memory_allocated in 0.2.0."""
     import types
 
     from hf_tpu import runtime
     from hf_tpu.device_map import devices
 
-    info = runtime.RuntimeInfo("real", 1, 4, 16 * 1024**3, "v5e", "0.2.0", None, "test")
+    GiB = 1024**3
+    info = runtime.RuntimeInfo("real", 1, 4, 16 * GiB, "v5e", "0.2.0", None, "test")
     monkeypatch.setattr(runtime, "detect", lambda: info)
-    props = types.SimpleNamespace(total_memory=16 * 1024**3, name="TPU v5 lite")
-    fake = types.SimpleNamespace(get_device_properties=lambda index=None: props)
-    monkeypatch.setattr(torch, "tpu", fake, raising=False)
-    assert devices.tpu_memory(0) == devices.TPUMemory(0, 16 * 1024**3, 0)  # 0.2.0: no allocator statistics
-    fake.memory_allocated = lambda index: 3 * 1024**3
-    assert devices.tpu_memory(0).free == 13 * 1024**3
+    props = types.SimpleNamespace(total_memory=16 * GiB, name="TPU v5e")
+    monkeypatch.setattr(
+        torch, "tpu", types.SimpleNamespace(get_device_properties=lambda index=None: props), raising=False
+    )
+    asked = []
+
+    def get_memory_info(index=None, /):
+        asked.append(index)
+        return 11 * GiB, 15 * GiB  # another process (or the runtime) holds 5 GiB of the chip
+
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", get_memory_info)
+    monkeypatch.setattr(torch.accelerator, "memory_allocated", lambda index=None, /: 1 * GiB)
+    assert devices.tpu_memory(0) == devices.TPUMemory(0, 16 * GiB, 5 * GiB) and asked == [0]
+    assert devices.tpu_memory(0).free == 11 * GiB
+
+    def unsupported(index=None, /):
+        raise RuntimeError("PrivateUse1 does not support getMemoryInfo")
+
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", unsupported)
+    assert devices.tpu_memory(0).used == 1 * GiB  # this process's own allocations
+
+    monkeypatch.setattr(torch.accelerator, "memory_allocated", unsupported)
+    with pytest.warns(RuntimeWarning, match=r"cannot read how much HBM is in use on tpu:0.*max_memory"):
+        assert devices.tpu_memory(0).used == 0
     with pytest.raises(ValueError, match="one chip"):
         devices.tpu_memory(1)
 

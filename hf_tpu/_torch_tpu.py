@@ -1,0 +1,251 @@
+"""The one place hf_tpu reads torch_tpu's private modules (written against torch-tpu 0.2.0).
+
+torch-tpu keeps the facts hf_tpu needs behind ``torch_tpu._internal``: the TPU generations, their PCI device ids,
+HBM per chip and devices per chip, and the chip counts each generation accepts with their mesh
+(``_internal/utils/hardware.py``); the launch environment (``_internal/distributed/distributed.py:
+set_tpu_launch_env``); the list of public ``torch.tpu`` names (``_internal/public_api.py``). Every read of them
+goes through this module, so the surface hf_tpu depends on is listed here (:data:`EXPECTED_NAMES`), checked by
+``hf-tpu selftest`` on a TPU VM (:func:`missing_names`) and by ``tests/contract`` against the real wheel.
+
+When torch-tpu is installed, :func:`generations` reads its hardware tables: the module is loaded from the wheel's
+file on its own, without importing the ``torch_tpu`` package (which would load libtpu), unless torch_tpu is
+already imported. Without torch-tpu, the copy below is used; ``tests/contract`` keeps it equal to the wheel.
+
+Example:
+    >>> from hf_tpu import _torch_tpu
+    >>> _torch_tpu.generations()["v6e"].topologies
+    {1: '1,1,1', 4: '2,2,1', 8: '2,4,1'}
+    >>> _torch_tpu.topology("v5p", 2)
+    '1,2,1'
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+__all__ = [
+    "EXPECTED_NAMES",
+    "WRITTEN_FOR",
+    "Generation",
+    "UnsupportedTopologyError",
+    "generations",
+    "installed_version",
+    "missing_names",
+    "set_tpu_launch_env",
+    "source",
+    "topology",
+    "valid_counts",
+]
+
+WRITTEN_FOR = "0.2.0"
+
+HARDWARE_MODULE = "torch_tpu._internal.utils.hardware"
+LAUNCH_MODULE = "torch_tpu._internal.distributed.distributed"
+PUBLIC_API_MODULE = "torch_tpu._internal.public_api"
+
+GiB = 1024**3
+
+# hf_tpu's copy of torch-tpu 0.2.0's hardware tables (hardware.py), for hosts without torch-tpu.
+# key: (name, PCI device id, HBM bytes per chip, devices per chip, chip count -> "x,y,z" mesh)
+_COPY: dict[str, tuple[str, str, int, int, dict[int, str]]] = {
+    "v4": ("TPU v4", "0x005e", 32 * GiB, 1, {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,2,2"}),
+    "v5p": ("TPU v5p", "0x0062", 95 * GiB, 1, {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,2,2"}),
+    "v5e": ("TPU v5e", "0x0063", 16 * GiB, 1, {1: "1,1,1", 4: "2,2,1", 8: "2,4,1"}),
+    "v6e": ("TPU v6e", "0x006f", 32 * GiB, 1, {1: "1,1,1", 4: "2,2,1", 8: "2,4,1"}),
+    "v7": ("TPU v7", "0x0076", 192 * GiB, 2, {2: "1,1,1,2", 4: "1,2,1,2", 8: "2,2,1,2"}),
+}
+GOOGLE_PCI_VENDOR = "0x1ae0"
+
+# Every torch_tpu name hf_tpu reads: module -> attributes. ``torch.tpu`` lists the public names real-mode code
+# calls (checked in torch_tpu's public API table); ``torch.accelerator`` the torch entry points used instead of
+# torch.tpu's internal ones (device_count, synchronize, memory).
+EXPECTED_NAMES: dict[str, tuple[str, ...]] = {
+    HARDWARE_MODULE: (
+        "_GOOGLE_PCI_VENDOR_ID",
+        "_TOPOLOGY_BY_TPU_PCI_DEVICE_ID",
+        "_PCI_DEVICE_ID_TO_NAME",
+        "_HBM_BYTES_PER_CHIP",
+        "_DEVICES_PER_CHIP",
+        "TpuVersion",
+        "get_tpu_topology",
+    ),
+    LAUNCH_MODULE: ("set_tpu_launch_env",),
+    PUBLIC_API_MODULE: ("_PUBLIC_MODULES",),
+    "torch.tpu": ("get_device_properties", "get_device_name"),
+    "torch.tpu.distributed": ("set_tpu_launch_env",),
+    "torch.accelerator": ("current_accelerator", "device_count", "synchronize", "get_memory_info", "memory_allocated"),
+}
+
+
+class UnsupportedTopologyError(ValueError):
+    """A chip count that torch_tpu has no mesh for on this TPU generation (its ``get_tpu_topology`` raises)."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One TPU generation as torch_tpu describes it."""
+
+    key: str  # "v6e"
+    name: str  # "TPU v6e", what torch.tpu.get_device_name() returns
+    pci_id: str  # PCI device id, "0x006f"
+    hbm_per_chip: int  # bytes
+    devices_per_chip: int  # devices one chip exposes (v7: 2); torch_tpu's PCI scan counts devices
+    topologies: dict[int, str]  # devices on one host -> mesh string
+
+    @property
+    def hbm_per_device(self) -> int:
+        return self.hbm_per_chip // self.devices_per_chip
+
+
+def installed_version() -> str | None:
+    """The installed torch-tpu version, read from package metadata (nothing is imported)."""
+    for name in ("torch-tpu", "torch_tpu"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _package_dir() -> Path | None:
+    if "torch_tpu" in sys.modules:
+        return Path(sys.modules["torch_tpu"].__file__).parent
+    try:
+        spec = importlib.util.find_spec("torch_tpu")  # finds a top-level package without running its __init__
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@functools.cache
+def _hardware() -> ModuleType | None:
+    """torch_tpu's hardware module: the imported one, or its file loaded alone (no libtpu); None without it."""
+    if HARDWARE_MODULE in sys.modules:
+        return sys.modules[HARDWARE_MODULE]
+    root = _package_dir()
+    path = root / "_internal" / "utils" / "hardware.py" if root else None
+    if path is None or not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("hf_tpu._torch_tpu_hardware", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # imports only the standard library and immutabledict
+    return module
+
+
+def _key(name: str) -> str:
+    """``"TPU v6e"`` -> ``"v6e"``."""
+    return name.removeprefix("TPU").strip()
+
+
+def _from_wheel(hw: ModuleType) -> dict[str, Generation]:
+    by_name = {v.value: v for v in hw.TpuVersion}
+    found = {}
+    for pci_id, name in hw._PCI_DEVICE_ID_TO_NAME.items():
+        version = by_name[name]
+        found[_key(name)] = Generation(
+            key=_key(name),
+            name=name,
+            pci_id=pci_id,
+            hbm_per_chip=int(hw._HBM_BYTES_PER_CHIP[version]),
+            devices_per_chip=int(hw._DEVICES_PER_CHIP.get(version, 1)),
+            topologies=dict(sorted(hw._TOPOLOGY_BY_TPU_PCI_DEVICE_ID[pci_id].items())),
+        )
+    return found
+
+
+def copied_generations() -> dict[str, Generation]:
+    """hf_tpu's copy of the tables (used where torch-tpu is not installed)."""
+    return {k: Generation(k, n, pci, hbm, per, dict(topo)) for k, (n, pci, hbm, per, topo) in _COPY.items()}
+
+
+@functools.cache
+def generations() -> dict[str, Generation]:
+    """TPU generations by key (``"v6e"``): from the installed torch-tpu, else hf_tpu's copy of 0.2.0's tables."""
+    try:
+        hw = _hardware()
+    except ImportError:  # a broken torch-tpu install (immutabledict missing): the copy still describes 0.2.0
+        hw = None
+    return _from_wheel(hw) if hw is not None else copied_generations()
+
+
+def source() -> str:
+    """Where :func:`generations` comes from, for reports: ``"torch-tpu 0.2.0"`` or ``"hf_tpu's copy of ..."``."""
+    try:
+        wheel = _hardware() is not None
+    except ImportError:
+        wheel = False
+    return f"torch-tpu {installed_version()}" if wheel else f"hf_tpu's copy of torch-tpu {WRITTEN_FOR}'s tables"
+
+
+def valid_counts(generation: str) -> tuple[int, ...]:
+    """The device counts per host torch_tpu accepts on ``generation`` (``(1, 4, 8)`` on v6e)."""
+    return tuple(generations()[generation].topologies)
+
+
+def topology(generation: str, count: int) -> str:
+    """The ``TORCH_TPU_TOPOLOGY`` torch_tpu sets for ``count`` devices of ``generation`` on one host.
+
+    Raises:
+        UnsupportedTopologyError: torch_tpu has no mesh for that count (its ``get_tpu_topology`` raises), with
+            the counts that work.
+    """
+    gen = generations()[generation]
+    if count not in gen.topologies:
+        by_gen = "; ".join(f"{g.key}: {', '.join(map(str, g.topologies))}" for g in generations().values())
+        raise UnsupportedTopologyError(
+            f"{count} process(es) per host on {gen.name}: torch_tpu runs {gen.key} with "
+            f"{', '.join(map(str, gen.topologies))} device(s) per host only (per generation: {by_gen}). "
+            f"Pass --nproc_per_node={min(gen.topologies, key=lambda n: (abs(n - count), n))} or another count "
+            "from that list."
+        )
+    return gen.topologies[count]
+
+
+def set_tpu_launch_env(*, nnodes: int | None = None, nproc_per_node: int | None = None) -> None:
+    """torch_tpu's own ``set_tpu_launch_env`` (imports the torch_tpu package: call it only in a real launch)."""
+    module = importlib.import_module(LAUNCH_MODULE)
+    module.set_tpu_launch_env(nnodes=nnodes, nproc_per_node=nproc_per_node)
+
+
+def _public_exports(module: str) -> set[str] | None:
+    try:
+        api = importlib.import_module(PUBLIC_API_MODULE)
+    except ImportError:
+        return None
+    spec = api._PUBLIC_MODULES.get(module)
+    return set(spec.exports) if spec is not None else set()
+
+
+def missing_names() -> list[str]:
+    """The names of :data:`EXPECTED_NAMES` the installed torch-tpu (and torch) lack; ``[]`` when all are there.
+
+    Reads module attributes and torch_tpu's public API table; initialises no device. Without torch-tpu only the
+    ``torch.accelerator`` names are checked.
+    """
+    missing = []
+    have_wheel = installed_version() is not None
+    for module, names in EXPECTED_NAMES.items():
+        if module.startswith("torch.tpu"):
+            if not have_wheel:
+                continue
+            exports = _public_exports(module)
+            missing += [f"{module}.{n}" for n in names if exports is None or n not in exports]
+            continue
+        if module.startswith("torch_tpu") and not have_wheel:
+            continue
+        try:
+            obj = _hardware() if module == HARDWARE_MODULE else importlib.import_module(module)
+        except ImportError as err:
+            missing.append(f"{module} ({err})")
+            continue
+        missing += [f"{module}.{n}" for n in names if obj is None or not hasattr(obj, n)]
+    return missing
