@@ -8,8 +8,8 @@ compiling a graph it has seen before.
 What it stores, per *namespace* (one model, config, dtype, ladder, backend and library versions):
 
 * ``key.json``: the namespace's key in clear (the SHA-256 of it names the directory);
-* ``graphs/<sha256>.bin``: one graph each, saved with torch's ahead-of-time compile (``torch.compile(...).aot_compile``,
-  ``AOTCompiledFunction.save_compiled_function``, torch 2.13): the captured bytecode, its guards on tensor
+* ``graphs/<sha256>.bin``: one graph each, saved with torch's ahead-of-time compile
+  (``torch.compile(...).aot_compile``, ``AOTCompiledFunction.save_compiled_function``, torch 2.13): the captured bytecode, its guards on tensor
   shapes/dtypes/devices and global state, and the backend's compiled artifact (AOTAutograd's bundled entry: on the
   simulated device the functional FX graph; on a chip, torch_tpu's serialized executable);
 * ``manifest.json``: the graphs the model needed so far, so that a new process's warm-up loads exactly that set.

@@ -39,7 +39,8 @@ def main(model_dir: str, cache_dir: str) -> None:
     print(json.dumps({
         "warm_compiles": warm.compiles, "warm_hits": warm.compile_cache_hits, "graphs": len(report.graphs),
         "new_compiles": report.new_compiles, "from_cache": report.from_cache, "seconds": seconds,
-        "generate_compiles": gen.compiles, "generate_hits": gen.compile_cache_hits, "equal": torch.equal(got, expected),
+        "generate_compiles": gen.compiles, "generate_hits": gen.compile_cache_hits,
+        "equal": torch.equal(got, expected),
         "problems": report.cache_problems,
     }))  # fmt: skip
 

@@ -73,7 +73,8 @@ def test_a_second_process_compiles_nothing_and_matches_cpu(llama_dir, tmp_path):
 def _fresh(path: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoModelForCausalLM.from_pretrained(path).eval().to("tpu")
+    cpu = AutoModelForCausalLM.from_pretrained(path).eval()
+    return cpu, AutoModelForCausalLM.from_pretrained(path).eval().to("tpu")
 
 
 def _generate_both(cpu, tpu) -> tuple[torch.Tensor, torch.Tensor]:
