@@ -174,3 +174,27 @@ def test_clear_removes_the_entries(filled, tmp_path):
     assert list(cache.root.rglob("*.bin"))
     cache.clear()
     assert not list(cache.root.rglob("*.bin"))
+
+
+def test_a_graph_stored_under_another_shape_fails_its_guards_and_is_compiled(llama_dir, filled, tmp_path):
+    """Even an entry that passes the key checks (here: the 16-token prefill filed as the 32-token one) never runs on
+    inputs it was not traced for: its saved guards reject them, and the graph is compiled instead."""
+    from hf_tpu.transformers import _graphs
+
+    cache = _copy(filled, tmp_path / "c")
+    (space,) = (cache / "hf_tpu-v1").glob("generation-*")
+    have, want = (_graphs._graph_id(("prefill", 1, p, c), (None,)) for p, c in ((16, 32), (32, 64)))
+    source = space / "graphs" / f"{compile_cache._sha(have)[:32]}.bin"
+    data = source.read_bytes().replace(json.dumps(have).encode()[1:-1], json.dumps(want).encode()[1:-1], 1)
+    (space / "graphs" / f"{compile_cache._sha(want)[:32]}.bin").write_bytes(data)
+
+    hf_tpu.sim.enable()
+    with hf_tpu.enabled("generation"):
+        cpu, tpu = _fresh(llama_dir)
+        generation.configure(tpu, compile_cache=cache)
+        ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(4))
+        with hf_tpu.sim.stats() as s, pytest.warns(CompileCacheWarning, match="does not fit these inputs"):
+            got = tpu.generate(ids, max_new_tokens=4)
+    assert torch.equal(got, cpu.generate(ids, max_new_tokens=4))
+    assert ("prefill", 1, 32, 64) in generation.compiled_graphs(tpu)
+    assert s.compiles == 2  # the rejected prefill, and the decode graph no process stored
