@@ -5,7 +5,7 @@
    compiled, graphs loaded from the cache, seconds;
 2. *ladders*: for prompts uniform in [1, 2048] and ``max_new_tokens`` 16, 128 and 512, through ``plan_shapes``:
    the share of prefill tokens that are padding, the share of static-cache slots no token occupies, and the graphs
-   one batch size needs; the pre-0.2 ladder (powers of two for prompts and caches) against the default one;
+   one batch size needs; the earlier ladder (powers of two for prompts and caches) against the default one;
 3. *decode cost per step*: one decode step run eagerly on the simulated device for the cache lengths those
    ladders give sampled prompts: device ops and device bytes touched (inputs plus outputs of every op).
 

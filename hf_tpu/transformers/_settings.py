@@ -41,7 +41,7 @@ class GenerationSettings:
     powers of two from 16 to 256, then steps of 256 up to 2048, then eight rungs per octave, up to the model's
     ``max_position_embeddings``). ``cache_multiple``: the static cache holds the padded prompt plus
     ``max_new_tokens``, rounded up to a multiple of this (a power of two below it); None sizes the cache on the
-    prompt ladder instead (the pre-0.2 behaviour, kept for comparison). ``strict``: after :func:`hf_tpu.warmup`,
+    prompt ladder instead (the earlier behaviour, kept for comparison). ``strict``: after :func:`hf_tpu.warmup`,
     a shape warm-up did not compile raises :class:`RecompileError` instead of compiling (default: the
     ``HF_TPU_STRICT_COMPILE`` environment variable). ``backend``/``fullgraph``: what ``torch.compile`` gets
     (``"tpu"``, ``True``); ``compile=False`` runs the same bucketed loop eagerly. ``compile_cache``: a

@@ -1,7 +1,7 @@
 """The default ladder's figures, computed through ``plan_shapes`` for prompts uniform in [1, 2048].
 
 Targets (issue #15): at most 12% of prefill tokens are padding, at most 25% of static-cache slots unused, at most 32
-graphs for one batch size; the pre-0.2 ladder (powers of two for prompts and caches) is measured the same way and
+graphs for one batch size; the earlier ladder (powers of two for prompts and caches) is measured the same way and
 misses them, so the figures are the ladder's, not the test's.
 """
 
