@@ -257,8 +257,7 @@ class Namespace:
         ``backend`` and stored. None when neither works (reported; the caller compiles as usual)."""
         loaded = self.load(graph_id, describe)
         if loaded is not None:
-            _note_hit()
-            return _Guarded(self.cache, loaded, describe)
+            return _Guarded(self.cache, loaded, describe, from_disk=True)
         import torch
 
         try:
@@ -332,19 +331,24 @@ def _portable_guards(entries) -> list[bool]:
 
 class _Guarded:
     """A cached graph: checks its guards on each call; a failure (a stale entry slipped past the key) is reported
-    and raised as :class:`StaleGraphError` so that the caller compiles the graph as usual."""
+    and raised as :class:`StaleGraphError` so that the caller compiles the graph as usual. A graph loaded from disk
+    counts as a cache hit when it first runs (a graph its guards reject served nothing)."""
 
-    def __init__(self, cache: CompileCache, fn: Callable, describe: str) -> None:
-        self.cache, self.fn, self.describe = cache, fn, describe
+    def __init__(self, cache: CompileCache, fn: Callable, describe: str, from_disk: bool = False) -> None:
+        self.cache, self.fn, self.describe, self.pending_hit = cache, fn, describe, from_disk
 
     def __call__(self, *args: Any) -> Any:
         try:
-            return self.fn(*args)
+            result = self.fn(*args)
         except RuntimeError as exc:
             if _GUARD_FAILED not in str(exc):
                 raise
             self.cache.report(f"the cached {self.describe} does not fit these inputs ({exc}); compiling it")
             raise StaleGraphError(str(exc)) from exc
+        if self.pending_hit:
+            self.pending_hit = False
+            _note_hit()
+        return result
 
 
 class StaleGraphError(RuntimeError):

@@ -198,3 +198,4 @@ def test_a_graph_stored_under_another_shape_fails_its_guards_and_is_compiled(lla
     assert torch.equal(got, cpu.generate(ids, max_new_tokens=4))
     assert ("prefill", 1, 32, 64) in generation.compiled_graphs(tpu)
     assert s.compiles == 2  # the rejected prefill, and the decode graph no process stored
+    assert s.compile_cache_hits == 0  # a graph its guards reject served nothing
