@@ -17,7 +17,7 @@ simulated device), never against a stored number. :data:`BENCHMARKS` lists them 
 Example:
     >>> from hf_tpu.benchmarks import BENCHMARKS, load
     >>> sorted(BENCHMARKS)[:2]
-    ['diffusion', 'generate']
+    ['compile_cache', 'diffusion']
     >>> load("sim_forward").QUICK["iters"]  # doctest: +SKIP
     5
 """
@@ -48,6 +48,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark(
             "generate",
             "generate: upstream transformers vs hf_tpu: compiles, host<->device copies per decode step, warm-up",
+        ),
+        Benchmark(
+            "compile_cache",
+            "compile cache: warm-up cold vs from the cache (fresh processes), ladder padding/unused cache, decode cost",
         ),
         Benchmark(
             "moe",

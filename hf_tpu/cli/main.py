@@ -34,6 +34,7 @@ __all__ = ["COMMANDS", "available_commands", "build_parser", "main"]
 COMMANDS: dict[str, str] = {
     "env": "versions, TPU runtime mode, chips and HBM, known incompatibilities and their fixes",
     "generate": "generate text with a causal LM on the tpu device",
+    "warmup": "compile a model's generation graphs into a persistent compile cache",
     "diffuse": "run a diffusers pipeline on the tpu device",
     "bench": "measure compiles, host<->device copies and step times",
     "launch": "start one process per TPU chip (torchrun underneath)",

@@ -9,6 +9,12 @@ The module is compiled in place (``nn.Module.compile``), so ``pipe.transformer``
 ``config``, ``pipe.to(...)``, ``save_pretrained`` and LoRA loading keep working, and :func:`uncompile_pipeline`
 undoes it.
 
+With a persistent compile cache (``cache_dir=`` on :func:`compile_pipeline` or :func:`warmup`, or the
+``HF_TPU_COMPILE_CACHE`` environment variable; :mod:`hf_tpu.compile_cache`), each graph (one per call signature:
+resolution, batch, guidance) is loaded from the cache when an earlier process stored it, and stored when compiled,
+so a new process warms its resolution buckets without compiling. The namespace key holds the pipeline and
+denoiser classes, the denoiser's config, dtype and device, the compile options and the library versions.
+
 Example:
     >>> import torch, hf_tpu
     >>> from diffusers import StableDiffusion3Pipeline
@@ -30,6 +36,8 @@ from hf_tpu.diffusers._call_checks import install_call_checks
 from hf_tpu.diffusers._checks import check_resolution, denoiser
 
 __all__ = ["WarmupResult", "compile_pipeline", "compiled_modules", "uncompile_pipeline", "warmup"]
+
+_UNSET: Any = object()
 
 _MARK = "_hf_tpu_compile_options"
 
@@ -59,6 +67,7 @@ def compile_pipeline(
     dynamic: bool = False,
     recompile_limit: int = 64,
     options: dict[str, Any] | None = None,
+    cache_dir: Any = _UNSET,
 ) -> Any:
     """Compile the pipeline's denoiser (transformer or UNet) in place; returns ``pipe``.
 
@@ -67,7 +76,8 @@ def compile_pipeline(
     shapes one module may be compiled for (torch's default of 8 would stop at the eighth resolution; with
     ``fullgraph=True`` going past the limit raises instead of falling back to eager). Calling it again with
     the same arguments does nothing. Each later call's size and generator are checked before the compiled
-    graph sees them (:func:`check_resolution`, :func:`check_generator`).
+    graph sees them (:func:`check_resolution`, :func:`check_generator`). ``cache_dir``: the persistent compile
+    cache (a directory, or None for none; default ``HF_TPU_COMPILE_CACHE``).
 
     Example:
         >>> pipe.to("tpu")                 # doctest: +SKIP
@@ -97,11 +107,15 @@ def compile_pipeline(
                     f"compile_pipeline(backend='tpu') needs {type(pipe).__name__}.{name} on the TPU, but it is on "
                     f"{device}: call pipe.to('tpu') first."
                 )
-    for _, module in targets:
-        if getattr(module, _MARK, None) == kwargs and module._compiled_call_impl is not None:
-            continue
-        module.compile(**kwargs)
-        setattr(module, _MARK, dict(kwargs))
+    from hf_tpu.compile_cache import CompileCache
+
+    cache = CompileCache.from_env() if cache_dir is _UNSET else CompileCache.coerce(cache_dir)
+    for name, module in targets:
+        if getattr(module, _MARK, None) != kwargs or module._compiled_call_impl is None:
+            module.compile(**kwargs)
+            setattr(module, _MARK, dict(kwargs))
+        if cache is not None:
+            _attach_cache(pipe, name, module, cache)
     # Check each call's size and generator before the compiled graph sees them (see _call_checks).
     install_call_checks(pipe)
     return pipe
@@ -143,6 +157,7 @@ class WarmupResult:
     width: int
     seconds: float
     graphs: int
+    from_cache: int = 0
 
 
 def _sizes(resolutions: Iterable[int | Sequence[int]]) -> list[tuple[int, int]]:
@@ -164,6 +179,7 @@ def warmup(
     prompt: str | None = "warm-up",
     num_inference_steps: int | None = None,
     progress: bool = True,
+    cache_dir: Any = _UNSET,
     **call_kwargs: Any,
 ) -> list[WarmupResult]:
     """Run the pipeline once at each resolution so that every graph those sizes need is compiled before use.
@@ -173,6 +189,8 @@ def warmup(
     ``num_inference_steps``: the denoiser's graph does not depend on it, but the scheduler's small eager ops
     do; ``None`` runs the pipeline's default).
     Every size is checked first (:func:`check_resolution`), so a bad one fails before anything compiles.
+    ``cache_dir`` attaches a persistent compile cache to the modules :func:`compile_pipeline` compiled (see
+    :mod:`hf_tpu.compile_cache`): graphs found there are loaded, not compiled (``WarmupResult.from_cache``).
     Returns one :class:`WarmupResult` per size.
 
     Example:
@@ -183,9 +201,19 @@ def warmup(
     import torch
     from tqdm.auto import tqdm
 
+    from hf_tpu import compile_cache
+
     sizes = _sizes(resolutions)
     if not sizes:
         raise ValueError("warmup: no resolutions given; pass e.g. resolutions=[512, (768, 1024)].")
+    if cache_dir is not _UNSET and cache_dir is not None:
+        name, module = denoiser(pipe)
+        if getattr(module, _MARK, None) is None or module._compiled_call_impl is None:
+            raise ValueError(
+                "warmup(pipe, cache_dir=...) caches compiled graphs, but the denoiser is not compiled: call "
+                "hf_tpu.diffusers.compile_pipeline(pipe) first (or pass cache_dir to it)."
+            )
+        _attach_cache(pipe, name, module, compile_cache.CompileCache.coerce(cache_dir))
     for height, width in sizes:
         check_resolution(pipe, height, width)
     params = inspect.signature(pipe.__call__).parameters
@@ -201,12 +229,88 @@ def warmup(
         bar = tqdm(sizes, desc="hf_tpu warm-up", unit="size", disable=not progress)
         for height, width in bar:
             bar.set_postfix_str(f"{height}x{width}")
-            before = _graphs_compiled()
+            before, hits = _graphs_compiled(), compile_cache.HITS[0]
             start = time.perf_counter()
             # No inference_mode here: the pipeline runs under no_grad, and a graph compiled for inference
             # tensors would not be reused by a later ordinary call.
             pipe(height=height, width=width, generator=torch.Generator("cpu").manual_seed(0), **call_kwargs)
-            results.append(WarmupResult(height, width, time.perf_counter() - start, _graphs_compiled() - before))
+            seconds, loaded = time.perf_counter() - start, compile_cache.HITS[0] - hits
+            results.append(WarmupResult(height, width, seconds, _graphs_compiled() - before, loaded))
     finally:
         pipe._progress_bar_config = saved_bar
     return results
+
+
+def _call_module(module: Any, args: tuple, kwargs: dict) -> Any:
+    """The denoiser call a cached graph captures (what ``nn.Module.compile`` compiles: ``_call_impl``)."""
+    return module._call_impl(*args, **kwargs)
+
+
+def _signature(value: Any) -> Any:
+    """What identifies a call's graph: tensor shapes, dtypes and devices; every other value as is."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype), value.device.type, value.requires_grad)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_signature(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, _signature(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))))
+    return repr(value)
+
+
+class _CachedCalls:
+    """The denoiser's ``_compiled_call_impl`` with a persistent compile cache: one graph per call signature, loaded
+    or compiled ahead of time and stored; anything the cache cannot serve runs the ordinary compiled call."""
+
+    def __init__(self, module: Any, name: str, space: Any, backend: Any, fallback: Any) -> None:
+        self.module, self.name, self.space, self.backend, self.fallback = module, name, space, backend, fallback
+        self.graphs: dict[str, Any] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from hf_tpu.compile_cache import StaleGraphError
+
+        graph_id = repr(_signature((args, kwargs)))
+        fn = self.graphs.get(graph_id, _UNSET)
+        if fn is _UNSET:
+            shapes = [tuple(a.shape) for a in (*args, *kwargs.values()) if hasattr(a, "shape")][:2]
+            describe = f"{self.name} graph for inputs {shapes}"
+            fn = self.space.load_or_compile(graph_id, _call_module, self.backend, (self.module, args, kwargs), describe)
+            self.graphs[graph_id] = fn
+        if fn is not None:
+            try:
+                return fn(self.module, args, kwargs)
+            except StaleGraphError:
+                self.graphs[graph_id] = None
+        return self.fallback(*args, **kwargs)
+
+
+def _attach_cache(pipe: Any, name: str, module: Any, cache: Any) -> None:
+    """Serve ``module``'s compiled calls from ``cache`` (idempotent; a new cache replaces the old one)."""
+    import hashlib
+    import json
+
+    import diffusers
+
+    current = module._compiled_call_impl
+    if isinstance(current, _CachedCalls):
+        if current.space.cache is cache:
+            return
+        current = current.fallback
+    options = getattr(module, _MARK)
+    cls = type(module)
+    config = dict(getattr(module, "config", {}) or {})
+    parts = {
+        "diffusers": diffusers.__version__,
+        "pipeline": f"{type(pipe).__module__}.{type(pipe).__qualname__}",
+        "module": f"{cls.__module__}.{cls.__qualname__}",
+        "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+        "dtype": str(getattr(module, "dtype", None)),
+        "device": _module_device(module).type,
+        "options": repr(sorted(options.items(), key=lambda kv: kv[0])),
+        "source": hashlib.sha256(inspect.getsource(_call_module).encode()).hexdigest(),
+    }
+    space = cache.namespace("diffusers", parts)
+    if space is None:
+        return
+    module._compiled_call_impl = _CachedCalls(module, name, space, options["backend"], current)

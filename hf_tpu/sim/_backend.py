@@ -14,7 +14,7 @@ import torch
 
 from hf_tpu.sim._counters import STATE, SimStrictError
 
-__all__ = ["register", "tpu_backend"]
+__all__ = ["note_cache_hit", "register", "tpu_backend"]
 
 TAKEN_OVER: dict[str, Any] = {}
 
@@ -32,9 +32,51 @@ def _in_graph(fn: Any) -> Any:
 
 
 def _compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    from torch._functorch import config as functorch_config
     from torch._functorch.aot_autograd import make_boxed_func
 
+    if functorch_config.bundled_autograd_cache or functorch_config.force_autograd_cache:
+        # Ahead-of-time compile (hf_tpu.compile_cache): an OutputCode that torch can serialize and load back.
+        from torch.fx.graph import _BoxedCodeGen
+
+        gm.graph.set_codegen(_BoxedCodeGen())
+        gm.recompile()
+        code = _output_code_class()(gm=gm)
+        code._boxed_call = True
+        return code
     return _in_graph(make_boxed_func(gm.forward))
+
+
+_OUTPUT_CODE: list = []
+
+
+def _output_code_class() -> type:
+    """torch's serializable aot_eager OutputCode, run as one graph (no eager shape signatures counted)."""
+    if not _OUTPUT_CODE:
+        from torch._dynamo.backends.debugging import AOTEagerOutputCode
+
+        class _SimOutputCode(AOTEagerOutputCode):
+            def __call__(self, inputs: Any) -> Any:
+                STATE.in_graph += 1
+                try:
+                    return super().__call__(inputs)
+                finally:
+                    STATE.in_graph -= 1
+
+        _SimOutputCode.__module__, _SimOutputCode.__qualname__ = __name__, "_SimOutputCode"
+        _OUTPUT_CODE.append(_SimOutputCode)
+    return _OUTPUT_CODE[0]
+
+
+def __getattr__(name: str) -> Any:  # pickle finds the lazily built class by name when a cached graph loads
+    if name == "_SimOutputCode":
+        return _output_code_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def note_cache_hit() -> None:
+    """Count a graph served by hf_tpu's persistent compile cache (``stats().compile_cache_hits``)."""
+    STATE.compile_cache_hits += 1
 
 
 def _describe(example_inputs: Any) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 __all__ = ["SimStrictError", "Stats", "stats", "strict"]
 
 _FIELDS = ("compiles", "h2d_copies", "d2h_copies", "h2d_bytes", "d2h_bytes", "host_syncs", "shape_signatures", "ops")
+_FIELDS += ("compile_cache_hits",)
 
 
 class SimStrictError(RuntimeError):
@@ -69,6 +70,7 @@ class Stats:
     Fields read live while the block is open and freeze when it closes.
 
     - ``compiles``: graphs compiled by the ``"tpu"`` torch.compile backend (each recompile counts).
+    - ``compile_cache_hits``: graphs loaded from hf_tpu's persistent compile cache instead (not compiled).
     - ``h2d_copies`` / ``h2d_bytes``: host→device transfers; ``d2h_copies`` / ``d2h_bytes``: device→host.
     - ``host_syncs``: points where the host waited for a device value (``.item()``, ``.tolist()``, printing,
       ``.cpu()``, data-dependent shapes such as ``nonzero``).
@@ -79,6 +81,7 @@ class Stats:
     """
 
     compiles: int = 0
+    compile_cache_hits: int = 0
     h2d_copies: int = 0
     d2h_copies: int = 0
     h2d_bytes: int = 0
@@ -124,6 +127,7 @@ class Stats:
         lines = [
             "simulated tpu counters",
             f"  compiles (torch.compile, backend='tpu'): {d['compiles']}",
+            f"  graphs loaded from the compile cache:    {d['compile_cache_hits']}",
             f"  new eager shape signatures:              {d['shape_signatures']}",
             f"  device ops executed:                     {d['ops']}",
             f"  host->device copies:                     {d['h2d_copies']} ({_fmt_bytes(d['h2d_bytes'])})",

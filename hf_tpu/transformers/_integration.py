@@ -20,11 +20,11 @@ FEATURE = "generation"
 def apply() -> None:
     from transformers.generation.utils import GenerationMixin
 
-    from hf_tpu.transformers import generation
+    from hf_tpu.transformers import _upstream, generation
 
     upstream = GenerationMixin.__dict__["generate"]
     upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
-    generation._UPSTREAM_GENERATE = upstream
+    _upstream._UPSTREAM_GENERATE = upstream
 
     @functools.wraps(upstream)
     def generate(self, *args, **kwargs):

@@ -5,6 +5,11 @@ bucket and whose ``max_new_tokens`` is at most the warmed one runs on graphs tha
 ``strict=True`` (or ``HF_TPU_STRICT_COMPILE=1``), a call that would need a new graph raises
 :class:`~hf_tpu.transformers.generation.RecompileError` naming the shape instead of compiling.
 
+With ``cache_dir=PATH`` (or ``HF_TPU_COMPILE_CACHE``), every graph is loaded from the persistent compile cache
+(:mod:`hf_tpu.compile_cache`) when an earlier process stored it, and stored there when compiled; the cache's
+manifest adds the graphs earlier processes needed beyond this warm-up's range, so a new process warms exactly the
+set the model used.
+
 Example:
     >>> import hf_tpu                                                                        # doctest: +SKIP
     >>> report = hf_tpu.warmup(model, max_prompt_len=256, batch_sizes=[1, 4], max_new_tokens=64)   # doctest: +SKIP
@@ -13,10 +18,12 @@ Example:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from hf_tpu.transformers import _settings
 from hf_tpu.transformers.buckets import BucketLadder
 
 __all__ = ["WarmupReport", "warmup"]
@@ -28,14 +35,18 @@ class WarmupReport:
 
     graphs: list[tuple] = field(default_factory=list)
     new_compiles: int = 0
+    from_cache: int = 0
+    cache_dir: str | None = None
+    cache_problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
     prompt_buckets: tuple[int, ...] = ()
     batch_sizes: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         return (
-            f"warm-up: {len(self.graphs)} graphs ({self.new_compiles} newly compiled) for batch sizes "
-            f"{list(self.batch_sizes)} and prompt buckets {list(self.prompt_buckets)} in {self.seconds:.1f}s"
+            f"warm-up: {len(self.graphs)} graphs ({self.new_compiles} newly compiled, {self.from_cache} from the "
+            f"compile cache) for batch sizes {list(self.batch_sizes)} and prompt buckets {list(self.prompt_buckets)} "
+            f"in {self.seconds:.1f}s"
         )
 
 
@@ -48,12 +59,15 @@ def warmup(
     buckets: BucketLadder | Iterable[int] | None = None,
     strict: bool | None = None,
     progress: bool = True,
+    cache_dir: str | os.PathLike | None = None,
 ) -> WarmupReport:
     """Compile the prefill and decode graphs for every prompt bucket up to ``max_prompt_len`` and every batch size.
 
     ``buckets`` replaces the model's ladder first (see :func:`hf_tpu.transformers.generation.configure`).
     ``strict=True`` makes a later compile an error; None keeps the current setting (or the environment variable).
-    ``progress`` shows a progress bar (tqdm) while compiling.
+    ``progress`` shows a progress bar (tqdm) while compiling. ``cache_dir`` is the persistent compile cache
+    (default: the model's, set by ``configure(model, compile_cache=...)``, else ``HF_TPU_COMPILE_CACHE``); graphs
+    found there are loaded, not compiled (``report.from_cache``), and the others are stored.
 
     Example:
         >>> hf_tpu.warmup(model, max_prompt_len=64, batch_sizes=[1], max_new_tokens=16)   # doctest: +SKIP
@@ -65,6 +79,8 @@ def warmup(
 
     if buckets is not None or strict is not None:
         generation.configure(model, buckets=buckets, strict=strict)
+    if cache_dir is not None:
+        generation.configure(model, compile_cache=cache_dir)
     device = getattr(model, "device", None)
     if device is None or device.type not in generation._DEVICE_TYPES:
         from hf_tpu.runtime import require_tpu
@@ -92,8 +108,10 @@ def warmup(
                 )
             else:
                 plans.append(generation.plan_shapes(model, batch, bucket, max_new_tokens, variant=variant))
+    plans += [p for p in _manifest_plans(model, state) if p not in plans]
 
     before = len(state.compiled)
+    hits_before = _cache_hits()
     start = time.perf_counter()
     report = WarmupReport(prompt_buckets=prompt_buckets, batch_sizes=batch_sizes)
     bar = tqdm(plans, desc="hf_tpu warm-up", unit="shape", disable=not progress)
@@ -105,6 +123,46 @@ def warmup(
                 report.graphs.append(key)
     bar.close()
     state.warmed = True
-    report.new_compiles = len(state.compiled) - before
     report.seconds = time.perf_counter() - start
+    cache = _settings._compile_cache(state)
+    report.from_cache = _cache_hits() - hits_before
+    report.new_compiles = len(state.compiled) - before - report.from_cache
+    if cache is not None:
+        report.cache_dir = str(cache.root)
+        report.cache_problems = list(cache.problems)
     return report
+
+
+def _cache_hits() -> int:
+    """Graphs loaded from a compile cache so far in this process (counted by :mod:`hf_tpu.compile_cache`)."""
+    from hf_tpu import compile_cache
+
+    return compile_cache.HITS[0]
+
+
+def _manifest_plans(model, state) -> list:
+    """Shape plans for the graphs the model's compile-cache manifest lists (what earlier processes needed)."""
+    from hf_tpu.transformers import generation
+    from hf_tpu.transformers._graphs import _PENALTY, _namespace
+
+    cache = _settings._compile_cache(state)
+    if cache is None or not state.settings.compile:
+        return []
+    space = _namespace(cache, model, state)
+    if space is None:
+        return []
+    plans = []
+    for entry in space.manifest():
+        if not (isinstance(entry, list) and entry and isinstance(entry[0], str)):
+            continue
+        kind, *dims = entry
+        base, variant = (kind[: -len(_PENALTY)], _PENALTY) if kind.endswith(_PENALTY) else (kind, "")
+        if variant != generation.default_variant(model) or not all(isinstance(d, int) for d in dims):
+            continue
+        if base == "prefill" and len(dims) == 3:
+            batch, prompt, cache_len = dims
+            plans.append(generation.ShapePlan(batch, prompt, prompt, cache_len))
+        elif base == "seq2seq_prefill" and len(dims) == 4:
+            batch, encoder, prompt, cache_len = dims
+            plans.append(generation.ShapePlan(batch, prompt, prompt, cache_len, encoder))
+    return plans

@@ -185,3 +185,24 @@ def test_generate_quick_buckets_compile_no_more_than_upstream(tmp_path):
         and hf["step"]["d2h"] <= 1
         and hf["unseen"]["compiles"] == 0
     )
+
+
+def test_compile_cache_quick_figures_are_consistent(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ("compile_cache", "--quick", "--max-prompt", "16", "--samples", "2", "--json", str(out))
+    proc = bench_cli(*args, cwd=tmp_path)
+    r = json.loads(out.read_text())["benchmarks"]["compile_cache"]
+    f = r["figures"]
+    assert proc.returncode == (0 if f["targets_met"] else 1), proc.stderr[-3000:]
+    assert f["targets_met"] == (not f["missed"])
+    cold, warm = f["cold"], f["warm"]
+    assert cold["compiles"] == cold["graphs"] > 0 and cold["from_cache"] == 0
+    assert warm["compiles"] == 0 and warm["from_cache"] == cold["graphs"]  # the second process loads every graph
+    assert warm["equal_cpu"] and cold["equal_cpu"] and warm["generate_compiles"] == 0
+    for n in ("16", "128", "512"):
+        old, new = f["ladders"]["old"][n], f["ladders"]["new"][n]
+        assert new["padding"] < old["padding"] and new["unused_cache"] < old["unused_cache"]
+    cost = f["decode_cost"]
+    assert all(n <= o for n, o in zip(cost["new"]["cache_lengths"], cost["old"]["cache_lengths"]))
+    assert cost["new"]["bytes"] <= cost["old"]["bytes"] and is_count(round(cost["new"]["ops"]))
+    assert "graphs loaded from the cache" in proc.stdout and "device bytes touched" in proc.stdout

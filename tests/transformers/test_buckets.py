@@ -29,3 +29,22 @@ def test_default_ladder_follows_the_model_limit():
 
     assert default_ladder(GPT2Config(n_positions=200)).rungs == (16, 32, 64, 128, 200)
     assert default_ladder(T5Config()).max == 4096  # relative positions: no limit in the config
+
+
+def test_tiered_doubles_then_steps_then_eight_per_octave():
+    from hf_tpu.transformers.buckets import BucketLadder
+
+    rungs = BucketLadder.tiered(16, 256, 8192).rungs
+    assert rungs[:6] == (16, 32, 64, 128, 256, 512)
+    assert all(b - a == 256 for a, b in zip(rungs[4:], rungs[5:]) if b <= 4096)
+    assert all(b - a == 512 for a, b in zip(rungs, rungs[1:]) if a >= 4096)
+    assert len(BucketLadder.tiered(16, 256, 2048).rungs) == 12
+    with pytest.raises(ValueError, match="tiered needs"):
+        BucketLadder.tiered(0, 256, 1024)
+
+
+def test_cache_length_is_a_power_of_two_then_a_multiple():
+    from hf_tpu.transformers.buckets import cache_length
+
+    assert [cache_length(n) for n in (1, 16, 17, 100, 128, 129, 519, 640)] == [16, 16, 32, 128, 128, 256, 640, 640]
+    assert cache_length(130, multiple=64) == 192

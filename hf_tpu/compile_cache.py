@@ -1,0 +1,355 @@
+"""A persistent compile cache: compile each graph once, ever, and reuse it in every later process.
+
+On a TPU the expensive step is compiling; every new process pays again for each graph it needs. This cache keeps
+what compiling produced on disk, under a directory named by ``cache_dir=`` or the ``HF_TPU_COMPILE_CACHE``
+environment variable, so that a second process with the same model warms up and generates without tracing or
+compiling a graph it has seen before.
+
+What it stores, per *namespace* (one model, config, dtype, ladder, backend and library versions):
+
+* ``key.json``: the namespace's key in clear (the SHA-256 of it names the directory);
+* ``graphs/<sha256>.bin``: one graph each, saved with torch's ahead-of-time compile
+  (``torch.compile(...).aot_compile``, ``AOTCompiledFunction.save_compiled_function``, torch 2.13): the captured bytecode, its guards on tensor
+  shapes/dtypes/devices and global state, and the backend's compiled artifact (AOTAutograd's bundled entry: on the
+  simulated device the functional FX graph; on a chip, torch_tpu's serialized executable);
+* ``manifest.json``: the graphs the model needed so far, so that a new process's warm-up loads exactly that set.
+
+On a chip, torch_tpu's own XLA compilation cache (``TORCH_TPU_TIER2_COMPILATION_CACHE``, per host, read by its C++
+runtime from the environment once) is pointed at ``<cache_dir>/torch_tpu`` unless already set, so the XLA programs
+behind the graphs are cached next to them. ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT`` (a shared root, e.g. a bucket
+mounted on every host) is left to the user.
+
+A graph's key never lets a stale entry in: the namespace covers the hf_tpu, torch, torch-tpu, libtpu, transformers
+and Python versions, the runtime mode, the model class, its config, dtype and attention implementation, the
+ladder, the cache sizing, the backend and the source of the graph functions; the graph file repeats the key and the
+graph's own id (its shape key and baked-in constants) and is checked on load; the saved guards are checked on each
+call. Weights are graph inputs, never constants, so two checkpoints of one architecture share entries. A corrupt
+entry, an entry from another version, a failed guard or an unwritable directory is reported
+(:class:`CompileCacheWarning`, and ``CompileCache.problems``) and bypassed: the graph is compiled as usual.
+
+Example:
+    >>> import hf_tpu                                                                          # doctest: +SKIP
+    >>> hf_tpu.warmup(model, max_prompt_len=512, cache_dir="~/.cache/hf_tpu/compile")          # doctest: +SKIP
+    >>> # a later process: same call, loads every graph (report.new_compiles == 0)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("hf_tpu.compile_cache")
+
+__all__ = ["ENV", "TORCH_TPU_TIER2_ENV", "TORCH_TPU_TIER3_ENV", "CompileCache", "CompileCacheWarning", "Namespace"]
+
+ENV = "HF_TPU_COMPILE_CACHE"
+# torch_tpu's C++ runtime reads these (names from the wheel's csrc/common/glue_*/libpywrap_*_common.so).
+TORCH_TPU_TIER2_ENV = "TORCH_TPU_TIER2_COMPILATION_CACHE"
+TORCH_TPU_TIER3_ENV = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
+FORMAT = 1
+_MAGIC = b"HF_TPU_GRAPH\n"
+_GUARD_FAILED = "GuardManager check failed"
+
+
+class CompileCacheWarning(UserWarning):
+    """The compile cache could not serve or store a graph; it was compiled as usual."""
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, Any]:
+    """The library versions every namespace key holds."""
+    import torch
+
+    import hf_tpu
+    from hf_tpu import runtime
+
+    return {
+        "format": FORMAT,
+        "hf_tpu": hf_tpu.__version__,
+        "torch": torch.__version__,
+        "torch_tpu": _version("torch-tpu") or _version("torch_tpu"),
+        "libtpu": _version("libtpu"),
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        "runtime": runtime.detect().mode,
+    }
+
+
+class CompileCache:
+    """A compile-cache directory. ``problems`` lists what was reported and bypassed in this process.
+
+    Example:
+        >>> cache = CompileCache("/tmp/hf-tpu-compile-cache")                 # doctest: +SKIP
+        >>> cache.clear()                                                       # doctest: +SKIP
+    """
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root).expanduser()
+        self.problems: list[str] = []
+        self._reported: set[str] = set()
+        self._spaces: dict[str, Namespace] = {}
+
+    def __repr__(self) -> str:
+        return f"CompileCache({str(self.root)!r})"
+
+    @classmethod
+    def from_env(cls) -> CompileCache | None:
+        """The cache ``HF_TPU_COMPILE_CACHE`` names, or None when it is unset or empty."""
+        value = os.environ.get(ENV, "").strip()
+        return cls(value) if value else None
+
+    @classmethod
+    def coerce(cls, value: Any) -> CompileCache | None:
+        """A cache from a path or a cache; None or False mean no cache."""
+        if value is None or value is False:
+            return None
+        if isinstance(value, CompileCache):
+            return value
+        if isinstance(value, (str, os.PathLike)):
+            return cls(value)
+        raise TypeError(f"cache_dir must be a directory path, a CompileCache, None or False; got {value!r}")
+
+    @property
+    def base(self) -> Path:
+        return self.root / f"hf_tpu-v{FORMAT}"
+
+    def report(self, message: str) -> None:
+        """Warn once per message (the graph is compiled as usual) and remember it in :attr:`problems`."""
+        if message in self._reported:
+            return
+        self._reported.add(message)
+        self.problems.append(message)
+        logger.warning("hf_tpu compile cache: %s", message)
+        warnings.warn(f"hf_tpu compile cache: {message}", CompileCacheWarning, stacklevel=3)
+
+    def namespace(self, kind: str, parts: dict[str, Any]) -> Namespace | None:
+        """The namespace for ``parts`` (versions added), created on disk; None when the directory is unusable."""
+        key = {**versions(), "kind": kind, **parts}
+        text = json.dumps(key, sort_keys=True, default=str)
+        name = f"{kind}-{_sha(text)[:24]}"
+        space = self._spaces.get(name)
+        if space is not None:
+            return space
+        path = self.base / name
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            key_file = path / "key.json"
+            if key_file.exists():
+                try:
+                    stored = json.loads(key_file.read_text())
+                except (OSError, ValueError):
+                    stored = None
+                if stored != json.loads(text):
+                    self.report(f"{key_file} does not match its directory's key (corrupt or edited); rewriting it")
+                    _atomic_write(key_file, text.encode())
+            else:
+                _atomic_write(key_file, text.encode())
+        except OSError as exc:
+            self.report(f"cannot use {self.root} ({exc}); compiling without a cache")
+            return None
+        self._point_torch_tpu_here()
+        space = Namespace(self, path, key)
+        self._spaces[name] = space
+        return space
+
+    def _point_torch_tpu_here(self) -> None:
+        # torch_tpu's runtime reads its XLA cache location from the environment once: set it before the first compile.
+        from hf_tpu import runtime
+
+        if runtime.detect().mode == "real" and not os.environ.get(TORCH_TPU_TIER2_ENV):
+            os.environ[TORCH_TPU_TIER2_ENV] = str(self.root / "torch_tpu")
+
+    def clear(self) -> None:
+        """Delete every entry hf_tpu stored here (torch_tpu's own XLA cache under ``torch_tpu/`` included)."""
+        import shutil
+
+        for sub in (self.base, self.root / "torch_tpu"):
+            shutil.rmtree(sub, ignore_errors=True)
+        self._spaces.clear()
+
+
+class Namespace:
+    """The entries of one model (or pipeline component) under one key: graphs and the manifest of needed graphs."""
+
+    def __init__(self, cache: CompileCache, path: Path, key: dict[str, Any]) -> None:
+        self.cache, self.path, self.key = cache, path, key
+        self._key_text = json.dumps(key, sort_keys=True, default=str)
+
+    def graph_path(self, graph_id: str) -> Path:
+        return self.path / "graphs" / f"{_sha(graph_id)[:32]}.bin"
+
+    # -- graphs ---------------------------------------------------------------------------------------------------
+
+    def load(self, graph_id: str, describe: str = "graph") -> Callable | None:
+        """The stored graph, deserialized; None when absent, or (reported) corrupt or from another version."""
+        path = self.graph_path(graph_id)
+        if not path.exists():
+            return None
+        try:
+            data = path.read_bytes()
+            if not data.startswith(_MAGIC):
+                raise ValueError("not an hf_tpu graph file")
+            header, _, payload = data[len(_MAGIC) :].partition(b"\n")
+            meta = json.loads(header)
+        except (OSError, ValueError) as exc:
+            self.cache.report(f"{path} is corrupt ({exc}); compiling the {describe} again")
+            return None
+        if meta.get("key") != self._key_text or meta.get("graph") != graph_id:
+            self.cache.report(
+                f"{path} was stored for another model, version or graph; compiling the {describe} again"
+            )
+            return None
+        import io
+
+        import torch
+
+        try:
+            return torch.compiler.load_compiled_function(io.BytesIO(payload))
+        except Exception as exc:  # noqa: BLE001 - any failure to deserialize means: compile instead
+            self.cache.report(f"{path} could not be loaded ({type(exc).__name__}: {exc}); compiling the {describe}")
+            return None
+
+    def save(self, graph_id: str, compiled: Any, describe: str = "graph") -> None:
+        """Store an ``AOTCompiledFunction``; a failure is reported, never raised."""
+        path = self.graph_path(graph_id)
+        try:
+            payload = type(compiled).serialize(compiled).serialized_data
+            header = json.dumps({"key": self._key_text, "graph": graph_id}).encode()
+            _atomic_write(path, _MAGIC + header + b"\n" + payload)
+        except Exception as exc:  # noqa: BLE001 - an unsavable graph still runs; it is compiled again next time
+            self.cache.report(f"cannot store the {describe} in {self.path} ({type(exc).__name__}: {exc})")
+
+    def load_or_compile(
+        self, graph_id: str, fn: Callable, backend: Any, args: tuple, describe: str = "graph"
+    ) -> Callable | None:
+        """The graph of ``fn`` for ``args``: loaded (nothing traced or compiled) or compiled ahead of time with
+        ``backend`` and stored. None when neither works (reported; the caller compiles as usual)."""
+        loaded = self.load(graph_id, describe)
+        if loaded is not None:
+            return _Guarded(self.cache, loaded, describe, from_disk=True)
+        import torch
+
+        try:
+            compiled = torch.compile(
+                fn, backend=backend, fullgraph=True, dynamic=False, options={"guard_filter_fn": _portable_guards}
+            ).aot_compile((args, {}))
+        except Exception as exc:  # noqa: BLE001 - e.g. a backend whose output cannot be serialized
+            self.cache.report(
+                f"cannot compile the {describe} ahead of time ({type(exc).__name__}: {exc}); compiling it as usual"
+            )
+            return None
+        self.save(graph_id, compiled, describe)
+        return _Guarded(self.cache, compiled, describe)
+
+    # -- manifest -------------------------------------------------------------------------------------------------
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "manifest.json"
+
+    def manifest(self) -> list:
+        """The entries recorded so far (each a JSON value the caller chose); [] when none or unreadable."""
+        try:
+            data = json.loads(self.manifest_path.read_text())
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as exc:
+            self.cache.report(f"{self.manifest_path} is unreadable ({exc}); ignoring it")
+            return []
+        entries = data.get("entries") if isinstance(data, dict) else None
+        return entries if isinstance(entries, list) else []
+
+    def record(self, entries: list) -> None:
+        """Add entries to the manifest (kept in order, without duplicates)."""
+        current = self.manifest()
+        merged = current + [e for e in entries if e not in current]
+        if merged == current:
+            return
+        try:
+            _atomic_write(self.manifest_path, json.dumps({"format": FORMAT, "entries": merged}, indent=1).encode())
+        except OSError as exc:
+            self.cache.report(f"cannot write {self.manifest_path} ({exc})")
+
+
+# Graphs loaded from any compile cache in this process (warm-up reports the difference).
+HITS = [0]
+
+
+def _note_hit() -> None:
+    from hf_tpu import runtime
+
+    HITS[0] += 1
+    if runtime.detect().mode == "simulated":
+        from hf_tpu.sim import _backend
+
+        _backend.note_cache_hit()
+
+
+def _portable_guards(entries) -> list[bool]:
+    """Keep the guards a saved graph can carry to another process: tensor shapes, dtypes, devices, sequence
+    lengths, dict keys and global state. Identity and constant guards (``ID_MATCH``, ``CONSTANT_MATCH``, closures,
+    classes, modules) cannot be serialized (torch 2.13 raises ``PackageError``); what they protect is in the
+    namespace key (model class, config, versions) and the graph id (shape key, variant, baked-in constants)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    dropped = {"ID_MATCH", "CLOSURE_MATCH", "CLASS_MATCH", "TYPE_MATCH", "FUNCTION_MATCH", "MODULE_MATCH", "NN_MODULE"}
+    dropped |= {"CONSTANT_MATCH", "DICT_VERSION", "OBJECT_MUTATION"}
+    dropped |= set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    return [not (e.is_global or e.guard_type in dropped) for e in entries]
+
+
+class _Guarded:
+    """A cached graph: checks its guards on each call; a failure (a stale entry slipped past the key) is reported
+    and raised as :class:`StaleGraphError` so that the caller compiles the graph as usual. A graph loaded from disk
+    counts as a cache hit when it first runs (a graph its guards reject served nothing)."""
+
+    def __init__(self, cache: CompileCache, fn: Callable, describe: str, from_disk: bool = False) -> None:
+        self.cache, self.fn, self.describe, self.pending_hit = cache, fn, describe, from_disk
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            result = self.fn(*args)
+        except RuntimeError as exc:
+            if _GUARD_FAILED not in str(exc):
+                raise
+            self.cache.report(f"the cached {self.describe} does not fit these inputs ({exc}); compiling it")
+            raise StaleGraphError(str(exc)) from exc
+        if self.pending_hit:
+            self.pending_hit = False
+            _note_hit()
+        return result
+
+
+class StaleGraphError(RuntimeError):
+    """A cached graph's guards rejected the inputs (nothing ran); compile the graph instead."""

@@ -1,0 +1,259 @@
+"""The decoding loop plugged into upstream ``generate`` as ``custom_generate``, and warm-up of one shape plan.
+
+The loop pads the prompt on the left to its bucket, runs the prefill graph, then one decode graph per new token;
+the growing tensors (sequence, mask, positions) stay on the host, each decode step sends one ``(batch, 2)`` tensor
+and reads back the greedy tokens (or the last logits row when processors or sampling need it on the host).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_tpu.transformers._graphs import _PENALTY, _run
+from hf_tpu.transformers._settings import _state
+from hf_tpu.transformers._static_cache import _cache_for
+from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
+
+__all__ = ["default_variant"]
+
+def _select(
+    logits_processor, input_ids, tokens_dev, logits_dev, do_sample: bool, host_path: bool
+) -> tuple[Any, Any, Any]:
+    """Next tokens on the host: the device argmax (one small copy) or, when processors/sampling need the scores,
+    the last logits row processed on the host exactly as upstream's ``_sample`` does."""
+    import torch
+
+    if not host_path:
+        return tokens_dev.to("cpu"), None, None
+    logits = logits_dev.to("cpu")
+    scores = logits_processor(input_ids, logits)
+    if do_sample:
+        probs = torch.nn.functional.softmax(scores, dim=-1)
+        tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+    else:
+        tokens = torch.argmax(scores, dim=-1)
+    return tokens, scores, logits
+
+
+def _device_penalty(logits_processor):
+    """The repetition-penalty processor when it is the only logits processor (greedy search stays on the device)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    if len(logits_processor) != 1:
+        return None
+    proc = logits_processor[0]
+    if type(proc) is not RepetitionPenaltyLogitsProcessor:
+        return None
+    return proc
+
+
+def _output_vocab(model) -> int:
+    embeddings = model.get_output_embeddings()
+    if embeddings is not None and hasattr(embeddings, "weight"):
+        return int(embeddings.weight.shape[0])
+    return int(model.config.get_text_config(decoder=True).vocab_size)
+
+
+def _penalty_state(input_ids, model, proc, device):
+    """``(seen, penalty)`` for a ``RepetitionPenaltyLogitsProcessor`` (None without one): the tokens of the sequence
+    so far as a ``(batch, vocab + 1)`` mask on the device. Ids past the vocabulary and the prompt positions the
+    processor ignores (``prompt_ignore_length``: the left padding) land in the extra column, as upstream drops them."""
+    import torch
+
+    if proc is None:
+        return None
+    vocab = _output_vocab(model)
+    ids = input_ids.clamp(max=vocab)
+    ignore = proc.prompt_ignore_length
+    if isinstance(ignore, int):
+        ids = ids[:, ignore:]
+    elif isinstance(ignore, torch.Tensor):
+        positions = torch.arange(ids.shape[1])
+        ids = ids.masked_fill(positions[None, :] < ignore.to("cpu")[:, None], vocab)
+    seen = torch.zeros(input_ids.shape[0], vocab + 1, dtype=torch.bool)
+    seen.scatter_(1, ids, True)
+    return (seen.to(device), float(proc.penalty))
+
+
+def _decode_loop(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    hf_tpu_plan: dict | None = None,
+    **model_kwargs,
+):
+    """``custom_generate`` callable: greedy/sampling decode with bucketed static shapes and compiled graphs."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
+
+    info = hf_tpu_plan or {}
+    streamer = info.get("streamer", streamer)
+    state = _state(model)
+    device = model.device
+    is_seq2seq = bool(model.config.is_encoder_decoder)
+    input_ids = input_ids.to("cpu")
+    batch, prompt_len = input_ids.shape
+    new_tokens = generation_config.max_length - prompt_len
+    pad_token = generation_config._pad_token_tensor
+    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    do_sample = bool(generation_config.do_sample)
+    want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+    host_path = do_sample or len(logits_processor) > 0 or want_scores or want_logits
+    penalty_proc = None
+    if not (do_sample or want_scores or want_logits):
+        penalty_proc = _device_penalty(logits_processor)
+        ignore = getattr(penalty_proc, "prompt_ignore_length", None)
+        if isinstance(ignore, int) and ignore > prompt_len:  # would also ignore generated tokens: keep it on the host
+            penalty_proc = None
+    if penalty_proc is not None:
+        host_path = False
+    variant = _PENALTY if penalty_proc is not None else ""
+    scores = () if want_scores else None
+    raw_logits = () if want_logits else None
+
+    if is_seq2seq:
+        encoder_hidden = model_kwargs["encoder_outputs"].last_hidden_state
+        enc_mask = model_kwargs.get("attention_mask")
+        if enc_mask is None:
+            enc_mask = torch.ones(encoder_hidden.shape[:2], dtype=torch.long)
+        plan = plan_shapes(model, batch, prompt_len, new_tokens, encoder_len=encoder_hidden.shape[1], variant=variant)
+        cache = _cache_for(model, state, batch, plan.cache_bucket, encoder_hidden.shape[1])
+        enc_mask_dev = enc_mask.to(device)
+        step_input = input_ids.to(device)
+        penalty = _penalty_state(input_ids, model, penalty_proc, device)
+        prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
+        decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
+        tokens_dev, logits_dev = _run(
+            model, state, prefill_key, step_input, encoder_hidden, enc_mask_dev, cache, penalty
+        )
+        positions = None
+    else:
+        plan = plan_shapes(model, batch, prompt_len, new_tokens, variant=variant)
+        mask = model_kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(batch, prompt_len, dtype=torch.long)
+        mask = mask.to("cpu")
+        positions = model_kwargs.get("position_ids")
+        if positions is None:
+            positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        positions = positions.to("cpu").long().expand(batch, prompt_len)
+        pad = plan.prompt_bucket - prompt_len
+        pad_id = int(pad_token) if pad_token is not None else 0
+        ids = F.pad(input_ids, (pad, 0), value=pad_id)
+        pos = F.pad(positions, (pad, 0), value=0)
+        full_mask = torch.cat(
+            [
+                F.pad(mask.bool(), (pad, 0), value=False),
+                torch.ones(batch, plan.cache_bucket - plan.prompt_bucket, dtype=torch.bool),
+            ],
+            dim=1,
+        )
+        cache = _cache_for(model, state, batch, plan.cache_bucket, None)
+        mask_dev = full_mask.to(device)
+        extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
+        penalty = _penalty_state(input_ids, model, penalty_proc, device)
+        prefill_key = ("prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket)
+        decode_key = ("decode" + variant, batch, plan.cache_bucket)
+        packed = torch.cat([ids, pos], dim=1).to(device)
+        tokens_dev, logits_dev = _run(model, state, prefill_key, packed, mask_dev, cache, extra, penalty)
+        positions = positions[:, -1]
+
+    unfinished = torch.ones(batch, dtype=torch.long)
+    steps_left = plan.cache_bucket - (plan.prompt_bucket if not is_seq2seq else prompt_len)
+    while True:
+        next_tokens, step_scores, step_logits = _select(
+            logits_processor, input_ids, tokens_dev, logits_dev, do_sample, host_path
+        )
+        if want_scores:
+            scores += (step_scores,)
+        if want_logits:
+            raw_logits += (step_logits,)
+        if has_eos:
+            next_tokens = next_tokens * unfinished + pad_token * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        if streamer is not None:
+            streamer.put(next_tokens)
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        if unfinished.max() == 0 or steps_left <= 0:
+            break
+        steps_left -= 1
+        if is_seq2seq:
+            step = next_tokens[:, None].to(device)
+            tokens_dev, logits_dev = _run(model, state, decode_key, step, encoder_hidden, enc_mask_dev, cache, penalty)
+        else:
+            positions = positions + 1
+            step = torch.stack([next_tokens, positions], dim=1).to(device)
+            tokens_dev, logits_dev = _run(model, state, decode_key, step, mask_dev, cache, extra, penalty)
+
+    if streamer is not None:
+        streamer.end()
+    if not generation_config.return_dict_in_generate:
+        return input_ids
+    if is_seq2seq:
+        return GenerateEncoderDecoderOutput(sequences=input_ids, scores=scores, logits=raw_logits)
+    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits)
+
+
+
+def default_variant(model) -> str:
+    """The graph variant the model's own ``generation_config`` leads to (greedy with a repetition penalty runs the
+    penalty variant); :func:`hf_tpu.warmup` compiles that one."""
+    config = model.generation_config
+    penalty = getattr(config, "repetition_penalty", None)
+    if not config.do_sample and penalty is not None and float(penalty) != 1.0:
+        return _PENALTY
+    return ""
+
+
+def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
+    """Compile (or find compiled) every graph a call with ``plan`` runs, on dummy inputs; returns their keys."""
+    import torch
+
+    state = _state(model)
+    device = model.device
+    batch = plan.batch
+    value = None
+    if variant == _PENALTY:
+        from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+        value = RepetitionPenaltyLogitsProcessor(float(model.generation_config.repetition_penalty))
+    with torch.no_grad():
+        if plan.encoder_bucket is not None:
+            enc_key = ("encoder", batch, plan.encoder_bucket)
+            ids = torch.zeros(batch, plan.encoder_bucket, dtype=torch.long)
+            mask = torch.ones(batch, plan.encoder_bucket, dtype=torch.long)
+            mask_dev = mask.to(device)
+            hidden = _run(model, state, enc_key, ids.to(device), mask_dev)
+            start = model.generation_config.decoder_start_token_id
+            start = 0 if start is None else int(start)
+            cache = _cache_for(model, state, batch, plan.cache_bucket, plan.encoder_bucket)
+            prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, plan.prompt_len, plan.cache_bucket)
+            decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
+            step = torch.full((batch, plan.prompt_len), start, dtype=torch.long)
+            penalty = _penalty_state(step, model, value, device)
+            _run(model, state, prefill_key, step.to(device), hidden, mask_dev, cache, penalty)
+            step = torch.full((batch, 1), start, dtype=torch.long).to(device)
+            _run(model, state, decode_key, step, hidden, mask_dev, cache, penalty)
+            cache.reset()  # the next call resets it too: meet the eager ops of the reset here
+            return [enc_key, prefill_key, decode_key]
+        p, c = plan.prompt_bucket, plan.cache_bucket
+        extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
+        cache = _cache_for(model, state, batch, c, None)
+        mask_dev = torch.ones(batch, c, dtype=torch.bool).to(device)
+        pos = torch.arange(p, dtype=torch.long).expand(batch, p)
+        ids = torch.zeros(batch, p, dtype=torch.long)
+        penalty = _penalty_state(ids, model, value, device)
+        packed = torch.cat([ids, pos], dim=1).to(device)
+        prefill_key = ("prefill" + variant, batch, p, c)
+        decode_key = ("decode" + variant, batch, c)
+        _run(model, state, prefill_key, packed, mask_dev, cache, extra, penalty)
+        step = torch.tensor([[0, p]], dtype=torch.long).expand(batch, 2).contiguous().to(device)
+        _run(model, state, decode_key, step, mask_dev, cache, extra, penalty)
+        cache.reset()
+        return [prefill_key, decode_key]

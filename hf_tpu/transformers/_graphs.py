@@ -1,0 +1,227 @@
+"""The compiled graphs of the generation loop and the one place that runs them (:func:`_run`).
+
+Each graph kind (prefill, decode, encoder, seq2seq prefill/decode, and their repetition-penalty variants) is its
+own top-level function, so that dynamo keeps one cache of compiled entries per kind. :func:`_run` runs the graph
+for one shape key: from the model's persistent compile cache when it has one (:mod:`hf_tpu.compile_cache`: loaded
+without tracing or compiling, or compiled ahead of time and stored), else through ``torch.compile``; in strict
+mode after warm-up it refuses a shape warm-up did not compile.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from hf_tpu.transformers._settings import STRICT_ENV, GenerationSettings, RecompileError, _compile_cache, _ModelState
+
+logger = logging.getLogger("hf_tpu.generation")
+
+__all__: list[str] = []
+
+def _last_logits(out, penalty) -> tuple[Any, Any]:
+    """(greedy tokens, float32 logits) of the last position; ``penalty=(seen, value)`` applies upstream's
+    repetition penalty to the tokens marked in ``seen`` (``(batch, vocab + 1)`` bool) before the argmax."""
+    import torch
+
+    logits = out.logits[:, -1, :].float()
+    scores = logits
+    if penalty is not None:
+        seen, value = penalty
+        penalized = torch.where(logits < 0, logits * value, logits / value)
+        scores = torch.where(seen[:, : logits.shape[-1]], penalized, logits)
+    return scores.argmax(dim=-1), logits
+
+
+def _mark(penalty, tokens) -> None:
+    """Add the tokens just appended to the sequence to the repetition-penalty set (in place, on the device)."""
+    if penalty is not None:
+        seen = penalty[0]
+        seen.scatter_(1, tokens.clamp(max=seen.shape[1] - 1), True)
+
+
+def _decoder_prefill(model, packed, mask, cache, extra, penalty=None):
+    q = packed.shape[1] // 2
+    out = model(
+        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=mask, cache=cache, use_cache=True,
+        return_dict=True, **extra,
+    )  # fmt: skip
+    return _last_logits(out, penalty)
+
+
+def _decoder_decode(model, packed, mask, cache, extra, penalty=None):
+    q = packed.shape[1] // 2
+    _mark(penalty, packed[:, :q])
+    out = model(
+        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=mask, cache=cache, use_cache=True,
+        return_dict=True, **extra,
+    )  # fmt: skip
+    return _last_logits(out, penalty)
+
+
+def _encoder(model, input_ids, mask):
+    return model.get_encoder()(input_ids=input_ids, attention_mask=mask, return_dict=True).last_hidden_state
+
+
+def _seq2seq_prefill(model, ids, encoder_hidden, encoder_mask, cache, penalty=None):
+    from transformers.modeling_outputs import BaseModelOutput
+
+    out = model(
+        decoder_input_ids=ids, encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden),
+        attention_mask=encoder_mask, cache=cache, use_cache=True, return_dict=True,
+    )  # fmt: skip
+    return _last_logits(out, penalty)
+
+
+def _seq2seq_decode(model, ids, encoder_hidden, encoder_mask, cache, penalty=None):
+    from transformers.modeling_outputs import BaseModelOutput
+
+    _mark(penalty, ids)
+    out = model(
+        decoder_input_ids=ids, encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden),
+        attention_mask=encoder_mask, cache=cache, use_cache=True, return_dict=True,
+    )  # fmt: skip
+    return _last_logits(out, penalty)
+
+
+_GRAPHS: dict[str, Callable] = {
+    "prefill": _decoder_prefill,
+    "decode": _decoder_decode,
+    "encoder": _encoder,
+    "seq2seq_prefill": _seq2seq_prefill,
+    "seq2seq_decode": _seq2seq_decode,
+}
+# Variants with upstream's repetition penalty applied on the device (greedy search keeps its one small copy).
+_PENALTY = "+repetition_penalty"
+for _kind in ("prefill", "decode", "seq2seq_prefill", "seq2seq_decode"):
+    _GRAPHS[_kind + _PENALTY] = _GRAPHS[_kind]
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def _backend_for(settings: GenerationSettings, device) -> str | Callable:
+    if settings.backend is not None:
+        return settings.backend
+    return "tpu" if device.type == "tpu" else "aot_eager"
+
+
+def _compiled(kind: str, backend, fullgraph: bool) -> Callable:
+    key = (kind, backend, fullgraph)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        import torch
+
+        fn = torch.compile(_GRAPHS[kind], backend=backend, fullgraph=fullgraph, dynamic=False)
+        _COMPILED[key] = fn
+    return fn
+
+
+def _describe(key: tuple) -> str:
+    kind, batch, *rest = key
+    names = {
+        "prefill": ("prompt bucket", "cache bucket"),
+        "decode": ("cache bucket",),
+        "encoder": ("encoder bucket",),
+        "seq2seq_prefill": ("encoder bucket", "decoder prompt", "cache bucket"),
+        "seq2seq_decode": ("encoder bucket", "cache bucket"),
+    }[kind.removesuffix(_PENALTY)]
+    return f"{kind} graph for batch={batch}, " + ", ".join(f"{n}={v}" for n, v in zip(names, rest))
+
+
+def _graph_id(key: tuple, args: tuple) -> str:
+    """The compile-cache name of a graph: its shape key plus the Python constants the trace bakes in (the
+    repetition penalty's value)."""
+    constants = [a[1] for a in args if isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], float)]
+    return repr((key, constants))
+
+
+def _namespace(cache, model, state: _ModelState):
+    """The model's namespace in the compile cache: everything a graph depends on besides its shapes and weights."""
+    import hashlib
+    import inspect
+    import json
+
+    import transformers
+
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "name_or_path"):
+        config.pop(volatile, None)
+    settings = state.settings
+    backend = _backend_for(settings, model.device)
+    cls = type(model)
+    source = inspect.getsource(inspect.getmodule(_run))
+    parts = {
+        "transformers": transformers.__version__,
+        "model_class": f"{cls.__module__}.{cls.__qualname__}",
+        "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "dtype": str(model.dtype),
+        "device": model.device.type,
+        "ladder": list(state.ladder(model.config).rungs),
+        "cache_multiple": settings.cache_multiple,
+        "backend": backend if isinstance(backend, str) else f"{backend.__module__}.{backend.__qualname__}",
+        "graphs_source": hashlib.sha256(source.encode()).hexdigest(),
+    }
+    return cache.namespace("generation", parts)
+
+
+def _from_cache(model, state: _ModelState, key: tuple, args: tuple) -> Callable | None:
+    """The graph for ``key`` from the model's persistent compile cache (loaded, or compiled ahead of time and
+    stored); None when the model has no cache or the cache cannot serve this graph (reported, not raised)."""
+    cache = _compile_cache(state)
+    settings = state.settings
+    if cache is None or not settings.fullgraph:
+        return None
+    space = _namespace(cache, model, state)
+    if space is None:
+        return None
+    backend = _backend_for(settings, model.device)
+    graph_id = _graph_id(key, args)
+    fn = space.load_or_compile(graph_id, _GRAPHS[key[0]], backend, (model, *args), describe=_describe(key))
+    if fn is not None:
+        space.record([list(key)])
+    return fn
+
+
+def _run(model, state: _ModelState, key: tuple, *args):
+    """Run the graph ``key[0]`` for the shape ``key``; strict mode refuses a shape warm-up did not compile."""
+    import torch
+
+    first = key not in state.compiled
+    if first and state.warmed and state.strict:
+        raise RecompileError(
+            f"generate needs a {_describe(key)}, which warm-up did not compile (strict mode; "
+            f"{len(state.compiled)} graph(s) compiled so far). Warm up for this shape "
+            f"(hf_tpu.warmup(model, max_prompt_len=..., batch_sizes=[{key[1]}], max_new_tokens=...)), "
+            f"or allow compiles: hf_tpu.transformers.configure(model, strict=False) / unset {STRICT_ENV}."
+        )
+    settings = state.settings
+    if not settings.compile:
+        result = _GRAPHS[key[0]](model, *args)
+    else:
+        limits = {"recompile_limit": max(torch._dynamo.config.recompile_limit, 1024)}
+        if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
+            limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
+        if not first and state.strict and state.warmed:
+            limits["error_on_recompile"] = True
+        with torch._dynamo.config.patch(**limits):
+            fn = state.loaded.get(key)
+            if fn is None and first:
+                fn = _from_cache(model, state, key, args)
+                if fn is not None:
+                    state.loaded[key] = fn
+            result = None
+            if fn is not None:
+                from hf_tpu.compile_cache import StaleGraphError
+
+                try:
+                    result = fn(model, *args)
+                except StaleGraphError:
+                    state.loaded.pop(key, None)
+                    fn = None
+            if fn is None:
+                result = _compiled(key[0], _backend_for(settings, model.device), settings.fullgraph)(model, *args)
+    if first:
+        state.compiled.add(key)
+        state.compile_log.append(key)
+        logger.info("hf_tpu: compiled the %s", _describe(key))
+    return result

@@ -1,0 +1,164 @@
+"""Per-model generation state: the knobs :func:`configure` sets, the graphs compiled so far, the static caches kept.
+
+Every other generation module reads a model's state through :func:`_state`; the state lives on the model object
+(``model.__dict__["_hf_tpu_generation"]``), so it goes away with the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from hf_tpu.transformers.buckets import DEFAULT_CACHE_MULTIPLE, BucketLadder, default_ladder
+
+__all__ = ["STRICT_ENV", "GenerationSettings", "RecompileError", "compiled_graphs", "configure"]
+
+# Turns a compile after warm-up into an error (same as ``warmup(..., strict=True)``).
+STRICT_ENV = "HF_TPU_STRICT_COMPILE"
+
+# Device types the hf_tpu loop takes over. Tests may widen it to exercise the loop on CPU.
+_DEVICE_TYPES: set[str] = {"tpu"}
+
+# How many static caches (one per batch/cache-bucket shape) a model keeps allocated between calls.
+_CACHE_POOL_SIZE = 4
+
+_UNSET: Any = object()
+
+
+class RecompileError(RuntimeError):
+    """Strict mode: ``generate`` needed a graph that warm-up did not compile."""
+
+
+@dataclass
+class GenerationSettings:
+    """Per-model knobs of the hf_tpu generation loop (see :func:`configure`).
+
+    ``buckets``: the ladder prompt lengths round up to (default :func:`~hf_tpu.transformers.buckets.default_ladder`:
+    powers of two from 16 to 256, then steps of 256 up to 2048, then eight rungs per octave, up to the model's
+    ``max_position_embeddings``). ``cache_multiple``: the static cache holds the padded prompt plus
+    ``max_new_tokens``, rounded up to a multiple of this (a power of two below it); None sizes the cache on the
+    prompt ladder instead (the earlier behaviour, kept for comparison). ``strict``: after :func:`hf_tpu.warmup`,
+    a shape warm-up did not compile raises :class:`RecompileError` instead of compiling (default: the
+    ``HF_TPU_STRICT_COMPILE`` environment variable). ``backend``/``fullgraph``: what ``torch.compile`` gets
+    (``"tpu"``, ``True``); ``compile=False`` runs the same bucketed loop eagerly. ``compile_cache``: a
+    :class:`~hf_tpu.compile_cache.CompileCache` directory, or None (default: the
+    ``HF_TPU_COMPILE_CACHE`` environment variable).
+    """
+
+    buckets: BucketLadder | None = None
+    cache_multiple: int | None = DEFAULT_CACHE_MULTIPLE
+    strict: bool | None = None
+    backend: str | Callable | None = None
+    fullgraph: bool = True
+    compile: bool = True
+    compile_cache: Any = _UNSET
+
+
+@dataclass
+class _ModelState:
+    settings: GenerationSettings = field(default_factory=GenerationSettings)
+    compiled: set[tuple] = field(default_factory=set)  # graph keys already compiled (or loaded) for this model
+    compile_log: list[tuple] = field(default_factory=list)
+    loaded: dict = field(default_factory=dict)  # graph key -> callable served by the persistent compile cache
+    warmed: bool = False
+    caches: OrderedDict = field(default_factory=OrderedDict)
+
+    def ladder(self, config) -> BucketLadder:
+        if self.settings.buckets is None:
+            self.settings.buckets = default_ladder(config)
+        return self.settings.buckets
+
+    @property
+    def strict(self) -> bool:
+        if self.settings.strict is not None:
+            return self.settings.strict
+        return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _state(model) -> _ModelState:
+    state = model.__dict__.get("_hf_tpu_generation")
+    if state is None:
+        state = _ModelState()
+        model.__dict__["_hf_tpu_generation"] = state
+    return state
+
+
+def configure(
+    model,
+    *,
+    buckets: BucketLadder | list[int] | tuple[int, ...] | None = None,
+    cache_multiple: int | None = _UNSET,
+    strict: bool | None = None,
+    backend: str | Callable | None = None,
+    fullgraph: bool | None = None,
+    compile: bool | None = None,
+    compile_cache: Any = _UNSET,
+) -> GenerationSettings:
+    """Set how hf_tpu generates with ``model``; arguments left out (or None) keep their current value.
+
+    ``compile_cache`` takes a directory (``str``/``Path``), a
+    :class:`~hf_tpu.compile_cache.CompileCache`, or ``False`` to use none (not even the one
+    ``HF_TPU_COMPILE_CACHE`` names). ``cache_multiple=None`` sizes static caches on the prompt ladder.
+
+    Example:
+        >>> from hf_tpu.transformers import configure                   # doctest: +SKIP
+        >>> configure(model, buckets=[32, 128, 512], strict=True)       # doctest: +SKIP
+    """
+    state = _state(model)
+    if buckets is not None:
+        state.settings.buckets = BucketLadder.coerce(buckets)
+    if cache_multiple is not _UNSET:
+        if cache_multiple is not None and (not isinstance(cache_multiple, int) or cache_multiple < 1):
+            raise ValueError(f"cache_multiple must be a positive integer or None, got {cache_multiple!r}")
+        state.settings.cache_multiple = cache_multiple
+    if strict is not None:
+        state.settings.strict = strict
+    if backend is not None:
+        state.settings.backend = backend
+    if fullgraph is not None:
+        state.settings.fullgraph = fullgraph
+    if compile is not None:
+        state.settings.compile = compile
+    if compile_cache is not _UNSET:
+        from hf_tpu.compile_cache import CompileCache
+
+        state.settings.compile_cache = CompileCache.coerce(compile_cache)
+        state.loaded.clear()
+    return state.settings
+
+
+def compiled_graphs(model) -> list[tuple]:
+    """The graphs hf_tpu compiled (or loaded from the compile cache) for ``model``, in order:
+    ``("prefill", batch, prompt_bucket, cache_bucket)``, ``("decode", batch, cache_bucket)``, and for
+    encoder-decoders ``("encoder", batch, encoder_bucket)`` etc.
+
+    Example:
+        >>> model.generate(ids, max_new_tokens=8)             # doctest: +SKIP
+        >>> compiled_graphs(model)                            # doctest: +SKIP
+        [('prefill', 1, 16, 32), ('decode', 1, 32)]
+    """
+    return list(_state(model).compile_log)
+
+
+def _compile_cache(state: _ModelState):
+    """The model's persistent compile cache (from :func:`configure` or ``HF_TPU_COMPILE_CACHE``), or None."""
+    if state.settings.compile_cache is _UNSET:
+        from hf_tpu.compile_cache import CompileCache
+
+        state.settings.compile_cache = CompileCache.from_env()
+    return state.settings.compile_cache
+
+
+@contextlib.contextmanager
+def _device_types(*types: str) -> Iterator[None]:
+    """Let the loop take over models on other device types too (tests use it to compare on CPU)."""
+    added = [t for t in types if t not in _DEVICE_TYPES]
+    _DEVICE_TYPES.update(added)
+    try:
+        yield
+    finally:
+        _DEVICE_TYPES.difference_update(added)

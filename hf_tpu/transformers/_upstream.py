@@ -1,0 +1,88 @@
+"""When ``generate`` runs upstream's loop instead of hf_tpu's, and why (:func:`_why_upstream`).
+
+Anything the bucketed loop does not cover (beam search, assisted decoding, a user cache, sliding-window caches,
+non-static ``cache_implementation``, ...) runs upstream's code unchanged; a one-time warning names the cost on a
+TPU when there is one. ``_UPSTREAM_GENERATE`` is the original ``GenerationMixin.generate``, set by
+:mod:`hf_tpu.transformers._integration`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+from hf_tpu.transformers._settings import _DEVICE_TYPES
+from hf_tpu.transformers._static_cache import _static_cache_problem
+
+__all__: list[str] = []
+
+_UPSTREAM_GENERATE: Callable | None = None
+_SUPPORTED_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "input_ids"}
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+def _upstream_generate() -> Callable:
+    if _UPSTREAM_GENERATE is not None:
+        return _UPSTREAM_GENERATE
+    from transformers.generation.utils import GenerationMixin
+
+    fn = GenerationMixin.generate
+    return getattr(fn, "__hf_tpu_upstream__", fn)
+
+
+def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
+    """None when the hf_tpu loop handles this call; otherwise why not (a warning when it costs compiles)."""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    device = getattr(model, "device", None)
+    if device is None or device.type not in _DEVICE_TYPES:
+        return "silent:not on a tpu device"
+    if args.get("custom_generate") is not None:
+        return "silent:custom_generate given"
+    for name in ("assistant_model", "negative_prompt_ids", "prefix_allowed_tokens_fn"):
+        if args.get(name) is not None:
+            return f"{name} is not supported by the bucketed loop"
+    if args.get("synced_gpus"):
+        return "synced_gpus is not supported by the bucketed loop"
+    try:
+        config, model_kwargs = model._prepare_generation_config(args.get("generation_config"), **kwargs)
+    except (ValueError, TypeError, AttributeError):
+        return "silent:upstream rejects the arguments"  # let upstream raise its own error
+    if config.disable_compile:
+        return "silent:disable_compile=True"
+    if config.cache_implementation not in (None, "static"):
+        if config.cache_implementation == "dynamic":
+            return (
+                "cache_implementation='dynamic' on a TPU grows the cache by one token per step: every decode step has "
+                "a new shape and compiles a new program (max_new_tokens=N costs about N compiles). Drop "
+                "cache_implementation to get hf_tpu's static, bucketed cache"
+            )
+        return f"cache_implementation={config.cache_implementation!r} is not supported by the bucketed loop"
+    if not config.use_cache:
+        return "use_cache=False recomputes the whole sequence each step, a new shape (and compile) per step"
+    mode = config.get_generation_mode(args.get("assistant_model"))
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return f"{mode.value} is not supported by the bucketed loop (only greedy search and sampling are)"
+    if config.output_attentions or config.output_hidden_states:
+        return "output_attentions/output_hidden_states are not supported by the bucketed loop"
+    if config.token_healing:
+        return "token_healing is not supported by the bucketed loop"
+    if model_kwargs.get("cache") is not None or model_kwargs.get("past_key_values") is not None:
+        return "silent:a user cache was passed"
+    extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS
+    if model.config.is_encoder_decoder:
+        extra -= {"decoder_input_ids"}
+    extra = {k for k in extra if model_kwargs[k] is not None}
+    if extra:
+        return f"model inputs {sorted(extra)} are not supported by the bucketed loop"
+    problem = _static_cache_problem(model)
+    if problem:
+        return f"{type(model).__name__}: {problem}"
+    return None
+

@@ -1,0 +1,49 @@
+"""One process of the compile-cache tests: warm up a saved model with a cache directory, generate, compare with CPU.
+
+    python _cache_worker.py MODEL_DIR CACHE_DIR  ->  prints one JSON line with the counters
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+
+def main(model_dir: str, cache_dir: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_tpu
+    import hf_tpu.sim
+
+    hf_tpu.sim.enable()
+    hf_tpu.enable("generation")
+    cpu = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tpu = AutoModelForCausalLM.from_pretrained(model_dir).eval().to("tpu")
+    start = time.perf_counter()
+    with hf_tpu.sim.stats() as warm:
+        report = hf_tpu.warmup(tpu, max_prompt_len=20, batch_sizes=[2], max_new_tokens=6, progress=False,
+                               cache_dir=cache_dir)  # fmt: skip
+    seconds = time.perf_counter() - start
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 96, (2, 13), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with hf_tpu.sim.stats() as gen:
+        got = tpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    expected = cpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    print(json.dumps({
+        "warm_compiles": warm.compiles, "warm_hits": warm.compile_cache_hits, "graphs": len(report.graphs),
+        "new_compiles": report.new_compiles, "from_cache": report.from_cache, "seconds": seconds,
+        "generate_compiles": gen.compiles, "generate_hits": gen.compile_cache_hits,
+        "equal": torch.equal(got, expected),
+        "problems": report.cache_problems,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,201 @@
+"""The persistent compile cache: a second process compiles nothing; bad entries are reported and bypassed.
+
+The two-process test is the real thing (fresh processes, same cache directory); the in-process tests damage a
+filled cache and check that generation still compiles what it needs and equals CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_tpu
+import hf_tpu.sim
+from hf_tpu import compile_cache
+from hf_tpu.compile_cache import CompileCache, CompileCacheWarning
+from hf_tpu.transformers import generation
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_cache_worker.py")
+
+
+def _save_llama(path: Path, seed: int) -> Path:
+    import transformers as T
+
+    from hf_tpu.testing import tiny_config
+
+    torch.manual_seed(seed)
+    T.AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=96)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return _save_llama(tmp_path_factory.mktemp("cache-llama") / "llama", seed=0)
+
+
+def _worker(model_dir: Path, cache_dir: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TPU_SIMULATE", compile_cache.ENV)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(model_dir), str(cache_dir)], env=env, capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_compiles_nothing_and_matches_cpu(llama_dir, tmp_path):
+    cache = tmp_path / "cache"
+    cold = _worker(llama_dir, cache)
+    assert cold["equal"] and not cold["problems"]
+    assert cold["warm_compiles"] == cold["graphs"] == cold["new_compiles"] > 0
+    assert cold["warm_hits"] == cold["from_cache"] == 0
+
+    warm = _worker(llama_dir, cache)
+    assert warm["equal"] and not warm["problems"]
+    assert warm["warm_compiles"] == warm["new_compiles"] == 0
+    assert warm["warm_hits"] == warm["from_cache"] == warm["graphs"] == cold["graphs"]
+    assert warm["generate_compiles"] == 0 and warm["generate_hits"] == 0  # warm-up loaded everything
+
+    # Another checkpoint of the same architecture shares the entries: weights are graph inputs, not constants.
+    other = _worker(_save_llama(tmp_path / "other", seed=1), cache)
+    assert other["equal"] and other["warm_compiles"] == 0 and other["warm_hits"] == cold["graphs"]
+
+
+def _fresh(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    cpu = AutoModelForCausalLM.from_pretrained(path).eval()
+    return cpu, AutoModelForCausalLM.from_pretrained(path).eval().to("tpu")
+
+
+def _generate_both(cpu, tpu) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(3))
+    return tpu.generate(ids, max_new_tokens=4), cpu.generate(ids, max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def filled(llama_dir, tmp_path_factory):
+    """A cache directory holding the prefill and decode graphs of one shape (batch 1, prompt bucket 16)."""
+    root = tmp_path_factory.mktemp("filled")
+    hf_tpu.sim.enable()
+    with hf_tpu.enabled("generation"):
+        _, tpu = _fresh(llama_dir)
+        hf_tpu.warmup(tpu, max_prompt_len=16, batch_sizes=[1], max_new_tokens=4, progress=False, cache_dir=root)
+    return root
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _run_with(llama_dir, cache_dir, match: str | None):
+    hf_tpu.sim.enable()
+    with hf_tpu.enabled("generation"):
+        cpu, tpu = _fresh(llama_dir)
+        generation.configure(tpu, compile_cache=cache_dir)
+        with hf_tpu.sim.stats() as s:
+            if match is None:
+                got, expected = _generate_both(cpu, tpu)
+            else:
+                with pytest.warns(CompileCacheWarning, match=match):
+                    got, expected = _generate_both(cpu, tpu)
+    assert torch.equal(got, expected)
+    return s
+
+
+def test_a_filled_cache_serves_generate_in_process(llama_dir, filled, tmp_path):
+    s = _run_with(llama_dir, _copy(filled, tmp_path / "c"), None)
+    assert s.compiles == 0 and s.compile_cache_hits == 2
+
+
+def test_a_corrupt_entry_is_reported_and_compiled_again(llama_dir, filled, tmp_path):
+    cache = _copy(filled, tmp_path / "c")
+    for graph in cache.rglob("*.bin"):
+        graph.write_bytes(b"HF_TPU_GRAPH\n{not json")
+    s = _run_with(llama_dir, cache, "is corrupt")
+    assert s.compiles == 2 and s.compile_cache_hits == 0
+    assert _run_with(llama_dir, cache, None).compile_cache_hits == 2  # rewritten, served again
+
+
+def test_a_damaged_payload_is_reported_and_compiled_again(llama_dir, filled, tmp_path):
+    cache = _copy(filled, tmp_path / "c")
+    for graph in cache.rglob("*.bin"):
+        data = graph.read_bytes()
+        graph.write_bytes(data[: len(data) // 2])
+    s = _run_with(llama_dir, cache, "could not be loaded")
+    assert s.compiles == 2 and s.compile_cache_hits == 0
+
+
+def test_an_entry_from_another_version_is_never_used(llama_dir, filled, tmp_path, monkeypatch):
+    cache = _copy(filled, tmp_path / "c")
+    # A graph file whose recorded key differs (copied from another version's namespace): reported, bypassed.
+    for graph in cache.rglob("*.bin"):
+        data = graph.read_bytes()
+        graph.write_bytes(data.replace(b'\\"torch\\": \\"', b'\\"torch\\": \\"0.0-', 1))
+    s = _run_with(llama_dir, cache, "stored for another model, version or graph")
+    assert s.compiles == 2 and s.compile_cache_hits == 0
+    # Another torch version in this process: another namespace, so nothing is loaded (and nothing is reported).
+    real = compile_cache.versions
+    monkeypatch.setattr(compile_cache, "versions", lambda: {**real(), "torch": "0.0-other"})
+    s = _run_with(llama_dir, _copy(filled, tmp_path / "d"), None)
+    assert s.compiles == 2 and s.compile_cache_hits == 0
+
+
+def test_an_unusable_directory_is_reported_and_generation_still_works(llama_dir, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("a file where the cache directory should be")
+    s = _run_with(llama_dir, not_a_dir, "cannot use")
+    assert s.compiles == 2 and s.compile_cache_hits == 0
+
+
+def test_the_environment_variable_names_the_default_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "env-cache"))
+    assert CompileCache.from_env().root == tmp_path / "env-cache"
+    monkeypatch.setenv(compile_cache.ENV, "")
+    assert CompileCache.from_env() is None
+    with pytest.raises(TypeError, match="cache_dir must be a directory path"):
+        CompileCache.coerce(3)
+
+
+def test_clear_removes_the_entries(filled, tmp_path):
+    cache = CompileCache(_copy(filled, tmp_path / "c"))
+    assert list(cache.root.rglob("*.bin"))
+    cache.clear()
+    assert not list(cache.root.rglob("*.bin"))
+
+
+def test_a_graph_stored_under_another_shape_fails_its_guards_and_is_compiled(llama_dir, filled, tmp_path):
+    """Even an entry that passes the key checks (here: the 16-token prefill filed as the 32-token one) never runs on
+    inputs it was not traced for: its saved guards reject them, and the graph is compiled instead."""
+    from hf_tpu.transformers import _graphs
+
+    cache = _copy(filled, tmp_path / "c")
+    (space,) = (cache / "hf_tpu-v1").glob("generation-*")
+    have, want = (_graphs._graph_id(("prefill", 1, p, c), (None,)) for p, c in ((16, 32), (32, 64)))
+    source = space / "graphs" / f"{compile_cache._sha(have)[:32]}.bin"
+    data = source.read_bytes().replace(json.dumps(have).encode()[1:-1], json.dumps(want).encode()[1:-1], 1)
+    (space / "graphs" / f"{compile_cache._sha(want)[:32]}.bin").write_bytes(data)
+
+    hf_tpu.sim.enable()
+    with hf_tpu.enabled("generation"):
+        cpu, tpu = _fresh(llama_dir)
+        generation.configure(tpu, compile_cache=cache)
+        ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(4))
+        with hf_tpu.sim.stats() as s, pytest.warns(CompileCacheWarning, match="does not fit these inputs"):
+            got = tpu.generate(ids, max_new_tokens=4)
+    assert torch.equal(got, cpu.generate(ids, max_new_tokens=4))
+    assert ("prefill", 1, 32, 64) in generation.compiled_graphs(tpu)
+    assert s.compiles == 2  # the rejected prefill, and the decode graph no process stored
+    assert s.compile_cache_hits == 0  # a graph its guards reject served nothing
