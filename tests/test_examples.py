@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _timeouts import SAFETY_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,13 +33,12 @@ def test_every_example_is_covered():
     assert {p.name for p in (REPO / "examples").glob("*.py")} == {*EXAMPLES, "tp_generate.py"}
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.parametrize("script", list(EXAMPLES))
 def test_example_runs_on_the_simulator(script, tmp_path):
     args, expected = EXAMPLES[script]
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / script), *args],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=280, check=False,
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for fragment in expected:
@@ -47,13 +47,12 @@ def test_example_runs_on_the_simulator(script, tmp_path):
         assert (tmp_path / "sd3.png").stat().st_size > 0
 
 
-@pytest.mark.timeout(300)
 def test_tensor_parallel_example_runs_on_two_simulated_chips():
     sys.path.insert(0, str(REPO / "tests" / "distributed"))
     from _launch_util import launch, processes_mentioning
 
     script = str(REPO / "examples" / "tp_generate.py")
-    code, out, _ = launch(["--simulate", "--nproc_per_node=2", script, "--compare"], timeout=280)
+    code, out, _ = launch(["--simulate", "--nproc_per_node=2", script, "--compare"], timeout=SAFETY_TIMEOUT_S)
     assert code == 0, out[-4000:]
     for rank in (0, 1):
         assert f"[rank {rank}] TP=2 greedy output equals the unsharded model's: True" in out, out[-4000:]

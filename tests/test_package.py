@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _timeouts import SAFETY_TIMEOUT_S
+
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch_tpu", "jax", "transformers", "diffusers")
 
@@ -16,7 +18,12 @@ def run(code: str, **env: str) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
     full_env.update(env, PYTHONPATH=str(REPO))
     return subprocess.run(
-        [sys.executable, "-c", code], env=full_env, check=False, capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", code],
+        env=full_env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=SAFETY_TIMEOUT_S,
     )
 
 
@@ -52,7 +59,7 @@ def test_ci_runs_the_readme_test_command_verbatim():
         check=False,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=SAFETY_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.rstrip("\n") == readme_test[0]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _timeouts import SAFETY_TIMEOUT_S
 
 from hf_tpu import runtime, selftest
 from hf_tpu.cli.main import main
@@ -116,7 +117,12 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
     env.update(PYTHONPATH=str(REPO), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     return subprocess.run(
-        [sys.executable, "-m", "hf_tpu.cli", *args], env=env, check=False, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "hf_tpu.cli", *args],
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=SAFETY_TIMEOUT_S,
     )
 
 

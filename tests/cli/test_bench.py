@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _timeouts import SAFETY_TIMEOUT_S
 
 from hf_tpu import benchmarks
 from hf_tpu.benchmarks import BENCHMARKS
@@ -24,7 +25,7 @@ from hf_tpu.cli.main import main
 REPO = Path(__file__).resolve().parents[2]
 
 
-def bench_cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def bench_cli(*args: str, cwd: Path, timeout: float = SAFETY_TIMEOUT_S) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return subprocess.run(
@@ -116,7 +117,7 @@ def test_a_wrapper_runs_its_own_benchmark():
     """``python benchmarks/<name>.py`` passes its file name on as the benchmark to run."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "moe.py"), "--help"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "hf-tpu bench moe" in proc.stdout and "--experts" in proc.stdout
