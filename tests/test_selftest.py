@@ -113,6 +113,32 @@ def test_cli_exit_status_and_table(registry, capsys, tmp_path):
     assert main(["selftest", "--only", "missing"]) == 2
 
 
+def test_what_checks_print_goes_to_the_report_not_above_the_table(registry, capsys, tmp_path):
+    @selftest.register_check("noisy")
+    def _noisy(ctx):
+        import warnings
+
+        print({"loss": 1.25})  # what a Trainer prints
+        print("a library warning", file=sys.stderr)
+        warnings.warn("a python warning", UserWarning, stacklevel=1)
+        os.write(1, b"written to fd 1\n")
+        os.write(2, b"written to fd 2\n")
+        return {"answer": 42}
+
+    report = tmp_path / "r.json"
+    assert main(["selftest", "--report", str(report)]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].startswith("check") and "answer=42" in out
+    for noise in ("'loss': 1.25", "a library warning", "a python warning", "written to fd"):
+        assert noise not in out + err
+    output = json.loads(report.read_text())["output"]
+    for noise in ("'loss': 1.25", "a library warning", "a python warning", "written to fd 1", "written to fd 2"):
+        assert noise in output
+    assert main(["selftest", "--debug"]) == 0  # --debug: shown after the table, on stderr
+    out, err = capsys.readouterr()
+    assert "'loss': 1.25" not in out and "'loss': 1.25" in err and "written to fd 2" in err
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
     env.update(PYTHONPATH=str(REPO), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
@@ -131,6 +157,7 @@ def test_selftest_passes_on_the_simulated_device(tmp_path):
     report_path = tmp_path / "selftest.json"
     proc = run_cli("--simulate", "selftest", "--report", str(report_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[0].startswith("check"), proc.stdout[:2000]  # the table first, nothing above it
     report = json.loads(report_path.read_text())
     assert report["versions"]["torch"] == importlib.metadata.version("torch")
     assert report["versions"]["transformers"] == importlib.metadata.version("transformers")
