@@ -45,6 +45,36 @@ def test_example_runs_on_the_simulator(script, tmp_path):
         assert fragment in proc.stdout, (fragment, proc.stdout[-4000:])
     if script == "diffusers_sd3.py":
         assert (tmp_path / "sd3.png").stat().st_size > 0
+    # nothing lands in the working directory (a checkout's root) but the file the command line named
+    assert {p.name for p in tmp_path.iterdir()} <= {"sd3.png"}
+
+
+def test_every_example_says_how_to_run_it_the_readme_way():
+    """One way to run them everywhere: ``HF_TPU_SIMULATE=1 python examples/<name>.py`` (the README's), or through
+    the launcher for the tensor-parallel one; no ``PYTHONPATH=.`` (the README installs the package)."""
+    readme = (REPO / "README.md").read_text()
+    assert "HF_TPU_SIMULATE=1 python examples/<name>.py" in readme
+    for path in sorted((REPO / "examples").glob("*.py")):
+        doc = path.read_text().split('"""')[1]
+        assert "PYTHONPATH=." not in doc, path.name
+        way = "hf-tpu launch --simulate" if path.name == "tp_generate.py" else "HF_TPU_SIMULATE=1 python"
+        assert f"{way} " in doc and f"examples/{path.name}" in doc, path.name
+
+
+def test_the_moe_example_without_jax_names_the_extra_to_install(tmp_path):
+    """The README's demo install has no jax: one line naming the extra, not a traceback from deep in the kernel."""
+    code = (
+        "import runpy, sys; sys.modules['jax'] = None; "  # `import jax` now fails, as where jax is not installed
+        f"runpy.run_path({str(REPO / 'examples' / 'moe_kernel.py')!r}, run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+        timeout=SAFETY_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "examples/moe_kernel.py needs jax, which is not installed: pip install 'hf-tpu[kernels]'"
+    )
 
 
 def test_tensor_parallel_example_runs_on_two_simulated_chips():
