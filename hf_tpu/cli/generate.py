@@ -182,8 +182,18 @@ def run(args: argparse.Namespace) -> int:
     if message:
         print(f"hf-tpu generate: {message}", file=sys.stderr)
         return 2
+    warm = not args.no_warmup
+    if warm and ladder.bucket(prompt_len) + args.max_new_tokens - 1 > ladder.max:
+        # hf_tpu.warmup compiles the prompt's bucket at its full length, which with these new tokens passes the
+        # largest rung although this prompt fits: compile on first use instead.
+        print(
+            f"hf-tpu generate: no warm-up: the prompt's bucket ({ladder.bucket(prompt_len)}) plus --max-new-tokens "
+            f"passes the largest bucket ({ladder.max}); the first token compiles instead",
+            file=sys.stderr,
+        )
+        warm = False
     try:
-        if not args.no_warmup:
+        if warm:
             hf_tpu.warmup(model, max_prompt_len=prompt_len, batch_sizes=[1], max_new_tokens=args.max_new_tokens)
     except BucketOverflowError as err:
         print(f"hf-tpu generate: {err} (the flags: --buckets, --max-prompt-len, --max-new-tokens)", file=sys.stderr)
