@@ -65,3 +65,20 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert proc.stdout.rstrip("\n") == readme_test[0]
     # It installs torch 2.13.0 before anything else (so pip keeps the CPU build), with the test and kernels extras.
     assert re.search(r'pip install torch==2\.13\.0 -e "\.\[test,kernels\]"', readme_test[0])
+
+
+def test_no_test_waits_on_a_fixed_short_timeout():
+    """A slow machine must not fail a test: subprocesses get the one safety timeout (tests/_timeouts.py), below
+    pytest-timeout's (pyproject.toml), and no test sets a shorter pytest-timeout of its own."""
+    import tomllib
+
+    ini = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert SAFETY_TIMEOUT_S >= 1200 and ini["timeout"] > SAFETY_TIMEOUT_S
+    short = re.compile(r"\btimeout=\d|mark\.timeout\(|communicate\(timeout=\d|deadline = time\.\w+\(\) \+ \d")
+    found = [
+        f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+        for path in (REPO / "tests").rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if short.search(line)
+    ]
+    assert not found, "fixed timeouts around real work (use SAFETY_TIMEOUT_S):\n" + "\n".join(found)
