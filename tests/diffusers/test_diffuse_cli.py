@@ -65,3 +65,12 @@ def test_diffuse_without_a_model_runs_the_tiny_pipeline(sim, tmp_path, capsys):
     got = np.asarray(Image.open(out), dtype=np.int16)
     assert got.shape == (32, 32, 3)
     assert np.abs(got - np.asarray(ref, dtype=np.int16)).max() <= 1
+
+
+def test_diffuse_model_flag_is_the_positional(sim, tmp_path, capsys):
+    """``--model DIR`` (the spelling of examples/diffusers_sd3.py) is MODEL_DIR; two different ones are refused."""
+    argv = ["diffuse", "--model", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "i.png"), "--simulate"]
+    assert main(argv) == 2
+    assert f"{str(tmp_path)!r} is not a saved diffusers pipeline (no model_index.json" in capsys.readouterr().err
+    assert main([*argv, str(tmp_path / "other")]) == 2
+    assert "two models given" in capsys.readouterr().err
