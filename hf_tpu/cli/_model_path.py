@@ -1,4 +1,4 @@
-"""Check the model path a command was given before any library sees it, so that a mistake is one clear line.
+"""Check the paths a command was given before any library sees them, so that a mistake is one clear line.
 
 Without this, ``transformers`` reads a missing directory as a Hub id (and fails with "Repo id must be in the
 form..."), an empty directory as a tokenizer it cannot convert ("need sentencepiece or tiktoken"), and a Hub id on a
@@ -8,7 +8,8 @@ host with no network waits about a minute for connection retries. Here:
 - a path that does not exist and cannot be a Hub id (``/abs``, ``./rel``, ``~``, more than one ``/``) is refused;
 - a Hub-style id (``name`` or ``owner/name``) is used from the local Hub cache when it is there; otherwise it is
   refused at once under ``HF_HUB_OFFLINE=1``, or after a connection attempt of :data:`HUB_PROBE_SECONDS` to the
-  Hub endpoint fails; when the Hub answers, transformers downloads it as usual.
+  Hub endpoint fails; when the Hub answers, transformers downloads it as usual;
+- an output file (:func:`check_output_file`) must be writable before the work that produces it starts.
 
 Example:
     >>> resolve_model_dir("/no/such/dir")  # doctest: +ELLIPSIS
@@ -19,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from hf_tpu.errors import UserError
 
-__all__ = ["HUB_PROBE_SECONDS", "ModelSource", "hub_reachable", "resolve_model_dir"]
+__all__ = ["HUB_PROBE_SECONDS", "ModelSource", "check_output_file", "hub_reachable", "resolve_model_dir"]
 
 #: How long a Hub-style id waits for a TCP connection to the Hub endpoint before it is called unreachable.
 HUB_PROBE_SECONDS = 3.0
@@ -115,3 +117,17 @@ def resolve_model_dir(arg: str) -> ModelSource:
     if not hub_reachable():
         raise UserError(f"{where}, and the Hub ({constants.ENDPOINT}) is not reachable from this host: {fix}.")
     return ModelSource(arg)
+
+
+def check_output_file(path: str | None, flag: str) -> None:
+    """Refuse an output path (``--out``, ``--report``, ``--json``) that cannot be written, before any work is done."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    parent = target.parent
+    if target.is_dir():
+        raise UserError(f"{flag} {path}: that is a directory; give a file name, e.g. {target / 'out'}.")
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path}: the directory {parent} does not exist; create it first (mkdir -p {parent}).")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{flag} {path}: the directory {parent} is not writable.")

@@ -174,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
 
         benchmark_parser(names[0]).print_help()
         return 0
+    from hf_tpu.cli._model_path import check_output_file
+
+    check_output_file(flags.json, "--json")
     quick = bool(flags.quick) or not names
     selected = names or list(BENCHMARKS)
     results = {name: _run_one(name, options, quick) for name in selected}

@@ -127,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
 
         hf_tpu.sim.enable()
     require_tpu("hf-tpu diffuse")
+    from hf_tpu.cli._model_path import check_output_file
+
+    check_output_file(args.out, "--out")
     model_opt = getattr(args, "model_opt", None)
     if model_opt and args.model_dir and model_opt != args.model_dir:
         raise UserError(f"two models given ({args.model_dir} and --model {model_opt}): give one")

@@ -38,6 +38,8 @@ __all__ = ["COMMANDS", "DEBUG_ENV", "available_commands", "build_parser", "main"
 #: Environment variable that makes ``hf-tpu`` show full tracebacks for user errors (same as ``--debug``).
 DEBUG_ENV = "HF_TPU_DEBUG"
 
+_PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
 # hf_tpu's errors about the user's input, by module: printed without a traceback. A module that was never
 # imported cannot have raised its error, so only the loaded ones are looked up (nothing is imported for this).
 _USER_ERRORS: dict[str, tuple[str, ...]] = {
@@ -213,7 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_user_error(args.command, err)
         return 1
     except Exception as err:
-        if _debug(args) or not isinstance(err, _user_error_types()):
+        # A file the user named that cannot be opened (the error carries its path) is theirs to fix, too.
+        path_error = isinstance(err, _PATH_ERRORS) and getattr(err, "filename", None) is not None
+        if _debug(args) or not (path_error or isinstance(err, _user_error_types())):
             raise
         _print_user_error(args.command, err)
         return 2

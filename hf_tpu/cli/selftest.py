@@ -93,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
         for name, check in registered.items():
             print(f"{name.ljust(width)}  {'quick' if check.quick else 'full ':5}  {check.description}")
         return 0
+    from hf_tpu.cli._model_path import check_output_file
+
+    check_output_file(args.report, "--report")
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     with _captured_output() as (terminal, captured):
         bar = _progress_bar(terminal)

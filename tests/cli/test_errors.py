@@ -178,3 +178,36 @@ def test_the_console_command_end_to_end(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
     short_error(proc.stderr, missing, "no such directory")
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["diffuse", "--simulate", "--prompt", "x", "--out"], "--out"),
+        (["--simulate", "selftest", "--only", "runtime", "--report"], "--report"),
+        (["bench", "sim_forward", "--json"], "--json"),
+    ],
+)
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_work(argv, flag, tmp_path, capsys, monkeypatch):
+    missing_dir = tmp_path / "no-such-dir"
+    started = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: started.append(a))  # bench's benchmark process
+    assert cli_main.main([*argv, str(missing_dir / "out.file")]) == 2
+    short_error(capsys.readouterr().err, f"{flag} {missing_dir / 'out.file'}: the directory {missing_dir} does not")
+    assert not started and not missing_dir.exists()
+    assert cli_main.main([*argv, str(tmp_path)]) == 2  # a directory where a file is wanted
+    short_error(capsys.readouterr().err, f"{flag} {tmp_path}: that is a directory")
+
+
+def test_a_file_error_with_a_path_is_short_too(monkeypatch, capsys):
+    class Fake:
+        register = staticmethod(lambda subparsers: subparsers.add_parser("env"))
+
+        @staticmethod
+        def run(args):
+            with open("/no/such/dir/report.json", "w") as f:
+                f.write("{}")
+
+    monkeypatch.setattr(cli_main, "_load", lambda name: Fake)
+    assert cli_main.main(["env"]) == 2
+    short_error(capsys.readouterr().err, "No such file or directory: '/no/such/dir/report.json'")
