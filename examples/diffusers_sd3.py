@@ -10,6 +10,7 @@ pipeline built from configs (nothing is downloaded):
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -29,7 +30,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=32, help="image side (default 32, the tiny pipeline's)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--out", default="sd3_tpu.png")
+    parser.add_argument("--out", default="out/sd3_tpu.png", help="the image (default out/sd3_tpu.png)")
     args = parser.parse_args()
 
     info = runtime.require_tpu("examples/diffusers_sd3.py")
@@ -65,6 +66,7 @@ def main() -> None:
 
     from PIL import Image
 
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     Image.fromarray((image * 255).round().astype("uint8")).save(args.out)
     print(f"wrote {args.out}")
 

@@ -1,9 +1,9 @@
 """Text generation on a TPU with hf_tpu: static cache, shape buckets, warm-up, host-side bookkeeping.
 
-Runs on a TPU VM, or anywhere on the simulated ``tpu`` device (used automatically when there is no TPU):
+Runs on a TPU VM, or anywhere on the simulated ``tpu`` device (also used automatically when there is no TPU):
 
-    python examples/generate.py                     # the small model shipped with hf_tpu
-    python examples/generate.py path/to/model "Once upon a time"
+    HF_TPU_SIMULATE=1 python examples/generate.py                     # the small model shipped with hf_tpu
+    HF_TPU_SIMULATE=1 python examples/generate.py --model path/to/model "Once upon a time"
 """
 
 import contextlib
@@ -20,13 +20,16 @@ if hf_tpu.runtime.detect().mode == "none":
     hf_tpu.sim.enable()  # no TPU here: use the simulated device
 hf_tpu.enable("generation")
 
-if len(sys.argv) > 1:
-    path = sys.argv[1]
+args = sys.argv[1:]
+if args[:1] == ["--model"]:  # the spelling hf-tpu generate and the other examples use
+    args = args[1:]
+if args:
+    path = args[0]
 else:
     from hf_tpu.assets import default_model_path
 
     path = default_model_path()
-prompts = sys.argv[2:] or ["The king said", "What light through yonder window"]
+prompts = args[1:] or ["The king said", "What light through yonder window"]
 
 tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
 if tokenizer.pad_token is None:

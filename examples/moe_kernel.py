@@ -8,15 +8,22 @@ Here the kernel comes from the copy that ships inside hf_tpu (no Hub access need
 Qwen3-MoE saved to a temporary folder, and the simulator's counters show what the kernel saves over the default
 expert loop: with the loop every new routing brings new shapes (on a TPU, new compiles) and host syncs.
 
-Run: ``PYTHONPATH=. python examples/moe_kernel.py`` (needs jax: ``pip install 'hf-tpu[kernels]'``).
+Run (needs jax: ``pip install 'hf-tpu[kernels]'``):
+
+    HF_TPU_SIMULATE=1 python examples/moe_kernel.py
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import tempfile
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+if importlib.util.find_spec("jax") is None:  # the kernel's XLA path is written in jax; the demo install has none
+    sys.exit("examples/moe_kernel.py needs jax, which is not installed: pip install 'hf-tpu[kernels]'")
 
 import torch
 from kernels import get_local_kernel

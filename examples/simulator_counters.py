@@ -1,6 +1,6 @@
 """Run a tiny Llama on the simulated TPU and read the counters that predict its cost on a real one.
 
-    PYTHONPATH=. python examples/simulator_counters.py
+    HF_TPU_SIMULATE=1 python examples/simulator_counters.py
 
 No TPU and no download needed: the model is built from a config with random weights.
 """

@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from _timeouts import SAFETY_TIMEOUT_S
 
 from hf_tpu.assets import DEFAULT_MODEL_NAME, default_model_path
 
@@ -103,7 +104,9 @@ def test_default_model_path_is_light_and_complete():
     )
     env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=SAFETY_TIMEOUT_S
+    )
     assert proc.returncode == 0, proc.stderr
     path = Path(proc.stdout.strip())
     assert path.name == DEFAULT_MODEL_NAME

@@ -21,6 +21,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _timeouts import SAFETY_TIMEOUT_S
 
 from hf_tpu import runtime
 
@@ -49,7 +50,7 @@ AUTOLOAD = {"autoload": None, "no-autoload": "0"}
 
 
 def run_python(
-    code: str | None, autoload: str | None, *args: str, timeout: float = 300
+    code: str | None, autoload: str | None, *args: str, timeout: float = SAFETY_TIMEOUT_S
 ) -> subprocess.CompletedProcess:
     """Run ``code`` (or, if None, the command ``args``) in a fresh process with torch_tpu's autoload on or off."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TPU_SIMULATE", "TORCH_DEVICE_BACKEND_AUTOLOAD")}
@@ -133,7 +134,7 @@ def test_simulator_refuses_cleanly_after_torch_tpu_autoloaded():
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TPU_SIMULATE", "TORCH_DEVICE_BACKEND_AUTOLOAD")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S, check=False
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "torch-tpu was autoloaded" in proc.stderr and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in proc.stderr

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _timeouts import SAFETY_TIMEOUT_S
+
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch_tpu", "jax", "transformers", "diffusers")
 
@@ -16,7 +18,12 @@ def run(code: str, **env: str) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
     full_env.update(env, PYTHONPATH=str(REPO))
     return subprocess.run(
-        [sys.executable, "-c", code], env=full_env, check=False, capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", code],
+        env=full_env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=SAFETY_TIMEOUT_S,
     )
 
 
@@ -52,9 +59,26 @@ def test_ci_runs_the_readme_test_command_verbatim():
         check=False,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=SAFETY_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.rstrip("\n") == readme_test[0]
     # It installs torch 2.13.0 before anything else (so pip keeps the CPU build), with the test and kernels extras.
     assert re.search(r'pip install torch==2\.13\.0 -e "\.\[test,kernels\]"', readme_test[0])
+
+
+def test_no_test_waits_on_a_fixed_short_timeout():
+    """A slow machine must not fail a test: subprocesses get the one safety timeout (tests/_timeouts.py), below
+    pytest-timeout's (pyproject.toml), and no test sets a shorter pytest-timeout of its own."""
+    import tomllib
+
+    ini = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert SAFETY_TIMEOUT_S >= 1200 and ini["timeout"] > SAFETY_TIMEOUT_S
+    short = re.compile(r"\btimeout=\d|mark\.timeout\(|communicate\(timeout=\d|deadline = time\.\w+\(\) \+ \d")
+    found = [
+        f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+        for path in (REPO / "tests").rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if short.search(line)
+    ]
+    assert not found, "fixed timeouts around real work (use SAFETY_TIMEOUT_S):\n" + "\n".join(found)

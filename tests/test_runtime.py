@@ -17,6 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
+from _timeouts import SAFETY_TIMEOUT_S
 
 from hf_tpu import runtime
 
@@ -188,7 +189,7 @@ def test_none_mode_error_names_both_fixes_in_a_fresh_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, check=False, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], env=env, check=False, capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S
     )
     assert proc.returncode == 0, proc.stderr
     message = proc.stdout

@@ -4,7 +4,9 @@
     hf-tpu bench sim_forward --hidden 128 --seq 64 --layers 2 --batch 2 --iters 30
     python benchmarks/sim_forward.py [same options]   # from a checkout
 
-Prints both medians and their ratio (the simulator's target is at most 2x). Both runs use the same weights,
+Prints both medians and their ratio (the simulator's target is at most 2x: :data:`TARGET_RATIO`; a ratio above it
+is printed as "missed" and listed in the figures' ``timing_missed``, without failing the run, since a busy
+machine moves it). Both runs use the same weights,
 inputs and thread count, alternating so that machine load hits both alike. The simulator adds a roughly fixed
 cost per op (its Python fallback), so the ratio is worst on the tiniest model and falls as ops get bigger.
 """
@@ -20,7 +22,10 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch
 
-__all__ = ["QUICK", "add_arguments", "build", "print_table", "run"]
+__all__ = ["QUICK", "TARGET_RATIO", "add_arguments", "build", "print_table", "run"]
+
+#: The simulator's target: its forward at most this many times the CPU forward's time.
+TARGET_RATIO = 2.0
 
 # --quick: the small size only, few iterations.
 QUICK = {"hidden": 64, "seq": 32, "iters": 5}
@@ -50,7 +55,8 @@ def run(a: argparse.Namespace) -> dict:
     """Measure every size.
 
     Returns ``{"sizes": [{hidden, layers, batch, seq, threads, iters, cpu_ms, tpu_ms, device_ops,
-    overhead_us_per_op, ratio}, ...]}`` where ``ratio`` is ``tpu_ms / cpu_ms`` (medians).
+    overhead_us_per_op, ratio}, ...], "timing_missed": [str, ...]}`` where ``ratio`` is ``tpu_ms / cpu_ms``
+    (medians) and ``timing_missed`` names each size whose ratio is above :data:`TARGET_RATIO`.
 
     Example:
         >>> run(argparse.Namespace(hidden=64, layers=2, seq=32, batch=2, iters=5, threads=1))  # doctest: +SKIP
@@ -63,7 +69,13 @@ def run(a: argparse.Namespace) -> dict:
         sizes = [(64, a.seq or 32), (256, a.seq or 128)]
     else:
         sizes = [(a.hidden, a.seq or 32)]
-    return {"sizes": [_measure(argparse.Namespace(**{**vars(a), "hidden": h, "seq": n})) for h, n in sizes]}
+    measured = [_measure(argparse.Namespace(**{**vars(a), "hidden": h, "seq": n})) for h, n in sizes]
+    missed = [
+        f"hidden {r['hidden']}: ratio sim/cpu {r['ratio']:.2f}x, target <= {TARGET_RATIO:g}x"
+        for r in measured
+        if r["ratio"] > TARGET_RATIO
+    ]
+    return {"sizes": measured, "timing_missed": missed}
 
 
 def _measure(a: argparse.Namespace) -> dict:
@@ -118,4 +130,5 @@ def print_table(figures: dict) -> None:
             f"  simulated tpu    {r['tpu_ms']:8.2f} ms   ({r['device_ops']} device ops, "
             f"{r['overhead_us_per_op']:.1f} us overhead per op)"
         )
-        print(f"  ratio sim/cpu    {r['ratio']:8.2f}x   (target <= 2x)")
+        verdict = "met" if r["ratio"] <= TARGET_RATIO else "missed"
+        print(f"  ratio sim/cpu    {r['ratio']:8.2f}x   (target <= {TARGET_RATIO:g}x: {verdict})")

@@ -7,7 +7,12 @@ Each subcommand is a module ``hf_tpu.cli.<name>`` with two functions:
 
 ``--simulate``, ``--sim-generation`` and ``--sim-hbm`` are added to every command by this module (accepted before
 or after the command name) and the simulator is enabled before ``run`` is called: commands do not define them.
-Errors a command raises as :class:`hf_tpu.runtime.TPUNotAvailableError` are printed without a traceback.
+
+A user mistake is printed as a few lines naming the problem and its fix, with no traceback: the errors a command
+raises as :class:`hf_tpu.errors.UserError`, :class:`hf_tpu.runtime.TPUNotAvailableError`, or one of hf_tpu's
+input errors listed in ``_USER_ERRORS`` (bucket overflow, device-map fit, tensor-parallel plan, training refusals).
+``--debug`` (any command) or ``HF_TPU_DEBUG=1`` re-raises them with the full traceback. Other exceptions are bugs
+and keep their traceback.
 
 ``COMMANDS`` lists them with a one-line summary. A command shows up only when its module exists, and only the
 module of the command being run is imported, so ``hf-tpu --help`` stays fast (no torch import).
@@ -28,7 +33,22 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-__all__ = ["COMMANDS", "available_commands", "build_parser", "main"]
+__all__ = ["COMMANDS", "DEBUG_ENV", "available_commands", "build_parser", "main"]
+
+#: Environment variable that makes ``hf-tpu`` show full tracebacks for user errors (same as ``--debug``).
+DEBUG_ENV = "HF_TPU_DEBUG"
+
+_PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+# hf_tpu's errors about the user's input, by module: printed without a traceback. A module that was never
+# imported cannot have raised its error, so only the loaded ones are looked up (nothing is imported for this).
+_USER_ERRORS: dict[str, tuple[str, ...]] = {
+    "hf_tpu.errors": ("UserError",),
+    "hf_tpu.transformers.buckets": ("BucketOverflowError",),
+    "hf_tpu.device_map.preflight": ("DeviceMapFitError",),
+    "hf_tpu.distributed.tp_plan": ("TensorParallelConfigError",),
+    "hf_tpu.training.checks": ("TPUTrainingError",),
+}
 
 # name -> one-line summary shown by `hf-tpu --help`. Add a line here when you add hf_tpu/cli/<name>.py.
 COMMANDS: dict[str, str] = {
@@ -91,6 +111,36 @@ def _add_simulate_flags(parser: argparse.ArgumentParser, *, top_level: bool) -> 
     )
 
 
+def _add_debug_flag(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
+    if "--debug" in parser._option_string_actions:
+        return
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"show the full traceback of an error (same as {DEBUG_ENV}=1)",
+        default=False if top_level else argparse.SUPPRESS,
+    )
+
+
+def _debug(args: argparse.Namespace) -> bool:
+    flag = os.environ.get(DEBUG_ENV, "").strip().lower()
+    return bool(getattr(args, "debug", False)) or flag in ("1", "true", "yes", "on")
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    found: list[type[BaseException]] = []
+    for module_name, names in _USER_ERRORS.items():
+        module = sys.modules.get(module_name)
+        found += [getattr(module, name) for name in names if module is not None and hasattr(module, name)]
+    return tuple(found)
+
+
+def _print_user_error(command: str, err: BaseException) -> None:
+    message = str(err).strip() or type(err).__name__
+    print(f"hf-tpu {command}: {message}", file=sys.stderr)
+    print(f"(for the full traceback: add --debug, or set {DEBUG_ENV}=1)", file=sys.stderr)
+
+
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The full parser; only the command named in ``argv`` (if any) has its module imported."""
     from hf_tpu import __version__
@@ -101,6 +151,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hf-tpu {__version__}")
     _add_simulate_flags(parser, top_level=True)
+    _add_debug_flag(parser, top_level=True)
     subparsers = parser.add_subparsers(dest="command", metavar="<command>")
     commands = available_commands()
     selected = _selected_command(argv, commands)
@@ -110,6 +161,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
             module.register(subparsers)
             sub = subparsers.choices[name]
             _add_simulate_flags(sub, top_level=False)
+            _add_debug_flag(sub, top_level=False)
             sub.set_defaults(_module=module)
         else:
             subparsers.add_parser(name, help=summary)
@@ -159,8 +211,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._module.run(args) or 0)
     except TPUNotAvailableError as err:
-        print(f"hf-tpu {args.command}: {err}", file=sys.stderr)
+        if _debug(args):
+            raise
+        _print_user_error(args.command, err)
         return 1
+    except Exception as err:
+        # A file the user named that cannot be opened (the error carries its path) is theirs to fix, too.
+        path_error = isinstance(err, _PATH_ERRORS) and getattr(err, "filename", None) is not None
+        if _debug(args) or not (path_error or isinstance(err, _user_error_types())):
+            raise
+        _print_user_error(args.command, err)
+        return 2
     except BrokenPipeError:  # `hf-tpu env --json | head`
         sys.stderr.close()
         return 0

@@ -1,5 +1,9 @@
 """``hf-tpu selftest``: run every capability's check on this host and report (see :mod:`hf_tpu.selftest`).
 
+What the checks and the libraries under them print while they run (a Trainer's loss dicts, transformers' and
+diffusers' warnings, C-level logs) is captured, at the file-descriptor level, so that the table is the output: it
+goes into the JSON report (``output``) and, with ``--debug`` (or ``HF_TPU_DEBUG=1``), to stderr after the table.
+
 Example:
     $ hf-tpu selftest --report selftest.json          # on a TPU VM
     $ hf-tpu --simulate selftest --quick              # anywhere
@@ -9,10 +13,16 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import io
 import json
+import os
 import sys
-from typing import Any
+import tempfile
+import warnings
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 __all__ = ["build_report", "format_results", "register", "run"]
 
@@ -54,8 +64,9 @@ def format_results(results: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_report(results: list, argv: list[str] | None = None) -> dict[str, Any]:
-    """The JSON report: when, what ran, the ``hf-tpu env`` report, and every check's result."""
+def build_report(results: list, argv: list[str] | None = None, output: str = "") -> dict[str, Any]:
+    """The JSON report: when, what ran, the ``hf-tpu env`` report, every check's result and what the checks
+    printed (``output``)."""
     from hf_tpu.cli.env import collect
 
     env = collect()
@@ -68,6 +79,7 @@ def build_report(results: list, argv: list[str] | None = None) -> dict[str, Any]
         "env": env["env"],
         "summary": {s: sum(r.status == s for r in results) for s in ("passed", "failed", "skipped")},
         "checks": [r.to_dict() for r in results],
+        "output": output,
     }
 
 
@@ -81,37 +93,99 @@ def run(args: argparse.Namespace) -> int:
         for name, check in registered.items():
             print(f"{name.ljust(width)}  {'quick' if check.quick else 'full ':5}  {check.description}")
         return 0
+    from hf_tpu.cli._model_path import check_output_file
+
+    check_output_file(args.report, "--report")
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
-    bar = _progress_bar()
-    try:
-        results = selftest.run_checks(only=only, quick=args.quick, progress=bar.step)
-    except KeyError as err:
-        print(f"hf-tpu selftest: {err.args[0]}", file=sys.stderr)
+    with _captured_output() as (terminal, captured):
+        bar = _progress_bar(terminal)
+        try:
+            results = selftest.run_checks(only=only, quick=args.quick, progress=bar.step)
+        except KeyError as err:
+            results = err
+        finally:
+            bar.close()
+    if isinstance(results, KeyError):
+        print(f"hf-tpu selftest: {results.args[0]}", file=sys.stderr)
         return 2
-    finally:
-        bar.close()
+    output = "".join(captured)
     print(format_results(results), end="")
+    if output and _debug(args):
+        print(f"--- what the checks printed ---\n{output}", file=sys.stderr, end="" if output.endswith("\n") else "\n")
     if args.report:
-        report = build_report(results, getattr(args, "argv", None))
+        report = build_report(results, getattr(args, "argv", None), output)
         with open(args.report, "w") as f:
             json.dump(report, f, indent=2)
         print(f"report written to {args.report}")
     return 1 if any(r.status == "failed" for r in results) else 0
 
 
-class _progress_bar:
-    """A tqdm bar on stderr naming the check that runs; silent when stderr is not a terminal."""
+def _debug(args: argparse.Namespace) -> bool:
+    from hf_tpu.cli.main import DEBUG_ENV
 
-    def __init__(self) -> None:
+    return bool(getattr(args, "debug", False)) or os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true")
+
+
+@contextlib.contextmanager
+def _captured_output() -> Iterator[tuple[TextIO, list[str]]]:
+    """Send what is written to stdout and stderr (Python objects and file descriptors 1 and 2) to a buffer.
+
+    Yields ``(terminal, captured)``: a stream on the original stderr (for the progress bar) and a list that holds
+    the captured text once the block ends.
+    """
+    captured: list[str] = []
+    python_level = io.StringIO()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        saved = os.dup(1), os.dup(2)
+    except OSError:  # no file descriptors 1 and 2 (an embedding host): capture the Python streams only
+        saved = None
+    terminal = os.fdopen(os.dup(saved[1]), "w") if saved else sys.stderr
+    with tempfile.TemporaryFile() as fd_level:
+        if saved:
+            os.dup2(fd_level.fileno(), 1)
+            os.dup2(fd_level.fileno(), 2)
+        try:
+            with (
+                contextlib.redirect_stdout(python_level),
+                contextlib.redirect_stderr(python_level),
+                warnings.catch_warnings(),
+            ):
+                warnings.showwarning = _warning_to(python_level)
+                yield terminal, captured
+        finally:
+            if saved:
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                os.close(saved[0])
+                os.close(saved[1])
+                terminal.close()
+            fd_level.seek(0)
+            captured.append(fd_level.read().decode(errors="replace") + python_level.getvalue())
+
+
+def _warning_to(stream: TextIO):
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        stream.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    return show
+
+
+class _progress_bar:
+    """A tqdm bar on the terminal naming the check that runs; silent when that is not a terminal."""
+
+    def __init__(self, stream: TextIO) -> None:
         self._bar = None
+        self._stream = stream
 
     def step(self, name: str, index: int, total: int) -> None:
-        if not sys.stderr.isatty():
+        if not self._stream.isatty():
             return
         if self._bar is None:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, unit="check", file=sys.stderr, leave=False)
+            self._bar = tqdm(total=total, unit="check", file=self._stream, leave=False)
         self._bar.n = index
         self._bar.set_description(name)
 

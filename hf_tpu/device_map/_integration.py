@@ -21,7 +21,9 @@ transformers (``package="transformers"``, written for 5.24):
   ``{"": "tpu:N"}``; asking for a TPU with none present raises :class:`hf_tpu.runtime.TPUNotAvailableError`.
 - ``integrations.accelerate._get_device_map``: the inferred map is normalised and weighed against HBM (and disk
   permission) before any weight is read (:mod:`hf_tpu.device_map.preflight`).
-- ``PreTrainedModel.from_pretrained``: records ``offload_folder`` for that check (a context variable).
+- ``PreTrainedModel.from_pretrained``: records ``offload_folder`` for that check (a context variable); a
+  safetensors error from a truncated or corrupt file becomes :class:`hf_tpu.errors.CheckpointFileError` naming the
+  file and the fix (:mod:`hf_tpu.device_map.files`; safetensors' own message has no path).
 - ``PreTrainedModel.to``: tied weights stay tied when moving to the TPU (:mod:`hf_tpu.device_map.ties`).
 - ``pipelines.base.Pipeline.__init__``: ``device="tpu"``/``0`` mean the TPU rather than CUDA-or-CPU.
 """
@@ -33,6 +35,7 @@ import functools
 import importlib
 import inspect
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -283,6 +286,14 @@ def _patch_from_pretrained() -> None:
         )
         try:
             return func(cls, *args, **kwargs)
+        except Exception as err:
+            from hf_tpu.device_map.files import checkpoint_error
+
+            path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+            better = checkpoint_error(path, err) if isinstance(path, (str, os.PathLike)) else None
+            if better is None:
+                raise
+            raise better from err
         finally:
             _LOAD.reset(token)
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _timeouts import SAFETY_TIMEOUT_S
 
 from hf_tpu import benchmarks
 from hf_tpu.benchmarks import BENCHMARKS
@@ -24,7 +25,7 @@ from hf_tpu.cli.main import main
 REPO = Path(__file__).resolve().parents[2]
 
 
-def bench_cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def bench_cli(*args: str, cwd: Path, timeout: float = SAFETY_TIMEOUT_S) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return subprocess.run(
@@ -112,11 +113,27 @@ def test_wrappers_in_benchmarks_still_import(name):
     assert wrapper.main is run_one
 
 
+def test_a_missed_target_is_never_called_ok(capsys):
+    """The status line follows the figures: a timing target missed says "missed" (and the table says so too)."""
+    from hf_tpu.cli import bench
+
+    sim_forward = benchmarks.load("sim_forward")
+    ratio = sim_forward.TARGET_RATIO + 1
+    size = {"hidden": 64, "layers": 2, "batch": 2, "seq": 32, "threads": 1, "iters": 5, "cpu_ms": 1.0}
+    size.update(tpu_ms=ratio, device_ops=10, overhead_us_per_op=1.0, ratio=ratio)
+    sim_forward.print_table({"sizes": [size], "timing_missed": ["hidden 64"]})
+    assert f"{ratio:8.2f}x   (target <= {sim_forward.TARGET_RATIO:g}x: missed)" in capsys.readouterr().out
+    assert bench._status(0, {"figures": {"timing_missed": ["hidden 64: ratio sim/cpu 3.00x"]}}) == "missed"
+    assert bench._status(0, {"figures": {"timing_missed": []}}) == "ok"
+    assert bench._status(1, {"figures": {"targets_met": False}}) == "targets missed"
+    assert bench._status(1, {}) == "error"
+
+
 def test_a_wrapper_runs_its_own_benchmark():
     """``python benchmarks/<name>.py`` passes its file name on as the benchmark to run."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "moe.py"), "--help"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "hf-tpu bench moe" in proc.stdout and "--experts" in proc.stdout
@@ -133,7 +150,14 @@ def test_quick_runs_end_to_end_with_consistent_json(tmp_path):
     assert set(results) == {"sim_forward", "training"}
 
     fwd = results["sim_forward"]
-    assert fwd["status"] == "ok" and fwd["runtime"]["mode"] == "simulated"
+    assert fwd["runtime"]["mode"] == "simulated"
+    # a ratio above the target is "missed" (status and table), never "ok" under a missed line
+    target = benchmarks.load("sim_forward").TARGET_RATIO
+    missed = [s for s in fwd["figures"]["sizes"] if s["ratio"] > target]
+    assert fwd["status"] == ("missed" if missed else "ok")
+    assert len(fwd["figures"]["timing_missed"]) == len(missed)
+    assert ("sim_forward: missed (hidden" in proc.stdout) == bool(missed)
+    assert proc.stdout.count(": missed)") == len(missed) and proc.stdout.count(": met)") == 1 - len(missed)
     (size,) = fwd["figures"]["sizes"]  # --quick: one size
     assert size["iters"] == fwd["options"]["iters"] == benchmarks.load("sim_forward").QUICK["iters"]
     assert size["cpu_ms"] > 0 and size["tpu_ms"] > 0 and is_count(size["device_ops"]) and size["device_ops"] > 0

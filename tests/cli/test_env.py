@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from _timeouts import SAFETY_TIMEOUT_S
 
 from hf_tpu import __version__, runtime
 from hf_tpu.cli import env as env_cmd
@@ -29,7 +30,9 @@ def installed(dist: str) -> str | None:
         return None
 
 
-def hf_tpu_cli(*args: str, simulate_env: bool = False, timeout: float = 180) -> subprocess.CompletedProcess:
+def hf_tpu_cli(
+    *args: str, simulate_env: bool = False, timeout: float = SAFETY_TIMEOUT_S
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     if simulate_env:
@@ -226,7 +229,7 @@ def test_only_present_commands_are_listed_and_help_imports_no_torch():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("HF_TPU_SIMULATE", None)
     proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, check=False, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], env=env, check=False, capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S
     )
     assert proc.returncode == 0, proc.stderr
     assert "env" in proc.stdout and "--simulate" in proc.stdout

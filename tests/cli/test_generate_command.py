@@ -53,16 +53,70 @@ def test_streams_the_same_text_as_cpu_generate(tmp_path, capsys):
     assert "compiles" in err  # --stats printed the counters
 
 
-def test_rejects_a_prompt_past_the_largest_bucket(tmp_path, capsys):
+def _cpu_text(path, tok, ids, new_tokens: int) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cpu = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor([ids])
+    expected = cpu.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens)
+    return tok.decode(expected[0], skip_special_tokens=True).strip()
+
+
+def test_rejects_a_prompt_past_the_largest_bucket_naming_the_flags(tmp_path, capsys):
     _tiny_model_dir(tmp_path)
     args = _args(argv=[str(tmp_path), "--prompt", " ".join(["king"] * 130), "--max-new-tokens", "2"])
     assert command.run(args) == 2
-    assert "past the largest bucket (128" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the prompt is 130 tokens, past the largest bucket (128" in err
+    # flags this command has, with values that work: keep the last 127 tokens, or a ladder reaching 256
+    assert "--max-prompt-len 127" in err and "--buckets 16,32,64,128,256" in err
+    assert "max_position_embeddings, 128" in err  # 256 is past the model's trained positions: said so
+    assert "configure(" not in err  # no Python API advice to a command-line user
+
+
+def test_rejects_a_cache_past_the_largest_bucket_naming_the_flags(tmp_path, capsys):
+    _tiny_model_dir(tmp_path)
+    args = _args(argv=[str(tmp_path), "--prompt", " ".join(["king"] * 100), "--max-new-tokens", "40"])
+    assert command.run(args) == 2
+    err = capsys.readouterr().err
+    assert "needs a cache of 139 tokens, past the largest bucket (128" in err
+    assert "lower --max-new-tokens" in err and "--max-prompt-len" in err and "--buckets" in err
+
+
+def test_buckets_flag_lets_a_long_prompt_through_with_the_cpu_text(tmp_path, capsys):
+    """The flag the error recommends works: the ladder is the one given, and the text equals CPU generate."""
+    tok = _tiny_model_dir(tmp_path)
+    prompt = " ".join(["king"] * 130)
+    args = _args(argv=[str(tmp_path), "--prompt", prompt, "--max-new-tokens", "3", "--buckets", "64,256"])
+    assert args.buckets == (64, 256)
+    assert command.run(args) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == _cpu_text(tmp_path, tok, tok(prompt)["input_ids"], 3)
+
+
+def test_max_prompt_len_keeps_the_end_of_the_prompt(tmp_path, capsys):
+    tok = _tiny_model_dir(tmp_path)
+    prompt = " ".join(TEXT.split() * 8)  # 152 tokens, past the largest bucket
+    args = _args(
+        argv=["--model", str(tmp_path), "--prompt", prompt, "--max-new-tokens", "4", "--max-prompt-len", "20"]
+    )
+    assert command.run(args) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == _cpu_text(tmp_path, tok, tok(prompt)["input_ids"][-20:], 4)
+
+
+@pytest.mark.parametrize("bad", ["0,16", "a,b", ""])
+def test_buckets_flag_refuses_what_is_not_a_ladder(bad):
+    with pytest.raises(SystemExit):
+        _args(argv=["--buckets", bad])
 
 
 def test_register_defines_the_documented_flags():
     args = _args(argv=["--prompt", "hi", "--max-new-tokens", "3", "--do-sample", "--seed", "1"])
     assert (args.model_dir, args.prompt, args.max_new_tokens, args.do_sample, args.seed) == (None, "hi", 3, True, 1)
+    assert (args.model_opt, args.buckets, args.max_prompt_len) == (None, None, None)
+    assert _args(argv=["--model", "some/dir"]).model_opt == "some/dir"  # the spelling examples/tp_generate.py uses
     with pytest.raises(SystemExit):
         _args(argv=["--max-new-tokens", "many"])
 

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from _timeouts import SAFETY_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
@@ -44,7 +46,7 @@ def test_device_map_tpu_without_tpu_raises(untied_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=SAFETY_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split("\n")[:4] == [

@@ -44,3 +44,33 @@ def test_diffuse_not_a_pipeline_dir(sim, tmp_path, capsys):
     argv = ["diffuse", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "i.png"), "--simulate"]
     assert main(argv) == 2
     assert "no model_index.json" in capsys.readouterr().err
+
+
+def test_diffuse_without_a_model_runs_the_tiny_pipeline(sim, tmp_path, capsys):
+    """A fresh install has no pipeline on disk: the default is hf_tpu's tiny SD3, and its PNG is the CPU image."""
+    from hf_tpu.diffusers.testing import tiny_sd3_pipeline
+
+    torch._dynamo.reset()
+    out = tmp_path / "img.png"
+    assert main(["diffuse", "--simulate", "--prompt", "a lighthouse", "--out", str(out), "--json"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["pipeline"] == "StableDiffusion3Pipeline" and summary["device"] == "tpu:0"
+    assert (summary["height"], summary["width"], summary["steps"], summary["seed"]) == (32, 32, 4, 0)
+    assert "no MODEL_DIR given: using hf_tpu's tiny SD3 pipeline" in captured.err
+    assert "[transformers]" not in captured.err  # the demo's own tokenizer/processor warnings are quiet
+
+    ref = tiny_sd3_pipeline(seed=0)("a lighthouse", height=32, width=32, num_inference_steps=4,
+                                    generator=torch.Generator().manual_seed(0)).images[0]  # fmt: skip
+    got = np.asarray(Image.open(out), dtype=np.int16)
+    assert got.shape == (32, 32, 3)
+    assert np.abs(got - np.asarray(ref, dtype=np.int16)).max() <= 1
+
+
+def test_diffuse_model_flag_is_the_positional(sim, tmp_path, capsys):
+    """``--model DIR`` (the spelling of examples/diffusers_sd3.py) is MODEL_DIR; two different ones are refused."""
+    argv = ["diffuse", "--model", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "i.png"), "--simulate"]
+    assert main(argv) == 2
+    assert f"{str(tmp_path)!r} is not a saved diffusers pipeline (no model_index.json" in capsys.readouterr().err
+    assert main([*argv, str(tmp_path / "other")]) == 2
+    assert "two models given" in capsys.readouterr().err

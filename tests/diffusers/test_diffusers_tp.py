@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _timeouts import SAFETY_TIMEOUT_S
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from _launch_util import launch, processes_mentioning
@@ -24,7 +25,9 @@ def test_flux_tp2_image_equals_tp1(tmp_path):
     path = tiny_flux_pipeline(tmp_path / "flux")
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    code, log, _ = launch(["--simulate", "--nproc_per_node=2", str(WORKER), str(out_dir), "2", path], timeout=540)
+    code, log, _ = launch(
+        ["--simulate", "--nproc_per_node=2", str(WORKER), str(out_dir), "2", path], timeout=SAFETY_TIMEOUT_S
+    )
     assert code == 0, log[-4000:]
     assert not processes_mentioning(str(out_dir)), "ranks left running after the launcher exited"
     images = []

@@ -9,6 +9,7 @@ import types
 
 import pytest
 from _launch_util import launch, processes_mentioning
+from _timeouts import SAFETY_TIMEOUT_S
 
 from hf_tpu.distributed import launch as L
 
@@ -134,10 +135,10 @@ def test_cli_subcommand_accepts_torchrun_flags():
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
 def test_failing_rank_stops_the_launch_quickly_with_its_error(tmp_path):
     code, log, _ = launch(
-        ["--simulate", "--nproc_per_node=2", "tests/distributed/_fail_worker.py", str(tmp_path)], timeout=240
+        ["--simulate", "--nproc_per_node=2", "tests/distributed/_fail_worker.py", str(tmp_path)],
+        timeout=SAFETY_TIMEOUT_S,
     )
     done = time.time()
     assert code != 0
@@ -150,7 +151,6 @@ def test_failing_rank_stops_the_launch_quickly_with_its_error(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
 def test_stopping_the_launcher_stops_every_rank(tmp_path):
     import os
     import signal
@@ -170,14 +170,14 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path):
         start_new_session=True,
     )
     try:
-        deadline = time.time() + 200
+        deadline = time.time() + SAFETY_TIMEOUT_S
         while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             assert time.time() < deadline, "the ranks did not start"
             time.sleep(0.5)
         pids = [int((tmp_path / f"ready{r}").read_text()) for r in range(2)]
         proc.send_signal(signal.SIGTERM)  # the launcher only, as a job scheduler would
-        out, _ = proc.communicate(timeout=90)
+        out, _ = proc.communicate(timeout=SAFETY_TIMEOUT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

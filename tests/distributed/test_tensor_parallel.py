@@ -12,6 +12,7 @@ import json
 
 import pytest
 from _launch_util import launch, processes_mentioning
+from _timeouts import SAFETY_TIMEOUT_S
 
 pytestmark = [pytest.mark.distributed]
 
@@ -35,7 +36,7 @@ def _run(tmp_path, tp: int, models: list[str], checks: str, env: dict | None = N
     out.mkdir()
     code, log, _ = launch(
         ["--simulate", f"--nproc_per_node={tp}", WORKER, str(out), str(tp), *models],
-        timeout=480,
+        timeout=SAFETY_TIMEOUT_S,
         env={"HF_TPU_TP_CHECKS": checks, **(env or {})},
     )
     assert code == 0, log[-6000:]
@@ -54,7 +55,6 @@ def _check_model(res: dict, *, expect_fixes: set[str]) -> None:
     assert set(res["fixes"]) == expect_fixes, res["fixes"]
 
 
-@pytest.mark.timeout(600)
 def test_tp2_matches_tp1(tmp_path, models):
     # The launcher passes the simulated generation on to every rank (v5p: 95 GiB HBM per chip; torch_tpu runs
     # v5p, unlike v5e and v6e, with 2 devices per host).
@@ -83,7 +83,6 @@ def test_tp2_matches_tp1(tmp_path, models):
         assert "needs 4 processes" in r["checks"]["too_big"] and "WORLD_SIZE=2" in r["checks"]["too_big"]
 
 
-@pytest.mark.timeout(600)
 def test_tp4_matches_tp1_with_plan_fixes(tmp_path, models):
     results = _run(tmp_path, 4, models, "bad_override,repeat")
     for r in results:

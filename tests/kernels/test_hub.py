@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from _timeouts import SAFETY_TIMEOUT_S
 
 import hf_tpu
 from hf_tpu.kernels import RAGGED_DOT_REPO, load_local_kernel, tpu_variant_selection
@@ -179,7 +180,7 @@ def test_kernel_is_standalone_and_loads_without_importing_jax():
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=SAFETY_TIMEOUT_S,
         cwd=RAGGED_DOT_REPO,
     )
     assert result.returncode == 0, result.stderr[-2000:]

@@ -13,7 +13,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
+from _timeouts import SAFETY_TIMEOUT_S
 
 WORKER = Path(__file__).with_name("_opinfo_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def _run_range(start, stop):
             capture_output=True,
             text=True,
             env=_env(),
-            timeout=900,
+            timeout=SAFETY_TIMEOUT_S,
         )
         lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         results += lines
@@ -49,7 +49,6 @@ def _run_range(start, stop):
     return results, crashes
 
 
-@pytest.mark.timeout(1200)
 def test_opinfo_float32_matches_cpu():
     count = int(
         subprocess.run(
@@ -58,7 +57,7 @@ def test_opinfo_float32_matches_cpu():
             text=True,
             env=_env(),
             check=True,
-            timeout=300,
+            timeout=SAFETY_TIMEOUT_S,
         ).stdout.strip()
     )
     chunks = 2

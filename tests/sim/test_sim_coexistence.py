@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from _timeouts import SAFETY_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
@@ -52,7 +54,7 @@ def test_takes_over_torch_tpu_state():
     env = dict(os.environ, PYTHONPATH=str(ROOT), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     env.pop("HF_TPU_SIMULATE", None)
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300, check=False
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=SAFETY_TIMEOUT_S, check=False
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
@@ -77,6 +79,6 @@ def test_env_var_enables_at_import_hf_tpu():
         "print('OK')\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=False
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=SAFETY_TIMEOUT_S, check=False
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

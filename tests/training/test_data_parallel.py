@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _timeouts import SAFETY_TIMEOUT_S
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from _dp_data import GLOBAL_BATCH, global_batches, train, trainer_losses
@@ -31,7 +32,8 @@ def test_two_chips_equal_one_chip_with_the_doubled_batch(model_dir, load, tmp_pa
     out = tmp_path / "dp"
     out.mkdir()
     code, log, _ = launch(
-        ["--simulate", "--nproc_per_node=2", WORKER, str(out), str(model_dir), str(STEPS), mode], timeout=240
+        ["--simulate", "--nproc_per_node=2", WORKER, str(out), str(model_dir), str(STEPS), mode],
+        timeout=SAFETY_TIMEOUT_S,
     )
     assert code == 0, log[-6000:]
     assert not processes_mentioning(str(out)), "ranks left running after the launcher exited"
