@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hf_tpu.sim import _tensors
+from hf_tpu.sim import _precision, _tensors
 from hf_tpu.sim._counters import STATE, SimStrictError
 from hf_tpu.sim._tensors import host_view, new_device_storage, rebind, wrap
 
@@ -369,10 +369,6 @@ def _local_scalar_dense(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> An
     return host_view(t).item()
 
 
-def _conv_impl(*a: Any) -> Any:
-    return aten.convolution.default(*a)
-
-
 def _conv_backward_impl(
     grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups, output_mask
 ):
@@ -424,7 +420,7 @@ _HANDLERS = {
     "aten::_local_scalar_dense": _local_scalar_dense,
 }
 _IMPLS = {
-    "aten::convolution_overrideable": _conv_impl,
+    **_precision.IMPLS,  # float32 contractions (convolution_overrideable included), TPU precision when emulated
     "aten::convolution_backward_overrideable": _conv_backward_impl,
     "aten::native_dropout": _native_dropout_impl,
     "aten::histc": _histc_impl,
