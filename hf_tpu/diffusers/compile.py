@@ -59,15 +59,18 @@ def compile_pipeline(
     dynamic: bool = False,
     recompile_limit: int = 64,
     options: dict[str, Any] | None = None,
+    vae: bool = False,
 ) -> Any:
-    """Compile the pipeline's denoiser (transformer or UNet) in place; returns ``pipe``.
+    """Compile the pipeline's denoiser (transformer or UNet), and with ``vae=True`` its VAE decoder, in place;
+    returns ``pipe``.
 
     ``backend="tpu", fullgraph=True, dynamic=False``: a graph break or a dynamic shape is an error rather than a
     silent slow path, and each resolution/batch size compiles exactly once. ``recompile_limit`` is how many
     shapes one module may be compiled for (torch's default of 8 would stop at the eighth resolution; with
     ``fullgraph=True`` going past the limit raises instead of falling back to eager). Calling it again with
     the same arguments does nothing. Each later call's size and generator are checked before the compiled
-    graph sees them (:func:`check_resolution`, :func:`check_generator`).
+    graph sees them (:func:`check_resolution`, :func:`check_generator`). ``vae=True`` also compiles
+    ``pipe.vae.decoder`` (one more graph per resolution; the decoder runs once per call).
 
     Example:
         >>> pipe.to("tpu")                 # doctest: +SKIP
@@ -86,9 +89,13 @@ def compile_pipeline(
         kwargs["options"] = dict(options)
     if "recompile_limit" in inspect.signature(torch.compile).parameters:
         kwargs["recompile_limit"] = recompile_limit
-    # Only the denoiser: it runs every step. The VAE decoder runs once per call, and on torch 2.13 compiling
-    # the SD VAE's mid-block (GroupNorm + attention) fails even on the CPU with aot_eager.
+    # The denoiser runs every step; the VAE decoder once per call, so compiling it is opt-in (one more graph per
+    # resolution to warm up). (torch 2.13's aot_eager fails on its GroupNorm + attention mid-block on the CPU; the
+    # simulator's tpu backend runs it, as torch_tpu's compiler does.)
     targets = [denoiser(pipe)]
+    decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
+    if vae and decoder is not None:
+        targets.append(("vae.decoder", decoder))
     if backend == "tpu":
         for name, module in targets:
             device = _module_device(module)

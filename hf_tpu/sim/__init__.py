@@ -85,12 +85,13 @@ def enable(generation: str = "v6e", hbm: int | None = None, emulate_precision: b
     if hbm_bytes <= 0:
         raise ValueError(f"hbm must be a positive number of bytes, got {hbm!r}")
 
-    from hf_tpu.sim import _backend, _compile, _device, _device_module, _precision, _unsupported
+    from hf_tpu.sim import _accelerator, _backend, _compile, _device, _device_module, _precision, _unsupported
 
     _device.register()
     _device.patch_storage_to()  # again, in case hf_tpu.disable() reverted them
     _device.patch_untyped_storage_new()
     _compile.install()
+    _accelerator.install()
     _unsupported.install()
     _precision.install()
     _precision.set_emulation(emulate_precision)

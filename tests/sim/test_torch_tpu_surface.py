@@ -128,3 +128,23 @@ def test_views_with_storage_offsets_match_cpu():
     y.add_(1)  # writes through to the shared storage
     assert torch.equal(t.cpu()[4:19:3], base[4:19:3] + 1)
     hf_tpu.sim.host_view(t).zero_()
+
+
+def test_the_torch_accelerator_equivalents_work():
+    """What the refusals point to must work on the simulator (torch's own fail for a Python backend)."""
+    hf_tpu.sim.enable(hbm=64 * 1024**2)
+    base = hf_tpu.sim.memory_allocated()
+    torch.accelerator.reset_peak_memory_stats()
+    x = torch.zeros(1024, 1024, device="tpu")  # 4 MiB
+    torch.accelerator.synchronize()
+    torch.accelerator.synchronize(0)
+    assert torch.accelerator.memory_allocated() == base + x.nbytes == hf_tpu.sim.memory_allocated()
+    assert torch.accelerator.max_memory_allocated() >= base + x.nbytes
+    free, total = torch.accelerator.get_memory_info()
+    assert total == 64 * 1024**2 and free == total - base - x.nbytes
+    del x
+    torch.accelerator.empty_cache()
+    torch.accelerator.reset_peak_memory_stats()
+    assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated() == base
+    with pytest.raises(RuntimeError, match="tpu:1 does not exist"):
+        torch.accelerator.synchronize(1)
