@@ -20,7 +20,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["INDUCTOR_TPU_ERROR", "default_backend_selector", "default_cpu_backend", "has_tpu_inputs", "install"]
+__all__ = [
+    "INDUCTOR_TPU_ERROR",
+    "default_backend_selector",
+    "default_cpu_backend",
+    "has_tpu_inputs",
+    "install",
+    "select_backend",
+]
 
 # torch_tpu 0.2.0's _loader._INDUCTOR_TPU_ERROR, word for word.
 INDUCTOR_TPU_ERROR = (
@@ -50,12 +57,16 @@ def default_cpu_backend() -> str:
     return "aot_eager" if torch._inductor.config.cpp.cxx[0] is None else "inductor"
 
 
+def select_backend(example_inputs: Any) -> str:
+    """The name of the backend a graph with these inputs gets when none is given (``_get_default_backend_impl``)."""
+    return "tpu" if has_tpu_inputs(example_inputs) else default_cpu_backend()
+
+
 def default_backend_selector(graph_module: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
     """The backend ``torch.compile`` gets when none is given: ``"tpu"`` for graphs with tpu inputs."""
     from torch._dynamo.backends import registry
 
-    name = "tpu" if has_tpu_inputs(example_inputs) else default_cpu_backend()
-    return registry.lookup_backend(name)(graph_module, example_inputs, **kwargs)
+    return registry.lookup_backend(select_backend(example_inputs))(graph_module, example_inputs, **kwargs)
 
 
 def _is_tpu_backend(backend: Any) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from hf_tpu.sim._ops import GENERATOR
+from hf_tpu.sim._ops import GENERATOR as _GENERATOR
 from hf_tpu.sim._precision import Precision, precision
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -48,7 +48,7 @@ def _is_framework_frame(frame: Any) -> bool:
     return mod in _FRAMEWORK or mod.startswith(("torch.", "torch_tpu.", "hf_tpu.sim."))
 
 
-def _internal(prefer: str) -> Callable[[_F], _F]:
+def _internal(prefer: str, name: str | None = None) -> Callable[[_F], _F]:
     """Mark a ``torch.tpu`` function internal as torch_tpu 0.2.0 does: user code calling it gets torch_tpu's
     RuntimeError (``torch_tpu._internal.utils.annotations._create_warning_wrapper``), torch calls it freely."""
 
@@ -60,15 +60,15 @@ def _internal(prefer: str) -> Callable[[_F], _F]:
             nonlocal warned
             if (_STRICT_INTERNAL or not warned) and not torch.compiler.is_compiling():
                 if not _is_framework_frame(sys._getframe(1)):
-                    name = fn.__name__
+                    shown = name or fn.__name__
                     if _STRICT_INTERNAL:
                         raise RuntimeError(
-                            f"{name} is internal to TorchTPU and can only be called by the PyTorch framework (torch "
+                            f"{shown} is internal to TorchTPU and can only be called by the PyTorch framework (torch "
                             f"and torch_tpu). Use {prefer} instead."
                         )
                     warned = True
                     warnings.warn(
-                        f"{name} is internal to TorchTPU and may change or be removed without notice. "
+                        f"{shown} is internal to TorchTPU and may change or be removed without notice. "
                         f"Use {prefer} instead.",
                         stacklevel=2,
                     )
@@ -188,11 +188,11 @@ def synchronize(device: Any = None) -> None:
 
 
 def manual_seed(seed: int) -> None:
-    GENERATOR.manual_seed(int(seed))
+    _GENERATOR.manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
-    GENERATOR.manual_seed(int(seed))
+    _GENERATOR.manual_seed(int(seed))
 
 
 
@@ -201,25 +201,25 @@ def manual_seed_all(seed: int) -> None:
 
 @_internal("torch.accelerator.random.initial_seed")
 def initial_seed() -> int:
-    return GENERATOR.initial_seed()
+    return _GENERATOR.initial_seed()
 
 
 @_internal("torch.accelerator.random.get_rng_state")
 def get_rng_state(device: Any = "tpu") -> torch.Tensor:
     _index(device)
-    return GENERATOR.get_state()
+    return _GENERATOR.get_state()
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "tpu") -> None:
     _index(device)
-    GENERATOR.set_state(new_state.cpu() if new_state.device.type != "cpu" else new_state)
+    _GENERATOR.set_state(new_state.cpu() if new_state.device.type != "cpu" else new_state)
 
 
 
 
 
 
-default_generators = (GENERATOR,)
+default_generators = (_GENERATOR,)
 
 
 def get_device_name(device: Any = None) -> str:
@@ -319,7 +319,7 @@ def stream(stream: Stream | None) -> Iterator[None]:
 class device:
     """Context manager selecting a device; only tpu:0 exists (internal in torch_tpu, like ``set_device``)."""
 
-    @_internal("torch.accelerator.device_index")
+    @_internal("torch.accelerator.device_index", name="_DeviceContext")  # torch_tpu's class name, in its message
     def __init__(self, device: Any) -> None:
         if device is not None and not (isinstance(device, int) and device < 0):
             _index(device)
@@ -337,3 +337,6 @@ class device_of(device):
     def __init__(self, obj: Any) -> None:
         super().__init__(obj.get_device() if getattr(getattr(obj, "device", None), "type", None) == "tpu" else -1)
 
+
+# torch.tpu is this module: keep only torch_tpu's names public (its torch.tpu resolves nothing else).
+del annotations, Any, Callable, Iterator, TypeVar, dataclass
