@@ -30,13 +30,10 @@ from hf_tpu.sim._ops import GENERATOR as _GENERATOR
 from hf_tpu.sim._precision import Precision, precision
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-# torch_tpu reads TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS once (env.get_bool_env_once); so does the simulator.
-_STRICT_INTERNAL = os.environ.get("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", "").strip().lower() not in (
-    "1",
-    "true",
-    "yes",
-    "on",
-)
+# torch_tpu reads TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS once (env.get_bool_env_once, which takes 1/true/t/yes/y in any
+# case, nothing else: checked against the 0.2.0 wheel); so does the simulator.
+_LEGACY = os.environ.get("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", "")
+_STRICT_INTERNAL = _LEGACY.lower() not in ("1", "true", "t", "yes", "y")
 _FRAMEWORK = ("torch", "torch_tpu", "hf_tpu.sim")
 
 

@@ -134,8 +134,8 @@ def _ddp_defaults(training_args) -> None:
 
         raise TPUTrainingError(
             "TrainingArguments(ddp_find_unused_parameters=True) makes DDP's C++ reducer allocate pinned host memory, "
-            "which the simulated tpu device cannot provide to it. Set ddp_find_unused_parameters=False (every parameter must then take part in "
-            "each forward), or test this run on a TPU."
+            "which the simulated tpu device cannot provide to it. Set ddp_find_unused_parameters=False (every "
+            "parameter must then take part in each forward), or test this run on a TPU."
         )
     training_args.ddp_find_unused_parameters = False
 

@@ -105,8 +105,11 @@ def test_tpu_generator_works_and_unsupported_ops_raise_hf_tpu_errors():
     with pytest.raises(NotImplementedError, match=r"resize_\(0\) is not supported on the simulated tpu device"):
         x.untyped_storage().resize_(0)
     # (a CSR tensor can be moved over, as torch builds it from its dense parts; every op on it is refused)
-    for make in (lambda: torch.randn(3, 3).to_sparse().to("tpu"), lambda: torch.randn(3, 3).to_sparse_csr().to("tpu").sum(),
-                 lambda: x.to_sparse()):  # fmt: skip
+    for make in (
+        lambda: torch.randn(3, 3).to_sparse().to("tpu"),
+        lambda: torch.randn(3, 3).to_sparse_csr().to("tpu").sum(),
+        lambda: x.to_sparse(),
+    ):
         with pytest.raises(NotImplementedError, match="sparse|sparse_coo") as info:
             make()
         assert "PrivateUse1HooksInterface" not in str(info.value) and "Sparsetpu" not in str(info.value)
@@ -146,3 +149,12 @@ def test_the_torch_accelerator_equivalents_work():
     assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated() == base
     with pytest.raises(RuntimeError, match="tpu:1 does not exist"):
         torch.accelerator.synchronize(1)
+
+
+def test_diffusers_draws_latents_with_a_tpu_generator():
+    pytest.importorskip("diffusers")
+    from diffusers.utils.torch_utils import randn_tensor
+
+    latents = randn_tensor((2, 4, 8, 8), generator=torch.Generator("tpu").manual_seed(0), device=torch.device("tpu"))
+    assert latents.device.type == "tpu"
+    assert torch.equal(latents.cpu(), torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(0)))
