@@ -51,7 +51,14 @@ class _GeneratorMeta(type(_CGenerator)):  # type: ignore[misc]
             from hf_tpu.sim._device_module import _index
 
             _index(device)
+            if cls is not Generator:
+                raise NotImplementedError(
+                    f"{cls.__name__}(device={str(device)!r}): a subclass of torch.Generator cannot live on the "
+                    "simulated tpu device; use torch.Generator('tpu') or a CPU generator."
+                )
             return _SimTpuGenerator()
+        if cls is not Generator:  # a user's subclass of torch.Generator: built as usual
+            return super().__call__(device)
         return _CGenerator(device)
 
     def __instancecheck__(cls, obj: Any) -> bool:

@@ -158,3 +158,15 @@ def test_diffusers_draws_latents_with_a_tpu_generator():
     latents = randn_tensor((2, 4, 8, 8), generator=torch.Generator("tpu").manual_seed(0), device=torch.device("tpu"))
     assert latents.device.type == "tpu"
     assert torch.equal(latents.cpu(), torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(0)))
+
+
+def test_subclasses_of_torch_generator_still_work():
+    class Reporting(torch.Generator):
+        @property
+        def device(self):
+            return torch.device("cpu")
+
+    g = Reporting()
+    assert type(g) is Reporting and isinstance(g, torch.Generator) and issubclass(Reporting, torch.Generator)
+    ref = torch.rand(3, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(torch.rand(3, generator=g.manual_seed(1)), ref)
