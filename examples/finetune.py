@@ -69,7 +69,6 @@ def train(device: str, args: argparse.Namespace, data: list[dict], eval_data: li
             report_to=[],
             save_strategy="no",
             use_cpu=device == "cpu",
-            dataloader_pin_memory=False,
             disable_tqdm=True,
             seed=0,
         ),

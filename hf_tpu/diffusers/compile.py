@@ -68,8 +68,10 @@ def compile_pipeline(
     recompile_limit: int = 64,
     options: dict[str, Any] | None = None,
     cache_dir: Any = _UNSET,
+    vae: bool = False,
 ) -> Any:
-    """Compile the pipeline's denoiser (transformer or UNet) in place; returns ``pipe``.
+    """Compile the pipeline's denoiser (transformer or UNet), and with ``vae=True`` its VAE decoder, in place;
+    returns ``pipe``.
 
     ``backend="tpu", fullgraph=True, dynamic=False``: a graph break or a dynamic shape is an error rather than a
     silent slow path, and each resolution/batch size compiles exactly once. ``recompile_limit`` is how many
@@ -77,7 +79,9 @@ def compile_pipeline(
     ``fullgraph=True`` going past the limit raises instead of falling back to eager). Calling it again with
     the same arguments does nothing. Each later call's size and generator are checked before the compiled
     graph sees them (:func:`check_resolution`, :func:`check_generator`). ``cache_dir``: the persistent compile
-    cache (a directory, or None for none; default ``HF_TPU_COMPILE_CACHE``).
+    cache (a directory, or None for none; default ``HF_TPU_COMPILE_CACHE``). ``vae=True`` also compiles
+    ``pipe.vae.decoder`` (one more graph per resolution; the decoder runs once per call; not served from the
+    persistent cache).
 
     Example:
         >>> pipe.to("tpu")                 # doctest: +SKIP
@@ -96,9 +100,13 @@ def compile_pipeline(
         kwargs["options"] = dict(options)
     if "recompile_limit" in inspect.signature(torch.compile).parameters:
         kwargs["recompile_limit"] = recompile_limit
-    # Only the denoiser: it runs every step. The VAE decoder runs once per call, and on torch 2.13 compiling
-    # the SD VAE's mid-block (GroupNorm + attention) fails even on the CPU with aot_eager.
+    # The denoiser runs every step; the VAE decoder once per call, so compiling it is opt-in (one more graph per
+    # resolution to warm up). (torch 2.13's aot_eager fails on its GroupNorm + attention mid-block on the CPU; the
+    # simulator's tpu backend runs it, as torch_tpu's compiler does.)
     targets = [denoiser(pipe)]
+    decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
+    if vae and decoder is not None:
+        targets.append(("vae.decoder", decoder))
     if backend == "tpu":
         for name, module in targets:
             device = _module_device(module)
@@ -110,11 +118,12 @@ def compile_pipeline(
     from hf_tpu.compile_cache import CompileCache
 
     cache = CompileCache.from_env() if cache_dir is _UNSET else CompileCache.coerce(cache_dir)
-    for name, module in targets:
+    for i, (name, module) in enumerate(targets):
         if getattr(module, _MARK, None) != kwargs or module._compiled_call_impl is None:
             module.compile(**kwargs)
             setattr(module, _MARK, dict(kwargs))
-        if cache is not None:
+        # Only the denoiser is keyed by its model config; the VAE decoder (a plain nn.Module) compiles per process.
+        if cache is not None and i == 0:
             _attach_cache(pipe, name, module, cache)
     # Check each call's size and generator before the compiled graph sees them (see _call_checks).
     install_call_checks(pipe)

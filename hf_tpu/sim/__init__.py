@@ -46,13 +46,17 @@ def _version(name: str) -> str | None:
         return None
 
 
-def enable(generation: str = "v6e", hbm: int | None = None) -> None:
+def enable(generation: str = "v6e", hbm: int | None = None, emulate_precision: bool = False) -> None:
     """Register the simulated ``tpu`` device in this process (idempotent; a new call reconfigures it).
 
     Args:
         generation: a TPU generation preset of :data:`hf_tpu.runtime.GENERATIONS` (``"v5e"``, ``"v5p"``,
             ``"v6e"``, ``"v7"``, ...): sets the device name and its HBM.
         hbm: HBM of the device in bytes, overriding the preset (tests use small values to provoke OOM).
+        emulate_precision: run float32 matmuls and convolutions at the TPU precision that
+            ``torch.set_float32_matmul_precision`` / ``torch.tpu.precision`` select (``'medium'``, torch_tpu's
+            default: one bfloat16 pass; ``'high'``: bf16x3; ``'highest'``: float32), to see how far outputs drift
+            on a chip. Off: they compute in float32 like the CPU.
 
     Raises:
         RuntimeError: this host has real TPU chips (use torch_tpu), or PrivateUse1 belongs to another backend.
@@ -81,16 +85,21 @@ def enable(generation: str = "v6e", hbm: int | None = None) -> None:
     if hbm_bytes <= 0:
         raise ValueError(f"hbm must be a positive number of bytes, got {hbm!r}")
 
-    from hf_tpu.sim import _backend, _device, _device_module
+    from hf_tpu.sim import _accelerator, _backend, _compile, _device, _device_module, _precision, _unsupported
 
     _device.register()
     _device.patch_storage_to()  # again, in case hf_tpu.disable() reverted them
     _device.patch_untyped_storage_new()
+    _compile.install()
+    _accelerator.install()
+    _unsupported.install()
+    _precision.install()
+    _precision.set_emulation(emulate_precision)
     after_import("torch._dynamo", _backend.register)  # importing dynamo costs seconds: wait until it is used
     name = f"{spec['name']} (simulated)"
     _device_module._configure(name, hbm_bytes)
     STATE.hbm_bytes = hbm_bytes
-    _ENABLED.update(generation=generation, hbm=hbm_bytes)
+    _ENABLED.update(generation=generation, hbm=hbm_bytes, emulate_precision=bool(emulate_precision))
     runtime._set_simulated(
         runtime.RuntimeInfo(
             mode="simulated",

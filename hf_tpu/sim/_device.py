@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from hf_tpu.sim import _attention, _autocast, _device_module, _ops
+from hf_tpu.sim import _attention, _autocast, _device_module, _ops, _pinned
 from hf_tpu.sim._after_import import after_import
 
 __all__ = ["register"]
@@ -89,6 +89,7 @@ def register() -> None:
     _ops.install()
     _attention.install()
     _autocast.install()
+    _pinned.install()
     patch_storage_to()
     patch_untyped_storage_new()
     after_import("torch._dynamo", _register_dynamo_interface)

@@ -1,23 +1,105 @@
-"""``torch.tpu`` of the simulated device: the same functions torch_tpu 0.2.0's device module offers.
+"""``torch.tpu`` of the simulated device: the same names torch_tpu 0.2.0's device module offers, no others.
 
-Mirrors ``torch_tpu._internal.device._device_module`` (device_count, is_available, current_device,
-set_device, synchronize, seeding and RNG state, get_device_properties, get_device_name,
-get_amp_supported_dtype, streams as no-ops). Like torch_tpu it has no ``mem_get_info``/``memory_allocated``;
+Mirrors ``torch_tpu._internal.device._device_module`` as ``torch_tpu._internal.public_api`` exports it
+(device_count, is_available, current_device, set_device, synchronize, seeding and RNG state,
+get_device_properties, get_device_name, get_amp_supported_dtype, precision/Precision, streams as no-ops).
+Like torch_tpu it has no ``mem_get_info``/``memory_allocated``/``empty_cache``/``seed``/``get_rng_state_all``;
 the simulator's memory counters are :func:`hf_tpu.sim.memory_allocated` and friends.
+
+With torch >= 2.11 (>= 2.13 for ``initial_seed``/``get_rng_state``) torch_tpu marks the CUDA-style helpers that
+have a ``torch.accelerator`` equivalent internal (``annotations.internal_or_experimental``): a call whose
+immediate caller is not a ``torch``/``torch_tpu`` module raises RuntimeError naming the ``torch.accelerator``
+function, unless ``TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS=1`` (then it warns once); calls traced by torch.compile
+are not checked. :func:`_internal` does the same here, with ``hf_tpu.sim`` standing in for ``torch_tpu``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from hf_tpu.sim._ops import GENERATOR
+from hf_tpu.sim._ops import GENERATOR as _GENERATOR
+from hf_tpu.sim._precision import Precision, precision
 
-_AMP_DTYPES = [torch.bfloat16, torch.float16]
+_F = TypeVar("_F", bound=Callable[..., Any])
+# torch_tpu reads TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS once (env.get_bool_env_once, which takes 1/true/t/yes/y in any
+# case, nothing else: checked against the 0.2.0 wheel); so does the simulator.
+_LEGACY = os.environ.get("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", "")
+_STRICT_INTERNAL = _LEGACY.lower() not in ("1", "true", "t", "yes", "y")
+_FRAMEWORK = ("torch", "torch_tpu", "hf_tpu.sim")
+
+
+def _is_framework_frame(frame: Any) -> bool:
+    """Whether ``frame`` runs in torch, torch_tpu or the simulator itself (torch_tpu's stand-in)."""
+    mod = frame.f_globals.get("__name__") if frame is not None else None
+    if not isinstance(mod, str):
+        return False
+    return mod in _FRAMEWORK or mod.startswith(("torch.", "torch_tpu.", "hf_tpu.sim."))
+
+
+def _internal(prefer: str, name: str | None = None) -> Callable[[_F], _F]:
+    """Mark a ``torch.tpu`` function internal as torch_tpu 0.2.0 does: user code calling it gets torch_tpu's
+    RuntimeError (``torch_tpu._internal.utils.annotations._create_warning_wrapper``), torch calls it freely."""
+
+    def decorate(fn: _F) -> _F:
+        warned = False
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            nonlocal warned
+            if (_STRICT_INTERNAL or not warned) and not torch.compiler.is_compiling():
+                if not _is_framework_frame(sys._getframe(1)):
+                    shown = name or fn.__name__
+                    if _STRICT_INTERNAL:
+                        raise RuntimeError(
+                            f"{shown} is internal to TorchTPU and can only be called by the PyTorch framework (torch "
+                            f"and torch_tpu). Use {prefer} instead."
+                        )
+                    warned = True
+                    warnings.warn(
+                        f"{shown} is internal to TorchTPU and may change or be removed without notice. "
+                        f"Use {prefer} instead.",
+                        stacklevel=2,
+                    )
+            return fn(*args, **kwargs)
+
+        wrapper.__tt_api_prefer__ = prefer  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+# torch_tpu's _AMP_SUPPORTED_DTYPES, as listed in _device_module.py
+_AMP_DTYPES = [
+    torch.bfloat16,
+    torch.bool,
+    torch.complex128,
+    torch.complex64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.int8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.uint8,
+]
 _GENERATION = {"name": "TPU v6e", "hbm": 0}
 _autocast_enabled = False
 _autocast_dtype: torch.dtype | None = torch.bfloat16
@@ -55,6 +137,7 @@ def _index(device: Any) -> int:
     return idx
 
 
+@_internal("torch.accelerator.is_available")
 def is_available() -> bool:
     return True
 
@@ -71,14 +154,17 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
+@_internal("torch.accelerator.device_count")
 def device_count() -> int:
     return 1
 
 
+@_internal("torch.accelerator.current_device_index")
 def current_device() -> int:
     return 0
 
 
+@_internal("torch.accelerator.set_device_index")
 def set_device(device: Any) -> None:
     _index(device)
 
@@ -92,50 +178,45 @@ def _maybe_exchange_device(device: int) -> int:
     return 0
 
 
+@_internal("torch.accelerator.synchronize")
 def synchronize(device: Any = None) -> None:
     """Wait for the device (the simulator computes eagerly, so there is nothing to wait for)."""
     _index(device)
 
 
 def manual_seed(seed: int) -> None:
-    GENERATOR.manual_seed(int(seed))
+    _GENERATOR.manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
-    GENERATOR.manual_seed(int(seed))
+    _GENERATOR.manual_seed(int(seed))
 
 
-def seed() -> None:
-    GENERATOR.seed()
 
 
-def seed_all() -> None:
-    GENERATOR.seed()
 
 
+@_internal("torch.accelerator.random.initial_seed")
 def initial_seed() -> int:
-    return GENERATOR.initial_seed()
+    return _GENERATOR.initial_seed()
 
 
+@_internal("torch.accelerator.random.get_rng_state")
 def get_rng_state(device: Any = "tpu") -> torch.Tensor:
     _index(device)
-    return GENERATOR.get_state()
+    return _GENERATOR.get_state()
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "tpu") -> None:
     _index(device)
-    GENERATOR.set_state(new_state.cpu() if new_state.device.type != "cpu" else new_state)
+    _GENERATOR.set_state(new_state.cpu() if new_state.device.type != "cpu" else new_state)
 
 
-def get_rng_state_all() -> list[torch.Tensor]:
-    return [GENERATOR.get_state()]
 
 
-def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
-    set_rng_state(new_states[0])
 
 
-default_generators = (GENERATOR,)
+default_generators = (_GENERATOR,)
 
 
 def get_device_name(device: Any = None) -> str:
@@ -148,8 +229,6 @@ def get_device_properties(device: Any = None) -> _TpuDeviceProperties:
     return _TpuDeviceProperties(name=str(_GENERATION["name"]), total_memory=int(_GENERATION["hbm"]))
 
 
-def get_device_capability(device: Any = None) -> tuple[int, int]:
-    return (0, 0)
 
 
 def _get_compute_capability(device: Any = None) -> str:
@@ -160,8 +239,6 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
     return list(_AMP_DTYPES)
 
 
-def is_bf16_supported(including_emulation: bool = True) -> bool:
-    return True
 
 
 def _is_autocast_enabled() -> bool:
@@ -217,6 +294,7 @@ class Event:
         return True
 
 
+@_internal("torch.accelerator.current_stream")
 def current_stream(device: Any = None) -> Stream:
     return Stream()
 
@@ -225,6 +303,7 @@ def default_stream(device: Any = None) -> Stream:
     return Stream()
 
 
+@_internal("torch.accelerator.set_stream")
 def set_stream(stream: Stream) -> None:
     pass
 
@@ -235,10 +314,12 @@ def stream(stream: Stream | None) -> Iterator[None]:
 
 
 class device:
-    """Context manager selecting a device; only tpu:0 exists."""
+    """Context manager selecting a device; only tpu:0 exists (internal in torch_tpu, like ``set_device``)."""
 
+    @_internal("torch.accelerator.device_index", name="_DeviceContext")  # torch_tpu's class name, in its message
     def __init__(self, device: Any) -> None:
-        _index(device)
+        if device is not None and not (isinstance(device, int) and device < 0):
+            _index(device)
 
     def __enter__(self) -> None:
         return None
@@ -248,9 +329,11 @@ class device:
 
 
 class device_of(device):
+    """Context manager selecting the device of a tensor or storage (a no-op for CPU objects)."""
+
     def __init__(self, obj: Any) -> None:
-        pass
+        super().__init__(obj.get_device() if getattr(getattr(obj, "device", None), "type", None) == "tpu" else -1)
 
 
-def empty_cache() -> None:
-    """Nothing to free: simulated device memory is released as tensors die."""
+# torch.tpu is this module: keep only torch_tpu's names public (its torch.tpu resolves nothing else).
+del annotations, Any, Callable, Iterator, TypeVar, dataclass

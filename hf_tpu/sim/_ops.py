@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hf_tpu.sim import _tensors
+from hf_tpu.sim import _precision, _tensors
 from hf_tpu.sim._counters import STATE, SimStrictError
 from hf_tpu.sim._tensors import host_view, new_device_storage, rebind, wrap
 
@@ -369,10 +369,6 @@ def _local_scalar_dense(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> An
     return host_view(t).item()
 
 
-def _conv_impl(*a: Any) -> Any:
-    return aten.convolution.default(*a)
-
-
 def _conv_backward_impl(
     grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups, output_mask
 ):
@@ -410,6 +406,21 @@ def _histc_impl(input: Tensor, bins: int = 100, min: float = 0, max: float = 0) 
     return aten.histc.default(input.double(), bins, min, max).to(input.dtype)
 
 
+def _group_norm_impl(input: Tensor, *args: Any) -> Any:
+    # The CPU kernel requires its input contiguous in its suggested memory format; a compiled graph can hand it a
+    # strided view (torch 2.13's aot_eager fails the same way on the CPU). On a TPU, layouts are the compiler's
+    # business: give the kernel a contiguous copy of such a host view.
+    if not input.is_contiguous():
+        input = input.contiguous()
+    return aten.native_group_norm.default(input, *args)
+
+
+def _group_norm_backward_impl(grad_out: Tensor, input: Tensor, *args: Any) -> Any:
+    if not input.is_contiguous() or not grad_out.is_contiguous():
+        grad_out, input = grad_out.contiguous(), input.contiguous()
+    return aten.native_group_norm_backward.default(grad_out, input, *args)
+
+
 def _refuse(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
     raise NotImplementedError(
         f"{op} is not supported on the simulated tpu device ({_REFUSED.get(info.name, 'not implemented')}); "
@@ -424,10 +435,12 @@ _HANDLERS = {
     "aten::_local_scalar_dense": _local_scalar_dense,
 }
 _IMPLS = {
-    "aten::convolution_overrideable": _conv_impl,
+    **_precision.IMPLS,  # float32 contractions (convolution_overrideable included), TPU precision when emulated
     "aten::convolution_backward_overrideable": _conv_backward_impl,
     "aten::native_dropout": _native_dropout_impl,
     "aten::histc": _histc_impl,
+    "aten.native_group_norm.default": _group_norm_impl,
+    "aten.native_group_norm_backward.default": _group_norm_backward_impl,
 }
 
 

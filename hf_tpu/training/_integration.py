@@ -121,9 +121,10 @@ def _patch_trainer_init() -> None:
 
 def _ddp_defaults(training_args) -> None:
     """DistributedDataParallel options for TPU ranks. ``find_unused_parameters`` (the Trainer's default for models
-    without gradient checkpointing) keeps its per-step bookkeeping in pinned host memory: on hf_tpu's simulated
-    device there is none (torch offers Python backends no pinned allocator), so it defaults to False there, and an
-    explicit True is refused with the fix."""
+    without gradient checkpointing) makes DDP's C++ reducer allocate pinned host memory directly (not through
+    ``pin_memory()``, which the simulator provides): torch offers a Python backend no pinned allocator, so on hf_tpu's
+    simulated device it defaults to False, and an explicit True is refused with the fix. Pinned DataLoaders
+    (``dataloader_pin_memory``, True by default) work on the simulator."""
     from hf_tpu import runtime
 
     if runtime.detect().mode != "simulated":
@@ -132,9 +133,9 @@ def _ddp_defaults(training_args) -> None:
         from hf_tpu.training.checks import TPUTrainingError
 
         raise TPUTrainingError(
-            "TrainingArguments(ddp_find_unused_parameters=True) needs pinned host memory, which the simulated tpu "
-            "device does not have. Set ddp_find_unused_parameters=False (every parameter must then take part in "
-            "each forward), or test this run on a TPU."
+            "TrainingArguments(ddp_find_unused_parameters=True) makes DDP's C++ reducer allocate pinned host memory, "
+            "which the simulated tpu device cannot provide to it. Set ddp_find_unused_parameters=False (every "
+            "parameter must then take part in each forward), or test this run on a TPU."
         )
     training_args.ddp_find_unused_parameters = False
 

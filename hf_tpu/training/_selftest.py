@@ -84,7 +84,7 @@ def _training(ctx: CheckContext) -> dict[str, Any]:
         with hf_tpu.enabled("training"):
             args = TrainingArguments(
                 output_dir=f"{path}/trainer", per_device_train_batch_size=4, max_steps=2, report_to=[],
-                save_strategy="no", dataloader_pin_memory=False, disable_tqdm=True,
+                save_strategy="no", disable_tqdm=True,
             )  # fmt: skip
             rows = [
                 dict(zip(("input_ids", "labels"), (b["input_ids"][r], b["labels"][r])))

@@ -14,7 +14,8 @@ def test_runtime_reports_simulated():
     assert info.mode == "simulated" and info.device_count == 1 and info.generation == "v6e"
     assert info.hbm_bytes == torch.tpu.get_device_properties(0).total_memory == 32 * 1024**3
     assert torch.accelerator.current_accelerator().type == "tpu"
-    assert torch.tpu.is_available() and torch.tpu.device_count() == 1 and torch.tpu.current_device() == 0
+    assert torch.accelerator.is_available() and torch.accelerator.device_count() == 1
+    assert torch.accelerator.current_device_index() == 0
     assert hasattr(torch.backends, "tpu")
     assert "v6e" in torch.tpu.get_device_name()
 
@@ -126,9 +127,8 @@ def test_rng_seeding_reproducible():
     d2 = torch.nn.functional.dropout(torch.ones(100, device="tpu"), 0.5).cpu()
     assert torch.equal(a, b) and torch.equal(d1, d2)
     assert not torch.equal(d1, torch.ones(100))
-    state = torch.tpu.get_rng_state()
-    c = torch.rand(3, device="tpu").cpu()
-    torch.tpu.set_rng_state(state)
+    with torch.random.fork_rng(device_type="tpu"):  # torch saves and restores the device's RNG through torch.tpu
+        c = torch.rand(3, device="tpu").cpu()
     assert torch.equal(c, torch.rand(3, device="tpu").cpu())
 
 

@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
     import hf_tpu.sim
     from hf_tpu.sim import _backend, _device
 
-    assert torch.tpu is not fake_tpu and torch.tpu.device_count() == 1
+    assert torch.tpu is not fake_tpu and torch.accelerator.device_count() == 1
     assert sys.modules["torch.tpu"] is torch.tpu
     assert _device.TAKEN_OVER["torch.tpu"] is fake_tpu
     assert _backend.TAKEN_OVER["tpu"] is torch_tpu_backend

@@ -21,7 +21,7 @@ def _args(tmp_path, device: str, **overrides):
     kwargs = {
         "output_dir": str(tmp_path / device), "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4,
         "learning_rate": 3e-3, "max_steps": 4, "logging_steps": 1, "report_to": [], "save_strategy": "no",
-        "use_cpu": device == "cpu", "dataloader_pin_memory": False, "seed": 0,
+        "use_cpu": device == "cpu", "seed": 0,
     }  # fmt: skip
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)

@@ -1,0 +1,119 @@
+"""``torch.accelerator`` on the simulated device: the calls torch_tpu tells users to make instead of ``torch.tpu.*``.
+
+torch 2.13 serves ``torch.accelerator.synchronize`` through the device guard and the memory functions through a C++
+caching allocator; a backend written in Python can register neither (``torch._C._acc.DeviceGuard`` exposes only
+``type_``), so without this module they fail with "Backend doesn't support synchronizing all streams on device"
+or an INTERNAL ASSERT about the device allocator. torch_tpu has both, and its ``torch.tpu.synchronize`` refuses user
+calls in favour of ``torch.accelerator.synchronize``. While the current accelerator is the simulated ``tpu``, these
+functions answer from the simulator: synchronize is a no-op (it computes eagerly), memory statistics are its live and
+peak device bytes (:func:`hf_tpu.sim.memory_allocated`), ``get_memory_info`` is (free, total) of the simulated HBM.
+Patched through :mod:`hf_tpu._patch`; other devices get torch's own functions.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.accelerator
+import torch.accelerator.memory
+
+from hf_tpu.sim._counters import STATE
+
+__all__ = ["install"]
+
+
+def _on_sim(device: Any) -> bool:
+    acc = torch.accelerator.current_accelerator()
+    if acc is None or acc.type != "tpu":
+        return False
+    from hf_tpu.sim._device_module import _index
+
+    if isinstance(device, (str, torch.device)) and torch.device(device).type != "tpu":
+        return False  # let torch raise its own "must match the current accelerator" error
+    _index(device)
+    return True
+
+
+def _synchronize(original: Callable[..., Any]) -> Callable[..., Any]:
+    def synchronize(device: Any = None, /) -> None:
+        if _on_sim(device):
+            return None
+        return original(device)
+
+    return synchronize
+
+
+def _memory_stats(original: Callable[..., Any]) -> Callable[..., Any]:
+    def memory_stats(device_index: Any = None, /) -> collections.OrderedDict[str, Any]:
+        if not _on_sim(device_index):
+            return original(device_index)
+        live, peak = STATE.live_bytes, STATE.peak_bytes
+        return collections.OrderedDict(
+            [
+                ("allocated_bytes.all.current", live),
+                ("allocated_bytes.all.peak", peak),
+                ("reserved_bytes.all.current", live),
+                ("reserved_bytes.all.peak", peak),
+            ]
+        )
+
+    return memory_stats
+
+
+def _get_memory_info(original: Callable[..., Any]) -> Callable[..., Any]:
+    def get_memory_info(device_index: Any = None, /) -> tuple[int, int]:
+        if not _on_sim(device_index):
+            return original(device_index)
+        total = STATE.hbm_bytes
+        return max(total - STATE.live_bytes, 0), total
+
+    return get_memory_info
+
+
+def _reset_peak(original: Callable[..., Any]) -> Callable[..., Any]:
+    def reset_peak_memory_stats(device_index: Any = None, /) -> None:
+        if not _on_sim(device_index):
+            return original(device_index)
+        STATE.peak_bytes = STATE.live_bytes
+        return None
+
+    return reset_peak_memory_stats
+
+
+def _no_op(original: Callable[..., Any]) -> Callable[..., Any]:
+    def no_op(*args: Any) -> None:
+        if not _on_sim(args[0] if args else None):
+            return original(*args)
+        return None  # nothing cached: simulated device memory is released as tensors die
+
+    no_op.__name__ = original.__name__
+    return no_op
+
+
+_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "synchronize": _synchronize,
+    "memory_stats": _memory_stats,
+    "get_memory_info": _get_memory_info,
+    "reset_peak_memory_stats": _reset_peak,
+    "reset_accumulated_memory_stats": _no_op,
+    "empty_cache": _no_op,
+}
+
+
+def install() -> None:
+    """Patch the ``torch.accelerator`` functions above (idempotent; reverted by ``hf_tpu.disable()``)."""
+    from hf_tpu._patch import original, patch
+
+    for name, make in _WRAPPERS.items():
+        for owner in (torch.accelerator, torch.accelerator.memory):
+            if name not in vars(owner):
+                continue
+            current = getattr(owner, name)
+            if getattr(current, "_hf_tpu_sim", False):
+                continue
+            replacement = make(original(owner, name))
+            replacement._hf_tpu_sim = True  # type: ignore[attr-defined]
+            patch(owner, name, replacement, feature="sim", package="torch", versions=">=2.11,<=2.15")

@@ -1,0 +1,116 @@
+"""What a PrivateUse1 backend written in Python cannot get from torch 2.13, made to work or refused in hf_tpu's words.
+
+torch asks the PrivateUse1 hooks for a few services that ``torch._C._acc.PrivateUse1Hooks`` cannot provide from
+Python (it exposes only ``is_available``, ``has_primary_context`` and ``is_built``); without this module each fails
+with torch's internal "You should register `PrivateUse1HooksInterface` ..." message:
+
+- ``torch.Generator(device="tpu")`` (``getNewGenerator``): torch.Generator becomes a thin class whose ``tpu``
+  instances are CPU generators reporting ``device == tpu:0``; the simulator's ops run their CPU kernels with them, so
+  seeded sampling works as on torch_tpu (which has device generators). ``isinstance(g, torch.Generator)`` holds for
+  every generator, C-made ones included.
+- ``untyped_storage().resize_()`` on a device storage (``resizePrivateUse1Bytes``): a simulated storage is a view
+  of a CPU buffer and cannot be reallocated in place: a clear NotImplementedError with the way around.
+- sparse layouts (the ``SparsePrivateUse1``/``SparseCsrPrivateUse1`` keys have no kernels; torch_tpu supports
+  strided tensors only): a clear NotImplementedError naming the op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["install"]
+
+_CGenerator = torch._C.Generator
+_LIB: torch.library.Library | None = None
+
+
+def _is_tpu(device: Any) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return False  # torch.Generator(0) means cuda:0 / the current accelerator's index in torch's parser
+    return torch.device(device).type == "tpu"
+
+
+class _SimTpuGenerator(_CGenerator):
+    """A ``tpu`` generator of the simulated device: the CPU generator the device's CPU kernels draw from."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("tpu", 0)
+
+    def __repr__(self) -> str:
+        return "<torch.Generator object on tpu:0 (simulated)>"
+
+
+class _GeneratorMeta(type(_CGenerator)):  # type: ignore[misc]
+    def __call__(cls, device: Any = "cpu") -> Any:
+        if _is_tpu(device):
+            from hf_tpu.sim._device_module import _index
+
+            _index(device)
+            if cls is not Generator:
+                raise NotImplementedError(
+                    f"{cls.__name__}(device={str(device)!r}): a subclass of torch.Generator cannot live on the "
+                    "simulated tpu device; use torch.Generator('tpu') or a CPU generator."
+                )
+            return _SimTpuGenerator()
+        if cls is not Generator:  # a user's subclass of torch.Generator: built as usual
+            return super().__call__(device)
+        return _CGenerator(device)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _CGenerator)
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return issubclass(sub, _CGenerator)
+
+
+class Generator(_CGenerator, metaclass=_GeneratorMeta):
+    """``torch.Generator`` while the simulator is enabled: ``torch.Generator("tpu")`` works (see the module)."""
+
+
+Generator.__module__ = "torch"
+Generator.__qualname__ = Generator.__name__ = "Generator"
+
+
+def _storage_resize(original: Any) -> Any:
+    def resize_(self: torch.UntypedStorage, size: int) -> Any:
+        if self.device.type == "tpu":
+            raise NotImplementedError(
+                f"untyped_storage().resize_({size}) is not supported on the simulated tpu device: a device storage "
+                "cannot be reallocated in place there (torch gives Python backends no resizePrivateUse1Bytes). "
+                "Allocate a new tensor instead (torch.empty(n, device='tpu'), or tensor.resize_(shape), which "
+                "works), or run this code on the CPU."
+            )
+        return original(self, size)
+
+    resize_._hf_tpu_sim = True  # type: ignore[attr-defined]
+    return resize_
+
+
+def _sparse_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError(
+        f"{op}: sparse tensors are not supported on the simulated tpu device (torch_tpu supports strided tensors "
+        "only); keep sparse tensors on the CPU, or densify them first (t.to_dense().to('tpu'))."
+    )
+
+
+def install() -> None:
+    """Patch ``torch.Generator`` and ``UntypedStorage.resize_`` (reversible), register the sparse refusals (once)."""
+    global _LIB
+    from hf_tpu._patch import patch
+
+    if torch.Generator is not Generator:
+        patch(torch, "Generator", Generator, feature="sim", package="torch", versions=">=2.11,<=2.15")
+    resize = torch.UntypedStorage.resize_
+    if not getattr(resize, "_hf_tpu_sim", False):
+        patch(torch.UntypedStorage, "resize_", _storage_resize(resize), feature="sim", package="torch",
+              versions=">=2.11,<=2.15")
+    if _LIB is None:
+        lib = torch.library.Library("_", "IMPL")
+        lib.fallback(_sparse_fallback, "SparsePrivateUse1")
+        lib.fallback(_sparse_fallback, "SparseCsrPrivateUse1")
+        _LIB = lib

@@ -1,0 +1,141 @@
+"""torch.compile on the simulator follows torch_tpu 0.2.0's patched torch.compile (``_loader._default_tpu_compile``).
+
+No backend: graphs with tpu inputs go to the "tpu" backend (counted as compiles), ``dynamic`` defaults to False;
+``backend="inductor"`` with tpu inputs raises torch_tpu's RuntimeError naming ``backend='tpu'``; CPU graphs keep
+torch_tpu's default CPU backend. Compiled UNets (GroupNorm over strided views) run and match the CPU.
+"""
+
+import pytest
+import torch
+
+import hf_tpu
+import hf_tpu.sim
+from hf_tpu.sim import _compile
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def test_compile_without_backend_uses_tpu_backend_and_matches_cpu():
+    cpu = _model()
+    x = torch.randn(3, 8)
+    ref = cpu(x)
+    dev = _model().to("tpu")
+    compiled = torch.compile(dev)
+    with hf_tpu.sim.stats() as s:
+        out = compiled(x.to("tpu"))
+        out2 = compiled(x.to("tpu"))
+    assert s.compiles == 1  # the "tpu" backend ran (it counts), once
+    torch.testing.assert_close(out.cpu(), ref)
+    torch.testing.assert_close(out2.cpu(), ref)
+
+
+def test_compile_without_backend_is_static_by_default():
+    f = torch.compile(lambda a: (a * 2).sum(0))
+    with hf_tpu.sim.stats() as s:
+        for n in (2, 3, 4):
+            torch.testing.assert_close(f(torch.ones(n, 5, device="tpu")).cpu(), torch.full((5,), 2.0 * n))
+    assert s.compiles == 3  # dynamic=False: one graph per shape, as on torch_tpu (torch's default would go dynamic)
+
+
+def test_explicit_dynamic_is_kept():
+    f = torch.compile(lambda a: (a * 2).sum(0), dynamic=True)
+    with hf_tpu.sim.stats() as s:
+        for n in (2, 3, 4):
+            f(torch.ones(n, 5, device="tpu"))
+    assert s.compiles == 1
+
+
+def test_inductor_on_tpu_inputs_raises_torch_tpus_error(capfd):
+    f = torch.compile(lambda a: a * 2 + 1, backend="inductor")
+    with pytest.raises(Exception) as info:
+        f(torch.ones(3, device="tpu"))
+    text = str(info.value)
+    assert _compile.INDUCTOR_TPU_ERROR in text and "backend='tpu'" in text
+    assert "jax" not in text
+    captured = capfd.readouterr()
+    assert len((captured.out + captured.err).splitlines()) < 10  # no pages of inductor log (issue #16)
+
+
+def test_cpu_graphs_keep_the_default_cpu_backend():
+    seen = []
+    from torch._dynamo.backends import registry
+
+    name = _compile.default_cpu_backend()
+    original = registry.lookup_backend(name)
+
+    def spy(gm, example_inputs, **kwargs):
+        seen.append(name)
+        return original(gm, example_inputs, **kwargs)
+
+    registry._COMPILER_FNS[name] = spy
+    try:
+        out = torch.compile(lambda a: a.cos() + 1)(torch.zeros(3))
+    finally:
+        registry._COMPILER_FNS[name] = original
+    torch.testing.assert_close(out, torch.full((3,), 2.0))
+    assert seen == [name]
+
+
+def test_compile_patch_is_reverted_by_disable():
+    patched = torch.compile
+    assert getattr(patched, "_hf_tpu_sim", False)
+    hf_tpu.disable()
+    try:
+        assert not getattr(torch.compile, "_hf_tpu_sim", False)
+        assert not getattr(torch._TorchCompileInductorWrapper.__call__, "_hf_tpu_sim", False)
+    finally:
+        hf_tpu.sim.enable()
+    assert getattr(torch.compile, "_hf_tpu_sim", False)
+
+
+def _unet():
+    from diffusers import UNet2DModel
+
+    torch.manual_seed(0)
+    return UNet2DModel(
+        sample_size=16,
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+    ).eval()
+
+
+def test_compiled_unet_with_attention_matches_cpu():
+    """torch 2.13 hands native_group_norm a strided view in this graph (aot_eager fails on the CPU too); the
+    simulator's tpu backend must run it, as torch_tpu's compiler would."""
+    pytest.importorskip("diffusers")
+    unet = _unet()
+    x, t = torch.randn(1, 3, 16, 16), torch.tensor([10])
+    with torch.no_grad():
+        ref = unet(x, t).sample
+        unet.to("tpu")
+        out = torch.compile(unet, backend="tpu", fullgraph=True)(x.to("tpu"), t.to("tpu")).sample.cpu()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_group_norm_on_strided_views_forward_and_backward_match_cpu():
+    x = torch.randn(2, 6, 5, 4).permute(0, 1, 3, 2)  # not contiguous in any memory format the CPU kernel accepts
+    w, b = torch.randn(6), torch.randn(6)
+    xc = x.detach().requires_grad_()
+    ref = torch.ops.aten.native_group_norm(xc.contiguous(), w, b, 2, 6, 20, 3, 1e-5)[0]
+    ref.sum().backward()
+    xt = x.to("tpu").requires_grad_()
+    assert not xt.is_contiguous()  # .to() kept the strides
+    out = torch.ops.aten.native_group_norm(xt, w.to("tpu"), b.to("tpu"), 2, 6, 20, 3, 1e-5)[0]
+    out.sum().backward()
+    torch.testing.assert_close(out.cpu(), ref)
+    torch.testing.assert_close(xt.grad.cpu(), xc.grad)
