@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _timeouts import SAFETY_TIMEOUT_S
 from torch_tpu._internal import env_utils
 from torch_tpu._internal.distributed import distributed as tt_distributed
 from torch_tpu._internal.utils import hardware
@@ -151,7 +152,7 @@ def test_multi_host_env_and_refusals_equal_the_wheel(tmp_path):
         capture_output=True,
         text=True,
         check=False,
-        timeout=600,
+        timeout=SAFETY_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS="))

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+from _timeouts import SAFETY_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,7 +96,7 @@ def kill(proc: subprocess.Popen) -> str:
             child.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(descendants, timeout=30)
+    psutil.wait_procs(descendants, timeout=SAFETY_TIMEOUT_S)
     out, _ = proc.communicate()
     return out
 

@@ -298,19 +298,18 @@ def test_single_host_flags_left_out_get_torchrun_defaults(monkeypatch, tmp_path)
     assert "NODE_RANK" not in env and env["TORCH_TPU_TOPOLOGY"] == "2,2,1"
 
 
-@pytest.mark.timeout(300)
 def test_refused_count_and_missing_script_start_no_rank(tmp_path):
     script = tmp_path / "never_runs.py"
     script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
     code, out, _ = launch(
-        ["--simulate", "--nproc_per_node=2", str(script)], timeout=240, env={"HF_TPU_SIM_GENERATION": "v6e"}
+        ["--simulate", "--nproc_per_node=2", str(script)], timeout=SAFETY_TIMEOUT_S, env={"HF_TPU_SIM_GENERATION": "v6e"}
     )
     assert code == 2, out
     assert "2 process(es) per host on TPU v6e: torch_tpu runs v6e with 1, 4, 8" in out
     assert "Traceback" not in out and not (tmp_path / "ran").exists()
 
     missing = tmp_path / "missing.py"
-    code, out, _ = launch(["--simulate", "--nproc_per_node=2", str(missing)], timeout=240)
+    code, out, _ = launch(["--simulate", "--nproc_per_node=2", str(missing)], timeout=SAFETY_TIMEOUT_S)
     assert code == 2, out
     assert f"the script {missing} does not exist; no rank was started" in out
     assert "Traceback" not in out and "FileNotFoundError" not in out and len(out.strip().splitlines()) <= 3, out

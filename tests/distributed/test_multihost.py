@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from _launch_util import finish, kill, launch, processes_mentioning, start
+from _timeouts import SAFETY_TIMEOUT_S
 
 WORKER = "tests/distributed/_multihost_worker.py"
 HOSTS = "hostA,hostB"  # TPU_WORKER_HOSTNAMES, as a TPU VM sets it; --master_addr wins over its first entry
@@ -50,13 +51,12 @@ def _results(out) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
-@pytest.mark.timeout(900)
 def test_two_hosts_form_one_run_equal_to_one_host(tmp_path):
     two = tmp_path / "two_hosts"
     two.mkdir()
     procs = _start_hosts(two, "once")
     try:
-        outcomes = [finish(p, timeout=400) for p in procs]
+        outcomes = [finish(p, timeout=SAFETY_TIMEOUT_S) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -67,7 +67,7 @@ def test_two_hosts_form_one_run_equal_to_one_host(tmp_path):
 
     one = tmp_path / "one_host"
     one.mkdir()
-    code, log, _ = launch(["--simulate", "--nproc_per_node=4", WORKER, str(one)], timeout=400)
+    code, log, _ = launch(["--simulate", "--nproc_per_node=4", WORKER, str(one)], timeout=SAFETY_TIMEOUT_S)
     assert code == 0, log[-6000:]
 
     y, col_sums = _reference()
@@ -89,18 +89,17 @@ def test_two_hosts_form_one_run_equal_to_one_host(tmp_path):
         assert single["env"]["TORCH_TPU_TOPOLOGY"] == "2,2,1" and single["env"]["NNODES"] is None
 
 
-@pytest.mark.timeout(900)
 def test_a_dead_host_ends_the_other(tmp_path):
     procs = _start_hosts(tmp_path, "hang")
     try:
-        deadline = time.time() + 400
+        deadline = time.time() + SAFETY_TIMEOUT_S
         while not all((tmp_path / f"ready{r}").exists() for r in range(4)):
             for p in procs:
                 assert p.poll() is None, p.communicate()[0][-6000:]
             assert time.time() < deadline, "the 4 ranks did not start"
             time.sleep(0.5)
         kill(procs[1])  # host 1 dies: its launcher and ranks, at once
-        code, out = finish(procs[0], timeout=300)
+        code, out = finish(procs[0], timeout=SAFETY_TIMEOUT_S)
     finally:
         for p in procs:
             if p.poll() is None:
