@@ -17,7 +17,7 @@ import torch
 
 from hf_tpu.sim import _tensors
 from hf_tpu.sim._counters import STATE, SimStrictError
-from hf_tpu.sim._tensors import host_view, new_device_storage, rebind, wrap
+from hf_tpu.sim._tensors import HV_CACHE, host_view, new_device_storage, rebind, wrap
 
 __all__ = ["GENERATOR", "install"]
 
@@ -27,6 +27,7 @@ _empty = torch.empty
 _set_conj = torch._C._set_conj
 _set_neg = torch._C._set_neg
 _CPU_DEVICE = torch.device("cpu")
+_STRIDED = torch.strided
 
 # The device's random generator (torch_tpu keeps its own; torch.manual_seed seeds it through torch.tpu).
 GENERATOR = torch.Generator()
@@ -82,17 +83,46 @@ def _check_device(dev: torch.device, op: Any) -> None:
         )
 
 
+# How each argument of an op enters its eager signature (see "Shape signatures" in docs/simulator.md):
+_CONV = 0  # tensors (and tensor lists): their shapes and dtypes; a device or storage is converted, not keyed
+_BAKE = 1  # ints, int lists, bools, floats, strings, dtypes: their values (baked into the compiled program)
+_SCALAR = 2  # Scalar: a runtime input (torch_tpu promotes it to a tensor): its type, and its value if 0, 1 or -1
+_SKIP = 3  # generator, layout, memory format, pin_memory, non_blocking: no part of the program
+_SCALARS = 4  # Scalar[]: each one's type
+_SKIP_NAMES = frozenset({"pin_memory", "non_blocking", "memory_format", "generator", "layout", "device"})
+_SPECIAL_SCALARS = (0, 1, -1)
+# Ops whose float arguments torch_tpu also promotes to runtime values (its fused optimizer kernels list lr, betas,
+# weight_decay, eps, momentum, ... as promoted_*): a learning-rate schedule does not recompile the step.
+_PROMOTED_FLOAT_OPS = frozenset(
+    f"aten::_fused_{name}{suffix}" for name in ("adam", "adamw", "sgd", "adagrad") for suffix in ("", "_")
+)
+
+
+def _kind(op_name: str, name: str, t: str) -> int:
+    if any(k in t for k in ("Tensor", "Device", "Storage", "Any")):
+        return _CONV
+    if name in _SKIP_NAMES or any(k in t for k in ("Generator", "Layout", "MemoryFormat")):
+        return _SKIP
+    if t in ("number", "Optional[number]"):  # at::Scalar in TorchScript's spelling
+        return _SCALAR
+    if t in ("float", "Optional[float]") and op_name in _PROMOTED_FLOAT_OPS:
+        return _SCALAR
+    if t in ("List[number]", "Optional[List[number]]"):
+        return _SCALARS
+    return _BAKE
+
+
 class _OpInfo:
     __slots__ = (
         "allow_cpu",
         "call",
-        "conv_kw",
-        "conv_pos",
         "gen_index",
         "gen_kw",
         "handler",
         "has_device",
         "impl",
+        "kinds",
+        "kw_kinds",
         "mutable",
         "name",
         "sync",
@@ -106,14 +136,13 @@ class _OpInfo:
         self.gen_kw = False
         self.has_device = False
         self.allow_cpu = False
-        conv_pos, conv_kw = [], set()
+        kinds, kw_kinds = [], {}
         for i, a in enumerate(schema.arguments):
             t = str(a.type)
-            if any(k in t for k in ("Tensor", "Device", "Storage", "Any")):  # arguments that may need converting
-                if a.kwarg_only:
-                    conv_kw.add(a.name)
-                else:
-                    conv_pos.append(i)
+            if a.kwarg_only:
+                kw_kinds[a.name] = _kind(self.name, a.name, t)
+            else:
+                kinds.append(_kind(self.name, a.name, t))
             if a.name == "generator" and "Generator" in t:
                 self.gen_index, self.gen_kw = i, a.kwarg_only
             if "Device" in t:
@@ -123,8 +152,8 @@ class _OpInfo:
         self.handler = _HANDLERS.get(str(op)) or _HANDLERS.get(self.name)
         self.impl = _IMPLS.get(str(op)) or _IMPLS.get(self.name)
         self.sync = self.name in _DATA_DEPENDENT
-        self.conv_pos = tuple(conv_pos)
-        self.conv_kw = frozenset(conv_kw)
+        self.kinds = tuple(kinds)
+        self.kw_kinds = kw_kinds
         self.call = self.impl or op._op  # skip OpOverload.__call__'s Python frame
 
 
@@ -142,33 +171,43 @@ def host_sync(what: str) -> None:
 
 
 def _host(a: Tensor, op: Any, smap: dict, pairs: list, sig: list, reuse: bool) -> Tensor:
-    """The host view of device tensor ``a`` (recorded in ``smap``/``pairs``/``sig`` for this call)."""
+    """The host view of device tensor ``a`` (recorded in ``smap``/``pairs``/``sig`` for this call).
+
+    Host views are cached per device storage, keyed by (offset, sizes, strides, dtype), so that a weight or an
+    activation read by several ops (or by each forward) is viewed once. Ops that write their inputs get fresh
+    views, since they may change a view's metadata.
+    """
     try:
         ws = a.untyped_storage()
-        buf = ws._hf_buf
-    except AttributeError:
+        d = ws.__dict__
+        buf = d["_hf_buf"]
+    except (AttributeError, KeyError):
         raise _same_device_error(op, str(a.device)) from None
     except NotImplementedError:
         raise _layout_error(op, a) from None
-    hv = ws.__dict__.get("_hf_hv") if reuse else None
-    if (
-        hv is None
-        or hv.dtype != a.dtype
-        or hv.storage_offset() != a.storage_offset()
-        or hv.size() != a.size()
-        or hv.stride() != a.stride()
-        or a.is_conj()
-        or a.is_neg()
-    ):
-        hv = _empty((0,), dtype=a.dtype).set_(buf, a.storage_offset(), a.size(), a.stride())
-        if a.is_conj():
-            _set_conj(hv, True)
-        if a.is_neg():
-            _set_neg(hv, True)
+    size = a.size()
+    dtype = a.dtype
+    sig.append(size)
+    sig.append(dtype)
     smap[buf._cdata] = ws
+    if a.is_conj() or a.is_neg():
+        hv = _empty((0,), dtype=dtype).set_(buf, a.storage_offset(), size, a.stride())
+        _set_conj(hv, a.is_conj())
+        _set_neg(hv, a.is_neg())
+    elif reuse:
+        key = (a.storage_offset(), size, a.stride(), dtype)
+        hvs = d.get("_hf_hvs")
+        if hvs is None:
+            hvs = d["_hf_hvs"] = {}
+        hv = hvs.get(key)
+        if hv is None:
+            hv = _empty((0,), dtype=dtype).set_(buf, key[0], size, key[2])
+            if len(hvs) >= HV_CACHE:
+                hvs.clear()
+            hvs[key] = hv
+    else:
+        hv = _empty((0,), dtype=dtype).set_(buf, a.storage_offset(), size, a.stride())
     pairs.append((hv, a))
-    sig.append(a.shape)
-    sig.append(a.dtype)
     return hv
 
 
@@ -184,7 +223,7 @@ def _cpu_tensor(a: Tensor, op: Any, allow_cpu: bool, sig: list) -> Tensor:
 
 
 def _convert(a: Any, op: Any, info: _OpInfo, smap: dict, pairs: list, sig: list, flags: list) -> Any:
-    """One argument of an op: device tensors become host views, the tpu device becomes the CPU."""
+    """One tensor-like argument of an op: device tensors become host views, the tpu device becomes the CPU."""
     if isinstance(a, Tensor):
         if a.is_cpu:
             return _cpu_tensor(a, op, info.allow_cpu, sig)
@@ -198,6 +237,7 @@ def _convert(a: Any, op: Any, info: _OpInfo, smap: dict, pairs: list, sig: list,
                 else x
                 for x in a
             )
+        sig.append(len(a))
         return a
     if isinstance(a, torch.device):
         if a.type == "cpu":
@@ -209,24 +249,46 @@ def _convert(a: Any, op: Any, info: _OpInfo, smap: dict, pairs: list, sig: list,
         buf = a._hf_buf
         smap[buf._cdata] = a
         return buf
+    if isinstance(a, (int, float, complex)):  # a 0-dim "wrapped number" tensor reaches Python as a number
+        flags[1] = True
+        sig.append(a.__class__)  # a runtime value, like any scalar tensor
+    else:
+        sig.append(a)  # None
     return a
+
+
+def _keyed(a: Any, kind: int, sig: list) -> None:
+    """Add non-tensor argument ``a`` of kind ``_BAKE`` or ``_SCALAR`` to the signature ``sig``."""
+    if kind == _BAKE:
+        sig.append(tuple(a) if a.__class__ is list else a)
+    elif kind == _SCALAR:
+        sig.append((a.__class__, a) if a in _SPECIAL_SCALARS else a.__class__)
+    elif kind == _SCALARS:
+        sig.append(None if a is None else tuple(x.__class__ for x in a))
+
+
+def _wrap_one(r: Tensor, op: Any, smap: dict, pairs: list) -> Tensor:
+    for hv, w in pairs:
+        if r is hv:
+            return w
+    if r.layout != _STRIDED:
+        raise _layout_error(op, r)
+    cs = r.untyped_storage()
+    ws = smap.get(cs._cdata)
+    if ws is None or ws.data_ptr() != cs.data_ptr() or ws.nbytes() != cs.nbytes():
+        ws = new_device_storage(cs, op)
+        smap[cs._cdata] = ws
+    return wrap(ws, r)
 
 
 def _wrap_result(r: Any, op: Any, smap: dict, pairs: list, cpu_out: bool) -> Any:
     if isinstance(r, Tensor):
-        for hv, w in pairs:
-            if r is hv:
-                return w
         if cpu_out or not r.is_cpu:
+            for hv, w in pairs:
+                if r is hv:
+                    return w
             return r
-        if r.layout != torch.strided:
-            raise _layout_error(op, r)
-        cs = r.untyped_storage()
-        ws = smap.get(cs._cdata)
-        if ws is None or ws.data_ptr() != cs.data_ptr() or ws.nbytes() != cs.nbytes():
-            ws = new_device_storage(cs, op)
-            smap[cs._cdata] = ws
-        return wrap(ws, r)
+        return _wrap_one(r, op, smap, pairs)
     if isinstance(r, (tuple, list)):
         return type(r)(_wrap_result(x, op, smap, pairs, cpu_out) for x in r)
     return r
@@ -256,25 +318,56 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     return _generic(op, info, args, kwargs)
 
 
+def _count(sig: list, out: Any) -> None:
+    """Count one eager op and, if its signature (``sig`` plus the output shapes) is new, one shape signature."""
+    STATE.ops += 1
+    if STATE.in_graph:
+        return
+    if isinstance(out, Tensor):
+        sig.append(out.shape)
+        sig.append(out.dtype)
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, Tensor):
+                sig.append(o.shape)
+                sig.append(o.dtype)
+    key = tuple(sig)
+    seen = STATE.seen
+    if key not in seen:
+        seen.add(key)
+        STATE.shape_signatures += 1
+
+
 def _generic(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
     smap: dict = {}
     pairs: list = []
     sig: list = [info]
-    flags = [False]
+    flags = [False, False]  # [explicit CPU output, a Python number stands for a tensor argument]
     cargs = list(args)
-    n = len(cargs)
-    for i in info.conv_pos:
-        if i < n:
-            a = cargs[i]
+    kinds = info.kinds
+    reuse = not info.mutable
+    for i, a in enumerate(args):
+        kind = kinds[i]
+        if kind == _CONV:
             if isinstance(a, Tensor) and not a.is_cpu:  # the common case, inlined
-                cargs[i] = _host(a, op, smap, pairs, sig, not info.mutable)
+                cargs[i] = _host(a, op, smap, pairs, sig, reuse)
             else:
                 cargs[i] = _convert(a, op, info, smap, pairs, sig, flags)
+        elif kind == _BAKE:
+            sig.append(tuple(a) if a.__class__ is list else a)
+        elif kind != _SKIP:
+            _keyed(a, kind, sig)
     if kwargs:
-        conv_kw = info.conv_kw
-        ckwargs = {
-            k: (_convert(v, op, info, smap, pairs, sig, flags) if k in conv_kw else v) for k, v in kwargs.items()
-        }
+        kw_kinds = info.kw_kinds
+        ckwargs = {}
+        for k, v in kwargs.items():
+            kind = kw_kinds.get(k, _BAKE)
+            if kind == _CONV:
+                v = _convert(v, op, info, smap, pairs, sig, flags)
+            elif kind != _SKIP:
+                sig.append(k)
+                _keyed(v, kind, sig)
+            ckwargs[k] = v
     else:
         ckwargs = {}
     if info.gen_index >= 0:
@@ -283,31 +376,30 @@ def _generic(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
                 ckwargs["generator"] = GENERATOR
         elif cargs[info.gen_index] is None:
             cargs[info.gen_index] = GENERATOR
-    STATE.ops += 1
-    if not STATE.in_graph:
-        key = tuple(sig)
-        seen = STATE.seen
-        if key not in seen:
-            seen.add(key)
-            STATE.shape_signatures += 1
     if info.sync:
         host_sync(f"{info.name} has a data-dependent output shape")
     try:
-        out = info.call(*cargs, **ckwargs)
+        if flags[1] and info.impl is None:
+            # A wrapped number passed as a plain number: the overload packet picks the Scalar overload, which
+            # has the same type promotion as the wrapped number.
+            out = op._overloadpacket(*cargs, **ckwargs)
+        else:
+            out = info.call(*cargs, **ckwargs)
     except NotImplementedError as e:
         raise NotImplementedError(f"{op} is not supported on the simulated tpu device: {e}") from None
     except RuntimeError as e:
-        # A 0-dim "wrapped number" tensor argument reaches Python as a plain number; the overload packet then
-        # picks the Scalar overload, which has the same type promotion as the wrapped number.
         if info.impl is not None or "Expected a value of type" not in str(e):
             raise
         out = op._overloadpacket(*cargs, **ckwargs)
     if info.mutable:
         _write_back(op, smap, pairs)
-    if isinstance(out, Tensor):
-        return _wrap_result(out, op, smap, pairs, flags[0])
+    _count(sig, out)
+    if out.__class__ is Tensor and not flags[0]:  # the common case: one fresh or aliased tensor
+        if out.is_cpu:
+            return _wrap_one(out, op, smap, pairs)
+        return out
     res = _wrap_result(out, op, smap, pairs, flags[0])
-    if out is not None and not isinstance(out, (tuple, list)) and info.name not in _METADATA_RESULT:
+    if out is not None and not isinstance(out, (tuple, list, Tensor)) and info.name not in _METADATA_RESULT:
         host_sync(f"{info.name} returns a Python value computed on the device")
     return res
 
@@ -338,11 +430,7 @@ def _copy_(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
         dhv.copy_(src, non_blocking)
         return dst
     shv = _host_view_or_error(src, op)
-    STATE.ops += 1
-    key = (op, dst.shape, dst.dtype, src.shape, src.dtype)
-    if key not in STATE.seen:
-        STATE.seen.add(key)
-        STATE.shape_signatures += 1
+    _count([info, src.shape, src.dtype], dst)  # non_blocking is no part of the program (nor of torch_tpu's key)
     dhv.copy_(shv, non_blocking)
     return dst
 

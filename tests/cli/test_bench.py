@@ -125,7 +125,6 @@ def test_a_wrapper_runs_its_own_benchmark():
 def test_quick_runs_end_to_end_with_consistent_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = bench_cli("sim_forward", "training", "--quick", "--simulate", "--json", str(out), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ratio sim/cpu" in proc.stdout and "compiles/step" in proc.stdout  # the tables were printed
     report = json.loads(out.read_text())
     assert report["quick"] is True and report["versions"]["torch"]
@@ -133,8 +132,13 @@ def test_quick_runs_end_to_end_with_consistent_json(tmp_path):
     assert set(results) == {"sim_forward", "training"}
 
     fwd = results["sim_forward"]
-    assert fwd["status"] == "ok" and fwd["runtime"]["mode"] == "simulated"
+    # the 2x overhead target depends on the machine: a miss is reported ("missed", exit 1), never asserted here
+    met = fwd["figures"]["targets_met"]
+    assert fwd["status"] == ("ok" if met else "targets missed") and fwd["runtime"]["mode"] == "simulated"
+    assert proc.returncode == (0 if met else 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     (size,) = fwd["figures"]["sizes"]  # --quick: one size
+    assert size["met"] == (size["ratio"] <= fwd["figures"]["target"]) and met == size["met"]
+    assert ("missed" in proc.stdout) == (not met)
     assert size["iters"] == fwd["options"]["iters"] == benchmarks.load("sim_forward").QUICK["iters"]
     assert size["cpu_ms"] > 0 and size["tpu_ms"] > 0 and is_count(size["device_ops"]) and size["device_ops"] > 0
     assert math.isclose(size["ratio"], size["tpu_ms"] / size["cpu_ms"], rel_tol=1e-9)
