@@ -218,6 +218,7 @@ def _cpu_tensor(a: Tensor, op: Any, allow_cpu: bool, sig: list) -> Tensor:
         STATE.h2d_copies += 1
         STATE.h2d_bytes += a.numel() * a.element_size()
     sig.append(a.shape)
+    sig.append(a.dtype)
     sig.append("cpu")
     return a
 
