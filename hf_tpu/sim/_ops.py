@@ -17,6 +17,7 @@ import torch
 
 from hf_tpu.sim import _tensors
 from hf_tpu.sim._counters import STATE, SimStrictError
+from hf_tpu.sim._signature import BAKE, CONV, SKIP, count, keyed, kind
 from hf_tpu.sim._tensors import HV_CACHE, host_view, new_device_storage, rebind, wrap
 
 __all__ = ["GENERATOR", "install"]
@@ -83,35 +84,6 @@ def _check_device(dev: torch.device, op: Any) -> None:
         )
 
 
-# How each argument of an op enters its eager signature (see "Shape signatures" in docs/simulator.md):
-_CONV = 0  # tensors (and tensor lists): their shapes and dtypes; a device or storage is converted, not keyed
-_BAKE = 1  # ints, int lists, bools, floats, strings, dtypes: their values (baked into the compiled program)
-_SCALAR = 2  # Scalar: a runtime input (torch_tpu promotes it to a tensor): its type, and its value if 0, 1 or -1
-_SKIP = 3  # generator, layout, memory format, pin_memory, non_blocking: no part of the program
-_SCALARS = 4  # Scalar[]: each one's type
-_SKIP_NAMES = frozenset({"pin_memory", "non_blocking", "memory_format", "generator", "layout", "device"})
-_SPECIAL_SCALARS = (0, 1, -1)
-# Ops whose float arguments torch_tpu also promotes to runtime values (its fused optimizer kernels list lr, betas,
-# weight_decay, eps, momentum, ... as promoted_*): a learning-rate schedule does not recompile the step.
-_PROMOTED_FLOAT_OPS = frozenset(
-    f"aten::_fused_{name}{suffix}" for name in ("adam", "adamw", "sgd", "adagrad") for suffix in ("", "_")
-)
-
-
-def _kind(op_name: str, name: str, t: str) -> int:
-    if any(k in t for k in ("Tensor", "Device", "Storage", "Any")):
-        return _CONV
-    if name in _SKIP_NAMES or any(k in t for k in ("Generator", "Layout", "MemoryFormat")):
-        return _SKIP
-    if t in ("number", "Optional[number]"):  # at::Scalar in TorchScript's spelling
-        return _SCALAR
-    if t in ("float", "Optional[float]") and op_name in _PROMOTED_FLOAT_OPS:
-        return _SCALAR
-    if t in ("List[number]", "Optional[List[number]]"):
-        return _SCALARS
-    return _BAKE
-
-
 class _OpInfo:
     __slots__ = (
         "allow_cpu",
@@ -140,9 +112,9 @@ class _OpInfo:
         for i, a in enumerate(schema.arguments):
             t = str(a.type)
             if a.kwarg_only:
-                kw_kinds[a.name] = _kind(self.name, a.name, t)
+                kw_kinds[a.name] = kind(self.name, a.name, t)
             else:
-                kinds.append(_kind(self.name, a.name, t))
+                kinds.append(kind(self.name, a.name, t))
             if a.name == "generator" and "Generator" in t:
                 self.gen_index, self.gen_kw = i, a.kwarg_only
             if "Device" in t:
@@ -258,16 +230,6 @@ def _convert(a: Any, op: Any, info: _OpInfo, smap: dict, pairs: list, sig: list,
     return a
 
 
-def _keyed(a: Any, kind: int, sig: list) -> None:
-    """Add non-tensor argument ``a`` of kind ``_BAKE`` or ``_SCALAR`` to the signature ``sig``."""
-    if kind == _BAKE:
-        sig.append(tuple(a) if a.__class__ is list else a)
-    elif kind == _SCALAR:
-        sig.append((a.__class__, a) if a in _SPECIAL_SCALARS else a.__class__)
-    elif kind == _SCALARS:
-        sig.append(None if a is None else tuple(x.__class__ for x in a))
-
-
 def _wrap_one(r: Tensor, op: Any, smap: dict, pairs: list) -> Tensor:
     for hv, w in pairs:
         if r is hv:
@@ -319,26 +281,6 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     return _generic(op, info, args, kwargs)
 
 
-def _count(sig: list, out: Any) -> None:
-    """Count one eager op and, if its signature (``sig`` plus the output shapes) is new, one shape signature."""
-    STATE.ops += 1
-    if STATE.in_graph:
-        return
-    if isinstance(out, Tensor):
-        sig.append(out.shape)
-        sig.append(out.dtype)
-    elif isinstance(out, (tuple, list)):
-        for o in out:
-            if isinstance(o, Tensor):
-                sig.append(o.shape)
-                sig.append(o.dtype)
-    key = tuple(sig)
-    seen = STATE.seen
-    if key not in seen:
-        seen.add(key)
-        STATE.shape_signatures += 1
-
-
 def _generic(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
     smap: dict = {}
     pairs: list = []
@@ -348,26 +290,26 @@ def _generic(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
     kinds = info.kinds
     reuse = not info.mutable
     for i, a in enumerate(args):
-        kind = kinds[i]
-        if kind == _CONV:
+        how = kinds[i]
+        if how == CONV:
             if isinstance(a, Tensor) and not a.is_cpu:  # the common case, inlined
                 cargs[i] = _host(a, op, smap, pairs, sig, reuse)
             else:
                 cargs[i] = _convert(a, op, info, smap, pairs, sig, flags)
-        elif kind == _BAKE:
+        elif how == BAKE:
             sig.append(tuple(a) if a.__class__ is list else a)
-        elif kind != _SKIP:
-            _keyed(a, kind, sig)
+        elif how != SKIP:
+            keyed(a, how, sig)
     if kwargs:
         kw_kinds = info.kw_kinds
         ckwargs = {}
         for k, v in kwargs.items():
-            kind = kw_kinds.get(k, _BAKE)
-            if kind == _CONV:
+            how = kw_kinds.get(k, BAKE)
+            if how == CONV:
                 v = _convert(v, op, info, smap, pairs, sig, flags)
-            elif kind != _SKIP:
+            elif how != SKIP:
                 sig.append(k)
-                _keyed(v, kind, sig)
+                keyed(v, how, sig)
             ckwargs[k] = v
     else:
         ckwargs = {}
@@ -394,7 +336,7 @@ def _generic(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
         out = op._overloadpacket(*cargs, **ckwargs)
     if info.mutable:
         _write_back(op, smap, pairs)
-    _count(sig, out)
+    count(sig, out)
     if out.__class__ is Tensor and not flags[0]:  # the common case: one fresh or aliased tensor
         if out.is_cpu:
             return _wrap_one(out, op, smap, pairs)
@@ -431,7 +373,7 @@ def _copy_(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
         dhv.copy_(src, non_blocking)
         return dst
     shv = _host_view_or_error(src, op)
-    _count([info, src.shape, src.dtype], dst)  # non_blocking is no part of the program (nor of torch_tpu's key)
+    count([info, src.shape, src.dtype], dst)  # non_blocking is no part of the program (nor of torch_tpu's key)
     dhv.copy_(shv, non_blocking)
     return dst
 

@@ -42,10 +42,8 @@ class _Allocation:
         st = STATE
         live = st.live_bytes + nbytes
         st.live_bytes = live
-        if live > st.peak_bytes:
-            st.peak_bytes = live
-        if live > st.window_peak:
-            st.window_peak = live
+        st.peak_bytes = max(st.peak_bytes, live)
+        st.window_peak = max(st.window_peak, live)
 
     def __del__(self) -> None:
         STATE.live_bytes -= self.nbytes
