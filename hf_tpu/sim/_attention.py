@@ -23,11 +23,12 @@ _LIB: torch.library.Library | None = None
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
-def _count(*tensors: torch.Tensor | None) -> None:
+def _count(*tensors: torch.Tensor | None, params: tuple = ()) -> None:
     STATE.ops += 1
     if STATE.in_graph:
         return
-    key = ("sdpa", *((t.shape, t.dtype) for t in tensors if t is not None))
+    # is_causal and scale are in torch_tpu's cache key for its flash attention (see docs/simulator.md)
+    key = ("sdpa", *((t.shape, t.dtype) for t in tensors if t is not None), *params)
     if key not in STATE.seen:
         STATE.seen.add(key)
         STATE.shape_signatures += 1
@@ -45,7 +46,7 @@ class _CpuSdpa(torch.autograd.Function):
         scale: float | None,
         enable_gqa: bool,
     ) -> torch.Tensor:
-        _count(q, k, v, mask)
+        _count(q, k, v, mask, params=(is_causal, scale, enable_gqa))
         inputs = [host_view(t).detach() for t in (q, k, v)]
         hmask = host_view(mask).detach() if mask is not None else None
         needs = ctx.needs_input_grad

@@ -44,7 +44,7 @@ class _State:
         self.live_bytes = 0
         self.peak_bytes = 0  # since start or reset_peak()
         self.window_peak = 0  # peak since the innermost open stats() block began
-        self.seen: set = set()  # eager (op, shapes, dtypes) signatures seen by this process
+        self.seen: set = set()  # eager op signatures seen by this process (see _signature.py)
         self.strict_syncs = 0  # depth of strict(host_syncs=True) blocks
         self.strict_compiles = 0
         self.hbm_bytes = 0
@@ -74,7 +74,8 @@ class Stats:
     - ``h2d_copies`` / ``h2d_bytes``: host→device transfers; ``d2h_copies`` / ``d2h_bytes``: device→host.
     - ``host_syncs``: points where the host waited for a device value (``.item()``, ``.tolist()``, printing,
       ``.cpu()``, data-dependent shapes such as ``nonzero``).
-    - ``shape_signatures``: eager (op, shapes, dtypes) signatures this process had never run before; torch_tpu
+    - ``shape_signatures``: eager op signatures (the op, its tensors' and outputs' shapes and dtypes, and the
+      non-tensor arguments torch_tpu compiles in) this process had never run before; torch_tpu
       compiles each of them once, so this is the eager-mode compile count.
     - ``ops``: device ops executed eagerly.
     - ``live_bytes``: device memory in use at the end; ``peak_bytes``: the most in use during the block.

@@ -17,7 +17,8 @@ import torch
 
 from hf_tpu.sim import _precision, _tensors
 from hf_tpu.sim._counters import STATE, SimStrictError
-from hf_tpu.sim._tensors import host_view, new_device_storage, rebind, wrap
+from hf_tpu.sim._signature import BAKE, CONV, SKIP, count, keyed, kind
+from hf_tpu.sim._tensors import HV_CACHE, host_view, new_device_storage, rebind, wrap
 
 __all__ = ["GENERATOR", "install"]
 
@@ -27,6 +28,7 @@ _empty = torch.empty
 _set_conj = torch._C._set_conj
 _set_neg = torch._C._set_neg
 _CPU_DEVICE = torch.device("cpu")
+_STRIDED = torch.strided
 
 # The device's random generator (torch_tpu keeps its own; torch.manual_seed seeds it through torch.tpu).
 GENERATOR = torch.Generator()
@@ -86,13 +88,13 @@ class _OpInfo:
     __slots__ = (
         "allow_cpu",
         "call",
-        "conv_kw",
-        "conv_pos",
         "gen_index",
         "gen_kw",
         "handler",
         "has_device",
         "impl",
+        "kinds",
+        "kw_kinds",
         "mutable",
         "name",
         "sync",
@@ -106,14 +108,13 @@ class _OpInfo:
         self.gen_kw = False
         self.has_device = False
         self.allow_cpu = False
-        conv_pos, conv_kw = [], set()
+        kinds, kw_kinds = [], {}
         for i, a in enumerate(schema.arguments):
             t = str(a.type)
-            if any(k in t for k in ("Tensor", "Device", "Storage", "Any")):  # arguments that may need converting
-                if a.kwarg_only:
-                    conv_kw.add(a.name)
-                else:
-                    conv_pos.append(i)
+            if a.kwarg_only:
+                kw_kinds[a.name] = kind(self.name, a.name, t)
+            else:
+                kinds.append(kind(self.name, a.name, t))
             if a.name == "generator" and "Generator" in t:
                 self.gen_index, self.gen_kw = i, a.kwarg_only
             if "Device" in t:
@@ -123,8 +124,8 @@ class _OpInfo:
         self.handler = _HANDLERS.get(str(op)) or _HANDLERS.get(self.name)
         self.impl = _IMPLS.get(str(op)) or _IMPLS.get(self.name)
         self.sync = self.name in _DATA_DEPENDENT
-        self.conv_pos = tuple(conv_pos)
-        self.conv_kw = frozenset(conv_kw)
+        self.kinds = tuple(kinds)
+        self.kw_kinds = kw_kinds
         self.call = self.impl or op._op  # skip OpOverload.__call__'s Python frame
 
 
@@ -142,33 +143,43 @@ def host_sync(what: str) -> None:
 
 
 def _host(a: Tensor, op: Any, smap: dict, pairs: list, sig: list, reuse: bool) -> Tensor:
-    """The host view of device tensor ``a`` (recorded in ``smap``/``pairs``/``sig`` for this call)."""
+    """The host view of device tensor ``a`` (recorded in ``smap``/``pairs``/``sig`` for this call).
+
+    Host views are cached per device storage, keyed by (offset, sizes, strides, dtype), so that a weight or an
+    activation read by several ops (or by each forward) is viewed once. Ops that write their inputs get fresh
+    views, since they may change a view's metadata.
+    """
     try:
         ws = a.untyped_storage()
-        buf = ws._hf_buf
-    except AttributeError:
+        d = ws.__dict__
+        buf = d["_hf_buf"]
+    except (AttributeError, KeyError):
         raise _same_device_error(op, str(a.device)) from None
     except NotImplementedError:
         raise _layout_error(op, a) from None
-    hv = ws.__dict__.get("_hf_hv") if reuse else None
-    if (
-        hv is None
-        or hv.dtype != a.dtype
-        or hv.storage_offset() != a.storage_offset()
-        or hv.size() != a.size()
-        or hv.stride() != a.stride()
-        or a.is_conj()
-        or a.is_neg()
-    ):
-        hv = _empty((0,), dtype=a.dtype).set_(buf, a.storage_offset(), a.size(), a.stride())
-        if a.is_conj():
-            _set_conj(hv, True)
-        if a.is_neg():
-            _set_neg(hv, True)
+    size = a.size()
+    dtype = a.dtype
+    sig.append(size)
+    sig.append(dtype)
     smap[buf._cdata] = ws
+    if a.is_conj() or a.is_neg():
+        hv = _empty((0,), dtype=dtype).set_(buf, a.storage_offset(), size, a.stride())
+        _set_conj(hv, a.is_conj())
+        _set_neg(hv, a.is_neg())
+    elif reuse:
+        key = (a.storage_offset(), size, a.stride(), dtype)
+        hvs = d.get("_hf_hvs")
+        if hvs is None:
+            hvs = d["_hf_hvs"] = {}
+        hv = hvs.get(key)
+        if hv is None:
+            hv = _empty((0,), dtype=dtype).set_(buf, key[0], size, key[2])
+            if len(hvs) >= HV_CACHE:
+                hvs.clear()
+            hvs[key] = hv
+    else:
+        hv = _empty((0,), dtype=dtype).set_(buf, a.storage_offset(), size, a.stride())
     pairs.append((hv, a))
-    sig.append(a.shape)
-    sig.append(a.dtype)
     return hv
 
 
@@ -179,12 +190,13 @@ def _cpu_tensor(a: Tensor, op: Any, allow_cpu: bool, sig: list) -> Tensor:
         STATE.h2d_copies += 1
         STATE.h2d_bytes += a.numel() * a.element_size()
     sig.append(a.shape)
+    sig.append(a.dtype)
     sig.append("cpu")
     return a
 
 
 def _convert(a: Any, op: Any, info: _OpInfo, smap: dict, pairs: list, sig: list, flags: list) -> Any:
-    """One argument of an op: device tensors become host views, the tpu device becomes the CPU."""
+    """One tensor-like argument of an op: device tensors become host views, the tpu device becomes the CPU."""
     if isinstance(a, Tensor):
         if a.is_cpu:
             return _cpu_tensor(a, op, info.allow_cpu, sig)
@@ -198,6 +210,7 @@ def _convert(a: Any, op: Any, info: _OpInfo, smap: dict, pairs: list, sig: list,
                 else x
                 for x in a
             )
+        sig.append(len(a))
         return a
     if isinstance(a, torch.device):
         if a.type == "cpu":
@@ -209,24 +222,36 @@ def _convert(a: Any, op: Any, info: _OpInfo, smap: dict, pairs: list, sig: list,
         buf = a._hf_buf
         smap[buf._cdata] = a
         return buf
+    if isinstance(a, (int, float, complex)):  # a 0-dim "wrapped number" tensor reaches Python as a number
+        flags[1] = True
+        sig.append(a.__class__)  # a runtime value, like any scalar tensor
+    else:
+        sig.append(a)  # None
     return a
+
+
+def _wrap_one(r: Tensor, op: Any, smap: dict, pairs: list) -> Tensor:
+    for hv, w in pairs:
+        if r is hv:
+            return w
+    if r.layout != _STRIDED:
+        raise _layout_error(op, r)
+    cs = r.untyped_storage()
+    ws = smap.get(cs._cdata)
+    if ws is None or ws.data_ptr() != cs.data_ptr() or ws.nbytes() != cs.nbytes():
+        ws = new_device_storage(cs, op)
+        smap[cs._cdata] = ws
+    return wrap(ws, r)
 
 
 def _wrap_result(r: Any, op: Any, smap: dict, pairs: list, cpu_out: bool) -> Any:
     if isinstance(r, Tensor):
-        for hv, w in pairs:
-            if r is hv:
-                return w
         if cpu_out or not r.is_cpu:
+            for hv, w in pairs:
+                if r is hv:
+                    return w
             return r
-        if r.layout != torch.strided:
-            raise _layout_error(op, r)
-        cs = r.untyped_storage()
-        ws = smap.get(cs._cdata)
-        if ws is None or ws.data_ptr() != cs.data_ptr() or ws.nbytes() != cs.nbytes():
-            ws = new_device_storage(cs, op)
-            smap[cs._cdata] = ws
-        return wrap(ws, r)
+        return _wrap_one(r, op, smap, pairs)
     if isinstance(r, (tuple, list)):
         return type(r)(_wrap_result(x, op, smap, pairs, cpu_out) for x in r)
     return r
@@ -260,21 +285,32 @@ def _generic(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
     smap: dict = {}
     pairs: list = []
     sig: list = [info]
-    flags = [False]
+    flags = [False, False]  # [explicit CPU output, a Python number stands for a tensor argument]
     cargs = list(args)
-    n = len(cargs)
-    for i in info.conv_pos:
-        if i < n:
-            a = cargs[i]
+    kinds = info.kinds
+    reuse = not info.mutable
+    for i, a in enumerate(args):
+        how = kinds[i]
+        if how == CONV:
             if isinstance(a, Tensor) and not a.is_cpu:  # the common case, inlined
-                cargs[i] = _host(a, op, smap, pairs, sig, not info.mutable)
+                cargs[i] = _host(a, op, smap, pairs, sig, reuse)
             else:
                 cargs[i] = _convert(a, op, info, smap, pairs, sig, flags)
+        elif how == BAKE:
+            sig.append(tuple(a) if a.__class__ is list else a)
+        elif how != SKIP:
+            keyed(a, how, sig)
     if kwargs:
-        conv_kw = info.conv_kw
-        ckwargs = {
-            k: (_convert(v, op, info, smap, pairs, sig, flags) if k in conv_kw else v) for k, v in kwargs.items()
-        }
+        kw_kinds = info.kw_kinds
+        ckwargs = {}
+        for k, v in kwargs.items():
+            how = kw_kinds.get(k, BAKE)
+            if how == CONV:
+                v = _convert(v, op, info, smap, pairs, sig, flags)
+            elif how != SKIP:
+                sig.append(k)
+                keyed(v, how, sig)
+            ckwargs[k] = v
     else:
         ckwargs = {}
     if info.gen_index >= 0:
@@ -283,31 +319,30 @@ def _generic(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
                 ckwargs["generator"] = GENERATOR
         elif cargs[info.gen_index] is None:
             cargs[info.gen_index] = GENERATOR
-    STATE.ops += 1
-    if not STATE.in_graph:
-        key = tuple(sig)
-        seen = STATE.seen
-        if key not in seen:
-            seen.add(key)
-            STATE.shape_signatures += 1
     if info.sync:
         host_sync(f"{info.name} has a data-dependent output shape")
     try:
-        out = info.call(*cargs, **ckwargs)
+        if flags[1] and info.impl is None:
+            # A wrapped number passed as a plain number: the overload packet picks the Scalar overload, which
+            # has the same type promotion as the wrapped number.
+            out = op._overloadpacket(*cargs, **ckwargs)
+        else:
+            out = info.call(*cargs, **ckwargs)
     except NotImplementedError as e:
         raise NotImplementedError(f"{op} is not supported on the simulated tpu device: {e}") from None
     except RuntimeError as e:
-        # A 0-dim "wrapped number" tensor argument reaches Python as a plain number; the overload packet then
-        # picks the Scalar overload, which has the same type promotion as the wrapped number.
         if info.impl is not None or "Expected a value of type" not in str(e):
             raise
         out = op._overloadpacket(*cargs, **ckwargs)
     if info.mutable:
         _write_back(op, smap, pairs)
-    if isinstance(out, Tensor):
-        return _wrap_result(out, op, smap, pairs, flags[0])
+    count(sig, out)
+    if out.__class__ is Tensor and not flags[0]:  # the common case: one fresh or aliased tensor
+        if out.is_cpu:
+            return _wrap_one(out, op, smap, pairs)
+        return out
     res = _wrap_result(out, op, smap, pairs, flags[0])
-    if out is not None and not isinstance(out, (tuple, list)) and info.name not in _METADATA_RESULT:
+    if out is not None and not isinstance(out, (tuple, list, Tensor)) and info.name not in _METADATA_RESULT:
         host_sync(f"{info.name} returns a Python value computed on the device")
     return res
 
@@ -338,11 +373,7 @@ def _copy_(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
         dhv.copy_(src, non_blocking)
         return dst
     shv = _host_view_or_error(src, op)
-    STATE.ops += 1
-    key = (op, dst.shape, dst.dtype, src.shape, src.dtype)
-    if key not in STATE.seen:
-        STATE.seen.add(key)
-        STATE.shape_signatures += 1
+    count([info, src.shape, src.dtype], dst)  # non_blocking is no part of the program (nor of torch_tpu's key)
     dhv.copy_(shv, non_blocking)
     return dst
 

@@ -25,6 +25,7 @@ _empty = torch.empty
 _set_conj = torch._C._set_conj
 _set_neg = torch._C._set_neg
 _DEVICE: torch.device | None = None  # torch.device("tpu", 0), set once the backend is renamed
+HV_CACHE = 16  # host views cached per device storage, keyed by (offset, sizes, strides, dtype)
 
 
 def _fmt(n: int) -> str:
@@ -38,10 +39,11 @@ class _Allocation:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        live = STATE.live_bytes + nbytes
-        STATE.live_bytes = live
-        STATE.peak_bytes = max(STATE.peak_bytes, live)
-        STATE.window_peak = max(STATE.window_peak, live)
+        st = STATE
+        live = st.live_bytes + nbytes
+        st.live_bytes = live
+        st.peak_bytes = max(st.peak_bytes, live)
+        st.window_peak = max(st.window_peak, live)
 
     def __del__(self) -> None:
         STATE.live_bytes -= self.nbytes
@@ -66,28 +68,36 @@ def new_device_storage(cpu_storage: torch.UntypedStorage, what: object = "an op"
     if STATE.hbm_bytes and STATE.live_bytes + nbytes > STATE.hbm_bytes:
         check_oom(nbytes, what)
     ws = _from_ptr(cpu_storage.data_ptr(), _DEVICE, nbytes)
-    ws._hf_buf = cpu_storage
-    ws._hf_alloc = _Allocation(nbytes)
+    d = ws.__dict__
+    d["_hf_buf"] = cpu_storage
+    d["_hf_alloc"] = _Allocation(nbytes)
     return ws
 
 
 def wrap(ws: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
-    """A new device tensor over device storage ``ws`` with ``like``'s dtype, sizes, strides and offset."""
-    w = _create((0,), like.dtype)
-    _set_storage(_CPU, w, ws, like.storage_offset(), like.size(), like.stride())
-    if like.is_conj():
-        _set_conj(w, True)
-    if like.is_neg():
-        _set_neg(w, True)
+    """A new device tensor over device storage ``ws`` with ``like``'s dtype, sizes, strides and offset.
+
+    ``like`` (a CPU tensor over ``ws``'s memory) is kept as a cached host view of ``ws`` (see ``_ops._host``).
+    """
+    dtype = like.dtype
+    offset, size, stride = like.storage_offset(), like.size(), like.stride()
+    w = _create((0,), dtype)
+    _set_storage(_CPU, w, ws, offset, size, stride)
+    if like.is_conj() or like.is_neg():
+        _set_conj(w, like.is_conj())
+        _set_neg(w, like.is_neg())
     else:
-        ws._hf_hv = like  # the host view of w, reused while w's metadata still matches it
+        hvs = ws.__dict__.get("_hf_hvs")
+        if hvs is None:
+            ws._hf_hvs = {(offset, size, stride, dtype): like}
+        elif len(hvs) < HV_CACHE:
+            hvs[(offset, size, stride, dtype)] = like
     return w
 
 
 def rebind(w: torch.Tensor, ws: torch.UntypedStorage, like: torch.Tensor) -> None:
     """Point existing device tensor ``w`` at ``ws`` with ``like``'s metadata (in-place ops, ``out=``, resize)."""
     _set_storage(_CPU, w, ws, like.storage_offset(), like.size(), like.stride())
-    ws._hf_hv = None
 
 
 def to_device(cpu: torch.Tensor) -> torch.Tensor:

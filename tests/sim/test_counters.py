@@ -59,6 +59,50 @@ def test_shape_signatures_count_new_shapes_only():
     assert s3.shape_signatures == s1.shape_signatures
 
 
+def _new_signatures(fn) -> int:
+    with hf_tpu.sim.stats() as s:
+        fn()
+    return s.shape_signatures
+
+
+def test_shape_signatures_key_baked_arguments():
+    # ints, int lists, bools and dtypes are compiled into torch_tpu's program: each new value is a new signature,
+    # even where every input and output shape is the same
+    a = torch.randn(11, 11, device="tpu")
+    assert _new_signatures(lambda: a.sum(dim=0)) == 1
+    assert _new_signatures(lambda: a.sum(dim=1)) == 1
+    assert _new_signatures(lambda: a.sum(dim=0)) == 0
+    assert _new_signatures(lambda: a.sum(dim=0, keepdim=True)) == 1
+    assert _new_signatures(lambda: a.roll(1, 0)) == 1
+    assert _new_signatures(lambda: a.roll(2, 0)) == 1
+    assert _new_signatures(lambda: a.cumsum(0, dtype=torch.float64)) >= 1
+    assert _new_signatures(lambda: a.cumsum(0, dtype=torch.float64)) == 0
+    assert _new_signatures(lambda: a.cumsum(0)) >= 1
+
+
+def test_shape_signatures_of_factories_key_the_output_shape():
+    assert _new_signatures(lambda: torch.arange(1231, device="tpu")) >= 1
+    assert _new_signatures(lambda: torch.arange(1237, device="tpu")) >= 1
+    assert _new_signatures(lambda: torch.arange(1231, device="tpu")) == 0
+    assert _new_signatures(lambda: torch.arange(3, 1234, device="tpu")) >= 1  # start 0 was keyed as a special value
+    assert _new_signatures(lambda: torch.arange(5, 1236, device="tpu")) == 0  # same program: start is runtime data
+
+
+def test_shape_signatures_treat_scalars_as_runtime_values():
+    # torch_tpu promotes Scalar arguments to device values: a new value reuses the program, a new type does not;
+    # 0, 1 and -1 are keyed (lowerings may specialise on them, e.g. add's alpha == 1)
+    a, b = torch.randn(13, 3, device="tpu"), torch.randn(13, 3, device="tpu")
+    assert _new_signatures(lambda: a * 1.5) == 1
+    assert _new_signatures(lambda: a * 2.5) == 0
+    assert _new_signatures(lambda: a * 2) == 1  # an int: another dtype
+    assert _new_signatures(lambda: a.add(b, alpha=2.0)) == 1
+    assert _new_signatures(lambda: a.add(b, alpha=3.0)) == 0
+    assert _new_signatures(lambda: a.clamp(min=0.25)) == 1
+    assert _new_signatures(lambda: a.clamp(min=0.5)) == 0
+    assert _new_signatures(lambda: torch.full((13, 5), 2.0, device="tpu")) >= 1
+    assert _new_signatures(lambda: torch.full((13, 5), 3.0, device="tpu")) == 0
+
+
 def test_data_dependent_shape_is_a_sync():
     t = torch.tensor([0.0, 1.0, 2.0], device="tpu")
     with hf_tpu.sim.stats() as s:
