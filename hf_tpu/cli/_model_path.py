@@ -71,20 +71,20 @@ def hub_reachable(seconds: float = HUB_PROBE_SECONDS) -> bool:
     return bool(result and result[0])
 
 
-def _check_model_dir(path: Path) -> None:
+def _check_model_dir(path: Path, tokenizer: bool = True) -> None:
     names = {p.name for p in path.iterdir()}
     missing = []
     if "config.json" not in names:
         missing.append("config.json")
     if not (names.intersection(_WEIGHTS) or any(n.endswith(".safetensors") for n in names)):
         missing.append("weights (model.safetensors)")
-    if not names.intersection(_TOKENIZER):
+    if tokenizer and not names.intersection(_TOKENIZER):
         missing.append("tokenizer files (tokenizer.json)")
     if missing:
         found = ", ".join(sorted(names)[:6]) + (", ..." if len(names) > 6 else "") if names else "it is empty"
         raise UserError(
             f"{path} is not a saved model: {', '.join(missing)} not found there ({found}). Pass the directory that "
-            "model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR) wrote, or a Hub id."
+            f"model.save_pretrained(DIR){' and tokenizer.save_pretrained(DIR)' if tokenizer else ''} wrote, or a Hub id."
         )
 
 
@@ -94,11 +94,14 @@ def _cached(repo_id: str) -> bool:
     return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
 
 
-def resolve_model_dir(arg: str) -> ModelSource:
-    """Check ``arg`` (a directory or a Hub id) and say what is wrong in one :class:`UserError` message."""
+def resolve_model_dir(arg: str, tokenizer: bool = True) -> ModelSource:
+    """Check ``arg`` (a directory or a Hub id) and say what is wrong in one :class:`UserError` message.
+
+    ``tokenizer=False``: a model directory need not hold tokenizer files (``hf-tpu warmup`` runs no tokenizer).
+    """
     path = Path(arg).expanduser()
     if path.is_dir():
-        _check_model_dir(path)
+        _check_model_dir(path, tokenizer)
         return ModelSource(str(path))
     if path.exists():
         raise UserError(f"{arg} is a file, not a model directory: pass the directory that holds config.json.")

@@ -97,11 +97,11 @@ def _overflow(prompt_len: int, new_tokens: int, rungs: tuple[int, ...], limit: i
     )
 
 
-def _model_dir(arg: str | None):
+def _model_dir(arg: str | None, tokenizer: bool = True):
     from hf_tpu.cli._model_path import ModelSource, resolve_model_dir
 
     if arg:
-        return resolve_model_dir(arg)
+        return resolve_model_dir(arg, tokenizer)
     try:
         from hf_tpu.assets import default_model_path
     except ImportError:

@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from hf_tpu.cli.generate import _model_dir
 
-    path = _model_dir(args.model_dir)
+    source = _model_dir(args.model_dir, tokenizer=False)  # warm-up runs no tokenizer
+    path, local = source.path, {"local_files_only": True} if source.local_files_only else {}
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     hf_tpu.enable("generation")
     hf_logging.disable_progress_bar()
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to("tpu")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **local).eval().to("tpu")
     try:
         report = hf_tpu.warmup(
             model, max_prompt_len=args.max_prompt_len, batch_sizes=args.batch_sizes,
