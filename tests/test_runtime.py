@@ -17,6 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
+from _fake_pci import make_sysfs
 from _timeouts import SAFETY_TIMEOUT_S
 
 from hf_tpu import runtime
@@ -32,24 +33,6 @@ TORCH_TPU_TABLE = {
     "v6e": ("0x006f", "TPU v6e", 32 * GiB),
     "v7": ("0x0076", "TPU v7", 96 * GiB),
 }
-
-
-def make_sysfs(tmp_path: Path, devices: list[tuple[str, str, bool]]) -> tuple[Path, Path]:
-    """A fake PCI tree: one entry per (vendor, device id, exposed through VFIO)."""
-    pci, vfio, groups = tmp_path / "pci", tmp_path / "vfio", tmp_path / "iommu_groups"
-    for d in (pci, vfio, groups):
-        d.mkdir(parents=True, exist_ok=True)
-    for i, (vendor, device, exposed) in enumerate(devices):
-        dev = pci / f"0000:00:{i + 4:02x}.0"
-        dev.mkdir()
-        (dev / "vendor").write_text(vendor + "\n")
-        (dev / "device").write_text(device + "\n")
-        group = groups / str(10 + i)
-        group.mkdir()
-        (dev / "iommu_group").symlink_to(group)
-        if exposed:
-            (vfio / str(10 + i)).write_text("")
-    return pci, vfio
 
 
 @dataclasses.dataclass

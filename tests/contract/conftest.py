@@ -45,24 +45,11 @@ def torch_tpu_version() -> str:
 
 
 def make_pci_tree(root, pci_id: str, count: int, vendor: str = "0x1ae0"):
-    """A sysfs PCI tree with ``count`` devices ``vendor:pci_id``, each with an IOMMU group present under the
-    returned vfio directory: what a TPU VM shows torch_tpu. Returns ``(pci_dir, vfio_dir)``."""
-    from pathlib import Path
+    """A sysfs PCI tree with ``count`` devices ``vendor:pci_id``, each exposed through VFIO: what a TPU VM shows
+    torch_tpu. Returns ``(pci_dir, vfio_dir)``."""
+    from _fake_pci import make_sysfs
 
-    root = Path(root)
-    pci, vfio, groups = root / "pci", root / "vfio", root / "iommu_groups"
-    for d in (pci, vfio, groups):
-        d.mkdir(parents=True, exist_ok=True)
-    for i in range(count):
-        dev = pci / f"0000:00:{i + 4:02x}.0"
-        dev.mkdir()
-        (dev / "vendor").write_text(vendor + "\n")
-        (dev / "device").write_text(pci_id + "\n")
-        group = groups / str(10 + i)
-        group.mkdir()
-        (dev / "iommu_group").symlink_to(group)
-        (vfio / str(10 + i)).write_text("")
-    return pci, vfio
+    return make_sysfs(root, [(vendor, pci_id, True)] * count)
 
 
 @pytest.fixture

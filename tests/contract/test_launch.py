@@ -112,7 +112,7 @@ def test_one_process_per_device_found_is_refused_as_the_wheel_refuses(generation
 
 _MULTIHOST_SCRIPT = r"""
 import json, os, pathlib, sys, types
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {tests_root!r}]
 from conftest import make_pci_tree
 from torch_tpu._internal import env_utils
 from torch_tpu._internal.utils import hardware
@@ -141,7 +141,9 @@ def test_multi_host_env_and_refusals_equal_the_wheel(tmp_path):
     pinned = {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}  # --node_rank etc. given
     layouts = [(g, pci, n, {}) for g, pci in sorted(GENERATIONS.items()) for n in COUNTS]
     layouts += [(g, pci, n, pinned) for g, pci in sorted(GENERATIONS.items()) for n in (2, 4)]
-    script = _MULTIHOST_SCRIPT.format(tests=str(Path(__file__).parent), launch_vars=LAUNCH_VARS)
+    script = _MULTIHOST_SCRIPT.format(
+        tests=str(Path(__file__).parent), tests_root=str(REPO / "tests"), launch_vars=LAUNCH_VARS
+    )
     env = dict(
         os.environ, TPU_WORKER_HOSTNAMES="hostA,hostB", JOB_COMPLETION_INDEX="1", TORCH_DEVICE_BACKEND_AUTOLOAD="1"
     )
