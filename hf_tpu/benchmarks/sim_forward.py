@@ -9,8 +9,9 @@ simulator's target (at most 2x the CPU: :data:`TARGET_RATIO`); a missed size is 
 ``timing_missed``, without failing the run (a time ratio is a timing target: ``hf-tpu bench`` reports "missed").
 Both runs use the same weights, inputs and thread count, alternating so that machine load hits both alike, and time
 the process's CPU time (``time.process_time``), so that other processes on a shared machine do not skew the ratio.
-The simulator adds a roughly fixed cost per op (its Python fallback), so the ratio is worst on the tiniest model
-and falls as ops get bigger.
+The simulator adds a roughly fixed cost per op, so the ratio is worst on the tiniest model and falls as ops get
+bigger; the figures say whether the simulator's native core ran the ops (``native``: "on") or its Python fallback
+did (``HF_TPU_SIM_NATIVE=0``, or no C++ compiler: about 5x the per-op cost, see docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def run(a: argparse.Namespace) -> dict:
     """Measure every size.
 
     Returns ``{"sizes": [{hidden, layers, batch, seq, threads, iters, cpu_ms, tpu_ms, device_ops,
-    overhead_us_per_op, ratio, met}, ...], "target": 2.0, "timing_missed": [str, ...]}`` where ``ratio`` is
+    overhead_us_per_op, ratio, met}, ...], "target": 2.0, "native": str, "timing_missed": [str, ...]}`` where
+    ``native`` is the simulator's native-core status (``hf_tpu.sim._native.status()``), ``ratio`` is
     ``tpu_ms / cpu_ms`` (medians of the process CPU time), ``met`` is ``ratio <= target`` and ``timing_missed``
     names each size whose ratio is above :data:`TARGET_RATIO`.
 
@@ -80,7 +82,9 @@ def run(a: argparse.Namespace) -> dict:
         for r in rows
         if not r["met"]
     ]
-    return {"sizes": rows, "target": TARGET_RATIO, "timing_missed": missed}
+    from hf_tpu.sim import _native
+
+    return {"sizes": rows, "target": TARGET_RATIO, "native": _native.status(), "timing_missed": missed}
 
 
 def _measure(a: argparse.Namespace) -> dict:
@@ -137,7 +141,7 @@ def print_table(figures: dict) -> None:
         )
         verdict = "met" if r["met"] else "missed"
         print(f"  ratio sim/cpu    {r['ratio']:8.2f}x   (target <= {TARGET_RATIO:g}x: {verdict})")
-    print(f"simulated tpu / cpu forward time (target <= {TARGET_RATIO:g}x):")
+    print(f"simulated tpu / cpu forward time (target <= {TARGET_RATIO:g}x; simulator native core: {figures['native']}):")
     for r in figures["sizes"]:
         verdict = "ok" if r["met"] else "missed"
         print(f"  hidden {r['hidden']:>4}, seq {r['seq']:>4}: {r['ratio']:5.2f}x  {verdict}")

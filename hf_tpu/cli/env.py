@@ -209,6 +209,16 @@ def find_problems(
             out.append(
                 Finding("error", f"{name} is not installed", "pip install -e . (installs hf_tpu's dependencies)")
             )
+    native = runtime.get("sim_native") or ""
+    if mode == "simulated" and native.startswith("unavailable"):
+        out.append(
+            Finding(
+                "warning",
+                f"the simulator's native core is {native}",
+                "install a C++ compiler and ninja (pip install ninja) for ~2-6x faster simulated ops, or set "
+                "HF_TPU_SIM_NATIVE=0 to choose the Python path",
+            )
+        )
     if pci_vfio and env.get("HF_TPU_SIMULATE", "").lower() in ("1", "true", "yes", "on"):
         out.append(
             Finding(
@@ -293,6 +303,10 @@ def collect() -> dict[str, Any]:
     info["pci_functions"], info["pci_vfio"] = scan.functions, scan.vfio
     if info.get("generation") is None:
         info["generation"] = scan.generation
+    if info.get("mode") == "simulated":
+        from hf_tpu.sim import _native
+
+        info["sim_native"] = _native.status()
     torch_range = _torch_tpu_requirement("torch") if versions.get("torch-tpu") else None
     problems = find_problems(versions, info, env, torch_range)
     return {
@@ -332,6 +346,7 @@ def format_table(report: dict[str, Any]) -> str:
             ("generation", gen or "-"),
             ("HBM per device", _gib(rt.get("hbm_bytes"))),
             ("torch_tpu autoload", "on" if report["torch_tpu_autoload"] else "off"),
+            *([("simulator native core", rt["sim_native"])] if rt.get("sim_native") else []),
         ],
     )
     env = report["env"]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from hf_tpu.sim._counters import STATE
-from hf_tpu.sim._tensors import host_view, to_device
+from hf_tpu.sim._tensors import host_view, is_sim_tensor, to_device
 
 __all__ = ["install"]
 
@@ -75,7 +75,7 @@ class _CpuSdpa(torch.autograd.Function):
 
 
 def _is_sim(t: torch.Tensor | None) -> bool:
-    return t is None or (not t.is_cpu and hasattr(t.untyped_storage(), "_hf_buf"))
+    return t is None or is_sim_tensor(t)
 
 
 def _sdpa_autograd(

@@ -23,33 +23,118 @@ class SimStrictError(RuntimeError):
 
 
 class _State:
-    """Process-wide counters (monotonic) and memory accounting."""
+    """Process-wide counters (monotonic) and memory accounting.
+
+    With the native core loaded (``_native.py``), device memory, and the ops and shape signatures of the ops it
+    runs, are counted in C++: the properties below add both sides up.
+    """
 
     __slots__ = (
-        *_FIELDS,
-        "live_bytes",
-        "peak_bytes",
-        "window_peak",
+        *(n for n in _FIELDS if n not in ("ops", "shape_signatures")),
+        "py_ops",
+        "py_signatures",
+        "_live",
+        "_peak",
+        "_window",
+        "_in_graph",
+        "_hbm",
+        "native",
         "seen",
         "strict_syncs",
         "strict_compiles",
-        "hbm_bytes",
         "last_compile",
-        "in_graph",
     )
 
     def __init__(self) -> None:
+        self.native: Any = None  # the native core's module, once loaded
         for name in _FIELDS:
             setattr(self, name, 0)
-        self.live_bytes = 0
-        self.peak_bytes = 0  # since start or reset_peak()
-        self.window_peak = 0  # peak since the innermost open stats() block began
-        self.seen: set = set()  # eager op signatures seen by this process (see _signature.py)
+        self.py_ops = 0  # ops the Python fallback ran (``ops`` adds the native core's)
+        self.py_signatures = 0
+        self._live = 0
+        self._peak = 0  # since start or reset_peak()
+        self._window = 0  # peak since the innermost open stats() block began
+        self._in_graph = 0  # >0 while a compiled graph runs
+        self._hbm = 0
+        self.seen: set = set()  # eager op signatures seen by the Python fallback (see _signature.py)
         self.strict_syncs = 0  # depth of strict(host_syncs=True) blocks
         self.strict_compiles = 0
-        self.hbm_bytes = 0
         self.last_compile = ""
-        self.in_graph = 0  # >0 while a compiled graph runs
+
+    @property
+    def ops(self) -> int:
+        n = self.native
+        return self.py_ops + (n.ops() if n else 0)
+
+    @ops.setter
+    def ops(self, value: int) -> None:
+        n = self.native
+        self.py_ops = value - (n.ops() if n else 0)
+
+    @property
+    def shape_signatures(self) -> int:
+        n = self.native
+        return self.py_signatures + (n.signatures() if n else 0)
+
+    @shape_signatures.setter
+    def shape_signatures(self, value: int) -> None:
+        n = self.native
+        self.py_signatures = value - (n.signatures() if n else 0)
+
+    @property
+    def live_bytes(self) -> int:
+        n = self.native
+        return n.live() if n else self._live
+
+    @live_bytes.setter
+    def live_bytes(self, value: int) -> None:
+        self._live = value
+
+    @property
+    def peak_bytes(self) -> int:
+        n = self.native
+        return n.peak() if n else self._peak
+
+    @peak_bytes.setter
+    def peak_bytes(self, value: int) -> None:
+        n = self.native
+        if n:
+            n.set_peak(value)
+        else:
+            self._peak = value
+
+    @property
+    def window_peak(self) -> int:
+        n = self.native
+        return n.window() if n else self._window
+
+    @window_peak.setter
+    def window_peak(self, value: int) -> None:
+        n = self.native
+        if n:
+            n.set_window(value)
+        else:
+            self._window = value
+
+    @property
+    def in_graph(self) -> int:
+        return self._in_graph
+
+    @in_graph.setter
+    def in_graph(self, value: int) -> None:
+        self._in_graph = value
+        if self.native:
+            self.native.set_in_graph(value)
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self._hbm
+
+    @hbm_bytes.setter
+    def hbm_bytes(self, value: int) -> None:
+        self._hbm = value
+        if self.native:
+            self.native.set_hbm(value)
 
 
 STATE = _State()

@@ -151,12 +151,13 @@ def _host(a: Tensor, op: Any, smap: dict, pairs: list, sig: list, reuse: bool) -
     """
     try:
         ws = a.untyped_storage()
-        d = ws.__dict__
-        buf = d["_hf_buf"]
-    except (AttributeError, KeyError):
-        raise _same_device_error(op, str(a.device)) from None
     except NotImplementedError:
         raise _layout_error(op, a) from None
+    d = ws.__dict__
+    native = STATE.native
+    buf = d.get("_hf_buf") if native is None else native.host_storage(ws)
+    if buf is None:
+        raise _same_device_error(op, str(a.device))
     size = a.size()
     dtype = a.dtype
     sig.append(size)
@@ -219,7 +220,9 @@ def _convert(a: Any, op: Any, info: _OpInfo, smap: dict, pairs: list, sig: list,
         _check_device(a, op)
         return _CPU_DEVICE
     if isinstance(a, torch.UntypedStorage) and a.device.type != "cpu":
-        buf = a._hf_buf
+        buf = _tensors.host_storage(a)
+        if buf is None:
+            raise _same_device_error(op, str(a.device))
         smap[buf._cdata] = a
         return buf
     if isinstance(a, (int, float, complex)):  # a 0-dim "wrapped number" tensor reaches Python as a number
@@ -524,27 +527,74 @@ def _direct(op: Any) -> Any:
     return kernel
 
 
+def _native_kinds(op: Any, info: _OpInfo) -> list[int] | None:
+    """Each schema argument's signature kind, for an op the native core can run whole (None: it cannot).
+
+    It runs ops that read device tensors (or make new ones on ``tpu:0``) and return fresh or aliased tensors; ops
+    that write their inputs, take a generator or host index tensors, sync with the host, or have a special case here
+    stay in Python, as does any call with a CPU tensor or another device (the native core hands it over).
+    """
+    if info.handler is not None or info.sync or info.gen_index >= 0 or info.mutable:
+        return None
+    if info.allow_cpu or (info.impl is not None and info.impl is not _precision.IMPLS.get(str(op))):
+        return None
+    schema = op._schema
+    if not schema.returns or any(str(r.type) != "Tensor" for r in schema.returns):
+        return None
+    return [kind(info.name, a.name, str(a.type)) for a in schema.arguments]
+
+
+def _register_native(native: Any, aten_lib: torch.library.Library, ops: list[Any]) -> None:
+    for op in ops:
+        info = _INFO.get(id(op)) or _INFO.setdefault(id(op), _OpInfo(op))
+        kinds = _native_kinds(op, info)
+        if kinds is None:
+            aten_lib.impl(op, _direct(op), "PrivateUse1")
+        else:
+            name = op._schema.name.partition("::")[2]
+            overload = op._schema.overload_name
+            qualified = f"{name}.{overload}" if overload else name
+            native.register_op(qualified, str(op), kinds, info.impl is not None, _direct(op))
+
+
 def install() -> None:
-    """Register the fallback for PrivateUse1 (once per process)."""
+    """Register the fallback for PrivateUse1 (once per process), with the native core where it builds."""
     global _LIB, _ATEN_LIB
     if _LIB is not None:
         return
+    from hf_tpu.sim import _native
+
+    native = _native.load()
     for name in _REFUSED:
         _HANDLERS[name] = _refuse
     lib = torch.library.Library("_", "IMPL")
     lib.fallback(_fallback, "PrivateUse1")
     _LIB = lib
     aten_lib = torch.library.Library("aten", "IMPL")
+    ops = []
+    for qualified in _direct_ops():
+        name, _, overload = qualified.partition("::")[2].partition(".")
+        ops.append(getattr(getattr(aten, name), overload or "default"))
+    _tensors._DEVICE = torch.device("tpu", 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" for the composite ones
-        for qualified in _direct_ops():
-            name, _, overload = qualified.partition("::")[2].partition(".")
-            op = getattr(getattr(aten, name), overload or "default")
-            aten_lib.impl(op, _direct(op), "PrivateUse1")
+        if native is None:
+            for op in ops:
+                aten_lib.impl(op, _direct(op), "PrivateUse1")
+        else:
+            native.set_check_oom(_tensors.check_oom)
+            native.set_hbm(STATE._hbm)
+            native.set_in_graph(STATE._in_graph)
+            native.set_emulate(_precision.emulation_enabled())
+            STATE.native = native
+            _register_native(native, aten_lib, ops)
         for name in _METADATA_VIEWS:
             for overload in getattr(aten, name).overloads():
                 op = getattr(getattr(aten, name), overload)
-                if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"):
+                if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"):
+                    continue
+                if native is None:
                     aten_lib.impl(op, _cpu_view(op), "PrivateUse1")
+                else:
+                    native.register_view(name if overload == "default" else f"{name}.{overload}")
     _ATEN_LIB = aten_lib
-    _tensors._DEVICE = torch.device("tpu", 0)

@@ -103,6 +103,10 @@ def precision(mode: Precision) -> Iterator[None]:
 def set_emulation(enabled: bool) -> None:
     """Run float32 matmuls and convolutions on the simulated device at the selected TPU precision (or not)."""
     _EMULATE[0] = bool(enabled)
+    from hf_tpu.sim._counters import STATE
+
+    if STATE.native is not None:
+        STATE.native.set_emulate(bool(enabled))
 
 
 def emulation_enabled() -> bool:

@@ -63,8 +63,8 @@ def keyed(a: Any, how: int, sig: list) -> None:
 
 def count(sig: list, out: Any) -> None:
     """Count one eager op and, if its signature (``sig`` plus the output shapes) is new, one shape signature."""
-    STATE.ops += 1
-    if STATE.in_graph:
+    STATE.py_ops += 1
+    if STATE._in_graph:
         return
     if isinstance(out, Tensor):
         sig.append(out.shape)
@@ -78,4 +78,4 @@ def count(sig: list, out: Any) -> None:
     seen = STATE.seen
     if key not in seen:
         seen.add(key)
-        STATE.shape_signatures += 1
+        STATE.py_signatures += 1

@@ -14,7 +14,7 @@ from torch._C import DispatchKey, DispatchKeySet
 
 from hf_tpu.sim._counters import STATE
 
-__all__ = ["host_view", "is_sim_tensor"]
+__all__ = ["host_storage", "host_view", "is_sim_tensor"]
 
 # set_ on a device tensor, run by the CPU kernel (the boxed redispatch is the cheapest way in from Python)
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
@@ -40,13 +40,13 @@ class _Allocation:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         st = STATE
-        live = st.live_bytes + nbytes
-        st.live_bytes = live
-        st.peak_bytes = max(st.peak_bytes, live)
-        st.window_peak = max(st.window_peak, live)
+        live = st._live + nbytes
+        st._live = live
+        st._peak = max(st._peak, live)
+        st._window = max(st._window, live)
 
     def __del__(self) -> None:
-        STATE.live_bytes -= self.nbytes
+        STATE._live -= self.nbytes
 
 
 def check_oom(nbytes: int, what: object) -> None:
@@ -65,8 +65,11 @@ def check_oom(nbytes: int, what: object) -> None:
 def new_device_storage(cpu_storage: torch.UntypedStorage, what: object = "an op") -> torch.UntypedStorage:
     """A device storage over ``cpu_storage``'s memory, counted as device memory (may raise OOM)."""
     nbytes = cpu_storage.nbytes()
-    if STATE.hbm_bytes and STATE.live_bytes + nbytes > STATE.hbm_bytes:
+    if STATE._hbm and STATE.live_bytes + nbytes > STATE._hbm:
         check_oom(nbytes, what)
+    native = STATE.native
+    if native is not None:
+        return native.make_storage(cpu_storage)
     ws = _from_ptr(cpu_storage.data_ptr(), _DEVICE, nbytes)
     d = ws.__dict__
     d["_hf_buf"] = cpu_storage
@@ -105,9 +108,22 @@ def to_device(cpu: torch.Tensor) -> torch.Tensor:
     return wrap(new_device_storage(cpu.untyped_storage()), cpu)
 
 
+def host_storage(ws: torch.UntypedStorage) -> torch.UntypedStorage | None:
+    """The CPU storage under device storage ``ws`` (None for a storage the simulator did not make)."""
+    native = STATE.native
+    if native is not None:
+        return native.host_storage(ws)
+    return ws.__dict__.get("_hf_buf")
+
+
 def is_sim_tensor(t: object) -> bool:
     """True for a tensor on the simulated ``tpu`` device."""
-    return isinstance(t, torch.Tensor) and not t.is_cpu and hasattr(t.untyped_storage(), "_hf_buf")
+    if not isinstance(t, torch.Tensor) or t.is_cpu:
+        return False
+    try:
+        return host_storage(t.untyped_storage()) is not None
+    except NotImplementedError:  # sparse and other layouts have no storage
+        return False
 
 
 def host_view(t: torch.Tensor) -> torch.Tensor:
@@ -124,10 +140,9 @@ def host_view(t: torch.Tensor) -> torch.Tensor:
     """
     if t.is_cpu:
         raise TypeError("host_view() expects a tensor on the simulated tpu device, got a CPU tensor")
-    try:
-        buf = t.untyped_storage()._hf_buf
-    except AttributeError:
-        raise TypeError(f"host_view() expects a tensor on the simulated tpu device, got one on {t.device}") from None
+    buf = host_storage(t.untyped_storage())
+    if buf is None:
+        raise TypeError(f"host_view() expects a tensor on the simulated tpu device, got one on {t.device}")
     hv = _empty((0,), dtype=t.dtype).set_(buf, t.storage_offset(), t.size(), t.stride())
     if t.is_conj():
         _set_conj(hv, True)

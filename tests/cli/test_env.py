@@ -96,6 +96,7 @@ def test_env_reports_simulated_mode(how):
     assert report["runtime"]["mode"] == "simulated"
     assert report["runtime"]["device_count"] == 1 and report["runtime"]["hbm_bytes"] > 0
     assert report["runtime"]["generation"] in runtime.GENERATIONS
+    assert report["runtime"]["sim_native"].split(" ")[0] in ("on", "off", "unavailable")
 
 
 def test_check_flag_fails_only_on_error_level_problems(monkeypatch, capsys):
@@ -147,6 +148,14 @@ def one(found, level, *words):
 
 def test_a_good_simulated_environment_has_no_problems():
     assert problems() == []
+    assert problems(rt={**SIMULATED, "sim_native": "on"}) == []
+    assert problems(rt={**SIMULATED, "sim_native": "off (HF_TPU_SIM_NATIVE=0)"}) == []  # chosen: nothing to fix
+
+
+def test_a_simulator_without_its_native_core_says_how_to_get_it():
+    found = problems(rt={**SIMULATED, "sim_native": "unavailable (error building extension)"})
+    hit = one(found, "warning", "native core", "unavailable")
+    assert "compiler" in hit.fix and "HF_TPU_SIM_NATIVE=0" in hit.fix
 
 
 @pytest.mark.parametrize("torch_version", ["2.10.0", "2.16.0", "2.15.1+cpu"])
