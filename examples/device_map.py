@@ -9,6 +9,8 @@ A tiny Llama is built from a config and saved to a temporary folder (nothing is 
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 
 import torch
@@ -26,6 +28,7 @@ def main() -> None:
     hf_tpu.enable()
 
     path = tempfile.mkdtemp(prefix="hf_tpu_device_map_")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)  # the tiny checkpoint is removed at exit
     sizes = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4}
     tiny_model("llama", path, tie_word_embeddings=True, **sizes)
     ids = torch.tensor([[1, 17, 42, 99, 7]])

@@ -10,7 +10,9 @@ pipeline built from configs (nothing is downloaded):
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import tempfile
 import time
 
@@ -37,7 +39,11 @@ def main() -> None:
     print(f"TPU: {info.mode}, {info.device_count} device(s)")
     hf_tpu.enable("diffusers")  # pipe.to("tpu") then refuses what it cannot place, instead of leaving it behind
 
-    path = args.model or tiny_sd3_pipeline(tempfile.mkdtemp(prefix="hf_tpu_sd3_"))
+    path = args.model
+    if path is None:
+        tmp = tempfile.mkdtemp(prefix="hf_tpu_sd3_")
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # the tiny pipeline is removed at exit
+        path = tiny_sd3_pipeline(tmp)
     dtype = getattr(torch, args.dtype)
     pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)

@@ -14,6 +14,8 @@ fixed lengths by ``BucketingCollator`` so that, after the first step of each len
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import tempfile
 
 import torch
@@ -54,10 +56,12 @@ def train(device: str, args: argparse.Namespace, data: list[dict], eval_data: li
         torch.manual_seed(0)
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     losses, counters = _Losses(), StepCounters()
+    output_dir = tempfile.mkdtemp(prefix="hf_tpu_finetune_")
+    atexit.register(shutil.rmtree, output_dir, ignore_errors=True)  # nothing is saved there (save_strategy="no")
     trainer = Trainer(
         model=model.to(device),
         args=TrainingArguments(
-            output_dir=tempfile.mkdtemp(prefix="hf_tpu_finetune_"),
+            output_dir=output_dir,
             per_device_train_batch_size=4,
             per_device_eval_batch_size=4,
             max_steps=args.steps,

@@ -34,11 +34,13 @@ def test_every_example_is_covered():
 
 
 @pytest.mark.parametrize("script", list(EXAMPLES))
-def test_example_runs_on_the_simulator(script, tmp_path):
+def test_example_runs_on_the_simulator(script, tmp_path, tmp_path_factory):
     args, expected = EXAMPLES[script]
+    tmpdir = tmp_path_factory.mktemp("tmpdir")
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / script), *args],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S, check=False,
+        cwd=tmp_path, env={**_env(), "TMPDIR": str(tmpdir)}, capture_output=True, text=True,
+        timeout=SAFETY_TIMEOUT_S, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for fragment in expected:
@@ -47,6 +49,8 @@ def test_example_runs_on_the_simulator(script, tmp_path):
         assert (tmp_path / "sd3.png").stat().st_size > 0
     # nothing lands in the working directory (a checkout's root) but the file the command line named
     assert {p.name for p in tmp_path.iterdir()} <= {"sd3.png"}
+    # and the example's temporary checkpoints and outputs are gone (torch's own caches may stay)
+    assert not [p.name for p in tmpdir.iterdir() if p.name.startswith(("hf_tpu", "hf-tpu"))]
 
 
 def test_every_example_says_how_to_run_it_the_readme_way():

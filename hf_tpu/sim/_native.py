@@ -66,21 +66,63 @@ def status() -> str:
     return str(_STATE.get("reason", "not loaded"))
 
 
-def _build() -> ModuleType:
+def _key() -> str:
+    """What the build depends on: the source, torch's version and Python's."""
     import torch
+
+    return hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
+
+
+def _build() -> ModuleType:
+    key = _key()
+    name = f"hf_tpu_sim_native_{key}"
+    build = _cache_dir(key)
+    built = build / f"{name}.so"
+    done = build / "built"  # written after a build succeeded: the .so is complete
+    if not (built.is_file() and done.is_file()):
+        build.mkdir(parents=True, exist_ok=True)
+        with open(build / "hf_tpu.lock", "w") as lock:
+            _lock(lock)  # one builder per cache directory; released by the OS if its process dies
+            if not (built.is_file() and done.is_file()):
+                _compile(name, build)
+                done.write_text(f"{name}\n")
+    return _import(name, built)
+
+
+def _lock(f) -> None:
+    try:
+        import fcntl
+    except ImportError:  # Windows: torch's own lock file (below) serialises the builds
+        return
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+
+
+def _compile(name: str, build: Path) -> None:
     from torch.utils import cpp_extension
 
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
-    name = f"hf_tpu_sim_native_{key}"
-    if name in sys.modules:
-        return sys.modules[name]
-    build = _cache_dir(key)
-    build.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
+    # torch's lock file: under our lock nobody else builds here, so one left behind is a killed build's (torch
+    # would wait on it forever)
+    stale = build / "lock"
+    if stale.exists() and os.name != "nt":
+        stale.unlink()
+    cpp_extension.load(
         name=name,
         sources=[str(_SOURCE)],
         build_directory=str(build),
         extra_cflags=["-O2"],
         verbose=False,
     )
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the simulator's native core from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module

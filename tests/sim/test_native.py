@@ -128,3 +128,43 @@ def test_native_counts_memory_and_frees_it():
     del v
     assert hf_tpu.sim.memory_allocated() == base
     assert hf_tpu.sim.max_memory_allocated() >= base + 8 * 1024**2
+
+
+def test_a_killed_build_does_not_block_the_next_and_a_built_core_is_reused(tmp_path, monkeypatch):
+    if STATE.native is None:
+        pytest.skip("native core off here")
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("HF_TPU_CACHE", str(tmp_path))
+    build = _native._cache_dir(_native._key())
+    build.mkdir(parents=True)
+    (build / "lock").write_text("")  # torch's lock file, left by a build that was killed
+    calls = []
+
+    def fake_load(name, sources, build_directory, **kwargs):  # the real build takes ~40 s: reuse this process's
+        assert not (Path(build_directory) / "lock").exists()
+        shutil.copy(STATE.native.__file__, Path(build_directory) / f"{name}.so")
+        calls.append(name)
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert _native._build() is STATE.native and len(calls) == 1 and (build / "built").is_file()
+    assert _native._build() is STATE.native and len(calls) == 1  # built: loaded, not compiled again
+
+
+def test_a_failed_build_falls_back_to_python_with_a_warning_or_raises_when_required(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("Error building extension 'hf_tpu_sim_native': c++: not found")
+
+    monkeypatch.setattr(_native, "_build", broken)
+    monkeypatch.setattr(_native, "_STATE", {})
+    monkeypatch.delenv("HF_TPU_SIM_NATIVE", raising=False)
+    with caplog.at_level("WARNING", logger="hf_tpu.sim"):
+        assert _native.load() is None
+    assert _native.status().startswith("unavailable (Error building extension") and "native core" in caplog.text
+    monkeypatch.setattr(_native, "_STATE", {})
+    monkeypatch.setenv("HF_TPU_SIM_NATIVE", "1")
+    with pytest.raises(RuntimeError, match="HF_TPU_SIM_NATIVE=1 but the simulator's native core could not be built"):
+        _native.load()
+    monkeypatch.setattr(_native, "_STATE", {})
+    monkeypatch.setenv("HF_TPU_SIM_NATIVE", "0")
+    assert _native.load() is None and _native.status() == "off (HF_TPU_SIM_NATIVE=0)"
