@@ -13,7 +13,9 @@
 
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Storage.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
@@ -302,6 +304,31 @@ void push_python_result(const c10::FunctionSchema& schema, PyObject* out, torch:
   }
 }
 
+// One argument as the Python trampoline passes it: dtypes, layouts and memory formats as torch's objects (they are
+// ints on the stack), everything else through torch::jit::toPyObject (a wrapped number becomes a Python number).
+py::object to_python(const c10::Argument& arg, c10::IValue v) {
+  if (v.isInt()) {
+    c10::TypePtr type = arg.type();
+    if (auto opt = type->castRaw<c10::OptionalType>()) {
+      type = opt->getElementType();
+    }
+    switch (type->kind()) {
+      case c10::TypeKind::ScalarTypeType:
+        return py::reinterpret_borrow<py::object>(
+            reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt()))));
+      case c10::TypeKind::LayoutType:
+        return py::reinterpret_borrow<py::object>(
+            reinterpret_cast<PyObject*>(torch::getTHPLayout(static_cast<c10::Layout>(v.toInt()))));
+      case c10::TypeKind::MemoryFormatType:
+        return py::reinterpret_borrow<py::object>(
+            torch::utils::getTHPMemoryFormat(static_cast<c10::MemoryFormat>(v.toInt())));
+      default:
+        break;
+    }
+  }
+  return torch::jit::toPyObject(std::move(v));
+}
+
 void call_python(PyObject* kernel, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
@@ -311,7 +338,7 @@ void call_python(PyObject* kernel, const c10::OperatorHandle& op, torch::jit::St
   py::dict kwargs;
   for (size_t i = 0; i < n; ++i) {
     const auto& arg = schema.arguments()[i];
-    py::object o = torch::jit::toPyObject(std::move((*stack)[base + i]));
+    py::object o = to_python(arg, std::move((*stack)[base + i]));
     if (arg.kwarg_only()) {
       kwargs[py::str(arg.name())] = o;
     } else {
@@ -428,7 +455,7 @@ struct FastKernel final : c10::OperatorKernel {
       c10::Storage ws;
       for (auto& [impl, dev] : pairs) {
         Holder* hd = holder_of(dev.storage());
-        if (hd->cpu.unsafeGetStorageImpl() == cs) {
+        if (hd != nullptr && hd->cpu.unsafeGetStorageImpl() == cs) {
           ws = dev.storage();
           break;
         }

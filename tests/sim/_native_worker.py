@@ -74,6 +74,14 @@ def in_place_and_scalars():
     return torch.allclose(w.cpu(), ref) and (t.max() * 0).item() == 0.0
 
 
+def declined_conjugate_matmul():
+    # mm takes conjugate views as they are: the native core hands such a call to the op's Python kernel
+    z = torch.randn(3, 4, dtype=torch.complex64)
+    zt = z.to("tpu").conj()
+    r = torch.mm(zt, zt.t()).cpu()
+    return torch.allclose(r, torch.mm(z.conj(), z.conj().t()))
+
+
 def memory():
     a = torch.empty(1024, 256, device="tpu")
     b = a[:512]
@@ -125,6 +133,7 @@ for name, fn in [
     ("matmul_views_and_lists", matmul_views_and_lists),
     ("factories_and_reductions", factories_and_reductions),
     ("in_place_and_scalars", in_place_and_scalars),
+    ("declined_conjugate_matmul", declined_conjugate_matmul),
     ("memory", memory),
     ("llama_forward", llama_forward),
 ]:
@@ -134,6 +143,7 @@ out["llama_training_step"] = llama_training_step()
 out["errors"] = {
     "cpu_operand": error(lambda: xt + x),
     "other_index": error(lambda: torch.zeros(2, device="tpu:1")),
+    "other_index_with_dtype": error(lambda: torch.zeros(2, dtype=torch.float16, device="tpu:1")),
     "sparse": error(lambda: xt.to_sparse()),
     "bad_shape": error(lambda: xt @ xt),
 }
