@@ -22,11 +22,43 @@ class SimStrictError(RuntimeError):
     """A host sync or a compile happened inside :func:`strict`."""
 
 
+class _Shared:
+    """A :class:`_State` field that the native core (``_native.py``) keeps or shares once it is loaded.
+
+    ``how`` is ``"native"``: the core's value (read by ``get``, written by ``put``), the slot's before it loads;
+    ``"sum"``: the slot (what Python counted) plus the core's count; ``"push"``: the slot, copied to the core
+    (``put``) on every write.
+    """
+
+    def __init__(self, how: str, slot: str, get: str = "", put: str = "") -> None:
+        self.how, self.slot, self.get, self.put = how, slot, get, put
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        if obj is None:
+            return self
+        n = obj.native
+        if n is None or self.how == "push":
+            return getattr(obj, self.slot)
+        value = getattr(n, self.get)()
+        return getattr(obj, self.slot) + value if self.how == "sum" else value
+
+    def __set__(self, obj: Any, value: int) -> None:
+        n = obj.native
+        if n is not None and self.how == "sum":
+            value -= getattr(n, self.get)()
+        if n is not None and self.how == "native" and self.put:
+            getattr(n, self.put)(value)
+        else:
+            setattr(obj, self.slot, value)
+        if n is not None and self.how == "push":
+            getattr(n, self.put)(value)
+
+
 class _State:
     """Process-wide counters (monotonic) and memory accounting.
 
     With the native core loaded (``_native.py``), device memory, and the ops and shape signatures of the ops it
-    runs, are counted in C++: the properties below add both sides up.
+    runs, are counted in C++: the shared fields below (:class:`_Shared`) read and write both sides.
     """
 
     __slots__ = (
@@ -61,80 +93,13 @@ class _State:
         self.strict_compiles = 0
         self.last_compile = ""
 
-    @property
-    def ops(self) -> int:
-        n = self.native
-        return self.py_ops + (n.ops() if n else 0)
-
-    @ops.setter
-    def ops(self, value: int) -> None:
-        n = self.native
-        self.py_ops = value - (n.ops() if n else 0)
-
-    @property
-    def shape_signatures(self) -> int:
-        n = self.native
-        return self.py_signatures + (n.signatures() if n else 0)
-
-    @shape_signatures.setter
-    def shape_signatures(self, value: int) -> None:
-        n = self.native
-        self.py_signatures = value - (n.signatures() if n else 0)
-
-    @property
-    def live_bytes(self) -> int:
-        n = self.native
-        return n.live() if n else self._live
-
-    @live_bytes.setter
-    def live_bytes(self, value: int) -> None:
-        self._live = value
-
-    @property
-    def peak_bytes(self) -> int:
-        n = self.native
-        return n.peak() if n else self._peak
-
-    @peak_bytes.setter
-    def peak_bytes(self, value: int) -> None:
-        n = self.native
-        if n:
-            n.set_peak(value)
-        else:
-            self._peak = value
-
-    @property
-    def window_peak(self) -> int:
-        n = self.native
-        return n.window() if n else self._window
-
-    @window_peak.setter
-    def window_peak(self, value: int) -> None:
-        n = self.native
-        if n:
-            n.set_window(value)
-        else:
-            self._window = value
-
-    @property
-    def in_graph(self) -> int:
-        return self._in_graph
-
-    @in_graph.setter
-    def in_graph(self, value: int) -> None:
-        self._in_graph = value
-        if self.native:
-            self.native.set_in_graph(value)
-
-    @property
-    def hbm_bytes(self) -> int:
-        return self._hbm
-
-    @hbm_bytes.setter
-    def hbm_bytes(self, value: int) -> None:
-        self._hbm = value
-        if self.native:
-            self.native.set_hbm(value)
+    ops = _Shared("sum", "py_ops", get="ops")  # ops the Python fallback ran, plus the native core's
+    shape_signatures = _Shared("sum", "py_signatures", get="signatures")
+    live_bytes = _Shared("native", "_live", get="live")  # written by the Python path's allocations only
+    peak_bytes = _Shared("native", "_peak", get="peak", put="set_peak")
+    window_peak = _Shared("native", "_window", get="window", put="set_window")
+    in_graph = _Shared("push", "_in_graph", put="set_in_graph")
+    hbm_bytes = _Shared("push", "_hbm", put="set_hbm")
 
 
 STATE = _State()
