@@ -11,6 +11,8 @@
 // Anything the fast path does not cover (a CPU tensor argument, emulated precision, a foreign storage, ...)
 // goes to the op's Python kernel unchanged, which raises the simulator's usual errors.
 
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/CPUAllocator.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -497,6 +499,85 @@ struct FastKernel final : c10::OperatorKernel {
   }
 };
 
+// ---- hooks: pinned host memory and storage resizing ------------------------------------------------------------
+//
+// torch asks the PrivateUse1 hooks for the accelerator's pinned-memory allocator (torch.empty(n, pin_memory=True),
+// DDP's reducer) and to resize a device storage in place; a backend written in Python cannot provide either.
+// Pinned memory here is ordinary CPU memory remembered as pinned while it lives (it only makes DMA faster on a chip).
+
+std::mutex g_pinned_mu;
+std::unordered_set<const void*> g_pinned;
+
+void free_pinned(void* ctx) {
+  auto* owner = static_cast<c10::DataPtr*>(ctx);
+  {
+    std::lock_guard<std::mutex> lock(g_pinned_mu);
+    g_pinned.erase(owner->get());
+  }
+  delete owner;
+}
+
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    auto* owner = new c10::DataPtr(c10::GetCPUAllocator()->allocate(n));
+    void* p = owner->get();
+    if (p != nullptr) {
+      std::lock_guard<std::mutex> lock(g_pinned_mu);
+      g_pinned.insert(p);
+    }
+    return c10::DataPtr(p, owner, &free_pinned, c10::Device(c10::DeviceType::CPU));
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+PinnedAllocator g_pinned_allocator;
+
+bool is_pinned_ptr(const void* p) {
+  std::lock_guard<std::mutex> lock(g_pinned_mu);
+  return g_pinned.count(p) != 0;
+}
+
+struct Hooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override {
+    return true;
+  }
+  bool isAvailable() const override {
+    return true;
+  }
+  bool hasPrimaryContext(c10::DeviceIndex) const override {
+    return true;
+  }
+  bool isPinnedPtr(const void* data) const override {
+    return is_pinned_ptr(data);
+  }
+  c10::Allocator* getPinnedMemoryAllocator() const override {
+    return &g_pinned_allocator;
+  }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    Holder* h = holder_of(storage);
+    TORCH_CHECK(h != nullptr, "resize_: not a storage of the simulated tpu device");
+    const int64_t n = static_cast<int64_t>(newsize);
+    const int64_t hbm = g_hbm.load();
+    if (hbm && g_live.load() - h->nbytes + n > hbm && g_check_oom != nullptr) {
+      py::gil_scoped_acquire gil;
+      py::reinterpret_borrow<py::object>(g_check_oom)(n - h->nbytes, "untyped_storage().resize_");
+    }
+    c10::Storage cpu(c10::Storage::use_byte_size_t(), newsize, c10::GetCPUAllocator(), /*resizable=*/true);
+    const size_t keep = std::min(newsize, h->cpu.nbytes());
+    if (keep > 0) {
+      std::memcpy(cpu.mutable_data(), h->cpu.data(), keep);
+    }
+    c10::Storage fresh = make_storage(cpu);  // counted; the old holder is released when its DataPtr goes
+    c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+    impl->set_data_ptr_noswap(std::move(fresh.unsafeGetStorageImpl()->mutable_data_ptr()));
+    impl->set_nbytes(newsize);
+  }
+};
+
+Hooks g_hooks;
+
 void view_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
 }
@@ -545,6 +626,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_view", [](const std::string& name) {
     lib().impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&view_kernel>());
   });
+  m.def("register_hooks", []() { at::RegisterPrivateUse1HooksInterface(&g_hooks); });
+  m.def("is_pinned_ptr", [](uint64_t p) { return is_pinned_ptr(reinterpret_cast<const void*>(p)); });
   m.def("set_check_oom", [](py::object fn) { g_check_oom = fn.release().ptr(); });
   m.def("live", []() { return g_live.load(); });
   m.def("peak", []() { return g_peak.load(); });

@@ -4,7 +4,8 @@ The Python fallback (``_ops.py``) costs roughly 15-20 us per device op, which ma
 about 3x its CPU time. The native core runs the common case of each op (device tensors in, tensors out) without
 entering Python: it keeps device storages, counts ops, shape signatures and device memory, and hands anything else
 to the op's Python kernel, so behaviour, errors and counters stay the same (tests/sim/test_native.py compares the
-two). It is compiled once per torch version and source with ``torch.utils.cpp_extension`` (a C++ compiler and
+two). Its C++ PrivateUse1 hooks also give torch a pinned-memory allocator and storage resizing, which hooks written
+in Python cannot. It is compiled once per torch version and source with ``torch.utils.cpp_extension`` (a C++ compiler and
 ninja are needed; about 40 s on 2 cores) into ``$HF_TPU_CACHE/sim-native`` (default ``~/.cache/hf_tpu``).
 
 ``HF_TPU_SIM_NATIVE=0`` keeps the pure-Python path; ``HF_TPU_SIM_NATIVE=1`` makes a failed build an error.
@@ -50,7 +51,7 @@ def load() -> ModuleType | None:
                     f"HF_TPU_SIM_NATIVE=1 but the simulator's native core could not be built: {e}. Install a C++ "
                     "compiler and ninja (pip install ninja), or unset HF_TPU_SIM_NATIVE to use the Python path."
                 ) from e
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = _first_error(e)
             _STATE["reason"] = f"unavailable ({first[:200]}); the simulator runs in Python, about 2x slower per op"
             _LOG.warning(
                 "hf_tpu.sim: the native core could not be built (%s); the simulator runs its ops in Python, which is "
@@ -59,6 +60,15 @@ def load() -> ModuleType | None:
             )
     _STATE["module"] = module
     return module
+
+
+def _first_error(e: Exception) -> str:
+    """The line of a build failure that says what went wrong (a compiler's "error:" line when there is one)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for line in lines:
+        if "error" in line.lower() and not line.startswith(("[", "c++", "g++", "clang")):
+            return line
+    return lines[0] if lines else type(e).__name__
 
 
 def status() -> str:

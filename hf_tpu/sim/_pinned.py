@@ -10,9 +10,9 @@ marked pinned. This module registers, for the CPU, ``aten::_pin_memory`` (a copy
 and ``aten::is_pinned`` (true for such buffers), and, for the device, ``aten::_to_copy`` (a device-to-host copy with
 ``non_blocking=True`` runs synchronously, as the simulator always does, into a buffer marked pinned).
 
-What stays impossible: factory functions with ``pin_memory=True`` (``torch.empty(n, pin_memory=True)``) allocate in
-C++ through the missing allocator; :func:`pinned_factory_error` is hf_tpu's message for them where hf_tpu can see
-the call.
+Factory functions with ``pin_memory=True`` (``torch.empty(n, pin_memory=True)``, DDP's reducer) allocate in C++
+through the hooks' allocator: the simulator's native core (``_native.cpp``) registers C++ hooks that provide one
+(CPU memory remembered as pinned); without the native core they fail with torch's message.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 from torch._C import DispatchKey
+
+from hf_tpu.sim._counters import STATE
 
 __all__ = ["install", "is_marked_pinned"]
 
@@ -36,8 +38,13 @@ def _mark(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_marked_pinned(t: torch.Tensor) -> bool:
-    """True for a CPU tensor whose memory the simulator pinned (``pin_memory()``, a non-blocking ``.cpu()``)."""
-    return bool(getattr(t.untyped_storage(), "_hf_pinned", False))
+    """True for a CPU tensor whose memory the simulator pinned (``pin_memory()``, a non-blocking ``.cpu()``, or,
+    with the native core, a factory with ``pin_memory=True``)."""
+    storage = t.untyped_storage()
+    if getattr(storage, "_hf_pinned", False):
+        return True
+    native = STATE.native
+    return native is not None and native.is_pinned_ptr(storage.data_ptr())
 
 
 def _check_pin_device(device: Any) -> None:

@@ -8,8 +8,9 @@ with torch's internal "You should register `PrivateUse1HooksInterface` ..." mess
   instances are CPU generators reporting ``device == tpu:0``; the simulator's ops run their CPU kernels with them, so
   seeded sampling works as on torch_tpu (which has device generators). ``isinstance(g, torch.Generator)`` holds for
   every generator, C-made ones included.
-- ``untyped_storage().resize_()`` on a device storage (``resizePrivateUse1Bytes``): a simulated storage is a view
-  of a CPU buffer and cannot be reallocated in place: a clear NotImplementedError with the way around.
+- ``untyped_storage().resize_()`` on a device storage (``resizePrivateUse1Bytes``): the native core's C++ hooks
+  reallocate it (``_native.cpp``); on the Python path a simulated storage is a view of a CPU buffer and cannot be
+  reallocated in place: a clear NotImplementedError with the way around.
 - sparse layouts (the ``SparsePrivateUse1``/``SparseCsrPrivateUse1`` keys have no kernels; torch_tpu supports
   strided tensors only): a clear NotImplementedError naming the op.
 """
@@ -78,14 +79,20 @@ Generator.__qualname__ = Generator.__name__ = "Generator"
 
 def _storage_resize(original: Any) -> Any:
     def resize_(self: torch.UntypedStorage, size: int) -> Any:
-        if self.device.type == "tpu":
+        from hf_tpu.sim._counters import STATE
+
+        if self.device.type == "tpu" and STATE.native is None:
             raise NotImplementedError(
                 f"untyped_storage().resize_({size}) is not supported on the simulated tpu device: a device storage "
-                "cannot be reallocated in place there (torch gives Python backends no resizePrivateUse1Bytes). "
+                "cannot be reallocated in place by the simulator's Python path (torch gives Python backends no "
+                "resizePrivateUse1Bytes; the native core, built where a C++ compiler is, provides it). "
                 "Allocate a new tensor instead (torch.empty(n, device='tpu'), or tensor.resize_(shape), which "
                 "works), or run this code on the CPU."
             )
-        return original(self, size)
+        out = original(self, size)
+        if self.device.type == "tpu":
+            self.__dict__.pop("_hf_hvs", None)  # host views of the old memory (see _ops._host)
+        return out
 
     resize_._hf_tpu_sim = True  # type: ignore[attr-defined]
     return resize_

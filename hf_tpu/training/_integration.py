@@ -123,11 +123,16 @@ def _ddp_defaults(training_args) -> None:
     """DistributedDataParallel options for TPU ranks. ``find_unused_parameters`` (the Trainer's default for models
     without gradient checkpointing) makes DDP's C++ reducer allocate pinned host memory directly (not through
     ``pin_memory()``, which the simulator provides): torch offers a Python backend no pinned allocator, so on hf_tpu's
-    simulated device it defaults to False, and an explicit True is refused with the fix. Pinned DataLoaders
+    simulated device without its native core it defaults to False, and an explicit True is refused with the fix
+    (with the native core, which provides the allocator, nothing changes, as on a chip). Pinned DataLoaders
     (``dataloader_pin_memory``, True by default) work on the simulator."""
     from hf_tpu import runtime
 
     if runtime.detect().mode != "simulated":
+        return
+    from hf_tpu.sim._counters import STATE
+
+    if STATE.native is not None:  # the native core gives torch a pinned allocator: upstream's default, as on a chip
         return
     if training_args.ddp_find_unused_parameters:
         from hf_tpu.training.checks import TPUTrainingError

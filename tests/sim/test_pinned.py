@@ -1,5 +1,6 @@
 """Pinned host memory and non-blocking copies work on the simulator, as on accelerators (torch_tpu included)."""
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -57,3 +58,18 @@ def test_trainer_with_default_arguments_pins_and_trains(tmp_path):
     assert next(model.parameters()).device.type == "tpu" and trainer.args.device.type == "tpu"
     assert torch.isfinite(torch.tensor(out.training_loss))
     assert not torch.equal(model.model.embed_tokens.weight.detach().cpu(), before)
+
+
+def test_factories_with_pin_memory_and_ddp_find_unused_parameters():
+    """torch allocates these through the accelerator hooks' pinned allocator, which the native core provides."""
+    from hf_tpu.sim._counters import STATE
+
+    if STATE.native is None:
+        with pytest.raises(NotImplementedError, match="getPinnedMemoryAllocator"):  # torch's message: documented
+            torch.empty(4, pin_memory=True)
+        return
+    a = torch.empty(1000, pin_memory=True).fill_(2.0)
+    b = torch.ones(1000)
+    assert a.is_pinned() and not b.is_pinned() and a.is_cpu
+    assert torch.equal((a.to("tpu", non_blocking=True) + b.to("tpu")).cpu(), torch.full((1000,), 3.0))
+    assert torch.zeros(3, pin_memory=True).is_pinned() and torch.tensor([1.0, 2.0]).pin_memory().is_pinned()

@@ -102,8 +102,6 @@ def test_tpu_generator_works_and_unsupported_ops_raise_hf_tpu_errors():
     assert torch.equal(x.cpu(), torch.empty(3, 3).normal_(generator=torch.Generator().manual_seed(5)))
     with pytest.raises(RuntimeError, match="one device"):
         torch.Generator("tpu:1")
-    with pytest.raises(NotImplementedError, match=r"resize_\(0\) is not supported on the simulated tpu device"):
-        x.untyped_storage().resize_(0)
     # (a CSR tensor can be moved over, as torch builds it from its dense parts; every op on it is refused)
     for make in (
         lambda: torch.randn(3, 3).to_sparse().to("tpu"),
@@ -114,6 +112,34 @@ def test_tpu_generator_works_and_unsupported_ops_raise_hf_tpu_errors():
             make()
         assert "PrivateUse1HooksInterface" not in str(info.value) and "Sparsetpu" not in str(info.value)
         assert "simulated tpu device" in str(info.value)
+
+
+def test_storage_resize_works_with_the_native_core_and_is_refused_on_the_python_path(monkeypatch):
+    from hf_tpu.sim._counters import STATE
+
+    if STATE.native is not None:
+        cpu = torch.arange(6.0)
+        t = cpu.to("tpu")
+        before = hf_tpu.sim.memory_allocated()
+        kept = 24  # the bytes that every resize so far has kept
+        for size in (48, 8, 0, 16):  # grow, shrink, empty, grow again: as on the CPU
+            t.untyped_storage().resize_(size)
+            cpu.untyped_storage().resize_(size)
+            assert t.untyped_storage().nbytes() == size
+            assert hf_tpu.sim.memory_allocated() == before - 24 + size
+            kept = min(kept, size)
+            keep = kept // 4
+            if keep:
+                dev = torch.empty(0, device="tpu").set_(t.untyped_storage(), 0, (keep,), (1,))
+                assert torch.equal(dev.cpu(), torch.empty(0).set_(cpu.untyped_storage(), 0, (keep,), (1,)))
+        u = torch.ones(4, device="tpu")
+        (u * 2).sum()  # a cached host view of u's storage exists now
+        u.untyped_storage().resize_(32)
+        assert torch.equal((u * 3).cpu(), torch.full((4,), 3.0))  # read from the new memory
+    storage = torch.ones(2, device="tpu").untyped_storage()
+    monkeypatch.setattr(STATE, "native", None)  # the Python path (no compiler), at the point of the call
+    with pytest.raises(NotImplementedError, match=r"resize_\(0\) is not supported on the simulated tpu device"):
+        storage.resize_(0)
 
 
 def test_views_with_storage_offsets_match_cpu():

@@ -165,9 +165,18 @@ def test_launched_tpu_ranks_become_one_data_parallel_run(monkeypatch):
         hf_tpu.enable("training")
 
 
-def test_find_unused_parameters_defaults_off_on_the_simulator(monkeypatch, tmp_path):
+def test_find_unused_parameters_is_upstreams_with_the_native_core_and_off_without(monkeypatch, tmp_path):
+    """DDP's reducer allocates pinned memory in C++: the native core's hooks provide it (upstream's default stays, as
+    on a chip); on the Python path it defaults to False and an explicit True is refused with the fix."""
+    from hf_tpu.sim._counters import STATE
     from hf_tpu.training._integration import _ddp_defaults
 
+    if STATE.native is not None:
+        for value in (None, True, False):
+            args = _args(tmp_path, "tpu", ddp_find_unused_parameters=value)
+            _ddp_defaults(args)
+            assert args.ddp_find_unused_parameters is value
+    monkeypatch.setattr(STATE, "native", None)
     args = _args(tmp_path, "tpu")
     assert args.ddp_find_unused_parameters is None
     _ddp_defaults(args)
