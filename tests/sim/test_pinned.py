@@ -73,3 +73,38 @@ def test_factories_with_pin_memory_and_ddp_find_unused_parameters():
     assert a.is_pinned() and not b.is_pinned() and a.is_cpu
     assert torch.equal((a.to("tpu", non_blocking=True) + b.to("tpu")).cpu(), torch.full((1000,), 3.0))
     assert torch.zeros(3, pin_memory=True).is_pinned() and torch.tensor([1.0, 2.0]).pin_memory().is_pinned()
+
+
+def test_ddp_with_find_unused_parameters_matches_the_cpu(tmp_path):
+    """DDP's C++ reducer allocates its used-parameter map with pin_memory=True (the native core's allocator)."""
+    import torch.distributed as dist
+
+    from hf_tpu.distributed import sim_backend
+    from hf_tpu.sim._counters import STATE
+
+    if STATE.native is None:
+        pytest.skip("Python path: DDP(find_unused_parameters=True) is refused by the training integration (tested)")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(4, 2), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    sim_backend.register()
+    dist.init_process_group(sim_backend.BACKEND_NAME, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ref, net = Net(), Net()
+        net.load_state_dict(ref.state_dict())
+        ddp = torch.nn.parallel.DistributedDataParallel(net.to("tpu"), find_unused_parameters=True)
+        x = torch.randn(3, 4)
+        ddp(x.to("tpu")).sum().backward()
+        ref(x).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    for p, q in zip(net.used.parameters(), ref.used.parameters()):
+        assert torch.allclose(p.grad.cpu(), q.grad)
+    assert net.unused.weight.grad is None and ref.unused.weight.grad is None
