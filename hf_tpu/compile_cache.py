@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -42,7 +43,7 @@ import os
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,25 @@ def _atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` + ``.lock`` for the block (released by the OS if the process dies), so that
+    processes writing the same manifest at once (ranks, parallel warm-ups) merge their entries instead of one
+    overwriting the other's. Without ``fcntl`` (Windows) the block runs unlocked."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _version(dist: str) -> str | None:
@@ -291,13 +311,16 @@ class Namespace:
         return entries if isinstance(entries, list) else []
 
     def record(self, entries: list) -> None:
-        """Add entries to the manifest (kept in order, without duplicates)."""
-        current = self.manifest()
-        merged = current + [e for e in entries if e not in current]
-        if merged == current:
+        """Add entries to the manifest (kept in order, without duplicates; concurrent writers merge)."""
+        if all(e in self.manifest() for e in entries):
             return
         try:
-            _atomic_write(self.manifest_path, json.dumps({"format": FORMAT, "entries": merged}, indent=1).encode())
+            with _exclusive(self.manifest_path):
+                current = self.manifest()  # read again under the lock: another process may have added entries
+                merged = current + [e for e in entries if e not in current]
+                if merged != current:
+                    payload = json.dumps({"format": FORMAT, "entries": merged}, indent=1).encode()
+                    _atomic_write(self.manifest_path, payload)
         except OSError as exc:
             self.cache.report(f"cannot write {self.manifest_path} ({exc})")
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _timeouts import SAFETY_TIMEOUT_S
 
 import hf_tpu
 import hf_tpu.sim
@@ -199,3 +200,34 @@ def test_a_graph_stored_under_another_shape_fails_its_guards_and_is_compiled(lla
     assert ("prefill", 1, 32, 64) in generation.compiled_graphs(tpu)
     assert s.compiles == 2  # the rejected prefill, and the decode graph no process stored
     assert s.compile_cache_hits == 0  # a graph its guards reject served nothing
+
+
+_RECORDER = """
+import sys
+from hf_tpu.compile_cache import CompileCache
+space = CompileCache(sys.argv[1]).namespace("test", {"model": "shared"})
+for i in range(40):
+    space.record([[sys.argv[2], i]])
+print(space.manifest_path)
+"""
+
+
+def test_processes_recording_at_once_lose_no_manifest_entry(tmp_path):
+    """Ranks or parallel warm-ups writing one manifest at once: every entry of every process is kept."""
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RECORDER, str(tmp_path), f"p{n}"], env={**os.environ}, stdout=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(4)
+    ]  # fmt: skip
+    try:
+        outs = [w.communicate(timeout=SAFETY_TIMEOUT_S)[0] for w in writers]
+    finally:
+        for w in writers:
+            if w.poll() is None:
+                w.kill()
+    assert [w.returncode for w in writers] == [0, 0, 0, 0]
+    (manifest,) = {out.strip() for out in outs}  # one namespace, written by all four
+    entries = json.loads(Path(manifest).read_text())["entries"]
+    assert sorted(map(tuple, entries)) == sorted((f"p{n}", i) for n in range(4) for i in range(40))
