@@ -94,6 +94,10 @@ def _build() -> ModuleType:
         with open(build / "hf_tpu.lock", "w") as lock:
             _lock(lock)  # one builder per cache directory; released by the OS if its process dies
             if not (built.is_file() and done.is_file()):
+                _LOG.warning(
+                    "hf_tpu.sim: building the simulator's native core in %s (once per torch version, about 40 s on "
+                    "2 cores; HF_TPU_SIM_NATIVE=0 skips it)", build
+                )
                 _compile(name, build)
                 done.write_text(f"{name}\n")
     return _import(name, built)
