@@ -352,6 +352,47 @@ void call_python(PyObject* kernel, const c10::OperatorHandle& op, torch::jit::St
   push_python_result(schema, out.ptr(), stack);
 }
 
+// ---- in-place ops and out= -----------------------------------------------------------------------------------
+//
+// After an op that writes its arguments, each device tensor follows its CPU alias: the CPU kernel may have resized
+// it (new memory in the same CPU storage, or a new size, stride or offset), or pointed it at another storage
+// (set_). As _ops._write_back does on the Python path.
+
+void write_back(c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4>& pairs) {
+  for (auto& [alias, dev] : pairs) {
+    const c10::Storage& cs = alias.storage();
+    c10::StorageImpl* ws = dev.storage().unsafeGetStorageImpl();
+    Holder* hd = holder_of(dev.storage());
+    if (hd == nullptr) {
+      continue;
+    }
+    if (cs.unsafeGetStorageImpl() != hd->cpu.unsafeGetStorageImpl()) {
+      // another storage: an input's device storage, or fresh memory
+      c10::Storage target;
+      for (auto& [other_alias, other_dev] : pairs) {
+        Holder* oh = holder_of(other_dev.storage());
+        if (oh != nullptr && oh->cpu.unsafeGetStorageImpl() == cs.unsafeGetStorageImpl()) {
+          target = other_dev.storage();
+          break;
+        }
+      }
+      if (!target) {
+        target = make_storage(cs);
+      }
+      dev.unsafeGetTensorImpl()->set_storage_keep_dtype(std::move(target));
+    } else if (cs.data_ptr().get() != ws->data_ptr().get() || static_cast<int64_t>(cs.nbytes()) != hd->nbytes) {
+      // the CPU storage was reallocated (resize): the device storage points at the new memory, counted anew
+      c10::Storage fresh = make_storage(cs);
+      ws->set_data_ptr_noswap(std::move(fresh.unsafeGetStorageImpl()->mutable_data_ptr()));  // frees the old holder
+      ws->set_nbytes(cs.nbytes());
+    }
+    if (alias.sizes() != dev.sizes() || alias.strides() != dev.strides() ||
+        alias.storage_offset() != dev.storage_offset()) {
+      dev.unsafeGetTensorImpl()->set_sizes_and_strides(alias.sizes(), alias.strides(), alias.storage_offset());
+    }
+  }
+}
+
 // ---- the fast kernel --------------------------------------------------------------------------------------
 
 struct FastKernel final : c10::OperatorKernel {
@@ -359,6 +400,7 @@ struct FastKernel final : c10::OperatorKernel {
   uint64_t seed;
   std::string display;  // the op as Python prints it (aten.add.Tensor), for error messages
   bool precision_op;  // a float32 contraction: the Python kernel runs it while precision emulation is on
+  bool mutable_op;    // writes an argument: its device tensor follows what the CPU kernel did to it
   PyObject* python;   // the op's Python kernel (a leaked reference: lives with the process)
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
@@ -391,11 +433,11 @@ struct FastKernel final : c10::OperatorKernel {
       return;
     }
     // Device tensors become CPU tensors over the same memory (the keys above checked every one of them).
-    c10::SmallVector<std::pair<const c10::TensorImpl*, at::Tensor>, 4> pairs;  // CPU alias -> device tensor
+    c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4> pairs;  // CPU alias -> device tensor
     auto host = [&](const at::Tensor& t) -> at::Tensor {
       Holder* hd = holder_of(t.storage());
       at::Tensor c = over(hd->cpu, c10::DispatchKey::CPU, t);
-      pairs.emplace_back(c.unsafeGetTensorImpl(), t);
+      pairs.emplace_back(c, t);
       return c;
     };
     for (size_t i = 0; i < n; ++i) {
@@ -426,6 +468,9 @@ struct FastKernel final : c10::OperatorKernel {
       TORCH_CHECK_NOT_IMPLEMENTED(false, display, " is not supported on the simulated tpu device: ",
                                   e.what_without_backtrace());
     }
+    if (mutable_op) {
+      write_back(pairs);
+    }
     // Results: an input itself, a view of an input's memory, or fresh memory (a new device allocation).
     const size_t nret = schema.returns().size();
     c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 2> fresh;
@@ -440,8 +485,8 @@ struct FastKernel final : c10::OperatorKernel {
       }
       mix_meta(h, t);
       bool done = false;
-      for (auto& [impl, dev] : pairs) {
-        if (impl == t.unsafeGetTensorImpl()) {
+      for (auto& [alias, dev] : pairs) {
+        if (alias.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
           r = dev;
           done = true;
           break;
@@ -455,7 +500,7 @@ struct FastKernel final : c10::OperatorKernel {
                                   "strided tensors only); use dense tensors, or run this op on the CPU.");
       const c10::StorageImpl* cs = t.storage().unsafeGetStorageImpl();
       c10::Storage ws;
-      for (auto& [impl, dev] : pairs) {
+      for (auto& [alias, dev] : pairs) {
         Holder* hd = holder_of(dev.storage());
         if (hd != nullptr && hd->cpu.unsafeGetStorageImpl() == cs) {
           ws = dev.storage();
@@ -614,12 +659,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::reinterpret_steal<py::object>(THPStorage_Wrap(h->cpu));
   });
   m.def("register_op", [](const std::string& name, const std::string& display, const std::vector<int64_t>& kinds,
-                          bool precision_op, py::object python) {
+                          bool precision_op, bool mutable_op, py::object python) {
     auto k = std::make_unique<FastKernel>();
     k->kinds.assign(kinds.begin(), kinds.end());
     k->seed = std::hash<std::string>{}(name);
     k->display = display;
     k->precision_op = precision_op;
+    k->mutable_op = mutable_op;
     k->python = python.release().ptr();
     lib().impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(k)));
   });

@@ -530,16 +530,16 @@ def _direct(op: Any) -> Any:
 def _native_kinds(op: Any, info: _OpInfo) -> list[int] | None:
     """Each schema argument's signature kind, for an op the native core can run whole (None: it cannot).
 
-    It runs ops that read device tensors (or make new ones on ``tpu:0``) and return fresh or aliased tensors; ops
-    that write their inputs, take a generator or host index tensors, sync with the host, or have a special case here
-    stay in Python, as does any call with a CPU tensor or another device (the native core hands it over).
+    It runs ops that read or write device tensors (or make new ones on ``tpu:0``) and return tensors or nothing;
+    ops that take a generator or host index tensors, sync with the host, or have a special case here stay in
+    Python, as does any call with a CPU tensor or another device (the native core hands it over).
     """
-    if info.handler is not None or info.sync or info.gen_index >= 0 or info.mutable:
+    if info.handler is not None or info.sync or info.gen_index >= 0:
         return None
     if info.allow_cpu or (info.impl is not None and info.impl is not _precision.IMPLS.get(str(op))):
         return None
     schema = op._schema
-    if not schema.returns or any(str(r.type) != "Tensor" for r in schema.returns):
+    if any(str(r.type) != "Tensor" for r in schema.returns) or not (schema.returns or info.mutable):
         return None
     return [kind(info.name, a.name, str(a.type)) for a in schema.arguments]
 
@@ -554,7 +554,7 @@ def _register_native(native: Any, aten_lib: torch.library.Library, ops: list[Any
             name = op._schema.name.partition("::")[2]
             overload = op._schema.overload_name
             qualified = f"{name}.{overload}" if overload else name
-            native.register_op(qualified, str(op), kinds, info.impl is not None, _direct(op))
+            native.register_op(qualified, str(op), kinds, info.impl is not None, info.mutable, _direct(op))
 
 
 def install() -> None:

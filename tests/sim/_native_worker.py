@@ -82,6 +82,39 @@ def declined_conjugate_matmul():
     return torch.allclose(r, torch.mm(z.conj(), z.conj().t()))
 
 
+def out_resize_and_set():
+    # out= into an empty tensor (resized by the kernel), resize_ of a tensor that a view shares, set_ onto another
+    a = torch.empty(0, device="tpu")
+    torch.mul(xt, 2, out=a)
+    ok = a.shape == (4, 8) and torch.equal(a.cpu(), x * 2)
+    b = xt.clone()
+    v = b[0]
+    b.resize_(64)  # reallocates the shared storage; v sees the new memory, as on an accelerator
+    ok &= b.shape == (64,) and torch.equal(b[:32].cpu(), x.flatten()) and torch.equal(v.cpu(), x[0])
+    c = torch.zeros(3, device="tpu")
+    c.set_(yt)
+    c.add_(1)
+    ok &= torch.equal(yt.cpu(), y + 1) and c.untyped_storage().data_ptr() == yt.untyped_storage().data_ptr()
+    yt.sub_(1)
+    return bool(ok)
+
+
+def optimizer_steps():
+    torch.manual_seed(1)
+    cpu = torch.nn.Linear(8, 4)
+    dev = torch.nn.Linear(8, 4)
+    dev.load_state_dict(cpu.state_dict())
+    dev.to("tpu")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (cpu, dev)]
+    for step in range(3):
+        for m, opt in zip((cpu, dev), opts):
+            for p in m.parameters():
+                p.grad = torch.full_like(p, 0.1 * (step + 1))
+            opt.step()
+            opt.zero_grad()
+    return all(torch.allclose(p.cpu(), q, atol=1e-6) for p, q in zip(dev.parameters(), cpu.parameters()))
+
+
 def memory():
     a = torch.empty(1024, 256, device="tpu")
     b = a[:512]
@@ -134,6 +167,8 @@ for name, fn in [
     ("factories_and_reductions", factories_and_reductions),
     ("in_place_and_scalars", in_place_and_scalars),
     ("declined_conjugate_matmul", declined_conjugate_matmul),
+    ("out_resize_and_set", out_resize_and_set),
+    ("optimizer_steps", optimizer_steps),
     ("memory", memory),
     ("llama_forward", llama_forward),
 ]:
