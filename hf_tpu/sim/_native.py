@@ -1,12 +1,13 @@
 """The simulator's optional native core (``_native.cpp``): its per-op work in C++ instead of Python.
 
-The Python fallback (``_ops.py``) costs roughly 15-20 us per device op, which makes a tiny model's forward
-about 3x its CPU time. The native core runs the common case of each op (device tensors in, tensors out) without
-entering Python: it keeps device storages, counts ops, shape signatures and device memory, and hands anything else
-to the op's Python kernel, so behaviour, errors and counters stay the same (tests/sim/test_native.py compares the
-two). Its C++ PrivateUse1 hooks also give torch a pinned-memory allocator and storage resizing, which hooks written
-in Python cannot. It is compiled once per torch version and source with ``torch.utils.cpp_extension`` (a C++ compiler and
-ninja are needed; about 40 s on 2 cores) into ``$HF_TPU_CACHE/sim-native`` (default ``~/.cache/hf_tpu``).
+The Python fallback (``_ops.py``) costs roughly 15-20 us per device op, which makes a tiny model's forward about 3x
+its CPU time. The native core runs the common case of each op (device tensors in, tensors out or written in place)
+without entering Python: it keeps device storages, counts ops, shape signatures and device memory, and hands
+anything else to the op's Python kernel, so behaviour, errors and counters stay the same (tests/sim/test_native.py
+compares the two). Its C++ PrivateUse1 hooks also give torch a pinned-memory allocator and storage resizing, which
+hooks written in Python cannot. It is compiled once per torch version and source with ``torch.utils.cpp_extension``
+(a C++ compiler and ninja are needed; about 40 s on 2 cores) into ``$HF_TPU_CACHE/sim-native`` (default
+``~/.cache/hf_tpu``).
 
 ``HF_TPU_SIM_NATIVE=0`` keeps the pure-Python path; ``HF_TPU_SIM_NATIVE=1`` makes a failed build an error.
 Without a compiler the simulator still works, in Python, and ``hf-tpu env`` says why it is slower.
