@@ -87,6 +87,18 @@ at::Tensor over(c10::Storage storage, c10::DispatchKey key, const at::Tensor& li
   return t;
 }
 
+// A new device storage over ``cpu``, after the same out-of-memory check as the Python path's (which raises the
+// simulator's OutOfMemoryError through Python).
+c10::Storage checked_storage(const c10::Storage& cpu, const std::string& what) {
+  const int64_t nbytes = static_cast<int64_t>(cpu.nbytes());
+  const int64_t hbm = g_hbm.load(std::memory_order_relaxed);
+  if (hbm && g_live.load() + nbytes > hbm && g_check_oom != nullptr) {
+    py::gil_scoped_acquire gil;
+    py::reinterpret_borrow<py::object>(g_check_oom)(nbytes, what);
+  }
+  return make_storage(cpu);
+}
+
 // torch's Python name of a layout (torch.sparse_coo, ...), as the Python fallback's messages print it.
 const char* layout_name(c10::Layout layout) {
   switch (layout) {
@@ -358,7 +370,7 @@ void call_python(PyObject* kernel, const c10::OperatorHandle& op, torch::jit::St
 // it (new memory in the same CPU storage, or a new size, stride or offset), or pointed it at another storage
 // (set_). As _ops._write_back does on the Python path.
 
-void write_back(c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4>& pairs) {
+void write_back(c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4>& pairs, const std::string& display) {
   for (auto& [alias, dev] : pairs) {
     const c10::Storage& cs = alias.storage();
     c10::StorageImpl* ws = dev.storage().unsafeGetStorageImpl();
@@ -377,12 +389,12 @@ void write_back(c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 4>& pairs) {
         }
       }
       if (!target) {
-        target = make_storage(cs);
+        target = checked_storage(cs, display);
       }
       dev.unsafeGetTensorImpl()->set_storage_keep_dtype(std::move(target));
     } else if (cs.data_ptr().get() != ws->data_ptr().get() || static_cast<int64_t>(cs.nbytes()) != hd->nbytes) {
       // the CPU storage was reallocated (resize): the device storage points at the new memory, counted anew
-      c10::Storage fresh = make_storage(cs);
+      c10::Storage fresh = checked_storage(cs, display);
       ws->set_data_ptr_noswap(std::move(fresh.unsafeGetStorageImpl()->mutable_data_ptr()));  // frees the old holder
       ws->set_nbytes(cs.nbytes());
     }
@@ -469,7 +481,7 @@ struct FastKernel final : c10::OperatorKernel {
                                   e.what_without_backtrace());
     }
     if (mutable_op) {
-      write_back(pairs);
+      write_back(pairs, display);
     }
     // Results: an input itself, a view of an input's memory, or fresh memory (a new device allocation).
     const size_t nret = schema.returns().size();
@@ -516,13 +528,7 @@ struct FastKernel final : c10::OperatorKernel {
         }
       }
       if (!ws) {
-        const int64_t nbytes = static_cast<int64_t>(t.storage().nbytes());
-        const int64_t hbm = g_hbm.load(std::memory_order_relaxed);
-        if (hbm && g_live.load() + nbytes > hbm && g_check_oom != nullptr) {
-          py::gil_scoped_acquire gil;
-          py::reinterpret_borrow<py::object>(g_check_oom)(nbytes, display);
-        }
-        ws = make_storage(t.storage());
+        ws = checked_storage(t.storage(), display);
         fresh.emplace_back(cs, ws);
       }
       at::Tensor w = over(ws, c10::DispatchKey::PrivateUse1, t);

@@ -187,4 +187,5 @@ out["errors"]["oom_fresh_result"] = error(lambda: torch.ones(512, 512, device="t
 big = torch.ones(200, 1024)
 small = big.to("tpu")
 out["errors"]["oom_op_result"] = error(lambda: torch.cat([small, small, small, small, small, small]))
+out["errors"]["oom_out_resize"] = error(lambda: torch.mul(small, 2, out=torch.empty(0, device="tpu")))
 print(json.dumps(out, sort_keys=True))
