@@ -1,10 +1,11 @@
 """How a simulated ``tpu`` tensor is laid out: a PrivateUse1 tensor whose storage points at CPU memory.
 
-Every ``tpu`` tensor's storage is a non-owning PrivateUse1 storage built over the data pointer of a CPU
-storage, and that CPU storage is kept alive as an attribute of the storage's Python object (shared by every
-tensor that shares the storage: views, ``detach``, ``nn.Parameter``). A tensor's sizes, strides and offset
-are its own, so the CPU tensor with the same metadata over the CPU storage (:func:`host_view`) is exactly the
-simulated tensor's contents.
+Every ``tpu`` tensor's storage is a PrivateUse1 storage over the memory of a CPU storage, shared by every tensor
+that shares the storage (views, ``detach``, ``nn.Parameter``). With the native core (``_native.py``) the device
+storage's data pointer owns that CPU storage and counts its bytes; on the Python path it is a non-owning storage and
+the CPU storage is kept alive as an attribute of its Python object (``_hf_buf``, with an ``_Allocation``).
+:func:`host_storage` finds the CPU storage either way. A tensor's sizes, strides and offset are its own, so the CPU
+tensor with the same metadata over the CPU storage (:func:`host_view`) is exactly the simulated tensor's contents.
 """
 
 from __future__ import annotations
