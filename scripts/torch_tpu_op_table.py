@@ -51,7 +51,9 @@ def classify() -> dict[str, list[str]]:
 
     if not hasattr(torch, "tpu") or "torch_tpu" not in sys.modules:
         raise SystemExit("torch_tpu is not loaded: run in the torch-tpu venv with TORCH_DEVICE_BACKEND_AUTOLOAD=1")
-    groups: dict[str, list[str]] = {"kernel": [], "composite": [], "missing": [], "sparse_kernel": []}
+    groups: dict[str, list[str]] = {"kernel": [], "composite": [], "missing": [], "sparse_kernel": [], "via_out": []}
+    delegates = _structured_delegates()
+    structured: list[tuple[str, str]] = []
     for qualified in sorted(torch._C._dispatch_get_all_op_names()):
         if not qualified.startswith("aten::"):
             continue
@@ -67,12 +69,44 @@ def classify() -> dict[str, list[str]]:
             groups["kernel"].append(name)
         elif kind in ("math kernel", "default backend kernel"):
             groups["composite"].append(name)
+            if "NonFunctional" in where and name in delegates:
+                structured.append((name, delegates[name]))
         else:
             raise SystemExit(f"{qualified}: unexpected PrivateUse1 entry {dense}")
         sparse = _entry(table, "SparsePrivateUse1")
         if sparse is not None and sparse[1] == "kernel" and _from_glue(sparse[0]):
             groups["sparse_kernel"].append(name)
+    refused = set(groups["missing"])
+    groups["via_out"] = [f"{name}:{out}" for name, out in structured if out in refused]
     return groups
+
+
+def _structured_delegates() -> dict[str, str]:
+    """``{"logaddexp": "logaddexp.out", ...}``: functional and in-place structured ops, and their out= op.
+
+    A backend without a kernel for them runs torch's CompositeExplicitAutogradNonFunctional wrapper, which
+    allocates the result and calls the out= op through the dispatcher: where that op is missing, the error names it.
+    """
+    import torchgen
+    import yaml
+
+    path = Path(torchgen.__file__).parent / "packaged" / "ATen" / "native" / "native_functions.yaml"
+    delegates = {}
+    for entry in yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+        if "structured_delegate" in entry:
+            name = entry["func"].partition("(")[0]
+            out = entry["structured_delegate"]
+            delegates[name.removesuffix(".default")] = out.removesuffix(".default")
+    return delegates
+
+
+def _mapping(name: str, pairs: list[str], comment: str) -> str:
+    lines = [f"# {comment}", f"{name} = {{"]
+    for pair in pairs:
+        op, _, out = pair.partition(":")
+        lines.append(f'    "{op}": "{out}",')
+    lines += ["}", ""]
+    return "\n".join(lines)
 
 
 def _block(name: str, ops: list[str], comment: str) -> str:
@@ -112,6 +146,12 @@ COMPOSITE_COUNT = {len(groups["composite"])}
             "SPARSE_KERNELS",
             groups["sparse_kernel"],
             "SparsePrivateUse1 served by a torch_tpu kernel; every other sparse op reaches TpuSparseOpFallback.",
+        )
+        + "\n"
+        + _mapping(
+            "VIA_OUT",
+            groups["via_out"],
+            "Structured ops whose torch wrapper calls a refused out= op (the error names that op).",
         )
     )
 
