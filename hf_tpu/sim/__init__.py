@@ -21,11 +21,13 @@ import importlib.metadata
 from hf_tpu.sim._after_import import after_import
 from hf_tpu.sim._counters import STATE, SimStrictError, Stats, stats, strict
 from hf_tpu.sim._tensors import host_view, is_sim_tensor
+from hf_tpu.sim import execution_mode  # noqa: E402 -- torch_tpu's CPU-fallback switch, mirrored
 
 __all__ = [
     "SimStrictError",
     "Stats",
     "enable",
+    "execution_mode",
     "host_view",
     "is_enabled",
     "is_sim_tensor",

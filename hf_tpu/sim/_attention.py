@@ -1,11 +1,22 @@
-"""scaled_dot_product_attention on the simulated device through the CPU's fused kernel.
+"""scaled_dot_product_attention on the simulated device: the backend a chip picks, computed by the CPU's kernel.
 
-sdpa picks its fused kernel with a C++ DispatchStub that a Python backend cannot register, so on PrivateUse1 it
-always decomposes into the math path: ~10 ops, the bmm-softmax-bmm intermediates, and different rounding from
-the CPU reference. torch_tpu runs one fused attention instead. This module registers sdpa for
-AutogradPrivateUse1: forward and backward run torch's own CPU sdpa (and its autograd) on the host views, so
-the simulated device computes what the CPU computes, as one device op. Dropout keeps the math path, which draws
-from the device generator.
+On a chip, torch's composite sdpa asks torch_tpu's ``_fused_sdp_choice`` stub (``AtenFusedSdpChoice``, registered
+with REGISTER_PRIVATEUSE1_DISPATCH) for a backend; its rules, read from torch-tpu 0.2.0's glue library strings:
+
+- FLASH enabled (torch's default) and the inputs fit its kernel (static shapes, dropout_p in [0, 1), float32 or
+  bfloat16, query rank at least 4, batch at least 1, head dim below 128 or a multiple of 128, attn_mask not
+  requiring grad): torch_tpu's flash-attention kernel, registered as ``aten::_scaled_dot_product_cudnn_attention``;
+- else MATH or OVERRIDEABLE enabled, dropout_p 0, real floating inputs of one rank (at least 4: "SHLO optimized
+  MATH"): ``aten::_scaled_dot_product_fused_attention_overrideable``;
+- else MATH: torch's math decomposition (~10 ops); with every backend disabled, torch_tpu's error.
+
+``_scaled_dot_product_flash_attention_for_cpu``, the CPU's choice, reaches torch_tpu's missing-op fallback, so the
+simulator never takes it on a device tensor. A Python backend cannot register that C++ stub, so this module
+registers sdpa for AutogradPrivateUse1 and takes the same decision: the two fused kernels run as one device op
+(counted and keyed as the chip's op) whose forward and backward are torch's CPU sdpa and its autograd on the host
+views, so the numbers equal the CPU's; the math path decomposes on the device. Known difference: with dropout and
+FLASH enabled a chip runs its flash kernel with dropout, the simulator the math path (which draws from the device
+generator).
 """
 
 from __future__ import annotations
@@ -21,14 +32,21 @@ __all__ = ["install"]
 
 _LIB: torch.library.Library | None = None
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_MATH = torch.ops.aten._scaled_dot_product_attention_math.default
 
 
-def _count(*tensors: torch.Tensor | None, params: tuple = ()) -> None:
+FLASH = "aten::_scaled_dot_product_cudnn_attention"  # torch_tpu's flash-attention kernel is registered here
+OVERRIDEABLE = "aten::_scaled_dot_product_fused_attention_overrideable"
+MATH = "math"
+_FLASH_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _count(op: str, *tensors: torch.Tensor | None, params: tuple = ()) -> None:
     STATE.ops += 1
     if STATE.in_graph:
         return
-    # is_causal and scale are in torch_tpu's cache key for its flash attention (see docs/simulator.md)
-    key = ("sdpa", *((t.shape, t.dtype) for t in tensors if t is not None), *params)
+    # is_causal and scale are in torch_tpu's cache key for its attention kernels (see docs/simulator.md)
+    key = (op, *((t.shape, t.dtype) for t in tensors if t is not None), *params)
     if key not in STATE.seen:
         STATE.seen.add(key)
         STATE.shape_signatures += 1
@@ -38,6 +56,7 @@ class _CpuSdpa(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
+        op: str,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -46,14 +65,15 @@ class _CpuSdpa(torch.autograd.Function):
         scale: float | None,
         enable_gqa: bool,
     ) -> torch.Tensor:
-        _count(q, k, v, mask, params=(is_causal, scale, enable_gqa))
+        _count(op, q, k, v, mask, params=(is_causal, scale, enable_gqa))
+        ctx.op = op
         inputs = [host_view(t).detach() for t in (q, k, v)]
         hmask = host_view(mask).detach() if mask is not None else None
         needs = ctx.needs_input_grad
-        for t, need in zip(inputs, needs[:3], strict=True):
+        for t, need in zip(inputs, needs[1:4], strict=True):
             t.requires_grad_(need)
         if hmask is not None and hmask.is_floating_point():
-            hmask.requires_grad_(needs[3])
+            hmask.requires_grad_(needs[4])
         with torch.enable_grad():
             out = _SDPA(*inputs, hmask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
         ctx.cpu_graph = (out, inputs, hmask)
@@ -64,18 +84,56 @@ class _CpuSdpa(torch.autograd.Function):
         out, inputs, hmask = ctx.cpu_graph
         del ctx.cpu_graph
         wanted = [t for t in (*inputs, hmask) if t is not None and t.requires_grad]
-        _count(grad_out)
+        _count(f"{ctx.op}_backward", grad_out)
         grads = torch.autograd.grad(out, wanted, host_view(grad_out.contiguous()), allow_unused=True)
         it = iter(grads)
         result = []
         for t in (*inputs, hmask):
             g = next(it) if t is not None and t.requires_grad else None
             result.append(to_device(g) if g is not None else None)
-        return (*result, None, None, None)
+        return (None, *result, None, None, None)
 
 
 def _is_sim(t: torch.Tensor | None) -> bool:
     return t is None or is_sim_tensor(t)
+
+
+def choose(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+) -> str:
+    """The op torch-tpu 0.2.0's ``_fused_sdp_choice`` leads sdpa to: :data:`FLASH`, :data:`OVERRIDEABLE` or
+    :data:`MATH` (the decomposition); a RuntimeError, as on a chip, when every backend is disabled."""
+    flash_on = torch.backends.cuda.flash_sdp_enabled()
+    math_on = torch.backends.cuda.math_sdp_enabled()
+    overrideable_on = torch._C._get_overrideable_sdp_enabled()
+    same_rank = query.dim() == key.dim() == value.dim()
+    if flash_on:
+        head = query.size(-1)
+        static = not any(isinstance(d, torch.SymInt) for t in (query, key, value) for d in t.shape)
+        if (
+            static
+            and 0.0 <= dropout_p < 1.0
+            and query.dtype in _FLASH_DTYPES
+            and same_rank
+            and query.dim() >= 4
+            and query.size(0) >= 1
+            and (head < 128 or head % 128 == 0)
+            and (attn_mask is None or not attn_mask.requires_grad)
+        ):
+            return FLASH
+    if (math_on or overrideable_on) and dropout_p == 0.0 and same_rank and query.dim() >= 4:
+        if query.is_floating_point():
+            return OVERRIDEABLE
+    if not math_on:
+        raise RuntimeError(
+            "no viable SDPBackend found: all supported backends are disabled, including the fallback MATH backend; "
+            "enable at least one of FLASH, OVERRIDEABLE, or MATH for TorchTPU"
+        )
+    return MATH
 
 
 def _sdpa_autograd(
@@ -89,9 +147,12 @@ def _sdpa_autograd(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    if dropout_p > 0.0 or not all(_is_sim(t) for t in (query, key, value, attn_mask)):
+    if not all(_is_sim(t) for t in (query, key, value, attn_mask)):
         return _SDPA.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-    return _CpuSdpa.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    op = choose(query, key, value, attn_mask, dropout_p)
+    if op == MATH or dropout_p > 0.0:
+        return _MATH(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+    return _CpuSdpa.apply(op, query, key, value, attn_mask, is_causal, scale, enable_gqa)
 
 
 def install() -> None:

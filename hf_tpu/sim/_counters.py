@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["SimStrictError", "Stats", "stats", "strict"]
 
 _FIELDS = ("compiles", "h2d_copies", "d2h_copies", "h2d_bytes", "d2h_bytes", "host_syncs", "shape_signatures", "ops")
-_FIELDS += ("compile_cache_hits",)
+_FIELDS += ("compile_cache_hits", "cpu_fallbacks")
 
 
 class SimStrictError(RuntimeError):
@@ -75,6 +75,7 @@ class _State:
         "strict_syncs",
         "strict_compiles",
         "last_compile",
+        "cpu_fallback",
     )
 
     def __init__(self) -> None:
@@ -92,6 +93,7 @@ class _State:
         self.strict_syncs = 0  # depth of strict(host_syncs=True) blocks
         self.strict_compiles = 0
         self.last_compile = ""
+        self.cpu_fallback = False  # torch_tpu's enable_cpu_fallback, mirrored (hf_tpu.sim.execution_mode)
 
     ops = _Shared("sum", "py_ops", get="ops")  # ops the Python fallback ran, plus the native core's
     shape_signatures = _Shared("sum", "py_signatures", get="signatures")
@@ -128,6 +130,8 @@ class Stats:
       non-tensor arguments torch_tpu compiles in) this process had never run before; torch_tpu
       compiles each of them once, so this is the eager-mode compile count.
     - ``ops``: device ops executed eagerly.
+    - ``cpu_fallbacks``: ops torch_tpu does not implement that ran on the host because the CPU fallback is on
+      (``hf_tpu.sim.execution_mode.enable_cpu_fallback``, mirroring torch_tpu's); off, they raise instead.
     - ``live_bytes``: device memory in use at the end; ``peak_bytes``: the most in use during the block.
     """
 
@@ -140,6 +144,7 @@ class Stats:
     host_syncs: int = 0
     shape_signatures: int = 0
     ops: int = 0
+    cpu_fallbacks: int = 0
     live_bytes: int = 0
     peak_bytes: int = 0
     _start: dict = field(default_factory=dict, repr=False)
@@ -184,6 +189,7 @@ class Stats:
             f"  host->device copies:                     {d['h2d_copies']} ({_fmt_bytes(d['h2d_bytes'])})",
             f"  device->host copies:                     {d['d2h_copies']} ({_fmt_bytes(d['d2h_bytes'])})",
             f"  host syncs:                              {d['host_syncs']}",
+            f"  ops run on the host (CPU fallback):      {d['cpu_fallbacks']}",
             (
                 f"  device memory live / peak:               {_fmt_bytes(d['live_bytes'])} / "
                 f"{_fmt_bytes(d['peak_bytes'])}"

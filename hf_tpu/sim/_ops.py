@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hf_tpu.sim import _precision, _tensors
+from hf_tpu.sim import _precision, _refused, _tensors
 from hf_tpu.sim._counters import STATE, SimStrictError
 from hf_tpu.sim._signature import BAKE, CONV, SKIP, count, keyed, kind
 from hf_tpu.sim._tensors import HV_CACHE, host_view, new_device_storage, rebind, wrap
@@ -567,6 +567,10 @@ def install() -> None:
     native = _native.load()
     for name in _REFUSED:
         _HANDLERS[name] = _refuse
+    # Ops torch_tpu sends to its missing-op fallback: a Python kernel that raises its error (or, with the CPU
+    # fallback on, runs them on the host); having a handler keeps them off the native core's fast path.
+    for overload, refused_as in _refused.qualified_names().items():
+        _HANDLERS[overload] = _refused.handler(refused_as)
     lib = torch.library.Library("_", "IMPL")
     lib.fallback(_fallback, "PrivateUse1")
     _LIB = lib
