@@ -32,7 +32,6 @@ __all__ = ["install"]
 
 _LIB: torch.library.Library | None = None
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
-_MATH = torch.ops.aten._scaled_dot_product_attention_math.default
 
 
 FLASH = "aten::_scaled_dot_product_cudnn_attention"  # torch_tpu's flash-attention kernel is registered here
@@ -151,7 +150,8 @@ def _sdpa_autograd(
         return _SDPA.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     op = choose(query, key, value, attn_mask, dropout_p)
     if op == MATH or dropout_p > 0.0:
-        return _MATH(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+        # torch's composite: it converts a boolean mask, then (no stub is registered from Python) takes the math path
+        return _SDPA.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     return _CpuSdpa.apply(op, query, key, value, attn_mask, is_causal, scale, enable_gqa)
 
 

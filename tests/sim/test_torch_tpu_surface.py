@@ -106,12 +106,15 @@ def test_tpu_generator_works_and_unsupported_ops_raise_hf_tpu_errors():
     for make in (
         lambda: torch.randn(3, 3).to_sparse().to("tpu"),
         lambda: torch.randn(3, 3).to_sparse_csr().to("tpu").sum(),
-        lambda: x.to_sparse(),
     ):
         with pytest.raises(NotImplementedError, match="sparse|sparse_coo") as info:
             make()
         assert "PrivateUse1HooksInterface" not in str(info.value) and "Sparsetpu" not in str(info.value)
         assert "simulated tpu device" in str(info.value)
+    # a dense tpu tensor's to_sparse() reaches torch_tpu's missing-op fallback (aten::_to_sparse has no kernel)
+    with pytest.raises(RuntimeError, match=r"operator 'aten::_to_sparse' is not implemented for TPU") as info:
+        x.to_sparse()
+    assert "simulated tpu device" in str(info.value)
 
 
 def test_storage_resize_works_with_the_native_core_and_is_refused_on_the_python_path(monkeypatch):
