@@ -100,6 +100,40 @@ def _structured_delegates() -> dict[str, str]:
     return delegates
 
 
+# at::autocast::CastPolicy's values
+_POLICIES = {"0": "lower_precision_fp", "1": "fp32", "2": "fp32_set_opt_dtype", "3": "fp32_append_dtype"}
+_POLICIES["4"] = "promote"
+# at::autocast::WrapFunction_<CastPolicy::N, c10::DeviceType::PrivateUse1 (20), ..., &at::_ops::<op>::call, ...>
+_AUTOCAST = re.compile(rb"CastPolicyE(\d)ELN3c1010DeviceTypeE20E\w*?_ops(\d+)(\w+?)4call")
+
+
+def autocast_policy() -> dict[str, list[str]]:
+    """torch_tpu's AutocastPrivateUse1 kernels, read from the glue library's symbols: ``{policy: [op, ...]}``.
+
+    Each ``KERNEL_PRIVATEUSEONE(op, policy)`` instantiates ``at::autocast::WrapFunction_`` with the cast policy, the
+    device type (PrivateUse1 is 20) and ``at::_ops::<op>::call``; the op struct's name is ``name`` or
+    ``name_overload``, mapped back to ``name.overload`` through torch's own op list.
+    """
+    import torch
+    import torch_tpu
+
+    version = torch.__version__.split("+")[0].replace(".", "_")
+    (glue,) = (Path(torch_tpu.__file__).parent / "csrc" / "common" / f"glue_{version}").glob("*common.so")
+    structs = {}
+    for packet_name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, packet_name)
+        if not hasattr(packet, "overloads"):
+            continue
+        for overload in packet.overloads():
+            qualified = packet_name if overload == "default" else f"{packet_name}.{overload}"
+            structs[qualified.replace(".", "_")] = qualified
+    policy: dict[str, set[str]] = {}
+    for code, length, rest in _AUTOCAST.findall(glue.read_bytes()):
+        struct = rest[: int(length)].decode()
+        policy.setdefault(_POLICIES[code.decode()], set()).add(structs.get(struct, struct))
+    return {name: sorted(ops) for name, ops in sorted(policy.items())}
+
+
 def _mapping(name: str, pairs: list[str], comment: str) -> str:
     lines = [f"# {comment}", f"{name} = {{"]
     for pair in pairs:
@@ -153,7 +187,23 @@ COMPOSITE_COUNT = {len(groups["composite"])}
             groups["via_out"],
             "Structured ops whose torch wrapper calls a refused out= op (the error names that op).",
         )
+        + "\n"
+        + _policy_block(autocast_policy())
     )
+
+
+def _policy_block(policy: dict[str, list[str]]) -> str:
+    lines = [
+        "# torch_tpu's autocast policy for PrivateUse1 (csrc/eager/amp_policies.cc), read from the glue library's",
+        "# at::autocast::WrapFunction_ instantiations: {cast policy: ops}; every other op passes through unchanged.",
+        "AUTOCAST = {",
+    ]
+    for name, ops in policy.items():
+        lines.append(f'    "{name}": (')
+        lines += [f'        "{op}",' for op in ops]
+        lines.append("    ),")
+    lines += ["}", ""]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
