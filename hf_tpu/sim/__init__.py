@@ -94,6 +94,7 @@ def enable(generation: str = "v6e", hbm: int | None = None, emulate_precision: b
     _device.patch_untyped_storage_new()
     _compile.install()
     _accelerator.install()
+    _accelerator.forget_cached_checks()
     _unsupported.install()
     _precision.install()
     _precision.set_emulation(emulate_precision)

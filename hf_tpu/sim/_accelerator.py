@@ -103,6 +103,21 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
 }
 
 
+def forget_cached_checks() -> None:
+    """Drop transformers' cached answers that depend on the host's accelerator, computed before the device existed.
+
+    transformers caches ``is_torch_flex_attn_available()`` (False where the current accelerator is ``tpu``: torch's
+    flex_attention refuses TPU tensors). On a TPU host torch_tpu loads at ``import torch``, before any check; the
+    simulator may be enabled after transformers answered, so the cached answer is dropped here and recomputed.
+    """
+    import sys
+
+    import_utils = sys.modules.get("transformers.utils.import_utils")
+    check = getattr(import_utils, "is_torch_flex_attn_available", None)
+    if check is not None and hasattr(check, "cache_clear"):
+        check.cache_clear()
+
+
 def install() -> None:
     """Patch the ``torch.accelerator`` functions above (idempotent; reverted by ``hf_tpu.disable()``)."""
     from hf_tpu._patch import original, patch
