@@ -49,6 +49,7 @@ import functools
 import inspect
 
 from hf_tpu.transformers import _upstream
+from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._decode_loop import _PENALTY, _decode_loop, _warm, default_variant
 from hf_tpu.transformers._graphs import _run
 from hf_tpu.transformers._settings import (
@@ -119,6 +120,7 @@ def generate(self, *args, **kwargs):
     bound = inspect.signature(upstream).bind(self, *args, **kwargs)
     arguments = dict(bound.arguments)
     extra_kwargs = dict(arguments.pop("kwargs", {}))
+    check_compile_config(self, arguments, extra_kwargs)
     reason = _why_upstream(self, arguments, extra_kwargs)
     if reason is not None:
         if not reason.startswith("silent:"):
