@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from hf_tpu.sim import _attention, _autocast, _device_module, _native, _ops, _pinned
+from hf_tpu.sim import _attention, _autocast, _device_module, _native, _ops, _pinned, _public_api
 from hf_tpu.sim._after_import import after_import
 
 __all__ = ["register"]
@@ -79,6 +79,7 @@ def register() -> None:
     if getattr(torch, "tpu", None) is None:
         torch._register_device_module("tpu", _device_module)
     sys.modules["torch.tpu"] = _device_module
+    _public_api.install(_device_module)  # torch.tpu.distributed, .ops, .compiler, .pallas, ...
     native = _native.load()  # built on first use where a C++ compiler is (see docs/simulator.md)
     if native is not None:
         native.register_hooks()  # C++ hooks: also a pinned-memory allocator and storage resizing

@@ -1,0 +1,24 @@
+"""torch's device-backend autoload entry point (``[project.entry-points."torch.backends"]`` in pyproject.toml).
+
+torch calls every ``torch.backends`` entry point at the end of ``import torch`` (unless
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0``); torch-tpu loads itself that way. With ``HF_TPU_SIMULATE=1`` in the environment
+this one does what ``hf-tpu launch`` does in each rank before the user's script: import hf_tpu (which enables the
+simulated ``tpu`` device) and register the simulated ``tpu_dist`` process-group backend. So a script that never
+imports hf_tpu, such as a torchrun worker started by torch_tpu's own launch recipe
+(``torch.tpu.distributed.set_tpu_launch_env()`` then ``torch.distributed.run.main()``), runs on its simulated chip.
+Without ``HF_TPU_SIMULATE`` it does nothing: a TPU host is torch-tpu's, and ``import hf_tpu`` stays explicit.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["load"]
+
+
+def load() -> None:
+    if os.environ.get("HF_TPU_SIMULATE", "").strip().lower() not in ("1", "true", "yes", "on"):
+        return
+    from hf_tpu.distributed import _bootstrap
+
+    _bootstrap._prepare()
