@@ -11,9 +11,9 @@ them with ``_PUBLIC_MODULES``). A name behaves as the wheel's where no chip is n
   ``spmd_safe`` runs the function (the simulator runs collectives eagerly on every rank);
   ``topology_aware_mesh`` returns the ranks in row-major order (a simulated host has no physical layout);
 - ``ops.ragged_dot`` (``torch.ops.tpu._ragged_dot``'s semantics: rows split into consecutive groups, each times its
-  own matrix) with static shapes and no host sync, through ops torch_tpu has (searchsorted, index_select, bmm); ``ops.all_gather_dim`` / ``reduce_scatter_dim``
-  through torch's functional collectives; ``ops.max_pool{1,2,3}d`` and their backward (maxima recomputed from the
-  input) through torch's pooling; ``ops.optimization_barrier`` is the identity;
+  own matrix) with static shapes and no host sync, through ops torch_tpu has (searchsorted, index_select, bmm);
+  ``ops.all_gather_dim`` / ``reduce_scatter_dim`` through torch's functional collectives; ``ops.max_pool{1,2,3}d``
+  and their backward (maxima recomputed from the input) through torch's pooling; ``ops.optimization_barrier`` is the identity;
 - ``compiler.custom_compiler_options`` is a context manager that checks its argument (the simulator compiles
   nothing with XLA).
 
@@ -59,7 +59,7 @@ def simulated_host_devices() -> int:
     try:
         count = int(value)
     except ValueError:
-        raise ValueError(f"{SIM_DEVICES_ENV}={value!r}: expected the number of simulated TPU devices, e.g. 4") from None
+        raise ValueError(f"{SIM_DEVICES_ENV}={value!r}: expected a number of simulated TPU devices, e.g. 4") from None
     if count < 1:
         raise ValueError(f"{SIM_DEVICES_ENV}={value!r}: expected a positive number of devices")
     return count
@@ -152,25 +152,35 @@ def ragged_dot(
     return out.copy_(result)
 
 
-def all_gather_dim(input: torch.Tensor, dim: int, group: Any = None) -> torch.Tensor:  # noqa: A002 -- the wheel's
-    """Concatenate every rank's ``input`` along ``dim``."""
+def _world(group: Any) -> Any:
     import torch.distributed as dist
-    from torch.distributed import _functional_collectives as funcol
 
     group = dist.group.WORLD if group is None else group
     if group is None:
-        raise ValueError("Default process group has not been initialized, please make sure to call init_process_group.")
+        raise ValueError(
+            "Default process group has not been initialized, please make sure to call init_process_group."
+        )
+    return group
+
+
+def all_gather_dim(input: torch.Tensor, dim: int, group: Any = None) -> torch.Tensor:  # noqa: A002 -- the wheel's
+    """Concatenate every rank's ``input`` along ``dim``."""
+    from torch.distributed import _functional_collectives as funcol
+
+    group = _world(group)
     return funcol.all_gather_tensor(input, dim % input.dim(), group)
 
 
-def reduce_scatter_dim(input: torch.Tensor, dim: int, group: Any = None, reduce_op: str = "sum") -> torch.Tensor:  # noqa: A002
+def reduce_scatter_dim(
+    input: torch.Tensor,  # noqa: A002 -- the wheel's name
+    dim: int,
+    group: Any = None,
+    reduce_op: str = "sum",
+) -> torch.Tensor:
     """Reduce ``input`` over the ranks and keep this rank's slice of ``dim``."""
-    import torch.distributed as dist
     from torch.distributed import _functional_collectives as funcol
 
-    group = dist.group.WORLD if group is None else group
-    if group is None:
-        raise ValueError("Default process group has not been initialized, please make sure to call init_process_group.")
+    group = _world(group)
     return funcol.reduce_scatter_tensor(input, reduce_op, dim % input.dim(), group)
 
 
@@ -285,7 +295,9 @@ def _build(name: str) -> types.ModuleType:
         if obj == "property":
             names.append(attr)
             continue
-        setattr(module, attr, obj if obj is not None else _needs_chip(f"{name}.{attr}", f"torch_tpu._internal.{target}"))
+        if obj is None:
+            obj = _needs_chip(f"{name}.{attr}", f"torch_tpu._internal.{target}")
+        setattr(module, attr, obj)
         names.append(attr)
     module.__all__ = sorted(names)
     return module
