@@ -13,7 +13,8 @@ them with ``_PUBLIC_MODULES``). A name behaves as the wheel's where no chip is n
 - ``ops.ragged_dot`` (``torch.ops.tpu._ragged_dot``'s semantics: rows split into consecutive groups, each times its
   own matrix) with static shapes and no host sync, through ops torch_tpu has (searchsorted, index_select, bmm);
   ``ops.all_gather_dim`` / ``reduce_scatter_dim`` through torch's functional collectives; ``ops.max_pool{1,2,3}d``
-  and their backward (maxima recomputed from the input) through torch's pooling; ``ops.optimization_barrier`` is the identity;
+  and their backward (maxima recomputed from the input) through torch's pooling; ``ops.optimization_barrier``
+  is the identity;
 - ``compiler.custom_compiler_options`` is a context manager that checks its argument (the simulator compiles
   nothing with XLA).
 
