@@ -101,6 +101,11 @@ def _device(ctx: CheckContext) -> dict[str, Any]:
         opt.step()
     for (name, p_cpu), p_dev in zip(cpu_model.named_parameters(), dev_model.parameters(), strict=True):
         ctx.assert_close(p_dev, p_cpu, rtol=1e-4, atol=1e-5, msg=f"parameter {name} after one SGD step")
+    if ctx.simulated:
+        from hf_tpu.sim._counters import STATE
+
+        # ops torch_tpu lacks that ran on the host (only with hf_tpu.sim.execution_mode.enable_cpu_fallback on)
+        figures["cpu_fallbacks"] = STATE.cpu_fallbacks
     return figures
 
 

@@ -304,9 +304,15 @@ def collect() -> dict[str, Any]:
     if info.get("generation") is None:
         info["generation"] = scan.generation
     if info.get("mode") == "simulated":
-        from hf_tpu.sim import _native
+        from hf_tpu.sim import _native, _torch_tpu_ops
+        from hf_tpu.sim._counters import STATE
 
         info["sim_native"] = _native.status()
+        info["sim_refused_ops"] = (
+            f"{len(_torch_tpu_ops.REFUSED)} aten ops refused as torch-tpu {_torch_tpu_ops.TORCH_TPU_VERSION} refuses "
+            f"them; CPU fallback {'on' if STATE.cpu_fallback else 'off'} "
+            f"(hf_tpu.sim.execution_mode.enable_cpu_fallback), {STATE.cpu_fallbacks} op(s) run on the host"
+        )
     torch_range = _torch_tpu_requirement("torch") if versions.get("torch-tpu") else None
     problems = find_problems(versions, info, env, torch_range)
     return {
@@ -347,6 +353,7 @@ def format_table(report: dict[str, Any]) -> str:
             ("HBM per device", _gib(rt.get("hbm_bytes"))),
             ("torch_tpu autoload", "on" if report["torch_tpu_autoload"] else "off"),
             *([("simulator native core", rt["sim_native"])] if rt.get("sim_native") else []),
+            *([("simulator op table", rt["sim_refused_ops"])] if rt.get("sim_refused_ops") else []),
         ],
     )
     env = report["env"]
