@@ -13,7 +13,10 @@ has the CUDA kernel's alignment and int32 rules, torch_tpu's eager kernel does n
 
 The wheel's other compile-time registrations are not meta kernels of aten ops: graph-safe RNG for the tpu device,
 ``flex_attention``'s device check and dense backward, and the ``scan``/``associative_scan`` higher-order ops.
-``MIRRORED`` lists each mirrored kernel next to the wheel's function it follows.
+``MIRRORED`` lists each mirrored kernel next to the wheel's function it follows; tests/contract/test_meta_kernels.py
+holds each to the wheel's and checks which aten meta kernels the wheel changes: besides ``_grouped_mm``, only the
+fused optimizers' C++ ones (``_fused_adamw_.tensor_lr``, ``_fused_sgd_``, ...), which accept anything and compute
+nothing, and are not mirrored.
 
 :func:`install` registers the mirrors when the simulator is enabled; ``hf_tpu.disable()`` removes them.
 """
