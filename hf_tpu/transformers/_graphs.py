@@ -42,8 +42,10 @@ def _mark(penalty, tokens) -> None:
 
 def _decoder_prefill(model, packed, mask, cache, extra, penalty=None):
     q = packed.shape[1] // 2
+    # The prompt's own mask (upstream's convention: past + current tokens); the cache pads it to its length, and
+    # linear-attention layers zero the padded inputs with it.
     out = model(
-        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=mask, cache=cache, use_cache=True,
+        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=mask[:, :q], cache=cache, use_cache=True,
         return_dict=True, **extra,
     )  # fmt: skip
     return _last_logits(out, penalty)
