@@ -47,6 +47,7 @@ def _probe_model(model):
     config = copy.deepcopy(model.config)
     if getattr(config, "_experts_implementation", None) not in (None, "batched_mm"):
         config._experts_implementation = "batched_mm"  # shape-static routing: no data-dependent op on meta
+    config._attn_implementation = "eager"  # its masks never read a value (sdpa's mask shortcuts do)
     with torch.device("meta"):
         probe = type(model)(config)
     return probe.to(model.dtype).eval()
