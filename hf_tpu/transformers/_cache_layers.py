@@ -59,6 +59,28 @@ def _reset_counter(self) -> None:
         self.cumulative_length.zero_()
 
 
+def _ring_update(self, key_states, value_states):
+    """The ring of a sliding-window layer, oldest slot first: the prefill keeps the prompt's last ``window`` states
+    (right-aligned, zeros before them) and attends to the prompt's own states; a decode step shifts the ring by one,
+    writes the new state last and attends to the ring."""
+    import torch
+
+    window = self.max_cache_len
+    length = key_states.shape[-2]
+    self.cumulative_length.add_(length)
+    if self.decoding:
+        self.keys.copy_(torch.cat([self.keys[:, :, length:], key_states], dim=-2))
+        self.values.copy_(torch.cat([self.values[:, :, length:], value_states], dim=-2))
+        return self.keys, self.values
+    if length >= window:
+        self.keys.copy_(key_states[:, :, -window:])
+        self.values.copy_(value_states[:, :, -window:])
+    else:
+        self.keys.copy_(torch.nn.functional.pad(key_states, (0, 0, window - length, 0)))
+        self.values.copy_(torch.nn.functional.pad(value_states, (0, 0, window - length, 0)))
+    return key_states, value_states
+
+
 def _host_conv_update(self, conv_states, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs):
     """``update_conv_state`` without upstream's in-graph flip of ``has_previous_state`` (the loop sets it)."""
     import torch
@@ -78,20 +100,37 @@ def _bucketed_classes() -> dict[type, type]:
     from transformers import cache_utils as cu
 
     class BucketedSlidingWindowLayer(cu.StaticSlidingWindowLayer):
-        """A sliding-window layer with one slot per cache position; the sliding mask applies the window."""
+        """A sliding-window layer of a bucketed cache: a ring of ``sliding_window`` slots when the cache bucket is
+        longer than the window, else one slot per cache position (the sliding mask applies the window)."""
 
         def __init__(self, max_cache_len: int, sliding_window: int, **kwargs):
-            cu.StaticLayer.__init__(self, max_cache_len=max_cache_len)
+            self.ring = max_cache_len > sliding_window
+            cu.StaticLayer.__init__(self, max_cache_len=sliding_window if self.ring else max_cache_len)
             self.sliding_window = sliding_window
+            self.bucket_len = max_cache_len
+            self.decoding = False
             self.cumulative_length_int = 0
             self._is_croppable = False
 
-        update = _static_update
-        get_mask_sizes = _full_mask_sizes
-        get_seq_length = _tensor_seq_length
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.ring:
+                return _static_update(self, key_states, value_states)
+            return _ring_update(self, key_states, value_states)
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            if not self.ring:
+                return self.max_cache_len, 0
+            # prefill: the prompt's own keys; decode: the ring, read through the mask columns decode_mask appends
+            return (self.max_cache_len, self.bucket_len) if self.decoding else (query_length, 0)
+
+        def get_seq_length(self):
+            if self.ring and self.decoding:
+                return self.bucket_len + self.max_cache_len - 1  # every ring slot is causal and inside the window
+            return _tensor_seq_length(self)
 
         def reset(self) -> None:
             _reset_counter(self)
+            self.decoding = False
 
     class BucketedLinearAttentionLayer(cu.LinearAttentionLayer):
         """Conv and recurrent states of a fixed size; ``has_previous_state`` is set by the loop, not the graph."""
@@ -179,7 +218,7 @@ def build_layers(config, cache_len: int, shapes: list[dict], batch: int, dtype, 
 
 
 def set_decoding(cache, decoding: bool) -> None:
-    """Tell the linear-attention layers of ``cache`` whether the next graph continues from their states."""
+    """Tell the layers of ``cache`` whether the next graph decodes (continues from their states) or prefills."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     self_cache = getattr(cache, "self_attention_cache", cache)
@@ -187,3 +226,24 @@ def set_decoding(cache, decoding: bool) -> None:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             for idx in layer.has_previous_state:
                 layer.has_previous_state[idx] = decoding
+        if getattr(layer, "ring", False):
+            layer.decoding = decoding
+
+
+def decode_mask(cache, mask):
+    """The 2D mask a decode step hands the model: ``mask`` (one column per cache position), followed, when the cache
+    has sliding-window rings, by one column per ring slot saying whether the position it holds is a real token.
+
+    The ring layers report ``(window, cache length)`` as their mask sizes, so upstream's sliding mask reads exactly
+    these columns; the full-attention layers read the first ``cache length`` ones as before. Runs inside the decode
+    graph (the ring's position is its device-side counter): no copy per step."""
+    import torch
+
+    ring = next((la for la in getattr(cache, "layers", ()) if getattr(la, "ring", False)), None)
+    if ring is None:
+        return mask
+    window = ring.max_cache_len
+    # the ring holds positions counter - window + 1 ... counter (the token this step writes)
+    positions = ring.cumulative_length + 1 - window + torch.arange(window, device=mask.device)
+    real = mask.index_select(1, positions.clamp(min=0)) & (positions >= 0)
+    return torch.cat([mask, real], dim=1)

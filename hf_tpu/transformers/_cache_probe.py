@@ -5,7 +5,7 @@ The config does not always say them: multi-query attention (Falcon) writes one K
 (DeepSeek-V2/V3) writes keys and values of different widths, encoder-decoder models (BART, Whisper) may have
 unequal encoder and decoder heads, and linear-attention/SSM layers write conv and recurrent states whose shapes
 each family computes its own way. :func:`cache_shapes` runs the model's class once on the ``meta`` device (no
-memory, no compute, nothing on the TPU) with a two-token input (no mask: nothing on meta may read a value) and upstream's ``DynamicCache``, and reads back
+memory, no compute, nothing on the TPU) with two tokens' embeddings (no ids, no mask: nothing on meta may read a value) and upstream's ``DynamicCache``, and reads back
 what each layer cached: per layer ``{"kv": (heads, key dim, value dim, dtype), "conv": {state: (shape, dtype)},
 "recurrent": {...}}`` without the batch dimension (a dtype of None is the model's own).
 """
@@ -60,14 +60,15 @@ def _run_probe(model) -> tuple[list[dict], list[dict] | None]:
 
     probe = _probe_model(model)
     text_config = model.config.get_text_config(decoder=True)
-    ids = torch.ones(1, 2, dtype=torch.long, device="meta")
+    # Embeddings in, not ids: no embedding lookup or pad-token check reads a value on meta.
+    embeds = torch.zeros(1, 2, model.get_input_embeddings().embedding_dim, dtype=model.dtype, device="meta")
     with torch.no_grad():
         if model.config.is_encoder_decoder:
             cache = EncoderDecoderCache(DynamicCache(config=text_config), DynamicCache(config=text_config))
             width = getattr(text_config, "d_model", None) or text_config.hidden_size
             hidden = torch.zeros(1, 2, width, dtype=model.dtype, device="meta")
             probe(
-                decoder_input_ids=ids, encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
+                decoder_inputs_embeds=embeds, encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
                 cache=cache, use_cache=True,
             )  # fmt: skip
             return (
@@ -75,8 +76,7 @@ def _run_probe(model) -> tuple[list[dict], list[dict] | None]:
                 [_layer_shapes(la, model.dtype) for la in cache.cross_attention_cache.layers],
             )
         cache = DynamicCache(config=text_config)
-        probe(input_ids=ids, position_ids=torch.arange(2, device="meta")[None], cache=cache,
-              use_cache=True)  # fmt: skip
+        probe(inputs_embeds=embeds, position_ids=torch.arange(2, device="meta")[None], cache=cache, use_cache=True)
         return [_layer_shapes(la, model.dtype) for la in cache.layers], None
 
 

@@ -52,10 +52,13 @@ def _decoder_prefill(model, packed, mask, cache, extra, penalty=None):
 
 
 def _decoder_decode(model, packed, mask, cache, extra, penalty=None):
+    from hf_tpu.transformers._cache_layers import decode_mask
+
     q = packed.shape[1] // 2
     _mark(penalty, packed[:, :q])
     out = model(
-        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=mask, cache=cache, use_cache=True,
+        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=decode_mask(cache, mask), cache=cache,
+        use_cache=True,
         return_dict=True, **extra,
     )  # fmt: skip
     return _last_logits(out, penalty)
