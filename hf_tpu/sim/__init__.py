@@ -85,12 +85,22 @@ def enable(generation: str = "v6e", hbm: int | None = None, emulate_precision: b
     if hbm_bytes <= 0:
         raise ValueError(f"hbm must be a positive number of bytes, got {hbm!r}")
 
-    from hf_tpu.sim import _accelerator, _backend, _compile, _device, _device_module, _precision, _unsupported
+    from hf_tpu.sim import (
+        _accelerator,
+        _backend,
+        _compile,
+        _device,
+        _device_module,
+        _meta_kernels,
+        _precision,
+        _unsupported,
+    )
 
     _device.register()
     _device.patch_storage_to()  # again, in case hf_tpu.disable() reverted them
     _device.patch_untyped_storage_new()
     _compile.install()
+    _meta_kernels.install()  # torch_tpu's meta kernels for compile (removed by hf_tpu.disable())
     _accelerator.install()
     _unsupported.install()
     _precision.install()

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hf_tpu.sim import _precision, _tensors
+from hf_tpu.sim import _meta_kernels, _precision, _tensors
 from hf_tpu.sim._counters import STATE, SimStrictError
 from hf_tpu.sim._signature import BAKE, CONV, SKIP, count, keyed, kind
 from hf_tpu.sim._tensors import HV_CACHE, host_view, new_device_storage, rebind, wrap
@@ -39,8 +39,10 @@ _ATEN_LIB: torch.library.Library | None = None
 # registered for PrivateUse1 as a redispatch to that kernel, with no host views (views cost no device work on
 # torch_tpu either, so they add no op and no shape signature).
 _METADATA_VIEWS = ("view", "as_strided", "_reshape_alias", "unfold", "view_as_real", "view_as_complex")
-# Ops whose composite kernel only raises for a new backend: registered for PrivateUse1 directly.
-_DIRECT = ("convolution_overrideable", "convolution_backward_overrideable", "copy_")
+# Ops whose composite kernel only raises for a new backend, or that torch_tpu runs as one kernel where torch has a
+# composite (``_grouped_mm``: torch's checks CUDA's rules, then loops over the groups reading the offsets on the
+# host): registered for PrivateUse1 directly.
+_DIRECT = ("convolution_overrideable", "convolution_backward_overrideable", "copy_", "_grouped_mm")
 _TLS = threading.local()
 
 # Ops whose output shape depends on the data: a real TPU must bring a value back to the host to run them.
@@ -473,6 +475,7 @@ _IMPLS = {
     "aten::convolution_backward_overrideable": _conv_backward_impl,
     "aten::native_dropout": _native_dropout_impl,
     "aten::histc": _histc_impl,
+    "aten::_grouped_mm": _meta_kernels.grouped_mm_eager,  # torch_tpu's rules (no 16-byte strides, int64 offsets)
     "aten.native_group_norm.default": _group_norm_impl,
     "aten.native_group_norm_backward.default": _group_norm_backward_impl,
 }
