@@ -42,6 +42,65 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "T5ForConditionalGeneration",
         {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4, "decoder_start_token_id": 0},
     ),
+    # One family per cache layer kind of the bucketed loop (hf_tpu/transformers/_cache_layers.py):
+    # sliding window (alternating with full attention; a window shorter than the test prompts)
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            **_DECODER, "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {**_DECODER, "head_dim": 8, "sliding_window": 6}),
+    # hybrid: Gated DeltaNet linear attention + full attention
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        {
+            **_DECODER, "head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        },
+    ),
+    # SSM (Mamba-2): conv + recurrent state only
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        {
+            "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 8, "state_size": 8, "n_groups": 2,
+            "expand": 2, "conv_kernel": 4, "time_step_rank": 4, "chunk_size": 16,
+        },
+    ),
+    # multi-latent attention (keys 12 wide, values 8 wide); both layers dense (first_k_dense_replace=1 makes the
+    # second one MoE)
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            **_DECODER, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 8, "v_head_dim": 8, "head_dim": 4, "moe_intermediate_size": 16,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+            "first_k_dense_replace": 2, "n_shared_experts": 1,
+        },
+    ),
+    # multi-query attention: one KV head whatever num_kv_heads says
+    "falcon": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "multi_query": True,
+         "ffn_hidden_size": 64, "max_position_embeddings": 256},
+    ),
+    # encoder-decoder with unequal encoder (4) and decoder (2) heads
+    "bart": (
+        "BartConfig",
+        "BartForConditionalGeneration",
+        {
+            "d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+            "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+            "max_position_embeddings": 256, "decoder_start_token_id": 2, "forced_eos_token_id": None,
+        },
+    ),
     # MoE families with the same expert shapes (hidden 32, expert intermediate 16, 8 experts, top-2)
     "qwen3_moe": (
         "Qwen3MoeConfig",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_tpu.transformers._graphs import _PENALTY, _run
+from hf_tpu.transformers._cache_layers import set_decoding
 from hf_tpu.transformers._settings import _state
 from hf_tpu.transformers._static_cache import _cache_for
 from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
@@ -132,6 +133,7 @@ def _decode_loop(
         tokens_dev, logits_dev = _run(
             model, state, prefill_key, step_input, encoder_hidden, enc_mask_dev, cache, penalty
         )
+        set_decoding(cache, True)
         positions = None
     else:
         plan = plan_shapes(model, batch, prompt_len, new_tokens, variant=variant)
@@ -162,6 +164,7 @@ def _decode_loop(
         decode_key = ("decode" + variant, batch, plan.cache_bucket)
         packed = torch.cat([ids, pos], dim=1).to(device)
         tokens_dev, logits_dev = _run(model, state, prefill_key, packed, mask_dev, cache, extra, penalty)
+        set_decoding(cache, True)
         positions = positions[:, -1]
 
     unfinished = torch.ones(batch, dtype=torch.long)
@@ -238,6 +241,7 @@ def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
             step = torch.full((batch, plan.prompt_len), start, dtype=torch.long)
             penalty = _penalty_state(step, model, value, device)
             _run(model, state, prefill_key, step.to(device), hidden, mask_dev, cache, penalty)
+            set_decoding(cache, True)
             step = torch.full((batch, 1), start, dtype=torch.long).to(device)
             _run(model, state, decode_key, step, hidden, mask_dev, cache, penalty)
             cache.reset()  # the next call resets it too: meet the eager ops of the reset here
@@ -253,6 +257,7 @@ def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
         prefill_key = ("prefill" + variant, batch, p, c)
         decode_key = ("decode" + variant, batch, c)
         _run(model, state, prefill_key, packed, mask_dev, cache, extra, penalty)
+        set_decoding(cache, True)
         step = torch.tensor([[0, p]], dtype=torch.long).expand(batch, 2).contiguous().to(device)
         _run(model, state, decode_key, step, mask_dev, cache, extra, penalty)
         cache.reset()

@@ -42,18 +42,23 @@ def _mark(penalty, tokens) -> None:
 
 def _decoder_prefill(model, packed, mask, cache, extra, penalty=None):
     q = packed.shape[1] // 2
+    # The prompt's own mask (upstream's convention: past + current tokens); the cache pads it to its length, and
+    # linear-attention layers zero the padded inputs with it.
     out = model(
-        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=mask, cache=cache, use_cache=True,
+        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=mask[:, :q], cache=cache, use_cache=True,
         return_dict=True, **extra,
     )  # fmt: skip
     return _last_logits(out, penalty)
 
 
 def _decoder_decode(model, packed, mask, cache, extra, penalty=None):
+    from hf_tpu.transformers._cache_layers import decode_mask
+
     q = packed.shape[1] // 2
     _mark(penalty, packed[:, :q])
     out = model(
-        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=mask, cache=cache, use_cache=True,
+        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=decode_mask(cache, mask), cache=cache,
+        use_cache=True,
         return_dict=True, **extra,
     )  # fmt: skip
     return _last_logits(out, penalty)

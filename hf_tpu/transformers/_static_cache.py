@@ -1,6 +1,10 @@
-"""The static KV caches of the generation loop: one per (batch, cache length, encoder length, dtype) shape, reset and
+"""The static caches of the generation loop: one per (batch, cache length, encoder length, dtype) shape, reset and
 reused across calls (at most ``_CACHE_POOL_SIZE`` kept allocated per model), and the check that a model's cache can
 be a bucketed static cache at all.
+
+Each layer of a cache is the bucketed form of the upstream layer class ``StaticCache`` would build for it
+(:mod:`hf_tpu.transformers._cache_layers`), allocated with the shapes the model's layers write
+(:mod:`hf_tpu.transformers._cache_probe`).
 """
 
 from __future__ import annotations
@@ -9,31 +13,33 @@ from hf_tpu.transformers._settings import _CACHE_POOL_SIZE, _ModelState
 
 __all__: list[str] = []
 
+
+def _bucketed_cache(model, shapes: list[dict], batch: int, cache_len: int):
+    from transformers.cache_utils import Cache, StaticCache
+
+    from hf_tpu.transformers._cache_layers import build_layers
+
+    layers = build_layers(model.config, cache_len, shapes, batch, model.dtype, model.device)
+    cache = StaticCache.__new__(StaticCache)  # a StaticCache to upstream's isinstance checks, with bucketed layers
+    Cache.__init__(cache, layers=layers)
+    return cache
+
+
 def _cache_for(model, state: _ModelState, batch: int, cache_len: int, encoder_len: int | None):
     """A reset static cache for this shape, reused across calls (at most ``_CACHE_POOL_SIZE`` kept allocated)."""
-    from transformers.cache_utils import EncoderDecoderCache, StaticCache
+    from transformers.cache_utils import EncoderDecoderCache
+
+    from hf_tpu.transformers._cache_probe import cache_shapes
 
     key = (batch, cache_len, encoder_len, model.dtype)
     cache = state.caches.pop(key, None)
     if cache is None:
         while len(state.caches) >= _CACHE_POOL_SIZE:
             state.caches.popitem(last=False)
-        config = model.config.get_text_config(decoder=True)
-        self_cache = StaticCache(config=config, max_cache_len=cache_len)
-        shape = model._get_static_cache_init_shape()
-        if shape is None:
-            raise NotImplementedError(
-                f"hf_tpu cannot size a static cache for {type(model).__name__} ahead of time; "
-                "call generate with disable_compile=True to use upstream's loop."
-            )
-        num_heads, head_dim = shape
-        self_cache.early_initialization(batch, num_heads, head_dim, model.dtype, model.device)
+        self_shapes, cross_shapes = cache_shapes(model)
+        cache = _bucketed_cache(model, self_shapes, batch, cache_len)
         if encoder_len is not None:
-            cross = StaticCache(config=config, max_cache_len=encoder_len)
-            cross.early_initialization(batch, num_heads, head_dim, model.dtype, model.device)
-            cache = EncoderDecoderCache(self_cache, cross)
-        else:
-            cache = self_cache
+            cache = EncoderDecoderCache(cache, _bucketed_cache(model, cross_shapes, batch, encoder_len))
     else:
         cache.reset()
     state.caches[key] = cache
@@ -42,18 +48,19 @@ def _cache_for(model, state: _ModelState, batch: int, cache_len: int, encoder_le
 
 def _static_cache_problem(model) -> str | None:
     """Why a bucketed static cache does not fit this model (None when it does)."""
-    from transformers.cache_utils import StaticCache, StaticLayer
+    from hf_tpu.transformers._cache_layers import unknown_layers
+    from hf_tpu.transformers._cache_probe import CacheProbeError, cache_shapes
 
     if not model._supports_default_dynamic_cache():
-        return f"{type(model).__name__} keeps its own cache type"
+        return f"{type(model).__name__} keeps its own cache type, which upstream's StaticCache does not replace"
     try:
-        probe = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=16)
+        unknown = unknown_layers(model.config)
     except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as exc:  # pragma: no cover
-        return f"a static cache cannot be built for it ({exc})"
-    kinds = {type(layer).__name__ for layer in probe.layers if type(layer) is not StaticLayer}
-    if kinds:
-        return f"its cache has {', '.join(sorted(kinds))} layers (sliding-window/linear attention is not bucketed yet)"
-    if model._get_static_cache_init_shape() is None:
-        return "its static cache cannot be sized ahead of time"
+        return f"upstream's StaticCache cannot be built for it ({exc})"
+    if unknown:
+        return f"its cache has {', '.join(unknown)} layers, which have no bucketed static form in hf_tpu yet"
+    try:
+        cache_shapes(model)
+    except CacheProbeError as exc:
+        return f"its static cache cannot be sized ahead of time: {exc}"
     return None
-

@@ -1,0 +1,97 @@
+"""The cache shapes a model's own layers write, measured once per model on the ``meta`` device.
+
+A static cache has to be allocated before the first compiled graph runs, with the shapes its attention writes.
+The config does not always say them: multi-query attention (Falcon) writes one KV head, multi-latent attention
+(DeepSeek-V2/V3) writes keys and values of different widths, encoder-decoder models (BART, Whisper) may have
+unequal encoder and decoder heads, and linear-attention/SSM layers write conv and recurrent states whose shapes
+each family computes its own way. :func:`cache_shapes` runs the model's class once on the ``meta`` device (no
+memory, no compute, nothing on the TPU) with two tokens' embeddings (no ids, no mask: nothing on meta may read a value) and upstream's ``DynamicCache``, and reads back
+what each layer cached: per layer ``{"kv": (heads, key dim, value dim, dtype), "conv": {state: (shape, dtype)},
+"recurrent": {...}}`` without the batch dimension (a dtype of None is the model's own).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+__all__: list[str] = []
+
+_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class CacheProbeError(RuntimeError):
+    """The model's cache shapes could not be measured (the message names the model and the reason)."""
+
+
+def _layer_shapes(layer, model_dtype) -> dict:
+    def dtype_of(t):
+        return None if t.dtype == model_dtype else t.dtype
+
+    shape: dict = {}
+    keys = getattr(layer, "keys", None)
+    values = getattr(layer, "values", None)
+    if keys is not None and values is not None and getattr(keys, "ndim", 0) == 4:
+        shape["kv"] = (int(keys.shape[1]), int(keys.shape[-1]), int(values.shape[-1]), dtype_of(keys))
+    for name in ("conv", "recurrent"):
+        states = getattr(layer, f"{name}_states", None) or {}
+        found = {i: (tuple(s.shape[1:]), dtype_of(s)) for i, s in states.items() if s is not None}
+        if found:
+            shape[name] = found
+    return shape
+
+
+def _probe_model(model):
+    import torch
+
+    config = copy.deepcopy(model.config)
+    if getattr(config, "_experts_implementation", None) not in (None, "batched_mm"):
+        config._experts_implementation = "batched_mm"  # shape-static routing: no data-dependent op on meta
+    config._attn_implementation = "eager"  # its masks never read a value (sdpa's mask shortcuts do)
+    with torch.device("meta"):
+        probe = type(model)(config)
+    return probe.to(model.dtype).eval()
+
+
+def _run_probe(model) -> tuple[list[dict], list[dict] | None]:
+    import torch
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+    from transformers.modeling_outputs import BaseModelOutput
+
+    probe = _probe_model(model)
+    text_config = model.config.get_text_config(decoder=True)
+    # Embeddings in, not ids: no embedding lookup or pad-token check reads a value on meta.
+    embeds = torch.zeros(1, 2, model.get_input_embeddings().embedding_dim, dtype=model.dtype, device="meta")
+    with torch.no_grad():
+        if model.config.is_encoder_decoder:
+            cache = EncoderDecoderCache(DynamicCache(config=text_config), DynamicCache(config=text_config))
+            width = getattr(text_config, "d_model", None) or text_config.hidden_size
+            hidden = torch.zeros(1, 2, width, dtype=model.dtype, device="meta")
+            probe(
+                decoder_inputs_embeds=embeds, encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
+                cache=cache, use_cache=True,
+            )  # fmt: skip
+            return (
+                [_layer_shapes(la, model.dtype) for la in cache.self_attention_cache.layers],
+                [_layer_shapes(la, model.dtype) for la in cache.cross_attention_cache.layers],
+            )
+        cache = DynamicCache(config=text_config)
+        probe(inputs_embeds=embeds, position_ids=torch.arange(2, device="meta")[None], cache=cache, use_cache=True)
+        return [_layer_shapes(la, model.dtype) for la in cache.layers], None
+
+
+def cache_shapes(model) -> tuple[list[dict], list[dict] | None]:
+    """(self-attention layer shapes, cross-attention layer shapes or None), measured once per model.
+
+    Raises :class:`CacheProbeError` when the model's class cannot run on the ``meta`` device."""
+    found = _SHAPES.get(model)
+    if found is None:
+        try:
+            found = _run_probe(model)
+        except Exception as exc:  # noqa: BLE001 - any failure of a third-party forward on meta means "cannot size"
+            raise CacheProbeError(
+                f"measuring the cache shapes of {type(model).__name__} on the meta device failed "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        _SHAPES[model] = found
+    return found
