@@ -102,6 +102,8 @@ def device_plan(logits_processor, input_ids, *, vocab: int, do_sample: bool) -> 
     input_ids = input_ids.to("cpu")
     if not procs and not do_sample:
         return DevicePlan("", input_ids=input_ids)
+    if do_sample:
+        procs = _with_identity_warpers(procs, int(vocab))
     ctx = _HostContext(input_ids, int(vocab))
     program, scalars, tensors, labels = [], [], [], []
     needs_history = False
@@ -137,6 +139,29 @@ def process(logits, sampling):
         scalars = params[s0 : s0 + ns] if ns else None
         scores = registry[name].apply(scores, scalars, tensors[t0 : t0 + nt], static, ctx)
     return scores
+
+
+def _with_identity_warpers(procs: list, vocab: int) -> list:
+    """``procs`` with temperature 1, top-k = vocab and top-p = 1 added where upstream left them out, so that every
+    chat model's sampling defaults (Qwen3's temperature/top-k/top-p, Gemma 3's top-k/top-p, ...) and every change of
+    their values run one graph. Each added warper changes no probability; they go where upstream puts the three
+    (one contiguous run, in this order), or last when none is there."""
+    from transformers.generation import logits_process as lp
+
+    kinds = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper)
+    at = [i for i, p in enumerate(procs) if type(p) in kinds]
+    present = [type(procs[i]) for i in at]
+    if at and (at != list(range(at[0], at[0] + len(at))) or present != [k for k in kinds if k in present]):
+        return procs  # not upstream's layout: run the list as it is
+    start = at[0] if at else len(procs)
+    have = {type(procs[i]): procs[i] for i in at}
+    identity = {
+        lp.TemperatureLogitsWarper: lambda: lp.TemperatureLogitsWarper(1.0),
+        lp.TopKLogitsWarper: lambda: lp.TopKLogitsWarper(max(vocab, 1)),
+        lp.TopPLogitsWarper: lambda: lp.TopPLogitsWarper(1.0),
+    }
+    run = [have[k] if k in have else identity[k]() for k in kinds]
+    return procs[:start] + run + procs[start + len(at) :]
 
 
 def select(logits, sampling):
