@@ -2,17 +2,20 @@
 
 The loop pads the prompt on the left to its bucket, runs the prefill graph, then one decode graph per new token;
 the growing tensors (sequence, mask, positions) stay on the host, each decode step sends one ``(batch, 2)`` tensor
-and reads back the greedy tokens (or the last logits row when processors or sampling need it on the host).
+and reads back the next tokens: the logits processors and the sampler run in the graph
+(:mod:`hf_tpu.transformers.sampling`), unless one of them has no device form or the scores are wanted on the host
+(``output_scores``): then the last logits row comes back and upstream's processors run on the host.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hf_tpu.transformers._graphs import _PENALTY, _run
 from hf_tpu.transformers._cache_layers import set_decoding
+from hf_tpu.transformers._graphs import _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
 from hf_tpu.transformers._settings import _state
 from hf_tpu.transformers._static_cache import _cache_for
+from hf_tpu.transformers._upstream import _warn_once
 from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
 
 __all__ = ["default_variant"]
@@ -36,18 +39,6 @@ def _select(
     return tokens, scores, logits
 
 
-def _device_penalty(logits_processor):
-    """The repetition-penalty processor when it is the only logits processor (greedy search stays on the device)."""
-    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
-
-    if len(logits_processor) != 1:
-        return None
-    proc = logits_processor[0]
-    if type(proc) is not RepetitionPenaltyLogitsProcessor:
-        return None
-    return proc
-
-
 def _output_vocab(model) -> int:
     embeddings = model.get_output_embeddings()
     if embeddings is not None and hasattr(embeddings, "weight"):
@@ -55,25 +46,21 @@ def _output_vocab(model) -> int:
     return int(model.config.get_text_config(decoder=True).vocab_size)
 
 
-def _penalty_state(input_ids, model, proc, device):
-    """``(seen, penalty)`` for a ``RepetitionPenaltyLogitsProcessor`` (None without one): the tokens of the sequence
-    so far as a ``(batch, vocab + 1)`` mask on the device. Ids past the vocabulary and the prompt positions the
-    processor ignores (``prompt_ignore_length``: the left padding) land in the extra column, as upstream drops them."""
-    import torch
+def _plan(model, logits_processor, input_ids, do_sample: bool, host_only: str | None):
+    """The call's device sampling plan, or None for the host path (warned once per model class and reason, with
+    its cost per step)."""
+    from hf_tpu.transformers.sampling import device_plan, host_path_cost
 
-    if proc is None:
-        return None
     vocab = _output_vocab(model)
-    ids = input_ids.clamp(max=vocab)
-    ignore = proc.prompt_ignore_length
-    if isinstance(ignore, int):
-        ids = ids[:, ignore:]
-    elif isinstance(ignore, torch.Tensor):
-        positions = torch.arange(ids.shape[1])
-        ids = ids.masked_fill(positions[None, :] < ignore.to("cpu")[:, None], vocab)
-    seen = torch.zeros(input_ids.shape[0], vocab + 1, dtype=torch.bool)
-    seen.scatter_(1, ids, True)
-    return (seen.to(device), float(proc.penalty))
+    reason = host_only or device_plan(logits_processor, input_ids, vocab=vocab, do_sample=do_sample)
+    if not isinstance(reason, str):
+        return reason
+    _warn_once(
+        f"host-path:{type(model).__name__}:{reason}",
+        f"hf_tpu: {reason}, so {type(model).__name__}.generate keeps the logits processors and sampling on the host: "
+        f"{host_path_cost(input_ids.shape[0], vocab)}.",
+    )
+    return None
 
 
 def _decode_loop(
@@ -105,16 +92,10 @@ def _decode_loop(
     do_sample = bool(generation_config.do_sample)
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-    host_path = do_sample or len(logits_processor) > 0 or want_scores or want_logits
-    penalty_proc = None
-    if not (do_sample or want_scores or want_logits):
-        penalty_proc = _device_penalty(logits_processor)
-        ignore = getattr(penalty_proc, "prompt_ignore_length", None)
-        if isinstance(ignore, int) and ignore > prompt_len:  # would also ignore generated tokens: keep it on the host
-            penalty_proc = None
-    if penalty_proc is not None:
-        host_path = False
-    variant = _PENALTY if penalty_proc is not None else ""
+    host_only = "output_scores/output_logits need the scores on the host" if want_scores or want_logits else None
+    sampler = _plan(model, logits_processor, input_ids, do_sample, host_only)
+    host_path = sampler is None
+    variant = "" if sampler is None else sampler.variant
     scores = () if want_scores else None
     raw_logits = () if want_logits else None
 
@@ -127,11 +108,11 @@ def _decode_loop(
         cache = _cache_for(model, state, batch, plan.cache_bucket, encoder_hidden.shape[1])
         enc_mask_dev = enc_mask.to(device)
         step_input = input_ids.to(device)
-        penalty = _penalty_state(input_ids, model, penalty_proc, device)
+        sampling = None if host_path else sampler.to_device(device, plan.cache_bucket + 1, 0)
         prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
         decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
         tokens_dev, logits_dev = _run(
-            model, state, prefill_key, step_input, encoder_hidden, enc_mask_dev, cache, penalty
+            model, state, prefill_key, step_input, encoder_hidden, enc_mask_dev, cache, sampling
         )
         set_decoding(cache, True)
         positions = None
@@ -159,11 +140,11 @@ def _decode_loop(
         cache = _cache_for(model, state, batch, plan.cache_bucket, None)
         mask_dev = full_mask.to(device)
         extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
-        penalty = _penalty_state(input_ids, model, penalty_proc, device)
+        sampling = None if host_path else sampler.to_device(device, plan.cache_bucket + 1, pad)
         prefill_key = ("prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket)
         decode_key = ("decode" + variant, batch, plan.cache_bucket)
         packed = torch.cat([ids, pos], dim=1).to(device)
-        tokens_dev, logits_dev = _run(model, state, prefill_key, packed, mask_dev, cache, extra, penalty)
+        tokens_dev, logits_dev = _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
         set_decoding(cache, True)
         positions = positions[:, -1]
 
@@ -188,11 +169,11 @@ def _decode_loop(
         steps_left -= 1
         if is_seq2seq:
             step = next_tokens[:, None].to(device)
-            tokens_dev, logits_dev = _run(model, state, decode_key, step, encoder_hidden, enc_mask_dev, cache, penalty)
+            tokens_dev, logits_dev = _run(model, state, decode_key, step, encoder_hidden, enc_mask_dev, cache, sampling)
         else:
             positions = positions + 1
             step = torch.stack([next_tokens, positions], dim=1).to(device)
-            tokens_dev, logits_dev = _run(model, state, decode_key, step, mask_dev, cache, extra, penalty)
+            tokens_dev, logits_dev = _run(model, state, decode_key, step, mask_dev, cache, extra, sampling)
 
     if streamer is not None:
         streamer.end()
@@ -204,14 +185,44 @@ def _decode_loop(
 
 
 
+def _default_plan(model, input_ids):
+    """The device plan (or the host-path reason) of a call with the model's own ``generation_config``, built from
+    the processors upstream's ``generate`` would build for it."""
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    from hf_tpu.transformers.sampling import device_plan
+
+    config, _ = model._prepare_generation_config(None)
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
+    processors = model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+        logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={},
+    )  # fmt: skip
+    return device_plan(processors, input_ids, vocab=_output_vocab(model), do_sample=bool(config.do_sample))
+
+
 def default_variant(model) -> str:
-    """The graph variant the model's own ``generation_config`` leads to (greedy with a repetition penalty runs the
-    penalty variant); :func:`hf_tpu.warmup` compiles that one."""
-    config = model.generation_config
-    penalty = getattr(config, "repetition_penalty", None)
-    if not config.do_sample and penalty is not None and float(penalty) != 1.0:
-        return _PENALTY
-    return ""
+    """The graph variant the model's own ``generation_config`` leads to (``"+temperature+top_k+top_p+sample"`` for
+    Qwen3's, ``"+repetition_penalty"`` for greedy search with a repetition penalty, ``""`` for plain greedy search
+    or the host path); :func:`hf_tpu.warmup` compiles that one."""
+    import torch
+
+    plan = _default_plan(model, torch.zeros(1, 1, dtype=torch.long))
+    return "" if isinstance(plan, str) else plan.variant
+
+
+def _warm_sampling(model, ids, variant: str, width: int, offset: int):
+    """Dummy device sampling state for warming ``variant`` (the model's default one) on prompt ``ids``."""
+    if not variant:
+        return None
+    plan = _default_plan(model, ids)
+    if isinstance(plan, str) or plan.variant != variant:
+        found = plan if isinstance(plan, str) else plan.variant
+        raise ValueError(
+            f"warm-up can compile the variant of the model's own generation_config only; asked for {variant!r}, "
+            f"the generation_config leads to {found!r}"
+        )
+    return plan.to_device(model.device, width, offset)
 
 
 def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
@@ -221,11 +232,6 @@ def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
     state = _state(model)
     device = model.device
     batch = plan.batch
-    value = None
-    if variant == _PENALTY:
-        from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
-
-        value = RepetitionPenaltyLogitsProcessor(float(model.generation_config.repetition_penalty))
     with torch.no_grad():
         if plan.encoder_bucket is not None:
             enc_key = ("encoder", batch, plan.encoder_bucket)
@@ -239,11 +245,11 @@ def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
             prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, plan.prompt_len, plan.cache_bucket)
             decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
             step = torch.full((batch, plan.prompt_len), start, dtype=torch.long)
-            penalty = _penalty_state(step, model, value, device)
-            _run(model, state, prefill_key, step.to(device), hidden, mask_dev, cache, penalty)
+            sampling = _warm_sampling(model, step, variant, plan.cache_bucket + 1, 0)
+            _run(model, state, prefill_key, step.to(device), hidden, mask_dev, cache, sampling)
             set_decoding(cache, True)
             step = torch.full((batch, 1), start, dtype=torch.long).to(device)
-            _run(model, state, decode_key, step, hidden, mask_dev, cache, penalty)
+            _run(model, state, decode_key, step, hidden, mask_dev, cache, sampling)
             cache.reset()  # the next call resets it too: meet the eager ops of the reset here
             return [enc_key, prefill_key, decode_key]
         p, c = plan.prompt_bucket, plan.cache_bucket
@@ -252,13 +258,13 @@ def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
         mask_dev = torch.ones(batch, c, dtype=torch.bool).to(device)
         pos = torch.arange(p, dtype=torch.long).expand(batch, p)
         ids = torch.zeros(batch, p, dtype=torch.long)
-        penalty = _penalty_state(ids, model, value, device)
+        sampling = _warm_sampling(model, ids, variant, c + 1, 0)
         packed = torch.cat([ids, pos], dim=1).to(device)
         prefill_key = ("prefill" + variant, batch, p, c)
         decode_key = ("decode" + variant, batch, c)
-        _run(model, state, prefill_key, packed, mask_dev, cache, extra, penalty)
+        _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
         set_decoding(cache, True)
         step = torch.tensor([[0, p]], dtype=torch.long).expand(batch, 2).contiguous().to(device)
-        _run(model, state, decode_key, step, mask_dev, cache, extra, penalty)
+        _run(model, state, decode_key, step, mask_dev, cache, extra, sampling)
         cache.reset()
         return [prefill_key, decode_key]

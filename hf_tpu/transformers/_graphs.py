@@ -1,7 +1,7 @@
 """The compiled graphs of the generation loop and the one place that runs them (:func:`_run`).
 
-Each graph kind (prefill, decode, encoder, seq2seq prefill/decode, and their repetition-penalty variants) is its
-own top-level function, so that dynamo keeps one cache of compiled entries per kind. :func:`_run` runs the graph
+Each graph kind (prefill, decode, encoder, seq2seq prefill/decode; with a device sampling plan, a variant of one)
+is its own top-level function, so that dynamo keeps one cache of compiled entries per kind. :func:`_run` runs the graph
 for one shape key: from the model's persistent compile cache when it has one (:mod:`hf_tpu.compile_cache`: loaded
 without tracing or compiling, or compiled ahead of time and stored), else through ``torch.compile``; in strict
 mode after warm-up it refuses a shape warm-up did not compile.
@@ -19,28 +19,26 @@ logger = logging.getLogger("hf_tpu.generation")
 
 __all__: list[str] = []
 
-def _last_logits(out, penalty) -> tuple[Any, Any]:
-    """(greedy tokens, float32 logits) of the last position; ``penalty=(seen, value)`` applies upstream's
-    repetition penalty to the tokens marked in ``seen`` (``(batch, vocab + 1)`` bool) before the argmax."""
-    import torch
-
+def _last_logits(out, sampling) -> tuple[Any, Any]:
+    """(next tokens, float32 logits) of the last position: the argmax, or with ``sampling`` (a device plan of
+    :mod:`hf_tpu.transformers.sampling`) the logits processors, warpers and sampler run on the device."""
     logits = out.logits[:, -1, :].float()
-    scores = logits
-    if penalty is not None:
-        seen, value = penalty
-        penalized = torch.where(logits < 0, logits * value, logits / value)
-        scores = torch.where(seen[:, : logits.shape[-1]], penalized, logits)
-    return scores.argmax(dim=-1), logits
+    if sampling is None:
+        return logits.argmax(dim=-1), logits
+    from hf_tpu.transformers.sampling import select
+
+    return select(logits, sampling), logits
 
 
-def _mark(penalty, tokens) -> None:
-    """Add the tokens just appended to the sequence to the repetition-penalty set (in place, on the device)."""
-    if penalty is not None:
-        seen = penalty[0]
-        seen.scatter_(1, tokens.clamp(max=seen.shape[1] - 1), True)
+def _mark(sampling, tokens) -> None:
+    """Add the tokens just appended to the sequence to the device state of the sampling plan (in place)."""
+    if sampling is not None:
+        from hf_tpu.transformers.sampling import advance
+
+        advance(sampling, tokens)
 
 
-def _decoder_prefill(model, packed, mask, cache, extra, penalty=None):
+def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
     q = packed.shape[1] // 2
     # The prompt's own mask (upstream's convention: past + current tokens); the cache pads it to its length, and
     # linear-attention layers zero the padded inputs with it.
@@ -48,45 +46,45 @@ def _decoder_prefill(model, packed, mask, cache, extra, penalty=None):
         input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=mask[:, :q], cache=cache, use_cache=True,
         return_dict=True, **extra,
     )  # fmt: skip
-    return _last_logits(out, penalty)
+    return _last_logits(out, sampling)
 
 
-def _decoder_decode(model, packed, mask, cache, extra, penalty=None):
+def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
     from hf_tpu.transformers._cache_layers import decode_mask
 
     q = packed.shape[1] // 2
-    _mark(penalty, packed[:, :q])
+    _mark(sampling, packed[:, :q])
     out = model(
         input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=decode_mask(cache, mask), cache=cache,
         use_cache=True,
         return_dict=True, **extra,
     )  # fmt: skip
-    return _last_logits(out, penalty)
+    return _last_logits(out, sampling)
 
 
 def _encoder(model, input_ids, mask):
     return model.get_encoder()(input_ids=input_ids, attention_mask=mask, return_dict=True).last_hidden_state
 
 
-def _seq2seq_prefill(model, ids, encoder_hidden, encoder_mask, cache, penalty=None):
+def _seq2seq_prefill(model, ids, encoder_hidden, encoder_mask, cache, sampling=None):
     from transformers.modeling_outputs import BaseModelOutput
 
     out = model(
         decoder_input_ids=ids, encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden),
         attention_mask=encoder_mask, cache=cache, use_cache=True, return_dict=True,
     )  # fmt: skip
-    return _last_logits(out, penalty)
+    return _last_logits(out, sampling)
 
 
-def _seq2seq_decode(model, ids, encoder_hidden, encoder_mask, cache, penalty=None):
+def _seq2seq_decode(model, ids, encoder_hidden, encoder_mask, cache, sampling=None):
     from transformers.modeling_outputs import BaseModelOutput
 
-    _mark(penalty, ids)
+    _mark(sampling, ids)
     out = model(
         decoder_input_ids=ids, encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden),
         attention_mask=encoder_mask, cache=cache, use_cache=True, return_dict=True,
     )  # fmt: skip
-    return _last_logits(out, penalty)
+    return _last_logits(out, sampling)
 
 
 _GRAPHS: dict[str, Callable] = {
@@ -96,10 +94,13 @@ _GRAPHS: dict[str, Callable] = {
     "seq2seq_prefill": _seq2seq_prefill,
     "seq2seq_decode": _seq2seq_decode,
 }
-# Variants with upstream's repetition penalty applied on the device (greedy search keeps its one small copy).
+# Graph kinds carry the device plan's variant after a "+" ("decode+temperature+top_k+sample"): the processors
+# (and sampler) the graph runs on the device. The variant of greedy search with a lone repetition penalty:
 _PENALTY = "+repetition_penalty"
-for _kind in ("prefill", "decode", "seq2seq_prefill", "seq2seq_decode"):
-    _GRAPHS[_kind + _PENALTY] = _GRAPHS[_kind]
+
+
+def _graph(kind: str) -> Callable:
+    return _GRAPHS[kind.split("+", 1)[0]]
 _COMPILED: dict[tuple, Callable] = {}
 
 
@@ -115,7 +116,7 @@ def _compiled(kind: str, backend, fullgraph: bool) -> Callable:
     if fn is None:
         import torch
 
-        fn = torch.compile(_GRAPHS[kind], backend=backend, fullgraph=fullgraph, dynamic=False)
+        fn = torch.compile(_graph(kind), backend=backend, fullgraph=fullgraph, dynamic=False)
         _COMPILED[key] = fn
     return fn
 
@@ -128,13 +129,13 @@ def _describe(key: tuple) -> str:
         "encoder": ("encoder bucket",),
         "seq2seq_prefill": ("encoder bucket", "decoder prompt", "cache bucket"),
         "seq2seq_decode": ("encoder bucket", "cache bucket"),
-    }[kind.removesuffix(_PENALTY)]
+    }[kind.split("+", 1)[0]]
     return f"{kind} graph for batch={batch}, " + ", ".join(f"{n}={v}" for n, v in zip(names, rest))
 
 
 def _graph_id(key: tuple, args: tuple) -> str:
-    """The compile-cache name of a graph: its shape key plus the Python constants the trace bakes in (the
-    repetition penalty's value)."""
+    """The compile-cache name of a graph: its shape key (whose kind names the device plan's processors) plus the
+    Python float constants the trace bakes in (none today: the plan's values are graph inputs)."""
     constants = [a[1] for a in args if isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], float)]
     return repr((key, constants))
 
@@ -153,7 +154,11 @@ def _namespace(cache, model, state: _ModelState):
     settings = state.settings
     backend = _backend_for(settings, model.device)
     cls = type(model)
-    source = inspect.getsource(inspect.getmodule(_run))
+    from hf_tpu.transformers import sampling
+    from hf_tpu.transformers.sampling import _processors, _registry, _warpers
+
+    modules = (inspect.getmodule(_run), sampling, _registry, _processors, _warpers)
+    source = "".join(inspect.getsource(m) for m in modules)
     parts = {
         "transformers": transformers.__version__,
         "model_class": f"{cls.__module__}.{cls.__qualname__}",
@@ -181,7 +186,7 @@ def _from_cache(model, state: _ModelState, key: tuple, args: tuple) -> Callable 
         return None
     backend = _backend_for(settings, model.device)
     graph_id = _graph_id(key, args)
-    fn = space.load_or_compile(graph_id, _GRAPHS[key[0]], backend, (model, *args), describe=_describe(key))
+    fn = space.load_or_compile(graph_id, _graph(key[0]), backend, (model, *args), describe=_describe(key))
     if fn is not None:
         space.record([list(key)])
     return fn
@@ -201,7 +206,7 @@ def _run(model, state: _ModelState, key: tuple, *args):
         )
     settings = state.settings
     if not settings.compile:
-        result = _GRAPHS[key[0]](model, *args)
+        result = _graph(key[0])(model, *args)
     else:
         limits = {"recompile_limit": max(torch._dynamo.config.recompile_limit, 1024)}
         if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):

@@ -143,7 +143,7 @@ def _cache_hits() -> int:
 def _manifest_plans(model, state) -> list:
     """Shape plans for the graphs the model's compile-cache manifest lists (what earlier processes needed)."""
     from hf_tpu.transformers import generation
-    from hf_tpu.transformers._graphs import _PENALTY, _namespace
+    from hf_tpu.transformers._graphs import _namespace
 
     cache = _settings._compile_cache(state)
     if cache is None or not state.settings.compile:
@@ -152,12 +152,13 @@ def _manifest_plans(model, state) -> list:
     if space is None:
         return []
     plans = []
+    default = generation.default_variant(model)
     for entry in space.manifest():
         if not (isinstance(entry, list) and entry and isinstance(entry[0], str)):
             continue
         kind, *dims = entry
-        base, variant = (kind[: -len(_PENALTY)], _PENALTY) if kind.endswith(_PENALTY) else (kind, "")
-        if variant != generation.default_variant(model) or not all(isinstance(d, int) for d in dims):
+        base, plus, rest = kind.partition("+")
+        if plus + rest != default or not all(isinstance(d, int) for d in dims):
             continue
         if base == "prefill" and len(dims) == 3:
             batch, prompt, cache_len = dims

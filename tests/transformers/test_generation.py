@@ -117,17 +117,15 @@ def test_repetition_penalty_runs_on_the_device_and_matches_cpu(llama, prompts):
 
 
 def test_sampling_is_reproducible_with_a_seed(llama, prompts):
-    cpu, tpu = llama
+    _, tpu = llama
     ids, mask = prompts([4, 7])
     kwargs = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": True, "top_k": 20, "temperature": 0.9}
     runs = []
-    for _ in range(2):
-        torch.manual_seed(1234)
+    for seed in (1234, 1234, 99):
+        torch.manual_seed(seed)
         runs.append(tpu.generate(ids, **kwargs))
-    torch.manual_seed(1234)
-    expected = cpu.generate(ids, **kwargs)
-    assert torch.equal(runs[0], runs[1])
-    assert torch.equal(runs[0], expected)  # the host samples exactly as upstream does
+    assert torch.equal(runs[0], runs[1])  # the device generator, seeded by torch.manual_seed, draws inside the graph
+    assert not torch.equal(runs[0], runs[2])
 
 
 class _Collect(BaseStreamer):
