@@ -229,6 +229,11 @@ def test_selftest_passes_on_the_simulated_device(tmp_path):
     assert checks["runtime"]["figures"]["hbm_gib"] == 32.0
     assert checks["compile"]["figures"]["cold_compiles"] >= 1 and checks["compile"]["figures"]["warm_compiles"] == 0
     assert checks["device"]["figures"]["roundtrip_h2d_copies"] == 1
+    # torch_tpu's own cache counters (the simulator mirrors torch.tpu._get_cache_stats()): warm-up compiled, the
+    # generate after it missed nothing, i.e. recompiled nothing, eager ops included.
+    gen = checks["generation"]["figures"]
+    assert gen["warmup_tpu_cache_misses"] >= gen["warmup_compiles"] >= 1
+    assert gen["generate_tpu_cache_requests"] > 0 and gen["generate_tpu_cache_misses"] == 0
     _diffusers_check_reports_images_and_compiles(checks["diffusers"])
 
 
