@@ -264,3 +264,15 @@ def test_diffusers_check_is_skipped_without_diffusers(monkeypatch):
     )
     (result,) = selftest.run_checks(only=["diffusers"])
     assert result.status == "skipped" and "diffusers is not installed" in result.reason
+
+
+def test_tensor_parallel_check_waits_for_the_launch_without_a_fixed_timeout(monkeypatch):
+    from hf_tpu.distributed import _selftest as tp_check
+
+    monkeypatch.delenv(tp_check.TIMEOUT_ENV, raising=False)
+    assert tp_check._timeout() is None  # no limit: a busy host must not fail the check
+    monkeypatch.setenv(tp_check.TIMEOUT_ENV, "90")
+    assert tp_check._timeout() == 90.0
+    monkeypatch.setenv(tp_check.TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="HF_TPU_SELFTEST_TIMEOUT_S='soon': give a positive number of seconds"):
+        tp_check._timeout()
