@@ -54,3 +54,7 @@ if _env_flag("HF_TPU_SIMULATE"):
         # torch-tpu's autoload (at `import torch`) would claim the PrivateUse1 device the simulator needs.
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     importlib.import_module("hf_tpu.sim").enable()
+
+if os.environ.get("HF_TPU_COMPILE_CACHE", "").strip():
+    # torch_tpu reads its cache settings once, before its first compile: on a chip, point them at the cache now.
+    importlib.import_module("hf_tpu.compile_cache").CompileCache.from_env()

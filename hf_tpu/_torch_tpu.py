@@ -7,6 +7,10 @@ set_tpu_launch_env``); the list of public ``torch.tpu`` names (``_internal/publi
 goes through this module, so the surface hf_tpu depends on is listed here (:data:`EXPECTED_NAMES`), checked by
 ``hf-tpu selftest`` on a TPU VM (:func:`missing_names`) and by ``tests/contract`` against the real wheel.
 
+torch_tpu's compilation cache is configured and observed here too: :func:`point_compile_cache` sets its tier-2
+name and tier-3 root from hf_tpu's ``cache_dir``, :func:`cache_tiers` says where each tier lives, and
+:func:`cache_stats` reads its counters (``torch.tpu._get_cache_stats()``; the simulator answers the same call).
+
 When torch-tpu is installed, :func:`generations` reads its hardware tables: the module is loaded from the wheel's
 file on its own, without importing the ``torch_tpu`` package (which would load libtpu), unless torch_tpu is
 already imported. Without torch-tpu, the copy below is used; ``tests/contract`` keeps it equal to the wheel.
@@ -22,9 +26,11 @@ Example:
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +38,13 @@ from types import ModuleType
 
 __all__ = [
     "EXPECTED_NAMES",
+    "TIER2_ENV",
+    "TIER3_ENV",
+    "CacheStats",
+    "cache_stats",
+    "cache_tiers",
+    "point_compile_cache",
+    "tier2_name",
     "WRITTEN_FOR",
     "Generation",
     "UnsupportedTopologyError",
@@ -249,3 +262,86 @@ def missing_names() -> list[str]:
             continue
         missing += [f"{module}.{n}" for n in names if obj is None or not hasattr(obj, n)]
     return missing
+
+
+# torch_tpu's compilation cache (0.2.0). Tier 1 is in the process's memory. Tier 2 is per host, in shared memory:
+# TIER2_ENV holds a *name*, the cache lives in TIER2_ROOT/<name> (gone after a VM restart); "disabled" turns it off,
+# unset means off at world size 1 and "default" above. Tier 3 is persistent and shareable: TIER3_ENV holds a *path*
+# (local or gs://), off when unset. torch_tpu's C++ runtime reads both once, before its first compile (names and
+# the /dev/shm path: strings of the glue library csrc/common/glue_<torch>/libpywrap_<torch>_common.so; meaning:
+# torch_tpu/common/env_vars.h and docs/notebooks/environment_variables.py in torch_tpu's repository).
+TIER2_ENV = "TORCH_TPU_TIER2_COMPILATION_CACHE"
+TIER3_ENV = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
+TIER2_ROOT = "/dev/shm/torch_tpu_cache"
+TIER2_DISABLED = "disabled"
+TIER3_SUBDIR = "torch_tpu"  # hf_tpu's cache_dir/<this> is the tier-3 root it sets
+
+
+def tier2_name(cache_root: str | os.PathLike) -> str:
+    """The tier-2 cache name hf_tpu gives torch_tpu for ``cache_root``: a plain name (no ``/``), one per cache."""
+    resolved = str(Path(cache_root).expanduser().resolve())
+    return "hf_tpu-" + hashlib.sha256(resolved.encode()).hexdigest()[:16]
+
+
+def point_compile_cache(cache_root: str | os.PathLike) -> dict[str, str]:
+    """Point torch_tpu's cache tiers at hf_tpu's ``cache_root``: tier 3 at ``<cache_root>/torch_tpu``, tier 2 at the
+    name :func:`tier2_name` gives. A variable already set (by the user) is kept. Returns the variables set here.
+
+    torch_tpu reads them once, before its first compile: call this before the first op on a ``tpu`` tensor.
+    """
+    wanted = {TIER3_ENV: str(Path(cache_root).expanduser() / TIER3_SUBDIR), TIER2_ENV: tier2_name(cache_root)}
+    written = {}
+    for name, value in wanted.items():
+        if os.environ.get(name, "").strip():
+            continue
+        os.environ[name] = value
+        written[name] = value
+    return written
+
+
+def cache_tiers(environ: dict[str, str] | None = None) -> dict[str, dict[str, str | None]]:
+    """Where torch_tpu's tier-2 and tier-3 caches live, read from the environment (for ``hf-tpu env``)."""
+    env = os.environ if environ is None else environ
+    name = env.get(TIER2_ENV, "").strip() or None
+    if name is None:
+        world = env.get("WORLD_SIZE", "1").strip() or "1"
+        where = f"{TIER2_ROOT}/default" if world != "1" else "off (unset at world size 1)"
+    elif name == TIER2_DISABLED:
+        where = "off (disabled)"
+    elif "/" in name:
+        where = f"{TIER2_ROOT}/{name.strip('/')} (a name is expected, not a path)"
+    else:
+        where = f"{TIER2_ROOT}/{name} (per host, shared memory)"
+    root = env.get(TIER3_ENV, "").strip() or None
+    return {
+        "tier2": {"variable": TIER2_ENV, "value": name, "where": where},
+        "tier3": {"variable": TIER3_ENV, "value": root, "where": f"{root} (persistent)" if root else "off (unset)"},
+    }
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """torch_tpu's compilation-cache counters, process-wide: lookups (``requests``) and ``hits`` of its in-memory
+    tier; a miss is a compile (or a load from tier 2/3). Subtract two snapshots for what happened in between."""
+
+    requests: int
+    hits: int
+
+    @property
+    def misses(self) -> int:
+        return self.requests - self.hits
+
+    def __sub__(self, other: CacheStats) -> CacheStats:
+        return CacheStats(self.requests - other.requests, self.hits - other.hits)
+
+
+def cache_stats() -> CacheStats | None:
+    """``torch.tpu._get_cache_stats()`` as :class:`CacheStats` (``num_cache_reqs``, ``num_cache_hits``), or None
+    when no ``tpu`` device module is loaded. The simulator's ``torch.tpu`` answers it from its own counters."""
+    torch = sys.modules.get("torch")
+    tpu = getattr(torch, "tpu", None) if torch is not None else None
+    get = getattr(tpu, "_get_cache_stats", None)
+    if get is None:
+        return None
+    stats = get()
+    return CacheStats(int(stats.num_cache_reqs), int(stats.num_cache_hits))

@@ -14,10 +14,13 @@ What it stores, per *namespace* (one model, config, dtype, ladder, backend and l
   simulated device the functional FX graph; on a chip, torch_tpu's serialized executable);
 * ``manifest.json``: the graphs the model needed so far, so that a new process's warm-up loads exactly that set.
 
-On a chip, torch_tpu's own XLA compilation cache (``TORCH_TPU_TIER2_COMPILATION_CACHE``, per host, read by its C++
-runtime from the environment once) is pointed at ``<cache_dir>/torch_tpu`` unless already set, so the XLA programs
-behind the graphs are cached next to them. ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT`` (a shared root, e.g. a bucket
-mounted on every host) is left to the user.
+On a chip, torch_tpu's own compilation cache is pointed here too (:func:`hf_tpu._torch_tpu.point_compile_cache`,
+when the cache is created, unless the user set the variables): its persistent tier 3
+(``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT``, a path) at ``<cache_dir>/torch_tpu``, so the XLA programs behind the
+graphs and the eager ops are kept next to them, and its per-host tier 2 (``TORCH_TPU_TIER2_COMPILATION_CACHE``, a
+*name*: ``/dev/shm/torch_tpu_cache/<name>``, gone after a VM restart) at a name derived from the directory.
+torch_tpu reads both once, before its first compile; a cache created after that is reported (tier 3 then needs
+``HF_TPU_COMPILE_CACHE`` set before ``import hf_tpu``, or the variables set by hand).
 
 A graph's key never lets a stale entry in: the namespace covers the hf_tpu, torch, torch-tpu, libtpu, transformers
 and Python versions, the runtime mode, the model class, its config, dtype and attention implementation, the
@@ -47,14 +50,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hf_tpu import _torch_tpu
+
 logger = logging.getLogger("hf_tpu.compile_cache")
 
 __all__ = ["ENV", "TORCH_TPU_TIER2_ENV", "TORCH_TPU_TIER3_ENV", "CompileCache", "CompileCacheWarning", "Namespace"]
 
 ENV = "HF_TPU_COMPILE_CACHE"
-# torch_tpu's C++ runtime reads these (names from the wheel's csrc/common/glue_*/libpywrap_*_common.so).
-TORCH_TPU_TIER2_ENV = "TORCH_TPU_TIER2_COMPILATION_CACHE"
-TORCH_TPU_TIER3_ENV = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
+# torch_tpu's C++ runtime reads these (see hf_tpu._torch_tpu: tier 2 is a name, tier 3 a path).
+TORCH_TPU_TIER2_ENV = _torch_tpu.TIER2_ENV
+TORCH_TPU_TIER3_ENV = _torch_tpu.TIER3_ENV
 FORMAT = 1
 _MAGIC = b"HF_TPU_GRAPH\n"
 _GUARD_FAILED = "GuardManager check failed"
@@ -139,6 +144,7 @@ class CompileCache:
         self.problems: list[str] = []
         self._reported: set[str] = set()
         self._spaces: dict[str, Namespace] = {}
+        self._point_torch_tpu_here()
 
     def __repr__(self) -> str:
         return f"CompileCache({str(self.root)!r})"
@@ -198,23 +204,33 @@ class CompileCache:
         except OSError as exc:
             self.report(f"cannot use {self.root} ({exc}); compiling without a cache")
             return None
-        self._point_torch_tpu_here()
         space = Namespace(self, path, key)
         self._spaces[name] = space
         return space
 
     def _point_torch_tpu_here(self) -> None:
-        # torch_tpu's runtime reads its XLA cache location from the environment once: set it before the first compile.
+        """On a chip, point torch_tpu's tier-2 name and tier-3 root here (kept when the user set them)."""
         from hf_tpu import runtime
 
-        if runtime.detect().mode == "real" and not os.environ.get(TORCH_TPU_TIER2_ENV):
-            os.environ[TORCH_TPU_TIER2_ENV] = str(self.root / "torch_tpu")
+        if runtime.detect().mode != "real":
+            return
+        before = _torch_tpu.cache_stats()
+        written = _torch_tpu.point_compile_cache(self.root)
+        if written and before is not None and before.requests:
+            self.report(
+                f"torch_tpu already compiled ({before.requests} cache requests) before this compile cache was "
+                f"created, so it has read its cache settings: {', '.join(written)} take effect in the next "
+                f"process only. Set {ENV}={self.root} before `import hf_tpu`, or create the cache before the first "
+                "op on the TPU."
+            )
 
     def clear(self) -> None:
-        """Delete every entry hf_tpu stored here (torch_tpu's own XLA cache under ``torch_tpu/`` included)."""
+        """Delete every entry hf_tpu stored here: its graphs, torch_tpu's tier-3 cache under ``torch_tpu/``, and
+        torch_tpu's tier-2 cache of the name hf_tpu gives this directory (``/dev/shm/torch_tpu_cache/<name>``)."""
         import shutil
 
-        for sub in (self.base, self.root / "torch_tpu"):
+        tier2 = Path(_torch_tpu.TIER2_ROOT) / _torch_tpu.tier2_name(self.root)
+        for sub in (self.base, self.root / _torch_tpu.TIER3_SUBDIR, tier2):
             shutil.rmtree(sub, ignore_errors=True)
         self._spaces.clear()
 

@@ -157,11 +157,15 @@ class CheckContext:
 
     @contextlib.contextmanager
     def measure(self, figures: dict[str, Any], prefix: str) -> Iterator[None]:
-        """Add ``<prefix>_s`` (wall time) and, on the simulator, ``<prefix>_compiles`` and the copy/sync counts.
+        """Add ``<prefix>_s`` (wall time), ``<prefix>_tpu_cache_requests``/``_misses`` (torch_tpu's cache; a miss
+        is a compile) and, on the simulator, ``<prefix>_compiles`` and the copy/sync counts.
 
         Read a result back to the host inside the block, so that the time includes the device's work.
         """
+        from hf_tpu import _torch_tpu
+
         t0 = time.perf_counter()
+        tpu_before = _torch_tpu.cache_stats()
         if self.simulated:
             import hf_tpu.sim
 
@@ -172,6 +176,10 @@ class CheckContext:
         else:
             yield
         figures[f"{prefix}_s"] = round(time.perf_counter() - t0, 6)
+        if tpu_before is not None:  # torch_tpu's own cache (the simulator mirrors it): misses are compiles
+            spent = _torch_tpu.cache_stats() - tpu_before
+            figures[f"{prefix}_tpu_cache_requests"] = spent.requests
+            figures[f"{prefix}_tpu_cache_misses"] = spent.misses
 
 
 def _error_text(err: BaseException) -> str:

@@ -149,6 +149,10 @@ def test_simulator_runs_a_tiny_model_like_cpu(how):
         import sys
         import torch
         autoloaded = "torch_tpu" in sys.modules
+        if not autoloaded and "hf_tpu.sim" not in sys.modules:  # what the simulator meets: nothing of torch_tpu
+            from torch._dynamo.backends import registry
+            assert getattr(torch, "tpu", None) is None and "tpu" not in registry.list_backends(exclude_tags=())
+            assert torch._C._get_privateuse1_backend_name() == "privateuseone"
         import hf_tpu.sim
         hf_tpu.sim.enable()
         from transformers import LlamaConfig, LlamaForCausalLM

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +16,31 @@ REPO = Path(__file__).resolve().parents[1]
 # script -> (extra arguments, fragments its output must contain)
 EXAMPLES = {
     "simulator_counters.py": ([], ["strict mode caught: host sync", "tokens: ["]),
-    "device_map.py": ([], ["max |logits - cpu| = 0.0", "refused: device_map='auto'"]),
+    "device_map.py": ([], ["device_map='auto' with max_memory=", "'cpu'", "refused: device_map='auto'"]),
     "moe_kernel.py": ([], ["ragged_dot_tpu: 5 forwards", "signatures    0, host syncs    0", "identical: True"]),
     "generate.py": ([], ["compiles after warm-up: 0"]),
     "finetune.py": ([], ["tpu  losses per step", "0 compiles, 0 new eager shapes"]),
     "diffusers_sd3.py": (["--out", "sd3.png"], ["largest difference to the CPU image", "wrote sd3.png"]),
 }
+
+
+def _numbers(pattern: str, out: str) -> list[float]:
+    """Every number ``pattern``'s one group captures in ``out`` (whole lines), as floats."""
+    return [float(v) for v in re.findall(pattern, out, re.MULTILINE)]
+
+
+def _device_map_logits_equal_cpu(out: str) -> None:
+    # both placements (whole model on the chip; 'auto' with layers offloaded to the CPU) give the CPU's logits
+    assert _numbers(r"^  max \|logits - cpu\| = (\S+)$", out) == [0.0, 0.0], out[-4000:]
+
+
+def _sd3_image_close_to_cpu(out: str) -> None:
+    (diff,) = _numbers(r"^largest difference to the CPU image: (\S+)$", out)
+    assert diff <= 1e-5, out[-4000:]  # float32, values in [0, 1]
+
+
+# script -> checks of the values its output reports (not only that it reports them)
+VALUES = {"device_map.py": [_device_map_logits_equal_cpu], "diffusers_sd3.py": [_sd3_image_close_to_cpu]}
 
 
 def _env() -> dict[str, str]:
@@ -45,6 +65,8 @@ def test_example_runs_on_the_simulator(script, tmp_path, tmp_path_factory):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for fragment in expected:
         assert fragment in proc.stdout, (fragment, proc.stdout[-4000:])
+    for check in VALUES.get(script, ()):
+        check(proc.stdout)
     if script == "diffusers_sd3.py":
         assert (tmp_path / "sd3.png").stat().st_size > 0
     # nothing lands in the working directory (a checkout's root) but the file the command line named

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _timeouts import SAFETY_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,18 +68,53 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert re.search(r'pip install torch==2\.13\.0 -e "\.\[test,kernels\]"', readme_test[0])
 
 
+# Fixed waits around real work: a literal timeout, a pytest-timeout mark, a deadline a literal number of seconds
+# away, a module constant holding a timeout (tests/_timeouts.py's SAFETY_TIMEOUT_S is the one allowed), and a
+# wall-clock assertion: "assert <end> - <start> < 30" or an assertion on a time.time()/monotonic()/perf_counter().
+FIXED_WAIT = re.compile(
+    r"\btimeout=\d|mark\.timeout\(|communicate\(timeout=\d|deadline = time\.\w+\(\) \+ \d"
+    r"|^\s*[A-Z_]*TIMEOUT[A-Z_]* = \d"
+    r"|\bassert\b.*\b\w+ - \w+ <=? \d"
+    r"|\bassert\b.*time\.(time|monotonic|perf_counter)\(\).*[<>]=? ?\d"
+)
+
+
+def fixed_waits(root: Path, allowed: tuple[Path, ...] = ()) -> list[str]:
+    """``path:line: text`` of every line under ``root`` that :data:`FIXED_WAIT` matches."""
+    return [
+        f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        if path not in allowed
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if FIXED_WAIT.search(line)
+    ]
+
+
 def test_no_test_waits_on_a_fixed_short_timeout():
     """A slow machine must not fail a test: subprocesses get the one safety timeout (tests/_timeouts.py), below
-    pytest-timeout's (pyproject.toml), and no test sets a shorter pytest-timeout of its own."""
+    pytest-timeout's (pyproject.toml), no test sets a shorter pytest-timeout of its own or asserts on wall-clock
+    time, and hf_tpu's own code puts no fixed timeout around real work either."""
     import tomllib
 
     ini = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert SAFETY_TIMEOUT_S >= 1200 and ini["timeout"] > SAFETY_TIMEOUT_S
-    short = re.compile(r"\btimeout=\d|mark\.timeout\(|communicate\(timeout=\d|deadline = time\.\w+\(\) \+ \d")
-    found = [
-        f"{path.relative_to(REPO)}:{n}: {line.strip()}"
-        for path in (REPO / "tests").rglob("*.py")
-        for n, line in enumerate(path.read_text().splitlines(), 1)
-        if short.search(line)
-    ]
-    assert not found, "fixed timeouts around real work (use SAFETY_TIMEOUT_S):\n" + "\n".join(found)
+    allowed = (REPO / "tests" / "_timeouts.py", REPO / "tests" / "test_package.py")  # the safety timeout; examples
+    found = fixed_waits(REPO / "tests", allowed) + fixed_waits(REPO / "hf_tpu")
+    assert not found, "fixed timeouts or wall-clock assertions around real work (use SAFETY_TIMEOUT_S):\n" + "\n".join(
+        found
+    )
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'assert done - raised < 30, f"the launcher took {done - raised:.1f}s"',
+        "assert time.time() - start < 5",
+        "    output, _ = proc.communicate(timeout=600)",
+        "_TIMEOUT_S = 600",
+        "deadline = time.monotonic() + 30",
+        "@pytest.mark.timeout(60)",
+    ],
+)
+def test_the_fixed_wait_guard_catches_each_form(line):
+    assert FIXED_WAIT.search(line), line

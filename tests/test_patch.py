@@ -82,10 +82,22 @@ def test_version_mismatch_warns_once(target):
         _patch.patch(target, "value2", "v", feature="test-feature", package="torch", versions=">=999")
 
 
-def test_version_matches_ignores_local_and_dev_suffixes():
-    ok, installed = _patch.version_matches("torch", ">=2.11,<=2.15")
-    assert installed is not None
-    assert ok
+@pytest.mark.parametrize(
+    ("installed", "spec", "ok"),
+    [
+        ("5.0.0.dev0", ">=5.0,<6", True),  # a dev build of 5.0.0 is 5.0.0 (PEP 440 alone puts it below 5.0)
+        ("5.24.0rc1", ">=5.0,<6", True),
+        ("2.13.0+cpu", ">=2.11,<=2.15", True),
+        ("2.15.0+cu128", ">=2.11,<=2.15", True),
+        ("6.0.0.dev0", ">=5.0,<6", False),  # the suffix does not let the next major in
+        ("4.57.1", ">=5.0,<6", False),
+    ],
+)
+def test_version_matches_ignores_local_and_dev_suffixes(monkeypatch, installed, spec, ok):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed)
+    assert _patch.version_matches("somepackage", spec) == (ok, installed)
 
 
 def test_enable_unknown_integration_names_known_ones():

@@ -229,6 +229,11 @@ def test_selftest_passes_on_the_simulated_device(tmp_path):
     assert checks["runtime"]["figures"]["hbm_gib"] == 32.0
     assert checks["compile"]["figures"]["cold_compiles"] >= 1 and checks["compile"]["figures"]["warm_compiles"] == 0
     assert checks["device"]["figures"]["roundtrip_h2d_copies"] == 1
+    # torch_tpu's own cache counters (the simulator mirrors torch.tpu._get_cache_stats()): warm-up compiled, the
+    # generate after it missed nothing, i.e. recompiled nothing, eager ops included.
+    gen = checks["generation"]["figures"]
+    assert gen["warmup_tpu_cache_misses"] >= gen["warmup_compiles"] >= 1
+    assert gen["generate_tpu_cache_requests"] > 0 and gen["generate_tpu_cache_misses"] == 0
     _diffusers_check_reports_images_and_compiles(checks["diffusers"])
 
 
@@ -259,3 +264,15 @@ def test_diffusers_check_is_skipped_without_diffusers(monkeypatch):
     )
     (result,) = selftest.run_checks(only=["diffusers"])
     assert result.status == "skipped" and "diffusers is not installed" in result.reason
+
+
+def test_tensor_parallel_check_waits_for_the_launch_without_a_fixed_timeout(monkeypatch):
+    from hf_tpu.distributed import _selftest as tp_check
+
+    monkeypatch.delenv(tp_check.TIMEOUT_ENV, raising=False)
+    assert tp_check._timeout() is None  # no limit: a busy host must not fail the check
+    monkeypatch.setenv(tp_check.TIMEOUT_ENV, "90")
+    assert tp_check._timeout() == 90.0
+    monkeypatch.setenv(tp_check.TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="HF_TPU_SELFTEST_TIMEOUT_S='soon': give a positive number of seconds"):
+        tp_check._timeout()

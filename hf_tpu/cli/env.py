@@ -22,6 +22,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from hf_tpu import _torch_tpu
+
 __all__ = ["PACKAGES", "Finding", "collect", "find_problems", "format_table", "register", "run"]
 
 # (label, distribution name) in the order they are shown; None = not a distribution.
@@ -282,6 +284,17 @@ def find_problems(
                 "unset PJRT_DEVICE unless torch_xla needs it",
             )
         )
+    tier2 = env.get(_torch_tpu.TIER2_ENV, "")
+    if "/" in tier2:
+        out.append(
+            Finding(
+                "warning",
+                f"{_torch_tpu.TIER2_ENV}={tier2} is a path, but torch_tpu takes a cache *name* there (its tier-2 "
+                f"cache lives in {_torch_tpu.TIER2_ROOT}/<name>, per host, gone after a restart)",
+                f"set {_torch_tpu.TIER2_ENV} to a plain name, and {_torch_tpu.TIER3_ENV}={tier2} for a persistent "
+                "cache (or let hf_tpu's cache_dir / HF_TPU_COMPILE_CACHE set both)",
+            )
+        )
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted(out, key=lambda f: order[f.level])
 
@@ -321,6 +334,7 @@ def collect() -> dict[str, Any]:
         "torch_tpu_autoload": _autoload(versions, env),
         "torch_imported": "torch" in sys.modules,
         "env": env,
+        "torch_tpu_cache": _torch_tpu.cache_tiers(),
         "problems": [asdict(p) for p in problems],
     }
 
@@ -354,6 +368,15 @@ def format_table(report: dict[str, Any]) -> str:
             ("torch_tpu autoload", "on" if report["torch_tpu_autoload"] else "off"),
             *([("simulator native core", rt["sim_native"])] if rt.get("sim_native") else []),
             *([("simulator op table", rt["sim_refused_ops"])] if rt.get("sim_refused_ops") else []),
+        ],
+    )
+    tiers = report["torch_tpu_cache"]
+    section(
+        "torch_tpu compilation cache",
+        [
+            ("tier 1", "in this process's memory"),
+            ("tier 2 (per host)", f"{tiers['tier2']['where']}  [{tiers['tier2']['variable']}]"),
+            ("tier 3 (persistent)", f"{tiers['tier3']['where']}  [{tiers['tier3']['variable']}]"),
         ],
     )
     env = report["env"]

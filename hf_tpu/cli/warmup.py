@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({
             "model": str(path), "cache_dir": report.cache_dir, "graphs": [list(g) for g in report.graphs],
             "new_compiles": report.new_compiles, "from_cache": report.from_cache, "seconds": report.seconds,
-            "cache_problems": report.cache_problems,
+            "cache_problems": report.cache_problems, "tpu_cache_requests": report.tpu_cache_requests,
+            "tpu_cache_misses": report.tpu_cache_misses,
         }))  # fmt: skip
     else:
         print(report)

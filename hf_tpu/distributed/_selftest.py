@@ -17,7 +17,22 @@ from typing import Any
 
 from hf_tpu.selftest import CheckContext, SkipCheck, register_check
 
-_TIMEOUT_S = 600
+# No fixed limit around the launch (a slow or busy host must not fail it): the launcher itself stops every rank once
+# one fails. HF_TPU_SELFTEST_TIMEOUT_S=<seconds> bounds it when a hang must end the check.
+TIMEOUT_ENV = "HF_TPU_SELFTEST_TIMEOUT_S"
+
+
+def _timeout() -> float | None:
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if seconds <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r}: give a positive number of seconds, or unset it to wait")
+    return seconds
 
 
 def _ranks(ctx: CheckContext) -> int:
@@ -61,16 +76,17 @@ def _tensor_parallel(ctx: CheckContext) -> dict[str, Any]:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        # Own process group, so that a timeout stops the launcher and every rank it started.
+        # Own process group, so that a timeout (when one is asked for) stops the launcher and every rank it started.
+        limit = _timeout()
         proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
         try:
-            output, _ = proc.communicate(timeout=_TIMEOUT_S)
+            output, _ = proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired as err:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            raise RuntimeError(f"the {ranks}-rank launch did not finish within {_TIMEOUT_S}s") from err
+            raise RuntimeError(f"the {ranks}-rank launch did not finish within {TIMEOUT_ENV}={limit:g}s") from err
         results = []
         for rank in range(ranks):
             path = Path(tmp) / f"rank{rank}.json"

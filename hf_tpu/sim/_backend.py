@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hf_tpu.sim._counters import STATE, SimStrictError
+from hf_tpu.sim._counters import STATE, SimStrictError, graph_run
 
 __all__ = ["note_cache_hit", "register", "tpu_backend"]
 
@@ -21,11 +21,8 @@ TAKEN_OVER: dict[str, Any] = {}
 
 def _in_graph(fn: Any) -> Any:
     def run(args: list) -> Any:
-        STATE.in_graph += 1
-        try:
+        with graph_run():
             return fn(args)
-        finally:
-            STATE.in_graph -= 1
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
@@ -57,11 +54,8 @@ def _output_code_class() -> type:
 
         class _SimOutputCode(AOTEagerOutputCode):
             def __call__(self, inputs: Any) -> Any:
-                STATE.in_graph += 1
-                try:
+                with graph_run():
                     return super().__call__(inputs)
-                finally:
-                    STATE.in_graph -= 1
 
         _SimOutputCode.__module__, _SimOutputCode.__qualname__ = __name__, "_SimOutputCode"
         _OUTPUT_CODE.append(_SimOutputCode)

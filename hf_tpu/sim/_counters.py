@@ -76,6 +76,7 @@ class _State:
         "strict_compiles",
         "last_compile",
         "cpu_fallback",
+        "graph_ops",
     )
 
     def __init__(self) -> None:
@@ -94,6 +95,7 @@ class _State:
         self.strict_compiles = 0
         self.last_compile = ""
         self.cpu_fallback = False  # torch_tpu's enable_cpu_fallback, mirrored (hf_tpu.sim.execution_mode)
+        self.graph_ops = 0  # ops run inside compiled graphs (``ops`` counts them too): see graph_run()
 
     ops = _Shared("sum", "py_ops", get="ops")  # ops the Python fallback ran, plus the native core's
     shape_signatures = _Shared("sum", "py_signatures", get="signatures")
@@ -106,6 +108,21 @@ class _State:
 
 STATE = _State()
 _LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def graph_run() -> Iterator[None]:
+    """Run a compiled graph: its ops count no eager shape signature, and add to ``STATE.graph_ops`` (so that the
+    eager ops, what torch_tpu looks up in its compilation cache one by one, are ``ops - graph_ops``)."""
+    outer = not STATE._in_graph
+    start = STATE.ops if outer else 0
+    STATE.in_graph += 1
+    try:
+        yield
+    finally:
+        STATE.in_graph -= 1
+        if outer:
+            STATE.graph_ops += STATE.ops - start
 
 
 def _fmt_bytes(n: int) -> str:

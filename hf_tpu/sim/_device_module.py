@@ -239,6 +239,28 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
     return list(_AMP_DTYPES)
 
 
+@dataclass(frozen=True)
+class PerfStats:
+    """What torch_tpu's ``_get_cache_stats()`` returns (its pybind ``PerfStats``: the same attribute names)."""
+
+    num_cache_reqs: int
+    num_cache_hits: int
+    num_compilations: int
+    peak_compilation_host_memory_bytes: int
+    per_entry_stats: list
+
+
+def _get_cache_stats() -> PerfStats:
+    """torch_tpu's compilation-cache counters, from the simulator's: every eager op (outside compiled graphs) and
+    every graph compile is a request; a new eager shape signature or a graph compile is a miss (what torch_tpu
+    compiles), the rest hits. ``per_entry_stats`` stays empty (the simulator keeps no per-executable timings)."""
+    from hf_tpu.sim._counters import STATE
+
+    misses = STATE.shape_signatures + STATE.compiles
+    requests = STATE.ops - STATE.graph_ops + STATE.compiles
+    return PerfStats(requests, requests - misses, misses, 0, [])
+
+
 
 
 def _is_autocast_enabled() -> bool:

@@ -2,7 +2,9 @@
 
 On a TPU VM this is the first run of hf_tpu's decoding loop on real chips: it warms up a tiny Llama, generates for a
 batch of two prompts of different lengths, compares the tokens with upstream ``generate`` on CPU, and reports the
-warm-up time, the compiles after warm-up (expected: 0) and the time per decode step.
+warm-up time, the compiles after warm-up (expected: 0), torch_tpu's own cache requests and misses during warm-up and
+generate (``*_tpu_cache_requests``/``*_tpu_cache_misses``, from ``torch.tpu._get_cache_stats()``: a miss after
+warm-up is a recompile, eager ops included) and the time per decode step.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def _generation(ctx: CheckContext) -> dict[str, Any]:
                 raise AssertionError(f"generate on the tpu device gave {got.tolist()}, CPU gave {expected.tolist()}")
             if ctx.simulated and figures["generate_compiles"]:
                 raise AssertionError(f"{figures['generate_compiles']} compile(s) after warm-up (expected none)")
+            if ctx.simulated and figures.get("generate_tpu_cache_misses"):  # on a chip: reported, a recompile each
+                misses = figures["generate_tpu_cache_misses"]
+                raise AssertionError(f"{misses} torch_tpu cache miss(es) (recompiles) after warm-up (expected none)")
             t0 = time.perf_counter()
             model.generate(ids, attention_mask=mask, max_new_tokens=2 * new, do_sample=False, eos_token_id=None)
             figures["ms_per_token"] = round(1000 * (time.perf_counter() - t0) / (2 * new), 3)

@@ -15,10 +15,12 @@ from typing import Any
 
 from hf_tpu.transformers.buckets import DEFAULT_CACHE_MULTIPLE, BucketLadder, default_ladder
 
-__all__ = ["STRICT_ENV", "GenerationSettings", "RecompileError", "compiled_graphs", "configure"]
+__all__ = ["STRICT_EAGER", "STRICT_ENV", "GenerationSettings", "RecompileError", "compiled_graphs", "configure"]
 
-# Turns a compile after warm-up into an error (same as ``warmup(..., strict=True)``).
+# Turns a compile after warm-up into an error (same as ``warmup(..., strict=True)``; ``=eager``: ``strict="eager"``).
 STRICT_ENV = "HF_TPU_STRICT_COMPILE"
+# ``strict="eager"``: an eager op compile after warm-up (a torch_tpu cache miss) is an error too, not only a graph's.
+STRICT_EAGER = "eager"
 
 # Device types the hf_tpu loop takes over. Tests may widen it to exercise the loop on CPU.
 _DEVICE_TYPES: set[str] = {"tpu"}
@@ -43,15 +45,16 @@ class GenerationSettings:
     ``max_new_tokens``, rounded up to a multiple of this (a power of two below it); None sizes the cache on the
     prompt ladder instead (the earlier behaviour, kept for comparison). ``strict``: after :func:`hf_tpu.warmup`,
     a shape warm-up did not compile raises :class:`RecompileError` instead of compiling (default: the
-    ``HF_TPU_STRICT_COMPILE`` environment variable). ``backend``/``fullgraph``: what ``torch.compile`` gets
-    (``"tpu"``, ``True``); ``compile=False`` runs the same bucketed loop eagerly. ``compile_cache``: a
+    ``HF_TPU_STRICT_COMPILE`` environment variable); ``strict="eager"`` also raises when a ``generate`` compiled
+    an eager op (torch_tpu's cache missed: a new eager op signature). ``backend``/``fullgraph``: what
+    ``torch.compile`` gets (``"tpu"``, ``True``); ``compile=False`` runs the same bucketed loop eagerly. ``compile_cache``: a
     :class:`~hf_tpu.compile_cache.CompileCache` directory, or None (default: the
     ``HF_TPU_COMPILE_CACHE`` environment variable).
     """
 
     buckets: BucketLadder | None = None
     cache_multiple: int | None = DEFAULT_CACHE_MULTIPLE
-    strict: bool | None = None
+    strict: bool | str | None = None
     backend: str | Callable | None = None
     fullgraph: bool = True
     compile: bool = True
@@ -72,11 +75,20 @@ class _ModelState:
             self.settings.buckets = default_ladder(config)
         return self.settings.buckets
 
-    @property
-    def strict(self) -> bool:
+    def _strict_setting(self) -> bool | str:
         if self.settings.strict is not None:
             return self.settings.strict
-        return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+        value = os.environ.get(STRICT_ENV, "").strip().lower()
+        return STRICT_EAGER if value == STRICT_EAGER else value in ("1", "true", "yes", "on")
+
+    @property
+    def strict(self) -> bool:
+        return bool(self._strict_setting())
+
+    @property
+    def strict_eager(self) -> bool:
+        """Strict about eager op compiles too (torch_tpu cache misses during a ``generate`` after warm-up)."""
+        return self._strict_setting() == STRICT_EAGER
 
 
 def _state(model) -> _ModelState:
@@ -92,7 +104,7 @@ def configure(
     *,
     buckets: BucketLadder | list[int] | tuple[int, ...] | None = None,
     cache_multiple: int | None = _UNSET,
-    strict: bool | None = None,
+    strict: bool | str | None = None,
     backend: str | Callable | None = None,
     fullgraph: bool | None = None,
     compile: bool | None = None,
@@ -116,6 +128,8 @@ def configure(
             raise ValueError(f"cache_multiple must be a positive integer or None, got {cache_multiple!r}")
         state.settings.cache_multiple = cache_multiple
     if strict is not None:
+        if not isinstance(strict, bool) and strict != STRICT_EAGER:
+            raise ValueError(f"strict must be True, False or {STRICT_EAGER!r} (eager op compiles too), got {strict!r}")
         state.settings.strict = strict
     if backend is not None:
         state.settings.backend = backend

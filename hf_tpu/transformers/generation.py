@@ -48,12 +48,14 @@ from __future__ import annotations
 import functools
 import inspect
 
+from hf_tpu import _torch_tpu
 from hf_tpu.transformers import _upstream
 from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._decode_loop import _PENALTY, _decode_loop, _warm, default_variant
 from hf_tpu.transformers._graphs import _run
 from hf_tpu.transformers._settings import (
     _DEVICE_TYPES,
+    STRICT_EAGER,
     STRICT_ENV,
     GenerationSettings,
     RecompileError,
@@ -67,6 +69,7 @@ from hf_tpu.transformers.buckets import BucketOverflowError
 from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, ladder_figures, plan_shapes
 
 __all__ = [
+    "STRICT_EAGER",
     "STRICT_ENV",
     "BucketOverflowError",
     "GenerationSettings",
@@ -144,8 +147,24 @@ def generate(self, *args, **kwargs):
 
     arguments.pop("self", None)
     arguments["custom_generate"] = functools.partial(_decode_loop, hf_tpu_plan={"streamer": arguments.get("streamer")})
+    state = _state(self)
+    before = _torch_tpu.cache_stats() if state.warmed and state.strict_eager else None
     result = upstream(self, input_ids, **arguments, **extra_kwargs)
+    if before is not None:
+        _refuse_eager_compiles(before)
     return _output_to(result, out_device)
+
+
+def _refuse_eager_compiles(before) -> None:
+    """strict="eager": a torch_tpu cache miss during this ``generate`` (after warm-up) is a recompile: raise."""
+    spent = _torch_tpu.cache_stats() - before
+    if spent.misses:
+        raise RecompileError(
+            f"generate compiled {spent.misses} program(s) after warm-up: torch_tpu's cache missed {spent.misses} of "
+            f"{spent.requests} request(s) (torch.tpu._get_cache_stats(); each miss is an eager op signature or a "
+            "graph torch_tpu had not compiled). Warm up the shapes you serve, or relax strict mode: "
+            f"hf_tpu.transformers.configure(model, strict=True) checks graphs only, unset {STRICT_ENV} allows both."
+        )
 
 
 def _encode(model, input_ids, model_kwargs: dict):

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from hf_tpu import _torch_tpu
 from hf_tpu.transformers import _settings
 from hf_tpu.transformers.buckets import BucketLadder
 
@@ -41,12 +42,19 @@ class WarmupReport:
     seconds: float = 0.0
     prompt_buckets: tuple[int, ...] = ()
     batch_sizes: tuple[int, ...] = ()
+    # torch_tpu's own cache during warm-up (torch.tpu._get_cache_stats(); the simulator mirrors it): requests and
+    # misses (programs compiled: eager op signatures and graphs, or loaded from its tier 2/3); None without it.
+    tpu_cache_requests: int | None = None
+    tpu_cache_misses: int | None = None
 
     def __str__(self) -> str:
+        tpu = "" if self.tpu_cache_requests is None else (
+            f"; torch_tpu cache: {self.tpu_cache_misses} miss(es) of {self.tpu_cache_requests} request(s)"
+        )  # fmt: skip
         return (
             f"warm-up: {len(self.graphs)} graphs ({self.new_compiles} newly compiled, {self.from_cache} from the "
             f"compile cache) for batch sizes {list(self.batch_sizes)} and prompt buckets {list(self.prompt_buckets)} "
-            f"in {self.seconds:.1f}s"
+            f"in {self.seconds:.1f}s{tpu}"
         )
 
 
@@ -57,14 +65,15 @@ def warmup(
     max_new_tokens: int = 32,
     *,
     buckets: BucketLadder | Iterable[int] | None = None,
-    strict: bool | None = None,
+    strict: bool | str | None = None,
     progress: bool = True,
     cache_dir: str | os.PathLike | None = None,
 ) -> WarmupReport:
     """Compile the prefill and decode graphs for every prompt bucket up to ``max_prompt_len`` and every batch size.
 
     ``buckets`` replaces the model's ladder first (see :func:`hf_tpu.transformers.generation.configure`).
-    ``strict=True`` makes a later compile an error; None keeps the current setting (or the environment variable).
+    ``strict=True`` makes a later graph compile an error, ``strict="eager"`` an eager op compile too; None keeps the
+    current setting (or the environment variable).
     ``progress`` shows a progress bar (tqdm) while compiling. ``cache_dir`` is the persistent compile cache
     (default: the model's, set by ``configure(model, compile_cache=...)``, else ``HF_TPU_COMPILE_CACHE``); graphs
     found there are loaded, not compiled (``report.from_cache``), and the others are stored.
@@ -112,6 +121,7 @@ def warmup(
 
     before = len(state.compiled)
     hits_before = _cache_hits()
+    tpu_before = _torch_tpu.cache_stats()
     start = time.perf_counter()
     report = WarmupReport(prompt_buckets=prompt_buckets, batch_sizes=batch_sizes)
     bar = tqdm(plans, desc="hf_tpu warm-up", unit="shape", disable=not progress)
@@ -127,6 +137,9 @@ def warmup(
     cache = _settings._compile_cache(state)
     report.from_cache = _cache_hits() - hits_before
     report.new_compiles = len(state.compiled) - before - report.from_cache
+    if tpu_before is not None:
+        spent = _torch_tpu.cache_stats() - tpu_before
+        report.tpu_cache_requests, report.tpu_cache_misses = spent.requests, spent.misses
     if cache is not None:
         report.cache_dir = str(cache.root)
         report.cache_problems = list(cache.problems)

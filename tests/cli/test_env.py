@@ -31,9 +31,10 @@ def installed(dist: str) -> str | None:
 
 
 def hf_tpu_cli(
-    *args: str, simulate_env: bool = False, timeout: float = SAFETY_TIMEOUT_S
+    *args: str, simulate_env: bool = False, timeout: float = SAFETY_TIMEOUT_S, extra_env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
+    env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE" and not k.startswith("TORCH_TPU_TIER")}
+    env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     if simulate_env:
         env["HF_TPU_SIMULATE"] = "1"
@@ -250,3 +251,20 @@ def test_no_command_prints_help_and_returns_2(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["no-such-command"])
     assert exc.value.code == 2
+
+
+def test_env_shows_torch_tpu_cache_tiers_and_where_they_live(tmp_path):
+    env = {"TORCH_TPU_TIER2_COMPILATION_CACHE": "mine", "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": str(tmp_path)}
+    proc = hf_tpu_cli("env", extra_env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^  tier 2 \(per host\) +/dev/shm/torch_tpu_cache/mine ", proc.stdout, re.MULTILINE)
+    assert re.search(rf"^  tier 3 \(persistent\) +{re.escape(str(tmp_path))} ", proc.stdout, re.MULTILINE)
+    report = json.loads(hf_tpu_cli("env", "--json").stdout)["torch_tpu_cache"]
+    assert report["tier3"]["value"] is None and report["tier3"]["where"].startswith("off")
+
+
+def test_a_path_as_the_tier2_cache_name_is_a_warning():
+    env = {"TORCH_TPU_TIER2_COMPILATION_CACHE": "/data/xla"}
+    found = env_cmd.find_problems({"torch": "2.13.0"}, {"mode": "none"}, env)
+    (finding,) = [f for f in found if "TIER2" in f.problem]
+    assert finding.level == "warning" and "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT=/data/xla" in finding.fix

@@ -38,6 +38,9 @@ def test_second_run_compiles_nothing(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     warm = json.loads(second.stdout.strip().splitlines()[-1])
     assert warm["new_compiles"] == 0 and warm["from_cache"] == len(cold["graphs"]) and not warm["cache_problems"]
+    # torch_tpu's own cache (mirrored by the simulator): every graph compile was a miss; loaded graphs are not
+    assert cold["tpu_cache_requests"] >= cold["tpu_cache_misses"] >= cold["new_compiles"]
+    assert warm["tpu_cache_misses"] <= cold["tpu_cache_misses"] - cold["new_compiles"]
 
 
 def test_without_a_cache_dir_it_says_how_to_give_one(capsys, monkeypatch):

@@ -1,7 +1,7 @@
 """Run by tests/distributed/test_launch.py: rank 1 raises while rank 0 waits in a collective that never completes.
 
-``python _fail_worker.py OUT_DIR [raise|sleep]``. With ``raise`` (default), rank 1 writes the time it raises to
-``OUT_DIR/raised``, so the test can measure how long the launcher takes to stop everything and exit. With
+``python _fail_worker.py OUT_DIR [raise|sleep]``. With ``raise`` (default), rank 1 writes ``OUT_DIR/raised``
+when it raises, while rank 0 blocks in a collective: only the launcher stopping rank 0 ends the run. With
 ``sleep``, every rank writes ``OUT_DIR/ready<rank>`` and sleeps, for the test to stop the launcher.
 """
 

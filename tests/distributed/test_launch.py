@@ -140,13 +140,12 @@ def test_failing_rank_stops_the_launch_quickly_with_its_error(tmp_path):
         ["--simulate", "--nproc_per_node=2", "tests/distributed/_fail_worker.py", str(tmp_path)],
         timeout=SAFETY_TIMEOUT_S,
     )
-    done = time.time()
-    assert code != 0
+    # Rank 0 blocks in a collective rank 1 never joins: the launch ends (before the safety timeout) only because the
+    # launcher stopped rank 0 once rank 1 failed. The outcome is checked, not how long it took (~7 s idle).
+    assert code == 1, log[-3000:]
     assert "rank 1 exploded on purpose" in log
     assert "hf-tpu launch: rank 1 failed with exit code 1" in log, log[-3000:]
-    raised = float((tmp_path / "raised").read_text())
-    # ~7 s here (torchrun notices, stops rank 0, both interpreters exit); the bound leaves room for a loaded CI host.
-    assert done - raised < 30, f"the launcher took {done - raised:.1f}s to stop after rank 1 raised"
+    assert (tmp_path / "raised").is_file()  # rank 1 got past the first collective and raised
     assert not processes_mentioning(str(tmp_path)), "ranks left running after the launcher exited"
 
 

@@ -50,3 +50,37 @@ def test_average_divides_by_the_world_in_place(group):
     (out,) = _value(group.allreduce([t], opts))
     assert out is t and out.device.type == "tpu"
     torch.testing.assert_close(t.cpu(), torch.tensor([2.0, 4.0]))  # one rank: the average is the value
+
+
+def test_average_over_three_ranks_divides_the_sum_by_three():
+    """AVG with a world of 3 (ranks as threads over one store; gloo runs SUM, the group divides): every averaging
+    collective against the mean computed on the CPU. With one rank the division would change nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hf_tpu.sim.enable()
+    world, store = 3, dist.HashStore()
+    data = [torch.arange(6.0) * (r + 1) + r for r in range(world)]  # a different tensor per rank
+    mean = torch.stack(data).mean(0)
+
+    def rank(r: int) -> dict:
+        g = SimulatedTPUProcessGroup(store, r, world, timedelta(seconds=60))
+        avg = dist.AllreduceOptions()
+        avg.reduceOp = dist.ReduceOp.AVG
+        t = data[r].to("tpu")
+        _value(g.allreduce([t], avg))
+        red = dist.ReduceOptions()
+        red.reduceOp, red.rootRank = dist.ReduceOp.AVG, 0
+        root = data[r].to("tpu")
+        _value(g.reduce([root], red))
+        rs = dist.ReduceScatterOptions()
+        rs.reduceOp = dist.ReduceOp.AVG
+        part = torch.empty(2).to("tpu")
+        _value(g._reduce_scatter_base(part, data[r].to("tpu"), rs))
+        return {"allreduce": t.cpu(), "reduce": root.cpu(), "scatter": part.cpu()}
+
+    with ThreadPoolExecutor(world) as pool:
+        results = list(pool.map(rank, range(world)))
+    for r, got in enumerate(results):
+        torch.testing.assert_close(got["allreduce"], mean)
+        torch.testing.assert_close(got["scatter"], mean[2 * r : 2 * r + 2])
+    torch.testing.assert_close(results[0]["reduce"], mean)  # the root holds the average

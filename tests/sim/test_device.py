@@ -210,12 +210,20 @@ def test_sdpa_runs_fused_and_matches_cpu_with_grads():
 def test_sdpa_dropout_uses_device_generator():
     import torch.nn.functional as F
 
-    q = torch.randn(1, 2, 8, 4, device="tpu")
+    q = torch.randn(1, 2, 8, 8, device="tpu")
+    v = torch.eye(8).expand(1, 2, 8, 8).to("tpu")  # the output is then the (dropped-out) attention weights
     torch.manual_seed(3)
-    a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).cpu()
+    a = F.scaled_dot_product_attention(q, q, v, dropout_p=0.5).cpu()
     torch.manual_seed(3)
-    b = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).cpu()
-    assert torch.equal(a, b)
+    b = F.scaled_dot_product_attention(q, q, v, dropout_p=0.5).cpu()
+    assert torch.equal(a, b)  # the seed decides the mask
+    torch.manual_seed(4)
+    assert not torch.equal(a, F.scaled_dot_product_attention(q, q, v, dropout_p=0.5).cpu())
+    # dropout is applied: each weight of the CPU's softmax is either dropped or scaled by 1 / (1 - p)
+    weights = torch.softmax(q.cpu() @ q.cpu().transpose(-1, -2) / 8**0.5, dim=-1)
+    kept = a != 0
+    torch.testing.assert_close(a[kept], 2 * weights[kept])
+    assert 0.25 < kept.float().mean() < 0.75, kept.float().mean()  # about half of 128 weights kept
 
 
 def test_autocast_tpu_follows_cpu_policy():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _reference import without_hf_tpu
 from train_helpers import examples
 
 import hf_tpu.sim
@@ -99,6 +100,9 @@ def test_checkpoint_resume_gives_the_same_next_loss(load, tmp_path):
     data = batches(4)
     model = load("tpu")
     full, _, _ = run(model, data)
+    with without_hf_tpu():  # the uninterrupted run, on the CPU with upstream code only
+        cpu_full, _, _ = run(load("cpu"), data)
+    torch.testing.assert_close(full, cpu_full, rtol=1e-5, atol=1e-5)
 
     model = load("tpu")
     _, opt, _ = run(model, data[:2])
@@ -116,6 +120,7 @@ def test_checkpoint_resume_gives_the_same_next_loss(load, tmp_path):
     assert state["exp_avg"].device.type == "tpu"
     resumed, _, _ = run(fresh, data[2:], optimizer=fresh_opt)
     assert resumed == pytest.approx(full[2:], abs=1e-6)
+    torch.testing.assert_close(resumed, cpu_full[2:], rtol=1e-5, atol=1e-5)
     # Weights alone give the same next loss, but not the one after: the optimizer state was needed.
     cold = load("tpu")
     load_checkpoint(ckpt, cold)

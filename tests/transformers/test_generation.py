@@ -14,14 +14,24 @@ from hf_tpu.transformers.buckets import BucketOverflowError
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gpt2", "t5"])
-def test_greedy_matches_cpu_for_batched_prompts_of_different_lengths(family, pair, prompts):
+def test_greedy_matches_cpu_for_batched_prompts_of_different_lengths(family, pair, prompts, monkeypatch):
+    from hf_tpu.transformers import _decode_loop
+
     cpu, tpu = pair(family)
     ids, mask = prompts([5, 11])
     expected = cpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    ran, run = [], _decode_loop._run
+
+    def spy(model, state, key, *args):
+        ran.append(key[0])
+        return run(model, state, key, *args)
+
+    monkeypatch.setattr(_decode_loop, "_run", spy)
     got = tpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert got.device.type == "cpu"  # back on the inputs' device
     assert torch.equal(got, expected)
-    assert generation.compiled_graphs(tpu)  # the bucketed loop ran, not upstream's
+    # this call ran the bucketed loop's graphs (not upstream's generate): one prefill, then a decode per new token
+    assert ran[-6].endswith("prefill") and ran[-5:] == [ran[-1]] * 5 and ran[-1].endswith("decode"), ran
 
 
 def test_inputs_on_the_device_come_back_on_the_device(llama, prompts):
