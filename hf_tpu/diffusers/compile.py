@@ -234,12 +234,17 @@ def warmup(
             _attach_cache(pipe, name, module, cache)
     for height, width in sizes:
         check_resolution(pipe, height, width)
-    params = inspect.signature(pipe.__call__).parameters
+    blocks = getattr(pipe, "blocks", None)  # a Modular Diffusers pipeline takes its blocks' inputs as keywords
+    if blocks is not None and hasattr(blocks, "inputs"):
+        params = {p.name for p in blocks.inputs if getattr(p, "name", None)}
+    else:
+        params = set(inspect.signature(pipe.__call__).parameters)
     if num_inference_steps is not None:
         call_kwargs["num_inference_steps"] = num_inference_steps
     if prompt is not None and "prompt" in params:
         call_kwargs.setdefault("prompt", prompt)
-    call_kwargs.setdefault("output_type", "np")
+    if blocks is None or "output_type" in params:
+        call_kwargs.setdefault("output_type", "np")
     saved_bar = dict(getattr(pipe, "_progress_bar_config", {}))
     pipe.set_progress_bar_config(disable=True)
     results = []
@@ -272,14 +277,15 @@ class _GraphBreaks:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import torch
-        from torch._dynamo.exc import Unsupported
+        from torch._dynamo.exc import Unsupported, UserError
 
         if self.breaks is not None:
             return self.compiled(*args, **kwargs)
         try:
             return self.compiled(*args, **kwargs)
-        except Unsupported as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        except (Unsupported, UserError) as err:  # a graph break; a guard on a value read from the device
+            lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [type(err).__name__]
+            first = next((line for line in lines if line.startswith("Caused by:")), lines[0])
             if self.strict:
                 raise RuntimeError(
                     f"compile_pipeline(strict=True): {self.label} cannot be compiled as one graph: {first}. Each "

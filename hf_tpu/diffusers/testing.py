@@ -24,6 +24,7 @@ __all__ = [
     "t5_tokenizer",
     "tiny_flux_pipeline",
     "tiny_sd3_pipeline",
+    "tiny_sd_controlnet_pipeline",
     "tiny_sd_pipeline",
     "tiny_wan_pipeline",
 ]
@@ -326,4 +327,28 @@ def tiny_wan_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, t
         transformer_2=transformer() if two_experts else None,
         boundary_ratio=0.5 if two_experts else None,
     )
+    return _finish(pipe, path)
+
+
+def tiny_sd_controlnet_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) -> Any:
+    """A tiny :class:`diffusers.StableDiffusionControlNetPipeline`: :func:`tiny_sd_pipeline`'s components and a
+    ControlNet of the UNet's shape (its conditioning image is full resolution; sides are multiples of 8).
+    Returns the pipeline, or the directory it was saved to."""
+    import torch
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+
+    base = tiny_sd_pipeline(seed=seed)
+    torch.manual_seed(seed + 1)
+    controlnet = ControlNetModel(
+        in_channels=4,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=4,
+        norm_num_groups=4,
+        conditioning_embedding_out_channels=(4, 8, 8, 8),
+    )
+    components = {k: v for k, v in base.components.items() if k not in ("image_encoder",)}
+    pipe = StableDiffusionControlNetPipeline(**components, controlnet=controlnet)
     return _finish(pipe, path)
