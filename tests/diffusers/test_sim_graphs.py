@@ -1,6 +1,6 @@
-"""Graphs the simulator once failed where a chip would not: a compiled AutoencoderDC (Sana's VAE, batch 2: a convolution of a
-channels-last-strided input, then a view the fake tensors planned for a contiguous output) and ``torch.stft``
-inside a ``backend="tpu"`` graph (its fake-tensor kernel restrides in place). Both equal the CPU."""
+"""Graphs the simulator once failed where a chip would not: a compiled AutoencoderDC decoder (Sana's VAE, batch 2: a
+convolution of a channels-last-strided input, then a view the fake tensors planned for a contiguous output) and
+``torch.stft`` inside a ``backend="tpu"`` graph (its fake-tensor kernel restrides in place). Both equal the CPU."""
 
 from __future__ import annotations
 
