@@ -19,9 +19,12 @@ from __future__ import annotations
 from hf_tpu.diffusers._call_checks import has_call_checks, install_call_checks, remove_call_checks
 from hf_tpu.diffusers._checks import (
     check_components_on,
+    check_frames,
     check_generator,
     check_resolution,
     denoiser,
+    denoisers,
+    frame_multiple,
     resolution_limits,
 )
 from hf_tpu.diffusers.compile import WarmupResult, compile_pipeline, compiled_modules, uncompile_pipeline, warmup
@@ -29,11 +32,14 @@ from hf_tpu.diffusers.compile import WarmupResult, compile_pipeline, compiled_mo
 __all__ = [
     "WarmupResult",
     "check_components_on",
+    "check_frames",
     "check_generator",
     "check_resolution",
     "compile_pipeline",
     "compiled_modules",
     "denoiser",
+    "denoisers",
+    "frame_multiple",
     "has_call_checks",
     "install_call_checks",
     "remove_call_checks",

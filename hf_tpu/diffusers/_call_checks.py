@@ -4,9 +4,9 @@ A compiled denoiser turns a size error raised inside the model (SD3's "cannot be
 into dynamo's "Observed exception" after paying for the trace, and a generator on the wrong device fails inside
 ``torch.randn`` with no word about the pipeline. Every diffusers pipeline calls ``self.check_inputs(...)`` with
 the height and width first, and ``self.prepare_latents(...)`` with the generator before the first step; this
-module wraps those two methods *on one pipeline instance* (never on the class) with :func:`check_resolution` and
-:func:`check_generator`. :func:`compile_pipeline` and, with ``hf_tpu.enable("diffusers")``, ``pipe.to("tpu")``
-install them; :func:`remove_call_checks` takes them off.
+module wraps those two methods *on one pipeline instance* (never on the class) with :func:`check_resolution`,
+:func:`check_frames` and :func:`check_generator`. :func:`compile_pipeline` and, with ``hf_tpu.enable("diffusers")``,
+``pipe.to("tpu")`` install them; :func:`remove_call_checks` takes them off.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import functools
 import inspect
 from typing import Any
 
-from hf_tpu.diffusers._checks import check_generator, check_resolution
+from hf_tpu.diffusers._checks import check_frames, check_generator, check_resolution
 
 __all__ = ["has_call_checks", "install_call_checks", "remove_call_checks"]
 
@@ -37,6 +37,8 @@ def _checked_inputs(pipe: Any, method: Any) -> Any:
         height, width = bound.get("height"), bound.get("width")
         if isinstance(height, int) and isinstance(width, int):
             check_resolution(pipe, height, width)
+        if isinstance(bound.get("num_frames"), int):
+            check_frames(pipe, bound["num_frames"])
         return method(*args, **kwargs)
 
     setattr(check_inputs, _FLAG, True)

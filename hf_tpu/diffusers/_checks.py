@@ -13,18 +13,44 @@ Example:
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
     "check_components_on",
+    "check_frames",
     "check_generator",
     "check_resolution",
     "denoiser",
+    "denoisers",
+    "frame_multiple",
     "resolution_limits",
 ]
 
+# The modules a pipeline calls once per denoising step, in the order upstream pipelines name them: the experts of a
+# two-stage model (Wan 2.2's ``transformer`` and ``transformer_2``), the UNet, the prior and decoder of a two-stage
+# pipeline (Kandinsky, Wuerstchen, Stable Cascade) and the ControlNet that runs beside the denoiser.
 _DENOISERS = ("transformer", "unet", "prior", "decoder")
+_EXTRA = re.compile(r"^(transformer|unet|prior|decoder)_\d+$|^(controlnet|prior_prior|image_unet|text_unet)$")
+
+
+def denoisers(pipe: Any) -> list[tuple[str, Any]]:
+    """Every module the pipeline calls once per step: its denoiser(s), experts, prior, decoder and ControlNet.
+
+    Example:
+        >>> [name for name, _ in denoisers(wan22_pipe)]  # doctest: +SKIP
+        ['transformer', 'transformer_2']
+    """
+    import torch
+
+    found = [(n, m) for n in _DENOISERS if isinstance(m := getattr(pipe, n, None), torch.nn.Module)]
+    extra = sorted(n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module) and _EXTRA.match(n))
+    found += [(n, getattr(pipe, n)) for n in extra if n not in dict(found)]
+    if not found:
+        denoiser(pipe)  # raises, naming the components there are
+    return found
 
 
 def denoiser(pipe: Any) -> tuple[str, Any]:
@@ -49,26 +75,87 @@ def denoiser(pipe: Any) -> tuple[str, Any]:
     )
 
 
+def _spatial_patch(config: Any) -> tuple[int, int]:
+    """The denoiser's patch as (height, width): an int, a (h, w) pair, or a (frames, h, w) video patch."""
+    patch = getattr(config, "patch_size", None) or 1
+    if isinstance(patch, (list, tuple)):
+        sides = [int(p) for p in patch] or [1]
+        return (sides[-2], sides[-1]) if len(sides) >= 2 else (sides[0], sides[0])
+    return int(patch), int(patch)
+
+
+def _vae_scale(pipe: Any) -> int:
+    """How many pixels one latent covers along a side (``vae_scale_factor_spatial`` of video pipelines)."""
+    for attr in ("vae_scale_factor_spatial", "vae_scale_factor"):
+        try:
+            value = getattr(pipe, attr, None)
+        except Exception:  # a modular pipeline's property needing a component that is not loaded yet
+            value = None
+        if isinstance(value, int) and value > 0:
+            return value
+    config = getattr(getattr(pipe, "vae", None), "config", None)
+    for attr in ("scale_factor_spatial", "spatial_compression_ratio"):
+        if isinstance(value := getattr(config, attr, None), int) and value > 0:
+            return value
+    blocks = getattr(config, "block_out_channels", None)
+    return 2 ** (len(blocks) - 1) if blocks else 8
+
+
 def resolution_limits(pipe: Any) -> tuple[int, int | None]:
     """``(multiple, largest)``: image sides must be multiples of ``multiple``; ``largest`` is None if unbounded.
 
-    ``multiple`` is the VAE's downscale factor times the denoiser's patch size (1 for a UNet); ``largest`` comes
-    from the transformer's positional-embedding table where it has one (``pos_embed_max_size`` in SD3).
+    ``multiple`` is the VAE's spatial downscale factor times the denoiser's patch (1 for a UNet; the spatial sides
+    of a tuple patch such as Wan's ``(1, 2, 2)``); ``largest`` comes from the transformer's positional-embedding
+    table where it has one (``pos_embed_max_size`` in SD3).
     """
-    vae_scale = int(getattr(pipe, "vae_scale_factor", 0) or 0)
-    if not vae_scale:
-        vae = getattr(pipe, "vae", None)
-        blocks = getattr(getattr(vae, "config", None), "block_out_channels", None)
-        vae_scale = 2 ** (len(blocks) - 1) if blocks else 8
+    vae_scale = _vae_scale(pipe)
     name, module = denoiser(pipe)
     config = getattr(module, "config", None)
-    patch = int(getattr(config, "patch_size", None) or 1) if name != "unet" else 1
-    multiple = vae_scale * patch
+    ph, pw = _spatial_patch(config) if name != "unet" else (1, 1)
+    multiple = vae_scale * math.lcm(ph, pw)
     largest = None
     pos_max = getattr(config, "pos_embed_max_size", None)
-    if pos_max:
-        largest = int(pos_max) * multiple
+    if isinstance(pos_max, int) and pos_max > 0:
+        largest = pos_max * vae_scale * min(ph, pw)
+        largest -= largest % multiple
     return multiple, largest
+
+
+def frame_multiple(pipe: Any) -> int | None:
+    """The VAE's temporal compression of a video pipeline (``num_frames - 1`` must be a multiple), else None."""
+    try:
+        value = getattr(pipe, "vae_scale_factor_temporal", None)
+    except Exception:
+        value = None
+    if not isinstance(value, int) or value <= 0:
+        config = getattr(getattr(pipe, "vae", None), "config", None)
+        value = getattr(config, "scale_factor_temporal", None) or getattr(config, "temporal_compression_ratio", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def check_frames(pipe: Any, num_frames: Any) -> None:
+    """Raise ``ValueError`` if a video pipeline's VAE cannot encode ``num_frames`` frames, naming valid counts.
+
+    The causal video VAEs (Wan, LTX, HunyuanVideo, Cosmos...) keep the first frame and compress the rest by their
+    temporal factor ``t``: a clip has ``k * t + 1`` frames. Pipelines that round a bad count themselves do so
+    before this check sees it.
+
+    Example:
+        >>> check_frames(wan_pipe, 10)  # doctest: +SKIP
+        ValueError: WanPipeline cannot make 10 frames: ... nearest valid counts: 9, 13
+    """
+    t = frame_multiple(pipe)
+    if t is None or num_frames is None:
+        return
+    if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1:
+        raise ValueError(f"{type(pipe).__name__}: num_frames={num_frames!r} must be a positive int (k*{t} + 1).")
+    if (num_frames - 1) % t == 0:
+        return
+    down = (num_frames - 1) // t * t + 1
+    raise ValueError(
+        f"{type(pipe).__name__} cannot make {num_frames} frames: its VAE compresses time by {t} after the first "
+        f"frame, so a clip has k*{t} + 1 frames; nearest valid counts: {down}, {down + t}."
+    )
 
 
 def check_resolution(pipe: Any, height: int, width: int) -> None:

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hf_tpu.diffusers._call_checks import install_call_checks
-from hf_tpu.diffusers._checks import check_resolution, denoiser
+from hf_tpu.diffusers._checks import check_resolution, denoiser, denoisers
 
 __all__ = ["WarmupResult", "compile_pipeline", "compiled_modules", "uncompile_pipeline", "warmup"]
 
@@ -69,12 +70,16 @@ def compile_pipeline(
     options: dict[str, Any] | None = None,
     cache_dir: Any = _UNSET,
     vae: bool = False,
+    strict: bool = False,
 ) -> Any:
-    """Compile the pipeline's denoiser (transformer or UNet), and with ``vae=True`` its VAE decoder, in place;
-    returns ``pipe``.
+    """Compile every module the pipeline calls per step (:func:`denoisers`: the transformer or UNet, the second
+    expert ``transformer_2`` of Wan 2.2, a prior, a decoder, a ControlNet), and with ``vae=True`` its VAE decoder,
+    in place; returns ``pipe``. Works on a ``DiffusionPipeline`` and on a Modular Diffusers ``ModularPipeline``.
 
-    ``backend="tpu", fullgraph=True, dynamic=False``: a graph break or a dynamic shape is an error rather than a
-    silent slow path, and each resolution/batch size compiles exactly once. ``recompile_limit`` is how many
+    ``backend="tpu", fullgraph=True, dynamic=False``: each module is one graph, and each resolution/batch size
+    compiles exactly once. A denoiser with data-dependent code cannot be one graph: on its first call it is
+    compiled again with graph breaks (``fullgraph=False``) and a warning names each break and its cost (the step
+    waits for the host at every break); ``strict=True`` makes that an error instead. ``recompile_limit`` is how many
     shapes one module may be compiled for (torch's default of 8 would stop at the eighth resolution; with
     ``fullgraph=True`` going past the limit raises instead of falling back to eager). Calling it again with
     the same arguments does nothing. Each later call's size and generator are checked before the compiled
@@ -103,7 +108,7 @@ def compile_pipeline(
     # The denoiser runs every step; the VAE decoder once per call, so compiling it is opt-in (one more graph per
     # resolution to warm up). (torch 2.13's aot_eager fails on its GroupNorm + attention mid-block on the CPU; the
     # simulator's tpu backend runs it, as torch_tpu's compiler does.)
-    targets = [denoiser(pipe)]
+    targets = denoisers(pipe)
     decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
     if vae and decoder is not None:
         targets.append(("vae.decoder", decoder))
@@ -118,12 +123,15 @@ def compile_pipeline(
     from hf_tpu.compile_cache import CompileCache
 
     cache = CompileCache.from_env() if cache_dir is _UNSET else CompileCache.coerce(cache_dir)
-    for i, (name, module) in enumerate(targets):
-        if getattr(module, _MARK, None) != kwargs or module._compiled_call_impl is None:
+    mark = {**kwargs, "strict": strict}
+    for name, module in targets:
+        if getattr(module, _MARK, None) != mark or module._compiled_call_impl is None:
             module.compile(**kwargs)
-            setattr(module, _MARK, dict(kwargs))
-        # Only the denoiser is keyed by its model config; the VAE decoder (a plain nn.Module) compiles per process.
-        if cache is not None and i == 0:
+            if fullgraph:
+                module._compiled_call_impl = _GraphBreaks(pipe, name, module, kwargs, strict)
+            setattr(module, _MARK, mark)
+        # The denoisers are keyed by their model config; the VAE decoder (a plain nn.Module) compiles per process.
+        if cache is not None and name != "vae.decoder":
             _attach_cache(pipe, name, module, cache)
     # Check each call's size and generator before the compiled graph sees them (see _call_checks).
     install_call_checks(pipe)
@@ -216,21 +224,27 @@ def warmup(
     if not sizes:
         raise ValueError("warmup: no resolutions given; pass e.g. resolutions=[512, (768, 1024)].")
     if cache_dir is not _UNSET and cache_dir is not None:
-        name, module = denoiser(pipe)
-        if getattr(module, _MARK, None) is None or module._compiled_call_impl is None:
-            raise ValueError(
-                "warmup(pipe, cache_dir=...) caches compiled graphs, but the denoiser is not compiled: call "
-                "hf_tpu.diffusers.compile_pipeline(pipe) first (or pass cache_dir to it)."
-            )
-        _attach_cache(pipe, name, module, compile_cache.CompileCache.coerce(cache_dir))
+        cache = compile_cache.CompileCache.coerce(cache_dir)
+        for name, module in denoisers(pipe):
+            if getattr(module, _MARK, None) is None or module._compiled_call_impl is None:
+                raise ValueError(
+                    f"warmup(pipe, cache_dir=...) caches compiled graphs, but the denoiser {name} is not compiled: "
+                    "call hf_tpu.diffusers.compile_pipeline(pipe) first (or pass cache_dir to it)."
+                )
+            _attach_cache(pipe, name, module, cache)
     for height, width in sizes:
         check_resolution(pipe, height, width)
-    params = inspect.signature(pipe.__call__).parameters
+    blocks = getattr(pipe, "blocks", None)  # a Modular Diffusers pipeline takes its blocks' inputs as keywords
+    if blocks is not None and hasattr(blocks, "inputs"):
+        params = {p.name for p in blocks.inputs if getattr(p, "name", None)}
+    else:
+        params = set(inspect.signature(pipe.__call__).parameters)
     if num_inference_steps is not None:
         call_kwargs["num_inference_steps"] = num_inference_steps
     if prompt is not None and "prompt" in params:
         call_kwargs.setdefault("prompt", prompt)
-    call_kwargs.setdefault("output_type", "np")
+    if blocks is None or "output_type" in params:
+        call_kwargs.setdefault("output_type", "np")
     saved_bar = dict(getattr(pipe, "_progress_bar_config", {}))
     pipe.set_progress_bar_config(disable=True)
     results = []
@@ -248,6 +262,50 @@ def warmup(
     finally:
         pipe._progress_bar_config = saved_bar
     return results
+
+
+class _GraphBreaks:
+    """A module's ``fullgraph=True`` compiled call that, when the trace meets a graph break (data-dependent code such
+    as ``mask.tolist()``), raises naming the break (``strict``) or compiles the module with breaks and warns once,
+    naming every break dynamo recorded and what it costs."""
+
+    def __init__(self, pipe: Any, name: str, module: Any, options: dict, strict: bool) -> None:
+        self.label = f"{type(pipe).__name__}.{name} ({type(module).__name__})"
+        self.module, self.options, self.strict = module, options, strict
+        self.compiled = module._compiled_call_impl
+        self.breaks: list[str] | None = None  # None while the module compiles as one graph
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+        from torch._dynamo.exc import Unsupported, UserError
+
+        if self.breaks is not None:
+            return self.compiled(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except (Unsupported, UserError) as err:  # a graph break; a guard on a value read from the device
+            lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [type(err).__name__]
+            first = next((line for line in lines if line.startswith("Caused by:")), lines[0])
+            if self.strict:
+                raise RuntimeError(
+                    f"compile_pipeline(strict=True): {self.label} cannot be compiled as one graph: {first}. Each "
+                    f"graph break makes every step wait for the host; rewrite the data-dependent code, or pass "
+                    f"strict=False to compile it with breaks."
+                ) from err
+        from torch._dynamo.utils import counters
+
+        before = dict(counters["graph_break"])
+        self.compiled = torch.compile(self.module._call_impl, **{**self.options, "fullgraph": False})
+        out = self.compiled(*args, **kwargs)
+        self.breaks = [r for r, n in counters["graph_break"].items() if n > before.get(r, 0)] or [first]
+        listed = "; ".join(" ".join(r.split())[:200] for r in self.breaks)
+        warnings.warn(
+            f"hf_tpu: {self.label} cannot be compiled as one graph and was compiled with {len(self.breaks)} graph "
+            f"break(s): {listed}. Each break costs a host round trip per step (the step's graphs wait for a value "
+            f"from the host); pass compile_pipeline(..., strict=True) to make this an error.",
+            stacklevel=2,
+        )
+        return out
 
 
 def _call_module(module: Any, args: tuple, kwargs: dict) -> Any:
@@ -312,6 +370,7 @@ def _attach_cache(pipe: Any, name: str, module: Any, cache: Any) -> None:
     parts = {
         "diffusers": diffusers.__version__,
         "pipeline": f"{type(pipe).__module__}.{type(pipe).__qualname__}",
+        "component": name,
         "module": f"{cls.__module__}.{cls.__qualname__}",
         "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
         "dtype": str(getattr(module, "dtype", None)),

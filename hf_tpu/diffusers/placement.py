@@ -9,10 +9,12 @@ latents on the host and copies them over). What it does not do for a ``tpu`` tar
 - a group-offloaded component is skipped with a log warning and stays on the host;
 - a component with weights on the ``meta`` device fails with "Cannot copy out of meta tensor", naming nothing.
 
-This integration wraps ``DiffusionPipeline.to`` (through :mod:`hf_tpu._patch`, reverted by
-``hf_tpu.disable()``) so that for a ``tpu`` target those cases raise an error naming the component and the fix,
-and after the move it checks that no tensor of any model component was left behind, and installs the per-call
-size and generator checks of :mod:`hf_tpu.diffusers._call_checks` on that pipeline. Other targets (``cpu``,
+The same holds for a Modular Diffusers ``ModularPipeline`` (its ``to`` moves the components it holds, which a
+``ComponentsManager`` then reports on the new device). This integration wraps both ``to`` methods (through
+:mod:`hf_tpu._patch`, reverted by ``hf_tpu.disable()``) so that for a ``tpu`` target those cases raise an error
+naming the component and the fix, and after the move it checks that no tensor of any model component was left
+behind, and installs the per-call size and generator checks of :mod:`hf_tpu.diffusers._call_checks` on that
+pipeline (a modular pipeline has no such methods: its blocks check their own inputs). Other targets (``cpu``,
 ``cuda``, a dtype) go straight to upstream.
 
 Example:
@@ -113,9 +115,18 @@ def _to(original: Any) -> Any:
 
 
 def apply() -> None:
-    """Wrap ``DiffusionPipeline.to`` (idempotent; ``hf_tpu.disable()`` restores upstream's)."""
+    """Wrap ``DiffusionPipeline.to`` and Modular Diffusers' ``ModularPipeline.to`` (idempotent; ``hf_tpu.disable()``
+    restores upstream's)."""
     from diffusers import DiffusionPipeline
 
-    current = DiffusionPipeline.__dict__["to"]
-    original = getattr(current, "__hf_tpu_original__", current)
-    patch(DiffusionPipeline, "to", _to(original), feature=FEATURE, package="diffusers", versions=_WRITTEN_FOR)
+    owners = [DiffusionPipeline]
+    try:
+        from diffusers.modular_pipelines import ModularPipeline
+    except ImportError:  # diffusers before Modular Diffusers
+        pass
+    else:
+        owners.append(ModularPipeline)
+    for owner in owners:
+        current = owner.__dict__["to"]
+        original = getattr(current, "__hf_tpu_original__", current)
+        patch(owner, "to", _to(original), feature=FEATURE, package="diffusers", versions=_WRITTEN_FOR)

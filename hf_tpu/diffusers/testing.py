@@ -19,7 +19,15 @@ import os
 import string
 from typing import Any
 
-__all__ = ["clip_tokenizer", "t5_tokenizer", "tiny_flux_pipeline", "tiny_sd3_pipeline", "tiny_sd_pipeline"]
+__all__ = [
+    "clip_tokenizer",
+    "t5_tokenizer",
+    "tiny_flux_pipeline",
+    "tiny_sd3_pipeline",
+    "tiny_sd_controlnet_pipeline",
+    "tiny_sd_pipeline",
+    "tiny_wan_pipeline",
+]
 
 _MAX_TEXT_LENGTH = 16  # CLIP tokens per prompt in the tiny pipelines
 
@@ -271,4 +279,76 @@ def tiny_sd_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) ->
         feature_extractor=None,
         requires_safety_checker=False,
     )
+    return _finish(pipe, path)
+
+
+def tiny_wan_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, two_experts: bool = False) -> Any:
+    """A tiny :class:`diffusers.WanPipeline` (T5 encoder, a Wan transformer with a ``(1, 2, 2)`` patch, Wan VAE).
+
+    With ``two_experts=True`` it is Wan 2.2's layout: a high-noise ``transformer`` and a low-noise ``transformer_2``
+    switched at ``boundary_ratio=0.5``. The VAE divides sides by 8 and time by 4, so an image side must be a multiple
+    of 16 and a clip has ``4k + 1`` frames. Returns the pipeline, or the directory it was saved to.
+    """
+    import torch
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    tokenizer = t5_tokenizer()
+    torch.manual_seed(seed)
+
+    def transformer() -> Any:
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=4,
+            out_channels=4,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=2,
+            rope_max_seq_len=32,
+        )
+
+    vae = AutoencoderKLWan(
+        base_dim=3,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_t5_encoder(len(tokenizer)),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=transformer(),
+        transformer_2=transformer() if two_experts else None,
+        boundary_ratio=0.5 if two_experts else None,
+    )
+    return _finish(pipe, path)
+
+
+def tiny_sd_controlnet_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) -> Any:
+    """A tiny :class:`diffusers.StableDiffusionControlNetPipeline`: :func:`tiny_sd_pipeline`'s components and a
+    ControlNet of the UNet's shape (its conditioning image is full resolution; sides are multiples of 8).
+    Returns the pipeline, or the directory it was saved to."""
+    import torch
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+
+    base = tiny_sd_pipeline(seed=seed)
+    torch.manual_seed(seed + 1)
+    controlnet = ControlNetModel(
+        in_channels=4,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=4,
+        norm_num_groups=4,
+        conditioning_embedding_out_channels=(4, 8, 8, 8),
+    )
+    components = {k: v for k, v in base.components.items() if k not in ("image_encoder",)}
+    pipe = StableDiffusionControlNetPipeline(**components, controlnet=controlnet)
     return _finish(pipe, path)

@@ -39,6 +39,10 @@ _ATEN_LIB: torch.library.Library | None = None
 # registered for PrivateUse1 as a redispatch to that kernel, with no host views (views cost no device work on
 # torch_tpu either, so they add no op and no shape signature).
 _METADATA_VIEWS = ("view", "as_strided", "_reshape_alias", "unfold", "view_as_real", "view_as_complex")
+# In-place metadata ops with no CPU kernel (a composite one that only restrides the tensor): redispatched the same
+# way, in both paths. torch's stft reference (its fake-tensor kernel) calls ``transpose_``, which reaches the device
+# as ``as_strided_`` on a fake tensor while a tpu graph is traced; the generic path would look for its host data.
+_INPLACE_METADATA = ("as_strided_",)
 # Ops whose composite kernel only raises for a new backend, or that torch_tpu runs as one kernel where torch has a
 # composite (``_grouped_mm``: torch's checks CUDA's rules, then loops over the groups reading the offsets on the
 # host): registered for PrivateUse1 directly.
@@ -424,6 +428,13 @@ def _conv_backward_impl(
     )
 
 
+def _convolution_impl(*args: Any) -> Tensor:
+    """The CPU picks a channels-last output for a channels-last input; a compiled graph's fake tensors predict a
+    contiguous one for a ``tpu`` convolution (and on a chip the layout is the compiler's), so a ``view`` traced after
+    it would fail on the simulator alone. Contiguous, as predicted (this also keeps the op off the native core)."""
+    return _precision.IMPLS["aten::convolution_overrideable"](*args).contiguous()
+
+
 def _native_dropout_impl(input: Tensor, p: float, train: bool | None) -> tuple[Tensor, Tensor]:
     if train is False or p == 0:
         return input.clone(), torch.ones_like(input, dtype=torch.bool)
@@ -472,6 +483,7 @@ _HANDLERS = {
 }
 _IMPLS = {
     **_precision.IMPLS,  # float32 contractions (convolution_overrideable included), TPU precision when emulated
+    "aten::convolution_overrideable": _convolution_impl,
     "aten::convolution_backward_overrideable": _conv_backward_impl,
     "aten::native_dropout": _native_dropout_impl,
     "aten::histc": _histc_impl,
@@ -496,7 +508,7 @@ def _direct_ops() -> list[str]:
     for n in torch._C._dispatch_get_all_op_names():
         if not n.startswith("aten::") or has(n, "PrivateUse1") or has(n, "CompositeImplicitAutograd"):
             continue
-        if n.partition("::")[2].partition(".")[0] in _METADATA_VIEWS:
+        if n.partition("::")[2].partition(".")[0] in (*_METADATA_VIEWS, *_INPLACE_METADATA):
             continue
         explicit = has(n, "CompositeExplicitAutograd")
         if has(n, "CompositeExplicitAutogradNonFunctional") or not explicit or has(n, "CPU"):
@@ -604,4 +616,8 @@ def install() -> None:
                     aten_lib.impl(op, _cpu_view(op), "PrivateUse1")
                 else:
                     native.register_view(name if overload == "default" else f"{name}.{overload}")
+        for name in _INPLACE_METADATA:
+            for overload in getattr(aten, name).overloads():
+                op = getattr(getattr(aten, name), overload)
+                aten_lib.impl(op, _cpu_view(op), "PrivateUse1")
     _ATEN_LIB = aten_lib
