@@ -15,12 +15,18 @@ own extension point (its table of quantize handlers, ``register_quantize_module_
 - transformers (``package="transformers"``, written for 5.24): ``TorchAoHfQuantizer.validate_environment`` is
   wrapped to install the handler above when a torchao model starts loading, so that ``hf_tpu.enable()`` never
   imports torchao itself (a heavy import) and works whether torchao was imported before or after it.
+- transformers: ``integrations.torchao.TorchAoQuantize._quantize`` (which runs torchao's ``quantize_`` on each
+  Linear as its weight arrives) quantizes a ``tpu``-placed Linear on the host and moves the quantized tensors
+  back: torchao's quantizers compute in float32 (four float32 temporaries of the weight on the chip otherwise,
+  enough to run a chip that holds the int8 model out of memory while loading) and may use ops a chip lacks; the
+  device then holds the arriving bf16 weight and its quantized tensors only.
 
 :func:`hf_tpu.disable` restores both.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Any
 
@@ -31,13 +37,16 @@ __all__ = ["FEATURE", "TORCHAO_VERSIONS", "apply", "install_torchao_handlers"]
 FEATURE = "quantization"
 TORCHAO_VERSIONS = ">=0.18,<0.19"
 _INSTALLED: dict[str, Any] = {}
+# The device a Linear being quantized on the host goes back to (set by the wrapped TorchAoQuantize._quantize).
+_DESTINATION: contextvars.ContextVar[Any] = contextvars.ContextVar("hf_tpu_quantize_destination", default=None)
 
 
 def _tpu_int4_handler(original: Any) -> Any:
     @functools.wraps(original)
     def handler(module: Any, config: Any, *, parameter_name: str = "weight", **kwargs: Any) -> Any:
         weight = getattr(module, parameter_name)
-        if weight.device.type != "tpu":
+        destination = _DESTINATION.get()
+        if weight.device.type != "tpu" and (destination is None or destination.type != "tpu"):
             return original(module, config, parameter_name=parameter_name, **kwargs)
         from hf_tpu.quantization import _torchao
 
@@ -73,9 +82,35 @@ def install_torchao_handlers() -> None:
     on_revert(FEATURE, undo)
 
 
+def _quantize_on_host(upstream: Any) -> Any:
+    @functools.wraps(upstream)
+    def _quantize(self, module, config, *args, **kwargs):
+        device = next(module.parameters()).device
+        if device.type != "tpu":
+            return upstream(self, module, config, *args, **kwargs)
+        token = _DESTINATION.set(device)
+        try:
+            module.to("cpu")
+            upstream(self, module, config, *args, **kwargs)
+        finally:
+            _DESTINATION.reset(token)
+            module.to(device)
+
+    _quantize.__hf_tpu_upstream__ = upstream
+    return _quantize
+
+
 def apply() -> None:
     """Apply the quantization integration (called by :func:`hf_tpu.enable`)."""
+    from transformers.integrations import torchao as torchao_integration
     from transformers.quantizers import quantizer_torchao
+
+    quantize = torchao_integration.TorchAoQuantize.__dict__["_quantize"]
+    patch(
+        torchao_integration.TorchAoQuantize, "_quantize",
+        _quantize_on_host(getattr(quantize, "__hf_tpu_upstream__", quantize)),
+        feature=FEATURE, package="transformers", versions=">=5.0,<6",
+    )
 
     quantizer = quantizer_torchao.TorchAoHfQuantizer
     upstream = quantizer.__dict__["validate_environment"]
