@@ -54,6 +54,7 @@ INTEGRATIONS: dict[str, str] = {
     "generation": "hf_tpu.transformers._integration:apply",
     "diffusers": "hf_tpu.diffusers.placement:apply",
     "training": "hf_tpu.training._integration:apply",
+    "quantization": "hf_tpu.quantization._integration:apply",
 }
 
 _MISSING = object()
