@@ -57,6 +57,7 @@ COMMANDS: dict[str, str] = {
     "warmup": "compile a model's generation graphs into a persistent compile cache",
     "diffuse": "run a diffusers pipeline on the tpu device",
     "bench": "measure compiles, host<->device copies and step times",
+    "serve": "serve a causal LM over an OpenAI-compatible HTTP API (continuous batching, /metrics)",
     "launch": "start one process per TPU chip (torchrun underneath)",
     "selftest": "check every hf_tpu capability on this host and write a report",
 }

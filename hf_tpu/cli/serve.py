@@ -1,0 +1,100 @@
+"""``hf-tpu serve``: an OpenAI-compatible server for a causal LM on the TPU (transformers' server, continuous batching).
+
+``MODEL`` defaults to the small model that ships with hf_tpu, so one command starts a server. It binds 127.0.0.1
+unless ``--host`` says otherwise, warms up every step shape before serving, and prints when warm-up is done and
+where it listens. Endpoints are transformers' (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
+``/health``, streaming with ``"stream": true``) plus ``/metrics`` (Prometheus). SIGINT/SIGTERM stop it.
+
+Example:
+    $ hf-tpu serve --simulate
+    $ hf-tpu serve ./my-model --port 8080 --kv-cache-gib 4
+    $ curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "The king said", "max_tokens": 16}'
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["register", "run"]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a causal LM over an OpenAI-compatible HTTP API (transformers serve, continuous batching)",
+        description="Run transformers' OpenAI-compatible server with continuous batching on the tpu device.",
+    )
+    parser.add_argument("model", nargs="?", default=None, help="model directory (default: the model shipped with hf_tpu)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--kv-cache-gib", type=_positive_float, default=None,
+                        help="cap on the paged KV cache, GiB (default: sized for --slots full-length requests, at "
+                        "most half the chip's free HBM; also HF_TPU_KV_CACHE_GIB)")  # fmt: skip
+    parser.add_argument("--slots", type=_positive_int, default=None, help="requests per step (default: 32)")
+    parser.add_argument("--max-batch-tokens", type=_positive_int, default=None,
+                        help="largest step in tokens; longer prompts prefill in chunks (default: 256)")  # fmt: skip
+    parser.add_argument("--min-step-tokens", type=_positive_int, default=None,
+                        help="smallest step rung in tokens (default: 16; the rungs go up x4 to --max-batch-tokens)")
+    parser.add_argument("--max-pending", type=_positive_int, default=None,
+                        help="requests in flight before new ones get 429 (default: 4 x --slots)")  # fmt: skip
+    parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up (compiles on first requests)")
+    # transformers serve's flags that apply here, passed through unchanged.
+    parser.add_argument("--dtype", default="auto", help="model dtype (transformers serve's --dtype)")
+    parser.add_argument("--attn-implementation", default=None, help="(transformers serve's --attn-implementation)")
+    parser.add_argument("--log-level", default="warning", help="(transformers serve's --log-level)")
+    parser.add_argument("--enable-cors", action="store_true", help="(transformers serve's --enable-cors)")
+    parser.add_argument("--default-seed", type=int, default=None, help="(transformers serve's --default-seed)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import hf_tpu
+    from hf_tpu import runtime, serving
+    from hf_tpu.cli._model_path import resolve_model_dir
+    from hf_tpu.errors import UserError
+
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise UserError(f"hf-tpu serve needs {exc.name}: pip install 'hf-tpu[serve]'") from None
+    if args.model is None:
+        from hf_tpu.assets import default_model_path
+
+        model = str(default_model_path())
+    else:
+        model = str(resolve_model_dir(args.model).path)
+    runtime.require_tpu("hf-tpu serve")
+    settings = {
+        "kv_cache_gib": args.kv_cache_gib, "slots": args.slots, "max_batch_tokens": args.max_batch_tokens,
+        "q_min": args.min_step_tokens,
+    }  # fmt: skip
+    serving.configure(**{k: v for k, v in settings.items() if v is not None})
+    hf_tpu.enable()
+    from hf_tpu.serving.server import run_server
+
+    max_pending = args.max_pending or 4 * serving.SETTINGS.slots
+    aliases = {os.path.basename(model.rstrip("/"))}
+    run_server(
+        model, host=args.host, port=args.port, max_pending=max_pending, warmup=not args.no_warmup, aliases=aliases,
+        dtype=args.dtype, attn_implementation=args.attn_implementation, log_level=args.log_level,
+        enable_cors=args.enable_cors, default_seed=args.default_seed,
+    )  # fmt: skip
+    return 0

@@ -1,0 +1,117 @@
+"""The ASGI layer ``hf-tpu serve`` puts in front of transformers' app: input checks, a bounded queue, ``/metrics``.
+
+transformers' server answers a malformed body with 422 (or 500), an unknown model with 400, and queues without
+bound. In front of it, for ``POST /v1/...``:
+
+* a body that is not a JSON object -> 400 naming the problem;
+* ``max_tokens``/``max_completion_tokens``/``max_output_tokens`` that is not a positive integer -> 400;
+* a ``model`` other than the one served -> 404 listing the served name;
+* more than ``max_pending`` requests in flight -> 429 with ``Retry-After`` (the queue is bounded);
+
+and ``GET /metrics`` answers with the Prometheus exposition of :class:`~hf_tpu.serving.metrics.ServerMetrics`.
+A prompt longer than the model allows is refused where it is tokenized (:class:`PromptTooLongError`, -> 400).
+"""
+
+from __future__ import annotations
+
+import json
+
+__all__ = ["Guard", "PromptTooLongError"]
+
+_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+RETRY_AFTER_S = 1
+
+
+class PromptTooLongError(ValueError):
+    """A prompt the model cannot continue (answered with HTTP 400)."""
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> tuple[int, bytes]:
+    return status, json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+
+
+class Guard:
+    """ASGI middleware; ``served`` are the model names accepted in ``body["model"]``."""
+
+    def __init__(self, app, *, served: set[str], canonical: str, max_pending: int, metrics) -> None:
+        self.app, self.served, self.canonical = app, served, canonical
+        self.max_pending, self.metrics = max_pending, metrics
+        self.pending = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, method = scope["path"], scope["method"]
+        if path == "/metrics" and method == "GET":
+            return await self._reply(send, 200, self.metrics.exposition(), "text/plain; version=0.0.4")
+        if method != "POST" or not path.startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        refusal, body = self._check(body)
+        if refusal is None and self.pending >= self.max_pending:
+            refusal = _error(
+                429, f"the server has {self.pending} requests in flight (its limit, --max-pending); retry later",
+                "rate_limit_error",
+            )  # fmt: skip
+        if refusal is not None:
+            status, payload = refusal
+            headers = [(b"retry-after", str(RETRY_AFTER_S).encode())] if status == 429 else []
+            self.metrics.requests.labels(path, str(status)).inc()
+            return await self._reply(send, status, payload, "application/json", headers)
+
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        self.pending += 1
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, replay, send_status)
+        finally:
+            self.pending -= 1
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(path, str(status[0])).inc()
+
+    def _check(self, body: bytes) -> tuple[tuple[int, bytes] | None, bytes]:
+        """(refusal or None, the body to pass on: ``model`` rewritten to the name transformers was started with)."""
+        try:
+            data = json.loads(body or b"null")
+        except (ValueError, UnicodeDecodeError) as exc:
+            return _error(400, f"the request body is not valid JSON ({exc}); send a JSON object"), body
+        if not isinstance(data, dict):
+            return _error(400, f"the request body must be a JSON object, got {type(data).__name__}"), body
+        for field in _TOKEN_FIELDS:
+            value = data.get(field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                return _error(400, f"{field} must be a positive integer, got {value!r}"), body
+        model = data.get("model")
+        if model is not None and model not in self.served:
+            message = f"model {model!r} is not served here; this server serves {sorted(self.served)}"
+            return _error(404, message, "not_found_error"), body
+        if model is not None and model != self.canonical:
+            data["model"] = self.canonical
+            body = json.dumps(data).encode()
+        return None, body
+
+    @staticmethod
+    async def _reply(send, status: int, payload: bytes, content_type: str, headers=()) -> None:
+        headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(payload)).encode()), *headers]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})

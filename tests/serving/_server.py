@@ -1,0 +1,92 @@
+"""Start ``hf-tpu serve --simulate`` on 127.0.0.1 (a free port) for a test, and always stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from _timeouts import SAFETY_TIMEOUT_S
+
+ROOT = Path(__file__).resolve().parents[2]
+# The smallest ladder the shipped model allows: one query rung (32 tokens), KV rungs 0/256/1024 (3 step shapes).
+SMALL_FLAGS = ["--slots", "4", "--max-batch-tokens", "32", "--min-step-tokens", "32"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=SAFETY_TIMEOUT_S) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def post(self, path: str, body, raw: bool = False) -> tuple[int, dict, dict]:
+        data = body if raw else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=SAFETY_TIMEOUT_S) as r:
+                return r.status, json.loads(r.read() or b"null"), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null"), dict(e.headers)
+
+    def metric(self, name: str) -> float:
+        _, text = self.get("/metrics")
+        total = 0.0
+        for line in text.decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@contextlib.contextmanager
+def running_server(tmp_path: Path, *flags: str):
+    """A server started with ``flags``, ready (warm) when the block starts, stopped (SIGTERM, then kill) after."""
+    port = free_port()
+    log = tmp_path / f"serve-{port}.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hf_tpu.cli", "serve", "--simulate", "--port", str(port), *SMALL_FLAGS, *flags],
+            stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True,
+        )  # fmt: skip
+    server = Server(proc, port, log)
+    try:
+        deadline = time.monotonic() + SAFETY_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{server.output()[-4000:]}"
+            assert time.monotonic() < deadline, f"the server was not up in time:\n{server.output()[-4000:]}"
+            if "listening on" in server.output():
+                with contextlib.suppress(OSError):
+                    if server.get("/health")[0] == 200:
+                        break
+            time.sleep(0.5)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=SAFETY_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
