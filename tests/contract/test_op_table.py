@@ -49,3 +49,19 @@ def test_the_refusal_message_is_the_glue_librarys():
     from torch_tpu._internal import execution_mode
 
     assert execution_mode.enable_cpu_fallback is False
+
+
+def test_the_modules_chip_init_imports_register_no_aten_kernel():
+    """``_loader._init_device_impl`` (run only where chips are) imports these modules: they change no entry."""
+    import importlib
+
+    script = _script()
+    before = script.classify()
+    for module in (
+        "torch_tpu._internal.compile",
+        "torch_tpu._internal.sync",
+        "torch_tpu._internal.pooling.patch",
+        "torch_tpu._internal.distributed.torchcomm_tpu",
+    ):
+        importlib.import_module(module)
+    assert script.classify() == before
