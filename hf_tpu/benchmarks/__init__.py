@@ -17,7 +17,7 @@ simulated device), never against a stored number. :data:`BENCHMARKS` lists them 
 Example:
     >>> from hf_tpu.benchmarks import BENCHMARKS, load
     >>> sorted(BENCHMARKS)[:2]
-    ['compile_cache', 'diffusion']
+    ['arch_sweep', 'compile_cache']
     >>> load("sim_forward").QUICK["iters"]  # doctest: +SKIP
     5
 """
@@ -62,6 +62,10 @@ BENCHMARKS: dict[str, Benchmark] = {
             "diffusion",
             "diffusers pipeline: eager vs compile_pipeline vs warmed up: compiles and time per call",
             requires=(("diffusers", "pip install diffusers"),),
+        ),
+        Benchmark(
+            "arch_sweep",
+            "every causal-LM architecture: fast path or why not, identical to CPU, compiles, signatures, copies",
         ),
         Benchmark(
             "training",

@@ -1,4 +1,7 @@
-"""torch_tpu's ``_grouped_mm`` meta kernel mirrored on the simulator: traced graphs take what a TPU takes."""
+"""torch_tpu's ``_grouped_mm`` meta kernel mirrored on the simulator: traced graphs take what a TPU takes.
+
+transformers' default experts implementation in hf_tpu's compiled generate loop: tests/transformers/test_moe.py.
+"""
 
 from __future__ import annotations
 
@@ -73,23 +76,6 @@ def test_compiled_grouped_mm_on_tpu_tensors_equals_cpu(dtype):
     a8, b8, offs8 = _moe_inputs(dtype, k=8, n=8)
     on_cpu = torch.nn.functional.grouped_mm(a8, b8, offs=offs8) * 2  # eager: compiled, upstream's meta refuses
     assert torch.equal(fn(a8.to("tpu"), b8.to("tpu"), offs8.to("tpu")).cpu(), on_cpu)
-
-
-def test_grouped_mm_experts_in_the_compiled_generate_loop_match_cpu(tmp_path):
-    """transformers' default experts implementation in hf_tpu's compiled prefill and decode (it crashed there)."""
-    from hf_tpu.testing import tiny_model
-    from hf_tpu.transformers import generation
-    from transformers import AutoModelForCausalLM
-
-    cpu = tiny_model("qwen3_moe", tmp_path)
-    assert cpu.config._experts_implementation == "grouped_mm"
-    tpu = AutoModelForCausalLM.from_pretrained(tmp_path).eval().to("tpu")
-    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
-    with hf_tpu.enabled("generation"):
-        got = tpu.generate(ids, max_new_tokens=5, do_sample=False)
-        graphs = generation.compiled_graphs(tpu)
-    assert torch.equal(got, cpu.generate(ids, max_new_tokens=5, do_sample=False))
-    assert {k[0] for k in graphs} >= {"prefill", "decode"}
 
 
 def test_disable_removes_the_mirror_and_enable_restores_it():

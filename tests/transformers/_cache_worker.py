@@ -1,6 +1,8 @@
 """One process of the compile-cache tests: warm up a saved model with a cache directory, generate, compare with CPU.
 
-    python _cache_worker.py MODEL_DIR CACHE_DIR  ->  prints one JSON line with the counters
+    python _cache_worker.py MODEL_DIR CACHE_DIR [EXPERTS]  ->  prints one JSON line with the counters
+
+``EXPERTS``: the model's experts implementation (``ragged_dot_tpu``: hf_tpu's Hub kernel, registered first).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 
-def main(model_dir: str, cache_dir: str) -> None:
+def main(model_dir: str, cache_dir: str, experts: str | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -22,8 +24,15 @@ def main(model_dir: str, cache_dir: str) -> None:
 
     hf_tpu.sim.enable()
     hf_tpu.enable("generation")
-    cpu = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    tpu = AutoModelForCausalLM.from_pretrained(model_dir).eval().to("tpu")
+    load = {}
+    if experts is not None:
+        if experts == "ragged_dot_tpu":
+            from hf_tpu.kernels import use_ragged_dot_experts
+
+            use_ragged_dot_experts()
+        load["experts_implementation"] = experts
+    cpu = AutoModelForCausalLM.from_pretrained(model_dir, **load).eval()
+    tpu = AutoModelForCausalLM.from_pretrained(model_dir, **load).eval().to("tpu")
     start = time.perf_counter()
     with hf_tpu.sim.stats() as warm:
         report = hf_tpu.warmup(tpu, max_prompt_len=20, batch_sizes=[2], max_new_tokens=6, progress=False,
@@ -46,4 +55,4 @@ def main(model_dir: str, cache_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -1,0 +1,16 @@
+"""Every causal-LM architecture of the installed transformers on the simulated TPU (``hf_tpu.benchmarks.arch_sweep``).
+
+    PYTHONPATH=. python benchmarks/arch_sweep.py [--archs llama qwen3_moe ...] [--jobs 2] [--write-docs]
+
+Same as ``hf-tpu bench arch_sweep``; the benchmark lives in the package so that it ships with it.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_tpu.benchmarks.__main__ import main
+
+if __name__ == "__main__":
+    sys.exit(main([Path(__file__).stem, *sys.argv[1:]]))

@@ -1,0 +1,523 @@
+"""Benchmark: does each causal-LM architecture of the installed transformers run well on a TPU (the simulator)?
+
+For every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, a tiny random model is built from its config class
+(defaults shrunk: hidden 64, 4 layers, 4 experts, 128 tokens of vocabulary), saved, loaded back with
+``device_map="tpu"`` after ``hf_tpu.enable()`` on the simulated device, and greedy ``generate`` runs for two prompt
+lengths in one bucket against the same model on the CPU. Per architecture:
+
+- *fast path*: whether hf_tpu's bucketed, compiled loop ran, or the reason ``generate`` gave for upstream's loop;
+- *identical*: both generations token-identical to the CPU's;
+- *compiles* and *new signatures* for the second prompt length (new eager op shapes: each one an op compile on
+  torch_tpu);
+- *copies per step*: host->device and device->host copies per decode step (a long and a short run differenced).
+
+Architectures run in worker processes (``--jobs`` at once); one that crashes its worker or runs past ``--timeout``
+becomes a row, and the sweep goes on. ``--write-docs`` writes the table to docs/architectures.md. Run::
+
+    hf-tpu bench arch_sweep                              # every architecture
+    hf-tpu bench arch_sweep --archs llama qwen3_moe      # some of them
+    python benchmarks/arch_sweep.py --write-docs         # from a checkout: regenerate docs/architectures.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+__all__ = [
+    "QUICK",
+    "SHRINK",
+    "add_arguments",
+    "architectures",
+    "measure",
+    "print_table",
+    "run",
+    "sweep",
+    "tiny_config",
+]
+
+# --quick: a dense and an MoE architecture, fewer tokens.
+QUICK = {"archs": ["llama", "qwen3_moe"], "new_tokens": 8}
+DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "architectures.md"
+VOCAB = 128
+LENGTHS = (5, 11)  # two prompt lengths in one prompt bucket (16)
+
+# Config fields shrunk when the config class has them (its defaults otherwise).
+SHRINK: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_layers": 4,
+    "n_layer": 4,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "n_embd": 64,
+    "d_model": 64,
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+    "n_inner": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "max_position_embeddings": 512,
+    "n_positions": 512,
+    "sliding_window": 16,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "state_size": 16,
+    "ssm_state_size": 16,
+    "mamba_d_state": 16,
+    "num_heads": 8,  # Mamba-2's heads: num_heads * head_dim == hidden_size * expand
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "n_groups": 1,
+    "mamba_n_groups": 1,
+}
+_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def architectures() -> list[str]:
+    """The model types with a causal-LM class in the installed transformers, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config(model_type: str) -> Any:
+    """The config class's defaults with :data:`SHRINK`'s fields (those it has) and small special-token ids."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    fields = _shrunk(cls().to_dict())
+    config = _first_valid(cls, fields)
+    text = config.get_text_config(decoder=True)
+    if text is not config and getattr(text, "hidden_size", SHRINK["hidden_size"]) != SHRINK["hidden_size"]:
+        fields["text_config"] = _shrunk(text.to_dict())  # a sub-config the class builds by default
+        config = _first_valid(cls, fields)
+    layer_types = getattr(config, "layer_types", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layer_types, list) and layers and len(layer_types) != layers:
+        config.layer_types = (layer_types * layers)[:layers]
+    return config
+
+
+def _shrunk(defaults: dict) -> dict:
+    """The fields of :data:`SHRINK` that ``defaults`` has, a nested ``text_config`` shrunk the same way."""
+    # (a sliding window only where the architecture has one by default)
+    fields = {k: v for k, v in SHRINK.items() if k in defaults and (k != "sliding_window" or defaults[k])}
+    if defaults.get("num_key_value_heads") is None:
+        fields.pop("num_key_value_heads", None)
+    if "layer_types" in defaults:
+        fields["layer_types"] = None  # recomputed for the shrunk depth where the class knows how
+    fields.update({k: v for k, v in _TOKENS.items() if k in defaults})
+    if isinstance(defaults.get("text_config"), dict):
+        fields["text_config"] = _shrunk(defaults["text_config"])
+    return fields
+
+
+def _first_valid(cls: Any, fields: dict) -> Any:
+    """``cls(**fields)``, or with the fewest fields dropped (one, then all but the core sizes) that it accepts."""
+    errors = Exception  # transformers' strict config validation raises its own error types
+    try:
+        return cls(**fields)
+    except errors as first:
+        for name in reversed(list(fields)):
+            try:
+                return cls(**{k: v for k, v in fields.items() if k != name})
+            except errors:
+                continue
+        core = {k: v for k, v in fields.items() if k in ("vocab_size", *_TOKENS)}
+        try:
+            return cls(**core)
+        except errors:
+            raise first from None
+
+
+def _kinds(config: Any) -> str:
+    try:
+        return _kinds_of(config.get_text_config(decoder=True))
+    except Exception:  # noqa: BLE001 - a config that refuses a global attribute: no kind named
+        return ""
+
+
+def _kinds_of(config: Any) -> str:
+    kinds = []
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if getattr(config, "sliding_window", None) or "sliding_attention" in layer_types:
+        kinds.append("sliding")
+    if layer_types - {"full_attention", "sliding_attention", "attention"} or hasattr(config, "state_size"):
+        kinds.append("linear/SSM")
+    if getattr(config, "kv_lora_rank", None):
+        kinds.append("MLA")
+    if any((getattr(config, f, 0) or 0) > 1 for f in _EXPERT_FIELDS):
+        kinds.append("MoE")
+    if getattr(config, "is_encoder_decoder", False):
+        kinds.append("enc-dec")
+    return ", ".join(kinds) or "full attention"
+
+
+def _prompt(length: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, length), generator=g)
+
+
+def _per_step(long: Any, short: Any, steps: int) -> tuple[float, float]:
+    return (long.h2d_copies - short.h2d_copies) / steps, (long.d2h_copies - short.d2h_copies) / steps
+
+
+def measure(model_type: str, new_tokens: int = 20, workdir: str | None = None, config: Any = None) -> dict:
+    """One architecture's row (see the module docstring); raises only for a failure outside the model.
+
+    ``config``: a ready config instead of :func:`tiny_config`'s.
+    """
+    import hf_tpu
+    import hf_tpu.sim
+
+    hf_tpu.sim.enable()
+    with hf_tpu.enabled():  # as a user's hf_tpu.enable(); what this call enabled is reverted after
+        return _measure(model_type, new_tokens, workdir, config)
+
+
+def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any) -> dict:
+    import warnings
+
+    import torch
+
+    import hf_tpu.sim
+    from hf_tpu.transformers import generation
+
+    row: dict[str, Any] = {"arch": model_type}
+    try:
+        config = config if config is not None else tiny_config(model_type)
+        row["kind"] = _kinds(config)
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # noqa: BLE001 - any failure to build is this architecture's verdict
+        row.update(status="not buildable", reason=f"{type(e).__name__}: {_line(e)}")
+        return row
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        try:
+            model.save_pretrained(tmp)
+            cpu = AutoModelForCausalLM.from_pretrained(tmp).eval()
+            tpu = AutoModelForCausalLM.from_pretrained(tmp, device_map="tpu").eval()
+        except Exception as e:  # noqa: BLE001
+            row.update(status="not loadable", reason=f"{type(e).__name__}: {_line(e)}")
+            return row
+    kw = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    prompts = [_prompt(n, seed) for seed, n in enumerate(LENGTHS)]
+    try:
+        expected = [cpu.generate(ids, max_new_tokens=new_tokens, **kw) for ids in prompts]
+    except Exception as e:  # noqa: BLE001 - upstream fails on the CPU too: not a TPU problem
+        row.update(status="fails on CPU", reason=f"{type(e).__name__}: {_line(e)}")
+        return row
+    stage = "first prompt length"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs = []
+            for ids in prompts:
+                with hf_tpu.sim.stats() as s:
+                    got = tpu.generate(ids, max_new_tokens=new_tokens, **kw)
+                runs.append((got, s))
+                stage = "second prompt length"
+            stage = "short run"
+            with hf_tpu.sim.stats() as short:
+                tpu.generate(prompts[1], max_new_tokens=2, **kw)
+    except Exception as e:  # noqa: BLE001
+        row.update(status="error", reason=f"{stage}: {type(e).__name__}: {_line(e)}")
+        return row
+    identical = all(torch.equal(got.cpu(), want) for (got, _), want in zip(runs, expected, strict=True))
+    reasons = [str(w.message) for w in caught if str(w.message).startswith("hf_tpu: ")]
+    fast = bool(generation.compiled_graphs(tpu)) and not reasons
+    second = runs[1][1]
+    h2d, d2h = _per_step(second, short, new_tokens - 2)
+    row.update(
+        status="fast path" if fast else "upstream loop",
+        reason="" if fast else _reason(reasons),
+        identical=identical,
+        compiles_2nd=second.compiles,
+        signatures_2nd=second.shape_signatures,
+        h2d_per_step=round(h2d, 2),
+        d2h_per_step=round(d2h, 2),
+    )
+    return row
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else "")[:200]
+
+
+def _reason(messages: list[str]) -> str:
+    if not messages:
+        return "no graph compiled"
+    text = messages[0].removeprefix("hf_tpu: ")
+    return text.split("; running upstream's generate")[0]
+
+
+# ---- the sweep: workers, each architecture isolated ------------------------------------------------------------
+
+
+def _worker(archs: list[str], new_tokens: int) -> None:
+    """Measure ``archs`` in turn, printing ``START name`` before and ``ROW {json}`` after each one."""
+    for arch in archs:
+        print(f"START {arch}", flush=True)
+        try:
+            row = measure(arch, new_tokens)
+        except Exception as e:  # noqa: BLE001
+            row = {"arch": arch, "status": "error", "reason": f"{type(e).__name__}: {_line(e)}"}
+        print("ROW " + json.dumps(row), flush=True)
+
+
+def _record(rows: dict, row: dict, log: Any, rows_file: str | None) -> None:
+    rows[row["arch"]] = row
+    print(_one_line(row), file=log, flush=True)
+    if rows_file:
+        with open(rows_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _supervise(
+    archs: list[str], new_tokens: int, timeout: float, rows: dict, log: Any, rows_file: str | None = None
+) -> None:
+    """Run ``archs`` in worker processes; a worker that dies or hangs on one is replaced for the rest."""
+    todo = list(archs)
+    while todo:
+        cmd = [sys.executable, "-m", "hf_tpu.benchmarks.arch_sweep", "--worker", str(new_tokens), *todo]
+        env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        err: list[str] = []
+        threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        current, started, seen = None, time.monotonic(), 0
+        while True:
+            time.sleep(0.2)
+            while seen < len(lines):
+                line = lines[seen].rstrip("\n")
+                seen += 1
+                if line.startswith("START "):
+                    current, started = line[6:], time.monotonic()
+                elif line.startswith("ROW "):
+                    row = json.loads(line[4:])
+                    todo.remove(row["arch"])
+                    _record(rows, row, log, rows_file)
+                    current = None
+            if current is not None and time.monotonic() - started > timeout:
+                proc.kill()
+                proc.wait()
+                todo.remove(current)
+                timed_out = {"arch": current, "status": "timeout", "reason": f"over {timeout:.0f} s"}
+                _record(rows, timed_out, log, rows_file)
+                break
+            if proc.poll() is not None and not reader.is_alive():
+                if current is not None and current in todo:
+                    tail = "".join(err).strip().splitlines()
+                    todo.remove(current)
+                    reason = f"worker exited with {proc.returncode}: {(tail[-1] if tail else '')[:200]}"
+                    _record(rows, {"arch": current, "status": "crash", "reason": reason}, log, rows_file)
+                break
+
+
+def sweep(
+    archs: list[str],
+    new_tokens: int = 20,
+    jobs: int = 1,
+    timeout: float = 600,
+    log: Any = None,
+    rows_file: str | None = None,
+) -> list[dict]:
+    """Rows for ``archs``, measured in ``jobs`` worker processes at once, in ``archs``' order (each row also
+    appended to ``rows_file`` as a JSON line as soon as it is measured)."""
+    rows: dict[str, dict] = {}
+    log = log or sys.stderr
+    shares = [archs[i::jobs] for i in range(max(1, jobs))]
+    threads = [
+        threading.Thread(target=_supervise, args=(share, new_tokens, timeout, rows, log, rows_file))
+        for share in shares
+        if share
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [rows[a] for a in archs]
+
+
+# ---- benchmark interface -----------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options."""
+    parser.add_argument("--archs", nargs="+", help="model types to run (default: every causal-LM architecture)")
+    parser.add_argument("--new-tokens", type=int, default=20, help="greedy tokens per generation")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes at once")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one architecture may take")
+    parser.add_argument("--write-docs", action="store_true", help=f"write the table to {DOCS_PAGE.name} in docs/")
+    parser.add_argument("--rows", metavar="PATH", help="append each row to PATH as a JSON line when measured")
+    parser.add_argument(
+        "--from-rows",
+        metavar="PATH",
+        nargs="+",
+        help="measure nothing: take the rows of earlier runs' --rows files (the first row of an architecture wins; "
+        "one not in them is 'not measured')",
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Sweep; returns ``{"rows": [...], "summary": {...}, "command": str}`` (and writes the docs page if asked)."""
+    archs = args.archs or architectures()
+    unknown = sorted(set(archs) - set(architectures()))
+    if unknown:
+        raise SystemExit(f"unknown causal-LM architectures {unknown}; see transformers' MODEL_FOR_CAUSAL_LM_MAPPING")
+    start = time.monotonic()
+    if args.from_rows:
+        saved: dict[str, dict] = {}
+        for path in args.from_rows:
+            for line in Path(path).read_text().splitlines():
+                row = json.loads(line)
+                saved.setdefault(row["arch"], row)
+        missing = {"status": "not measured", "reason": "not reached by the run that made this table"}
+        rows = [saved.get(a) or {"arch": a, **missing} for a in archs]
+    else:
+        rows = sweep(archs, args.new_tokens, args.jobs, args.timeout, rows_file=args.rows)
+    figures = {"rows": rows, "summary": summarize(rows), "seconds": round(time.monotonic() - start)}
+    figures["command"] = "python benchmarks/arch_sweep.py " + " ".join(
+        ([f"--archs {' '.join(archs)}"] if args.archs else [])
+        + ([f"--new-tokens {args.new_tokens}"] if args.new_tokens != 20 else [])
+        + ["--write-docs"]
+    )
+    if args.write_docs:
+        DOCS_PAGE.write_text(markdown(figures))
+        print(f"wrote {DOCS_PAGE}")
+    return figures
+
+
+def summarize(rows: list[dict]) -> dict:
+    buildable = [r for r in rows if r["status"] not in ("not buildable", "not loadable", "fails on CPU")]
+    good = [
+        r
+        for r in buildable
+        if r["status"] == "fast path"
+        and r.get("identical")
+        and r.get("compiles_2nd") == 0
+        and r.get("signatures_2nd", 99) <= 4
+        and max(r.get("h2d_per_step", 9), r.get("d2h_per_step", 9)) <= 1
+    ]
+    return {
+        "architectures": len(rows),
+        "buildable": len(buildable),
+        "fast_path": sum(r["status"] == "fast path" for r in rows),
+        "meets_targets": len(good),
+        "crashes": sum(r["status"] in ("crash", "error", "timeout") for r in rows),
+        "not_measured": sum(r["status"] == "not measured" for r in rows),
+        "identical": sum(bool(r.get("identical")) for r in rows),
+    }
+
+
+def _one_line(row: dict) -> str:
+    extra = row.get("reason") or ""
+    if "identical" in row:
+        extra = (
+            f"identical={row['identical']} compiles={row['compiles_2nd']} sigs={row['signatures_2nd']} "
+            f"copies/step={row['h2d_per_step']}+{row['d2h_per_step']} {extra}"
+        )
+    return f"{row['arch']:<28} {row['status']:<14} {extra}"
+
+
+def _cell(row: dict, key: str) -> str:
+    value = row.get(key)
+    if value is None:
+        return ""
+    if key == "identical":
+        return "yes" if value else "**no**"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def markdown(figures: dict) -> str:
+    rows, s = figures["rows"], figures["summary"]
+    lines = [
+        "# Architectures on the simulated TPU",
+        "",
+        f"Generated by `{figures['command']}` (hf_tpu/benchmarks/arch_sweep.py; do not edit by hand). Each causal-LM",
+        "architecture of the installed transformers, as a tiny random model built from its config class (defaults",
+        "shrunk: hidden 64, 4 layers, 4 experts, sliding window 16), loaded with `device_map=\"tpu\"` after",
+        f"`hf_tpu.enable()` on the simulator; greedy `generate` of {figures['rows'] and _new_tokens(figures)} tokens "
+        f"for prompt lengths {LENGTHS[0]} and {LENGTHS[1]} (one bucket), against",
+        "the same model on the CPU. *compiles* and *new signatures* (new eager op shapes, each an op compile on",
+        "torch_tpu) are those of the second prompt length; *copies/step* are host->device + device->host copies per",
+        "decode step. Targets: fast path, identical, 0 compiles, <= 4 new signatures, <= 1 copy each way.",
+        "",
+        f"{s['architectures']} architectures, {s['buildable']} buildable; {s['fast_path']} on hf_tpu's fast path, "
+        f"{s['meets_targets']} meeting every target; {s['identical']} token-identical; {s['crashes']} errors, "
+        "crashes or timeouts" + (f"; {s['not_measured']} not measured (see below)." if s.get("not_measured") else "."),
+        "",
+        "| architecture | kind | status | identical | compiles | new signatures | copies/step | reason |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        copies = f"{_cell(r, 'h2d_per_step')} + {_cell(r, 'd2h_per_step')}" if "h2d_per_step" in r else ""
+        reason = (r.get("reason") or "").replace("|", "\\|")
+        lines.append(
+            f"| {r['arch']} | {r.get('kind', '')} | {r['status']} | {_cell(r, 'identical')} | "
+            f"{_cell(r, 'compiles_2nd')} | {_cell(r, 'signatures_2nd')} | {copies} | {reason} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _new_tokens(figures: dict) -> int:
+    command = figures["command"].split()
+    return int(command[command.index("--new-tokens") + 1]) if "--new-tokens" in command else 20
+
+
+def print_table(figures: dict) -> None:
+    for row in figures["rows"]:
+        print(_one_line(row))
+    s = figures["summary"]
+    print(
+        f"\n{s['architectures']} architectures, {s['buildable']} buildable, {s['fast_path']} on the fast path, "
+        f"{s['meets_targets']} meeting every target, {s['crashes']} errors/crashes/timeouts "
+        f"({figures['seconds']} s)"
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(sys.argv[3:], int(sys.argv[2]))
+    else:
+        from hf_tpu.benchmarks.__main__ import main
+
+        sys.exit(main(["arch_sweep", *sys.argv[1:]]))

@@ -1,0 +1,106 @@
+"""MoE models on hf_tpu's fast path: transformers' default experts (``grouped_mm``) and the ragged-dot Hub kernel.
+
+Routing never changes a shape: a second prompt length in the same bucket compiles nothing and meets at most a few
+new eager shapes, a decode step costs one small copy each way, warm-up covers every later length, and a second
+process loads every graph from the persistent compile cache. The other MoE families are in the architecture sweep
+(docs/architectures.md; a slice of it in tests/transformers/test_arch_sweep.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _timeouts import SAFETY_TIMEOUT_S
+
+import hf_tpu
+import hf_tpu.sim
+from hf_tpu import compile_cache
+from hf_tpu.transformers import generation
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_cache_worker.py")
+VOCAB = 96
+WARMUP = {"max_prompt_len": 20, "batch_sizes": [2], "max_new_tokens": 6}  # as _cache_worker.py warms up
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from hf_tpu.testing import tiny_model
+
+    path = tmp_path_factory.mktemp("moe") / "qwen3_moe"
+    tiny_model("qwen3_moe", path, vocab_size=VOCAB)
+    return path
+
+
+def _implementation(name: str) -> str:
+    if name == "ragged_dot_tpu":
+        pytest.importorskip("jax", reason="the ragged-dot kernel needs jax (pip install 'hf-tpu[kernels]')")
+        from hf_tpu.kernels import use_ragged_dot_experts
+
+        return use_ragged_dot_experts()
+    return name
+
+
+def _prompt(length: int, batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, 20), generator=g)
+    mask = torch.ones_like(ids)
+    mask[:, : 20 - length] = 0
+    mask[0, : 20 - max(1, length - 3)] = 0  # rows of one batch differ in length
+    return ids, mask
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "ragged_dot_tpu"])
+def test_moe_fast_path_bucket_warmup_and_compile_cache(experts, moe_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    impl = _implementation(experts)
+    cpu = AutoModelForCausalLM.from_pretrained(moe_dir, experts_implementation=impl).eval()
+    tpu = AutoModelForCausalLM.from_pretrained(moe_dir, experts_implementation=impl, device_map="tpu").eval()
+    kw = {"do_sample": False, "eos_token_id": None}
+    cache = tmp_path / "cache"
+    with hf_tpu.enabled("generation"):
+        generation.configure(tpu, compile_cache=cache)  # every graph compiled below is stored there
+        # Two prompt lengths in one bucket (16): the second compiles nothing, whatever the routing.
+        first, second = _prompt(5, batch=2, seed=1), _prompt(11, batch=2, seed=2)
+        got = tpu.generate(first[0], attention_mask=first[1], max_new_tokens=6, **kw)
+        assert torch.equal(got, cpu.generate(first[0], attention_mask=first[1], max_new_tokens=6, **kw))
+        with hf_tpu.sim.stats() as s:
+            got = tpu.generate(second[0], attention_mask=second[1], max_new_tokens=6, **kw)
+        assert torch.equal(got, cpu.generate(second[0], attention_mask=second[1], max_new_tokens=6, **kw))
+        assert {k[0] for k in generation.compiled_graphs(tpu)} == {"prefill", "decode"}  # hf_tpu's loop ran
+        assert s.compiles == 0 and s.shape_signatures <= 4
+        with hf_tpu.sim.stats() as short:
+            tpu.generate(second[0], attention_mask=second[1], max_new_tokens=2, **kw)
+        assert (s.h2d_copies - short.h2d_copies) / 4 <= 1 and (s.d2h_copies - short.d2h_copies) / 4 <= 1
+
+        # Warm-up (the other prompt bucket), then 8 prompt lengths across both buckets: no compile.
+        report = hf_tpu.warmup(tpu, progress=False, **WARMUP)
+        assert len(report.graphs) == 4  # prefill and decode for prompt buckets 16 and 32
+        with hf_tpu.sim.stats() as s:
+            for length in (1, 3, 6, 9, 13, 16, 17, 20):
+                ids, mask = _prompt(length, batch=2, seed=length)
+                got = tpu.generate(ids, attention_mask=mask, max_new_tokens=6, **kw)
+                assert torch.equal(got, cpu.generate(ids, attention_mask=mask, max_new_tokens=6, **kw)), length
+        assert s.compiles == 0
+
+    # A second process loads every graph from the cache and compiles none.
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TPU_SIMULATE", compile_cache.ENV)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(moe_dir), str(cache), impl],
+        env=env, capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    warm = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert warm["equal"] and not warm["problems"]
+    assert warm["warm_compiles"] == warm["new_compiles"] == 0
+    assert warm["from_cache"] == warm["graphs"] == len(report.graphs)
+    assert warm["generate_compiles"] == 0
