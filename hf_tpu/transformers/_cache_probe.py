@@ -58,11 +58,14 @@ def _run_probe(model) -> tuple[list[dict], list[dict] | None]:
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
     from transformers.modeling_outputs import BaseModelOutput
 
+    from torch.fx.experimental import _config as fx_config
+
     probe = _probe_model(model)
     text_config = model.config.get_text_config(decoder=True)
-    # Embeddings in, not ids: no embedding lookup or pad-token check reads a value on meta.
+    # Embeddings in, not ids: no embedding lookup or pad-token check reads a value on meta. Routing that calls
+    # nonzero (an expert loop) gets torch's all-nonzero meta result: the cache shapes never depend on it.
     embeds = torch.zeros(1, 2, model.get_input_embeddings().embedding_dim, dtype=model.dtype, device="meta")
-    with torch.no_grad():
+    with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True):
         if model.config.is_encoder_decoder:
             cache = EncoderDecoderCache(DynamicCache(config=text_config), DynamicCache(config=text_config))
             width = getattr(text_config, "d_model", None) or text_config.hidden_size
@@ -75,8 +78,14 @@ def _run_probe(model) -> tuple[list[dict], list[dict] | None]:
                 [_layer_shapes(la, model.dtype) for la in cache.self_attention_cache.layers],
                 [_layer_shapes(la, model.dtype) for la in cache.cross_attention_cache.layers],
             )
-        cache = DynamicCache(config=text_config)
-        probe(inputs_embeds=embeds, position_ids=torch.arange(2, device="meta")[None], cache=cache, use_cache=True)
+        positions = torch.arange(2, device="meta")[None]
+        try:
+            cache = DynamicCache(config=text_config)
+            probe(inputs_embeds=embeds, position_ids=positions, cache=cache, use_cache=True)
+        except Exception:  # noqa: BLE001 - some models need ids (Gemma 4 derives per-layer inputs from them)
+            cache = DynamicCache(config=text_config)
+            ids = torch.ones(1, 2, dtype=torch.long, device="meta")
+            probe(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
         return [_layer_shapes(la, model.dtype) for la in cache.layers], None
 
 

@@ -1,8 +1,8 @@
 """When ``generate`` runs upstream's loop instead of hf_tpu's, and why (:func:`_why_upstream`).
 
-Anything the bucketed loop does not cover (beam search, assisted decoding, a user cache, sliding-window caches,
-non-static ``cache_implementation``, ...) runs upstream's code unchanged; a one-time warning names the cost on a
-TPU when there is one. ``_UPSTREAM_GENERATE`` is the original ``GenerationMixin.generate``, set by
+Anything the bucketed loop does not cover (beam search, assisted decoding, a user cache, a cache layer kind without a
+bucketed form (:mod:`hf_tpu.transformers._cache_layers`), non-static ``cache_implementation``, ...) runs upstream's
+code unchanged; a one-time warning names the cost on a TPU when there is one. ``_UPSTREAM_GENERATE`` is the original ``GenerationMixin.generate``, set by
 :mod:`hf_tpu.transformers._integration`.
 """
 

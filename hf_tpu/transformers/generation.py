@@ -21,15 +21,16 @@ classes) and plugs its own decoding loop in through upstream's ``custom_generate
   the device) or, when other logits processors or sampling need them, the last logits row;
 * returns the output on the device the inputs came from.
 
-Anything the loop does not cover (beam search, assisted decoding, a user cache, sliding-window caches, ...) runs
-upstream's code unchanged, with a warning that names the cost on a TPU.
+Anything the loop does not cover (beam search, assisted decoding, a user cache, a cache layer kind without a
+bucketed form, ...) runs upstream's code unchanged, with a warning that names the cost on a TPU.
 
 Where a change belongs (this module is the public entry point and re-exports the public names):
 
 * :mod:`hf_tpu.transformers._settings`: per-model state and :func:`configure`;
 * :mod:`hf_tpu.transformers.shapes`: shape planning (:func:`plan_shapes`), :mod:`~hf_tpu.transformers.buckets`
   the ladders;
-* :mod:`hf_tpu.transformers._static_cache`: the static KV caches;
+* :mod:`hf_tpu.transformers._static_cache`: the static caches, built per layer kind by
+  :mod:`~hf_tpu.transformers._cache_layers` with the shapes :mod:`~hf_tpu.transformers._cache_probe` measures;
 * :mod:`hf_tpu.transformers._graphs`: the compiled graphs and :func:`_run` (strict mode, the persistent compile
   cache of :mod:`hf_tpu.compile_cache`);
 * :mod:`hf_tpu.transformers._decode_loop`: the decoding loop and the warm-up of one shape plan;

@@ -52,3 +52,20 @@ def test_each_layer_kind_runs_the_bucketed_loop_like_cpu(family, pair):
         assert s.d2h_copies <= steps + 2 and s.h2d_copies <= steps + 4, (n, s)  # one small copy each way per step
     assert max(signatures[1:]) <= 4, signatures  # a new prompt length meets (almost) no new eager op
     assert generation.compiled_graphs(tpu)  # hf_tpu's loop ran, not upstream's
+
+
+def test_a_hybrid_model_is_served_from_the_compile_cache_in_a_second_process(tmp_path):
+    import transformers as T
+    from test_compile_cache import _worker
+
+    from hf_tpu.testing import tiny_config
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "qwen3_5"
+    T.AutoModelForCausalLM.from_config(tiny_config("qwen3_5", vocab_size=VOCAB)).save_pretrained(model_dir)
+    cold = _worker(model_dir, tmp_path / "cache")
+    assert cold["equal"] and not cold["problems"] and cold["new_compiles"] == cold["graphs"] > 0
+    warm = _worker(model_dir, tmp_path / "cache")
+    assert warm["equal"] and not warm["problems"]
+    assert warm["warm_compiles"] == warm["new_compiles"] == warm["generate_compiles"] == 0
+    assert warm["from_cache"] == warm["graphs"] == cold["graphs"]
