@@ -51,7 +51,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         ),
         Benchmark(
             "sampling",
-            "sampling per decode step: host path vs device path, greedy vs Qwen3's defaults, batch 1/16/64: copies, bytes",
+            "sampling per decode step: host vs device path, greedy vs Qwen3's defaults, batch 1/16/64: copies, bytes",
         ),
         Benchmark(
             "compile_cache",

@@ -168,7 +168,9 @@ def _decode_loop(
         steps_left -= 1
         if is_seq2seq:
             step = next_tokens[:, None].to(device)
-            tokens_dev, logits_dev = _run(model, state, decode_key, step, encoder_hidden, enc_mask_dev, cache, sampling)
+            tokens_dev, logits_dev = _run(
+                model, state, decode_key, step, encoder_hidden, enc_mask_dev, cache, sampling
+            )
         else:
             positions = positions + 1
             step = torch.stack([next_tokens, positions], dim=1).to(device)
