@@ -50,6 +50,10 @@ BENCHMARKS: dict[str, Benchmark] = {
             "generate: upstream transformers vs hf_tpu: compiles, host<->device copies per decode step, warm-up",
         ),
         Benchmark(
+            "sampling",
+            "sampling per decode step: host vs device path, greedy vs Qwen3's defaults, batch 1/16/64: copies, bytes",
+        ),
+        Benchmark(
             "compile_cache",
             "compile cache: warm-up cold vs from the cache (fresh processes), ladder padding/unused cache, decode cost",
         ),

@@ -93,6 +93,8 @@ def _decode_loop(
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     host_only = "output_scores/output_logits need the scores on the host" if want_scores or want_logits else None
+    if not state.settings.device_sampling and (do_sample or len(logits_processor) > 0):
+        host_only = "device sampling is off (configure(model, device_sampling=False))"
     sampler = _plan(model, logits_processor, input_ids, do_sample, host_only)
     host_path = sampler is None
     variant = "" if sampler is None else sampler.variant
@@ -169,7 +171,9 @@ def _decode_loop(
         steps_left -= 1
         if is_seq2seq:
             step = next_tokens[:, None].to(device)
-            tokens_dev, logits_dev = _run(model, state, decode_key, step, encoder_hidden, enc_mask_dev, cache, sampling)
+            tokens_dev, logits_dev = _run(
+                model, state, decode_key, step, encoder_hidden, enc_mask_dev, cache, sampling
+            )
         else:
             positions = positions + 1
             step = torch.stack([next_tokens, positions], dim=1).to(device)

@@ -49,7 +49,9 @@ class GenerationSettings:
     an eager op (torch_tpu's cache missed: a new eager op signature). ``backend``/``fullgraph``: what
     ``torch.compile`` gets (``"tpu"``, ``True``); ``compile=False`` runs the same bucketed loop eagerly. ``compile_cache``: a
     :class:`~hf_tpu.compile_cache.CompileCache` directory, or None (default: the
-    ``HF_TPU_COMPILE_CACHE`` environment variable).
+    ``HF_TPU_COMPILE_CACHE`` environment variable). ``device_sampling``: run the logits processors and the sampler
+    in the compiled graph (:mod:`hf_tpu.transformers.sampling`; default); False keeps them on the host, copying the
+    last logits row back each step (the earlier behaviour, kept for comparison: ``hf-tpu bench sampling``).
     """
 
     buckets: BucketLadder | None = None
@@ -59,6 +61,7 @@ class GenerationSettings:
     fullgraph: bool = True
     compile: bool = True
     compile_cache: Any = _UNSET
+    device_sampling: bool = True
 
 
 @dataclass
@@ -109,6 +112,7 @@ def configure(
     fullgraph: bool | None = None,
     compile: bool | None = None,
     compile_cache: Any = _UNSET,
+    device_sampling: bool | None = None,
 ) -> GenerationSettings:
     """Set how hf_tpu generates with ``model``; arguments left out (or None) keep their current value.
 
@@ -137,6 +141,8 @@ def configure(
         state.settings.fullgraph = fullgraph
     if compile is not None:
         state.settings.compile = compile
+    if device_sampling is not None:
+        state.settings.device_sampling = bool(device_sampling)
     if compile_cache is not _UNSET:
         from hf_tpu.compile_cache import CompileCache
 

@@ -25,7 +25,7 @@ LLAMA3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.9}
 GEMMA3 = {"do_sample": True, "top_k": 64, "top_p": 0.95}
 
 
-def _step_counters(tpu, ids, mask, kwargs, short=2, long=5):
+def _step_counters(tpu, ids, mask, kwargs, short=2, long=4):
     """Per decode step: (h2d copies, d2h copies, d2h bytes per sequence, compiles of the long run)."""
 
     def run(new_tokens):
@@ -67,8 +67,8 @@ def test_other_values_compile_nothing_after_warmup(llama, prompts):
     tpu.generation_config.update(**QWEN3)
     try:
         assert generation.default_variant(tpu) == "+temperature+top_k+top_p+sample"
-        hf_tpu.warmup(tpu, max_prompt_len=16, batch_sizes=[2], max_new_tokens=4, strict=True, progress=False)
-        ids, mask = prompts([5, 9])
+        hf_tpu.warmup(tpu, max_prompt_len=16, batch_sizes=[1], max_new_tokens=4, strict=True, progress=False)
+        ids, mask = prompts([9])
         with hf_tpu.sim.stats() as s:
             for t, p, k in ((0.6, 0.95, 20), (1.3, 0.5, 3), (1.0, 1.0, 0), (0.2, 0.99, 90)):
                 tpu.generate(ids, attention_mask=mask, max_new_tokens=4, temperature=t, top_p=p, top_k=k)
@@ -94,8 +94,8 @@ def _chi2_critical(df: int, z: float = 3.29) -> float:
 def test_device_sampler_draws_upstream_distribution(llama, prompts, warpers):
     cpu, _ = llama
     ids, _ = prompts([8])
-    with torch.no_grad():
-        logits = cpu(ids).logits[:, -1, :].float()
+    with torch.no_grad():  # a random tiny model's logits are nearly flat: sharpen them so that temperature and the
+        logits = cpu(ids).logits[:, -1, :].float() * 12  # cut-offs shape the law (a 0.7-for-0.6 error fails here)
     expected = torch.softmax(lp.LogitsProcessorList(warpers)(ids, logits.clone()), dim=-1)[0].double()
     draws = 6000
     plan = device_plan(warpers, ids.expand(draws, -1), vocab=logits.shape[-1], do_sample=True)
@@ -168,7 +168,7 @@ def _processor_groups(free, prompt_len: int) -> list[dict]:
 def test_greedy_with_processors_matches_cpu(llama, prompts):
     """Over several steps (the device state: length, history, tokens seen) with every processor on at once."""
     cpu, tpu = llama
-    for seed in (0, 4):
+    for seed in (4,):  # a prompt where the n-gram ban and the repetition penalty act too
         ids, mask = prompts([6, 9], seed=seed)
         free = cpu.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None)[:, ids.shape[1] :]
         for group in _processor_groups(free, ids.shape[1]):

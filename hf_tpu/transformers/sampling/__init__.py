@@ -124,7 +124,8 @@ def device_plan(logits_processor, input_ids, *, vocab: int, do_sample: bool) -> 
     if do_sample:
         labels.append("sample")
     return DevicePlan(
-        "+" + "+".join(labels), tuple(program), bool(do_sample), tuple(scalars), tuple(tensors), needs_history, input_ids
+        "+" + "+".join(labels), tuple(program), bool(do_sample), tuple(scalars), tuple(tensors), needs_history,
+        input_ids,
     )
 
 

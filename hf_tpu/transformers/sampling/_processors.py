@@ -236,7 +236,8 @@ def _inf_nan_apply(scores, s, t, static, ctx):
 
 
 register(["InfNanRemoveLogitsProcessor"], DeviceForm("remove_invalid_values", lambda p, ctx: ([], ()), _inf_nan_apply))
-register(
-    ["LogitNormalization"],
-    DeviceForm("renormalize_logits", lambda p, ctx: ([], ()), lambda scores, s, t, static, ctx: scores.log_softmax(-1)),
-)
+def _log_softmax_apply(scores, s, t, static, ctx):
+    return scores.log_softmax(dim=-1)
+
+
+register(["LogitNormalization"], DeviceForm("renormalize_logits", lambda p, ctx: ([], ()), _log_softmax_apply))
