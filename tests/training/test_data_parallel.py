@@ -1,6 +1,7 @@
 """Data-parallel training over ``hf-tpu launch --simulate`` (2 ranks, one simulated chip each), with hf_tpu's helpers,
 with torch's DistributedDataParallel and with the Trainer, equals one chip trained on the doubled batch, computed here
-in the test process, and the same training on the CPU without hf_tpu. The launch has a timeout and leaves no process."""
+in the test process, and the same training on the CPU without hf_tpu. The launch has a timeout and leaves no
+process."""
 
 from __future__ import annotations
 
