@@ -240,7 +240,7 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
 
 
 @dataclass(frozen=True)
-class PerfStats:
+class _PerfStats:
     """What torch_tpu's ``_get_cache_stats()`` returns (its pybind ``PerfStats``: the same attribute names)."""
 
     num_cache_reqs: int
@@ -250,7 +250,7 @@ class PerfStats:
     per_entry_stats: list
 
 
-def _get_cache_stats() -> PerfStats:
+def _get_cache_stats() -> _PerfStats:
     """torch_tpu's compilation-cache counters, from the simulator's: every eager op (outside compiled graphs) and
     every graph compile is a request; a new eager shape signature or a graph compile is a miss (what torch_tpu
     compiles), the rest hits. ``per_entry_stats`` stays empty (the simulator keeps no per-executable timings)."""
@@ -258,7 +258,7 @@ def _get_cache_stats() -> PerfStats:
 
     misses = STATE.shape_signatures + STATE.compiles
     requests = STATE.ops - STATE.graph_ops + STATE.compiles
-    return PerfStats(requests, requests - misses, misses, 0, [])
+    return _PerfStats(requests, requests - misses, misses, 0, [])
 
 
 

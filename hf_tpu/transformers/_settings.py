@@ -47,8 +47,8 @@ class GenerationSettings:
     a shape warm-up did not compile raises :class:`RecompileError` instead of compiling (default: the
     ``HF_TPU_STRICT_COMPILE`` environment variable); ``strict="eager"`` also raises when a ``generate`` compiled
     an eager op (torch_tpu's cache missed: a new eager op signature). ``backend``/``fullgraph``: what
-    ``torch.compile`` gets (``"tpu"``, ``True``); ``compile=False`` runs the same bucketed loop eagerly. ``compile_cache``: a
-    :class:`~hf_tpu.compile_cache.CompileCache` directory, or None (default: the
+    ``torch.compile`` gets (``"tpu"``, ``True``); ``compile=False`` runs the same bucketed loop eagerly.
+    ``compile_cache``: a :class:`~hf_tpu.compile_cache.CompileCache` directory, or None (default: the
     ``HF_TPU_COMPILE_CACHE`` environment variable). ``device_sampling``: run the logits processors and the sampler
     in the compiled graph (:mod:`hf_tpu.transformers.sampling`; default); False keeps them on the host, copying the
     last logits row back each step (the earlier behaviour, kept for comparison: ``hf-tpu bench sampling``).

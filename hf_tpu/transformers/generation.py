@@ -137,6 +137,8 @@ def generate(self, *args, **kwargs):
         inputs = extra_kwargs.pop(name, None)
     if inputs is None or not isinstance(inputs, torch.Tensor) or inputs.ndim != 2:
         return upstream(self, *args, **kwargs)
+    state = _state(self)
+    before = _torch_tpu.cache_stats() if state.warmed and state.strict_eager else None
     out_device = inputs.device
     input_ids = inputs.to("cpu")
     for key in ("attention_mask", "position_ids", "decoder_input_ids"):
@@ -148,8 +150,6 @@ def generate(self, *args, **kwargs):
 
     arguments.pop("self", None)
     arguments["custom_generate"] = functools.partial(_decode_loop, hf_tpu_plan={"streamer": arguments.get("streamer")})
-    state = _state(self)
-    before = _torch_tpu.cache_stats() if state.warmed and state.strict_eager else None
     result = upstream(self, input_ids, **arguments, **extra_kwargs)
     if before is not None:
         _refuse_eager_compiles(before)

@@ -67,6 +67,18 @@ def test_cache_dir_sets_tier3_under_it_and_a_tier2_name_before_the_first_compile
     assert _torch_tpu.tier2_name(tmp_path / "other") != name
 
 
+def test_import_hf_tpu_with_hf_tpu_compile_cache_sets_them_before_anything_runs(on_a_chip, tmp_path, monkeypatch):
+    import importlib
+
+    import hf_tpu
+
+    monkeypatch.delenv("HF_TPU_SIMULATE", raising=False)
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "cc"))
+    importlib.reload(hf_tpu)  # what `import hf_tpu` runs in a new process, before any model reaches the device
+    assert Path(os.environ[_torch_tpu.TIER3_ENV]) == tmp_path / "cc" / "torch_tpu"
+    assert os.environ[_torch_tpu.TIER2_ENV] == _torch_tpu.tier2_name(tmp_path / "cc")
+
+
 def test_values_the_user_set_are_kept(on_a_chip, tmp_path, monkeypatch):
     monkeypatch.setenv(_torch_tpu.TIER2_ENV, "disabled")
     monkeypatch.setenv(_torch_tpu.TIER3_ENV, "gs://bucket/xla")

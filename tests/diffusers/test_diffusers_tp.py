@@ -1,6 +1,6 @@
 """Diffusers' TensorParallelConfig on the launcher: a Flux pipeline with its transformer sharded over 2 simulated
-chips makes the same image as the unsharded one (upstream does the sharding; hf_tpu provides the launcher, the
-simulated device and the tpu_dist collectives)."""
+chips makes the same image as the unsharded one, and as the pipeline on the CPU without hf_tpu (upstream does the
+sharding; hf_tpu provides the launcher, the simulated device and the tpu_dist collectives)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from _reference import without_hf_tpu
 from _timeouts import SAFETY_TIMEOUT_S
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
@@ -30,6 +32,15 @@ def test_flux_tp2_image_equals_tp1(tmp_path):
     )
     assert code == 0, log[-4000:]
     assert not processes_mentioning(str(out_dir)), "ranks left running after the launcher exited"
+    with without_hf_tpu():  # the same image on the CPU, upstream code only (the worker's image() arguments)
+        from diffusers import FluxPipeline
+
+        pipe = FluxPipeline.from_pretrained(path)
+        pipe.set_progress_bar_config(disable=True)
+        cpu = pipe(
+            "a photo of a squirrel", height=32, width=32, num_inference_steps=2, max_sequence_length=32,
+            generator=torch.Generator("cpu").manual_seed(0), output_type="np",
+        ).images  # fmt: skip
     images = []
     for rank in (0, 1):
         info = json.loads((out_dir / f"rank{rank}.json").read_text())
@@ -38,5 +49,6 @@ def test_flux_tp2_image_equals_tp1(tmp_path):
         assert info["to_q"] == "DTensor" and info["placements"] == ["S(0)"] and info["local_shape"] == [16, 32]
         data = np.load(out_dir / f"rank{rank}.npz")
         np.testing.assert_allclose(data["sharded"], data["reference"], atol=1e-5)
+        np.testing.assert_allclose(data["sharded"], cpu, atol=1e-5)  # a bug shared by both ranks' runs cannot cancel
         images.append(data["sharded"])
     np.testing.assert_array_equal(images[0], images[1])

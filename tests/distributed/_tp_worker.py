@@ -60,6 +60,8 @@ def run_model(path: str, **load_kwargs) -> dict:
         if hasattr(param, "placements") and ".1." not in name  # one layer is enough
     }
     return {
+        "model": os.path.basename(path),
+        "logits": logits.cpu().tolist(),  # compared in the test with the model on the CPU without hf_tpu
         "logits_device": str(logits.device),
         "tokens_device": str(tokens.device),
         "max_abs_diff": (logits.cpu() - ref_logits).abs().max().item(),

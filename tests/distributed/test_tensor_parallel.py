@@ -9,14 +9,31 @@ tied embeddings and a vocabulary of 1001 (uneven at TP=2 and TP=4). At TP=4 both
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 from _launch_util import launch, processes_mentioning
+from _reference import without_hf_tpu
 from _timeouts import SAFETY_TIMEOUT_S
 
 pytestmark = [pytest.mark.distributed]
 
 WORKER = "tests/distributed/_tp_worker.py"
+IDS = [[1, 5, 9, 23, 77, 3, 41]]  # the worker's prompt
+# model name -> (logits, greedy tokens) of the model on the CPU without hf_tpu: a bug hf_tpu shared between a
+# rank's TP=1 reference and its sharded model would cancel in their comparison, not in this one.
+CPU: dict[str, tuple] = {}
+
+
+def _cpu_reference(path: str) -> tuple:
+    from transformers import AutoModelForCausalLM
+
+    with without_hf_tpu(), torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        ids = torch.tensor(IDS)
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")
+        return model(ids).logits, tokens.tolist()
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +45,9 @@ def models(tmp_path_factory):
     tiny_model("llama", root / "llama_kv2", vocab_size=1000, num_attention_heads=8, **wide)
     qwen = tiny_model("qwen3", root / "qwen3_tied", vocab_size=1001, head_dim=16, tie_word_embeddings=True, **wide)
     assert qwen.lm_head.weight is qwen.model.embed_tokens.weight
-    return [str(root / "llama_kv2"), str(root / "qwen3_tied")]
+    paths = [str(root / "llama_kv2"), str(root / "qwen3_tied")]
+    CPU.update({Path(p).name: _cpu_reference(p) for p in paths})
+    return paths
 
 
 def _run(tmp_path, tp: int, models: list[str], checks: str, env: dict | None = None) -> list[dict]:
@@ -53,6 +72,9 @@ def _check_model(res: dict, *, expect_fixes: set[str]) -> None:
     assert res["max_abs_diff"] < 1e-4, res["max_abs_diff"]
     assert res["tokens"] == res["ref_tokens"]
     assert set(res["fixes"]) == expect_fixes, res["fixes"]
+    cpu_logits, cpu_tokens = CPU[res["model"]]
+    torch.testing.assert_close(torch.tensor(res["logits"]), cpu_logits, rtol=1e-4, atol=1e-4)
+    assert res["tokens"] == cpu_tokens
 
 
 def test_tp2_matches_tp1(tmp_path, models):

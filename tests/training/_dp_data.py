@@ -36,7 +36,7 @@ def train(model, batches: list[dict], reduce=None, sync=None) -> list[float]:
     return losses
 
 
-def trainer_losses(model, steps: int, world: int, output_dir: str) -> list[float]:
+def trainer_losses(model, steps: int, world: int, output_dir: str, use_cpu: bool = False) -> list[float]:
     """``steps`` Trainer steps of ``GLOBAL_BATCH`` rows in all (``GLOBAL_BATCH // world`` per process, the Trainer
     shards the batches over the launched ranks), constant learning rate; the logged loss of every step."""
     from transformers import Trainer, TrainingArguments
@@ -44,7 +44,7 @@ def trainer_losses(model, steps: int, world: int, output_dir: str) -> list[float
     args = TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=steps,
         learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1, report_to=[],
-        save_strategy="no", seed=0,
+        save_strategy="no", seed=0, use_cpu=use_cpu,
     )  # fmt: skip
     log = Losses()
     collate = BucketingCollator(buckets=(SEQ,), pad_token_id=0, return_attention_mask=False)

@@ -1,6 +1,7 @@
 """Data-parallel training over ``hf-tpu launch --simulate`` (2 ranks, one simulated chip each), with hf_tpu's helpers,
 with torch's DistributedDataParallel and with the Trainer, equals one chip trained on the doubled batch, computed here
-in the test process. The launch has a timeout and leaves no process."""
+in the test process, and the same training on the CPU without hf_tpu. The launch has a timeout and leaves no
+process."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from _timeouts import SAFETY_TIMEOUT_S
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from _dp_data import GLOBAL_BATCH, global_batches, train, trainer_losses
 from _launch_util import launch, processes_mentioning
+from _reference import without_hf_tpu
 
 from hf_tpu.training import data_parallel as dp
 from hf_tpu.training.checks import TPUTrainingError
@@ -45,10 +47,16 @@ def test_two_chips_equal_one_chip_with_the_doubled_batch(model_dir, load, tmp_pa
     if mode == "trainer":
         assert ranks[0]["backend"] == "cpu:gloo,tpu:tpu_dist"
         one_chip = trainer_losses(load("tpu"), STEPS, 1, str(tmp_path / "one_chip"))
+        with without_hf_tpu():  # the same run on the CPU, upstream code only
+            cpu = trainer_losses(load("cpu"), STEPS, 1, str(tmp_path / "cpu"), use_cpu=True)
     else:
         one_chip = train(load("tpu"), global_batches(STEPS))
+        with without_hf_tpu():
+            cpu = train(load("cpu"), global_batches(STEPS))
     assert len(one_chip) == STEPS
     torch.testing.assert_close(ranks[0]["losses"], one_chip, rtol=1e-5, atol=1e-5)
+    # and against the CPU without hf_tpu: a bug hf_tpu shared between the launch and the one-chip run cannot cancel
+    torch.testing.assert_close(ranks[0]["losses"], cpu, rtol=1e-5, atol=1e-5)
     assert ranks[0]["losses"] == ranks[1]["losses"]
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], abs=1e-9)  # replicas stay identical
     # Half the batch on one chip is a different run: the comparison above can fail.
