@@ -64,6 +64,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             requires=(("diffusers", "pip install diffusers"),),
         ),
         Benchmark(
+            "diffusers_sweep",
+            "every diffusers pipeline family (tiny, local): CPU vs tpu eager vs compile_pipeline, compiles per call",
+            requires=(("diffusers", "pip install diffusers"),),
+        ),
+        Benchmark(
             "training",
             "training steps: eager vs compiled, buckets vs pad-to-longest: steps/s and compiles per step",
         ),
