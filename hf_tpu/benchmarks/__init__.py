@@ -72,6 +72,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             "every causal-LM architecture: fast path or why not, identical to CPU, compiles, signatures, copies",
         ),
         Benchmark(
+            "diffusers_sweep",
+            "every diffusers pipeline family (tiny, local): CPU vs tpu eager vs compile_pipeline, compiles per call",
+            requires=(("diffusers", "pip install diffusers"),),
+        ),
+        Benchmark(
             "training",
             "training steps: eager vs compiled, buckets vs pad-to-longest: steps/s and compiles per step",
         ),

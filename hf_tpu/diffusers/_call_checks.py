@@ -37,8 +37,11 @@ def _checked_inputs(pipe: Any, method: Any) -> Any:
         height, width = bound.get("height"), bound.get("width")
         if isinstance(height, int) and isinstance(width, int):
             check_resolution(pipe, height, width)
-        if isinstance(bound.get("num_frames"), int):
-            check_frames(pipe, bound["num_frames"])
+        # Only the LTX pipelines pass num_frames to check_inputs and floor a count their VAE cannot encode; Allegro
+        # passes it too but its VAE takes any count (ceil(n / t) latent frames).
+        frames, ltx = bound.get("num_frames"), getattr(pipe, "vae_temporal_compression_ratio", None)
+        if isinstance(frames, int) and isinstance(ltx, int):
+            check_frames(pipe, frames)
         return method(*args, **kwargs)
 
     setattr(check_inputs, _FLAG, True)

@@ -86,7 +86,7 @@ def _spatial_patch(config: Any) -> tuple[int, int]:
 
 def _vae_scale(pipe: Any) -> int:
     """How many pixels one latent covers along a side (``vae_scale_factor_spatial`` of video pipelines)."""
-    for attr in ("vae_scale_factor_spatial", "vae_scale_factor"):
+    for attr in ("vae_scale_factor_spatial", "vae_spatial_compression_ratio", "vae_scale_factor"):
         try:
             value = getattr(pipe, attr, None)
         except Exception:  # a modular pipeline's property needing a component that is not loaded yet
@@ -123,10 +123,14 @@ def resolution_limits(pipe: Any) -> tuple[int, int | None]:
 
 def frame_multiple(pipe: Any) -> int | None:
     """The VAE's temporal compression of a video pipeline (``num_frames - 1`` must be a multiple), else None."""
-    try:
-        value = getattr(pipe, "vae_scale_factor_temporal", None)
-    except Exception:
-        value = None
+    value = None
+    for attr in ("vae_scale_factor_temporal", "vae_temporal_compression_ratio"):  # Wan, Cosmos...; LTX
+        try:
+            value = getattr(pipe, attr, None)
+        except Exception:  # a modular pipeline's property needing a component that is not loaded yet
+            value = None
+        if isinstance(value, int) and value > 0:
+            break
     if not isinstance(value, int) or value <= 0:
         config = getattr(getattr(pipe, "vae", None), "config", None)
         value = getattr(config, "scale_factor_temporal", None) or getattr(config, "temporal_compression_ratio", None)
@@ -137,8 +141,9 @@ def check_frames(pipe: Any, num_frames: Any) -> None:
     """Raise ``ValueError`` if a video pipeline's VAE cannot encode ``num_frames`` frames, naming valid counts.
 
     The causal video VAEs (Wan, LTX, HunyuanVideo, Cosmos...) keep the first frame and compress the rest by their
-    temporal factor ``t``: a clip has ``k * t + 1`` frames. Pipelines that round a bad count themselves do so
-    before this check sees it.
+    temporal factor ``t``: a clip has ``k * t + 1`` frames (Allegro's VAE does not: it takes ``ceil(n / t)``
+    latent frames; do not use this check for it). Each call of an LTX pipeline is checked (they floor a bad count
+    silently); Wan rounds it itself with a warning.
 
     Example:
         >>> check_frames(wan_pipe, 10)  # doctest: +SKIP

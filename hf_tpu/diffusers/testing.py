@@ -176,10 +176,13 @@ def tiny_flux_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) 
     return _finish(pipe, path)
 
 
-def tiny_sd3_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, with_t5: bool = True) -> Any:
+def tiny_sd3_pipeline(
+    path: str | os.PathLike | None = None, *, seed: int = 0, with_t5: bool = True, latent_channels: int = 4
+) -> Any:
     """A tiny :class:`diffusers.StableDiffusion3Pipeline` (two CLIP encoders, a T5 encoder, an SD3 transformer).
 
     The VAE halves the resolution and the transformer's patch is 2, so an image side must be a multiple of 4.
+    ``latent_channels=16`` gives SD3's real latent width (the SD3 inpainting pipeline insists on it).
     Returns the pipeline, or the directory it was saved to when ``path`` is given.
     """
     import torch
@@ -195,14 +198,14 @@ def tiny_sd3_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, w
     transformer = SD3Transformer2DModel(
         sample_size=16,
         patch_size=2,
-        in_channels=4,
+        in_channels=latent_channels,
         num_layers=2,
         attention_head_dim=8,
         num_attention_heads=4,
         caption_projection_dim=32,
         joint_attention_dim=32,
         pooled_projection_dim=64,  # the two CLIP projections, concatenated
-        out_channels=4,
+        out_channels=latent_channels,
     )
     text_encoder = CLIPTextModelWithProjection(_clip_config(True, len(tok)))
     text_encoder_2 = CLIPTextModelWithProjection(_clip_config(True, len(tok)))
@@ -210,7 +213,7 @@ def tiny_sd3_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, w
     if with_t5:
         tokenizer_3 = t5_tokenizer()
         text_encoder_3 = _t5_encoder(len(tokenizer_3))
-    vae = _flow_vae(latent_channels=4)
+    vae = _flow_vae(latent_channels=latent_channels)
     pipe = StableDiffusion3Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         text_encoder=text_encoder,

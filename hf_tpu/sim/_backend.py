@@ -104,9 +104,29 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: A
     )
 
 
+# The simulator's op kernels, written in Python, that the dispatcher calls: on a chip they are torch_tpu's C++. Where a
+# compiled function falls back to eager code (a graph break), dynamo would otherwise try to compile these frames
+# too, counting graphs and recompiles that a chip never has.
+_DISPATCH_MODULES = (
+    "hf_tpu.sim._ops",
+    "hf_tpu.sim._tensors",
+    "hf_tpu.sim._precision",
+    "hf_tpu.sim._counters",
+    "hf_tpu.sim._signature",
+    "hf_tpu.sim._native",
+    "hf_tpu.sim._pinned",
+    "hf_tpu.sim._attention",
+)
+
+
 def register() -> None:
-    """Make ``backend="tpu"`` this backend, keeping aside any ``"tpu"`` backend registered before (torch_tpu's)."""
+    """Make ``backend="tpu"`` this backend, keeping aside any ``"tpu"`` backend registered before (torch_tpu's),
+    and keep dynamo out of the simulator's op kernels."""
+    from torch._dynamo import trace_rules
     from torch._dynamo.backends import registry  # no _lazy_import(): this runs while dynamo is being imported
+
+    for module in _DISPATCH_MODULES:
+        trace_rules.add(module)
 
     current = registry._COMPILER_FNS.get("tpu")
     if current is tpu_backend:

@@ -53,3 +53,4 @@ def test_stft_in_a_tpu_graph_matches_cpu(sim):
         out = _compiled(spectrum)(signal.to("tpu"))
     assert s.compiles == 1
     torch.testing.assert_close(out.cpu(), spectrum(signal), atol=1e-5, rtol=1e-5)
+
