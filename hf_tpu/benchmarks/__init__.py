@@ -77,6 +77,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             requires=(("diffusers", "pip install diffusers"),),
         ),
         Benchmark(
+            "quant",
+            "quantized generate: bf16 vs int8 vs int4 (torchao): weight bytes, peak memory, decode time per step",
+            requires=(("torchao", "pip install 'hf-tpu[quant]'"),),
+        ),
+        Benchmark(
             "training",
             "training steps: eager vs compiled, buckets vs pad-to-longest: steps/s and compiles per step",
         ),

@@ -20,8 +20,12 @@ own extension point (its table of quantize handlers, ``register_quantize_module_
   back: torchao's quantizers compute in float32 (four float32 temporaries of the weight on the chip otherwise,
   enough to run a chip that holds the int8 model out of memory while loading) and may use ops a chip lacks; the
   device then holds the arriving bf16 weight and its quantized tensors only.
+- transformers: fine-grained fp8 checkpoints (``quant_method: fp8``, 128x128 blocks) bound for a ``tpu`` device stay
+  fp8: ``FineGrainedFP8HfQuantizer.validate_environment`` (which, with no CUDA device, turns on ``dequantize`` and
+  loads bf16) keeps them quantized when the device map is all ``tpu``, and ``FP8Linear.forward`` runs
+  :func:`hf_tpu.quantization.fp8.fp8_block_linear` on a ``tpu`` weight (upstream's kernels elsewhere).
 
-:func:`hf_tpu.disable` restores both.
+:func:`hf_tpu.disable` restores all of them.
 """
 
 from __future__ import annotations
@@ -100,8 +104,59 @@ def _quantize_on_host(upstream: Any) -> Any:
     return _quantize
 
 
+def _all_tpu(device_map: Any) -> bool:
+    import torch
+
+    if isinstance(device_map, dict):
+        return bool(device_map) and all(_all_tpu(v) for v in device_map.values())
+    if isinstance(device_map, torch.device):
+        return device_map.type == "tpu"
+    return isinstance(device_map, str) and device_map.split(":")[0] == "tpu"
+
+
+def _patch_fp8() -> None:
+    from transformers.integrations import finegrained_fp8
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    quantizer = quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer
+    validate = quantizer.__dict__["validate_environment"]
+    validate = getattr(validate, "__hf_tpu_upstream__", validate)
+
+    @functools.wraps(validate)
+    def validate_environment(self, *args, **kwargs):
+        import torch
+
+        keep = (
+            self.pre_quantized and not self.quantization_config.dequantize and not torch.cuda.is_available()
+            and _all_tpu(kwargs.get("device_map"))
+        )
+        if not keep:
+            return validate(self, *args, **kwargs)
+        return None  # fp8 weights stay fp8 on the TPU (FP8Linear.forward below), instead of bf16
+
+    validate_environment.__hf_tpu_upstream__ = validate
+    patch(quantizer, "validate_environment", validate_environment, feature=FEATURE, package="transformers",
+          versions=">=5.0,<6")
+
+    linear = finegrained_fp8.FP8Linear
+    forward = linear.__dict__["forward"]
+    forward = getattr(forward, "__hf_tpu_upstream__", forward)
+
+    @functools.wraps(forward)
+    def fp8_forward(self, input):
+        if self.weight.device.type == "tpu" and self.weight.element_size() == 1:
+            from hf_tpu.quantization.fp8 import fp8_block_linear
+
+            return fp8_block_linear(self, input)
+        return forward(self, input)
+
+    fp8_forward.__hf_tpu_upstream__ = forward
+    patch(linear, "forward", fp8_forward, feature=FEATURE, package="transformers", versions=">=5.0,<6")
+
+
 def apply() -> None:
     """Apply the quantization integration (called by :func:`hf_tpu.enable`)."""
+    _patch_fp8()
     from transformers.integrations import torchao as torchao_integration
     from transformers.quantizers import quantizer_torchao
 

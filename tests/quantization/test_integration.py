@@ -1,5 +1,5 @@
-"""The quantization integration is reversible: disable() puts torchao's int4 handler and transformers' torchao
-quantizer back exactly."""
+"""The quantization integration is reversible: disable() puts torchao's int4 handler, transformers' torchao quantizer
+and its fp8 Linear back exactly."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hf_tpu.quantization import _integration
 def test_revert_restores_torchao_and_transformers_exactly():
     from torchao.quantization import Int4WeightOnlyConfig
     from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
+    from transformers.integrations.finegrained_fp8 import FP8Linear
     from transformers.integrations.torchao import TorchAoQuantize
     from transformers.quantizers.quantizer_torchao import TorchAoHfQuantizer
 
@@ -22,6 +23,7 @@ def test_revert_restores_torchao_and_transformers_exactly():
         assert _QUANTIZE_CONFIG_HANDLER[Int4WeightOnlyConfig] is upstream
         assert not hasattr(TorchAoQuantize.__dict__["_quantize"], "__hf_tpu_upstream__")
         assert not hasattr(TorchAoHfQuantizer.__dict__["validate_environment"], "__hf_tpu_upstream__")
+        assert not hasattr(FP8Linear.__dict__["forward"], "__hf_tpu_upstream__")
     finally:
         _patch.enable(_integration.FEATURE)
     _integration.install_torchao_handlers()
