@@ -63,8 +63,9 @@ def test_ci_runs_the_readme_test_command_verbatim():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.rstrip("\n") == readme_test[0]
-    # It installs torch 2.13.0 before anything else (so pip keeps the CPU build), with the test and kernels extras.
-    assert re.search(r'pip install torch==2\.13\.0 -e "\.\[test,kernels\]"', readme_test[0])
+    # It installs torch 2.13.0 before anything else (so pip keeps the CPU build), with the test, kernels and serve
+    # extras.
+    assert re.search(r'pip install torch==2\.13\.0 -e "\.\[test,kernels,serve\]"', readme_test[0])
 
 
 def test_no_test_waits_on_a_fixed_short_timeout():
