@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         import fastapi  # noqa: F401
+        import openai  # noqa: F401  (transformers serve imports it)
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:

@@ -198,5 +198,6 @@ def test_after_warmup_a_mixed_load_compiles_nothing_and_loses_nothing(server, cl
 
 def test_sigterm_stops_the_server(server):
     server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(timeout=SAFETY_TIMEOUT_S) == 0, server.output()[-3000:]
-    assert "Shutting down" in server.output() or "Finished server process" in server.output()
+    # uvicorn shuts down gracefully, then re-raises the signal it caught: the process ends by SIGTERM.
+    assert server.proc.wait(timeout=SAFETY_TIMEOUT_S) in (0, -signal.SIGTERM), server.output()[-3000:]
+    assert "Finished server process" in server.output()
