@@ -165,6 +165,7 @@ repeats itself, and it is not meant for any other purpose.
 | `config.json` | `LlamaConfig`: hidden {hidden}, {layers} layers, {heads} heads, {kv_heads} KV heads, MLP {inter}, context {ctx}, tied embeddings |
 | `generation_config.json` | greedy, `repetition_penalty` 1.3, 48 new tokens, BOS/EOS/PAD ids |
 | `tokenizer.json`, `tokenizer_config.json` | byte-level BPE, {vocab} tokens, trained on the same text; prepends `<|bos|>` |
+| `chat_template.jinja` | added for `hf-tpu serve` (not written by the training script): a chat is its messages as `role: content` lines, then `assistant:` |
 | `heldout.txt` | the first {excerpt_chars:,} characters of the held-out play, for the perplexity test |
 | `training_stats.json` | the exact arguments, the loss curve and the evaluation |
 

@@ -14,11 +14,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def pytest_sessionstart(session):
     """In CI every optional dependency of the test command is installed: a missing one is a failure there, so that
-    the tests that need it (jax for the kernels, peft for LoRA, torchao for quantization) cannot be skipped unnoticed."""
+    the tests that need it (jax for the kernels, peft for LoRA, torchao for quantization, fastapi/uvicorn/openai/
+    prometheus_client for tests/serving) cannot be skipped unnoticed."""
     if os.environ.get("CI", "").lower() != "true":
         return
     import importlib.util
 
-    missing = [name for name in ("jax", "peft", "torchao") if importlib.util.find_spec(name) is None]
+    wanted = ("jax", "peft", "torchao", "fastapi", "uvicorn", "openai", "prometheus_client")
+    missing = [name for name in wanted if importlib.util.find_spec(name) is None]
     if missing:
-        raise RuntimeError(f"CI=true but {', '.join(missing)} not installed: the test command installs .[test,kernels,quant]")
+        raise RuntimeError(
+            f"CI=true but {', '.join(missing)} not installed: the test command installs .[test,kernels,quant,serve]"
+        )

@@ -64,9 +64,9 @@ def test_ci_runs_the_readme_test_command_verbatim():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.rstrip("\n") == readme_test[0]
-    # It installs torch 2.13.0 before anything else (so pip keeps the CPU build), with the test, kernels and quant
-    # extras.
-    assert re.search(r'pip install torch==2\.13\.0 -e "\.\[test,kernels,quant\]"', readme_test[0])
+    # It installs torch 2.13.0 before anything else (so pip keeps the CPU build), with the test, kernels, quant and
+    # serve extras.
+    assert re.search(r'pip install torch==2\.13\.0 -e "\.\[test,kernels,quant,serve\]"', readme_test[0])
 
 
 # Fixed waits around real work: a literal timeout, a pytest-timeout mark, a deadline a literal number of seconds

@@ -82,6 +82,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             requires=(("torchao", "pip install 'hf-tpu[quant]'"),),
         ),
         Benchmark(
+            "serve",
+            "hf-tpu serve: Poisson trace vs one at a time: throughput, TTFT, per-token latency, compiles after warm-up",
+            requires=(("fastapi", "pip install 'hf-tpu[serve]'"), ("prometheus_client", "pip install 'hf-tpu[serve]'")),
+        ),
+        Benchmark(
             "training",
             "training steps: eager vs compiled, buckets vs pad-to-longest: steps/s and compiles per step",
         ),

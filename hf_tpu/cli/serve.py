@@ -1,4 +1,5 @@
-"""``hf-tpu serve``: an OpenAI-compatible server for a causal LM on the TPU (transformers' server, continuous batching).
+"""``hf-tpu serve``: an OpenAI-compatible server for a causal LM on the TPU (transformers' server, continuous
+batching).
 
 ``MODEL`` defaults to the small model that ships with hf_tpu, so one command starts a server. It binds 127.0.0.1
 unless ``--host`` says otherwise, warms up every step shape before serving, and prints when warm-up is done and
@@ -38,7 +39,9 @@ def register(subparsers) -> argparse.ArgumentParser:
         help="serve a causal LM over an OpenAI-compatible HTTP API (transformers serve, continuous batching)",
         description="Run transformers' OpenAI-compatible server with continuous batching on the tpu device.",
     )
-    parser.add_argument("model", nargs="?", default=None, help="model directory (default: the model shipped with hf_tpu)")
+    parser.add_argument(
+        "model", nargs="?", default=None, help="model directory (default: the model shipped with hf_tpu)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--kv-cache-gib", type=_positive_float, default=None,
@@ -71,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         import fastapi  # noqa: F401
+        import openai  # noqa: F401  (transformers serve imports it)
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:

@@ -6,7 +6,8 @@ bound. In front of it, for ``POST /v1/...``:
 * a body that is not a JSON object -> 400 naming the problem;
 * ``max_tokens``/``max_completion_tokens``/``max_output_tokens`` that is not a positive integer -> 400;
 * a ``model`` other than the one served -> 404 listing the served name;
-* more than ``max_pending`` requests in flight -> 429 with ``Retry-After`` (the queue is bounded);
+* more than ``max_pending`` requests in flight (counted from their arrival, body not yet read included) -> 429 with
+  ``Retry-After`` (the queue is bounded);
 
 and ``GET /metrics`` answers with the Prometheus exposition of :class:`~hf_tpu.serving.metrics.ServerMetrics`.
 A prompt longer than the model allows is refused where it is tokenized (:class:`PromptTooLongError`, -> 400).
@@ -46,23 +47,36 @@ class Guard:
             return await self._reply(send, 200, self.metrics.exposition(), "text/plain; version=0.0.4")
         if method != "POST" or not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
+        if self.pending >= self.max_pending:  # counted from arrival: a client still sending its body holds a place
+            status, payload = _error(
+                429, f"the server has {self.pending} requests in flight (its limit, --max-pending); retry later",
+                "rate_limit_error",
+            )  # fmt: skip
+            self.metrics.requests.labels(path, str(status)).inc()
+            retry = [(b"retry-after", str(RETRY_AFTER_S).encode())]
+            return await self._reply(send, status, payload, "application/json", retry)
+        self.pending += 1
+        self.metrics.in_flight.inc()
+        try:
+            await self._admitted(scope, receive, send, path)
+        finally:
+            self.pending -= 1
+            self.metrics.in_flight.dec()
+
+    async def _admitted(self, scope, receive, send, path: str) -> None:
         body = b""
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                return
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
         refusal, body = self._check(body)
-        if refusal is None and self.pending >= self.max_pending:
-            refusal = _error(
-                429, f"the server has {self.pending} requests in flight (its limit, --max-pending); retry later",
-                "rate_limit_error",
-            )  # fmt: skip
         if refusal is not None:
             status, payload = refusal
-            headers = [(b"retry-after", str(RETRY_AFTER_S).encode())] if status == 429 else []
             self.metrics.requests.labels(path, str(status)).inc()
-            return await self._reply(send, status, payload, "application/json", headers)
+            return await self._reply(send, status, payload, "application/json")
 
         sent = False
 
@@ -80,13 +94,9 @@ class Guard:
                 status[0] = message["status"]
             await send(message)
 
-        self.pending += 1
-        self.metrics.in_flight.inc()
         try:
             await self.app(scope, replay, send_status)
         finally:
-            self.pending -= 1
-            self.metrics.in_flight.dec()
             self.metrics.requests.labels(path, str(status[0])).inc()
 
     def _check(self, body: bytes) -> tuple[tuple[int, bytes] | None, bytes]:

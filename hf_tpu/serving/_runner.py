@@ -93,7 +93,8 @@ def tpu_config(model, cb_config):
     if SETTINGS.page_size is not None:
         cfg.page_size = SETTINGS.page_size
     if cfg.num_blocks is None:
-        plan = plan_for_model(model, cfg.page_size, slots=cfg.max_requests_per_batch, kv_cache_gib=SETTINGS.kv_cache_gib)
+        slots, cap = cfg.max_requests_per_batch, SETTINGS.kv_cache_gib
+        plan = plan_for_model(model, cfg.page_size, slots=slots, kv_cache_gib=cap)
         cfg.num_blocks = plan.num_blocks
         logger.info(
             "hf_tpu: paged KV cache of %d blocks x %d tokens (%.1f MiB) for %s",

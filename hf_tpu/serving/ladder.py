@@ -68,7 +68,8 @@ def _up(rungs: tuple[int, ...], value: int, what: str) -> int:
     i = bisect.bisect_left(rungs, value)
     if i == len(rungs):
         raise ValueError(
-            f"a continuous-batching step has {value} {what}, past the largest rung ({rungs[-1]}, ladder {list(rungs)}); "
+            f"a continuous-batching step has {value} {what}, past the largest rung ({rungs[-1]}, ladder "
+            f"{list(rungs)}); "
             "this is a bug in hf_tpu's ladder (the scheduler never exceeds the cache's limits): please report it."
         )
     return rungs[i]

@@ -88,7 +88,8 @@ def _metrics_hook(cb, metrics):
     patch(router, "deliver_batch", batch, feature=FEATURE)
 
 
-def _prepare(app, model_manager, generation_state, *, aliases: set[str], max_pending: int, warmup: bool, out):
+def _prepare(app, model_manager, generation_state, *, aliases: set[str], max_pending: int, warmup: bool, out,
+             started: list):  # fmt: skip
     """Load, warm up and start the model's continuous-batching manager; return the guarded app."""
     from fastapi.responses import JSONResponse
 
@@ -101,7 +102,8 @@ def _prepare(app, model_manager, generation_state, *, aliases: set[str], max_pen
     model, _processor = model_manager.load_model_and_processor(model_id)
     gen_manager = generation_state.get_manager(model_id, use_cb=True)
     gen_config = copy.deepcopy(model.generation_config)
-    cb = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=gen_manager._cb_config)
+    cb_config = gen_manager._cb_config  # transformers serve's --cb-* flags, if any
+    cb = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
     compiles_before = compiles_so_far()
     if warmup:
         cb.warmup()
@@ -122,6 +124,7 @@ def _prepare(app, model_manager, generation_state, *, aliases: set[str], max_pen
     patch(cb, "add_request", _checked_add_request(cb, _max_len(model), metrics), feature=FEATURE)
     _metrics_hook(cb, metrics)
     cb.start()
+    started.append(cb)
     gen_manager._cb = cb  # upstream's CBGenerateManager.init_cb is a no-op once its manager exists
     shapes = len(cb.batch_processor.model_runner.__dict__.get("_hf_tpu_ladder", None).shapes) if warmup else 0
     print(
@@ -148,22 +151,26 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
 
     out = out or sys.stdout
     upstream = server_module.build_server
+    started: list = []
 
     @functools.wraps(upstream)
     def build_server(model_manager, *args, **kwargs):
         app = upstream(model_manager, *args, **kwargs)
         guarded = _prepare(
             app, model_manager, kwargs["generation_state"], aliases=set(aliases), max_pending=max_pending,
-            warmup=warmup, out=out,
+            warmup=warmup, out=out, started=started,
         )  # fmt: skip
         print(f"hf-tpu serve: listening on http://{host}:{port} (OpenAI API under /v1, metrics at /metrics)",
               file=out, flush=True)  # fmt: skip
         return guarded
 
-    patch(server_module, "build_server", build_server, feature=FEATURE, package="transformers", versions=">=5.24,<5.25")
+    versions = ">=5.24,<5.25"
+    patch(server_module, "build_server", build_server, feature=FEATURE, package="transformers", versions=versions)
     try:
         serve_cli.Serve(
             force_model=model, continuous_batching=True, device="tpu", host=host, port=port, **serve_flags
         )
     finally:
+        for cb in started:  # uvicorn has stopped: stop the generation thread too, so that the process exits
+            cb.stop(block=True, timeout=30)
         revert(FEATURE)

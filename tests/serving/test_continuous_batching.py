@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import transformers as T
 from conftest import cpu_greedy, random_prompts
 

@@ -1,0 +1,203 @@
+"""``hf-tpu serve --simulate`` on 127.0.0.1, talked to with the ``openai`` client, against CPU ``generate``.
+
+One server for the module (its warm-up is the expensive part); the SIGTERM test runs last and stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+from _server import running_server
+from _timeouts import SAFETY_TIMEOUT_S
+
+from hf_tpu.assets import default_model_path
+
+MODEL = "tiny-lm"
+# Above the 16 concurrent clients of the load test: a client may get its answer and send its next request before the
+# server has counted the previous one out.
+MAX_PENDING = 24
+PROMPTS = [
+    "The king said", "My lord, the", "O Romeo,", "What is the", "I am not", "Good morrow,", "Why, then", "Speak, I",
+    "To be or not", "He that",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("serve"), "--max-pending", str(MAX_PENDING)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=SAFETY_TIMEOUT_S, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    """The shipped model on CPU, greedy without the repetition penalty (continuous batching drops it upstream)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+
+    def complete(ids: list[int], new_tokens: int) -> str:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, repetition_penalty=1.0)
+        return tok.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+    def text(prompt: str, new_tokens: int) -> str:
+        return complete(tok(prompt)["input_ids"], new_tokens)
+
+    def chat(content: str, new_tokens: int) -> str:
+        messages = [{"role": "user", "content": content}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return complete(list(ids["input_ids"]), new_tokens)
+
+    text.chat = chat
+    return text
+
+
+def test_chat_completion_and_models(client, cpu):
+    assert [m.id for m in client.models.list().data]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.content == cpu.chat("Hello there", 8)
+    done = client.completions.create(model=MODEL, prompt="The king said", max_tokens=8, temperature=0)
+    assert done.choices[0].text == cpu("The king said", 8)
+    assert done.usage.completion_tokens <= 8
+
+
+def test_streaming_joins_to_the_non_streamed_text(client):
+    whole = client.completions.create(model=MODEL, prompt="O Romeo,", max_tokens=10, temperature=0).choices[0].text
+    chunks = client.completions.create(model=MODEL, prompt="O Romeo,", max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    messages = [{"role": "user", "content": "Good morrow"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10).choices[0].message.content
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True)
+    assert "".join((c.choices[0].delta.content or "") for c in chunks if c.choices) == whole
+
+
+def test_eight_concurrent_greedy_requests_each_equal_cpu_generate(client, cpu):
+    def one(i):
+        prompt = PROMPTS[i]
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=4 + i, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, range(8)))
+    for i, text in enumerate(got):
+        assert text == cpu(PROMPTS[i], 4 + i), PROMPTS[i]
+
+
+def test_bad_input_is_answered_and_the_server_keeps_serving(server, client):
+    status, body, _ = server.post("/v1/completions", b'{"prompt": "x", "max_tokens": ', raw=True)
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body, _ = server.post("/v1/completions", [1, 2], raw=False)
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    for bad in (0, -3):
+        status, body, _ = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": bad})
+        assert status == 400 and "max_tokens must be a positive integer" in body["error"]["message"]
+    status, body, _ = server.post("/v1/chat/completions", {"model": "gpt-9", "messages": []})
+    assert status == 404 and "gpt-9" in body["error"]["message"]
+    status, body, _ = server.post("/v1/completions", {"model": MODEL, "prompt": "the king " * 200, "max_tokens": 4})
+    assert status == 400 and "max_position_embeddings" in body["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="Why, then", max_tokens=3).choices[0].text is not None
+
+
+def _stream(server, prompt: str, tokens: int):
+    """An open streaming completion (no end of sequence, so that it runs its length); its first chunk read."""
+    body = {
+        "model": MODEL, "prompt": prompt, "max_tokens": tokens, "stream": True,
+        "generation_config": json.dumps({"eos_token_id": -1, "max_new_tokens": tokens, "do_sample": False}),
+    }  # fmt: skip
+    request = urllib.request.Request(server.url + "/v1/completions", json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})  # fmt: skip
+    response = urllib.request.urlopen(request, timeout=SAFETY_TIMEOUT_S)
+    assert response.status == 200
+    response.readline()
+    return response
+
+
+def _half_sent(server) -> socket.socket:
+    """A client that has sent its request line and headers but not all of its body (it holds a place in the queue)."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=SAFETY_TIMEOUT_S)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: 1000\r\n\r\n{\"prompt\": ")  # fmt: skip
+    return sock
+
+
+def _wait_for(predicate, what: str) -> None:
+    deadline = time.monotonic() + SAFETY_TIMEOUT_S
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_full_queue_gets_429_with_retry_after(server, client):
+    clients = [_half_sent(server) for _ in range(MAX_PENDING)]
+    try:
+        _wait_for(lambda: server.metric("hf_tpu_requests_in_flight") == MAX_PENDING, "half-sent requests not counted")
+        status, body, headers = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert status == 429 and int(headers["retry-after"]) >= 1, body
+        assert "--max-pending" in body["error"]["message"]
+    finally:
+        for sock in clients:
+            sock.close()
+    _wait_for(lambda: server.metric("hf_tpu_requests_in_flight") == 0, "gone clients still count as in flight")
+    assert client.completions.create(model=MODEL, prompt="He that", max_tokens=3).choices[0].text is not None
+
+
+def test_a_client_disconnecting_mid_stream_frees_its_slot(server):
+    generated = server.metric("hf_tpu_generated_tokens_total")
+    response = _stream(server, "The king said", 240)
+    assert server.metric("hf_tpu_kv_blocks_in_use") > 0
+    response.close()  # the client goes away after its first chunk
+    _wait_for(lambda: server.metric("hf_tpu_requests_in_flight") == 0, "a disconnected stream stays in flight")
+    _wait_for(lambda: server.metric("hf_tpu_kv_blocks_in_use") == 0, "a disconnected stream keeps its KV blocks")
+    # Cancelled, not run to its end: fewer than the 240 tokens asked for were generated.
+    assert server.metric("hf_tpu_generated_tokens_total") - generated < 240
+
+
+def test_after_warmup_a_mixed_load_compiles_nothing_and_loses_nothing(server, client, cpu):
+    before = server.metric("hf_tpu_compiles_total")
+    finished = server.metric("hf_tpu_generated_tokens_total")
+    lock, answers = threading.Lock(), {}
+
+    def one(i):
+        prompt = " ".join(PROMPTS[j % len(PROMPTS)] for j in range(i % 5 + 1))  # 1 to 5 phrases
+        kind, tokens = i % 2, 2 + i % 7
+        if kind:
+            text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=tokens, temperature=0)
+            text = text.choices[0].text
+        else:
+            stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=tokens, stream=True)
+            text = "".join(c.choices[0].text for c in stream if c.choices)
+        with lock:
+            answers[i] = (prompt, tokens, text)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(64)))
+    assert sorted(answers) == list(range(64))  # every request answered
+    for i in (0, 1, 17, 63):  # a sample checked against CPU (all 64 would double the test's time)
+        prompt, tokens, text = answers[i]
+        assert text == cpu(prompt, tokens), i
+    assert server.metric("hf_tpu_compiles_total") == before
+    assert server.metric("hf_tpu_generated_tokens_total") > finished
+    assert server.metric("hf_tpu_queue_depth") == 0 and server.metric("hf_tpu_requests_in_flight") == 0
+
+
+def test_sigterm_stops_the_server(server):
+    server.proc.send_signal(signal.SIGTERM)
+    # uvicorn shuts down gracefully, then re-raises the signal it caught: the process ends by SIGTERM.
+    assert server.proc.wait(timeout=SAFETY_TIMEOUT_S) in (0, -signal.SIGTERM), server.output()[-3000:]
+    assert "Finished server process" in server.output()
