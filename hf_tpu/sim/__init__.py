@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import importlib.metadata
 
+from hf_tpu.sim import execution_mode  # torch_tpu's CPU-fallback switch, mirrored
 from hf_tpu.sim._after_import import after_import
 from hf_tpu.sim._counters import STATE, SimStrictError, Stats, stats, strict
 from hf_tpu.sim._tensors import host_view, is_sim_tensor
-from hf_tpu.sim import execution_mode  # noqa: E402 -- torch_tpu's CPU-fallback switch, mirrored
 
 __all__ = [
     "SimStrictError",
