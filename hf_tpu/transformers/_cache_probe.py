@@ -2,12 +2,13 @@
 
 A static cache has to be allocated before the first compiled graph runs, with the shapes its attention writes.
 The config does not always say them: multi-query attention (Falcon) writes one KV head, multi-latent attention
-(DeepSeek-V2/V3) writes keys and values of different widths, encoder-decoder models (BART, Whisper) may have
-unequal encoder and decoder heads, and linear-attention/SSM layers write conv and recurrent states whose shapes
-each family computes its own way. :func:`cache_shapes` runs the model's class once on the ``meta`` device (no
-memory, no compute, nothing on the TPU) with two tokens' embeddings (no ids, no mask: nothing on meta may read a value) and upstream's ``DynamicCache``, and reads back
-what each layer cached: per layer ``{"kv": (heads, key dim, value dim, dtype), "conv": {state: (shape, dtype)},
-"recurrent": {...}}`` without the batch dimension (a dtype of None is the model's own).
+(DeepSeek-V2/V3) caches a compressed latent, encoder-decoder models (BART, Whisper) may have unequal encoder and
+decoder heads, and linear-attention/SSM layers write conv and recurrent states whose shapes each family computes
+its own way. :func:`cache_shapes` runs the model's class once on the ``meta`` device (no memory, no compute,
+nothing on the TPU) with two tokens' embeddings (no ids, no mask: nothing on meta may read a value) and upstream's
+``DynamicCache``, with eager attention, and reads back what each layer cached: per layer ``{"kv": (heads, key dim,
+value dim, dtype), "conv": {state: (shape, dtype)}, "recurrent": {...}}`` without the batch dimension (a dtype of
+None is the model's own).
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB
-
 import hf_tpu
 import hf_tpu.sim
 from hf_tpu.transformers import generation
@@ -18,8 +16,8 @@ LENGTHS = (1, 3, 5, 7, 9, 12, 14, 16)
 NEW = 6
 
 
-def _prompt(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+def _prompt(n: int, seed: int, vocab: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize(
@@ -41,7 +39,7 @@ def test_each_layer_kind_runs_the_bucketed_loop_like_cpu(family, pair):
     assert report.prompt_buckets == (16,)
     signatures = []
     for seed, n in enumerate(LENGTHS):
-        ids = _prompt(n, seed)
+        ids = _prompt(n, seed, cpu.config.get_text_config(decoder=True).vocab_size)
         expected = cpu.generate(ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
         with hf_tpu.sim.stats() as s:
             got = tpu.generate(ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
@@ -62,7 +60,8 @@ def test_a_hybrid_model_is_served_from_the_compile_cache_in_a_second_process(tmp
 
     torch.manual_seed(0)
     model_dir = tmp_path / "qwen3_5"
-    T.AutoModelForCausalLM.from_config(tiny_config("qwen3_5", vocab_size=VOCAB)).save_pretrained(model_dir)
+    config = tiny_config("qwen3_5", vocab_size=96)  # the worker draws ids below 96
+    T.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     cold = _worker(model_dir, tmp_path / "cache")
     assert cold["equal"] and not cold["problems"] and cold["new_compiles"] == cold["graphs"] > 0
     warm = _worker(model_dir, tmp_path / "cache")
