@@ -17,8 +17,9 @@ classes) and plugs its own decoding loop in through upstream's ``custom_generate
 * runs prefill and decode as ``torch.compile`` graphs (backend ``"tpu"``, static shapes, full graph);
 * keeps the growing tensors (the sequence, the 2D mask, the positions) on the host; the padded mask goes to the
   device once per call, and each decode step sends one ``(batch, 2)`` tensor (next tokens and their positions) and
-  reads back one ``(batch,)`` tensor (the greedy tokens, also with upstream's repetition penalty, which runs on
-  the device) or, when other logits processors or sampling need them, the last logits row;
+  reads back one ``(batch,)`` tensor of next tokens: the logits processors, warpers and the sampler run in the
+  graph (:mod:`hf_tpu.transformers.sampling`); only a processor without a device form, or ``output_scores``, brings
+  the last logits row back instead;
 * returns the output on the device the inputs came from.
 
 Anything the loop does not cover (beam search, assisted decoding, a user cache, a cache layer kind without a
@@ -34,6 +35,7 @@ Where a change belongs (this module is the public entry point and re-exports the
 * :mod:`hf_tpu.transformers._graphs`: the compiled graphs and :func:`_run` (strict mode, the persistent compile
   cache of :mod:`hf_tpu.compile_cache`);
 * :mod:`hf_tpu.transformers._decode_loop`: the decoding loop and the warm-up of one shape plan;
+* :mod:`hf_tpu.transformers.sampling`: logits processors, warpers and sampling inside the graphs;
 * :mod:`hf_tpu.transformers._upstream`: when upstream's ``generate`` runs instead, and why.
 
 Example:
