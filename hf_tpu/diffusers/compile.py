@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_tpu.diffusers._call_checks import install_call_checks
-from hf_tpu.diffusers._checks import check_resolution, denoiser, denoisers
+from hf_tpu.diffusers._checks import check_resolution, denoisers
 
 __all__ = ["WarmupResult", "compile_pipeline", "compiled_modules", "uncompile_pipeline", "warmup"]
 
