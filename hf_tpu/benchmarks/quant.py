@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> dict:
         figures["weights_vs_bf16"] = round(figures["weight_bytes"] / bf16["weight_bytes"], 4)
         figures["tokens_equal_bf16"] = figures["tokens"] == bf16["tokens"]
         if kind in TARGET_WEIGHTS and figures["weights_vs_bf16"] > TARGET_WEIGHTS[kind]:
-            missed.append(f"{kind} weights {figures['weights_vs_bf16']:.1%} of bf16 (target <= {TARGET_WEIGHTS[kind]:.0%})")
+            ratio, target = figures["weights_vs_bf16"], TARGET_WEIGHTS[kind]
+            missed.append(f"{kind} weights {ratio:.1%} of bf16 (target <= {target:.0%})")
         if figures["peak_excess_ratio"] > TARGET_PEAK:
             missed.append(
                 f"{kind} peak during generate {figures['peak_excess_ratio']:.1%} above weights + cache "

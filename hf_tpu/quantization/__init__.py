@@ -11,7 +11,8 @@ Users write transformers' and torchao's own calls; :func:`hf_tpu.enable` makes t
     )
 
 int8 runs on torchao's own ``Int8Tensor``; int4 on :class:`~hf_tpu.quantization.int4.TpuInt4Tensor`, a layout
-that unpacks and dequantizes inside the compiled graph with ops torch-tpu implements. See docs/quantization.md.
+that unpacks and dequantizes inside the compiled graph with ops torch-tpu implements. Fine-grained fp8 checkpoints
+keep their fp8 weights on the device (:mod:`hf_tpu.quantization.fp8`). See docs/quantization.md.
 :func:`weight_bytes` counts what a model's weights hold in device memory, quantized layouts included.
 
 torchao is imported only when a quantized model is loaded (or :mod:`hf_tpu.quantization.int4` is imported).

@@ -42,7 +42,8 @@ def _quantization(ctx: CheckContext) -> dict[str, Any]:
         "device_map", "generation", "quantization"
     ):
         tiny_model(
-            "llama", path, hidden_size=128, intermediate_size=512, head_dim=32, num_hidden_layers=1, initializer_range=0.3
+            "llama", path, hidden_size=128, intermediate_size=512, head_dim=32, num_hidden_layers=1,
+            initializer_range=0.3,
         )
         bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
         bf16_bytes = weight_bytes(bf16)
