@@ -6,7 +6,9 @@ requests per second (seeded), mixed prompt lengths (1 to 6 phrases) and output l
 ``--max-tokens``), all streamed. It reports throughput (generated tokens per second), time to first token p50/p99,
 time per output token, and the server's compiles after warm-up (``/metrics``); then sends the same requests one
 after another and reports the same figures. Target: the concurrent run takes at most a third of the sequential
-time (:data:`TARGET_SPEEDUP`), reported "missed" otherwise; compiles after warm-up must be 0.
+time (:data:`TARGET_SPEEDUP`), reported "missed" otherwise; compiles after warm-up must be 0. Last, without HTTP:
+the same prompts through ``generate_batch`` in this process, all at once vs one at a time (``--max-tokens`` new
+tokens each, no end of sequence), which separates continuous batching's own scaling from the server's.
 
     hf-tpu bench serve --simulate
     python benchmarks/serve.py --requests 16 --rate 16
@@ -118,6 +120,35 @@ def _start_server(a: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, s
     return proc, url
 
 
+def in_process(a: argparse.Namespace, requests: list[dict]) -> dict:
+    """The same prompts through ``generate_batch`` in this process (no HTTP): all at once vs one at a time."""
+    import transformers as T
+
+    import hf_tpu
+    from hf_tpu import serving
+    from hf_tpu.assets import default_model_path
+
+    hf_tpu.enable()
+    serving.configure(slots=a.slots, max_batch_tokens=a.max_batch_tokens, q_min=a.max_batch_tokens)
+    tok = T.AutoTokenizer.from_pretrained(default_model_path())
+    model = T.AutoModelForCausalLM.from_pretrained(default_model_path()).eval().to("tpu")
+    prompts = [tok(r["prompt"])["input_ids"] for r in requests]
+    config = T.GenerationConfig(max_new_tokens=a.max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    common = {"generation_config": config, "progress_bar": False, "persistent_manager": True}
+    try:
+        model.generate_batch(prompts[:1], **common)  # warm-up
+        t0 = time.perf_counter()
+        model.generate_batch(prompts, warmup=False, **common)
+        together = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for p in prompts:
+            model.generate_batch([p], warmup=False, **common)
+        apart = time.perf_counter() - t0
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    return {"together_s": together, "one_at_a_time_s": apart, "speedup": apart / together}
+
+
 def run(a: argparse.Namespace) -> dict:
     requests = trace(a)
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +181,7 @@ def run(a: argparse.Namespace) -> dict:
                                                     f"{TARGET_SPEEDUP:g}x"]  # fmt: skip
     return {"requests": len(requests), "rate": a.rate, "concurrent": concurrent, "sequential": sequential,
             "speedup": speedup, "compiles_after_warmup": compiles, "targets_met": compiles == 0,
-            "timing_missed": missed}  # fmt: skip
+            "timing_missed": missed, "generate_batch": in_process(a, requests)}  # fmt: skip
 
 
 def print_table(f: dict) -> None:
@@ -163,5 +194,8 @@ def print_table(f: dict) -> None:
     print(f"compiles after warm-up: {f['compiles_after_warmup']:g} (target 0)")
     verdict = "ok" if not f["timing_missed"] else "missed"
     print(f"concurrent vs sequential: {f['speedup']:.2f}x faster (target >= {TARGET_SPEEDUP:g}x): {verdict}")
+    g = f["generate_batch"]
+    print(f"without HTTP, generate_batch of the {f['requests']} prompts (--max-tokens new tokens each): "
+          f"{g['together_s']:.2f} s together, {g['one_at_a_time_s']:.2f} s one at a time ({g['speedup']:.2f}x)")
     if os.environ.get("HF_TPU_BENCH_DEBUG"):
         print(json.dumps(f, indent=1))
