@@ -105,3 +105,22 @@ def test_sequentially_offloaded_pipeline(sim, load_pipe):
         pipe.to("tpu")
     with hf_tpu.enabled("diffusers"), pytest.raises(ValueError, match=r"unet .* is sequentially offloaded"):
         pipe.to("tpu")
+
+
+def test_modular_pipeline_to_tpu_is_checked_too(sim, load_pipe):
+    """ModularPipeline.to is wrapped like DiffusionPipeline.to: a meta component is named, and reverted on exit."""
+    from diffusers.modular_pipelines import ModularPipeline, StableDiffusion3AutoBlocks
+
+    upstream = ModularPipeline.to
+    classic = load_pipe("sd3")
+    conv = classic.vae.decoder.conv_out
+    conv.weight = torch.nn.Parameter(torch.empty_like(conv.weight, device="meta"))
+    pipe = StableDiffusion3AutoBlocks().init_pipeline()
+    pipe.update_components(**{k: v for k, v in classic.components.items() if k in pipe.component_names and v})
+    with (
+        hf_tpu.enabled("diffusers"),
+        pytest.raises(ValueError, match=r"StableDiffusion3ModularPipeline.to\('tpu'\) .* vae \(AutoencoderKL\) has"),
+    ):
+        assert ModularPipeline.to is not upstream
+        pipe.to("tpu")
+    assert ModularPipeline.to is upstream
