@@ -1,8 +1,8 @@
 """The compiled graphs of the generation loop and the one place that runs them (:func:`_run`).
 
 Each graph kind (prefill, decode, encoder, seq2seq prefill/decode; with a device sampling plan, a variant of one)
-is its own top-level function, so that dynamo keeps one cache of compiled entries per kind. :func:`_run` runs the graph
-for one shape key: from the model's persistent compile cache when it has one (:mod:`hf_tpu.compile_cache`: loaded
+is its own top-level function, so that dynamo keeps one cache of compiled entries per kind. :func:`_run` runs the
+graph for one shape key: from the model's persistent compile cache when it has one (:mod:`hf_tpu.compile_cache`: loaded
 without tracing or compiling, or compiled ahead of time and stored), else through ``torch.compile``; in strict
 mode after warm-up it refuses a shape warm-up did not compile.
 """
