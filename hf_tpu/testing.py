@@ -72,8 +72,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "expand": 2, "conv_kernel": 4, "time_step_rank": 4, "chunk_size": 16,
         },
     ),
-    # multi-latent attention (keys 12 wide, values 8 wide); both layers dense (first_k_dense_replace=1 makes the
-    # second one MoE)
+    # multi-latent attention (its cache holds the compressed latent) with a dense first layer and a MoE second one
     "deepseek_v3": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
@@ -81,7 +80,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             **_DECODER, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4,
             "qk_nope_head_dim": 8, "v_head_dim": 8, "head_dim": 4, "moe_intermediate_size": 16,
             "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-            "first_k_dense_replace": 2, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "n_shared_experts": 1,
         },
     ),
     # multi-query attention: one KV head whatever num_kv_heads says

@@ -26,7 +26,7 @@ def _prompt(n: int, seed: int, vocab: int) -> torch.Tensor:
         "gemma3",  # sliding window (6 slots, shorter than the sequences) alternating with full attention
         "qwen3_5",  # Gated DeltaNet linear attention + full attention
         "mamba2",  # SSM only: conv + recurrent state
-        "deepseek_v3",  # multi-latent attention: keys and values of different widths
+        "deepseek_v3",  # multi-latent attention (a compressed latent cached) + MoE with the default experts
         "falcon",  # multi-query: one KV head, where the config's static-cache shape says 4
         "bart",  # encoder-decoder with 4 encoder and 2 decoder heads
     ],
