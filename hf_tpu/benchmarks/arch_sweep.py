@@ -135,6 +135,8 @@ def _shrunk(defaults: dict) -> dict:
     fields = {k: v for k, v in SHRINK.items() if k in defaults and (k != "sliding_window" or defaults[k])}
     if defaults.get("num_key_value_heads") is None:
         fields.pop("num_key_value_heads", None)
+    if "head_dim" in fields and "qk_rope_head_dim" in defaults:  # MLA: rotary embeddings sized by the rope part
+        fields["head_dim"] = SHRINK["qk_rope_head_dim"]
     if "layer_types" in defaults:
         fields["layer_types"] = None  # recomputed for the shrunk depth where the class knows how
     fields.update({k: v for k, v in _TOKENS.items() if k in defaults})
