@@ -172,5 +172,5 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
         )
     finally:
         for cb in started:  # uvicorn has stopped: stop the generation thread too, so that the process exits
-            cb.stop(block=True, timeout=30)
+            cb.stop(block=True, hard_stop=True)  # nothing is left to serve: fail what is pending
         revert(FEATURE)

@@ -103,7 +103,8 @@ def _typical_apply(scores, s, t, static, ctx):
 
     normalized = torch.nn.functional.log_softmax(scores, dim=-1)
     p = torch.exp(normalized)
-    ent = -(normalized * p).nansum(-1, keepdim=True)
+    terms = normalized * p  # -inf * 0 is nan where a logit was masked out: those terms count as 0 (nansum is
+    ent = -torch.where(terms.isnan(), 0.0, terms).sum(-1, keepdim=True)  # refused by torch-tpu 0.2.0)
     shifted = torch.abs((-normalized) - ent)
     sorted_scores, sorted_indices = torch.sort(shifted, descending=False)
     cumulative = scores.gather(-1, sorted_indices).softmax(dim=-1).cumsum(dim=-1)
