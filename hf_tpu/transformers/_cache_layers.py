@@ -93,6 +93,19 @@ def set_decoding(cache, decoding: bool) -> None:
             layer.decoding = decoding
 
 
+def prefill_mask(cache, mask, q: int):
+    """The 2D mask a prefill hands the model: the prompt's own ``q`` columns when the cache has linear-attention
+    layers (upstream zeroes their padded inputs with a mask of one column per input token), else ``mask`` whole, one
+    column per cache position (the keys the attention reads: models that derive a position bias from the mask, such
+    as Bloom's alibi, need one column per key; the causal mask reads either form)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    self_cache = getattr(cache, "self_attention_cache", cache)
+    if any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self_cache.layers):
+        return mask[:, :q]
+    return mask
+
+
 def decode_mask(cache, mask):
     """The 2D mask a decode step hands the model: ``mask`` (one column per cache position), followed, when the cache
     has sliding-window rings, by one column per ring slot saying whether the position it holds is a real token.

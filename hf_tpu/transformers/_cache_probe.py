@@ -90,6 +90,31 @@ def _run_probe(model) -> tuple[list[dict], list[dict] | None]:
         return [_layer_shapes(la, model.dtype) for la in cache.layers], None
 
 
+def _per_rank(model, shapes: list[dict] | None) -> list[dict] | None:
+    """``shapes`` with each layer's KV heads as THIS model's ranks hold them under tensor parallelism.
+
+    The probe builds the model's class from its config, unsharded; a model loaded with ``tp_size=N`` writes the heads
+    its plan leaves on each rank (sharded colwise, kept whole, or one selected head with hf_tpu's repeat strategy).
+    Upstream's ``get_kv_heads_per_rank`` (as hf_tpu's plan fixes patch it in :mod:`transformers.generation.utils`)
+    says how many, from the plan the model was sharded with."""
+    tp_size = getattr(model, "_tp_size", None) or 1
+    if tp_size <= 1 or shapes is None:
+        return shapes
+    from transformers.generation import utils as generation_utils
+
+    plan = getattr(model, "tp_plan", None) or {}
+    per_rank = []
+    for shape in shapes:
+        kv = shape.get("kv")
+        if kv is not None:
+            heads = generation_utils.get_kv_heads_per_rank(plan, kv[0], tp_size)
+            if heads is None:
+                raise ValueError(f"{kv[0]} KV heads cannot be evenly sharded over {tp_size} tensor-parallel ranks")
+            shape = {**shape, "kv": (int(heads), *kv[1:])}
+        per_rank.append(shape)
+    return per_rank
+
+
 def cache_shapes(model) -> tuple[list[dict], list[dict] | None]:
     """(self-attention layer shapes, cross-attention layer shapes or None), measured once per model.
 
@@ -97,7 +122,8 @@ def cache_shapes(model) -> tuple[list[dict], list[dict] | None]:
     found = _SHAPES.get(model)
     if found is None:
         try:
-            found = _run_probe(model)
+            self_shapes, cross_shapes = _run_probe(model)
+            found = (_per_rank(model, self_shapes), _per_rank(model, cross_shapes))
         except Exception as exc:  # noqa: BLE001 - any failure of a third-party forward on meta means "cannot size"
             raise CacheProbeError(
                 f"measuring the cache shapes of {type(model).__name__} on the meta device failed "

@@ -198,6 +198,12 @@ def _default_plan(model, input_ids):
 
     config, _ = model._prepare_generation_config(None)
     model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
+    # As upstream's generate does before building the processors: min_new_tokens also sets min_length (prompt +
+    # min_new_tokens), which adds a MinLengthLogitsProcessor, so the call runs "+min_length+min_new_tokens".
+    model._prepare_generated_length(
+        config, has_default_max_length=True, has_default_min_length=True, model_input_name="input_ids",
+        input_ids_length=input_ids.shape[1], inputs_tensor=input_ids,
+    )  # fmt: skip
     processors = model._get_logits_processor(
         generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
         logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={},

@@ -39,11 +39,12 @@ def _mark(sampling, tokens) -> None:
 
 
 def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
+    from hf_tpu.transformers._cache_layers import prefill_mask
+
     q = packed.shape[1] // 2
-    # The prompt's own mask (upstream's convention: past + current tokens); the cache pads it to its length, and
-    # linear-attention layers zero the padded inputs with it.
     out = model(
-        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=mask[:, :q], cache=cache, use_cache=True,
+        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=prefill_mask(cache, mask, q), cache=cache,
+        use_cache=True,
         return_dict=True, **extra,
     )  # fmt: skip
     return _last_logits(out, sampling)

@@ -40,9 +40,9 @@ def test_each_layer_kind_runs_the_bucketed_loop_like_cpu(family, pair):
     signatures = []
     for seed, n in enumerate(LENGTHS):
         ids = _prompt(n, seed, cpu.config.get_text_config(decoder=True).vocab_size)
-        expected = cpu.generate(ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
+        expected = cpu.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
         with hf_tpu.sim.stats() as s:
-            got = tpu.generate(ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
+            got = tpu.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
         assert torch.equal(got, expected), (n, got, expected)
         assert s.compiles == 0, n
         signatures.append(s.shape_signatures)
