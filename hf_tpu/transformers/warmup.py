@@ -125,13 +125,21 @@ def warmup(
     start = time.perf_counter()
     report = WarmupReport(prompt_buckets=prompt_buckets, batch_sizes=batch_sizes)
     bar = tqdm(plans, desc="hf_tpu warm-up", unit="shape", disable=not progress)
-    for plan in bar:
-        shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
-        bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
-        for key in generation._warm(model, plan, variant):
-            if key not in report.graphs:
-                report.graphs.append(key)
-    bar.close()
+    # A second warm-up (other sampling settings, more batch sizes) compiles what the first did not: strict mode
+    # refuses new graphs only outside warm-up. A warm-up that fails leaves the model as it found it.
+    was_warmed, state.warmed = state.warmed, False
+    try:
+        for plan in bar:
+            shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
+            bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
+            for key in generation._warm(model, plan, variant):
+                if key not in report.graphs:
+                    report.graphs.append(key)
+    except BaseException:
+        state.warmed = was_warmed
+        raise
+    finally:
+        bar.close()
     state.warmed = True
     report.seconds = time.perf_counter() - start
     cache = _settings._compile_cache(state)

@@ -87,6 +87,23 @@ def test_warmup_then_no_compiles_and_strict_names_the_shape(pair, prompts, monke
         generation.configure(tpu, strict=False)
 
 
+def test_a_second_strict_warmup_compiles_the_shapes_it_adds(llama, prompts):
+    _, tpu = llama
+    try:
+        hf_tpu.warmup(tpu, max_prompt_len=16, batch_sizes=[1], max_new_tokens=4, strict=True, progress=False)
+        # strict mode refuses a new graph in generate, but not in a later warm-up that adds it
+        hf_tpu.warmup(tpu, max_prompt_len=16, batch_sizes=[3], max_new_tokens=4, strict=True, progress=False)
+        ids, mask = prompts([5, 7, 9])
+        with hf_tpu.sim.stats() as s:
+            tpu.generate(ids, attention_mask=mask, max_new_tokens=4)
+        assert s.compiles == 0
+        with pytest.raises(generation.RecompileError, match="warm-up did not compile"):
+            ids, mask = prompts([5, 7, 9, 11])
+            tpu.generate(ids, attention_mask=mask, max_new_tokens=4)  # batch 4 was never warmed
+    finally:
+        generation.configure(tpu, strict=False)
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_at_most_one_small_copy_each_way_per_decode_step(llama, prompts, do_sample):
     _, tpu = llama
