@@ -119,14 +119,21 @@ _DISPATCH_MODULES = (
 )
 
 
+_SKIPPED: set[str] = set()  # the modules handed to dynamo's skip list in this process
+
+
 def register() -> None:
     """Make ``backend="tpu"`` this backend, keeping aside any ``"tpu"`` backend registered before (torch_tpu's),
     and keep dynamo out of the simulator's op kernels."""
     from torch._dynamo import trace_rules
     from torch._dynamo.backends import registry  # no _lazy_import(): this runs while dynamo is being imported
 
+    # Once per process: trace_rules.add appends to dynamo's skip list and recompiles one regex over all of it, so
+    # adding the same modules on every enable() made each later enable, and every file check while tracing, slower.
     for module in _DISPATCH_MODULES:
-        trace_rules.add(module)
+        if module not in _SKIPPED:
+            trace_rules.add(module)
+            _SKIPPED.add(module)
 
     current = registry._COMPILER_FNS.get("tpu")
     if current is tpu_backend:

@@ -29,6 +29,17 @@ def test_enable_is_idempotent_and_reconfigures():
         hf_tpu.sim.enable(generation="v99")
 
 
+def test_enabling_again_leaves_dynamos_skip_list_as_it_was():
+    from torch._dynamo import trace_rules
+
+    hf_tpu.sim.enable()
+    skipped = list(trace_rules.SKIP_DIRS)
+    for _ in range(3):  # test fixtures enable the simulator before every test
+        hf_tpu.sim.enable()
+    assert trace_rules.SKIP_DIRS == skipped
+    assert any("hf_tpu/sim/_ops" in d for d in skipped)  # dynamo still stays out of the simulator's kernels
+
+
 def test_round_trip_and_compute_match_cpu():
     x = torch.randn(4, 5)
     t = x.to("tpu")
