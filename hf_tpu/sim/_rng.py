@@ -75,7 +75,7 @@ class DeviceGenerator(_CGenerator):
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
-        return torch.device("tpu", 0)  # (not a module constant: "tpu" is a device name once the simulator registers it)
+        return torch.device("tpu", 0)  # not a module constant: "tpu" names a device once the simulator registers it
 
     def __repr__(self) -> str:
         return "<torch.Generator object on tpu:0 (simulated)>"

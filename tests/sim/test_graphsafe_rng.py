@@ -45,7 +45,8 @@ def test_device_generators_have_cudas_graph_safe_state_semantics():
 
     user = torch.Generator("tpu").manual_seed(11)  # a user's tpu generator has the same semantics
     copy = user.clone_state()
-    assert torch.equal(torch.rand(3, device="tpu", generator=user).cpu(), torch.rand(3, device="tpu", generator=copy).cpu())
+    drawn = [torch.rand(3, device="tpu", generator=g).cpu() for g in (user, copy)]
+    assert torch.equal(*drawn) and torch.equal(drawn[0], torch.rand(3, generator=torch.Generator().manual_seed(11)))
     with pytest.raises(RuntimeError, match="takes a tpu generator"):
         gen.graphsafe_set_state(torch.Generator())
 
@@ -58,7 +59,8 @@ class _Block(torch.nn.Module):
         self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = checkpoint(lambda t: torch.nn.functional.dropout(self.up(t), P, training=True), x, use_reentrant=False)
+        drop = lambda t: torch.nn.functional.dropout(self.up(t), P, training=True)  # noqa: E731
+        hidden = checkpoint(drop, x, use_reentrant=False)
         return self.down(hidden).pow(2).mean(), hidden
 
 
