@@ -95,6 +95,7 @@ def enable(generation: str = "v6e", hbm: int | None = None, emulate_precision: b
         _device_module,
         _meta_kernels,
         _precision,
+        _rng,
         _unsupported,
     )
 
@@ -103,6 +104,7 @@ def enable(generation: str = "v6e", hbm: int | None = None, emulate_precision: b
     _device.patch_untyped_storage_new()
     _compile.install()
     _meta_kernels.install()  # torch_tpu's meta kernels for compile (removed by hf_tpu.disable())
+    _rng.install()  # torch_tpu's graph-safe RNG registration for compile (undone by hf_tpu.disable())
     _accelerator.install()
     _accelerator.forget_cached_checks()
     _unsupported.install()

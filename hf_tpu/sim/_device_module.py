@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from hf_tpu.sim._ops import GENERATOR as _GENERATOR
+from hf_tpu.sim._rng import GENERATOR as _GENERATOR
 from hf_tpu.sim._precision import Precision, precision
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -217,6 +217,12 @@ def set_rng_state(new_state: torch.Tensor, device: Any = "tpu") -> None:
 
 
 default_generators = (_GENERATOR,)
+
+
+def _get_generator(device: torch.device) -> torch.Generator:
+    """The default generator of ``device`` (torch_tpu's ``_get_generator``: what AOTAutograd's graph-safe RNG asks
+    ``torch.<device>`` for; see hf_tpu/sim/_rng.py)."""
+    return default_generators[_index(device)]
 
 
 def get_device_name(device: Any = None) -> str:

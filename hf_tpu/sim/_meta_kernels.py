@@ -11,8 +11,9 @@ with "Expected inputs of BF16 type", while it traces on a TPU VM.
 The simulator's eager ``_grouped_mm`` follows the same rules (:func:`grouped_mm_eager`): the CPU kernel behind it
 has the CUDA kernel's alignment and int32 rules, torch_tpu's eager kernel does not.
 
-The wheel's other compile-time registrations are not meta kernels of aten ops: graph-safe RNG for the tpu device,
-``flex_attention``'s device check and dense backward, and the ``scan``/``associative_scan`` higher-order ops.
+The wheel's other compile-time registrations are not meta kernels of aten ops: graph-safe RNG for the tpu device
+(mirrored by :mod:`hf_tpu.sim._rng`), ``flex_attention``'s device check and dense backward, and the
+``scan``/``associative_scan`` higher-order ops.
 ``MIRRORED`` lists each mirrored kernel next to the wheel's function it follows; tests/contract/test_meta_kernels.py
 holds each to the wheel's and checks which aten meta kernels the wheel changes: besides ``_grouped_mm``, only the
 fused optimizers' C++ ones (``_fused_adamw_.tensor_lr``, ``_fused_sgd_``, ...), which accept anything and compute

@@ -17,6 +17,7 @@ import torch
 
 from hf_tpu.sim import _meta_kernels, _precision, _refused, _tensors
 from hf_tpu.sim._counters import STATE, SimStrictError
+from hf_tpu.sim._rng import GENERATOR, in_force
 from hf_tpu.sim._signature import BAKE, CONV, SKIP, count, keyed, kind
 from hf_tpu.sim._tensors import HV_CACHE, host_view, new_device_storage, rebind, wrap
 
@@ -29,9 +30,6 @@ _set_conj = torch._C._set_conj
 _set_neg = torch._C._set_neg
 _CPU_DEVICE = torch.device("cpu")
 _STRIDED = torch.strided
-
-# The device's random generator (torch_tpu keeps its own; torch.manual_seed seeds it through torch.tpu).
-GENERATOR = torch.Generator()
 
 _LIB: torch.library.Library | None = None
 _ATEN_LIB: torch.library.Library | None = None
@@ -322,12 +320,11 @@ def _generic(op: Any, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
             ckwargs[k] = v
     else:
         ckwargs = {}
-    if info.gen_index >= 0:
+    if info.gen_index >= 0:  # the device generator's state in force (see _rng: graph-safe RNG can swap it)
         if info.gen_kw or len(cargs) <= info.gen_index:
-            if ckwargs.get("generator") is None:
-                ckwargs["generator"] = GENERATOR
-        elif cargs[info.gen_index] is None:
-            cargs[info.gen_index] = GENERATOR
+            ckwargs["generator"] = in_force(ckwargs.get("generator") or GENERATOR)
+        else:
+            cargs[info.gen_index] = in_force(cargs[info.gen_index] or GENERATOR)
     if info.sync:
         host_sync(f"{info.name} has a data-dependent output shape")
     try:
@@ -441,7 +438,7 @@ def _native_dropout_impl(input: Tensor, p: float, train: bool | None) -> tuple[T
     if p >= 1:
         return torch.zeros_like(input), torch.zeros_like(input, dtype=torch.bool)
     keep = 1.0 - p
-    mask = _empty(input.shape, dtype=torch.bool).bernoulli_(keep, generator=GENERATOR)
+    mask = _empty(input.shape, dtype=torch.bool).bernoulli_(keep, generator=in_force(GENERATOR))
     return input * mask * (1.0 / keep), mask
 
 

@@ -5,7 +5,8 @@ Python (it exposes only ``is_available``, ``has_primary_context`` and ``is_built
 with torch's internal "You should register `PrivateUse1HooksInterface` ..." message:
 
 - ``torch.Generator(device="tpu")`` (``getNewGenerator``): torch.Generator becomes a thin class whose ``tpu``
-  instances are CPU generators reporting ``device == tpu:0``; the simulator's ops run their CPU kernels with them, so
+  instances are the simulator's device generators (:class:`hf_tpu.sim._rng.DeviceGenerator`: a CPU generator's
+  state reporting ``device == tpu:0``, with graph-safe state); the simulator's ops run their CPU kernels with it, so
   seeded sampling works as on torch_tpu (which has device generators). ``isinstance(g, torch.Generator)`` holds for
   every generator, C-made ones included.
 - ``untyped_storage().resize_()`` on a device storage (``resizePrivateUse1Bytes``): the native core's C++ hooks
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 
+from hf_tpu.sim._rng import DeviceGenerator
+
 __all__ = ["install"]
 
 _CGenerator = torch._C.Generator
@@ -35,17 +38,6 @@ def _is_tpu(device: Any) -> bool:
     return torch.device(device).type == "tpu"
 
 
-class _SimTpuGenerator(_CGenerator):
-    """A ``tpu`` generator of the simulated device: the CPU generator the device's CPU kernels draw from."""
-
-    @property
-    def device(self) -> torch.device:  # type: ignore[override]
-        return torch.device("tpu", 0)
-
-    def __repr__(self) -> str:
-        return "<torch.Generator object on tpu:0 (simulated)>"
-
-
 class _GeneratorMeta(type(_CGenerator)):  # type: ignore[misc]
     def __call__(cls, device: Any = "cpu") -> Any:
         if _is_tpu(device):
@@ -57,7 +49,7 @@ class _GeneratorMeta(type(_CGenerator)):  # type: ignore[misc]
                     f"{cls.__name__}(device={str(device)!r}): a subclass of torch.Generator cannot live on the "
                     "simulated tpu device; use torch.Generator('tpu') or a CPU generator."
                 )
-            return _SimTpuGenerator()
+            return DeviceGenerator()
         if cls is not Generator:  # a user's subclass of torch.Generator: built as usual
             return super().__call__(device)
         return _CGenerator(device)
