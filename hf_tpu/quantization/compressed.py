@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["PackedLayout", "dequantize_packed", "keep_packed_on_tpu", "unpack_codes"]
+__all__ = ["COMPRESSED_TENSORS_VERSIONS", "PackedLayout", "dequantize_packed", "keep_packed_on_tpu", "unpack_codes"]
 
+COMPRESSED_TENSORS_VERSIONS = ">=0.20,<0.21"
 _BITS = (2, 4, 8)
 
 
@@ -113,6 +114,19 @@ def _layout(module: torch.nn.Module) -> PackedLayout:
     return PackedLayout(weights.num_bits, str(weights.strategy), weights.group_size, (int(shape[0]), int(shape[1])))
 
 
+def _check_version() -> None:
+    from hf_tpu._patch import version_matches
+
+    ok, installed = version_matches("compressed-tensors", COMPRESSED_TENSORS_VERSIONS)
+    if not ok:
+        warnings.warn(
+            f"hf_tpu keeps compressed-tensors checkpoints packed on TPU as written for compressed-tensors"
+            f"{COMPRESSED_TENSORS_VERSIONS} (its pack_to_int32 layout and module state), but {installed} is installed. "
+            f"Applied anyway; if outputs differ from the CPU, pin compressed-tensors{COMPRESSED_TENSORS_VERSIONS}.",
+            stacklevel=4,
+        )
+
+
 def keep_packed_on_tpu(model: torch.nn.Module, compressor: Any) -> int:
     """Give every compressed Linear of ``model`` (loaded by transformers' compressed-tensors quantizer) the forward
     that dequantizes in the graph, and take off compressed-tensors' hook that would decompress the whole model on
@@ -140,6 +154,7 @@ def keep_packed_on_tpu(model: torch.nn.Module, compressor: Any) -> int:
             stacklevel=3,
         )
         return 0
+    _check_version()
     for _, module in modules:
         module._hf_tpu_packed = _layout(module)
         module.forward = types.MethodType(_packed_linear_forward, module)
