@@ -121,8 +121,9 @@ def _check_version() -> None:
     if not ok:
         warnings.warn(
             f"hf_tpu keeps compressed-tensors checkpoints packed on TPU as written for compressed-tensors"
-            f"{COMPRESSED_TENSORS_VERSIONS} (its pack_to_int32 layout and module state), but {installed} is installed. "
-            f"Applied anyway; if outputs differ from the CPU, pin compressed-tensors{COMPRESSED_TENSORS_VERSIONS}.",
+            f"{COMPRESSED_TENSORS_VERSIONS} (its pack_to_int32 layout and module state), but {installed} is "
+            f"installed. Applied anyway; if outputs differ from the CPU, pin "
+            f"compressed-tensors{COMPRESSED_TENSORS_VERSIONS}.",
             stacklevel=4,
         )
 
