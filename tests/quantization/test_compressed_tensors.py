@@ -1,7 +1,8 @@
 """compressed-tensors checkpoints (pack-quantized w8a16 and w4a16, as RedHatAI/neuralmagic models ship) made here with
-the compressed-tensors library's own API, loaded on tpu through transformers' compressed-tensors quantizer: the
-weights stay packed in device memory, dequantized per matmul inside the graph, and the model generates equal to the
-CPU loading the same checkpoint (where compressed-tensors decompresses it on the first forward)."""
+the compressed-tensors library's own API (hf_tpu.quantization.ct_checkpoint), loaded on tpu through transformers'
+compressed-tensors quantizer: the weights stay packed in device memory, dequantized per matmul inside the graph,
+and the model generates equal to the CPU loading the same checkpoint (where compressed-tensors decompresses it on
+the first forward)."""
 
 from __future__ import annotations
 
@@ -15,64 +16,11 @@ import hf_tpu
 import hf_tpu.sim
 from hf_tpu.quantization import weight_bytes
 
+from hf_tpu.quantization.ct_checkpoint import PRESETS, quantize_in_memory, save_compressed, scheme
+
 pytest.importorskip("compressed_tensors")
 
-# weights: (num_bits, strategy, group_size, symmetric); w8a16 per output channel (RedHatAI's w8a16 models), w4a16 the
-# compressed-tensors preset (groups of 128, symmetric)
-SCHEMES = {
-    "w8a16": (8, "channel", None, True),
-    "w4a16": (4, "group", 128, True),
-    "w4a16-asym": (4, "group", 128, False),
-    "w2a16-tensor": (2, "tensor", None, True),
-}
 LIMIT = {"w8a16": 0.55, "w4a16": 0.35}  # of the bf16 weights' device memory (the embedding table stays bf16)
-
-
-def _scheme(name: str, activations: bool = False):
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-
-    bits, strategy, group_size, symmetric = SCHEMES[name]
-    weights = QuantizationArgs(num_bits=bits, type="int", strategy=strategy, group_size=group_size,
-                               symmetric=symmetric)
-    inputs = QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True) if activations else None
-    return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
-
-
-def _quantize(model: torch.nn.Module, scheme) -> None:
-    """compressed-tensors' own calls: apply the scheme, min/max scales per strategy (calculate_qparams, what
-    llm-compressor's min-max observer computes), compress in memory."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
-    from compressed_tensors.quantization.utils import calculate_qparams, is_module_quantized
-
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
-    for module in model.modules():
-        if not is_module_quantized(module):
-            continue
-        args, weight = module.quantization_scheme.weights, module.weight.detach()
-        if args.strategy == "tensor":
-            low, high = weight.amin(), weight.amax()
-        elif args.strategy == "channel":
-            low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
-        else:
-            groups = weight.unflatten(-1, (-1, args.group_size))
-            low, high = groups.amin(-1), groups.amax(-1)
-        scale, zero_point = calculate_qparams(low, high, args)
-        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-        if hasattr(module, "weight_zero_point"):
-            module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
-        module.quantization_status = QuantizationStatus.FROZEN
-
-
-def _save_compressed(source, path, scheme) -> None:
-    from compressed_tensors.compressors import ModelCompressor
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
-    _quantize(model, scheme)
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    model.save_pretrained(path)
-    compressor.update_config(path)
 
 
 _CHECKPOINTS: dict[tuple[str, bool], object] = {}
@@ -86,7 +34,7 @@ def compressed_checkpoint(checkpoint, tmp_path_factory):
         key = (name, activations)
         if key not in _CHECKPOINTS:
             path = tmp_path_factory.mktemp("compressed") / f"{name}{'-a8' if activations else ''}"
-            _save_compressed(checkpoint, path, _scheme(name, activations))
+            save_compressed(checkpoint, path, name, activations)
             _CHECKPOINTS[key] = path
         return _CHECKPOINTS[key]
 
@@ -116,7 +64,7 @@ def compressed(compressed_checkpoint):
     return get
 
 
-@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_dequantize_packed_equals_compressed_tensors_decompress(name):
     """hf_tpu's in-graph dequantization against compressed-tensors' own decompression, on the CPU, for each
     weight layout it keeps packed (symmetric and asymmetric, per tensor, channel and group, 2/4/8 bits)."""
@@ -127,7 +75,7 @@ def test_dequantize_packed_equals_compressed_tensors_decompress(name):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 24, bias=False)).to(torch.bfloat16)
-    _quantize(model, _scheme(name))
+    quantize_in_memory(model, scheme(name))
     linear = model[0]
     compress_module(linear, "pack-quantized")
     assert linear.quantization_status == QuantizationStatus.COMPRESSED and _unsupported(linear) is None
