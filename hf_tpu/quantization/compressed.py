@@ -99,10 +99,11 @@ def _unsupported(module: torch.nn.Module) -> str | None:
         return "activation quantization"
     if fmt != "pack-quantized" or not hasattr(module, "weight_packed"):
         return f"format {fmt!r}"
-    if weights.type != "int" or weights.num_bits not in _BITS:
-        return f"{weights.num_bits}-bit {weights.type} weights"
-    if weights.strategy not in ("tensor", "channel", "group"):
-        return f"strategy {weights.strategy!r}"
+    kind, strategy = getattr(weights.type, "value", weights.type), getattr(weights.strategy, "value", weights.strategy)
+    if kind != "int" or weights.num_bits not in _BITS:
+        return f"{weights.num_bits}-bit {kind} weights"
+    if strategy not in ("tensor", "channel", "group"):
+        return f"strategy {strategy!r}"
     return None
 
 
@@ -111,7 +112,8 @@ def _layout(module: torch.nn.Module) -> PackedLayout:
     shape = module.weight_shape.tolist() if hasattr(module, "weight_shape") else None  # one host read, at load
     if shape is None:
         shape = [module.weight_packed.shape[0], module.weight_scale.shape[-1] * weights.group_size]
-    return PackedLayout(weights.num_bits, str(weights.strategy), weights.group_size, (int(shape[0]), int(shape[1])))
+    strategy = getattr(weights.strategy, "value", weights.strategy)  # a plain str in 0.20 (pydantic enum values)
+    return PackedLayout(weights.num_bits, strategy, weights.group_size, (int(shape[0]), int(shape[1])))
 
 
 def _check_version() -> None:

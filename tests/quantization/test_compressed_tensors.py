@@ -53,9 +53,10 @@ def compressed(compressed_checkpoint):
         if name not in _MODELS:
             path = compressed_checkpoint(name)
             before = hf_tpu.sim.memory_allocated()
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")  # kept packed: no warning that it will be decompressed
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 tpu = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="tpu").eval()
+            assert not [w for w in caught if "cannot stay packed" in str(w.message)]  # kept packed
             loaded = Loaded(tpu, hf_tpu.sim.memory_allocated() - before)
             cpu = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
             _MODELS[name] = loaded, cpu
