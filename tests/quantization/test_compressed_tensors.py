@@ -6,6 +6,7 @@ the first forward)."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -130,3 +131,27 @@ def test_activation_quantization_keeps_upstreams_path_with_a_warning(compressed_
     with pytest.warns(UserWarning, match="activation quantization cannot stay packed"):
         tpu = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="tpu").eval()
     assert not hasattr(tpu.model.layers[0].mlp.down_proj, "_hf_tpu_packed")
+
+
+def test_auto_puts_the_whole_packed_model_on_a_chip_too_small_for_bf16(compressed_checkpoint, loaded):
+    """device_map='auto' plans with the packed sizes: with free HBM below the bf16 weights (80%; the w4a16 ones are
+    31%, the rest is room for a forward's activations and one dequantized matrix), the w4a16 checkpoint lands whole
+    on the chip and stays packed."""
+    from transformers import AutoModelForCausalLM
+
+    bf16 = loaded("bf16").weights
+    path = compressed_checkpoint("w4a16")
+    gc.collect()
+    hf_tpu.sim.enable(hbm=hf_tpu.sim.memory_allocated() + int(0.8 * bf16))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="auto").eval()
+        assert getattr(model, "hf_device_map", {"": "tpu:0"}) == {"": "tpu:0"}
+        assert {str(p.device) for p in model.parameters()} == {"tpu:0"}
+        assert hasattr(model.model.layers[0].mlp.down_proj, "_hf_tpu_packed")
+        ids, _ = make_prompts([5], seed=2)
+        with torch.no_grad():
+            model(input_ids=ids.to("tpu"))  # runs within the small chip: nothing is decompressed
+        del model
+        gc.collect()
+    finally:
+        hf_tpu.sim.enable()
