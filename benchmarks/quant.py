@@ -1,4 +1,5 @@
-"""Quantized generate: bf16 vs int8 vs int4 through torchao configs (``hf_tpu.benchmarks.quant``).
+"""Quantized generate: bf16 vs int8 vs int4 (torchao configs) vs compressed-tensors w8a16/w4a16 checkpoints
+(``hf_tpu.benchmarks.quant``).
 
     PYTHONPATH=. python benchmarks/quant.py [--hidden 256 --layers 8 --new-tokens 16 ...]
 

@@ -1,7 +1,10 @@
-"""Quantized generate on the simulated tpu: bf16 vs int8 vs int4 (torchao configs), side by side in one run.
+"""Quantized generate on the simulated tpu: bf16 vs int8 vs int4 (torchao configs) vs compressed-tensors w8a16 and
+w4a16 checkpoints, side by side in one run.
 
-One tiny Llama checkpoint, loaded three times on the simulated ``tpu`` device with ``device_map="tpu"``: in bf16,
-with ``TorchAoConfig(Int8WeightOnlyConfig())`` and with ``TorchAoConfig(Int4WeightOnlyConfig(group_size=...))``.
+One tiny Llama checkpoint, loaded on the simulated ``tpu`` device with ``device_map="tpu"``: in bf16, with
+``TorchAoConfig(Int8WeightOnlyConfig())`` and with ``TorchAoConfig(Int4WeightOnlyConfig(group_size=...))``; and
+the same weights saved as compressed-tensors checkpoints (``ct-w8a16``: 8-bit per output channel, ``ct-w4a16``:
+4-bit in groups of 128; made with :mod:`hf_tpu.quantization.ct_checkpoint`), loaded with no ``quantization_config``.
 Each is warmed up with ``hf_tpu.warmup`` and then measured:
 
 - weight bytes on the device (the simulator's live-memory counter across the load) and their ratio to bf16
@@ -13,7 +16,7 @@ Each is warmed up with ``hf_tpu.warmup`` and then measured:
 - decode time per step on the simulator: (time of ``new`` tokens - time of 1 token) / (new - 1), medians.
 
 Run: ``hf-tpu bench quant`` (``--help`` for sizes), or ``python benchmarks/quant.py`` from a checkout. Needs torchao
-(``pip install 'hf-tpu[quant]'``). Prints a table and a JSON line.
+and compressed-tensors (``pip install 'hf-tpu[quant]'``). Prints a table and a JSON line.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ import torch
 
 __all__ = ["KINDS", "QUICK", "TARGET_PEAK", "TARGET_WEIGHTS", "add_arguments", "print_table", "run"]
 
-KINDS = ("bf16", "int8", "int4")
-TARGET_WEIGHTS = {"int8": 0.55, "int4": 0.35}
+KINDS = ("bf16", "int8", "int4", "ct-w8a16", "ct-w4a16")
+TARGET_WEIGHTS = {"int8": 0.55, "int4": 0.35, "ct-w8a16": 0.55, "ct-w4a16": 0.35}
 TARGET_PEAK = 0.10  # peak during generate at most 10% above weights + cache
 QUICK = {"hidden": 128, "layers": 2, "vocab": 128, "prompt": 8, "new_tokens": 4, "repeats": 1}
 
@@ -49,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(kind: str, group_size: int):
-    if kind == "bf16":
+    if kind == "bf16" or kind.startswith("ct-"):  # compressed-tensors: the checkpoint carries its config
         return None
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
     from transformers import TorchAoConfig
@@ -75,9 +78,9 @@ def _measure(kind: str, path: str, args: argparse.Namespace, ids: torch.Tensor) 
 
     gc.collect()
     before = hf_tpu.sim.memory_allocated()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, device_map="tpu", dtype=torch.bfloat16, quantization_config=_config(kind, args.group_size)
-    ).eval()
+    config = _config(kind, args.group_size)  # an explicit None would drop a checkpoint's own quantization_config
+    load = {} if config is None else {"quantization_config": config}
+    model = AutoModelForCausalLM.from_pretrained(path, device_map="tpu", dtype=torch.bfloat16, **load).eval()
     weights = hf_tpu.sim.memory_allocated() - before
     hf_tpu.warmup(model, max_prompt_len=args.prompt, batch_sizes=[1], max_new_tokens=args.new_tokens, progress=False)
     tokens = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)  # the cache stays allocated
@@ -114,8 +117,15 @@ def run(args: argparse.Namespace) -> dict:
     )
     ids = torch.randint(3, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory(prefix="hf-tpu-bench-quant-") as path:
+        from hf_tpu.quantization.ct_checkpoint import save_compressed
+
         tiny_model("llama", path, **geometry)
-        kinds = {kind: _measure(kind, path, args, ids) for kind in KINDS}
+        paths = {kind: path for kind in KINDS}
+        for kind in KINDS:
+            if kind.startswith("ct-"):
+                paths[kind] = os.path.join(path, kind)
+                save_compressed(path, paths[kind], kind[len("ct-") :])
+        kinds = {kind: _measure(kind, paths[kind], args, ids) for kind in KINDS}
     bf16 = kinds["bf16"]
     missed = []
     for kind, figures in kinds.items():
@@ -142,7 +152,7 @@ def print_table(record: dict) -> None:
         f"{args.new_tokens} new tokens; int4 group size {args.group_size}; simulated tpu"
     )
     header = (
-        f"{'kind':<6} {'weights':>10} {'vs bf16':>8} {'cache':>9} {'peak over w+c':>14} {'compiles':>8} "
+        f"{'kind':<8} {'weights':>10} {'vs bf16':>8} {'cache':>9} {'peak over w+c':>14} {'compiles':>8} "
         f"{'ms/step':>8} {'vs bf16':>8} {'tokens = bf16':>13}"
     )
     print(header)
@@ -151,7 +161,7 @@ def print_table(record: dict) -> None:
     for kind, f in record["kinds"].items():
         speed = f["decode_ms_per_step"] / bf16_ms if bf16_ms > 0 else float("nan")
         print(
-            f"{kind:<6} {f['weight_bytes']:>10} {f['weights_vs_bf16']:>8.1%} {f['cache_bytes']:>9} "
+            f"{kind:<8} {f['weight_bytes']:>10} {f['weights_vs_bf16']:>8.1%} {f['cache_bytes']:>9} "
             f"{f['peak_excess_ratio']:>14.1%} {f['compiles_after_warmup']:>8} {f['decode_ms_per_step']:>8.2f} "
             f"{speed:>7.2f}x {str(f['tokens_equal_bf16']):>13}"
         )

@@ -12,7 +12,8 @@ Users write transformers' and torchao's own calls; :func:`hf_tpu.enable` makes t
 
 int8 runs on torchao's own ``Int8Tensor``; int4 on :class:`~hf_tpu.quantization.int4.TpuInt4Tensor`, a layout
 that unpacks and dequantizes inside the compiled graph with ops torch-tpu implements. Fine-grained fp8 checkpoints
-keep their fp8 weights on the device (:mod:`hf_tpu.quantization.fp8`). See docs/quantization.md.
+keep their fp8 weights on the device (:mod:`hf_tpu.quantization.fp8`), compressed-tensors w8a16/w4a16 checkpoints
+their packed int32 weights (:mod:`hf_tpu.quantization.compressed`). See docs/quantization.md.
 :func:`weight_bytes` counts what a model's weights hold in device memory, quantized layouts included.
 
 torchao is imported only when a quantized model is loaded (or :mod:`hf_tpu.quantization.int4` is imported).

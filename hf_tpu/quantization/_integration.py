@@ -24,6 +24,11 @@ own extension point (its table of quantize handlers, ``register_quantize_module_
   fp8: ``FineGrainedFP8HfQuantizer.validate_environment`` (which, with no CUDA device, turns on ``dequantize`` and
   loads bf16) keeps them quantized when the device map is all ``tpu``, and ``FP8Linear.forward`` runs
   :func:`hf_tpu.quantization.fp8.fp8_block_linear` on a ``tpu`` weight (upstream's kernels elsewhere).
+- transformers: compressed-tensors checkpoints (``quant_method: compressed-tensors``, ``pack-quantized`` w8a16 and
+  w4a16) loaded on a ``tpu`` device stay packed: ``CompressedTensorsHfQuantizer._process_model_after_weight_loading``
+  (inherited from ``HfQuantizer``, a no-op) runs :func:`hf_tpu.quantization.compressed.keep_packed_on_tpu`, which
+  gives each compressed Linear a forward that dequantizes in the graph and takes off compressed-tensors' hook that
+  decompresses the whole model on its first forward. Models off the TPU are left to upstream.
 
 :func:`hf_tpu.disable` restores all of them.
 """
@@ -154,9 +159,31 @@ def _patch_fp8() -> None:
     patch(linear, "forward", fp8_forward, feature=FEATURE, package="transformers", versions=">=5.0,<6")
 
 
+def _patch_compressed_tensors() -> None:
+    from transformers.quantizers import quantizer_compressed_tensors
+
+    quantizer = quantizer_compressed_tensors.CompressedTensorsHfQuantizer
+    upstream = quantizer._process_model_after_weight_loading
+    upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
+
+    @functools.wraps(upstream)
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        result = upstream(self, model, **kwargs)
+        if not self.quantization_config.dequantize and self.quantization_config.is_quantization_compressed:
+            from hf_tpu.quantization.compressed import keep_packed_on_tpu
+
+            keep_packed_on_tpu(model, self.compressor)
+        return result
+
+    _process_model_after_weight_loading.__hf_tpu_upstream__ = upstream
+    patch(quantizer, "_process_model_after_weight_loading", _process_model_after_weight_loading, feature=FEATURE,
+          package="transformers", versions=">=5.0,<6")
+
+
 def apply() -> None:
     """Apply the quantization integration (called by :func:`hf_tpu.enable`)."""
     _patch_fp8()
+    _patch_compressed_tensors()
     from transformers.integrations import torchao as torchao_integration
     from transformers.quantizers import quantizer_torchao
 

@@ -1,10 +1,13 @@
-"""Self-test check of quantized models on the TPU (see :mod:`hf_tpu.selftest`): int8 and int4 weight-only.
+"""Self-test check of quantized models on the TPU (see :mod:`hf_tpu.selftest`): int8 and int4 weight-only, and a
+compressed-tensors w4a16 checkpoint kept packed.
 
 On a TPU VM this is the first run of torchao's int8 and hf_tpu's int4 layout on real chips: a tiny Llama (hidden
 128) loaded with ``TorchAoConfig(Int8WeightOnlyConfig())`` and ``TorchAoConfig(Int4WeightOnlyConfig(group_size=128))``
-on the device, warmed up, and its greedy tokens compared with the same quantized weights run on the CPU; it reports
-the weight bytes against bf16 and the time per generated token. What it cannot see: whether XLA keeps the
-dequantization fused into the matmul (HBM use during generate needs the chip's own profiler).
+on the device, warmed up, and its greedy tokens compared with the same quantized weights run on the CPU; the same
+model saved as a compressed-tensors w4a16 checkpoint, against the CPU decompressing it (the first run of hf_tpu's
+shift-and-mask unpacking on a chip). It reports the weight bytes against bf16 and the time per generated token.
+What it cannot see: whether XLA keeps the dequantization fused into the matmul (HBM use during generate needs the
+chip's own profiler).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from hf_tpu.selftest import CheckContext, SkipCheck, register_check
 
 @register_check(
     "quantization",
-    description="int8/int4 weight-only (torchao configs) generate on the device; tokens equal the CPU's",
+    description="int8/int4 weight-only (torchao configs) and a compressed-tensors w4a16 checkpoint generate on the "
+    "device; tokens equal the CPU's",
     quick=False,
     order=75,
 )
@@ -48,10 +52,22 @@ def _quantization(ctx: CheckContext) -> dict[str, Any]:
         bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
         bf16_bytes = weight_bytes(bf16)
         del bf16
-        for kind, config in configs.items():
-            load = dict(dtype=torch.bfloat16, quantization_config=TorchAoConfig(config))
-            model = AutoModelForCausalLM.from_pretrained(path, device_map=ctx.device, **load).eval()
-            reference = AutoModelForCausalLM.from_pretrained(path, device_map=ctx.device, **load).eval().to("cpu")
+        runs = {kind: (path, dict(quantization_config=TorchAoConfig(config))) for kind, config in configs.items()}
+        if importlib.util.find_spec("compressed_tensors") is not None:
+            from hf_tpu.quantization.ct_checkpoint import save_compressed
+
+            save_compressed(path, f"{path}/ct-w4a16", "w4a16")
+            runs["ct_w4a16"] = (f"{path}/ct-w4a16", {})  # the checkpoint carries its quantization_config
+        else:
+            figures["ct_w4a16"] = "skipped: compressed-tensors is not installed"
+        for kind, (source, quantization) in runs.items():
+            load = dict(dtype=torch.bfloat16, **quantization)
+            model = AutoModelForCausalLM.from_pretrained(source, device_map=ctx.device, **load).eval()
+            if kind.startswith("ct_"):  # the CPU decompresses the same checkpoint (compressed-tensors' own path)
+                reference = AutoModelForCausalLM.from_pretrained(source, **load).eval()
+            else:  # the same quantized weights, moved to the CPU
+                reference = AutoModelForCausalLM.from_pretrained(source, device_map=ctx.device, **load).eval()
+                reference = reference.to("cpu")
             figures[f"{kind}_weights_vs_bf16"] = round(weight_bytes(model) / bf16_bytes, 3)
             with ctx.measure(figures, f"{kind}_warmup"):
                 hf_tpu.warmup(model, max_prompt_len=16, batch_sizes=[1], max_new_tokens=new, progress=False)
