@@ -54,6 +54,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                         help="smallest step rung in tokens (default: 16; the rungs go up x4 to --max-batch-tokens)")
     parser.add_argument("--max-pending", type=_positive_int, default=None,
                         help="requests in flight before new ones get 429 (default: 4 x --slots)")  # fmt: skip
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="store the step graphs in DIR and load them in the next process "
+                        "(default: HF_TPU_COMPILE_CACHE, else none)")  # fmt: skip
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up (compiles on first requests)")
     # transformers serve's flags that apply here, passed through unchanged.
     parser.add_argument("--dtype", default="auto", help="model dtype (transformers serve's --dtype)")
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     runtime.require_tpu("hf-tpu serve")
     settings = {
         "kv_cache_gib": args.kv_cache_gib, "slots": args.slots, "max_batch_tokens": args.max_batch_tokens,
-        "q_min": args.min_step_tokens,
+        "q_min": args.min_step_tokens, "compile_cache": args.compile_cache,
     }  # fmt: skip
     serving.configure(**{k: v for k, v in settings.items() if v is not None})
     hf_tpu.enable()
