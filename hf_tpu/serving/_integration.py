@@ -60,7 +60,7 @@ def apply() -> None:
     def compute_batch(self, model, batch_data):
         if _runner._is_tpu(self.cache.device) and self.pad_inputs:
             _runner.normalize_step(self, batch_data)
-            _step_graphs.install(self)
+            _step_graphs.install(self, model)
             with _runner.compile_limits():
                 return compute(self, model, batch_data)
         return compute(self, model, batch_data)

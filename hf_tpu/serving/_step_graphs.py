@@ -4,7 +4,7 @@ Upstream (transformers 5.24) compiles its step (``ModelRunner._forward_process_a
 processing, sampling) with ``torch.compile`` and wraps the paged-cache update in ``torch.compiler.disable``, so the
 step is compiled in pieces between the layers' cache updates. On a ``tpu`` cache, hf_tpu traces the update
 (:func:`update`: upstream's own function, without the ``disable``): the step of one ``(query tokens, KV tokens
-read)`` shape is one graph.
+read)`` shape is one graph. (Not under tensor parallelism: there the step stays in pieces and is not cached.)
 
 With a compile cache (``hf_tpu.serving.configure(compile_cache=...)``, ``hf-tpu serve --compile-cache DIR`` or
 ``HF_TPU_COMPILE_CACHE``), each step shape's graph is compiled ahead of time and stored
@@ -38,13 +38,15 @@ def step(runner, model, batch_data, carry_over_ids, prev_output_ids, output_ids)
 
 
 def update(upstream_update):
-    """``PagedAttentionCache.update`` that dynamo traces on a ``tpu`` cache (upstream's function without its
-    ``torch.compiler.disable``), upstream's unchanged elsewhere."""
+    """``PagedAttentionCache.update`` that dynamo traces on a ``tpu`` cache of a model that is not sharded
+    (upstream's function without its ``torch.compiler.disable``; :func:`install` marks the cache), upstream's
+    unchanged elsewhere. Under tensor parallelism the update stays out of the graph: AOTAutograd refuses mutated
+    aliased inputs (the cache's views) in a graph with tensor subclasses (the sharded weights)."""
     traced = getattr(upstream_update, "__wrapped__", upstream_update)
 
     @functools.wraps(traced)
     def _update(self, key_states, value_states, layer_idx, kwargs):
-        if getattr(self.device, "type", None) == "tpu":
+        if getattr(self, "_hf_tpu_traced_update", False):
             return traced(self, key_states, value_states, layer_idx, kwargs)
         return upstream_update(self, key_states, value_states, layer_idx, kwargs)
 
@@ -122,14 +124,17 @@ class StepGraphs:
 _STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def install(runner) -> None:
-    """Serve the runner's varlen step from the compile cache, when there is one (once per runner)."""
+def install(runner, model) -> None:
+    """Once per runner: trace the cache update (one graph per step shape) unless the model is sharded, and serve the
+    varlen step from the compile cache when there is one."""
     if runner in _STATE:
         return
     from hf_tpu.serving._runner import compile_cache
 
+    sharded = getattr(model, "_device_mesh", None) is not None
+    runner.cache._hf_tpu_traced_update = not sharded
     cache = compile_cache()
-    if cache is None or runner._compiled_varlen is None:
+    if cache is None or sharded or runner._compiled_varlen is None:
         _STATE[runner] = None
         return
     _STATE[runner] = StepGraphs(runner, cache, runner._compiled_varlen)
