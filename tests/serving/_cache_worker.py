@@ -12,8 +12,8 @@ import sys
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-# One request per step, pages of 256 tokens: one query rung (32) and KV rungs 0/256, 2 step shapes.
-SETTINGS = {"max_batch_tokens": 32, "q_min": 32, "slots": 1, "page_size": 256, "kv_factor": 4}
+# Two requests per step, pages of 256 tokens: one query rung (32) and KV rungs 0/256/512, 3 step shapes.
+SETTINGS = {"max_batch_tokens": 32, "q_min": 32, "slots": 2, "page_size": 256, "kv_factor": 4}
 NEW = 4
 
 

@@ -49,7 +49,7 @@ def test_a_second_process_loads_every_step_graph_and_compiles_nothing(tmp_path):
     finally:
         serving.configure(**saved)
     assert cold["tokens"] == expected and not cold["problems"]
-    shapes = 2  # SETTINGS' ladder: query rung 32 x KV rungs 0 and 256, one graph each
+    shapes = 3  # SETTINGS' ladder: query rung 32 x KV rungs 0, 256 and 512, one graph each
     assert SETTINGS["page_size"] == 256 and cold["compiles"] == shapes and cold["hits"] == 0
     warm = _second_process(tmp_path / "model", cache, prompts)
     assert warm["tokens"] == expected and not warm["problems"]

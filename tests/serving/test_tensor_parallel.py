@@ -27,7 +27,7 @@ def test_tp2_server_answers_equal_cpu_greedy_and_sigterm_ends_every_rank(tmp_pat
         out = cpu.generate(ids, max_new_tokens=4 + i, do_sample=False, repetition_penalty=1.0)
         expected.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 
-    with running_server(tmp_path, "--tp", "2") as server:
+    with running_server(tmp_path, "--tp", "2", "--slots", "2") as server:  # KV rungs 0, 256, 512: 3 step shapes
         ranks = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if "tensor_parallel" in
                  " ".join(p.cmdline())]  # fmt: skip
         assert len(ranks) == 2, [p.cmdline() for p in ranks]
