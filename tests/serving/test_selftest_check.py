@@ -17,6 +17,7 @@ def test_serving_check_passes_and_compiles_nothing_after_warm_up():
 def test_serving_check_is_skipped_without_the_serve_extras(monkeypatch):
     selftest.discover()
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else find_spec(name, *a))
+    hidden = lambda name, *a: None if name == "fastapi" else find_spec(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
     with pytest.raises(selftest.SkipCheck, match=r"serve extras are not installed \(fastapi\).*hf-tpu\[serve\]"):
         selftest.checks()["serving"].fn(selftest.CheckContext())
