@@ -79,11 +79,20 @@ def _namespace(cache, runner, model):
         "cache": [runner.cache.num_blocks, cb.page_size, runner.cache.max_batch_tokens],
         "slots": cb.max_requests_per_batch,
         "io": type(runner.inputs_and_outputs).__name__,
-        "sampling": [runner.do_sample, runner.return_logprobs, repr(runner.logit_processor)],
+        "sampling": [runner.do_sample, runner.return_logprobs, _processors(runner.logit_processor)],
         "backend": getattr(compile_config, "backend", "tpu"),
         "source": hashlib.sha256(source.encode()).hexdigest(),
     }
     return cache.namespace("continuous-batching", parts)
+
+
+def _processors(cb_processors) -> list:
+    """The logits processors by class and plain settings (their default repr holds memory addresses)."""
+    plain = (bool, int, float, str, type(None))
+    return [
+        [type(p).__name__, {k: v for k, v in sorted(vars(p).items()) if isinstance(v, plain)}]
+        for p in getattr(cb_processors, "logits_processor", ())
+    ] + [getattr(cb_processors, "tensors_required", None)]
 
 
 class StepGraphs:
