@@ -9,7 +9,8 @@ where it listens. Endpoints are transformers' (``/v1/chat/completions``, ``/v1/c
 Example:
     $ hf-tpu serve --simulate
     $ hf-tpu serve ./my-model --port 8080 --kv-cache-gib 4
-    $ hf-tpu serve ./my-model --tp 4 --compile-cache ~/.cache/hf_tpu/compile
+    $ hf-tpu serve ./my-model --compile-cache ~/.cache/hf_tpu/compile
+    $ hf-tpu serve ./my-model --tp 4
     $ curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "The king said", "max_tokens": 16}'
 """
 
