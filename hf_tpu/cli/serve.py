@@ -9,6 +9,8 @@ where it listens. Endpoints are transformers' (``/v1/chat/completions``, ``/v1/c
 Example:
     $ hf-tpu serve --simulate
     $ hf-tpu serve ./my-model --port 8080 --kv-cache-gib 4
+    $ hf-tpu serve ./my-model --compile-cache ~/.cache/hf_tpu/compile
+    $ hf-tpu serve ./my-model --tp 4
     $ curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "The king said", "max_tokens": 16}'
 """
 
@@ -54,6 +56,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                         help="smallest step rung in tokens (default: 16; the rungs go up x4 to --max-batch-tokens)")
     parser.add_argument("--max-pending", type=_positive_int, default=None,
                         help="requests in flight before new ones get 429 (default: 4 x --slots)")  # fmt: skip
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="store the step graphs in DIR and load them in the next process "
+                        "(default: HF_TPU_COMPILE_CACHE, else none)")  # fmt: skip
+    parser.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+                        help="tensor parallel over N chips: one process per chip through hf-tpu launch; rank 0 "
+                        "serves HTTP (default: 1)")  # fmt: skip
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up (compiles on first requests)")
     # transformers serve's flags that apply here, passed through unchanged.
     parser.add_argument("--dtype", default="auto", help="model dtype (transformers serve's --dtype)")
@@ -79,6 +87,12 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as exc:
         raise UserError(f"hf-tpu serve needs {exc.name}: pip install 'hf-tpu[serve]'") from None
+    from hf_tpu.serving import tensor_parallel
+
+    rank = os.environ.get("RANK") if os.environ.get(tensor_parallel.TP_ENV) else None
+    if args.tp > 1 and rank is None:  # the parent: start one rank per chip, each runs this command
+        simulate = bool(args.simulate or os.environ.get("HF_TPU_SIMULATE"))
+        return tensor_parallel.launch(_without_tp(args.argv), args.tp, simulate=simulate)
     if args.model is None:
         from hf_tpu.assets import default_model_path
 
@@ -88,10 +102,14 @@ def run(args: argparse.Namespace) -> int:
     runtime.require_tpu("hf-tpu serve")
     settings = {
         "kv_cache_gib": args.kv_cache_gib, "slots": args.slots, "max_batch_tokens": args.max_batch_tokens,
-        "q_min": args.min_step_tokens,
+        "q_min": args.min_step_tokens, "compile_cache": args.compile_cache,
     }  # fmt: skip
     serving.configure(**{k: v for k, v in settings.items() if v is not None})
     hf_tpu.enable()
+    if rank not in (None, "0"):
+        tensor_parallel.follow(model, args.tp, warmup=not args.no_warmup, dtype=args.dtype,
+                               attn_implementation=args.attn_implementation)  # fmt: skip
+        return 0
     from hf_tpu.serving.server import run_server
 
     max_pending = args.max_pending or 4 * serving.SETTINGS.slots
@@ -99,6 +117,19 @@ def run(args: argparse.Namespace) -> int:
     run_server(
         model, host=args.host, port=args.port, max_pending=max_pending, warmup=not args.no_warmup, aliases=aliases,
         dtype=args.dtype, attn_implementation=args.attn_implementation, log_level=args.log_level,
-        enable_cors=args.enable_cors, default_seed=args.default_seed,
+        enable_cors=args.enable_cors, default_seed=args.default_seed, tp=args.tp,
     )  # fmt: skip
     return 0
+
+
+def _without_tp(argv: list[str]) -> list[str]:
+    """``hf-tpu serve``'s arguments as given, without the command name and ``--tp``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--tp":
+            skip = True
+        elif not arg.startswith("--tp=") and arg != "serve":
+            out.append(arg)
+    return out

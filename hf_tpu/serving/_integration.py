@@ -6,8 +6,11 @@ each one calls upstream unchanged when the model is not on a ``tpu`` device:
 
 * ``ContinuousBatchingManager.__init__``: completes the continuous-batching config (:func:`~._runner.tpu_config`);
 * ``ModelRunner.maybe_pad_inputs``: pads every step to the step ladder (:mod:`hf_tpu.serving.ladder`);
-* ``ModelRunner.compute_batch``: hands the forward shape-determined integers only;
-* ``ModelRunner.warmup``: compiles every rung pair of the ladder.
+* ``ModelRunner.compute_batch``: hands the forward shape-determined integers only, and serves the step graphs from
+  the persistent compile cache when there is one (:mod:`~hf_tpu.serving._step_graphs`);
+* ``ModelRunner.warmup``: compiles every rung pair of the ladder;
+* ``PagedAttentionCache.update``: traced by dynamo on a ``tpu`` cache (one graph per step shape, not pieces between
+  the layers' cache updates).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ def _unwrap(owner, name):
 
 
 def apply() -> None:
-    from transformers.generation.continuous_batching import continuous_api, model_runner
+    from transformers.generation.continuous_batching import cache, continuous_api, model_runner
 
-    from hf_tpu.serving import _runner
+    from hf_tpu.serving import _runner, _step_graphs
 
     manager_cls = continuous_api.ContinuousBatchingManager
     runner_cls = model_runner.ModelRunner
@@ -38,6 +41,8 @@ def apply() -> None:
     pad = _unwrap(runner_cls, "maybe_pad_inputs")
     compute = _unwrap(runner_cls, "compute_batch")
     warm = _unwrap(runner_cls, "warmup")
+    cache_cls = cache.PagedAttentionCache
+    cache_update = _unwrap(cache_cls, "update")
 
     @functools.wraps(init)
     def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None):
@@ -55,6 +60,7 @@ def apply() -> None:
     def compute_batch(self, model, batch_data):
         if _runner._is_tpu(self.cache.device) and self.pad_inputs:
             _runner.normalize_step(self, batch_data)
+            _step_graphs.install(self, model)
             with _runner.compile_limits():
                 return compute(self, model, batch_data)
         return compute(self, model, batch_data)
@@ -68,7 +74,9 @@ def apply() -> None:
                 return _runner.warm_all_shapes(self, model)
         return warm(self, model)
 
+    update = _step_graphs.update(cache_update)
     for owner, name, fn, original in (
+        (cache_cls, "update", update, cache_update),
         (manager_cls, "__init__", __init__, init),
         (runner_cls, "maybe_pad_inputs", maybe_pad_inputs, pad),
         (runner_cls, "compute_batch", compute_batch, compute),

@@ -20,6 +20,7 @@ import copy
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from hf_tpu.serving.ladder import StepLadder
 
@@ -36,7 +37,9 @@ class ServingSettings:
     requests in one step (``max_requests_per_batch``), also the number of full-length requests the KV cache is
     sized for. ``kv_cache_gib``: a cap on the KV cache (default: ``HF_TPU_KV_CACHE_GIB``, else none).
     ``page_size``: tokens per KV page (None: upstream's default). ``q_min``/``q_factor``/``kv_factor``: the step
-    ladder (:meth:`~hf_tpu.serving.ladder.StepLadder.build`).
+    ladder (:meth:`~hf_tpu.serving.ladder.StepLadder.build`). ``compile_cache``: where the step graphs are stored
+    and loaded (a directory or a :class:`~hf_tpu.compile_cache.CompileCache`; None: ``HF_TPU_COMPILE_CACHE``, else
+    none; False: none).
     """
 
     max_batch_tokens: int = 256
@@ -46,6 +49,7 @@ class ServingSettings:
     q_min: int = 16
     q_factor: int = 4
     kv_factor: int = 4
+    compile_cache: Any = None
 
 
 def configure(**values) -> ServingSettings:
@@ -64,6 +68,22 @@ def configure(**values) -> ServingSettings:
 
 
 SETTINGS = ServingSettings()
+_CACHES: dict[Any, Any] = {}
+
+
+def compile_cache():
+    """The compile cache of :data:`SETTINGS` (``compile_cache``, else ``HF_TPU_COMPILE_CACHE``), or None."""
+    from hf_tpu.compile_cache import ENV, CompileCache
+
+    value = SETTINGS.compile_cache
+    if value is None:
+        value = os.environ.get(ENV, "").strip() or None
+    if isinstance(value, (str, os.PathLike)):
+        value = os.fspath(value)
+        if value not in _CACHES:  # one CompileCache per directory: its problems are reported once
+            _CACHES[value] = CompileCache(value)
+        return _CACHES[value]
+    return CompileCache.coerce(value)
 
 
 def _is_tpu(device) -> bool:

@@ -89,8 +89,9 @@ def _metrics_hook(cb, metrics):
 
 
 def _prepare(app, model_manager, generation_state, *, aliases: set[str], max_pending: int, warmup: bool, out,
-             started: list):  # fmt: skip
-    """Load, warm up and start the model's continuous-batching manager; return the guarded app."""
+             started: list, tp: int = 1):  # fmt: skip
+    """Load, warm up and start the model's continuous-batching manager; return the guarded app. With ``tp > 1``
+    (rank 0 of ``hf-tpu serve --tp``) the model is loaded sharded (:mod:`hf_tpu.serving.tensor_parallel`)."""
     from fastapi.responses import JSONResponse
 
     from hf_tpu.serving._guard import Guard, PromptTooLongError
@@ -98,6 +99,14 @@ def _prepare(app, model_manager, generation_state, *, aliases: set[str], max_pen
 
     forced = model_manager.force_model
     model_id = model_manager.process_model_name(forced)
+    if tp > 1:
+        from hf_tpu.serving.tensor_parallel import load_sharded
+
+        def _load_model(*_args, **_kwargs):
+            dtype, attn = model_manager.dtype, model_manager.attn_implementation
+            return load_sharded(forced, tp, dtype=dtype, attn_implementation=attn)
+
+        patch(model_manager, "_load_model", _load_model, feature=FEATURE)
     start = time.perf_counter()
     model, _processor = model_manager.load_model_and_processor(model_id)
     gen_manager = generation_state.get_manager(model_id, use_cb=True)
@@ -142,8 +151,9 @@ def _prepare(app, model_manager, generation_state, *, aliases: set[str], max_pen
 
 
 def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bool = True, aliases=(), out=None,
-               **serve_flags) -> None:  # fmt: skip
-    """Run transformers' server for ``model`` on the TPU until it is stopped (SIGINT/SIGTERM)."""
+               tp: int = 1, **serve_flags) -> None:  # fmt: skip
+    """Run transformers' server for ``model`` on the TPU until it is stopped (SIGINT/SIGTERM); ``tp > 1``: as rank
+    0 of ``hf-tpu serve --tp`` (:mod:`hf_tpu.serving.tensor_parallel`)."""
     import sys
 
     from transformers.cli import serve as serve_cli
@@ -158,9 +168,10 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
         app = upstream(model_manager, *args, **kwargs)
         guarded = _prepare(
             app, model_manager, kwargs["generation_state"], aliases=set(aliases), max_pending=max_pending,
-            warmup=warmup, out=out, started=started,
+            warmup=warmup, out=out, started=started, tp=tp,
         )  # fmt: skip
-        print(f"hf-tpu serve: listening on http://{host}:{port} (OpenAI API under /v1, metrics at /metrics)",
+        ranks = f", tensor parallel over {tp} ranks" if tp > 1 else ""
+        print(f"hf-tpu serve: listening on http://{host}:{port} (OpenAI API under /v1, metrics at /metrics{ranks})",
               file=out, flush=True)  # fmt: skip
         return guarded
 

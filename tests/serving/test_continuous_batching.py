@@ -27,7 +27,7 @@ def test_generate_batch_matches_cpu_greedy_with_static_step_shapes(pair):
         manager = tpu._cached_continuous_batching_manager
         runner = manager.batch_processor.model_runner
         ladder = runner._hf_tpu_ladder
-        assert ladder == StepLadder((32,), (0, 64, 512, 1024))
+        assert ladder == StepLadder((32,), (0, 64, 1024))
         assert serving.compiled_shapes(tpu) <= set(ladder.shapes)  # every step ran on a rung pair
         # The paged cache is sized for 4 requests of the model's length, not from the host's RAM.
         cache = runner.cache
