@@ -14,8 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def pytest_sessionstart(session):
     """In CI every optional dependency of the test command is installed: a missing one is a failure there, so that
-    the tests that need it (jax for the kernels, peft for LoRA, torchao and compressed-tensors for quantization, fastapi/uvicorn/openai/
-    prometheus_client for tests/serving) cannot be skipped unnoticed."""
+    the tests that need it (jax for the kernels, peft for LoRA, torchao and compressed-tensors for quantization,
+    fastapi/uvicorn/openai/prometheus_client for tests/serving) cannot be skipped unnoticed."""
     if os.environ.get("CI", "").lower() != "true":
         return
     import importlib.util
