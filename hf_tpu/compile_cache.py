@@ -247,8 +247,9 @@ class Namespace:
 
     # -- graphs ---------------------------------------------------------------------------------------------------
 
-    def load(self, graph_id: str, describe: str = "graph") -> Callable | None:
-        """The stored graph, deserialized; None when absent, or (reported) corrupt or from another version."""
+    def load(self, graph_id: str, describe: str = "graph", roots: tuple = ()) -> Callable | None:
+        """The stored graph, deserialized; None when absent, or (reported) corrupt or from another version.
+        ``roots``: the modules the graph runs (see :mod:`hf_tpu._capture_registry`)."""
         path = self.graph_path(graph_id)
         if not path.exists():
             return None
@@ -270,10 +271,17 @@ class Namespace:
 
         import torch
 
+        from hf_tpu._capture_registry import stable_positions
+
         try:
-            return torch.compiler.load_compiled_function(io.BytesIO(payload))
+            with stable_positions(roots):
+                return torch.compiler.load_compiled_function(io.BytesIO(payload))
         except Exception as exc:  # noqa: BLE001 - any failure to deserialize means: compile instead
-            self.cache.report(f"{path} could not be loaded ({type(exc).__name__}: {exc}); compiling the {describe}")
+            logger.debug("loading %s failed", path, exc_info=True)
+            self.cache.report(
+                f"{path} could not be loaded ({type(exc).__name__}: {exc}, raised {_where(exc)}); compiling the "
+                f"{describe}"
+            )
             return None
 
     def save(self, graph_id: str, compiled: Any, describe: str = "graph") -> None:
@@ -291,15 +299,19 @@ class Namespace:
     ) -> Callable | None:
         """The graph of ``fn`` for ``args``: loaded (nothing traced or compiled) or compiled ahead of time with
         ``backend`` and stored. None when neither works (reported; the caller compiles as usual)."""
-        loaded = self.load(graph_id, describe)
+        roots = tuple(args)  # the modules among them: see hf_tpu._capture_registry
+        loaded = self.load(graph_id, describe, roots)
         if loaded is not None:
             return _Guarded(self.cache, loaded, describe, from_disk=True)
         import torch
 
+        from hf_tpu._capture_registry import stable_positions
+
         try:
-            compiled = torch.compile(
-                fn, backend=backend, fullgraph=True, dynamic=False, options={"guard_filter_fn": _portable_guards}
-            ).aot_compile((args, {}))
+            with stable_positions(roots):
+                compiled = torch.compile(
+                    fn, backend=backend, fullgraph=True, dynamic=False, options={"guard_filter_fn": _portable_guards}
+                ).aot_compile((args, {}))
         except Exception as exc:  # noqa: BLE001 - e.g. a backend whose output cannot be serialized
             self.cache.report(
                 f"cannot compile the {describe} ahead of time ({type(exc).__name__}: {exc}); compiling it as usual"
@@ -339,6 +351,21 @@ class Namespace:
                     _atomic_write(self.manifest_path, payload)
         except OSError as exc:
             self.cache.report(f"cannot write {self.manifest_path} ({exc})")
+
+
+def _where(exc: BaseException) -> str:
+    """Where ``exc`` was raised, as ``in FUNCTION (FILE:LINE)`` of the innermost frame in a file (not ``<string>``), so
+    that a failure deep in torch's loader names the step that failed (``get_value (torch/_guards.py:...)``: a guard's
+    source evaluated while the graph's guards were rebuilt; ``deserialize``: the payload itself). The full traceback
+    is logged at debug level (logger ``hf_tpu.compile_cache``)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    if not frames:
+        return "while loading"
+    f = frames[-1]
+    parts = Path(f.filename).parts
+    return f"in {f.name} ({'/'.join(parts[-3:])}:{f.lineno})"
 
 
 # Graphs loaded from any compile cache in this process (warm-up reports the difference).

@@ -1,8 +1,10 @@
 """One process of the compile-cache tests: warm up a saved model with a cache directory, generate, compare with CPU.
 
-    python _cache_worker.py MODEL_DIR CACHE_DIR [EXPERTS]  ->  prints one JSON line with the counters
+    python _cache_worker.py MODEL_DIR CACHE_DIR [EXPERTS] [--build-first=MODEL_TYPE]  ->  prints one JSON line
 
 ``EXPERTS``: the model's experts implementation (``ragged_dot_tpu``: hf_tpu's Hub kernel, registered first).
+``--build-first``: build a tiny model of another family first, as a process that served other models has (process-wide
+state such as transformers' registry of output-capturing classes then differs from a fresh process's).
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ import time
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 
-def main(model_dir: str, cache_dir: str, experts: str | None = None) -> None:
+def main(model_dir: str, cache_dir: str, experts: str | None = None, build_first: str | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
     import hf_tpu
     import hf_tpu.sim
+
+    if build_first is not None:
+        from hf_tpu.testing import tiny_config
+
+        AutoModelForCausalLM.from_config(tiny_config(build_first, vocab_size=96))
 
     hf_tpu.sim.enable()
     hf_tpu.enable("generation")
@@ -55,4 +62,5 @@ def main(model_dir: str, cache_dir: str, experts: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    flags = dict(a[2:].replace("-", "_").split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
+    main(*[a for a in sys.argv[1:] if not a.startswith("--")], **flags)
