@@ -39,9 +39,15 @@ def load(model_dir):
     return _load
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _training_enabled():
+    # Per module, and undone after it: a later test in the same worker must not inherit one CPU thread or the
+    # training integration (dynamo's global-state guard of a graph saved to the compile cache records num_threads).
     hf_tpu.sim.enable()
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    with hf_tpu.enabled("training"):
-        yield
+    try:
+        with hf_tpu.enabled("training"):
+            yield
+    finally:
+        torch.set_num_threads(threads)
