@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-import json
 import weakref
 from typing import Any
 
@@ -55,26 +54,16 @@ def update(upstream_update):
 
 def _namespace(cache, runner, model):
     """Everything a step graph depends on besides its shape and the weights."""
-    import transformers
-
-    from hf_tpu.serving import _runner
-
-    config = model.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "name_or_path"):
-        config.pop(volatile, None)
-    cb = runner.cb_config
-    compile_config = cb.varlen_compile_config
     from transformers.generation.continuous_batching import input_outputs, model_runner
 
+    from hf_tpu.serving import _runner
+    from hf_tpu.transformers._graphs import model_identity
+
+    cb = runner.cb_config
+    compile_config = cb.varlen_compile_config
     source = "".join(inspect.getsource(m) for m in (inspect.getmodule(step), _runner, model_runner, input_outputs))
-    cls = type(model)
     parts = {
-        "transformers": transformers.__version__,
-        "model_class": f"{cls.__module__}.{cls.__qualname__}",
-        "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "dtype": str(model.dtype),
-        "device": model.device.type,
+        **model_identity(model),
         "ladder": [list(r) for r in (_runner.ladder_of(runner).q_rungs, _runner.ladder_of(runner).kv_rungs)],
         "cache": [runner.cache.num_blocks, cb.page_size, runner.cache.max_batch_tokens],
         "slots": cb.max_requests_per_batch,

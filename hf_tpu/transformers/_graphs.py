@@ -141,10 +141,11 @@ def _graph_id(key: tuple, args: tuple) -> str:
     return repr((key, constants))
 
 
-def _namespace(cache, model, state: _ModelState):
-    """The model's namespace in the compile cache: everything a graph depends on besides its shapes and weights."""
+def model_identity(model) -> dict[str, Any]:
+    """What a compiled graph of ``model`` depends on besides its shapes and weights: transformers' version, the
+    model class, a hash of its config (paths and versions left out), attention implementation, dtype and device
+    type. Generation's and serving's compile-cache namespaces start from it."""
     import hashlib
-    import inspect
     import json
 
     import transformers
@@ -152,21 +153,31 @@ def _namespace(cache, model, state: _ModelState):
     config = model.config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "name_or_path"):
         config.pop(volatile, None)
-    settings = state.settings
-    backend = _backend_for(settings, model.device)
     cls = type(model)
-    from hf_tpu.transformers import sampling
-    from hf_tpu.transformers.sampling import _processors, _registry, _warpers
-
-    modules = (inspect.getmodule(_run), sampling, _registry, _processors, _warpers)
-    source = "".join(inspect.getsource(m) for m in modules)
-    parts = {
+    return {
         "transformers": transformers.__version__,
         "model_class": f"{cls.__module__}.{cls.__qualname__}",
         "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "dtype": str(model.dtype),
         "device": model.device.type,
+    }
+
+
+def _namespace(cache, model, state: _ModelState):
+    """The model's namespace in the compile cache: everything a graph depends on besides its shapes and weights."""
+    import hashlib
+    import inspect
+
+    settings = state.settings
+    backend = _backend_for(settings, model.device)
+    from hf_tpu.transformers import sampling
+    from hf_tpu.transformers.sampling import _processors, _registry, _warpers
+
+    modules = (inspect.getmodule(_run), sampling, _registry, _processors, _warpers)
+    source = "".join(inspect.getsource(m) for m in modules)
+    parts = {
+        **model_identity(model),
         "ladder": list(state.ladder(model.config).rungs),
         "cache_multiple": settings.cache_multiple,
         "backend": backend if isinstance(backend, str) else f"{backend.__module__}.{backend.__qualname__}",
