@@ -150,6 +150,12 @@ def in_process(a: argparse.Namespace, requests: list[dict]) -> dict:
 
 
 def run(a: argparse.Namespace) -> dict:
+    from hf_tpu import runtime
+
+    if runtime.detect().mode != "real":  # as every benchmark: the simulated tpu where there is no chip
+        import hf_tpu.sim
+
+        hf_tpu.sim.enable()
     requests = trace(a)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _start_server(a, Path(tmp) / "serve.log")
