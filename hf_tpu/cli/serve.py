@@ -92,6 +92,13 @@ def run(args: argparse.Namespace) -> int:
     rank = os.environ.get("RANK") if os.environ.get(tensor_parallel.TP_ENV) else None
     if args.tp > 1 and rank is None:  # the parent: start one rank per chip, each runs this command
         simulate = bool(args.simulate or os.environ.get("HF_TPU_SIMULATE"))
+        counts = tensor_parallel.valid_tp_sizes(simulate=simulate)
+        if counts and args.tp not in counts:  # refused here, in the command's own words, before any rank starts
+            nearest = min(counts, key=lambda n: (abs(n - args.tp), n))
+            raise UserError(
+                f"--tp {args.tp}: torch_tpu lays out {', '.join(map(str, counts))} chip(s) per host here, not "
+                f"{args.tp}. Pass --tp {nearest} (or another of those counts)."
+            )
         return tensor_parallel.launch(_without_tp(args.argv), args.tp, simulate=simulate)
     if args.model is None:
         from hf_tpu.assets import default_model_path

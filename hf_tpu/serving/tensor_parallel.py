@@ -24,10 +24,27 @@ import os
 import sys
 from collections.abc import Sequence
 
-__all__ = ["TP_ENV", "follow", "launch", "load_sharded"]
+__all__ = ["TP_ENV", "follow", "launch", "load_sharded", "valid_tp_sizes"]
 
 #: The tensor-parallel size the launcher hands each rank.
 TP_ENV = "HF_TPU_SERVE_TP"
+
+
+def valid_tp_sizes(*, simulate: bool) -> tuple[int, ...]:
+    """The ranks per host torch_tpu can lay out: on a chip, its generation's counts; simulated, any generation's
+    (the launcher simulates one that has the count); ``()`` when neither (the launcher then says why it cannot
+    start)."""
+    from hf_tpu import _torch_tpu, runtime
+
+    info = runtime.detect()
+    if info.mode == "real" and info.generation:
+        try:
+            return _torch_tpu.valid_counts(info.generation)
+        except KeyError:
+            return ()
+    if simulate or info.mode == "simulated":
+        return tuple(sorted({n for g in _torch_tpu.generations() for n in _torch_tpu.valid_counts(g)}))
+    return ()
 
 
 def launch(serve_argv: Sequence[str], tp: int, *, simulate: bool) -> int:

@@ -46,3 +46,11 @@ def test_tp2_server_answers_equal_cpu_greedy_and_sigterm_ends_every_rank(tmp_pat
         server.proc.wait(timeout=SAFETY_TIMEOUT_S)
         _, alive = psutil.wait_procs(ranks, timeout=SAFETY_TIMEOUT_S)
         assert not alive, f"ranks left running after SIGTERM: {[p.pid for p in alive]}\n{server.output()[-3000:]}"
+
+
+def test_a_tp_size_torch_tpu_cannot_lay_out_is_refused_in_the_commands_words(capsys):
+    from hf_tpu.cli.main import main
+
+    assert main(["serve", "--simulate", "--tp", "3"]) != 0  # before any rank starts
+    err = capsys.readouterr().err
+    assert "--tp 3" in err and "Pass --tp 2" in err and "nproc_per_node" not in err
