@@ -5,7 +5,7 @@ plans for CPU only and a TPU VM silently runs the model on the host. Each patch 
 function; the wrapper calls the original and only adds the TPU handling, and when the integration is off (or no
 TPU is present, where noted) it is exactly the upstream call.
 
-accelerate (``package="accelerate"``, written for 1.15):
+accelerate (``package="accelerate"``, written for 1.15, checked on 1.16):
 - ``utils.modeling.get_max_memory`` (and its aliases): enumerates the TPU devices with their free HBM, accepts
   ``"tpu"``/``"tpu:N"`` keys (:mod:`hf_tpu.device_map.memory`).
 - ``infer_auto_device_map``: its integer ids become ``"tpu:N"``.
@@ -44,7 +44,7 @@ from typing import Any
 from hf_tpu import _patch
 
 FEATURE = "device_map"
-ACCELERATE = {"package": "accelerate", "versions": ">=1.10,<1.16"}
+ACCELERATE = {"package": "accelerate", "versions": ">=1.10,<1.17"}
 TRANSFORMERS = {"package": "transformers", "versions": ">=5.0,<5.25"}
 
 logger = logging.getLogger("hf_tpu.device_map")

@@ -105,7 +105,6 @@ def enable(generation: str = "v6e", hbm: int | None = None, emulate_precision: b
     _compile.install()
     _meta_kernels.install()  # torch_tpu's meta kernels for compile (removed by hf_tpu.disable())
     _rng.install()  # torch_tpu's graph-safe RNG registration for compile (undone by hf_tpu.disable())
-    _accelerator.install()
     _accelerator.forget_cached_checks()
     _unsupported.install()
     _precision.install()

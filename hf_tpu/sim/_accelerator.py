@@ -7,7 +7,15 @@ or an INTERNAL ASSERT about the device allocator. torch_tpu has both, and its ``
 calls in favour of ``torch.accelerator.synchronize``. While the current accelerator is the simulated ``tpu``, these
 functions answer from the simulator: synchronize is a no-op (it computes eagerly), memory statistics are its live and
 peak device bytes (:func:`hf_tpu.sim.memory_allocated`), ``get_memory_info`` is (free, total) of the simulated HBM.
-Patched through :mod:`hf_tpu._patch`; other devices get torch's own functions.
+Other devices get torch's own functions.
+
+These answers belong to the device, not to an integration: they are installed when the simulated device is
+registered and stay for as long as it does, which is the life of the process (torch cannot unregister a PrivateUse1
+backend, and ``hf_tpu.disable()`` leaves ``tpu`` tensors working). A chip's torch_tpu answers them natively, and
+upstream libraries call them whenever the current accelerator is ``tpu``: accelerate 1.16's
+``clear_device_cache`` calls ``torch.accelerator.empty_cache()`` from ``dispatch_model`` and the Trainer, with or
+without hf_tpu's integrations. Reverting them with the integrations would leave a registered ``tpu`` accelerator
+whose ``empty_cache`` fails torch's internal assert.
 """
 
 from __future__ import annotations
@@ -119,9 +127,8 @@ def forget_cached_checks() -> None:
 
 
 def install() -> None:
-    """Patch the ``torch.accelerator`` functions above (idempotent; reverted by ``hf_tpu.disable()``)."""
-    from hf_tpu._patch import original, patch
-
+    """Answer the ``torch.accelerator`` functions above for the simulated device (idempotent; for the process's
+    life, with the device: see the module's docstring). The originals stay reachable as ``fn._hf_tpu_original``."""
     for name, make in _WRAPPERS.items():
         for owner in (torch.accelerator, torch.accelerator.memory):
             if name not in vars(owner):
@@ -129,6 +136,7 @@ def install() -> None:
             current = getattr(owner, name)
             if getattr(current, "_hf_tpu_sim", False):
                 continue
-            replacement = make(original(owner, name))
+            replacement = make(current)
             replacement._hf_tpu_sim = True  # type: ignore[attr-defined]
-            patch(owner, name, replacement, feature="sim", package="torch", versions=">=2.11,<=2.15")
+            replacement._hf_tpu_original = current  # type: ignore[attr-defined]
+            setattr(owner, name, replacement)

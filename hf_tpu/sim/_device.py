@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from hf_tpu.sim import _attention, _autocast, _device_module, _native, _ops, _pinned, _public_api
+from hf_tpu.sim import _accelerator, _attention, _autocast, _device_module, _native, _ops, _pinned, _public_api
 from hf_tpu.sim._after_import import after_import
 
 __all__ = ["register"]
@@ -91,6 +91,7 @@ def register() -> None:
             TAKEN_OVER["torch.backends.tpu"] = torch.backends.tpu
         torch.backends.tpu = _backends_module()  # type: ignore[attr-defined]
         sys.modules["torch.backends.tpu"] = torch.backends.tpu
+    _accelerator.install()  # torch.accelerator's memory and synchronize answers, with the device for its life
     _ops.install()
     _attention.install()
     _autocast.install()

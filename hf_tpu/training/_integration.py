@@ -1,13 +1,13 @@
 """The ``training`` integration: what :func:`hf_tpu.enable` changes so that ``transformers.Trainer`` trains on TPU.
 
-Upstream state (transformers 5.24, accelerate 1.15), checked on the simulated device:
+Upstream state (transformers 5.24, accelerate 1.15 and 1.16), checked on the simulated device:
 
 - ``TrainingArguments.device`` is already ``tpu:0`` (transformers asks ``torch.accelerator``), and the Trainer
-  moves inputs there; but accelerate's ``PartialState.default_device`` knows no TPU and answers ``cpu``, so
+  moves inputs there. accelerate before 1.16: ``PartialState.default_device`` knows no TPU and answers ``cpu``, so
   ``Accelerator.prepare`` moves the model **back to the CPU**: the first step fails with "Expected all tensors to be
-  on the same device" (or, with CPU inputs, trains on the host without a word). hf_tpu patches
+  on the same device" (or, with CPU inputs, trains on the host without a word). There hf_tpu patches
   ``PartialState.default_device`` to answer ``tpu:0`` when the current accelerator is a TPU and the state is not
-  forced to the CPU.
+  forced to the CPU. accelerate 1.16 asks ``torch.accelerator`` itself and answers ``tpu``: hf_tpu leaves it alone.
 - accelerate has no distributed type for torch_tpu processes: under a launcher with several ranks it treats each
   rank as a separate single-process run (every rank trains alone, on its own data). hf_tpu makes such ranks one
   data-parallel run: accelerate's ``MULTI_CPU`` type, whose model wrapping is a plain ``DistributedDataParallel``,
@@ -27,7 +27,9 @@ import os
 from hf_tpu import _patch
 
 FEATURE = "training"
-ACCELERATE = {"package": "accelerate", "versions": ">=1.10,<1.16"}
+ACCELERATE = {"package": "accelerate", "versions": ">=1.10,<1.17"}
+# accelerate 1.16 finds the TPU through torch.accelerator (PartialState.default_device answers tpu by itself).
+ACCELERATE_WITHOUT_TPU_DEFAULT = {"package": "accelerate", "versions": ">=1.10,<1.16"}
 TRANSFORMERS = {"package": "transformers", "versions": ">=5.0,<5.25"}
 
 __all__ = ["apply"]
@@ -49,9 +51,17 @@ def _launched_ranks() -> int:
 DISTRIBUTED_BACKEND = "cpu:gloo,tpu:tpu_dist"
 
 
+def upstream_knows_the_tpu() -> bool:
+    """Whether the installed accelerate answers ``tpu`` for ``PartialState.default_device`` itself (1.16 on)."""
+    return not _patch.version_matches("accelerate", ACCELERATE_WITHOUT_TPU_DEFAULT["versions"])[0]
+
+
 def _patch_default_device() -> None:
     import torch
     from accelerate.state import PartialState
+
+    if upstream_knows_the_tpu():
+        return
 
     upstream = _patch.original(PartialState, "default_device")
 
@@ -60,7 +70,9 @@ def _patch_default_device() -> None:
             return upstream.fget(self)
         return torch.device("tpu", 0)
 
-    _patch.patch(PartialState, "default_device", property(default_device), feature=FEATURE, **ACCELERATE)
+    _patch.patch(
+        PartialState, "default_device", property(default_device), feature=FEATURE, **ACCELERATE_WITHOUT_TPU_DEFAULT
+    )
 
 
 def _patch_distributed_state() -> None:

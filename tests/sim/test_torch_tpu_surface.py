@@ -5,6 +5,7 @@ synchronize/current_stream/set_stream/device (torch >= 2.11) and initial_seed/ge
 user code calls them; torch itself (torch.accelerator, torch.random, autocast, checkpointing) still may.
 """
 
+import importlib.util
 import subprocess
 import sys
 
@@ -178,6 +179,26 @@ def test_the_torch_accelerator_equivalents_work():
     assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated() == base
     with pytest.raises(RuntimeError, match="tpu:1 does not exist"):
         torch.accelerator.synchronize(1)
+
+
+def test_torch_accelerator_answers_stay_with_the_device_after_disable():
+    """``hf_tpu.disable()`` leaves the ``tpu`` device registered (torch cannot unregister it) and current: upstream
+    code that asks torch.accelerator (accelerate 1.16's ``clear_device_cache``) must still get answers, not torch's
+    internal assert about a missing device allocator."""
+    hf_tpu.sim.enable()
+    x = torch.ones(256, device="tpu")
+    hf_tpu.disable()
+    try:
+        assert torch.accelerator.current_accelerator().type == "tpu"
+        torch.accelerator.empty_cache()
+        torch.accelerator.synchronize()
+        assert torch.accelerator.memory_allocated() == hf_tpu.sim.memory_allocated() >= x.nbytes
+        if importlib.util.find_spec("accelerate") is not None:
+            from accelerate.utils.memory import clear_device_cache
+
+            clear_device_cache(garbage_collection=True)
+    finally:
+        hf_tpu.sim.enable()
 
 
 def test_diffusers_draws_latents_with_a_tpu_generator():

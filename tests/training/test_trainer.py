@@ -11,6 +11,7 @@ import torch
 from train_helpers import Losses, examples
 
 import hf_tpu
+from hf_tpu import _patch
 from hf_tpu.training import BucketingCollator, TPUTrainingError
 from hf_tpu.training.callbacks import StepCounters
 
@@ -93,20 +94,32 @@ def test_trainer_bf16_on_tpu_matches_cpu_bf16(load, tmp_path):
     torch.testing.assert_close(tpu_losses, cpu_losses, rtol=2e-3, atol=2e-3)
 
 
-def test_upstream_accelerate_moves_a_tpu_model_back_to_cpu(load, tmp_path):
-    """Without the integration the Trainer breaks on TPU: accelerate's default device is the CPU."""
+def test_upstream_accelerate_default_device_without_the_integration(load, tmp_path):
+    """Without the integration, accelerate before 1.16 breaks the Trainer on TPU (its default device is the CPU, so
+    the model goes back to the host); accelerate 1.16 asks torch.accelerator and trains on the TPU by itself, and
+    hf_tpu then leaves its default device alone."""
     from accelerate.state import PartialState
+
+    from hf_tpu.training._integration import upstream_knows_the_tpu
 
     PartialState._reset_state()
     hf_tpu.disable("training")
     try:
-        assert PartialState().device == torch.device("cpu")
-        with pytest.raises(RuntimeError, match="same device"):
-            _train(load, tmp_path, "tpu", max_steps=1)
+        if upstream_knows_the_tpu():
+            assert PartialState().device == torch.device("tpu")
+            trainer, losses, _ = _train(load, tmp_path, "tpu", max_steps=1)
+            assert next(trainer.model.parameters()).device.type == "tpu"
+            assert losses and all(torch.isfinite(torch.tensor(losses)))
+        else:
+            assert PartialState().device == torch.device("cpu")
+            with pytest.raises(RuntimeError, match="same device"):
+                _train(load, tmp_path, "tpu", max_steps=1)
     finally:
         PartialState._reset_state()
         hf_tpu.enable("training")
-    assert PartialState().device == torch.device("tpu", 0)
+    assert PartialState().device.type == "tpu"
+    patched = any(r.target.endswith("default_device") for r in _patch.applied("training"))
+    assert patched != upstream_knows_the_tpu()  # hf_tpu patches the default device only where upstream lacks it
     PartialState._reset_state()
 
 
