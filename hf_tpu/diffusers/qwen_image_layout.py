@@ -130,6 +130,8 @@ def _static_layout_applies(model: Any, kwargs: dict) -> bool:
     import torch
 
     module = __import__(_MODULE, fromlist=["QwenImage21AttnProcessor"])
+    if torch.compiler.is_compiling():  # called inside a caller's compiled region: reading the mask would break it
+        return False
     if not isinstance(kwargs.get("img_mask"), torch.Tensor) or kwargs.get("img_shapes") is None:
         return False
     if not isinstance(kwargs.get("encoder_hidden_states"), torch.Tensor):
