@@ -10,9 +10,9 @@ upstream's) with the message.
 The CPU reference runs upstream's code; the device stages run with hf_tpu's diffusers integration enabled, as after
 ``hf_tpu.enable()`` (placement checks, Qwen-Image 2.1's host-side sequence layout).
 
-Families: text-to-image (SD, SD3, Flux, Qwen-Image 2.1), image-to-image and inpainting (SD, SD3), ControlNet (SD), video (Wan 2.1,
-Wan 2.2 with two experts) and Modular Diffusers (the SD3 blocks). Target: no family fails inside hf_tpu, and at
-least 90% of them equal the CPU eagerly and compiled, a second call compiling nothing.
+Families: text-to-image (SD, SD3, Flux, Qwen-Image 2.1), image-to-image and inpainting (SD, SD3), ControlNet (SD),
+video (Wan 2.1, Wan 2.2 with two experts) and Modular Diffusers (the SD3 blocks). Target: no family fails inside
+hf_tpu, and at least 90% of them equal the CPU eagerly and compiled, a second call compiling nothing.
 
 Run: ``hf-tpu bench diffusers_sweep`` (``--families sd wan22`` for some), or ``python benchmarks/diffusers_sweep.py``.
 """

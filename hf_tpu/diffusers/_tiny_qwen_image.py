@@ -21,8 +21,8 @@ __all__ = ["qwen_tokenizer", "tiny_qwen_image_pipeline"]
 _QWEN_SPECIAL_TOKENS = (
     "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
 )  # fmt: skip
-# The chat layout QwenImage21Pipeline formats by hand ("<|im_start|>role\ncontent<|im_end|>\n"); the pipeline counts the
-# system tokens to drop by running this template on its system message, so the two must agree.
+# The chat layout QwenImage21Pipeline formats by hand ("<|im_start|>role\ncontent<|im_end|>\n"); the pipeline counts
+# the system tokens to drop by running this template on its system message, so the two must agree.
 _QWEN_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
     "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}"

@@ -77,7 +77,8 @@ def joint_layout(model: Any, img_mask: Any, img_shapes: Any, text_len: int, devi
     helpers, and put its tensors on ``device``.
 
     Example:
-        >>> layout = joint_layout(pipe.transformer, img_mask, img_shapes, prompt_embeds.shape[1], "tpu")  # doctest: +SKIP
+        >>> text_len = prompt_embeds.shape[1]  # doctest: +SKIP
+        >>> layout = joint_layout(pipe.transformer, img_mask, img_shapes, text_len, "tpu")  # doctest: +SKIP
     """
     import torch
 

@@ -4,9 +4,10 @@ test_qwen_image_tp.
 ``python _qwen_image_tp_worker.py OUT_DIR TP_SIZE TRANSFORMER_DIR [--compile]``. Each rank builds the tiny
 pipeline's other components (``tiny_qwen_image_pipeline()``, the same seed as the test), loads the transformer from
 TRANSFORMER_DIR sharded through diffusers' own ``TensorParallelConfig(tp_degree=TP_SIZE)`` and makes an image on its
-own ``tpu:0``, and the same image with the whole pipeline on that chip (TP=1). With ``--compile`` it then compiles the pipeline (``compile_pipeline(strict=True)``: one graph per
-step, no break) and makes it twice more, counting compiles (about 40 s more for 4 ranks on a 2-core host, so the test
-runs without it). It writes the images and what it saw to ``OUT_DIR/rank{RANK}.npz`` / ``.json``.
+own ``tpu:0``, and the same image with the whole pipeline on that chip (TP=1). With ``--compile`` it then compiles
+the pipeline (``compile_pipeline(strict=True)``: one graph per step, no break) and makes it twice more, counting
+compiles (about 40 s more for 4 ranks on a 2-core host, so the test runs without it). It writes the images and
+what it saw to ``OUT_DIR/rank{RANK}.npz`` / ``.json``.
 """
 
 from __future__ import annotations
