@@ -7,9 +7,12 @@ whether the eager and compiled outputs equal the CPU's (max abs difference), the
 first compiled call compiled and the second one, and, for a failure, where it was raised (hf_tpu's code or
 upstream's) with the message.
 
-Families: text-to-image (SD, SD3, Flux), image-to-image and inpainting (SD, SD3), ControlNet (SD), video (Wan 2.1,
-Wan 2.2 with two experts) and Modular Diffusers (the SD3 blocks). Target: no family fails inside hf_tpu, and at
-least 90% of them equal the CPU eagerly and compiled, a second call compiling nothing.
+The CPU reference runs upstream's code; the device stages run with hf_tpu's diffusers integration enabled, as after
+``hf_tpu.enable()`` (placement checks, Qwen-Image 2.1's host-side sequence layout).
+
+Families: text-to-image (SD, SD3, Flux, Qwen-Image 2.1), image-to-image and inpainting (SD, SD3), ControlNet (SD),
+video (Wan 2.1, Wan 2.2 with two experts) and Modular Diffusers (the SD3 blocks). Target: no family fails inside
+hf_tpu, and at least 90% of them equal the CPU eagerly and compiled, a second call compiling nothing.
 
 Run: ``hf-tpu bench diffusers_sweep`` (``--families sd wan22`` for some), or ``python benchmarks/diffusers_sweep.py``.
 """
@@ -92,6 +95,12 @@ def _wan(two_experts: bool) -> tuple[Any, dict]:
     return pipe, {"height": 32, "width": 32, "num_frames": 5, "max_sequence_length": 16}
 
 
+def _qwen_image() -> tuple[Any, dict]:
+    from hf_tpu.diffusers.testing import tiny_qwen_image_pipeline
+
+    return tiny_qwen_image_pipeline(), {"height": 32, "width": 64}
+
+
 def _sd3_modular() -> tuple[Any, dict]:
     from diffusers.modular_pipelines import ComponentsManager, StableDiffusion3AutoBlocks
 
@@ -109,6 +118,7 @@ FAMILIES: dict[str, tuple[str, Callable[[], tuple[Any, dict]]]] = {
     "sd": ("text-to-image", lambda: _sd("t2i")),
     "sd3": ("text-to-image", lambda: _sd3("t2i")),
     "flux": ("text-to-image", _flux),
+    "qwen_image21": ("text-to-image", _qwen_image),
     "sd_img2img": ("image-to-image", lambda: _sd("img2img")),
     "sd3_img2img": ("image-to-image", lambda: _sd3("img2img")),
     "sd_inpaint": ("inpainting", lambda: _sd("inpaint")),
@@ -141,6 +151,7 @@ def _where(err: BaseException) -> str:
 
 
 def _family(name: str, steps: int) -> dict:
+    import hf_tpu
     import hf_tpu.sim
     from hf_tpu.diffusers import compile_pipeline, compiled_modules
 
@@ -156,6 +167,8 @@ def _family(name: str, steps: int) -> dict:
         stage = "cpu"
         reference = _call(pipe, kwargs, steps)
         stage = "to(tpu)"
+        # The device stages run as a user's would, after hf_tpu.enable() (the reference above is upstream's code).
+        hf_tpu.enable("diffusers")
         pipe.to("tpu")
         stage = "eager"
         row["eager_diff"] = float(np.abs(_call(pipe, kwargs, steps) - reference).max())
@@ -173,6 +186,8 @@ def _family(name: str, steps: int) -> dict:
     except Exception as err:  # recorded per family: one failing family must not hide the others
         row["error"] = f"{stage}: {type(err).__name__}: {' '.join(str(err).split())[:240]}"
         row["error_in"] = _where(err)
+    finally:
+        hf_tpu.disable("diffusers")
     row["equal"] = (
         "error" not in row
         and row["eager_diff"] <= ATOL

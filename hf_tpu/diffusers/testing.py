@@ -19,10 +19,14 @@ import os
 import string
 from typing import Any
 
+from hf_tpu.diffusers._tiny_qwen_image import qwen_tokenizer, tiny_qwen_image_pipeline
+
 __all__ = [
     "clip_tokenizer",
+    "qwen_tokenizer",
     "t5_tokenizer",
     "tiny_flux_pipeline",
+    "tiny_qwen_image_pipeline",
     "tiny_sd3_pipeline",
     "tiny_sd_controlnet_pipeline",
     "tiny_sd_pipeline",
@@ -355,3 +359,4 @@ def tiny_sd_controlnet_pipeline(path: str | os.PathLike | None = None, *, seed: 
     components = {k: v for k, v in base.components.items() if k not in ("image_encoder",)}
     pipe = StableDiffusionControlNetPipeline(**components, controlnet=controlnet)
     return _finish(pipe, path)
+
