@@ -143,12 +143,18 @@ def check_frames(pipe: Any, num_frames: Any) -> None:
     The causal video VAEs (Wan, LTX, HunyuanVideo, Cosmos...) keep the first frame and compress the rest by their
     temporal factor ``t``: a clip has ``k * t + 1`` frames (Allegro's VAE does not: it takes ``ceil(n / t)``
     latent frames; do not use this check for it). Each call of an LTX pipeline is checked (they floor a bad count
-    silently); Wan rounds it itself with a warning.
+    silently); Wan rounds it itself with a warning. A chunked video VAE (MiniMax-H3: ``17n + 5`` frames within the
+    model's 5 to 15 seconds) is checked by :func:`check_chunked_frames`.
 
     Example:
         >>> check_frames(wan_pipe, 10)  # doctest: +SKIP
         ValueError: WanPipeline cannot make 10 frames: ... nearest valid counts: 9, 13
     """
+    from hf_tpu.diffusers._av_checks import check_chunked_frames, chunked_frames
+
+    if chunked_frames(pipe) is not None:  # MiniMax-H3: 17n + 5 frames, 5 to 15 seconds
+        check_chunked_frames(pipe, num_frames)
+        return
     t = frame_multiple(pipe)
     if t is None or num_frames is None:
         return

@@ -22,7 +22,9 @@ from typing import Any
 __all__ = [
     "clip_tokenizer",
     "t5_tokenizer",
+    "qwen3vl_tokenizer",
     "tiny_flux_pipeline",
+    "tiny_minimax_h3_pipeline",
     "tiny_sd3_pipeline",
     "tiny_sd_controlnet_pipeline",
     "tiny_sd_pipeline",
@@ -355,3 +357,7 @@ def tiny_sd_controlnet_pipeline(path: str | os.PathLike | None = None, *, seed: 
     components = {k: v for k, v in base.components.items() if k not in ("image_encoder",)}
     pipe = StableDiffusionControlNetPipeline(**components, controlnet=controlnet)
     return _finish(pipe, path)
+
+
+# MiniMax-H3 (modular, video + audio) lives in its own module; re-exported here with the other tiny pipelines.
+from hf_tpu.diffusers._tiny_minimax_h3 import qwen3vl_tokenizer, tiny_minimax_h3_pipeline  # noqa: E402
