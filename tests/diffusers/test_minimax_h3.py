@@ -35,7 +35,7 @@ def _run(pipe, prompt: str = "a cat", **kwargs):
         prompt=prompt,
         height=16,
         width=16,
-        num_inference_steps=2,
+        num_inference_steps=3,  # MiniMax-H3's schedule ends at sigma 0: 3 sigmas, 2 transformer steps
         generator=torch.Generator("cpu").manual_seed(0),
         output_type="np",
         output=["videos", "audio"],
@@ -54,11 +54,17 @@ def test_minimax_h3_modular_compiled_matches_cpu(sim):
     assert placed == dict.fromkeys(["text_encoder", "vae", "audio_vae", "transformer"], {"tpu:0"})
     compile_pipeline(pipe)
     assert compiled_modules(pipe) == ["transformer"]
+    calls = []
+    compiled = pipe.transformer._compiled_call_impl
+    pipe.transformer._compiled_call_impl = lambda *a, **k: (calls.append(1), compiled(*a, **k))[1]
     with sim.stats() as first:
         video, audio = _run(pipe)
     np.testing.assert_allclose(video, video_ref, atol=ATOL)
     np.testing.assert_allclose(audio, audio_ref, atol=ATOL)
-    assert first.compiles == 1
+    assert len(calls) == 2, "two denoising steps, each through the compiled transformer"
+    # Two graphs: the first step's rows share one noise level (t = 1 for video and audio), the second step's two (the
+    # video and audio schedules shift differently), so the transformer's `timestep` input is (1,) and then (2,).
+    assert first.compiles == 2
     # The text rows are part of MiniMax-H3's packed sequence: a prompt of another token count is another shape.
     # "a dog" is 5 byte tokens, as "a cat" is.
     with sim.stats() as again:
@@ -97,3 +103,11 @@ def test_minimax_h3_frame_counts_and_audio_latents_are_checked():
     # A count upstream snaps up itself (with its own warning) and noise of the right length pass.
     video, audio = _run(pipe, num_frames=130, audio_latents=torch.zeros(2, 4, 235))
     assert video.shape[1] == 141 and audio.shape == (1, 2, 235 * 4) and len(encoder_calls) == 1
+
+
+def test_minimax_h3_declares_no_tp_plan():
+    """diffusers 0.42.1 shards MiniMax-H3 by context parallelism only (docs/diffusers.md, Tensor parallel): when a
+    release adds a ``_tp_plan``, this fails so that the TP=4 launcher test (as test_diffusers_tp.py's) is written."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    assert MiniMaxH3Transformer3DModel._tp_plan is None and MiniMaxH3Transformer3DModel._cp_plan
