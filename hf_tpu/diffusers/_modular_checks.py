@@ -29,8 +29,16 @@ def _sub_blocks(pipe: Any) -> Any:
 
 
 def is_modular(pipe: Any) -> bool:
-    """Whether ``pipe`` is a Modular Diffusers pipeline whose blocks run in sequence (blocks can be inserted)."""
-    return hasattr(_sub_blocks(pipe), "insert")
+    """Whether ``pipe`` is a Modular Diffusers pipeline whose top blocks run in sequence (a block can go first).
+
+    A pipeline whose top blocks choose one branch (``ConditionalPipelineBlocks``) or loop is left alone: a block
+    inserted there would be a branch or a loop step."""
+    blocks = getattr(pipe, "_blocks", None)
+    if blocks is None or not hasattr(_sub_blocks(pipe), "insert"):
+        return False
+    from diffusers.modular_pipelines import LoopSequentialPipelineBlocks, SequentialPipelineBlocks
+
+    return isinstance(blocks, SequentialPipelineBlocks) and not isinstance(blocks, LoopSequentialPipelineBlocks)
 
 
 def has_checks(pipe: Any) -> bool:
