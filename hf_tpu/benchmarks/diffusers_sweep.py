@@ -8,8 +8,9 @@ first compiled call compiled and the second one, and, for a failure, where it wa
 upstream's) with the message.
 
 Families: text-to-image (SD, SD3, Flux), image-to-image and inpainting (SD, SD3), ControlNet (SD), video (Wan 2.1,
-Wan 2.2 with two experts) and Modular Diffusers (the SD3 blocks; MiniMax-H3's joint video + audio blocks). Target: no family fails inside hf_tpu, and at
-least 90% of them equal the CPU eagerly and compiled, a second call compiling nothing.
+Wan 2.2 with two experts) and Modular Diffusers (the SD3 blocks; MiniMax-H3's joint video + audio blocks). Target:
+no family fails inside hf_tpu, and at least 90% of them equal the CPU eagerly and compiled, a second call compiling
+nothing.
 
 Run: ``hf-tpu bench diffusers_sweep`` (``--families sd wan22`` for some), or ``python benchmarks/diffusers_sweep.py``.
 """

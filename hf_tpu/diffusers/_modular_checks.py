@@ -18,7 +18,7 @@ from typing import Any
 from hf_tpu.diffusers._av_checks import check_audio_latents, check_chunked_frames, chunked_frames
 from hf_tpu.diffusers._checks import _DENOISERS, check_generator, check_resolution
 
-__all__ = ["has_checks", "install", "remove"]
+__all__ = ["has_checks", "install", "is_modular", "remove"]
 
 BLOCK_NAME = "hf_tpu_call_checks"
 _READS = ("height", "width", "num_frames", "generator", "audio_latents")
