@@ -33,7 +33,10 @@ __all__ = [
 # two-stage model (Wan 2.2's ``transformer`` and ``transformer_2``), the UNet, the prior and decoder of a two-stage
 # pipeline (Kandinsky, Wuerstchen, Stable Cascade) and the ControlNet that runs beside the denoiser.
 _DENOISERS = ("transformer", "unet", "prior", "decoder")
-_EXTRA = re.compile(r"^(transformer|unet|prior|decoder)_\d+$|^(controlnet|prior_prior|image_unet|text_unet)$")
+# MiniMax-H3's ``ref2va`` workflow denoises with ``transformer_ref`` (a second checkpoint partition).
+_EXTRA = re.compile(
+    r"^(transformer|unet|prior|decoder)_\d+$|^(controlnet|prior_prior|image_unet|text_unet|transformer_ref)$"
+)
 
 
 def denoisers(pipe: Any) -> list[tuple[str, Any]]:

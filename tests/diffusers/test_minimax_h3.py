@@ -112,3 +112,13 @@ def test_minimax_h3_declares_no_tp_plan():
     from diffusers import MiniMaxH3Transformer3DModel
 
     assert MiniMaxH3Transformer3DModel._tp_plan is None and MiniMaxH3Transformer3DModel._cp_plan
+
+
+def test_minimax_h3_ref2va_partition_is_a_denoiser():
+    """``ref2va`` loads the ``transformer_ref`` partition alone: compile_pipeline finds it as the denoiser."""
+    from hf_tpu.diffusers import denoisers
+
+    pipe = tiny_minimax_h3_pipeline()
+    transformer = pipe.transformer
+    pipe.update_components(transformer_ref=transformer, transformer=None)
+    assert [(name, module) for name, module in denoisers(pipe)] == [("transformer_ref", transformer)]
