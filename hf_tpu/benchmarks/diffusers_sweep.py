@@ -11,8 +11,9 @@ The CPU reference runs upstream's code; the device stages run with hf_tpu's diff
 ``hf_tpu.enable()`` (placement checks, Qwen-Image 2.1's host-side sequence layout).
 
 Families: text-to-image (SD, SD3, Flux, Qwen-Image 2.1), image-to-image and inpainting (SD, SD3), ControlNet (SD),
-video (Wan 2.1, Wan 2.2 with two experts) and Modular Diffusers (the SD3 blocks). Target: no family fails inside
-hf_tpu, and at least 90% of them equal the CPU eagerly and compiled, a second call compiling nothing.
+video (Wan 2.1, Wan 2.2 with two experts) and Modular Diffusers (the SD3 blocks; MiniMax-H3's joint video + audio
+blocks). Target: no family fails inside hf_tpu, and at least 90% of them equal the CPU eagerly and compiled, a second
+call compiling nothing.
 
 Run: ``hf-tpu bench diffusers_sweep`` (``--families sd wan22`` for some), or ``python benchmarks/diffusers_sweep.py``.
 """
@@ -113,6 +114,14 @@ def _sd3_modular() -> tuple[Any, dict]:
     return pipe, {"height": 32, "width": 32, "output": "images"}
 
 
+def _minimax_h3_modular() -> tuple[Any, dict]:
+    """MiniMax-H3 (video + audio, modular only): the sweep compares the 124 video frames; the soundtrack is compared
+    in tests/diffusers/test_minimax_h3.py."""
+    from hf_tpu.diffusers.testing import tiny_minimax_h3_pipeline
+
+    return tiny_minimax_h3_pipeline(), {"height": 16, "width": 16, "num_frames": 124, "output": "videos"}
+
+
 # name: (category, builder returning (pipeline, call arguments))
 FAMILIES: dict[str, tuple[str, Callable[[], tuple[Any, dict]]]] = {
     "sd": ("text-to-image", lambda: _sd("t2i")),
@@ -127,6 +136,7 @@ FAMILIES: dict[str, tuple[str, Callable[[], tuple[Any, dict]]]] = {
     "wan21": ("video", lambda: _wan(False)),
     "wan22": ("video (two experts)", lambda: _wan(True)),
     "sd3_modular": ("modular", _sd3_modular),
+    "minimax_h3_modular": ("video + audio (modular)", _minimax_h3_modular),
 }
 
 

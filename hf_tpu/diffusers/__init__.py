@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+from hf_tpu.diffusers._av_checks import audio_latent_count, check_audio_latents, valid_frame_counts
 from hf_tpu.diffusers._call_checks import has_call_checks, install_call_checks, remove_call_checks
 from hf_tpu.diffusers._checks import (
     check_components_on,
@@ -31,6 +32,8 @@ from hf_tpu.diffusers.compile import WarmupResult, compile_pipeline, compiled_mo
 
 __all__ = [
     "WarmupResult",
+    "audio_latent_count",
+    "check_audio_latents",
     "check_components_on",
     "check_frames",
     "check_generator",
@@ -45,5 +48,6 @@ __all__ = [
     "remove_call_checks",
     "resolution_limits",
     "uncompile_pipeline",
+    "valid_frame_counts",
     "warmup",
 ]

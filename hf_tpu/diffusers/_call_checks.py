@@ -6,7 +6,9 @@ into dynamo's "Observed exception" after paying for the trace, and a generator o
 the height and width first, and ``self.prepare_latents(...)`` with the generator before the first step; this
 module wraps those two methods *on one pipeline instance* (never on the class) with :func:`check_resolution`,
 :func:`check_frames` and :func:`check_generator`. :func:`compile_pipeline` and, with ``hf_tpu.enable("diffusers")``,
-``pipe.to("tpu")`` install them; :func:`remove_call_checks` takes them off.
+``pipe.to("tpu")`` install them; :func:`remove_call_checks` takes them off. A Modular Diffusers pipeline has
+neither method: it gets the same checks (and MiniMax-H3's frame count and audio latents) as one block at the head of
+its own blocks (:mod:`._modular_checks`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import functools
 import inspect
 from typing import Any
 
+from hf_tpu.diffusers import _modular_checks
 from hf_tpu.diffusers._checks import check_frames, check_generator, check_resolution
 
 __all__ = ["has_call_checks", "install_call_checks", "remove_call_checks"]
@@ -63,11 +66,17 @@ def _checked_latents(pipe: Any, method: Any) -> Any:
 
 def has_call_checks(pipe: Any) -> bool:
     """Whether :func:`install_call_checks` is in force on ``pipe``."""
+    if _modular_checks.is_modular(pipe):
+        return _modular_checks.has_checks(pipe)
     return any(getattr(pipe.__dict__.get(name), _FLAG, False) for name in _METHODS)
 
 
 def install_call_checks(pipe: Any) -> Any:
-    """Wrap ``pipe.check_inputs`` and ``pipe.prepare_latents`` of this instance (idempotent). Returns ``pipe``."""
+    """Wrap ``pipe.check_inputs`` and ``pipe.prepare_latents`` of this instance (idempotent). Returns ``pipe``.
+
+    A modular pipeline gets the check block at the head of its blocks instead."""
+    if _modular_checks.is_modular(pipe):
+        return _modular_checks.install(pipe)
     wrappers = {"check_inputs": _checked_inputs, "prepare_latents": _checked_latents}
     for name, wrap in wrappers.items():
         if getattr(pipe.__dict__.get(name), _FLAG, False):
@@ -81,6 +90,8 @@ def install_call_checks(pipe: Any) -> Any:
 
 def remove_call_checks(pipe: Any) -> Any:
     """Undo :func:`install_call_checks` on ``pipe``. Returns ``pipe``."""
+    if _modular_checks.is_modular(pipe):
+        return _modular_checks.remove(pipe)
     for name in _METHODS:
         if getattr(pipe.__dict__.get(name), _FLAG, False):
             del pipe.__dict__[name]

@@ -33,7 +33,10 @@ __all__ = [
 # two-stage model (Wan 2.2's ``transformer`` and ``transformer_2``), the UNet, the prior and decoder of a two-stage
 # pipeline (Kandinsky, Wuerstchen, Stable Cascade) and the ControlNet that runs beside the denoiser.
 _DENOISERS = ("transformer", "unet", "prior", "decoder")
-_EXTRA = re.compile(r"^(transformer|unet|prior|decoder)_\d+$|^(controlnet|prior_prior|image_unet|text_unet)$")
+# MiniMax-H3's ``ref2va`` workflow denoises with ``transformer_ref`` (a second checkpoint partition).
+_EXTRA = re.compile(
+    r"^(transformer|unet|prior|decoder)_\d+$|^(controlnet|prior_prior|image_unet|text_unet|transformer_ref)$"
+)
 
 
 def denoisers(pipe: Any) -> list[tuple[str, Any]]:
@@ -143,12 +146,18 @@ def check_frames(pipe: Any, num_frames: Any) -> None:
     The causal video VAEs (Wan, LTX, HunyuanVideo, Cosmos...) keep the first frame and compress the rest by their
     temporal factor ``t``: a clip has ``k * t + 1`` frames (Allegro's VAE does not: it takes ``ceil(n / t)``
     latent frames; do not use this check for it). Each call of an LTX pipeline is checked (they floor a bad count
-    silently); Wan rounds it itself with a warning.
+    silently); Wan rounds it itself with a warning. A chunked video VAE (MiniMax-H3: ``17n + 5`` frames within the
+    model's 5 to 15 seconds) is checked by :func:`check_chunked_frames`.
 
     Example:
         >>> check_frames(wan_pipe, 10)  # doctest: +SKIP
         ValueError: WanPipeline cannot make 10 frames: ... nearest valid counts: 9, 13
     """
+    from hf_tpu.diffusers._av_checks import check_chunked_frames, chunked_frames
+
+    if chunked_frames(pipe) is not None:  # MiniMax-H3: 17n + 5 frames, 5 to 15 seconds
+        check_chunked_frames(pipe, num_frames)
+        return
     t = frame_multiple(pipe)
     if t is None or num_frames is None:
         return

@@ -25,8 +25,10 @@ __all__ = [
     "clip_tokenizer",
     "qwen_tokenizer",
     "t5_tokenizer",
+    "qwen3vl_tokenizer",
     "tiny_flux_pipeline",
     "tiny_qwen_image_pipeline",
+    "tiny_minimax_h3_pipeline",
     "tiny_sd3_pipeline",
     "tiny_sd_controlnet_pipeline",
     "tiny_sd_pipeline",
@@ -360,3 +362,6 @@ def tiny_sd_controlnet_pipeline(path: str | os.PathLike | None = None, *, seed: 
     pipe = StableDiffusionControlNetPipeline(**components, controlnet=controlnet)
     return _finish(pipe, path)
 
+
+# MiniMax-H3 (modular, video + audio) lives in its own module; re-exported here with the other tiny pipelines.
+from hf_tpu.diffusers._tiny_minimax_h3 import qwen3vl_tokenizer, tiny_minimax_h3_pipeline  # noqa: E402

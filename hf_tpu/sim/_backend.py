@@ -1,7 +1,8 @@
 """The ``"tpu"`` torch.compile backend of the simulated device: aot_eager underneath, every compile counted.
 
 Dynamo calls a backend once per graph it compiles (each new shape with ``dynamic=False``, each graph break),
-which is what costs a real TPU an XLA compile; the simulator counts those calls as ``stats().compiles``.
+which is what costs a real TPU an XLA compile; the simulator counts those calls as ``stats().compiles``, once each
+returns a compiled graph (a call that ends in a dynamo restart of the same frame is not a compile).
 Ops run inside a compiled graph do not add eager shape signatures (torch_tpu runs the graph as one program).
 It is registered only in simulated mode and never replaces torch_tpu's own backend on a real TPU.
 """
@@ -95,13 +96,17 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: A
             f"{_describe(example_inputs)}. A new shape (or a graph break) compiled a new graph; warm the shape up "
             "first, pad inputs to a bucket, or mark the dimension dynamic."
         )
-    STATE.compiles += 1
-    STATE.last_compile = _describe(example_inputs)
     from torch._dynamo.backends.common import aot_autograd
 
-    return aot_autograd(fw_compiler=_compiler, bw_compiler=_compiler, keep_inference_input_mutations=True)(
+    compiled = aot_autograd(fw_compiler=_compiler, bw_compiler=_compiler, keep_inference_input_mutations=True)(
         gm, example_inputs, **kwargs
     )
+    # Counted once compiled: AOT autograd can raise RestartAnalysis instead (a Python float dynamo traced as a
+    # symbol, such as a numpy scalar attribute of NCSN++'s blocks, must be specialized), and dynamo then traces the
+    # same frame again and calls this backend a second time for the one graph a chip compiles.
+    STATE.compiles += 1
+    STATE.last_compile = _describe(example_inputs)
+    return compiled
 
 
 # The simulator's op kernels, written in Python, that the dispatcher calls: on a chip they are torch_tpu's C++. Where a

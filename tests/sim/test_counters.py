@@ -2,6 +2,7 @@
 
 import gc
 
+import numpy as np
 import pytest
 import torch
 
@@ -184,6 +185,40 @@ def test_compile_counts_and_recompiles():
         cf(x3.to("tpu"))  # cached: no compile, no sync
         with pytest.raises(Exception, match="compile inside hf_tpu.sim.strict"):
             cf(torch.randn(5).to("tpu"))
+
+
+class _NumpyScaled(torch.nn.Module):
+    """NCSN++'s pattern (diffusers' skip blocks keep ``np.sqrt(2.0)`` as an output scale): dynamo traces the numpy
+    float as a symbol, AOT autograd must specialize it and restarts dynamo's analysis of the frame."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = np.sqrt(2.0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) / self.scale
+
+
+def test_dynamo_restart_is_not_a_compile():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _NumpyScaled()
+    x = torch.randn(2, 4)
+    expected = model(x)
+    compiled = torch.compile(model.to("tpu"), backend="tpu", fullgraph=True, dynamic=False)
+    with hf_tpu.sim.stats() as s:
+        out = compiled(x.to("tpu"))
+    # The backend was entered twice (the first attempt ended in the restart) for one graph dynamo installed.
+    assert counters["aot_autograd"]["total"] == 2 and counters["stats"]["unique_graphs"] == 1
+    assert s.compiles == 1
+    torch.testing.assert_close(out.cpu(), expected)
+    with hf_tpu.sim.stats() as again:
+        compiled(x.to("tpu"))
+    assert again.compiles == 0
 
 
 def test_compiled_training_step_matches_cpu():
