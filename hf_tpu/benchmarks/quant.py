@@ -1,8 +1,10 @@
 """Quantized generate on the simulated tpu: bf16 vs int8 vs int4 (torchao configs) vs compressed-tensors w8a16 and
 w4a16 checkpoints, side by side in one run.
 
-One tiny Llama checkpoint, loaded on the simulated ``tpu`` device with ``device_map="tpu"``: in bf16, with
-``TorchAoConfig(Int8WeightOnlyConfig())`` and with ``TorchAoConfig(Int4WeightOnlyConfig(group_size=...))``; and
+One Llama checkpoint (``--shape``: ``tiny``, ``default``, or ``realistic``: Llama-3's proportions with 16 layers, where
+the peak during generate is measured as a real model has it), loaded on the simulated ``tpu`` device with
+``device_map="tpu"``: in bf16, with ``TorchAoConfig(Int8WeightOnlyConfig())`` and with
+``TorchAoConfig(Int4WeightOnlyConfig(group_size=...))``; and
 the same weights saved as compressed-tensors checkpoints (``ct-w8a16``: 8-bit per output channel, ``ct-w4a16``:
 4-bit in groups of 128; made with :mod:`hf_tpu.quantization.ct_checkpoint`), loaded with no ``quantization_config``.
 Each is warmed up with ``hf_tpu.warmup`` and then measured:
@@ -11,7 +13,8 @@ Each is warmed up with ``hf_tpu.warmup`` and then measured:
   (targets: int8 <= 55%, int4 <= 35%);
 - the static cache's bytes (live after warm-up minus the weights) and the peak device memory during a warmed-up
   ``generate``, as the excess over weights + cache (target: <= 10% of weights + cache; the simulator runs a
-  compiled graph op by op, so each Linear's dequantized weight is a temporary there; on a chip XLA fuses it);
+  compiled graph op by op, so each Linear's dequantized weight is a temporary there, 3 bytes per weight of one
+  matrix: a large fraction of all the weights in the tiny shape, not at ``realistic``; on a chip XLA fuses it);
 - compiles during the measured generates (expected 0 after warm-up), and whether greedy tokens equal bf16's;
 - decode time per step on the simulator: (time of ``new`` tokens - time of 1 token) / (new - 1), medians.
 
@@ -33,7 +36,9 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch
 
-__all__ = ["KINDS", "QUICK", "SHAPES", "TARGET_PEAK", "TARGET_WEIGHTS", "add_arguments", "print_table", "resolve", "run"]
+__all__ = [
+    "KINDS", "QUICK", "SHAPES", "TARGET_PEAK", "TARGET_WEIGHTS", "add_arguments", "print_table", "resolve", "run",
+]
 
 KINDS = ("bf16", "int8", "int4", "ct-w8a16", "ct-w4a16")
 TARGET_WEIGHTS = {"int8": 0.55, "int4": 0.35, "ct-w8a16": 0.55, "ct-w4a16": 0.35}
@@ -135,7 +140,7 @@ def run(args: argparse.Namespace) -> dict:
     import hf_tpu.sim
     from hf_tpu.testing import tiny_model
 
-    args = resolve(args)
+    vars(args).update(vars(resolve(args)))  # the sizes run, also in what `hf-tpu bench --json` records
     hf_tpu.sim.enable()
     hf_tpu.enable("device_map", "generation", "quantization")
     geometry = dict(
