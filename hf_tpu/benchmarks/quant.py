@@ -1,8 +1,10 @@
 """Quantized generate on the simulated tpu: bf16 vs int8 vs int4 (torchao configs) vs compressed-tensors w8a16 and
 w4a16 checkpoints, side by side in one run.
 
-One tiny Llama checkpoint, loaded on the simulated ``tpu`` device with ``device_map="tpu"``: in bf16, with
-``TorchAoConfig(Int8WeightOnlyConfig())`` and with ``TorchAoConfig(Int4WeightOnlyConfig(group_size=...))``; and
+One Llama checkpoint (``--shape``: ``tiny``, ``default``, or ``realistic``: Llama-3's proportions with 16 layers, where
+the peak during generate is measured as a real model has it), loaded on the simulated ``tpu`` device with
+``device_map="tpu"``: in bf16, with ``TorchAoConfig(Int8WeightOnlyConfig())`` and with
+``TorchAoConfig(Int4WeightOnlyConfig(group_size=...))``; and
 the same weights saved as compressed-tensors checkpoints (``ct-w8a16``: 8-bit per output channel, ``ct-w4a16``:
 4-bit in groups of 128; made with :mod:`hf_tpu.quantization.ct_checkpoint`), loaded with no ``quantization_config``.
 Each is warmed up with ``hf_tpu.warmup`` and then measured:
@@ -11,7 +13,8 @@ Each is warmed up with ``hf_tpu.warmup`` and then measured:
   (targets: int8 <= 55%, int4 <= 35%);
 - the static cache's bytes (live after warm-up minus the weights) and the peak device memory during a warmed-up
   ``generate``, as the excess over weights + cache (target: <= 10% of weights + cache; the simulator runs a
-  compiled graph op by op, so each Linear's dequantized weight is a temporary there; on a chip XLA fuses it);
+  compiled graph op by op, so each Linear's dequantized weight is a temporary there, 3 bytes per weight of one
+  matrix: a large fraction of all the weights in the tiny shape, not at ``realistic``; on a chip XLA fuses it);
 - compiles during the measured generates (expected 0 after warm-up), and whether greedy tokens equal bf16's;
 - decode time per step on the simulator: (time of ``new`` tokens - time of 1 token) / (new - 1), medians.
 
@@ -33,22 +36,50 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch
 
-__all__ = ["KINDS", "QUICK", "TARGET_PEAK", "TARGET_WEIGHTS", "add_arguments", "print_table", "run"]
+__all__ = [
+    "KINDS", "QUICK", "SHAPES", "TARGET_PEAK", "TARGET_WEIGHTS", "add_arguments", "print_table", "resolve", "run",
+]
 
 KINDS = ("bf16", "int8", "int4", "ct-w8a16", "ct-w4a16")
 TARGET_WEIGHTS = {"int8": 0.55, "int4": 0.35, "ct-w8a16": 0.55, "ct-w4a16": 0.35}
 TARGET_PEAK = 0.10  # peak during generate at most 10% above weights + cache
-QUICK = {"hidden": 128, "layers": 2, "vocab": 128, "prompt": 8, "new_tokens": 4, "repeats": 1}
+# Model geometries (--shape) with the run sizes that suit them. 'realistic' keeps Llama-3-8B's proportions
+# (intermediate 3.5x hidden, head_dim 128, 4 query heads per key/value head) at hidden 512 and half its 32 layers,
+# with a small vocabulary, so the bf16 embedding table and lm_head (which stay bf16 in every kind) take a smaller
+# share of the weights than in a real model (the harder case for the peak): 0.12 GB of bf16 weights.
+SHAPES = {
+    "tiny": dict(hidden=128, intermediate=512, heads=4, kv_heads=2, layers=2, vocab=128, prompt=8, new_tokens=4,
+                 repeats=1),
+    "default": dict(hidden=256, intermediate=1024, heads=4, kv_heads=2, layers=8, vocab=256, prompt=16,
+                    new_tokens=16, repeats=3),
+    "realistic": dict(hidden=512, intermediate=1792, heads=4, kv_heads=1, layers=16, vocab=4096, prompt=16,
+                      new_tokens=4, repeats=1),
+}
+QUICK = {"shape": "tiny"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (a multiple of --group-size)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), default="default",
+        help="model geometry: 'tiny' (--quick's), 'default', or 'realistic' (Llama-3's proportions, 16 layers: the "
+        "peak over weights + cache as a real model has it); --hidden etc. override single fields",
+    )
+    parser.add_argument("--hidden", type=int, help="hidden size (a multiple of --group-size)")
+    parser.add_argument("--intermediate", type=int, help="MLP size (a multiple of --group-size)")
+    parser.add_argument("--heads", type=int, help="attention heads (head_dim = hidden / heads)")
+    parser.add_argument("--kv-heads", type=int, help="key/value heads")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--vocab", type=int)
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size")
-    parser.add_argument("--prompt", type=int, default=16, help="prompt length")
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3, help="timed generates per measure (median)")
+    parser.add_argument("--prompt", type=int, help="prompt length")
+    parser.add_argument("--new-tokens", type=int)
+    parser.add_argument("--repeats", type=int, help="timed generates per measure (median)")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with every field left unset taken from its ``--shape`` preset (explicit options win)."""
+    preset = SHAPES[args.shape]
+    return argparse.Namespace(**{k: preset[k] if v is None and k in preset else v for k, v in vars(args).items()})
 
 
 def _config(kind: str, group_size: int):
@@ -109,11 +140,13 @@ def run(args: argparse.Namespace) -> dict:
     import hf_tpu.sim
     from hf_tpu.testing import tiny_model
 
+    vars(args).update(vars(resolve(args)))  # the sizes run, also in what `hf-tpu bench --json` records
     hf_tpu.sim.enable()
     hf_tpu.enable("device_map", "generation", "quantization")
     geometry = dict(
-        hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=args.hidden // 4, num_hidden_layers=args.layers, vocab_size=args.vocab, initializer_range=0.3,
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads, num_hidden_layers=args.layers,
+        vocab_size=args.vocab, initializer_range=0.3,
     )
     ids = torch.randint(3, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory(prefix="hf-tpu-bench-quant-") as path:
@@ -148,7 +181,8 @@ def print_table(record: dict) -> None:
     """Print what :func:`run` returned: the table, then the record as one JSON line."""
     args = argparse.Namespace(**record["config"])
     print(
-        f"tiny Llama: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; prompt {args.prompt}, "
+        f"Llama ({args.shape}): hidden {args.hidden}, intermediate {args.intermediate}, {args.heads}/{args.kv_heads} "
+        f"heads, {args.layers} layers, vocab {args.vocab}; prompt {args.prompt}, "
         f"{args.new_tokens} new tokens; int4 group size {args.group_size}; simulated tpu"
     )
     header = (

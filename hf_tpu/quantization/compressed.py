@@ -44,9 +44,10 @@ class PackedLayout:
     shape: tuple[int, int]  # the unpacked weight's (out_features, in_features)
 
 
-def unpack_codes(packed: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:
+def unpack_codes(packed: torch.Tensor, num_bits: int, columns: int, signed: bool = False) -> torch.Tensor:
     """The unsigned codes (``value + 2**(num_bits - 1)``) of ``packed`` (int32, packed along its last dimension as
-    compressed-tensors' ``pack_to_int32`` does: code ``i`` at bit ``i * num_bits``), as ``uint8`` ``(rows, columns)``.
+    compressed-tensors' ``pack_to_int32`` does: code ``i`` at bit ``i * num_bits``), as ``uint8`` ``(rows, columns)``;
+    with ``signed``, the values themselves (``code - 2**(num_bits - 1)``) as ``int8``.
 
     Example:
         >>> import torch
@@ -54,32 +55,42 @@ def unpack_codes(packed: torch.Tensor, num_bits: int, columns: int) -> torch.Ten
         >>> q = torch.tensor([[-8, 7, 0, 3, -1, 5, 6, -2]], dtype=torch.int8)
         >>> unpack_codes(pack_to_int32(q, 4), 4, 8).tolist()
         [[0, 15, 8, 11, 7, 13, 14, 6]]
+        >>> torch.equal(unpack_codes(pack_to_int32(q, 4), 4, 8, signed=True), q)
+        True
     """
     per_word, mask = 32 // num_bits, (1 << num_bits) - 1
+    offset, dtype = (1 << (num_bits - 1), torch.int8) if signed else (0, torch.uint8)
     # one (rows, words) slice per position in the word, narrowed at once: int32 temporaries of a slice, not of all
-    parts = [((packed >> (num_bits * i)) & mask).to(torch.uint8) for i in range(per_word)]
+    parts = [(((packed >> (num_bits * i)) & mask) - offset).to(dtype) for i in range(per_word)]
     codes = torch.stack(parts, dim=-1).view(*packed.shape[:-1], packed.shape[-1] * per_word)
     return codes[..., :columns]
 
 
 def dequantize_packed(module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``module``'s weight in ``dtype`` (default: its scale's dtype), from its packed tensors: compressed-tensors'
-    ``dequantize`` (``(code - zero_point) * scale`` computed in the scale's dtype), op for op."""
+    """``module``'s weight in ``dtype`` (default: its scale's dtype), from its packed tensors: the numbers of
+    compressed-tensors' ``dequantize`` (``(value - zero_point) * scale`` computed in the scale's dtype).
+
+    The values and zero points are integers that the scale's dtype holds exactly (at most 8 bits), so they are
+    subtracted as integers (int8; int16 for 8-bit weights with zero points) and the multiplication by the scale
+    promotes to its dtype: the same numbers as converting first, with the dequantized weight the only full-size
+    float tensor made (1 + 2 bytes per weight live at once where a graph runs op by op, not 2 + 2).
+    """
     layout: PackedLayout = module._hf_tpu_packed
     rows, columns = layout.shape
     scale = module.weight_scale
-    offset = 1 << (layout.num_bits - 1)
-    # codes are at most 255 and the offset 128: exact in bf16, so this equals int8 codes converted, as upstream does
-    weight = unpack_codes(module.weight_packed, layout.num_bits, columns).to(scale.dtype) - offset
+    weight = unpack_codes(module.weight_packed, layout.num_bits, columns, signed=True)
     zero_point = getattr(module, "weight_zero_point", None)
     if zero_point is not None and zero_point.dtype == torch.int32 and layout.strategy in ("group", "channel"):
-        zero_point = unpack_codes(zero_point.t(), layout.num_bits, rows).t().to(scale.dtype) - offset  # packed rows
+        zero_point = unpack_codes(zero_point.t(), layout.num_bits, rows, signed=True).t()  # packed along the rows
     if layout.strategy == "group":  # one scale (and zero point) per group of group_size columns
         weight = weight.view(rows, columns // layout.group_size, layout.group_size)
         scale = scale.unsqueeze(-1)
         zero_point = None if zero_point is None else zero_point.unsqueeze(-1)
-    if zero_point is not None:
-        weight = weight - zero_point.to(scale.dtype)
+    if zero_point is not None and zero_point.is_floating_point():
+        weight = weight.to(scale.dtype) - zero_point.to(scale.dtype)
+    elif zero_point is not None:  # value - zero point spans 2**(num_bits + 1) - 1 integers
+        wide = torch.int8 if layout.num_bits < 8 else torch.int16
+        weight = weight.to(wide) - zero_point.to(wide)
     weight = (weight * scale).view(rows, columns)
     return weight if dtype is None else weight.to(dtype)
 

@@ -18,6 +18,7 @@ __all__ = ["PRESETS", "quantize_in_memory", "save_compressed", "scheme"]
 # compressed-tensors preset (groups of 128, symmetric)
 PRESETS = {
     "w8a16": (8, "channel", None, True),
+    "w8a16-asym": (8, "channel", None, False),
     "w4a16": (4, "group", 128, True),
     "w4a16-asym": (4, "group", 128, False),
     "w2a16-tensor": (2, "tensor", None, True),
