@@ -53,6 +53,27 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "mistral": ("MistralConfig", "MistralForCausalLM", {**_DECODER, "head_dim": 8, "sliding_window": 6}),
+    # sliding window + MoE: Gemma 4's text model (a dense MLP and 4 experts in every layer, per-layer input
+    # embeddings, a wider head on the full-attention layer) and gpt-oss (4 experts, attention sinks)
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {
+            **_DECODER, "head_dim": 8, "global_head_dim": 16, "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention"], "enable_moe_block": True, "num_experts": 4,
+            "top_k_experts": 2, "moe_intermediate_size": 16, "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 128,
+        },
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            **_DECODER, "intermediate_size": 16, "head_dim": 8, "sliding_window": 6, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
     # hybrid: Gated DeltaNet linear attention + full attention
     "qwen3_5": (
         "Qwen3_5TextConfig",
