@@ -132,6 +132,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "MixtralForCausalLM",
         {**_DECODER, "intermediate_size": 16, "head_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
     ),
+    # MoE whose rotary embedding rebuilds its frequencies at every forward (hf_tpu/transformers/_rope_on_device.py)
+    "phimoe": (
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        {**_DECODER, "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
 }
 
 
