@@ -93,6 +93,17 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "expand": 2, "conv_kernel": 4, "time_step_rank": 4, "chunk_size": 16,
         },
     ),
+    # a recurrent block (its conv and recurrent states kept on its modules, outside the cache) and a local-attention
+    # block (a sliding window of 6)
+    "recurrent_gemma": (
+        "RecurrentGemmaConfig",
+        "RecurrentGemmaForCausalLM",
+        {
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "lru_width": 32, "attention_window_size": 6,
+            "block_types": ["recurrent", "attention"],
+        },
+    ),
     # multi-latent attention (its cache holds the compressed latent) with a dense first layer and a MoE second one
     "deepseek_v3": (
         "DeepseekV3Config",
