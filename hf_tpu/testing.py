@@ -53,6 +53,27 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "mistral": ("MistralConfig", "MistralForCausalLM", {**_DECODER, "head_dim": 8, "sliding_window": 6}),
+    # sliding window + MoE: Gemma 4's text model (a dense MLP and 4 experts in every layer, per-layer input
+    # embeddings, a wider head on the full-attention layer) and gpt-oss (4 experts, attention sinks)
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {
+            **_DECODER, "head_dim": 8, "global_head_dim": 16, "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention"], "enable_moe_block": True, "num_experts": 4,
+            "top_k_experts": 2, "moe_intermediate_size": 16, "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 128,
+        },
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            **_DECODER, "intermediate_size": 16, "head_dim": 8, "sliding_window": 6, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
     # hybrid: Gated DeltaNet linear attention + full attention
     "qwen3_5": (
         "Qwen3_5TextConfig",
@@ -70,6 +91,17 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {
             "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 8, "state_size": 8, "n_groups": 2,
             "expand": 2, "conv_kernel": 4, "time_step_rank": 4, "chunk_size": 16,
+        },
+    ),
+    # a recurrent block (its conv and recurrent states kept on its modules, outside the cache) and a local-attention
+    # block (a sliding window of 6)
+    "recurrent_gemma": (
+        "RecurrentGemmaConfig",
+        "RecurrentGemmaForCausalLM",
+        {
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "lru_width": 32, "attention_window_size": 6,
+            "block_types": ["recurrent", "attention"],
         },
     ),
     # multi-latent attention (its cache holds the compressed latent) with a dense first layer and a MoE second one
@@ -110,6 +142,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "MixtralConfig",
         "MixtralForCausalLM",
         {**_DECODER, "intermediate_size": 16, "head_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
+    ),
+    # MoE whose rotary embedding rebuilds its frequencies at every forward (hf_tpu/transformers/_rope_on_device.py)
+    "phimoe": (
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        {**_DECODER, "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
 }
 

@@ -216,6 +216,10 @@ def _run(model, state: _ModelState, key: tuple, *args):
             f"(hf_tpu.warmup(model, max_prompt_len=..., batch_sizes=[{key[1]}], max_new_tokens=...)), "
             f"or allow compiles: hf_tpu.transformers.configure(model, strict=False) / unset {STRICT_ENV}."
         )
+    from hf_tpu.transformers import _module_state
+
+    if key[0].split("+", 1)[0] == "prefill":
+        _module_state.reset(model, state, key[1])  # a new sequence: module-held state as upstream resets it
     settings = state.settings
     if not settings.compile:
         result = _graph(key[0])(model, *args)
@@ -242,6 +246,7 @@ def _run(model, state: _ModelState, key: tuple, *args):
                     fn = None
             if fn is None:
                 result = _compiled(key[0], _backend_for(settings, model.device), settings.fullgraph)(model, *args)
+    _module_state.settle(state)
     if first:
         state.compiled.add(key)
         state.compile_log.append(key)

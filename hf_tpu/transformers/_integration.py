@@ -20,7 +20,7 @@ FEATURE = "generation"
 def apply() -> None:
     from transformers.generation.utils import GenerationMixin
 
-    from hf_tpu.transformers import _upstream, generation
+    from hf_tpu.transformers import _rope_on_device, _upstream, generation
 
     upstream = GenerationMixin.__dict__["generate"]
     upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
@@ -32,3 +32,4 @@ def apply() -> None:
 
     generate.__hf_tpu_upstream__ = upstream
     patch(GenerationMixin, "generate", generate, feature=FEATURE, package="transformers", versions=">=5.0,<6")
+    _rope_on_device.apply(FEATURE)  # one copy each way per decode step for models that rebuild rotary frequencies

@@ -72,6 +72,7 @@ class _ModelState:
     loaded: dict = field(default_factory=dict)  # graph key -> callable served by the persistent compile cache
     warmed: bool = False
     caches: OrderedDict = field(default_factory=OrderedDict)
+    module_states: list | None = None  # (module, attribute) of state kept on modules (_module_state.py); None: unseen
 
     def ladder(self, config) -> BucketLadder:
         if self.settings.buckets is None:

@@ -14,6 +14,9 @@ from hf_tpu.transformers._static_cache import _static_cache_problem
 # the prompt unpadded, so equality also proves that the padding leaves every layer's state as the prompt would.
 LENGTHS = (1, 3, 5, 7, 9, 12, 14, 16)
 NEW = 6
+# Families whose graphs a second process then loads from the persistent compile cache (the list; Qwen3-MoE
+# is in test_moe.py), compiling nothing.
+SECOND_PROCESS = ("gemma4", "gpt_oss", "qwen3_5")
 
 
 def _prompt(n: int, seed: int, vocab: int) -> torch.Tensor:
@@ -24,17 +27,21 @@ def _prompt(n: int, seed: int, vocab: int) -> torch.Tensor:
     "family",
     [
         "gemma3",  # sliding window (6 slots, shorter than the sequences) alternating with full attention
+        "gemma4",  # sliding window + MoE (default experts), per-layer inputs, a wider full-attention head
+        "gpt_oss",  # sliding window + MoE with attention sinks
         "qwen3_5",  # Gated DeltaNet linear attention + full attention
         "mamba2",  # SSM only: conv + recurrent state
+        "recurrent_gemma",  # recurrent states kept on its modules (reset by the loop) + local attention
         "deepseek_v3",  # multi-latent attention (a compressed latent cached) + MoE with the default experts
         "falcon",  # multi-query: one KV head, where the config's static-cache shape says 4
         "bart",  # encoder-decoder with 4 encoder and 2 decoder heads
     ],
 )
-def test_each_layer_kind_runs_the_bucketed_loop_like_cpu(family, pair):
+def test_each_layer_kind_runs_the_bucketed_loop_like_cpu(family, pair, model_root, tmp_path):
     cpu, tpu = pair(family)
     assert _static_cache_problem(tpu) is None
-    generation.configure(tpu, buckets=[16, 32])
+    cache = tmp_path / "cache" if family in SECOND_PROCESS else False
+    generation.configure(tpu, buckets=[16, 32], compile_cache=cache)  # every graph warm-up compiles is stored there
     report = hf_tpu.warmup(tpu, max_prompt_len=16, batch_sizes=[1], max_new_tokens=NEW, progress=False)
     assert report.prompt_buckets == (16,)
     signatures = []
@@ -50,21 +57,13 @@ def test_each_layer_kind_runs_the_bucketed_loop_like_cpu(family, pair):
         assert s.d2h_copies <= steps + 2 and s.h2d_copies <= steps + 4, (n, s)  # one small copy each way per step
     assert max(signatures[1:]) <= 4, signatures  # a new prompt length meets (almost) no new eager op
     assert generation.compiled_graphs(tpu)  # hf_tpu's loop ran, not upstream's
+    generation.configure(tpu, compile_cache=False)
+    if cache:
+        from test_compile_cache import _worker
 
-
-def test_a_hybrid_model_is_served_from_the_compile_cache_in_a_second_process(tmp_path):
-    import transformers as T
-    from test_compile_cache import _worker
-
-    from hf_tpu.testing import tiny_config
-
-    torch.manual_seed(0)
-    model_dir = tmp_path / "qwen3_5"
-    config = tiny_config("qwen3_5", vocab_size=96)  # the worker draws ids below 96
-    T.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
-    cold = _worker(model_dir, tmp_path / "cache")
-    assert cold["equal"] and not cold["problems"] and cold["new_compiles"] == cold["graphs"] > 0
-    warm = _worker(model_dir, tmp_path / "cache")
-    assert warm["equal"] and not warm["problems"]
-    assert warm["warm_compiles"] == warm["new_compiles"] == warm["generate_compiles"] == 0
-    assert warm["from_cache"] == warm["graphs"] == cold["graphs"]
+        # A fresh process warms up the same shapes from the cache.
+        assert report.new_compiles == len(report.graphs) > 0 and not report.cache_problems
+        warm = _worker(model_root / family, cache, "--batch=1", "--max-prompt-len=16", "--buckets=16,32")
+        assert warm["equal"] and not warm["problems"]
+        assert warm["warm_compiles"] == warm["new_compiles"] == warm["generate_compiles"] == 0
+        assert warm["from_cache"] == warm["graphs"] == len(report.graphs)
