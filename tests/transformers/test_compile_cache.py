@@ -132,6 +132,9 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def _run_with(llama_dir, cache_dir, match: str | None):
+    # Graphs dynamo already holds in this process (an earlier test in the worker generating with the same model
+    # shapes) would serve the calls before the compile cache is asked: forget them, so the counts are the cache's.
+    torch._dynamo.reset()
     hf_tpu.sim.enable()
     with hf_tpu.enabled("generation"):
         cpu, tpu = _fresh(llama_dir)
