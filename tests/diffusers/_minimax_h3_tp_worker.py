@@ -3,10 +3,10 @@ test_minimax_h3_tp.
 
 ``python _minimax_h3_tp_worker.py OUT_DIR TP_SIZE TRANSFORMER_DIR``. Each rank builds the tiny modular pipeline
 (``tiny_minimax_h3_pipeline()``, the same seed as the test); rank 0 makes a clip (video and audio) with the whole
-pipeline on its own ``tpu:0`` (TP=1). Every rank then loads the transformer from TRANSFORMER_DIR sharded through diffusers' own
-``TensorParallelConfig(tp_degree=TP_SIZE)`` (the plan hf_tpu gives MiniMax-H3, hf_tpu/diffusers/minimax_h3_tp.py),
-puts it in the pipeline and makes the same clip. It writes the clips and what it saw to ``OUT_DIR/rank{RANK}.npz`` /
-``.json``.
+pipeline on its own ``tpu:0`` (TP=1). Every rank then loads the transformer from TRANSFORMER_DIR sharded through
+diffusers' own ``TensorParallelConfig(tp_degree=TP_SIZE)`` (the plan hf_tpu gives MiniMax-H3,
+hf_tpu/diffusers/minimax_h3_tp.py), puts it in the pipeline and makes the same clip. It writes the clips and what it
+saw to ``OUT_DIR/rank{RANK}.npz`` / ``.json``.
 """
 
 from __future__ import annotations
