@@ -17,10 +17,10 @@ for diffusers ``>=0.42,<0.43``, reverted by ``hf_tpu.disable()``):
   AdaLN modulation and the QK-norms stay replicated, as in diffusers' plans: the modulation indexes the whole hidden
   width and the QK-norm runs over one head's width. If diffusers declares its own plan, hf_tpu's stands aside.
 - ``diffusers.hooks.tensor_parallel.apply_tensor_parallel`` (both ``from_pretrained`` and ``enable_parallelism`` call
-  it) then sets each sharded ``MiniMaxH3Attention``'s ``heads`` to the heads of its rank. Upstream's
-  ``MiniMaxH3AttnProcessor`` reshapes by ``attn.heads`` (``unflatten(-1, (attn.heads, -1))``), which on a rank's
-  column slice would make ``tp_degree`` times too many, too narrow heads; Flux's processor reshapes by ``head_dim``
-  instead. Other models are left as upstream shards them.
+  it; also its alias ``diffusers.hooks.apply_tensor_parallel``) then sets each sharded ``MiniMaxH3Attention``'s
+  ``heads`` to the heads of its rank. Upstream's ``MiniMaxH3AttnProcessor`` reshapes by ``attn.heads``
+  (``unflatten(-1, (attn.heads, -1))``), which on a rank's column slice would make ``tp_degree`` times too many, too
+  narrow heads; Flux's processor reshapes by ``head_dim`` instead. Other models are left as upstream shards them.
 
 Example:
     >>> import hf_tpu
@@ -100,10 +100,16 @@ def apply() -> None:
     if not getattr(cls, "_hf_tpu_tp_plan", False):
         patch(cls, "_tp_plan", tp_plan(), feature=FEATURE, package="diffusers", versions=_WRITTEN_FOR)
         patch(cls, "_hf_tpu_tp_plan", True, feature=FEATURE, package="diffusers", versions=_WRITTEN_FOR)
-    current = tensor_parallel.apply_tensor_parallel
-    if not getattr(current, "__hf_tpu_minimax_h3__", False):
-        replacement = _apply_tensor_parallel(original(tensor_parallel, "apply_tensor_parallel"), module)
-        patch(
-            tensor_parallel, "apply_tensor_parallel", replacement,
-            feature=FEATURE, package="diffusers", versions=_WRITTEN_FOR,
-        )  # fmt: skip
+    if getattr(tensor_parallel.apply_tensor_parallel, "__hf_tpu_minimax_h3__", False):
+        return  # already patched (idempotent)
+    upstream = original(tensor_parallel, "apply_tensor_parallel")
+    replacement = _apply_tensor_parallel(upstream, module)
+    import diffusers.hooks
+
+    # modeling_utils imports it from the module at each call; `diffusers.hooks` re-exports it
+    for owner in (tensor_parallel, diffusers.hooks):
+        if owner.__dict__.get("apply_tensor_parallel") is upstream:
+            patch(
+                owner, "apply_tensor_parallel", replacement,
+                feature=FEATURE, package="diffusers", versions=_WRITTEN_FOR,
+            )  # fmt: skip

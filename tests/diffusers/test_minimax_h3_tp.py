@@ -63,6 +63,7 @@ def test_minimax_h3_tp4_equals_tp1(tmp_path):
 
 def test_minimax_h3_tp_plan_only_while_enabled(monkeypatch):
     from diffusers import MiniMaxH3Transformer3DModel
+    import diffusers.hooks
     from diffusers.hooks import tensor_parallel
 
     from hf_tpu.diffusers import minimax_h3_tp
@@ -79,9 +80,10 @@ def test_minimax_h3_tp_plan_only_while_enabled(monkeypatch):
             assert plan["transformer_blocks.*.attn.to_q"] == "colwise"
             assert plan["token_refiner.refiner_blocks.*.ff.net.2"] == "rowwise"
             assert tensor_parallel.apply_tensor_parallel is not upstream_apply
+            assert diffusers.hooks.apply_tensor_parallel is tensor_parallel.apply_tensor_parallel
         assert MiniMaxH3Transformer3DModel._tp_plan is None
         assert "_tp_plan" not in MiniMaxH3Transformer3DModel.__dict__
-        assert tensor_parallel.apply_tensor_parallel is upstream_apply
+        assert tensor_parallel.apply_tensor_parallel is upstream_apply is diffusers.hooks.apply_tensor_parallel
         # a diffusers that declares its own plan keeps it
         own = {"transformer_blocks.*.attn.to_q": "colwise"}
         monkeypatch.setattr(MiniMaxH3Transformer3DModel, "_tp_plan", own, raising=False)
