@@ -63,10 +63,12 @@ def tp_plan() -> dict[str, Any]:
 
 def _localize_heads(model: Any, attention_cls: type, tp_degree: int) -> None:
     """Each sharded attention of ``model`` keeps ``heads // tp_degree`` heads: the ones in its rank's slice."""
+    from torch.distributed.tensor import DTensor
+
     for module in model.modules():
         if not isinstance(module, attention_cls) or getattr(module, "_hf_tpu_global_heads", None) is not None:
             continue
-        if type(module.to_q.weight).__name__ != "DTensor":
+        if not isinstance(module.to_q.weight, DTensor):
             continue  # not in the plan (another plan than hf_tpu's): upstream's head count
         module._hf_tpu_global_heads = module.heads
         module.heads = module.heads // tp_degree
