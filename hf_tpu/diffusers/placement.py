@@ -130,6 +130,7 @@ def apply() -> None:
         current = owner.__dict__["to"]
         original = getattr(current, "__hf_tpu_original__", current)
         patch(owner, "to", _to(original), feature=FEATURE, package="diffusers", versions=_WRITTEN_FOR)
-    from hf_tpu.diffusers import qwen_image_layout
+    from hf_tpu.diffusers import minimax_h3_tp, qwen_image_layout
 
     qwen_image_layout.apply()  # Qwen-Image 2.1's joint sequence layout on the host: one graph per step
+    minimax_h3_tp.apply()  # a tensor-parallel plan for MiniMax-H3, which diffusers 0.42 shards by context only

@@ -106,14 +106,6 @@ def test_minimax_h3_frame_counts_and_audio_latents_are_checked():
     assert video.shape[1] == 141 and audio.shape == (1, 2, 235 * 4) and len(encoder_calls) == 1
 
 
-def test_minimax_h3_declares_no_tp_plan():
-    """diffusers 0.42.1 shards MiniMax-H3 by context parallelism only (docs/diffusers.md, Tensor parallel): when a
-    release adds a ``_tp_plan``, this fails so that the TP=4 launcher test (as test_diffusers_tp.py's) is written."""
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    assert MiniMaxH3Transformer3DModel._tp_plan is None and MiniMaxH3Transformer3DModel._cp_plan
-
-
 def test_minimax_h3_ref2va_partition_is_a_denoiser():
     """``ref2va`` loads the ``transformer_ref`` partition alone: compile_pipeline finds it as the denoiser."""
     from hf_tpu.diffusers import denoisers
