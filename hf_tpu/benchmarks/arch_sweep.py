@@ -12,11 +12,14 @@ lengths in one bucket against the same model on the CPU. Per architecture:
 - *copies per step*: host->device and device->host copies per decode step (a long and a short run differenced).
 
 Architectures run in worker processes (``--jobs`` at once); one that crashes its worker or runs past ``--timeout``
-becomes a row, and the sweep goes on. ``--write-docs`` writes the table to docs/architectures.md. Run::
+becomes a row, and the sweep goes on. ``--rows PATH`` appends each row to PATH as it is measured; with ``--resume``
+a stopped run goes on from PATH (only architectures without a row there are measured). ``--write-docs`` writes the
+table to docs/architectures.md. Run::
 
     hf-tpu bench arch_sweep                              # every architecture
     hf-tpu bench arch_sweep --archs llama qwen3_moe      # some of them
     python benchmarks/arch_sweep.py --write-docs         # from a checkout: regenerate docs/architectures.md
+    python benchmarks/arch_sweep.py --rows /tmp/rows.jsonl --resume --write-docs   # stopped? run it again
 """
 
 from __future__ import annotations
@@ -391,6 +394,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-docs", action="store_true", help=f"write the table to {DOCS_PAGE.name} in docs/")
     parser.add_argument("--rows", metavar="PATH", help="append each row to PATH as a JSON line when measured")
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --rows: measure only the architectures that have no row in PATH yet (a stopped run goes on); "
+        "the table holds PATH's rows and the new ones",
+    )
+    parser.add_argument(
         "--from-rows",
         metavar="PATH",
         nargs="+",
@@ -405,17 +414,18 @@ def run(args: argparse.Namespace) -> dict:
     unknown = sorted(set(archs) - set(architectures()))
     if unknown:
         raise SystemExit(f"unknown causal-LM architectures {unknown}; see transformers' MODEL_FOR_CAUSAL_LM_MAPPING")
+    if args.resume and not args.rows:
+        raise SystemExit("--resume goes with --rows PATH (the rows file of the run to go on with)")
     start = time.monotonic()
     if args.from_rows:
-        saved: dict[str, dict] = {}
-        for path in args.from_rows:
-            for line in Path(path).read_text().splitlines():
-                row = json.loads(line)
-                saved.setdefault(row["arch"], row)
+        saved = _saved_rows(args.from_rows)
         missing = {"status": "not measured", "reason": "not reached by the run that made this table"}
         rows = [saved.get(a) or {"arch": a, **missing} for a in archs]
     else:
-        rows = sweep(archs, args.new_tokens, args.jobs, args.timeout, rows_file=args.rows)
+        saved = _saved_rows([args.rows]) if args.resume and Path(args.rows).exists() else {}
+        todo = [a for a in archs if a not in saved]
+        fresh = {r["arch"]: r for r in sweep(todo, args.new_tokens, args.jobs, args.timeout, rows_file=args.rows)}
+        rows = [saved.get(a) or fresh[a] for a in archs]
     figures = {"rows": rows, "summary": summarize(rows), "seconds": round(time.monotonic() - start)}
     figures["command"] = "python benchmarks/arch_sweep.py " + " ".join(
         ([f"--archs {' '.join(archs)}"] if args.archs else [])
@@ -426,6 +436,17 @@ def run(args: argparse.Namespace) -> dict:
         DOCS_PAGE.write_text(markdown(figures))
         print(f"wrote {DOCS_PAGE}")
     return figures
+
+
+def _saved_rows(paths: list[str]) -> dict[str, dict]:
+    """Architecture -> its row in the ``--rows`` files ``paths`` (the first row of an architecture wins)."""
+    saved: dict[str, dict] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                saved.setdefault(row["arch"], row)
+    return saved
 
 
 def summarize(rows: list[dict]) -> dict:

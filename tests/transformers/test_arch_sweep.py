@@ -3,6 +3,9 @@ against the CPU, with the verdicts that docs/architectures.md (the whole sweep's
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 
 from hf_tpu.benchmarks import arch_sweep
@@ -40,3 +43,24 @@ def test_slice_verdicts_match_cpu_and_the_docs(arch):
     documented = _documented()[arch]
     if documented[2] != "not measured":  # a partial sweep lists what it did not reach
         assert documented[2] == row["status"] and documented[3] == "yes", (documented, row)
+
+
+def test_resume_measures_only_architectures_without_a_row(tmp_path, monkeypatch):
+    rows_file = tmp_path / "rows.jsonl"
+    done = {"arch": "llama", "status": "fast path", "reason": "", "identical": True}
+    rows_file.write_text(json.dumps(done) + "\n")
+    asked = []
+
+    def fake_sweep(archs, *args, **kwargs):
+        asked.append(list(archs))
+        return [{"arch": a, "status": "error", "reason": "measured now"} for a in archs]
+
+    monkeypatch.setattr(arch_sweep, "sweep", fake_sweep)
+    parser = argparse.ArgumentParser()
+    arch_sweep.add_arguments(parser)
+    args = parser.parse_args(["--archs", "llama", "gpt2", "--rows", str(rows_file), "--resume"])
+    figures = arch_sweep.run(args)
+    assert asked == [["gpt2"]]
+    assert figures["rows"] == [done, {"arch": "gpt2", "status": "error", "reason": "measured now"}]
+    with pytest.raises(SystemExit, match="--rows"):
+        arch_sweep.run(parser.parse_args(["--archs", "llama", "--resume"]))
