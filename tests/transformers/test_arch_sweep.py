@@ -64,3 +64,15 @@ def test_resume_measures_only_architectures_without_a_row(tmp_path, monkeypatch)
     assert figures["rows"] == [done, {"arch": "gpt2", "status": "error", "reason": "measured now"}]
     with pytest.raises(SystemExit, match="--rows"):
         arch_sweep.run(parser.parse_args(["--archs", "llama", "--resume"]))
+
+
+def test_tiny_configs_keep_what_the_architecture_is():
+    # a hybrid keeps an attention layer in the shrunk depth (its default pattern places one every 6th layer)
+    assert set(arch_sweep.tiny_config("bailing_hybrid").layer_types) == {"linear_attention", "full_attention"}
+    assert "full_attention" in arch_sweep.tiny_config("bamba").layer_types
+    # multi-latent attention: one latent expanded to every head (upstream's eager attention needs as many KV heads)
+    mla = arch_sweep.tiny_config("deepseek_v3")
+    assert mla.num_key_value_heads == mla.num_attention_heads
+    # encoder-decoder: as many decoder layers as the config's layer count that sizes the cache
+    enc_dec = arch_sweep.tiny_config("blenderbot")
+    assert enc_dec.decoder_layers == enc_dec.encoder_layers == enc_dec.num_hidden_layers
