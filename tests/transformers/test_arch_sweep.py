@@ -76,3 +76,19 @@ def test_tiny_configs_keep_what_the_architecture_is():
     # encoder-decoder: as many decoder layers as the config's layer count that sizes the cache
     enc_dec = arch_sweep.tiny_config("blenderbot")
     assert enc_dec.decoder_layers == enc_dec.encoder_layers == enc_dec.num_hidden_layers
+
+
+def test_the_table_states_the_share_target_and_groups_what_misses():
+    rows = [
+        {"arch": "a", "status": "fast path", "identical": True, "compiles_2nd": 0, "signatures_2nd": 0,
+         "h2d_per_step": 1.0, "d2h_per_step": 1.0},
+        {"arch": "b", "status": "fast path", "identical": False, "compiles_2nd": 0, "signatures_2nd": 0,
+         "h2d_per_step": 2.0, "d2h_per_step": 1.0},
+        {"arch": "c", "status": "upstream loop", "reason": "CForCausalLM: its cache has X layers"},
+        {"arch": "d", "status": "not buildable", "reason": "KeyError: 'x'"},
+    ]  # fmt: skip
+    page = arch_sweep.markdown({"rows": rows, "summary": arch_sweep.summarize(rows), "command": "x --write-docs"})
+    assert "1 of 3 measured (33.3%), **missed**" in page
+    assert "- not identical, > 1 copy each way (1): b" in page
+    assert "- upstream loop: its cache has X layers (1): c" in page
+    assert "- not buildable: KeyError: 'x' (1): d" in page
