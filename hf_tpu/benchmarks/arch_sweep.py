@@ -81,6 +81,7 @@ SHRINK: dict[str, Any] = {
     "num_experts_per_tok": 2,
     "moe_topk": 2,
     "n_group": 1,
+    "num_expert_group": 1,
     "topk_group": 1,
     "max_position_embeddings": 512,
     "n_positions": 512,
@@ -160,6 +161,12 @@ def _shrunk(defaults: dict) -> dict:
         fields["num_key_value_heads"] = SHRINK["num_attention_heads"]  # MLA: one latent, expanded to every head
     if "layer_types" in defaults:
         fields["layer_types"] = None  # recomputed for the shrunk depth where the class knows how
+    if isinstance(defaults.get("layers_block_type"), list) and "hybrid_layer_ids" in defaults:
+        # a block pattern listed per layer (Zamba2): each kind of it in the shrunk depth, hybrid blocks last
+        kinds = list(dict.fromkeys(defaults["layers_block_type"]))
+        pattern = kinds[:1] * (SHRINK["num_hidden_layers"] - len(kinds) + 1) + kinds[1:]
+        fields["layers_block_type"] = pattern
+        fields["hybrid_layer_ids"] = [i for i, kind in enumerate(pattern) if kind == "hybrid"]
     fields.update({k: v for k, v in _TOKENS.items() if k in defaults})
     if isinstance(defaults.get("text_config"), dict):
         fields["text_config"] = _shrunk(defaults["text_config"])

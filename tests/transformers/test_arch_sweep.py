@@ -70,6 +70,8 @@ def test_tiny_configs_keep_what_the_architecture_is():
     # a hybrid keeps an attention layer in the shrunk depth (its default pattern places one every 6th layer)
     assert set(arch_sweep.tiny_config("bailing_hybrid").layer_types) == {"linear_attention", "full_attention"}
     assert "full_attention" in arch_sweep.tiny_config("bamba").layer_types
+    zamba2 = arch_sweep.tiny_config("zamba2")  # a block pattern listed per layer, shrunk with the depth
+    assert zamba2.num_hidden_layers == 4 and set(zamba2.layers_block_type) == {"linear_attention", "hybrid"}
     # multi-latent attention: one latent expanded to every head (upstream's eager attention needs as many KV heads)
     mla = arch_sweep.tiny_config("deepseek_v3")
     assert mla.num_key_value_heads == mla.num_attention_heads
