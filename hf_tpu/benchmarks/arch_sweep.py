@@ -589,7 +589,7 @@ def _groups(rows: list[dict]) -> list[str]:
         why = ", ".join(missed)
         reason = r.get("reason") or "" if r["status"] not in ("fast path", "not measured") else ""
         if r["status"] == "upstream loop":
-            reason = reason.split(": ", 1)[-1]  # without the model class
+            reason = reason.partition(" ")[2]  # without the model class that starts it
         key = f"{why}: {reason.split(' (')[0][:140]}" if reason else why
         groups.setdefault(key, []).append(r["arch"])
     if not groups:
