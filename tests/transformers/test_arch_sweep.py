@@ -11,8 +11,7 @@ import pytest
 
 from hf_tpu.benchmarks import arch_sweep
 
-# MoE (grouped_mm experts) on the fast path; sliding window + MoE on upstream's loop (until the bucketed cache covers
-# sliding windows: then on the fast path, and the docs table regenerated); ALiBi full attention on the fast path.
+# MoE (grouped_mm experts), sliding window + MoE (the bucketed ring) and ALiBi full attention, all on the fast path.
 SLICE = ["mixtral", "afmoe", "bloom"]
 
 
