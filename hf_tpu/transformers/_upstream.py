@@ -81,8 +81,32 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
     extra = {k for k in extra if model_kwargs[k] is not None}
     if extra:
         return f"model inputs {sorted(extra)} are not supported by the bucketed loop"
+    if _positions_from_cache_length(model):
+        return (
+            f"{type(model).__name__} takes no position_ids and places tokens by its cache length (absolute position "
+            "embeddings): the bucketed loop's left-padded prompt would shift every position"
+        )
     problem = _static_cache_problem(model)
     if problem:
         return f"{type(model).__name__}: {problem}"
     return None
+
+
+def _positions_from_cache_length(model) -> bool:
+    """A decoder-only model with absolute position embeddings whose forward takes no ``position_ids`` (Bart-family
+    and Whisper decoders, TrOCR, ...): it numbers the prompt's tokens from the cache length, so the pads the bucketed
+    loop puts before a prompt would move every real token's position. (Encoder-decoder models are not affected:
+    their decoder prompt is never padded.)"""
+    import inspect
+
+    if model.config.is_encoder_decoder:
+        return False
+    try:
+        takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    if takes_positions:
+        return False
+    text = model.config.get_text_config(decoder=True)
+    return any(getattr(text, f, None) for f in ("max_position_embeddings", "max_target_positions"))
 

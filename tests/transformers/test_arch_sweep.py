@@ -3,19 +3,22 @@ against the CPU, with the verdicts that docs/architectures.md (the whole sweep's
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
+
 import pytest
 
 from hf_tpu.benchmarks import arch_sweep
 
-# MoE (grouped_mm experts) on the fast path; sliding window + MoE on upstream's loop (until the bucketed cache covers
-# sliding windows: then on the fast path, and the docs table regenerated); ALiBi full attention on the fast path.
+# MoE (grouped_mm experts), sliding window + MoE (the bucketed ring) and ALiBi full attention, all on the fast path.
 SLICE = ["mixtral", "afmoe", "bloom"]
 
 
 def _documented() -> dict[str, list[str]]:
     rows = {}
     for line in arch_sweep.DOCS_PAGE.read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]  # "\|" is a cell's own
         if len(cells) == 8 and cells[0] in arch_sweep.architectures():
             rows[cells[0]] = cells
     return rows
@@ -40,3 +43,54 @@ def test_slice_verdicts_match_cpu_and_the_docs(arch):
     documented = _documented()[arch]
     if documented[2] != "not measured":  # a partial sweep lists what it did not reach
         assert documented[2] == row["status"] and documented[3] == "yes", (documented, row)
+
+
+def test_resume_measures_only_architectures_without_a_row(tmp_path, monkeypatch):
+    rows_file = tmp_path / "rows.jsonl"
+    done = {"arch": "llama", "status": "fast path", "reason": "", "identical": True}
+    rows_file.write_text(json.dumps(done) + "\n")
+    asked = []
+
+    def fake_sweep(archs, *args, **kwargs):
+        asked.append(list(archs))
+        return [{"arch": a, "status": "error", "reason": "measured now"} for a in archs]
+
+    monkeypatch.setattr(arch_sweep, "sweep", fake_sweep)
+    parser = argparse.ArgumentParser()
+    arch_sweep.add_arguments(parser)
+    args = parser.parse_args(["--archs", "llama", "gpt2", "--rows", str(rows_file), "--resume"])
+    figures = arch_sweep.run(args)
+    assert asked == [["gpt2"]]
+    assert figures["rows"] == [done, {"arch": "gpt2", "status": "error", "reason": "measured now"}]
+    with pytest.raises(SystemExit, match="--rows"):
+        arch_sweep.run(parser.parse_args(["--archs", "llama", "--resume"]))
+
+
+def test_tiny_configs_keep_what_the_architecture_is():
+    # a hybrid keeps an attention layer in the shrunk depth (its default pattern places one every 6th layer)
+    assert set(arch_sweep.tiny_config("bailing_hybrid").layer_types) == {"linear_attention", "full_attention"}
+    assert "full_attention" in arch_sweep.tiny_config("bamba").layer_types
+    zamba2 = arch_sweep.tiny_config("zamba2")  # a block pattern listed per layer, shrunk with the depth
+    assert zamba2.num_hidden_layers == 4 and set(zamba2.layers_block_type) == {"linear_attention", "hybrid"}
+    # multi-latent attention: one latent expanded to every head (upstream's eager attention needs as many KV heads)
+    mla = arch_sweep.tiny_config("deepseek_v3")
+    assert mla.num_key_value_heads == mla.num_attention_heads
+    # encoder-decoder: as many decoder layers as the config's layer count that sizes the cache
+    enc_dec = arch_sweep.tiny_config("blenderbot")
+    assert enc_dec.decoder_layers == enc_dec.encoder_layers == enc_dec.num_hidden_layers
+
+
+def test_the_table_states_the_share_target_and_groups_what_misses():
+    rows = [
+        {"arch": "a", "status": "fast path", "identical": True, "compiles_2nd": 0, "signatures_2nd": 0,
+         "h2d_per_step": 1.0, "d2h_per_step": 1.0},
+        {"arch": "b", "status": "fast path", "identical": False, "compiles_2nd": 0, "signatures_2nd": 0,
+         "h2d_per_step": 2.0, "d2h_per_step": 1.0},
+        {"arch": "c", "status": "upstream loop", "reason": "CForCausalLM: its cache has X layers"},
+        {"arch": "d", "status": "not buildable", "reason": "KeyError: 'x'"},
+    ]  # fmt: skip
+    page = arch_sweep.markdown({"rows": rows, "summary": arch_sweep.summarize(rows), "command": "x --write-docs"})
+    assert "1 of 3 measured (33.3%), **missed**" in page
+    assert "- not identical, > 1 copy each way (1): b" in page
+    assert "- upstream loop: its cache has X layers (1): c" in page
+    assert "- not buildable: KeyError: 'x' (1): d" in page

@@ -233,6 +233,27 @@ def test_dynamic_cache_and_beam_search_warn_and_run_upstream(llama, prompts):
     assert torch.equal(got, cpu.generate(ids, max_new_tokens=3, num_beams=2))
 
 
+def test_a_decoder_numbering_tokens_by_its_cache_length_runs_upstream_and_matches_cpu(prompts):
+    # BartForCausalLM takes no position_ids: a left-padded (bucketed) prompt would shift its learned positions
+    from transformers import BartConfig, BartForCausalLM
+
+    torch.manual_seed(0)
+    config = BartConfig(
+        vocab_size=96, d_model=32, decoder_layers=1, encoder_layers=1, decoder_attention_heads=2,
+        encoder_attention_heads=2, decoder_ffn_dim=64, encoder_ffn_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    cpu = BartForCausalLM(config).eval()
+    tpu = BartForCausalLM(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    tpu.to("tpu")
+    ids, _ = prompts([5])
+    generation._WARNED.clear()
+    with pytest.warns(UserWarning, match="takes no position_ids and places tokens by its cache length"):
+        got = tpu.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, cpu.generate(ids, max_new_tokens=4, do_sample=False))
+    assert not generation.compiled_graphs(tpu)
+
+
 def test_disable_restores_upstream_generate():
     from transformers.generation.utils import GenerationMixin
 
