@@ -243,8 +243,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def print_table(figures: dict) -> None:
     """Print the sweep's table (markdown, as docs/diffusers.md holds it), a summary line and a JSON line."""
-    print(f"| family | category | pipeline | eager vs CPU | compiled vs CPU | compiled modules | compiles (1st, 2nd) "
-          f"| equal |")
+    print("| family | category | pipeline | eager vs CPU | compiled vs CPU | compiled modules | compiles (1st, 2nd) "
+          "| equal |")
     print("|---|---|---|---|---|---|---|---|")
     for r in figures["rows"]:
         if "error" in r:

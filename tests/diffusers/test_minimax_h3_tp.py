@@ -6,17 +6,13 @@ on every rank. The plan is there only while hf_tpu's diffusers integration is en
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from _reference import without_hf_tpu
-from _timeouts import SAFETY_TIMEOUT_S
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from _launch_util import launch, processes_mentioning
+from diffusers_helpers import launch_tp_workers
 
 import hf_tpu
 from hf_tpu.diffusers.testing import tiny_minimax_h3_pipeline
@@ -28,15 +24,7 @@ TP = 4
 @pytest.mark.distributed
 def test_minimax_h3_tp4_equals_tp1(tmp_path):
     pipe = tiny_minimax_h3_pipeline()  # the workers build the same pipeline from the same seed
-    pipe.transformer.save_pretrained(tmp_path / "transformer")
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    code, log, _ = launch(
-        ["--simulate", f"--nproc_per_node={TP}", str(WORKER), str(out_dir), str(TP), str(tmp_path / "transformer")],
-        timeout=SAFETY_TIMEOUT_S,
-    )
-    assert code == 0, log[-4000:]
-    assert not processes_mentioning(str(out_dir)), "ranks left running after the launcher exited"
+    out_dir = launch_tp_workers(WORKER, tmp_path, pipe.transformer, TP)
     with without_hf_tpu():  # upstream code only, on the CPU (the worker's clip() arguments)
         out = pipe(
             prompt="a cat", height=16, width=16, num_frames=124, num_inference_steps=3,
