@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from hf_tpu._patch import patch
+from hf_tpu._patch import original, patch
 
 __all__ = ["apply"]
 
@@ -41,13 +41,11 @@ def apply(feature: str) -> None:
         from transformers.models.phimoe.modeling_phimoe import PhimoeRotaryEmbedding
     except ImportError:  # pragma: no cover - a transformers without PhiMoE
         return
-    upstream = PhimoeRotaryEmbedding.__dict__["__init__"]
-    upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
+    upstream = original(PhimoeRotaryEmbedding, "__init__")
 
     @functools.wraps(upstream)
     def __init__(self, config, *args, **kwargs):
         upstream(self, config, *args, **kwargs)
         self.rope_init_fn = _FromBuffer(self, self.rope_init_fn)
 
-    __init__.__hf_tpu_upstream__ = upstream
     patch(PhimoeRotaryEmbedding, "__init__", __init__, feature=feature, package="transformers", versions=">=5.0,<6")
