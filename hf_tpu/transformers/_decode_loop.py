@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from hf_tpu.transformers._cache_layers import set_decoding
-from hf_tpu.transformers._graphs import _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
+from hf_tpu.transformers._graphs import _ALIGNED, _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
 from hf_tpu.transformers._settings import _state
 from hf_tpu.transformers._static_cache import _cache_for
-from hf_tpu.transformers._upstream import _warn_once
+from hf_tpu.transformers._upstream import _warn_once, numbers_by_cache_length
 from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
 
 __all__ = ["default_variant"]
@@ -130,18 +130,24 @@ def _decode_loop(
         positions = positions.to("cpu").long().expand(batch, prompt_len)
         pad = plan.prompt_bucket - prompt_len
         pad_id = int(pad_token) if pad_token is not None else 0
-        ids = F.pad(input_ids, (pad, 0), value=pad_id)
-        pos = F.pad(positions, (pad, 0), value=0)
-        full_mask = torch.cat(
-            [
-                F.pad(mask.bool(), (pad, 0), value=False),
-                torch.ones(batch, plan.cache_bucket - plan.prompt_bucket, dtype=torch.bool),
-            ],
-            dim=1,
-        )
+        extra = _extra(model)
+        if extra.get(_ALIGNED):  # the prompt first, the bucket's padding after it (slot -1)
+            ids = F.pad(input_ids, (0, pad), value=pad_id)
+            pos = F.pad(torch.arange(prompt_len).expand(batch, prompt_len), (0, pad), value=-1)
+            full_mask = torch.cat([mask.bool(), torch.ones(batch, plan.cache_bucket - prompt_len, dtype=torch.bool)], 1)
+            pad = 0
+        else:
+            ids = F.pad(input_ids, (pad, 0), value=pad_id)
+            pos = F.pad(positions, (pad, 0), value=0)
+            full_mask = torch.cat(
+                [
+                    F.pad(mask.bool(), (pad, 0), value=False),
+                    torch.ones(batch, plan.cache_bucket - plan.prompt_bucket, dtype=torch.bool),
+                ],
+                dim=1,
+            )
         cache = _cache_for(model, state, batch, plan.cache_bucket, None)
         mask_dev = full_mask.to(device)
-        extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
         sampling = None if host_path else sampler.to_device(device, plan.cache_bucket + 1, pad)
         prefill_key = ("prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket)
         decode_key = ("decode" + variant, batch, plan.cache_bucket)
@@ -187,6 +193,15 @@ def _decode_loop(
         return GenerateEncoderDecoderOutput(sequences=input_ids, scores=scores, logits=raw_logits)
     return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits)
 
+
+
+def _extra(model) -> dict:
+    """The prefill/decode graphs' extra model arguments: ``logits_to_keep`` where the model takes it, and the flag of
+    a model whose prompt goes first (:data:`hf_tpu.transformers._graphs._ALIGNED`)."""
+    extra: dict = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
+    if numbers_by_cache_length(model):
+        extra[_ALIGNED] = True
+    return extra
 
 
 def _default_plan(model, input_ids):
@@ -263,7 +278,7 @@ def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
             cache.reset()  # the next call resets it too: meet the eager ops of the reset here
             return [enc_key, prefill_key, decode_key]
         p, c = plan.prompt_bucket, plan.cache_bucket
-        extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
+        extra = _extra(model)
         cache = _cache_for(model, state, batch, c, None)
         mask_dev = torch.ones(batch, c, dtype=torch.bool).to(device)
         pos = torch.arange(p, dtype=torch.long).expand(batch, p)

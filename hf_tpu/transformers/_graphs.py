@@ -19,10 +19,10 @@ logger = logging.getLogger("hf_tpu.generation")
 
 __all__: list[str] = []
 
-def _last_logits(out, sampling) -> tuple[Any, Any]:
+def _last_logits(logits, sampling) -> tuple[Any, Any]:
     """(next tokens, float32 logits) of the last position: the argmax, or with ``sampling`` (a device plan of
     :mod:`hf_tpu.transformers.sampling`) the logits processors, warpers and sampler run on the device."""
-    logits = out.logits[:, -1, :].float()
+    logits = logits[:, -1, :].float()
     if sampling is None:
         return logits.argmax(dim=-1), logits
     from hf_tpu.transformers.sampling import select
@@ -38,16 +38,43 @@ def _mark(sampling, tokens) -> None:
         advance(sampling, tokens)
 
 
+# A decoder that numbers its tokens by its cache length (absolute positions, no ``position_ids``: BART-family and
+# Whisper decoders, TrOCR) gets its prompt right-aligned: the prompt fills the first slots, the bucket's padding
+# follows it, and the prefill sets every layer's counter back to the prompt length, so each token sits at its own
+# position (the padding is causal future to the prompt, and decode overwrites it). ``extra`` carries the flag.
+_ALIGNED = "hf_tpu_prompt_first"
+
+
 def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
     from hf_tpu.transformers._cache_layers import prefill_mask
 
     q = packed.shape[1] // 2
+    if extra.get(_ALIGNED):
+        return _aligned_prefill(model, packed[:, :q], packed[:, q:], mask, cache, extra, sampling)
     out = model(
         input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=prefill_mask(cache, mask, q), cache=cache,
         use_cache=True,
         return_dict=True, **extra,
     )  # fmt: skip
-    return _last_logits(out, sampling)
+    return _last_logits(out.logits, sampling)
+
+
+def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
+    """The prefill of a right-aligned prompt: ``slots`` holds each token's cache slot, -1 for the padding after it."""
+    import torch
+
+    length = (slots >= 0).sum(dim=-1)[:1]  # the prompt's length (one per call: every row has it)
+    kwargs = {k: v for k, v in extra.items() if k != _ALIGNED}
+    if "logits_to_keep" in kwargs:
+        kwargs["logits_to_keep"] = length - 1
+    out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, return_dict=True, **kwargs)
+    self_cache = getattr(cache, "self_attention_cache", cache)
+    for layer in self_cache.layers:
+        counter = getattr(layer, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            counter.copy_(length[0])
+    logits = out.logits if "logits_to_keep" in kwargs else out.logits.index_select(1, length - 1)
+    return _last_logits(logits, sampling)
 
 
 def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
@@ -55,12 +82,18 @@ def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
 
     q = packed.shape[1] // 2
     _mark(sampling, packed[:, :q])
+    if extra.get(_ALIGNED):
+        kwargs = {k: v for k, v in extra.items() if k != _ALIGNED}
+        out = model(
+            input_ids=packed[:, :q], attention_mask=mask, cache=cache, use_cache=True, return_dict=True, **kwargs
+        )
+        return _last_logits(out.logits, sampling)
     out = model(
         input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=decode_mask(cache, mask), cache=cache,
         use_cache=True,
         return_dict=True, **extra,
     )  # fmt: skip
-    return _last_logits(out, sampling)
+    return _last_logits(out.logits, sampling)
 
 
 def _encoder(model, input_ids, mask):
@@ -74,7 +107,7 @@ def _seq2seq_prefill(model, ids, encoder_hidden, encoder_mask, cache, sampling=N
         decoder_input_ids=ids, encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden),
         attention_mask=encoder_mask, cache=cache, use_cache=True, return_dict=True,
     )  # fmt: skip
-    return _last_logits(out, sampling)
+    return _last_logits(out.logits, sampling)
 
 
 def _seq2seq_decode(model, ids, encoder_hidden, encoder_mask, cache, sampling=None):
@@ -85,7 +118,7 @@ def _seq2seq_decode(model, ids, encoder_hidden, encoder_mask, cache, sampling=No
         decoder_input_ids=ids, encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden),
         attention_mask=encoder_mask, cache=cache, use_cache=True, return_dict=True,
     )  # fmt: skip
-    return _last_logits(out, sampling)
+    return _last_logits(out.logits, sampling)
 
 
 _GRAPHS: dict[str, Callable] = {

@@ -81,22 +81,26 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
     extra = {k for k in extra if model_kwargs[k] is not None}
     if extra:
         return f"model inputs {sorted(extra)} are not supported by the bucketed loop"
-    if _positions_from_cache_length(model):
-        return (
-            f"{type(model).__name__} takes no position_ids and places tokens by its cache length (absolute position "
-            "embeddings): the bucketed loop's left-padded prompt would shift every position"
-        )
+    if numbers_by_cache_length(model):
+        other = _layers_besides_full_attention(model)
+        if other:
+            return (
+                f"{type(model).__name__} takes no position_ids and places tokens by its cache length (absolute "
+                f"position embeddings): the bucketed loop puts such a prompt first and its padding after it, which its "
+                f"{', '.join(other)} layers cannot hold (a padded tail would enter their window or state)"
+            )
     problem = _static_cache_problem(model)
     if problem:
         return f"{type(model).__name__}: {problem}"
     return None
 
 
-def _positions_from_cache_length(model) -> bool:
+def numbers_by_cache_length(model) -> bool:
     """A decoder-only model with absolute position embeddings whose forward takes no ``position_ids`` (Bart-family
-    and Whisper decoders, TrOCR, ...): it numbers the prompt's tokens from the cache length, so the pads the bucketed
-    loop puts before a prompt would move every real token's position. (Encoder-decoder models are not affected:
-    their decoder prompt is never padded.)"""
+    and Whisper decoders, TrOCR, ...): it numbers the prompt's tokens from the cache length, so pads before a prompt
+    would move every real token's position. The loop puts its prompt first instead, the bucket's padding after it
+    (:func:`hf_tpu.transformers._graphs._aligned_prefill`). (Encoder-decoder models are not affected: their decoder
+    prompt is never padded.)"""
     import inspect
 
     if model.config.is_encoder_decoder:
@@ -110,3 +114,16 @@ def _positions_from_cache_length(model) -> bool:
     text = model.config.get_text_config(decoder=True)
     return any(getattr(text, f, None) for f in ("max_position_embeddings", "max_target_positions"))
 
+
+def _layers_besides_full_attention(model) -> list[str]:
+    """The cache layer classes of ``model`` other than full attention (a sliding window keeps the last tokens, a
+    linear-attention/SSM state folds in every token: a padded tail after the prompt would change both)."""
+    from transformers.cache_utils import DummyLayer, StaticLayer
+
+    from hf_tpu.transformers._cache_layers import layer_plan
+
+    try:
+        plan = layer_plan(model.config)
+    except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError):
+        return []  # the static-cache check names the problem
+    return sorted({cls.__name__ for cls, _ in plan if cls not in (StaticLayer, DummyLayer)})

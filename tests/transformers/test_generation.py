@@ -233,25 +233,48 @@ def test_dynamic_cache_and_beam_search_warn_and_run_upstream(llama, prompts):
     assert torch.equal(got, cpu.generate(ids, max_new_tokens=3, num_beams=2))
 
 
-def test_a_decoder_numbering_tokens_by_its_cache_length_runs_upstream_and_matches_cpu(prompts):
-    # BartForCausalLM takes no position_ids: a left-padded (bucketed) prompt would shift its learned positions
+def test_a_decoder_numbering_tokens_by_its_cache_length_gets_its_prompt_first(prompts):
+    # BartForCausalLM takes no position_ids and numbers its tokens from the cache length: left padding would shift
+    # its learned positions, so the loop puts the prompt first and the bucket's padding after it
     from transformers import BartConfig, BartForCausalLM
 
     torch.manual_seed(0)
     config = BartConfig(
         vocab_size=96, d_model=32, decoder_layers=1, encoder_layers=1, decoder_attention_heads=2,
         encoder_attention_heads=2, decoder_ffn_dim=64, encoder_ffn_dim=64, max_position_embeddings=64,
+        forced_eos_token_id=None, eos_token_id=None,
     )  # fmt: skip
     cpu = BartForCausalLM(config).eval()
     tpu = BartForCausalLM(config).eval()
     tpu.load_state_dict(cpu.state_dict())
     tpu.to("tpu")
-    ids, _ = prompts([5])
-    generation._WARNED.clear()
-    with pytest.warns(UserWarning, match="takes no position_ids and places tokens by its cache length"):
-        got = tpu.generate(ids, max_new_tokens=4, do_sample=False)
-    assert torch.equal(got, cpu.generate(ids, max_new_tokens=4, do_sample=False))
-    assert not generation.compiled_graphs(tpu)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 1}
+    for lengths in ([4, 7], [9, 12]):  # the user's own left padding is kept as upstream keeps it
+        ids, mask = prompts(lengths)
+        with hf_tpu.sim.stats() as s:
+            got = tpu.generate(ids, attention_mask=mask, **kwargs)
+        assert torch.equal(got, cpu.generate(ids, attention_mask=mask, **kwargs))
+    assert s.compiles == 0  # one prompt bucket: the second length compiles nothing
+    assert set(generation.compiled_graphs(tpu)) == {("prefill", 2, 16, 32), ("decode", 2, 32)}
+    kwargs["repetition_penalty"] = 1.3  # the device history starts at the prompt's first slot
+    assert torch.equal(tpu.generate(ids, attention_mask=mask, **kwargs), cpu.generate(ids, attention_mask=mask, **kwargs))
+
+
+def test_a_decoder_numbering_tokens_by_its_cache_length_with_a_sliding_window_runs_upstream():
+    # a window would take in the padding after the prompt: upstream's loop, with the reason
+    from transformers import BartConfig, BartForCausalLM
+
+    from hf_tpu.transformers._upstream import _why_upstream
+
+    config = BartConfig(
+        vocab_size=96, d_model=32, decoder_layers=1, encoder_layers=1, decoder_attention_heads=2,
+        encoder_attention_heads=2, decoder_ffn_dim=64, encoder_ffn_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    config.layer_types = ["sliding_attention"]
+    config.sliding_window = 8
+    model = BartForCausalLM(config).eval().to("tpu")
+    why = _why_upstream(model, {}, {"input_ids": torch.ones(1, 3, dtype=torch.long)})
+    assert "StaticSlidingWindowLayer layers cannot hold" in why
 
 
 def test_disable_restores_upstream_generate():
