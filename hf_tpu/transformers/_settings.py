@@ -73,6 +73,7 @@ class _ModelState:
     warmed: bool = False
     caches: OrderedDict = field(default_factory=OrderedDict)
     module_states: list | None = None  # (module, attribute) of state kept on modules (_module_state.py); None: unseen
+    not_one_graph: str | None = None  # why the model's forward cannot be one static graph (it runs upstream's loop)
 
     def ladder(self, config) -> BucketLadder:
         if self.settings.buckets is None:

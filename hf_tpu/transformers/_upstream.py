@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-from hf_tpu.transformers._settings import _DEVICE_TYPES
+from hf_tpu.transformers._settings import _DEVICE_TYPES, _state
 from hf_tpu.transformers._static_cache import _static_cache_problem
 
 __all__: list[str] = []
@@ -43,6 +43,8 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
     device = getattr(model, "device", None)
     if device is None or device.type not in _DEVICE_TYPES:
         return "silent:not on a tpu device"
+    if _state(model).not_one_graph:
+        return _state(model).not_one_graph
     if args.get("custom_generate") is not None:
         return "silent:custom_generate given"
     for name in ("assistant_model", "negative_prompt_ids", "prefix_allowed_tokens_fn"):

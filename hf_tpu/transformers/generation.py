@@ -152,10 +152,35 @@ def generate(self, *args, **kwargs):
 
     arguments.pop("self", None)
     arguments["custom_generate"] = functools.partial(_decode_loop, hf_tpu_plan={"streamer": arguments.get("streamer")})
-    result = upstream(self, input_ids, **arguments, **extra_kwargs)
+    try:
+        result = upstream(self, input_ids, **arguments, **extra_kwargs)
+    except Exception as exc:
+        why = _not_one_graph(exc)
+        if why is None:
+            raise
+        # the model's own forward cannot be traced as one static graph: upstream's loop, now and for later calls
+        state.not_one_graph = f"{type(self).__name__}'s forward cannot be compiled as one static graph ({why})"
+        _warn_once(state.not_one_graph, f"hf_tpu: {state.not_one_graph}; running upstream's generate on the TPU instead.")
+        return upstream(self, *args, **kwargs)
     if before is not None:
         _refuse_eager_compiles(before)
     return _output_to(result, out_device)
+
+
+def _not_one_graph(exc: BaseException) -> str | None:
+    """Why dynamo could not trace a model's forward as one static graph (a data-dependent branch or shape in the
+    model's own code), or None for any other error (raised as is)."""
+    import torch._dynamo.exc as dynamo_exc
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, GuardOnDataDependentSymNode) or type(seen).__name__ == "PendingUnbackedSymbolNotFound":
+            return f"{type(seen).__name__}: a shape or branch depends on a tensor's value"
+        if isinstance(seen, dynamo_exc.Unsupported) and "data-dependent" in str(seen).lower():
+            return "a branch depends on a tensor's value (dynamo: Data-dependent branching)"
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _refuse_eager_compiles(before) -> None:
