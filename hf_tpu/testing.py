@@ -149,6 +149,16 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "PhimoeForCausalLM",
         {**_DECODER, "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
+    # lightning (linear) attention whose K^T V state lives in MiniMax's own cache class, full attention, MoE; blocks
+    # of 4 tokens, so a padded prompt spans several
+    "minimax": (
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        {
+            **_DECODER, "head_dim": 8, "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "layer_types": ["linear_attention", "full_attention"], "block_size": 4,
+        },
+    ),
 }
 
 

@@ -168,8 +168,9 @@ def _shrunk(defaults: dict) -> dict:
         fields["layers_block_type"] = pattern
         fields["hybrid_layer_ids"] = [i for i, kind in enumerate(pattern) if kind == "hybrid"]
     fields.update({k: v for k, v in _TOKENS.items() if k in defaults})
-    if isinstance(defaults.get("text_config"), dict):
-        fields["text_config"] = _shrunk(defaults["text_config"])
+    for name in ("text_config", "vision_config", "audio_config"):  # a multimodal model's towers: shrunk the same way
+        if isinstance(defaults.get(name), dict):
+            fields[name] = _shrunk(defaults[name])
     return fields
 
 

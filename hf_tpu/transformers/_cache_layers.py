@@ -22,6 +22,9 @@ layers from ``config.layer_types`` with ``STATIC_LAYER_TYPE_MAPPING``; ``BUCKETE
   above in one layer (the sliding-window one keeps one slot per cache position, no ring);
 * ``DummyLayer`` (shared-KV or attention-free layers): holds nothing, kept as is.
 
+A model that keeps its own cache class (``_supports_default_dynamic_cache()`` False) runs the loop when that class
+has a bucketed form in :mod:`~hf_tpu.transformers._own_cache_classes` (MiniMax's), built around these layers.
+
 Each layer is allocated ahead of the first graph with the shapes the model's own attention writes
 (:mod:`hf_tpu.transformers._cache_probe`), so multi-query, multi-latent and unequal encoder/decoder attention get
 the cache they fill. A model whose layers are all of these kinds needs no change here.
@@ -85,6 +88,8 @@ def set_decoding(cache, decoding: bool) -> None:
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     self_cache = getattr(cache, "self_attention_cache", cache)
+    if hasattr(self_cache, "decoding"):  # a model's own cache class (hf_tpu.transformers._own_cache_classes)
+        self_cache.decoding = decoding
     for layer in self_cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             for idx in layer.has_previous_state:

@@ -80,6 +80,17 @@ def _run_probe(model) -> tuple[list[dict], list[dict] | None]:
                 [_layer_shapes(la, model.dtype) for la in cache.cross_attention_cache.layers],
             )
         positions = torch.arange(2, device="meta")[None]
+        if not model._supports_default_dynamic_cache():  # it builds its own cache: take the one it returns
+            from hf_tpu.transformers._own_cache_classes import extra_shapes
+
+            cache = probe(inputs_embeds=embeds, position_ids=positions, use_cache=True).cache
+            extra = extra_shapes(cache)
+            if extra is None:
+                raise CacheProbeError(f"{type(cache).__name__} has no bucketed form in hf_tpu")
+            shapes = [_layer_shapes(la, model.dtype) for la in cache.layers]
+            count = max(len(shapes), len(extra))
+            shapes, extra = shapes + [{}] * (count - len(shapes)), extra + [{}] * (count - len(extra))
+            return [{**a, **b, "own": type(cache)} for a, b in zip(shapes, extra)], None
         try:
             cache = DynamicCache(config=text_config)
             probe(inputs_embeds=embeds, position_ids=positions, cache=cache, use_cache=True)

@@ -20,6 +20,11 @@ def _bucketed_cache(model, shapes: list[dict], batch: int, cache_len: int):
     from hf_tpu.transformers._cache_layers import build_layers
 
     layers = build_layers(model.config, cache_len, shapes, batch, model.dtype, model.device)
+    own = shapes[0].get("own") if shapes else None
+    if own is not None:  # the model's own cache class, in its bucketed form
+        from hf_tpu.transformers._own_cache_classes import OWN_CACHES
+
+        return OWN_CACHES[own][1](layers, shapes, batch, model.dtype, model.device)
     cache = StaticCache.__new__(StaticCache)  # a StaticCache to upstream's isinstance checks, with bucketed layers
     Cache.__init__(cache, layers=layers)
     return cache
@@ -52,7 +57,10 @@ def _static_cache_problem(model) -> str | None:
     from hf_tpu.transformers._cache_probe import CacheProbeError, cache_shapes
 
     if not model._supports_default_dynamic_cache():
-        return f"{type(model).__name__} keeps its own cache type, which upstream's StaticCache does not replace"
+        try:
+            cache_shapes(model)  # measures the model's own cache: known classes have a bucketed form
+        except CacheProbeError:
+            return f"{type(model).__name__} keeps its own cache type, which upstream's StaticCache does not replace"
     try:
         unknown = unknown_layers(model.config)
     except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as exc:  # pragma: no cover

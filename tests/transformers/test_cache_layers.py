@@ -32,6 +32,7 @@ def _prompt(n: int, seed: int, vocab: int) -> torch.Tensor:
         "qwen3_5",  # Gated DeltaNet linear attention + full attention
         "mamba2",  # SSM only: conv + recurrent state
         "recurrent_gemma",  # recurrent states kept on its modules (reset by the loop) + local attention
+        "minimax",  # lightning attention states in MiniMax's own cache class + full attention + MoE
         "deepseek_v3",  # multi-latent attention (a compressed latent cached) + MoE with the default experts
         "falcon",  # multi-query: one KV head, where the config's static-cache shape says 4
         "bart",  # encoder-decoder with 4 encoder and 2 decoder heads
