@@ -115,6 +115,20 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "first_k_dense_replace": 1, "n_shared_experts": 1,
         },
     ),
+    # DeepSeek-V3.2 sparse attention: multi-latent attention whose indexer caches keys of its own (StaticIndexedLayer)
+    # and keeps the 4 best-scored of them per query, fewer than the test sequences hold; one dense layer (the MoE
+    # of this family is DeepSeek-V3's). 8 indexer heads: a key's score sums ReLUs over the heads, and with 2 heads
+    # whole groups of keys score exactly 0, a tie at the top-k boundary that topk breaks differently for a cache of
+    # another length (upstream's own static cache too)
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        {
+            **_DECODER, "num_hidden_layers": 1, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 16,
+            "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8, "head_dim": 4, "first_k_dense_replace": 1,
+            "index_topk": 4, "index_head_dim": 8, "index_n_heads": 8,
+        },
+    ),
     # multi-query attention: one KV head whatever num_kv_heads says
     "falcon": (
         "FalconConfig",

@@ -204,8 +204,12 @@ def _kinds_of(config: Any) -> str:
     layer_types = set(getattr(config, "layer_types", None) or ())
     if getattr(config, "sliding_window", None) or "sliding_attention" in layer_types:
         kinds.append("sliding")
-    if layer_types - {"full_attention", "sliding_attention", "attention"} or hasattr(config, "state_size"):
+    if layer_types - {"full_attention", "sliding_attention", "attention", "indexed_attention"} or hasattr(
+        config, "state_size"
+    ):
         kinds.append("linear/SSM")
+    if "indexed_attention" in layer_types:
+        kinds.append("sparse indexer")
     if getattr(config, "kv_lora_rank", None):
         kinds.append("MLA")
     if any((getattr(config, f, 0) or 0) > 1 for f in _EXPERT_FIELDS):

@@ -133,6 +133,7 @@ class BucketedHybridSlidingLayer(cu.LinearAttentionAndStaticSlidingWindowAttenti
 BUCKETED_LAYERS: dict[type, type] = {
     cu.StaticLayer: cu.StaticLayer,
     cu.StaticSlidingWindowLayer: BucketedSlidingWindowLayer,
+    cu.StaticIndexedLayer: cu.StaticIndexedLayer,
     cu.LinearAttentionLayer: BucketedLinearAttentionLayer,
     cu.LinearAttentionAndStaticFullAttentionLayer: BucketedHybridLayer,
     cu.LinearAttentionAndStaticSlidingWindowAttentionLayer: BucketedHybridSlidingLayer,

@@ -20,6 +20,10 @@ layers from ``config.layer_types`` with ``STATIC_LAYER_TYPE_MAPPING``; ``BUCKETE
   and a zero input on a zero state leaves it zero;
 * hybrid layers (``LinearAttentionAndStaticFullAttentionLayer``, ``...SlidingWindowAttentionLayer``): both of the
   above in one layer (the sliding-window one keeps one slot per cache position, no ring);
+* indexed attention (``StaticIndexedLayer``: DeepSeek-V3.2-style sparse attention, whose indexer caches one key per
+  token besides the attention's own): upstream's own class, its indexer keys ``cache bucket`` slots written at a
+  device-side counter of their own, allocated ahead like the KV (the indexer scores every slot; the causal mask it
+  is handed hides the empty and padded ones, as it hides them from the attention);
 * ``DummyLayer`` (shared-KV or attention-free layers): holds nothing, kept as is.
 
 A model that keeps its own cache class (``_supports_default_dynamic_cache()`` False) runs the loop when that class
@@ -79,6 +83,11 @@ def build_layers(config, cache_len: int, shapes: list[dict], batch: int, dtype, 
         for idx, (state_shape, state_dtype) in shape.get("recurrent", {}).items():
             state = torch.zeros((batch, *state_shape), dtype=dtype if state_dtype is None else state_dtype)
             layer.lazy_initialization(recurrent_states=state.to(device), state_idx=idx)
+        indexer = shape.get("indexer")
+        if indexer is not None:
+            index_dim, index_dtype = indexer
+            index_dtype = dtype if index_dtype is None else index_dtype
+            layer.lazy_initialization_indexer(torch.zeros((batch, 0, index_dim), dtype=index_dtype, device=device))
         layers.append(layer)
     return layers
 

@@ -3,12 +3,13 @@
 A static cache has to be allocated before the first compiled graph runs, with the shapes its attention writes.
 The config does not always say them: multi-query attention (Falcon) writes one KV head, multi-latent attention
 (DeepSeek-V2/V3) caches a compressed latent, encoder-decoder models (BART, Whisper) may have unequal encoder and
-decoder heads, and linear-attention/SSM layers write conv and recurrent states whose shapes each family computes
-its own way. :func:`cache_shapes` runs the model's class once on the ``meta`` device (no memory, no compute,
-nothing on the TPU) with two tokens' embeddings (no ids, no mask: nothing on meta may read a value) and upstream's
-``DynamicCache``, with eager attention, and reads back what each layer cached: per layer ``{"kv": (heads, key dim,
-value dim, dtype), "conv": {state: (shape, dtype)}, "recurrent": {...}}`` without the batch dimension (a dtype of
-None is the model's own).
+decoder heads, linear-attention/SSM layers write conv and recurrent states whose shapes each family computes its
+own way, and the sparse-attention indexer of DeepSeek-V3.2-style models caches keys of its own width.
+:func:`cache_shapes` runs the model's class once on the ``meta`` device (no memory, no compute, nothing on the TPU)
+with two tokens' embeddings (no ids, no mask: nothing on meta may read a value) and upstream's ``DynamicCache``,
+with eager attention, and reads back what each layer cached: per layer ``{"kv": (heads, key dim, value dim, dtype),
+"conv": {state: (shape, dtype)}, "recurrent": {...}, "indexer": (key dim, dtype)}`` without the batch dimension (a
+dtype of None is the model's own).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def _layer_shapes(layer, model_dtype) -> dict:
         found = {i: (tuple(s.shape[1:]), dtype_of(s)) for i, s in states.items() if s is not None}
         if found:
             shape[name] = found
+    indexer_keys = getattr(layer, "indexer_keys", None)
+    if indexer_keys is not None and getattr(indexer_keys, "ndim", 0) == 3:
+        shape["indexer"] = (int(indexer_keys.shape[-1]), dtype_of(indexer_keys))
     return shape
 
 

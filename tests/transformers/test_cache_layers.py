@@ -1,5 +1,6 @@
 """The bucketed static cache per layer kind: sliding-window, hybrid linear-attention, SSM, multi-latent,
-multi-query and encoder-decoder models on hf_tpu's loop, token-identical to upstream's ``generate`` on CPU."""
+sparse-indexed, multi-query and encoder-decoder models on hf_tpu's loop, token-identical to upstream's ``generate``
+on CPU."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def _prompt(n: int, seed: int, vocab: int) -> torch.Tensor:
         "recurrent_gemma",  # recurrent states kept on its modules (reset by the loop) + local attention
         "minimax",  # lightning attention states in MiniMax's own cache class + full attention + MoE
         "deepseek_v3",  # multi-latent attention (a compressed latent cached) + MoE with the default experts
+        "deepseek_v32",  # multi-latent attention + a sparse-attention indexer caching keys of its own (top 4 kept)
         "falcon",  # multi-query: one KV head, where the config's static-cache shape says 4
         "bart",  # encoder-decoder with 4 encoder and 2 decoder heads
     ],
