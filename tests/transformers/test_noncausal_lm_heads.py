@@ -29,6 +29,7 @@ def roberta():
     return cpu, tpu.to("tpu")
 
 
+@pytest.mark.filterwarnings("ignore:hf_tpu. output_scores/output_logits need the scores on the host")
 def test_bidirectional_lm_head_matches_cpu_left_padded(roberta, prompts):
     cpu, tpu = roberta
     ids, mask = prompts([5, 11])
