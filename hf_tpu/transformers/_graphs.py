@@ -204,10 +204,13 @@ def _namespace(cache, model, state: _ModelState):
 
     settings = state.settings
     backend = _backend_for(settings, model.device)
-    from hf_tpu.transformers import sampling
+    from hf_tpu.transformers import _cache_layer_classes, _cache_layers, sampling
     from hf_tpu.transformers.sampling import _processors, _registry, _warpers
 
-    modules = (inspect.getmodule(_run), sampling, _registry, _processors, _warpers)
+    # the graphs' own code: this module, the device sampling, and the cache layers and masks they trace
+    modules = (
+        inspect.getmodule(_run), sampling, _registry, _processors, _warpers, _cache_layers, _cache_layer_classes,
+    )  # fmt: skip
     source = "".join(inspect.getsource(m) for m in modules)
     parts = {
         **model_identity(model),
