@@ -212,6 +212,10 @@ def _namespace(cache, model, state: _ModelState):
         inspect.getmodule(_run), sampling, _registry, _processors, _warpers, _cache_layers, _cache_layer_classes,
     )  # fmt: skip
     source = "".join(inspect.getsource(m) for m in modules)
+    # and the bucketed forms of models' own caches (read, not imported: importing it imports their modeling files)
+    from pathlib import Path
+
+    source += (Path(__file__).parent / "_own_cache_classes.py").read_text()
     parts = {
         **model_identity(model),
         "ladder": list(state.ladder(model.config).rungs),
