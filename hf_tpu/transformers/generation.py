@@ -61,13 +61,20 @@ from hf_tpu.transformers._settings import (
     STRICT_EAGER,
     STRICT_ENV,
     GenerationSettings,
+    NotCompilableError,
     RecompileError,
     _device_types,
     _state,
     compiled_graphs,
     configure,
 )
-from hf_tpu.transformers._upstream import _WARNED, _upstream_generate, _warn_once, _why_upstream
+from hf_tpu.transformers._upstream import (
+    _WARNED,
+    _inputs_on_model_device,
+    _upstream_generate,
+    _warn_once,
+    _why_upstream,
+)
 from hf_tpu.transformers.buckets import BucketOverflowError
 from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, ladder_figures, plan_shapes
 
@@ -76,6 +83,7 @@ __all__ = [
     "STRICT_ENV",
     "BucketOverflowError",
     "GenerationSettings",
+    "NotCompilableError",
     "RecompileError",
     "ShapePlan",
     "compiled_graphs",
@@ -131,7 +139,8 @@ def generate(self, *args, **kwargs):
     if reason is not None:
         if not reason.startswith("silent:"):
             _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
-        return upstream(self, *args, **kwargs)
+        with _inputs_on_model_device(self):
+            return upstream(self, *args, **kwargs)
 
     inputs = arguments.pop("inputs", None)
     name = "input_ids"
@@ -152,7 +161,13 @@ def generate(self, *args, **kwargs):
 
     arguments.pop("self", None)
     arguments["custom_generate"] = functools.partial(_decode_loop, hf_tpu_plan={"streamer": arguments.get("streamer")})
-    result = upstream(self, input_ids, **arguments, **extra_kwargs)
+    try:
+        result = upstream(self, input_ids, **arguments, **extra_kwargs)
+    except NotCompilableError:  # found at the first trace: this call and the next ones run upstream's loop
+        reason = state.not_compilable
+        _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
+        with _inputs_on_model_device(self):
+            return upstream(self, *args, **kwargs)
     if before is not None:
         _refuse_eager_compiles(before)
     return _output_to(result, out_device)
