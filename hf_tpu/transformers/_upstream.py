@@ -142,5 +142,6 @@ def _positions_from_cache_length(model) -> bool:
     if takes_positions:
         return False
     text = model.config.get_text_config(decoder=True)
-    return any(getattr(text, f, None) for f in ("max_position_embeddings", "max_target_positions"))
+    sizes = (getattr(text, f, None) for f in ("max_position_embeddings", "max_target_positions"))
+    return any(isinstance(n, int) and n > 0 for n in sizes)  # XLNet's -1: no position table
 

@@ -50,6 +50,15 @@ def test_an_own_prepare_inputs_for_generation_gets_its_inputs_on_the_device(prom
     assert "prepare_inputs_for_generation" not in vars(tpu)  # the call's wrapper is gone after it
 
 
+def test_a_model_with_its_own_cache_and_inputs_preparation_runs_upstream_for_its_real_reason(prompts):
+    # XLNet: its own memory instead of a cache (max_position_embeddings=-1: no position table), and its own
+    # prepare_inputs_for_generation (host inputs, before hf_tpu moved them: a same-device error)
+    from transformers import XLNetConfig, XLNetLMHeadModel
+
+    cpu, tpu = _pair(XLNetLMHeadModel, XLNetConfig(vocab_size=96, d_model=32, n_layer=1, n_head=2, d_inner=64))
+    _generate_like_cpu(cpu, tpu, [prompts([5])[0]], "keeps its own cache type")
+
+
 def test_a_forward_branching_on_the_cache_length_runs_upstream_and_warmup_says_why(prompts):
     # CPM-Ant branches on (and slices by) cache.get_seq_length(): a tensor in a static cache, so no single graph
     from transformers import CpmAntConfig, CpmAntForCausalLM
