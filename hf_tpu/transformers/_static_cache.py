@@ -52,7 +52,7 @@ def _static_cache_problem(model) -> str | None:
     from hf_tpu.transformers._cache_probe import CacheProbeError, cache_shapes
 
     if not model._supports_default_dynamic_cache():
-        return f"{type(model).__name__} keeps its own cache type, which upstream's StaticCache does not replace"
+        return "it keeps its own cache type, which upstream's StaticCache does not replace"
     try:
         unknown = unknown_layers(model.config)
     except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as exc:  # pragma: no cover

@@ -56,7 +56,7 @@ def test_a_model_with_its_own_cache_and_inputs_preparation_runs_upstream_for_its
     from transformers import XLNetConfig, XLNetLMHeadModel
 
     cpu, tpu = _pair(XLNetLMHeadModel, XLNetConfig(vocab_size=96, d_model=32, n_layer=1, n_head=2, d_inner=64))
-    _generate_like_cpu(cpu, tpu, [prompts([5])[0]], "keeps its own cache type")
+    _generate_like_cpu(cpu, tpu, [prompts([5])[0]], "XLNetLMHeadModel: it keeps its own cache type")
 
 
 def test_a_forward_branching_on_the_cache_length_runs_upstream_and_warmup_says_why(prompts):
