@@ -62,12 +62,16 @@ SHRINK: dict[str, Any] = {
     "num_hidden_layers": 4,
     "num_layers": 4,
     "n_layer": 4,
+    "n_layers": 4,  # XLM, MPT, DBRX
     "num_attention_heads": 4,
     "n_head": 4,
+    "n_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
     "n_embd": 64,
     "d_model": 64,
+    "emb_dim": 64,  # XLM
+    "d_inner": 128,  # XLNet's feed-forward
     "intermediate_size": 128,
     "ffn_dim": 128,
     "n_inner": 128,

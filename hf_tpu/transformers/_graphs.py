@@ -13,7 +13,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hf_tpu.transformers._settings import STRICT_ENV, GenerationSettings, RecompileError, _compile_cache, _ModelState
+from hf_tpu.transformers._settings import (
+    STRICT_ENV,
+    GenerationSettings,
+    NotCompilableError,
+    RecompileError,
+    _compile_cache,
+    _ModelState,
+)
 
 logger = logging.getLogger("hf_tpu.generation")
 
@@ -244,6 +251,54 @@ def _from_cache(model, state: _ModelState, key: tuple, args: tuple) -> Callable 
     return fn
 
 
+def _not_one_graph(exc: BaseException) -> str | None:
+    """What made a trace fail when the code cannot be one graph, None for any other failure: a graph break under
+    ``fullgraph`` (a branch on a tensor's value, ...) or a shape that depends on a tensor's value."""
+    import torch
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
+
+    seen: BaseException | None = exc
+    for _ in range(8):  # the error, then what it was raised from
+        if seen is None:
+            return None
+        if isinstance(seen, torch._dynamo.exc.Unsupported):
+            return (str(seen).strip().splitlines() or [""])[0]
+        if isinstance(seen, (GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound)):
+            return f"a shape that depends on a tensor's value ({type(seen).__name__})"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost source line dynamo names in ``exc`` (``modeling_cpmant.py:637 `if past_length != 0:```)."""
+    import re
+
+    lines = str(exc).splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        found = re.match(r'\s*File "(?:.*/)?([^/"]+)", line (\d+), in ', lines[i])
+        if found:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f" at {found[1]}:{found[2]}" + (f" `{code}`" if code else "")
+    return ""
+
+
+def _first_trace(model, state: _ModelState, key: tuple, compiled: Callable, args: tuple):
+    """The first run of a graph (its trace); a model whose forward cannot be one static-shape graph raises
+    :class:`NotCompilableError` (and ``state`` remembers why: its later calls run upstream's loop)."""
+    try:
+        return compiled(model, *args)
+    except Exception as exc:
+        what = _not_one_graph(exc)
+        if what is None:
+            raise
+        reason = (
+            f"{type(model).__name__}'s forward cannot be compiled as one static-shape graph ({what}{_where(exc)}): "
+            "its code branches on, or shapes a tensor by, a value of the cache or inputs"
+        )
+        state.not_compilable = reason
+        raise NotCompilableError(f"{reason}; found tracing the {_describe(key)}") from exc
+
+
 def _run(model, state: _ModelState, key: tuple, *args):
     """Run the graph ``key[0]`` for the shape ``key``; strict mode refuses a shape warm-up did not compile."""
     import torch
@@ -285,7 +340,8 @@ def _run(model, state: _ModelState, key: tuple, *args):
                     state.loaded.pop(key, None)
                     fn = None
             if fn is None:
-                result = _compiled(key[0], _backend_for(settings, model.device), settings.fullgraph)(model, *args)
+                compiled = _compiled(key[0], _backend_for(settings, model.device), settings.fullgraph)
+                result = _first_trace(model, state, key, compiled, args) if first else compiled(model, *args)
     _module_state.settle(state)
     if first:
         state.compiled.add(key)

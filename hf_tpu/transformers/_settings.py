@@ -35,6 +35,11 @@ class RecompileError(RuntimeError):
     """Strict mode: ``generate`` needed a graph that warm-up did not compile."""
 
 
+class NotCompilableError(RuntimeError):
+    """The model's forward cannot be traced as one static-shape graph (a branch or a shape that depends on a
+    tensor's value); ``generate`` runs upstream's loop for it instead, ``warmup`` raises this."""
+
+
 @dataclass
 class GenerationSettings:
     """Per-model knobs of the hf_tpu generation loop (see :func:`configure`).
@@ -73,7 +78,7 @@ class _ModelState:
     warmed: bool = False
     caches: OrderedDict = field(default_factory=OrderedDict)
     module_states: list | None = None  # (module, attribute) of state kept on modules (_module_state.py); None: unseen
-    not_one_graph: str | None = None  # why the model's forward cannot be one static graph (it runs upstream's loop)
+    not_compilable: str | None = None  # why the forward cannot be one static-shape graph (found at its first trace)
 
     def ladder(self, config) -> BucketLadder:
         if self.settings.buckets is None:

@@ -60,7 +60,7 @@ def _static_cache_problem(model) -> str | None:
         try:
             cache_shapes(model)  # measures the model's own cache: known classes have a bucketed form
         except CacheProbeError:
-            return f"{type(model).__name__} keeps its own cache type, which upstream's StaticCache does not replace"
+            return "it keeps its own cache type, which upstream's StaticCache does not replace"
     try:
         unknown = unknown_layers(model.config)
     except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as exc:  # pragma: no cover
@@ -68,7 +68,12 @@ def _static_cache_problem(model) -> str | None:
     if unknown:
         return f"its cache has {', '.join(unknown)} layers, which have no bucketed static form in hf_tpu yet"
     try:
-        cache_shapes(model)
+        self_shapes, _ = cache_shapes(model)
     except CacheProbeError as exc:
         return f"its static cache cannot be sized ahead of time: {exc}"
+    if self_shapes and not any(self_shapes):
+        return (
+            "its forward writes nothing into the cache it is given (it recomputes the whole sequence each step): "
+            "a static cache cannot serve it"
+        )
     return None

@@ -2,14 +2,17 @@
 
 Anything the bucketed loop does not cover (beam search, assisted decoding, a user cache, a cache layer kind without a
 bucketed form (:mod:`hf_tpu.transformers._cache_layers`), non-static ``cache_implementation``, ...) runs upstream's
-code unchanged; a one-time warning names the cost on a TPU when there is one. ``_UPSTREAM_GENERATE`` is the original ``GenerationMixin.generate``, set by
-:mod:`hf_tpu.transformers._integration`.
+code unchanged (its inputs moved to the TPU as upstream's own ``prepare_inputs_for_generation`` moves them); a
+one-time warning names the cost on a TPU when there is one. A model whose forward cannot be traced as one
+static-shape graph is found at its first trace and runs upstream's loop from then on. ``_UPSTREAM_GENERATE`` is the
+original ``GenerationMixin.generate``, set by :mod:`hf_tpu.transformers._integration`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from hf_tpu.transformers._settings import _DEVICE_TYPES, _state
 from hf_tpu.transformers._static_cache import _static_cache_problem
@@ -43,8 +46,6 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
     device = getattr(model, "device", None)
     if device is None or device.type not in _DEVICE_TYPES:
         return "silent:not on a tpu device"
-    if _state(model).not_one_graph:
-        return _state(model).not_one_graph
     if args.get("custom_generate") is not None:
         return "silent:custom_generate given"
     for name in ("assistant_model", "negative_prompt_ids", "prefix_allowed_tokens_fn"):
@@ -94,7 +95,38 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
     problem = _static_cache_problem(model)
     if problem:
         return f"{type(model).__name__}: {problem}"
-    return None
+    return _state(model).not_compilable  # found at the first trace of one of its graphs (_graphs._first_trace)
+
+
+@contextlib.contextmanager
+def _inputs_on_model_device(model) -> Iterator[None]:
+    """While upstream's loop runs on a TPU-placed ``model``: its ``prepare_inputs_for_generation`` ends by moving
+    the forward's inputs onto the model's device, as upstream's own one does (upstream keeps the growing sequence
+    on the caller's device, the host here, and moves only what the forward consumes). Upstream's method does
+    that as its last step; a model class that overrides it without calling it (XLM, XLNet) would hand the
+    forward host tensors. Done on the instance for the call, taken off after."""
+    from transformers.generation.utils import GenerationMixin
+    from transformers.pytorch_utils import move_to_device
+
+    device = getattr(model, "device", None)
+    own = type(model).prepare_inputs_for_generation
+    if (
+        device is None
+        or device.type not in _DEVICE_TYPES
+        or own is GenerationMixin.prepare_inputs_for_generation
+        or "prepare_inputs_for_generation" in vars(model)
+    ):
+        yield
+        return
+
+    def prepare_inputs_for_generation(*args, **kwargs):
+        return move_to_device(own(model, *args, **kwargs), model.device)
+
+    vars(model)["prepare_inputs_for_generation"] = prepare_inputs_for_generation
+    try:
+        yield
+    finally:
+        vars(model).pop("prepare_inputs_for_generation", None)
 
 
 def numbers_by_cache_length(model) -> bool:
@@ -114,7 +146,8 @@ def numbers_by_cache_length(model) -> bool:
     if takes_positions:
         return False
     text = model.config.get_text_config(decoder=True)
-    return any(getattr(text, f, None) for f in ("max_position_embeddings", "max_target_positions"))
+    sizes = (getattr(text, f, None) for f in ("max_position_embeddings", "max_target_positions"))
+    return any(isinstance(n, int) and n > 0 for n in sizes)  # XLNet's -1: no position table
 
 
 def _layers_besides_full_attention(model) -> list[str]:

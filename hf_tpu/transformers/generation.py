@@ -61,13 +61,20 @@ from hf_tpu.transformers._settings import (
     STRICT_EAGER,
     STRICT_ENV,
     GenerationSettings,
+    NotCompilableError,
     RecompileError,
     _device_types,
     _state,
     compiled_graphs,
     configure,
 )
-from hf_tpu.transformers._upstream import _WARNED, _upstream_generate, _warn_once, _why_upstream
+from hf_tpu.transformers._upstream import (
+    _WARNED,
+    _inputs_on_model_device,
+    _upstream_generate,
+    _warn_once,
+    _why_upstream,
+)
 from hf_tpu.transformers.buckets import BucketOverflowError
 from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, ladder_figures, plan_shapes
 
@@ -76,6 +83,7 @@ __all__ = [
     "STRICT_ENV",
     "BucketOverflowError",
     "GenerationSettings",
+    "NotCompilableError",
     "RecompileError",
     "ShapePlan",
     "compiled_graphs",
@@ -131,7 +139,8 @@ def generate(self, *args, **kwargs):
     if reason is not None:
         if not reason.startswith("silent:"):
             _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
-        return upstream(self, *args, **kwargs)
+        with _inputs_on_model_device(self):
+            return upstream(self, *args, **kwargs)
 
     inputs = arguments.pop("inputs", None)
     name = "input_ids"
@@ -154,33 +163,14 @@ def generate(self, *args, **kwargs):
     arguments["custom_generate"] = functools.partial(_decode_loop, hf_tpu_plan={"streamer": arguments.get("streamer")})
     try:
         result = upstream(self, input_ids, **arguments, **extra_kwargs)
-    except Exception as exc:
-        why = _not_one_graph(exc)
-        if why is None:
-            raise
-        # the model's own forward cannot be traced as one static graph: upstream's loop, now and for later calls
-        state.not_one_graph = f"{type(self).__name__}'s forward cannot be compiled as one static graph ({why})"
-        _warn_once(state.not_one_graph, f"hf_tpu: {state.not_one_graph}; running upstream's generate on the TPU instead.")
-        return upstream(self, *args, **kwargs)
+    except NotCompilableError:  # found at the first trace: this call and the next ones run upstream's loop
+        reason = state.not_compilable
+        _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
+        with _inputs_on_model_device(self):
+            return upstream(self, *args, **kwargs)
     if before is not None:
         _refuse_eager_compiles(before)
     return _output_to(result, out_device)
-
-
-def _not_one_graph(exc: BaseException) -> str | None:
-    """Why dynamo could not trace a model's forward as one static graph (a data-dependent branch or shape in the
-    model's own code), or None for any other error (raised as is)."""
-    import torch._dynamo.exc as dynamo_exc
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    seen = exc
-    while seen is not None:
-        if isinstance(seen, GuardOnDataDependentSymNode) or type(seen).__name__ == "PendingUnbackedSymbolNotFound":
-            return f"{type(seen).__name__}: a shape or branch depends on a tensor's value"
-        if isinstance(seen, dynamo_exc.Unsupported) and "data-dependent" in str(seen).lower():
-            return "a branch depends on a tensor's value (dynamo: Data-dependent branching)"
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def _refuse_eager_compiles(before) -> None:

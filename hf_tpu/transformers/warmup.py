@@ -100,6 +100,10 @@ def warmup(
             "load it with device_map='tpu' or call model.to('tpu') first."
         )
     state = generation._state(model)
+    if state.not_compilable:
+        raise generation.NotCompilableError(
+            f"{state.not_compilable}; generate runs upstream's loop for it, so warm-up has no graph to compile"
+        )
     ladder = state.ladder(model.config)
     batch_sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
     if not batch_sizes or min(batch_sizes) < 1:

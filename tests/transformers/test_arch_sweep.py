@@ -78,6 +78,9 @@ def test_tiny_configs_keep_what_the_architecture_is():
     # encoder-decoder: as many decoder layers as the config's layer count that sizes the cache
     enc_dec = arch_sweep.tiny_config("blenderbot")
     assert enc_dec.decoder_layers == enc_dec.encoder_layers == enc_dec.num_hidden_layers
+    # sizes under other field names are shrunk too (XLM's defaults: 12 layers of width 2048; XLNet's 4096-wide FFN)
+    xlm, xlnet, mpt = (arch_sweep.tiny_config(a) for a in ("xlm", "xlnet", "mpt"))
+    assert (xlm.emb_dim, xlm.n_layers, xlm.n_heads, xlnet.d_inner, mpt.n_layers) == (64, 4, 4, 128, 4)
 
 
 def test_the_table_states_the_share_target_and_groups_what_misses():

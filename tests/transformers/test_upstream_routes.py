@@ -1,0 +1,74 @@
+"""Models whose code cannot run hf_tpu's bucketed, compiled loop run upstream's loop on the TPU with a one-time
+warning naming why, token-identical to upstream's ``generate`` on the CPU (never a crash)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tpu
+from hf_tpu.transformers import generation
+
+
+def _pair(model_class, config):
+    torch.manual_seed(0)
+    cpu = model_class(config).eval()
+    tpu = model_class(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    return cpu, tpu.to("tpu")
+
+
+def _generate_like_cpu(cpu, tpu, prompts, match: str) -> None:
+    generation._WARNED.clear()
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    with pytest.warns(UserWarning, match=match):
+        got = tpu.generate(prompts[0], **kw)
+    assert got.device.type == "cpu"  # as upstream: the sequences come back where the prompt was
+    assert torch.equal(got, cpu.generate(prompts[0], **kw))
+    for ids in prompts[1:]:
+        assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
+    assert not generation.compiled_graphs(tpu)
+
+
+def test_a_forward_that_keeps_no_cache_runs_upstream(prompts):
+    # OpenAI GPT's forward takes no cache: a static cache would stay empty and every step attend to nothing
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+
+    config = OpenAIGPTConfig(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    cpu, tpu = _pair(OpenAIGPTLMHeadModel, config)
+    _generate_like_cpu(cpu, tpu, [prompts([5])[0]], "writes nothing into the cache it is given")
+
+
+def test_an_own_prepare_inputs_for_generation_gets_its_inputs_on_the_device(prompts):
+    # XLM's prepare_inputs_for_generation overrides upstream's without its last step (moving the inputs to the
+    # model's device): upstream's loop on host prompts handed its embedding host ids
+    from transformers import XLMConfig, XLMWithLMHeadModel
+
+    config = XLMConfig(vocab_size=96, emb_dim=32, n_layers=1, n_heads=2, max_position_embeddings=64)
+    cpu, tpu = _pair(XLMWithLMHeadModel, config)
+    _generate_like_cpu(cpu, tpu, [prompts([5])[0]], "running upstream's generate")
+    assert "prepare_inputs_for_generation" not in vars(tpu)  # the call's wrapper is gone after it
+
+
+def test_a_model_with_its_own_cache_and_inputs_preparation_runs_upstream_for_its_real_reason(prompts):
+    # XLNet: its own memory instead of a cache (max_position_embeddings=-1: no position table), and its own
+    # prepare_inputs_for_generation (host inputs, before hf_tpu moved them: a same-device error)
+    from transformers import XLNetConfig, XLNetLMHeadModel
+
+    cpu, tpu = _pair(XLNetLMHeadModel, XLNetConfig(vocab_size=96, d_model=32, n_layer=1, n_head=2, d_inner=64))
+    _generate_like_cpu(cpu, tpu, [prompts([5])[0]], "XLNetLMHeadModel: it keeps its own cache type")
+
+
+def test_a_forward_branching_on_the_cache_length_runs_upstream_and_warmup_says_why(prompts):
+    # CPM-Ant branches on (and slices by) cache.get_seq_length(): a tensor in a static cache, so no single graph
+    from transformers import CpmAntConfig, CpmAntForCausalLM
+
+    config = CpmAntConfig(
+        vocab_size=96, hidden_size=32, num_attention_heads=2, dim_head=16, dim_ff=64, num_hidden_layers=1,
+        prompt_length=4, prompt_types=3, segment_types=4, position_bias_num_buckets=16, position_bias_max_distance=64,
+    )  # fmt: skip
+    cpu, tpu = _pair(CpmAntForCausalLM, config)
+    match = r"cannot be compiled as one static-shape graph \(Data-dependent branching at modeling_cpmant.py"
+    _generate_like_cpu(cpu, tpu, [prompts([5])[0], prompts([11], seed=1)[0]], match)
+    with pytest.raises(generation.NotCompilableError, match="warm-up has no graph to compile"):
+        hf_tpu.warmup(tpu, max_prompt_len=8, batch_sizes=[1], max_new_tokens=4, progress=False)
