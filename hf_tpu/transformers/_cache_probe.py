@@ -1,5 +1,4 @@
-"""The cache shapes a model's own layers write, measured once per model on the ``meta`` device or, failing that,
-on the CPU.
+"""The cache shapes a model's own layers write, measured once per model on the ``meta`` device (else the CPU).
 
 A static cache has to be allocated before the first compiled graph runs, with the shapes its attention writes.
 The config does not always say them: multi-query attention (Falcon) writes one KV head, multi-latent attention
@@ -9,9 +8,7 @@ its own way. :func:`cache_shapes` runs the model's class once on the ``meta`` de
 nothing on the TPU) with two tokens' embeddings (no ids, no mask: nothing on meta may read a value) and upstream's
 ``DynamicCache``, with eager attention, and reads back what each layer cached: per layer ``{"kv": (heads, key dim,
 value dim, dtype), "conv": {state: (shape, dtype)}, "recurrent": {...}}`` without the batch dimension (a dtype of
-None is the model's own). A model whose forward reads a value anyway (a padding check of its mask, an expert loop
-over the routing result) runs the same way on the CPU instead, as a copy whose weights take no memory
-(:mod:`~hf_tpu.transformers._cache_probe_cpu`).
+None is the model's own).
 """
 
 from __future__ import annotations
