@@ -1,14 +1,15 @@
 """The cache probe's fallback: a real run on the CPU of a copy of the model whose weights take no memory.
 
 Some models read a tensor's value in their forward even given embeddings: a padding check (``mask.all()`` in the
-masks of BigBird, MegatronBERT, RemBERT), an expert loop over the routing result (``expert_size.tolist()`` in
-JetMoE, ``expert_idx.item()`` in LongCat-Flash). The ``meta`` device has no values, so
+bidirectional masks of BigBird, MegatronBERT, RemBERT), an expert loop over the routing result
+(``expert_size.tolist()`` in JetMoE, ``expert_idx.item()`` in LongCat-Flash). The ``meta`` device has no values, so
 :mod:`~hf_tpu.transformers._cache_probe` runs such a model here instead: its class, built from the same config
 (every size kept: the cache shapes are exactly what the real model writes, layer by layer), on the CPU, with real
 values. Its buffers are computed as the class computes them (rotary frequencies, position ids); each parameter is a
-zero broadcast from one element in the real model's dtype for it, so a model of any size costs a few bytes per
-parameter, and a matrix product with such a weight is answered as the zeros it is (:class:`_ZeroWeightProducts`)
-instead of being materialized. Nothing runs on the TPU, and the real model is only read for its parameter dtypes.
+zero broadcast from one element, in the real model's dtype for it (weights the real model ties stay tied), so a
+model of any size costs a few bytes per parameter; a matrix product with such a weight is answered as the zeros it
+is (:class:`ZeroWeightProducts`) instead of being materialized. Nothing runs on the TPU, and the real model is only
+read for its parameters' names and dtypes.
 """
 
 from __future__ import annotations
@@ -16,59 +17,62 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__: list[str] = []
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+__all__ = ["ZeroWeightProducts", "cpu_probe"]
 
-def _is_zero_weight(t) -> bool:
-    """Whether ``t`` is a zero weight of the copy: a tensor with more than one element and every stride 0."""
-    import torch
-
-    return isinstance(t, torch.Tensor) and t.numel() > 1 and not any(t.stride())
-
-
-def _zero_products():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    import torch
-
-    aten = torch.ops.aten
-    products = {aten.mm.default, aten.bmm.default}  # the product with a zero weight is zero
-    biased = {aten.addmm.default, aten.baddbmm.default}  # beta * input + alpha * product: beta * input
-
-    class _ZeroWeightProducts(TorchDispatchMode):
-        """Matrix products and gathers of the copy's zero weights, answered without materializing the weight
-        (CPU BLAS would copy a broadcast operand into a dense one first: the lm_head alone is gigabytes)."""
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            operands = args[1:3] if func in biased else args[:2]
-            if func in products | biased and any(_is_zero_weight(t) for t in operands):
-                out = func(*(_meta(a) for a in args), **kwargs)  # the result's shape and dtype
-                zeros = torch.zeros(out.shape, dtype=out.dtype)
-                if func in biased:
-                    zeros += kwargs.get("beta", 1) * args[0]
-                return zeros
-            if func is aten.index.Tensor and _is_zero_weight(args[0]):
-                out = func(_meta(args[0]), [_meta(i) for i in args[1]], **kwargs)  # an expert's weights, gathered
-                return torch.zeros((), dtype=out.dtype).expand(out.shape)
-            return func(*args, **kwargs)
-
-    return _ZeroWeightProducts()
+_aten = torch.ops.aten
+_PRODUCTS = {_aten.mm.default, _aten.bmm.default}  # a product with a zero weight is zero
+_BIASED = {_aten.addmm.default, _aten.baddbmm.default}  # beta * input + alpha * product: beta * input
+_LARGE = 1 << 20  # elements: a gather of a zero weight at least this large stays a broadcast zero
 
 
 def _meta(value):
-    import torch
-
     if isinstance(value, torch.Tensor):
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
     return value
+
+
+class ZeroWeightProducts(TorchDispatchMode):
+    """Matrix products with the copy's zero weights answered as zeros (of the shape and dtype the product has) without
+    materializing the weight: CPU BLAS copies a broadcast operand into a dense one first, and a model's lm_head alone
+    is gigabytes. A large gather of rows of a zero weight (an expert's weights, selected per token) stays a broadcast
+    zero for the product that follows it.
+
+    ``zeros``: the zero weights (views of them count: a transpose, an expert's slice)."""
+
+    def __init__(self, zeros) -> None:
+        super().__init__()
+        self._storages = {w.untyped_storage().data_ptr() for w in zeros}
+
+    def _is_zero(self, t) -> bool:
+        return (
+            isinstance(t, torch.Tensor) and t.numel() > 1 and not any(t.stride())
+            and t.untyped_storage().data_ptr() in self._storages
+        )  # fmt: skip
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PRODUCTS or func in _BIASED:
+            operands = args[1:3] if func in _BIASED else args[:2]
+            if any(self._is_zero(t) for t in operands):
+                out = func(*(_meta(a) for a in args), **kwargs)  # the product's shape and dtype
+                zeros = torch.zeros(out.shape, dtype=out.dtype)
+                if func in _BIASED:
+                    zeros += kwargs.get("beta", 1) * args[0]
+                return zeros
+        if func is _aten.index.Tensor and self._is_zero(args[0]):
+            out = func(_meta(args[0]), [_meta(i) for i in args[1]])
+            if out.numel() >= _LARGE:
+                return args[0].as_strided(out.shape, [0] * out.dim())  # the same zero element: still a zero weight
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def cpu_probe(model, config) -> Iterator:
     """A copy of ``model``'s class built from ``config`` on the CPU with zero weights, in eval mode; its matrix
     products with those weights answered as zeros while the context is open."""
-    import torch
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers computed on the CPU
@@ -91,5 +95,5 @@ def cpu_probe(model, config) -> Iterator:
         for name, buffer in list(module._buffers.items()):
             if buffer is not None and buffer.is_floating_point():
                 module._buffers[name] = buffer.to(dtypes.get(prefix + name, model.dtype))
-    with _zero_products():
+    with ZeroWeightProducts(zeros.values()):
         yield probe.eval()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_tpu.transformers._cache_probe import _meta_probe, _run_probe, cache_shapes
-from hf_tpu.transformers._cache_probe_cpu import cpu_probe
+from hf_tpu.transformers._cache_probe_cpu import ZeroWeightProducts, cpu_probe
 from hf_tpu.transformers._static_cache import _static_cache_problem
 
 _TOKENS = {"vocab_size": 96, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
@@ -78,3 +78,17 @@ def test_the_cpu_copy_holds_no_weights_and_computes_what_zero_weights_compute():
     with torch.no_grad():
         want = dense(input_ids=ids, use_cache=False).logits
     assert torch.equal(got, want)
+
+
+def test_products_and_gathers_of_zero_weights_are_never_materialized():
+    # Materialized, each of these would take more than a 64-bit host's whole address space (128 TiB): the
+    # allocation fails at once, whatever the host's overcommit policy, if the mode lets one through.
+    weight = torch.zeros(()).expand(8, 1 << 45)
+    experts = torch.zeros(()).expand(4, 1 << 23, 1 << 23)
+    wide = torch.ones(()).expand(2, 1 << 45)  # an input as wide as the weight
+    with ZeroWeightProducts([weight, experts]):
+        out = torch.nn.functional.linear(wide, weight, torch.arange(8.0))  # addmm: the bias, broadcast
+        picked = experts[torch.tensor([0, 2])]  # an expert's weights per token: still a broadcast zero
+        per_token = torch.bmm(torch.ones(()).expand(2, 1, 1 << 23), picked.transpose(1, 2))
+    assert torch.equal(out, torch.arange(8.0).expand(2, 8))
+    assert per_token.shape == (2, 1, 1 << 23) and not per_token.any()
