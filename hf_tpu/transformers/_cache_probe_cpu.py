@@ -6,18 +6,21 @@ bidirectional masks of BigBird, MegatronBERT, RemBERT), an expert loop over the 
 :mod:`~hf_tpu.transformers._cache_probe` runs such a model here instead: its class, built from the same config
 (every size kept: the cache shapes are exactly what the real model writes, layer by layer), on the CPU, with real
 values. Its buffers are computed as the class computes them (rotary frequencies, position ids); each parameter is a
-zero broadcast from one element, in the real model's dtype for it (weights the real model ties stay tied), so a
-model of any size costs a few bytes per parameter; a matrix product with such a weight is answered as the zeros it
-is (:class:`ZeroWeightProducts`) instead of being materialized. Nothing runs on the TPU, and the real model is only
+zero broadcast from one element, in the real model's dtype for it (weights the real model ties stay tied), and no
+weight is allocated while the class builds (:class:`_LargeOnMeta`), so a model of any size costs a few bytes per
+parameter (LongCat-Flash's default config, 741B parameters: 18 s, 50 MiB); a matrix product with such a weight is
+answered as the zeros it is (:class:`ZeroWeightProducts`) instead of being materialized. Nothing runs on the TPU, and the real model is only
 read for its parameters' names and dtypes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["ZeroWeightProducts", "cpu_probe"]
@@ -26,6 +29,8 @@ _aten = torch.ops.aten
 _PRODUCTS = {_aten.mm.default, _aten.bmm.default}  # a product with a zero weight is zero
 _BIASED = {_aten.addmm.default, _aten.baddbmm.default}  # beta * input + alpha * product: beta * input
 _LARGE = 1 << 20  # elements: a gather of a zero weight at least this large stays a broadcast zero
+_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn}
+_LARGE_INIT = 1 << 26  # elements: a tensor the class creates at least this large is a weight, created on meta
 
 
 def _meta(value):
@@ -69,13 +74,33 @@ class ZeroWeightProducts(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _LargeOnMeta(TorchFunctionMode):
+    """While the copy is built: a tensor created without a device and of at least ``_LARGE_INIT`` elements (a weight:
+    an embedding, a stack of experts) is created on ``meta``, so that no weight is ever allocated on the host
+    (tens of GB for one stack of experts); smaller ones (buffers) are created on the CPU with their values."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES and kwargs.get("device") is None and _numel(func, args) >= _LARGE_INIT:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+def _numel(func, args) -> int:
+    size = args[0] if func is torch.full or (args and isinstance(args[0], (tuple, list, torch.Size))) else args
+    try:
+        return math.prod(int(n) for n in size)
+    except (TypeError, ValueError):
+        return 0
+
+
 @contextlib.contextmanager
 def cpu_probe(model, config) -> Iterator:
     """A copy of ``model``'s class built from ``config`` on the CPU with zero weights, in eval mode; its matrix
     products with those weights answered as zeros while the context is open."""
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers computed on the CPU
+    with init_empty_weights(include_buffers=False), _LargeOnMeta():  # parameters on meta, buffers on the CPU
         probe = type(model)(config)
     dtypes = {name: t.dtype for name, t in (*model.named_parameters(), *model.named_buffers())}
     # weights the real model ties (one parameter under several names) are one weight here too

@@ -92,3 +92,16 @@ def test_products_and_gathers_of_zero_weights_are_never_materialized():
         per_token = torch.bmm(torch.ones(()).expand(2, 1, 1 << 23), picked.transpose(1, 2))
     assert torch.equal(out, torch.arange(8.0).expand(2, 8))
     assert per_token.shape == (2, 1, 1 << 23) and not per_token.any()
+
+
+def test_the_copy_of_a_model_no_host_could_hold_is_built_without_allocating_a_weight():
+    import transformers
+
+    config = transformers.MegatronBertConfig(**{**CONFIGS["megatron-bert"][2], **_TOKENS, "vocab_size": 1 << 40})
+    with torch.device("meta"):
+        model = transformers.MegatronBertForCausalLM(config)  # its embedding alone: 128 TiB in float32
+    with cpu_probe(model, config) as probe:
+        weight = probe.get_input_embeddings().weight
+        assert weight.shape == (1 << 40, 32) and weight.untyped_storage().nbytes() <= weight.element_size()
+        positions = probe.bert.embeddings.position_ids  # a buffer: computed on the CPU as the class computes it
+        assert torch.equal(positions, torch.arange(config.max_position_embeddings)[None])
