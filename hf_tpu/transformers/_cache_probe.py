@@ -156,6 +156,7 @@ def cache_shapes(model) -> tuple[list[dict], list[dict] | None]:
         try:
             found = (_per_rank(model, self_shapes), _per_rank(model, cross_shapes))
         except ValueError as exc:
-            raise CacheProbeError(f"the cache of {type(model).__name__} cannot be split over its ranks: {exc}") from exc
+            name = type(model).__name__
+            raise CacheProbeError(f"the cache of {name} cannot be split over its ranks: {exc}") from exc
         _SHAPES[model] = found
     return found

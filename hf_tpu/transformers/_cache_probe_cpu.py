@@ -9,8 +9,8 @@ values. Its buffers are computed as the class computes them (rotary frequencies,
 zero broadcast from one element, in the real model's dtype for it (weights the real model ties stay tied), and no
 weight is allocated while the class builds (:class:`_LargeOnMeta`), so a model of any size costs a few bytes per
 parameter (LongCat-Flash's default config, 741B parameters: 18 s, 50 MiB); a matrix product with such a weight is
-answered as the zeros it is (:class:`ZeroWeightProducts`) instead of being materialized. Nothing runs on the TPU, and the real model is only
-read for its parameters' names and dtypes.
+answered as the zeros it is (:class:`ZeroWeightProducts`) instead of being materialized. Nothing runs on the TPU,
+and the real model is only read for its parameters' names and dtypes.
 """
 
 from __future__ import annotations
