@@ -62,13 +62,21 @@ def _meta_probe(model):
 
 def _run_probe(model, probe, device: str) -> tuple[list[dict], list[dict] | None]:
     """Run ``probe`` (a copy of ``model`` on ``device``) once on two tokens; the shapes each cache layer got."""
+    text_config = model.config.get_text_config(decoder=True)
+    built = {name: type(module) for name, module in probe.named_modules()}
+    try:
+        return _forward(model, probe, device, text_config)
+    finally:
+        _refuse_rebuilt(model, probe, built)
+
+
+def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[dict] | None]:
     import torch
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
     from transformers.modeling_outputs import BaseModelOutput
 
     from torch.fx.experimental import _config as fx_config
 
-    text_config = model.config.get_text_config(decoder=True)
     # Embeddings in, not ids: no embedding lookup or pad-token check reads a value on meta. Routing that calls
     # nonzero (an expert loop) gets torch's all-nonzero meta result: the cache shapes never depend on it.
     embeds = torch.zeros(1, 2, model.get_input_embeddings().embedding_dim, dtype=model.dtype, device=device)
@@ -96,6 +104,20 @@ def _run_probe(model, probe, device: str) -> tuple[list[dict], list[dict] | None
         return [_layer_shapes(la, model.dtype) for la in cache.layers], None
 
 
+def _refuse_rebuilt(model, probe, built: dict) -> None:
+    """Raise :class:`CacheProbeError` when the forward replaced some of the model's own modules (BigBird swaps its
+    block-sparse attention for full attention on a short input or with a cache): a compiled graph cannot build
+    modules, so generate runs upstream's loop, with this reason, instead of failing to compile."""
+    now = dict(probe.named_modules())
+    swapped = [(name, cls, type(now[name])) for name, cls in built.items() if name in now and type(now[name]) != cls]
+    if swapped:
+        name, old, new = swapped[0]
+        raise CacheProbeError(
+            f"the forward of {type(model).__name__} replaces {len(swapped)} of its own modules when it runs ({name}: "
+            f"{old.__name__} -> {new.__name__}), which a compiled graph cannot do"
+        )
+
+
 def _measure(model) -> tuple[list[dict], list[dict] | None]:
     """The shapes, on the ``meta`` device, or where the model reads a value there (a padding check, an expert
     loop over a routing result), by a real run on the CPU of a copy whose weights take no memory
@@ -104,10 +126,14 @@ def _measure(model) -> tuple[list[dict], list[dict] | None]:
 
     try:
         return _run_probe(model, _meta_probe(model), "meta")
+    except CacheProbeError:
+        raise
     except Exception as on_meta:  # noqa: BLE001 - any failure of a third-party forward on meta: try the CPU
         try:
             with cpu_probe(model, _probe_config(model)) as probe:
                 return _run_probe(model, probe, "cpu")
+        except CacheProbeError:
+            raise
         except Exception as on_cpu:  # noqa: BLE001
             raise CacheProbeError(
                 f"measuring the cache shapes of {type(model).__name__} failed on the meta device "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_tpu.transformers._cache_probe import _meta_probe, _run_probe, cache_shapes
+from hf_tpu.transformers._cache_probe import CacheProbeError, _meta_probe, _run_probe, cache_shapes
 from hf_tpu.transformers._cache_probe_cpu import ZeroWeightProducts, cpu_probe
 from hf_tpu.transformers._static_cache import _static_cache_problem
 
@@ -16,6 +16,7 @@ _SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "
 # .item() over a nonzero result).
 CONFIGS = {
     "megatron-bert": ("MegatronBertConfig", "MegatronBertForCausalLM", _SMALL),
+    "big_bird": ("BigBirdConfig", "BigBirdForCausalLM", {**_SMALL, "attention_type": "original_full"}),
     "jetmoe": (
         "JetMoeConfig",
         "JetMoeForCausalLM",
@@ -105,3 +106,12 @@ def test_the_copy_of_a_model_no_host_could_hold_is_built_without_allocating_a_we
         assert weight.shape == (1 << 40, 32) and weight.untyped_storage().nbytes() <= weight.element_size()
         positions = probe.bert.embeddings.position_ids  # a buffer: computed on the CPU as the class computes it
         assert torch.equal(positions, torch.arange(config.max_position_embeddings)[None])
+
+
+def test_a_forward_that_replaces_its_own_modules_is_refused_with_its_reason():
+    # BigBird's default block-sparse attention swaps itself for full attention on a short input: no compiled graph
+    # can build modules, so generate is told why instead of failing to compile (the original_full case is above).
+    model = _model("big_bird", attention_type="block_sparse")
+    with pytest.raises(CacheProbeError, match=r"replaces 2 of its own modules .*BigBirdBlockSparseAttention"):
+        cache_shapes(model)
+    assert "replaces 2 of its own modules" in _static_cache_problem(model)
