@@ -1,4 +1,4 @@
-"""The cache shapes a model's own layers write, measured once per model on the ``meta`` device.
+"""The cache shapes a model's own layers write, measured once per model on the ``meta`` device (else the CPU).
 
 A static cache has to be allocated before the first compiled graph runs, with the shapes its attention writes.
 The config does not always say them: multi-query attention (Falcon) writes one KV head, multi-latent attention
@@ -46,35 +46,49 @@ def _layer_shapes(layer, model_dtype) -> dict:
     return shape
 
 
-def _probe_model(model):
-    import torch
-
+def _probe_config(model):
+    """The model's config, as the probes build it: eager attention (its masks never read a value; sdpa's mask
+    shortcuts do) and shape-static expert routing (no data-dependent op on meta)."""
     config = copy.deepcopy(model.config)
     if getattr(config, "_experts_implementation", None) not in (None, "batched_mm"):
-        config._experts_implementation = "batched_mm"  # shape-static routing: no data-dependent op on meta
-    config._attn_implementation = "eager"  # its masks never read a value (sdpa's mask shortcuts do)
+        config._experts_implementation = "batched_mm"
+    config._attn_implementation = "eager"
+    return config
+
+
+def _meta_probe(model):
+    import torch
+
     with torch.device("meta"):
-        probe = type(model)(config)
+        probe = type(model)(_probe_config(model))
     return probe.to(model.dtype).eval()
 
 
-def _run_probe(model) -> tuple[list[dict], list[dict] | None]:
+def _run_probe(model, probe, device: str) -> tuple[list[dict], list[dict] | None]:
+    """Run ``probe`` (a copy of ``model`` on ``device``) once on two tokens; the shapes each cache layer got."""
+    text_config = model.config.get_text_config(decoder=True)
+    built = {name: type(module) for name, module in probe.named_modules()}
+    try:
+        return _forward(model, probe, device, text_config)
+    finally:
+        _refuse_rebuilt(model, probe, built)
+
+
+def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[dict] | None]:
     import torch
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
     from transformers.modeling_outputs import BaseModelOutput
 
     from torch.fx.experimental import _config as fx_config
 
-    probe = _probe_model(model)
-    text_config = model.config.get_text_config(decoder=True)
     # Embeddings in, not ids: no embedding lookup or pad-token check reads a value on meta. Routing that calls
     # nonzero (an expert loop) gets torch's all-nonzero meta result: the cache shapes never depend on it.
-    embeds = torch.zeros(1, 2, model.get_input_embeddings().embedding_dim, dtype=model.dtype, device="meta")
+    embeds = torch.zeros(1, 2, model.get_input_embeddings().embedding_dim, dtype=model.dtype, device=device)
     with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True):
         if model.config.is_encoder_decoder:
             cache = EncoderDecoderCache(DynamicCache(config=text_config), DynamicCache(config=text_config))
             width = getattr(text_config, "d_model", None) or text_config.hidden_size
-            hidden = torch.zeros(1, 2, width, dtype=model.dtype, device="meta")
+            hidden = torch.zeros(1, 2, width, dtype=model.dtype, device=device)
             probe(
                 decoder_inputs_embeds=embeds, encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
                 cache=cache, use_cache=True,
@@ -83,7 +97,7 @@ def _run_probe(model) -> tuple[list[dict], list[dict] | None]:
                 [_layer_shapes(la, model.dtype) for la in cache.self_attention_cache.layers],
                 [_layer_shapes(la, model.dtype) for la in cache.cross_attention_cache.layers],
             )
-        positions = torch.arange(2, device="meta")[None]
+        positions = torch.arange(2, device=device)[None]
         if not model._supports_default_dynamic_cache():  # it builds its own cache: take the one it returns
             from hf_tpu.transformers._own_cache_classes import extra_shapes
 
@@ -100,9 +114,52 @@ def _run_probe(model) -> tuple[list[dict], list[dict] | None]:
             probe(inputs_embeds=embeds, position_ids=positions, cache=cache, use_cache=True)
         except Exception:  # noqa: BLE001 - some models need ids (Gemma 4 derives per-layer inputs from them)
             cache = DynamicCache(config=text_config)
-            ids = torch.ones(1, 2, dtype=torch.long, device="meta")
+            ids = torch.ones(1, 2, dtype=torch.long, device=device)
             probe(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
         return [_layer_shapes(la, model.dtype) for la in cache.layers], None
+
+
+def _refuse_rebuilt(model, probe, built: dict) -> None:
+    """Raise :class:`CacheProbeError` when the forward replaced some of the model's own modules (BigBird swaps its
+    block-sparse attention for full attention on a short input or with a cache): a compiled graph cannot build
+    modules, so generate runs upstream's loop, with this reason, instead of failing to compile."""
+    now = dict(probe.named_modules())
+    swapped = [(name, cls, type(now[name])) for name, cls in built.items() if name in now and type(now[name]) != cls]
+    if swapped:
+        name, old, new = swapped[0]
+        raise CacheProbeError(
+            f"the forward of {type(model).__name__} replaces {len(swapped)} of its own modules when it runs ({name}: "
+            f"{old.__name__} -> {new.__name__}), which a compiled graph cannot do"
+        )
+
+
+def _measure(model) -> tuple[list[dict], list[dict] | None]:
+    """The shapes, on the ``meta`` device, or where the model reads a value there (a padding check, an expert
+    loop over a routing result), by a real run on the CPU of a copy whose weights take no memory
+    (:mod:`~hf_tpu.transformers._cache_probe_cpu`)."""
+    from hf_tpu.transformers._cache_probe_cpu import cpu_probe
+
+    try:
+        return _run_probe(model, _meta_probe(model), "meta")
+    except CacheProbeError:
+        raise
+    except Exception as on_meta:  # noqa: BLE001 - any failure of a third-party forward on meta: try the CPU
+        try:
+            with cpu_probe(model, _probe_config(model)) as probe:
+                return _run_probe(model, probe, "cpu")
+        except CacheProbeError:
+            raise
+        except Exception as on_cpu:  # noqa: BLE001
+            raise CacheProbeError(
+                f"measuring the cache shapes of {type(model).__name__} failed on the meta device "
+                f"({type(on_meta).__name__}: {_line(on_meta)}) and on the CPU ({type(on_cpu).__name__}: "
+                f"{_line(on_cpu)})"
+            ) from on_cpu
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else ""
 
 
 def _per_rank(model, shapes: list[dict] | None) -> list[dict] | None:
@@ -133,16 +190,14 @@ def _per_rank(model, shapes: list[dict] | None) -> list[dict] | None:
 def cache_shapes(model) -> tuple[list[dict], list[dict] | None]:
     """(self-attention layer shapes, cross-attention layer shapes or None), measured once per model.
 
-    Raises :class:`CacheProbeError` when the model's class cannot run on the ``meta`` device."""
+    Raises :class:`CacheProbeError` when the model's class runs neither on the ``meta`` device nor on the CPU."""
     found = _SHAPES.get(model)
     if found is None:
+        self_shapes, cross_shapes = _measure(model)
         try:
-            self_shapes, cross_shapes = _run_probe(model)
             found = (_per_rank(model, self_shapes), _per_rank(model, cross_shapes))
-        except Exception as exc:  # noqa: BLE001 - any failure of a third-party forward on meta means "cannot size"
-            raise CacheProbeError(
-                f"measuring the cache shapes of {type(model).__name__} on the meta device failed "
-                f"({type(exc).__name__}: {exc})"
-            ) from exc
+        except ValueError as exc:
+            name = type(model).__name__
+            raise CacheProbeError(f"the cache of {name} cannot be split over its ranks: {exc}") from exc
         _SHAPES[model] = found
     return found
