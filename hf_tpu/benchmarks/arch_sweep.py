@@ -62,8 +62,10 @@ SHRINK: dict[str, Any] = {
     "num_hidden_layers": 4,
     "num_layers": 4,
     "n_layer": 4,
+    "n_layers": 4,
     "num_attention_heads": 4,
     "n_head": 4,
+    "n_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
     "n_embd": 64,
@@ -79,13 +81,21 @@ SHRINK: dict[str, Any] = {
     "n_routed_experts": 4,
     "moe_num_experts": 4,
     "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
     "moe_topk": 2,
+    "moe_k": 2,
     "n_group": 1,
     "num_expert_group": 1,
     "topk_group": 1,
     "max_position_embeddings": 512,
     "n_positions": 512,
     "sliding_window": 16,
+    "sliding_window_size": 16,
+    # a second attention's sizes (sliding layers of their own shape), and a vocabulary's unpadded part
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2,
+    "swa_head_dim": 16,
+    "unpadded_vocab_size": VOCAB,
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
     "qk_rope_head_dim": 8,
@@ -114,6 +124,36 @@ SHRINK: dict[str, Any] = {
     "decoder_attention_heads": 4,
     "encoder_ffn_dim": 128,
     "decoder_ffn_dim": 128,
+    # looped models (input layers, a looped middle, output layers): one of each end in the shrunk depth
+    "n_input_layers": 1,
+    "n_output_layers": 1,
+    # multi-codebook decoders (MusicGen): one codebook, so that a prompt of one row is one sequence
+    "num_codebooks": 1,
+}
+# Fields the defaults leave None (a checkpoint's config.json sets them) that the model needs as numbers.
+_IF_NONE: dict[str, Any] = {"num_key_value_heads": SHRINK["num_attention_heads"], "n_shared_experts": 1}
+# Top-k fields: no more experts per token than the shrunk experts, no more than the defaults'.
+_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
+# Upstream defaults no checkpoint has, that no rule can derive: each names the field the model reads and its
+# documented meaning (a sub-config's fields in a nested dict).
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    # DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig does not define, and clamps q/k/v by
+    # clip_qkv, which it defaults to None (DBRX's checkpoint: 8)
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # the class leaves layer_types None (a checkpoint lists them): LFM2's conv blocks and attention alternating
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2},
+    # the indexed attention layers need the QSA indexer's sizes (None by default); one KV head, as the class demands
+    "qwen4_exp_text": {
+        "indexer_n_heads": 4,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 16,
+        "indexer_compress_ratio": 4,
+    },
+    # ReformerModelWithLMHead asserts is_decoder (causal self-attention)
+    "reformer": {"is_decoder": True},
+    # X-MOD's adapters need a language to route through: the defaults' only one
+    "xmod": {"default_language": "en_XX"},
 }
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -130,31 +170,65 @@ def tiny_config(model_type: str) -> Any:
     """The config class's defaults with :data:`SHRINK`'s fields (those it has) and small special-token ids."""
     from transformers import CONFIG_MAPPING
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     cls = CONFIG_MAPPING[model_type]
     fields = _shrunk(cls().to_dict())
     config = _first_valid(cls, fields)
     text = config.get_text_config(decoder=True)
     if text is not config and getattr(text, "hidden_size", SHRINK["hidden_size"]) != SHRINK["hidden_size"]:
-        fields["text_config"] = _shrunk(text.to_dict())  # a sub-config the class builds by default
+        key = next((k for k in getattr(cls, "sub_configs", {}) if getattr(config, k, None) is text), "text_config")
+        fields[key] = _shrunk(text.to_dict())  # a sub-config the class builds by default
         config = _first_valid(cls, fields)
+        text = config.get_text_config(decoder=True)
+    if text is not config and not hasattr(config, "text_config") and MODEL_FOR_CAUSAL_LM_MAPPING[cls].config_class is type(text):
+        # the causal-LM class takes a decoder sub-config that upstream's auto class does not pick out (MusicGen's
+        # `decoder`, where it picks `text_config`): the sub-config itself
+        config = text
     layer_types = getattr(config, "layer_types", None)
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layer_types, list) and layers and len(layer_types) != layers:
         config.layer_types = layer_types = (layer_types * layers)[:layers]
-    kinds = list(dict.fromkeys(cls().to_dict().get("layer_types") or ()))
+    kinds = list(dict.fromkeys(getattr(type(config)(), "layer_types", None) or ()))
     if isinstance(layer_types, list) and layers and len(kinds) <= layers and set(kinds) - set(layer_types):
         # the shrunk depth lost a layer kind of the defaults' pattern (a hybrid's attention every 6th layer): the
         # first kind, then one layer of each other kind
-        config.layer_types = kinds[:1] * (layers - len(kinds) + 1) + kinds[1:]
+        config.layer_types = layer_types = kinds[:1] * (layers - len(kinds) + 1) + kinds[1:]
+    if isinstance(layer_types, list) and set(layer_types) == {"linear_attention"} and _has_attention(config):
+        # a hybrid whose defaults place no attention layer (Granite-4's are all Mamba) though it has attention heads:
+        # attention every other layer, as the hybrids' attn_layer_indices above
+        config.layer_types = layer_types = ["linear_attention", "full_attention"] * (layers // 2) + [
+            "linear_attention"
+        ] * (layers % 2)
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(layer_types, list) and isinstance(rope, dict) and not rope:
+        # RoPE parameters keyed per layer kind left empty by the defaults (a checkpoint lists them): the default RoPE
+        config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in set(layer_types)}
     return config
+
+
+def _has_attention(config: Any) -> bool:
+    """Whether the config sizes attention layers (attention heads), so that a layer of kind ``full_attention`` builds."""
+    return bool(getattr(config, "num_attention_heads", None)) and not hasattr(config, "num_heads")
 
 
 def _shrunk(defaults: dict) -> dict:
     """The fields of :data:`SHRINK` that ``defaults`` has, a nested ``text_config`` shrunk the same way."""
     # (a sliding window only where the architecture has one by default)
-    fields = {k: v for k, v in SHRINK.items() if k in defaults and (k != "sliding_window" or defaults[k])}
-    if defaults.get("num_key_value_heads") is None:
-        fields.pop("num_key_value_heads", None)
+    windows = ("sliding_window", "sliding_window_size")
+    fields = {k: v for k, v in SHRINK.items() if k in defaults and (k not in windows or defaults[k])}
+    fields.update({k: v for k, v in _IF_NONE.items() if k in defaults and defaults[k] is None})
+    fields.update({k: min(defaults[k], SHRINK[k]) for k in _TOP_K if isinstance(defaults.get(k), int)})
+    heads = defaults.get("n_head") or defaults.get("num_attention_heads")
+    width = defaults.get("n_embd") or defaults.get("hidden_size")
+    if isinstance(defaults.get("rotary_dim"), int) and heads and width:
+        # partial rotary (GPT-J): the same share of the shrunk head as of the default one, an even count
+        share = defaults["rotary_dim"] / (width // heads)
+        fields["rotary_dim"] = max(2, int(share * SHRINK["head_dim"]) // 2 * 2)
+    split = defaults.get("axial_pos_embds_dim")
+    if isinstance(split, list | tuple) and "hidden_size" in fields and sum(split) == defaults["hidden_size"]:
+        # a width split into parts that sum to the hidden size (Reformer's axial position embeddings): scaled
+        fields["axial_pos_embds_dim"] = [d * fields["hidden_size"] // sum(split) for d in split]
     if "head_dim" in fields and "qk_rope_head_dim" in defaults:  # MLA: rotary embeddings sized by the rope part
         fields["head_dim"] = SHRINK["qk_rope_head_dim"]
     if "kv_lora_rank" in defaults and "num_key_value_heads" in fields:
@@ -170,6 +244,9 @@ def _shrunk(defaults: dict) -> dict:
     fields.update({k: v for k, v in _TOKENS.items() if k in defaults})
     if isinstance(defaults.get("text_config"), dict):
         fields["text_config"] = _shrunk(defaults["text_config"])
+    for name, value in _OVERRIDES.get(defaults.get("model_type"), {}).items():
+        nested = isinstance(value, dict) and isinstance(defaults.get(name), dict)
+        fields[name] = {**defaults[name], **value} if nested else value
     return fields
 
 
@@ -250,18 +327,17 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
     try:
         config = config if config is not None else tiny_config(model_type)
         row["kind"] = _kinds(config)
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
+        model = _build(model_type, config)
     except Exception as e:  # noqa: BLE001 - any failure to build is this architecture's verdict
         row.update(status="not buildable", reason=f"{type(e).__name__}: {_line(e)}")
         return row
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         try:
             model.save_pretrained(tmp)
-            cpu = AutoModelForCausalLM.from_pretrained(tmp).eval()
-            tpu = AutoModelForCausalLM.from_pretrained(tmp, device_map="tpu").eval()
+            # the built class loads its own checkpoint (a text sub-config's model type may have no auto mapping)
+            cpu = type(model).from_pretrained(tmp).eval()
+            tpu = type(model).from_pretrained(tmp, device_map="tpu").eval()
         except Exception as e:  # noqa: BLE001
             row.update(status="not loadable", reason=f"{type(e).__name__}: {_line(e)}")
             return row
@@ -303,6 +379,17 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
         d2h_per_step=round(d2h, 2),
     )
     return row
+
+
+def _build(model_type: str, config: Any) -> Any:
+    """The architecture's causal-LM model for ``config`` (upstream's auto class, or the class it maps the
+    architecture to where ``config`` is a decoder sub-config the auto class does not know)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM.from_config(config)
+    return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]._from_config(config)
 
 
 def _line(e: BaseException) -> str:
