@@ -127,13 +127,9 @@ SHRINK: dict[str, Any] = {
     # looped models (input layers, a looped middle, output layers): one of each end in the shrunk depth
     "n_input_layers": 1,
     "n_output_layers": 1,
-    # multi-codebook decoders (MusicGen): one codebook, so that a prompt of one row is one sequence
-    "num_codebooks": 1,
 }
 # Fields the defaults leave None (a checkpoint's config.json sets them) that the model needs as numbers.
 _IF_NONE: dict[str, Any] = {"num_key_value_heads": SHRINK["num_attention_heads"], "n_shared_experts": 1}
-# Top-k fields: no more experts per token than the shrunk experts, no more than the defaults'.
-_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
 # Upstream defaults no checkpoint has, that no rule can derive: each names the field the model reads and its
 # documented meaning (a sub-config's fields in a nested dict).
 _OVERRIDES: dict[str, dict[str, Any]] = {
@@ -154,6 +150,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "reformer": {"is_decoder": True},
     # X-MOD's adapters need a language to route through: the defaults' only one
     "xmod": {"default_language": "en_XX"},
+    # MusicGen's decoder reads its input as one row per codebook: one codebook, so that a prompt row is a sequence
+    "musicgen_decoder": {"num_codebooks": 1},
+    "musicgen_melody_decoder": {"num_codebooks": 1},
 }
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -181,7 +180,8 @@ def tiny_config(model_type: str) -> Any:
         fields[key] = _shrunk(text.to_dict())  # a sub-config the class builds by default
         config = _first_valid(cls, fields)
         text = config.get_text_config(decoder=True)
-    if text is not config and not hasattr(config, "text_config") and MODEL_FOR_CAUSAL_LM_MAPPING[cls].config_class is type(text):
+    wanted = MODEL_FOR_CAUSAL_LM_MAPPING[cls].config_class
+    if type(text) is not cls and type(text) is wanted and not hasattr(config, "text_config"):
         # the causal-LM class takes a decoder sub-config that upstream's auto class does not pick out (MusicGen's
         # `decoder`, where it picks `text_config`): the sub-config itself
         config = text
@@ -214,16 +214,15 @@ def _has_attention(config: Any) -> bool:
 
 def _shrunk(defaults: dict) -> dict:
     """The fields of :data:`SHRINK` that ``defaults`` has, a nested ``text_config`` shrunk the same way."""
-    # (a sliding window only where the architecture has one by default)
-    windows = ("sliding_window", "sliding_window_size")
-    fields = {k: v for k, v in SHRINK.items() if k in defaults and (k not in windows or defaults[k])}
+    # (a sliding window, an unpadded vocabulary only where the architecture has one by default)
+    optional = ("sliding_window", "sliding_window_size", "unpadded_vocab_size")
+    fields = {k: v for k, v in SHRINK.items() if k in defaults and (k not in optional or defaults[k])}
     fields.update({k: v for k, v in _IF_NONE.items() if k in defaults and defaults[k] is None})
-    fields.update({k: min(defaults[k], SHRINK[k]) for k in _TOP_K if isinstance(defaults.get(k), int)})
     heads = defaults.get("n_head") or defaults.get("num_attention_heads")
     width = defaults.get("n_embd") or defaults.get("hidden_size")
     if isinstance(defaults.get("rotary_dim"), int) and heads and width:
         # partial rotary (GPT-J): the same share of the shrunk head as of the default one, an even count
-        share = defaults["rotary_dim"] / (width // heads)
+        share = defaults["rotary_dim"] / (defaults.get("head_dim") or width // heads)
         fields["rotary_dim"] = max(2, int(share * SHRINK["head_dim"]) // 2 * 2)
     split = defaults.get("axial_pos_embds_dim")
     if isinstance(split, list | tuple) and "hidden_size" in fields and sum(split) == defaults["hidden_size"]:
