@@ -128,6 +128,7 @@ SHRINK: dict[str, Any] = {
     "n_input_layers": 1,
     "n_output_layers": 1,
 }
+_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # Fields the defaults leave None (a checkpoint's config.json sets them) that the model needs as numbers.
 _IF_NONE: dict[str, Any] = {"num_key_value_heads": SHRINK["num_attention_heads"], "n_shared_experts": 1}
 # Upstream defaults no checkpoint has, that no rule can derive: each names the field the model reads and its
@@ -150,11 +151,17 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "reformer": {"is_decoder": True},
     # X-MOD's adapters need a language to route through: the defaults' only one
     "xmod": {"default_language": "en_XX"},
-    # MusicGen's decoder reads its input as one row per codebook: one codebook, so that a prompt row is a sequence
-    "musicgen_decoder": {"num_codebooks": 1},
-    "musicgen_melody_decoder": {"num_codebooks": 1},
+    # Zamba ties its shared attention block across the hybrid layers and refuses a pattern with one: its first three
+    # layers are fixed (two Mamba, one hybrid), the offset puts the fourth on the period too
+    "zamba": {"attn_layer_offset": 0},
+    # xLSTM's config rounds the q/k and v widths (hidden_size * factor) up to multiples of 64 for its cache, the
+    # model does not: a width at which both agree (0.5 * 128 = 64)
+    "xlstm": {"hidden_size": 128, "embedding_dim": 128},
+    # MusicGen's decoder reads its input as one row per codebook (one codebook: a prompt row is a sequence), and its
+    # generate starts the delay pattern from decoder_start_token_id (a checkpoint's generation config sets it)
+    "musicgen_decoder": {"num_codebooks": 1, "decoder_start_token_id": _TOKENS["pad_token_id"]},
+    "musicgen_melody_decoder": {"num_codebooks": 1, "decoder_start_token_id": _TOKENS["pad_token_id"]},
 }
-_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -200,6 +207,13 @@ def tiny_config(model_type: str) -> Any:
         config.layer_types = layer_types = ["linear_attention", "full_attention"] * (layers // 2) + [
             "linear_attention"
         ] * (layers % 2)
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if isinstance(layer_types, list) and shared and set(layer_types[: layers - shared]) != set(layer_types):
+        # KV sharing (Gemma 3n): the last layers reuse the cache of the last earlier layer of their kind, so every
+        # kind needs a producer: each kind once, then each kind again as the sharing layers
+        kinds = list(dict.fromkeys(layer_types))
+        config.layer_types = layer_types = (kinds * layers)[:layers]
+        config.num_kv_shared_layers = max(0, layers - len(kinds))
     rope = getattr(config, "rope_parameters", None)
     if isinstance(layer_types, list) and isinstance(rope, dict) and not rope:
         # RoPE parameters keyed per layer kind left empty by the defaults (a checkpoint lists them): the default RoPE
