@@ -78,6 +78,15 @@ def test_tiny_configs_keep_what_the_architecture_is():
     # encoder-decoder: as many decoder layers as the config's layer count that sizes the cache
     enc_dec = arch_sweep.tiny_config("blenderbot")
     assert enc_dec.decoder_layers == enc_dec.encoder_layers == enc_dec.num_hidden_layers
+    # top-k within the shrunk experts; a partial rotary within the shrunk head, its share kept (GPT-J: 64 of 256)
+    ernie = arch_sweep.tiny_config("ernie4_5_moe")
+    assert ernie.moe_k <= ernie.moe_num_experts
+    gptj = arch_sweep.tiny_config("gptj")
+    assert gptj.rotary_dim == gptj.n_embd // gptj.n_head // 4
+    # Granite-4's defaults are all Mamba: an attention layer in the shrunk depth; Gemma 3n's KV-sharing layers each
+    # find a producer of their kind (the config raises otherwise)
+    assert "full_attention" in arch_sweep.tiny_config("granitemoehybrid").layer_types
+    assert {"store", "reuse"} <= set(arch_sweep.tiny_config("gemma3n_text").kv_sharing_modes)
 
 
 def test_the_table_states_the_share_target_and_groups_what_misses():
