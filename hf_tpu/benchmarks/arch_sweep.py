@@ -1,9 +1,10 @@
 """Benchmark: does each causal-LM architecture of the installed transformers run well on a TPU (the simulator)?
 
 For every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, a tiny random model is built from its config class
-(defaults shrunk: hidden 64, 4 layers, 4 experts, 128 tokens of vocabulary), saved, loaded back with
-``device_map="tpu"`` after ``hf_tpu.enable()`` on the simulated device, and greedy ``generate`` runs for two prompt
-lengths in one bucket against the same model on the CPU. Per architecture:
+(defaults shrunk: hidden 64, 4 layers, 4 experts, 128 tokens of vocabulary, made consistent by the rules of
+:mod:`hf_tpu.benchmarks._tiny_configs`), saved, loaded back with ``device_map="tpu"`` after ``hf_tpu.enable()`` on
+the simulated device, and greedy ``generate`` runs for two prompt lengths in one bucket against the same model on
+the CPU. Per architecture:
 
 - *fast path*: whether hf_tpu's bucketed, compiled loop ran, or the reason ``generate`` gave for upstream's loop;
 - *identical*: both generations token-identical to the CPU's;
@@ -35,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hf_tpu.benchmarks._tiny_configs import SHRINK, VOCAB, build_model, tiny_config
+
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 __all__ = [
@@ -52,74 +55,8 @@ __all__ = [
 # --quick: a dense and an MoE architecture, fewer tokens.
 QUICK = {"archs": ["llama", "qwen3_moe"], "new_tokens": 8}
 DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "architectures.md"
-VOCAB = 128
 LENGTHS = (5, 11)  # two prompt lengths in one prompt bucket (16)
 
-# Config fields shrunk when the config class has them (its defaults otherwise).
-SHRINK: dict[str, Any] = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "num_layers": 4,
-    "n_layer": 4,
-    "n_layers": 4,  # XLM, MPT, DBRX
-    "num_attention_heads": 4,
-    "n_head": 4,
-    "n_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "n_embd": 64,
-    "d_model": 64,
-    "emb_dim": 64,  # XLM
-    "d_inner": 128,  # XLNet's feed-forward
-    "intermediate_size": 128,
-    "ffn_dim": 128,
-    "n_inner": 128,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "expert_intermediate_size": 32,
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "n_routed_experts": 4,
-    "moe_num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_topk": 2,
-    "n_group": 1,
-    "num_expert_group": 1,
-    "topk_group": 1,
-    "max_position_embeddings": 512,
-    "n_positions": 512,
-    "sliding_window": 16,
-    "kv_lora_rank": 16,
-    "q_lora_rank": 32,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "state_size": 16,
-    "ssm_state_size": 16,
-    "mamba_d_state": 16,
-    "num_heads": 8,  # Mamba-2's heads: num_heads * head_dim == hidden_size * expand
-    "mamba_n_heads": 8,
-    "mamba_d_head": 16,
-    "n_groups": 1,
-    "mamba_n_groups": 1,
-    # hybrids: attention in the shrunk depth too (their defaults place it past layer 4, or nowhere)
-    "attn_layer_indices": [1, 3],
-    "attn_layer_period": 2,
-    "attn_layer_offset": 1,
-    # encoder-decoder: equal depths and heads (the decoder's cache is sized by the config's layer count)
-    "encoder_layers": 2,
-    "decoder_layers": 2,
-    "encoder_attention_heads": 4,
-    "decoder_attention_heads": 4,
-    "encoder_ffn_dim": 128,
-    "decoder_ffn_dim": 128,
-}
-_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -128,72 +65,6 @@ def architectures() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def tiny_config(model_type: str) -> Any:
-    """The config class's defaults with :data:`SHRINK`'s fields (those it has) and small special-token ids."""
-    from transformers import CONFIG_MAPPING
-
-    cls = CONFIG_MAPPING[model_type]
-    fields = _shrunk(cls().to_dict())
-    config = _first_valid(cls, fields)
-    text = config.get_text_config(decoder=True)
-    if text is not config and getattr(text, "hidden_size", SHRINK["hidden_size"]) != SHRINK["hidden_size"]:
-        fields["text_config"] = _shrunk(text.to_dict())  # a sub-config the class builds by default
-        config = _first_valid(cls, fields)
-    layer_types = getattr(config, "layer_types", None)
-    layers = getattr(config, "num_hidden_layers", None)
-    if isinstance(layer_types, list) and layers and len(layer_types) != layers:
-        config.layer_types = layer_types = (layer_types * layers)[:layers]
-    kinds = list(dict.fromkeys(cls().to_dict().get("layer_types") or ()))
-    if isinstance(layer_types, list) and layers and len(kinds) <= layers and set(kinds) - set(layer_types):
-        # the shrunk depth lost a layer kind of the defaults' pattern (a hybrid's attention every 6th layer): the
-        # first kind, then one layer of each other kind
-        config.layer_types = kinds[:1] * (layers - len(kinds) + 1) + kinds[1:]
-    return config
-
-
-def _shrunk(defaults: dict) -> dict:
-    """The fields of :data:`SHRINK` that ``defaults`` has, a nested ``text_config`` shrunk the same way."""
-    # (a sliding window only where the architecture has one by default)
-    fields = {k: v for k, v in SHRINK.items() if k in defaults and (k != "sliding_window" or defaults[k])}
-    if defaults.get("num_key_value_heads") is None:
-        fields.pop("num_key_value_heads", None)
-    if "head_dim" in fields and "qk_rope_head_dim" in defaults:  # MLA: rotary embeddings sized by the rope part
-        fields["head_dim"] = SHRINK["qk_rope_head_dim"]
-    if "kv_lora_rank" in defaults and "num_key_value_heads" in fields:
-        fields["num_key_value_heads"] = SHRINK["num_attention_heads"]  # MLA: one latent, expanded to every head
-    if "layer_types" in defaults:
-        fields["layer_types"] = None  # recomputed for the shrunk depth where the class knows how
-    if isinstance(defaults.get("layers_block_type"), list) and "hybrid_layer_ids" in defaults:
-        # a block pattern listed per layer (Zamba2): each kind of it in the shrunk depth, hybrid blocks last
-        kinds = list(dict.fromkeys(defaults["layers_block_type"]))
-        pattern = kinds[:1] * (SHRINK["num_hidden_layers"] - len(kinds) + 1) + kinds[1:]
-        fields["layers_block_type"] = pattern
-        fields["hybrid_layer_ids"] = [i for i, kind in enumerate(pattern) if kind == "hybrid"]
-    fields.update({k: v for k, v in _TOKENS.items() if k in defaults})
-    for name in ("text_config", "vision_config", "audio_config"):  # a multimodal model's towers: shrunk the same way
-        if isinstance(defaults.get(name), dict):
-            fields[name] = _shrunk(defaults[name])
-    return fields
-
-
-def _first_valid(cls: Any, fields: dict) -> Any:
-    """``cls(**fields)``, or with the fewest fields dropped (one, then all but the core sizes) that it accepts."""
-    errors = Exception  # transformers' strict config validation raises its own error types
-    try:
-        return cls(**fields)
-    except errors as first:
-        for name in reversed(list(fields)):
-            try:
-                return cls(**{k: v for k, v in fields.items() if k != name})
-            except errors:
-                continue
-        core = {k: v for k, v in fields.items() if k in ("vocab_size", *_TOKENS)}
-        try:
-            return cls(**core)
-        except errors:
-            raise first from None
 
 
 def _kinds(config: Any) -> str:
@@ -259,18 +130,17 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
     try:
         config = config if config is not None else tiny_config(model_type)
         row["kind"] = _kinds(config)
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
+        model = build_model(model_type, config)
     except Exception as e:  # noqa: BLE001 - any failure to build is this architecture's verdict
         row.update(status="not buildable", reason=f"{type(e).__name__}: {_line(e)}")
         return row
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         try:
             model.save_pretrained(tmp)
-            cpu = AutoModelForCausalLM.from_pretrained(tmp).eval()
-            tpu = AutoModelForCausalLM.from_pretrained(tmp, device_map="tpu").eval()
+            # the built class loads its own checkpoint (a text sub-config's model type may have no auto mapping)
+            cpu = type(model).from_pretrained(tmp).eval()
+            tpu = type(model).from_pretrained(tmp, device_map="tpu").eval()
         except Exception as e:  # noqa: BLE001
             row.update(status="not loadable", reason=f"{type(e).__name__}: {_line(e)}")
             return row

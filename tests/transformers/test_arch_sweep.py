@@ -81,6 +81,15 @@ def test_tiny_configs_keep_what_the_architecture_is():
     # sizes under other field names are shrunk too (XLM's defaults: 12 layers of width 2048; XLNet's 4096-wide FFN)
     xlm, xlnet, mpt = (arch_sweep.tiny_config(a) for a in ("xlm", "xlnet", "mpt"))
     assert (xlm.emb_dim, xlm.n_layers, xlm.n_heads, xlnet.d_inner, mpt.n_layers) == (64, 4, 4, 128, 4)
+    # top-k within the shrunk experts; a partial rotary within the shrunk head, its share kept (GPT-J: 64 of 256)
+    ernie = arch_sweep.tiny_config("ernie4_5_moe")
+    assert ernie.moe_k <= ernie.moe_num_experts
+    gptj = arch_sweep.tiny_config("gptj")
+    assert gptj.rotary_dim == gptj.n_embd // gptj.n_head // 4
+    # Granite-4's defaults are all Mamba: an attention layer in the shrunk depth; Gemma 3n's KV-sharing layers each
+    # find a producer of their kind (the config raises otherwise)
+    assert "full_attention" in arch_sweep.tiny_config("granitemoehybrid").layer_types
+    assert {"store", "reuse"} <= set(arch_sweep.tiny_config("gemma3n_text").kv_sharing_modes)
 
 
 def test_the_table_states_the_share_target_and_groups_what_misses():

@@ -1,0 +1,252 @@
+"""The architecture sweep's tiny models: each causal-LM architecture's config class, its defaults shrunk.
+
+:func:`tiny_config` takes the config class's defaults and sets :data:`SHRINK`'s fields that it has (hidden 64,
+4 layers, 4 heads, 4 experts, 128 tokens of vocabulary, ...), then makes the shrunk config consistent by rules read
+from its fields: a layer pattern keeps each layer kind of the defaults' (a hybrid's attention layer, a KV-sharing
+model's producer of each kind), a partial rotary keeps its share of the shrunk head, top-k stays within the shrunk
+experts, counts the defaults leave None (a checkpoint sets them) get numbers, RoPE keyed per layer kind covers every
+kind. :data:`_OVERRIDES` holds the few upstream defaults that no checkpoint has and no rule can derive, each with
+its reason. :func:`build_model` builds the architecture's causal-LM class from such a config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["SHRINK", "VOCAB", "build_model", "tiny_config"]
+
+VOCAB = 128
+
+# Config fields shrunk when the config class has them (its defaults otherwise).
+SHRINK: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_layers": 4,
+    "n_layer": 4,
+    "n_layers": 4,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "n_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "n_embd": 64,
+    "d_model": 64,
+    "emb_dim": 64,  # XLM
+    "d_inner": 128,  # XLNet's feed-forward
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+    "n_inner": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "n_group": 1,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "max_position_embeddings": 512,
+    "n_positions": 512,
+    "sliding_window": 16,
+    "sliding_window_size": 16,
+    # a second attention's sizes (sliding layers of their own shape), and a vocabulary's unpadded part
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2,
+    "swa_head_dim": 16,
+    "unpadded_vocab_size": VOCAB,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "state_size": 16,
+    "ssm_state_size": 16,
+    "mamba_d_state": 16,
+    "num_heads": 8,  # Mamba-2's heads: num_heads * head_dim == hidden_size * expand
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "n_groups": 1,
+    "mamba_n_groups": 1,
+    # hybrids: attention in the shrunk depth too (their defaults place it past layer 4, or nowhere)
+    "attn_layer_indices": [1, 3],
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    # encoder-decoder: equal depths and heads (the decoder's cache is sized by the config's layer count)
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    # looped models (input layers, a looped middle, output layers): one of each end in the shrunk depth
+    "n_input_layers": 1,
+    "n_output_layers": 1,
+}
+_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+# Fields the defaults leave None (a checkpoint's config.json sets them) that the model needs as numbers.
+_IF_NONE: dict[str, Any] = {"num_key_value_heads": SHRINK["num_attention_heads"], "n_shared_experts": 1}
+# Upstream defaults no checkpoint has, that no rule can derive: each names the field the model reads and its
+# documented meaning (a sub-config's fields in a nested dict).
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    # DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig does not define, and clamps q/k/v by
+    # clip_qkv, which it defaults to None (DBRX's checkpoint: 8)
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # Kimi's linear attention is sized by fields of its own (32 heads of 128 by default, where Bailing derives its
+    # from the attention's): shrunk as the attention
+    "kimi_linear": {"linear_num_heads": 4, "linear_head_dim": 16},
+    # the class leaves layer_types None (a checkpoint lists them): LFM2's conv blocks and attention alternating
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2},
+    # the indexed attention layers need the QSA indexer's sizes (None by default); one KV head, as the class demands
+    "qwen4_exp_text": {
+        "indexer_n_heads": 4,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 16,
+        "indexer_compress_ratio": 4,
+    },
+    # ReformerModelWithLMHead asserts is_decoder (causal self-attention)
+    "reformer": {"is_decoder": True},
+    # X-MOD's adapters need a language to route through: the defaults' only one
+    "xmod": {"default_language": "en_XX"},
+    # Zamba ties its shared attention block across the hybrid layers and refuses a pattern with one: its first three
+    # layers are fixed (two Mamba, one hybrid), the offset puts the fourth on the period too
+    "zamba": {"attn_layer_offset": 0},
+    # xLSTM's config rounds the q/k and v widths (hidden_size * factor) up to multiples of 64 for its cache, the
+    # model does not: a width at which both agree (0.5 * 128 = 64)
+    "xlstm": {"hidden_size": 128, "embedding_dim": 128},
+    # MusicGen's decoder reads its input as one row per codebook (one codebook: a prompt row is a sequence), and its
+    # generate starts the delay pattern from decoder_start_token_id (a checkpoint's generation config sets it)
+    "musicgen_decoder": {"num_codebooks": 1, "decoder_start_token_id": _TOKENS["pad_token_id"]},
+    "musicgen_melody_decoder": {"num_codebooks": 1, "decoder_start_token_id": _TOKENS["pad_token_id"]},
+}
+
+
+def tiny_config(model_type: str) -> Any:
+    """The config class's defaults with :data:`SHRINK`'s fields (those it has) and small special-token ids, made
+    consistent by the module's rules (its docstring)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    fields = _shrunk(cls().to_dict())
+    config = _first_valid(cls, fields)
+    text = config.get_text_config(decoder=True)
+    if text is not config and getattr(text, "hidden_size", SHRINK["hidden_size"]) != SHRINK["hidden_size"]:
+        key = next((k for k in getattr(cls, "sub_configs", {}) if getattr(config, k, None) is text), "text_config")
+        fields[key] = _shrunk(text.to_dict())  # a sub-config the class builds by default
+        config = _first_valid(cls, fields)
+        text = config.get_text_config(decoder=True)
+    wanted = MODEL_FOR_CAUSAL_LM_MAPPING[cls].config_class
+    if type(text) is not cls and type(text) is wanted and not hasattr(config, "text_config"):
+        # the causal-LM class takes a decoder sub-config that upstream's auto class does not pick out (MusicGen's
+        # `decoder`, where it picks `text_config`): the sub-config itself
+        config = text
+    layer_types = getattr(config, "layer_types", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layer_types, list) and layers and len(layer_types) != layers:
+        config.layer_types = layer_types = (layer_types * layers)[:layers]
+    kinds = list(dict.fromkeys(getattr(type(config)(), "layer_types", None) or ()))
+    if isinstance(layer_types, list) and layers and len(kinds) <= layers and set(kinds) - set(layer_types):
+        # the shrunk depth lost a layer kind of the defaults' pattern (a hybrid's attention every 6th layer): the
+        # first kind, then one layer of each other kind
+        config.layer_types = layer_types = kinds[:1] * (layers - len(kinds) + 1) + kinds[1:]
+    if isinstance(layer_types, list) and set(layer_types) == {"linear_attention"} and _has_attention(config):
+        # a hybrid whose defaults place no attention layer (Granite-4's are all Mamba) though it has attention heads:
+        # attention every other layer, as the hybrids' attn_layer_indices above
+        config.layer_types = layer_types = ["linear_attention", "full_attention"] * (layers // 2) + [
+            "linear_attention"
+        ] * (layers % 2)
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if isinstance(layer_types, list) and shared and set(layer_types[: layers - shared]) != set(layer_types):
+        # KV sharing (Gemma 3n): the last layers reuse the cache of the last earlier layer of their kind, so every
+        # kind needs a producer: each kind once, then each kind again as the sharing layers
+        kinds = list(dict.fromkeys(layer_types))
+        config.layer_types = layer_types = (kinds * layers)[:layers]
+        config.num_kv_shared_layers = max(0, layers - len(kinds))
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(layer_types, list) and isinstance(rope, dict) and not rope:
+        # RoPE parameters keyed per layer kind left empty by the defaults (a checkpoint lists them): the default RoPE
+        config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in set(layer_types)}
+    return config
+
+
+def _has_attention(config: Any) -> bool:
+    """Whether the config sizes attention layers (attention heads): a ``full_attention`` layer of it builds."""
+    return bool(getattr(config, "num_attention_heads", None)) and not hasattr(config, "num_heads")
+
+
+def _shrunk(defaults: dict) -> dict:
+    """The fields of :data:`SHRINK` that ``defaults`` has, a nested ``text_config`` shrunk the same way."""
+    # (a sliding window, an unpadded vocabulary only where the architecture has one by default)
+    optional = ("sliding_window", "sliding_window_size", "unpadded_vocab_size")
+    fields = {k: v for k, v in SHRINK.items() if k in defaults and (k not in optional or defaults[k])}
+    fields.update({k: v for k, v in _IF_NONE.items() if k in defaults and defaults[k] is None})
+    heads = defaults.get("n_head") or defaults.get("num_attention_heads")
+    width = defaults.get("n_embd") or defaults.get("hidden_size")
+    if isinstance(defaults.get("rotary_dim"), int) and heads and width:
+        # partial rotary (GPT-J): the same share of the shrunk head as of the default one, an even count
+        share = defaults["rotary_dim"] / (defaults.get("head_dim") or width // heads)
+        fields["rotary_dim"] = max(2, int(share * SHRINK["head_dim"]) // 2 * 2)
+    split = defaults.get("axial_pos_embds_dim")
+    if isinstance(split, list | tuple) and "hidden_size" in fields and sum(split) == defaults["hidden_size"]:
+        # a width split into parts that sum to the hidden size (Reformer's axial position embeddings): scaled
+        fields["axial_pos_embds_dim"] = [d * fields["hidden_size"] // sum(split) for d in split]
+    if "head_dim" in fields and "qk_rope_head_dim" in defaults:  # MLA: rotary embeddings sized by the rope part
+        fields["head_dim"] = SHRINK["qk_rope_head_dim"]
+    if "kv_lora_rank" in defaults and "num_key_value_heads" in fields:
+        fields["num_key_value_heads"] = SHRINK["num_attention_heads"]  # MLA: one latent, expanded to every head
+    if "layer_types" in defaults:
+        fields["layer_types"] = None  # recomputed for the shrunk depth where the class knows how
+    if isinstance(defaults.get("layers_block_type"), list) and "hybrid_layer_ids" in defaults:
+        # a block pattern listed per layer (Zamba2): each kind of it in the shrunk depth, hybrid blocks last
+        kinds = list(dict.fromkeys(defaults["layers_block_type"]))
+        pattern = kinds[:1] * (SHRINK["num_hidden_layers"] - len(kinds) + 1) + kinds[1:]
+        fields["layers_block_type"] = pattern
+        fields["hybrid_layer_ids"] = [i for i, kind in enumerate(pattern) if kind == "hybrid"]
+    fields.update({k: v for k, v in _TOKENS.items() if k in defaults})
+    for name in ("text_config", "vision_config", "audio_config"):  # a multimodal model's towers: shrunk the same way
+        if isinstance(defaults.get(name), dict):
+            fields[name] = _shrunk(defaults[name])
+    for name, value in _OVERRIDES.get(defaults.get("model_type"), {}).items():
+        nested = isinstance(value, dict) and isinstance(defaults.get(name), dict)
+        fields[name] = {**defaults[name], **value} if nested else value
+    return fields
+
+
+def _first_valid(cls: Any, fields: dict) -> Any:
+    """``cls(**fields)``, or with the fewest fields dropped (one, then all but the core sizes) that it accepts."""
+    errors = Exception  # transformers' strict config validation raises its own error types
+    try:
+        return cls(**fields)
+    except errors as first:
+        for name in reversed(list(fields)):
+            try:
+                return cls(**{k: v for k, v in fields.items() if k != name})
+            except errors:
+                continue
+        core = {k: v for k, v in fields.items() if k in ("vocab_size", *_TOKENS)}
+        try:
+            return cls(**core)
+        except errors:
+            raise first from None
+
+
+def build_model(model_type: str, config: Any) -> Any:
+    """The architecture's causal-LM model for ``config`` (upstream's auto class, or the class it maps the
+    architecture to where ``config`` is a decoder sub-config the auto class does not know)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM.from_config(config)
+    return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]._from_config(config)
