@@ -127,6 +127,9 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
     from hf_tpu.transformers import generation
 
     row: dict[str, Any] = {"arch": model_type}
+    # generate warns once per reason in a process; a worker measures several architectures, and two of them may
+    # share a model class (qwen4_exp and qwen4_exp_text): each row gets its own warnings
+    generation._WARNED.clear()
     try:
         config = config if config is not None else tiny_config(model_type)
         row["kind"] = _kinds(config)
