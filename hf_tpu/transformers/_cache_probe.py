@@ -188,16 +188,21 @@ def _per_rank(model, shapes: list[dict] | None) -> list[dict] | None:
 
 
 def cache_shapes(model) -> tuple[list[dict], list[dict] | None]:
-    """(self-attention layer shapes, cross-attention layer shapes or None), measured once per model.
+    """(self-attention layer shapes, cross-attention layer shapes or None), measured once per model (a failure too).
 
     Raises :class:`CacheProbeError` when the model's class runs neither on the ``meta`` device nor on the CPU."""
     found = _SHAPES.get(model)
     if found is None:
-        self_shapes, cross_shapes = _measure(model)
         try:
-            found = (_per_rank(model, self_shapes), _per_rank(model, cross_shapes))
-        except ValueError as exc:
-            name = type(model).__name__
-            raise CacheProbeError(f"the cache of {name} cannot be split over its ranks: {exc}") from exc
+            self_shapes, cross_shapes = _measure(model)
+            try:
+                found = (_per_rank(model, self_shapes), _per_rank(model, cross_shapes))
+            except ValueError as exc:
+                name = type(model).__name__
+                raise CacheProbeError(f"the cache of {name} cannot be split over its ranks: {exc}") from exc
+        except CacheProbeError as exc:
+            found = exc  # remembered too: generate asks on every call, and the CPU fallback builds a whole copy
         _SHAPES[model] = found
+    if isinstance(found, CacheProbeError):
+        raise CacheProbeError(str(found))
     return found

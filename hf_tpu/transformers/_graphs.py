@@ -70,11 +70,16 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
     """The prefill of a right-aligned prompt: ``slots`` holds each token's cache slot, -1 for the padding after it."""
     import torch
 
+    from hf_tpu.transformers._cache_layers import prefill_mask
+
     length = (slots >= 0).sum(dim=-1)[:1]  # the prompt's length (one per call: every row has it)
     kwargs = {k: v for k, v in extra.items() if k != _ALIGNED}
     if "logits_to_keep" in kwargs:
         kwargs["logits_to_keep"] = length - 1
-    out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, return_dict=True, **kwargs)
+    out = model(
+        input_ids=ids, attention_mask=prefill_mask(cache, mask, ids.shape[1]), cache=cache, use_cache=True,
+        return_dict=True, **kwargs,
+    )  # fmt: skip
     self_cache = getattr(cache, "self_attention_cache", cache)
     for layer in self_cache.layers:
         counter = getattr(layer, "cumulative_length", None)
@@ -89,16 +94,12 @@ def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
 
     q = packed.shape[1] // 2
     _mark(sampling, packed[:, :q])
-    if extra.get(_ALIGNED):
-        kwargs = {k: v for k, v in extra.items() if k != _ALIGNED}
-        out = model(
-            input_ids=packed[:, :q], attention_mask=mask, cache=cache, use_cache=True, return_dict=True, **kwargs
-        )
-        return _last_logits(out.logits, sampling)
+    kwargs = {k: v for k, v in extra.items() if k != _ALIGNED}
+    if not extra.get(_ALIGNED):  # (a prompt-first model takes no positions: its cache length places the token)
+        kwargs["position_ids"] = packed[:, q:]
     out = model(
-        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=decode_mask(cache, mask), cache=cache,
-        use_cache=True,
-        return_dict=True, **extra,
+        input_ids=packed[:, :q], attention_mask=decode_mask(cache, mask), cache=cache, use_cache=True,
+        return_dict=True, **kwargs,
     )  # fmt: skip
     return _last_logits(out.logits, sampling)
 
