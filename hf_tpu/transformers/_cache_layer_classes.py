@@ -104,6 +104,21 @@ class BucketedSlidingWindowLayer(cu.StaticSlidingWindowLayer):
         _reset_counter(self)
         self.decoding = False
 
+class HostLengthLayer(cu.StaticLayer):
+    """A full-attention layer whose ``get_seq_length`` is a host int the loop sets before each graph
+    (``hf_tpu_length``), not the device counter: for a model whose own code branches on its cache length, or
+    builds a range from it (``torch.arange(length, length + n)``), which a device value cannot be in one graph. The
+    decode graph takes the int as a dynamic size (one graph for every length); the counter still places the keys."""
+
+    hf_tpu_length = 0
+
+    def get_seq_length(self):
+        import torch
+
+        torch._check(self.hf_tpu_length <= self.max_cache_len)  # bounds the symbol (torch-tpu pads to its bound)
+        return self.hf_tpu_length
+
+
 class BucketedLinearAttentionLayer(cu.LinearAttentionLayer):
     """Conv and recurrent states of a fixed size; ``has_previous_state`` is set by the loop, not the graph."""
 

@@ -62,11 +62,20 @@ def unknown_layers(config) -> list[str]:
     return sorted({cls.__name__ for cls, _ in layer_plan(config) if cls not in registry})
 
 
-def build_layers(config, cache_len: int, shapes: list[dict], batch: int, dtype, device) -> list:
-    """The bucketed layers of a ``cache_len`` cache, allocated with the probed ``shapes`` (one dict per layer)."""
+def build_layers(
+    config, cache_len: int, shapes: list[dict], batch: int, dtype, device, host_length: bool = False
+) -> list:
+    """The bucketed layers of a ``cache_len`` cache, allocated with the probed ``shapes`` (one dict per layer);
+    with ``host_length``, full-attention layers report the host length the loop sets (:func:`set_length`)."""
     import torch
 
     registry = bucketed_layers()
+    if host_length:
+        from transformers.cache_utils import StaticLayer
+
+        from hf_tpu.transformers._cache_layer_classes import HostLengthLayer
+
+        registry = {**registry, StaticLayer: HostLengthLayer}
     layers = []
     for (cls, kwargs), shape in zip(layer_plan(config), shapes):
         layer = registry[cls](max_cache_len=cache_len, **kwargs)
@@ -90,6 +99,27 @@ def build_layers(config, cache_len: int, shapes: list[dict], batch: int, dtype, 
             layer.lazy_initialization_indexer(torch.zeros((batch, 0, index_dim), dtype=index_dtype, device=device))
         layers.append(layer)
     return layers
+
+
+def host_length_fits(config) -> bool:
+    """Whether this config's cache can report a host length
+    (:class:`~hf_tpu.transformers._cache_layer_classes.HostLengthLayer`): every layer is a full-attention one (the
+    loop then puts the prompt first, which a window or a recurrent state could not hold)."""
+    from transformers.cache_utils import StaticLayer
+
+    plan = layer_plan(config)
+    return bool(plan) and all(cls is StaticLayer for cls, _ in plan)
+
+
+def set_length(cache, length: int) -> None:
+    """Set the host length the ``HostLengthLayer`` layers of ``cache`` report to the model (the tokens cached
+    before the next graph's input); a no-op for every other layer."""
+    from hf_tpu.transformers._cache_layer_classes import HostLengthLayer
+
+    self_cache = getattr(cache, "self_attention_cache", cache)
+    for layer in self_cache.layers:
+        if isinstance(layer, HostLengthLayer):
+            layer.hf_tpu_length = length
 
 
 def set_decoding(cache, decoding: bool) -> None:

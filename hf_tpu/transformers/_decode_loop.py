@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_tpu.transformers._cache_layers import set_decoding
+from hf_tpu.transformers._cache_layers import set_decoding, set_length
 from hf_tpu.transformers._graphs import _ALIGNED, _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
 from hf_tpu.transformers._settings import _state
 from hf_tpu.transformers._static_cache import _cache_for
@@ -113,11 +113,13 @@ def _decode_loop(
         sampling = None if host_path else sampler.to_device(device, plan.cache_bucket + 1, 0)
         prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
         decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
+        set_length(cache, 0)
         tokens_dev, logits_dev = _run(
             model, state, prefill_key, step_input, encoder_hidden, enc_mask_dev, cache, sampling
         )
         set_decoding(cache, True)
         positions = None
+        length = prompt_len
     else:
         plan = plan_shapes(model, batch, prompt_len, new_tokens, variant=variant)
         mask = model_kwargs.get("attention_mask")
@@ -131,6 +133,7 @@ def _decode_loop(
         pad = plan.prompt_bucket - prompt_len
         pad_id = int(pad_token) if pad_token is not None else 0
         extra = _extra(model)
+        length = prompt_len if extra.get(_ALIGNED) else plan.prompt_bucket  # the cache's length after the prefill
         if extra.get(_ALIGNED):  # the prompt first, the bucket's padding after it (slot -1)
             ids = F.pad(input_ids, (0, pad), value=pad_id)
             pos = F.pad(torch.arange(prompt_len).expand(batch, prompt_len), (0, pad), value=-1)
@@ -152,6 +155,7 @@ def _decode_loop(
         prefill_key = ("prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket)
         decode_key = ("decode" + variant, batch, plan.cache_bucket)
         packed = torch.cat([ids, pos], dim=1).to(device)
+        set_length(cache, 0)
         tokens_dev, logits_dev = _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
         set_decoding(cache, True)
         positions = positions[:, -1]
@@ -175,6 +179,8 @@ def _decode_loop(
         if unfinished.max() == 0 or steps_left <= 0:
             break
         steps_left -= 1
+        set_length(cache, length)
+        length += 1
         if is_seq2seq:
             step = next_tokens[:, None].to(device)
             tokens_dev, logits_dev = _run(
@@ -199,7 +205,8 @@ def _extra(model) -> dict:
     """The prefill/decode graphs' extra model arguments: ``logits_to_keep`` where the model takes it, and the flag of
     a model whose prompt goes first (:data:`hf_tpu.transformers._graphs._ALIGNED`)."""
     extra: dict = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
-    if numbers_by_cache_length(model):
+    # a cache reporting its host length goes prompt-first too: the length it reports is the real token count
+    if numbers_by_cache_length(model) or _state(model).host_length:
         extra[_ALIGNED] = True
     return extra
 
@@ -271,9 +278,11 @@ def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
             decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
             step = torch.full((batch, plan.prompt_len), start, dtype=torch.long)
             sampling = _warm_sampling(model, step, variant, plan.cache_bucket + 1, 0)
+            set_length(cache, 0)
             _run(model, state, prefill_key, step.to(device), hidden, mask_dev, cache, sampling)
             set_decoding(cache, True)
             step = torch.full((batch, 1), start, dtype=torch.long).to(device)
+            set_length(cache, plan.prompt_len)
             _run(model, state, decode_key, step, hidden, mask_dev, cache, sampling)
             cache.reset()  # the next call resets it too: meet the eager ops of the reset here
             return [enc_key, prefill_key, decode_key]
@@ -287,9 +296,11 @@ def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
         packed = torch.cat([ids, pos], dim=1).to(device)
         prefill_key = ("prefill" + variant, batch, p, c)
         decode_key = ("decode" + variant, batch, c)
+        set_length(cache, 0)
         _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
         set_decoding(cache, True)
         step = torch.tensor([[0, p]], dtype=torch.long).expand(batch, 2).contiguous().to(device)
+        set_length(cache, p)
         _run(model, state, decode_key, step, mask_dev, cache, extra, sampling)
         cache.reset()
         return [prefill_key, decode_key]

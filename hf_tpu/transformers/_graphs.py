@@ -241,6 +241,9 @@ def _from_cache(model, state: _ModelState, key: tuple, args: tuple) -> Callable 
     settings = state.settings
     if cache is None or not settings.fullgraph:
         return None
+    if state.host_length:  # a graph with a symbolic cache length: torch-tpu 0.2.0 cannot serialize those
+        _skip_cache_once(model)
+        return None
     space = _namespace(cache, model, state)
     if space is None:
         return None
@@ -250,6 +253,22 @@ def _from_cache(model, state: _ModelState, key: tuple, args: tuple) -> Callable 
     if fn is not None:
         space.record([list(key)])
     return fn
+
+
+def _skip_cache_once(model) -> None:
+    from hf_tpu.transformers._upstream import _warn_once
+
+    _warn_once(
+        f"host-length-cache:{type(model).__name__}",
+        f"hf_tpu: {type(model).__name__}'s decode graph takes its cache length as a dynamic size (its code reads the "
+        "length as a number); torch-tpu 0.2.0 cannot serialize such a graph, so the persistent compile cache does not "
+        "hold its graphs: each new process compiles them once.",
+    )
+
+
+# The source dynamo gives the host length a ``HostLengthLayer`` reports (``L['cache'].layers[0].hf_tpu_length``):
+# marked dynamic in decode graphs, so that one graph serves every length.
+_HOST_LENGTH_SOURCES = r".*\.hf_tpu_length$"
 
 
 def _not_one_graph(exc: BaseException) -> str | None:
@@ -296,6 +315,8 @@ def _first_trace(model, state: _ModelState, key: tuple, compiled: Callable, args
             f"{type(model).__name__}'s forward cannot be compiled as one static-shape graph ({what}{_where(exc)}): "
             "its code branches on, or shapes a tensor by, a value of the cache or inputs"
         )
+        if state.host_length:  # the second try (generation.retry_with_host_length): the first reason stays first
+            reason = f"{state.host_length}; with its cache length as a host int: {what}{_where(exc)}"
         state.not_compilable = reason
         raise NotCompilableError(f"{reason}; found tracing the {_describe(key)}") from exc
 
@@ -325,7 +346,10 @@ def _run(model, state: _ModelState, key: tuple, *args):
             limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
         if not first and state.strict and state.warmed:
             limits["error_on_recompile"] = True
-        with torch._dynamo.config.patch(**limits):
+        sources = {}
+        if state.host_length and key[0].split("+", 1)[0] in ("decode", "seq2seq_decode"):
+            sources["dynamic_sources"] = _HOST_LENGTH_SOURCES
+        with torch._dynamo.config.patch(**limits), torch.compiler.config.patch(**sources):
             fn = state.loaded.get(key)
             if fn is None and first:
                 fn = _from_cache(model, state, key, args)

@@ -79,6 +79,8 @@ class _ModelState:
     caches: OrderedDict = field(default_factory=OrderedDict)
     module_states: list | None = None  # (module, attribute) of state kept on modules (_module_state.py); None: unseen
     not_compilable: str | None = None  # why the forward cannot be one static-shape graph (found at its first trace)
+    # once its cache reports a host length (_cache_layers.set_length), tried after a first trace failed: its reason
+    host_length: str | None = None
 
     def ladder(self, config) -> BucketLadder:
         if self.settings.buckets is None:

@@ -14,12 +14,12 @@ from hf_tpu.transformers._settings import _CACHE_POOL_SIZE, _ModelState
 __all__: list[str] = []
 
 
-def _bucketed_cache(model, shapes: list[dict], batch: int, cache_len: int):
+def _bucketed_cache(model, shapes: list[dict], batch: int, cache_len: int, host_length: bool = False):
     from transformers.cache_utils import Cache, StaticCache
 
     from hf_tpu.transformers._cache_layers import build_layers
 
-    layers = build_layers(model.config, cache_len, shapes, batch, model.dtype, model.device)
+    layers = build_layers(model.config, cache_len, shapes, batch, model.dtype, model.device, host_length)
     own = shapes[0].get("own") if shapes else None
     if own is not None:  # the model's own cache class, in its bucketed form
         from hf_tpu.transformers._own_cache_classes import OWN_CACHES
@@ -36,13 +36,13 @@ def _cache_for(model, state: _ModelState, batch: int, cache_len: int, encoder_le
 
     from hf_tpu.transformers._cache_probe import cache_shapes
 
-    key = (batch, cache_len, encoder_len, model.dtype)
+    key = (batch, cache_len, encoder_len, model.dtype, state.host_length)
     cache = state.caches.pop(key, None)
     if cache is None:
         while len(state.caches) >= _CACHE_POOL_SIZE:
             state.caches.popitem(last=False)
         self_shapes, cross_shapes = cache_shapes(model)
-        cache = _bucketed_cache(model, self_shapes, batch, cache_len)
+        cache = _bucketed_cache(model, self_shapes, batch, cache_len, state.host_length)
         if encoder_len is not None:
             cache = EncoderDecoderCache(cache, _bucketed_cache(model, cross_shapes, batch, encoder_len))
     else:

@@ -164,13 +164,35 @@ def generate(self, *args, **kwargs):
     try:
         result = upstream(self, input_ids, **arguments, **extra_kwargs)
     except NotCompilableError:  # found at the first trace: this call and the next ones run upstream's loop
-        reason = state.not_compilable
-        _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
-        with _inputs_on_model_device(self):
-            return upstream(self, *args, **kwargs)
+        result = None
+        if retry_with_host_length(self):
+            try:
+                result = upstream(self, input_ids, **arguments, **extra_kwargs)
+            except NotCompilableError:
+                result = None
+        if result is None:
+            reason = state.not_compilable
+            _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
+            with _inputs_on_model_device(self):
+                return upstream(self, *args, **kwargs)
     if before is not None:
         _refuse_eager_compiles(before)
     return _output_to(result, out_device)
+
+
+def retry_with_host_length(model) -> bool:
+    """After a first trace found the forward is not one static-shape graph: when its cache has full-attention layers
+    and they do not report a host length yet, make them (:class:`~hf_tpu.transformers._cache_layer_classes.
+    HostLengthLayer`: code that branches on the cache length or builds a range from it traces with a host int) and
+    return True, for the caller to try once more; False when that was tried already or changes nothing."""
+    from hf_tpu.transformers._cache_layers import host_length_fits
+
+    state = _state(model)
+    if state.host_length or not host_length_fits(model.config):
+        return False
+    state.host_length, state.not_compilable = state.not_compilable, None
+    state.caches.clear()
+    return True
 
 
 def _refuse_eager_compiles(before) -> None:

@@ -136,7 +136,13 @@ def warmup(
         for plan in bar:
             shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
             bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
-            for key in generation._warm(model, plan, variant):
+            try:
+                keys = generation._warm(model, plan, variant)
+            except generation.NotCompilableError:
+                if not generation.retry_with_host_length(model):
+                    raise
+                keys = generation._warm(model, plan, variant)
+            for key in keys:
                 if key not in report.graphs:
                     report.graphs.append(key)
     except BaseException:

@@ -288,28 +288,3 @@ def test_disable_restores_upstream_generate():
     finally:
         hf_tpu.enable("generation")
     assert GenerationMixin.generate.__hf_tpu_upstream__ is patched.__hf_tpu_upstream__
-
-
-def test_a_forward_that_cannot_be_one_graph_runs_upstream_with_the_reason(prompts):
-    # TrOCR's decoder turns its cache length into a shape (torch.arange(cache_length, cache_length + n)): dynamo
-    # cannot trace that as one static graph, so generate says so once and runs upstream's loop, then and later
-    from transformers import TrOCRConfig, TrOCRForCausalLM
-
-    torch.manual_seed(0)
-    config = TrOCRConfig(
-        vocab_size=96, d_model=32, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
-        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    cpu = TrOCRForCausalLM(config).eval()
-    tpu = TrOCRForCausalLM(config).eval()
-    tpu.load_state_dict(cpu.state_dict())
-    tpu.to("tpu")
-    ids, _ = prompts([5])
-    kwargs = {"max_new_tokens": 4, "do_sample": False}
-    generation._WARNED.clear()
-    with pytest.warns(UserWarning, match="TrOCRForCausalLM.s forward cannot be compiled as one static-shape graph"):
-        got = tpu.generate(ids, **kwargs)
-    assert torch.equal(got, cpu.generate(ids, **kwargs))
-    with hf_tpu.sim.stats() as s:
-        assert torch.equal(tpu.generate(ids, **kwargs), cpu.generate(ids, **kwargs))
-    assert s.compiles == 0 and not generation.compiled_graphs(tpu)
