@@ -115,7 +115,10 @@ class HostLengthLayer(cu.StaticLayer):
     def get_seq_length(self):
         import torch
 
-        torch._check(self.hf_tpu_length <= self.max_cache_len)  # bounds the symbol (torch-tpu pads to its bound)
+        # the symbol's range: torch-tpu's dynamic compiler sizes the program for its upper bound (2x the first value
+        # when it has none)
+        torch._check(self.hf_tpu_length >= 0)
+        torch._check(self.hf_tpu_length <= self.max_cache_len)
         return self.hf_tpu_length
 
 
