@@ -85,13 +85,22 @@ def _kinds_of(config: Any) -> str:
         kinds.append("linear/SSM")
     if "indexed_attention" in layer_types:
         kinds.append("sparse indexer")
-    if getattr(config, "kv_lora_rank", None):
+    if any(_per_layer(config, "kv_lora_rank")):
         kinds.append("MLA")
-    if any((getattr(config, f, 0) or 0) > 1 for f in _EXPERT_FIELDS):
+    if any((v or 0) > 1 for f in _EXPERT_FIELDS for v in _per_layer(config, f)):
         kinds.append("MoE")
     if getattr(config, "is_encoder_decoder", False):
         kinds.append("enc-dec")
     return ", ".join(kinds) or "full attention"
+
+
+def _per_layer(config: Any, name: str) -> list:
+    """``config``'s ``name`` for each of its layers where a heterogeneous config sets it per layer (upstream
+    refuses to read such a field globally), else its one value."""
+    try:
+        return [getattr(config, name, None)]
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError: read it per layer
+        return [getattr(layer, name, None) for layer in config.per_layer_config]
 
 
 def _prompt(length: int, seed: int):
