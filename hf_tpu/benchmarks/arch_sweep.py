@@ -6,7 +6,9 @@ For every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, a tiny random mod
 the simulated device, and greedy ``generate`` runs for two prompt lengths in one bucket against the same model on
 the CPU. Per architecture:
 
-- *fast path*: whether hf_tpu's bucketed, compiled loop ran, or the reason ``generate`` gave for upstream's loop;
+- *fast path*: whether hf_tpu's bucketed, compiled loop ran, or the reason ``generate`` gave for upstream's loop
+  (a class with a ``generate`` of its own, which never reaches hf_tpu's loop, gets its prompts on the TPU as its
+  user would put them, and that reason);
 - *identical*: both generations token-identical to the CPU's;
 - *compiles* and *new signatures* for the second prompt length (new eager op shapes: each one an op compile on
   torch_tpu);
@@ -133,7 +135,7 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
     import torch
 
     import hf_tpu.sim
-    from hf_tpu.transformers import generation
+    from hf_tpu.transformers import _upstream, generation
 
     row: dict[str, Any] = {"arch": model_type}
     # generate warns once per reason in a process; a worker measures several architectures, and two of them may
@@ -158,6 +160,10 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
             return row
     kw = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     prompts = [_prompt(n, seed) for seed, n in enumerate(LENGTHS)]
+    # a class with a generate of its own runs upstream's code, not hf_tpu's loop (which takes host inputs): its
+    # prompts go on the model's device, as its user would put them
+    own = _upstream.own_generate(tpu)
+    on_tpu = [ids.to(tpu.device) for ids in prompts] if own else prompts
     try:
         expected = [cpu.generate(ids, max_new_tokens=new_tokens, **kw) for ids in prompts]
     except Exception as e:  # noqa: BLE001 - upstream fails on the CPU too: not a TPU problem
@@ -168,14 +174,14 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             runs = []
-            for ids in prompts:
+            for ids in on_tpu:
                 with hf_tpu.sim.stats() as s:
                     got = tpu.generate(ids, max_new_tokens=new_tokens, **kw)
                 runs.append((got, s))
                 stage = "second prompt length"
             stage = "short run"
             with hf_tpu.sim.stats() as short:
-                tpu.generate(prompts[1], max_new_tokens=2, **kw)
+                tpu.generate(on_tpu[1], max_new_tokens=2, **kw)
     except Exception as e:  # noqa: BLE001
         row.update(status="error", reason=f"{stage}: {type(e).__name__}: {_line(e)}")
         return row
@@ -185,6 +191,8 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
     # the fast path; the copy targets below judge its cost, the row's reason names it
     host = [m for m in messages if _HOST_SAMPLING in m]
     reasons = [m for m in messages if _HOST_SAMPLING not in m]
+    if own and not reasons and not generation.compiled_graphs(tpu):
+        reasons = [f"hf_tpu: {own}"]
     fast = bool(generation.compiled_graphs(tpu)) and not reasons
     second = runs[1][1]
     h2d, d2h = _per_step(second, short, new_tokens - 2)
