@@ -5,12 +5,15 @@
 from its fields: a layer pattern keeps each layer kind of the defaults' (a hybrid's attention layer, a KV-sharing
 model's producer of each kind), a partial rotary keeps its share of the shrunk head, top-k stays within the shrunk
 experts, counts the defaults leave None (a checkpoint sets them) get numbers, RoPE keyed per layer kind covers every
-kind. :data:`_OVERRIDES` holds the few upstream defaults that no checkpoint has and no rule can derive, each with
+kind. Sub-configs (a multimodal model's towers, BLT's four models) are shrunk alike, and a field naming a width of
+another sub-model follows it; a heterogeneous config's per-layer overrides are scaled as their fields' global values
+were. :data:`_OVERRIDES` holds the few upstream defaults that no checkpoint has and no rule can derive, each with
 its reason. :func:`build_model` builds the architecture's causal-LM class from such a config.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 __all__ = ["SHRINK", "VOCAB", "build_model", "tiny_config"]
@@ -93,6 +96,10 @@ SHRINK: dict[str, Any] = {
     "n_output_layers": 1,
 }
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_WIDTHS = ("hidden_size", "n_embd", "d_model")
+# Fields that name a width of the model or of another sub-model (BLT's hidden_size_global, an adapter's ends): where
+# their default is one of the defaults' widths, they follow it to the shrunk width.
+_LINKED_WIDTH = re.compile(r"hidden_size|^adapter_")
 # Fields the defaults leave None (a checkpoint's config.json sets them) that the model needs as numbers.
 _IF_NONE: dict[str, Any] = {"num_key_value_heads": SHRINK["num_attention_heads"], "n_shared_experts": 1}
 # Upstream defaults no checkpoint has, that no rule can derive: each names the field the model reads and its
@@ -138,8 +145,11 @@ def tiny_config(model_type: str) -> Any:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    fields = _shrunk(cls().to_dict())
+    defaults = cls().to_dict()
+    fields = _shrunk(defaults)
     config = _first_valid(cls, fields)
+    if _scale_overrides(config, defaults, fields):  # per-layer overrides the class derived, at full size
+        config = _first_valid(cls, fields)
     text = config.get_text_config(decoder=True)
     if text is not config and getattr(text, "hidden_size", SHRINK["hidden_size"]) != SHRINK["hidden_size"]:
         key = next((k for k in getattr(cls, "sub_configs", {}) if getattr(config, k, None) is text), "text_config")
@@ -185,8 +195,25 @@ def _has_attention(config: Any) -> bool:
     return bool(getattr(config, "num_attention_heads", None)) and not hasattr(config, "num_heads")
 
 
-def _shrunk(defaults: dict) -> dict:
-    """The fields of :data:`SHRINK` that ``defaults`` has, a nested ``text_config`` shrunk the same way."""
+def _widths(defaults: dict) -> set[int]:
+    """The default widths (hidden sizes) of a config and of every sub-config in it."""
+    found = {v for k, v in defaults.items() if k in _WIDTHS and isinstance(v, int)}
+    for value in defaults.values():
+        if _is_sub_config(value):
+            found |= _widths(value)
+    return found
+
+
+def _is_sub_config(value: Any) -> bool:
+    return isinstance(value, dict) and "model_type" in value
+
+
+def _shrunk(defaults: dict, widths: set[int] | None = None) -> dict:
+    """The fields of :data:`SHRINK` that ``defaults`` has, its sub-configs shrunk the same way.
+
+    ``widths``: the default widths of the whole config (its sub-configs' too), that a field naming another
+    width follows (:data:`_LINKED_WIDTH`)."""
+    widths = _widths(defaults) if widths is None else widths
     # (a sliding window, an unpadded vocabulary only where the architecture has one by default)
     optional = ("sliding_window", "sliding_window_size", "unpadded_vocab_size")
     fields = {k: v for k, v in SHRINK.items() if k in defaults and (k not in optional or defaults[k])}
@@ -213,14 +240,79 @@ def _shrunk(defaults: dict) -> dict:
         pattern = kinds[:1] * (SHRINK["num_hidden_layers"] - len(kinds) + 1) + kinds[1:]
         fields["layers_block_type"] = pattern
         fields["hybrid_layer_ids"] = [i for i, kind in enumerate(pattern) if kind == "hybrid"]
+    for name, value in defaults.items():
+        if name in fields or name in SHRINK or not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if _LINKED_WIDTH.search(name) and value in widths:
+            # a width that names another one (a sub-model's link to the global model's width, an adapter between
+            # towers): it follows the shrunk widths, as the config's validation demands
+            fields[name] = SHRINK["hidden_size"]
+        elif name.endswith("_vocab") and value > (defaults.get("vocab_size") or 0):
+            fields[name] = VOCAB  # a hashed table's rows (BLT's byte n-grams), larger than the vocabulary
+    if defaults.get("per_layer_config") and isinstance(defaults.get("num_hidden_layers"), int):
+        # a heterogeneous config: its per-layer lists shrunk with the depth (the class derives the per-layer
+        # overrides for the shrunk depth from them; :func:`_scaled_overrides` shrinks those)
+        fields.update(_per_layer_lists(defaults, fields.get("num_hidden_layers", defaults["num_hidden_layers"])))
     fields.update({k: v for k, v in _TOKENS.items() if k in defaults})
-    for name in ("text_config", "vision_config", "audio_config"):  # a multimodal model's towers: shrunk the same way
-        if isinstance(defaults.get(name), dict):
-            fields[name] = _shrunk(defaults[name])
+    for name, value in defaults.items():  # sub-configs (a multimodal model's towers, BLT's four models): alike
+        if _is_sub_config(value):
+            fields[name] = _shrunk(value, widths)
     for name, value in _OVERRIDES.get(defaults.get("model_type"), {}).items():
         nested = isinstance(value, dict) and isinstance(defaults.get(name), dict)
-        fields[name] = {**defaults[name], **value} if nested else value
+        fields[name] = {**fields.get(name, defaults[name]), **value} if nested else value
     return fields
+
+
+def _scale_overrides(config: Any, defaults: dict, fields: dict) -> bool:
+    """Put the scaled per-layer overrides (:func:`_scaled_overrides`) of ``config`` and of its sub-configs into
+    ``fields``; whether there were any."""
+    scaled = _scaled_overrides(config, defaults, fields)
+    if scaled is not None:
+        fields["per_layer_config"] = scaled
+    changed = scaled is not None
+    for name, value in fields.items():
+        sub = getattr(config, name, None) if isinstance(value, dict) and _is_sub_config(defaults.get(name)) else None
+        if sub is not None and hasattr(sub, "to_dict"):
+            changed = _scale_overrides(sub, defaults[name], value) or changed
+    return changed
+
+
+def _per_layer_lists(defaults: dict, layers: int) -> dict:
+    """The lists of ``defaults`` with an entry per layer of its depth (layer kinds aside: recomputed), for
+    ``layers`` layers: the first ones, the last of them replaced by each kind the first ones miss."""
+    depth, out = defaults["num_hidden_layers"], {}
+    for name, value in defaults.items():
+        if name == "layer_types" or not isinstance(value, list) or len(value) != depth or depth <= layers:
+            continue
+        if not all(isinstance(v, str) for v in value):
+            continue
+        head = value[:layers]
+        missing = [kind for kind in dict.fromkeys(value) if kind not in head]
+        out[name] = head[: layers - len(missing)] + missing if missing else head
+    return out
+
+
+def _scaled_overrides(config: Any, defaults: dict, fields: dict) -> dict | None:
+    """A heterogeneous config's per-layer overrides (``per_layer_config``) with each size scaled as its field's
+    global value was (a layer with twice the global head width keeps twice the shrunk one); an MLA layer's head
+    width that was its no-rope and rope parts' sum stays their sum. None where there is nothing to scale."""
+    spec = config.__dict__.get("_heterogeneity_spec")
+    if spec is None:
+        return None
+    scaled: dict[int, dict] = {}
+    for layer, overrides in spec.per_layer_overrides.items():
+        new = dict(overrides)
+        for name, value in overrides.items():
+            default, shrunk = defaults.get(name), fields.get(name)
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, default, shrunk)) and default:
+                new[name] = max(1, round(value * shrunk / default))
+        merged = {**defaults, **overrides}
+        parts = ("qk_nope_head_dim", "qk_rope_head_dim")
+        if all(isinstance(merged.get(k), int) for k in ("head_dim", *parts)):
+            if merged["head_dim"] == sum(merged[k] for k in parts):
+                new["head_dim"] = sum(new.get(k, fields.get(k, defaults[k])) for k in parts)
+        scaled[layer] = new
+    return scaled if scaled != spec.per_layer_overrides else None
 
 
 def _first_valid(cls: Any, fields: dict) -> Any:

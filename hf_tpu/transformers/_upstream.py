@@ -162,3 +162,31 @@ def _layers_besides_full_attention(model) -> list[str]:
     except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError):
         return []  # the static-cache check names the problem
     return sorted({cls.__name__ for cls, _ in plan if cls not in (StaticLayer, DummyLayer)})
+
+
+def own_generate(model) -> str | None:
+    """Why hf_tpu's loop does not serve ``model.generate``, where its class defines a ``generate`` of its own that
+    never hands over to ``GenerationMixin.generate`` (MusicGen's decoders: their own loop over codebooks, calling the
+    sampler directly): hf_tpu plugs into ``GenerationMixin.generate`` only, so the class's code runs eagerly on the
+    TPU, with its inputs on the model's device as on any accelerator. None for a class that inherits
+    ``GenerationMixin.generate``, or whose class code calls ``super().generate(...)`` somewhere (Whisper's, from a
+    helper of its own generate): read from the class's source, as nothing else tells."""
+    import inspect
+
+    from transformers.generation.utils import GenerationMixin
+
+    cls = type(model)
+    if not isinstance(model, GenerationMixin) or cls.generate is GenerationMixin.generate:
+        return None
+    owner = next(c for c in cls.__mro__ if "generate" in vars(c))
+    try:
+        source = inspect.getsource(owner)
+    except (OSError, TypeError):
+        return None  # no source to read: not claimed
+    if "super().generate(" in source or "GenerationMixin.generate(" in source:
+        return None
+    return (
+        f"{cls.__name__}: its class has a generate of its own ({owner.__name__}.generate, not "
+        "GenerationMixin.generate where hf_tpu's loop plugs in): upstream's code runs eagerly on the TPU, its inputs "
+        "on the model's device"
+    )

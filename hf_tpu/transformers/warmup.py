@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _settings
+from hf_tpu.transformers import _settings, _upstream
 from hf_tpu.transformers.buckets import BucketLadder
 
 __all__ = ["WarmupReport", "warmup"]
@@ -99,6 +99,9 @@ def warmup(
             f"hf_tpu.warmup needs a model placed on the TPU, but it is on {device}: "
             "load it with device_map='tpu' or call model.to('tpu') first."
         )
+    own = _upstream.own_generate(model)
+    if own:
+        raise generation.NotCompilableError(f"{own}; warm-up has no graph its generate would use")
     state = generation._state(model)
     if state.not_compilable:
         raise generation.NotCompilableError(

@@ -106,3 +106,23 @@ def test_the_table_states_the_share_target_and_groups_what_misses():
     assert "- not identical, > 1 copy each way (1): b" in page
     assert "- upstream loop: its cache has X layers (1): c" in page
     assert "- not buildable: KeyError: 'x' (1): d" in page
+
+
+@pytest.mark.parametrize("arch", ["dots3_note", "blt"])
+def test_tiny_configs_shrink_sub_configs_and_per_layer_overrides(arch):
+    # dots3's per-layer overrides (its sliding layers' own heads and MLA sizes) and its towers' adapters, BLT's four
+    # sub-models and its byte n-gram hash table: shrunk, and the configs still pass their own validation
+    import torch
+
+    config = arch_sweep.tiny_config(arch)
+    with torch.device("meta"):
+        model = arch_sweep.build_model(arch, config)
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000  # the full-size defaults: billions
+    if arch == "dots3_note":
+        text = config.text_config
+        sliding = text.per_layer_config[text.layer_types.index("sliding_attention")]
+        assert sliding.head_dim == sliding.qk_nope_head_dim + sliding.qk_rope_head_dim  # the config's own rule
+        assert sliding.num_attention_heads < text.per_layer_config[0].num_attention_heads  # still heterogeneous
+        assert config.vision_config.adapter_out_dim == text.hidden_size
+    else:
+        assert config.encoder_config.hidden_size_global == config.global_config.hidden_size

@@ -72,3 +72,25 @@ def test_a_forward_branching_on_the_cache_length_runs_upstream_and_warmup_says_w
     _generate_like_cpu(cpu, tpu, [prompts([5])[0], prompts([11], seed=1)[0]], match)
     with pytest.raises(generation.NotCompilableError, match="warm-up has no graph to compile"):
         hf_tpu.warmup(tpu, max_prompt_len=8, batch_sizes=[1], max_new_tokens=4, progress=False)
+
+
+def test_a_class_with_its_own_generate_is_named_and_warmup_refuses_it(prompts):
+    # MusicGen-Melody's decoder defines its own generate (a loop over codebooks calling the sampler itself): hf_tpu's
+    # loop, plugged into GenerationMixin.generate, never runs; upstream's code runs on the TPU with inputs placed there
+    from transformers import MusicgenMelodyDecoderConfig, MusicgenMelodyForCausalLM, WhisperForConditionalGeneration
+
+    from hf_tpu.transformers._upstream import own_generate
+
+    config = MusicgenMelodyDecoderConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ffn_dim=64, num_codebooks=1,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, decoder_start_token_id=0,
+    )  # fmt: skip
+    cpu, tpu = _pair(MusicgenMelodyForCausalLM, config)
+    assert "MusicgenMelodyForCausalLM: its class has a generate of its own" in own_generate(tpu)
+    assert own_generate(WhisperForConditionalGeneration.__new__(WhisperForConditionalGeneration)) is None  # super()
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    ids = prompts([5])[0]
+    assert torch.equal(tpu.generate(ids.to("tpu"), **kw).cpu(), cpu.generate(ids, **kw))
+    assert not generation.compiled_graphs(tpu)
+    with pytest.raises(generation.NotCompilableError, match="a generate of its own"):
+        hf_tpu.warmup(tpu, max_prompt_len=8, batch_sizes=[1], max_new_tokens=4, progress=False)
