@@ -65,13 +65,23 @@ def _meta_probe(model):
 
 
 def _run_probe(model, probe, device: str) -> tuple[list[dict], list[dict] | None]:
-    """Run ``probe`` (a copy of ``model`` on ``device``) once on two tokens; the shapes each cache layer got."""
+    """Run ``probe`` (a copy of ``model`` on ``device``) once on two tokens; the shapes each cache layer got.
+
+    A forward that replaces some of the model's own modules (BigBird swaps its block-sparse attention for full
+    attention on a short input or with a cache) runs again: the second run must keep every module, its cache is the
+    one measured, and the real model then takes the same step once (:mod:`~hf_tpu.transformers._module_swaps`)."""
+    from hf_tpu.transformers import _module_swaps
+
     text_config = model.config.get_text_config(decoder=True)
-    built = {name: type(module) for name, module in probe.named_modules()}
-    try:
-        return _forward(model, probe, device, text_config)
-    finally:
-        _refuse_rebuilt(model, probe, built)
+    built = dict(probe.named_modules())
+    shapes = _forward(model, probe, device, text_config)
+    replaced = _module_swaps.replaced_classes(built, probe)
+    if replaced:
+        shapes = _module_swaps.second_forward_keeps_modules(
+            model, probe, replaced, lambda: _forward(model, probe, device, text_config)
+        )
+        _module_swaps.settle(model, replaced, lambda: _forward(model, model, model.device, text_config))
+    return shapes
 
 
 def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[dict] | None]:
@@ -117,20 +127,6 @@ def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[d
             ids = torch.ones(1, 2, dtype=torch.long, device=device)
             probe(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
         return [_layer_shapes(la, model.dtype) for la in cache.layers], None
-
-
-def _refuse_rebuilt(model, probe, built: dict) -> None:
-    """Raise :class:`CacheProbeError` when the forward replaced some of the model's own modules (BigBird swaps its
-    block-sparse attention for full attention on a short input or with a cache): a compiled graph cannot build
-    modules, so generate runs upstream's loop, with this reason, instead of failing to compile."""
-    now = dict(probe.named_modules())
-    swapped = [(name, cls, type(now[name])) for name, cls in built.items() if name in now and type(now[name]) != cls]
-    if swapped:
-        name, old, new = swapped[0]
-        raise CacheProbeError(
-            f"the forward of {type(model).__name__} replaces {len(swapped)} of its own modules when it runs ({name}: "
-            f"{old.__name__} -> {new.__name__}), which a compiled graph cannot do"
-        )
 
 
 def _measure(model) -> tuple[list[dict], list[dict] | None]:

@@ -108,10 +108,50 @@ def test_the_copy_of_a_model_no_host_could_hold_is_built_without_allocating_a_we
         assert torch.equal(positions, torch.arange(config.max_position_embeddings)[None])
 
 
-def test_a_forward_that_replaces_its_own_modules_is_refused_with_its_reason():
-    # BigBird's default block-sparse attention swaps itself for full attention on a short input: no compiled graph
-    # can build modules, so generate is told why instead of failing to compile (the original_full case is above).
-    model = _model("big_bird", attention_type="block_sparse")
-    with pytest.raises(CacheProbeError, match=r"replaces 2 of its own modules .*BigBirdBlockSparseAttention"):
-        cache_shapes(model)
-    assert "replaces 2 of its own modules" in _static_cache_problem(model)
+def _block_sparse_pair(model_class=None):
+    """(cpu, tpu): a tiny BigBird decoder with its default block-sparse attention, the same weights on each device."""
+    import transformers
+
+    model_class = model_class or transformers.BigBirdForCausalLM
+    cpu = _model("big_bird", attention_type="block_sparse", is_decoder=True, max_position_embeddings=64)
+    tpu = model_class(cpu.config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    return cpu, tpu.to("tpu")
+
+
+def test_a_forward_that_replaces_its_own_modules_once_runs_the_loop_like_cpu():
+    # BigBird's block-sparse attention swaps itself for full attention on a short input or with a cache, as upstream's
+    # first generate does to the model: the probe sees its copy do it, then the real model does it once, eagerly,
+    # before the first trace, and its modules stay put from then on.
+    import hf_tpu.sim
+    from hf_tpu.transformers import generation
+
+    cpu, tpu = _block_sparse_pair()
+    sparse = type(tpu.bert.encoder.layer[0].attention.self)
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    g = torch.Generator().manual_seed(0)
+    short, long = torch.randint(3, 96, (1, 5), generator=g), torch.randint(3, 96, (1, 11), generator=g)  # one bucket
+    assert torch.equal(tpu.generate(short, **kw), cpu.generate(short, **kw))
+    assert _static_cache_problem(tpu) is None and generation._state(tpu).not_compilable is None  # hf_tpu's loop
+    swapped = type(tpu.bert.encoder.layer[0].attention.self)
+    assert swapped is not sparse and swapped is type(cpu.bert.encoder.layer[0].attention.self)  # as upstream swaps
+    with hf_tpu.sim.stats() as second:
+        got = tpu.generate(long, **kw)
+    assert torch.equal(got, cpu.generate(long, **kw))
+    assert second.compiles == 0 and second.shape_signatures <= 4
+
+
+def test_a_forward_that_replaces_its_own_modules_on_every_run_is_refused_with_its_reason():
+    import transformers
+
+    class SwapsOnEveryRun(transformers.BigBirdForCausalLM):
+        def forward(self, *args, **kwargs):
+            self.bert.set_attention_type("block_sparse")  # new block-sparse modules, which the forward swaps again
+            return super().forward(*args, **kwargs)
+
+    _, tpu = _block_sparse_pair(SwapsOnEveryRun)
+    sparse = tpu.bert.encoder.layer[0].attention.self
+    with pytest.raises(CacheProbeError, match=r"replaces 2 of its own modules .*, and again on every later run"):
+        cache_shapes(tpu)
+    assert "and again on every later run" in _static_cache_problem(tpu)
+    assert tpu.bert.encoder.layer[0].attention.self is sparse  # refused before the model itself ran
