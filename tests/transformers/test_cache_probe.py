@@ -1,5 +1,6 @@
 """The cache probe's CPU fallback: models whose forward reads a tensor value (which the ``meta`` device has not) are
-sized by a run on the CPU of a copy with zero weights, to exactly the shapes the real model writes."""
+sized by a run on the CPU of a copy with zero weights, to exactly the shapes the real model writes. A forward that
+replaces its own modules on its first run only (BigBird's block-sparse attention) runs hf_tpu's loop after that run."""
 
 from __future__ import annotations
 
