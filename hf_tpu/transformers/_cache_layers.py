@@ -55,12 +55,9 @@ def bucketed_layers() -> dict[type, type]:
 # code does with the layer that no fixed-size buffer can serve.
 NO_STATIC_FORM: dict[str, str] = {
     "heavily_compressed_attention": (
-        "at a one-token decode step upstream's heavily compressed attention (DeepSeek-V4's HCA) reads every "
-        "compressed entry its cache layer returns with no mask (its compressor builds a block bias only for a "
-        "multi-token input; the attention pads the mask with zeros over them), so the layer must return exactly the "
-        "entries emitted so far, one more every compress_rate tokens: a fixed-size buffer would let the attention "
-        "read its empty slots, and the rows of a batch with prompts of different lengths would need different counts "
-        "in one tensor"
+        "its one-token decode step reads every compressed entry the layer returns, unmasked (the compressor builds "
+        "a block bias only for a multi-token input), so the layer must return exactly the entries emitted so far, "
+        "one more every compress_rate tokens: a fixed-size buffer would let the attention read its empty slots"
     ),
 }
 
