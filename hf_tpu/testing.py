@@ -129,6 +129,20 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "index_topk": 4, "index_head_dim": 8, "index_n_heads": 8,
         },
     ),
+    # compressed attention (DeepSeek-V4): a heavily compressed (HCA, one entry per 8 tokens) and a compressed sparse
+    # (CSA, one per 4, indexer top 2) layer, each over an 8-token sliding window; runs upstream's loop, as HCA can
+    # have no bucketed static form (hf_tpu/transformers/_cache_layers.py: NO_STATIC_FORM)
+    "deepseek_v4": (
+        "DeepseekV4Config",
+        "DeepseekV4ForCausalLM",
+        {
+            **_DECODER, "num_key_value_heads": 1, "head_dim": 16, "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8,
+            "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "hc_mult": 2,
+            "hc_sinkhorn_iters": 3, "sliding_window": 8, "index_n_heads": 2, "index_head_dim": 8, "index_topk": 2,
+            "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention"],
+            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        },
+    ),
     # multi-query attention: one KV head whatever num_kv_heads says
     "falcon": (
         "FalconConfig",

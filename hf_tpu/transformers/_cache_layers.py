@@ -26,6 +26,9 @@ layers from ``config.layer_types`` with ``STATIC_LAYER_TYPE_MAPPING``; ``BUCKETE
   is handed hides the empty and padded ones, as it hides them from the attention);
 * ``DummyLayer`` (shared-KV or attention-free layers): holds nothing, kept as is.
 
+Some layer kinds can have no bucketed form: :data:`NO_STATIC_FORM` names them, keyed by upstream's layer type, with
+the reason generate gives when it runs upstream's loop for them (DeepSeek-V4's heavily compressed attention).
+
 A model that keeps its own cache class (``_supports_default_dynamic_cache()`` False) runs the loop when that class
 has a bucketed form in :mod:`~hf_tpu.transformers._own_cache_classes` (MiniMax's), built around these layers.
 
@@ -48,18 +51,59 @@ def bucketed_layers() -> dict[type, type]:
     return BUCKETED_LAYERS
 
 
-def layer_plan(config) -> list[tuple[type, dict[str, Any]]]:
-    """``(upstream static layer class, its constructor kwargs)`` per decoder layer, as ``StaticCache`` builds them."""
-    from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
+# Upstream's layer kinds (``_layer_type``) that can have no bucketed static form, and why: what upstream's modeling
+# code does with the layer that no fixed-size buffer can serve.
+NO_STATIC_FORM: dict[str, str] = {
+    "heavily_compressed_attention": (
+        "its one-token decode step reads every compressed entry the layer returns, unmasked (the compressor builds "
+        "a block bias only for a multi-token input), so the layer must return exactly the entries emitted so far, "
+        "one more every compress_rate tokens: a fixed-size buffer would let the attention read its empty slots"
+    ),
+}
 
-    layer_types, per_layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return [(STATIC_LAYER_TYPE_MAPPING[t], kw) for t, kw in zip(layer_types, per_layer_kwargs)]
+
+def _layer_types(config) -> tuple[list[str], list[dict[str, Any]]]:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    return get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+
+
+def layer_plan(config) -> list[tuple[type, dict[str, Any]]]:
+    """``(upstream static layer class, its constructor kwargs)`` per decoder layer, as ``StaticCache`` builds them;
+    for a layer kind upstream registers as dynamic only (a modeling file's class that subclasses a dynamic layer,
+    as DeepSeek-V4's compressed-attention layers do: ``StaticCache`` cannot be built for it), that dynamic class."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING
+
+    layer_types, per_layer_kwargs = _layer_types(config)
+    return [
+        (STATIC_LAYER_TYPE_MAPPING.get(t) or DYNAMIC_LAYER_TYPE_MAPPING[t], kw)
+        for t, kw in zip(layer_types, per_layer_kwargs)
+    ]
 
 
 def unknown_layers(config) -> list[str]:
     """Names of the upstream layer classes in this config's static cache that have no bucketed form."""
     registry = bucketed_layers()
     return sorted({cls.__name__ for cls, _ in layer_plan(config) if cls not in registry})
+
+
+def layer_problem(config) -> str | None:
+    """Why this config's cache has layers without a bucketed form (None when every layer has one): the layer kinds
+    that cannot have one (:data:`NO_STATIC_FORM`) with the reason, then those hf_tpu has no form for yet."""
+    registry = bucketed_layers()
+    kinds: dict[str, str] = {}  # upstream layer class name -> its layer type
+    for (cls, _), layer_type in zip(layer_plan(config), _layer_types(config)[0]):
+        if cls not in registry:
+            kinds.setdefault(cls.__name__, layer_type)
+    parts = [
+        f"{name} layers ({t}), which can have no bucketed static form: {NO_STATIC_FORM[t]}"
+        for name, t in sorted(kinds.items())
+        if t in NO_STATIC_FORM
+    ]
+    missing = sorted(name for name, t in kinds.items() if t not in NO_STATIC_FORM)
+    if missing:
+        parts.append(f"{', '.join(missing)} layers, which have no bucketed static form in hf_tpu yet")
+    return f"its cache has {'; and '.join(parts)}" if parts else None
 
 
 def build_layers(

@@ -53,7 +53,7 @@ def _cache_for(model, state: _ModelState, batch: int, cache_len: int, encoder_le
 
 def _static_cache_problem(model) -> str | None:
     """Why a bucketed static cache does not fit this model (None when it does)."""
-    from hf_tpu.transformers._cache_layers import unknown_layers
+    from hf_tpu.transformers._cache_layers import layer_problem
     from hf_tpu.transformers._cache_probe import CacheProbeError, cache_shapes
 
     if not model._supports_default_dynamic_cache():
@@ -62,11 +62,11 @@ def _static_cache_problem(model) -> str | None:
         except CacheProbeError:
             return "it keeps its own cache type, which upstream's StaticCache does not replace"
     try:
-        unknown = unknown_layers(model.config)
+        unknown = layer_problem(model.config)
     except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as exc:  # pragma: no cover
         return f"upstream's StaticCache cannot be built for it ({exc})"
     if unknown:
-        return f"its cache has {', '.join(unknown)} layers, which have no bucketed static form in hf_tpu yet"
+        return unknown
     try:
         self_shapes, _ = cache_shapes(model)
     except CacheProbeError as exc:
