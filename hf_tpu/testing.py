@@ -160,6 +160,17 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "max_position_embeddings": 256, "decoder_start_token_id": 2, "forced_eos_token_id": None,
         },
     ),
+    # a looped decoder: its 2 middle layers (sliding window 6, shorter than the test prompts, then full attention)
+    # run twice, the second loop writing to copies of their cache layers that the forward appends to the cache
+    "dory": (
+        "DoryConfig",
+        "DoryForCausalLM",
+        {
+            **_DECODER, "num_hidden_layers": 4, "head_dim": 8, "sliding_window": 6, "n_input_layers": 1,
+            "n_output_layers": 1, "n_recurrent_loops": 2,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        },
+    ),
     # MoE families with the same expert shapes (hidden 32, expert intermediate 16, 8 experts, top-2)
     "qwen3_moe": (
         "Qwen3MoeConfig",

@@ -34,7 +34,9 @@ has a bucketed form in :mod:`~hf_tpu.transformers._own_cache_classes` (MiniMax's
 
 Each layer is allocated ahead of the first graph with the shapes the model's own attention writes
 (:mod:`hf_tpu.transformers._cache_probe`), so multi-query, multi-latent and unequal encoder/decoder attention get
-the cache they fill. A model whose layers are all of these kinds needs no change here.
+the cache they fill; layers the forward appends to the cache as copies of its own (Dory's looped layers) are
+allocated ahead too, after the model's layers, each the bucketed form of the layer it copies. A model whose layers
+are all of these kinds needs no change here.
 """
 
 from __future__ import annotations
@@ -120,8 +122,13 @@ def build_layers(
         from hf_tpu.transformers._cache_layer_classes import HostLengthLayer
 
         registry = {**registry, StaticLayer: HostLengthLayer}
+    plan = layer_plan(config)
+    for shape in shapes[len(plan) :]:  # layers the forward appends as copies of its own: allocated ahead alike
+        if "copy_of" not in shape:
+            break
+        plan.append(plan[shape["copy_of"]])
     layers = []
-    for (cls, kwargs), shape in zip(layer_plan(config), shapes):
+    for (cls, kwargs), shape in zip(plan, shapes):
         layer = registry[cls](max_cache_len=cache_len, **kwargs)
         kv = shape.get("kv")
         if kv is not None:

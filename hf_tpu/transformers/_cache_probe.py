@@ -9,7 +9,8 @@ own way, and the sparse-attention indexer of DeepSeek-V3.2-style models caches k
 with two tokens' embeddings (no ids, no mask: nothing on meta may read a value) and upstream's ``DynamicCache``,
 with eager attention, and reads back what each layer cached: per layer ``{"kv": (heads, key dim, value dim, dtype),
 "conv": {state: (shape, dtype)}, "recurrent": {...}, "indexer": (key dim, dtype)}`` without the batch dimension (a
-dtype of None is the model's own).
+dtype of None is the model's own). A layer the forward appended to the cache as a copy of one of its own (Dory's
+looped layers) also says which: ``"copy_of": index``.
 """
 
 from __future__ import annotations
@@ -120,13 +121,36 @@ def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[d
             shapes, extra = shapes + [{}] * (count - len(shapes)), extra + [{}] * (count - len(extra))
             return [{**a, **b, "own": type(cache)} for a, b in zip(shapes, extra)], None
         try:
-            cache = DynamicCache(config=text_config)
+            cache = _sourced(DynamicCache(config=text_config))
             probe(inputs_embeds=embeds, position_ids=positions, cache=cache, use_cache=True)
         except Exception:  # noqa: BLE001 - some models need ids (Gemma 4 derives per-layer inputs from them)
-            cache = DynamicCache(config=text_config)
+            cache = _sourced(DynamicCache(config=text_config))
             ids = torch.ones(1, 2, dtype=torch.long, device=device)
             probe(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
-        return [_layer_shapes(la, model.dtype) for la in cache.layers], None
+        return _with_copies(cache, model.dtype), None
+
+
+_SOURCE = "hf_tpu_probe_source"  # the index of a layer of the probe's cache: a copy of the layer keeps it
+
+
+def _sourced(cache):
+    """``cache`` with each of its layers marked with its index (an attribute, which ``copy.deepcopy`` copies)."""
+    for index, layer in enumerate(cache.layers):
+        setattr(layer, _SOURCE, index)
+    return cache
+
+
+def _with_copies(cache, model_dtype) -> list[dict]:
+    """The shapes of the probed cache's layers, those the forward appended as copies of the cache's own layers (Dory's
+    recurrent loops past the first write to copies of the recurrent layers, appended when the cache has only the
+    model's layers) with ``"copy_of": index of the layer copied``: the bucketed cache allocates them ahead, so that
+    the forward finds them there and appends nothing inside a graph."""
+    shapes = [_layer_shapes(la, model_dtype) for la in cache.layers]
+    for index, layer in enumerate(cache.layers):
+        source = getattr(layer, _SOURCE, index)
+        if source != index:
+            shapes[index]["copy_of"] = source
+    return shapes
 
 
 def _measure(model) -> tuple[list[dict], list[dict] | None]:

@@ -9,7 +9,7 @@ import torch
 import hf_tpu
 import hf_tpu.sim
 from hf_tpu.transformers import generation
-from hf_tpu.transformers._static_cache import _static_cache_problem
+from hf_tpu.transformers._static_cache import _bucketed_cache, _static_cache_problem
 
 # Eight prompt lengths in one bucket (16): each is padded on the left to it on the device; the CPU reference runs
 # the prompt unpadded, so equality also proves that the padding leaves every layer's state as the prompt would.
@@ -88,3 +88,29 @@ def test_heavily_compressed_attention_runs_upstreams_loop_with_its_reason(pair, 
         assert torch.equal(got.cpu(), expected), (n, got, expected)
     assert not generation.compiled_graphs(tpu)
     assert any("DeepseekV4HCACache layers (heavily_compressed_attention)" in str(w.message) for w in recwarn)
+
+
+def test_cache_layers_a_forward_appends_are_allocated_ahead(pair):
+    """Dory's looped middle layers: the second loop writes to copies of their cache layers, which the forward appends
+    when the cache holds only the model's layers (``copy.deepcopy``, which no graph can do). The probe sees the copies;
+    the bucketed cache holds them from the start, the same kind as the layers copied (sliding-window rings here)."""
+    from hf_tpu.transformers._cache_probe import cache_shapes
+
+    cpu, tpu = pair("dory")
+    config = tpu.config
+    shapes, _ = cache_shapes(tpu)
+    looped = list(range(config.n_input_layers, config.num_hidden_layers - config.n_output_layers))
+    assert [s.get("copy_of") for s in shapes[config.num_hidden_layers :]] == looped * (config.n_recurrent_loops - 1)
+    layers = _bucketed_cache(tpu, shapes, 1, 32).layers
+    assert [type(la) for la in layers[config.num_hidden_layers :]] == [type(layers[i]) for i in looped]
+    assert len({type(layers[i]) for i in looped}) == 2  # a ring and a full-attention layer, copied in their order
+    generation.configure(tpu, buckets=[16, 32])
+    for seed, n in enumerate((5, 14)):  # one bucket; the second length compiles nothing
+        ids = _prompt(n, seed, config.vocab_size)
+        expected = cpu.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+        with hf_tpu.sim.stats() as s:
+            got = tpu.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+        assert torch.equal(got, expected), (n, got, expected)
+    assert s.compiles == 0 and s.shape_signatures <= 4, s
+    assert s.d2h_copies <= NEW + 1 and s.h2d_copies <= NEW + 3, s  # one small copy each way per step
+    assert generation.compiled_graphs(tpu)  # hf_tpu's loop ran, not upstream's
