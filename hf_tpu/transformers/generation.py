@@ -52,7 +52,7 @@ import functools
 import inspect
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _upstream
+from hf_tpu.transformers import _cacheless, _upstream
 from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._decode_loop import _PENALTY, _decode_loop, _warm, default_variant
 from hf_tpu.transformers._graphs import _run
@@ -160,7 +160,9 @@ def generate(self, *args, **kwargs):
         input_ids, extra_kwargs = _encode(self, input_ids, extra_kwargs)
 
     arguments.pop("self", None)
-    arguments["custom_generate"] = functools.partial(_decode_loop, hf_tpu_plan={"streamer": arguments.get("streamer")})
+    plan = {"streamer": arguments.get("streamer")}
+    loop = functools.partial(_cacheless.generation_loop, cached_loop=_decode_loop)  # or the loop without a cache
+    arguments["custom_generate"] = functools.partial(loop, hf_tpu_plan=plan)
     try:
         result = upstream(self, input_ids, **arguments, **extra_kwargs)
     except NotCompilableError:  # found at the first trace: this call and the next ones run upstream's loop

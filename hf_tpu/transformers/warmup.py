@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _settings
+from hf_tpu.transformers import _cacheless, _settings
 from hf_tpu.transformers.buckets import BucketLadder
 
 __all__ = ["WarmupReport", "warmup"]
@@ -112,6 +112,7 @@ def warmup(
     seq2seq = bool(model.config.is_encoder_decoder)
 
     variant = generation.default_variant(model)
+    warm_plan = _cacheless.warm if _cacheless.by_default(model) else generation._warm  # without a cache, or with
     plans = []
     for batch in batch_sizes:
         for bucket in prompt_buckets:
@@ -136,7 +137,7 @@ def warmup(
         for plan in bar:
             shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
             bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
-            for key in generation._warm(model, plan, variant):
+            for key in warm_plan(model, plan, variant):
                 if key not in report.graphs:
                     report.graphs.append(key)
     except BaseException:
@@ -188,6 +189,9 @@ def _manifest_plans(model, state) -> list:
         if base == "prefill" and len(dims) == 3:
             batch, prompt, cache_len = dims
             plans.append(generation.ShapePlan(batch, prompt, prompt, cache_len))
+        elif base == "cacheless_prefill" and len(dims) == 2:  # the loop without a cache: its buffer's length
+            batch, length = dims
+            plans.append(generation.ShapePlan(batch, 1, 1, length))
         elif base == "seq2seq_prefill" and len(dims) == 4:
             batch, encoder, prompt, cache_len = dims
             plans.append(generation.ShapePlan(batch, prompt, prompt, cache_len, encoder))

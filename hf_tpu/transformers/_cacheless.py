@@ -1,0 +1,267 @@
+"""The loop without a cache: each step runs the model over the whole sequence, padded to a static bucket.
+
+A call with ``use_cache=False``, or a model whose forward writes nothing into the cache it is given (OpenAI GPT:
+it recomputes the whole sequence each step), has no cache for hf_tpu's static, bucketed one to replace. Upstream's
+loop then grows the sequence by one token per forward: a new shape, hence new compiles, at every step on a TPU.
+This loop keeps one shape per call instead: the token ids live on the device in a buffer as long as the cache
+bucket of the call's shape plan (:func:`hf_tpu.transformers.shapes.plan_shapes`), the prompt first and the
+bucket's padding after it. Each step sends one ``(batch, 2)`` tensor (the new tokens and their slot); the graph
+writes the tokens into the buffer, runs the model over all of it and reads the logits at that slot, and the next
+tokens come back (the device sampling plan of :mod:`hf_tpu.transformers.sampling` runs in the graph as in the
+cached loop's).
+
+The prompt goes first because a causal model's outputs at a position never depend on later positions, whatever
+they hold: the padding after the sequence changes nothing before it, for attention, ALiBi, absolute positions or a
+recurrent state alike, and each token keeps the position upstream gives it. The mask and the positions of the
+whole bucket are computed once per call (the prompt's as upstream's ``generate`` prepares them, then one more per
+slot), sent with the first step. Two graph kinds, compiled per (batch, bucket): ``cacheless_prefill`` (the
+prompt's last slot) and ``cacheless_decode`` (writes the new tokens first); they run through
+:func:`hf_tpu.transformers._graphs._run` (strict mode, the persistent compile cache) like the cached loop's.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+__all__: list[str] = []
+
+
+def writes_no_cache(model) -> bool:
+    """True for a decoder-only model whose forward writes nothing into the cache it is given (measured by
+    :func:`hf_tpu.transformers._cache_probe.cache_shapes`)."""
+    from hf_tpu.transformers._cache_probe import CacheProbeError, cache_shapes
+
+    if model.config.is_encoder_decoder:
+        return False
+    try:
+        self_shapes, _ = cache_shapes(model)
+    except CacheProbeError:
+        return False
+    return bool(self_shapes) and not any(self_shapes)
+
+
+def recomputes(model, use_cache: bool) -> bool:
+    """Whether a call runs this loop: a decoder-only model generating without a cache."""
+    return not model.config.is_encoder_decoder and (not use_cache or writes_no_cache(model))
+
+
+def by_default(model) -> bool:
+    """Whether a call with the model's own ``generation_config`` runs this loop (what warm-up compiles)."""
+    use_cache = getattr(model.generation_config, "use_cache", None)
+    if use_cache is None:
+        use_cache = getattr(model.config, "use_cache", True)
+    return recomputes(model, bool(use_cache))
+
+
+def _takes(model, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - an odd forward
+        return False
+
+
+def _position_limit(model) -> int | None:
+    """The size of the position table of a model that numbers its tokens itself (no ``position_ids``): the buffer
+    must not pass it (its padding slots take positions too)."""
+    if _takes(model, "position_ids"):
+        return None
+    text = model.config.get_text_config(decoder=True)
+    sizes = [getattr(text, f, None) for f in ("max_position_embeddings", "max_target_positions", "n_positions")]
+    sizes = [n for n in sizes if isinstance(n, int) and n > 0]
+    return min(sizes) if sizes else None
+
+
+def buffer_length(model, cache_bucket: int, need: int) -> int:
+    """The buffer's length for a plan's ``cache_bucket``: the bucket, within the model's position table when it
+    numbers tokens itself (never below ``need``, the slots the call fills)."""
+    limit = _position_limit(model)
+    return cache_bucket if limit is None else max(min(cache_bucket, limit), need)
+
+
+def _length_for(model, state, batch: int, prompt_len: int, new_tokens: int, variant: str) -> int:
+    """The buffer's length for a call: the shortest one compiled that holds the call (what warm-up compiled), else
+    the cache bucket of the call's shape plan (which also refuses a call past the model's ladder)."""
+    from hf_tpu.transformers.shapes import plan_shapes
+
+    plan = plan_shapes(model, batch, prompt_len, new_tokens, variant=variant)
+    need = prompt_len + max(new_tokens, 1) - 1
+    kind = "cacheless_prefill" + variant
+    compiled = sorted(k[2] for k in state.compiled if k[0] == kind and k[1] == batch and k[2] >= need)
+    return compiled[0] if compiled else buffer_length(model, plan.cache_bucket, need)
+
+
+def _extra(model) -> dict:
+    """The graphs' constant model arguments (``use_cache=False`` where the forward takes it)."""
+    return {"use_cache": False} if _takes(model, "use_cache") else {}
+
+
+def _forward(model, ids, slot, mask, positions, extra, sampling):
+    kwargs = dict(extra)
+    if positions is not None:
+        kwargs["position_ids"] = positions
+    if model._supports_logits_to_keep():
+        kwargs["logits_to_keep"] = slot  # a tensor of indices: the logits of that slot only
+    out = model(input_ids=ids, attention_mask=mask, return_dict=True, **kwargs)
+    logits = out.logits if "logits_to_keep" in kwargs else out.logits.index_select(1, slot)
+    from hf_tpu.transformers._graphs import _last_logits
+
+    return _last_logits(logits, sampling)
+
+
+def _cacheless_prefill(model, ids, slot, mask, positions, extra, sampling=None):
+    """The first step: the logits at ``slot`` (``(1,)``, the prompt's last slot) of the buffer ``ids``."""
+    return _forward(model, ids, slot, mask, positions, extra, sampling)
+
+
+def _cacheless_decode(model, ids, step, mask, positions, extra, sampling=None):
+    """A later step: ``step`` is ``(batch, 2)``, the new tokens and their slot; written into ``ids`` in place."""
+    from hf_tpu.transformers._graphs import _mark
+
+    tokens, slot = step[:, :1], step[:1, 1]
+    ids.index_copy_(1, slot, tokens)
+    _mark(sampling, tokens)
+    return _forward(model, ids, slot, mask, positions, extra, sampling)
+
+
+GRAPHS = {"cacheless_prefill": _cacheless_prefill, "cacheless_decode": _cacheless_decode}
+SHAPE_NAMES = {"cacheless_prefill": ("cache bucket",), "cacheless_decode": ("cache bucket",)}
+
+
+def _layout(model, input_ids, model_kwargs: dict, length: int, new_tokens: int):
+    """The buffer's host tensors: ids (the prompt first, pad id after), the mask (the prompt's, ones after) and the
+    positions (None for a model without ``position_ids``: it numbers the buffer itself, 0 to ``length - 1``)."""
+    import torch
+    import torch.nn.functional as F
+
+    batch, prompt_len = input_ids.shape
+    pad_id = model.generation_config.pad_token_id
+    ids = F.pad(input_ids, (0, length - prompt_len), value=0 if pad_id is None else int(pad_id))
+    mask = model_kwargs.get("attention_mask")
+    mask = torch.ones(batch, prompt_len, dtype=torch.long) if mask is None else mask.to("cpu").long()
+    full_mask = F.pad(mask, (0, length - prompt_len), value=1)
+    if not _takes(model, "position_ids"):
+        return ids, full_mask, None
+    positions = model_kwargs.get("position_ids")
+    if positions is None:  # as upstream's generate prepares them
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    positions = positions.to("cpu").long().expand(batch, prompt_len)
+    last = positions[:, -1:]
+    after = last + torch.arange(1, length - prompt_len + 1).clamp(max=max(new_tokens - 1, 0))
+    return ids, full_mask, torch.cat([positions, after], dim=1)  # (slots no token reaches keep the last position)
+
+
+def cacheless_loop(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    hf_tpu_plan: dict | None = None,
+    **model_kwargs,
+):
+    """``custom_generate`` callable of a call without a cache (see the module docstring)."""
+    import torch
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    from hf_tpu.transformers._decode_loop import _plan, _select
+    from hf_tpu.transformers._graphs import _run
+    from hf_tpu.transformers._settings import _state
+
+    info = hf_tpu_plan or {}
+    streamer = info.get("streamer", streamer)
+    state = _state(model)
+    device = model.device
+    input_ids = input_ids.to("cpu")
+    batch, prompt_len = input_ids.shape
+    new_tokens = generation_config.max_length - prompt_len
+    pad_token = generation_config._pad_token_tensor
+    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    do_sample = bool(generation_config.do_sample)
+    want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+    host_only = "output_scores/output_logits need the scores on the host" if want_scores or want_logits else None
+    if not state.settings.device_sampling and (do_sample or len(logits_processor) > 0):
+        host_only = "device sampling is off (configure(model, device_sampling=False))"
+    sampler = _plan(model, logits_processor, input_ids, do_sample, host_only)
+    host_path = sampler is None
+    variant = "" if sampler is None else sampler.variant
+    scores = () if want_scores else None
+    raw_logits = () if want_logits else None
+
+    length = _length_for(model, state, batch, prompt_len, new_tokens, variant)
+    ids, mask, positions = _layout(model, input_ids, model_kwargs, length, new_tokens)
+    ids_dev, mask_dev = ids.to(device), mask.to(device)
+    positions_dev = None if positions is None else positions.to(device)
+    extra = _extra(model)
+    sampling = None if host_path else sampler.to_device(device, length + 1, 0)
+    prefill_key = ("cacheless_prefill" + variant, batch, length)
+    decode_key = ("cacheless_decode" + variant, batch, length)
+    slot = torch.tensor([prompt_len - 1]).to(device)
+    tokens_dev, logits_dev = _run(model, state, prefill_key, ids_dev, slot, mask_dev, positions_dev, extra, sampling)
+
+    unfinished = torch.ones(batch, dtype=torch.long)
+    next_slot = prompt_len
+    while True:
+        next_tokens, step_scores, step_logits = _select(
+            logits_processor, input_ids, tokens_dev, logits_dev, do_sample, host_path
+        )
+        if want_scores:
+            scores += (step_scores,)
+        if want_logits:
+            raw_logits += (step_logits,)
+        if has_eos:
+            next_tokens = next_tokens * unfinished + pad_token * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        if streamer is not None:
+            streamer.put(next_tokens)
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        if unfinished.max() == 0 or next_slot >= length:
+            break
+        step = torch.stack([next_tokens, torch.full_like(next_tokens, next_slot)], dim=1).to(device)
+        tokens_dev, logits_dev = _run(model, state, decode_key, ids_dev, step, mask_dev, positions_dev, extra, sampling)
+        next_slot += 1
+
+    if streamer is not None:
+        streamer.end()
+    if not generation_config.return_dict_in_generate:
+        return input_ids
+    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits)
+
+
+def generation_loop(model, *args, cached_loop, **kwargs):
+    """The ``custom_generate`` callable hf_tpu hands upstream's ``generate``: this module's loop for a call without
+    a cache, else ``cached_loop`` (:func:`hf_tpu.transformers._decode_loop._decode_loop`)."""
+    config = kwargs.get("generation_config")
+    use_cache = True if config is None else bool(config.use_cache)
+    loop = cacheless_loop if recomputes(model, use_cache) else cached_loop
+    return loop(model, *args, **kwargs)
+
+
+def warm(model, plan, variant: str = "") -> list[tuple]:
+    """Compile (or find compiled) the two graphs a call with ``plan`` runs, on dummy inputs; returns their keys."""
+    import torch
+
+    from hf_tpu.transformers._decode_loop import _warm_sampling
+    from hf_tpu.transformers._graphs import _run
+    from hf_tpu.transformers._settings import _state
+
+    state = _state(model)
+    device = model.device
+    batch = plan.batch
+    length = buffer_length(model, plan.cache_bucket, plan.prompt_bucket)
+    ids = torch.zeros(batch, plan.prompt_len, dtype=torch.long)
+    with torch.no_grad():
+        buffer, mask, positions = _layout(model, ids, {}, length, length - plan.prompt_len + 1)
+        buffer, mask = buffer.to(device), mask.to(device)
+        positions = None if positions is None else positions.to(device)
+        extra = _extra(model)
+        sampling = _warm_sampling(model, ids, variant, length + 1, 0)
+        prefill_key = ("cacheless_prefill" + variant, batch, length)
+        decode_key = ("cacheless_decode" + variant, batch, length)
+        slot = torch.tensor([plan.prompt_len - 1]).to(device)
+        _run(model, state, prefill_key, buffer, slot, mask, positions, extra, sampling)
+        step = torch.tensor([[0, min(plan.prompt_len, length - 1)]], dtype=torch.long).expand(batch, 2)
+        _run(model, state, decode_key, buffer, step.contiguous().to(device), mask, positions, extra, sampling)
+    return [prefill_key, decode_key]
