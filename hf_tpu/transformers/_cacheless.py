@@ -45,12 +45,109 @@ def recomputes(model, use_cache: bool) -> bool:
     return not model.config.is_encoder_decoder and (not use_cache or writes_no_cache(model))
 
 
+# What generate says (once per reason) when the cached loop cannot serve a model and this one does instead.
+NO_CACHE_NOTE = (
+    "generate runs hf_tpu's loop without a cache instead (each step recomputes the whole sequence in one compiled "
+    "graph: no compile per step, but each step's work grows with the bucket)"
+)
+_INPUTS_AS_GIVEN: dict[type, bool] = {}
+
+
+def serves(model, use_cache: bool) -> bool:
+    """Whether a call that reached hf_tpu's loop runs this one: without a cache, or with a cache the cached loop
+    cannot serve (:func:`hf_tpu.transformers._upstream.cached_loop_problem`: ``_why_upstream`` checked that this
+    loop can)."""
+    from hf_tpu.transformers._upstream import cached_loop_problem
+
+    if model.config.is_encoder_decoder:
+        return False
+    return recomputes(model, use_cache) or cached_loop_problem(model) is not None
+
+
 def by_default(model) -> bool:
     """Whether a call with the model's own ``generation_config`` runs this loop (what warm-up compiles)."""
     use_cache = getattr(model.generation_config, "use_cache", None)
     if use_cache is None:
         use_cache = getattr(model.config, "use_cache", True)
-    return recomputes(model, bool(use_cache))
+    return serves(model, bool(use_cache))
+
+
+def cacheless_problem(model) -> str | None:
+    """Why this loop cannot serve ``model`` (None when it can): its graph failed to trace, or the model prepares
+    inputs of its own for each forward, which this loop would not pass."""
+    from hf_tpu.transformers._settings import _state
+
+    state = _state(model)
+    if not state.causal_checked:
+        state.causal_checked = True
+        state.cacheless_failure = state.cacheless_failure or _not_causal(model)
+    if state.cacheless_failure is not None:
+        return state.cacheless_failure
+    if not _inputs_as_given(model):
+        return (
+            f"{type(model).__name__}.prepare_inputs_for_generation makes inputs of its own for each forward, which "
+            "hf_tpu's loop without a cache does not make"
+        )
+    return None
+
+
+def _not_causal(model) -> str | None:
+    """Why the padding after a sequence would change the model's outputs on it (None when it does not): one eager
+    forward on the device of a 3-token prompt followed by 5 tokens, one of the prompt followed by 9 other tokens;
+    the logits at the prompt's last position must agree to rounding (a causal model's do; a bidirectional one, or
+    one whose outputs depend on the sequence length, ProphetNet's, do not)."""
+    import torch
+
+    vocab = int(getattr(model.config.get_text_config(decoder=True), "vocab_size", 0) or 0)
+    if vocab < 8:
+        return None  # pragma: no cover - no room for distinct tokens
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, vocab, (1, 3), generator=g)
+    logits = []
+    try:
+        with torch.no_grad():
+            for tail in (5, 9):
+                ids = torch.cat([prompt, torch.randint(1, vocab, (1, tail), generator=g)], dim=1)
+                kwargs = dict(_extra(model), attention_mask=torch.ones_like(ids))
+                if _takes(model, "position_ids"):
+                    kwargs["position_ids"] = torch.arange(ids.shape[1])[None]
+                kwargs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+                out = model(input_ids=ids.to(model.device), return_dict=True, **kwargs)
+                logits.append(out.logits[:, 2].float().to("cpu"))
+    except Exception as exc:  # noqa: BLE001 - the forward rejects a plain call: not known to be safe
+        return f"{type(model).__name__}'s forward without a cache failed ({type(exc).__name__}: {exc})"
+    scale = 1.0 + float(logits[0].abs().max())
+    if float((logits[0] - logits[1]).abs().max()) > 64 * torch.finfo(model.dtype).eps * scale:
+        return (
+            f"{type(model).__name__}'s outputs on a sequence change with the tokens after it (it is not causal, or "
+            "depends on the sequence's length), so a bucket's padding cannot follow the sequence"
+        )
+    return None
+
+
+def _inputs_as_given(model) -> bool:
+    """Whether the model's ``prepare_inputs_for_generation`` hands its forward, without a cache, the ids, mask and
+    positions it is given and nothing else (upstream's own does; OpenAI GPT's too; XLM's appends a mask token),
+    tried once per class on a small host input."""
+    import torch
+    from transformers.generation.utils import GenerationMixin
+
+    cls = type(model)
+    if cls.prepare_inputs_for_generation is GenerationMixin.prepare_inputs_for_generation:
+        return True
+    if cls not in _INPUTS_AS_GIVEN:
+        given = {
+            "input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long),
+            "position_ids": torch.arange(3)[None],
+        }  # fmt: skip
+        try:
+            got = model.prepare_inputs_for_generation(**given, use_cache=False, is_first_iteration=True)
+            tensors = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
+            same = set(tensors) <= set(given) and all(torch.equal(v, given[k]) for k, v in tensors.items())
+            _INPUTS_AS_GIVEN[cls] = same and "input_ids" in tensors
+        except Exception:  # noqa: BLE001 - any failure: not known to be safe
+            _INPUTS_AS_GIVEN[cls] = False
+    return _INPUTS_AS_GIVEN[cls]
 
 
 def _takes(model, name: str) -> bool:
@@ -150,6 +247,21 @@ def _layout(model, input_ids, model_kwargs: dict, length: int, new_tokens: int):
     return ids, full_mask, torch.cat([positions, after], dim=1)  # (slots no token reaches keep the last position)
 
 
+def _traced(model, state, key, *args):
+    """:func:`hf_tpu.transformers._graphs._run`; a graph that cannot be traced is remembered as this loop's failure
+    (``state.not_compilable`` stays the cached loop's), and the error carries it as ``reason``."""
+    from hf_tpu.transformers._graphs import _run
+    from hf_tpu.transformers._settings import NotCompilableError
+
+    before = state.not_compilable
+    try:
+        return _run(model, state, key, *args)
+    except NotCompilableError as exc:
+        state.cacheless_failure, state.not_compilable = state.not_compilable, before
+        exc.reason = state.cacheless_failure
+        raise
+
+
 def cacheless_loop(
     model,
     input_ids,
@@ -166,7 +278,6 @@ def cacheless_loop(
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     from hf_tpu.transformers._decode_loop import _plan, _select
-    from hf_tpu.transformers._graphs import _run
     from hf_tpu.transformers._settings import _state
 
     info = hf_tpu_plan or {}
@@ -199,7 +310,8 @@ def cacheless_loop(
     prefill_key = ("cacheless_prefill" + variant, batch, length)
     decode_key = ("cacheless_decode" + variant, batch, length)
     slot = torch.tensor([prompt_len - 1]).to(device)
-    tokens_dev, logits_dev = _run(model, state, prefill_key, ids_dev, slot, mask_dev, positions_dev, extra, sampling)
+    args = (mask_dev, positions_dev, extra, sampling)
+    tokens_dev, logits_dev = _traced(model, state, prefill_key, ids_dev, slot, *args)
 
     unfinished = torch.ones(batch, dtype=torch.long)
     next_slot = prompt_len
@@ -220,7 +332,7 @@ def cacheless_loop(
         if unfinished.max() == 0 or next_slot >= length:
             break
         step = torch.stack([next_tokens, torch.full_like(next_tokens, next_slot)], dim=1).to(device)
-        tokens_dev, logits_dev = _run(model, state, decode_key, ids_dev, step, mask_dev, positions_dev, extra, sampling)
+        tokens_dev, logits_dev = _traced(model, state, decode_key, ids_dev, step, *args)
         next_slot += 1
 
     if streamer is not None:
@@ -235,7 +347,7 @@ def generation_loop(model, *args, cached_loop, **kwargs):
     a cache, else ``cached_loop`` (:func:`hf_tpu.transformers._decode_loop._decode_loop`)."""
     config = kwargs.get("generation_config")
     use_cache = True if config is None else bool(config.use_cache)
-    loop = cacheless_loop if recomputes(model, use_cache) else cached_loop
+    loop = cacheless_loop if serves(model, use_cache) else cached_loop
     return loop(model, *args, **kwargs)
 
 
@@ -244,7 +356,6 @@ def warm(model, plan, variant: str = "") -> list[tuple]:
     import torch
 
     from hf_tpu.transformers._decode_loop import _warm_sampling
-    from hf_tpu.transformers._graphs import _run
     from hf_tpu.transformers._settings import _state
 
     state = _state(model)
@@ -261,7 +372,7 @@ def warm(model, plan, variant: str = "") -> list[tuple]:
         prefill_key = ("cacheless_prefill" + variant, batch, length)
         decode_key = ("cacheless_decode" + variant, batch, length)
         slot = torch.tensor([plan.prompt_len - 1]).to(device)
-        _run(model, state, prefill_key, buffer, slot, mask, positions, extra, sampling)
+        _traced(model, state, prefill_key, buffer, slot, mask, positions, extra, sampling)
         step = torch.tensor([[0, min(plan.prompt_len, length - 1)]], dtype=torch.long).expand(batch, 2)
-        _run(model, state, decode_key, buffer, step.contiguous().to(device), mask, positions, extra, sampling)
+        _traced(model, state, decode_key, buffer, step.contiguous().to(device), mask, positions, extra, sampling)
     return [prefill_key, decode_key]

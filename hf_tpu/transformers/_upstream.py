@@ -14,7 +14,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 
-from hf_tpu.transformers._cacheless import recomputes
+from hf_tpu.transformers._cacheless import NO_CACHE_NOTE, cacheless_problem, recomputes
 from hf_tpu.transformers._settings import _DEVICE_TYPES, _state
 from hf_tpu.transformers._static_cache import _static_cache_problem
 
@@ -86,7 +86,19 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
     if extra:
         return f"model inputs {sorted(extra)} are not supported by the bucketed loop"
     if recomputes(model, bool(config.use_cache)):  # hf_tpu's loop without a cache: no cache to check
-        return _state(model).not_compilable
+        return cacheless_problem(model)
+    problem = cached_loop_problem(model)
+    if problem is None or model.config.is_encoder_decoder:
+        return problem
+    without = cacheless_problem(model)
+    if without is not None:
+        return f"{problem}; and without a cache: {without}"
+    _warn_once(f"no cache:{problem}", f"hf_tpu: {problem}; {NO_CACHE_NOTE}.")
+    return None
+
+
+def cached_loop_problem(model) -> str | None:
+    """Why the bucketed loop with a static cache cannot serve ``model`` (None when it can)."""
     if numbers_by_cache_length(model):
         other = _layers_besides_full_attention(model)
         if other:

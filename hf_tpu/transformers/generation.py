@@ -135,7 +135,8 @@ def generate(self, *args, **kwargs):
     arguments = dict(bound.arguments)
     extra_kwargs = dict(arguments.pop("kwargs", {}))
     check_compile_config(self, arguments, extra_kwargs)
-    reason = _why_upstream(self, arguments, extra_kwargs)
+    asked = (dict(arguments), dict(extra_kwargs))
+    reason = _why_upstream(self, *asked)
     if reason is not None:
         if not reason.startswith("silent:"):
             _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
@@ -163,13 +164,18 @@ def generate(self, *args, **kwargs):
     plan = {"streamer": arguments.get("streamer")}
     loop = functools.partial(_cacheless.generation_loop, cached_loop=_decode_loop)  # or the loop without a cache
     arguments["custom_generate"] = functools.partial(loop, hf_tpu_plan=plan)
-    try:
-        result = upstream(self, input_ids, **arguments, **extra_kwargs)
-    except NotCompilableError:  # found at the first trace: this call and the next ones run upstream's loop
-        reason = state.not_compilable
-        _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
-        with _inputs_on_model_device(self):
-            return upstream(self, *args, **kwargs)
+    for _ in range(2):
+        try:
+            result = upstream(self, input_ids, **arguments, **extra_kwargs)
+            break
+        except NotCompilableError as exc:  # found at the first trace of a graph
+            reason = getattr(exc, "reason", None)  # set by the loop without a cache
+            if reason is None and _why_upstream(self, *asked) is None:
+                continue  # the cached form failed: the loop without a cache serves this call and the next ones
+            reason = reason or state.not_compilable  # this call and the next ones run upstream's loop
+            _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
+            with _inputs_on_model_device(self):
+                return upstream(self, *args, **kwargs)
     if before is not None:
         _refuse_eager_compiles(before)
     return _output_to(result, out_device)

@@ -100,9 +100,11 @@ def warmup(
             "load it with device_map='tpu' or call model.to('tpu') first."
         )
     state = generation._state(model)
-    if state.not_compilable:
+    cacheless = _cacheless.by_default(model)  # generate runs the loop without a cache for it (or with one)
+    problem = _cacheless.cacheless_problem(model) if cacheless else state.not_compilable
+    if problem:
         raise generation.NotCompilableError(
-            f"{state.not_compilable}; generate runs upstream's loop for it, so warm-up has no graph to compile"
+            f"{problem}; generate runs upstream's loop for it, so warm-up has no graph to compile"
         )
     ladder = state.ladder(model.config)
     batch_sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
@@ -112,7 +114,7 @@ def warmup(
     seq2seq = bool(model.config.is_encoder_decoder)
 
     variant = generation.default_variant(model)
-    warm_plan = _cacheless.warm if _cacheless.by_default(model) else generation._warm  # without a cache, or with
+    warm_plan = _cacheless.warm if cacheless else generation._warm
     plans = []
     for batch in batch_sizes:
         for bucket in prompt_buckets:
@@ -137,7 +139,15 @@ def warmup(
         for plan in bar:
             shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
             bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
-            for key in warm_plan(model, plan, variant):
+            try:
+                keys = warm_plan(model, plan, variant)
+            except generation.NotCompilableError:
+                served = _cacheless.by_default(model) and not _cacheless.cacheless_problem(model)
+                if warm_plan is _cacheless.warm or not served:
+                    raise
+                warm_plan = _cacheless.warm  # the cached form cannot be traced: generate runs without a cache
+                keys = warm_plan(model, plan, variant)
+            for key in keys:
                 if key not in report.graphs:
                     report.graphs.append(key)
     except BaseException:

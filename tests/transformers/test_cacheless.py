@@ -52,10 +52,11 @@ def _copies_per_step(tpu, ids, **kw) -> tuple[float, float]:
 def test_two_prompt_lengths_in_one_bucket_match_cpu_with_no_compile_for_the_second(family, request, prompts):
     cpu, tpu = request.getfixturevalue(family)
     first, second = prompts([5])[0], prompts([11], seed=1)[0]
-    assert torch.equal(tpu.generate(first, max_new_tokens=8, **GREEDY), cpu.generate(first, max_new_tokens=8, **GREEDY))
+    kw = {**GREEDY, "max_new_tokens": 8}
+    assert torch.equal(tpu.generate(first, **kw), cpu.generate(first, **kw))
     with hf_tpu.sim.stats() as s:
-        got = tpu.generate(second, max_new_tokens=8, **GREEDY)
-    assert torch.equal(got, cpu.generate(second, max_new_tokens=8, **GREEDY))
+        got = tpu.generate(second, **kw)
+    assert torch.equal(got, cpu.generate(second, **kw))
     assert s.compiles == 0 and s.shape_signatures <= 4
     assert {k[0] for k in generation.compiled_graphs(tpu)} == {"cacheless_prefill", "cacheless_decode"}
     h2d, d2h = _copies_per_step(tpu, second, **GREEDY)
