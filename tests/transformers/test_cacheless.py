@@ -81,7 +81,7 @@ def test_use_cache_false_on_a_model_with_a_cache_runs_without_one(prompts):
 
     from hf_tpu.testing import tiny_config
 
-    cpu, tpu = _pair(LlamaForCausalLM, tiny_config("llama", vocab_size=96))
+    cpu, tpu = _pair(LlamaForCausalLM, tiny_config("llama", vocab_size=96, num_hidden_layers=1))
     ids, mask = prompts([3, 7])
     kw = {**GREEDY, "attention_mask": mask, "max_new_tokens": 6, "use_cache": False}
     assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
@@ -108,3 +108,43 @@ def test_warmup_compiles_the_graphs_and_strict_mode_then_compiles_nothing(openai
             tpu.generate(prompts([3, 5])[0], max_new_tokens=6, **GREEDY)  # batch 2 was never warmed
     finally:
         generation.configure(tpu, strict=False)
+
+
+def test_a_forward_not_traceable_with_a_cache_runs_without_one(prompts):
+    # TrOCR shapes its positions by the cache length (torch.arange(cache_length, ...)): its cached graph cannot be
+    # traced, the loop without a cache serves it (no position_ids: the buffer stays within its position table)
+    from transformers import TrOCRConfig, TrOCRForCausalLM
+
+    config = TrOCRConfig(
+        vocab_size=96, d_model=32, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
+        max_position_embeddings=24,
+    )  # fmt: skip
+    cpu, tpu = _pair(TrOCRForCausalLM, config)
+    generation._WARNED.clear()
+    kw = {**GREEDY, "max_new_tokens": 12}  # a cache bucket past the 24 positions: the buffer keeps to 24
+    first, second = prompts([5])[0], prompts([9], seed=1)[0]
+    with pytest.warns(UserWarning, match="generate runs hf_tpu's loop without a cache instead"):
+        assert torch.equal(tpu.generate(first, **kw), cpu.generate(first, **kw))
+    with hf_tpu.sim.stats() as s:
+        assert torch.equal(tpu.generate(second, **kw), cpu.generate(second, **kw))
+    assert s.compiles == 0
+    assert generation.compiled_graphs(tpu) == [("cacheless_prefill", 1, 24), ("cacheless_decode", 1, 24)]
+    assert generation.plan_shapes(tpu, 1, 9, 12).cache_bucket > 24
+
+
+def test_a_model_whose_outputs_change_with_later_tokens_runs_upstream_with_both_reasons(prompts):
+    # RoFormer's causal-LM class without is_decoder attends both ways: the padding after a sequence would change it
+    from transformers import RoFormerConfig, RoFormerForCausalLM
+
+    config = RoFormerConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, embedding_size=32,
+    )  # fmt: skip
+    cpu, tpu = _pair(RoFormerForCausalLM, config)
+    generation._WARNED.clear()
+    kw = {**GREEDY, "max_new_tokens": 4}
+    ids = prompts([5])[0]
+    assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))  # the cached graph fails to trace
+    with pytest.warns(UserWarning, match=r"and without a cache: RoFormerForCausalLM's outputs on a sequence change"):
+        assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
+    assert not generation.compiled_graphs(tpu)
