@@ -260,8 +260,8 @@ def test_a_decoder_numbering_tokens_by_its_cache_length_gets_its_prompt_first(pr
     assert torch.equal(tpu.generate(ids, attention_mask=mask, **kwargs), cpu.generate(ids, attention_mask=mask, **kwargs))
 
 
-def test_a_decoder_numbering_tokens_by_its_cache_length_with_a_sliding_window_runs_upstream():
-    # a window would take in the padding after the prompt: upstream's loop, with the reason
+def test_a_decoder_numbering_tokens_by_its_cache_length_with_a_sliding_window_runs_without_a_cache():
+    # a window would take in the padding after the prompt: the loop without a cache, with the reason
     from transformers import BartConfig, BartForCausalLM
 
     from hf_tpu.transformers._upstream import _why_upstream
@@ -273,8 +273,9 @@ def test_a_decoder_numbering_tokens_by_its_cache_length_with_a_sliding_window_ru
     config.layer_types = ["sliding_attention"]
     config.sliding_window = 8
     model = BartForCausalLM(config).eval().to("tpu")
-    why = _why_upstream(model, {}, {"input_ids": torch.ones(1, 3, dtype=torch.long)})
-    assert "StaticSlidingWindowLayer layers cannot hold" in why
+    generation._WARNED.clear()
+    with pytest.warns(UserWarning, match="StaticSlidingWindowLayer layers cannot hold.*loop without a cache instead"):
+        assert _why_upstream(model, {}, {"input_ids": torch.ones(1, 3, dtype=torch.long)}) is None
 
 
 def test_disable_restores_upstream_generate():
@@ -288,28 +289,3 @@ def test_disable_restores_upstream_generate():
     finally:
         hf_tpu.enable("generation")
     assert GenerationMixin.generate.__hf_tpu_upstream__ is patched.__hf_tpu_upstream__
-
-
-def test_a_forward_that_cannot_be_one_graph_runs_upstream_with_the_reason(prompts):
-    # TrOCR's decoder turns its cache length into a shape (torch.arange(cache_length, cache_length + n)): dynamo
-    # cannot trace that as one static graph, so generate says so once and runs upstream's loop, then and later
-    from transformers import TrOCRConfig, TrOCRForCausalLM
-
-    torch.manual_seed(0)
-    config = TrOCRConfig(
-        vocab_size=96, d_model=32, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
-        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    cpu = TrOCRForCausalLM(config).eval()
-    tpu = TrOCRForCausalLM(config).eval()
-    tpu.load_state_dict(cpu.state_dict())
-    tpu.to("tpu")
-    ids, _ = prompts([5])
-    kwargs = {"max_new_tokens": 4, "do_sample": False}
-    generation._WARNED.clear()
-    with pytest.warns(UserWarning, match="TrOCRForCausalLM.s forward cannot be compiled as one static-shape graph"):
-        got = tpu.generate(ids, **kwargs)
-    assert torch.equal(got, cpu.generate(ids, **kwargs))
-    with hf_tpu.sim.stats() as s:
-        assert torch.equal(tpu.generate(ids, **kwargs), cpu.generate(ids, **kwargs))
-    assert s.compiles == 0 and not generation.compiled_graphs(tpu)
