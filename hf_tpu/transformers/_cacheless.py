@@ -345,10 +345,17 @@ def cacheless_loop(
 def generation_loop(model, *args, cached_loop, **kwargs):
     """The ``custom_generate`` callable hf_tpu hands upstream's ``generate``: this module's loop for a call without
     a cache, else ``cached_loop`` (:func:`hf_tpu.transformers._decode_loop._decode_loop`)."""
+    from hf_tpu.transformers._upstream import _warn_once, cached_loop_problem
+
     config = kwargs.get("generation_config")
     use_cache = True if config is None else bool(config.use_cache)
-    loop = cacheless_loop if serves(model, use_cache) else cached_loop
-    return loop(model, *args, **kwargs)
+    if not serves(model, use_cache):
+        return cached_loop(model, *args, **kwargs)
+    result = cacheless_loop(model, *args, **kwargs)
+    problem = None if recomputes(model, use_cache) else cached_loop_problem(model)
+    if problem is not None:  # said once its graphs ran (a model whose graphs fail here runs upstream's loop)
+        _warn_once(f"no cache:{problem}", f"hf_tpu: {problem}; {NO_CACHE_NOTE}.")
+    return result
 
 
 def warm(model, plan, variant: str = "") -> list[tuple]:

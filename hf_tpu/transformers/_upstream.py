@@ -14,7 +14,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 
-from hf_tpu.transformers._cacheless import NO_CACHE_NOTE, cacheless_problem, recomputes
+from hf_tpu.transformers._cacheless import cacheless_problem, recomputes
 from hf_tpu.transformers._settings import _DEVICE_TYPES, _state
 from hf_tpu.transformers._static_cache import _static_cache_problem
 
@@ -93,8 +93,7 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
     without = cacheless_problem(model)
     if without is not None:
         return f"{problem}; and without a cache: {without}"
-    _warn_once(f"no cache:{problem}", f"hf_tpu: {problem}; {NO_CACHE_NOTE}.")
-    return None
+    return None  # the loop without a cache serves it (and says why once its graphs ran: _cacheless.generation_loop)
 
 
 def cached_loop_problem(model) -> str | None:

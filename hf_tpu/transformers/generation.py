@@ -169,8 +169,8 @@ def generate(self, *args, **kwargs):
             result = upstream(self, input_ids, **arguments, **extra_kwargs)
             break
         except NotCompilableError as exc:  # found at the first trace of a graph
-            reason = getattr(exc, "reason", None)  # set by the loop without a cache
-            if reason is None and _why_upstream(self, *asked) is None:
+            reason = _why_upstream(self, *asked)  # now with what the trace found
+            if reason is None and getattr(exc, "reason", None) is None:
                 continue  # the cached form failed: the loop without a cache serves this call and the next ones
             reason = reason or state.not_compilable  # this call and the next ones run upstream's loop
             _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")

@@ -148,3 +148,21 @@ def test_a_model_whose_outputs_change_with_later_tokens_runs_upstream_with_both_
     with pytest.warns(UserWarning, match=r"and without a cache: RoFormerForCausalLM's outputs on a sequence change"):
         assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
     assert not generation.compiled_graphs(tpu)
+
+
+def test_the_graphs_are_stored_in_and_loaded_from_the_persistent_compile_cache(openai_gpt, prompts, tmp_path):
+    from transformers import OpenAIGPTLMHeadModel
+
+    cpu, _ = openai_gpt
+    reports = []
+    for _ in range(2):  # a second model (a new process would do the same): loaded, not compiled
+        tpu = OpenAIGPTLMHeadModel(cpu.config).eval()
+        tpu.load_state_dict(cpu.state_dict())
+        tpu = tpu.to("tpu")
+        kw = {"max_prompt_len": 16, "batch_sizes": [1], "max_new_tokens": 6, "progress": False}
+        reports.append(hf_tpu.warmup(tpu, cache_dir=tmp_path, **kw))
+    assert (reports[0].new_compiles, reports[1].new_compiles, reports[1].from_cache) == (2, 0, 2)
+    ids = prompts([7])[0]
+    with hf_tpu.sim.stats() as s:
+        assert torch.equal(tpu.generate(ids, max_new_tokens=6, **GREEDY), cpu.generate(ids, max_new_tokens=6, **GREEDY))
+    assert s.compiles == 0
