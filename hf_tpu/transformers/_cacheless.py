@@ -17,6 +17,12 @@ whole bucket are computed once per call (the prompt's as upstream's ``generate``
 slot), sent with the first step. Two graph kinds, compiled per (batch, bucket): ``cacheless_prefill`` (the
 prompt's last slot) and ``cacheless_decode`` (writes the new tokens first); they run through
 :func:`hf_tpu.transformers._graphs._run` (strict mode, the persistent compile cache) like the cached loop's.
+
+A decoder-only model whose cached form hf_tpu cannot run (its own cache type, a cache that cannot be sized, a
+forward that does not trace as one graph with a cache: :func:`hf_tpu.transformers._upstream.cached_loop_problem`)
+runs this loop too, when two checks pass (:func:`cacheless_problem`, once per model): its outputs on a sequence do
+not change with the tokens after it (one eager forward on two paddings), and its ``prepare_inputs_for_generation``
+makes no inputs of its own. A model that fails them, or whose graphs here do not trace either, runs upstream's loop.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ def writes_no_cache(model) -> bool:
 
 
 def recomputes(model, use_cache: bool) -> bool:
-    """Whether a call runs this loop: a decoder-only model generating without a cache."""
+    """Whether a call has no cache: a decoder-only model generating with ``use_cache=False``, or one that keeps
+    none."""
     return not model.config.is_encoder_decoder and (not use_cache or writes_no_cache(model))
 
 

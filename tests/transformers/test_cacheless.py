@@ -162,7 +162,7 @@ def test_the_graphs_are_stored_in_and_loaded_from_the_persistent_compile_cache(o
         kw = {"max_prompt_len": 16, "batch_sizes": [1], "max_new_tokens": 6, "progress": False}
         reports.append(hf_tpu.warmup(tpu, cache_dir=tmp_path, **kw))
     assert (reports[0].new_compiles, reports[1].new_compiles, reports[1].from_cache) == (2, 0, 2)
-    ids = prompts([7])[0]
+    ids, kw = prompts([7])[0], {**GREEDY, "max_new_tokens": 6}
     with hf_tpu.sim.stats() as s:
-        assert torch.equal(tpu.generate(ids, max_new_tokens=6, **GREEDY), cpu.generate(ids, max_new_tokens=6, **GREEDY))
+        assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
     assert s.compiles == 0
