@@ -80,7 +80,7 @@ class _ModelState:
     module_states: list | None = None  # (module, attribute) of state kept on modules (_module_state.py); None: unseen
     not_compilable: str | None = None  # why the forward cannot be one static-shape graph (found at its first trace)
     cacheless_failure: str | None = None  # the same, for the loop without a cache (hf_tpu.transformers._cacheless)
-    causal_checked: bool = False  # the loop without a cache tried the model on two paddings (_cacheless._causal)
+    causal_checked: bool = False  # the loop without a cache tried the model on two paddings (_cacheless._not_causal)
 
     def ladder(self, config) -> BucketLadder:
         if self.settings.buckets is None:
