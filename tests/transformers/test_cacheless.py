@@ -130,6 +130,10 @@ def test_a_forward_not_traceable_with_a_cache_runs_without_one(prompts):
     assert s.compiles == 0
     assert generation.compiled_graphs(tpu) == [("cacheless_prefill", 1, 24), ("cacheless_decode", 1, 24)]
     assert generation.plan_shapes(tpu, 1, 9, 12).cache_bucket > 24
+    # warm-up of a fresh model finds the cached form untraceable and compiles the graphs without a cache
+    fresh = TrOCRForCausalLM(config).eval().to("tpu")
+    report = hf_tpu.warmup(fresh, max_prompt_len=8, batch_sizes=[1], max_new_tokens=8, progress=False)
+    assert {k[0] for k in report.graphs} == {"cacheless_prefill", "cacheless_decode"}
 
 
 def test_a_model_whose_outputs_change_with_later_tokens_runs_upstream_with_both_reasons(prompts):
