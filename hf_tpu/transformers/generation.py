@@ -22,8 +22,9 @@ classes) and plugs its own decoding loop in through upstream's ``custom_generate
   the last logits row back instead;
 * returns the output on the device the inputs came from.
 
-Anything the loop does not cover (beam search, assisted decoding, a user cache, a cache layer kind without a
-bucketed form, ...) runs upstream's code unchanged, with a warning that names the cost on a TPU.
+Generation without a cache runs a loop of its own (:mod:`hf_tpu.transformers._cacheless`). Anything neither loop
+covers (beam search, assisted decoding, a user cache, a model that fails the checks of the loop without a cache,
+...) runs upstream's code unchanged, with a warning that names the cost on a TPU.
 
 Where a change belongs (this module is the public entry point and re-exports the public names):
 
@@ -35,6 +36,8 @@ Where a change belongs (this module is the public entry point and re-exports the
 * :mod:`hf_tpu.transformers._graphs`: the compiled graphs and :func:`_run` (strict mode, the persistent compile
   cache of :mod:`hf_tpu.compile_cache`);
 * :mod:`hf_tpu.transformers._decode_loop`: the decoding loop and the warm-up of one shape plan;
+* :mod:`hf_tpu.transformers._cacheless`: the loop without a cache (``use_cache=False``, a model that keeps none or
+  whose cache the loop above cannot run: the whole sequence recomputed each step in one graph per bucket);
 * :mod:`hf_tpu.transformers.sampling`: logits processors, warpers and sampling inside the graphs;
 * :mod:`hf_tpu.transformers._upstream`: when upstream's ``generate`` runs instead, and why.
 
