@@ -80,8 +80,9 @@ def by_default(model) -> bool:
 
 
 def cacheless_problem(model) -> str | None:
-    """Why this loop cannot serve ``model`` (None when it can): its graph failed to trace, or the model prepares
-    inputs of its own for each forward, which this loop would not pass."""
+    """Why this loop cannot serve ``model`` (None when it can): the padding after a sequence changes its outputs
+    (:func:`_not_causal`, tried once per model), its graph failed to trace, or it prepares inputs of its own for
+    each forward, which this loop would not pass."""
     from hf_tpu.transformers._settings import _state
 
     state = _state(model)
