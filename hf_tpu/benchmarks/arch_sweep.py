@@ -438,7 +438,9 @@ def markdown(figures: dict) -> str:
         f"tokens for prompt lengths {LENGTHS[0]} and {LENGTHS[1]} (one bucket), against",
         "the same model on the CPU. *compiles* and *new signatures* (new eager op shapes, each an op compile on",
         "torch_tpu) are those of the second prompt length; *copies/step* are host->device + device->host copies per",
-        "decode step. Targets: fast path, identical, 0 compiles, <= 4 new signatures, <= 1 copy each way.",
+        "decode step. Targets: fast path, identical, 0 compiles, <= 4 new signatures, <= 1 copy each way. A fast-path",
+        "row's reason says how it runs when it is not the cached loop: \"no cache\" (hf_tpu's loop without a cache,",
+        "docs/generation.md; after the colon, why the cached loop cannot serve it) or \"host sampling\".",
         "",
         f"{s['architectures']} architectures; of the {s['measured']} measured, {s['buildable']} buildable (built, "
         f"loaded and run on the CPU); {s['fast_path']} on hf_tpu's fast path, "
