@@ -190,15 +190,21 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
     # hf_tpu's loop with the processors on the host (one logits row back per step instead of the tokens) is still
     # the fast path; the copy targets below judge its cost, the row's reason names it
     host = [m for m in messages if _HOST_SAMPLING in m]
-    reasons = [m for m in messages if _HOST_SAMPLING not in m]
-    if own and not reasons and not generation.compiled_graphs(tpu):
+    # so is hf_tpu's loop without a cache (the cached form's problem named in a note): the row says "no cache"
+    no_cache = [m for m in messages if _NO_CACHE in m]
+    reasons = [m for m in messages if _HOST_SAMPLING not in m and _NO_CACHE not in m]
+    graphs = generation.compiled_graphs(tpu)
+    if own and not reasons and not graphs:
         reasons = [f"hf_tpu: {own}"]
-    fast = bool(generation.compiled_graphs(tpu)) and not reasons
+    fast = bool(graphs) and not reasons
+    notes = ["host sampling: " + _reason(host).split(", so ")[0]] if host else []
+    if any(key[0].startswith("cacheless") for key in graphs):
+        notes.insert(0, "no cache" + (": " + _reason(no_cache).split("; generate runs")[0] if no_cache else ""))
     second = runs[1][1]
     h2d, d2h = _per_step(second, short, new_tokens - 2)
     row.update(
         status="fast path" if fast else "upstream loop",
-        reason=("host sampling: " + _reason(host).split(", so ")[0] if host else "") if fast else _reason(reasons),
+        reason="; ".join(notes) if fast else _reason(reasons),
         identical=identical,
         compiles_2nd=second.compiles,
         signatures_2nd=second.shape_signatures,
@@ -214,6 +220,7 @@ def _line(e: BaseException) -> str:
 
 
 _HOST_SAMPLING = "keeps the logits processors and sampling on the host"
+_NO_CACHE = "generate runs hf_tpu's loop without a cache instead"  # hf_tpu.transformers._cacheless.NO_CACHE_NOTE
 
 
 def _reason(messages: list[str]) -> str:
@@ -449,7 +456,9 @@ def markdown(figures: dict) -> str:
         f"tokens for prompt lengths {LENGTHS[0]} and {LENGTHS[1]} (one bucket), against",
         "the same model on the CPU. *compiles* and *new signatures* (new eager op shapes, each an op compile on",
         "torch_tpu) are those of the second prompt length; *copies/step* are host->device + device->host copies per",
-        "decode step. Targets: fast path, identical, 0 compiles, <= 4 new signatures, <= 1 copy each way.",
+        "decode step. Targets: fast path, identical, 0 compiles, <= 4 new signatures, <= 1 copy each way. A fast-path",
+        "row's reason says how it runs when it is not the cached loop: \"no cache\" (hf_tpu's loop without a cache,",
+        "docs/generation.md; after the colon, why the cached loop cannot serve it) or \"host sampling\".",
         "",
         f"{s['architectures']} architectures; of the {s['measured']} measured, {s['buildable']} buildable (built, "
         f"loaded and run on the CPU); {s['fast_path']} on hf_tpu's fast path, "

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from hf_tpu.transformers import _cacheless
 from hf_tpu.transformers._settings import (
     STRICT_ENV,
     GenerationSettings,
@@ -136,6 +137,7 @@ _GRAPHS: dict[str, Callable] = {
     "seq2seq_prefill": _seq2seq_prefill,
     "seq2seq_decode": _seq2seq_decode,
 }
+_GRAPHS.update(_cacheless.GRAPHS)  # the loop without a cache (hf_tpu.transformers._cacheless)
 # Graph kinds carry the device plan's variant after a "+" ("decode+temperature+top_k+sample"): the processors
 # (and sampler) the graph runs on the device. The variant of greedy search with a lone repetition penalty:
 _PENALTY = "+repetition_penalty"
@@ -171,6 +173,7 @@ def _describe(key: tuple) -> str:
         "encoder": ("encoder bucket",),
         "seq2seq_prefill": ("encoder bucket", "decoder prompt", "cache bucket"),
         "seq2seq_decode": ("encoder bucket", "cache bucket"),
+        **_cacheless.SHAPE_NAMES,
     }[kind.split("+", 1)[0]]
     return f"{kind} graph for batch={batch}, " + ", ".join(f"{n}={v}" for n, v in zip(names, rest))
 
@@ -218,6 +221,7 @@ def _namespace(cache, model, state: _ModelState):
     # the graphs' own code: this module, the device sampling, and the cache layers and masks they trace
     modules = (
         inspect.getmodule(_run), sampling, _registry, _processors, _warpers, _cache_layers, _cache_layer_classes,
+        _cacheless,
     )  # fmt: skip
     source = "".join(inspect.getsource(m) for m in modules)
     # and the bucketed forms of models' own caches (read, not imported: importing it imports their modeling files)

@@ -81,6 +81,8 @@ class _ModelState:
     not_compilable: str | None = None  # why the forward cannot be one static-shape graph (found at its first trace)
     # once its cache reports a host length (_cache_layers.set_length), tried after a first trace failed: its reason
     host_length: str | None = None
+    cacheless_failure: str | None = None  # the same, for the loop without a cache (hf_tpu.transformers._cacheless)
+    causal_checked: bool = False  # the loop without a cache tried the model on two paddings (_cacheless._not_causal)
 
     def ladder(self, config) -> BucketLadder:
         if self.settings.buckets is None:

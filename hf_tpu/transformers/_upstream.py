@@ -14,6 +14,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 
+from hf_tpu.transformers._cacheless import cacheless_problem, recomputes
 from hf_tpu.transformers._settings import _DEVICE_TYPES, _state
 from hf_tpu.transformers._static_cache import _static_cache_problem
 
@@ -67,7 +68,7 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
                 "cache_implementation to get hf_tpu's static, bucketed cache"
             )
         return f"cache_implementation={config.cache_implementation!r} is not supported by the bucketed loop"
-    if not config.use_cache:
+    if not config.use_cache and model.config.is_encoder_decoder:
         return "use_cache=False recomputes the whole sequence each step, a new shape (and compile) per step"
     mode = config.get_generation_mode(args.get("assistant_model"))
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
@@ -84,6 +85,19 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
     extra = {k for k in extra if model_kwargs[k] is not None}
     if extra:
         return f"model inputs {sorted(extra)} are not supported by the bucketed loop"
+    if recomputes(model, bool(config.use_cache)):  # hf_tpu's loop without a cache: no cache to check
+        return cacheless_problem(model)
+    problem = cached_loop_problem(model)
+    if problem is None or model.config.is_encoder_decoder:
+        return problem
+    without = cacheless_problem(model)
+    if without is not None:
+        return f"{problem}; and without a cache: {without}"
+    return None  # the loop without a cache serves it (and says why once its graphs ran: _cacheless.generation_loop)
+
+
+def cached_loop_problem(model) -> str | None:
+    """Why the bucketed loop with a static cache cannot serve ``model`` (None when it can)."""
     if numbers_by_cache_length(model):
         other = _layers_besides_full_attention(model)
         if other:

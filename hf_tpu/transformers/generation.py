@@ -22,8 +22,9 @@ classes) and plugs its own decoding loop in through upstream's ``custom_generate
   the last logits row back instead;
 * returns the output on the device the inputs came from.
 
-Anything the loop does not cover (beam search, assisted decoding, a user cache, a cache layer kind without a
-bucketed form, ...) runs upstream's code unchanged, with a warning that names the cost on a TPU.
+Generation without a cache runs a loop of its own (:mod:`hf_tpu.transformers._cacheless`). Anything neither loop
+covers (beam search, assisted decoding, a user cache, a model that fails the checks of the loop without a cache,
+...) runs upstream's code unchanged, with a warning that names the cost on a TPU.
 
 Where a change belongs (this module is the public entry point and re-exports the public names):
 
@@ -35,6 +36,8 @@ Where a change belongs (this module is the public entry point and re-exports the
 * :mod:`hf_tpu.transformers._graphs`: the compiled graphs and :func:`_run` (strict mode, the persistent compile
   cache of :mod:`hf_tpu.compile_cache`);
 * :mod:`hf_tpu.transformers._decode_loop`: the decoding loop and the warm-up of one shape plan;
+* :mod:`hf_tpu.transformers._cacheless`: the loop without a cache (``use_cache=False``, a model that keeps none or
+  whose cache the loop above cannot run: the whole sequence recomputed each step in one graph per bucket);
 * :mod:`hf_tpu.transformers.sampling`: logits processors, warpers and sampling inside the graphs;
 * :mod:`hf_tpu.transformers._upstream`: when upstream's ``generate`` runs instead, and why.
 
@@ -52,7 +55,7 @@ import functools
 import inspect
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _upstream
+from hf_tpu.transformers import _cacheless, _upstream
 from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._decode_loop import _PENALTY, _decode_loop, _warm, default_variant
 from hf_tpu.transformers._graphs import _run
@@ -135,7 +138,8 @@ def generate(self, *args, **kwargs):
     arguments = dict(bound.arguments)
     extra_kwargs = dict(arguments.pop("kwargs", {}))
     check_compile_config(self, arguments, extra_kwargs)
-    reason = _why_upstream(self, arguments, extra_kwargs)
+    asked = (dict(arguments), dict(extra_kwargs))
+    reason = _why_upstream(self, *asked)
     if reason is not None:
         if not reason.startswith("silent:"):
             _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
@@ -160,18 +164,20 @@ def generate(self, *args, **kwargs):
         input_ids, extra_kwargs = _encode(self, input_ids, extra_kwargs)
 
     arguments.pop("self", None)
-    arguments["custom_generate"] = functools.partial(_decode_loop, hf_tpu_plan={"streamer": arguments.get("streamer")})
-    try:
-        result = upstream(self, input_ids, **arguments, **extra_kwargs)
-    except NotCompilableError:  # found at the first trace: this call and the next ones run upstream's loop
-        result = None
-        if retry_with_host_length(self):
-            try:
-                result = upstream(self, input_ids, **arguments, **extra_kwargs)
-            except NotCompilableError:
-                result = None
-        if result is None:
-            reason = state.not_compilable
+    plan = {"streamer": arguments.get("streamer")}
+    loop = functools.partial(_cacheless.generation_loop, cached_loop=_decode_loop)  # or the loop without a cache
+    arguments["custom_generate"] = functools.partial(loop, hf_tpu_plan=plan)
+    for _ in range(3):
+        try:
+            result = upstream(self, input_ids, **arguments, **extra_kwargs)
+            break
+        except NotCompilableError as exc:  # found at the first trace of a graph
+            if getattr(exc, "reason", None) is None and retry_with_host_length(self):
+                continue  # the cached form failed: with its cache length as a host int first
+            reason = _why_upstream(self, *asked)  # now with what the trace found
+            if reason is None and getattr(exc, "reason", None) is None:
+                continue  # the cached form failed: the loop without a cache serves this call and the next ones
+            reason = reason or state.not_compilable  # this call and the next ones run upstream's loop
             _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
             with _inputs_on_model_device(self):
                 return upstream(self, *args, **kwargs)

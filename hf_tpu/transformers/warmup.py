@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _settings, _upstream
+from hf_tpu.transformers import _cacheless, _settings, _upstream
 from hf_tpu.transformers.buckets import BucketLadder
 
 __all__ = ["WarmupReport", "warmup"]
@@ -103,9 +103,11 @@ def warmup(
     if own:
         raise generation.NotCompilableError(f"{own}; warm-up has no graph its generate would use")
     state = generation._state(model)
-    if state.not_compilable:
+    cacheless = _cacheless.by_default(model)  # generate runs the loop without a cache for it (or with one)
+    problem = _cacheless.cacheless_problem(model) if cacheless else state.not_compilable
+    if problem:
         raise generation.NotCompilableError(
-            f"{state.not_compilable}; generate runs upstream's loop for it, so warm-up has no graph to compile"
+            f"{problem}; generate runs upstream's loop for it, so warm-up has no graph to compile"
         )
     ladder = state.ladder(model.config)
     batch_sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
@@ -115,6 +117,7 @@ def warmup(
     seq2seq = bool(model.config.is_encoder_decoder)
 
     variant = generation.default_variant(model)
+    warm_plan = _cacheless.warm if cacheless else generation._warm
     plans = []
     for batch in batch_sizes:
         for bucket in prompt_buckets:
@@ -139,12 +142,7 @@ def warmup(
         for plan in bar:
             shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
             bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
-            try:
-                keys = generation._warm(model, plan, variant)
-            except generation.NotCompilableError:
-                if not generation.retry_with_host_length(model):
-                    raise
-                keys = generation._warm(model, plan, variant)
+            keys, warm_plan = _warm_one(model, plan, variant, warm_plan)
             for key in keys:
                 if key not in report.graphs:
                     report.graphs.append(key)
@@ -165,6 +163,27 @@ def warmup(
         report.cache_dir = str(cache.root)
         report.cache_problems = list(cache.problems)
     return report
+
+
+def _warm_one(model, plan, variant: str, warm_plan):
+    """Warm ``plan`` with ``warm_plan``; where the cached form does not trace, the forms generate falls back to in
+    turn: the cache length as a host int, then the loop without a cache. Returns the keys and the warm function that
+    served (the later plans use it)."""
+    from hf_tpu.transformers import generation
+
+    try:
+        return warm_plan(model, plan, variant), warm_plan
+    except generation.NotCompilableError:
+        if warm_plan is _cacheless.warm:
+            raise
+        if generation.retry_with_host_length(model):
+            try:
+                return generation._warm(model, plan, variant), generation._warm
+            except generation.NotCompilableError:
+                pass  # as generate does: the loop without a cache next, if it serves
+        if not (_cacheless.by_default(model) and not _cacheless.cacheless_problem(model)):
+            raise
+        return _cacheless.warm(model, plan, variant), _cacheless.warm  # generate runs without a cache for it
 
 
 def _cache_hits() -> int:
@@ -197,6 +216,9 @@ def _manifest_plans(model, state) -> list:
         if base == "prefill" and len(dims) == 3:
             batch, prompt, cache_len = dims
             plans.append(generation.ShapePlan(batch, prompt, prompt, cache_len))
+        elif base == "cacheless_prefill" and len(dims) == 2:  # the loop without a cache: its buffer's length
+            batch, length = dims
+            plans.append(generation.ShapePlan(batch, 1, 1, length))
         elif base == "seq2seq_prefill" and len(dims) == 4:
             batch, encoder, prompt, cache_len = dims
             plans.append(generation.ShapePlan(batch, prompt, prompt, cache_len, encoder))

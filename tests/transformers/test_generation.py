@@ -260,11 +260,11 @@ def test_a_decoder_numbering_tokens_by_its_cache_length_gets_its_prompt_first(pr
     assert torch.equal(tpu.generate(ids, attention_mask=mask, **kwargs), cpu.generate(ids, attention_mask=mask, **kwargs))
 
 
-def test_a_decoder_numbering_tokens_by_its_cache_length_with_a_sliding_window_runs_upstream():
-    # a window would take in the padding after the prompt: upstream's loop, with the reason
+def test_a_decoder_numbering_tokens_by_its_cache_length_with_a_sliding_window_runs_without_a_cache():
+    # a window would take in the padding after the prompt: the loop without a cache, with the reason
     from transformers import BartConfig, BartForCausalLM
 
-    from hf_tpu.transformers._upstream import _why_upstream
+    from hf_tpu.transformers._upstream import _why_upstream, cached_loop_problem
 
     config = BartConfig(
         vocab_size=96, d_model=32, decoder_layers=1, encoder_layers=1, decoder_attention_heads=2,
@@ -273,8 +273,8 @@ def test_a_decoder_numbering_tokens_by_its_cache_length_with_a_sliding_window_ru
     config.layer_types = ["sliding_attention"]
     config.sliding_window = 8
     model = BartForCausalLM(config).eval().to("tpu")
-    why = _why_upstream(model, {}, {"input_ids": torch.ones(1, 3, dtype=torch.long)})
-    assert "StaticSlidingWindowLayer layers cannot hold" in why
+    assert "StaticSlidingWindowLayer layers cannot hold" in cached_loop_problem(model)
+    assert _why_upstream(model, {}, {"input_ids": torch.ones(1, 3, dtype=torch.long)}) is None
 
 
 def test_disable_restores_upstream_generate():

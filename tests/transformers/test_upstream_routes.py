@@ -30,15 +30,6 @@ def _generate_like_cpu(cpu, tpu, prompts, match: str) -> None:
     assert not generation.compiled_graphs(tpu)
 
 
-def test_a_forward_that_keeps_no_cache_runs_upstream(prompts):
-    # OpenAI GPT's forward takes no cache: a static cache would stay empty and every step attend to nothing
-    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
-
-    config = OpenAIGPTConfig(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64)
-    cpu, tpu = _pair(OpenAIGPTLMHeadModel, config)
-    _generate_like_cpu(cpu, tpu, [prompts([5])[0]], "writes nothing into the cache it is given")
-
-
 def test_an_own_prepare_inputs_for_generation_gets_its_inputs_on_the_device(prompts):
     # XLM's prepare_inputs_for_generation overrides upstream's without its last step (moving the inputs to the
     # model's device): upstream's loop on host prompts handed its embedding host ids

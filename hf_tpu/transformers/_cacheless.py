@@ -1,0 +1,393 @@
+"""The loop without a cache: each step runs the model over the whole sequence, padded to a static bucket.
+
+A call with ``use_cache=False``, or a model whose forward writes nothing into the cache it is given (OpenAI GPT:
+it recomputes the whole sequence each step), has no cache for hf_tpu's static, bucketed one to replace. Upstream's
+loop then grows the sequence by one token per forward: a new shape, hence new compiles, at every step on a TPU.
+This loop keeps one shape per call instead: the token ids live on the device in a buffer as long as the cache
+bucket of the call's shape plan (:func:`hf_tpu.transformers.shapes.plan_shapes`), the prompt first and the
+bucket's padding after it. Each step sends one ``(batch, 2)`` tensor (the new tokens and their slot); the graph
+writes the tokens into the buffer, runs the model over all of it and reads the logits at that slot, and the next
+tokens come back (the device sampling plan of :mod:`hf_tpu.transformers.sampling` runs in the graph as in the
+cached loop's).
+
+The prompt goes first because a causal model's outputs at a position never depend on later positions, whatever
+they hold: the padding after the sequence changes nothing before it, for attention, ALiBi, absolute positions or a
+recurrent state alike, and each token keeps the position upstream gives it. The mask and the positions of the
+whole bucket are computed once per call (the prompt's as upstream's ``generate`` prepares them, then one more per
+slot), sent with the first step. Two graph kinds, compiled per (batch, bucket): ``cacheless_prefill`` (the
+prompt's last slot) and ``cacheless_decode`` (writes the new tokens first); they run through
+:func:`hf_tpu.transformers._graphs._run` (strict mode, the persistent compile cache) like the cached loop's.
+
+A decoder-only model whose cached form hf_tpu cannot run (its own cache type, a cache that cannot be sized, a
+forward that does not trace as one graph with a cache: :func:`hf_tpu.transformers._upstream.cached_loop_problem`)
+runs this loop too, when two checks pass (:func:`cacheless_problem`, once per model): its outputs on a sequence do
+not change with the tokens after it (one eager forward on two paddings), and its ``prepare_inputs_for_generation``
+makes no inputs of its own. A model that fails them, or whose graphs here do not trace either, runs upstream's loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+__all__: list[str] = []
+
+
+def writes_no_cache(model) -> bool:
+    """True for a decoder-only model whose forward writes nothing into the cache it is given (measured by
+    :func:`hf_tpu.transformers._cache_probe.cache_shapes`)."""
+    from hf_tpu.transformers._cache_probe import CacheProbeError, cache_shapes
+
+    if model.config.is_encoder_decoder:
+        return False
+    try:
+        self_shapes, _ = cache_shapes(model)
+    except CacheProbeError:
+        return False
+    return bool(self_shapes) and not any(self_shapes)
+
+
+def recomputes(model, use_cache: bool) -> bool:
+    """Whether a call has no cache: a decoder-only model generating with ``use_cache=False``, or one that keeps
+    none."""
+    return not model.config.is_encoder_decoder and (not use_cache or writes_no_cache(model))
+
+
+# What generate says (once per reason) when the cached loop cannot serve a model and this one does instead.
+NO_CACHE_NOTE = (
+    "generate runs hf_tpu's loop without a cache instead (each step recomputes the whole sequence in one compiled "
+    "graph: no compile per step, but each step's work grows with the bucket)"
+)
+_INPUTS_AS_GIVEN: dict[type, bool] = {}
+
+
+def serves(model, use_cache: bool) -> bool:
+    """Whether a call that reached hf_tpu's loop runs this one: without a cache, or with a cache the cached loop
+    cannot serve (:func:`hf_tpu.transformers._upstream.cached_loop_problem`: ``_why_upstream`` checked that this
+    loop can)."""
+    from hf_tpu.transformers._upstream import cached_loop_problem
+
+    if model.config.is_encoder_decoder:
+        return False
+    return recomputes(model, use_cache) or cached_loop_problem(model) is not None
+
+
+def by_default(model) -> bool:
+    """Whether a call with the model's own ``generation_config`` runs this loop (what warm-up compiles)."""
+    use_cache = getattr(model.generation_config, "use_cache", None)
+    if use_cache is None:
+        use_cache = getattr(model.config, "use_cache", True)
+    return serves(model, bool(use_cache))
+
+
+def cacheless_problem(model) -> str | None:
+    """Why this loop cannot serve ``model`` (None when it can): the padding after a sequence changes its outputs
+    (:func:`_not_causal`, tried once per model), its graph failed to trace, or it prepares inputs of its own for
+    each forward, which this loop would not pass."""
+    from hf_tpu.transformers._settings import _state
+
+    state = _state(model)
+    if not state.causal_checked:
+        state.causal_checked = True
+        state.cacheless_failure = state.cacheless_failure or _not_causal(model)
+    if state.cacheless_failure is not None:
+        return state.cacheless_failure
+    if not _inputs_as_given(model):
+        return (
+            f"{type(model).__name__}.prepare_inputs_for_generation makes inputs of its own for each forward, which "
+            "hf_tpu's loop without a cache does not make"
+        )
+    return None
+
+
+def _not_causal(model) -> str | None:
+    """Why the padding after a sequence would change the model's outputs on it (None when it does not): one eager
+    forward on the device of a 3-token prompt followed by 5 tokens, one of the prompt followed by 9 other tokens;
+    the logits at the prompt's last position must agree to rounding (a causal model's do; a bidirectional one, or
+    one whose outputs depend on the sequence length, ProphetNet's, do not)."""
+    import torch
+
+    vocab = int(getattr(model.config.get_text_config(decoder=True), "vocab_size", 0) or 0)
+    if vocab < 8:
+        return None  # pragma: no cover - no room for distinct tokens
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, vocab, (1, 3), generator=g)
+    logits = []
+    try:
+        with torch.no_grad():
+            for tail in (5, 9):
+                ids = torch.cat([prompt, torch.randint(1, vocab, (1, tail), generator=g)], dim=1)
+                kwargs = dict(_extra(model), attention_mask=torch.ones_like(ids))
+                if _takes(model, "position_ids"):
+                    kwargs["position_ids"] = torch.arange(ids.shape[1])[None]
+                kwargs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+                out = model(input_ids=ids.to(model.device), return_dict=True, **kwargs)
+                logits.append(out.logits[:, 2].float().to("cpu"))
+    except Exception as exc:  # noqa: BLE001 - the forward rejects a plain call: not known to be safe
+        return f"{type(model).__name__}'s forward without a cache failed ({type(exc).__name__}: {exc})"
+    scale = 1.0 + float(logits[0].abs().max())
+    if float((logits[0] - logits[1]).abs().max()) > 64 * torch.finfo(model.dtype).eps * scale:
+        return (
+            f"{type(model).__name__}'s outputs on a sequence change with the tokens after it (it is not causal, or "
+            "depends on the sequence's length), so a bucket's padding cannot follow the sequence"
+        )
+    return None
+
+
+def _inputs_as_given(model) -> bool:
+    """Whether the model's ``prepare_inputs_for_generation`` hands its forward, without a cache, the ids, mask and
+    positions it is given and nothing else (upstream's own does; OpenAI GPT's too; XLM's appends a mask token),
+    tried once per class on a small host input."""
+    import torch
+    from transformers.generation.utils import GenerationMixin
+
+    cls = type(model)
+    if cls.prepare_inputs_for_generation is GenerationMixin.prepare_inputs_for_generation:
+        return True
+    if cls not in _INPUTS_AS_GIVEN:
+        given = {
+            "input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long),
+            "position_ids": torch.arange(3)[None],
+        }  # fmt: skip
+        try:
+            got = model.prepare_inputs_for_generation(**given, use_cache=False, is_first_iteration=True)
+            tensors = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
+            same = set(tensors) <= set(given) and all(torch.equal(v, given[k]) for k, v in tensors.items())
+            _INPUTS_AS_GIVEN[cls] = same and "input_ids" in tensors
+        except Exception:  # noqa: BLE001 - any failure: not known to be safe
+            _INPUTS_AS_GIVEN[cls] = False
+    return _INPUTS_AS_GIVEN[cls]
+
+
+def _takes(model, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - an odd forward
+        return False
+
+
+def _position_limit(model) -> int | None:
+    """The size of the position table of a model that numbers its tokens itself (no ``position_ids``): the buffer
+    must not pass it (its padding slots take positions too)."""
+    if _takes(model, "position_ids"):
+        return None
+    text = model.config.get_text_config(decoder=True)
+    sizes = [getattr(text, f, None) for f in ("max_position_embeddings", "max_target_positions", "n_positions")]
+    sizes = [n for n in sizes if isinstance(n, int) and n > 0]
+    return min(sizes) if sizes else None
+
+
+def buffer_length(model, cache_bucket: int, need: int) -> int:
+    """The buffer's length for a plan's ``cache_bucket``: the bucket, within the model's position table when it
+    numbers tokens itself (never below ``need``, the slots the call fills)."""
+    limit = _position_limit(model)
+    return cache_bucket if limit is None else max(min(cache_bucket, limit), need)
+
+
+def _length_for(model, state, batch: int, prompt_len: int, new_tokens: int, variant: str) -> int:
+    """The buffer's length for a call: the shortest one compiled that holds the call (what warm-up compiled), else
+    the cache bucket of the call's shape plan (which also refuses a call past the model's ladder)."""
+    from hf_tpu.transformers.shapes import plan_shapes
+
+    plan = plan_shapes(model, batch, prompt_len, new_tokens, variant=variant)
+    need = prompt_len + max(new_tokens, 1) - 1
+    kind = "cacheless_prefill" + variant
+    compiled = sorted(k[2] for k in state.compiled if k[0] == kind and k[1] == batch and k[2] >= need)
+    return compiled[0] if compiled else buffer_length(model, plan.cache_bucket, need)
+
+
+def _extra(model) -> dict:
+    """The graphs' constant model arguments (``use_cache=False`` where the forward takes it)."""
+    return {"use_cache": False} if _takes(model, "use_cache") else {}
+
+
+def _forward(model, ids, slot, mask, positions, extra, sampling):
+    kwargs = dict(extra)
+    if positions is not None:
+        kwargs["position_ids"] = positions
+    if model._supports_logits_to_keep():
+        kwargs["logits_to_keep"] = slot  # a tensor of indices: the logits of that slot only
+    out = model(input_ids=ids, attention_mask=mask, return_dict=True, **kwargs)
+    logits = out.logits if "logits_to_keep" in kwargs else out.logits.index_select(1, slot)
+    from hf_tpu.transformers._graphs import _last_logits
+
+    return _last_logits(logits, sampling)
+
+
+def _cacheless_prefill(model, ids, slot, mask, positions, extra, sampling=None):
+    """The first step: the logits at ``slot`` (``(1,)``, the prompt's last slot) of the buffer ``ids``."""
+    return _forward(model, ids, slot, mask, positions, extra, sampling)
+
+
+def _cacheless_decode(model, ids, step, mask, positions, extra, sampling=None):
+    """A later step: ``step`` is ``(batch, 2)``, the new tokens and their slot; written into ``ids`` in place."""
+    from hf_tpu.transformers._graphs import _mark
+
+    tokens, slot = step[:, :1], step[:1, 1]
+    ids.index_copy_(1, slot, tokens)
+    _mark(sampling, tokens)
+    return _forward(model, ids, slot, mask, positions, extra, sampling)
+
+
+GRAPHS = {"cacheless_prefill": _cacheless_prefill, "cacheless_decode": _cacheless_decode}
+SHAPE_NAMES = {"cacheless_prefill": ("cache bucket",), "cacheless_decode": ("cache bucket",)}
+
+
+def _layout(model, input_ids, model_kwargs: dict, length: int, new_tokens: int):
+    """The buffer's host tensors: ids (the prompt first, pad id after), the mask (the prompt's, ones after) and the
+    positions (None for a model without ``position_ids``: it numbers the buffer itself, 0 to ``length - 1``)."""
+    import torch
+    import torch.nn.functional as F
+
+    batch, prompt_len = input_ids.shape
+    pad_id = model.generation_config.pad_token_id
+    ids = F.pad(input_ids, (0, length - prompt_len), value=0 if pad_id is None else int(pad_id))
+    mask = model_kwargs.get("attention_mask")
+    mask = torch.ones(batch, prompt_len, dtype=torch.long) if mask is None else mask.to("cpu").long()
+    full_mask = F.pad(mask, (0, length - prompt_len), value=1)
+    if not _takes(model, "position_ids"):
+        return ids, full_mask, None
+    positions = model_kwargs.get("position_ids")
+    if positions is None:  # as upstream's generate prepares them
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    positions = positions.to("cpu").long().expand(batch, prompt_len)
+    last = positions[:, -1:]
+    after = last + torch.arange(1, length - prompt_len + 1).clamp(max=max(new_tokens - 1, 0))
+    return ids, full_mask, torch.cat([positions, after], dim=1)  # (slots no token reaches keep the last position)
+
+
+def _traced(model, state, key, *args):
+    """:func:`hf_tpu.transformers._graphs._run`; a graph that cannot be traced is remembered as this loop's failure
+    (``state.not_compilable`` stays the cached loop's), and the error carries it as ``reason``."""
+    from hf_tpu.transformers._graphs import _run
+    from hf_tpu.transformers._settings import NotCompilableError
+
+    before = state.not_compilable
+    try:
+        return _run(model, state, key, *args)
+    except NotCompilableError as exc:
+        state.cacheless_failure, state.not_compilable = state.not_compilable, before
+        exc.reason = state.cacheless_failure
+        raise
+
+
+def cacheless_loop(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    hf_tpu_plan: dict | None = None,
+    **model_kwargs,
+):
+    """``custom_generate`` callable of a call without a cache (see the module docstring)."""
+    import torch
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    from hf_tpu.transformers._decode_loop import _plan, _select
+    from hf_tpu.transformers._settings import _state
+
+    info = hf_tpu_plan or {}
+    streamer = info.get("streamer", streamer)
+    state = _state(model)
+    device = model.device
+    input_ids = input_ids.to("cpu")
+    batch, prompt_len = input_ids.shape
+    new_tokens = generation_config.max_length - prompt_len
+    pad_token = generation_config._pad_token_tensor
+    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    do_sample = bool(generation_config.do_sample)
+    want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+    host_only = "output_scores/output_logits need the scores on the host" if want_scores or want_logits else None
+    if not state.settings.device_sampling and (do_sample or len(logits_processor) > 0):
+        host_only = "device sampling is off (configure(model, device_sampling=False))"
+    sampler = _plan(model, logits_processor, input_ids, do_sample, host_only)
+    host_path = sampler is None
+    variant = "" if sampler is None else sampler.variant
+    scores = () if want_scores else None
+    raw_logits = () if want_logits else None
+
+    length = _length_for(model, state, batch, prompt_len, new_tokens, variant)
+    ids, mask, positions = _layout(model, input_ids, model_kwargs, length, new_tokens)
+    ids_dev, mask_dev = ids.to(device), mask.to(device)
+    positions_dev = None if positions is None else positions.to(device)
+    extra = _extra(model)
+    sampling = None if host_path else sampler.to_device(device, length + 1, 0)
+    prefill_key = ("cacheless_prefill" + variant, batch, length)
+    decode_key = ("cacheless_decode" + variant, batch, length)
+    slot = torch.tensor([prompt_len - 1]).to(device)
+    args = (mask_dev, positions_dev, extra, sampling)
+    tokens_dev, logits_dev = _traced(model, state, prefill_key, ids_dev, slot, *args)
+
+    unfinished = torch.ones(batch, dtype=torch.long)
+    next_slot = prompt_len
+    while True:
+        next_tokens, step_scores, step_logits = _select(
+            logits_processor, input_ids, tokens_dev, logits_dev, do_sample, host_path
+        )
+        if want_scores:
+            scores += (step_scores,)
+        if want_logits:
+            raw_logits += (step_logits,)
+        if has_eos:
+            next_tokens = next_tokens * unfinished + pad_token * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        if streamer is not None:
+            streamer.put(next_tokens)
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        if unfinished.max() == 0 or next_slot >= length:
+            break
+        step = torch.stack([next_tokens, torch.full_like(next_tokens, next_slot)], dim=1).to(device)
+        tokens_dev, logits_dev = _traced(model, state, decode_key, ids_dev, step, *args)
+        next_slot += 1
+
+    if streamer is not None:
+        streamer.end()
+    if not generation_config.return_dict_in_generate:
+        return input_ids
+    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits)
+
+
+def generation_loop(model, *args, cached_loop, **kwargs):
+    """The ``custom_generate`` callable hf_tpu hands upstream's ``generate``: this module's loop for a call without
+    a cache, else ``cached_loop`` (:func:`hf_tpu.transformers._decode_loop._decode_loop`)."""
+    from hf_tpu.transformers._upstream import _warn_once, cached_loop_problem
+
+    config = kwargs.get("generation_config")
+    use_cache = True if config is None else bool(config.use_cache)
+    if not serves(model, use_cache):
+        return cached_loop(model, *args, **kwargs)
+    result = cacheless_loop(model, *args, **kwargs)
+    problem = None if recomputes(model, use_cache) else cached_loop_problem(model)
+    if problem is not None:  # said once its graphs ran (a model whose graphs fail here runs upstream's loop)
+        _warn_once(f"no cache:{problem}", f"hf_tpu: {problem}; {NO_CACHE_NOTE}.")
+    return result
+
+
+def warm(model, plan, variant: str = "") -> list[tuple]:
+    """Compile (or find compiled) the two graphs a call with ``plan`` runs, on dummy inputs; returns their keys."""
+    import torch
+
+    from hf_tpu.transformers._decode_loop import _warm_sampling
+    from hf_tpu.transformers._settings import _state
+
+    state = _state(model)
+    device = model.device
+    batch = plan.batch
+    length = buffer_length(model, plan.cache_bucket, plan.prompt_bucket)
+    ids = torch.zeros(batch, plan.prompt_len, dtype=torch.long)
+    with torch.no_grad():
+        buffer, mask, positions = _layout(model, ids, {}, length, length - plan.prompt_len + 1)
+        buffer, mask = buffer.to(device), mask.to(device)
+        positions = None if positions is None else positions.to(device)
+        extra = _extra(model)
+        sampling = _warm_sampling(model, ids, variant, length + 1, 0)
+        prefill_key = ("cacheless_prefill" + variant, batch, length)
+        decode_key = ("cacheless_decode" + variant, batch, length)
+        slot = torch.tensor([plan.prompt_len - 1]).to(device)
+        _traced(model, state, prefill_key, buffer, slot, mask, positions, extra, sampling)
+        step = torch.tensor([[0, min(plan.prompt_len, length - 1)]], dtype=torch.long).expand(batch, 2)
+        _traced(model, state, decode_key, buffer, step.contiguous().to(device), mask, positions, extra, sampling)
+    return [prefill_key, decode_key]

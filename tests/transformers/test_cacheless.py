@@ -1,0 +1,174 @@
+"""Generation without a cache (``use_cache=False``, or a model that keeps none): hf_tpu's loop recomputes the whole
+sequence each step in one compiled graph over a bucket-long buffer, token-identical to upstream's ``generate`` on
+the CPU, with one small copy each way per step and no compile for a second prompt length in the bucket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tpu
+import hf_tpu.sim
+from hf_tpu.transformers import generation
+
+GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+
+
+def _pair(model_class, config):
+    torch.manual_seed(0)
+    cpu = model_class(config).eval()
+    tpu = model_class(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    return cpu, tpu.to("tpu")
+
+
+@pytest.fixture(scope="module")
+def openai_gpt():
+    # OpenAI GPT's forward takes no cache: every step recomputes the whole sequence (upstream's loop too)
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+
+    return _pair(OpenAIGPTLMHeadModel, OpenAIGPTConfig(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+
+
+@pytest.fixture(scope="module")
+def mpt():
+    # MPT's config turns the cache off (use_cache=False), so its generate runs without one; ALiBi, no position_ids
+    from transformers import MptConfig, MptForCausalLM
+
+    config = MptConfig(vocab_size=96, d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
+    assert not config.use_cache
+    return _pair(MptForCausalLM, config)
+
+
+def _copies_per_step(tpu, ids, **kw) -> tuple[float, float]:
+    with hf_tpu.sim.stats() as short:
+        tpu.generate(ids, max_new_tokens=2, **kw)
+    with hf_tpu.sim.stats() as long:
+        tpu.generate(ids, max_new_tokens=12, **kw)
+    return (long.h2d_copies - short.h2d_copies) / 10, (long.d2h_copies - short.d2h_copies) / 10
+
+
+@pytest.mark.parametrize("family", ["openai_gpt", "mpt"])
+def test_two_prompt_lengths_in_one_bucket_match_cpu_with_no_compile_for_the_second(family, request, prompts):
+    cpu, tpu = request.getfixturevalue(family)
+    first, second = prompts([5])[0], prompts([11], seed=1)[0]
+    kw = {**GREEDY, "max_new_tokens": 8}
+    assert torch.equal(tpu.generate(first, **kw), cpu.generate(first, **kw))
+    with hf_tpu.sim.stats() as s:
+        got = tpu.generate(second, **kw)
+    assert torch.equal(got, cpu.generate(second, **kw))
+    assert s.compiles == 0 and s.shape_signatures <= 4
+    assert {k[0] for k in generation.compiled_graphs(tpu)} == {"cacheless_prefill", "cacheless_decode"}
+    h2d, d2h = _copies_per_step(tpu, second, **GREEDY)
+    assert h2d <= 1 and d2h <= 1
+
+
+def test_a_left_padded_batch_and_the_device_sampling_plan_match_cpu(openai_gpt, prompts):
+    cpu, tpu = openai_gpt
+    ids, mask = prompts([4, 9])
+    # positions (OpenAI GPT takes position_ids) and the mask of a padded row as upstream's; a repetition penalty
+    # and an n-gram ban run in the graph on the device history
+    kw = {**GREEDY, "attention_mask": mask, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2}
+    assert torch.equal(tpu.generate(ids, max_new_tokens=8, **kw), cpu.generate(ids, max_new_tokens=8, **kw))
+    kinds = {k[0] for k in generation.compiled_graphs(tpu)}
+    assert "cacheless_decode+repetition_penalty+no_repeat_ngram(2)" in kinds, kinds
+    h2d, d2h = _copies_per_step(tpu, ids, **kw)
+    assert h2d <= 1 and d2h <= 1
+
+
+def test_use_cache_false_on_a_model_with_a_cache_runs_without_one(prompts):
+    from transformers import LlamaForCausalLM
+
+    from hf_tpu.testing import tiny_config
+
+    cpu, tpu = _pair(LlamaForCausalLM, tiny_config("llama", vocab_size=96, num_hidden_layers=1))
+    ids, mask = prompts([3, 7])
+    kw = {**GREEDY, "attention_mask": mask, "max_new_tokens": 6, "use_cache": False}
+    assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
+    assert [k[0] for k in generation.compiled_graphs(tpu)] == ["cacheless_prefill", "cacheless_decode"]
+
+
+def test_warmup_compiles_the_graphs_and_strict_mode_then_compiles_nothing(openai_gpt, prompts):
+    from transformers import OpenAIGPTLMHeadModel
+
+    cpu, _ = openai_gpt
+    tpu = OpenAIGPTLMHeadModel(cpu.config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    tpu = tpu.to("tpu")
+    report = hf_tpu.warmup(tpu, max_prompt_len=16, batch_sizes=[1], max_new_tokens=6, strict=True, progress=False)
+    assert {k[0] for k in report.graphs} == {"cacheless_prefill", "cacheless_decode"}
+    try:
+        for n in (3, 9, 16):
+            ids = prompts([n], seed=n)[0]
+            with hf_tpu.sim.stats() as s:
+                got = tpu.generate(ids, max_new_tokens=6, **GREEDY)
+            assert torch.equal(got, cpu.generate(ids, max_new_tokens=6, **GREEDY))
+            assert s.compiles == 0
+        with pytest.raises(generation.RecompileError, match="cacheless_prefill graph for batch=2"):
+            tpu.generate(prompts([3, 5])[0], max_new_tokens=6, **GREEDY)  # batch 2 was never warmed
+    finally:
+        generation.configure(tpu, strict=False)
+
+
+def test_a_forward_not_traceable_with_a_cache_runs_without_one(prompts):
+    # TrOCR shapes its positions by the cache length (torch.arange(cache_length, ...)): its cached graph cannot be
+    # traced, the loop without a cache serves it (no position_ids: the buffer stays within its position table)
+    from transformers import TrOCRConfig, TrOCRForCausalLM
+
+    config = TrOCRConfig(
+        vocab_size=96, d_model=32, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
+        max_position_embeddings=24,
+    )  # fmt: skip
+    cpu, tpu = _pair(TrOCRForCausalLM, config)
+    generation._WARNED.clear()
+    kw = {**GREEDY, "max_new_tokens": 12}  # a cache bucket past the 24 positions: the buffer keeps to 24
+    first, second = prompts([5])[0], prompts([9], seed=1)[0]
+    with pytest.warns(UserWarning, match="generate runs hf_tpu's loop without a cache instead"):
+        assert torch.equal(tpu.generate(first, **kw), cpu.generate(first, **kw))
+    with hf_tpu.sim.stats() as s:
+        assert torch.equal(tpu.generate(second, **kw), cpu.generate(second, **kw))
+    assert s.compiles == 0
+    assert generation.compiled_graphs(tpu) == [("cacheless_prefill", 1, 24), ("cacheless_decode", 1, 24)]
+    assert generation.plan_shapes(tpu, 1, 9, 12).cache_bucket > 24
+    # warm-up of a fresh model finds the cached form untraceable and compiles the graphs without a cache
+    fresh = TrOCRForCausalLM(config).eval().to("tpu")
+    report = hf_tpu.warmup(fresh, max_prompt_len=8, batch_sizes=[1], max_new_tokens=8, progress=False)
+    assert {k[0] for k in report.graphs} == {"cacheless_prefill", "cacheless_decode"}
+
+
+def test_a_model_whose_outputs_change_with_later_tokens_runs_upstream_with_both_reasons(prompts):
+    # RoFormer's causal-LM class without is_decoder attends both ways: the padding after a sequence would change it
+    from transformers import RoFormerConfig, RoFormerForCausalLM
+
+    config = RoFormerConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, embedding_size=32,
+    )  # fmt: skip
+    cpu, tpu = _pair(RoFormerForCausalLM, config)
+    generation._WARNED.clear()
+    kw = {**GREEDY, "max_new_tokens": 4}
+    ids = prompts([5])[0]
+    # the cached graph fails to trace, the check of the loop without a cache fails: upstream's loop, both reasons
+    match = r"cannot be compiled as one .*; and without a cache: RoFormerForCausalLM's outputs on a sequence change"
+    with pytest.warns(UserWarning, match=match):
+        assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
+    assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
+    assert not generation.compiled_graphs(tpu)
+
+
+def test_the_graphs_are_stored_in_and_loaded_from_the_persistent_compile_cache(openai_gpt, prompts, tmp_path):
+    from transformers import OpenAIGPTLMHeadModel
+
+    cpu, _ = openai_gpt
+    reports = []
+    for _ in range(2):  # a second model (a new process would do the same): loaded, not compiled
+        tpu = OpenAIGPTLMHeadModel(cpu.config).eval()
+        tpu.load_state_dict(cpu.state_dict())
+        tpu = tpu.to("tpu")
+        kw = {"max_prompt_len": 16, "batch_sizes": [1], "max_new_tokens": 6, "progress": False}
+        reports.append(hf_tpu.warmup(tpu, cache_dir=tmp_path, **kw))
+    assert (reports[0].new_compiles, reports[1].new_compiles, reports[1].from_cache) == (2, 0, 2)
+    ids, kw = prompts([7])[0], {**GREEDY, "max_new_tokens": 6}
+    with hf_tpu.sim.stats() as s:
+        assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
+    assert s.compiles == 0
