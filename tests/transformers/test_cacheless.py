@@ -110,9 +110,33 @@ def test_warmup_compiles_the_graphs_and_strict_mode_then_compiles_nothing(openai
         generation.configure(tpu, strict=False)
 
 
-def test_a_forward_not_traceable_with_a_cache_runs_without_one(prompts):
-    # TrOCR shapes its positions by the cache length (torch.arange(cache_length, ...)): its cached graph cannot be
-    # traced, the loop without a cache serves it (no position_ids: the buffer stays within its position table)
+def test_a_model_with_a_cache_of_its_own_runs_without_one(prompts):
+    # RWKV keeps its recurrent state in a cache class of its own, which has no bucketed form: the loop without a
+    # cache serves it (the padding after the sequence never reaches the state of the positions before it)
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    config = RwkvConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+        context_length=64,
+    )  # fmt: skip
+    cpu, tpu = _pair(RwkvForCausalLM, config)
+    generation._WARNED.clear()
+    kw = {**GREEDY, "max_new_tokens": 6}
+    first, second = prompts([5])[0], prompts([9], seed=1)[0]
+    with pytest.warns(UserWarning, match="keeps its own cache type.*generate runs hf_tpu's loop without a cache"):
+        assert torch.equal(tpu.generate(first, **kw), cpu.generate(first, **kw))
+    with hf_tpu.sim.stats() as s:
+        assert torch.equal(tpu.generate(second, **kw), cpu.generate(second, **kw))
+    assert s.compiles == 0
+    assert {k[0] for k in generation.compiled_graphs(tpu)} == {"cacheless_prefill", "cacheless_decode"}
+    # warm-up of a fresh model compiles the graphs without a cache
+    fresh = RwkvForCausalLM(config).eval().to("tpu")
+    report = hf_tpu.warmup(fresh, max_prompt_len=8, batch_sizes=[1], max_new_tokens=8, progress=False)
+    assert {k[0] for k in report.graphs} == {"cacheless_prefill", "cacheless_decode"}
+
+
+def test_the_buffer_keeps_within_the_position_table_of_a_model_numbering_its_tokens(prompts):
+    # TrOCR numbers its tokens itself (no position_ids): past its 24 positions a bucket's padding would have none
     from transformers import TrOCRConfig, TrOCRForCausalLM
 
     config = TrOCRConfig(
@@ -120,36 +144,31 @@ def test_a_forward_not_traceable_with_a_cache_runs_without_one(prompts):
         max_position_embeddings=24,
     )  # fmt: skip
     cpu, tpu = _pair(TrOCRForCausalLM, config)
-    generation._WARNED.clear()
-    kw = {**GREEDY, "max_new_tokens": 12}  # a cache bucket past the 24 positions: the buffer keeps to 24
-    first, second = prompts([5])[0], prompts([9], seed=1)[0]
-    with pytest.warns(UserWarning, match="generate runs hf_tpu's loop without a cache instead"):
-        assert torch.equal(tpu.generate(first, **kw), cpu.generate(first, **kw))
-    with hf_tpu.sim.stats() as s:
-        assert torch.equal(tpu.generate(second, **kw), cpu.generate(second, **kw))
-    assert s.compiles == 0
+    kw = {**GREEDY, "max_new_tokens": 12, "use_cache": False}  # a cache bucket past the 24 positions
+    for n, seed in ((5, 0), (9, 1)):
+        ids = prompts([n], seed=seed)[0]
+        assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
     assert generation.compiled_graphs(tpu) == [("cacheless_prefill", 1, 24), ("cacheless_decode", 1, 24)]
     assert generation.plan_shapes(tpu, 1, 9, 12).cache_bucket > 24
-    # warm-up of a fresh model finds the cached form untraceable and compiles the graphs without a cache
-    fresh = TrOCRForCausalLM(config).eval().to("tpu")
-    report = hf_tpu.warmup(fresh, max_prompt_len=8, batch_sizes=[1], max_new_tokens=8, progress=False)
-    assert {k[0] for k in report.graphs} == {"cacheless_prefill", "cacheless_decode"}
 
 
-def test_a_model_whose_outputs_change_with_later_tokens_runs_upstream_with_both_reasons(prompts):
-    # RoFormer's causal-LM class without is_decoder attends both ways: the padding after a sequence would change it
-    from transformers import RoFormerConfig, RoFormerForCausalLM
+def test_a_model_whose_outputs_change_with_later_tokens_runs_upstream_with_every_reason(prompts):
+    # CPM-Ant branches on its cache length and re-reads the whole sequence each step (no graph with a cache, even
+    # with the length as a host int), and its outputs on a sequence change with the tokens after it
+    from transformers import CpmAntConfig, CpmAntForCausalLM
 
-    config = RoFormerConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, embedding_size=32,
+    config = CpmAntConfig(
+        vocab_size=96, hidden_size=32, num_attention_heads=2, dim_head=16, dim_ff=64, num_hidden_layers=1,
+        prompt_length=4, prompt_types=3, segment_types=4, position_bias_num_buckets=16, position_bias_max_distance=64,
     )  # fmt: skip
-    cpu, tpu = _pair(RoFormerForCausalLM, config)
+    cpu, tpu = _pair(CpmAntForCausalLM, config)
     generation._WARNED.clear()
     kw = {**GREEDY, "max_new_tokens": 4}
     ids = prompts([5])[0]
-    # the cached graph fails to trace, the check of the loop without a cache fails: upstream's loop, both reasons
-    match = r"cannot be compiled as one .*; and without a cache: RoFormerForCausalLM's outputs on a sequence change"
+    match = (
+        r"cannot be compiled as one .*; with its cache length as a host int: .*; and without a cache: "
+        r"CpmAntForCausalLM's outputs on a sequence change"
+    )
     with pytest.warns(UserWarning, match=match):
         assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
     assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
