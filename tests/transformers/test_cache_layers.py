@@ -72,10 +72,10 @@ def test_each_layer_kind_runs_the_bucketed_loop_like_cpu(family, pair, model_roo
         assert warm["from_cache"] == warm["graphs"] == len(report.graphs)
 
 
-def test_heavily_compressed_attention_runs_upstreams_loop_with_its_reason(pair, recwarn):
+def test_heavily_compressed_attention_runs_without_a_cache_and_says_why(pair, recwarn):
     """DeepSeek-V4's heavily compressed attention can have no bucketed static form (its one-token decode reads every
-    compressed entry unmasked): generate names why, runs upstream's loop (no graph compiled), and its tokens are
-    CPU's, over prompts long enough to emit compressed entries (one per 8 tokens, HCA; one per 4, CSA)."""
+    compressed entry unmasked): generate names why and runs hf_tpu's loop without a cache, whose tokens are CPU's,
+    over prompts long enough to emit compressed entries (one per 8 tokens, HCA; one per 4, CSA)."""
     cpu, tpu = pair("deepseek_v4")
     why = _static_cache_problem(tpu)
     assert why.startswith("its cache has DeepseekV4HCACache layers (heavily_compressed_attention), which can have no")
@@ -84,10 +84,13 @@ def test_heavily_compressed_attention_runs_upstreams_loop_with_its_reason(pair, 
     for seed, n in enumerate((5, 11)):
         ids = _prompt(n, seed, cpu.config.vocab_size)
         expected = cpu.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
-        got = tpu.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+        with hf_tpu.sim.stats() as s:
+            got = tpu.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
         assert torch.equal(got.cpu(), expected), (n, got, expected)
-    assert not generation.compiled_graphs(tpu)
-    assert any("DeepseekV4HCACache layers (heavily_compressed_attention)" in str(w.message) for w in recwarn)
+    assert s.compiles == 0  # the second prompt length, one bucket
+    assert {key[0] for key in generation.compiled_graphs(tpu)} == {"cacheless_prefill", "cacheless_decode"}
+    messages = [str(w.message) for w in recwarn]
+    assert any("DeepseekV4HCACache layers" in m and "loop without a cache instead" in m for m in messages)
 
 
 def test_cache_layers_a_forward_appends_are_allocated_ahead(pair):
