@@ -63,6 +63,21 @@ def llama(model_root):
     return load_pair("llama", model_root)
 
 
+def _from_config(model_class, config) -> tuple:
+    """(cpu_model, tpu_model) of ``model_class(config)``: the same random weights (seed 0), one copy on each device."""
+    torch.manual_seed(0)
+    cpu = model_class(config).eval()
+    tpu = model_class(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    return cpu, tpu.to("tpu")
+
+
+@pytest.fixture(scope="session")
+def from_config():
+    """``from_config(model_class, config) -> (cpu_model, tpu_model)``, built in the test (no save and load)."""
+    return _from_config
+
+
 @pytest.fixture
 def prompts():
     """``prompts(lengths, seed=0) -> (input_ids, attention_mask)``, see :func:`make_prompts`."""

@@ -14,30 +14,24 @@ from hf_tpu.transformers import generation
 GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
 
 
-def _pair(model_class, config):
-    torch.manual_seed(0)
-    cpu = model_class(config).eval()
-    tpu = model_class(config).eval()
-    tpu.load_state_dict(cpu.state_dict())
-    return cpu, tpu.to("tpu")
-
 
 @pytest.fixture(scope="module")
-def openai_gpt():
+def openai_gpt(from_config):
     # OpenAI GPT's forward takes no cache: every step recomputes the whole sequence (upstream's loop too)
     from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
 
-    return _pair(OpenAIGPTLMHeadModel, OpenAIGPTConfig(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    config = OpenAIGPTConfig(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    return from_config(OpenAIGPTLMHeadModel, config)
 
 
 @pytest.fixture(scope="module")
-def mpt():
+def mpt(from_config):
     # MPT's config turns the cache off (use_cache=False), so its generate runs without one; ALiBi, no position_ids
     from transformers import MptConfig, MptForCausalLM
 
     config = MptConfig(vocab_size=96, d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
     assert not config.use_cache
-    return _pair(MptForCausalLM, config)
+    return from_config(MptForCausalLM, config)
 
 
 def _copies_per_step(tpu, ids, **kw) -> tuple[float, float]:
@@ -76,12 +70,12 @@ def test_a_left_padded_batch_and_the_device_sampling_plan_match_cpu(openai_gpt, 
     assert h2d <= 1 and d2h <= 1
 
 
-def test_use_cache_false_on_a_model_with_a_cache_runs_without_one(prompts):
+def test_use_cache_false_on_a_model_with_a_cache_runs_without_one(prompts, from_config):
     from transformers import LlamaForCausalLM
 
     from hf_tpu.testing import tiny_config
 
-    cpu, tpu = _pair(LlamaForCausalLM, tiny_config("llama", vocab_size=96, num_hidden_layers=1))
+    cpu, tpu = from_config(LlamaForCausalLM, tiny_config("llama", vocab_size=96, num_hidden_layers=1))
     ids, mask = prompts([3, 7])
     kw = {**GREEDY, "attention_mask": mask, "max_new_tokens": 6, "use_cache": False}
     assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
@@ -110,7 +104,7 @@ def test_warmup_compiles_the_graphs_and_strict_mode_then_compiles_nothing(openai
         generation.configure(tpu, strict=False)
 
 
-def test_a_model_with_a_cache_of_its_own_runs_without_one(prompts):
+def test_a_model_with_a_cache_of_its_own_runs_without_one(prompts, from_config):
     # RWKV keeps its recurrent state in a cache class of its own, which has no bucketed form: the loop without a
     # cache serves it (the padding after the sequence never reaches the state of the positions before it)
     from transformers import RwkvConfig, RwkvForCausalLM
@@ -119,7 +113,7 @@ def test_a_model_with_a_cache_of_its_own_runs_without_one(prompts):
         vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
         context_length=64,
     )  # fmt: skip
-    cpu, tpu = _pair(RwkvForCausalLM, config)
+    cpu, tpu = from_config(RwkvForCausalLM, config)
     generation._WARNED.clear()
     kw = {**GREEDY, "max_new_tokens": 6}
     first, second = prompts([5])[0], prompts([9], seed=1)[0]
@@ -135,7 +129,7 @@ def test_a_model_with_a_cache_of_its_own_runs_without_one(prompts):
     assert {k[0] for k in report.graphs} == {"cacheless_prefill", "cacheless_decode"}
 
 
-def test_the_buffer_keeps_within_the_position_table_of_a_model_numbering_its_tokens(prompts):
+def test_the_buffer_keeps_within_the_position_table_of_a_model_numbering_its_tokens(prompts, from_config):
     # TrOCR numbers its tokens itself (no position_ids): past its 24 positions a bucket's padding would have none
     from transformers import TrOCRConfig, TrOCRForCausalLM
 
@@ -143,36 +137,13 @@ def test_the_buffer_keeps_within_the_position_table_of_a_model_numbering_its_tok
         vocab_size=96, d_model=32, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
         max_position_embeddings=24,
     )  # fmt: skip
-    cpu, tpu = _pair(TrOCRForCausalLM, config)
+    cpu, tpu = from_config(TrOCRForCausalLM, config)
     kw = {**GREEDY, "max_new_tokens": 12, "use_cache": False}  # a cache bucket past the 24 positions
     for n, seed in ((5, 0), (9, 1)):
         ids = prompts([n], seed=seed)[0]
         assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
     assert generation.compiled_graphs(tpu) == [("cacheless_prefill", 1, 24), ("cacheless_decode", 1, 24)]
     assert generation.plan_shapes(tpu, 1, 9, 12).cache_bucket > 24
-
-
-def test_a_model_whose_outputs_change_with_later_tokens_runs_upstream_with_every_reason(prompts):
-    # CPM-Ant branches on its cache length and re-reads the whole sequence each step (no graph with a cache, even
-    # with the length as a host int), and its outputs on a sequence change with the tokens after it
-    from transformers import CpmAntConfig, CpmAntForCausalLM
-
-    config = CpmAntConfig(
-        vocab_size=96, hidden_size=32, num_attention_heads=2, dim_head=16, dim_ff=64, num_hidden_layers=1,
-        prompt_length=4, prompt_types=3, segment_types=4, position_bias_num_buckets=16, position_bias_max_distance=64,
-    )  # fmt: skip
-    cpu, tpu = _pair(CpmAntForCausalLM, config)
-    generation._WARNED.clear()
-    kw = {**GREEDY, "max_new_tokens": 4}
-    ids = prompts([5])[0]
-    match = (
-        r"cannot be compiled as one .*; with its cache length as a host int: .*; and without a cache: "
-        r"CpmAntForCausalLM's outputs on a sequence change"
-    )
-    with pytest.warns(UserWarning, match=match):
-        assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
-    assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
-    assert not generation.compiled_graphs(tpu)
 
 
 def test_the_graphs_are_stored_in_and_loaded_from_the_persistent_compile_cache(openai_gpt, prompts, tmp_path):

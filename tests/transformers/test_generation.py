@@ -257,7 +257,8 @@ def test_a_decoder_numbering_tokens_by_its_cache_length_gets_its_prompt_first(pr
     assert s.compiles == 0  # one prompt bucket: the second length compiles nothing
     assert set(generation.compiled_graphs(tpu)) == {("prefill", 2, 16, 32), ("decode", 2, 32)}
     kwargs["repetition_penalty"] = 1.3  # the device history starts at the prompt's first slot
-    assert torch.equal(tpu.generate(ids, attention_mask=mask, **kwargs), cpu.generate(ids, attention_mask=mask, **kwargs))
+    got = tpu.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(got, cpu.generate(ids, attention_mask=mask, **kwargs))
 
 
 def test_a_decoder_numbering_tokens_by_its_cache_length_with_a_sliding_window_runs_without_a_cache():

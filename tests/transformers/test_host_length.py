@@ -12,15 +12,8 @@ import hf_tpu.sim
 from hf_tpu.transformers import generation
 
 
-def _pair(model_class, config):
-    torch.manual_seed(0)
-    cpu = model_class(config).eval()
-    tpu = model_class(config).eval()
-    tpu.load_state_dict(cpu.state_dict())
-    return cpu, tpu.to("tpu")
 
-
-def _roformer():
+def _roformer(from_config):
     # RoFormer's sinusoidal positions: torch.arange(cache_length, cache_length + n) with the cache length as start
     from transformers import RoFormerConfig, RoFormerForCausalLM
 
@@ -28,10 +21,10 @@ def _roformer():
         vocab_size=96, embedding_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=64, is_decoder=True,
     )  # fmt: skip
-    return _pair(RoFormerForCausalLM, config)
+    return from_config(RoFormerForCausalLM, config)
 
 
-def _git():
+def _git(from_config):
     # GIT branches on `cache_length > 0` (to widen the mask over cached image tokens)
     from transformers import GitConfig, GitForCausalLM
 
@@ -41,10 +34,10 @@ def _git():
         vision_config=vision, vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=64,
     )  # fmt: skip
-    return _pair(GitForCausalLM, config)
+    return from_config(GitForCausalLM, config)
 
 
-def _trocr():
+def _trocr(from_config):
     # TrOCR's decoder numbers its tokens from its cache length (no position_ids: prompt first) with an arange
     from transformers import TrOCRConfig, TrOCRForCausalLM
 
@@ -52,14 +45,14 @@ def _trocr():
         vocab_size=96, d_model=32, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
         max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
-    return _pair(TrOCRForCausalLM, config)
+    return from_config(TrOCRForCausalLM, config)
 
 
 @pytest.mark.parametrize(
     "build", [_roformer, _git, _trocr], ids=["arange-from-length", "branch-on-length", "prompt-first-arange"]
 )
-def test_code_reading_the_cache_length_runs_the_loop_like_cpu(build, prompts):
-    cpu, tpu = build()
+def test_code_reading_the_cache_length_runs_the_loop_like_cpu(build, prompts, from_config):
+    cpu, tpu = build(from_config)
     kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     short, long = prompts([5])[0], prompts([7], seed=1)[0]  # two prompt lengths of one bucket
     assert torch.equal(tpu.generate(short, **kw), cpu.generate(short, **kw))
@@ -77,8 +70,8 @@ def test_code_reading_the_cache_length_runs_the_loop_like_cpu(build, prompts):
     assert (six.h2d_copies - two.h2d_copies) / 4 <= 1 and (six.d2h_copies - two.d2h_copies) / 4 <= 1
 
 
-def test_warmup_switches_to_the_host_length_and_strict_generate_compiles_nothing(prompts, tmp_path):
-    cpu, tpu = _roformer()
+def test_warmup_switches_to_the_host_length_and_strict_generate_compiles_nothing(prompts, tmp_path, from_config):
+    cpu, tpu = _roformer(from_config)
     generation._WARNED.clear()
     with pytest.warns(UserWarning, match="the persistent compile cache does not hold its graphs"):
         report = hf_tpu.warmup(
