@@ -283,71 +283,30 @@ def cacheless_loop(
 ):
     """``custom_generate`` callable of a call without a cache (see the module docstring)."""
     import torch
-    from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    from hf_tpu.transformers._decode_loop import _plan, _select
-    from hf_tpu.transformers._settings import _state
+    from hf_tpu.transformers._decode_loop import _Call
 
-    info = hf_tpu_plan or {}
-    streamer = info.get("streamer", streamer)
-    state = _state(model)
-    device = model.device
-    input_ids = input_ids.to("cpu")
-    batch, prompt_len = input_ids.shape
-    new_tokens = generation_config.max_length - prompt_len
-    pad_token = generation_config._pad_token_tensor
-    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    do_sample = bool(generation_config.do_sample)
-    want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
-    want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-    host_only = "output_scores/output_logits need the scores on the host" if want_scores or want_logits else None
-    if not state.settings.device_sampling and (do_sample or len(logits_processor) > 0):
-        host_only = "device sampling is off (configure(model, device_sampling=False))"
-    sampler = _plan(model, logits_processor, input_ids, do_sample, host_only)
-    host_path = sampler is None
-    variant = "" if sampler is None else sampler.variant
-    scores = () if want_scores else None
-    raw_logits = () if want_logits else None
-
-    length = _length_for(model, state, batch, prompt_len, new_tokens, variant)
-    ids, mask, positions = _layout(model, input_ids, model_kwargs, length, new_tokens)
+    call = _Call(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan)
+    state, device, variant, batch, prompt_len = call.state, model.device, call.variant, call.batch, call.prompt_len
+    length = _length_for(model, state, batch, prompt_len, call.new_tokens, variant)
+    ids, mask, positions = _layout(model, call.input_ids, model_kwargs, length, call.new_tokens)
     ids_dev, mask_dev = ids.to(device), mask.to(device)
     positions_dev = None if positions is None else positions.to(device)
-    extra = _extra(model)
-    sampling = None if host_path else sampler.to_device(device, length + 1, 0)
+    args = (mask_dev, positions_dev, _extra(model), call.sampling(device, length + 1, 0))
     prefill_key = ("cacheless_prefill" + variant, batch, length)
     decode_key = ("cacheless_decode" + variant, batch, length)
     slot = torch.tensor([prompt_len - 1]).to(device)
-    args = (mask_dev, positions_dev, extra, sampling)
-    tokens_dev, logits_dev = _traced(model, state, prefill_key, ids_dev, slot, *args)
-
-    unfinished = torch.ones(batch, dtype=torch.long)
+    first = _traced(model, state, prefill_key, ids_dev, slot, *args)
     next_slot = prompt_len
-    while True:
-        next_tokens, step_scores, step_logits = _select(
-            logits_processor, input_ids, tokens_dev, logits_dev, do_sample, host_path
-        )
-        if want_scores:
-            scores += (step_scores,)
-        if want_logits:
-            raw_logits += (step_logits,)
-        if has_eos:
-            next_tokens = next_tokens * unfinished + pad_token * (1 - unfinished)
-        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        if streamer is not None:
-            streamer.put(next_tokens)
-        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-        if unfinished.max() == 0 or next_slot >= length:
-            break
-        step = torch.stack([next_tokens, torch.full_like(next_tokens, next_slot)], dim=1).to(device)
-        tokens_dev, logits_dev = _traced(model, state, decode_key, ids_dev, step, *args)
-        next_slot += 1
 
-    if streamer is not None:
-        streamer.end()
-    if not generation_config.return_dict_in_generate:
-        return input_ids
-    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits)
+    def step(next_tokens):
+        nonlocal next_slot
+        packed = torch.stack([next_tokens, torch.full_like(next_tokens, next_slot)], dim=1).to(device)
+        next_slot += 1
+        return _traced(model, state, decode_key, ids_dev, packed, *args)
+
+    call.run(*first, length - prompt_len, step)
+    return call.output()
 
 
 def generation_loop(model, *args, cached_loop, **kwargs):

@@ -9,6 +9,7 @@ and reads back the next tokens: the logits processors and the sampler run in the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from hf_tpu.transformers._cache_layers import set_decoding, set_length
@@ -63,6 +64,77 @@ def _plan(model, logits_processor, input_ids, do_sample: bool, host_only: str | 
     return None
 
 
+class _Call:
+    """What both loops (:func:`_decode_loop`, and the one without a cache in :mod:`hf_tpu.transformers._cacheless`)
+    do around their graphs in one ``generate`` call: the sampling plan (on the device, or the host path), and each
+    step's host side (the next tokens, the scores and logits kept, finished rows padded, the streamer fed, the
+    stopping criteria asked)."""
+
+    def __init__(self, model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, plan):
+        import torch
+
+        self.streamer = (plan or {}).get("streamer", streamer)
+        self.state = _state(model)
+        self.input_ids = input_ids.to("cpu")
+        self.batch, self.prompt_len = self.input_ids.shape
+        self.new_tokens = generation_config.max_length - self.prompt_len
+        self.config = generation_config
+        self.logits_processor, self.stopping_criteria = logits_processor, stopping_criteria
+        self.pad_token = generation_config._pad_token_tensor
+        self.has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+        self.do_sample = bool(generation_config.do_sample)
+        want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+        host_only = "output_scores/output_logits need the scores on the host" if want_scores or want_logits else None
+        if not self.state.settings.device_sampling and (self.do_sample or len(logits_processor) > 0):
+            host_only = "device sampling is off (configure(model, device_sampling=False))"
+        self.sampler = _plan(model, logits_processor, self.input_ids, self.do_sample, host_only)
+        self.host_path = self.sampler is None
+        self.variant = "" if self.sampler is None else self.sampler.variant
+        self.scores = () if want_scores else None
+        self.raw_logits = () if want_logits else None
+        self.unfinished = torch.ones(self.batch, dtype=torch.long)
+
+    def sampling(self, device, width: int, offset: int):
+        """The device state of the sampling plan (None on the host path)."""
+        return None if self.host_path else self.sampler.to_device(device, width, offset)
+
+    def run(self, tokens_dev, logits_dev, steps_left: int, step: Callable) -> None:
+        """From the prefill's outputs: each step's host side, then ``step(next_tokens)`` (the next graph, which
+        returns its outputs), until every row has stopped or ``steps_left`` more steps ran."""
+        import torch
+
+        while True:
+            next_tokens, step_scores, step_logits = _select(
+                self.logits_processor, self.input_ids, tokens_dev, logits_dev, self.do_sample, self.host_path
+            )
+            if self.scores is not None:
+                self.scores += (step_scores,)
+            if self.raw_logits is not None:
+                self.raw_logits += (step_logits,)
+            if self.has_eos:
+                next_tokens = next_tokens * self.unfinished + self.pad_token * (1 - self.unfinished)
+            self.input_ids = torch.cat([self.input_ids, next_tokens[:, None]], dim=-1)
+            if self.streamer is not None:
+                self.streamer.put(next_tokens)
+            self.unfinished = self.unfinished & ~self.stopping_criteria(self.input_ids, self.scores)
+            if self.unfinished.max() == 0 or steps_left <= 0:
+                break
+            steps_left -= 1
+            tokens_dev, logits_dev = step(next_tokens)
+
+    def output(self, seq2seq: bool = False):
+        """What upstream's ``generate`` returns for the call."""
+        from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
+
+        if self.streamer is not None:
+            self.streamer.end()
+        if not self.config.return_dict_in_generate:
+            return self.input_ids
+        cls = GenerateEncoderDecoderOutput if seq2seq else GenerateDecoderOnlyOutput
+        return cls(sequences=self.input_ids, scores=self.scores, logits=self.raw_logits)
+
+
 def _decode_loop(
     model,
     input_ids,
@@ -77,128 +149,89 @@ def _decode_loop(
     """``custom_generate`` callable: greedy/sampling decode with bucketed static shapes and compiled graphs."""
     import torch
     import torch.nn.functional as F
-    from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-    info = hf_tpu_plan or {}
-    streamer = info.get("streamer", streamer)
-    state = _state(model)
-    device = model.device
+    call = _Call(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan)
+    state, device, variant = call.state, model.device, call.variant
+    batch, prompt_len, input_ids = call.batch, call.prompt_len, call.input_ids
     is_seq2seq = bool(model.config.is_encoder_decoder)
-    input_ids = input_ids.to("cpu")
-    batch, prompt_len = input_ids.shape
-    new_tokens = generation_config.max_length - prompt_len
-    pad_token = generation_config._pad_token_tensor
-    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    do_sample = bool(generation_config.do_sample)
-    want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
-    want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-    host_only = "output_scores/output_logits need the scores on the host" if want_scores or want_logits else None
-    if not state.settings.device_sampling and (do_sample or len(logits_processor) > 0):
-        host_only = "device sampling is off (configure(model, device_sampling=False))"
-    sampler = _plan(model, logits_processor, input_ids, do_sample, host_only)
-    host_path = sampler is None
-    variant = "" if sampler is None else sampler.variant
-    scores = () if want_scores else None
-    raw_logits = () if want_logits else None
 
     if is_seq2seq:
         encoder_hidden = model_kwargs["encoder_outputs"].last_hidden_state
         enc_mask = model_kwargs.get("attention_mask")
         if enc_mask is None:
             enc_mask = torch.ones(encoder_hidden.shape[:2], dtype=torch.long)
-        plan = plan_shapes(model, batch, prompt_len, new_tokens, encoder_len=encoder_hidden.shape[1], variant=variant)
+        plan = plan_shapes(
+            model, batch, prompt_len, call.new_tokens, encoder_len=encoder_hidden.shape[1], variant=variant
+        )
         cache = _cache_for(model, state, batch, plan.cache_bucket, encoder_hidden.shape[1])
         enc_mask_dev = enc_mask.to(device)
-        step_input = input_ids.to(device)
-        sampling = None if host_path else sampler.to_device(device, plan.cache_bucket + 1, 0)
+        sampling = call.sampling(device, plan.cache_bucket + 1, 0)
         prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
         decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
         set_length(cache, 0)
-        tokens_dev, logits_dev = _run(
-            model, state, prefill_key, step_input, encoder_hidden, enc_mask_dev, cache, sampling
-        )
+        first = _run(model, state, prefill_key, input_ids.to(device), encoder_hidden, enc_mask_dev, cache, sampling)
         set_decoding(cache, True)
-        positions = None
         length = prompt_len
-    else:
-        plan = plan_shapes(model, batch, prompt_len, new_tokens, variant=variant)
-        mask = model_kwargs.get("attention_mask")
-        if mask is None:
-            mask = torch.ones(batch, prompt_len, dtype=torch.long)
-        mask = mask.to("cpu")
-        positions = model_kwargs.get("position_ids")
-        if positions is None:
-            positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        positions = positions.to("cpu").long().expand(batch, prompt_len)
-        pad = plan.prompt_bucket - prompt_len
-        pad_id = int(pad_token) if pad_token is not None else 0
-        extra = _extra(model)
-        length = prompt_len if extra.get(_ALIGNED) else plan.prompt_bucket  # the cache's length after the prefill
-        if extra.get(_ALIGNED):  # the prompt first, the bucket's padding after it (slot -1)
-            ids = F.pad(input_ids, (0, pad), value=pad_id)
-            pos = F.pad(torch.arange(prompt_len).expand(batch, prompt_len), (0, pad), value=-1)
-            full_mask = torch.cat([mask.bool(), torch.ones(batch, plan.cache_bucket - prompt_len, dtype=torch.bool)], 1)
-            pad = 0
-        else:
-            ids = F.pad(input_ids, (pad, 0), value=pad_id)
-            pos = F.pad(positions, (pad, 0), value=0)
-            full_mask = torch.cat(
-                [
-                    F.pad(mask.bool(), (pad, 0), value=False),
-                    torch.ones(batch, plan.cache_bucket - plan.prompt_bucket, dtype=torch.bool),
-                ],
-                dim=1,
-            )
-        cache = _cache_for(model, state, batch, plan.cache_bucket, None)
-        mask_dev = full_mask.to(device)
-        sampling = None if host_path else sampler.to_device(device, plan.cache_bucket + 1, pad)
-        prefill_key = ("prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket)
-        decode_key = ("decode" + variant, batch, plan.cache_bucket)
-        packed = torch.cat([ids, pos], dim=1).to(device)
-        set_length(cache, 0)
-        tokens_dev, logits_dev = _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
-        set_decoding(cache, True)
-        positions = positions[:, -1]
 
-    unfinished = torch.ones(batch, dtype=torch.long)
-    steps_left = plan.cache_bucket - (plan.prompt_bucket if not is_seq2seq else prompt_len)
-    while True:
-        next_tokens, step_scores, step_logits = _select(
-            logits_processor, input_ids, tokens_dev, logits_dev, do_sample, host_path
+        def step(next_tokens):
+            nonlocal length
+            set_length(cache, length)
+            length += 1
+            ids = next_tokens[:, None].to(device)
+            return _run(model, state, decode_key, ids, encoder_hidden, enc_mask_dev, cache, sampling)
+
+        call.run(*first, plan.cache_bucket - prompt_len, step)
+        return call.output(seq2seq=True)
+
+    plan = plan_shapes(model, batch, prompt_len, call.new_tokens, variant=variant)
+    mask = model_kwargs.get("attention_mask")
+    if mask is None:
+        mask = torch.ones(batch, prompt_len, dtype=torch.long)
+    mask = mask.to("cpu")
+    positions = model_kwargs.get("position_ids")
+    if positions is None:
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    positions = positions.to("cpu").long().expand(batch, prompt_len)
+    pad = plan.prompt_bucket - prompt_len
+    pad_id = int(call.pad_token) if call.pad_token is not None else 0
+    extra = _extra(model)
+    length = prompt_len if extra.get(_ALIGNED) else plan.prompt_bucket  # the cache's length after the prefill
+    if extra.get(_ALIGNED):  # the prompt first, the bucket's padding after it (slot -1)
+        ids = F.pad(input_ids, (0, pad), value=pad_id)
+        pos = F.pad(torch.arange(prompt_len).expand(batch, prompt_len), (0, pad), value=-1)
+        full_mask = torch.cat([mask.bool(), torch.ones(batch, plan.cache_bucket - prompt_len, dtype=torch.bool)], 1)
+        pad = 0
+    else:
+        ids = F.pad(input_ids, (pad, 0), value=pad_id)
+        pos = F.pad(positions, (pad, 0), value=0)
+        full_mask = torch.cat(
+            [
+                F.pad(mask.bool(), (pad, 0), value=False),
+                torch.ones(batch, plan.cache_bucket - plan.prompt_bucket, dtype=torch.bool),
+            ],
+            dim=1,
         )
-        if want_scores:
-            scores += (step_scores,)
-        if want_logits:
-            raw_logits += (step_logits,)
-        if has_eos:
-            next_tokens = next_tokens * unfinished + pad_token * (1 - unfinished)
-        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        if streamer is not None:
-            streamer.put(next_tokens)
-        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-        if unfinished.max() == 0 or steps_left <= 0:
-            break
-        steps_left -= 1
+    cache = _cache_for(model, state, batch, plan.cache_bucket, None)
+    mask_dev = full_mask.to(device)
+    sampling = call.sampling(device, plan.cache_bucket + 1, pad)
+    prefill_key = ("prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket)
+    decode_key = ("decode" + variant, batch, plan.cache_bucket)
+    packed = torch.cat([ids, pos], dim=1).to(device)
+    set_length(cache, 0)
+    first = _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
+    set_decoding(cache, True)
+    positions = positions[:, -1]
+
+    def step(next_tokens):
+        nonlocal length, positions
         set_length(cache, length)
         length += 1
-        if is_seq2seq:
-            step = next_tokens[:, None].to(device)
-            tokens_dev, logits_dev = _run(
-                model, state, decode_key, step, encoder_hidden, enc_mask_dev, cache, sampling
-            )
-        else:
-            positions = positions + 1
-            step = torch.stack([next_tokens, positions], dim=1).to(device)
-            tokens_dev, logits_dev = _run(model, state, decode_key, step, mask_dev, cache, extra, sampling)
+        positions = positions + 1
+        packed_step = torch.stack([next_tokens, positions], dim=1).to(device)
+        return _run(model, state, decode_key, packed_step, mask_dev, cache, extra, sampling)
 
-    if streamer is not None:
-        streamer.end()
-    if not generation_config.return_dict_in_generate:
-        return input_ids
-    if is_seq2seq:
-        return GenerateEncoderDecoderOutput(sequences=input_ids, scores=scores, logits=raw_logits)
-    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits)
-
+    call.run(*first, plan.cache_bucket - plan.prompt_bucket, step)
+    return call.output()
 
 
 def _extra(model) -> dict:
