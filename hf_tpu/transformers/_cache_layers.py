@@ -83,12 +83,6 @@ def layer_plan(config) -> list[tuple[type, dict[str, Any]]]:
     ]
 
 
-def unknown_layers(config) -> list[str]:
-    """Names of the upstream layer classes in this config's static cache that have no bucketed form."""
-    registry = bucketed_layers()
-    return sorted({cls.__name__ for cls, _ in layer_plan(config) if cls not in registry})
-
-
 def layer_problem(config) -> str | None:
     """Why this config's cache has layers without a bucketed form (None when every layer has one): the layer kinds
     that cannot have one (:data:`NO_STATIC_FORM`) with the reason, then those hf_tpu has no form for yet."""

@@ -36,13 +36,13 @@ def _cache_for(model, state: _ModelState, batch: int, cache_len: int, encoder_le
 
     from hf_tpu.transformers._cache_probe import cache_shapes
 
-    key = (batch, cache_len, encoder_len, model.dtype, state.host_length)
+    key = (batch, cache_len, encoder_len, model.dtype, bool(state.host_length))
     cache = state.caches.pop(key, None)
     if cache is None:
         while len(state.caches) >= _CACHE_POOL_SIZE:
             state.caches.popitem(last=False)
         self_shapes, cross_shapes = cache_shapes(model)
-        cache = _bucketed_cache(model, self_shapes, batch, cache_len, state.host_length)
+        cache = _bucketed_cache(model, self_shapes, batch, cache_len, bool(state.host_length))
         if encoder_len is not None:
             cache = EncoderDecoderCache(cache, _bucketed_cache(model, cross_shapes, batch, encoder_len))
     else:
