@@ -46,6 +46,11 @@ __all__ = [
     "point_compile_cache",
     "tier2_name",
     "WRITTEN_FOR",
+    "LOWERING_NAMES",
+    "LoweredProgram",
+    "LoweringSession",
+    "LoweringUnavailableError",
+    "start_lowering",
     "Generation",
     "UnsupportedTopologyError",
     "generations",
@@ -345,3 +350,240 @@ def cache_stats() -> CacheStats | None:
         return None
     stats = get()
     return CacheStats(int(stats.num_cache_reqs), int(stats.num_cache_hits))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Lowering without a chip (used by hf_tpu.tpu_compile, in a child process of its own)
+#
+# With the wheel autoloaded on a host without chips, torch_tpu's device init runs (TPU_SKIP_MDS_QUERY=1 keeps libtpu
+# from waiting on cloud metadata) and ``torch.compile(backend="tpu")`` runs Dynamo, AOTAutograd and the wheel's own
+# front end (split/static compilers, ``export.fx_to_mlir``, ``tpu_torch_compile.build_mlir``) unchanged. Four things
+# need a PjRt client, and only those are stood in for:
+#   - the device's default generators (``torch.tpu.default_generators``, read by ``fx_to_mlir``) and the export-mode
+#     generator plumbing around them (``make_export_mode_device_generator`` & co): a graph that draws random numbers
+#     from the device generator (dropout, ``rand_like``) therefore does not lower here (torch_tpu would lower it);
+#   - ``traverse_and_compile``'s XLA compile: the module is built with ``build_mlir`` and recorded as StableHLO text
+#     with its arguments, outputs and donated inputs, instead of being compiled (libtpu compiles the text for a
+#     described TPU in another process: hf_tpu.tpu_compile);
+#   - ``execute``: a recorded program is never run; its outputs are deferred ``tpu`` tensors of the lowered shapes;
+#   - eager ops on ``tpu`` tensors outside a graph (a cache's allocation, a host->device copy, ``zero_``): torch_tpu
+#     would run them on the chip; here a dispatch mode computes their shapes on the meta device and answers deferred
+#     tensors (no memory), counting host<->device copies and host reads (``.item()`` answers 0).
+# Device init renames PrivateUse1 and patches torch.compile and matmul precision for the whole process: call
+# :func:`start_lowering` only in a process made for it.
+# ---------------------------------------------------------------------------------------------------------------
+
+#: The private torch_tpu names the lowering stand-in replaces or calls (checked by tests/contract against the wheel).
+LOWERING_NAMES = {
+    "torch_tpu._loader": ("_init_device",),
+    "torch_tpu._internal.compile.tpu_torch_compile": (
+        "build_mlir", "serialize_mlir_text", "traverse_and_compile", "execute", "make_export_mode_device_generator",
+        "get_device_state_tensor", "set_export_mode_default_device_generator",
+        "clear_export_mode_default_device_generators",
+    ),
+    "torch_tpu._internal.execution_mode": ("eager_mode", "EagerMode"),
+}  # fmt: skip
+
+
+@dataclass
+class LoweredProgram:
+    """One graph as torch_tpu lowered it: StableHLO text, the module's arguments and results as lowered (shape,
+    dtype name; their order is the module's, not Dynamo's) and the argument indices torch_tpu donated."""
+
+    text: str
+    arguments: list[tuple[tuple[int, ...], str]]
+    outputs: list[tuple[tuple[int, ...], str]]
+    donated: list[int]
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text, "arguments": [[list(s), d] for s, d in self.arguments],
+            "outputs": [[list(s), d] for s, d in self.outputs], "donated": self.donated, "seconds": self.seconds,
+        }  # fmt: skip
+
+
+@dataclass
+class LoweringSession:
+    """What a lowering process recorded: the programs in the order lowered, and the eager traffic the stand-in met
+    outside graphs (ops, host->device and device->host copies, host reads of a device value)."""
+
+    programs: list[LoweredProgram]
+    counts: dict[str, int]
+    mode: object  # the dispatch mode answering eager tpu ops; a context manager
+    mark: object  # mark(): start the clock of the next program's lowering time now
+
+
+class LoweringUnavailableError(RuntimeError):
+    """torch-tpu (with libtpu) is not installed, or not the version the lowering stand-in was written for."""
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def start_lowering(announce=None) -> LoweringSession:
+    """Initialise torch_tpu's device on a host without chips and stand in for what needs one (see above).
+
+    ``announce(message)``, when given, is told of each program lowered (a progress line).
+
+    Returns the session that records every program ``torch.compile(backend="tpu")`` lowers from then on; run eager
+    ``tpu`` code inside ``with session.mode:``. Call once, in a process of its own.
+
+    Raises:
+        LoweringUnavailableError: torch-tpu is not installed, or its version is not the one this was written for.
+    """
+    version = installed_version()
+    if version is None:
+        raise LoweringUnavailableError(
+            "compiling for a TPU needs torch-tpu and libtpu: pip install 'hf-tpu[tpu]' (torch==2.13.0 first)"
+        )
+    if version != WRITTEN_FOR:
+        raise LoweringUnavailableError(
+            f"the lowering stand-in was written for torch-tpu {WRITTEN_FOR} (it replaces private functions of "
+            f"torch_tpu._internal.compile); torch-tpu {version} is installed: pip install torch-tpu=={WRITTEN_FOR}"
+        )
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    import time
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    loader = importlib.import_module("torch_tpu._loader")
+    loader._init_device("tpu")
+    ttc = importlib.import_module("torch_tpu._internal.compile.tpu_torch_compile")
+    em = importlib.import_module("torch_tpu._internal.execution_mode")
+    # The AOTAutograd cache would try to serialize the stand-in executable.
+    torch._functorch.config.enable_autograd_cache = False
+
+    programs: list[LoweredProgram] = []
+    counts = {"eager_ops": 0, "host_to_device": 0, "device_to_host": 0, "host_reads": 0}
+    build_mlir, serialize = ttc.build_mlir, ttc.serialize_mlir_text
+
+    class _Generator:  # what fx_to_mlir reads of the default generator: an object with a device
+        device = torch.device("tpu", 0)
+
+    generator = _Generator()
+    state: dict = {}
+
+    def state_tensor(_gen):
+        if "t" not in state:
+            state["t"] = torch.empty(2, dtype=torch.int64, device="tpu")
+        return state["t"]
+
+    type(torch.tpu).default_generators = property(lambda self: (generator,))
+    ttc.make_export_mode_device_generator = lambda gen: gen
+    ttc.get_device_state_tensor = state_tensor
+    ttc.set_export_mode_default_device_generator = lambda gen: None
+    ttc.clear_export_mode_default_device_generators = lambda: None
+
+    class _Recorded:
+        def __init__(self, program: LoweredProgram):
+            self.program = program
+
+    class _Result:
+        def __init__(self, module, executable):
+            self.module, self.executable = module, executable
+
+    clock = {"t": time.perf_counter()}
+
+    def traverse_and_compile(result_tensors, argument_tensors, build_mlir_module=True, use_stablehlo_bounds=False,
+                             argument_layouts=(), donated_inputs=(), module_name=None):  # fmt: skip
+        module = build_mlir(
+            result_tensors=result_tensors, argument_tensors=argument_tensors, use_stablehlo_bounds=use_stablehlo_bounds
+        )
+        program = LoweredProgram(
+            text=serialize(module),
+            arguments=[(tuple(t.shape), _dtype_name(t.dtype)) for t in argument_tensors],
+            outputs=[(tuple(t.shape), _dtype_name(t.dtype)) for t in result_tensors],
+            donated=[int(i) for i in donated_inputs],
+            seconds=time.perf_counter() - clock["t"],
+        )
+        programs.append(program)
+        clock["t"] = time.perf_counter()
+        if announce is not None:
+            announce(f"lowered program {len(programs)} ({program.seconds:.1f}s, {len(program.text) // 1024} KiB)")
+        return _Result(module, _Recorded(program))
+
+    def execute(executable, args, output_shapes=(), reconstruct=None):
+        outs = [
+            torch.empty(shape, dtype=getattr(torch, dtype), device="tpu") for shape, dtype in executable.program.outputs
+        ]
+        return reconstruct(args, outs) if reconstruct is not None else outs
+
+    ttc.traverse_and_compile = traverse_and_compile
+    ttc.execute = execute
+
+    def lowering() -> bool:
+        return em.eager_mode == em.EagerMode._INTERNAL_COMPILE_FX_GRAPH
+
+    def on_tpu(x) -> bool:
+        if isinstance(x, torch.Tensor):
+            return x.device.type == "tpu"
+        if isinstance(x, torch.device):
+            return x.type == "tpu"
+        return isinstance(x, str) and x.split(":")[0] == "tpu"
+
+    def to_meta(x):
+        if isinstance(x, torch.Tensor) and x.device.type == "tpu":
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        return torch.device("meta") if on_tpu(x) and not isinstance(x, torch.Tensor) else x
+
+    class DeferredEager(TorchDispatchMode):
+        """Eager ops on tpu tensors answered with deferred tensors of the right shape (see the section comment)."""
+
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:  # Dynamo compiles under this mode, ignoring it
+            return True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            flat, _ = tree_flatten((args, kwargs))
+            if lowering() or not any(on_tpu(a) for a in flat):
+                return func(*args, **kwargs)
+            counts["eager_ops"] += 1
+            tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+            if func is torch.ops.aten._local_scalar_dense.default:
+                counts["host_reads"] += 1
+                dtype = args[0].dtype
+                return 0.0 if dtype.is_floating_point else (False if dtype == torch.bool else 0)
+            if func is torch.ops.aten.copy_.default:
+                dst, src = args[0], args[1]
+                if dst.device.type == "tpu" and src.device.type != "tpu":
+                    counts["host_to_device"] += 1
+                elif dst.device.type != "tpu":
+                    counts["device_to_host"] += 1
+                    return dst
+                return dst
+            to_host = func is torch.ops.aten._to_copy.default and not on_tpu(kwargs.get("device", "tpu"))
+            if func is torch.ops.aten._to_copy.default:
+                if to_host:
+                    counts["device_to_host"] += 1
+                elif not on_tpu(args[0]):
+                    counts["host_to_device"] += 1
+            meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
+            try:
+                result = func(*meta_args, **meta_kwargs)
+            except NotImplementedError as exc:
+                raise NotImplementedError(
+                    f"{func} on a tpu tensor outside a graph has no meta kernel, so the lowering stand-in cannot "
+                    "answer it without a chip"
+                ) from exc
+            if func._schema.is_mutable and tensors:
+                out = kwargs.get("out")
+                return out if out is not None else args[0]
+
+            def back(m):
+                if isinstance(m, torch.Tensor) and m.device.type == "meta":
+                    if to_host:
+                        return torch.zeros(m.shape, dtype=m.dtype)
+                    return torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="tpu")
+                return m
+
+            return tree_map(back, result)
+
+    def mark() -> None:
+        clock["t"] = time.perf_counter()
+
+    return LoweringSession(programs=programs, counts=counts, mode=DeferredEager(), mark=mark)

@@ -175,6 +175,34 @@ def compiled_graphs(model) -> list[tuple]:
     return list(_state(model).compile_log)
 
 
+def cache_bytes(model) -> dict[tuple, int]:
+    """The device bytes of each static cache hf_tpu keeps allocated for ``model``, by its key
+    ``(batch, cache_bucket, encoder_bucket, dtype, host_length)``: what the KV cache costs in HBM beside the weights.
+
+    Example:
+        >>> hf_tpu.warmup(model, max_prompt_len=16, max_new_tokens=8)      # doctest: +SKIP
+        >>> cache_bytes(model)                                               # doctest: +SKIP
+        {(1, 32, None, torch.float32, False): 16384}
+    """
+    import torch
+
+    def size(obj, seen: set) -> int:
+        if isinstance(obj, torch.Tensor):
+            if id(obj) in seen:
+                return 0
+            seen.add(id(obj))
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, (list, tuple)):
+            return sum(size(o, seen) for o in obj)
+        if isinstance(obj, dict):
+            return sum(size(o, seen) for o in obj.values())
+        if hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+            return sum(size(o, seen) for o in vars(obj).values())
+        return 0
+
+    return {key: size(cache, set()) for key, cache in _state(model).caches.items()}
+
+
 def _compile_cache(state: _ModelState):
     """The model's persistent compile cache (from :func:`configure` or ``HF_TPU_COMPILE_CACHE``), or None."""
     if state.settings.compile_cache is _UNSET:

@@ -68,6 +68,7 @@ from hf_tpu.transformers._settings import (
     RecompileError,
     _device_types,
     _state,
+    cache_bytes,
     compiled_graphs,
     configure,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "NotCompilableError",
     "RecompileError",
     "ShapePlan",
+    "cache_bytes",
     "compiled_graphs",
     "configure",
     "default_variant",

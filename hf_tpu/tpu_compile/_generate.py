@@ -1,0 +1,142 @@
+"""The lowering process's entry for ``generate``: hf_tpu's own warm-up, run on a model whose weights are deferred
+``tpu`` tensors (``to_empty``: no memory), so that exactly the prefill and decode graphs ``generate`` would compile
+on a chip go through torch_tpu's lowering. Runs inside :mod:`hf_tpu.tpu_compile._child` only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["build_deferred", "label", "lower_generate", "weight_bytes"]
+
+
+def label(key: tuple, decodes: int = 1) -> str:
+    """A program's name from its graph key: ``prefill-2048``, ``decode`` (``decode-2304`` when there are several)."""
+    kind = key[0].split("+", 1)[0]
+    if kind == "prefill":
+        return f"prefill-{key[2]}"
+    if kind == "decode":
+        return "decode" if decodes == 1 else f"decode-{key[2]}"
+    return "-".join(str(k) for k in key)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers, each storage counted once (tied weights once)."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        inner = getattr(tensor, "tensor_data_names", None)
+        parts = [getattr(tensor, n) for n in inner()] if callable(inner) else [tensor]
+        for part in parts:
+            if id(part) in seen or not hasattr(part, "numel"):
+                continue
+            seen.add(id(part))
+            total += part.numel() * part.element_size()
+    return total
+
+
+def _kv_estimate(config, batch: int, cache_len: int, dtype) -> int:
+    """2 x layers x KV heads x head size x cache length x batch x element size: a plain KV cache's bytes."""
+    import torch
+
+    text = config.get_text_config(decoder=True)
+    heads = getattr(text, "num_attention_heads", 0) or 0
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
+    layers = getattr(text, "num_hidden_layers", 0) or 0
+    return 2 * layers * kv_heads * head_dim * cache_len * batch * torch.empty((), dtype=dtype).element_size()
+
+
+def build_deferred(model: str, dtype: str | None = None, generation: dict | None = None):
+    """The model of ``model`` (a directory or a config.json) with its weights as deferred tpu tensors."""
+    import os
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = os.path.dirname(model) if model.endswith(".json") else model
+    config = AutoConfig.from_pretrained(path)
+    torch_dtype = getattr(torch, dtype) if dtype else (getattr(config, "dtype", None) or torch.float32)
+    if isinstance(torch_dtype, str):
+        torch_dtype = getattr(torch, torch_dtype)
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    if generation:
+        built.generation_config.update(**generation)
+    return built, torch_dtype
+
+
+def _quantize(model, quantization: str) -> None:
+    """Quantize the linear weights as ``from_pretrained(quantization_config=TorchAoConfig(...))`` does with hf_tpu."""
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    if quantization == "int8":
+        quantize_(model, Int8WeightOnlyConfig())
+        return
+    if quantization == "int4":
+        from hf_tpu.quantization import _integration
+
+        _integration.install_torchao_handlers()
+        quantize_(model, Int4WeightOnlyConfig(group_size=128))
+        return
+    raise ValueError(f"quantization {quantization!r}: use int8 or int4")
+
+
+def lower_generate(
+    session,
+    model: str,
+    dtype: str | None = None,
+    batch: int = 1,
+    max_prompt_len: int = 128,
+    max_new_tokens: int = 32,
+    buckets: str = "largest",
+    quantization: str | None = None,
+    capacity: int | None = None,
+    generation: dict | None = None,
+) -> dict[str, Any]:
+    """Lower the graphs ``hf_tpu.warmup`` compiles for this call size (``buckets="largest"``: the bucket of
+    ``max_prompt_len`` only; ``"all"``: the whole ladder up to it). Returns labels and facts for the plan; lowers
+    nothing when the weights alone exceed ``capacity``."""
+    import torch
+
+    import hf_tpu
+    from hf_tpu.transformers import generation as gen
+    from hf_tpu.transformers.buckets import default_ladder
+
+    built, torch_dtype = build_deferred(model, dtype, generation)
+    ladder = default_ladder(built.config)
+    bucket = ladder.bucket(max_prompt_len, "the prompt")
+    info: dict[str, Any] = {
+        "model_type": built.config.model_type,
+        "parameters": sum(p.numel() for p in built.parameters()),
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "prompt_bucket": bucket,
+        "kv_cache_estimate": _kv_estimate(built.config, batch, bucket + max_new_tokens, torch_dtype),
+    }
+    if not quantization:
+        info["weights_bytes"] = weight_bytes(built)
+        if capacity is not None and info["weights_bytes"] + info["kv_cache_estimate"] > capacity:
+            info["skipped"] = "the weights and KV cache alone exceed the chip's HBM: nothing was lowered"
+            return info
+    hf_tpu.enable()
+    built = built.to_empty(device="tpu").eval()
+    with session.mode, torch.no_grad():
+        if quantization:
+            _quantize(built, quantization)
+            info["weights_bytes"] = weight_bytes(built)
+            if capacity is not None and info["weights_bytes"] + info["kv_cache_estimate"] > capacity:
+                info["skipped"] = "the weights and KV cache alone exceed the chip's HBM: nothing was lowered"
+                return info
+        # "largest": one prompt bucket; the rungs above it stay for the cache (prompt + new tokens)
+        extra = {"buckets": [bucket, *ladder.at_least(bucket + 1)]} if buckets == "largest" else {}
+        report = hf_tpu.warmup(
+            built, max_prompt_len=max_prompt_len, batch_sizes=[batch], max_new_tokens=max_new_tokens, progress=False,
+            **extra,
+        )  # fmt: skip
+    keys = gen.compiled_graphs(built)
+    decodes = sum(1 for k in keys if k[0].split("+", 1)[0] == "decode")
+    info["labels"] = [label(k, decodes) for k in keys]
+    info["graph_keys"] = [list(k) for k in keys]
+    sizes = gen.cache_bytes(built)
+    info["kv_cache_bytes"] = max(sizes.values()) if sizes else 0
+    info["warmup_seconds"] = report.seconds
+    return info

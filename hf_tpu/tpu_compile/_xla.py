@@ -1,0 +1,100 @@
+"""libtpu's compiler for a TPU this host does not have, and XLA:CPU for the numerics check.
+
+``python -m hf_tpu.tpu_compile._xla IN.json TOPOLOGY OUT.json`` compiles each lowered program of IN.json (the
+lowering process's output) for the first chip of ``TOPOLOGY`` (a libtpu topology name, ``v6e:1x1``) with
+``jax.experimental.topologies``: libtpu's compile-only client, no chip needed. Per program it writes whether it
+compiled (else the compiler's message), the seconds it took, XLA's memory analysis (argument, output, alias, temp
+and generated-code bytes) and cost analysis (FLOPs, bytes accessed, ``optimal_seconds``; XLA reports a negative
+``optimal_seconds`` where it cannot estimate, as for programs with Mosaic custom calls).
+
+It runs in a process without torch_tpu's device (JAX loads libtpu itself). :func:`run_on_cpu` runs a program with
+no custom call on XLA:CPU, for comparing its result with torch's on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+_MEMORY = {
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+    "temp_bytes": "temp_size_in_bytes",
+    "code_bytes": "generated_code_size_in_bytes",
+}
+
+
+def _compile_one(client, devices, text: str) -> dict:
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib import xla_client
+    from jax._src.lib.mlir import ir
+
+    started = time.perf_counter()
+    with jax_mlir.make_ir_context():
+        module = ir.Module.parse(text)
+        executable = client.compile(module, xla_client.DeviceList(tuple(devices)), xla_client.CompileOptions())
+    record = {"compiled": True, "compile_seconds": time.perf_counter() - started}
+    stats = executable.get_compiled_memory_stats()
+    for key, attr in _MEMORY.items():
+        record[key] = int(getattr(stats, attr))
+    cost = executable.cost_analysis() or {}
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    record["flops"] = float(cost.get("flops", 0.0))
+    record["bytes_accessed"] = float(cost.get("bytes accessed", 0.0))
+    record["transcendentals"] = float(cost.get("transcendentals", 0.0))
+    record["optimal_seconds"] = float(cost.get("optimal_seconds", -1.0))
+    return record
+
+
+def compile_programs(texts: list[str], topology: str) -> list[dict]:
+    """Compile each StableHLO text for the first chip of ``topology``; one record per text (see the module doc)."""
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    from jax.experimental import topologies
+
+    device = topologies.get_topology_desc(topology, "tpu").devices[0]
+    records = []
+    for i, text in enumerate(texts):
+        try:
+            records.append(_compile_one(device.client, [device], text))
+            print(f"hf_tpu.tpu_compile: compiled program {i + 1} of {len(texts)} for {topology} "
+                  f"({records[-1]['compile_seconds']:.1f}s)", flush=True)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the compiler's refusal is the record
+            message = "\n".join(line for line in str(exc).splitlines() if line.strip())
+            records.append({"compiled": False, "error": f"{type(exc).__name__}: {message[:2000]}"})
+    return records
+
+
+def run_on_cpu(text: str, arrays: list) -> list:
+    """Run a StableHLO program (no custom call) on XLA:CPU with ``arrays`` (numpy, in the module's argument order);
+    returns its results as numpy arrays."""
+    import jax
+    import numpy as np
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib import xla_client
+    from jax._src.lib.mlir import ir
+
+    backend = jax.extend.backend.get_backend("cpu")
+    device = backend.devices()[0]
+    with jax_mlir.make_ir_context():
+        module = ir.Module.parse(text)
+        executable = backend.compile_and_load(module, xla_client.DeviceList((device,)), xla_client.CompileOptions())
+    buffers = [jax.device_put(np.asarray(a), device) for a in arrays]
+    outs = executable.execute(buffers)
+    return [np.asarray(o) for o in outs]
+
+
+def main(argv: list[str]) -> int:
+    in_path, topology, out_path = argv
+    with open(in_path) as f:
+        texts = json.load(f)
+    with open(out_path, "w") as f:
+        json.dump(compile_programs(texts, topology), f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

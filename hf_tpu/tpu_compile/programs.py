@@ -1,0 +1,188 @@
+"""Lower graphs through torch_tpu's real front end and compile them with libtpu for a named TPU, on any host.
+
+:func:`lower_and_compile` runs two child processes: the lowering process (:mod:`hf_tpu.tpu_compile._child`:
+torch_tpu's device init and the stand-ins of :func:`hf_tpu._torch_tpu.start_lowering`, which patch the whole
+process) calls an entry that runs hf_tpu code on deferred ``tpu`` tensors and records each program torch_tpu
+lowers; the compiling process (:mod:`hf_tpu.tpu_compile._xla`) compiles each for the target with libtpu's
+compile-only client. Each program's :class:`ProgramRecord` says whether it lowered (else the error and the source
+line), whether it compiled (else the compiler's message), and what the compiler reports: seconds, HBM by kind,
+FLOPs, bytes accessed, ``optimal_seconds``.
+
+Example:
+    >>> from hf_tpu.tpu_compile import lower_and_compile                                   # doctest: +SKIP
+    >>> result = lower_and_compile("hf_tpu.tpu_compile._generate:lower_generate",          # doctest: +SKIP
+    ...                            {"model": "tiny-llama/", "max_prompt_len": 16}, "v6e-1")
+    >>> [(p.name, p.compiled) for p in result.programs]                                    # doctest: +SKIP
+    [('prefill-16', True), ('decode', True)]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hf_tpu.tpu_compile.targets import Target, target as find_target
+
+__all__ = ["LoweringResult", "ProgramRecord", "child_environment", "lower_and_compile"]
+
+PROGRESS_PREFIX = "hf_tpu.tpu_compile:"
+
+
+@dataclass
+class ProgramRecord:
+    """One program: lowered by torch_tpu's front end, compiled by libtpu for the target (see the module doc)."""
+
+    name: str
+    lowered: bool = False
+    compiled: bool = False
+    error: str | None = None
+    where: str | None = None
+    lower_seconds: float | None = None
+    compile_seconds: float | None = None
+    flops: float | None = None
+    bytes_accessed: float | None = None
+    transcendentals: float | None = None
+    optimal_seconds: float | None = None
+    argument_bytes: int | None = None
+    output_bytes: int | None = None
+    alias_bytes: int | None = None
+    temp_bytes: int | None = None
+    code_bytes: int | None = None
+    donated: list[int] = field(default_factory=list)
+    custom_calls: int = 0
+    arguments: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    text: str = field(default="", repr=False)
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """HBM the program holds while it runs: its arguments, its outputs not aliased to an argument, its temps."""
+        if not self.compiled:
+            return None
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    def to_dict(self, text: bool = False) -> dict:
+        out = asdict(self)
+        if not text:
+            out.pop("text")
+            out.pop("arguments")
+            out.pop("outputs")
+        return out
+
+
+@dataclass
+class LoweringResult:
+    """What :func:`lower_and_compile` found: one record per program, the entry's facts (``info``), the eager traffic
+    the stand-in met outside graphs, and an error when the entry itself failed (with where it came from)."""
+
+    target: Target
+    programs: list[ProgramRecord]
+    info: dict[str, Any]
+    eager: dict[str, int]
+    error: str | None = None
+    where: str | None = None
+    lower_seconds: float = 0.0
+    compile_seconds: float = 0.0
+
+
+def child_environment() -> dict[str, str]:
+    """The environment of the lowering and compiling processes: torch_tpu autoloaded (never the simulator), libtpu
+    told not to look for cloud metadata, its logs quiet."""
+    env = dict(os.environ)
+    for name in ("HF_TPU_SIMULATE", "TORCH_DEVICE_BACKEND_AUTOLOAD", "JAX_PLATFORMS"):
+        env.pop(name, None)
+    env.update({"TPU_SKIP_MDS_QUERY": "1", "TPU_STDERR_LOG_LEVEL": "3", "TPU_MIN_LOG_LEVEL": "3",
+                "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    return env
+
+
+def _run_child(args: list[str], progress: Callable[[str], None] | None, timeout: float | None) -> str:
+    """Run ``python -m <args>``; forward its progress lines; return the tail of what it printed (for errors)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *args], env=child_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    tail: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(PROGRESS_PREFIX):
+                if progress is not None:
+                    progress(line[len(PROGRESS_PREFIX) :].strip())
+                continue
+            tail = (tail + [line.rstrip()])[-40:]
+        proc.wait(timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return "\n".join(tail)
+
+
+def lower_and_compile(
+    entry: str,
+    kwargs: dict[str, Any],
+    target: str | Target = "v6e-1",
+    *,
+    compile: bool = True,
+    progress: Callable[[str], None] | None = None,
+    timeout: float | None = None,
+) -> LoweringResult:
+    """Lower what ``entry`` (``"module:function"``, called as ``function(session, **kwargs)`` in the lowering
+    process) compiles, then compile each program for ``target`` (``compile=False``: lower only).
+
+    Returns:
+        A :class:`LoweringResult`; a program that failed to lower or compile is a record saying so, not an error.
+
+    Raises:
+        hf_tpu.tpu_compile.targets.UnknownTargetError: ``target`` is not a known target name.
+        RuntimeError: a child process died without writing its result (the message holds the end of its output).
+    """
+    chosen = find_target(target) if isinstance(target, str) else target
+    with tempfile.TemporaryDirectory(prefix="hf_tpu_tpu_compile_") as tmp:
+        spec, lowered = os.path.join(tmp, "spec.json"), os.path.join(tmp, "lowered.json")
+        with open(spec, "w") as f:
+            json.dump({"entry": entry, "kwargs": kwargs}, f)
+        tail = _run_child(["hf_tpu.tpu_compile._child", spec, lowered], progress, timeout)
+        if not os.path.exists(lowered):
+            raise RuntimeError(f"the lowering process died before writing its result; its last output:\n{tail}")
+        with open(lowered) as f:
+            raw = json.load(f)
+        labels = raw.get("labels") or []
+        programs = []
+        for i, p in enumerate(raw["programs"]):
+            name = labels[i] if i < len(labels) and len(labels) == len(raw["programs"]) else f"graph-{i}"
+            programs.append(ProgramRecord(
+                name=name, lowered=True, lower_seconds=p["seconds"], donated=p["donated"],
+                custom_calls=p["text"].count("tpu_custom_call"), arguments=p["arguments"], outputs=p["outputs"],
+                text=p["text"],
+            ))  # fmt: skip
+        result = LoweringResult(
+            target=chosen, programs=programs, info=raw.get("info") or {}, eager=raw.get("eager") or {},
+            error=raw.get("error"), where=raw.get("where"), lower_seconds=raw.get("seconds", 0.0),
+        )  # fmt: skip
+        if result.error and not programs:
+            result.programs.append(ProgramRecord(name="graph-0", error=result.error, where=result.where))
+        if not compile or not any(p.lowered for p in programs):
+            return result
+        texts, compiled = os.path.join(tmp, "texts.json"), os.path.join(tmp, "compiled.json")
+        with open(texts, "w") as f:
+            json.dump([p.text for p in programs], f)
+        if progress is not None:
+            progress(f"compiling {len(programs)} program(s) for {chosen.name} with libtpu")
+        tail = _run_child(["hf_tpu.tpu_compile._xla", texts, chosen.topology, compiled], progress, timeout)
+        if not os.path.exists(compiled):
+            raise RuntimeError(f"the compiling process died before writing its result; its last output:\n{tail}")
+        with open(compiled) as f:
+            records = json.load(f)
+        for program, record in zip(programs, records):
+            for key, value in record.items():
+                setattr(program, key, value)
+        result.compile_seconds = sum(p.compile_seconds or 0.0 for p in programs)
+        return result

@@ -1,0 +1,71 @@
+"""The TPUs a program can be compiled for without one: libtpu's described topologies, with each chip's HBM, HBM
+bandwidth and peak bf16 FLOP rate (Google's published per-chip figures), used to project a step's time from the
+compiler's byte and FLOP counts.
+
+Example:
+    >>> from hf_tpu.tpu_compile.targets import target
+    >>> t = target("v6e-1")
+    >>> t.topology, t.chips, t.hbm_bytes // 2**30
+    ('v6e:1x1', 1, 32)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_tpu.errors import UserError
+
+__all__ = ["TARGETS", "Target", "UnknownTargetError", "target"]
+
+GiB = 1024**3
+
+
+class UnknownTargetError(UserError, ValueError):
+    """A target name that is not in :data:`TARGETS`."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A TPU slice hf_tpu compiles for: ``topology`` is the name libtpu describes it by
+    (``jax.experimental.topologies.get_topology_desc(topology, "tpu")``); figures are per chip."""
+
+    name: str
+    topology: str
+    chips: int
+    hbm_bytes: int
+    hbm_bandwidth: float  # bytes/s per chip
+    peak_flops: float  # bf16 FLOP/s per chip
+
+    def describe(self) -> str:
+        return (
+            f"{self.name} ({self.chips} chip{'s' if self.chips > 1 else ''}, {self.hbm_bytes / GiB:.0f} GiB HBM and "
+            f"{self.hbm_bandwidth / 1e12:.2f} TB/s per chip)"
+        )
+
+
+def _family(prefix: str, topologies: dict[int, str], hbm_gib: float, bw: float, flops: float) -> dict[str, Target]:
+    return {
+        f"{prefix}-{n}": Target(f"{prefix}-{n}", topo, n, int(hbm_gib * GiB), bw, flops)
+        for n, topo in topologies.items()
+    }
+
+
+#: Target name -> :class:`Target`. Names follow Cloud TPU's slice names (``v6e-4`` = 4 chips).
+TARGETS: dict[str, Target] = {
+    **_family("v5e", {1: "v5e:1x1", 4: "v5e:2x2", 8: "v5e:2x4"}, 16, 819e9, 197e12),
+    **_family("v6e", {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4"}, 32, 1640e9, 918e12),
+    **_family("v5p", {4: "v5p:2x2x1", 8: "v5p:2x2x2"}, 95, 2765e9, 459e12),
+    **_family("tpu7x", {4: "tpu7x:2x2x1", 8: "tpu7x:2x2x2"}, 192, 7370e9, 2307e12),
+}
+
+
+def target(name: str) -> Target:
+    """The :class:`Target` called ``name``.
+
+    Raises:
+        UnknownTargetError: ``name`` is not one of :data:`TARGETS` (the message lists them).
+    """
+    found = TARGETS.get(name)
+    if found is None:
+        raise UnknownTargetError(f"unknown TPU target {name!r}: use one of {', '.join(TARGETS)}")
+    return found
