@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import importlib
@@ -377,7 +378,7 @@ def cache_stats() -> CacheStats | None:
 LOWERING_NAMES = {
     "torch_tpu._loader": ("_init_device",),
     "torch_tpu._internal.compile.tpu_torch_compile": (
-        "build_mlir", "serialize_mlir_text", "traverse_and_compile", "execute", "make_export_mode_device_generator",
+        "build_mlir", "serialize_mlir_text", "serialize_mlir_portable_artifact", "traverse_and_compile", "execute", "make_export_mode_device_generator",
         "get_device_state_tensor", "set_export_mode_default_device_generator",
         "clear_export_mode_default_device_generators",
     ),
@@ -395,11 +396,13 @@ class LoweredProgram:
     outputs: list[tuple[tuple[int, ...], str]]
     donated: list[int]
     seconds: float = 0.0
+    artifact: bytes | None = None  # torch_tpu's versioned portable artifact of the module (what a PjRt plugin takes)
 
     def to_dict(self) -> dict:
         return {
             "text": self.text, "arguments": [[list(s), d] for s, d in self.arguments],
             "outputs": [[list(s), d] for s, d in self.outputs], "donated": self.donated, "seconds": self.seconds,
+            "artifact": base64.b64encode(self.artifact).decode() if self.artifact else None,
         }  # fmt: skip
 
 
@@ -454,12 +457,15 @@ def start_lowering(announce=None) -> LoweringSession:
     loader._init_device("tpu")
     ttc = importlib.import_module("torch_tpu._internal.compile.tpu_torch_compile")
     em = importlib.import_module("torch_tpu._internal.execution_mode")
-    # The AOTAutograd cache would try to serialize the stand-in executable.
+    # The AOTAutograd cache would try to serialize the stand-in executable; backward runs on this thread, where the
+    # stand-in's dispatch mode is (autograd's device threads would not see it).
     torch._functorch.config.enable_autograd_cache = False
+    torch.autograd.set_multithreading_enabled(False)
 
     programs: list[LoweredProgram] = []
     counts = {"eager_ops": 0, "host_to_device": 0, "device_to_host": 0, "host_reads": 0}
     build_mlir, serialize = ttc.build_mlir, ttc.serialize_mlir_text
+    portable = ttc.serialize_mlir_portable_artifact
 
     class _Generator:  # what fx_to_mlir reads of the default generator: an object with a device
         device = torch.device("tpu", 0)
@@ -495,6 +501,7 @@ def start_lowering(announce=None) -> LoweringSession:
         )
         program = LoweredProgram(
             text=serialize(module),
+            artifact=portable(module),
             arguments=[(tuple(t.shape), _dtype_name(t.dtype)) for t in argument_tensors],
             outputs=[(tuple(t.shape), _dtype_name(t.dtype)) for t in result_tensors],
             donated=[int(i) for i in donated_inputs],
@@ -542,6 +549,8 @@ def start_lowering(announce=None) -> LoweringSession:
             flat, _ = tree_flatten((args, kwargs))
             if lowering() or not any(on_tpu(a) for a in flat):
                 return func(*args, **kwargs)
+            if any(isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter) for a in flat):
+                return NotImplemented  # a tensor subclass (torchao's) unwraps itself first; its parts come back here
             counts["eager_ops"] += 1
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
             if func is torch.ops.aten._local_scalar_dense.default:
@@ -557,11 +566,11 @@ def start_lowering(announce=None) -> LoweringSession:
                     return dst
                 return dst
             to_host = func is torch.ops.aten._to_copy.default and not on_tpu(kwargs.get("device", "tpu"))
-            if func is torch.ops.aten._to_copy.default:
-                if to_host:
-                    counts["device_to_host"] += 1
-                elif not on_tpu(args[0]):
-                    counts["host_to_device"] += 1
+            if to_host:  # a device value read on the host: its shape, zeros for its data
+                counts["device_to_host"] += 1
+                return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+            if func is torch.ops.aten._to_copy.default and not on_tpu(args[0]):
+                counts["host_to_device"] += 1
             meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
             try:
                 result = func(*meta_args, **meta_kwargs)

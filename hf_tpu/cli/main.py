@@ -48,6 +48,7 @@ _USER_ERRORS: dict[str, tuple[str, ...]] = {
     "hf_tpu.device_map.preflight": ("DeviceMapFitError",),
     "hf_tpu.distributed.tp_plan": ("TensorParallelConfigError",),
     "hf_tpu.training.checks": ("TPUTrainingError",),
+    "hf_tpu._torch_tpu": ("LoweringUnavailableError",),
 }
 
 # name -> one-line summary shown by `hf-tpu --help`. Add a line here when you add hf_tpu/cli/<name>.py.
@@ -60,6 +61,7 @@ COMMANDS: dict[str, str] = {
     "serve": "serve a causal LM over an OpenAI-compatible HTTP API (continuous batching, /metrics)",
     "launch": "start one process per TPU chip (torchrun underneath)",
     "selftest": "check every hf_tpu capability on this host and write a report",
+    "plan": "compile a model's generate for a TPU without one (libtpu): HBM fit, compile time, projected step",
 }
 
 

@@ -24,8 +24,9 @@ def weight_bytes(model) -> int:
     """Bytes of the model's parameters and buffers, each storage counted once (tied weights once)."""
     seen, total = set(), 0
     for tensor in list(model.parameters()) + list(model.buffers()):
-        inner = getattr(tensor, "tensor_data_names", None)
-        parts = [getattr(tensor, n) for n in inner()] if callable(inner) else [tensor]
+        inner = getattr(tensor, "tensor_data_names", None)  # torchao's tensor subclasses: their inner tensors
+        inner = inner() if callable(inner) else inner
+        parts = [getattr(tensor, n) for n in inner] if inner else [tensor]
         for part in parts:
             if id(part) in seen or not hasattr(part, "numel"):
                 continue
@@ -46,7 +47,7 @@ def _kv_estimate(config, batch: int, cache_len: int, dtype) -> int:
     return 2 * layers * kv_heads * head_dim * cache_len * batch * torch.empty((), dtype=dtype).element_size()
 
 
-def build_deferred(model: str, dtype: str | None = None, generation: dict | None = None):
+def build_deferred(model: str, dtype: str | None = None, generation: dict | None = None, **from_config: Any):
     """The model of ``model`` (a directory or a config.json) with its weights as deferred tpu tensors."""
     import os
 
@@ -59,7 +60,7 @@ def build_deferred(model: str, dtype: str | None = None, generation: dict | None
     if isinstance(torch_dtype, str):
         torch_dtype = getattr(torch, torch_dtype)
     with torch.device("meta"):
-        built = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        built = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, **from_config)
     if generation:
         built.generation_config.update(**generation)
     return built, torch_dtype
@@ -92,6 +93,7 @@ def lower_generate(
     quantization: str | None = None,
     capacity: int | None = None,
     generation: dict | None = None,
+    experts_implementation: str | None = None,
 ) -> dict[str, Any]:
     """Lower the graphs ``hf_tpu.warmup`` compiles for this call size (``buckets="largest"``: the bucket of
     ``max_prompt_len`` only; ``"all"``: the whole ladder up to it). Returns labels and facts for the plan; lowers
@@ -102,7 +104,8 @@ def lower_generate(
     from hf_tpu.transformers import generation as gen
     from hf_tpu.transformers.buckets import default_ladder
 
-    built, torch_dtype = build_deferred(model, dtype, generation)
+    extra_args = {"experts_implementation": experts_implementation} if experts_implementation else {}
+    built, torch_dtype = build_deferred(model, dtype, generation, **extra_args)
     ladder = default_ladder(built.config)
     bucket = ladder.bucket(max_prompt_len, "the prompt")
     info: dict[str, Any] = {

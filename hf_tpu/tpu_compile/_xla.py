@@ -27,6 +27,13 @@ _MEMORY = {
 }
 
 
+def normalize(text: str) -> str:
+    """torch_tpu 0.2.0 builds its modules with a newer MLIR than jax 0.10.2 parses: its ``chlo.top_k`` carries an
+    ``is_stable`` attribute that jax's CHLO does not know. ``is_stable = false`` is what the older op does, so that
+    attribute is dropped; ``is_stable = true`` is left for the parser to refuse (no silent change of meaning)."""
+    return text.replace(", is_stable = false)", ")")
+
+
 def _compile_one(client, devices, text: str) -> dict:
     from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib import xla_client
@@ -34,7 +41,7 @@ def _compile_one(client, devices, text: str) -> dict:
 
     started = time.perf_counter()
     with jax_mlir.make_ir_context():
-        module = ir.Module.parse(text)
+        module = ir.Module.parse(normalize(text))
         executable = client.compile(module, xla_client.DeviceList(tuple(devices)), xla_client.CompileOptions())
     record = {"compiled": True, "compile_seconds": time.perf_counter() - started}
     stats = executable.get_compiled_memory_stats()
@@ -72,6 +79,7 @@ def run_on_cpu(text: str, arrays: list) -> list:
     """Run a StableHLO program (no custom call) on XLA:CPU with ``arrays`` (numpy, in the module's argument order);
     returns its results as numpy arrays."""
     import jax
+    import jax.extend.backend
     import numpy as np
     from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib import xla_client
@@ -80,7 +88,7 @@ def run_on_cpu(text: str, arrays: list) -> list:
     backend = jax.extend.backend.get_backend("cpu")
     device = backend.devices()[0]
     with jax_mlir.make_ir_context():
-        module = ir.Module.parse(text)
+        module = ir.Module.parse(normalize(text))
         executable = backend.compile_and_load(module, xla_client.DeviceList((device,)), xla_client.CompileOptions())
     buffers = [jax.device_put(np.asarray(a), device) for a in arrays]
     outs = executable.execute(buffers)

@@ -1,0 +1,70 @@
+"""``hf-tpu plan``: what a TPU would spend on a model's ``generate``, compiled by libtpu on this host, no chip needed.
+
+The model's config is enough (weights are deferred tpu tensors: nothing is read or allocated). The prefill and
+decode programs of hf_tpu's warm-up go through torch_tpu's real lowering and libtpu's compiler for the target; the
+table says whether the model fits the chip's HBM, what each program took to compile, and the decode step's
+projected time (an estimate from the compiler's counts, not a measurement). Progress goes to stderr, the table or
+``--json``'s object to stdout. Needs torch-tpu, libtpu and jax (``pip install 'hf-tpu[tpu]'``). See docs/planning.md.
+
+Example:
+    $ hf-tpu plan ./llama-3-8b --target v6e-1 --max-prompt-len 2048 --max-new-tokens 256
+    $ hf-tpu plan ./llama-3-8b/config.json --target v6e-1 --quantization int8 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    from hf_tpu.tpu_compile.targets import TARGETS
+
+    parser = subparsers.add_parser(
+        "plan",
+        help="compile a model's generate for a TPU without one: HBM fit, compile time, projected step",
+        description="Lower the prefill and decode programs hf_tpu's generate compiles through torch_tpu's real "
+        "front end and compile them with libtpu for TARGET, on this host (no TPU needed); report HBM fit, compile "
+        "times and the decode step's projected time (the compiler's estimate, not a measurement).",
+    )
+    parser.add_argument("model", help="a model directory or its config.json (no weights are read)")
+    parser.add_argument("--target", default="v6e-1", choices=sorted(TARGETS), help="TPU to compile for (v6e-1)")
+    parser.add_argument("--batch", type=int, default=1, help="batch size (default: 1)")
+    parser.add_argument("--max-prompt-len", type=int, default=2048, help="longest prompt (default: 2048)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per call (default: 256)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"), help="weights")
+    parser.add_argument("--quantization", default=None, choices=("int8", "int4"), help="weight-only quantization")
+    parser.add_argument(
+        "--buckets", default="largest", choices=("largest", "all"),
+        help="compile the largest prompt bucket's programs (default) or every bucket warm-up would",
+    )  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_tpu.tpu_compile.plan import plan_generate
+
+    if min(args.batch, args.max_prompt_len, args.max_new_tokens) < 1:
+        print("hf-tpu plan: --batch, --max-prompt-len and --max-new-tokens must be positive", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    progress(f"lowering {args.model}'s generate programs through torch_tpu (deferred weights, no chip)")
+    plan = plan_generate(
+        args.model, args.target, batch=args.batch, max_prompt_len=args.max_prompt_len,
+        max_new_tokens=args.max_new_tokens, dtype=args.dtype, quantization=args.quantization, buckets=args.buckets,
+        progress=progress,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(plan.table())
+    return 0 if plan.error is None else 1

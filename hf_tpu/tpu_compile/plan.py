@@ -1,0 +1,220 @@
+"""``hf-tpu plan``'s engine: what a TPU would spend on a model's ``generate``, from libtpu's compiler, on any host.
+
+:func:`plan_generate` builds the model from its config with deferred weights (no weights read, no memory: a 70B
+config plans on a laptop), checks that the weights and KV cache can fit the target's HBM at all (if not, it says so
+with the numbers and compiles nothing), then lowers the prefill and decode programs of hf_tpu's warm-up and compiles
+them for the target (:func:`hf_tpu.tpu_compile.lower_and_compile`). The :class:`Plan` says whether it fits (weights,
+KV cache, the largest program's temporaries and outputs not aliased to an input), the compile time per program,
+the decode step's projected time and tokens/s, and how close the step is to its floor (the weights and KV cache
+read once).
+
+Every projected time is an estimate: XLA's ``bytes accessed`` over the chip's published HBM bandwidth, or its
+FLOPs over the published peak, whichever is longer (XLA's own ``optimal_seconds`` where it gives one). They are
+the compiler's counts with default options, not torch_tpu's exact build flags, and not a measurement.
+
+Example:
+    >>> from hf_tpu.tpu_compile.plan import plan_generate                             # doctest: +SKIP
+    >>> plan = plan_generate("llama-8b-config/", "v6e-1", max_prompt_len=2048, max_new_tokens=256)   # doctest: +SKIP
+    >>> print(plan.table())                                                           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hf_tpu.errors import UserError
+from hf_tpu.tpu_compile.programs import LoweringResult, ProgramRecord, lower_and_compile
+from hf_tpu.tpu_compile.targets import Target, target as find_target
+
+__all__ = ["Plan", "plan_generate"]
+
+GENERATE_ENTRY = "hf_tpu.tpu_compile._generate:lower_generate"
+GB = 1e9
+
+
+def human(n: float) -> str:
+    """Bytes in the unit that reads best: ``16.06 GB``, ``302.0 MB``, ``107.2 kB``."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GB" else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class Plan:
+    """A plan for one model, call size and target (see the module doc); :meth:`to_dict` is ``--json``'s object."""
+
+    target: Target
+    model: str
+    fits: bool
+    hbm: dict[str, int]
+    programs: list[ProgramRecord]
+    info: dict[str, Any] = field(default_factory=dict)
+    note: str | None = None
+    error: str | None = None
+
+    def _decode(self) -> ProgramRecord | None:
+        decodes = [p for p in self.programs if p.name.startswith("decode") and p.compiled]
+        return max(decodes, key=lambda p: p.argument_bytes) if decodes else None
+
+    def step_seconds(self, program: ProgramRecord) -> float | None:
+        """The projected seconds of one run of ``program`` on the target (an estimate; see the module doc)."""
+        if not program.compiled:
+            return None
+        if program.optimal_seconds is not None and program.optimal_seconds > 0:
+            return program.optimal_seconds
+        return max(program.bytes_accessed / self.target.hbm_bandwidth, program.flops / self.target.peak_flops)
+
+    def decode_summary(self) -> dict[str, Any] | None:
+        """The decode step: projected ms and tokens/s, bytes moved, and bytes over its floor (weights + KV once)."""
+        decode = self._decode()
+        if decode is None:
+            return None
+        seconds = self.step_seconds(decode)
+        floor = self.hbm["weights"] + self.hbm["kv_cache"]
+        batch = int(self.info.get("batch", 1))
+        return {
+            "program": decode.name,
+            "projected_ms": seconds * 1e3,
+            "projected_tokens_per_second": batch / seconds if seconds else None,
+            "bytes_accessed": decode.bytes_accessed,
+            "floor_bytes": floor,
+            "bytes_over_floor": decode.bytes_accessed / floor if floor else None,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target.name,
+            "model": self.model,
+            "fits": self.fits,
+            "hbm_bytes": dict(self.hbm),
+            "programs": [p.to_dict() for p in self.programs],
+            "decode": self.decode_summary(),
+            "estimate": "projected figures are estimates from libtpu's compiler counts, not measurements",
+            "info": self.info,
+            "note": self.note,
+            "error": self.error,
+        }
+
+    def table(self) -> str:
+        """The plan as a few lines of text (what ``hf-tpu plan`` prints)."""
+        gb = human
+        info = self.info
+        lines = [
+            f"{self.model}: {info.get('model_type', '?')}, {info.get('parameters', 0) / 1e9:.3g}B parameters, "
+            f"{info.get('dtype', '?')}{', ' + info['quantization'] if info.get('quantization') else ''}; "
+            f"batch {info.get('batch')}, prompt {info.get('max_prompt_len')} (bucket {info.get('prompt_bucket')}), "
+            f"{info.get('max_new_tokens')} new tokens",
+            f"target {self.target.describe()}",
+            "",
+            f"HBM per chip: {gb(self.hbm['capacity'])}",
+            f"  weights      {gb(self.hbm['weights'])}",
+            f"  KV cache     {gb(self.hbm['kv_cache'])}",
+            f"  temporaries  {gb(self.hbm['temporaries'])}  (largest program's temps and outputs not aliased)",
+            f"  total        {gb(self.hbm['total'])}  -> {'FITS' if self.fits else 'DOES NOT FIT'} "
+            f"(headroom {gb(self.hbm['capacity'] - self.hbm['total'])})",
+        ]
+        if self.note:
+            lines += ["", self.note]
+        if self.programs:
+            lines += ["", f"{'program':<16}{'lowered':>9}{'compiled':>10}{'lower s':>9}{'compile s':>11}"
+                          f"{'GFLOP':>10}{'GB moved':>10}{'temp MB':>9}{'est. ms':>9}"]  # fmt: skip
+            for p in self.programs:
+                seconds = self.step_seconds(p)
+                lines.append(
+                    f"{p.name:<16}{'yes' if p.lowered else 'NO':>9}{'yes' if p.compiled else 'NO':>10}"
+                    f"{(p.lower_seconds or 0):>9.1f}{(p.compile_seconds or 0):>11.1f}"
+                    f"{(p.flops or 0) / 1e9:>10.3f}{(p.bytes_accessed or 0) / GB:>10.3f}"
+                    f"{(p.temp_bytes or 0) / 1e6:>9.1f}{(seconds * 1e3 if seconds else 0):>9.3f}"
+                )
+                if p.error:
+                    lines.append(f"    {p.error.splitlines()[0][:200]}" + (f"  [{p.where}]" if p.where else ""))
+            total = sum((p.lower_seconds or 0) + (p.compile_seconds or 0) for p in self.programs)
+            lines.append(f"compile time, all programs: {total:.1f} s here (lowering on this host + libtpu)")
+        summary = self.decode_summary()
+        if summary:
+            lines += [
+                "",
+                f"decode step (estimate from the compiler's counts, not a measurement): "
+                f"{summary['projected_ms']:.3f} ms, {summary['projected_tokens_per_second']:.0f} tokens/s at batch "
+                f"{info.get('batch')}",
+                f"  moves {human(summary['bytes_accessed'])}; its floor (weights + KV cache read once) is "
+                f"{human(summary['floor_bytes'])}: {summary['bytes_over_floor']:.2f}x the floor",
+            ]
+        if self.error:
+            lines += ["", f"error: {self.error}"]
+        return "\n".join(lines)
+
+
+def plan_generate(
+    model: str | os.PathLike,
+    target: str = "v6e-1",
+    *,
+    batch: int = 1,
+    max_prompt_len: int = 2048,
+    max_new_tokens: int = 256,
+    dtype: str | None = "bfloat16",
+    quantization: str | None = None,
+    buckets: str = "largest",
+    generation: dict | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Plan ``model``'s ``generate`` on ``target``: fit, compile times, projected decode step (see the module doc).
+
+    Args:
+        model: a model directory or its ``config.json`` (no weights are read).
+        target: a name of :data:`hf_tpu.tpu_compile.TARGETS` (``"v6e-1"``).
+        batch, max_prompt_len, max_new_tokens: the call size, as ``hf_tpu.warmup`` takes it.
+        dtype: the weights' dtype (``"bfloat16"``); None keeps the config's.
+        quantization: ``"int8"`` or ``"int4"`` weight-only (torchao, as ``TorchAoConfig`` with hf_tpu); None.
+        buckets: ``"largest"`` compiles the bucket of ``max_prompt_len`` only; ``"all"`` every bucket warm-up would.
+        generation: generation_config fields to set first (``{"do_sample": True, "top_k": 50}``).
+        progress: called with a line of progress as programs lower and compile.
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        UserError: ``model`` is not a directory with a config.json, nor a config.json; or a bad option.
+        hf_tpu.tpu_compile.UnknownTargetError: ``target`` is not a known target.
+    """
+    path = os.fspath(model)
+    config_file = path if path.endswith(".json") else os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise UserError(f"{path}: no config.json there; pass a model directory (save_pretrained) or its config.json")
+    if buckets not in ("largest", "all"):
+        raise UserError(f"buckets={buckets!r}: use 'largest' or 'all'")
+    if quantization not in (None, "int8", "int4"):
+        raise UserError(f"quantization={quantization!r}: use int8 or int4 (weight-only, torchao)")
+    chosen = find_target(target)
+    kwargs = {
+        "model": path, "dtype": dtype, "batch": batch, "max_prompt_len": max_prompt_len,
+        "max_new_tokens": max_new_tokens, "buckets": buckets, "quantization": quantization,
+        "capacity": chosen.hbm_bytes, "generation": generation,
+    }  # fmt: skip
+    result = lower_and_compile(GENERATE_ENTRY, kwargs, chosen, progress=progress)
+    return _plan_from(result, path, batch, max_prompt_len, max_new_tokens, quantization)
+
+
+def _plan_from(result: LoweringResult, path: str, batch, prompt, new, quantization) -> Plan:
+    info = dict(result.info)
+    info.update(batch=batch, max_prompt_len=prompt, max_new_tokens=new, quantization=quantization)
+    weights = int(info.get("weights_bytes", 0))
+    kv = int(info.get("kv_cache_bytes") or info.get("kv_cache_estimate", 0))
+    compiled = [p for p in result.programs if p.compiled]
+    extra = max((p.temp_bytes + p.output_bytes - p.alias_bytes for p in compiled), default=0)
+    peak = max((p.peak_bytes for p in compiled), default=0)
+    total = max(weights + kv + extra, peak)
+    capacity = result.target.hbm_bytes
+    hbm = {"capacity": capacity, "weights": weights, "kv_cache": kv, "temporaries": extra, "total": total}
+    note = info.pop("skipped", None)
+    if note:
+        note = f"{note} ({(weights + kv) / GB:.1f} GB > {capacity / GB:.1f} GB); use more chips (--tp) or --quantization"
+    error = result.error if result.error else None
+    if error is None and not note and not compiled:
+        error = "no program compiled"
+    fits = total <= capacity and error is None and (bool(compiled) or note is not None) and note is None
+    return Plan(result.target, path, fits, hbm, result.programs, info, note, error)

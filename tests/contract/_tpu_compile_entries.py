@@ -1,0 +1,72 @@
+"""Entries the compile tier's lowering processes run (``hf_tpu.tpu_compile.lower_and_compile``): each builds a tiny
+piece of hf_tpu's work on deferred tpu tensors and runs it, so that torch_tpu lowers the graphs it compiles."""
+
+from __future__ import annotations
+
+import torch
+
+#: Distinct shapes per input, so that the lowered module's arguments map back to the inputs by shape.
+BLOCK_SHAPES = {"x": (3, 5, 16), "w_qkv": (16, 48), "w_up": (16, 40), "w_down": (40, 16)}
+
+
+def block(x, w_qkv, w_up, w_down):
+    """An attention + MLP block written without sdpa (a program with no custom call, for XLA:CPU)."""
+    q, k, v = (x @ w_qkv).chunk(3, dim=-1)
+    scores = (q @ k.transpose(-1, -2)) / 4.0
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=x.device).tril()
+    attn = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
+    h = x + attn
+    return h + torch.nn.functional.gelu(h @ w_up) @ w_down
+
+
+def lower_block(session):
+    inputs = [torch.empty(BLOCK_SHAPES[n], device="tpu") for n in BLOCK_SHAPES]
+    compiled = torch.compile(block, backend="tpu", fullgraph=True, dynamic=False)
+    with session.mode:
+        compiled(*inputs)
+    return {"labels": ["block"]}
+
+
+def lower_train_forward(session, family: str = "llama"):
+    """A training step's forward with its loss (train mode, labels), as hf_tpu's training path compiles it.
+
+    Its backward cannot be lowered without a chip: autograd's engine syncs the device's streams after every
+    backward (``GraphTask::exec_post_processing``), which needs torch_tpu's PjRt client; ``torch.func.grad`` inside
+    the graph goes through the same engine while tracing. Reproducer: :func:`lower_train_backward`."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_tpu.testing import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(family))
+    model = model.to_empty(device="tpu").train()
+    ids = torch.empty(2, 16, dtype=torch.long, device="tpu")
+
+    def loss_fn(ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    compiled = torch.compile(loss_fn, backend="tpu", fullgraph=True, dynamic=False)
+    with session.mode, torch.no_grad():
+        compiled(ids)
+    return {"labels": ["train-forward"]}
+
+
+def lower_train_backward(session):
+    """The reproducer of the backward limit above: the lowering process dies in autograd's engine (SIGSEGV)."""
+    w = torch.empty(8, 8, device="tpu", requires_grad=True)
+    compiled = torch.compile(lambda w: (w * w).sum(), backend="tpu", fullgraph=True, dynamic=False)
+    with session.mode:
+        compiled(w).backward()
+    return {"labels": ["forward", "backward"]}
+
+
+def lower_moe_generate(session, model: str, experts_implementation: str | None = None):
+    """generate's warm-up for a tiny MoE with the given experts implementation."""
+    from hf_tpu.tpu_compile import _generate
+
+    if experts_implementation == "ragged_dot_tpu":  # hf_tpu's Hub kernel (its Pallas path on a tpu device)
+        import hf_tpu.kernels
+
+        experts_implementation = hf_tpu.kernels.use_ragged_dot_experts()
+    return _generate.lower_generate(session, model, max_prompt_len=16, max_new_tokens=8, dtype="float32",
+                                    experts_implementation=experts_implementation)  # fmt: skip

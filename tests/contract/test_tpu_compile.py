@@ -1,0 +1,181 @@
+"""The compile tier: hf_tpu's graphs through torch_tpu's real lowering and libtpu's compiler for v6e-1, no chip.
+
+Each test lowers one kind of graph hf_tpu compiles (built from a tiny config on deferred tpu tensors) in a child
+process with torch_tpu's device (hf_tpu.tpu_compile), and compiles it with libtpu for a described v6e chip. A test
+fails when its graph does not lower or does not compile. Where a program has no custom call, its XLA:CPU result is
+compared with torch on the CPU in the same test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hf_tpu.testing import tiny_config
+from hf_tpu.tpu_compile import lower_and_compile
+from hf_tpu.tpu_compile.plan import plan_generate
+
+HERE = Path(__file__).resolve().parent
+GENERATE = "hf_tpu.tpu_compile._generate:lower_generate"
+
+
+@pytest.fixture(autouse=True)
+def _entries_importable(monkeypatch):
+    """The lowering process imports this folder's entries module."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+
+
+def _saved(tmp_path, family: str, **overrides) -> str:
+    path = tmp_path / family
+    tiny_config(family, **overrides).save_pretrained(path)
+    return str(path)
+
+
+def _all_compiled(result, names: list[str] | None = None):
+    assert result.error is None, f"{result.error}\n at {result.where}"
+    assert result.programs, "nothing was lowered"
+    for p in result.programs:
+        assert p.lowered and p.compiled, f"{p.name}: {p.error} [{p.where}]"
+        assert p.argument_bytes > 0 and p.bytes_accessed > 0 and p.flops > 0
+    if names is not None:
+        assert [p.name for p in result.programs] == names
+
+
+def test_generate_greedy_prefill_and_decode(tmp_path):
+    result = lower_and_compile(GENERATE, {"model": _saved(tmp_path, "llama"), "max_prompt_len": 16,
+                                          "max_new_tokens": 8, "dtype": "float32"}, "v6e-1")  # fmt: skip
+    _all_compiled(result, ["prefill-16", "decode"])
+    # sdpa became torch_tpu's Mosaic flash-attention kernel (one per layer), which libtpu compiled
+    assert all(p.custom_calls == 2 for p in result.programs)
+    # the decode step reads what the prefill wrote: same weights and cache arguments
+    prefill, decode = result.programs
+    assert decode.argument_bytes == prefill.argument_bytes
+    assert result.eager["device_to_host"] == 0
+
+
+def test_generate_with_logits_processors_on_the_device(tmp_path):
+    result = lower_and_compile(GENERATE, {
+        "model": _saved(tmp_path, "llama"), "max_prompt_len": 16, "max_new_tokens": 8, "dtype": "float32",
+        "generation": {"repetition_penalty": 1.3, "no_repeat_ngram_size": 0},
+    }, "v6e-1")  # fmt: skip
+    _all_compiled(result, ["prefill-16", "decode"])
+    assert result.info["graph_keys"][1][0].startswith("decode+")  # the processors' variant of the graph
+
+
+def test_sampling_draws_need_the_device_generator_to_lower(tmp_path):
+    """Sampling's random draw (``rand_like`` from the device generator, graph-safe RNG) lowers only with a PjRt
+    client: the chipless stand-in has no device generator, so this graph is reported as not lowered, with why."""
+    result = lower_and_compile(GENERATE, {
+        "model": _saved(tmp_path, "llama"), "max_prompt_len": 16, "max_new_tokens": 8, "dtype": "float32",
+        "generation": {"do_sample": True, "top_k": 5, "temperature": 0.7},
+    }, "v6e-1")  # fmt: skip
+    assert result.error is not None and "PjRt client" in result.error
+    assert not any(p.compiled for p in result.programs)
+
+
+def test_generate_without_a_cache(tmp_path):
+    result = lower_and_compile(GENERATE, {
+        "model": _saved(tmp_path, "llama"), "max_prompt_len": 16, "max_new_tokens": 8, "dtype": "float32",
+        "generation": {"use_cache": False},
+    }, "v6e-1")  # fmt: skip
+    _all_compiled(result)
+    assert all(k[0].startswith("cacheless") for k in result.info["graph_keys"]), result.info["graph_keys"]
+
+
+def test_generate_moe_grouped_mm_lowers_and_its_scan_is_the_one_compile_limit(tmp_path):
+    """Qwen3-MoE with transformers' grouped_mm experts: both programs lower through torch_tpu. The routing's cumsum
+    becomes ``chlo.scan``, which JAX 0.10.2 can hand to libtpu 0.0.52's compile-only client only as a StableHLO
+    composite newer than the plugin's version (1.13.7): the compile is refused for that reason and no other (a chip's
+    torch_tpu runtime compiles the module itself). When a libtpu takes it, this test fails: make it assert compiles."""
+    result = lower_and_compile("_tpu_compile_entries:lower_moe_generate",
+                               {"model": _saved(tmp_path, "qwen3_moe"), "experts_implementation": "grouped_mm"},
+                               "v6e-1")  # fmt: skip
+    assert result.error is None, result.error
+    assert [p.name for p in result.programs] == ["prefill-16", "decode"]
+    for p in result.programs:
+        assert p.lowered and "chlo.scan" in p.text
+        assert not p.compiled and "composite" in p.error and "plugin version" in p.error, p.error
+
+
+def test_moe_ragged_dot_kernel_needs_a_chip_to_lower(tmp_path):
+    """hf_tpu's ragged-dot Hub kernel runs its Pallas kernel through torch.tpu.pallas.jax_op, which asks for the PjRt
+    client while lowering: reported as not lowered, with that reason."""
+    result = lower_and_compile("_tpu_compile_entries:lower_moe_generate",
+                               {"model": _saved(tmp_path, "qwen3_moe"), "experts_implementation": "ragged_dot_tpu"},
+                               "v6e-1")  # fmt: skip
+    assert result.error is not None and "PjRt client" in result.error
+    assert not any(p.compiled for p in result.programs)
+
+
+def test_generate_bfloat16_and_int8_weights(tmp_path):
+    path = _saved(tmp_path, "llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    plain = plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, dtype="bfloat16")
+    int8 = plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, dtype="bfloat16", quantization="int8")
+    for plan in (plain, int8):
+        assert plan.error is None, plan.error
+        _all_compiled(type("R", (), {"error": None, "where": None, "programs": plan.programs})())
+    assert plan.fits and int8.fits
+    # int8 linear weights: fewer bytes than bf16, and fewer bytes moved per decode step
+    assert int8.hbm["weights"] < plain.hbm["weights"]
+    assert int8.decode_summary()["bytes_accessed"] < plain.decode_summary()["bytes_accessed"]
+
+
+def test_training_forward_with_its_loss():
+    result = lower_and_compile("_tpu_compile_entries:lower_train_forward", {}, "v6e-1")
+    _all_compiled(result, ["train-forward"])
+
+
+def test_block_numerics_on_xla_cpu_equal_torch():
+    import _tpu_compile_entries as entries
+
+    result = lower_and_compile("_tpu_compile_entries:lower_block", {}, "v6e-1")
+    _all_compiled(result, ["block"])
+    program = result.programs[0]
+    assert program.custom_calls == 0
+    gen = torch.Generator().manual_seed(0)
+    values = {n: torch.randn(s, generator=gen) * 0.3 for n, s in entries.BLOCK_SHAPES.items()}
+    expected = entries.block(**values)
+    by_shape = {tuple(v.shape): v for v in values.values()}
+    arrays = [by_shape[tuple(shape)].numpy() for shape, _ in program.arguments]  # the module's own argument order
+    out = _run_on_cpu(program.text, arrays)
+    np.testing.assert_allclose(out[0], expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _run_on_cpu(text: str, arrays: list) -> list:
+    """hf_tpu.tpu_compile._xla.run_on_cpu in a process of its own (JAX on XLA:CPU, torch_tpu not loaded)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        np.savez(os.path.join(tmp, "in.npz"), *arrays)
+        Path(tmp, "module.mlir").write_text(text)
+        code = (
+            "import json, sys, numpy as np\n"
+            "from hf_tpu.tpu_compile._xla import run_on_cpu\n"
+            f"d = np.load({os.path.join(tmp, 'in.npz')!r}); arrays = [d[f'arr_{{i}}'] for i in range(len(d.files))]\n"
+            f"outs = run_on_cpu(open({os.path.join(tmp, 'module.mlir')!r}).read(), arrays)\n"
+            f"np.savez({os.path.join(tmp, 'out.npz')!r}, *outs)\n"
+        )
+        env = dict(os.environ, JAX_PLATFORMS="cpu", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+        subprocess.run([sys.executable, "-c", code], env=env, check=True)
+        d = np.load(os.path.join(tmp, "out.npz"))
+        return [d[f"arr_{i}"] for i in range(len(d.files))]
+
+
+def test_plan_refuses_a_model_that_cannot_fit_before_compiling(tmp_path):
+    from transformers import LlamaConfig
+
+    path = tmp_path / "llama-70b-shaped"
+    LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192).save_pretrained(path)  # fmt: skip
+    plan = plan_generate(path, "v6e-1", max_prompt_len=2048, max_new_tokens=256)
+    assert not plan.fits and not plan.programs
+    assert 139e9 < plan.hbm["weights"] < 143e9  # 70.6B bf16 parameters
+    assert "exceed" in plan.note
+    assert json.loads(json.dumps(plan.to_dict()))["fits"] is False
