@@ -94,6 +94,7 @@ def lower_generate(
     capacity: int | None = None,
     generation: dict | None = None,
     experts_implementation: str | None = None,
+    attn_implementation: str | None = None,
 ) -> dict[str, Any]:
     """Lower the graphs ``hf_tpu.warmup`` compiles for this call size (``buckets="largest"``: the bucket of
     ``max_prompt_len`` only; ``"all"``: the whole ladder up to it). Returns labels and facts for the plan; lowers
@@ -105,6 +106,8 @@ def lower_generate(
     from hf_tpu.transformers.buckets import default_ladder
 
     extra_args = {"experts_implementation": experts_implementation} if experts_implementation else {}
+    if attn_implementation:
+        extra_args["attn_implementation"] = attn_implementation
     built, torch_dtype = build_deferred(model, dtype, generation, **extra_args)
     ladder = default_ladder(built.config)
     bucket = ladder.bucket(max_prompt_len, "the prompt")
