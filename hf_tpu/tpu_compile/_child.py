@@ -63,8 +63,9 @@ def main(argv: list[str]) -> int:
         result["programs"] = [p.to_dict() for p in session.programs]
         result["eager"] = dict(session.counts)
     result["seconds"] = time.perf_counter() - started
+    text = json.dumps(result, default=str)  # a fact the entry returned that JSON cannot hold is kept as text
     with open(out_path, "w") as f:
-        json.dump(result, f)
+        f.write(text)
     return 0
 
 

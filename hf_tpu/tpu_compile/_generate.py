@@ -35,6 +35,16 @@ def weight_bytes(model) -> int:
     return total
 
 
+def _gathered_embedding_bytes(model) -> int:
+    """Bytes of the input embedding table when it is not also the output head: a decode step reads one row of it,
+    not the table, so it is not part of the step's floor."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    weight = getattr(embed, "weight", None)
+    if weight is None or (head is not None and getattr(head, "weight", None) is weight):
+        return 0
+    return weight.numel() * weight.element_size()
+
+
 def _kv_estimate(config, batch: int, cache_len: int, dtype) -> int:
     """2 x layers x KV heads x head size x cache length x batch x element size: a plain KV cache's bytes."""
     import torch
@@ -123,6 +133,7 @@ def lower_generate(
         if capacity is not None and info["weights_bytes"] + info["kv_cache_estimate"] > capacity:
             info["skipped"] = "the weights and KV cache alone exceed the chip's HBM: nothing was lowered"
             return info
+    info["gathered_embedding_bytes"] = _gathered_embedding_bytes(built)
     hf_tpu.enable()
     built = built.to_empty(device="tpu").eval()
     with session.mode, torch.no_grad():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -27,11 +28,64 @@ _MEMORY = {
 }
 
 
+_SCAN = re.compile(
+    r"(?P<indent>[ ]*)%(?P<name>[\w.]+):2 = chlo\.scan\(%(?P<x>[\w.#]+)\) inits \(%(?P<init>[\w.#]+)\) dimension=0 "
+    r" ?attributes \{is_associative = true, is_reverse = false, scan_dim_size = (?P<n>\d+) : i64\} \{\n"
+    r"\s*\^bb0\(%(?P<a>\w+): tensor<(?P<t>\w+)>, %(?P<b>\w+): tensor<(?P=t)>\):\n"
+    r"\s*%(?P<s>[\w.]+) = stablehlo\.add %(?P=a), %(?P=b) : tensor<(?P=t)>\n"
+    r"\s*stablehlo\.return %(?P=s), %(?P=s) : tensor<(?P=t)>, tensor<(?P=t)>\n"
+    r"\s*\} : \(tensor<(?P=n)x(?P=t)>, tensor<(?P=t)>\) -> \(tensor<(?P=n)x(?P=t)>, tensor<(?P=t)>\)\n"
+)
+
+
+def _new_name(name: str) -> str:
+    """An SSA name for the rewrite's values (MLIR names that start with a digit must be all digits)."""
+    return "hf_scan_" + name.replace(".", "_")
+
+
+def _cumsum_as_reduce_window(text: str) -> str:
+    """A 1-D inclusive cumulative sum from zero (``torch.cumsum``: the MoE routing's tokens-per-expert offsets),
+    which torch_tpu lowers to ``chlo.scan``, rewritten as the equivalent ``stablehlo.reduce_window`` (a window of the
+    whole length, padded before by length - 1). Any other scan is left as it is."""
+
+    def rewrite(m: re.Match) -> str:
+        init_def = re.search(rf"%{re.escape(m['init'])} = stablehlo\.constant dense<0> : tensor<{m['t']}>", text)
+        if init_def is None:
+            return m.group(0)
+        n, t, i, name = int(m["n"]), m["t"], m["indent"], _new_name(m["name"])
+        vec, sca = f"tensor<{n}x{t}>", f"tensor<{t}>"
+        return (
+            f"{i}%{name}_cumsum = \"stablehlo.reduce_window\"(%{m['x']}, %{m['init']}) <{{padding = dense<[[{n - 1}, 0]]> "
+            f": tensor<1x2xi64>, window_dimensions = array<i64: {n}>}}> ({{\n"
+            f"{i}^bb0(%{name}_l: {sca}, %{name}_r: {sca}):\n"
+            f"{i}  %{name}_sum = stablehlo.add %{name}_l, %{name}_r : {sca}\n"
+            f"{i}  stablehlo.return %{name}_sum : {sca}\n"
+            f"{i}}}) : ({vec}, {sca}) -> {vec}\n"
+            f"{i}%{name}_last1 = stablehlo.slice %{name}_cumsum [{n - 1}:{n}] : ({vec}) -> tensor<1x{t}>\n"
+            f"{i}%{name}_last = stablehlo.reshape %{name}_last1 : (tensor<1x{t}>) -> {sca}\n"
+        )
+
+    names = [m["name"] for m in _SCAN.finditer(text)]
+    text = _SCAN.sub(rewrite, text)
+    for name in names:
+        if f"%{_new_name(name)}_cumsum" in text:
+            text = re.sub(rf"%{re.escape(name)}#0\b", f"%{_new_name(name)}_cumsum", text)
+            text = re.sub(rf"%{re.escape(name)}#1\b", f"%{_new_name(name)}_last", text)
+    return text
+
+
 def normalize(text: str) -> str:
-    """torch_tpu 0.2.0 builds its modules with a newer MLIR than jax 0.10.2 parses: its ``chlo.top_k`` carries an
-    ``is_stable`` attribute that jax's CHLO does not know. ``is_stable = false`` is what the older op does, so that
-    attribute is dropped; ``is_stable = true`` is left for the parser to refuse (no silent change of meaning)."""
-    return text.replace(", is_stable = false)", ")")
+    """torch_tpu 0.2.0 builds its modules with a newer MLIR than jax 0.10.2 hands to libtpu 0.0.52's compile-only
+    client (its StableHLO 1.13.7), and two constructs do not cross:
+
+    - ``chlo.top_k``'s ``is_stable`` attribute, unknown to jax's CHLO: ``is_stable = false`` is what the older op
+      does, so it is dropped (``true`` is left for the parser to refuse: no silent change of meaning);
+    - ``chlo.scan`` (a cumulative sum), which jax can only pass on as a StableHLO composite newer than the plugin's:
+      a 1-D cumulative sum from zero becomes the equivalent ``reduce_window`` (:func:`_cumsum_as_reduce_window`);
+      other scans are left, and refused by the compiler with its message.
+
+    On a chip, torch_tpu hands its module to its own runtime, and neither rewrite happens."""
+    return _cumsum_as_reduce_window(text.replace(", is_stable = false)", ")"))
 
 
 def _compile_one(client, devices, text: str) -> dict:

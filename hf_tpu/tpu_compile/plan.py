@@ -74,7 +74,7 @@ class Plan:
         if decode is None:
             return None
         seconds = self.step_seconds(decode)
-        floor = self.hbm["weights"] + self.hbm["kv_cache"]
+        floor = self.hbm["weights"] - int(self.info.get("gathered_embedding_bytes", 0)) + self.hbm["kv_cache"]
         batch = int(self.info.get("batch", 1))
         return {
             "program": decode.name,
@@ -141,7 +141,9 @@ class Plan:
                 f"decode step (estimate from the compiler's counts, not a measurement): "
                 f"{summary['projected_ms']:.3f} ms, {summary['projected_tokens_per_second']:.0f} tokens/s at batch "
                 f"{info.get('batch')}",
-                f"  moves {human(summary['bytes_accessed'])}; its floor (weights + KV cache read once) is "
+                f"  moves {human(summary['bytes_accessed'])}; its floor (the weights but the input embeddings, and the "
+                f"KV cache, "
+                f"read once) is "
                 f"{human(summary['floor_bytes'])}: {summary['bytes_over_floor']:.2f}x the floor",
             ]
         if self.error:
@@ -212,7 +214,7 @@ def _plan_from(result: LoweringResult, path: str, batch, prompt, new, quantizati
     hbm = {"capacity": capacity, "weights": weights, "kv_cache": kv, "temporaries": extra, "total": total}
     note = info.pop("skipped", None)
     if note:
-        note = f"{note} ({(weights + kv) / GB:.1f} GB > {capacity / GB:.1f} GB); use more chips (--tp) or --quantization"
+        note = f"{note} ({(weights + kv) / GB:.1f} GB > {capacity / GB:.1f} GB); use a larger chip, tensor parallelism over more chips, or --quantization"
     error = result.error if result.error else None
     if error is None and not note and not compiled:
         error = "no program compiled"

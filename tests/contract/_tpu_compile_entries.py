@@ -70,3 +70,18 @@ def lower_moe_generate(session, model: str, experts_implementation: str | None =
         experts_implementation = hf_tpu.kernels.use_ragged_dot_experts()
     return _generate.lower_generate(session, model, max_prompt_len=16, max_new_tokens=8, dtype="float32",
                                     experts_implementation=experts_implementation)  # fmt: skip
+
+
+def routing_offsets(counts, scale):
+    """The MoE routing's offsets (transformers' grouped_mm path: cumsum of tokens per expert), and a use of them."""
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    return offsets, offsets.float() * scale
+
+
+def lower_routing_offsets(session):
+    counts = torch.empty(8, dtype=torch.int32, device="tpu")
+    scale = torch.empty(3, 1, device="tpu")
+    compiled = torch.compile(routing_offsets, backend="tpu", fullgraph=True, dynamic=False)
+    with session.mode:
+        compiled(counts, scale)
+    return {"labels": ["routing-offsets"]}

@@ -89,19 +89,29 @@ def test_generate_without_a_cache(tmp_path):
     assert all(k[0].startswith("cacheless") for k in result.info["graph_keys"]), result.info["graph_keys"]
 
 
-def test_generate_moe_grouped_mm_lowers_and_its_scan_is_the_one_compile_limit(tmp_path):
-    """Qwen3-MoE with transformers' grouped_mm experts: both programs lower through torch_tpu. The routing's cumsum
-    becomes ``chlo.scan``, which JAX 0.10.2 can hand to libtpu 0.0.52's compile-only client only as a StableHLO
-    composite newer than the plugin's version (1.13.7): the compile is refused for that reason and no other (a chip's
-    torch_tpu runtime compiles the module itself). When a libtpu takes it, this test fails: make it assert compiles."""
+def test_generate_moe_grouped_mm(tmp_path):
+    """Qwen3-MoE with transformers' grouped_mm experts: the routing's cumsum lowers to ``chlo.scan``, which the
+    compile step passes to libtpu as the equivalent reduce_window (hf_tpu.tpu_compile._xla.normalize)."""
     result = lower_and_compile("_tpu_compile_entries:lower_moe_generate",
                                {"model": _saved(tmp_path, "qwen3_moe"), "experts_implementation": "grouped_mm"},
                                "v6e-1")  # fmt: skip
-    assert result.error is None, result.error
-    assert [p.name for p in result.programs] == ["prefill-16", "decode"]
-    for p in result.programs:
-        assert p.lowered and "chlo.scan" in p.text
-        assert not p.compiled and "composite" in p.error and "plugin version" in p.error, p.error
+    _all_compiled(result, ["prefill-16", "decode"])
+    assert all("chlo.scan" in p.text and "chlo.ragged_dot" in p.text for p in result.programs)
+
+
+def test_routing_cumsum_rewrite_equals_torch_on_xla_cpu():
+    result = lower_and_compile("_tpu_compile_entries:lower_routing_offsets", {}, "v6e-1")
+    _all_compiled(result, ["routing-offsets"])
+    program = result.programs[0]
+    assert "chlo.scan" in program.text
+    counts = torch.tensor([3, 0, 5, 1, 0, 0, 7, 2], dtype=torch.int32)
+    scale = torch.tensor([[1.0], [0.5], [-2.0]])
+    import _tpu_compile_entries as entries
+
+    expected = entries.routing_offsets(counts, scale)
+    out = _run_on_cpu(program.text, [counts.numpy(), scale.numpy()])
+    np.testing.assert_array_equal(out[0], expected[0].numpy())
+    np.testing.assert_allclose(out[1], expected[1].numpy())
 
 
 def test_moe_ragged_dot_kernel_needs_a_chip_to_lower(tmp_path):
@@ -125,6 +135,48 @@ def test_generate_bfloat16_and_int8_weights(tmp_path):
     # int8 linear weights: fewer bytes than bf16, and fewer bytes moved per decode step
     assert int8.hbm["weights"] < plain.hbm["weights"]
     assert int8.decode_summary()["bytes_accessed"] < plain.decode_summary()["bytes_accessed"]
+
+
+def test_generate_int4_weights(tmp_path):
+    path = _saved(tmp_path, "llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    int8 = plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, quantization="int8")
+    int4 = plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, quantization="int4")
+    assert int4.error is None and all(p.compiled for p in int4.programs), int4.error
+    assert int4.hbm["weights"] < int8.hbm["weights"]
+
+
+def test_host_length_model_takes_the_loop_without_a_cache_on_torch_tpu(tmp_path):
+    """RoFormer reads its cache length as a number. On the simulator its decode runs with the length as a host int;
+    through torch_tpu's real front end that graph fails in Dynamo (PendingUnbackedSymbolNotFound at RoFormer's
+    ``torch.arange``), so warm-up falls back, as generate would on a chip, to the loop without a cache, whose
+    graphs compile. (docs/planning.md: what the simulator and torch_tpu disagree on.)"""
+    from transformers import RoFormerConfig
+
+    path = tmp_path / "roformer"
+    RoFormerConfig(vocab_size=96, embedding_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                   intermediate_size=64, max_position_embeddings=64, is_decoder=True).save_pretrained(path)  # fmt: skip
+    result = lower_and_compile(GENERATE, {"model": str(path), "max_prompt_len": 16, "max_new_tokens": 8,
+                                          "dtype": "float32"}, "v6e-1")  # fmt: skip
+    _all_compiled(result)
+    kinds = [k[0] for k in result.info["graph_keys"]]
+    assert kinds == ["prefill", "cacheless_prefill", "cacheless_decode"], kinds
+
+
+def test_plan_command_prints_one_json_object(tmp_path):
+    path = _saved(tmp_path, "llama")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_tpu.cli", "plan", path, "--target", "v6e-1", "--max-prompt-len", "16",
+         "--max-new-tokens", "8", "--dtype", "float32", "--json"], capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)
+    assert plan["target"] == "v6e-1" and plan["fits"] is True
+    assert set(plan["hbm_bytes"]) == {"capacity", "weights", "kv_cache", "temporaries", "total"}
+    assert [p["name"] for p in plan["programs"]] == ["prefill-16", "decode"]
+    for p in plan["programs"]:
+        assert {"name", "lowered", "compiled", "error", "compile_seconds", "flops", "bytes_accessed",
+                "optimal_seconds", "argument_bytes", "temp_bytes"} <= set(p)  # fmt: skip
+    assert "compiled program" in proc.stderr  # progress on stderr, the object alone on stdout
 
 
 def test_training_forward_with_its_loss():

@@ -1,0 +1,139 @@
+"""Benchmark: does each fast-path architecture's decode program compile for a real TPU (v6e-1), and what would a
+step cost? No TPU is needed: torch_tpu's real lowering and libtpu's compiler (:mod:`hf_tpu.tpu_compile`).
+
+For every architecture that docs/architectures.md lists on hf_tpu's fast path, its tiny config (the sweep's,
+:mod:`hf_tpu.benchmarks._tiny_configs`) is saved and hf_tpu's warm-up (prompt bucket 16, 8 new tokens, float32)
+is lowered through torch_tpu and compiled by libtpu for ``--target``. A row says whether the decode program
+compiled, its projected step in microseconds (the compiler's counts over the chip's published bandwidth and peak:
+an estimate, not a measurement), or the first line of why not. Rows go to ``--rows`` (default
+docs/arch_compile.json) as they come; ``--resume`` measures only architectures without a row there;
+``--write-docs`` puts the column into docs/architectures.md's table (arch_sweep's ``--write-docs`` keeps it).
+Needs torch-tpu, libtpu and jax. Run::
+
+    python benchmarks/arch_compile.py --resume --write-docs
+    hf-tpu bench arch_compile --archs llama qwen3_moe
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["QUICK", "ROWS", "add_arguments", "cell", "load_rows", "measure", "print_table", "run", "write_docs"]
+
+QUICK = {"archs": ["llama", "qwen3_moe"]}
+ROWS = Path(__file__).resolve().parents[2] / "docs" / "arch_compile.json"
+COLUMN = "v6e-1 decode (est.)"
+
+
+def load_rows(path: Path | str = ROWS) -> dict[str, dict]:
+    """The saved rows by architecture ({} when there are none)."""
+    p = Path(path)
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def cell(row: dict | None) -> str:
+    """The table cell of a row: ``compiles, 41 µs``, ``**no**: <why>``, or empty without a row."""
+    if not row:
+        return ""
+    if row.get("compiled"):
+        return f"compiles, {row['step_us']:.0f} µs"
+    return "**no**: " + (row.get("error") or "").replace("|", "\\|")[:90]
+
+
+def fast_path_archs() -> list[str]:
+    """The architectures docs/architectures.md lists on hf_tpu's fast path."""
+    from hf_tpu.benchmarks.arch_sweep import DOCS_PAGE
+
+    found = []
+    for line in DOCS_PAGE.read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if len(cells) >= 8 and cells[2] == "fast path":
+            found.append(cells[0])
+    return found
+
+
+def measure(arch: str, target: str = "v6e-1") -> dict[str, Any]:
+    """One architecture's row (see the module doc)."""
+    from hf_tpu.benchmarks._tiny_configs import tiny_config
+    from hf_tpu.tpu_compile import lower_and_compile
+    from hf_tpu.tpu_compile.plan import GENERATE_ENTRY, Plan
+
+    started = time.perf_counter()
+    row: dict[str, Any] = {"arch": arch, "target": target, "compiled": False}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            tiny_config(arch).save_pretrained(tmp)
+        except Exception as exc:  # noqa: BLE001 - a config that does not save is the row
+            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return row
+        kwargs = {"model": tmp, "dtype": "float32", "max_prompt_len": 16, "max_new_tokens": 8}
+        result = lower_and_compile(GENERATE_ENTRY, kwargs, target)
+    decodes = [p for p in result.programs if p.name.startswith("decode") or "decode" in p.name]
+    chosen = decodes[-1] if decodes else (result.programs[-1] if result.programs else None)
+    if chosen is not None and chosen.compiled:
+        plan = Plan(result.target, arch, True, {}, result.programs)
+        row.update(compiled=True, program=chosen.name, step_us=plan.step_seconds(chosen) * 1e6,
+                   bytes_accessed=chosen.bytes_accessed, flops=chosen.flops)  # fmt: skip
+    else:
+        error = result.error or (chosen.error if chosen is not None else "nothing was lowered")
+        row["error"] = (error or "").splitlines()[0][:200]
+    row["seconds"] = round(time.perf_counter() - started, 1)
+    return row
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--archs", nargs="+", default=None, help="architectures (default: every fast-path one)")
+    parser.add_argument("--target", default="v6e-1", help="TPU target (default: v6e-1)")
+    parser.add_argument("--rows", default=str(ROWS), help=f"rows file (default: {ROWS})")
+    parser.add_argument("--resume", action="store_true", help="measure only architectures without a row")
+    parser.add_argument("--write-docs", action="store_true", help="put the column into docs/architectures.md")
+
+
+def run(args: argparse.Namespace) -> dict:
+    rows = load_rows(args.rows) if (args.resume or args.write_docs) else {}
+    archs = args.archs or fast_path_archs()
+    for arch in archs:
+        if args.resume and arch in rows:
+            continue
+        rows[arch] = measure(arch, args.target)
+        print(f"{arch:<28} {cell(rows[arch])}", flush=True)
+        if args.rows:
+            Path(args.rows).write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
+    if args.write_docs:
+        write_docs(rows)
+    measured = [rows[a] for a in archs if a in rows]
+    compiled = sum(1 for r in measured if r.get("compiled"))
+    return {"architectures": len(measured), "compiled": compiled, "rows": measured}
+
+
+def write_docs(rows: dict[str, dict]) -> None:
+    """Put (or refresh) the compile column in docs/architectures.md's table, from ``rows``."""
+    from hf_tpu.benchmarks.arch_sweep import DOCS_PAGE
+
+    out = []
+    for line in DOCS_PAGE.read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))] if line.startswith("|") else []
+        if len(cells) in (8, 9):
+            base = cells[:8]
+            if base[0] == "architecture":
+                extra = COLUMN
+            elif set(base[0]) <= {"-"}:
+                extra = "---"
+            else:
+                extra = cell(rows.get(base[0])) if base[2] == "fast path" else ""
+            line = "| " + " | ".join(base + [extra]) + " |"
+        out.append(line)
+    DOCS_PAGE.write_text("\n".join(out) + "\n")
+
+
+def print_table(figures: dict) -> None:
+    for row in figures["rows"]:
+        print(f"{row['arch']:<28} {cell(row)}")
+    print(f"{figures['compiled']} of {figures['architectures']} decode programs compiled for the target "
+          "(projected steps: the compiler's estimate, not measurements)")  # fmt: skip
