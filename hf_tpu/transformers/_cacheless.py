@@ -36,9 +36,10 @@ def writes_no_cache(model) -> bool:
     """True for a decoder-only model whose forward writes nothing into the cache it is given (measured by
     :func:`hf_tpu.transformers._cache_probe.cache_shapes`)."""
     from hf_tpu.transformers._cache_probe import CacheProbeError, cache_shapes
+    from hf_tpu.transformers._signatures import model_cache_problem
 
-    if model.config.is_encoder_decoder:
-        return False
+    if model.config.is_encoder_decoder or model_cache_problem(model):
+        return False  # (a forward that names its cache otherwise ignores the probe's: the cached loop says why)
     try:
         self_shapes, _ = cache_shapes(model)
     except CacheProbeError:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 from hf_tpu.transformers._cacheless import cacheless_problem, recomputes
 from hf_tpu.transformers._settings import _DEVICE_TYPES, _state
+from hf_tpu.transformers._signatures import model_cache_problem
 from hf_tpu.transformers._static_cache import _static_cache_problem
 
 __all__: list[str] = []
@@ -106,7 +107,7 @@ def cached_loop_problem(model) -> str | None:
                 f"position embeddings): the bucketed loop puts such a prompt first and its padding after it, which its "
                 f"{', '.join(other)} layers cannot hold (a padded tail would enter their window or state)"
             )
-    problem = _static_cache_problem(model)
+    problem = model_cache_problem(model) or _static_cache_problem(model)
     if problem:
         return f"{type(model).__name__}: {problem}"
     return _state(model).not_compilable  # found at the first trace of one of its graphs (_graphs._first_trace)
