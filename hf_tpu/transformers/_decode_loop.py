@@ -14,6 +14,7 @@ from typing import Any
 
 from hf_tpu.transformers._cache_layers import set_decoding, set_length
 from hf_tpu.transformers._graphs import _ALIGNED, _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
+from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import _state
 from hf_tpu.transformers._static_cache import _cache_for
 from hf_tpu.transformers._upstream import _warn_once, numbers_by_cache_length
@@ -81,6 +82,8 @@ class _Call:
         self.config = generation_config
         self.logits_processor, self.stopping_criteria = logits_processor, stopping_criteria
         self.pad_token = generation_config._pad_token_tensor
+        # what a bucket's padding and a finished row's next input embed (the sequences keep the caller's pad id)
+        self.fill_id = fill_id(model, self.pad_token, generation_config._eos_token_tensor)
         self.has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
         self.do_sample = bool(generation_config.do_sample)
         want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
@@ -112,7 +115,9 @@ class _Call:
                 self.scores += (step_scores,)
             if self.raw_logits is not None:
                 self.raw_logits += (step_logits,)
+            fed = next_tokens
             if self.has_eos:
+                fed = next_tokens * self.unfinished + self.fill_id * (1 - self.unfinished)
                 next_tokens = next_tokens * self.unfinished + self.pad_token * (1 - self.unfinished)
             self.input_ids = torch.cat([self.input_ids, next_tokens[:, None]], dim=-1)
             if self.streamer is not None:
@@ -121,7 +126,7 @@ class _Call:
             if self.unfinished.max() == 0 or steps_left <= 0:
                 break
             steps_left -= 1
-            tokens_dev, logits_dev = step(next_tokens)
+            tokens_dev, logits_dev = step(fed)
 
     def output(self, seq2seq: bool = False):
         """What upstream's ``generate`` returns for the call."""
@@ -193,7 +198,7 @@ def _decode_loop(
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     positions = positions.to("cpu").long().expand(batch, prompt_len)
     pad = plan.prompt_bucket - prompt_len
-    pad_id = int(call.pad_token) if call.pad_token is not None else 0
+    pad_id = call.fill_id
     extra = _extra(model)
     length = prompt_len if extra.get(_ALIGNED) else plan.prompt_bucket  # the cache's length after the prefill
     if extra.get(_ALIGNED):  # the prompt first, the bucket's padding after it (slot -1)

@@ -59,6 +59,7 @@ from hf_tpu.transformers import _cacheless, _upstream
 from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._decode_loop import _PENALTY, _decode_loop, _warm, default_variant
 from hf_tpu.transformers._graphs import _run
+from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import (
     _DEVICE_TYPES,
     STRICT_EAGER,
@@ -225,8 +226,8 @@ def _encode(model, input_ids, model_kwargs: dict):
     mask = model_kwargs.get("attention_mask")
     if mask is None:
         mask = torch.ones(batch, length, dtype=torch.long)
-    pad_id = model.generation_config.pad_token_id
-    pad_id = 0 if pad_id is None else int(pad_id)
+    config = model.generation_config
+    pad_id = fill_id(model, config.pad_token_id, config.eos_token_id)  # masked out: an id the encoder embeds
     ids = _pad_right(input_ids, bucket, pad_id)
     mask = _pad_right(mask.long(), bucket, 0)
     with torch.no_grad():
