@@ -67,6 +67,17 @@ def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
     return _last_logits(out.logits, sampling)
 
 
+def _embeds_prefill(model, embeds, positions, mask, cache, extra, sampling=None):
+    """The prefill of a prompt given as embeddings (``generate(inputs_embeds=...)``), left-padded with zeros."""
+    from hf_tpu.transformers._cache_layers import prefill_mask
+
+    out = model(
+        inputs_embeds=embeds, position_ids=positions, attention_mask=prefill_mask(cache, mask, embeds.shape[1]),
+        **{cache_name(): cache}, use_cache=True, return_dict=True, **extra,
+    )  # fmt: skip
+    return _last_logits(out.logits, sampling)
+
+
 def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
     """The prefill of a right-aligned prompt: ``slots`` holds each token's cache slot, -1 for the padding after it."""
     import torch
@@ -132,6 +143,7 @@ def _seq2seq_decode(model, ids, encoder_hidden, encoder_mask, cache, sampling=No
 
 _GRAPHS: dict[str, Callable] = {
     "prefill": _decoder_prefill,
+    "embeds_prefill": _embeds_prefill,
     "decode": _decoder_decode,
     "encoder": _encoder,
     "seq2seq_prefill": _seq2seq_prefill,
@@ -169,6 +181,7 @@ def _describe(key: tuple) -> str:
     kind, batch, *rest = key
     names = {
         "prefill": ("prompt bucket", "cache bucket"),
+        "embeds_prefill": ("prompt bucket", "cache bucket"),
         "decode": ("cache bucket",),
         "encoder": ("encoder bucket",),
         "seq2seq_prefill": ("encoder bucket", "decoder prompt", "cache bucket"),
@@ -340,7 +353,7 @@ def _run(model, state: _ModelState, key: tuple, *args):
         )
     from hf_tpu.transformers import _module_state
 
-    if key[0].split("+", 1)[0] == "prefill":
+    if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill"):
         _module_state.reset(model, state, key[1])  # a new sequence: module-held state as upstream resets it
     settings = state.settings
     if not settings.compile:
