@@ -92,6 +92,8 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
         problem = given_cache_problem(
             model, given, None if ids is None else int(ids.shape[-1]), None if mask is None else int(mask.shape[-1])
         )
+        if problem is None and model_kwargs.get("inputs_embeds") is not None:
+            problem = "a cache passed in with inputs_embeds is not copied into the bucketed cache yet"
         if problem is None and numbers_by_cache_length(model):
             problem = f"a cache passed in is not copied into the cache of {type(model).__name__} (prompt first) yet"
         if problem is not None:

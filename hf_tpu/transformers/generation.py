@@ -159,7 +159,7 @@ def generate(self, *args, **kwargs):
         # no prompt: upstream starts from the bos id on the model's device, where its result comes back
         out_device, input_ids = self.device, _bos_prompt(self, arguments, extra_kwargs)
     elif not isinstance(inputs, torch.Tensor) or inputs.ndim != 2:
-        reason = "the inputs are not a 2D tensor of ids" if inputs is not None else "no input ids for the encoder"
+        reason = "the inputs are not a 2D tensor of ids" if inputs is not None else "generate got no input ids"
         _warn_once(f"inputs:{reason}", f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
         with _inputs_on_model_device(self):
             return upstream(self, *args, **kwargs)

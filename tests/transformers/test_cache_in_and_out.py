@@ -109,3 +109,22 @@ def test_an_encoder_decoder_says_it_returns_no_cache(pair, prompts):
     with pytest.warns(UserWarning, match="returns no cache for T5ForConditionalGeneration"):
         out = tpu.generate(ids, attention_mask=mask, max_new_tokens=3, **KW)
     assert _cache_of(out) is None
+
+
+def test_a_cache_with_inputs_embeds_runs_upstream_with_the_reason(llama, prompts):
+    cpu, tpu = llama
+    ids, mask = prompts([5], seed=6)
+    embeds = cpu.get_input_embeddings()(ids).detach()
+
+    def filled(model, device):
+        cache = transformers.DynamicCache()
+        with torch.no_grad():
+            model(input_ids=ids[:, :-1].to(device), **{cache_name(): cache})
+        return cache
+
+    kw = {"attention_mask": mask, "max_new_tokens": 3, **KW}
+    generation._WARNED.clear()
+    with pytest.warns(UserWarning, match="a cache passed in with inputs_embeds"):
+        got = tpu.generate(ids, inputs_embeds=embeds, **{cache_name(): filled(tpu, "tpu")}, **kw)
+    expected = cpu.generate(ids, inputs_embeds=embeds, **{cache_name(): filled(cpu, "cpu")}, **kw)
+    assert torch.equal(got.sequences.cpu(), expected.sequences)

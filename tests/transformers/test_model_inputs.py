@@ -109,3 +109,12 @@ def test_per_layer_outputs_run_upstream_with_the_reason(llama, prompts, asked):
         assert len(ours) == len(theirs)
         for a, b in zip(ours, theirs):
             torch.testing.assert_close(a.cpu(), b)
+
+
+def test_an_encoder_decoder_without_input_ids_runs_upstream_with_the_reason(pair):
+    cpu, tpu = pair("t5")
+    kw = {"max_new_tokens": 3, "do_sample": False, "bos_token_id": 0}
+    generation._WARNED.clear()
+    with pytest.warns(UserWarning, match="generate got no input ids; running upstream's generate"):
+        got = tpu.generate(**kw)
+    assert torch.equal(got.cpu(), cpu.generate(**kw))
