@@ -392,9 +392,9 @@ def _portable_guards(entries) -> list[bool]:
     dropped = {"ID_MATCH", "CLOSURE_MATCH", "CLASS_MATCH", "TYPE_MATCH", "FUNCTION_MATCH", "MODULE_MATCH", "NN_MODULE"}
     dropped |= {"CONSTANT_MATCH", "DICT_VERSION", "OBJECT_MUTATION"}
     dropped |= set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
-    # Guards reaching into a function's closure (transformers 5.25's hub-kernel functions on attention modules,
-    # ``_kernel_funcs['rotary_pos_emb']``): a fresh process rebuilding them evaluated the source to None
-    # ("'NoneType' object is not subscriptable") and the graph could not be loaded; the functions are in the key.
+    # A guard reached through a function's closure cannot be rebuilt in another process either (transformers 5.25
+    # with kernels 0.19: a sequence-length guard on the defaults of a kernelized function's closure, ``..._kernel_funcs
+    # ['rotary_pos_emb']...__closure__[0].cell_contents.__defaults__``, fails in ``get_value`` on load).
     return [not (e.is_global or e.guard_type in dropped or "__closure__" in e.name) for e in entries]
 
 

@@ -13,12 +13,21 @@ The tests are not in the transformers wheel: check out the tests of the installe
     pip install parameterized               # the test suite's own dependency
     python scripts/run_transformers_tests.py /tmp/transformers tests/models/llama/test_modeling_llama.py
 
-Exits 1 when a test that passes on the CPU does not pass on the simulated tpu.
+With ``--hf-tpu`` a third run has ``hf_tpu.enable("generation")`` on the simulated tpu (the pytest plugin
+``scripts/_hf_tpu_generation_plugin.py``); the script then lists, per test file, how many tests ran hf_tpu's
+generation loop, per model family, and every test that passes on the tpu with hf_tpu off but not with it on:
+
+    python scripts/run_transformers_tests.py --hf-tpu /tmp/transformers \
+        tests/models/llama/test_modeling_llama.py tests/models/gpt2/test_modeling_gpt2.py -k generate
+
+Exits 1 when a test that passes on the CPU does not pass on the simulated tpu (with ``--hf-tpu``: or passes there
+with hf_tpu off but not with it on).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -74,19 +83,53 @@ def compare(cpu: dict[str, str], tpu: dict[str, str]) -> tuple[str, list[str]]:
     return "\n".join(lines), regressions
 
 
+def compare_hf_tpu(off: dict[str, str], on: dict[str, str], served: set[str]) -> tuple[str, list[str]]:
+    """Per model family (``tests.models.<family>``): tests run, those that ran hf_tpu's loop (and passed), and the
+    tests that pass with hf_tpu off but not with it on (the regressions)."""
+    lines = []
+
+    def family(test: str) -> str:  # tests.models.<family>, else the test's module and class
+        parts = test.split("::")[0].split(".")
+        return ".".join(parts[:3]) if parts[:2] == ["tests", "models"] else test.split("::")[0]
+
+    for name in sorted({family(t) for t in on}):
+        tests = [t for t in on if family(t) == name]
+        ran = [t for t in tests if t in served]
+        lines.append(
+            f"{name}: {len(tests)} tests, {len(ran)} ran hf_tpu's loop "
+            f"({sum(on[t] == 'passed' for t in ran)} passed); "
+            f"passed: {sum(off.get(t) == 'passed' for t in tests)} with hf_tpu off, "
+            f"{sum(on[t] == 'passed' for t in tests)} with it on"
+        )
+    regressions = sorted(t for t, o in off.items() if o == "passed" and on.get(t) != "passed")
+    lines.append(f"pass with hf_tpu off, not with it on: {len(regressions)}")
+    lines += [f"  {t}: {on.get(t, 'absent')}{' (hf_tpu loop)' if t in served else ''}" for t in regressions]
+    return "\n".join(lines), regressions
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root", type=Path, help="a transformers checkout (the folder holding tests/)")
     p.add_argument("files", nargs="+", help="test files or node ids, relative to root")
     p.add_argument("-k", help="pytest -k expression")
     p.add_argument("--pytest-args", default="", help="more pytest arguments, e.g. '-n 2'")
+    p.add_argument("--hf-tpu", action="store_true", help="a third run with hf_tpu.enable('generation')")
     a = p.parse_args(argv)
     extra = [*(["-k", a.k] if a.k else []), *a.pytest_args.split()]
     with tempfile.TemporaryDirectory(prefix="hf-tpu-tf-tests-") as tmp:
         cpu = run(a.root, a.files, extra, {}, Path(tmp) / "cpu.xml")
         tpu = run(a.root, a.files, extra, TPU_ENV, Path(tmp) / "tpu.xml")
+        if a.hf_tpu:
+            served_path = Path(tmp) / "served.json"
+            env = {**TPU_ENV, "HF_TPU_LOOP_REPORT": str(served_path), "PYTHONPATH": str(REPO / "scripts")}
+            on = run(a.root, a.files, ["-p", "_hf_tpu_generation_plugin", *extra], env, Path(tmp) / "on.xml")
+            served = set(json.loads(served_path.read_text())) if served_path.exists() else set()
     summary, regressions = compare(cpu, tpu)
     print(summary)
+    if a.hf_tpu:
+        summary, more = compare_hf_tpu(tpu, on, served)
+        print(summary)
+        regressions += more
     return 1 if regressions else 0
 
 

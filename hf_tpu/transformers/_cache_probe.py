@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 import weakref
 
+from hf_tpu.transformers._signatures import cache_name
+
 __all__: list[str] = []
 
 _SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -94,6 +96,7 @@ def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[d
 
     # Embeddings in, not ids: no embedding lookup or pad-token check reads a value on meta. Routing that calls
     # nonzero (an expert loop) gets torch's all-nonzero meta result: the cache shapes never depend on it.
+    name = cache_name()  # the installed transformers' name for a forward's cache: a wrong one is silently ignored
     embeds = torch.zeros(1, 2, model.get_input_embeddings().embedding_dim, dtype=model.dtype, device=device)
     with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True):
         if model.config.is_encoder_decoder:
@@ -102,7 +105,7 @@ def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[d
             hidden = torch.zeros(1, 2, width, dtype=model.dtype, device=device)
             probe(
                 decoder_inputs_embeds=embeds, encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
-                cache=cache, use_cache=True,
+                **{name: cache}, use_cache=True,
             )  # fmt: skip
             return (
                 [_layer_shapes(la, model.dtype) for la in cache.self_attention_cache.layers],
@@ -112,7 +115,7 @@ def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[d
         if not model._supports_default_dynamic_cache():  # it builds its own cache: take the one it returns
             from hf_tpu.transformers._own_cache_classes import extra_shapes
 
-            cache = probe(inputs_embeds=embeds, position_ids=positions, use_cache=True).cache
+            cache = probe(inputs_embeds=embeds, position_ids=positions, use_cache=True)[name]
             extra = extra_shapes(cache)
             if extra is None:
                 raise CacheProbeError(f"{type(cache).__name__} has no bucketed form in hf_tpu")
@@ -122,11 +125,11 @@ def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[d
             return [{**a, **b, "own": type(cache)} for a, b in zip(shapes, extra)], None
         try:
             cache = _sourced(DynamicCache(config=text_config))
-            probe(inputs_embeds=embeds, position_ids=positions, cache=cache, use_cache=True)
+            probe(inputs_embeds=embeds, position_ids=positions, **{name: cache}, use_cache=True)
         except Exception:  # noqa: BLE001 - some models need ids (Gemma 4 derives per-layer inputs from them)
             cache = _sourced(DynamicCache(config=text_config))
             ids = torch.ones(1, 2, dtype=torch.long, device=device)
-            probe(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+            probe(input_ids=ids, position_ids=positions, **{name: cache}, use_cache=True)
         return _with_copies(cache, model.dtype), None
 
 

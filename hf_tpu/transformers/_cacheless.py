@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import inspect
 
+from hf_tpu.transformers._pad_id import fill_id
+
 __all__: list[str] = []
 
 
@@ -36,9 +38,10 @@ def writes_no_cache(model) -> bool:
     """True for a decoder-only model whose forward writes nothing into the cache it is given (measured by
     :func:`hf_tpu.transformers._cache_probe.cache_shapes`)."""
     from hf_tpu.transformers._cache_probe import CacheProbeError, cache_shapes
+    from hf_tpu.transformers._signatures import model_cache_problem
 
-    if model.config.is_encoder_decoder:
-        return False
+    if model.config.is_encoder_decoder or model_cache_problem(model):
+        return False  # (a forward that names its cache otherwise ignores the probe's: the cached loop says why)
     try:
         self_shapes, _ = cache_shapes(model)
     except CacheProbeError:
@@ -232,15 +235,15 @@ GRAPHS = {"cacheless_prefill": _cacheless_prefill, "cacheless_decode": _cacheles
 SHAPE_NAMES = {"cacheless_prefill": ("cache bucket",), "cacheless_decode": ("cache bucket",)}
 
 
-def _layout(model, input_ids, model_kwargs: dict, length: int, new_tokens: int):
-    """The buffer's host tensors: ids (the prompt first, pad id after), the mask (the prompt's, ones after) and the
-    positions (None for a model without ``position_ids``: it numbers the buffer itself, 0 to ``length - 1``)."""
+def _layout(model, input_ids, model_kwargs: dict, length: int, new_tokens: int, pad_id: int):
+    """The buffer's host tensors: ids (the prompt first, ``pad_id``, an id the model embeds, after), the mask (the
+    prompt's, ones after) and the positions (None for a model without ``position_ids``: it numbers the buffer itself,
+    0 to ``length - 1``)."""
     import torch
     import torch.nn.functional as F
 
     batch, prompt_len = input_ids.shape
-    pad_id = model.generation_config.pad_token_id
-    ids = F.pad(input_ids, (0, length - prompt_len), value=0 if pad_id is None else int(pad_id))
+    ids = F.pad(input_ids, (0, length - prompt_len), value=pad_id)
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones(batch, prompt_len, dtype=torch.long) if mask is None else mask.to("cpu").long()
     full_mask = F.pad(mask, (0, length - prompt_len), value=1)
@@ -289,7 +292,7 @@ def cacheless_loop(
     call = _Call(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan)
     state, device, variant, batch, prompt_len = call.state, model.device, call.variant, call.batch, call.prompt_len
     length = _length_for(model, state, batch, prompt_len, call.new_tokens, variant)
-    ids, mask, positions = _layout(model, call.input_ids, model_kwargs, length, call.new_tokens)
+    ids, mask, positions = _layout(model, call.input_ids, model_kwargs, length, call.new_tokens, call.fill_id)
     ids_dev, mask_dev = ids.to(device), mask.to(device)
     positions_dev = None if positions is None else positions.to(device)
     args = (mask_dev, positions_dev, _extra(model), call.sampling(device, length + 1, 0))
@@ -338,7 +341,7 @@ def warm(model, plan, variant: str = "") -> list[tuple]:
     length = buffer_length(model, plan.cache_bucket, plan.prompt_bucket)
     ids = torch.zeros(batch, plan.prompt_len, dtype=torch.long)
     with torch.no_grad():
-        buffer, mask, positions = _layout(model, ids, {}, length, length - plan.prompt_len + 1)
+        buffer, mask, positions = _layout(model, ids, {}, length, length - plan.prompt_len + 1, fill_id(model, None))
         buffer, mask = buffer.to(device), mask.to(device)
         positions = None if positions is None else positions.to(device)
         extra = _extra(model)

@@ -10,11 +10,16 @@ and reads back the next tokens: the logits processors and the sampler run in the
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+from hf_tpu.transformers import _upstream
+from hf_tpu.transformers._cache_io import copy_in, returned_cache
 from hf_tpu.transformers._cache_layers import set_decoding, set_length
 from hf_tpu.transformers._graphs import _ALIGNED, _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
+from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import _state
+from hf_tpu.transformers._signatures import cache_name, output_cache_field
 from hf_tpu.transformers._static_cache import _cache_for
 from hf_tpu.transformers._upstream import _warn_once, numbers_by_cache_length
 from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
@@ -81,6 +86,8 @@ class _Call:
         self.config = generation_config
         self.logits_processor, self.stopping_criteria = logits_processor, stopping_criteria
         self.pad_token = generation_config._pad_token_tensor
+        # what a bucket's padding and a finished row's next input embed (the sequences keep the caller's pad id)
+        self.fill_id = fill_id(model, self.pad_token, generation_config._eos_token_tensor)
         self.has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
         self.do_sample = bool(generation_config.do_sample)
         want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
@@ -112,7 +119,9 @@ class _Call:
                 self.scores += (step_scores,)
             if self.raw_logits is not None:
                 self.raw_logits += (step_logits,)
+            fed = next_tokens
             if self.has_eos:
+                fed = next_tokens * self.unfinished + self.fill_id * (1 - self.unfinished)
                 next_tokens = next_tokens * self.unfinished + self.pad_token * (1 - self.unfinished)
             self.input_ids = torch.cat([self.input_ids, next_tokens[:, None]], dim=-1)
             if self.streamer is not None:
@@ -121,10 +130,10 @@ class _Call:
             if self.unfinished.max() == 0 or steps_left <= 0:
                 break
             steps_left -= 1
-            tokens_dev, logits_dev = step(next_tokens)
+            tokens_dev, logits_dev = step(fed)
 
-    def output(self, seq2seq: bool = False):
-        """What upstream's ``generate`` returns for the call."""
+    def output(self, seq2seq: bool = False, cache=None):
+        """What upstream's ``generate`` returns for the call (``cache``: the transformers cache it returns)."""
         from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
         if self.streamer is not None:
@@ -132,7 +141,8 @@ class _Call:
         if not self.config.return_dict_in_generate:
             return self.input_ids
         cls = GenerateEncoderDecoderOutput if seq2seq else GenerateDecoderOnlyOutput
-        return cls(sequences=self.input_ids, scores=self.scores, logits=self.raw_logits)
+        fields = {output_cache_field(cls): cache} if cache is not None else {}
+        return cls(sequences=self.input_ids, scores=self.scores, logits=self.raw_logits, **fields)
 
 
 def _decode_loop(
@@ -181,8 +191,15 @@ def _decode_loop(
             return _run(model, state, decode_key, ids, encoder_hidden, enc_mask_dev, cache, sampling)
 
         call.run(*first, plan.cache_bucket - prompt_len, step)
-        return call.output(seq2seq=True)
+        returned = returned_cache(model, cache, 0, length) if generation_config.return_dict_in_generate else None
+        return call.output(seq2seq=True, cache=returned)
 
+    embeds = model_kwargs.get("inputs_embeds")  # the prompt as embeddings: input_ids holds the ids given, if any
+    types = model_kwargs.get("token_type_ids")
+    variant += "+token_type_ids" if types is not None else ""  # (graphs taking them: their own kind)
+    ids_len = prompt_len
+    if embeds is not None:
+        prompt_len = embeds.shape[1]
     plan = plan_shapes(model, batch, prompt_len, call.new_tokens, variant=variant)
     mask = model_kwargs.get("attention_mask")
     if mask is None:
@@ -193,8 +210,14 @@ def _decode_loop(
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     positions = positions.to("cpu").long().expand(batch, prompt_len)
     pad = plan.prompt_bucket - prompt_len
-    pad_id = int(call.pad_token) if call.pad_token is not None else 0
+    pad_id = call.fill_id
     extra = _extra(model)
+    if extra.get(_ALIGNED) and (embeds is not None or types is not None):  # (its cache length found at a trace)
+        from hf_tpu.transformers._settings import NotCompilableError
+
+        error = NotCompilableError(_upstream.prompt_first_inputs(model))
+        error.reason = str(error)
+        raise error
     length = prompt_len if extra.get(_ALIGNED) else plan.prompt_bucket  # the cache's length after the prefill
     if extra.get(_ALIGNED):  # the prompt first, the bucket's padding after it (slot -1)
         ids = F.pad(input_ids, (0, pad), value=pad_id)
@@ -213,12 +236,36 @@ def _decode_loop(
         )
     cache = _cache_for(model, state, batch, plan.cache_bucket, None)
     mask_dev = full_mask.to(device)
-    sampling = call.sampling(device, plan.cache_bucket + 1, pad)
-    prefill_key = ("prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket)
+    # the history of the sampling plan holds the sequence's ids: after the prompt's embeddings that have none
+    sampling = call.sampling(device, plan.cache_bucket + 1, pad + prompt_len - ids_len)
+    decode_extra = extra
+    if types is not None:  # upstream repeats the prompt's last token type for every new token
+        types = types.to("cpu").long()
+        extra = {**extra, "token_type_ids": F.pad(types, (pad, 0), value=0).to(device)}
+        decode_extra = {**decode_extra, "token_type_ids": types[:, -1:].to(device)}
+    kind = "prefill" if embeds is None else "embeds_prefill"
+    prefill_key = (kind + variant, batch, plan.prompt_bucket, plan.cache_bucket)
     decode_key = ("decode" + variant, batch, plan.cache_bucket)
-    packed = torch.cat([ids, pos], dim=1).to(device)
     set_length(cache, 0)
-    first = _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
+    given = model_kwargs.get(cache_name())  # the caller's cache (upstream's empty one when none was given)
+    seen = int(given.get_seq_length()) if given is not None else 0
+    if seen:  # continuing: the cached tokens copied in, the others through the decode graph (_cache_io)
+        if sampling is not None:  # its history: the cached tokens; each decode step adds its own
+            sampling = replace(call.sampler, input_ids=call.input_ids[:, :seen]).to_device(
+                device, plan.cache_bucket + 1, pad
+            )
+        copy_in(given, cache, pad)
+        set_decoding(cache, True)
+        for index in range(seen, prompt_len):
+            set_length(cache, pad + index)
+            packed_step = torch.stack([input_ids[:, index], positions[:, index]], dim=1).to(device)
+            first = _run(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
+    elif embeds is None:
+        packed = torch.cat([ids, pos], dim=1).to(device)
+        first = _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
+    else:  # moved to the device like input_ids, wherever the caller left them; the padding: zero rows, masked out
+        padded = F.pad(embeds.to(device=device, dtype=model.dtype), (0, 0, pad, 0))
+        first = _run(model, state, prefill_key, padded, pos.to(device), mask_dev, cache, extra, sampling)
     set_decoding(cache, True)
     positions = positions[:, -1]
 
@@ -228,10 +275,13 @@ def _decode_loop(
         length += 1
         positions = positions + 1
         packed_step = torch.stack([next_tokens, positions], dim=1).to(device)
-        return _run(model, state, decode_key, packed_step, mask_dev, cache, extra, sampling)
+        return _run(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
 
     call.run(*first, plan.cache_bucket - plan.prompt_bucket, step)
-    return call.output()
+    returned = None
+    if generation_config.return_dict_in_generate:
+        returned = returned_cache(model, cache, pad if not extra.get(_ALIGNED) else 0, length)
+    return call.output(cache=returned)
 
 
 def _extra(model) -> dict:

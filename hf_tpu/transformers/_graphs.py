@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hf_tpu.transformers import _cacheless
+from hf_tpu.transformers._signatures import cache_name
 from hf_tpu.transformers._settings import (
     STRICT_ENV,
     GenerationSettings,
@@ -60,9 +61,19 @@ def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
     if extra.get(_ALIGNED):
         return _aligned_prefill(model, packed[:, :q], packed[:, q:], mask, cache, extra, sampling)
     out = model(
-        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=prefill_mask(cache, mask, q), cache=cache,
-        use_cache=True,
-        return_dict=True, **extra,
+        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=prefill_mask(cache, mask, q),
+        **{cache_name(): cache}, use_cache=True, return_dict=True, **extra,
+    )  # fmt: skip
+    return _last_logits(out.logits, sampling)
+
+
+def _embeds_prefill(model, embeds, positions, mask, cache, extra, sampling=None):
+    """The prefill of a prompt given as embeddings (``generate(inputs_embeds=...)``), left-padded with zeros."""
+    from hf_tpu.transformers._cache_layers import prefill_mask
+
+    out = model(
+        inputs_embeds=embeds, position_ids=positions, attention_mask=prefill_mask(cache, mask, embeds.shape[1]),
+        **{cache_name(): cache}, use_cache=True, return_dict=True, **extra,
     )  # fmt: skip
     return _last_logits(out.logits, sampling)
 
@@ -78,7 +89,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
     if "logits_to_keep" in kwargs:
         kwargs["logits_to_keep"] = length - 1
     out = model(
-        input_ids=ids, attention_mask=prefill_mask(cache, mask, ids.shape[1]), cache=cache, use_cache=True,
+        input_ids=ids, attention_mask=prefill_mask(cache, mask, ids.shape[1]), **{cache_name(): cache}, use_cache=True,
         return_dict=True, **kwargs,
     )  # fmt: skip
     self_cache = getattr(cache, "self_attention_cache", cache)
@@ -99,7 +110,7 @@ def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
     if not extra.get(_ALIGNED):  # (a prompt-first model takes no positions: its cache length places the token)
         kwargs["position_ids"] = packed[:, q:]
     out = model(
-        input_ids=packed[:, :q], attention_mask=decode_mask(cache, mask), cache=cache, use_cache=True,
+        input_ids=packed[:, :q], attention_mask=decode_mask(cache, mask), **{cache_name(): cache}, use_cache=True,
         return_dict=True, **kwargs,
     )  # fmt: skip
     return _last_logits(out.logits, sampling)
@@ -114,7 +125,7 @@ def _seq2seq_prefill(model, ids, encoder_hidden, encoder_mask, cache, sampling=N
 
     out = model(
         decoder_input_ids=ids, encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden),
-        attention_mask=encoder_mask, cache=cache, use_cache=True, return_dict=True,
+        attention_mask=encoder_mask, **{cache_name(): cache}, use_cache=True, return_dict=True,
     )  # fmt: skip
     return _last_logits(out.logits, sampling)
 
@@ -125,13 +136,14 @@ def _seq2seq_decode(model, ids, encoder_hidden, encoder_mask, cache, sampling=No
     _mark(sampling, ids)
     out = model(
         decoder_input_ids=ids, encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden),
-        attention_mask=encoder_mask, cache=cache, use_cache=True, return_dict=True,
+        attention_mask=encoder_mask, **{cache_name(): cache}, use_cache=True, return_dict=True,
     )  # fmt: skip
     return _last_logits(out.logits, sampling)
 
 
 _GRAPHS: dict[str, Callable] = {
     "prefill": _decoder_prefill,
+    "embeds_prefill": _embeds_prefill,
     "decode": _decoder_decode,
     "encoder": _encoder,
     "seq2seq_prefill": _seq2seq_prefill,
@@ -169,6 +181,7 @@ def _describe(key: tuple) -> str:
     kind, batch, *rest = key
     names = {
         "prefill": ("prompt bucket", "cache bucket"),
+        "embeds_prefill": ("prompt bucket", "cache bucket"),
         "decode": ("cache bucket",),
         "encoder": ("encoder bucket",),
         "seq2seq_prefill": ("encoder bucket", "decoder prompt", "cache bucket"),
@@ -330,6 +343,7 @@ def _run(model, state: _ModelState, key: tuple, *args):
     import torch
 
     first = key not in state.compiled
+    cache_name()  # read from upstream's signature here, outside any trace (the graphs then read a plain string)
     if first and state.warmed and state.strict:
         raise RecompileError(
             f"generate needs a {_describe(key)}, which warm-up did not compile (strict mode; "
@@ -339,7 +353,7 @@ def _run(model, state: _ModelState, key: tuple, *args):
         )
     from hf_tpu.transformers import _module_state
 
-    if key[0].split("+", 1)[0] == "prefill":
+    if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill"):
         _module_state.reset(model, state, key[1])  # a new sequence: module-held state as upstream resets it
     settings = state.settings
     if not settings.compile:

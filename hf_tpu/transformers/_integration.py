@@ -2,8 +2,9 @@
 
 Upstream's ``generate`` keeps doing all the argument handling; the replacement only adds a ``custom_generate``
 loop (upstream's own extension point) when the model sits on a ``tpu`` device and the call is greedy search or
-sampling. On every other device it calls upstream unchanged. Written for transformers 5.24 (``custom_generate``
-callables and ``cache=`` naming arrived in 5.x); :func:`hf_tpu.disable` puts the original back.
+sampling. On every other device it calls upstream unchanged. Tested with transformers 5.23.0 and 5.25.0 (the names
+that changed in between, ``past_key_values`` -> ``cache``, are read from the installed version:
+:mod:`hf_tpu.transformers._signatures`); :func:`hf_tpu.disable` puts the original back.
 """
 
 from __future__ import annotations
@@ -31,5 +32,5 @@ def apply() -> None:
         return generation.generate(self, *args, **kwargs)
 
     generate.__hf_tpu_upstream__ = upstream
-    patch(GenerationMixin, "generate", generate, feature=FEATURE, package="transformers", versions=">=5.0,<6")
+    patch(GenerationMixin, "generate", generate, feature=FEATURE, package="transformers", versions=">=5.23,<6")
     _rope_on_device.apply(FEATURE)  # one copy each way per decode step for models that rebuild rotary frequencies

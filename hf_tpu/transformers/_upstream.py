@@ -1,6 +1,7 @@
 """When ``generate`` runs upstream's loop instead of hf_tpu's, and why (:func:`_why_upstream`).
 
-Anything the bucketed loop does not cover (beam search, assisted decoding, a user cache, a cache layer kind without a
+Anything the bucketed loop does not cover (beam search, assisted decoding, a user cache, prompt embeddings or token
+types where its cached form cannot take them (:func:`_prompt_inputs_problem`), a cache layer kind without a
 bucketed form (:mod:`hf_tpu.transformers._cache_layers`), non-static ``cache_implementation``, ...) runs upstream's
 code unchanged (its inputs moved to the TPU as upstream's own ``prepare_inputs_for_generation`` moves them); a
 one-time warning names the cost on a TPU when there is one. A model whose forward cannot be traced as one
@@ -16,12 +17,13 @@ from collections.abc import Callable, Iterator
 
 from hf_tpu.transformers._cacheless import cacheless_problem, recomputes
 from hf_tpu.transformers._settings import _DEVICE_TYPES, _state
+from hf_tpu.transformers._signatures import CACHE_NAMES, model_cache_problem
 from hf_tpu.transformers._static_cache import _static_cache_problem
 
 __all__: list[str] = []
 
 _UPSTREAM_GENERATE: Callable | None = None
-_SUPPORTED_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "input_ids"}
+_SUPPORTED_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "input_ids", *CACHE_NAMES}
 _WARNED: set[str] = set()
 
 
@@ -74,17 +76,40 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return f"{mode.value} is not supported by the bucketed loop (only greedy search and sampling are)"
     if config.output_attentions or config.output_hidden_states:
-        return "output_attentions/output_hidden_states are not supported by the bucketed loop"
+        asked = [n for n in ("output_attentions", "output_hidden_states") if getattr(config, n, False)]
+        return (
+            f"{'/'.join(asked)}=True: hf_tpu's graphs return the next tokens (or the last logits row) only, not "
+            "every layer's attentions or hidden states"
+        )
     if config.token_healing:
         return "token_healing is not supported by the bucketed loop"
-    if model_kwargs.get("cache") is not None or model_kwargs.get("past_key_values") is not None:
-        return "silent:a user cache was passed"
+    given = next((model_kwargs[n] for n in CACHE_NAMES if model_kwargs.get(n) is not None), None)
+    if given is not None:  # the caller's cache: copied into the bucketed one (_cache_io), or the reason it is not
+        from hf_tpu.transformers._cache_io import given_cache_problem
+
+        ids = args.get("inputs") if args.get("inputs") is not None else model_kwargs.get("input_ids")
+        mask = model_kwargs.get("attention_mask")
+        problem = given_cache_problem(
+            model, given, None if ids is None else int(ids.shape[-1]), None if mask is None else int(mask.shape[-1])
+        )
+        if problem is None and model_kwargs.get("inputs_embeds") is not None:
+            problem = "a cache passed in with inputs_embeds is not copied into the bucketed cache yet"
+        if problem is None and numbers_by_cache_length(model):
+            problem = f"a cache passed in is not copied into the cache of {type(model).__name__} (prompt first) yet"
+        if problem is not None:
+            return problem
     extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS
     if model.config.is_encoder_decoder:
         extra -= {"decoder_input_ids"}
     extra = {k for k in extra if model_kwargs[k] is not None}
+    given = extra & set(_PROMPT_INPUTS)
+    extra -= given
     if extra:
         return f"model inputs {sorted(extra)} are not supported by the bucketed loop"
+    if given:  # served by the cached loop only: its prefill takes them
+        problem = _prompt_inputs_problem(model, sorted(given), bool(config.use_cache))
+        if problem is not None:
+            return problem
     if recomputes(model, bool(config.use_cache)):  # hf_tpu's loop without a cache: no cache to check
         return cacheless_problem(model)
     problem = cached_loop_problem(model)
@@ -94,6 +119,44 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
     if without is not None:
         return f"{problem}; and without a cache: {without}"
     return None  # the loop without a cache serves it (and says why once its graphs ran: _cacheless.generation_loop)
+
+
+# Prompt inputs besides ids the cached loop takes, where the model's forward does (decoder-only models): the prompt as
+# embeddings (its prefill runs on them, left-padded with zero rows), and token types (the prompt's, left-padded with
+# 0, then the last one for every new token, as upstream's loop repeats it).
+_PROMPT_INPUTS = ("inputs_embeds", "token_type_ids")
+
+
+def _prompt_inputs_problem(model, given: list[str], use_cache: bool) -> str | None:
+    """Why the cached loop cannot take the prompt inputs ``given`` for ``model`` (None when it can)."""
+    import inspect
+
+    names = ", ".join(given)
+    if model.config.is_encoder_decoder:
+        return f"{names} on an encoder-decoder model are not supported by the bucketed loop"
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    missing = [name for name in given if name not in params]
+    if missing:
+        return "silent:the forward takes no " + ", ".join(missing)  # upstream's own error (or handling)
+    if not use_cache and "inputs_embeds" not in given:
+        return f"{names} with use_cache=False are not supported by hf_tpu's loop without a cache"
+    if recomputes(model, True) or cached_loop_problem(model) is not None:
+        return f"{names}: only hf_tpu's loop with a cache takes them, and {type(model).__name__} cannot run it"
+    if numbers_by_cache_length(model) or _state(model).host_length:
+        return prompt_first_inputs(model, given)
+    return None
+
+
+def prompt_first_inputs(model, given: list[str] | None = None) -> str:
+    """The reason a prompt-first model (its prompt before the bucket's padding) runs upstream's loop for ``given``."""
+    names = ", ".join(given or _PROMPT_INPUTS)
+    return (
+        f"{names}: {type(model).__name__} places its prompt by its cache length (the prompt first, the bucket's "
+        "padding after it), a layout the bucketed loop builds from ids only"
+    )
 
 
 def cached_loop_problem(model) -> str | None:
@@ -106,7 +169,7 @@ def cached_loop_problem(model) -> str | None:
                 f"position embeddings): the bucketed loop puts such a prompt first and its padding after it, which its "
                 f"{', '.join(other)} layers cannot hold (a padded tail would enter their window or state)"
             )
-    problem = _static_cache_problem(model)
+    problem = model_cache_problem(model) or _static_cache_problem(model)
     if problem:
         return f"{type(model).__name__}: {problem}"
     return _state(model).not_compilable  # found at the first trace of one of its graphs (_graphs._first_trace)

@@ -23,8 +23,9 @@ classes) and plugs its own decoding loop in through upstream's ``custom_generate
 * returns the output on the device the inputs came from.
 
 Generation without a cache runs a loop of its own (:mod:`hf_tpu.transformers._cacheless`). Anything neither loop
-covers (beam search, assisted decoding, a user cache, a model that fails the checks of the loop without a cache,
-...) runs upstream's code unchanged, with a warning that names the cost on a TPU.
+covers (beam search, assisted decoding, a user cache it cannot copy in (:mod:`hf_tpu.transformers._cache_io`: the
+cache in and out), a model that fails the checks of the loop without a cache, ...) runs upstream's code unchanged,
+with a warning that names the cost on a TPU.
 
 Where a change belongs (this module is the public entry point and re-exports the public names):
 
@@ -59,6 +60,7 @@ from hf_tpu.transformers import _cacheless, _upstream
 from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._decode_loop import _PENALTY, _decode_loop, _warm, default_variant
 from hf_tpu.transformers._graphs import _run
+from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import (
     _DEVICE_TYPES,
     STRICT_EAGER,
@@ -152,13 +154,23 @@ def generate(self, *args, **kwargs):
     name = "input_ids"
     if inputs is None:
         inputs = extra_kwargs.pop(name, None)
-    if inputs is None or not isinstance(inputs, torch.Tensor) or inputs.ndim != 2:
-        return upstream(self, *args, **kwargs)
+    embeds = extra_kwargs.get("inputs_embeds")
+    if inputs is None and isinstance(embeds, torch.Tensor) and not self.config.is_encoder_decoder:
+        out_device, input_ids = embeds.device, None  # the prompt as embeddings: upstream prepares the (no) ids
+    elif inputs is None and _bos_prompt(self, arguments, extra_kwargs) is not None:
+        # no prompt: upstream starts from the bos id on the model's device, where its result comes back
+        out_device, input_ids = self.device, _bos_prompt(self, arguments, extra_kwargs)
+    elif not isinstance(inputs, torch.Tensor) or inputs.ndim != 2:
+        reason = "the inputs are not a 2D tensor of ids" if inputs is not None else "generate got no input ids"
+        _warn_once(f"inputs:{reason}", f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
+        with _inputs_on_model_device(self):
+            return upstream(self, *args, **kwargs)
+    else:
+        out_device = inputs.device
+        input_ids = inputs.to("cpu")
     state = _state(self)
     before = _torch_tpu.cache_stats() if state.warmed and state.strict_eager else None
-    out_device = inputs.device
-    input_ids = inputs.to("cpu")
-    for key in ("attention_mask", "position_ids", "decoder_input_ids"):
+    for key in ("attention_mask", "position_ids", "decoder_input_ids", "token_type_ids"):
         if extra_kwargs.get(key) is not None:
             extra_kwargs[key] = _to_host(extra_kwargs[key])
 
@@ -186,6 +198,23 @@ def generate(self, *args, **kwargs):
     if before is not None:
         _refuse_eager_compiles(before)
     return _output_to(result, out_device)
+
+
+def _bos_prompt(model, arguments: dict, model_kwargs: dict):
+    """A call without a prompt on a decoder-only model: upstream's own start, one row holding the bos id (on the
+    host); None where upstream does more (an encoder-decoder model, other tensors given, no bos id: its error)."""
+    import torch
+
+    if model.config.is_encoder_decoder or any(isinstance(v, torch.Tensor) for v in model_kwargs.values()):
+        return None
+    try:
+        config, _ = model._prepare_generation_config(arguments.get("generation_config"), **model_kwargs)
+    except (ValueError, TypeError, AttributeError):
+        return None
+    bos = config.bos_token_id
+    if isinstance(bos, (list, tuple)):
+        bos = bos[0] if len(bos) == 1 else None
+    return None if bos is None else torch.full((1, 1), int(bos), dtype=torch.long)
 
 
 def retry_with_host_length(model) -> bool:
@@ -227,8 +256,8 @@ def _encode(model, input_ids, model_kwargs: dict):
     mask = model_kwargs.get("attention_mask")
     if mask is None:
         mask = torch.ones(batch, length, dtype=torch.long)
-    pad_id = model.generation_config.pad_token_id
-    pad_id = 0 if pad_id is None else int(pad_id)
+    config = model.generation_config
+    pad_id = fill_id(model, config.pad_token_id, config.eos_token_id)  # masked out: an id the encoder embeds
     ids = _pad_right(input_ids, bucket, pad_id)
     mask = _pad_right(mask.long(), bucket, 0)
     with torch.no_grad():

@@ -1,0 +1,108 @@
+"""The cache in and out of hf_tpu's loop: ``return_dict_in_generate=True`` returns the call's cache as a transformers
+``DynamicCache``, and a cache the caller passes back (``past_key_values=`` on 5.23, ``cache=`` on 5.24+: the name of
+:func:`hf_tpu.transformers._signatures.cache_name`) is copied into the bucketed cache.
+
+The bucketed cache is the model's pooled, left-padded static cache (reset by the next call), so it is never handed
+out: :func:`returned_cache` copies the slots the call wrote, the bucket's padding left out, into a ``DynamicCache``,
+exactly what upstream's loop leaves in the cache it returns (the prompt and every new token but the last), and
+which the caller can pass to the next ``generate`` or to ``model(...)``.
+
+Continuing (:func:`copy_in`): the call's ``input_ids`` hold the whole sequence (as upstream's continuation takes
+them), the cache its first ``L_c`` tokens. The loop plans the call as a prompt of the whole sequence, copies the
+cached keys and values into the slots that prompt's tokens take after the bucket's left padding, and runs the
+uncached tokens (one, after a ``generate``) through the *decode* graph, one at a time: no prefill, no new graph
+kind, and the same computation as the step of one longer call. Served: a ``DynamicCache`` or ``StaticCache`` of
+full-attention layers, for a model whose bucketed cache is full attention only. Anything else is routed upstream
+with a one-time warning naming the reason (:func:`given_cache_problem`).
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
+
+
+def _full_attention_only(model) -> bool:
+    from transformers.cache_utils import StaticLayer
+
+    from hf_tpu.transformers._cache_layers import layer_plan
+
+    try:
+        plan = layer_plan(model.config)
+    except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError):
+        return False
+    return bool(plan) and all(cls is StaticLayer for cls, _ in plan)
+
+
+def _plain_layers(cache) -> bool:
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) in (DynamicLayer, StaticLayer) for layer in layers)
+
+
+def given_cache_problem(model, cache, input_len: int | None, mask_len: int | None) -> str | None:
+    """Why hf_tpu's loop cannot continue from the ``cache`` a caller passed (None when it can): the reason goes in
+    the one-time warning of the call that runs upstream's loop instead."""
+    from transformers.cache_utils import Cache
+
+    from hf_tpu.transformers._settings import _state
+
+    name = type(cache).__name__
+    if not isinstance(cache, Cache):
+        return f"the cache passed is a {name}, not a transformers Cache"
+    if model.config.is_encoder_decoder:
+        return f"a {name} passed to an encoder-decoder model is not served by the bucketed loop yet"
+    if not _plain_layers(cache) or not _full_attention_only(model):
+        return (
+            f"a {name} passed in is copied into the bucketed cache only when every layer is full attention "
+            f"({type(model).__name__}'s cache or the one passed has other layer kinds)"
+        )
+    if _state(model).host_length:
+        return f"a {name} passed in is not copied into a cache that reports a host length (prompt first) yet"
+    seen = int(cache.get_seq_length())
+    if input_len is None:
+        return f"a {name} passed in needs input_ids holding the whole sequence (the prompt as embeddings was given)"
+    if seen and (input_len <= seen or (mask_len is not None and mask_len != input_len)):
+        return (
+            f"a {name} holding {seen} tokens needs input_ids (and attention_mask) of the whole sequence, longer "
+            f"than the cache ({input_len} ids given)"
+        )
+    return None
+
+
+def _layer_tensors(layer, length: int):
+    return layer.keys[:, :, :length], layer.values[:, :, :length]
+
+
+def copy_in(given, cache, start: int) -> int:
+    """Copy the ``L_c`` tokens ``given`` holds into ``cache`` (a reset bucketed cache) at slots ``start`` to
+    ``start + L_c``, and set every layer's counter after them; returns ``L_c``."""
+    seen = int(given.get_seq_length())
+    for source, layer in zip(given.layers, cache.layers):
+        keys, values = _layer_tensors(source, seen)
+        layer.keys[:, :, start : start + seen].copy_(keys.to(layer.keys.device, layer.keys.dtype))
+        layer.values[:, :, start : start + seen].copy_(values.to(layer.values.device, layer.values.dtype))
+        layer.cumulative_length.fill_(start + seen)
+    return seen
+
+
+def returned_cache(model, cache, start: int, end: int):
+    """A ``DynamicCache`` holding slots ``start`` to ``end`` of every layer of the bucketed ``cache`` (copies, on the
+    model's device), or None where the cache has other layer kinds than full attention (warned once)."""
+    from transformers.cache_utils import DynamicCache
+
+    from hf_tpu.transformers._upstream import _warn_once
+
+    if not _full_attention_only(model) or getattr(cache, "self_attention_cache", None) is not None:
+        name = type(model).__name__
+        _warn_once(
+            f"cache out:{name}",
+            f"hf_tpu: return_dict_in_generate=True returns no cache for {name} (its cache has layer kinds other than "
+            "full attention, which hf_tpu does not copy out yet); pass cache_implementation='dynamic' to get "
+            "upstream's loop and its cache.",
+        )
+        return None
+    out = DynamicCache()
+    for index, layer in enumerate(cache.layers):
+        out.update(layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone(), index)
+    return out
