@@ -20,15 +20,24 @@ import argparse
 import json
 import re
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["QUICK", "ROWS", "add_arguments", "cell", "load_rows", "measure", "print_table", "run", "write_docs"]
+__all__ = [
+    "QUICK", "ROWS", "add_arguments", "cell", "load_rows", "lower_many", "measure", "measure_many", "print_table", "run",
+    "write_docs",
+]  # fmt: skip
 
 QUICK = {"archs": ["llama", "qwen3_moe"]}
 ROWS = Path(__file__).resolve().parents[2] / "docs" / "arch_compile.json"
 COLUMN = "v6e-1 decode (est.)"
+
+
+# Long errors that have a short name (docs/planning.md explains each).
+_KNOWN = {
+    "PjRt client": "needs a chip to lower (PjRt client: device RNG or a Pallas kernel)",
+    "plugin version": "StableHLO newer than libtpu's compile-only plugin takes",
+}
 
 
 def load_rows(path: Path | str = ROWS) -> dict[str, dict]:
@@ -43,7 +52,12 @@ def cell(row: dict | None) -> str:
         return ""
     if row.get("compiled"):
         return f"compiles, {row['step_us']:.0f} µs"
-    return "**no**: " + (row.get("error") or "").replace("|", "\\|")[:90]
+    error = row.get("error") or ""
+    for known, short in _KNOWN.items():
+        if known in error:
+            error = short
+            break
+    return "**no**: " + error.replace("|", "\\|")[:90]
 
 
 def fast_path_archs() -> list[str]:
@@ -58,33 +72,82 @@ def fast_path_archs() -> list[str]:
     return found
 
 
-def measure(arch: str, target: str = "v6e-1") -> dict[str, Any]:
-    """One architecture's row (see the module doc)."""
+def lower_many(session, models: dict[str, str], **kwargs: Any) -> dict[str, Any]:
+    """Lowering-process entry: generate's warm-up for each ``arch -> model directory`` in turn; a failure is that
+    architecture's, and the next one goes on. Labels name each program ``arch/program``."""
+    from hf_tpu.tpu_compile._generate import lower_generate
+
+    labels: list[str] = []
+    errors: dict[str, str] = {}
+    for arch, path in models.items():
+        before = len(session.programs)
+        try:
+            info = lower_generate(session, path, **kwargs)
+            names = info.get("labels") or []
+        except Exception as exc:  # noqa: BLE001 - one architecture's failure is its row
+            errors[arch] = (f"{type(exc).__name__}: {exc}".strip().splitlines() or [""])[0][:200]
+            names = []
+        made = len(session.programs) - before
+        names = names if len(names) == made else [f"graph-{k}" for k in range(made)]
+        labels += [f"{arch}/{n}" for n in names]
+    return {"labels": labels, "errors": errors}
+
+
+def measure_many(archs: list[str], target: str = "v6e-1") -> dict[str, dict]:
+    """Rows for ``archs``, lowered in one process and compiled in another (see the module doc)."""
     from hf_tpu.benchmarks._tiny_configs import tiny_config
     from hf_tpu.tpu_compile import lower_and_compile
-    from hf_tpu.tpu_compile.plan import GENERATE_ENTRY, Plan
+    from hf_tpu.tpu_compile.plan import Plan
 
-    started = time.perf_counter()
-    row: dict[str, Any] = {"arch": arch, "target": target, "compiled": False}
+    rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        models = {}
+        for arch in archs:
+            rows[arch] = {"arch": arch, "target": target, "compiled": False}
+            try:
+                tiny_config(arch).save_pretrained(f"{tmp}/{arch}")
+                models[arch] = f"{tmp}/{arch}"
+            except Exception as exc:  # noqa: BLE001 - a config that does not save is the row
+                rows[arch]["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        kwargs = {"dtype": "float32", "max_prompt_len": 16, "max_new_tokens": 8}
         try:
-            tiny_config(arch).save_pretrained(tmp)
-        except Exception as exc:  # noqa: BLE001 - a config that does not save is the row
-            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            return row
-        kwargs = {"model": tmp, "dtype": "float32", "max_prompt_len": 16, "max_new_tokens": 8}
-        result = lower_and_compile(GENERATE_ENTRY, kwargs, target)
-    decodes = [p for p in result.programs if p.name.startswith("decode") or "decode" in p.name]
-    chosen = decodes[-1] if decodes else (result.programs[-1] if result.programs else None)
-    if chosen is not None and chosen.compiled:
-        plan = Plan(result.target, arch, True, {}, result.programs)
-        row.update(compiled=True, program=chosen.name, step_us=plan.step_seconds(chosen) * 1e6,
-                   bytes_accessed=chosen.bytes_accessed, flops=chosen.flops)  # fmt: skip
-    else:
-        error = result.error or (chosen.error if chosen is not None else "nothing was lowered")
-        row["error"] = (error or "").splitlines()[0][:200]
-    row["seconds"] = round(time.perf_counter() - started, 1)
-    return row
+            result = lower_and_compile(f"{__name__}:lower_many", {"models": models, **kwargs}, target)
+        except RuntimeError as exc:  # the lowering process died (a crash): each architecture on its own
+            if len(archs) == 1:
+                rows[archs[0]]["error"] = str(exc).splitlines()[0]
+                return rows
+            for arch in archs:
+                rows.update(measure_many([arch], target))
+            return rows
+    for arch, error in (result.info.get("errors") or {}).items():
+        rows[arch]["error"] = error
+    if result.error:  # the entry itself failed: nothing per architecture to tell
+        for arch in models:
+            rows[arch].setdefault("error", result.error.splitlines()[0][:200])
+    by_arch: dict[str, list] = {}
+    for program in result.programs:
+        arch, _, name = program.name.partition("/")
+        program.name = name
+        by_arch.setdefault(arch, []).append(program)
+    for arch, programs in by_arch.items():
+        decodes = [p for p in programs if "decode" in p.name]
+        chosen = decodes[-1] if decodes else programs[-1]
+        if chosen.compiled:
+            plan = Plan(result.target, arch, True, {}, programs)
+            rows[arch].update(compiled=True, program=chosen.name, step_us=plan.step_seconds(chosen) * 1e6,
+                              bytes_accessed=chosen.bytes_accessed, flops=chosen.flops)  # fmt: skip
+            rows[arch].pop("error", None)
+        else:
+            rows[arch]["error"] = (chosen.error or "not compiled").splitlines()[0][:200]
+    for arch in models:
+        if arch not in by_arch and "error" not in rows[arch]:
+            rows[arch]["error"] = "nothing was lowered"
+    return rows
+
+
+def measure(arch: str, target: str = "v6e-1") -> dict[str, Any]:
+    """One architecture's row."""
+    return measure_many([arch], target)[arch]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,16 +156,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default=str(ROWS), help=f"rows file (default: {ROWS})")
     parser.add_argument("--resume", action="store_true", help="measure only architectures without a row")
     parser.add_argument("--write-docs", action="store_true", help="put the column into docs/architectures.md")
+    parser.add_argument("--chunk", type=int, default=12, help="architectures per lowering process (default: 12)")
 
 
 def run(args: argparse.Namespace) -> dict:
     rows = load_rows(args.rows) if (args.resume or args.write_docs) else {}
     archs = args.archs or fast_path_archs()
-    for arch in archs:
-        if args.resume and arch in rows:
-            continue
-        rows[arch] = measure(arch, args.target)
-        print(f"{arch:<28} {cell(rows[arch])}", flush=True)
+    todo = [a for a in archs if not (args.resume and a in rows)]
+    for start in range(0, len(todo), max(1, args.chunk)):
+        found = measure_many(todo[start : start + max(1, args.chunk)], args.target)
+        for arch, row in found.items():
+            rows[arch] = row
+            print(f"{arch:<28} {cell(row)}", flush=True)
         if args.rows:
             Path(args.rows).write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
     if args.write_docs:

@@ -153,8 +153,9 @@ def main(argv: list[str]) -> int:
     in_path, topology, out_path = argv
     with open(in_path) as f:
         texts = json.load(f)
+    records = compile_programs(texts, topology)
     with open(out_path, "w") as f:
-        json.dump(compile_programs(texts, topology), f)
+        json.dump(records, f)
     return 0
 
 

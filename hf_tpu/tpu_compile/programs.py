@@ -93,12 +93,14 @@ class LoweringResult:
 
 def child_environment() -> dict[str, str]:
     """The environment of the lowering and compiling processes: torch_tpu autoloaded (never the simulator), libtpu
-    told not to look for cloud metadata, its logs quiet."""
+    told not to look for cloud metadata nor to lock the host's chips, its logs quiet."""
     env = dict(os.environ)
     for name in ("HF_TPU_SIMULATE", "TORCH_DEVICE_BACKEND_AUTOLOAD", "JAX_PLATFORMS"):
         env.pop(name, None)
+    # ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu takes a host-wide lock file (/tmp/libtpu_lockfile) for the chips it would
+    # own; there are none, and two plans (or a plan and a test) may compile at once.
     env.update({"TPU_SKIP_MDS_QUERY": "1", "TPU_STDERR_LOG_LEVEL": "3", "TPU_MIN_LOG_LEVEL": "3",
-                "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"})  # fmt: skip
+                "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})  # fmt: skip
     return env
 
 

@@ -85,3 +85,24 @@ def lower_routing_offsets(session):
     with session.mode:
         compiled(counts, scale)
     return {"labels": ["routing-offsets"]}
+
+
+def lower_sd3_denoiser(session, size: int = 32):
+    """One denoising step of a tiny SD3 transformer, compiled as ``hf_tpu.diffusers.compile_pipeline`` compiles the
+    denoiser (``module.compile(backend="tpu", fullgraph=True, dynamic=False)``), at one resolution."""
+    from diffusers import SD3Transformer2DModel
+
+    with torch.device("meta"):
+        model = SD3Transformer2DModel(
+            sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+            caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64, out_channels=4,
+        )  # fmt: skip
+    model = model.to_empty(device="tpu").eval()
+    model.compile(backend="tpu", fullgraph=True, dynamic=False)
+    latents = torch.empty(2, 4, size // 2, size // 2, device="tpu")  # classifier-free guidance: batch 2
+    text = torch.empty(2, 77 + 16, 32, device="tpu")
+    pooled = torch.empty(2, 64, device="tpu")
+    timestep = torch.empty(2, device="tpu")
+    with session.mode, torch.no_grad():
+        model(hidden_states=latents, encoder_hidden_states=text, pooled_projections=pooled, timestep=timestep)
+    return {"labels": [f"denoiser-{size}x{size}"]}

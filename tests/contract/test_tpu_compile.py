@@ -220,6 +220,16 @@ def _run_on_cpu(text: str, arrays: list) -> list:
         return [d[f"arr_{i}"] for i in range(len(d.files))]
 
 
+def test_arch_compile_rows_and_docs_cell():
+    from hf_tpu.benchmarks import arch_compile
+
+    rows = arch_compile.measure_many(["gpt2", "mixtral"])
+    for arch, row in rows.items():
+        assert row["compiled"] and row["step_us"] > 0, row
+        assert arch_compile.cell(row).startswith("compiles, ")
+    assert arch_compile.cell({"compiled": False, "error": "x | y"}) == "**no**: x \\| y"
+
+
 def test_plan_refuses_a_model_that_cannot_fit_before_compiling(tmp_path):
     from transformers import LlamaConfig
 
