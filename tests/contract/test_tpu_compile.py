@@ -179,6 +179,12 @@ def test_plan_command_prints_one_json_object(tmp_path):
     assert "compiled program" in proc.stderr  # progress on stderr, the object alone on stdout
 
 
+def test_diffusers_denoiser_step():
+    result = lower_and_compile("_tpu_compile_entries:lower_sd3_denoiser", {"size": 32}, "v6e-1")
+    _all_compiled(result, ["denoiser-32x32"])
+    assert result.programs[0].custom_calls > 0  # its joint attention became torch_tpu's flash-attention kernel
+
+
 def test_training_forward_with_its_loss():
     result = lower_and_compile("_tpu_compile_entries:lower_train_forward", {}, "v6e-1")
     _all_compiled(result, ["train-forward"])
