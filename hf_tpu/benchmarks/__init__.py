@@ -72,6 +72,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             "every causal-LM architecture: fast path or why not, identical to CPU, compiles, signatures, copies",
         ),
         Benchmark(
+            "arch_compile",
+            "every fast-path architecture's decode program compiled for v6e-1 by libtpu (no TPU): compiles, est. step",
+            requires=(("torch_tpu", "pip install 'hf-tpu[tpu]'"),),
+        ),
+        Benchmark(
             "diffusers_sweep",
             "every diffusers pipeline family (tiny, local): CPU vs tpu eager vs compile_pipeline, compiles per call",
             requires=(("diffusers", "pip install diffusers"),),

@@ -110,7 +110,7 @@ class Plan:
             f"{info.get('max_new_tokens')} new tokens",
             f"target {self.target.describe()}",
             "",
-            f"HBM per chip: {gb(self.hbm['capacity'])}",
+            f"HBM per device: {gb(self.hbm['capacity'])}",
             f"  weights      {gb(self.hbm['weights'])}",
             f"  KV cache     {gb(self.hbm['kv_cache'])}",
             f"  temporaries  {gb(self.hbm['temporaries'])}  (largest program's temps and outputs not aliased)",

@@ -27,25 +27,28 @@ class UnknownTargetError(UserError, ValueError):
 @dataclass(frozen=True)
 class Target:
     """A TPU slice hf_tpu compiles for: ``topology`` is the name libtpu describes it by
-    (``jax.experimental.topologies.get_topology_desc(topology, "tpu")``); figures are per chip."""
+    (``jax.experimental.topologies.get_topology_desc(topology, "tpu")``). Figures are per *device*, the unit one
+    torch_tpu process owns and one program runs on: a chip, or half a chip on v7 (two devices per chip)."""
 
     name: str
     topology: str
     chips: int
-    hbm_bytes: int
-    hbm_bandwidth: float  # bytes/s per chip
-    peak_flops: float  # bf16 FLOP/s per chip
+    hbm_bytes: int  # per device
+    hbm_bandwidth: float  # bytes/s per device
+    peak_flops: float  # bf16 FLOP/s per device
+    devices_per_chip: int = 1
 
     def describe(self) -> str:
+        unit = "device, half a chip" if self.devices_per_chip == 2 else "chip"
         return (
             f"{self.name} ({self.chips} chip{'s' if self.chips > 1 else ''}, {self.hbm_bytes / GiB:.0f} GiB HBM and "
-            f"{self.hbm_bandwidth / 1e12:.2f} TB/s per chip)"
+            f"{self.hbm_bandwidth / 1e12:.2f} TB/s per {unit})"
         )
 
 
-def _family(prefix: str, topologies: dict[int, str], hbm_gib: float, bw: float, flops: float) -> dict[str, Target]:
+def _family(prefix: str, topologies: dict[int, str], hbm_gib: float, bw: float, flops: float, per_chip: int = 1):
     return {
-        f"{prefix}-{n}": Target(f"{prefix}-{n}", topo, n, int(hbm_gib * GiB), bw, flops)
+        f"{prefix}-{n}": Target(f"{prefix}-{n}", topo, n, int(hbm_gib * GiB), bw, flops, per_chip)
         for n, topo in topologies.items()
     }
 
@@ -55,7 +58,9 @@ TARGETS: dict[str, Target] = {
     **_family("v5e", {1: "v5e:1x1", 4: "v5e:2x2", 8: "v5e:2x4"}, 16, 819e9, 197e12),
     **_family("v6e", {1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4"}, 32, 1640e9, 918e12),
     **_family("v5p", {4: "v5p:2x2x1", 8: "v5p:2x2x2"}, 95, 2765e9, 459e12),
-    **_family("tpu7x", {4: "tpu7x:2x2x1", 8: "tpu7x:2x2x2"}, 192, 7370e9, 2307e12),
+    # v7 (Ironwood): 192 GiB, 7.37 TB/s and 2,307 bf16 TFLOP/s per chip, which libtpu and torch_tpu show as two
+    # devices (tpu7x:2x2x1 has 8 devices for 4 chips): a program runs on one, with half of each.
+    **_family("tpu7x", {4: "tpu7x:2x2x1", 8: "tpu7x:2x2x2"}, 96, 3685e9, 1153.5e12, per_chip=2),
 }
 
 
