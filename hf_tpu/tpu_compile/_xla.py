@@ -29,12 +29,12 @@ _MEMORY = {
 
 
 _SCAN = re.compile(
-    r"(?P<indent>[ ]*)%(?P<name>[\w.]+):2 = chlo\.scan\(%(?P<x>[\w.#]+)\) inits \(%(?P<init>[\w.#]+)\) dimension=0 "
-    r" ?attributes \{is_associative = true, is_reverse = false, scan_dim_size = (?P<n>\d+) : i64\} \{\n"
-    r"\s*\^bb0\(%(?P<a>\w+): tensor<(?P<t>\w+)>, %(?P<b>\w+): tensor<(?P=t)>\):\n"
-    r"\s*%(?P<s>[\w.]+) = stablehlo\.add %(?P=a), %(?P=b) : tensor<(?P=t)>\n"
-    r"\s*stablehlo\.return %(?P=s), %(?P=s) : tensor<(?P=t)>, tensor<(?P=t)>\n"
-    r"\s*\} : \(tensor<(?P=n)x(?P=t)>, tensor<(?P=t)>\) -> \(tensor<(?P=n)x(?P=t)>, tensor<(?P=t)>\)\n"
+    r"(?P<indent>[ ]*)%(?P<name>[\w.]+):2 = chlo\.scan\(%(?P<x>[\w.#]+)\) inits \(%(?P<init>[\w.#]+)\) "
+    r"dimension=(?P<dim>\d+) +attributes \{is_associative = true, is_reverse = false, scan_dim_size = (?P<n>\d+) : i64\} \{\n"
+    r"\s*\^bb0\(%(?P<a>\w+): tensor<(?P<c>[\w]+)>, %(?P<b>\w+): tensor<(?P=c)>\):\n"
+    r"\s*%(?P<s>[\w.]+) = stablehlo\.add %(?P=a), %(?P=b) : tensor<(?P=c)>\n"
+    r"\s*stablehlo\.return %(?P=s), %(?P=s) : tensor<(?P=c)>, tensor<(?P=c)>\n"
+    r"\s*\} : \(tensor<(?P<shape>[\w]+)>, tensor<(?P=c)>\) -> \(tensor<(?P=shape)>, tensor<(?P=c)>\)\n"
 )
 
 
@@ -44,25 +44,34 @@ def _new_name(name: str) -> str:
 
 
 def _cumsum_as_reduce_window(text: str) -> str:
-    """A 1-D inclusive cumulative sum from zero (``torch.cumsum``: the MoE routing's tokens-per-expert offsets),
-    which torch_tpu lowers to ``chlo.scan``, rewritten as the equivalent ``stablehlo.reduce_window`` (a window of the
-    whole length, padded before by length - 1). Any other scan is left as it is."""
+    """An inclusive cumulative sum from zero along one dimension (``torch.cumsum``: MoE routing's tokens-per-expert
+    offsets, BLOOM's ALiBi positions from the attention mask), which torch_tpu lowers to ``chlo.scan``, rewritten as
+    the equivalent ``stablehlo.reduce_window`` (a window of the whole length along that dimension, padded before by
+    length - 1) and, for the scan's final carry, the last slice. Any other scan is left as it is."""
 
     def rewrite(m: re.Match) -> str:
-        init_def = re.search(rf"%{re.escape(m['init'])} = stablehlo\.constant dense<0> : tensor<{m['t']}>", text)
-        if init_def is None:
+        *dims, elem = m["shape"].split("x")
+        dims = [int(d) for d in dims]
+        dim, n = int(m["dim"]), int(m["n"])
+        zero = re.search(rf"%{re.escape(m['init'])} = stablehlo\.constant dense<0> : tensor<{m['c']}>", text)
+        if zero is None or not dims or dim >= len(dims) or dims[dim] != n or not elem.isalnum():
             return m.group(0)
-        n, t, i, name = int(m["n"]), m["t"], m["indent"], _new_name(m["name"])
-        vec, sca = f"tensor<{n}x{t}>", f"tensor<{t}>"
+        i, name = m["indent"], _new_name(m["name"])
+        vec, sca = f"tensor<{m['shape']}>", f"tensor<{elem}>"
+        window = ", ".join(str(n if k == dim else 1) for k in range(len(dims)))
+        pads = ", ".join(f"[{n - 1 if k == dim else 0}, 0]" for k in range(len(dims)))
+        last = ", ".join(f"{n - 1}:{n}" if k == dim else f"0:{d}" for k, d in enumerate(dims))
+        last_shape = "x".join(str(1 if k == dim else d) for k, d in enumerate(dims)) + f"x{elem}"
         return (
-            f"{i}%{name}_cumsum = \"stablehlo.reduce_window\"(%{m['x']}, %{m['init']}) <{{padding = dense<[[{n - 1}, 0]]> "
-            f": tensor<1x2xi64>, window_dimensions = array<i64: {n}>}}> ({{\n"
+            f"{i}%{name}_zero = stablehlo.constant dense<0> : {sca}\n"
+            f"{i}%{name}_cumsum = \"stablehlo.reduce_window\"(%{m['x']}, %{name}_zero) <{{padding = dense<[{pads}]> "
+            f": tensor<{len(dims)}x2xi64>, window_dimensions = array<i64: {window}>}}> ({{\n"
             f"{i}^bb0(%{name}_l: {sca}, %{name}_r: {sca}):\n"
             f"{i}  %{name}_sum = stablehlo.add %{name}_l, %{name}_r : {sca}\n"
             f"{i}  stablehlo.return %{name}_sum : {sca}\n"
             f"{i}}}) : ({vec}, {sca}) -> {vec}\n"
-            f"{i}%{name}_last1 = stablehlo.slice %{name}_cumsum [{n - 1}:{n}] : ({vec}) -> tensor<1x{t}>\n"
-            f"{i}%{name}_last = stablehlo.reshape %{name}_last1 : (tensor<1x{t}>) -> {sca}\n"
+            f"{i}%{name}_last1 = stablehlo.slice %{name}_cumsum [{last}] : ({vec}) -> tensor<{last_shape}>\n"
+            f"{i}%{name}_last = stablehlo.reshape %{name}_last1 : (tensor<{last_shape}>) -> tensor<{m['c']}>\n"
         )
 
     names = [m["name"] for m in _SCAN.finditer(text)]
@@ -81,7 +90,7 @@ def normalize(text: str) -> str:
     - ``chlo.top_k``'s ``is_stable`` attribute, unknown to jax's CHLO: ``is_stable = false`` is what the older op
       does, so it is dropped (``true`` is left for the parser to refuse: no silent change of meaning);
     - ``chlo.scan`` (a cumulative sum), which jax can only pass on as a StableHLO composite newer than the plugin's:
-      a 1-D cumulative sum from zero becomes the equivalent ``reduce_window`` (:func:`_cumsum_as_reduce_window`);
+      a cumulative sum from zero becomes the equivalent ``reduce_window`` (:func:`_cumsum_as_reduce_window`);
       other scans are left, and refused by the compiler with its message.
 
     On a chip, torch_tpu hands its module to its own runtime, and neither rewrite happens."""

@@ -72,18 +72,21 @@ def lower_moe_generate(session, model: str, experts_implementation: str | None =
                                     experts_implementation=experts_implementation)  # fmt: skip
 
 
-def routing_offsets(counts, scale):
-    """The MoE routing's offsets (transformers' grouped_mm path: cumsum of tokens per expert), and a use of them."""
+def routing_offsets(counts, scale, mask):
+    """The MoE routing's offsets (transformers' grouped_mm path: cumsum of tokens per expert), a use of them, and
+    positions from an attention mask along its last dimension (BLOOM's ALiBi)."""
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    return offsets, offsets.float() * scale
+    positions = (mask.long().cumsum(dim=-1) - 1) * mask.long()
+    return offsets, offsets.float() * scale, positions
 
 
 def lower_routing_offsets(session):
     counts = torch.empty(8, dtype=torch.int32, device="tpu")
     scale = torch.empty(3, 1, device="tpu")
+    mask = torch.empty(2, 6, dtype=torch.bool, device="tpu")
     compiled = torch.compile(routing_offsets, backend="tpu", fullgraph=True, dynamic=False)
     with session.mode:
-        compiled(counts, scale)
+        compiled(counts, scale, mask)
     return {"labels": ["routing-offsets"]}
 
 

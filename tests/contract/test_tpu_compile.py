@@ -106,12 +106,15 @@ def test_routing_cumsum_rewrite_equals_torch_on_xla_cpu():
     assert "chlo.scan" in program.text
     counts = torch.tensor([3, 0, 5, 1, 0, 0, 7, 2], dtype=torch.int32)
     scale = torch.tensor([[1.0], [0.5], [-2.0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1]], dtype=torch.bool)
     import _tpu_compile_entries as entries
 
-    expected = entries.routing_offsets(counts, scale)
-    out = _run_on_cpu(program.text, [counts.numpy(), scale.numpy()])
+    expected = entries.routing_offsets(counts, scale, mask)
+    by_shape = {tuple(t.shape): t.numpy() for t in (counts, scale, mask)}
+    out = _run_on_cpu(program.text, [by_shape[tuple(shape)] for shape, _ in program.arguments])
     np.testing.assert_array_equal(out[0], expected[0].numpy())
     np.testing.assert_allclose(out[1], expected[1].numpy())
+    np.testing.assert_array_equal(out[2], expected[2].numpy())
 
 
 def test_moe_ragged_dot_kernel_needs_a_chip_to_lower(tmp_path):
