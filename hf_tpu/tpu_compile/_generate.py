@@ -46,14 +46,20 @@ def _gathered_embedding_bytes(model) -> int:
 
 
 def _kv_estimate(config, batch: int, cache_len: int, dtype) -> int:
-    """2 x layers x KV heads x head size x cache length x batch x element size: a plain KV cache's bytes."""
+    """2 x layers x KV heads x head size x cache length x batch x element size: a plain KV cache's bytes, for the
+    fit check before anything is lowered (0 where the config does not say it plainly: per-layer sizes, no heads)."""
     import torch
 
-    text = config.get_text_config(decoder=True)
-    heads = getattr(text, "num_attention_heads", 0) or 0
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
-    layers = getattr(text, "num_hidden_layers", 0) or 0
+    try:
+        text = config.get_text_config(decoder=True)
+        heads = getattr(text, "num_attention_heads", 0) or 0
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
+        layers = getattr(text, "num_hidden_layers", 0) or 0
+    except Exception:  # noqa: BLE001 - a config whose sizes are per layer (dots3): the cache is measured later
+        return 0
+    if not all(isinstance(v, int) for v in (kv_heads, head_dim, layers)):
+        return 0
     return 2 * layers * kv_heads * head_dim * cache_len * batch * torch.empty((), dtype=dtype).element_size()
 
 
