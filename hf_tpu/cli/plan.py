@@ -37,7 +37,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--max-prompt-len", type=int, default=2048, help="longest prompt (default: 2048)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per call (default: 256)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"), help="weights")
-    parser.add_argument("--quantization", default=None, choices=("int8", "int4"), help="weight-only quantization")
+    parser.add_argument("--quantization", default=None, choices=("int8", "int4", "fp8"), help="weight-only quantization")
     parser.add_argument(
         "--buckets", default="largest", choices=("largest", "all"),
         help="compile the largest prompt bucket's programs (default) or every bucket warm-up would",

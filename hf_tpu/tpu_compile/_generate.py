@@ -95,7 +95,19 @@ def _quantize(model, quantization: str) -> None:
         _integration.install_torchao_handlers()
         quantize_(model, Int4WeightOnlyConfig(group_size=128))
         return
-    raise ValueError(f"quantization {quantization!r}: use int8 or int4")
+    raise ValueError(f"quantization {quantization!r}: use int8, int4 or fp8")
+
+
+def _fp8_layout(model) -> None:
+    """The layout of a fine-grained fp8 checkpoint (``float8_e4m3fn`` weights, a float32 scale per 128x128 block) as
+    transformers loads it into ``FP8Linear`` (the output head stays unquantized, as its quantizer keeps it); hf_tpu
+    runs those modules with the blocks dequantized inside the graph (hf_tpu.quantization.fp8)."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    replace_with_fp8_linear(
+        model, modules_to_not_convert=["lm_head"], quantization_config=FineGrainedFP8Config(), pre_quantized=True
+    )
 
 
 def lower_generate(
@@ -134,7 +146,10 @@ def lower_generate(
         "prompt_bucket": bucket,
         "kv_cache_estimate": _kv_estimate(built.config, batch, bucket + max_new_tokens, torch_dtype),
     }
-    if not quantization:
+    if quantization == "fp8":
+        with torch.device("meta"):
+            _fp8_layout(built)
+    if quantization in (None, "fp8"):
         info["weights_bytes"] = weight_bytes(built)
         if capacity is not None and info["weights_bytes"] + info["kv_cache_estimate"] > capacity:
             info["skipped"] = "the weights and KV cache alone exceed the chip's HBM: nothing was lowered"
@@ -143,7 +158,7 @@ def lower_generate(
     hf_tpu.enable()
     built = built.to_empty(device="tpu").eval()
     with session.mode, torch.no_grad():
-        if quantization:
+        if quantization in ("int8", "int4"):
             _quantize(built, quantization)
             info["weights_bytes"] = weight_bytes(built)
             if capacity is not None and info["weights_bytes"] + info["kv_cache_estimate"] > capacity:

@@ -171,7 +171,8 @@ def plan_generate(
         target: a name of :data:`hf_tpu.tpu_compile.TARGETS` (``"v6e-1"``).
         batch, max_prompt_len, max_new_tokens: the call size, as ``hf_tpu.warmup`` takes it.
         dtype: the weights' dtype (``"bfloat16"``); None keeps the config's.
-        quantization: ``"int8"`` or ``"int4"`` weight-only (torchao, as ``TorchAoConfig`` with hf_tpu); None.
+        quantization: ``"int8"`` or ``"int4"`` weight-only (torchao, as ``TorchAoConfig`` with hf_tpu), ``"fp8"`` (a
+            fine-grained fp8 checkpoint's layout, 128x128 blocks); None.
         buckets: ``"largest"`` compiles the bucket of ``max_prompt_len`` only; ``"all"`` every bucket warm-up would.
         generation: generation_config fields to set first (``{"do_sample": True, "top_k": 50}``).
         progress: called with a line of progress as programs lower and compile.
@@ -189,8 +190,8 @@ def plan_generate(
         raise UserError(f"{path}: no config.json there; pass a model directory (save_pretrained) or its config.json")
     if buckets not in ("largest", "all"):
         raise UserError(f"buckets={buckets!r}: use 'largest' or 'all'")
-    if quantization not in (None, "int8", "int4"):
-        raise UserError(f"quantization={quantization!r}: use int8 or int4 (weight-only, torchao)")
+    if quantization not in (None, "int8", "int4", "fp8"):
+        raise UserError(f"quantization={quantization!r}: use int8 or int4 (weight-only, torchao) or fp8 (fine-grained)")
     chosen = find_target(target)
     kwargs = {
         "model": path, "dtype": dtype, "batch": batch, "max_prompt_len": max_prompt_len,

@@ -140,12 +140,15 @@ def test_generate_bfloat16_and_int8_weights(tmp_path):
     assert int8.decode_summary()["bytes_accessed"] < plain.decode_summary()["bytes_accessed"]
 
 
-def test_generate_int4_weights(tmp_path):
+def test_generate_int4_and_fp8_weights(tmp_path):
     path = _saved(tmp_path, "llama", hidden_size=256, intermediate_size=512, head_dim=64)
-    int8 = plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, quantization="int8")
-    int4 = plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, quantization="int4")
-    assert int4.error is None and all(p.compiled for p in int4.programs), int4.error
-    assert int4.hbm["weights"] < int8.hbm["weights"]
+    plans = {q: plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, quantization=q)
+             for q in (None, "int8", "int4", "fp8")}  # fmt: skip
+    for q in ("int4", "fp8"):
+        assert plans[q].error is None and [p.compiled for p in plans[q].programs] == [True, True], plans[q].error
+    assert plans["int4"].hbm["weights"] < plans["int8"].hbm["weights"] < plans[None].hbm["weights"]
+    # fp8 blocks: one byte per linear weight (the head stays bf16), dequantized inside the graph
+    assert plans["fp8"].hbm["weights"] < plans[None].hbm["weights"]
 
 
 def test_host_length_model_takes_the_loop_without_a_cache_on_torch_tpu(tmp_path):
