@@ -121,14 +121,14 @@ class Plan:
             lines += ["", self.note]
         if self.programs:
             lines += ["", f"{'program':<16}{'lowered':>9}{'compiled':>10}{'lower s':>9}{'compile s':>11}"
-                          f"{'GFLOP':>10}{'GB moved':>10}{'temp MB':>9}{'est. ms':>9}"]  # fmt: skip
+                          f"{'GFLOP':>13}{'GB moved':>11}{'temp MB':>10}{'est. ms':>10}"]  # fmt: skip
             for p in self.programs:
                 seconds = self.step_seconds(p)
                 lines.append(
                     f"{p.name:<16}{'yes' if p.lowered else 'NO':>9}{'yes' if p.compiled else 'NO':>10}"
-                    f"{(p.lower_seconds or 0):>9.1f}{(p.compile_seconds or 0):>11.1f}"
-                    f"{(p.flops or 0) / 1e9:>10.3f}{(p.bytes_accessed or 0) / GB:>10.3f}"
-                    f"{(p.temp_bytes or 0) / 1e6:>9.1f}{(seconds * 1e3 if seconds else 0):>9.3f}"
+                    f" {(p.lower_seconds or 0):>8.1f} {(p.compile_seconds or 0):>10.1f}"
+                    f" {(p.flops or 0) / 1e9:>12.3f} {(p.bytes_accessed or 0) / GB:>10.3f}"
+                    f" {(p.temp_bytes or 0) / 1e6:>9.1f} {(seconds * 1e3 if seconds else 0):>9.3f}"
                 )
                 if p.error:
                     lines.append(f"    {p.error.splitlines()[0][:200]}" + (f"  [{p.where}]" if p.where else ""))
