@@ -24,18 +24,27 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "QUICK", "ROWS", "add_arguments", "cell", "load_rows", "lower_many", "measure", "measure_many", "print_table", "run",
+    "COLUMN", "COMPILE_NOTE", "DOCS_PAGE", "QUICK", "ROWS", "add_arguments", "cell", "load_rows", "lower_many", "measure", "measure_many", "print_table", "run",
     "write_docs",
 ]  # fmt: skip
 
 QUICK = {"archs": ["llama", "qwen3_moe"]}
 ROWS = Path(__file__).resolve().parents[2] / "docs" / "arch_compile.json"
+DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "architectures.md"  # arch_sweep's page
 COLUMN = "v6e-1 decode (est.)"
+# The sentence arch_sweep's page puts above its table for this column.
+COMPILE_NOTE = (
+    "*v6e-1 decode (est.)*: for a fast-path architecture, whether its decode program compiles for a real TPU v6e "
+    "through torch_tpu's own lowering and libtpu's compiler, with no TPU (`python benchmarks/arch_compile.py "
+    "--write-docs`, docs/planning.md), and the projected step of that tiny model from the compiler's counts (an "
+    "estimate, not a measurement)."
+)
 
 
 # Long errors that have a short name (docs/planning.md explains each).
 _KNOWN = {
-    "PjRt client": "needs a chip to lower (PjRt client: device RNG or a Pallas kernel)",
+    "failed to transfer to 'tpu'": "a host tensor copied into the graph while lowering needs a chip (PjRt client)",
+    "PjRt client": "needs a chip to lower (PjRt client)",
     "plugin version": "StableHLO newer than libtpu's compile-only plugin takes",
 }
 
@@ -62,14 +71,19 @@ def cell(row: dict | None) -> str:
 
 def fast_path_archs() -> list[str]:
     """The architectures docs/architectures.md lists on hf_tpu's fast path."""
-    from hf_tpu.benchmarks.arch_sweep import DOCS_PAGE
-
     found = []
     for line in DOCS_PAGE.read_text().splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
         if len(cells) >= 8 and cells[2] == "fast path":
             found.append(cells[0])
     return found
+
+
+def headline(text: str) -> str:
+    """The line of an error that says what failed (Dynamo's "backend='tpu' raised:" wrapper line skipped)."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    useful = [line for line in lines if not line.endswith("raised:") and not line.startswith("While executing")]
+    return (useful or lines or [""])[0][:200]
 
 
 def lower_many(session, models: dict[str, str], **kwargs: Any) -> dict[str, Any]:
@@ -79,13 +93,18 @@ def lower_many(session, models: dict[str, str], **kwargs: Any) -> dict[str, Any]
 
     labels: list[str] = []
     errors: dict[str, str] = {}
+    import torch
+
     for arch, path in models.items():
+        # Dynamo's caches start afresh: a model of the class just lowered could reuse its programs (the freed model's
+        # id matches the new one's), and this architecture would lower nothing of its own.
+        torch._dynamo.reset()
         before = len(session.programs)
         try:
             info = lower_generate(session, path, **kwargs)
             names = info.get("labels") or []
         except Exception as exc:  # noqa: BLE001 - one architecture's failure is its row
-            errors[arch] = (f"{type(exc).__name__}: {exc}".strip().splitlines() or [""])[0][:200]
+            errors[arch] = headline(f"{type(exc).__name__}: {exc}")
             names = []
         made = len(session.programs) - before
         names = names if len(names) == made else [f"graph-{k}" for k in range(made)]
@@ -108,7 +127,7 @@ def measure_many(archs: list[str], target: str = "v6e-1") -> dict[str, dict]:
                 tiny_config(arch).save_pretrained(f"{tmp}/{arch}")
                 models[arch] = f"{tmp}/{arch}"
             except Exception as exc:  # noqa: BLE001 - a config that does not save is the row
-                rows[arch]["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                rows[arch]["error"] = headline(f"{type(exc).__name__}: {exc}")
         kwargs = {"dtype": "float32", "max_prompt_len": 16, "max_new_tokens": 8}
         try:
             result = lower_and_compile(f"{__name__}:lower_many", {"models": models, **kwargs}, target)
@@ -123,7 +142,7 @@ def measure_many(archs: list[str], target: str = "v6e-1") -> dict[str, dict]:
         rows[arch]["error"] = error
     if result.error:  # the entry itself failed: nothing per architecture to tell
         for arch in models:
-            rows[arch].setdefault("error", result.error.splitlines()[0][:200])
+            rows[arch].setdefault("error", headline(result.error))
     by_arch: dict[str, list] = {}
     for program in result.programs:
         arch, _, name = program.name.partition("/")
@@ -138,7 +157,7 @@ def measure_many(archs: list[str], target: str = "v6e-1") -> dict[str, dict]:
                               bytes_accessed=chosen.bytes_accessed, flops=chosen.flops)  # fmt: skip
             rows[arch].pop("error", None)
         else:
-            rows[arch]["error"] = (chosen.error or "not compiled").splitlines()[0][:200]
+            rows[arch]["error"] = headline(chosen.error or "not compiled")
     for arch in models:
         if arch not in by_arch and "error" not in rows[arch]:
             rows[arch]["error"] = "nothing was lowered"
@@ -179,10 +198,11 @@ def run(args: argparse.Namespace) -> dict:
 
 def write_docs(rows: dict[str, dict]) -> None:
     """Put (or refresh) the compile column in docs/architectures.md's table, from ``rows``."""
-    from hf_tpu.benchmarks.arch_sweep import DOCS_PAGE
-
     out = []
-    for line in DOCS_PAGE.read_text().splitlines():
+    text = DOCS_PAGE.read_text()
+    for line in text.splitlines():
+        if line.startswith("| architecture |") and COMPILE_NOTE not in text:
+            out += [COMPILE_NOTE, ""]
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))] if line.startswith("|") else []
         if len(cells) in (8, 9):
             base = cells[:8]

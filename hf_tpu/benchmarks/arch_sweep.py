@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hf_tpu.benchmarks import arch_compile
 from hf_tpu.benchmarks._tiny_configs import SHRINK, VOCAB, build_model, tiny_config
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -49,6 +50,7 @@ __all__ = [
     "architectures",
     "measure",
     "print_table",
+    "rows_from_docs",
     "run",
     "sweep",
     "tiny_config",
@@ -342,7 +344,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         nargs="+",
         help="measure nothing: take the rows of earlier runs' --rows files (the first row of an architecture wins; "
-        "one not in them is 'not measured')",
+        "one not in them is 'not measured'); the word 'docs' stands for the rows of the table docs/architectures.md "
+        "holds now (so 'NEW.jsonl docs' adds new rows to the page and keeps every other row as it is)",
     )
 
 
@@ -378,10 +381,49 @@ def run(args: argparse.Namespace) -> dict:
     return figures
 
 
+def _number(text: str) -> int | float:
+    value = float(text)
+    return int(value) if value.is_integer() and "." not in text and "e" not in text else value
+
+
+def rows_from_docs(path: Path | str = DOCS_PAGE) -> dict[str, dict]:
+    """The rows the page's table holds (what :func:`markdown` wrote from them), by architecture: an earlier sweep's
+    rows, when its rows files are gone. Writing them back with :func:`markdown` gives the same table rows."""
+    import re
+
+    rows: dict[str, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if not line.startswith("| "):
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if len(cells) not in (8, 9) or cells[0] in ("architecture", "") or set(cells[0]) <= {"-"}:
+            continue
+        arch, kind, status, identical, compiles, signatures, copies, reason = cells[:8]
+        row: dict = {"arch": arch, "kind": kind, "status": status}
+        if identical:
+            row["identical"] = identical == "yes"
+        if compiles:
+            row["compiles_2nd"] = _number(compiles)
+        if signatures:
+            row["signatures_2nd"] = _number(signatures)
+        if copies:
+            h2d, d2h = (part.strip() for part in copies.split("+"))
+            row["h2d_per_step"], row["d2h_per_step"] = _number(h2d), _number(d2h)
+        if reason:
+            row["reason"] = reason.replace("\\|", "|")
+        rows[arch] = row
+    return rows
+
+
 def _saved_rows(paths: list[str]) -> dict[str, dict]:
-    """Architecture -> its row in the ``--rows`` files ``paths`` (the first row of an architecture wins)."""
+    """Architecture -> its row in the ``--rows`` files ``paths`` (the first row of an architecture wins; the path
+    ``docs`` is the table docs/architectures.md holds, :func:`rows_from_docs`)."""
     saved: dict[str, dict] = {}
     for path in paths:
+        if path == "docs":
+            for arch, row in rows_from_docs().items():
+                saved.setdefault(arch, row)
+            continue
         for line in Path(path).read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
@@ -473,15 +515,20 @@ def markdown(figures: dict) -> str:
         _target_line(s),
         "",
         *_groups(rows),
-        "| architecture | kind | status | identical | compiles | new signatures | copies/step | reason |",
-        "|---|---|---|---|---|---|---|---|",
+        arch_compile.COMPILE_NOTE,
+        "",
+        "| architecture | kind | status | identical | compiles | new signatures | copies/step | reason "
+        f"| {arch_compile.COLUMN} |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    compiled = arch_compile.load_rows()
     for r in rows:
         copies = f"{_cell(r, 'h2d_per_step')} + {_cell(r, 'd2h_per_step')}" if "h2d_per_step" in r else ""
         reason = (r.get("reason") or "").replace("|", "\\|")
         lines.append(
             f"| {r['arch']} | {r.get('kind', '')} | {r['status']} | {_cell(r, 'identical')} | "
-            f"{_cell(r, 'compiles_2nd')} | {_cell(r, 'signatures_2nd')} | {copies} | {reason} |"
+            f"{_cell(r, 'compiles_2nd')} | {_cell(r, 'signatures_2nd')} | {copies} | {reason} | "
+            f"{arch_compile.cell(compiled.get(r['arch'])) if r['status'] == 'fast path' else ''} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -19,7 +19,7 @@ def _documented() -> dict[str, list[str]]:
     rows = {}
     for line in arch_sweep.DOCS_PAGE.read_text().splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]  # "\|" is a cell's own
-        if len(cells) == 8 and cells[0] in arch_sweep.architectures():
+        if len(cells) in (8, 9) and cells[0] in arch_sweep.architectures():
             rows[cells[0]] = cells
     return rows
 
@@ -126,3 +126,17 @@ def test_tiny_configs_shrink_sub_configs_and_per_layer_overrides(arch):
         assert config.vision_config.adapter_out_dim == text.hidden_size
     else:
         assert config.encoder_config.hidden_size_global == config.global_config.hidden_size
+
+
+def test_rows_read_back_from_the_page_write_the_same_table():
+    """`--from-rows NEW.jsonl docs` keeps every row of the page as it is: the rows read from the table, written
+    again, give the same table (the compile column comes from docs/arch_compile.json either way)."""
+    rows = list(arch_sweep.rows_from_docs().values())
+    figures = {"rows": rows, "summary": arch_sweep.summarize(rows), "command": "python benchmarks/arch_sweep.py"}
+    regenerated = arch_sweep.markdown(figures)
+
+    def table(text):
+        return [line for line in text.splitlines() if line.startswith("| ")]
+
+    assert table(regenerated) == table(arch_sweep.DOCS_PAGE.read_text())
+    assert arch_sweep.summarize(rows)["architectures"] == len(_documented())
