@@ -109,3 +109,30 @@ def lower_sd3_denoiser(session, size: int = 32):
     with session.mode, torch.no_grad():
         model(hidden_states=latents, encoder_hidden_states=text, pooled_projections=pooled, timestep=timestep)
     return {"labels": [f"denoiser-{size}x{size}"]}
+
+
+def lower_tp_rank_layer(session, world_size: int = 2):
+    """Rank 0's part of a tensor-parallel MLP layer (column-parallel up, row-parallel down, all-reduce, norm) over a
+    process group of ``world_size`` ranks that exchanges nothing (torch's fake process group, registered for the tpu
+    device): what a TP=2 rank compiles. torch_tpu's split compiler cuts the graph at the collective, which runs
+    between the compiled programs; each program lowers and compiles."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
+
+    dist.Backend.register_backend("fake_tpu", _create_fake_pg, extended_api=True, devices=["tpu"])
+    dist.init_process_group(backend="tpu:fake_tpu,cpu:fake", store=FakeStore(), rank=0, world_size=world_size)
+    group = dist.group.WORLD
+    hidden, inner = 64, 128 // world_size
+    x = torch.empty(4, hidden, device="tpu")
+    w_up, w_down = torch.empty(hidden, inner, device="tpu"), torch.empty(inner, hidden, device="tpu")
+
+    def layer(x, w_up, w_down):
+        partial = torch.nn.functional.silu(x @ w_up) @ w_down
+        return torch.nn.functional.layer_norm(x + funcol.all_reduce(partial, "sum", group), (hidden,))
+
+    compiled = torch.compile(layer, backend="tpu", fullgraph=True, dynamic=False)
+    with session.mode:
+        compiled(x, w_up, w_down)
+    dist.destroy_process_group()
+    return {"labels": ["tp-rank-before-all-reduce", "tp-rank-collective", "tp-rank-after-all-reduce"]}

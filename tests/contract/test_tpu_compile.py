@@ -191,6 +191,17 @@ def test_diffusers_denoiser_step():
     assert result.programs[0].custom_calls > 0  # its joint attention became torch_tpu's flash-attention kernel
 
 
+def test_tensor_parallel_rank_programs():
+    result = lower_and_compile("_tpu_compile_entries:lower_tp_rank_layer", {}, "v6e-1")
+    assert result.error is None, result.error
+    assert [p.name for p in result.programs] == ["tp-rank-before-all-reduce", "tp-rank-collective",
+                                                 "tp-rank-after-all-reduce"]  # fmt: skip
+    assert all(p.lowered and p.compiled for p in result.programs), [p.error for p in result.programs]
+    before = result.programs[0]
+    assert [s for s, _ in before.arguments] == [[4, 64], [64, 64], [64, 64]]  # the rank's shards: half of 128
+    assert before.flops > 0
+
+
 def test_training_forward_with_its_loss():
     result = lower_and_compile("_tpu_compile_entries:lower_train_forward", {}, "v6e-1")
     _all_compiled(result, ["train-forward"])
