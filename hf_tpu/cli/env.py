@@ -49,10 +49,10 @@ TORCH_TPU_TORCH_RANGE = ">=2.11.0,<=2.15.0"
 # The ranges hf_tpu is written for; must agree with pyproject.toml (a test checks it).
 REQUIREMENTS: dict[str, str] = {
     "torch": ">=2.11,<=2.15",
-    "transformers": ">=5.23,<6",
+    "transformers": ">=5.23,<5.25",
     "diffusers": ">=0.35",
-    "accelerate": ">=1.10",
-    "kernels": ">=0.10",
+    "accelerate": ">=1.10,<1.16",
+    "kernels": ">=0.10,<0.18",
     "huggingface_hub": ">=1.0",
 }
 

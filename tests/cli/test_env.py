@@ -176,7 +176,7 @@ def test_torch_tpu_without_libtpu():
 
 
 def test_transformers_4_is_an_error_and_other_libraries_warn():
-    one(problems({"transformers": "4.57.1"}), "error", "transformers 4.57.1", ">=5.23,<6")
+    one(problems({"transformers": "4.57.1"}), "error", "transformers 4.57.1", ">=5.23,<5.25")
     one(problems({"diffusers": "0.30.0"}), "warning", "diffusers 0.30.0")
     one(problems({"transformers": None}), "error", "transformers is not installed")
 

@@ -57,8 +57,22 @@ def test_warmup_then_8_prompt_lengths_compile_nothing_and_match_cpu(loaded, cpu_
         for n in LENGTHS:
             ids, _ = make_prompts([n], seed=n)
             got = tpu.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-            assert torch.equal(got, cpu.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)), n
+            _equal_but_bf16_ties(got, cpu, ids, n)
     assert s.compiles == 0
+
+
+def _equal_but_bf16_ties(got, cpu, ids, n):
+    """Greedy tokens equal the CPU's; where they part, the CPU's bf16 logits of its token and of the TPU's are at most
+    one bf16 step apart (a tie at the logits' precision: the dequantized matmul and CPU's int8 kernel round
+    differently), and everything before it is equal."""
+    ref = cpu.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    if torch.equal(got, ref.sequences):
+        return
+    at = int((got[0] != ref.sequences[0]).nonzero()[0])
+    assert torch.equal(got[0, :at], ref.sequences[0, :at]), n
+    scores = ref.scores[at - ids.shape[1]][0]
+    want, chosen = scores[ref.sequences[0, at]].float(), scores[got[0, at]].float()
+    assert want - chosen <= want.abs() * 2**-7, (n, at, float(want), float(chosen))
 
 
 def _transient_bytes(model) -> int:

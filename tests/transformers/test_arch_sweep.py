@@ -139,4 +139,4 @@ def test_rows_read_back_from_the_page_write_the_same_table():
         return [line for line in text.splitlines() if line.startswith("| ")]
 
     assert table(regenerated) == table(arch_sweep.DOCS_PAGE.read_text())
-    assert arch_sweep.summarize(rows)["architectures"] == len(_documented())
+    assert arch_sweep.summarize(rows)["architectures"] == len(table(arch_sweep.DOCS_PAGE.read_text())) - 1
