@@ -33,6 +33,23 @@ def _full_attention_only(model) -> bool:
     return bool(plan) and all(cls is StaticLayer for cls, _ in plan)
 
 
+def cached_length(cache) -> int:
+    """The number of tokens ``cache`` holds. A cache of linear-attention layers only tracks no length: transformers
+    5.24's ``get_seq_length`` raises for it, 5.25's returns its layers' counter; both mean 0 for the empty cache
+    upstream's ``generate`` builds, and a cache of such layers holding state is refused before the loop runs
+    (:func:`given_cache_problem`)."""
+    try:
+        return int(cache.get_seq_length())
+    except ValueError:
+        layers = getattr(cache, "layers", None) or []
+        if any(any(getattr(layer, "has_previous_state", {}).values()) for layer in layers):
+            raise ValueError(
+                f"hf_tpu: the {type(cache).__name__} passed holds recurrent state, which the bucketed loop does not "
+                "continue from; pass cache_implementation='dynamic' to run upstream's loop with it"
+            ) from None
+        return 0
+
+
 def _plain_layers(cache) -> bool:
     from transformers.cache_utils import DynamicLayer, StaticLayer
 
@@ -59,7 +76,7 @@ def given_cache_problem(model, cache, input_len: int | None, mask_len: int | Non
         )
     if _state(model).host_length:
         return f"a {name} passed in is not copied into a cache that reports a host length (prompt first) yet"
-    seen = int(cache.get_seq_length())
+    seen = cached_length(cache)
     if input_len is None:
         return f"a {name} passed in needs input_ids holding the whole sequence (the prompt as embeddings was given)"
     if seen and (input_len <= seen or (mask_len is not None and mask_len != input_len)):
@@ -77,7 +94,7 @@ def _layer_tensors(layer, length: int):
 def copy_in(given, cache, start: int) -> int:
     """Copy the ``L_c`` tokens ``given`` holds into ``cache`` (a reset bucketed cache) at slots ``start`` to
     ``start + L_c``, and set every layer's counter after them; returns ``L_c``."""
-    seen = int(given.get_seq_length())
+    seen = cached_length(given)
     for source, layer in zip(given.layers, cache.layers):
         keys, values = _layer_tensors(source, seen)
         layer.keys[:, :, start : start + seen].copy_(keys.to(layer.keys.device, layer.keys.dtype))

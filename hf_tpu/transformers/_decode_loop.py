@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from hf_tpu.transformers import _upstream
-from hf_tpu.transformers._cache_io import copy_in, returned_cache
+from hf_tpu.transformers._cache_io import cached_length, copy_in, returned_cache
 from hf_tpu.transformers._cache_layers import set_decoding, set_length
 from hf_tpu.transformers._graphs import _ALIGNED, _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
 from hf_tpu.transformers._pad_id import fill_id
@@ -248,7 +248,7 @@ def _decode_loop(
     decode_key = ("decode" + variant, batch, plan.cache_bucket)
     set_length(cache, 0)
     given = model_kwargs.get(cache_name())  # the caller's cache (upstream's empty one when none was given)
-    seen = int(given.get_seq_length()) if given is not None else 0
+    seen = cached_length(given) if given is not None else 0
     if seen:  # continuing: the cached tokens copied in, the others through the decode graph (_cache_io)
         if sampling is not None:  # its history: the cached tokens; each decode step adds its own
             sampling = replace(call.sampler, input_ids=call.input_ids[:, :seen]).to_device(
