@@ -22,18 +22,18 @@ def _junit_id(item) -> str:
 def pytest_configure(config) -> None:
     import hf_tpu
     import hf_tpu.sim
-    from hf_tpu.transformers import _cacheless
+    from hf_tpu.transformers import generation
 
     hf_tpu.sim.enable()
     hf_tpu.enable("generation")
-    loop = _cacheless.generation_loop
+    loop = generation.run_loop
 
     def recorded(*args, **kwargs):  # the custom_generate hf_tpu hands upstream's generate: hf_tpu's loop runs
         if _CURRENT:
             _SERVED.add(_CURRENT[-1])
         return loop(*args, **kwargs)
 
-    _cacheless.generation_loop = recorded
+    generation.run_loop = recorded
 
 
 def pytest_runtest_setup(item) -> None:

@@ -137,12 +137,10 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
     import torch
 
     import hf_tpu.sim
-    from hf_tpu.transformers import _upstream, generation
+    from hf_tpu.transformers import explain, generation
+    from hf_tpu.transformers.route import own_generate
 
     row: dict[str, Any] = {"arch": model_type}
-    # generate warns once per reason in a process; a worker measures several architectures, and two of them may
-    # share a model class (qwen4_exp and qwen4_exp_text): each row gets its own warnings
-    generation._WARNED.clear()
     try:
         config = config if config is not None else tiny_config(model_type)
         row["kind"] = _kinds(config)
@@ -164,7 +162,7 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
     prompts = [_prompt(n, seed) for seed, n in enumerate(LENGTHS)]
     # a class with a generate of its own runs upstream's code, not hf_tpu's loop (which takes host inputs): its
     # prompts go on the model's device, as its user would put them
-    own = _upstream.own_generate(tpu)
+    own = own_generate(tpu)
     on_tpu = [ids.to(tpu.device) for ids in prompts] if own else prompts
     try:
         expected = [cpu.generate(ids, max_new_tokens=new_tokens, **kw) for ids in prompts]
@@ -173,8 +171,8 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
         return row
     stage = "first prompt length"
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings():  # the route below says what generate's notes say
+            warnings.simplefilter("ignore")
             runs = []
             for ids in on_tpu:
                 with hf_tpu.sim.stats() as s:
@@ -188,25 +186,20 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
         row.update(status="error", reason=f"{stage}: {type(e).__name__}: {_line(e)}")
         return row
     identical = all(torch.equal(got.cpu(), want) for (got, _), want in zip(runs, expected, strict=True))
-    messages = [str(w.message) for w in caught if str(w.message).startswith("hf_tpu: ")]
-    # hf_tpu's loop with the processors on the host (one logits row back per step instead of the tokens) is still
-    # the fast path; the copy targets below judge its cost, the row's reason names it
-    host = [m for m in messages if _HOST_SAMPLING in m]
-    # so is hf_tpu's loop without a cache (the cached form's problem named in a note): the row says "no cache"
-    no_cache = [m for m in messages if _NO_CACHE in m]
-    reasons = [m for m in messages if _HOST_SAMPLING not in m and _NO_CACHE not in m]
+    # the route the calls took, after what their first traces found (hf_tpu.transformers.explain)
+    route = explain(tpu, input_ids=prompts[1], max_new_tokens=new_tokens, **kw)
     graphs = generation.compiled_graphs(tpu)
-    if own and not reasons and not graphs:
-        reasons = [f"hf_tpu: {own}"]
-    fast = bool(graphs) and not reasons
-    notes = ["host sampling: " + _reason(host).split(", so ")[0]] if host else []
-    if any(key[0].startswith("cacheless") for key in graphs):
-        notes.insert(0, "no cache" + (": " + _reason(no_cache).split("; generate runs")[0] if no_cache else ""))
+    fast = route.fast and bool(graphs)
+    notes = []
+    if fast and route.loop == "cacheless":  # hf_tpu's loop without a cache: "no cache", with the reason it names
+        notes.append("no cache" + (f": {route.reason}" if route.warn else ""))
+    if fast and route.host_sampling:  # the processors on the host: one logits row back per step (the copy targets)
+        notes.append(f"host sampling: {route.host_sampling}")
     second = runs[1][1]
     h2d, d2h = _per_step(second, short, new_tokens - 2)
     row.update(
         status="fast path" if fast else "upstream loop",
-        reason="; ".join(notes) if fast else _reason(reasons),
+        reason="; ".join(notes) if fast else (route.reason if not route.fast else "no graph compiled"),
         identical=identical,
         compiles_2nd=second.compiles,
         signatures_2nd=second.shape_signatures,
@@ -219,17 +212,6 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
 def _line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return (text[0] if text else "")[:200]
-
-
-_HOST_SAMPLING = "keeps the logits processors and sampling on the host"
-_NO_CACHE = "generate runs hf_tpu's loop without a cache instead"  # hf_tpu.transformers._cacheless.NO_CACHE_NOTE
-
-
-def _reason(messages: list[str]) -> str:
-    if not messages:
-        return "no graph compiled"
-    text = messages[0].removeprefix("hf_tpu: ")
-    return text.split("; running upstream's generate")[0]
 
 
 # ---- the sweep: workers, each architecture isolated ------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Importing this package does not import transformers; the submodules do, when used. :func:`configure` (per-model
 generation settings: ladder, cache sizing, strict mode, compile cache) is importable from here, as the error
-messages name it.
+messages name it; :func:`explain` says which loop a ``generate`` call takes and why
+(:mod:`hf_tpu.transformers.route`).
 
 Example:
     >>> from hf_tpu.transformers import configure
@@ -10,6 +11,13 @@ Example:
     True
 """
 
-from hf_tpu.transformers._settings import configure
+from hf_tpu.transformers._settings import Route, configure
 
-__all__ = ["configure"]
+__all__ = ["Route", "configure", "explain"]
+
+
+def explain(model, **generate_kwargs) -> Route:
+    """The route ``model.generate(**generate_kwargs)`` takes: :func:`hf_tpu.transformers.route.explain`."""
+    from hf_tpu.transformers.route import explain as _explain
+
+    return _explain(model, **generate_kwargs)

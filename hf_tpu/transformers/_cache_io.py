@@ -108,11 +108,11 @@ def returned_cache(model, cache, start: int, end: int):
     model's device), or None where the cache has other layer kinds than full attention (warned once)."""
     from transformers.cache_utils import DynamicCache
 
-    from hf_tpu.transformers._upstream import _warn_once
+    from hf_tpu.transformers._notes import warn_once
 
     if not _full_attention_only(model) or getattr(cache, "self_attention_cache", None) is not None:
         name = type(model).__name__
-        _warn_once(
+        warn_once(
             f"cache out:{name}",
             f"hf_tpu: return_dict_in_generate=True returns no cache for {name} (its cache has layer kinds other than "
             "full attention, which hf_tpu does not copy out yet); pass cache_implementation='dynamic' to get "

@@ -89,10 +89,9 @@ def _run_probe(model, probe, device: str) -> tuple[list[dict], list[dict] | None
 
 def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[dict] | None]:
     import torch
+    from torch.fx.experimental import _config as fx_config
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
     from transformers.modeling_outputs import BaseModelOutput
-
-    from torch.fx.experimental import _config as fx_config
 
     # Embeddings in, not ids: no embedding lookup or pad-token check reads a value on meta. Routing that calls
     # nonzero (an expert loop) gets torch's all-nonzero meta result: the cache shapes never depend on it.

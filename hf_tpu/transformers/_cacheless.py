@@ -15,14 +15,16 @@ they hold: the padding after the sequence changes nothing before it, for attenti
 recurrent state alike, and each token keeps the position upstream gives it. The mask and the positions of the
 whole bucket are computed once per call (the prompt's as upstream's ``generate`` prepares them, then one more per
 slot), sent with the first step. Two graph kinds, compiled per (batch, bucket): ``cacheless_prefill`` (the
-prompt's last slot) and ``cacheless_decode`` (writes the new tokens first); they run through
-:func:`hf_tpu.transformers._graphs._run` (strict mode, the persistent compile cache) like the cached loop's.
+prompt's last slot) and ``cacheless_decode`` (writes the new tokens first); their bodies live in the graph table
+(:mod:`hf_tpu.transformers._graphs`) and run through its ``_run`` (strict mode, the persistent compile cache) like
+the cached loop's.
 
 A decoder-only model whose cached form hf_tpu cannot run (its own cache type, a cache that cannot be sized, a
-forward that does not trace as one graph with a cache: :func:`hf_tpu.transformers._upstream.cached_loop_problem`)
-runs this loop too, when two checks pass (:func:`cacheless_problem`, once per model): its outputs on a sequence do
-not change with the tokens after it (one eager forward on two paddings), and its ``prepare_inputs_for_generation``
-makes no inputs of its own. A model that fails them, or whose graphs here do not trace either, runs upstream's loop.
+forward that does not trace as one graph with a cache) runs this loop too, when two checks pass
+(:func:`cacheless_problem`, once per model): its outputs on a sequence do not change with the tokens after it (one
+eager forward on two paddings), and its ``prepare_inputs_for_generation`` makes no inputs of its own. A model that
+fails them, or whose graphs here do not trace either, runs upstream's loop. Which loop a call takes is decided in
+:mod:`hf_tpu.transformers.route`.
 """
 
 from __future__ import annotations
@@ -63,37 +65,14 @@ NO_CACHE_NOTE = (
 _INPUTS_AS_GIVEN: dict[type, bool] = {}
 
 
-def serves(model, use_cache: bool) -> bool:
-    """Whether a call that reached hf_tpu's loop runs this one: without a cache, or with a cache the cached loop
-    cannot serve (:func:`hf_tpu.transformers._upstream.cached_loop_problem`: ``_why_upstream`` checked that this
-    loop can)."""
-    from hf_tpu.transformers._upstream import cached_loop_problem
-
-    if model.config.is_encoder_decoder:
-        return False
-    return recomputes(model, use_cache) or cached_loop_problem(model) is not None
-
-
-def by_default(model) -> bool:
-    """Whether a call with the model's own ``generation_config`` runs this loop (what warm-up compiles)."""
-    use_cache = getattr(model.generation_config, "use_cache", None)
-    if use_cache is None:
-        use_cache = getattr(model.config, "use_cache", True)
-    return serves(model, bool(use_cache))
-
-
 def cacheless_problem(model) -> str | None:
     """Why this loop cannot serve ``model`` (None when it can): the padding after a sequence changes its outputs
-    (:func:`_not_causal`, tried once per model), its graph failed to trace, or it prepares inputs of its own for
-    each forward, which this loop would not pass."""
-    from hf_tpu.transformers._settings import _state
-
-    state = _state(model)
-    if not state.causal_checked:
-        state.causal_checked = True
-        state.cacheless_failure = state.cacheless_failure or _not_causal(model)
-    if state.cacheless_failure is not None:
-        return state.cacheless_failure
+    (:func:`_not_causal`: one eager forward; :mod:`hf_tpu.transformers.route` asks once per model and keeps the
+    answer with the model's route), or it prepares inputs of its own for each forward, which this loop would not
+    pass."""
+    failure = _not_causal(model)
+    if failure is not None:
+        return failure
     if not _inputs_as_given(model):
         return (
             f"{type(model).__name__}.prepare_inputs_for_generation makes inputs of its own for each forward, which "
@@ -203,38 +182,6 @@ def _extra(model) -> dict:
     return {"use_cache": False} if _takes(model, "use_cache") else {}
 
 
-def _forward(model, ids, slot, mask, positions, extra, sampling):
-    kwargs = dict(extra)
-    if positions is not None:
-        kwargs["position_ids"] = positions
-    if model._supports_logits_to_keep():
-        kwargs["logits_to_keep"] = slot  # a tensor of indices: the logits of that slot only
-    out = model(input_ids=ids, attention_mask=mask, return_dict=True, **kwargs)
-    logits = out.logits if "logits_to_keep" in kwargs else out.logits.index_select(1, slot)
-    from hf_tpu.transformers._graphs import _last_logits
-
-    return _last_logits(logits, sampling)
-
-
-def _cacheless_prefill(model, ids, slot, mask, positions, extra, sampling=None):
-    """The first step: the logits at ``slot`` (``(1,)``, the prompt's last slot) of the buffer ``ids``."""
-    return _forward(model, ids, slot, mask, positions, extra, sampling)
-
-
-def _cacheless_decode(model, ids, step, mask, positions, extra, sampling=None):
-    """A later step: ``step`` is ``(batch, 2)``, the new tokens and their slot; written into ``ids`` in place."""
-    from hf_tpu.transformers._graphs import _mark
-
-    tokens, slot = step[:, :1], step[:1, 1]
-    ids.index_copy_(1, slot, tokens)
-    _mark(sampling, tokens)
-    return _forward(model, ids, slot, mask, positions, extra, sampling)
-
-
-GRAPHS = {"cacheless_prefill": _cacheless_prefill, "cacheless_decode": _cacheless_decode}
-SHAPE_NAMES = {"cacheless_prefill": ("cache bucket",), "cacheless_decode": ("cache bucket",)}
-
-
 def _layout(model, input_ids, model_kwargs: dict, length: int, new_tokens: int, pad_id: int):
     """The buffer's host tensors: ids (the prompt first, ``pad_id``, an id the model embeds, after), the mask (the
     prompt's, ones after) and the positions (None for a model without ``position_ids``: it numbers the buffer itself,
@@ -258,21 +205,6 @@ def _layout(model, input_ids, model_kwargs: dict, length: int, new_tokens: int, 
     return ids, full_mask, torch.cat([positions, after], dim=1)  # (slots no token reaches keep the last position)
 
 
-def _traced(model, state, key, *args):
-    """:func:`hf_tpu.transformers._graphs._run`; a graph that cannot be traced is remembered as this loop's failure
-    (``state.not_compilable`` stays the cached loop's), and the error carries it as ``reason``."""
-    from hf_tpu.transformers._graphs import _run
-    from hf_tpu.transformers._settings import NotCompilableError
-
-    before = state.not_compilable
-    try:
-        return _run(model, state, key, *args)
-    except NotCompilableError as exc:
-        state.cacheless_failure, state.not_compilable = state.not_compilable, before
-        exc.reason = state.cacheless_failure
-        raise
-
-
 def cacheless_loop(
     model,
     input_ids,
@@ -288,6 +220,7 @@ def cacheless_loop(
     import torch
 
     from hf_tpu.transformers._decode_loop import _Call
+    from hf_tpu.transformers._graphs import _run
 
     call = _Call(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan)
     state, device, variant, batch, prompt_len = call.state, model.device, call.variant, call.batch, call.prompt_len
@@ -299,33 +232,17 @@ def cacheless_loop(
     prefill_key = ("cacheless_prefill" + variant, batch, length)
     decode_key = ("cacheless_decode" + variant, batch, length)
     slot = torch.tensor([prompt_len - 1]).to(device)
-    first = _traced(model, state, prefill_key, ids_dev, slot, *args)
+    first = _run(model, state, prefill_key, ids_dev, slot, *args)
     next_slot = prompt_len
 
     def step(next_tokens):
         nonlocal next_slot
         packed = torch.stack([next_tokens, torch.full_like(next_tokens, next_slot)], dim=1).to(device)
         next_slot += 1
-        return _traced(model, state, decode_key, ids_dev, packed, *args)
+        return _run(model, state, decode_key, ids_dev, packed, *args)
 
     call.run(*first, length - prompt_len, step)
     return call.output()
-
-
-def generation_loop(model, *args, cached_loop, **kwargs):
-    """The ``custom_generate`` callable hf_tpu hands upstream's ``generate``: this module's loop for a call without
-    a cache, else ``cached_loop`` (:func:`hf_tpu.transformers._decode_loop._decode_loop`)."""
-    from hf_tpu.transformers._upstream import _warn_once, cached_loop_problem
-
-    config = kwargs.get("generation_config")
-    use_cache = True if config is None else bool(config.use_cache)
-    if not serves(model, use_cache):
-        return cached_loop(model, *args, **kwargs)
-    result = cacheless_loop(model, *args, **kwargs)
-    problem = None if recomputes(model, use_cache) else cached_loop_problem(model)
-    if problem is not None:  # said once its graphs ran (a model whose graphs fail here runs upstream's loop)
-        _warn_once(f"no cache:{problem}", f"hf_tpu: {problem}; {NO_CACHE_NOTE}.")
-    return result
 
 
 def warm(model, plan, variant: str = "") -> list[tuple]:
@@ -333,6 +250,7 @@ def warm(model, plan, variant: str = "") -> list[tuple]:
     import torch
 
     from hf_tpu.transformers._decode_loop import _warm_sampling
+    from hf_tpu.transformers._graphs import _run
     from hf_tpu.transformers._settings import _state
 
     state = _state(model)
@@ -349,7 +267,7 @@ def warm(model, plan, variant: str = "") -> list[tuple]:
         prefill_key = ("cacheless_prefill" + variant, batch, length)
         decode_key = ("cacheless_decode" + variant, batch, length)
         slot = torch.tensor([plan.prompt_len - 1]).to(device)
-        _traced(model, state, prefill_key, buffer, slot, mask, positions, extra, sampling)
+        _run(model, state, prefill_key, buffer, slot, mask, positions, extra, sampling)
         step = torch.tensor([[0, min(plan.prompt_len, length - 1)]], dtype=torch.long).expand(batch, 2)
-        _traced(model, state, decode_key, buffer, step.contiguous().to(device), mask, positions, extra, sampling)
+        _run(model, state, decode_key, buffer, step.contiguous().to(device), mask, positions, extra, sampling)
     return [prefill_key, decode_key]

@@ -13,15 +13,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from hf_tpu.transformers import _upstream
 from hf_tpu.transformers._cache_io import cached_length, copy_in, returned_cache
 from hf_tpu.transformers._cache_layers import set_decoding, set_length
 from hf_tpu.transformers._graphs import _ALIGNED, _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
+from hf_tpu.transformers._notes import warn_once
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import _state
 from hf_tpu.transformers._signatures import cache_name, output_cache_field
 from hf_tpu.transformers._static_cache import _cache_for
-from hf_tpu.transformers._upstream import _warn_once, numbers_by_cache_length
+from hf_tpu.transformers._upstream import numbers_by_cache_length, prompt_first_inputs
 from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
 
 __all__ = ["default_variant"]
@@ -61,7 +61,7 @@ def _plan(model, logits_processor, input_ids, do_sample: bool, host_only: str | 
     reason = host_only or device_plan(logits_processor, input_ids, vocab=vocab, do_sample=do_sample)
     if not isinstance(reason, str):
         return reason
-    _warn_once(
+    warn_once(
         f"host-path:{type(model).__name__}:{reason}",
         f"hf_tpu: {reason}, so {type(model).__name__}.generate keeps the logits processors and sampling on the host: "
         f"{host_path_cost(input_ids.shape[0], vocab)}.",
@@ -215,8 +215,8 @@ def _decode_loop(
     if extra.get(_ALIGNED) and (embeds is not None or types is not None):  # (its cache length found at a trace)
         from hf_tpu.transformers._settings import NotCompilableError
 
-        error = NotCompilableError(_upstream.prompt_first_inputs(model))
-        error.reason = str(error)
+        error = NotCompilableError(prompt_first_inputs(model))
+        error.reason = str(error)  # (error.loop None: this call's inputs, the route stays)
         raise error
     length = prompt_len if extra.get(_ALIGNED) else plan.prompt_bucket  # the cache's length after the prefill
     if extra.get(_ALIGNED):  # the prompt first, the bucket's padding after it (slot -1)
@@ -294,14 +294,15 @@ def _extra(model) -> dict:
     return extra
 
 
-def _default_plan(model, input_ids):
-    """The device plan (or the host-path reason) of a call with the model's own ``generation_config``, built from
-    the processors upstream's ``generate`` would build for it."""
+def _default_plan(model, input_ids, **generate_kwargs):
+    """The device plan (or the host-path reason) of a call with the model's own ``generation_config`` (updated by
+    ``generate_kwargs``, as a call's keyword arguments update it), built from the processors upstream's
+    ``generate`` would build for it."""
     from transformers.generation.logits_process import LogitsProcessorList
 
     from hf_tpu.transformers.sampling import device_plan
 
-    config, _ = model._prepare_generation_config(None)
+    config, _ = model._prepare_generation_config(None, **generate_kwargs)
     model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
     # As upstream's generate does before building the processors: min_new_tokens also sets min_length (prompt +
     # min_new_tokens), which adds a MinLengthLogitsProcessor, so the call runs "+min_length+min_new_tokens".
@@ -314,6 +315,22 @@ def _default_plan(model, input_ids):
         logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={},
     )  # fmt: skip
     return device_plan(processors, input_ids, vocab=_output_vocab(model), do_sample=bool(config.do_sample))
+
+
+def host_sampling(model, **generate_kwargs) -> str | None:
+    """Why a call with ``generate_kwargs`` keeps its logits processors and sampling on the host (one logits row
+    back per step), None when they run in the graph: what :class:`_Call` finds, without a call."""
+    import torch
+
+    config, _ = model._prepare_generation_config(None, **generate_kwargs)
+    if config.return_dict_in_generate and (config.output_scores or config.output_logits):
+        return "output_scores/output_logits need the scores on the host"
+    ids = generate_kwargs.pop("input_ids", None)
+    ids = torch.zeros(1, 1, dtype=torch.long) if ids is None else ids.to("cpu")
+    plan = _default_plan(model, ids, **{k: v for k, v in generate_kwargs.items() if not hasattr(v, "device")})
+    if not _state(model).settings.device_sampling and (config.do_sample or not isinstance(plan, str) and plan.variant):
+        return "device sampling is off (configure(model, device_sampling=False))"
+    return plan if isinstance(plan, str) else None
 
 
 def default_variant(model) -> str:

@@ -13,9 +13,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hf_tpu.transformers import _cacheless
-from hf_tpu.transformers._signatures import cache_name
 from hf_tpu.transformers._settings import (
+    CACHED,
+    CACHELESS,
+    HOST_LENGTH,
     STRICT_ENV,
     GenerationSettings,
     NotCompilableError,
@@ -23,6 +24,7 @@ from hf_tpu.transformers._settings import (
     _compile_cache,
     _ModelState,
 )
+from hf_tpu.transformers._signatures import cache_name
 
 logger = logging.getLogger("hf_tpu.generation")
 
@@ -141,6 +143,32 @@ def _seq2seq_decode(model, ids, encoder_hidden, encoder_mask, cache, sampling=No
     return _last_logits(out.logits, sampling)
 
 
+# The loop without a cache (hf_tpu.transformers._cacheless): the ids live in a device buffer as long as the bucket,
+# the prompt first; each graph runs the model over all of it and reads the logits at one slot.
+def _cacheless_forward(model, ids, slot, mask, positions, extra, sampling):
+    kwargs = dict(extra)
+    if positions is not None:
+        kwargs["position_ids"] = positions
+    if model._supports_logits_to_keep():
+        kwargs["logits_to_keep"] = slot  # a tensor of indices: the logits of that slot only
+    out = model(input_ids=ids, attention_mask=mask, return_dict=True, **kwargs)
+    logits = out.logits if "logits_to_keep" in kwargs else out.logits.index_select(1, slot)
+    return _last_logits(logits, sampling)
+
+
+def _cacheless_prefill(model, ids, slot, mask, positions, extra, sampling=None):
+    """The first step: the logits at ``slot`` (``(1,)``, the prompt's last slot) of the buffer ``ids``."""
+    return _cacheless_forward(model, ids, slot, mask, positions, extra, sampling)
+
+
+def _cacheless_decode(model, ids, step, mask, positions, extra, sampling=None):
+    """A later step: ``step`` is ``(batch, 2)``, the new tokens and their slot; written into ``ids`` in place."""
+    tokens, slot = step[:, :1], step[:1, 1]
+    ids.index_copy_(1, slot, tokens)
+    _mark(sampling, tokens)
+    return _cacheless_forward(model, ids, slot, mask, positions, extra, sampling)
+
+
 _GRAPHS: dict[str, Callable] = {
     "prefill": _decoder_prefill,
     "embeds_prefill": _embeds_prefill,
@@ -148,8 +176,9 @@ _GRAPHS: dict[str, Callable] = {
     "encoder": _encoder,
     "seq2seq_prefill": _seq2seq_prefill,
     "seq2seq_decode": _seq2seq_decode,
+    "cacheless_prefill": _cacheless_prefill,
+    "cacheless_decode": _cacheless_decode,
 }
-_GRAPHS.update(_cacheless.GRAPHS)  # the loop without a cache (hf_tpu.transformers._cacheless)
 # Graph kinds carry the device plan's variant after a "+" ("decode+temperature+top_k+sample"): the processors
 # (and sampler) the graph runs on the device. The variant of greedy search with a lone repetition penalty:
 _PENALTY = "+repetition_penalty"
@@ -186,7 +215,8 @@ def _describe(key: tuple) -> str:
         "encoder": ("encoder bucket",),
         "seq2seq_prefill": ("encoder bucket", "decoder prompt", "cache bucket"),
         "seq2seq_decode": ("encoder bucket", "cache bucket"),
-        **_cacheless.SHAPE_NAMES,
+        "cacheless_prefill": ("cache bucket",),
+        "cacheless_decode": ("cache bucket",),
     }[kind.split("+", 1)[0]]
     return f"{kind} graph for batch={batch}, " + ", ".join(f"{n}={v}" for n, v in zip(names, rest))
 
@@ -234,7 +264,6 @@ def _namespace(cache, model, state: _ModelState):
     # the graphs' own code: this module, the device sampling, and the cache layers and masks they trace
     modules = (
         inspect.getmodule(_run), sampling, _registry, _processors, _warpers, _cache_layers, _cache_layer_classes,
-        _cacheless,
     )  # fmt: skip
     source = "".join(inspect.getsource(m) for m in modules)
     # and the bucketed forms of models' own caches (read, not imported: importing it imports their modeling files)
@@ -273,9 +302,9 @@ def _from_cache(model, state: _ModelState, key: tuple, args: tuple) -> Callable 
 
 
 def _skip_cache_once(model) -> None:
-    from hf_tpu.transformers._upstream import _warn_once
+    from hf_tpu.transformers._notes import warn_once
 
-    _warn_once(
+    warn_once(
         f"host-length-cache:{type(model).__name__}",
         f"hf_tpu: {type(model).__name__}'s decode graph takes its cache length as a dynamic size (its code reads the "
         "length as a number); torch-tpu 0.2.0 cannot serialize such a graph, so the persistent compile cache does not "
@@ -321,21 +350,27 @@ def _where(exc: BaseException) -> str:
 
 def _first_trace(model, state: _ModelState, key: tuple, compiled: Callable, args: tuple):
     """The first run of a graph (its trace); a model whose forward cannot be one static-shape graph raises
-    :class:`NotCompilableError` (and ``state`` remembers why: its later calls run upstream's loop)."""
+    :class:`NotCompilableError`, carrying the reason and the loop whose graph failed for
+    :func:`hf_tpu.transformers.route.demote` (which moves the model to its next route)."""
     try:
         return compiled(model, *args)
     except Exception as exc:
         what = _not_one_graph(exc)
         if what is None:
             raise
-        reason = (
-            f"{type(model).__name__}'s forward cannot be compiled as one static-shape graph ({what}{_where(exc)}): "
-            "its code branches on, or shapes a tensor by, a value of the cache or inputs"
-        )
-        if state.host_length:  # the second try (generation.retry_with_host_length): the first reason stays first
-            reason = f"{state.host_length}; with its cache length as a host int: {what}{_where(exc)}"
-        state.not_compilable = reason
-        raise NotCompilableError(f"{reason}; found tracing the {_describe(key)}") from exc
+        what += _where(exc)
+        kind = key[0].split("+", 1)[0]
+        loop = CACHELESS if kind.startswith("cacheless") else HOST_LENGTH if state.host_length else CACHED
+        if loop == HOST_LENGTH:  # the second try: the first reason stays first
+            reason = f"{state.route.reason}; with its cache length as a host int: {what}"
+        else:
+            reason = (
+                f"{type(model).__name__}'s forward cannot be compiled as one static-shape graph ({what}): "
+                "its code branches on, or shapes a tensor by, a value of the cache or inputs"
+            )
+        error = NotCompilableError(f"{reason}; found tracing the {_describe(key)}")
+        error.reason, error.loop = reason, loop
+        raise error from exc
 
 
 def _run(model, state: _ModelState, key: tuple, *args):

@@ -15,7 +15,9 @@ from typing import Any
 
 from hf_tpu.transformers.buckets import DEFAULT_CACHE_MULTIPLE, BucketLadder, default_ladder
 
-__all__ = ["STRICT_EAGER", "STRICT_ENV", "GenerationSettings", "RecompileError", "compiled_graphs", "configure"]
+__all__ = [
+    "STRICT_EAGER", "STRICT_ENV", "GenerationSettings", "RecompileError", "Route", "compiled_graphs", "configure",
+]
 
 # Turns a compile after warm-up into an error (same as ``warmup(..., strict=True)``; ``=eager``: ``strict="eager"``).
 STRICT_ENV = "HF_TPU_STRICT_COMPILE"
@@ -37,7 +39,47 @@ class RecompileError(RuntimeError):
 
 class NotCompilableError(RuntimeError):
     """The model's forward cannot be traced as one static-shape graph (a branch or a shape that depends on a
-    tensor's value); ``generate`` runs upstream's loop for it instead, ``warmup`` raises this."""
+    tensor's value); ``generate`` takes the next route for it (:func:`hf_tpu.transformers.route.demote`),
+    ``warmup`` raises this when none of hf_tpu's loops serves it.
+
+    ``reason``: the reason the route records; ``loop``: the loop whose graph failed (None: the call's inputs
+    cannot take the loop, the model's route stays)."""
+
+    reason: str | None = None
+    loop: str | None = None
+
+
+# The loops a generate call can take (hf_tpu.transformers.route), in the order a model is demoted through them.
+CACHED, HOST_LENGTH, CACHELESS, UPSTREAM = "cached", "host_length", "cacheless", "upstream"
+LOOPS = (CACHED, HOST_LENGTH, CACHELESS, UPSTREAM)
+
+
+@dataclass(frozen=True)
+class Route:
+    """How ``generate`` runs (:func:`hf_tpu.transformers.explain`): ``loop`` (one of ``"cached"``,
+    ``"host_length"``, ``"cacheless"``, ``"upstream"``), ``reason`` (why not the cached loop; None for it),
+    ``warn`` (whether ``generate`` says the reason once in a warning: a cost on a TPU the caller should know).
+
+    ``without_cache``: why hf_tpu's loop without a cache cannot serve the model (None: it can, or it was not
+    needed yet; ``without_cache_checked`` tells which), kept with the route as it is checked once per model.
+    ``host_sampling`` (from :func:`~hf_tpu.transformers.explain` only): why the call's logits processors and
+    sampling run on the host, one logits row copied back per step (None: in the graph).
+    """
+
+    loop: str
+    reason: str | None = None
+    warn: bool = False
+    without_cache: str | None = None
+    without_cache_checked: bool = False
+    host_sampling: str | None = None
+
+    @property
+    def fast(self) -> bool:
+        """Whether one of hf_tpu's compiled loops serves the call (not upstream's)."""
+        return self.loop != UPSTREAM
+
+    def __str__(self) -> str:
+        return self.loop if self.reason is None else f"{self.loop}: {self.reason}"
 
 
 @dataclass
@@ -78,11 +120,13 @@ class _ModelState:
     warmed: bool = False
     caches: OrderedDict = field(default_factory=OrderedDict)
     module_states: list | None = None  # (module, attribute) of state kept on modules (_module_state.py); None: unseen
-    not_compilable: str | None = None  # why the forward cannot be one static-shape graph (found at its first trace)
-    # once its cache reports a host length (_cache_layers.set_length), tried after a first trace failed: its reason
-    host_length: str | None = None
-    cacheless_failure: str | None = None  # the same, for the loop without a cache (hf_tpu.transformers._cacheless)
-    causal_checked: bool = False  # the loop without a cache tried the model on two paddings (_cacheless._not_causal)
+    # how its generate calls run (hf_tpu.transformers.route): decided at the first call, demoted when a graph fails
+    route: Route | None = None
+
+    @property
+    def host_length(self) -> bool:
+        """Whether the cache's full-attention layers report their length as a host int (the host-length route)."""
+        return self.route is not None and self.route.loop == HOST_LENGTH
 
     def ladder(self, config) -> BucketLadder:
         if self.settings.buckets is None:

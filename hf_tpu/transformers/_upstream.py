@@ -1,36 +1,26 @@
-"""When ``generate`` runs upstream's loop instead of hf_tpu's, and why (:func:`_why_upstream`).
+"""Upstream's loop: what a call asks for that only it does (:func:`call_problem`), and running it on a TPU.
 
-Anything the bucketed loop does not cover (beam search, assisted decoding, a user cache, prompt embeddings or token
-types where its cached form cannot take them (:func:`_prompt_inputs_problem`), a cache layer kind without a
-bucketed form (:mod:`hf_tpu.transformers._cache_layers`), non-static ``cache_implementation``, ...) runs upstream's
-code unchanged (its inputs moved to the TPU as upstream's own ``prepare_inputs_for_generation`` moves them); a
-one-time warning names the cost on a TPU when there is one. A model whose forward cannot be traced as one
-static-shape graph is found at its first trace and runs upstream's loop from then on. ``_UPSTREAM_GENERATE`` is the
-original ``GenerationMixin.generate``, set by :mod:`hf_tpu.transformers._integration`.
+Anything hf_tpu's loops do not cover (beam search, assisted decoding, a user cache it cannot copy in, extra model
+inputs, non-static ``cache_implementation``, ...) runs upstream's code unchanged, its inputs moved to the TPU as
+upstream's own ``prepare_inputs_for_generation`` moves them (:func:`_inputs_on_model_device`). The route of a call
+(which loop, and why) is decided in :mod:`hf_tpu.transformers.route`, which asks this module about the call's
+arguments and the model's class (:func:`own_generate`, :func:`numbers_by_cache_length`).
+``_UPSTREAM_GENERATE`` is the original ``GenerationMixin.generate``, set by
+:mod:`hf_tpu.transformers._integration`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
 
-from hf_tpu.transformers._cacheless import cacheless_problem, recomputes
-from hf_tpu.transformers._settings import _DEVICE_TYPES, _state
-from hf_tpu.transformers._signatures import CACHE_NAMES, model_cache_problem
-from hf_tpu.transformers._static_cache import _static_cache_problem
+from hf_tpu.transformers._settings import _DEVICE_TYPES
+from hf_tpu.transformers._signatures import CACHE_NAMES
 
 __all__: list[str] = []
 
 _UPSTREAM_GENERATE: Callable | None = None
 _SUPPORTED_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "input_ids", *CACHE_NAMES}
-_WARNED: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, stacklevel=4)
 
 
 def _upstream_generate() -> Callable:
@@ -42,47 +32,42 @@ def _upstream_generate() -> Callable:
     return getattr(fn, "__hf_tpu_upstream__", fn)
 
 
-def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
-    """None when the hf_tpu loop handles this call; otherwise why not (a warning when it costs compiles)."""
+def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bool] | None:
+    """Why this call runs upstream's loop whatever the model's route (what it asks for only upstream's loop does),
+    and whether ``generate`` warns (a cost on a TPU); None when one of hf_tpu's loops may serve it. ``config`` and
+    ``model_kwargs``: the call's generation config and model inputs as upstream prepares them."""
     from transformers.generation.configuration_utils import GenerationMode
 
-    device = getattr(model, "device", None)
-    if device is None or device.type not in _DEVICE_TYPES:
-        return "silent:not on a tpu device"
     if args.get("custom_generate") is not None:
-        return "silent:custom_generate given"
+        return "custom_generate given", False
     for name in ("assistant_model", "negative_prompt_ids", "prefix_allowed_tokens_fn"):
         if args.get(name) is not None:
-            return f"{name} is not supported by the bucketed loop"
+            return f"{name} is not supported by the bucketed loop", True
     if args.get("synced_gpus"):
-        return "synced_gpus is not supported by the bucketed loop"
-    try:
-        config, model_kwargs = model._prepare_generation_config(args.get("generation_config"), **kwargs)
-    except (ValueError, TypeError, AttributeError):
-        return "silent:upstream rejects the arguments"  # let upstream raise its own error
+        return "synced_gpus is not supported by the bucketed loop", True
     if config.disable_compile:
-        return "silent:disable_compile=True"
+        return "disable_compile=True", False
     if config.cache_implementation not in (None, "static"):
         if config.cache_implementation == "dynamic":
             return (
                 "cache_implementation='dynamic' on a TPU grows the cache by one token per step: every decode step has "
                 "a new shape and compiles a new program (max_new_tokens=N costs about N compiles). Drop "
                 "cache_implementation to get hf_tpu's static, bucketed cache"
-            )
-        return f"cache_implementation={config.cache_implementation!r} is not supported by the bucketed loop"
+            ), True
+        return f"cache_implementation={config.cache_implementation!r} is not supported by the bucketed loop", True
     if not config.use_cache and model.config.is_encoder_decoder:
-        return "use_cache=False recomputes the whole sequence each step, a new shape (and compile) per step"
+        return "use_cache=False recomputes the whole sequence each step, a new shape (and compile) per step", True
     mode = config.get_generation_mode(args.get("assistant_model"))
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        return f"{mode.value} is not supported by the bucketed loop (only greedy search and sampling are)"
+        return f"{mode.value} is not supported by the bucketed loop (only greedy search and sampling are)", True
     if config.output_attentions or config.output_hidden_states:
         asked = [n for n in ("output_attentions", "output_hidden_states") if getattr(config, n, False)]
         return (
             f"{'/'.join(asked)}=True: hf_tpu's graphs return the next tokens (or the last logits row) only, not "
             "every layer's attentions or hidden states"
-        )
+        ), True
     if config.token_healing:
-        return "token_healing is not supported by the bucketed loop"
+        return "token_healing is not supported by the bucketed loop", True
     given = next((model_kwargs[n] for n in CACHE_NAMES if model_kwargs.get(n) is not None), None)
     if given is not None:  # the caller's cache: copied into the bucketed one (_cache_io), or the reason it is not
         from hf_tpu.transformers._cache_io import given_cache_problem
@@ -97,82 +82,29 @@ def _why_upstream(model, args: dict, kwargs: dict) -> str | None:
         if problem is None and numbers_by_cache_length(model):
             problem = f"a cache passed in is not copied into the cache of {type(model).__name__} (prompt first) yet"
         if problem is not None:
-            return problem
-    extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS
+            return problem, True
+    extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS - set(PROMPT_INPUTS)
     if model.config.is_encoder_decoder:
         extra -= {"decoder_input_ids"}
     extra = {k for k in extra if model_kwargs[k] is not None}
-    given = extra & set(_PROMPT_INPUTS)
-    extra -= given
     if extra:
-        return f"model inputs {sorted(extra)} are not supported by the bucketed loop"
-    if given:  # served by the cached loop only: its prefill takes them
-        problem = _prompt_inputs_problem(model, sorted(given), bool(config.use_cache))
-        if problem is not None:
-            return problem
-    if recomputes(model, bool(config.use_cache)):  # hf_tpu's loop without a cache: no cache to check
-        return cacheless_problem(model)
-    problem = cached_loop_problem(model)
-    if problem is None or model.config.is_encoder_decoder:
-        return problem
-    without = cacheless_problem(model)
-    if without is not None:
-        return f"{problem}; and without a cache: {without}"
-    return None  # the loop without a cache serves it (and says why once its graphs ran: _cacheless.generation_loop)
+        return f"model inputs {sorted(extra)} are not supported by the bucketed loop", True
+    return None
 
 
 # Prompt inputs besides ids the cached loop takes, where the model's forward does (decoder-only models): the prompt as
 # embeddings (its prefill runs on them, left-padded with zero rows), and token types (the prompt's, left-padded with
 # 0, then the last one for every new token, as upstream's loop repeats it).
-_PROMPT_INPUTS = ("inputs_embeds", "token_type_ids")
-
-
-def _prompt_inputs_problem(model, given: list[str], use_cache: bool) -> str | None:
-    """Why the cached loop cannot take the prompt inputs ``given`` for ``model`` (None when it can)."""
-    import inspect
-
-    names = ", ".join(given)
-    if model.config.is_encoder_decoder:
-        return f"{names} on an encoder-decoder model are not supported by the bucketed loop"
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        params = {}
-    missing = [name for name in given if name not in params]
-    if missing:
-        return "silent:the forward takes no " + ", ".join(missing)  # upstream's own error (or handling)
-    if not use_cache and "inputs_embeds" not in given:
-        return f"{names} with use_cache=False are not supported by hf_tpu's loop without a cache"
-    if recomputes(model, True) or cached_loop_problem(model) is not None:
-        return f"{names}: only hf_tpu's loop with a cache takes them, and {type(model).__name__} cannot run it"
-    if numbers_by_cache_length(model) or _state(model).host_length:
-        return prompt_first_inputs(model, given)
-    return None
+PROMPT_INPUTS = ("inputs_embeds", "token_type_ids")
 
 
 def prompt_first_inputs(model, given: list[str] | None = None) -> str:
     """The reason a prompt-first model (its prompt before the bucket's padding) runs upstream's loop for ``given``."""
-    names = ", ".join(given or _PROMPT_INPUTS)
+    names = ", ".join(given or PROMPT_INPUTS)
     return (
         f"{names}: {type(model).__name__} places its prompt by its cache length (the prompt first, the bucket's "
         "padding after it), a layout the bucketed loop builds from ids only"
     )
-
-
-def cached_loop_problem(model) -> str | None:
-    """Why the bucketed loop with a static cache cannot serve ``model`` (None when it can)."""
-    if numbers_by_cache_length(model):
-        other = _layers_besides_full_attention(model)
-        if other:
-            return (
-                f"{type(model).__name__} takes no position_ids and places tokens by its cache length (absolute "
-                f"position embeddings): the bucketed loop puts such a prompt first and its padding after it, which its "
-                f"{', '.join(other)} layers cannot hold (a padded tail would enter their window or state)"
-            )
-    problem = model_cache_problem(model) or _static_cache_problem(model)
-    if problem:
-        return f"{type(model).__name__}: {problem}"
-    return _state(model).not_compilable  # found at the first trace of one of its graphs (_graphs._first_trace)
 
 
 @contextlib.contextmanager
@@ -227,7 +159,7 @@ def numbers_by_cache_length(model) -> bool:
     return any(isinstance(n, int) and n > 0 for n in sizes)  # XLNet's -1: no position table
 
 
-def _layers_besides_full_attention(model) -> list[str]:
+def layers_besides_full_attention(model) -> list[str]:
     """The cache layer classes of ``model`` other than full attention (a sliding window keeps the last tokens, a
     linear-attention/SSM state folds in every token: a padded tail after the prompt would change both)."""
     from transformers.cache_utils import DummyLayer, StaticLayer

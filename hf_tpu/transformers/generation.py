@@ -56,32 +56,31 @@ import functools
 import inspect
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _cacheless, _upstream
+from hf_tpu.transformers import _cacheless
 from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._decode_loop import _PENALTY, _decode_loop, _warm, default_variant
 from hf_tpu.transformers._graphs import _run
+from hf_tpu.transformers._notes import WARNED, warn_once
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import (
     _DEVICE_TYPES,
+    CACHELESS,
+    LOOPS,
     STRICT_EAGER,
     STRICT_ENV,
     GenerationSettings,
     NotCompilableError,
     RecompileError,
+    Route,
     _device_types,
     _state,
     cache_bytes,
     compiled_graphs,
     configure,
 )
-from hf_tpu.transformers._upstream import (
-    _WARNED,
-    _inputs_on_model_device,
-    _upstream_generate,
-    _warn_once,
-    _why_upstream,
-)
+from hf_tpu.transformers._upstream import _inputs_on_model_device, _upstream_generate
 from hf_tpu.transformers.buckets import BucketOverflowError
+from hf_tpu.transformers.route import UPSTREAM, call_route, demote, explain
 from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, ladder_figures, plan_shapes
 
 __all__ = [
@@ -91,18 +90,20 @@ __all__ = [
     "GenerationSettings",
     "NotCompilableError",
     "RecompileError",
+    "Route",
     "ShapePlan",
     "cache_bytes",
     "compiled_graphs",
     "configure",
     "default_variant",
+    "explain",
     "generate",
     "ladder_figures",
     "plan_shapes",
 ]
 
 # Re-exported for the modules and tests that reach the loop's internals through this module.
-_INTERNALS = (_DEVICE_TYPES, _PENALTY, _WARNED, _device_types, _warm, _warn_once, _upstream)
+_INTERNALS = (_DEVICE_TYPES, _PENALTY, WARNED, _device_types, _warm)
 
 
 def _to_host(value):
@@ -143,12 +144,9 @@ def generate(self, *args, **kwargs):
     extra_kwargs = dict(arguments.pop("kwargs", {}))
     check_compile_config(self, arguments, extra_kwargs)
     asked = (dict(arguments), dict(extra_kwargs))
-    reason = _why_upstream(self, *asked)
-    if reason is not None:
-        if not reason.startswith("silent:"):
-            _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
-        with _inputs_on_model_device(self):
-            return upstream(self, *args, **kwargs)
+    route = call_route(self, *asked)
+    if route.loop == UPSTREAM:
+        return _run_upstream(self, route, upstream, args, kwargs)
 
     inputs = arguments.pop("inputs", None)
     name = "input_ids"
@@ -162,9 +160,7 @@ def generate(self, *args, **kwargs):
         out_device, input_ids = self.device, _bos_prompt(self, arguments, extra_kwargs)
     elif not isinstance(inputs, torch.Tensor) or inputs.ndim != 2:
         reason = "the inputs are not a 2D tensor of ids" if inputs is not None else "generate got no input ids"
-        _warn_once(f"inputs:{reason}", f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
-        with _inputs_on_model_device(self):
-            return upstream(self, *args, **kwargs)
+        return _run_upstream(self, Route(UPSTREAM, reason, warn=True), upstream, args, kwargs)
     else:
         out_device = inputs.device
         input_ids = inputs.to("cpu")
@@ -178,26 +174,45 @@ def generate(self, *args, **kwargs):
         input_ids, extra_kwargs = _encode(self, input_ids, extra_kwargs)
 
     arguments.pop("self", None)
-    plan = {"streamer": arguments.get("streamer")}
-    loop = functools.partial(_cacheless.generation_loop, cached_loop=_decode_loop)  # or the loop without a cache
-    arguments["custom_generate"] = functools.partial(loop, hf_tpu_plan=plan)
-    for _ in range(3):
+    streamer = arguments.get("streamer")
+    for _ in range(len(LOOPS)):  # each failure moves the model down the routes' order (route.demote)
+        arguments["custom_generate"] = functools.partial(run_loop, hf_tpu_plan={"streamer": streamer, "route": route})
         try:
             result = upstream(self, input_ids, **arguments, **extra_kwargs)
             break
         except NotCompilableError as exc:  # found at the first trace of a graph
-            if getattr(exc, "reason", None) is None and retry_with_host_length(self):
-                continue  # the cached form failed: with its cache length as a host int first
-            reason = _why_upstream(self, *asked)  # now with what the trace found
-            if reason is None and getattr(exc, "reason", None) is None:
-                continue  # the cached form failed: the loop without a cache serves this call and the next ones
-            reason = reason or state.not_compilable  # this call and the next ones run upstream's loop
-            _warn_once(reason, f"hf_tpu: {reason}; running upstream's generate on the TPU instead.")
-            with _inputs_on_model_device(self):
-                return upstream(self, *args, **kwargs)
+            demote(self, exc)
+            route = call_route(self, *asked)  # the call asks again, with what the trace found
+            if exc.loop is None and route.loop != UPSTREAM:  # pragma: no cover - the inputs cannot take it
+                route = Route(UPSTREAM, exc.reason or str(exc), warn=True)
+            if route.loop == UPSTREAM:
+                return _run_upstream(self, route, upstream, args, kwargs)
     if before is not None:
         _refuse_eager_compiles(before)
     return _output_to(result, out_device)
+
+
+def _run_upstream(model, route: Route, upstream, args, kwargs):
+    """Upstream's ``generate`` on the call as given (its inputs moved to the TPU for the forward), saying the
+    route's reason once where it costs something."""
+    if route.warn:
+        warn_once(route.reason, f"hf_tpu: {route.reason}; running upstream's generate on the TPU instead.")
+    with _inputs_on_model_device(model):
+        return upstream(model, *args, **kwargs)
+
+
+def run_loop(model, *args, hf_tpu_plan: dict, **kwargs):
+    """The ``custom_generate`` callable hf_tpu hands upstream's ``generate``: the loop of the call's route
+    (``hf_tpu_plan["route"]``): :func:`~hf_tpu.transformers._decode_loop._decode_loop` for the cached and
+    host-length routes, :func:`~hf_tpu.transformers._cacheless.cacheless_loop` for the loop without a cache (whose
+    reason, where the cached loop cannot serve the model, is said once its graphs ran)."""
+    route = hf_tpu_plan["route"]
+    if route.loop != CACHELESS:
+        return _decode_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
+    result = _cacheless.cacheless_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
+    if route.warn:
+        warn_once(f"no cache:{route.reason}", f"hf_tpu: {route.reason}; {_cacheless.NO_CACHE_NOTE}.")
+    return result
 
 
 def _bos_prompt(model, arguments: dict, model_kwargs: dict):
@@ -215,21 +230,6 @@ def _bos_prompt(model, arguments: dict, model_kwargs: dict):
     if isinstance(bos, (list, tuple)):
         bos = bos[0] if len(bos) == 1 else None
     return None if bos is None else torch.full((1, 1), int(bos), dtype=torch.long)
-
-
-def retry_with_host_length(model) -> bool:
-    """After a first trace found the forward is not one static-shape graph: when its cache has full-attention layers
-    and they do not report a host length yet, make them (:class:`~hf_tpu.transformers._cache_layer_classes.
-    HostLengthLayer`: code that branches on the cache length or builds a range from it traces with a host int) and
-    return True, for the caller to try once more; False when that was tried already or changes nothing."""
-    from hf_tpu.transformers._cache_layers import host_length_fits
-
-    state = _state(model)
-    if state.host_length or not host_length_fits(model.config):
-        return False
-    state.host_length, state.not_compilable = state.not_compilable, None
-    state.caches.clear()
-    return True
 
 
 def _refuse_eager_compiles(before) -> None:

@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _cacheless, _settings, _upstream
+from hf_tpu.transformers import _cacheless, _settings, _upstream, route
+from hf_tpu.transformers._settings import CACHELESS, LOOPS, UPSTREAM
 from hf_tpu.transformers.buckets import BucketLadder
 
 __all__ = ["WarmupReport", "warmup"]
@@ -103,12 +104,7 @@ def warmup(
     if own:
         raise generation.NotCompilableError(f"{own}; warm-up has no graph its generate would use")
     state = generation._state(model)
-    cacheless = _cacheless.by_default(model)  # generate runs the loop without a cache for it (or with one)
-    problem = _cacheless.cacheless_problem(model) if cacheless else state.not_compilable
-    if problem:
-        raise generation.NotCompilableError(
-            f"{problem}; generate runs upstream's loop for it, so warm-up has no graph to compile"
-        )
+    _no_graph_if_upstream(route.explain(model))  # the route of a call with the model's own generation_config
     ladder = state.ladder(model.config)
     batch_sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
     if not batch_sizes or min(batch_sizes) < 1:
@@ -117,7 +113,6 @@ def warmup(
     seq2seq = bool(model.config.is_encoder_decoder)
 
     variant = generation.default_variant(model)
-    warm_plan = _cacheless.warm if cacheless else generation._warm
     plans = []
     for batch in batch_sizes:
         for bucket in prompt_buckets:
@@ -142,7 +137,7 @@ def warmup(
         for plan in bar:
             shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
             bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
-            keys, warm_plan = _warm_one(model, plan, variant, warm_plan)
+            keys = _warm_one(model, plan, variant)
             for key in keys:
                 if key not in report.graphs:
                     report.graphs.append(key)
@@ -165,25 +160,31 @@ def warmup(
     return report
 
 
-def _warm_one(model, plan, variant: str, warm_plan):
-    """Warm ``plan`` with ``warm_plan``; where the cached form does not trace, the forms generate falls back to in
-    turn: the cache length as a host int, then the loop without a cache. Returns the keys and the warm function that
-    served (the later plans use it)."""
+def _warm_one(model, plan, variant: str) -> list[tuple]:
+    """Warm ``plan`` with the loop of the route a call with the model's own ``generation_config`` takes; where a
+    graph does not trace, the model moves to its next route (:func:`hf_tpu.transformers.route.demote`), as
+    ``generate`` would, and that loop's graphs are warmed. Returns the keys."""
     from hf_tpu.transformers import generation
 
-    try:
-        return warm_plan(model, plan, variant), warm_plan
-    except generation.NotCompilableError:
-        if warm_plan is _cacheless.warm:
-            raise
-        if generation.retry_with_host_length(model):
-            try:
-                return generation._warm(model, plan, variant), generation._warm
-            except generation.NotCompilableError:
-                pass  # as generate does: the loop without a cache next, if it serves
-        if not (_cacheless.by_default(model) and not _cacheless.cacheless_problem(model)):
-            raise
-        return _cacheless.warm(model, plan, variant), _cacheless.warm  # generate runs without a cache for it
+    for _ in range(len(LOOPS)):
+        loop = route.explain(model).loop
+        warm = _cacheless.warm if loop == CACHELESS else generation._warm
+        try:
+            return warm(model, plan, variant)
+        except generation.NotCompilableError as exc:
+            route.demote(model, exc)
+            _no_graph_if_upstream(route.explain(model), exc)
+    raise AssertionError("unreachable: every demotion moves down a finite order")  # pragma: no cover
+
+
+def _no_graph_if_upstream(found, cause: BaseException | None = None) -> None:
+    """Raise where ``found`` (a route) is upstream's loop: warm-up has no graph to compile for it."""
+    from hf_tpu.transformers._settings import NotCompilableError
+
+    if found.loop == UPSTREAM:
+        raise NotCompilableError(
+            f"{found.reason}; generate runs upstream's loop for it, so warm-up has no graph to compile"
+        ) from cause
 
 
 def _cache_hits() -> int:

@@ -95,7 +95,7 @@ def test_a_cache_with_other_layer_kinds_runs_upstream_with_the_reason(llama, pro
         return cache
 
     kw = {"attention_mask": mask, "max_new_tokens": 3, **KW}
-    generation._WARNED.clear()
+    generation.WARNED.clear()
     with pytest.warns(UserWarning, match="copied into the bucketed cache only when every layer is full attention"):
         got = tpu.generate(ids, **{cache_name(): filled("tpu")}, **kw)
     expected = cpu.generate(ids, **{cache_name(): filled("cpu")}, **kw)
@@ -105,7 +105,7 @@ def test_a_cache_with_other_layer_kinds_runs_upstream_with_the_reason(llama, pro
 def test_an_encoder_decoder_says_it_returns_no_cache(pair, prompts):
     _, tpu = pair("t5")
     ids, mask = prompts([4, 6])
-    generation._WARNED.clear()
+    generation.WARNED.clear()
     with pytest.warns(UserWarning, match="returns no cache for T5ForConditionalGeneration"):
         out = tpu.generate(ids, attention_mask=mask, max_new_tokens=3, **KW)
     assert _cache_of(out) is None
@@ -123,7 +123,7 @@ def test_a_cache_with_inputs_embeds_runs_upstream_with_the_reason(llama, prompts
         return cache
 
     kw = {"attention_mask": mask, "max_new_tokens": 3, **KW}
-    generation._WARNED.clear()
+    generation.WARNED.clear()
     with pytest.warns(UserWarning, match="a cache passed in with inputs_embeds"):
         got = tpu.generate(ids, inputs_embeds=embeds, **{cache_name(): filled(tpu, "tpu")}, **kw)
     expected = cpu.generate(ids, inputs_embeds=embeds, **{cache_name(): filled(cpu, "cpu")}, **kw)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_tpu.transformers import explain
 from hf_tpu.transformers._cache_probe import CacheProbeError, _probe_config, _run_probe, cache_shapes
 from hf_tpu.transformers._cache_probe_cpu import ZeroWeightProducts, cpu_probe
 from hf_tpu.transformers._signatures import cache_name
@@ -130,7 +131,6 @@ def test_a_forward_that_replaces_its_own_modules_once_runs_the_loop_like_cpu():
     # first generate does to the model: the probe sees its copy do it, then the real model does it once, eagerly,
     # before the first trace, and its modules stay put from then on.
     import hf_tpu.sim
-    from hf_tpu.transformers import generation
 
     cpu, tpu = _block_sparse_pair()
     sparse = type(tpu.bert.encoder.layer[0].attention.self)
@@ -138,7 +138,7 @@ def test_a_forward_that_replaces_its_own_modules_once_runs_the_loop_like_cpu():
     g = torch.Generator().manual_seed(0)
     short, long = torch.randint(3, 96, (1, 5), generator=g), torch.randint(3, 96, (1, 11), generator=g)  # one bucket
     assert torch.equal(tpu.generate(short, **kw), cpu.generate(short, **kw))
-    assert _static_cache_problem(tpu) is None and generation._state(tpu).not_compilable is None  # hf_tpu's loop
+    assert _static_cache_problem(tpu) is None and explain(tpu).loop == "cached"  # hf_tpu's loop
     swapped = type(tpu.bert.encoder.layer[0].attention.self)
     assert swapped is not sparse and swapped is type(cpu.bert.encoder.layer[0].attention.self)  # as upstream swaps
     with hf_tpu.sim.stats() as second:

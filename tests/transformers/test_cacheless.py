@@ -114,7 +114,7 @@ def test_a_model_with_a_cache_of_its_own_runs_without_one(prompts, from_config):
         context_length=64,
     )  # fmt: skip
     cpu, tpu = from_config(RwkvForCausalLM, config)
-    generation._WARNED.clear()
+    generation.WARNED.clear()
     kw = {**GREEDY, "max_new_tokens": 6}
     first, second = prompts([5])[0], prompts([9], seed=1)[0]
     with pytest.warns(UserWarning, match="keeps its own cache type.*generate runs hf_tpu's loop without a cache"):

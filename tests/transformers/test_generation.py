@@ -224,7 +224,7 @@ def test_bad_inputs_get_clear_messages(llama, prompts):
 def test_dynamic_cache_and_beam_search_warn_and_run_upstream(llama, prompts):
     cpu, tpu = llama
     ids, _ = prompts([5])
-    generation._WARNED.clear()
+    generation.WARNED.clear()
     with pytest.warns(UserWarning, match="every decode step has a new shape and compiles"):
         got = tpu.generate(ids, max_new_tokens=3, cache_implementation="dynamic")
     assert torch.equal(got, cpu.generate(ids, max_new_tokens=3))
@@ -265,7 +265,7 @@ def test_a_decoder_numbering_tokens_by_its_cache_length_with_a_sliding_window_ru
     # a window would take in the padding after the prompt: the loop without a cache, with the reason
     from transformers import BartConfig, BartForCausalLM
 
-    from hf_tpu.transformers._upstream import _why_upstream, cached_loop_problem
+    from hf_tpu.transformers import explain
 
     config = BartConfig(
         vocab_size=96, d_model=32, decoder_layers=1, encoder_layers=1, decoder_attention_heads=2,
@@ -274,8 +274,8 @@ def test_a_decoder_numbering_tokens_by_its_cache_length_with_a_sliding_window_ru
     config.layer_types = ["sliding_attention"]
     config.sliding_window = 8
     model = BartForCausalLM(config).eval().to("tpu")
-    assert "StaticSlidingWindowLayer layers cannot hold" in cached_loop_problem(model)
-    assert _why_upstream(model, {}, {"input_ids": torch.ones(1, 3, dtype=torch.long)}) is None
+    route = explain(model, input_ids=torch.ones(1, 3, dtype=torch.long))
+    assert route.loop == "cacheless" and "StaticSlidingWindowLayer layers cannot hold" in route.reason
 
 
 def test_disable_restores_upstream_generate():

@@ -9,8 +9,7 @@ import torch
 
 import hf_tpu
 import hf_tpu.sim
-from hf_tpu.transformers import generation
-
+from hf_tpu.transformers import explain, generation
 
 
 def _roformer(from_config):
@@ -56,9 +55,8 @@ def test_code_reading_the_cache_length_runs_the_loop_like_cpu(build, prompts, fr
     kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     short, long = prompts([5])[0], prompts([7], seed=1)[0]  # two prompt lengths of one bucket
     assert torch.equal(tpu.generate(short, **kw), cpu.generate(short, **kw))
-    state = generation._state(tpu)
-    assert state.host_length and "cannot be compiled as one static-shape graph" in state.host_length
-    assert state.not_compilable is None  # hf_tpu's loop, not upstream's
+    route = explain(tpu)  # hf_tpu's loop with the length as a host int, not upstream's
+    assert route.loop == "host_length" and "cannot be compiled as one static-shape graph" in route.reason
     with hf_tpu.sim.stats() as second:
         got = tpu.generate(long, **kw)
     assert torch.equal(got, cpu.generate(long, **kw))
@@ -72,7 +70,7 @@ def test_code_reading_the_cache_length_runs_the_loop_like_cpu(build, prompts, fr
 
 def test_warmup_switches_to_the_host_length_and_strict_generate_compiles_nothing(prompts, tmp_path, from_config):
     cpu, tpu = _roformer(from_config)
-    generation._WARNED.clear()
+    generation.WARNED.clear()
     with pytest.warns(UserWarning, match="the persistent compile cache does not hold its graphs"):
         report = hf_tpu.warmup(
             tpu, max_prompt_len=8, batch_sizes=[1], max_new_tokens=6, progress=False, cache_dir=tmp_path

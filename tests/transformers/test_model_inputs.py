@@ -86,7 +86,7 @@ def test_a_prompt_first_model_runs_embeds_upstream_with_the_reason(prompts, from
     ids, _ = prompts([6])
     embeds = cpu.get_input_embeddings()(ids).detach()
     kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 1}
-    generation._WARNED.clear()
+    generation.WARNED.clear()
     with pytest.warns(UserWarning, match="places its prompt by its cache length"):
         got = tpu.generate(inputs_embeds=embeds, **kw)
     assert torch.equal(got.cpu(), cpu.generate(inputs_embeds=embeds, **kw))
@@ -98,7 +98,7 @@ def test_per_layer_outputs_run_upstream_with_the_reason(llama, prompts, asked):
     ids, mask = prompts([4, 6])
     kw = {"attention_mask": mask, "max_new_tokens": 3, "do_sample": False, "return_dict_in_generate": True}
     kw[asked] = True
-    generation._WARNED.clear()
+    generation.WARNED.clear()
     with pytest.warns(UserWarning, match=f"{asked}=True: hf_tpu's graphs return the next tokens"):
         got = tpu.generate(ids, **kw)
     expected = cpu.generate(ids, **kw)
@@ -114,7 +114,7 @@ def test_per_layer_outputs_run_upstream_with_the_reason(llama, prompts, asked):
 def test_an_encoder_decoder_without_input_ids_runs_upstream_with_the_reason(pair):
     cpu, tpu = pair("t5")
     kw = {"max_new_tokens": 3, "do_sample": False, "bos_token_id": 0}
-    generation._WARNED.clear()
+    generation.WARNED.clear()
     with pytest.warns(UserWarning, match="generate got no input ids; running upstream's generate"):
         got = tpu.generate(**kw)
     assert torch.equal(got.cpu(), cpu.generate(**kw))

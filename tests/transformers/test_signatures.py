@@ -11,9 +11,8 @@ import torch
 import transformers
 from packaging.version import Version
 
-from hf_tpu.transformers import _signatures, generation
+from hf_tpu.transformers import _signatures, explain, generation
 from hf_tpu.transformers._cacheless import writes_no_cache
-from hf_tpu.transformers._upstream import cached_loop_problem
 
 
 def test_the_cache_name_is_the_one_the_installed_forward_takes():
@@ -77,4 +76,4 @@ def test_a_forward_naming_its_cache_otherwise_is_named_not_run_without_a_cache(f
 
     _, tpu = from_config(other_llama, tiny_config("llama", vocab_size=96))
     assert not writes_no_cache(tpu)
-    assert f"takes its cache as {other!r}" in cached_loop_problem(tpu)
+    assert f"takes its cache as {other!r}" in explain(tpu).reason

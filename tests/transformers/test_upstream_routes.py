@@ -10,9 +10,8 @@ import hf_tpu
 from hf_tpu.transformers import generation
 
 
-
 def _generate_like_cpu(cpu, tpu, prompts, match: str) -> None:
-    generation._WARNED.clear()
+    generation.WARNED.clear()
     kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
     with pytest.warns(UserWarning, match=match):
         got = tpu.generate(prompts[0], **kw)
@@ -53,7 +52,7 @@ def test_a_model_with_no_graph_in_any_form_runs_upstream_with_every_reason(promp
         prompt_length=4, prompt_types=3, segment_types=4, position_bias_num_buckets=16, position_bias_max_distance=64,
     )  # fmt: skip
     cpu, tpu = from_config(CpmAntForCausalLM, config)
-    generation._WARNED.clear()
+    generation.WARNED.clear()
     kw = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0, "max_new_tokens": 4}
     ids = prompts([5])[0]
     match = (

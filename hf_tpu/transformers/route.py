@@ -1,0 +1,242 @@
+"""Which loop runs a ``generate`` call, decided in one place: :class:`Route`, :func:`explain`.
+
+Four loops can serve a call on a TPU, tried in this order:
+
+* ``"cached"``: hf_tpu's bucketed loop with a static cache (:mod:`hf_tpu.transformers._decode_loop`);
+* ``"host_length"``: the same loop with the full-attention layers reporting their length as a host int, for a
+  forward that branches on the cache length (:class:`~hf_tpu.transformers._cache_layer_classes.HostLengthLayer`);
+* ``"cacheless"``: hf_tpu's loop without a cache (:mod:`hf_tpu.transformers._cacheless`), for ``use_cache=False``,
+  a model that keeps no cache, or one whose cached forms cannot run;
+* ``"upstream"``: upstream's own loop, unchanged (beam search, assisted decoding, a model none of the above serves).
+
+A model's route (what a call with a cache takes) is decided once, from what can be checked before tracing
+(:func:`model_route`), kept in the model's state as one :class:`Route`, and demoted in one place when a graph
+fails its first trace (:func:`demote`: cached -> host length where it fits -> without a cache where that loop
+serves -> upstream). A call's route (:func:`call_route`) is the model's, unless the call asks for something only
+upstream's loop does or has no cache. ``generate``, :func:`hf_tpu.warmup`, the architecture sweep and the docs
+read it; :func:`explain` is the public question.
+
+Adding a fallback: a loop name here, its place in :func:`demote`'s order, the loop's ``custom_generate`` in
+:func:`hf_tpu.transformers.generation.run_loop`, its warm function in :mod:`hf_tpu.transformers.warmup`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hf_tpu.transformers import _cacheless, _upstream
+from hf_tpu.transformers._settings import (
+    _DEVICE_TYPES,
+    CACHED,
+    CACHELESS,
+    HOST_LENGTH,
+    LOOPS,
+    UPSTREAM,
+    NotCompilableError,
+    Route,
+    _state,
+)
+from hf_tpu.transformers._signatures import model_cache_problem
+from hf_tpu.transformers._static_cache import _static_cache_problem
+from hf_tpu.transformers._upstream import own_generate
+
+__all__ = [
+    "CACHED", "CACHELESS", "HOST_LENGTH", "LOOPS", "UPSTREAM", "Route", "call_route", "demote", "explain",
+    "own_generate",
+]  # fmt: skip
+
+def explain(model, **generate_kwargs) -> Route:
+    """The route ``model.generate(**generate_kwargs)`` would take now, with its reason.
+
+    Nothing is generated: the arguments go through the same checks ``generate`` makes (the model's own
+    ``generation_config`` when none are given). The route can still change at the first trace of a graph
+    (a forward that does not trace as one static-shape graph is demoted); after a ``generate`` or
+    :func:`hf_tpu.warmup`, ``explain`` says what that found.
+
+    Args:
+        model: a ``PreTrainedModel`` with ``GenerationMixin`` (on a ``tpu`` device for one of hf_tpu's loops).
+        **generate_kwargs: what the ``generate`` call would get (``input_ids``, ``use_cache``, ``num_beams``,
+            ``do_sample``, ...).
+
+    Returns:
+        A :class:`Route`: ``route.loop`` is ``"cached"``, ``"host_length"``, ``"cacheless"`` or ``"upstream"``,
+        ``route.reason`` says why it is not the cached loop, ``route.host_sampling`` why the logits processors
+        and sampling of one of hf_tpu's loops would run on the host (None: in the graph).
+
+    Example:
+        >>> from hf_tpu.transformers import explain                     # doctest: +SKIP
+        >>> explain(model).loop                                         # doctest: +SKIP
+        'cached'
+        >>> explain(model, num_beams=2)                                 # doctest: +SKIP
+        Route(loop='upstream', reason='beam_search is not supported by the bucketed loop ...', warn=True, ...)
+    """
+    own = own_generate(model)
+    if own:
+        return Route(UPSTREAM, own, warn=False)
+    args = {k: generate_kwargs.pop(k) for k in _GENERATE_ARGUMENTS if k in generate_kwargs}
+    found = call_route(model, args, dict(generate_kwargs))
+    if found.fast and not model.config.is_encoder_decoder:
+        from hf_tpu.transformers._decode_loop import host_sampling
+
+        found = replace(found, host_sampling=host_sampling(model, **generate_kwargs))
+    return found
+
+
+# generate's named arguments (the rest are model kwargs or generation-config fields)
+_GENERATE_ARGUMENTS = (
+    "inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+    "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
+    "custom_generate",
+)  # fmt: skip
+
+
+def call_route(model, args: dict, kwargs: dict) -> Route:
+    """The route of one ``generate`` call: ``args`` its named arguments, ``kwargs`` the rest (generation-config
+    fields and model inputs), as ``generate`` binds them."""
+    device = getattr(model, "device", None)
+    if device is None or device.type not in _DEVICE_TYPES:
+        return Route(UPSTREAM, "not on a tpu device")
+    try:
+        config, model_kwargs = model._prepare_generation_config(args.get("generation_config"), **kwargs)
+    except (ValueError, TypeError, AttributeError):
+        return Route(UPSTREAM, "upstream rejects the arguments")  # let upstream raise its own error
+    asked = _upstream.call_problem(model, args, config, model_kwargs)
+    if asked is not None:
+        reason, warn = asked
+        return Route(UPSTREAM, reason, warn=warn)
+    use_cache = bool(config.use_cache)
+    given = [k for k in _upstream.PROMPT_INPUTS if model_kwargs.get(k) is not None]
+    if given:  # served by the cached loop only: its prefill takes them
+        problem = _prompt_inputs_problem(model, given, use_cache)
+        if problem is not None:
+            reason, warn = problem
+            return Route(UPSTREAM, reason, warn=warn)
+    if not use_cache and not model.config.is_encoder_decoder:  # this call keeps no cache
+        model_route(model)  # (the verdict below is kept with it)
+        without = _without_cache(model)
+        if without is not None:
+            return Route(UPSTREAM, without, warn=True)
+        if model_route(model).loop == CACHELESS:
+            return model_route(model)
+        return Route(CACHELESS, "use_cache=False", warn=False)
+    return model_route(model)
+
+
+def model_route(model) -> Route:
+    """The route of the model's calls with a cache, decided once (then demoted by :func:`demote` only)."""
+    state = _state(model)
+    if state.route is None:
+        state.route = _decide(model)
+    return state.route
+
+
+def _decide(model) -> Route:
+    name = type(model).__name__
+    if model.config.is_encoder_decoder:
+        problem = static_cache_problem(model)
+        return Route(CACHED) if problem is None else Route(UPSTREAM, problem, warn=True)
+    if _cacheless.writes_no_cache(model):
+        reason = f"{name}'s forward writes nothing into the cache it is given"
+        without = _without_cache(model)
+        if without is not None:
+            return _with_verdict(Route(UPSTREAM, without, warn=True), without)
+        return _with_verdict(Route(CACHELESS, reason, warn=False), None)
+    problem = static_cache_problem(model)
+    if problem is None:
+        return Route(CACHED)
+    return _after_cached(model, problem)
+
+
+def _after_cached(model, reason: str) -> Route:
+    """Where a model goes when its cached forms cannot serve it (``reason``): the loop without a cache when it
+    serves, else upstream's."""
+    if model.config.is_encoder_decoder:  # (no loop without a cache for those)
+        return Route(UPSTREAM, reason, warn=True)
+    without = _without_cache(model)
+    if without is not None:
+        return _with_verdict(Route(UPSTREAM, f"{reason}; and without a cache: {without}", warn=True), without)
+    return _with_verdict(Route(CACHELESS, reason, warn=True), None)
+
+
+def _with_verdict(route: Route, without: str | None) -> Route:
+    return replace(route, without_cache=without, without_cache_checked=True)
+
+
+def _without_cache(model) -> str | None:
+    """Why the loop without a cache cannot serve ``model`` (None when it can), checked once per model."""
+    state = _state(model)
+    known = state.route
+    if known is not None and known.without_cache_checked:
+        return known.without_cache
+    without = _cacheless.cacheless_problem(model)
+    if known is not None:
+        state.route = _with_verdict(known, without)
+    return without
+
+
+def static_cache_problem(model) -> str | None:
+    """Why the cached loop cannot serve ``model``, from what can be checked before tracing (None when it can)."""
+    if _upstream.numbers_by_cache_length(model):
+        other = _upstream.layers_besides_full_attention(model)
+        if other:
+            return (
+                f"{type(model).__name__} takes no position_ids and places tokens by its cache length (absolute "
+                f"position embeddings): the bucketed loop puts such a prompt first and its padding after it, which its "
+                f"{', '.join(other)} layers cannot hold (a padded tail would enter their window or state)"
+            )
+    problem = model_cache_problem(model) or _static_cache_problem(model)
+    return f"{type(model).__name__}: {problem}" if problem else None
+
+
+def _prompt_inputs_problem(model, given: list[str], use_cache: bool) -> tuple[str, bool] | None:
+    """Why the cached loop cannot take the prompt inputs ``given`` (embeddings, token types) for ``model``, and
+    whether to warn; None when it can."""
+    import inspect
+
+    names = ", ".join(given)
+    if model.config.is_encoder_decoder:
+        return f"{names} on an encoder-decoder model are not supported by the bucketed loop", True
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    missing = [name for name in given if name not in params]
+    if missing:
+        return "the forward takes no " + ", ".join(missing), False  # upstream's own error (or handling)
+    if not use_cache and "inputs_embeds" not in given:
+        return f"{names} with use_cache=False are not supported by hf_tpu's loop without a cache", True
+    if model_route(model).loop not in (CACHED, HOST_LENGTH):
+        return f"{names}: only hf_tpu's loop with a cache takes them, and {type(model).__name__} cannot run it", True
+    if _upstream.numbers_by_cache_length(model) or _state(model).host_length:
+        return _upstream.prompt_first_inputs(model, given), True
+    return None
+
+
+def demote(model, error: NotCompilableError) -> Route:
+    """The one place a route changes after ``error`` (a graph of ``error.loop`` failed its first trace, or the
+    call's inputs cannot take the loop: ``error.loop`` None): the model's route moves down the order where its own
+    loop failed; the call then asks :func:`call_route` again. Returns the model's route."""
+    state = _state(model)
+    current = model_route(model)
+    loop = getattr(error, "loop", None)
+    reason = getattr(error, "reason", None) or str(error)
+    if loop is None:
+        return current  # this call's inputs only: call_route says so now
+    if loop == CACHELESS:
+        if current.loop == CACHELESS:  # the model's own loop failed
+            combined = reason if not current.warn else f"{current.reason}; and without a cache: {reason}"
+            state.route = _with_verdict(Route(UPSTREAM, combined, warn=True), reason)
+        else:  # a use_cache=False call: the model's cached route stays
+            state.route = _with_verdict(current, reason)
+        return state.route
+    if loop == CACHED and current.loop == CACHED:
+        from hf_tpu.transformers._cache_layers import host_length_fits
+
+        if host_length_fits(model.config):
+            state.route = replace(current, loop=HOST_LENGTH, reason=reason, warn=False)
+            state.caches.clear()  # their layers report the length on the device
+            return state.route
+    if current.loop in (CACHED, HOST_LENGTH):
+        state.route = _after_cached(model, reason)
+        state.caches.clear()
+    return state.route

@@ -1,0 +1,124 @@
+"""``hf_tpu.transformers.explain``: the route a ``generate`` call takes, with its reason, decided in one place.
+
+Each test builds a tiny model, asks ``explain`` before and after ``generate``, and checks that the route it names
+is the loop that ran (the graph kinds compiled, or none for upstream's loop) and that the output equals the CPU's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tpu
+from hf_tpu.transformers import Route, explain, generation
+
+GREEDY = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, "max_new_tokens": 5}
+
+
+def _kinds(model) -> set[str]:
+    return {key[0].split("+", 1)[0] for key in generation.compiled_graphs(model)}
+
+
+def test_a_full_attention_model_takes_the_cached_loop(from_config, prompts):
+    from transformers import LlamaForCausalLM
+
+    from hf_tpu.testing import tiny_config
+
+    cpu, tpu = from_config(LlamaForCausalLM, tiny_config("llama", vocab_size=96))
+    ids = prompts([6])[0]
+    route = explain(tpu, input_ids=ids, **GREEDY)
+    assert isinstance(route, Route) and route.loop == "cached" and route.reason is None and route.fast
+    assert route.host_sampling is None  # greedy search: the argmax in the graph
+    assert torch.equal(tpu.generate(ids, **GREEDY), cpu.generate(ids, **GREEDY))
+    assert _kinds(tpu) == {"prefill", "decode"}
+    assert explain(tpu).loop == "cached"  # the model's own generation_config: what warm-up compiles
+    scores = explain(tpu, input_ids=ids, return_dict_in_generate=True, output_scores=True, **GREEDY)
+    assert scores.loop == "cached" and "output_scores" in scores.host_sampling
+
+
+def test_calls_only_upstream_serves_say_why(llama, prompts):
+    cpu, tpu = llama
+    ids = prompts([6])[0]
+    beams = explain(tpu, input_ids=ids, num_beams=2, **GREEDY)
+    assert beams.loop == "upstream" and beams.warn and "beam_search is not supported" in beams.reason
+    dynamic = explain(tpu, input_ids=ids, cache_implementation="dynamic", **GREEDY)
+    assert dynamic.loop == "upstream" and "every decode step has a new shape" in dynamic.reason
+    on_cpu = explain(cpu, input_ids=ids, **GREEDY)
+    assert on_cpu.loop == "upstream" and on_cpu.reason == "not on a tpu device" and not on_cpu.warn
+    generation.WARNED.clear()
+    before = generation.compiled_graphs(tpu)
+    with pytest.warns(UserWarning, match="beam_search is not supported by the bucketed loop"):
+        got = tpu.generate(ids, num_beams=2, **GREEDY)
+    assert torch.equal(got, cpu.generate(ids, num_beams=2, **GREEDY))
+    assert generation.compiled_graphs(tpu) == before  # upstream's loop ran: no graph of hf_tpu's
+
+
+def test_use_cache_false_takes_the_loop_without_a_cache(llama, prompts):
+    cpu, tpu = llama
+    ids = prompts([6])[0]
+    route = explain(tpu, input_ids=ids, use_cache=False, **GREEDY)
+    assert route.loop == "cacheless" and not route.warn
+    before = len(generation.compiled_graphs(tpu))
+    got = tpu.generate(ids, use_cache=False, **GREEDY)
+    assert torch.equal(got, cpu.generate(ids, use_cache=False, **GREEDY))
+    new = {key[0] for key in generation.compiled_graphs(tpu)[before:]}
+    assert new == {"cacheless_prefill", "cacheless_decode"}
+    assert explain(tpu).loop == "cached"  # the model's calls with a cache keep their route
+
+
+def test_a_model_whose_cache_has_no_bucketed_form_runs_without_one(from_config, prompts):
+    # RWKV keeps its state in a cache class of its own: the loop without a cache, with the reason said
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    config = RwkvConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+        context_length=64,
+    )  # fmt: skip
+    cpu, tpu = from_config(RwkvForCausalLM, config)
+    route = explain(tpu)
+    assert route.loop == "cacheless" and route.warn and "keeps its own cache type" in route.reason
+    ids = prompts([5])[0]
+    assert torch.equal(tpu.generate(ids, **GREEDY), cpu.generate(ids, **GREEDY))
+    assert _kinds(tpu) == {"cacheless_prefill", "cacheless_decode"}
+
+
+def test_a_forward_branching_on_the_cache_length_is_demoted_to_the_host_length(from_config, prompts):
+    # GIT branches on `cache_length > 0`: decided "cached" before any trace, the first trace demotes it
+    from transformers import GitConfig, GitForCausalLM
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 16}  # fmt: skip
+    config = GitConfig(
+        vision_config=vision, vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    cpu, tpu = from_config(GitForCausalLM, config)
+    assert explain(tpu).loop == "cached"
+    ids = prompts([5])[0]
+    assert torch.equal(tpu.generate(ids, **GREEDY), cpu.generate(ids, **GREEDY))
+    route = explain(tpu)
+    assert route.loop == "host_length" and "cannot be compiled as one static-shape graph" in route.reason
+    assert _kinds(tpu) == {"prefill", "decode"}
+    # the prompt as embeddings needs ids-built layouts such a model cannot take: upstream for that call only
+    embeds = explain(tpu, inputs_embeds=torch.zeros(1, 5, 32), **GREEDY)
+    assert embeds.loop == "upstream" and "places its prompt by its cache length" in embeds.reason
+
+
+def test_a_model_no_loop_of_hf_tpus_serves_runs_upstreams_and_warmup_says_so(from_config):
+    # XLNet keeps a cache of its own (no bucketed form), and its outputs on a sequence change with the tokens after
+    # it (no bucket's padding can follow it): upstream's loop, decided before any trace, the reason naming both
+    from transformers import XLNetConfig, XLNetLMHeadModel
+
+    config = XLNetConfig(vocab_size=96, d_model=32, n_layer=2, n_head=2, d_inner=64)
+    cpu, tpu = from_config(XLNetLMHeadModel, config)
+    route = explain(tpu)
+    assert route.loop == "upstream" and route.warn and not route.fast
+    assert "keeps its own cache type" in route.reason and "and without a cache" in route.reason
+    with pytest.raises(generation.NotCompilableError, match="warm-up has no graph to compile"):
+        hf_tpu.warmup(tpu, max_prompt_len=8, batch_sizes=[1], max_new_tokens=4, progress=False)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    generation.WARNED.clear()
+    with pytest.warns(UserWarning, match="running upstream's generate on the TPU instead"):
+        got = tpu.generate(ids, **GREEDY)
+    assert torch.equal(got.cpu(), cpu.generate(ids, **GREEDY))
+    assert generation.compiled_graphs(tpu) == []
