@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from hf_tpu.errors import UserError
+
 __all__ = [
     "EXPECTED_NAMES",
     "TIER2_ENV",
@@ -103,7 +105,7 @@ EXPECTED_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
-class UnsupportedTopologyError(ValueError):
+class UnsupportedTopologyError(UserError, ValueError):
     """A chip count that torch_tpu has no mesh for on this TPU generation (its ``get_tpu_topology`` raises)."""
 
 
@@ -417,7 +419,7 @@ class LoweringSession:
     mark: object  # mark(): start the clock of the next program's lowering time now
 
 
-class LoweringUnavailableError(RuntimeError):
+class LoweringUnavailableError(UserError, RuntimeError):
     """torch-tpu (with libtpu) is not installed, or not the version the lowering stand-in was written for."""
 
 

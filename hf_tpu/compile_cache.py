@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_tpu import _torch_tpu
+from hf_tpu.errors import HfTpuError
 
 logger = logging.getLogger("hf_tpu.compile_cache")
 
@@ -420,5 +421,5 @@ class _Guarded:
         return result
 
 
-class StaleGraphError(RuntimeError):
+class StaleGraphError(HfTpuError, RuntimeError):
     """A cached graph's guards rejected the inputs (nothing ran); compile the graph instead."""

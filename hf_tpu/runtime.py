@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from hf_tpu.errors import UserError
+
 __all__ = [
     "GENERATIONS",
     "PciScan",
@@ -75,7 +77,7 @@ INSTALL_HINT = (
 )
 
 
-class TPUNotAvailableError(RuntimeError):
+class TPUNotAvailableError(UserError, RuntimeError):
     """A TPU was asked for, and this process has neither real TPU chips nor the simulated device."""
 
 

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hf_tpu.errors import HfTpuError
+
 __all__ = [
     "CheckContext",
     "CheckResult",
@@ -46,7 +48,7 @@ __all__ = [
 Status = Literal["passed", "failed", "skipped"]
 
 
-class SkipCheck(Exception):
+class SkipCheck(HfTpuError):
     """Raised by a check that cannot run on this host; the message is the reason shown in the report."""
 
 

@@ -8,9 +8,10 @@ Each subcommand is a module ``hf_tpu.cli.<name>`` with two functions:
 ``--simulate``, ``--sim-generation`` and ``--sim-hbm`` are added to every command by this module (accepted before
 or after the command name) and the simulator is enabled before ``run`` is called: commands do not define them.
 
-A user mistake is printed as a few lines naming the problem and its fix, with no traceback: the errors a command
-raises as :class:`hf_tpu.errors.UserError`, :class:`hf_tpu.runtime.TPUNotAvailableError`, or one of hf_tpu's
-input errors listed in ``_USER_ERRORS`` (bucket overflow, device-map fit, tensor-parallel plan, training refusals).
+A user mistake is printed as a few lines naming the problem and its fix, with no traceback: any
+:class:`hf_tpu.errors.UserError` a command raises (hf_tpu's input errors all derive from it: a missing model
+directory, bucket overflow, device-map fit, tensor-parallel plan, training refusals; exit status 2, or 1 for
+:class:`hf_tpu.runtime.TPUNotAvailableError`), and a file error naming the path it could not open.
 ``--debug`` (any command) or ``HF_TPU_DEBUG=1`` re-raises them with the full traceback. Other exceptions are bugs
 and keep their traceback.
 
@@ -33,23 +34,14 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from hf_tpu.errors import UserError
+
 __all__ = ["COMMANDS", "DEBUG_ENV", "available_commands", "build_parser", "main"]
 
 #: Environment variable that makes ``hf-tpu`` show full tracebacks for user errors (same as ``--debug``).
 DEBUG_ENV = "HF_TPU_DEBUG"
 
 _PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-
-# hf_tpu's errors about the user's input, by module: printed without a traceback. A module that was never
-# imported cannot have raised its error, so only the loaded ones are looked up (nothing is imported for this).
-_USER_ERRORS: dict[str, tuple[str, ...]] = {
-    "hf_tpu.errors": ("UserError",),
-    "hf_tpu.transformers.buckets": ("BucketOverflowError",),
-    "hf_tpu.device_map.preflight": ("DeviceMapFitError",),
-    "hf_tpu.distributed.tp_plan": ("TensorParallelConfigError",),
-    "hf_tpu.training.checks": ("TPUTrainingError",),
-    "hf_tpu._torch_tpu": ("LoweringUnavailableError",),
-}
 
 # name -> one-line summary shown by `hf-tpu --help`. Add a line here when you add hf_tpu/cli/<name>.py.
 COMMANDS: dict[str, str] = {
@@ -130,12 +122,11 @@ def _debug(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "debug", False)) or flag in ("1", "true", "yes", "on")
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    found: list[type[BaseException]] = []
-    for module_name, names in _USER_ERRORS.items():
-        module = sys.modules.get(module_name)
-        found += [getattr(module, name) for name in names if module is not None and hasattr(module, name)]
-    return tuple(found)
+def _is_user_error(err: BaseException) -> bool:
+    """A mistake of the user's (printed without a traceback), not a bug: a :class:`UserError`, or a file error
+    naming the path that could not be opened (the path the user gave, e.g. an output file)."""
+    path_error = isinstance(err, _PATH_ERRORS) and getattr(err, "filename", None) is not None
+    return path_error or isinstance(err, UserError)
 
 
 def _print_user_error(command: str, err: BaseException) -> None:
@@ -219,9 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_user_error(args.command, err)
         return 1
     except Exception as err:
-        # A file the user named that cannot be opened (the error carries its path) is theirs to fix, too.
-        path_error = isinstance(err, _PATH_ERRORS) and getattr(err, "filename", None) is not None
-        if _debug(args) or not (path_error or isinstance(err, _user_error_types())):
+        if _debug(args) or not _is_user_error(err):
             raise
         _print_user_error(args.command, err)
         return 2

@@ -18,11 +18,12 @@ from collections import defaultdict
 from typing import Any
 
 from hf_tpu.device_map.devices import is_tpu_device, tpu_memory
+from hf_tpu.errors import UserError
 
 __all__ = ["DeviceMapFitError", "check_placement", "format_bytes", "placement_bytes"]
 
 
-class DeviceMapFitError(ValueError):
+class DeviceMapFitError(UserError, ValueError):
     """The requested placement does not fit the memory of the devices it names (raised before loading)."""
 
 

@@ -36,6 +36,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from hf_tpu.errors import UserError
+
 __all__ = [
     "BOOTSTRAP_MODULE",
     "LaunchError",
@@ -62,7 +64,7 @@ SIM_DEFAULT_GENERATION = "v6e"
 _SIM_FALLBACK_ORDER = ("v5p", "v5e", "v4", "v7")
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError):
     """The launch cannot start: what was asked, what was found, and what to do."""
 
 

@@ -33,6 +33,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_tpu.errors import UserError
+
 __all__ = [
     "KV_HEADS_STRATEGIES",
     "PlanFix",
@@ -58,7 +60,7 @@ _HEAD_SPLITTING_STYLES = {"colwise", "packed_colwise", "local_colwise"}
 _HEAD_SHARDED_STYLES = _HEAD_SPLITTING_STYLES | {"rowwise", "packed_rowwise", "local_rowwise"}
 
 
-class TensorParallelConfigError(ValueError):
+class TensorParallelConfigError(UserError, ValueError):
     """A tensor-parallel request that cannot work: what was asked, what was found, what to do."""
 
 

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import json
 
+from hf_tpu.errors import UserError
+
 __all__ = ["Guard", "PromptTooLongError"]
 
 _TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 RETRY_AFTER_S = 1
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(UserError, ValueError):
     """A prompt the model cannot continue (answered with HTTP 400)."""
 
 

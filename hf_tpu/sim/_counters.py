@@ -12,13 +12,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_tpu.errors import HfTpuError
+
 __all__ = ["SimStrictError", "Stats", "stats", "strict"]
 
 _FIELDS = ("compiles", "h2d_copies", "d2h_copies", "h2d_bytes", "d2h_bytes", "host_syncs", "shape_signatures", "ops")
 _FIELDS += ("compile_cache_hits", "cpu_fallbacks")
 
 
-class SimStrictError(RuntimeError):
+class SimStrictError(HfTpuError, RuntimeError):
     """A host sync or a compile happened inside :func:`strict`."""
 
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_tpu.errors import UserError
+
 __all__ = ["TPUTrainingError", "check_trainable"]
 
 # TrainingArguments.optim values that need bitsandbytes / CUDA kernels, or torchao's CUDA optimizers.
 _CUDA_ONLY_OPTIM = ("bnb", "8bit", "paged", "lomo", "torchao", "ademamix_8bit", "apollo")
 
 
-class TPUTrainingError(RuntimeError):
+class TPUTrainingError(UserError, RuntimeError):
     """A training set-up that hf_tpu cannot run on a TPU; the message says what to use instead."""
 
 

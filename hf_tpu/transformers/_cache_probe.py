@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import weakref
 
+from hf_tpu.errors import HfTpuError
 from hf_tpu.transformers._signatures import cache_name
 
 __all__: list[str] = []
@@ -25,7 +26,7 @@ __all__: list[str] = []
 _SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class CacheProbeError(RuntimeError):
+class CacheProbeError(HfTpuError, RuntimeError):
     """The model's cache shapes could not be measured (the message names the model and the reason)."""
 
 

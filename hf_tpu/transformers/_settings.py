@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_tpu.errors import HfTpuError
 from hf_tpu.transformers.buckets import DEFAULT_CACHE_MULTIPLE, BucketLadder, default_ladder
 
 __all__ = [
@@ -33,11 +34,11 @@ _CACHE_POOL_SIZE = 4
 _UNSET: Any = object()
 
 
-class RecompileError(RuntimeError):
+class RecompileError(HfTpuError, RuntimeError):
     """Strict mode: ``generate`` needed a graph that warm-up did not compile."""
 
 
-class NotCompilableError(RuntimeError):
+class NotCompilableError(HfTpuError, RuntimeError):
     """The model's forward cannot be traced as one static-shape graph (a branch or a shape that depends on a
     tensor's value); ``generate`` takes the next route for it (:func:`hf_tpu.transformers.route.demote`),
     ``warmup`` raises this when none of hf_tpu's loops serves it.

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import inspect
 
+from hf_tpu.errors import HfTpuError
+
 __all__ = ["CACHE_NAMES", "UpstreamSignatureError", "cache_name", "model_cache_problem", "output_cache_field"]
 
 # The cache's name, newest first: 5.24 and later, then 5.23.
@@ -25,7 +27,7 @@ CACHE_NAMES = ("cache", "past_key_values")
 _NAME: str | None = None
 
 
-class UpstreamSignatureError(TypeError):
+class UpstreamSignatureError(HfTpuError, TypeError):
     """The installed transformers' signatures do not say a name hf_tpu needs (the message names which, and where)."""
 
 

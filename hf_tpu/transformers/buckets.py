@@ -30,6 +30,8 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from hf_tpu.errors import UserError
+
 __all__ = [
     "DEFAULT_CACHE_MULTIPLE",
     "DEFAULT_LINEAR_FROM",
@@ -50,7 +52,7 @@ DEFAULT_LINEAR_FROM = 256
 DEFAULT_CACHE_MULTIPLE = 128
 
 
-class BucketOverflowError(ValueError):
+class BucketOverflowError(UserError, ValueError):
     """A length does not fit the largest rung of the bucket ladder."""
 
 

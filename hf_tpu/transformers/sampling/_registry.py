@@ -19,10 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hf_tpu.errors import HfTpuError
+
 __all__ = ["DeviceForm", "Unsupported", "form_for", "forms", "register"]
 
 
-class Unsupported(Exception):
+class Unsupported(HfTpuError):
     """Raised by a form's ``host`` when this instance's settings have no device form (it keeps the host path)."""
 
 

@@ -1,0 +1,264 @@
+"""One error family: every exception class hf_tpu defines derives from ``hf_tpu.errors.HfTpuError``, keeps its
+built-in base, and a user's mistake derives from ``hf_tpu.errors.UserError``, which is what ``hf-tpu`` prints
+without a traceback (anything else reaching it is a bug and keeps its traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import importlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from _timeouts import SAFETY_TIMEOUT_S
+
+from hf_tpu.errors import CheckpointFileError, HfTpuError, UserError
+
+cli_main = importlib.import_module("hf_tpu.cli.main")  # hf_tpu.cli.main the module (the package exports main())
+REPO = Path(__file__).resolve().parents[1]
+
+# Imports every module under hf_tpu (in a process of its own: no module imported here for this changes what the
+# other tests see) and lists the exception classes each defines. A module whose import needs a third-party package
+# that is not installed (an optional extra) is listed as skipped; any other import error fails the test.
+_SCAN = r"""
+import importlib, json, pkgutil, sys
+import hf_tpu
+from hf_tpu.errors import HfTpuError, UserError
+
+found, skipped, broken = [], {}, {}
+walk_errors = []
+for info in pkgutil.walk_packages(hf_tpu.__path__, "hf_tpu.", onerror=walk_errors.append):
+    if info.name.rsplit(".", 1)[-1] == "__main__":
+        continue  # runs a command when imported as a module: defines no class
+    try:
+        module = importlib.import_module(info.name)
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] == "hf_tpu":
+            broken[info.name] = repr(exc)
+        else:
+            skipped[info.name] = repr(exc)
+        continue
+    for obj in list(vars(module).values()):
+        if isinstance(obj, type) and obj.__module__ == info.name and issubclass(obj, BaseException):
+            if issubclass(obj, Warning):
+                continue
+            found.append({
+                "name": f"{info.name}.{obj.__qualname__}",
+                "hf_tpu": issubclass(obj, HfTpuError),
+                "user": issubclass(obj, UserError),
+            })
+for name in walk_errors:
+    if name not in skipped:
+        broken[name] = "walk_packages could not import the package"
+print(json.dumps({"found": found, "skipped": skipped, "broken": broken}))
+"""
+
+_BUILTIN_EXCEPTIONS = {
+    name for name, obj in vars(builtins).items() if isinstance(obj, type) and issubclass(obj, BaseException)
+}
+
+
+def _scan() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCAN], env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=SAFETY_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _module_path(name: str) -> Path:
+    path = REPO.joinpath(*name.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _plain_exceptions_in_source(path: Path) -> list[str]:
+    """Classes whose bases are built-in exceptions only (no hf_tpu error among them), read from the source: the
+    check for a module that could not be imported here."""
+    offenders = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and node.bases:
+            names = [ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases]
+            if all(name in _BUILTIN_EXCEPTIONS and not name.endswith("Warning") for name in names):
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}({', '.join(names)})")
+    return offenders
+
+
+def test_every_exception_class_derives_from_hf_tpu_error():
+    result = _scan()
+    assert not result["broken"], result["broken"]  # an hf_tpu module that cannot import is a bug, not an extra
+    found = result["found"]
+    names = {entry["name"] for entry in found}
+    # The scan sees them at all (a few from different packages, user errors and others).
+    assert {
+        "hf_tpu.errors.UserError",
+        "hf_tpu.errors.CheckpointFileError",
+        "hf_tpu.runtime.TPUNotAvailableError",
+        "hf_tpu.transformers._settings.NotCompilableError",
+    } <= names, sorted(names)
+    assert len(found) >= 20, sorted(names)
+    outside = sorted(entry["name"] for entry in found if not entry["hf_tpu"])
+    assert outside == [], f"derive these from hf_tpu.errors.HfTpuError (or UserError): {outside}"
+    unread = [line for name in result["skipped"] for line in _plain_exceptions_in_source(_module_path(name))]
+    assert unread == [], f"derive these from hf_tpu.errors.HfTpuError (or UserError): {unread}"
+    if result["skipped"]:
+        warnings.warn(
+            "not imported (an optional package is missing), their classes checked from the source only: "
+            + ", ".join(f"{name} ({why})" for name, why in sorted(result["skipped"].items())),
+            stacklevel=1,
+        )
+
+
+def _user_errors():
+    from hf_tpu import runtime
+    from hf_tpu._torch_tpu import LoweringUnavailableError, UnsupportedTopologyError
+    from hf_tpu.device_map.preflight import DeviceMapFitError
+    from hf_tpu.distributed.launch import LaunchError
+    from hf_tpu.distributed.tp_plan import TensorParallelConfigError
+    from hf_tpu.serving._guard import PromptTooLongError
+    from hf_tpu.tpu_compile.targets import UnknownTargetError
+    from hf_tpu.training.checks import TPUTrainingError
+    from hf_tpu.transformers.buckets import BucketOverflowError
+
+    return {
+        BucketOverflowError: ValueError,
+        CheckpointFileError: OSError,
+        DeviceMapFitError: ValueError,
+        LaunchError: RuntimeError,
+        LoweringUnavailableError: RuntimeError,
+        PromptTooLongError: ValueError,
+        TensorParallelConfigError: ValueError,
+        TPUTrainingError: RuntimeError,
+        runtime.TPUNotAvailableError: RuntimeError,
+        UnknownTargetError: ValueError,
+        UnsupportedTopologyError: ValueError,
+    }
+
+
+def _other_errors():
+    from hf_tpu.compile_cache import StaleGraphError
+    from hf_tpu.sim import SimStrictError
+    from hf_tpu.transformers._settings import NotCompilableError, RecompileError
+    from hf_tpu.transformers._signatures import UpstreamSignatureError
+
+    return {
+        NotCompilableError: RuntimeError,
+        RecompileError: RuntimeError,
+        SimStrictError: RuntimeError,
+        StaleGraphError: RuntimeError,
+        UpstreamSignatureError: TypeError,
+    }
+
+
+def test_user_errors_are_user_errors_and_keep_their_builtin_base():
+    for cls, builtin in _user_errors().items():
+        assert issubclass(cls, UserError) and issubclass(cls, HfTpuError), cls
+        assert issubclass(cls, builtin), (cls, builtin)  # existing `except ValueError:` clauses still catch it
+    with pytest.raises(ValueError, match="past the largest bucket"):
+        from hf_tpu.transformers.buckets import BucketLadder
+
+        BucketLadder((16, 32)).bucket(100)
+
+
+def test_runtime_conditions_are_not_user_errors():
+    for cls, builtin in _other_errors().items():
+        assert issubclass(cls, HfTpuError) and issubclass(cls, builtin), cls
+        assert not issubclass(cls, UserError), cls
+
+
+def test_errors_module_is_light():
+    code = "import sys, hf_tpu.errors\nprint('torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "HF_TPU_SIMULATE"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def _raising(exc: BaseException):
+    class Fake:
+        register = staticmethod(lambda subparsers: subparsers.add_parser("env"))
+
+        @staticmethod
+        def run(args: argparse.Namespace) -> int:
+            raise exc
+
+    return Fake
+
+
+class _NewUserError(UserError, ValueError):
+    """A user error the CLI has never heard of: its class alone makes it one."""
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _NewUserError("--flag 3: must be even; pass 2 or 4"),
+        lambda: _user_errors_by_name()["BucketOverflowError"]("length 900 does not fit the ladder: pass --buckets"),
+        lambda: _user_errors_by_name()["DeviceMapFitError"]("needs 40 GiB, tpu:0 has 32 GiB: pass device_map=auto"),
+        lambda: _user_errors_by_name()["PromptTooLongError"]("the prompt is 900 tokens: shorten the prompt"),
+        lambda: _user_errors_by_name()["LaunchError"]("--nproc_per_node=3: pass 1, 4 or 8"),
+    ],
+    ids=["new-subclass", "bucket-overflow", "device-map-fit", "prompt-too-long", "launch"],
+)
+def test_the_cli_prints_a_user_error_without_a_traceback(make, monkeypatch, capsys):
+    err = make()
+    monkeypatch.setattr(cli_main, "_load", lambda name: _raising(err))
+    assert cli_main.main(["env"]) == 2
+    out, stderr = capsys.readouterr()
+    lines = stderr.strip().splitlines()
+    assert out == "" and len(lines) == 2, stderr
+    assert lines[0] == f"hf-tpu env: {err}" and "--debug" in lines[1]
+    assert "Traceback" not in stderr
+
+
+def _user_errors_by_name() -> dict[str, type]:
+    return {cls.__name__: cls for cls in _user_errors()}
+
+
+def test_the_cli_keeps_tpu_not_available_at_exit_status_1(monkeypatch, capsys):
+    from hf_tpu.runtime import TPUNotAvailableError
+
+    monkeypatch.setattr(cli_main, "_load", lambda name: _raising(TPUNotAvailableError("no TPU: pass --simulate")))
+    assert cli_main.main(["env"]) == 1
+    assert capsys.readouterr().err.startswith("hf-tpu env: no TPU: pass --simulate\n")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _other_errors_by_name()["NotCompilableError"]("a branch on a tensor's value"),
+        lambda: _other_errors_by_name()["RecompileError"]("a graph warm-up did not compile"),
+        lambda: HfTpuError("an hf_tpu error that is not the user's"),
+        lambda: ValueError("a bug, not a user mistake"),
+    ],
+    ids=["not-compilable", "recompile", "hf-tpu-error", "value-error"],
+)
+def test_the_cli_keeps_the_traceback_of_a_bug(make, monkeypatch):
+    err = make()
+    monkeypatch.setattr(cli_main, "_load", lambda name: _raising(err))
+    with pytest.raises(type(err)) as caught:
+        cli_main.main(["env"])
+    assert caught.value is err
+
+
+def _other_errors_by_name() -> dict[str, type]:
+    return {cls.__name__: cls for cls in _other_errors()}
+
+
+def test_the_cli_debug_flag_re_raises_a_user_error(monkeypatch):
+    err = _NewUserError("--flag 3: must be even")
+    monkeypatch.setattr(cli_main, "_load", lambda name: _raising(err))
+    with pytest.raises(_NewUserError):
+        cli_main.main(["env", "--debug"])
