@@ -18,8 +18,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from hf_tpu._patch import disable, enable, enabled, is_enabled
-
-__version__ = "0.1.0.dev0"
+from hf_tpu._version import __version__
 
 __all__ = ["__version__", "disable", "enable", "enabled", "is_enabled", "runtime", "sim", "warmup"]
 

@@ -118,12 +118,12 @@ def versions() -> dict[str, Any]:
     """The library versions every namespace key holds."""
     import torch
 
-    import hf_tpu
     from hf_tpu import runtime
+    from hf_tpu._version import __version__
 
     return {
         "format": FORMAT,
-        "hf_tpu": hf_tpu.__version__,
+        "hf_tpu": __version__,
         "torch": torch.__version__,
         "torch_tpu": _version("torch-tpu") or _version("torch_tpu"),
         "libtpu": _version("libtpu"),

@@ -169,9 +169,9 @@ class CheckContext:
         t0 = time.perf_counter()
         tpu_before = _torch_tpu.cache_stats()
         if self.simulated:
-            import hf_tpu.sim
+            from hf_tpu.sim import stats
 
-            with hf_tpu.sim.stats() as s:
+            with stats() as s:
                 yield
             for key in ("compiles", "h2d_copies", "d2h_copies", "host_syncs", "shape_signatures"):
                 figures[f"{prefix}_{key}"] = getattr(s, key)

@@ -21,7 +21,7 @@ __all__ = ["benchmark_parser", "main"]
 
 def benchmark_parser(name: str, *, quick: bool = False, prog: str | None = None) -> argparse.ArgumentParser:
     """The parser of benchmark ``name``'s own options, with its ``QUICK`` defaults when ``quick``."""
-    from hf_tpu.benchmarks import BENCHMARKS, load
+    from hf_tpu.benchmarks._registry import BENCHMARKS, load
 
     module = load(name)
     parser = argparse.ArgumentParser(prog=prog or f"hf-tpu bench {name}", description=BENCHMARKS[name].summary)
@@ -33,7 +33,7 @@ def benchmark_parser(name: str, *, quick: bool = False, prog: str | None = None)
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the benchmark, print its table; returns 1 when it reports missed targets."""
-    from hf_tpu.benchmarks import BENCHMARKS, load
+    from hf_tpu.benchmarks._registry import BENCHMARKS, load
 
     argv = list(sys.argv[1:] if argv is None else argv)
     front = argparse.ArgumentParser(prog="python -m hf_tpu.benchmarks", add_help=False)

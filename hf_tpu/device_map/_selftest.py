@@ -18,8 +18,9 @@ def _device_map(ctx: CheckContext) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import hf_tpu
-    from hf_tpu.device_map import DeviceMapFitError, placement_bytes, tpu_memory
+    from hf_tpu._patch import enabled
+    from hf_tpu.device_map.devices import tpu_memory
+    from hf_tpu.device_map.preflight import DeviceMapFitError, placement_bytes
     from hf_tpu.testing import tiny_model
 
     figures: dict[str, Any] = {"hbm_free_mib": round(tpu_memory(0).free / 1024**2, 1)}
@@ -29,7 +30,7 @@ def _device_map(ctx: CheckContext) -> dict[str, Any]:
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         with torch.no_grad():
             expected = reference(ids).logits
-        with hf_tpu.enabled("device_map"):
+        with enabled("device_map"):
             with ctx.measure(figures, "load_tpu"):
                 model = AutoModelForCausalLM.from_pretrained(path, device_map="tpu", dtype=torch.float32)
             devices = {str(p.device) for p in model.parameters()}

@@ -69,9 +69,9 @@ def _live_bytes(index: int, total: int) -> int:
     from hf_tpu import runtime
 
     if runtime.detect().mode == "simulated":
-        import hf_tpu.sim
+        from hf_tpu.sim import memory_allocated
 
-        return int(hf_tpu.sim.memory_allocated())
+        return int(memory_allocated())
     import torch
 
     failures = []

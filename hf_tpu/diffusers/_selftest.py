@@ -42,8 +42,8 @@ def _diffusers(ctx: CheckContext) -> dict[str, Any]:
     import torch
     from diffusers import DiffusionPipeline
 
-    import hf_tpu
-    from hf_tpu.diffusers import compile_pipeline, compiled_modules
+    from hf_tpu._patch import enabled
+    from hf_tpu.diffusers.compile import compile_pipeline, compiled_modules
     from hf_tpu.diffusers.testing import tiny_sd_pipeline
 
     def draw(pipe: Any) -> np.ndarray:
@@ -76,7 +76,7 @@ def _diffusers(ctx: CheckContext) -> dict[str, Any]:
         del cpu_pipe
         pipe = DiffusionPipeline.from_pretrained(path)
         pipe.set_progress_bar_config(disable=True)
-        with hf_tpu.enabled("diffusers"):
+        with enabled("diffusers"):
             pipe = pipe.to(ctx.device)
             with ctx.measure(figures, "eager"):
                 image = draw(pipe)

@@ -38,7 +38,7 @@ def qwen_tokenizer() -> Any:
     from transformers import Qwen2Tokenizer
 
     vocab: dict[str, int] = {"<|endoftext|>": 0}
-    from hf_tpu.diffusers.testing import _byte_chars
+    from hf_tpu.diffusers._tiny_common import _byte_chars
 
     for ch in _byte_chars():
         vocab.setdefault(ch, len(vocab))
@@ -164,6 +164,6 @@ def tiny_qwen_image_pipeline(path: str | os.PathLike | None = None, *, seed: int
         processor=processor,
         transformer=transformer,
     )
-    from hf_tpu.diffusers.testing import _finish
+    from hf_tpu.diffusers._tiny_common import _finish
 
     return _finish(pipe, path)

@@ -19,6 +19,10 @@ import os
 import string
 from typing import Any
 
+from hf_tpu.diffusers._tiny_common import _byte_chars, _finish
+
+# Qwen-Image and MiniMax-H3 (modular, video + audio) live in modules of their own; re-exported here.
+from hf_tpu.diffusers._tiny_minimax_h3 import qwen3vl_tokenizer, tiny_minimax_h3_pipeline
 from hf_tpu.diffusers._tiny_qwen_image import qwen_tokenizer, tiny_qwen_image_pipeline
 
 __all__ = [
@@ -36,19 +40,6 @@ __all__ = [
 ]
 
 _MAX_TEXT_LENGTH = 16  # CLIP tokens per prompt in the tiny pipelines
-
-
-def _byte_chars() -> list[str]:
-    """The 256 printable stand-ins that byte-level BPE uses for the bytes 0..255 (the GPT-2 table)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    chars, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
 
 
 def clip_tokenizer(model_max_length: int = _MAX_TEXT_LENGTH) -> Any:
@@ -90,19 +81,6 @@ def _clip_config(projection: bool, vocab_size: int) -> Any:
         hidden_act="gelu",
         projection_dim=32 if projection else 512,
     )
-
-
-def _finish(pipe: Any, path: str | os.PathLike | None) -> Any:
-    import torch
-
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            component.eval()  # built from configs they start in training mode, with dropout on
-    pipe.set_progress_bar_config(disable=True)
-    if path is None:
-        return pipe
-    pipe.save_pretrained(path)
-    return os.fspath(path)
 
 
 def _t5_encoder(vocab_size: int) -> Any:
@@ -361,7 +339,3 @@ def tiny_sd_controlnet_pipeline(path: str | os.PathLike | None = None, *, seed: 
     components = {k: v for k, v in base.components.items() if k not in ("image_encoder",)}
     pipe = StableDiffusionControlNetPipeline(**components, controlnet=controlnet)
     return _finish(pipe, path)
-
-
-# MiniMax-H3 (modular, video + audio) lives in its own module; re-exported here with the other tiny pipelines.
-from hf_tpu.diffusers._tiny_minimax_h3 import qwen3vl_tokenizer, tiny_minimax_h3_pipeline  # noqa: E402

@@ -16,15 +16,16 @@ __all__ = ["main"]
 
 
 def _prepare() -> None:
-    import hf_tpu  # HF_TPU_SIMULATE=1 enables the simulated device here
-
+    # hf_tpu's __init__ has run already (this module is part of the package): with HF_TPU_SIMULATE=1 it enabled the
+    # simulated device here.
     if os.environ.get("HF_TPU_SIMULATE", "").strip().lower() in ("1", "true", "yes", "on"):
+        from hf_tpu import sim
         from hf_tpu.distributed import sim_backend
 
         # The launcher passes on the generation / HBM it was asked to simulate (hf-tpu --sim-generation ...).
         generation, hbm = os.environ.get("HF_TPU_SIM_GENERATION"), os.environ.get("HF_TPU_SIM_HBM")
         if generation or hbm:
-            hf_tpu.sim.enable(**({"generation": generation} if generation else {}), hbm=int(hbm) if hbm else None)
+            sim.enable(**({"generation": generation} if generation else {}), hbm=int(hbm) if hbm else None)
 
         sim_backend.register()
 

@@ -22,9 +22,9 @@ def main(out_dir: str, model_dir: str) -> None:
         import torch
         import torch.distributed as dist
 
-        import hf_tpu
+        from hf_tpu._patch import enable
 
-        hf_tpu.enable("tensor_parallel")
+        enable("tensor_parallel")
         from transformers import AutoModelForCausalLM
         from transformers.distributed import DistributedConfig
 

@@ -30,13 +30,22 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
+<<<<<<< HEAD
 from hf_tpu.errors import UserError
+=======
+from hf_tpu._launch_env import (  # the simulated launch environment, shared with the simulator (hf_tpu.sim)
+    SIM_DEFAULT_GENERATION,
+    LaunchError,
+    _free_port,  # noqa: F401  (hf_tpu.serving.tensor_parallel picks the rendezvous port with it)
+    _is_multihost,
+    set_simulated_launch_env,
+    simulated_topology,
+)
+>>>>>>> wt-house
 
 __all__ = [
     "BOOTSTRAP_MODULE",
@@ -60,10 +69,10 @@ _DEFAULT_NNODES = ("1", "1:1")
 
 # The simulator's generation when none is asked for; for a process count v6e has no mesh for, the first of the
 # others that has one (2 processes: v5p), said on stderr.
-SIM_DEFAULT_GENERATION = "v6e"
 _SIM_FALLBACK_ORDER = ("v5p", "v5e", "v4", "v7")
 
 
+<<<<<<< HEAD
 class LaunchError(UserError, RuntimeError):
     """The launch cannot start: what was asked, what was found, and what to do."""
 
@@ -167,6 +176,8 @@ def set_simulated_launch_env(
     return {k: v for k, v in env.items() if before.get(k) != v}
 
 
+=======
+>>>>>>> wt-house
 def set_real_launch_env(*, nnodes: int | None = None, nproc_per_node: int | None = None) -> dict[str, str]:
     """Call torch_tpu's own ``set_tpu_launch_env`` (through :mod:`hf_tpu._torch_tpu`); returns what it set.
 

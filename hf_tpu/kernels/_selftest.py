@@ -36,10 +36,10 @@ def check_variant_selection() -> str:
     load the ``torch-tpu`` variant. Returns the variant's name; raises AssertionError naming what kernels chose."""
     from kernels import get_local_kernel
 
-    import hf_tpu
-    from hf_tpu.kernels import RAGGED_DOT_REPO
+    from hf_tpu._patch import enabled
+    from hf_tpu.kernels.loader import RAGGED_DOT_REPO
 
-    with hf_tpu.enabled("kernels"):
+    with enabled("kernels"):
         try:
             module = get_local_kernel(RAGGED_DOT_REPO)
         except Exception as exc:  # reworded below with kernels' backend
@@ -80,7 +80,7 @@ def _ragged_dot_experts(ctx: CheckContext) -> dict[str, Any]:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from hf_tpu.kernels import load_ragged_dot_kernel
+    from hf_tpu.kernels.loader import load_ragged_dot_kernel
 
     figures: dict[str, Any] = {"variant": check_variant_selection()}
     kernel = load_ragged_dot_kernel()

@@ -34,15 +34,16 @@ def _quantization(ctx: CheckContext) -> dict[str, Any]:
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
     from transformers import AutoModelForCausalLM, TorchAoConfig
 
-    import hf_tpu
-    from hf_tpu.quantization import weight_bytes
+    from hf_tpu._patch import enabled
+    from hf_tpu.quantization.sizes import weight_bytes
     from hf_tpu.testing import tiny_model
+    from hf_tpu.transformers.warmup import warmup
 
     configs = {"int8": Int8WeightOnlyConfig(), "int4": Int4WeightOnlyConfig(group_size=128)}
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
     new = 8
     figures: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_") as path, hf_tpu.enabled(
+    with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_") as path, enabled(
         "device_map", "generation", "quantization"
     ):
         tiny_model(
@@ -70,7 +71,7 @@ def _quantization(ctx: CheckContext) -> dict[str, Any]:
                 reference = reference.to("cpu")
             figures[f"{kind}_weights_vs_bf16"] = round(weight_bytes(model) / bf16_bytes, 3)
             with ctx.measure(figures, f"{kind}_warmup"):
-                hf_tpu.warmup(model, max_prompt_len=16, batch_sizes=[1], max_new_tokens=new, progress=False)
+                warmup(model, max_prompt_len=16, batch_sizes=[1], max_new_tokens=new, progress=False)
             t0 = time.perf_counter()
             got = model.generate(ids, max_new_tokens=new, do_sample=False)
             figures[f"{kind}_ms_per_token"] = round(1000 * (time.perf_counter() - t0) / new, 3)

@@ -37,8 +37,8 @@ def _serving(ctx: CheckContext) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    import hf_tpu
-    from hf_tpu import serving
+    from hf_tpu._patch import enabled
+    from hf_tpu.serving._runner import SETTINGS, compiled_shapes, configure
     from hf_tpu.testing import tiny_model
 
     new = 6
@@ -47,10 +47,10 @@ def _serving(ctx: CheckContext) -> dict[str, Any]:
     first = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 20, 11)]
     second = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (9, 3)]
     figures: dict[str, Any] = {}
-    saved = dataclasses.asdict(serving.SETTINGS)
-    serving.configure(**_SETTINGS)
+    saved = dataclasses.asdict(SETTINGS)
+    configure(**_SETTINGS)
     try:
-        with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_") as path, hf_tpu.enabled("serving"):
+        with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_") as path, enabled("serving"):
             tiny_model("llama", path, max_position_embeddings=128)
             reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             model = ctx.to_device(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
@@ -59,7 +59,7 @@ def _serving(ctx: CheckContext) -> dict[str, Any]:
                     out = model.generate_batch(first, generation_config=config, progress_bar=False,
                                                persistent_manager=True)  # fmt: skip
                 results = list(out.values())
-                figures["step_shapes"] = len(serving.compiled_shapes(model))  # before the manager goes
+                figures["step_shapes"] = len(compiled_shapes(model))  # before the manager goes
                 t0 = time.perf_counter()
                 with ctx.measure(figures, "second"):
                     out = model.generate_batch(second, generation_config=config, progress_bar=False, warmup=False)
@@ -80,5 +80,5 @@ def _serving(ctx: CheckContext) -> dict[str, Any]:
             if ctx.simulated and figures["second_compiles"]:
                 raise AssertionError(f"{figures['second_compiles']} compile(s) after warm-up (expected none)")
     finally:
-        serving.configure(**saved)
+        configure(**saved)
     return figures

@@ -6,8 +6,8 @@ broadcasts new requests and cancellations to the other ranks (a CPU ``gloo`` gro
 step the same batches; the forward's collectives run on the ``tpu_dist`` group. hf_tpu uses that unchanged:
 
 * :func:`launch` (``hf-tpu serve --tp N``) starts ``N`` ranks with :mod:`hf_tpu.distributed.launch` (torch_tpu's
-  launch environment, or the simulated one with ``--simulate``), each running this module as a script with the
-  same serve arguments;
+  launch environment, or the simulated one with ``--simulate``), each running the ``hf-tpu serve`` command
+  (:data:`RANK_COMMAND`) with the same serve arguments;
 * rank 0 runs :func:`hf_tpu.serving.server.run_server` with the model loaded sharded (:func:`load_sharded`);
 * every other rank (:func:`follow`) loads the same shards, creates the manager with the same settings, warms up
   the same step shapes (their forwards meet in the same collectives), starts it, and waits until rank 0 stops it.
@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from collections.abc import Sequence
 
 __all__ = ["TP_ENV", "follow", "launch", "load_sharded", "valid_tp_sizes"]
 
 #: The tensor-parallel size the launcher hands each rank.
 TP_ENV = "HF_TPU_SERVE_TP"
+
+#: What each rank runs, after these the serve arguments and ``--tp N``: the ``hf-tpu serve`` command
+#: (``python -m hf_tpu.cli``), which with :data:`TP_ENV` set follows rank 0 or, on rank 0, serves HTTP. A command
+#: line for the new processes, not an import: this room imports nothing from the CLI above it.
+RANK_COMMAND = ("-m", "hf_tpu.cli", "serve")
 
 
 def valid_tp_sizes(*, simulate: bool) -> tuple[int, ...]:
@@ -54,7 +58,7 @@ def launch(serve_argv: Sequence[str], tp: int, *, simulate: bool) -> int:
 
     os.environ[TP_ENV] = str(tp)
     argv = [*(["--simulate"] if simulate else []), f"--nproc_per_node={tp}", f"--master_port={launcher._free_port()}"]
-    return launcher.main([*argv, __file__, *serve_argv])
+    return launcher.main([*argv, *RANK_COMMAND, *serve_argv, "--tp", str(tp)])
 
 
 def load_sharded(model: str, tp: int, *, dtype="auto", attn_implementation=None):
@@ -83,18 +87,3 @@ def follow(model_path: str, tp: int, *, warmup: bool = True, dtype="auto", attn_
     _runner.logger.info("hf_tpu serve: rank %s of %d follows rank 0's batches", rank, tp)
     cb._generation_thread.join()
     cb.stop(block=True)
-
-
-def _rank_main(argv: Sequence[str]) -> int:
-    """Run by the launcher in each rank: ``hf-tpu serve`` with the arguments given, at the tensor-parallel size of
-    :data:`TP_ENV`."""
-    from hf_tpu.cli.main import main
-
-    tp = os.environ.get(TP_ENV)
-    if not tp:
-        raise SystemExit(f"{__file__} is run by `hf-tpu serve --tp N`, which sets {TP_ENV}")
-    return main(["serve", *argv, "--tp", tp])
-
-
-if __name__ == "__main__":
-    sys.exit(_rank_main(sys.argv[1:]))

@@ -582,7 +582,7 @@ def install() -> None:
     # Ops torch_tpu sends to its missing-op fallback: a Python kernel that raises its error (or, with the CPU
     # fallback on, runs them on the host); having a handler keeps them off the native core's fast path.
     for overload, refused_as in _refused.qualified_names().items():
-        _HANDLERS[overload] = _refused.handler(refused_as)
+        _HANDLERS[overload] = _refused.handler(refused_as, _generic)
     lib = torch.library.Library("_", "IMPL")
     lib.fallback(_fallback, "PrivateUse1")
     _LIB = lib

@@ -69,7 +69,7 @@ def simulated_host_devices() -> int:
 def set_tpu_launch_env(*, nnodes: int | None = None, nproc_per_node: int | None = None) -> None:
     """torch_tpu's ``set_tpu_launch_env`` for simulated chips (see the module docstring)."""
     from hf_tpu import _torch_tpu
-    from hf_tpu.distributed.launch import set_simulated_launch_env
+    from hf_tpu._launch_env import set_simulated_launch_env
 
     if _torch_tpu.installed_version() is None:
         # the ranks enable their simulated device through hf_tpu's autoload entry point at `import torch`

@@ -12,6 +12,7 @@ fallback runs (``hf_tpu.sim.stats().cpu_fallbacks``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from hf_tpu.sim._counters import STATE
@@ -90,8 +91,9 @@ def message(op_name: str) -> str:
     )
 
 
-def handler(refused_as: str) -> Any:
-    """The simulator's kernel for a refused op (``_ops._HANDLERS`` signature): raise, or run it on the host."""
+def handler(refused_as: str, run_on_host: Callable[[Any, Any, tuple, dict], Any]) -> Any:
+    """The simulator's kernel for a refused op (``_ops._HANDLERS`` signature): raise, or run it on the host with
+    ``run_on_host`` (the fallback's generic path, ``_ops._generic``, which passes itself in)."""
 
     def refuse(op: Any, info: Any, args: tuple, kwargs: dict) -> Any:
         if not STATE.cpu_fallback:
@@ -100,9 +102,7 @@ def handler(refused_as: str) -> Any:
             _WARNED.add(refused_as)
             _LOG.warning("operator '%s' is not implemented for TPU. Falling back to CPU", refused_as)
         STATE.cpu_fallbacks += 1
-        from hf_tpu.sim._ops import _generic
-
-        return _generic(op, info, args, kwargs)
+        return run_on_host(op, info, args, kwargs)
 
     refuse.refused_as = refused_as  # type: ignore[attr-defined]
     return refuse

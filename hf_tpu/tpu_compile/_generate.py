@@ -129,9 +129,10 @@ def lower_generate(
     nothing when the weights alone exceed ``capacity``."""
     import torch
 
-    import hf_tpu
+    from hf_tpu._patch import enable
     from hf_tpu.transformers import generation as gen
     from hf_tpu.transformers.buckets import default_ladder
+    from hf_tpu.transformers.warmup import warmup
 
     extra_args = {"experts_implementation": experts_implementation} if experts_implementation else {}
     if attn_implementation:
@@ -155,7 +156,7 @@ def lower_generate(
             info["skipped"] = "the weights and KV cache alone exceed the chip's HBM: nothing was lowered"
             return info
     info["gathered_embedding_bytes"] = _gathered_embedding_bytes(built)
-    hf_tpu.enable()
+    enable()
     built = built.to_empty(device="tpu").eval()
     with session.mode, torch.no_grad():
         if quantization in ("int8", "int4"):
@@ -166,7 +167,7 @@ def lower_generate(
                 return info
         # "largest": one prompt bucket; the rungs above it stay for the cache (prompt + new tokens)
         extra = {"buckets": [bucket, *ladder.at_least(bucket + 1)]} if buckets == "largest" else {}
-        report = hf_tpu.warmup(
+        report = warmup(
             built, max_prompt_len=max_prompt_len, batch_sizes=[batch], max_new_tokens=max_new_tokens, progress=False,
             **extra,
         )  # fmt: skip

@@ -18,7 +18,7 @@ _STEPS = 4
 def _batches():
     import torch
 
-    from hf_tpu.training import BucketingCollator
+    from hf_tpu.training.collator import BucketingCollator
 
     g = torch.Generator().manual_seed(0)
     collate = BucketingCollator(buckets=(16,), pad_token_id=0, batch_size=4, return_attention_mask=False)
@@ -56,7 +56,7 @@ def _training(ctx: CheckContext) -> dict[str, Any]:
         raise SkipCheck("no tpu device (see the runtime check)")
     from transformers import AutoModelForCausalLM
 
-    import hf_tpu
+    from hf_tpu._patch import enabled
     from hf_tpu.testing import tiny_model
 
     batches = _batches()
@@ -81,7 +81,7 @@ def _training(ctx: CheckContext) -> dict[str, Any]:
 
         from transformers import Trainer, TrainingArguments
 
-        with hf_tpu.enabled("training"):
+        with enabled("training"):
             args = TrainingArguments(
                 output_dir=f"{path}/trainer", per_device_train_batch_size=4, max_steps=2, report_to=[],
                 save_strategy="no", disable_tqdm=True,

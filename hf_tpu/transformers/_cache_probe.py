@@ -18,16 +18,12 @@ from __future__ import annotations
 import copy
 import weakref
 
-from hf_tpu.errors import HfTpuError
+from hf_tpu.transformers._cache_probe_error import CacheProbeError
 from hf_tpu.transformers._signatures import cache_name
 
 __all__: list[str] = []
 
 _SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-class CacheProbeError(HfTpuError, RuntimeError):
-    """The model's cache shapes could not be measured (the message names the model and the reason)."""
 
 
 def _layer_shapes(layer, model_dtype) -> dict:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from hf_tpu.transformers._cache_probe_error import CacheProbeError
+
 __all__: list[str] = []
 
 logger = logging.getLogger("hf_tpu.generation")
@@ -48,8 +50,6 @@ def describe(model, replaced: Replaced) -> str:
 def second_forward_keeps_modules(model, probe, replaced: Replaced, forward: Callable[[], object]):
     """Run ``forward`` (the probe's, on ``probe``, a copy of ``model`` whose first forward replaced modules) again and
     return what it returns; raise ``CacheProbeError`` unless it kept every module the first one left."""
-    from hf_tpu.transformers._cache_probe import CacheProbeError
-
     settled = dict(probe.named_modules())
     result = forward()
     if not _kept_every_module(settled, probe):
@@ -62,8 +62,6 @@ def second_forward_keeps_modules(model, probe, replaced: Replaced, forward: Call
 def settle(model, replaced: Replaced, forward: Callable[[], object]) -> None:
     """Let ``model`` replace its modules as its copy did: run ``forward`` (the same forward, on ``model`` and its
     device) once unless the modules already are the settled ones; raise ``CacheProbeError`` if they are not after."""
-    from hf_tpu.transformers._cache_probe import CacheProbeError
-
     modules = dict(model.named_modules())
     if all(type(modules.get(name)) is new for name, _, new in replaced):
         return  # settled already (an earlier forward or generate of the user's)

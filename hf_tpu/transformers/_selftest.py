@@ -26,8 +26,9 @@ def _generation(ctx: CheckContext) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import hf_tpu
+    from hf_tpu._patch import enabled
     from hf_tpu.testing import tiny_model
+    from hf_tpu.transformers.warmup import warmup
 
     g = torch.Generator().manual_seed(0)
     ids = torch.zeros(2, 11, dtype=torch.long)
@@ -42,9 +43,9 @@ def _generation(ctx: CheckContext) -> dict[str, Any]:
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         expected = reference.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None)
         model = ctx.to_device(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
-        with hf_tpu.enabled("generation"):
+        with enabled("generation"):
             with ctx.measure(figures, "warmup"):
-                report = hf_tpu.warmup(model, max_prompt_len=16, batch_sizes=[2], max_new_tokens=new, progress=False)
+                report = warmup(model, max_prompt_len=16, batch_sizes=[2], max_new_tokens=new, progress=False)
             figures["warmup_graphs"] = len(report.graphs)
             with ctx.measure(figures, "generate"):
                 got = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None)

@@ -28,7 +28,8 @@ def test_tp2_server_answers_equal_cpu_greedy_and_sigterm_ends_every_rank(tmp_pat
         expected.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 
     with running_server(tmp_path, "--tp", "2", "--slots", "2") as server:  # KV rungs 0, 256, 512: 3 step shapes
-        ranks = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if "tensor_parallel" in
+        rank_command = "hf_tpu.distributed._bootstrap --module hf_tpu.cli serve"  # each rank runs `hf-tpu serve`
+        ranks = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if rank_command in
                  " ".join(p.cmdline())]  # fmt: skip
         assert len(ranks) == 2, [p.cmdline() for p in ranks]
         assert "tensor parallel over 2 ranks" in server.output()

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# The built-in device forms register themselves in the registry (processors first, then warpers).
+from hf_tpu.transformers.sampling import _processors, _warpers  # noqa: F401
 from hf_tpu.transformers.sampling._registry import DeviceForm, Unsupported, form_for, forms, register
 
 __all__ = [

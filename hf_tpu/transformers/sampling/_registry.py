@@ -11,6 +11,10 @@ A device form says how one processor runs inside the compiled decode graph:
 
 Lookup is by exact class: a subclass (say a user's processor deriving from an upstream one) may change
 ``__call__``, so it keeps the host path.
+
+The built-in forms (:mod:`~hf_tpu.transformers.sampling._processors`, :mod:`~hf_tpu.transformers.sampling._warpers`)
+import this module and register themselves; the package (:mod:`hf_tpu.transformers.sampling`) imports them, so they
+are registered before anything can look a form up here.
 """
 
 from __future__ import annotations
@@ -61,16 +65,9 @@ def register(class_names: list[str], form: DeviceForm) -> DeviceForm:
 
 def form_for(proc) -> DeviceForm | None:
     """The device form of ``proc`` (None: it keeps the host path)."""
-    _load()
     return _BY_CLASS.get(_class_key(type(proc)))
 
 
 def forms() -> dict[str, DeviceForm]:
     """Every registered form by name (the graph looks its entries up here while tracing)."""
-    _load()
     return _BY_NAME
-
-
-def _load() -> None:
-    if not _BY_NAME:
-        from hf_tpu.transformers.sampling import _processors, _warpers  # noqa: F401  (they register themselves)

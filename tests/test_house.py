@@ -1,0 +1,287 @@
+"""The house rules of hf_tpu's import graph (issue #33): no cycle, and nothing imports up the house.
+
+The graph is read from the source with :mod:`ast`, nothing is imported: a node per module of ``hf_tpu``, an edge
+per import statement, at module level or inside a function (``TYPE_CHECKING`` blocks too), reaching the module the
+name lives in (``from hf_tpu.sim import host_view`` reaches ``hf_tpu.sim``, ``from hf_tpu import runtime`` reaches
+``hf_tpu.runtime``). ``importlib.import_module`` calls are not import statements and are not read.
+
+The floors, top to bottom: the top floor (``hf_tpu.cli``, ``hf_tpu.benchmarks``, ``hf_tpu.__main__``) is where the
+``hf_tpu`` facade (``enable``, ``warmup``, ...) may be used; the rooms (``hf_tpu.transformers``, ``hf_tpu.serving``,
+``hf_tpu.distributed``, ...) and the top-level modules they share (``hf_tpu.runtime``, ``hf_tpu._patch``, ...) import
+the module that defines a name; ``hf_tpu.sim`` is the bottom room. The rules:
+
+1. no cycle: no two modules import each other, directly or through others;
+2. nothing imports upward:
+   - only the top floor imports the ``hf_tpu`` package itself (``import hf_tpu``, ``from hf_tpu import enable``,
+     and ``import hf_tpu.sim``, which binds the name ``hf_tpu`` and reads ``hf_tpu.sim`` through it);
+   - no module imports its own package's ``__init__`` (or an enclosing one's): it imports the submodule that
+     defines the name;
+   - only ``hf_tpu.cli`` and ``hf_tpu.benchmarks`` import ``hf_tpu.cli``;
+   - ``hf_tpu.sim`` imports nothing from ``hf_tpu.distributed``;
+3. the benchmarks measure hf_tpu through its public seams: a module of ``hf_tpu.benchmarks`` imports no private
+   module (a dotted component starting with ``_``) and no underscore name of another room.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = "hf_tpu"
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
+
+TOP_FLOOR = ("hf_tpu.cli", "hf_tpu.benchmarks", "hf_tpu.__main__")
+CLI = "hf_tpu.cli"
+CLI_IMPORTERS = ("hf_tpu.cli", "hf_tpu.benchmarks")
+SIM = "hf_tpu.sim"
+DISTRIBUTED = "hf_tpu.distributed"
+BENCHMARKS = "hf_tpu.benchmarks"
+
+# The one cycle left: the generation routes of hf_tpu.transformers import each other. It is being removed by the
+# route rewrite of the same issue (#33); until then these modules may form one cycle among themselves, and no
+# other. A cycle that reaches any other module fails. When the rewrite lands, empty this set.
+PENDING_ROUTE_REWRITE: frozenset[str] = frozenset(
+    {
+        "hf_tpu.transformers._cache_io",
+        "hf_tpu.transformers._cacheless",
+        "hf_tpu.transformers._decode_loop",
+        "hf_tpu.transformers._graphs",
+        "hf_tpu.transformers._upstream",
+    }
+)
+
+# The benchmarks' imports of other rooms' private modules or underscore names found when the rule was written:
+# (benchmark module, the private module or name it imports). Each should become a public seam of its room; remove
+# a pair once it has. A new pair fails.
+PENDING_BENCHMARK_SEAMS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("hf_tpu.benchmarks.arch_compile", "hf_tpu.tpu_compile._generate"),
+        ("hf_tpu.benchmarks.arch_sweep", "hf_tpu.transformers._upstream"),
+        ("hf_tpu.benchmarks.compile_cache", "hf_tpu.transformers._graphs"),
+        ("hf_tpu.benchmarks.compile_cache", "hf_tpu.transformers._settings"),
+        ("hf_tpu.benchmarks.compile_cache", "hf_tpu.transformers._static_cache"),
+        ("hf_tpu.benchmarks.diffusion", "hf_tpu.sim._counters"),
+        ("hf_tpu.benchmarks.sampling", "hf_tpu.transformers._decode_loop"),
+        ("hf_tpu.benchmarks.sim_forward", "hf_tpu.sim._native"),
+    }
+)
+
+
+@dataclass(frozen=True)
+class Import:
+    """One name an import statement brings into ``importer``."""
+
+    importer: str
+    imported: str  # the absolute dotted name, e.g. "hf_tpu.transformers._settings" or "hf_tpu.sim.host_view"
+    target: str  # the hf_tpu module that name lives in (its longest prefix that is a module)
+    line: int
+    binds_package: bool = False  # `import hf_tpu.x`: the code reads hf_tpu.x through the name `hf_tpu`
+
+    def __str__(self) -> str:
+        return f"{self.importer} (line {self.line}) -> {self.target} (imports {self.imported})"
+
+
+def find_modules() -> dict[str, Path]:
+    """Every importable module of hf_tpu, by dotted name (a package by its own name, not ``.__init__``)."""
+    found: dict[str, Path] = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+        if not all(part.isidentifier() for part in parts):
+            continue  # not importable as part of hf_tpu (e.g. the kernel repository under kernels/hub)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = find_modules()
+
+
+def is_within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def module_of(name: str) -> str | None:
+    """The module of hf_tpu that ``name`` lives in: its longest dotted prefix that is a module."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str) -> Iterator[Import]:
+    """The hf_tpu names every import statement of ``module`` brings in, wherever the statement is."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = module_of(alias.name)
+                if target is not None:
+                    binds = alias.asname is None and "." in alias.name
+                    yield Import(module, alias.name, target, node.lineno, binds_package=binds)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: `from . import x`, `from ..y import z`
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if not is_within(base, PACKAGE):
+                continue
+            for alias in node.names:
+                name = f"{base}.{alias.name}"
+                target = name if name in MODULES else module_of(base)
+                if target is not None:
+                    yield Import(module, name, target, node.lineno)
+
+
+ALL_IMPORTS: list[Import] = [imp for module in MODULES for imp in imports_of(module)]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports (an import of itself, e.g. a package's own submodule name, is left out)."""
+    graph: dict[str, set[str]] = {module: set() for module in MODULES}
+    for imp in ALL_IMPORTS:
+        if imp.target != imp.importer:
+            graph[imp.importer].add(imp.target)
+        if imp.binds_package and imp.importer != PACKAGE:
+            graph[imp.importer].add(PACKAGE)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}  # order of discovery
+    lowest: dict[str, int] = {}  # lowest index reachable from the module through modules still on the stack
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = lowest[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in sorted(graph[module]):
+            if other not in index:
+                visit(other)
+                lowest[module] = min(lowest[module], lowest[other])
+            elif other in on_stack:
+                lowest[module] = min(lowest[module], index[other])
+        if lowest[module] == index[module]:  # `module` is the root of a component: pop it
+            component = []
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.append(other)
+                if other == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def upward_reasons(imp: Import) -> list[str]:
+    """Why ``imp`` runs up the house (empty when it does not)."""
+    importer, target = imp.importer, imp.target
+    if importer == PACKAGE:
+        return []  # the facade itself
+    reasons = []
+    if (target == PACKAGE or imp.binds_package) and not any(is_within(importer, floor) for floor in TOP_FLOOR):
+        reasons.append("only the top floor (hf_tpu.cli, hf_tpu.benchmarks) imports the hf_tpu facade")
+    if target != PACKAGE and target != importer and is_within(importer, target):
+        reasons.append(f"imports its own package's __init__ ({target}): import the submodule that defines the name")
+    if is_within(target, CLI) and not any(is_within(importer, room) for room in CLI_IMPORTERS):
+        reasons.append("only hf_tpu.cli and hf_tpu.benchmarks import hf_tpu.cli")
+    if is_within(importer, SIM) and is_within(target, DISTRIBUTED):
+        reasons.append("hf_tpu.sim is the bottom room: it imports nothing from hf_tpu.distributed")
+    return reasons
+
+
+def private_part(imported: str) -> str | None:
+    """``imported`` up to its first component that starts with ``_`` (dunders such as __version__ aside)."""
+    parts = imported.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not (part.startswith("__") and part.endswith("__")):
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def benchmark_seams() -> set[tuple[str, str]]:
+    """(benchmark module, private module or name of another room) for every such import in hf_tpu.benchmarks."""
+    found = set()
+    for imp in ALL_IMPORTS:
+        if is_within(imp.importer, BENCHMARKS) and not is_within(imp.imported, BENCHMARKS):
+            private = private_part(imp.imported)
+            if private is not None:
+                found.add((imp.importer, private))
+    return found
+
+
+def test_the_graph_sees_the_whole_package():
+    assert "hf_tpu" in MODULES and "hf_tpu.sim._ops" in MODULES and "hf_tpu.cli.main" in MODULES
+    assert not any("hub" in module.split(".") for module in MODULES)  # a kernel repository, not hf_tpu's code
+    assert ALL_IMPORTS and all(imp.target in MODULES for imp in ALL_IMPORTS)
+
+
+def test_no_import_cycle():
+    """No cycle but the one PENDING_ROUTE_REWRITE allows, and that one may not grow."""
+    wrong = [c for c in cycles(import_graph()) if not set(c) <= PENDING_ROUTE_REWRITE]
+    assert not wrong, "import cycles (each line: the modules that import each other):\n" + "\n".join(
+        f"  {c}" for c in wrong
+    )
+
+
+def test_the_pending_route_cycle_is_still_there():
+    """PENDING_ROUTE_REWRITE lists exactly the modules of a cycle that remains: empty it as the rewrite lands."""
+    still = {module for c in cycles(import_graph()) for module in c if module in PENDING_ROUTE_REWRITE}
+    gone = sorted(PENDING_ROUTE_REWRITE - still)
+    assert not gone, "no longer in a cycle, remove from PENDING_ROUTE_REWRITE: " + ", ".join(gone)
+
+
+def test_no_upward_import():
+    wrong = [f"  {imp}: {reason}" for imp in ALL_IMPORTS for reason in upward_reasons(imp)]
+    assert not wrong, "imports up the house:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_benchmarks_import_no_private_module_or_name_of_another_room():
+    new = benchmark_seams() - PENDING_BENCHMARK_SEAMS
+    assert not new, (
+        "hf_tpu.benchmarks imports private modules or names of another room; give the room a public seam "
+        "instead:\n" + "\n".join(f"  {module} imports {private}" for module, private in sorted(new))
+    )
+
+
+def test_the_pending_benchmark_seams_are_still_there():
+    gone = PENDING_BENCHMARK_SEAMS - benchmark_seams()
+    assert not gone, "no longer imported, remove from PENDING_BENCHMARK_SEAMS:\n" + "\n".join(
+        f"  {pair}" for pair in sorted(gone)
+    )
+
+
+def test_the_rules_catch_what_they_name():
+    """The checks themselves: a cycle, each kind of upward import, and a private import by a benchmark."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+    def reasons(importer: str, target: str, binds: bool = False) -> list[str]:
+        return upward_reasons(Import(importer, target, target, 1, binds_package=binds))
+
+    assert reasons("hf_tpu.compile_cache", "hf_tpu")
+    assert reasons("hf_tpu.selftest", "hf_tpu.sim", binds=True)
+    assert reasons("hf_tpu.serving._selftest", "hf_tpu.serving")
+    assert reasons("hf_tpu.benchmarks.__main__", "hf_tpu.benchmarks")
+    assert reasons("hf_tpu.serving.tensor_parallel", "hf_tpu.cli.main")
+    assert reasons("hf_tpu.sim._public_api", "hf_tpu.distributed.launch")
+    assert len(reasons("hf_tpu.sim._counters", "hf_tpu.distributed.launch", binds=True)) == 2
+    assert reasons("hf_tpu.cli.warmup", "hf_tpu") == []
+    assert reasons("hf_tpu.benchmarks.generate", "hf_tpu", binds=True) == []
+    assert reasons("hf_tpu.benchmarks.generate", "hf_tpu.cli.main") == []
+    assert reasons("hf_tpu.distributed.sim_backend", "hf_tpu.sim") == []
+    assert reasons("hf_tpu.sim", "hf_tpu.sim._counters") == []
+    assert private_part("hf_tpu.transformers._settings.SETTINGS") == "hf_tpu.transformers._settings"
+    assert private_part("hf_tpu.transformers.generation._helper") == "hf_tpu.transformers.generation._helper"
+    assert private_part("hf_tpu.__version__") is None and private_part("hf_tpu.runtime") is None
