@@ -12,6 +12,8 @@ import os
 import socket
 import time
 
+from hf_tpu.errors import UserError
+
 __all__ = ["SIM_DEFAULT_GENERATION", "LaunchError", "set_simulated_launch_env", "simulated_topology"]
 
 # The simulator's generation when none is asked for (hf_tpu.distributed.launch falls back to another generation for
@@ -19,7 +21,7 @@ __all__ = ["SIM_DEFAULT_GENERATION", "LaunchError", "set_simulated_launch_env", 
 SIM_DEFAULT_GENERATION = "v6e"
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError):
     """The launch cannot start: what was asked, what was found, and what to do."""
 
 

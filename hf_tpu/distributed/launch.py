@@ -34,9 +34,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-<<<<<<< HEAD
-from hf_tpu.errors import UserError
-=======
 from hf_tpu._launch_env import (  # the simulated launch environment, shared with the simulator (hf_tpu.sim)
     SIM_DEFAULT_GENERATION,
     LaunchError,
@@ -45,7 +42,6 @@ from hf_tpu._launch_env import (  # the simulated launch environment, shared wit
     set_simulated_launch_env,
     simulated_topology,
 )
->>>>>>> wt-house
 
 __all__ = [
     "BOOTSTRAP_MODULE",
@@ -72,112 +68,6 @@ _DEFAULT_NNODES = ("1", "1:1")
 _SIM_FALLBACK_ORDER = ("v5p", "v5e", "v4", "v7")
 
 
-<<<<<<< HEAD
-class LaunchError(UserError, RuntimeError):
-    """The launch cannot start: what was asked, what was found, and what to do."""
-
-
-def simulated_topology(nproc: int, generation: str = SIM_DEFAULT_GENERATION) -> str:
-    """The ``TORCH_TPU_TOPOLOGY`` torch_tpu sets for ``nproc`` devices of ``generation`` (``"2,2,1"`` for 4).
-
-    Raises:
-        LaunchError: torch_tpu has no mesh for ``nproc`` on ``generation``; the message names the counts that work.
-    """
-    from hf_tpu import _torch_tpu
-
-    try:
-        return _torch_tpu.topology(generation, nproc)
-    except _torch_tpu.UnsupportedTopologyError as err:
-        raise LaunchError(str(err)) from None
-
-
-def _is_multihost(nnodes: int | None, env) -> bool:
-    """torch_tpu's rule: ``nnodes > 1``, two or more ``TPU_WORKER_HOSTNAMES``, or ``JOB_COMPLETION_INDEX`` set."""
-    return (nnodes is not None and nnodes > 1) or len(_worker_hostnames(env)) > 1 or "JOB_COMPLETION_INDEX" in env
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _worker_hostnames(env: os._Environ | dict) -> list[str]:
-    return [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
-
-
-def set_simulated_launch_env(
-    *,
-    nnodes: int | None = None,
-    nproc_per_node: int | None = None,
-    env: dict | None = None,
-    generation: str = SIM_DEFAULT_GENERATION,
-) -> dict[str, str]:
-    """The simulated counterpart of torch_tpu's ``set_tpu_launch_env``: same variables, same rules.
-
-    Never overwrites a variable that is already set (so an operator can pin any of them). Multi-host is detected
-    as torch_tpu does: ``nnodes > 1``, two or more ``TPU_WORKER_HOSTNAMES``, or ``JOB_COMPLETION_INDEX`` set.
-    The simulated host has ``nproc_per_node`` devices of ``generation``: a count torch_tpu has no mesh for raises
-    :class:`LaunchError` (torch_tpu's ``get_tpu_topology`` raises RuntimeError there). Every rank also gets
-    ``HF_TPU_SIMULATE=1`` and ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (torch_tpu must not initialise a device on a
-    host without chips). Returns the variables this call set.
-
-    Example:
-        >>> env = {}
-        >>> set_simulated_launch_env(nproc_per_node=4, env=env)["TORCH_TPU_TOPOLOGY"]
-        '2,2,1'
-    """
-    env = os.environ if env is None else env
-    count = nproc_per_node or 1
-    mesh = simulated_topology(count, generation)  # refuse before changing anything
-    before = dict(env)
-
-    def once(name: str, value) -> None:
-        if name not in env:
-            env[name] = str(value() if callable(value) else value)
-
-    once("HF_TPU_SIMULATE", "1")
-    once("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-    once("TORCH_TPU_XPROF_SESSION_ID", lambda: str(time.time_ns()))
-    hosts = _worker_hostnames(env)
-    if nnodes is not None and hosts and nnodes != len(hosts):
-        raise LaunchError(
-            f"--nnodes={nnodes} was asked, but TPU_WORKER_HOSTNAMES lists {len(hosts)} host(s) "
-            f"({env['TPU_WORKER_HOSTNAMES']!r}); pass --nnodes={len(hosts)} or fix TPU_WORKER_HOSTNAMES."
-        )
-    completion_index = env.get("JOB_COMPLETION_INDEX")
-    if _is_multihost(nnodes, env):
-        if not hosts:
-            raise LaunchError(
-                "a multi-host launch was asked (--nnodes > 1 or JOB_COMPLETION_INDEX set), but "
-                "TPU_WORKER_HOSTNAMES is unset; set it to the comma-separated worker hostnames, the first being "
-                "the rendezvous host (e.g. TPU_WORKER_HOSTNAMES=host0,host1)."
-            )
-        base_port = int(env.get("TORCH_TPU_BASE_PORT", "8070"))
-        per_host = int(env.get("TORCH_TPU_DEVICES_PER_HOST", count))
-        once(
-            "TORCH_TPU_SLICEBUILDER_ADDRESSES",
-            ",".join(f"{h}:{base_port + i}" for h in hosts for i in range(per_host)),
-        )
-        once("NNODES", nnodes if nnodes is not None else len(hosts))
-        if "NODE_RANK" not in env:
-            if completion_index is None:
-                raise LaunchError(
-                    "a multi-host launch needs this host's rank: pass --node_rank, or set NODE_RANK or "
-                    "JOB_COMPLETION_INDEX (Kubernetes Indexed Jobs set it)."
-                )
-            env["NODE_RANK"] = str(int(completion_index))
-        once("MASTER_ADDR", hosts[0])
-        once("MASTER_PORT", "29500")
-        once("TORCH_TPU_TOPOLOGY", mesh)
-    else:
-        once("TORCH_TPU_SLICEBUILDER_ADDRESSES", lambda: ",".join(f"localhost:{_free_port()}" for _ in range(count)))
-        once("TORCH_TPU_TOPOLOGY", mesh)
-    return {k: v for k, v in env.items() if before.get(k) != v}
-
-
-=======
->>>>>>> wt-house
 def set_real_launch_env(*, nnodes: int | None = None, nproc_per_node: int | None = None) -> dict[str, str]:
     """Call torch_tpu's own ``set_tpu_launch_env`` (through :mod:`hf_tpu._torch_tpu`); returns what it set.
 
