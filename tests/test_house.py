@@ -39,36 +39,6 @@ SIM = "hf_tpu.sim"
 DISTRIBUTED = "hf_tpu.distributed"
 BENCHMARKS = "hf_tpu.benchmarks"
 
-# The one cycle left: the generation routes of hf_tpu.transformers import each other. It is being removed by the
-# route rewrite of the same issue (#33); until then these modules may form one cycle among themselves, and no
-# other. A cycle that reaches any other module fails. When the rewrite lands, empty this set.
-PENDING_ROUTE_REWRITE: frozenset[str] = frozenset(
-    {
-        "hf_tpu.transformers._cache_io",
-        "hf_tpu.transformers._cacheless",
-        "hf_tpu.transformers._decode_loop",
-        "hf_tpu.transformers._graphs",
-        "hf_tpu.transformers._upstream",
-    }
-)
-
-# The benchmarks' imports of other rooms' private modules or underscore names found when the rule was written:
-# (benchmark module, the private module or name it imports). Each should become a public seam of its room; remove
-# a pair once it has. A new pair fails.
-PENDING_BENCHMARK_SEAMS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("hf_tpu.benchmarks.arch_compile", "hf_tpu.tpu_compile._generate"),
-        ("hf_tpu.benchmarks.arch_sweep", "hf_tpu.transformers._upstream"),
-        ("hf_tpu.benchmarks.compile_cache", "hf_tpu.transformers._graphs"),
-        ("hf_tpu.benchmarks.compile_cache", "hf_tpu.transformers._settings"),
-        ("hf_tpu.benchmarks.compile_cache", "hf_tpu.transformers._static_cache"),
-        ("hf_tpu.benchmarks.diffusion", "hf_tpu.sim._counters"),
-        ("hf_tpu.benchmarks.sampling", "hf_tpu.transformers._decode_loop"),
-        ("hf_tpu.benchmarks.sim_forward", "hf_tpu.sim._native"),
-    }
-)
-
-
 @dataclass(frozen=True)
 class Import:
     """One name an import statement brings into ``importer``."""
@@ -228,18 +198,10 @@ def test_the_graph_sees_the_whole_package():
 
 
 def test_no_import_cycle():
-    """No cycle but the one PENDING_ROUTE_REWRITE allows, and that one may not grow."""
-    wrong = [c for c in cycles(import_graph()) if not set(c) <= PENDING_ROUTE_REWRITE]
+    wrong = cycles(import_graph())
     assert not wrong, "import cycles (each line: the modules that import each other):\n" + "\n".join(
         f"  {c}" for c in wrong
     )
-
-
-def test_the_pending_route_cycle_is_still_there():
-    """PENDING_ROUTE_REWRITE lists exactly the modules of a cycle that remains: empty it as the rewrite lands."""
-    still = {module for c in cycles(import_graph()) for module in c if module in PENDING_ROUTE_REWRITE}
-    gone = sorted(PENDING_ROUTE_REWRITE - still)
-    assert not gone, "no longer in a cycle, remove from PENDING_ROUTE_REWRITE: " + ", ".join(gone)
 
 
 def test_no_upward_import():
@@ -248,17 +210,10 @@ def test_no_upward_import():
 
 
 def test_benchmarks_import_no_private_module_or_name_of_another_room():
-    new = benchmark_seams() - PENDING_BENCHMARK_SEAMS
-    assert not new, (
+    wrong = benchmark_seams()
+    assert not wrong, (
         "hf_tpu.benchmarks imports private modules or names of another room; give the room a public seam "
-        "instead:\n" + "\n".join(f"  {module} imports {private}" for module, private in sorted(new))
-    )
-
-
-def test_the_pending_benchmark_seams_are_still_there():
-    gone = PENDING_BENCHMARK_SEAMS - benchmark_seams()
-    assert not gone, "no longer imported, remove from PENDING_BENCHMARK_SEAMS:\n" + "\n".join(
-        f"  {pair}" for pair in sorted(gone)
+        "instead:\n" + "\n".join(f"  {module} imports {private}" for module, private in sorted(wrong))
     )
 
 

@@ -89,7 +89,7 @@ def headline(text: str) -> str:
 def lower_many(session, models: dict[str, str], **kwargs: Any) -> dict[str, Any]:
     """Lowering-process entry: generate's warm-up for each ``arch -> model directory`` in turn; a failure is that
     architecture's, and the next one goes on. Labels name each program ``arch/program``."""
-    from hf_tpu.tpu_compile._generate import lower_generate
+    from hf_tpu.tpu_compile import lower_generate
 
     labels: list[str] = []
     errors: dict[str, str] = {}

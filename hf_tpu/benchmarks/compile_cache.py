@@ -119,20 +119,14 @@ def _byte_counter():
 
 def _decode_cost(model, cache_len: int) -> dict:
     """Ops and bytes touched by one eager decode step (batch 1) over a static cache of ``cache_len`` slots."""
-    import torch
 
-    from hf_tpu.transformers import _graphs, _settings, _static_cache
+    from hf_tpu.transformers.generation import eager_decode_step
 
-    state = _settings._state(model)
-    cache = _static_cache._cache_for(model, state, 1, cache_len, None)
-    mask = torch.ones(1, cache_len, dtype=torch.bool).to(model.device)
-    step = torch.tensor([[5, cache_len // 2]], dtype=torch.long).to(model.device)
-    extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
-    with torch.no_grad():
-        _graphs._GRAPHS["decode"](model, step, mask, cache, extra, None)  # meet every op once
-        counter = _byte_counter()
-        with counter:
-            _graphs._GRAPHS["decode"](model, step, mask, cache, extra, None)
+    step = eager_decode_step(model, cache_len)
+    step()  # meet every op once
+    counter = _byte_counter()
+    with counter:
+        step()
     return {"ops": counter.ops, "bytes": counter.bytes}
 
 

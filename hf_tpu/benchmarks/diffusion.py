@@ -42,10 +42,10 @@ def _pipeline(path: str):
 
 def _fresh_process() -> None:
     """Forget compiled graphs and seen eager shapes, as a new process would, so each mode starts cold."""
-    from hf_tpu.sim._counters import STATE
+    import hf_tpu.sim
 
     torch._dynamo.reset()
-    STATE.seen.clear()
+    hf_tpu.sim.forget_shapes()
 
 
 def _calls(args) -> list[tuple[int, int]]:

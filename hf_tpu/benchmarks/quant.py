@@ -103,9 +103,10 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def _measure(kind: str, path: str, args: argparse.Namespace, ids: torch.Tensor) -> dict:
+    from transformers import AutoModelForCausalLM
+
     import hf_tpu
     import hf_tpu.sim
-    from transformers import AutoModelForCausalLM
 
     gc.collect()
     before = hf_tpu.sim.memory_allocated()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
@@ -42,33 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=VOCAB)
 
 
-class _SelectTimer:
-    """Wraps the loop's ``_select`` (where the next tokens reach the host) and adds up the time spent in it."""
-
-    def __init__(self):
-        from hf_tpu.transformers import _decode_loop
-
-        self.module, self.original, self.seconds = _decode_loop, _decode_loop._select, 0.0
-
-    def __enter__(self):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return self.original(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        self.module._select = timed
-        return self
-
-    def __exit__(self, *exc):
-        self.module._select = self.original
-
-
 def _per_step(model, ids, kwargs, steps: int) -> dict:
     import torch
 
     import hf_tpu.sim
+    from hf_tpu.transformers.generation import timed_host_steps
 
     short, long = 2, 2 + steps
     for n in (short, long):  # compile what these need first
@@ -77,9 +54,9 @@ def _per_step(model, ids, kwargs, steps: int) -> dict:
     runs = []
     for n in (short, long):
         torch.manual_seed(0)
-        with hf_tpu.sim.stats() as s, _SelectTimer() as timer:
+        with hf_tpu.sim.stats() as s, timed_host_steps() as host:
             model.generate(ids, max_new_tokens=n, eos_token_id=None, **kwargs)
-        runs.append((s, timer.seconds))
+        runs.append((s, host[0]))
     (a, ta), (b, tb) = runs
     return {
         "h2d": (b.h2d_copies - a.h2d_copies) / steps,

@@ -28,11 +28,13 @@ __all__ = [
     "Stats",
     "enable",
     "execution_mode",
+    "forget_shapes",
     "host_view",
     "is_enabled",
     "is_sim_tensor",
     "max_memory_allocated",
     "memory_allocated",
+    "native_status",
     "reset_peak",
     "stats",
     "strict",
@@ -150,3 +152,16 @@ def reset_peak() -> None:
 
 if not _ENABLED:
     enable()
+
+
+def forget_shapes() -> None:
+    """Forget the eager op shapes seen so far, as a new process would (the next call of each counts as a new
+    signature, i.e. an op compile on torch_tpu); compiled graphs are forgotten with ``torch._dynamo.reset()``."""
+    STATE.seen.clear()
+
+
+def native_status() -> str:
+    """The simulator's native core: ``'on'``, ``'off (...)'``, ``'unavailable (...)'`` or ``'not loaded'``."""
+    from hf_tpu.sim import _native
+
+    return _native.status()

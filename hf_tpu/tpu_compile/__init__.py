@@ -28,6 +28,7 @@ __all__ = [
     "Target",
     "UnknownTargetError",
     "lower_and_compile",
+    "lower_generate",
     "plan_generate",
     "target",
 ]
@@ -38,4 +39,8 @@ def __getattr__(name: str):
         from hf_tpu.tpu_compile import plan
 
         return getattr(plan, name)
+    if name == "lower_generate":  # generate's own programs, lowered (arch_compile, the plan)
+        from hf_tpu.tpu_compile import _generate
+
+        return _generate.lower_generate
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

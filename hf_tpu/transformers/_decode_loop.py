@@ -9,6 +9,7 @@ and reads back the next tokens: the logits processors and the sampler run in the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -25,6 +26,10 @@ from hf_tpu.transformers._upstream import numbers_by_cache_length, prompt_first_
 from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
 
 __all__ = ["default_variant"]
+
+# The running totals of the open generation.timed_host_steps() blocks: seconds spent getting each step's next tokens
+# to the host (the copy back, and on the host path the processors and the sampler).
+HOST_TIMERS: list[list[float]] = []
 
 def _select(
     logits_processor, input_ids, tokens_dev, logits_dev, do_sample: bool, host_path: bool
@@ -112,9 +117,13 @@ class _Call:
         import torch
 
         while True:
+            start = time.perf_counter() if HOST_TIMERS else None
             next_tokens, step_scores, step_logits = _select(
                 self.logits_processor, self.input_ids, tokens_dev, logits_dev, self.do_sample, self.host_path
             )
+            if start is not None:
+                for total in HOST_TIMERS:
+                    total[0] += time.perf_counter() - start
             if self.scores is not None:
                 self.scores += (step_scores,)
             if self.raw_logits is not None:

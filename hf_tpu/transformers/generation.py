@@ -52,8 +52,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from collections.abc import Callable, Iterator
 
 from hf_tpu import _torch_tpu
 from hf_tpu.transformers import _cacheless
@@ -96,10 +98,12 @@ __all__ = [
     "compiled_graphs",
     "configure",
     "default_variant",
+    "eager_decode_step",
     "explain",
     "generate",
     "ladder_figures",
     "plan_shapes",
+    "timed_host_steps",
 ]
 
 # Re-exported for the modules and tests that reach the loop's internals through this module.
@@ -267,4 +271,56 @@ def _encode(model, input_ids, model_kwargs: dict):
     model_kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
     return ids, model_kwargs
 
+
+@contextlib.contextmanager
+def timed_host_steps() -> Iterator[list[float]]:
+    """Add up, while the block runs, the seconds hf_tpu's loops spend getting each step's next tokens to the host
+    (the one small copy back; on the host path the logits row, the processors and the sampler too).
+
+    Yields:
+        A one-item list holding the running total in seconds (read it after the block).
+
+    Example:
+        >>> with timed_host_steps() as host:                           # doctest: +SKIP
+        ...     model.generate(ids, max_new_tokens=32)
+        >>> host[0]                                                    # doctest: +SKIP
+        0.0021
+    """
+    from hf_tpu.transformers import _decode_loop
+
+    total = [0.0]
+    _decode_loop.HOST_TIMERS.append(total)
+    try:
+        yield total
+    finally:
+        _decode_loop.HOST_TIMERS.remove(total)
+
+
+def eager_decode_step(model, cache_len: int) -> Callable[[], object]:
+    """One greedy decode step of batch 1 over the model's bucketed static cache of ``cache_len`` slots, as a
+    callable that runs it eagerly (no compile): for measuring what one step touches (``hf-tpu bench
+    compile_cache`` counts its ops and bytes).
+
+    Args:
+        model: a causal LM on its device (a ``tpu`` one for hf_tpu's cache layers).
+        cache_len: the cache's slots; the step writes the middle one.
+
+    Returns:
+        A callable without arguments running the step under ``torch.no_grad()`` and returning (tokens, logits).
+    """
+    import torch
+
+    from hf_tpu.transformers._graphs import _GRAPHS
+    from hf_tpu.transformers._static_cache import _cache_for
+
+    cache = _cache_for(model, _state(model), 1, cache_len, None)
+    mask = torch.ones(1, cache_len, dtype=torch.bool).to(model.device)
+    step = torch.tensor([[5, cache_len // 2]], dtype=torch.long).to(model.device)
+    extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
+
+    def run():
+        with torch.no_grad():
+            return _GRAPHS["decode"](model, step, mask, cache, extra, None)
+
+    return run
 
