@@ -235,7 +235,17 @@ def _load(name: str) -> Callable[[], None]:
 def enable(*names: str) -> list[str]:
     """Apply the named integrations (all of them when none are named). Idempotent.
 
-    Returns the names of the integrations in force afterwards.
+    Args:
+        *names: integrations of :data:`INTEGRATIONS` (``"generation"``, ``"device_map"``, ``"serving"``, ...);
+            none: all of them.
+
+    Returns:
+        The names of the integrations in force afterwards.
+
+    Raises:
+        ValueError: a name that is not an integration (the message lists them).
+        Exception: whatever an integration's patch raises (an upstream version outside the range it was written
+            for, ...); that integration is reverted before the error propagates (nothing stays half-applied).
     """
     with _LOCK:
         for name in names or tuple(INTEGRATIONS):

@@ -88,6 +88,21 @@ def compile_pipeline(
     ``pipe.vae.decoder`` (one more graph per resolution; the decoder runs once per call; not served from the
     persistent cache).
 
+    Args:
+        pipe: a ``DiffusionPipeline`` or ``ModularPipeline`` placed on the TPU.
+        backend, fullgraph, dynamic, options: what ``torch.compile`` gets for each module.
+        recompile_limit: how many shapes one module may be compiled for.
+        cache_dir: the persistent compile cache directory, None for none (default ``HF_TPU_COMPILE_CACHE``).
+        vae: also compile the VAE decoder.
+        strict: a graph break is an error instead of a warning.
+
+    Returns:
+        ``pipe``, its modules compiled in place.
+
+    Raises:
+        hf_tpu.runtime.TPUNotAvailableError: ``backend="tpu"`` without a TPU (or the simulator).
+        ValueError: a later call's resolution or generator the compiled graphs cannot take (named, with the fix).
+
     Example:
         >>> pipe.to("tpu")                 # doctest: +SKIP
         >>> compile_pipeline(pipe)         # doctest: +SKIP

@@ -17,7 +17,19 @@ __all__ = ["Route", "configure", "explain"]
 
 
 def explain(model, **generate_kwargs) -> Route:
-    """The route ``model.generate(**generate_kwargs)`` takes: :func:`hf_tpu.transformers.route.explain`."""
+    """Which loop ``model.generate(**generate_kwargs)`` runs, and why (:func:`hf_tpu.transformers.route.explain`).
+
+    Args:
+        model: a ``PreTrainedModel`` with ``GenerationMixin``.
+        **generate_kwargs: what the ``generate`` call would get.
+
+    Returns:
+        A :class:`Route`: ``loop`` (``"cached"``, ``"host_length"``, ``"cacheless"`` or ``"upstream"``),
+        ``reason``, ``warn``, ``host_sampling``.
+
+    Raises:
+        Nothing of its own: arguments upstream rejects give an ``"upstream"`` route (``generate`` raises there).
+    """
     from hf_tpu.transformers.route import explain as _explain
 
     return _explain(model, **generate_kwargs)

@@ -176,6 +176,23 @@ def configure(
     :class:`~hf_tpu.compile_cache.CompileCache`, or ``False`` to use none (not even the one
     ``HF_TPU_COMPILE_CACHE`` names). ``cache_multiple=None`` sizes static caches on the prompt ladder.
 
+    Args:
+        model: the model whose ``generate`` hf_tpu serves.
+        buckets: the prompt ladder (a :class:`BucketLadder` or a list of lengths).
+        cache_multiple: the static cache's length rounds up to a multiple of this; None: the prompt ladder.
+        strict: True: a graph compile after warm-up raises :class:`RecompileError`; ``"eager"``: an eager op
+            compile too.
+        backend, fullgraph, compile: what ``torch.compile`` gets (``compile=False`` runs the loop eagerly).
+        compile_cache: the persistent compile cache (a directory, a ``CompileCache``, or False for none).
+        device_sampling: run the logits processors and sampler in the graph (default True).
+
+    Returns:
+        The model's :class:`GenerationSettings` after the change.
+
+    Raises:
+        ValueError: a ``cache_multiple`` that is not a positive int, a ``strict`` other than True, False or
+            ``"eager"``, or a ladder that is not increasing positive lengths.
+
     Example:
         >>> from hf_tpu.transformers import configure                   # doctest: +SKIP
         >>> configure(model, buckets=[32, 128, 512], strict=True)       # doctest: +SKIP

@@ -79,6 +79,23 @@ def warmup(
     (default: the model's, set by ``configure(model, compile_cache=...)``, else ``HF_TPU_COMPILE_CACHE``); graphs
     found there are loaded, not compiled (``report.from_cache``), and the others are stored.
 
+    Args:
+        model: a model on the TPU (``device_map="tpu"`` or ``.to("tpu")``).
+        max_prompt_len: every prompt bucket up to the one holding this length is compiled.
+        batch_sizes: the batch sizes to compile for.
+        max_new_tokens: the largest ``max_new_tokens`` later calls use (it sizes the caches).
+        buckets, strict, cache_dir: see :func:`~hf_tpu.transformers.configure`.
+        progress: show a progress bar.
+
+    Returns:
+        A :class:`WarmupReport`: the graph keys covered, how many were compiled or loaded, and the time taken.
+
+    Raises:
+        hf_tpu.runtime.TPUNotAvailableError, ValueError: the model is not on a TPU (the message says how to
+            place it), or ``batch_sizes`` holds no positive integer.
+        NotCompilableError: none of hf_tpu's loops serves the model's ``generate`` (the reason
+            :func:`hf_tpu.transformers.explain` gives), so there is no graph to compile.
+
     Example:
         >>> hf_tpu.warmup(model, max_prompt_len=64, batch_sizes=[1], max_new_tokens=16)   # doctest: +SKIP
         WarmupReport(graphs=[('prefill', 1, 16, 32), ('decode', 1, 32), ...], ...)
