@@ -104,15 +104,21 @@ def test_warmup_compiles_the_graphs_and_strict_mode_then_compiles_nothing(openai
         generation.configure(tpu, strict=False)
 
 
-def test_a_model_with_a_cache_of_its_own_runs_without_one(prompts, from_config):
-    # RWKV keeps its recurrent state in a cache class of its own, which has no bucketed form: the loop without a
-    # cache serves it (the padding after the sequence never reaches the state of the positions before it)
-    from transformers import RwkvConfig, RwkvForCausalLM
+def tiny_rwkv_config():
+    from transformers import RwkvConfig
 
-    config = RwkvConfig(
+    return RwkvConfig(
         vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
         context_length=64,
     )  # fmt: skip
+
+
+def test_a_model_with_a_cache_of_its_own_runs_without_one(prompts, from_config):
+    # RWKV keeps its recurrent state in a cache class of its own, which has no bucketed form: the loop without a
+    # cache serves it (the padding after the sequence never reaches the state of the positions before it)
+    from transformers import RwkvForCausalLM
+
+    config = tiny_rwkv_config()
     cpu, tpu = from_config(RwkvForCausalLM, config)
     generation.WARNED.clear()
     kw = {**GREEDY, "max_new_tokens": 6}

@@ -68,13 +68,10 @@ def test_use_cache_false_takes_the_loop_without_a_cache(llama, prompts):
 
 def test_a_model_whose_cache_has_no_bucketed_form_runs_without_one(from_config, prompts):
     # RWKV keeps its state in a cache class of its own: the loop without a cache, with the reason said
-    from transformers import RwkvConfig, RwkvForCausalLM
+    from test_cacheless import tiny_rwkv_config
+    from transformers import RwkvForCausalLM
 
-    config = RwkvConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
-        context_length=64,
-    )  # fmt: skip
-    cpu, tpu = from_config(RwkvForCausalLM, config)
+    cpu, tpu = from_config(RwkvForCausalLM, tiny_rwkv_config())
     route = explain(tpu)
     assert route.loop == "cacheless" and route.warn and "keeps its own cache type" in route.reason
     ids = prompts([5])[0]
@@ -84,15 +81,9 @@ def test_a_model_whose_cache_has_no_bucketed_form_runs_without_one(from_config, 
 
 def test_a_forward_branching_on_the_cache_length_is_demoted_to_the_host_length(from_config, prompts):
     # GIT branches on `cache_length > 0`: decided "cached" before any trace, the first trace demotes it
-    from transformers import GitConfig, GitForCausalLM
+    from test_host_length import _git
 
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "image_size": 32, "patch_size": 16}  # fmt: skip
-    config = GitConfig(
-        vision_config=vision, vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=64,
-    )  # fmt: skip
-    cpu, tpu = from_config(GitForCausalLM, config)
+    cpu, tpu = _git(from_config)
     assert explain(tpu).loop == "cached"
     ids = prompts([5])[0]
     assert torch.equal(tpu.generate(ids, **GREEDY), cpu.generate(ids, **GREEDY))
