@@ -50,6 +50,7 @@ __all__ = [
     "tier2_name",
     "WRITTEN_FOR",
     "LOWERING_NAMES",
+    "DYNAMIC_NAMES",
     "LoweredProgram",
     "LoweringSession",
     "LoweringUnavailableError",
@@ -369,6 +370,9 @@ def cache_stats() -> CacheStats | None:
 #     with its arguments, outputs and donated inputs, instead of being compiled (libtpu compiles the text for a
 #     described TPU in another process: hf_tpu.tpu_compile);
 #   - ``execute``: a recorded program is never run; its outputs are deferred ``tpu`` tensors of the lowered shapes;
+#   - a dynamic-shape graph's scalar inputs (``DynamicTpuCompiledExecutable._get_model_inputs`` copies each dynamic
+#     int, a host-length decode's cache length, to the chip as an int32 tensor): they become deferred int32 tensors,
+#     and the executable then lowers its graph for the bucket of torch_tpu's that holds the value, as on a chip;
 #   - eager ops on ``tpu`` tensors outside a graph (a cache's allocation, a host->device copy, ``zero_``): torch_tpu
 #     would run them on the chip; here a dispatch mode computes their shapes on the meta device and answers deferred
 #     tensors (no memory), counting host<->device copies and host reads (``.item()`` answers 0).
@@ -385,7 +389,10 @@ LOWERING_NAMES = {
         "clear_export_mode_default_device_generators",
     ),
     "torch_tpu._internal.execution_mode": ("eager_mode", "EagerMode"),
+    "torch_tpu._internal.compile.dynamic.dynamic_executable": ("DynamicTpuCompiledExecutable",),
 }  # fmt: skip
+#: What of ``DynamicTpuCompiledExecutable`` the stand-in reads (its instances' attributes and its method).
+DYNAMIC_NAMES = ("_get_model_inputs", "_dynamic_scalar_map", "_default_scalar_tensor_cache", "_get_backend_device")
 
 
 @dataclass
@@ -523,6 +530,21 @@ def start_lowering(announce=None) -> LoweringSession:
 
     ttc.traverse_and_compile = traverse_and_compile
     ttc.execute = execute
+
+    dynamic = importlib.import_module("torch_tpu._internal.compile.dynamic.dynamic_executable")
+    model_inputs = dynamic.DynamicTpuCompiledExecutable._get_model_inputs
+
+    def deferred_scalars(self, args, pad_outputs):
+        # each dynamic int as the deferred int32 tensor torch_tpu would copy it into (it caches them by value)
+        for arg_idx, _ in self._dynamic_scalar_map:
+            val = args[arg_idx]
+            if val not in self._default_scalar_tensor_cache:
+                self._default_scalar_tensor_cache[val] = torch.empty(
+                    (), dtype=torch.int32, device=self._get_backend_device()
+                )
+        return model_inputs(self, args, pad_outputs)
+
+    dynamic.DynamicTpuCompiledExecutable._get_model_inputs = deferred_scalars
 
     def lowering() -> bool:
         return em.eager_mode == em.EagerMode._INTERNAL_COMPILE_FX_GRAPH

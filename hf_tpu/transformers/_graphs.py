@@ -323,10 +323,12 @@ def _not_one_graph(exc: BaseException) -> str | None:
     import torch
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
 
+    from hf_tpu.errors import HfTpuError
+
     seen: BaseException | None = exc
     for _ in range(8):  # the error, then what it was raised from
-        if seen is None:
-            return None
+        if seen is None or isinstance(seen, HfTpuError):
+            return None  # (hf_tpu's own error: one handled before this trace, met as the context it ran in)
         if isinstance(seen, torch._dynamo.exc.Unsupported):
             return (str(seen).strip().splitlines() or [""])[0]
         if isinstance(seen, (GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound)):

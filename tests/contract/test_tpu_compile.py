@@ -151,11 +151,27 @@ def test_generate_int4_and_fp8_weights(tmp_path):
     assert plans["fp8"].hbm["weights"] < plans[None].hbm["weights"]
 
 
-def test_host_length_model_takes_the_loop_without_a_cache_on_torch_tpu(tmp_path):
-    """RoFormer reads its cache length as a number. On the simulator its decode runs with the length as a host int;
-    through torch_tpu's real front end that graph fails in Dynamo (PendingUnbackedSymbolNotFound at RoFormer's
-    ``torch.arange``), so warm-up falls back, as generate would on a chip, to the loop without a cache, whose
-    graphs compile. (docs/planning.md: what the simulator and torch_tpu disagree on.)"""
+def test_every_private_name_the_lowering_stand_in_replaces_exists_in_the_wheel():
+    """The stand-in (hf_tpu._torch_tpu.start_lowering) replaces or reads private torch_tpu names; a wheel that renamed
+    one would make it stand in for nothing. Checked without importing torch_tpu's device (the sources are read)."""
+    import importlib
+    import inspect
+
+    from hf_tpu import _torch_tpu
+
+    for module_name, names in _torch_tpu.LOWERING_NAMES.items():
+        module = importlib.import_module(module_name)
+        assert [n for n in names if not hasattr(module, n)] == [], module_name
+    dynamic = importlib.import_module("torch_tpu._internal.compile.dynamic.dynamic_executable")
+    source = inspect.getsource(dynamic.DynamicTpuCompiledExecutable)
+    assert [n for n in _torch_tpu.DYNAMIC_NAMES if f"self.{n}" not in source] == []
+
+
+def test_host_length_model_lowers_its_dynamic_decode_through_torch_tpu(tmp_path):
+    """RoFormer reads its cache length as a number (``torch.arange(length, length + n)``): its cached prefill fails
+    its first trace, and warm-up moves it to the host-length route, as generate would. Through torch_tpu's real
+    front end that decode graph (the length a dynamic size) goes to torch_tpu's dynamic compiler, which takes the
+    length as an int32 scalar input; it lowers and libtpu compiles it."""
     from transformers import RoFormerConfig
 
     path = tmp_path / "roformer"
@@ -165,7 +181,9 @@ def test_host_length_model_takes_the_loop_without_a_cache_on_torch_tpu(tmp_path)
                                           "dtype": "float32"}, "v6e-1")  # fmt: skip
     _all_compiled(result)
     kinds = [k[0] for k in result.info["graph_keys"]]
-    assert kinds == ["prefill", "cacheless_prefill", "cacheless_decode"], kinds
+    assert kinds == ["prefill", "decode"], kinds
+    decode = result.programs[-1]
+    assert decode.name == "decode" and [[], "int32"] in decode.arguments, decode.arguments  # the length
 
 
 def test_plan_command_prints_one_json_object(tmp_path):

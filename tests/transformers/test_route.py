@@ -113,3 +113,32 @@ def test_a_model_no_loop_of_hf_tpus_serves_runs_upstreams_and_warmup_says_so(fro
         got = tpu.generate(ids, **GREEDY)
     assert torch.equal(got.cpu(), cpu.generate(ids, **GREEDY))
     assert generation.compiled_graphs(tpu) == []
+
+
+def test_a_failure_raised_while_an_earlier_trace_failure_was_handled_is_not_taken_for_one():
+    # The second trace of a demoted model can run while the first failure is being handled: an unrelated error then
+    # (a backend's, a transfer's) has that NotCompilableError as its context and must surface as itself, not
+    # demote the model once more with the first trace's reason.
+    from hf_tpu.transformers._graphs import _not_one_graph
+
+    def raised(make):
+        try:
+            make()
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        raise AssertionError("nothing raised")
+
+    def dynamo_refused():  # dynamo wraps what it met: the cause is followed
+        raise RuntimeError("backend wrapper") from torch._dynamo.exc.Unsupported("a branch on a tensor")
+
+    def first_trace_failed():
+        raise generation.NotCompilableError("the cached prefill") from raised(dynamo_refused)
+
+    def while_handling():
+        try:
+            first_trace_failed()
+        except generation.NotCompilableError:
+            raise RuntimeError("failed to transfer to 'tpu' device")  # noqa: B904
+
+    assert _not_one_graph(raised(dynamo_refused)) == "a branch on a tensor"
+    assert _not_one_graph(raised(while_handling)) is None
