@@ -56,6 +56,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                         help="smallest step rung in tokens (default: 16; the rungs go up x4 to --max-batch-tokens)")
     parser.add_argument("--max-pending", type=_positive_int, default=None,
                         help="requests in flight before new ones get 429 (default: 4 x --slots)")  # fmt: skip
+    parser.add_argument("--max-n", type=_positive_int, default=16,
+                        help="most choices (n) one request may ask for; more gets 400 (default: 16)")  # fmt: skip
+    parser.add_argument("--max-logprobs", type=int, default=5, choices=range(0, 21), metavar="K",
+                        help="most top log-probabilities per token a request may ask for, 0 to 20 (default: 5)")
     parser.add_argument("--compile-cache", default=None, metavar="DIR",
                         help="store the step graphs in DIR and load them in the next process "
                         "(default: HF_TPU_COMPILE_CACHE, else none)")  # fmt: skip
@@ -117,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel.follow(model, args.tp, warmup=not args.no_warmup, dtype=args.dtype,
                                attn_implementation=args.attn_implementation)  # fmt: skip
         return 0
+    from hf_tpu.serving._openai import Limits
     from hf_tpu.serving.server import run_server
 
     max_pending = args.max_pending or 4 * serving.SETTINGS.slots
@@ -125,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         model, host=args.host, port=args.port, max_pending=max_pending, warmup=not args.no_warmup, aliases=aliases,
         dtype=args.dtype, attn_implementation=args.attn_implementation, log_level=args.log_level,
         enable_cors=args.enable_cors, default_seed=args.default_seed, tp=args.tp,
+        limits=Limits(max_n=args.max_n, max_logprobs=args.max_logprobs),
     )  # fmt: skip
     return 0
 

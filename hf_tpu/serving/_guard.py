@@ -6,6 +6,7 @@ bound. In front of it, for ``POST /v1/...``:
 * a body that is not a JSON object -> 400 naming the problem;
 * ``max_tokens``/``max_completion_tokens``/``max_output_tokens`` that is not a positive integer -> 400;
 * a ``model`` other than the one served -> 404 listing the served name;
+* for chat and completions, every field (:func:`hf_tpu.serving._openai.check`): a wrong one -> 400 naming it;
 * more than ``max_pending`` requests in flight (counted from their arrival, body not yet read included) -> 429 with
   ``Retry-After`` (the queue is bounded);
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 
 from hf_tpu.errors import UserError
+from hf_tpu.serving._openai import CHAT, COMPLETIONS, Limits, RequestError, check
 
 __all__ = ["Guard", "PromptTooLongError"]
 
@@ -29,15 +31,18 @@ class PromptTooLongError(UserError, ValueError):
     """A prompt the model cannot continue (answered with HTTP 400)."""
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> tuple[int, bytes]:
-    return status, json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+           ) -> tuple[int, bytes]:  # fmt: skip
+    """A refusal in OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return status, json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
 
 
 class Guard:
     """ASGI middleware; ``served`` are the model names accepted in ``body["model"]``."""
 
-    def __init__(self, app, *, served: set[str], canonical: str, max_pending: int, metrics) -> None:
-        self.app, self.served, self.canonical = app, served, canonical
+    def __init__(self, app, *, served: set[str], canonical: str, max_pending: int, metrics,
+                 limits: Limits = Limits()) -> None:  # fmt: skip
+        self.app, self.served, self.canonical, self.limits = app, served, canonical, limits
         self.max_pending, self.metrics = max_pending, metrics
         self.pending = 0
 
@@ -74,7 +79,7 @@ class Guard:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        refusal, body = self._check(body)
+        refusal, body = self._check(path, body)
         if refusal is not None:
             status, payload = refusal
             self.metrics.requests.labels(path, str(status)).inc()
@@ -101,7 +106,7 @@ class Guard:
         finally:
             self.metrics.requests.labels(path, str(status[0])).inc()
 
-    def _check(self, body: bytes) -> tuple[tuple[int, bytes] | None, bytes]:
+    def _check(self, path: str, body: bytes) -> tuple[tuple[int, bytes] | None, bytes]:
         """(refusal or None, the body to pass on: ``model`` rewritten to the name transformers was started with)."""
         try:
             data = json.loads(body or b"null")
@@ -112,11 +117,16 @@ class Guard:
         for field in _TOKEN_FIELDS:
             value = data.get(field)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                return _error(400, f"{field} must be a positive integer, got {value!r}"), body
+                return _error(400, f"{field} must be a positive integer, got {value!r}", param=field), body
         model = data.get("model")
         if model is not None and model not in self.served:
             message = f"model {model!r} is not served here; this server serves {sorted(self.served)}"
-            return _error(404, message, "not_found_error"), body
+            return _error(404, message, "not_found_error", "model"), body
+        if path in (CHAT, COMPLETIONS):
+            try:
+                check(path, data, self.limits)
+            except RequestError as exc:
+                return _error(exc.status, exc.message, exc.kind, exc.param), body
         if model is not None and model != self.canonical:
             data["model"] = self.canonical
             body = json.dumps(data).encode()

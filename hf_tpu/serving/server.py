@@ -6,13 +6,11 @@ serves, hf_tpu (through a reversible patch of ``transformers.cli.serving.server.
 
 * loads the model, creates its continuous-batching manager and warms it up (every step shape of the ladder,
   :mod:`hf_tpu.serving.ladder`), then starts it; prints when warm-up is done and where it listens;
-* puts :class:`~hf_tpu.serving._guard.Guard` in front of the app (bad input -> 400, unknown model -> 404, a bounded
-  number of requests in flight -> 429 with ``Retry-After``, ``/metrics``);
+* puts :class:`~hf_tpu.serving._guard.Guard` in front of the app (bad input -> 400 naming the field, unknown model
+  -> 404, a bounded number of requests in flight -> 429 with ``Retry-After``, ``/metrics``);
+* answers chat and completions with :mod:`hf_tpu.serving._handlers` (per request: ``n``, ``stop``, finish reasons);
 * checks every request's length where it is tokenized: a prompt that leaves no room to generate within the model's
   ``max_position_embeddings`` -> 400; ``max_tokens`` past that length is cut to it.
-
-The continuous-batching manager takes its sampling settings (``do_sample``, temperature...) from the model's
-``generation_config`` at start (upstream's manager has one generation config for all requests).
 """
 
 from __future__ import annotations
@@ -40,14 +38,15 @@ def _max_len(model) -> int:
 
 
 def _checked_add_request(cb, max_len: int, metrics):
-    """``cb.add_request`` refusing prompts that do not fit, capping ``max_new_tokens`` to the model's length, and
-    recording per-token timestamps (for the latency histograms)."""
+    """``cb.add_request`` refusing prompts that do not fit, capping ``max_new_tokens`` to the model's length,
+    recording per-token timestamps (for the latency histograms), and taking ``num_choices`` (the request's ``n``:
+    upstream forks ``n - 1`` children of the request after its prefill)."""
     from hf_tpu.serving._guard import PromptTooLongError
 
     upstream = cb.add_request
 
     @functools.wraps(upstream)
-    def add_request(input_ids, request_id=None, max_new_tokens=None, **kwargs):
+    def add_request(input_ids, request_id=None, max_new_tokens=None, num_choices=1, **kwargs):
         n = len(input_ids)
         if n >= max_len:
             raise PromptTooLongError(
@@ -59,7 +58,15 @@ def _checked_add_request(cb, max_len: int, metrics):
         if wanted is None or n + wanted > max_len:
             max_new_tokens = max_len - n
         kwargs["record_timestamps"] = True
-        return upstream(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
+        if num_choices == 1:
+            return upstream(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
+        # upstream reads the manager's num_return_sequences for every request; this runs on the event loop's thread,
+        # the only one adding requests, so the value is the request's while upstream reads it
+        saved, cb.num_return_sequences = cb.num_return_sequences, num_choices
+        try:
+            return upstream(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
+        finally:
+            cb.num_return_sequences = saved
 
     return add_request
 
@@ -89,12 +96,13 @@ def _metrics_hook(cb, metrics):
 
 
 def _prepare(app, model_manager, generation_state, *, aliases: set[str], max_pending: int, warmup: bool, out,
-             started: list, tp: int = 1):  # fmt: skip
+             started: list, limits, tp: int = 1):  # fmt: skip
     """Load, warm up and start the model's continuous-batching manager; return the guarded app. With ``tp > 1``
     (rank 0 of ``hf-tpu serve --tp``) the model is loaded sharded (:mod:`hf_tpu.serving.tensor_parallel`)."""
     from fastapi.responses import JSONResponse
 
     from hf_tpu.serving._guard import Guard, PromptTooLongError
+    from hf_tpu.serving._openai import RequestError
     from hf_tpu.serving.metrics import ServerMetrics, compiles_so_far
 
     forced = model_manager.force_model
@@ -144,14 +152,18 @@ def _prepare(app, model_manager, generation_state, *, aliases: set[str], max_pen
 
     @app.exception_handler(PromptTooLongError)
     async def _too_long(_request, exc):
-        return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "code": 400}}, 400)
+        return JSONResponse(RequestError(None, str(exc)).body(), 400)
+
+    @app.exception_handler(RequestError)
+    async def _refused(_request, exc):
+        return JSONResponse(exc.body(), exc.status)
 
     served = {forced, *aliases}
-    return Guard(app, served=served, canonical=forced, max_pending=max_pending, metrics=metrics)
+    return Guard(app, served=served, canonical=forced, max_pending=max_pending, metrics=metrics, limits=limits)
 
 
 def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bool = True, aliases=(), out=None,
-               tp: int = 1, **serve_flags) -> None:  # fmt: skip
+               tp: int = 1, limits=None, **serve_flags) -> None:  # fmt: skip
     """Run transformers' server for ``model`` on the TPU until it is stopped (SIGINT/SIGTERM); ``tp > 1``: as rank
     0 of ``hf-tpu serve --tp`` (:mod:`hf_tpu.serving.tensor_parallel`)."""
     import sys
@@ -159,16 +171,25 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
     from transformers.cli import serve as serve_cli
     from transformers.cli.serving import server as server_module
 
+    from hf_tpu.serving._handlers import handler_classes
+    from hf_tpu.serving._openai import Limits
+
     out = out or sys.stdout
+    limits = limits or Limits()
     upstream = server_module.build_server
     started: list = []
 
     @functools.wraps(upstream)
-    def build_server(model_manager, *args, **kwargs):
-        app = upstream(model_manager, *args, **kwargs)
+    def build_server(model_manager, chat_handler, *args, **kwargs):
+        state = kwargs["generation_state"]
+        # chat and completions answered per request (hf_tpu.serving._handlers), the other endpoints upstream's
+        ChatHandler, TextHandler = handler_classes()
+        chat = ChatHandler(model_manager, state, chat_template_kwargs=chat_handler.chat_template_kwargs)
+        kwargs["completion_handler"] = TextHandler(model_manager, state)
+        app = upstream(model_manager, chat, *args, **kwargs)
         guarded = _prepare(
-            app, model_manager, kwargs["generation_state"], aliases=set(aliases), max_pending=max_pending,
-            warmup=warmup, out=out, started=started, tp=tp,
+            app, model_manager, state, aliases=set(aliases), max_pending=max_pending, warmup=warmup, out=out,
+            started=started, tp=tp, limits=limits,
         )  # fmt: skip
         ranks = f", tensor parallel over {tp} ranks" if tp > 1 else ""
         print(f"hf-tpu serve: listening on http://{host}:{port} (OpenAI API under /v1, metrics at /metrics{ranks})",

@@ -114,6 +114,39 @@ def test_bad_input_is_answered_and_the_server_keeps_serving(server, client):
     assert client.completions.create(model=MODEL, prompt="Why, then", max_tokens=3).choices[0].text is not None
 
 
+def test_every_field_is_checked_at_the_door(server, client):
+    def param_of(**body) -> str:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, **body)
+        assert info.value.status_code == 400 and info.value.body["type"] == "invalid_request_error"
+        return info.value.param
+
+    hi = [{"role": "user", "content": "hi"}]
+    assert param_of(messages=[]) == "messages"
+    assert param_of(messages=hi, temperature=-1) == "temperature"
+    assert param_of(messages=hi, top_p=0) == "top_p"
+    assert param_of(messages=hi, n=1000) == "n"
+    assert param_of(messages=[{"role": "wizard", "content": "x"}]) == "messages[0].role"
+    status, body, _ = server.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 4})
+    assert status == 400 and body["error"]["param"] == "messages", body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="", max_tokens=2)
+    assert info.value.param == "prompt"
+    reply = client.chat.completions.create(model=MODEL, messages=hi, max_tokens=3, temperature=0)
+    assert reply.choices[0].message.content is not None  # alive
+
+
+def test_finish_reason_is_length_at_max_tokens_and_at_the_context(client):
+    body = {"model": MODEL, "prompt": "The king said", "temperature": 0, "extra_body": {"ignore_eos": True}}
+    short = client.completions.create(max_tokens=5, **body)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 5
+    whole = client.completions.create(max_tokens=100000, **body)  # cut at the model's 256 positions
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens + whole.usage.completion_tokens == 256
+    chunks = list(client.completions.create(max_tokens=100000, stream=True, **body))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
 def _stream(server, prompt: str, tokens: int):
     """An open streaming completion (no end of sequence, so that it runs its length); its first chunk read."""
     body = {

@@ -1,0 +1,432 @@
+"""``/v1/chat/completions`` and ``/v1/completions`` of ``hf-tpu serve``: transformers' handlers, answering per request.
+
+:class:`ChatHandler` and :class:`TextHandler` subclass transformers' ``ChatCompletionHandler`` and
+``CompletionHandler`` (same model resolution, chat template, tool-call parsing) and replace how one request is run on
+the continuous batch: every choice of the request (``n``) is a request of upstream's manager (``n > 1``: upstream's
+forked children, the prompt's prefill shared), with the request's own sampling settings
+(:func:`hf_tpu.serving._openai.resolve`); ``stop`` strings are looked for on the host in the decoded text of each
+choice (the choice is cancelled when one is found); ``finish_reason`` is ``"stop"`` for an end of sequence or a
+stop string and ``"length"`` when ``max_tokens`` or the model's context ended the choice; log-probabilities come
+from the step's outputs (:mod:`hf_tpu.serving._sampling`).
+
+The bodies reaching these handlers have been checked by :func:`hf_tpu.serving._openai.check` (in the guard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+import uuid
+from typing import Any
+
+from hf_tpu.serving._openai import CHAT, COMPLETIONS, RequestError, Sampling, resolve
+
+__all__ = ["child_ids", "handler_classes"]
+
+#: How transformers 5.24's continuous batching names the forked children of a request with ``num_children``
+#: (``ContinuousBatchProcessor.update_batch``): ``f"{request_id}__child#{i}"``.
+CHILD = "__child#"
+
+
+def child_ids(request_id: str, n: int) -> list[str]:
+    """The continuous-batching request ids of the ``n`` choices of ``request_id``: itself, then its children."""
+    return [request_id] + [f"{request_id}{CHILD}{i}" for i in range(n - 1)]
+
+
+def _request_kwargs(sampling: Sampling) -> dict[str, Any]:
+    """The per-request settings handed to the continuous batch (``add_request``'s logits-processor kwargs); refuses
+    what the batch does not honour yet."""
+    if not sampling.greedy:
+        raise RequestError("temperature", "sampling (temperature > 0) is not honoured per request yet; send "
+                                          "temperature 0")  # fmt: skip
+    if sampling.logprobs:
+        raise RequestError("logprobs", "logprobs are not returned yet; leave logprobs out")
+    return {}
+
+
+class _Choice:
+    """One choice of a request: its tokens, its text decoded so far (cut at a stop string) and how it ended."""
+
+    def __init__(self, index: int, cb_id: str, tokenizer, skip_special: bool) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.index, self.cb_id, self.tokenizer = index, cb_id, tokenizer
+        self.decoder = DecodeStream([], skip_special_tokens=skip_special)
+        self.tokens: list[int] = []
+        self.logprobs: list = []
+        self.ends: list[int] = []  # offset in ``text`` after each token
+        self.text = ""
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.first_token_at: float | None = None
+
+    def take(self, output, sampling: Sampling, eos: set[int]) -> None:
+        """Take the tokens of ``output`` (a ``GenerationOutput``) that are new; end the choice at a stop string, an
+        end of sequence, or its length."""
+        if self.finish_reason is not None:
+            return
+        if output.error is not None:
+            self.error, self.finish_reason = str(output.error), "error"
+            return
+        new = output.generated_tokens[len(self.tokens) :]
+        if new and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        longest = max((len(s) for s in sampling.stop), default=0)
+        for k, token in enumerate(new):
+            self.tokens.append(token)
+            if sampling.logprobs and len(output.logprobs) > len(self.logprobs):
+                self.logprobs.append(output.logprobs[len(self.logprobs)])
+            piece = self.decoder.step(self.tokenizer, token) or ""
+            start = max(len(self.text) - longest + 1, 0)
+            self.text += piece
+            self.ends.append(len(self.text))
+            if sampling.stop and piece:
+                found = [i for i in (self.text.find(s, start) for s in sampling.stop) if i >= 0]
+                if found:
+                    self.text = self.text[: min(found)]
+                    self.ends[-1] = len(self.text)
+                    self.finish_reason = "stop"
+                    return
+        if output.is_finished():
+            self.finish_reason = "stop" if self.tokens and self.tokens[-1] in eos else "length"
+
+    def sendable(self, sampling: Sampling) -> int:
+        """How much of ``text`` can be sent: all of it once the choice ended, else all but what could still become
+        a stop string."""
+        if self.finish_reason is not None or not sampling.stop:
+            return len(self.text)
+        return max(len(self.text) - max(len(s) for s in sampling.stop) + 1, self.sent_chars)
+
+
+class _Run:
+    """The choices of one request on the continuous batch: submitted, their outputs gathered on the event loop."""
+
+    def __init__(self, cb, input_ids: list[int], sampling: Sampling, processor, metrics, *, skip_special: bool,
+                 stream: bool) -> None:  # fmt: skip
+        self.cb, self.input_ids, self.sampling, self.metrics = cb, input_ids, sampling, metrics
+        # Outputs per token when they are streamed, cut at a stop string or split in choices; else only the last.
+        self.per_token = stream or bool(sampling.stop) or sampling.n > 1
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.base_id = f"hf-tpu-{uuid.uuid4().hex}"
+        self.ids = child_ids(self.base_id, sampling.n)
+        rust = self.tokenizer._tokenizer
+        self.choices = [_Choice(i, cb_id, rust, skip_special) for i, cb_id in enumerate(self.ids)]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        eos = sampling.eos_token_id
+        self.eos = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
+        self.arrival = time.perf_counter()
+
+    def submit(self) -> None:
+        """Register a handler per choice, then add the request (``n`` choices) to the manager."""
+        s = self.sampling
+        for choice in self.choices:
+            self.cb.register_result_handler(choice.cb_id, lambda out, c=choice: self.queue.put_nowait((c, out)))
+        kwargs = _request_kwargs(s)
+        if self.metrics is not None:
+            self.metrics.arrived(self.base_id, self.arrival)
+        try:
+            self.cb.add_request(
+                self.input_ids, request_id=self.base_id, max_new_tokens=s.max_tokens, num_choices=s.n,
+                streaming=self.per_token, eos_token_id=-1 if not self.eos else list(self.eos),
+                **kwargs,
+            )  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    async def step(self) -> None:
+        """Wait for outputs and take them all (those already queued included)."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        for choice, output in items:
+            ended = choice.finish_reason is not None
+            choice.take(output, self.sampling, self.eos)
+            if not ended and choice.finish_reason == "stop" and not output.is_finished():
+                self._cancel(choice)  # cut at a stop string: the batch stops generating for it
+                if self.metrics is not None:
+                    self.metrics.stopped(choice.cb_id, len(choice.tokens))
+
+    def _cancel(self, choice: _Choice) -> None:
+        router = self.cb.output_router
+        with router._lock:
+            router.result_handlers.pop(choice.cb_id, None)
+        self.cb.cancel_request(choice.cb_id)
+
+    def close(self) -> None:
+        """Cancel the choices that have not ended (a client gone, an error) and drop their handlers."""
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                self._cancel(choice)
+                choice.finish_reason = "cancelled"
+        if self.metrics is not None:
+            self.metrics.left(self.base_id)
+
+    def usage(self) -> dict:
+        completion = sum(len(c.tokens) for c in self.choices)
+        prompt = len(self.input_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def error(self) -> str | None:
+        return next((c.error for c in self.choices if c.error is not None), None)
+
+
+class _Tokens:
+    """Token strings of log-probability entries (cached per id)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.cache = tokenizer, {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def _chat_logprobs(choice: _Choice, lo: int, hi: int, name: _Tokens, top: int) -> dict:
+    entries = []
+    for token, record in zip(choice.tokens[lo:hi], choice.logprobs[lo:hi]):
+        chosen, alternatives = record
+        text = name(token)
+        alts = [{"token": name(t), "logprob": lp, "bytes": list(name(t).encode())} for t, lp in alternatives[:top]]
+        entries.append({"token": text, "logprob": chosen, "bytes": list(text.encode()), "top_logprobs": alts})
+    return {"content": entries}
+
+
+def _text_logprobs(choice: _Choice, lo: int, hi: int, name: _Tokens, top: int) -> dict:
+    tokens, values, tops, offsets = [], [], [], []
+    for k in range(lo, min(hi, len(choice.logprobs))):
+        chosen, alternatives = choice.logprobs[k]
+        tokens.append(name(choice.tokens[k]))
+        values.append(chosen)
+        tops.append({name(t): lp for t, lp in alternatives[:top]} if top else None)
+        offsets.append(choice.ends[k - 1] if k else 0)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class _Answer:
+    """Runs a checked request on the continuous batch and answers it, streamed or not."""
+
+    def __init__(self, handler, path: str, body: dict, request_id: str) -> None:
+        self.handler, self.path, self.body, self.request_id = handler, path, body, request_id
+        self.chat = path == CHAT
+
+    async def __call__(self):
+        from fastapi.responses import JSONResponse, StreamingResponse
+        from transformers.cli.serving.utils import CBWorkerDeadError
+
+        from hf_tpu.serving._guard import PromptTooLongError
+
+        h = self.handler
+        model_id, model, processor = h._resolve_model(self.body)
+        gen_manager = h.generation_state.get_manager(model_id, use_cb=True)
+        gen_manager._check_alive(self.request_id)
+        cb = gen_manager._cb
+        self.model_id, self.model, self.processor = model_id, model, processor
+        input_ids = self._prompt_ids(processor)
+        sampling = resolve(self.path, self.body, model.generation_config)
+        self.parser = self._parser(processor, model, input_ids) if self.chat else None
+        run = _Run(cb, input_ids, sampling, processor, h.metrics, skip_special=self.parser is None,
+                   stream=bool(self.body.get("stream")))
+        try:
+            run.submit()
+        except PromptTooLongError as exc:
+            raise RequestError("messages" if self.chat else "prompt", str(exc)) from None
+        self.name, self.created = _Tokens(run.tokenizer), int(time.time())
+        if self.body.get("stream"):
+            return StreamingResponse(self._stream(run), media_type="text/event-stream")
+        try:
+            while not run.done:
+                await run.step()
+        finally:
+            run.close()
+        failure = run.error()
+        if failure is not None:
+            if cb.background_thread_status.fatal_error is not None:
+                raise CBWorkerDeadError(f"the continuous batch died during request {self.request_id}: {failure}")
+            return JSONResponse({"error": {"message": f"generation failed: {failure}", "type": "server_error",
+                                           "param": None, "code": 500}}, status_code=500)  # fmt: skip
+        return JSONResponse(self._whole(run))
+
+    def _prompt_ids(self, processor) -> list[int]:
+        if not self.chat:
+            tokenizer = getattr(processor, "tokenizer", processor)
+            return list(tokenizer(self.body["prompt"])["input_ids"])
+        from transformers.cli.serving.utils import Modality
+
+        h = self.handler
+        messages = h.get_processor_inputs_from_messages(self.body["messages"], Modality.LLM)
+        kwargs = {**h.chat_template_kwargs, **(self.body.get("chat_template_kwargs") or {})}
+        inputs = processor.apply_chat_template(
+            messages, add_generation_prompt=True, tools=self.body.get("tools"), return_dict=True, tokenize=True,
+            **kwargs,
+        )  # fmt: skip
+        return list(inputs["input_ids"])
+
+    def _parser(self, processor, model, input_ids):
+        from transformers.cli.serving.utils import build_response_parser
+
+        return build_response_parser(processor, model, input_ids, tools=self.body.get("tools"))
+
+    # ----- whole answers -----
+
+    def _whole(self, run: _Run) -> dict:
+        choices = [self._whole_choice(run, c) for c in run.choices]
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model_id,
+                "choices": choices, "usage": run.usage()}  # fmt: skip
+
+    def _whole_choice(self, run: _Run, c: _Choice) -> dict:
+        s = run.sampling
+        text = c.text if (s.stop or self.parser is not None) else self._decoded(run, c)
+        logprobs = None
+        if not self.chat:
+            if s.logprobs:
+                logprobs = _text_logprobs(c, 0, len(c.tokens), self.name, s.top_logprobs)
+            suffix = self.body.get("suffix")
+            return {"index": c.index, "text": text + (suffix or ""), "logprobs": logprobs,
+                    "finish_reason": c.finish_reason}  # fmt: skip
+        if s.logprobs:
+            logprobs = _chat_logprobs(c, 0, len(c.tokens), self.name, s.top_logprobs)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = c.finish_reason
+        if self.parser is not None:
+            from transformers.cli.serving.utils import parse_assistant_message
+
+            content, reasoning, calls = parse_assistant_message(
+                self.processor, self.model, c.tokens, input_ids=run.input_ids, cleaned_content=text,
+                tools=self.body.get("tools"),
+            )  # fmt: skip
+            message["content"] = content
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [
+                    {"id": f"{self.request_id}_tool_call_{i}", "type": "function",
+                     "function": {"name": t.name, "arguments": t.arguments}}
+                    for i, t in enumerate(calls)
+                ]  # fmt: skip
+                finish = "tool_calls"
+        return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    def _decoded(self, run: _Run, c: _Choice) -> str:
+        return run.tokenizer.decode(c.tokens, skip_special_tokens=True)
+
+    # ----- streamed answers -----
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        payload = {"id": self.request_id, "object": kind, "created": self.created, "model": self.model_id,
+                   "choices": choices}  # fmt: skip
+        if usage is not None:
+            payload["usage"] = usage
+        return _sse(payload)
+
+    async def _stream(self, run: _Run):
+        from transformers.cli.serving.utils import ToolCall, response_events_to_chunks
+
+        s = run.sampling
+        parsers = {c.index: self._parser(self.processor, self.model, run.input_ids) for c in run.choices} \
+            if self.parser is not None else {}  # fmt: skip
+        calls = dict.fromkeys(parsers, 0)
+        try:
+            if self.chat:
+                yield self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None} for c in run.choices])  # fmt: skip
+            while True:
+                if not run.done:
+                    await run.step()
+                parts = []
+                for c in run.choices:
+                    hi = c.sendable(s)
+                    piece = c.text[c.sent_chars : hi]
+                    ntok = sum(1 for end in c.ends[c.sent_tokens :] if end <= hi)
+                    if c.finish_reason is not None:
+                        ntok = len(c.tokens) - c.sent_tokens
+                    lo_tok, hi_tok = c.sent_tokens, c.sent_tokens + ntok
+                    c.sent_chars, c.sent_tokens = hi, hi_tok
+                    if not piece and not (s.logprobs and ntok):
+                        continue
+                    if not self.chat:
+                        lp = _text_logprobs(c, lo_tok, hi_tok, self.name, s.top_logprobs) if s.logprobs else None
+                        parts.append({"index": c.index, "text": piece, "logprobs": lp, "finish_reason": None})
+                        continue
+                    lp = _chat_logprobs(c, lo_tok, hi_tok, self.name, s.top_logprobs) if s.logprobs else None
+                    if c.index not in parsers:
+                        parts.append({"index": c.index, "delta": {"content": piece}, "logprobs": lp,
+                                      "finish_reason": None})  # fmt: skip
+                        continue
+                    for item in response_events_to_chunks(parsers[c.index].feed(piece)):
+                        if isinstance(item, ToolCall):
+                            delta = {"tool_calls": [{"index": calls[c.index], "type": "function",
+                                                     "id": f"{self.request_id}_tool_call_{calls[c.index]}",
+                                                     "function": {"name": item.name, "arguments": item.arguments}}]}
+                            calls[c.index] += 1  # fmt: skip
+                        elif type(item) is not str:
+                            delta = {"reasoning_content": str(item)}
+                        else:
+                            delta = {"content": item}
+                        parts.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": None})
+                        lp = None
+                if parts:
+                    yield self._chunk(parts)
+                if run.done:
+                    break
+            failure = run.error()
+            if failure is not None:
+                yield _sse({"error": {"message": f"generation failed: {failure}", "type": "server_error",
+                                      "param": None, "code": 500}})  # fmt: skip
+                return
+            ends = []
+            for c in run.choices:
+                finish = "tool_calls" if calls.get(c.index) else c.finish_reason
+                if self.chat:
+                    ends.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish})
+                else:
+                    suffix = self.body.get("suffix") or ""
+                    ends.append({"index": c.index, "text": suffix, "logprobs": None, "finish_reason": finish})
+            yield self._chunk(ends)
+            yield self._chunk([], usage=run.usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            run.close()
+
+
+@functools.cache
+def handler_classes() -> tuple[type, type]:
+    """``(ChatHandler, TextHandler)``: transformers' chat and completions handlers answering per request (made on
+    first use: transformers' serving modules import fastapi and openai)."""
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+
+    class ChatHandler(ChatCompletionHandler):
+        """transformers' chat handler answering with :class:`_Answer` (see the module docstring)."""
+
+        metrics = None
+
+        async def handle_request(self, body: dict, request_id: str):
+            return await _Answer(self, CHAT, body, request_id)()
+
+    class TextHandler(CompletionHandler):
+        """transformers' completions handler answering with :class:`_Answer` (see the module docstring)."""
+
+        metrics = None
+
+        async def handle_request(self, body: dict, request_id: str):
+            return await _Answer(self, COMPLETIONS, body, request_id)()
+
+    return ChatHandler, TextHandler
+

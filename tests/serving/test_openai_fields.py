@@ -1,0 +1,105 @@
+"""The request fields ``hf-tpu serve`` checks at the door (hf_tpu/serving/_openai.py), and what they resolve to."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import GenerationConfig
+
+from hf_tpu.serving._openai import CHAT, COMPLETIONS, Limits, RequestError, check, resolve
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def refused(path: str, body: dict, limits: Limits = Limits()) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        check(path, body, limits)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content[0]"),
+        ({"messages": HI, "temperature": -1}, "temperature"),
+        ({"messages": HI, "temperature": "hot"}, "temperature"),
+        ({"messages": HI, "top_p": 0}, "top_p"),
+        ({"messages": HI, "top_p": 1.5}, "top_p"),
+        ({"messages": HI, "top_k": -2}, "top_k"),
+        ({"messages": HI, "min_p": 2}, "min_p"),
+        ({"messages": HI, "n": 1000}, "n"),
+        ({"messages": HI, "n": 0}, "n"),
+        ({"messages": HI, "seed": 1.5}, "seed"),
+        ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"messages": HI, "stop": ""}, "stop"),
+        ({"messages": HI, "max_tokens": 0}, "max_tokens"),
+        ({"messages": HI, "max_completion_tokens": True}, "max_completion_tokens"),
+        ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": HI, "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+        ({"messages": HI, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": HI, "frequency_penalty": 3}, "frequency_penalty"),
+        ({"messages": HI, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": HI, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": HI, "stream": "yes"}, "stream"),
+        ({"messages": HI, "generation_config": "{not json"}, "generation_config"),
+        ({"messages": HI, "prompt": "x"}, "prompt"),
+        ({"messages": HI, "wibble": 1}, "wibble"),
+    ],
+)  # fmt: skip
+def test_a_wrong_chat_field_is_named(body, param):
+    error = refused(CHAT, body)
+    assert error.param == param and error.status == 400
+    assert error.body()["error"]["param"] == param and error.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": "x", "logprobs": 6}, "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "messages": HI}, "messages"),
+    ],
+)
+def test_a_wrong_completions_field_is_named(body, param):
+    assert refused(COMPLETIONS, body).param == param
+
+
+def test_limits_are_the_servers():
+    assert refused(CHAT, {"messages": HI, "n": 3}, Limits(max_n=2)).param == "n"
+    check(CHAT, {"messages": HI, "n": 3}, Limits(max_n=3))
+    assert "--max-logprobs" in refused(COMPLETIONS, {"prompt": "x", "logprobs": 3}, Limits(max_logprobs=2)).message
+
+
+def test_valid_bodies_pass():
+    check(CHAT, {"messages": HI + [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
+                 "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 3, "n": 2, "stop": ["\n"],
+                 "logprobs": True, "top_logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
+                 "max_completion_tokens": 8, "presence_penalty": 0, "user": "u", "model": "m"})  # fmt: skip
+    check(COMPLETIONS, {"prompt": "x", "logprobs": 0, "stop": "\n", "best_of": 1, "echo": False, "suffix": "!"})
+    check(COMPLETIONS, {"prompt": "x", "generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})})
+
+
+def test_resolve_takes_the_request_else_the_model():
+    model = GenerationConfig(do_sample=False, max_new_tokens=48, eos_token_id=2, top_k=40)
+    s = resolve(CHAT, {"messages": HI}, model)
+    assert s.greedy and s.max_tokens == 48 and s.eos_token_id == 2 and s.n == 1 and s.top_k == 40
+    s = resolve(CHAT, {"messages": HI, "temperature": 0.5, "top_p": 0.9, "max_tokens": 4, "stop": "x"}, model)
+    assert (s.temperature, s.top_p, s.max_tokens, s.stop) == (0.5, 0.9, 4, ("x",))
+    sampled = GenerationConfig(do_sample=True, temperature=0.8, top_p=0.95)
+    s = resolve(COMPLETIONS, {"prompt": "x", "logprobs": 2, "ignore_eos": True}, sampled)
+    assert (s.temperature, s.top_p, s.logprobs, s.top_logprobs, s.eos_token_id) == (0.8, 0.95, True, 2, None)
+    s = resolve(COMPLETIONS, {"prompt": "x", "top_k": -1}, GenerationConfig(do_sample=True))
+    assert (s.temperature, s.top_k, s.max_tokens) == (1.0, 0, None)
