@@ -80,8 +80,8 @@ def _post_stream(url: str, request: dict) -> dict:
 def _metric(url: str, name: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=_WAIT_S) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+            if line.startswith(name + " ") or line.startswith(name + "{"):  # one model: one line
+                return float(line.rsplit(" ", 1)[1])
     return float("nan")
 
 
@@ -112,12 +112,20 @@ def _start_server(a: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, s
                                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + _WAIT_S
-    while "listening on" not in log.read_text(errors="replace"):
+    while not _ready(url):  # /health: 503 while the server warms up, 200 once it is ready
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"hf-tpu serve did not start:\n{log.read_text(errors='replace')[-3000:]}")
         time.sleep(0.5)
     return proc, url
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=_WAIT_S) as r:
+            return r.status == 200
+    except OSError:  # not listening yet, or 503 (HTTPError is an OSError)
+        return False
 
 
 def in_process(a: argparse.Namespace, requests: list[dict]) -> dict:
@@ -127,9 +135,11 @@ def in_process(a: argparse.Namespace, requests: list[dict]) -> dict:
     import hf_tpu
     from hf_tpu import serving
     from hf_tpu.assets import default_model_path
+    from hf_tpu.serving.server import say_once
 
     hf_tpu.enable()
     serving.configure(slots=a.slots, max_batch_tokens=a.max_batch_tokens, q_min=a.max_batch_tokens)
+    quiet = say_once()  # a manager per generate_batch: upstream's warnings about its processors once, not 18 times
     tok = T.AutoTokenizer.from_pretrained(default_model_path())
     model = T.AutoModelForCausalLM.from_pretrained(default_model_path()).eval().to("tpu")
     prompts = [tok(r["prompt"])["input_ids"] for r in requests]
@@ -146,6 +156,7 @@ def in_process(a: argparse.Namespace, requests: list[dict]) -> dict:
         apart = time.perf_counter() - t0
     finally:
         model.destroy_cached_continuous_batching_manager()
+        quiet()
     return {"together_s": together, "one_at_a_time_s": apart, "speedup": apart / together}
 
 

@@ -2,8 +2,9 @@
 batching).
 
 ``MODEL`` defaults to the small model that ships with hf_tpu, so one command starts a server. It binds 127.0.0.1
-unless ``--host`` says otherwise, warms up every step shape before serving, and prints when warm-up is done and
-where it listens. Endpoints are transformers' (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
+unless ``--host`` says otherwise, listens as soon as the model is loaded, warms up every step shape (printing its
+progress; ``/health`` answers 503 until it is done), and serves the model under ``--served-model-name`` (default:
+the model directory's name). Endpoints are transformers' (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
 ``/health``, streaming with ``"stream": true``) plus ``/metrics`` (Prometheus). SIGINT/SIGTERM stop it.
 
 Example:
@@ -11,7 +12,7 @@ Example:
     $ hf-tpu serve ./my-model --port 8080 --kv-cache-gib 4
     $ hf-tpu serve ./my-model --compile-cache ~/.cache/hf_tpu/compile
     $ hf-tpu serve ./my-model --tp 4
-    $ curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "The king said", "max_tokens": 16}'
+    $ curl http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' -d '{"prompt": "The king said", "max_tokens": 16}'
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                         help="smallest step rung in tokens (default: 16; the rungs go up x4 to --max-batch-tokens)")
     parser.add_argument("--max-pending", type=_positive_int, default=None,
                         help="requests in flight before new ones get 429 (default: 4 x --slots)")  # fmt: skip
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model's name in /v1/models and in every answer; requests may name it, the model "
+                        "directory's name or its path (default: the directory's name)")  # fmt: skip
     parser.add_argument("--max-n", type=_positive_int, default=16,
                         help="most choices (n) one request may ask for; more gets 400 (default: 16)")  # fmt: skip
     parser.add_argument("--max-logprobs", type=int, default=5, choices=range(0, 21), metavar="K",
@@ -128,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     aliases = {os.path.basename(model.rstrip("/"))}
     run_server(
         model, host=args.host, port=args.port, max_pending=max_pending, warmup=not args.no_warmup, aliases=aliases,
+        served_name=args.served_model_name,
         dtype=args.dtype, attn_implementation=args.attn_implementation, log_level=args.log_level,
         enable_cors=args.enable_cors, default_seed=args.default_seed, tp=args.tp,
         limits=Limits(max_n=args.max_n, max_logprobs=args.max_logprobs),

@@ -9,22 +9,31 @@ bound. In front of it, for ``POST /v1/...``:
 * for chat and completions, every field (:func:`hf_tpu.serving._openai.check`): a wrong one -> 400 naming it;
 * more than ``max_pending`` requests in flight (counted from their arrival, body not yet read included) -> 429 with
   ``Retry-After`` (the queue is bounded);
+* any request while the server warms up -> 503 with ``Retry-After`` (and ``GET /health`` -> 503 ``"warming up"``
+  with the warm-up's progress, :class:`Readiness`);
 
-and ``GET /metrics`` answers with the Prometheus exposition of :class:`~hf_tpu.serving.metrics.ServerMetrics`.
+and ``GET /metrics`` answers with the Prometheus exposition of :class:`~hf_tpu.serving.metrics.ServerMetrics`. Each
+request's arrival time is in :data:`ARRIVAL` for the handlers (time to first token from the arrival), and its
+end-to-end latency goes to the metrics.
 A prompt longer than the model allows is refused where it is tokenized (:class:`PromptTooLongError`, -> 400).
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
+import threading
+import time
 
 from hf_tpu.errors import UserError
 from hf_tpu.serving._openai import CHAT, COMPLETIONS, Limits, RequestError, check
 
-__all__ = ["Guard", "PromptTooLongError"]
+__all__ = ["ARRIVAL", "Guard", "PromptTooLongError", "Readiness"]
 
 _TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 RETRY_AFTER_S = 1
+#: ``time.perf_counter()`` at the arrival of the request being answered (set by :class:`Guard`).
+ARRIVAL: contextvars.ContextVar[float] = contextvars.ContextVar("hf_tpu_arrival")
 
 
 class PromptTooLongError(UserError, ValueError):
@@ -37,13 +46,37 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return status, json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
 
 
+class Readiness:
+    """Where the server's warm-up is: ``done`` of ``total`` step shapes, then ready (or failed, with why)."""
+
+    def __init__(self) -> None:
+        self.done, self.total, self.failure = 0, 0, None
+        self._ready = threading.Event()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def set_ready(self) -> None:
+        self._ready.set()
+
+    def describe(self) -> str:
+        if self.failure is not None:
+            return f"warm-up failed: {self.failure}"
+        return f"warming up: {self.done} of {self.total or '?'} step shapes compiled"
+
+
 class Guard:
-    """ASGI middleware; ``served`` are the model names accepted in ``body["model"]``."""
+    """ASGI middleware; ``served`` are the model names accepted in ``body["model"]`` (``listed`` the one named in a
+    404), ``canonical`` the one transformers' handlers are given."""
 
     def __init__(self, app, *, served: set[str], canonical: str, max_pending: int, metrics,
-                 limits: Limits = Limits()) -> None:  # fmt: skip
+                 limits: Limits = Limits(), listed: str | None = None, readiness: Readiness | None = None
+                 ) -> None:  # fmt: skip
         self.app, self.served, self.canonical, self.limits = app, served, canonical, limits
+        self.listed = listed or canonical
         self.max_pending, self.metrics = max_pending, metrics
+        self.readiness = readiness
         self.pending = 0
 
     async def __call__(self, scope, receive, send):
@@ -52,18 +85,29 @@ class Guard:
         path, method = scope["path"], scope["method"]
         if path == "/metrics" and method == "GET":
             return await self._reply(send, 200, self.metrics.exposition(), "text/plain; version=0.0.4")
+        warming = self.readiness is not None and not self.readiness.ready
+        if warming and path == "/health":
+            status = "warm-up failed" if self.readiness.failure else "warming up"
+            payload = json.dumps({"status": status, "detail": self.readiness.describe()}).encode()
+            return await self._reply(send, 503, payload, "application/json", [(b"retry-after", b"1")])
         if method != "POST" or not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
+        retry = [(b"retry-after", str(RETRY_AFTER_S).encode())]
+        if warming:
+            message = f"the server is {self.readiness.describe()}; retry later"
+            status, payload = _error(503, message, "service_unavailable")
+            self.metrics.answered(path, status)
+            return await self._reply(send, status, payload, "application/json", retry)
         if self.pending >= self.max_pending:  # counted from arrival: a client still sending its body holds a place
             status, payload = _error(
                 429, f"the server has {self.pending} requests in flight (its limit, --max-pending); retry later",
                 "rate_limit_error",
             )  # fmt: skip
-            self.metrics.requests.labels(path, str(status)).inc()
-            retry = [(b"retry-after", str(RETRY_AFTER_S).encode())]
+            self.metrics.answered(path, status)
             return await self._reply(send, status, payload, "application/json", retry)
         self.pending += 1
         self.metrics.in_flight.inc()
+        ARRIVAL.set(time.perf_counter())
         try:
             await self._admitted(scope, receive, send, path)
         finally:
@@ -82,7 +126,7 @@ class Guard:
         refusal, body = self._check(path, body)
         if refusal is not None:
             status, payload = refusal
-            self.metrics.requests.labels(path, str(status)).inc()
+            self.metrics.answered(path, status)
             return await self._reply(send, status, payload, "application/json")
 
         sent = False
@@ -94,17 +138,20 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        status = [500]
+        status, ended = [500], [None]
 
         async def send_status(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended[0] = time.perf_counter()
             await send(message)
 
         try:
             await self.app(scope, replay, send_status)
         finally:
-            self.metrics.requests.labels(path, str(status[0])).inc()
+            seconds = ended[0] - ARRIVAL.get() if ended[0] is not None else None
+            self.metrics.answered(path, status[0], seconds)
 
     def _check(self, path: str, body: bytes) -> tuple[tuple[int, bytes] | None, bytes]:
         """(refusal or None, the body to pass on: ``model`` rewritten to the name transformers was started with)."""
@@ -120,7 +167,7 @@ class Guard:
                 return _error(400, f"{field} must be a positive integer, got {value!r}", param=field), body
         model = data.get("model")
         if model is not None and model not in self.served:
-            message = f"model {model!r} is not served here; this server serves {sorted(self.served)}"
+            message = f"model {model!r} is not served here; this server serves {self.listed!r}"
             return _error(404, message, "not_found_error", "model"), body
         if path in (CHAT, COMPLETIONS):
             try:

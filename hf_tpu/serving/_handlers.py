@@ -94,6 +94,18 @@ class _Choice:
         if output.is_finished():
             self.finish_reason = "stop" if self.tokens and self.tokens[-1] in eos else "length"
 
+    def pieces(self, sampling: Sampling) -> list[tuple[int, str]]:
+        """``(token index, its text)`` of each token that can be sent now (:meth:`sendable`); marks them sent."""
+        hi, out = self.sendable(sampling), []
+        while self.sent_tokens < len(self.tokens):
+            k = self.sent_tokens
+            if self.finish_reason is None and self.ends[k] > hi:
+                break
+            end = max(min(self.ends[k], len(self.text)), self.sent_chars)
+            out.append((k, self.text[self.sent_chars : end]))
+            self.sent_chars, self.sent_tokens = end, k + 1
+        return out
+
     def sendable(self, sampling: Sampling) -> int:
         """How much of ``text`` can be sent: all of it once the choice ended, else all but what could still become
         a stop string."""
@@ -111,14 +123,17 @@ class _Run:
         # Outputs per token when they are streamed, cut at a stop string or split in choices; else only the last.
         self.per_token = stream or bool(sampling.stop) or sampling.n > 1
         self.tokenizer = getattr(processor, "tokenizer", processor)
-        self.base_id = f"hf-tpu-{uuid.uuid4().hex}"
+        from hf_tpu.serving._guard import ARRIVAL
+        from hf_tpu.serving.metrics import HANDLED
+
+        self.base_id = f"{HANDLED}{uuid.uuid4().hex}"
         self.ids = child_ids(self.base_id, sampling.n)
         rust = self.tokenizer._tokenizer
         self.choices = [_Choice(i, cb_id, rust, skip_special) for i, cb_id in enumerate(self.ids)]
         self.queue: asyncio.Queue = asyncio.Queue()
         eos = sampling.eos_token_id
         self.eos = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
-        self.arrival = time.perf_counter()
+        self.arrival = ARRIVAL.get(time.perf_counter())
 
     def submit(self) -> None:
         """Register a handler per choice, then add the request (``n`` choices) to the manager."""
@@ -137,6 +152,8 @@ class _Run:
         except BaseException:
             self.close()
             raise
+        if self.metrics is not None:
+            self.metrics.admitted(len(self.input_ids))
 
     @property
     def done(self) -> bool:
@@ -153,7 +170,7 @@ class _Run:
             if not ended and choice.finish_reason == "stop" and not output.is_finished():
                 self._cancel(choice)  # cut at a stop string: the batch stops generating for it
                 if self.metrics is not None:
-                    self.metrics.stopped(choice.cb_id, len(choice.tokens))
+                    self.metrics.stopped(choice.cb_id, len(choice.tokens), choice.first_token_at)
 
     def _cancel(self, choice: _Choice) -> None:
         router = self.cb.output_router
@@ -349,40 +366,35 @@ class _Answer:
             while True:
                 if not run.done:
                     await run.step()
-                parts = []
+                events = []
                 for c in run.choices:
-                    hi = c.sendable(s)
-                    piece = c.text[c.sent_chars : hi]
-                    ntok = sum(1 for end in c.ends[c.sent_tokens :] if end <= hi)
-                    if c.finish_reason is not None:
-                        ntok = len(c.tokens) - c.sent_tokens
-                    lo_tok, hi_tok = c.sent_tokens, c.sent_tokens + ntok
-                    c.sent_chars, c.sent_tokens = hi, hi_tok
-                    if not piece and not (s.logprobs and ntok):
-                        continue
-                    if not self.chat:
-                        lp = _text_logprobs(c, lo_tok, hi_tok, self.name, s.top_logprobs) if s.logprobs else None
-                        parts.append({"index": c.index, "text": piece, "logprobs": lp, "finish_reason": None})
-                        continue
-                    lp = _chat_logprobs(c, lo_tok, hi_tok, self.name, s.top_logprobs) if s.logprobs else None
-                    if c.index not in parsers:
-                        parts.append({"index": c.index, "delta": {"content": piece}, "logprobs": lp,
-                                      "finish_reason": None})  # fmt: skip
-                        continue
-                    for item in response_events_to_chunks(parsers[c.index].feed(piece)):
-                        if isinstance(item, ToolCall):
-                            delta = {"tool_calls": [{"index": calls[c.index], "type": "function",
-                                                     "id": f"{self.request_id}_tool_call_{calls[c.index]}",
-                                                     "function": {"name": item.name, "arguments": item.arguments}}]}
-                            calls[c.index] += 1  # fmt: skip
-                        elif type(item) is not str:
-                            delta = {"reasoning_content": str(item)}
-                        else:
-                            delta = {"content": item}
-                        parts.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": None})
-                        lp = None
-                if parts:
-                    yield self._chunk(parts)
+                    for k, piece in c.pieces(s):  # one event per token, as OpenAI streams
+                        if not piece and not s.logprobs:
+                            continue
+                        if not self.chat:
+                            lp = _text_logprobs(c, k, k + 1, self.name, s.top_logprobs) if s.logprobs else None
+                            events.append({"index": c.index, "text": piece, "logprobs": lp, "finish_reason": None})
+                            continue
+                        lp = _chat_logprobs(c, k, k + 1, self.name, s.top_logprobs) if s.logprobs else None
+                        if c.index not in parsers:
+                            events.append({"index": c.index, "delta": {"content": piece}, "logprobs": lp,
+                                           "finish_reason": None})  # fmt: skip
+                            continue
+                        for item in response_events_to_chunks(parsers[c.index].feed(piece)):
+                            if isinstance(item, ToolCall):
+                                delta = {"tool_calls": [{"index": calls[c.index], "type": "function",
+                                                         "id": f"{self.request_id}_tool_call_{calls[c.index]}",
+                                                         "function": {"name": item.name,
+                                                                      "arguments": item.arguments}}]}
+                                calls[c.index] += 1  # fmt: skip
+                            elif type(item) is not str:
+                                delta = {"reasoning_content": str(item)}
+                            else:
+                                delta = {"content": item}
+                            events.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": None})
+                            lp = None
+                if events:
+                    yield "".join(self._chunk([e]) for e in events)
                 if run.done:
                     break
             failure = run.error()

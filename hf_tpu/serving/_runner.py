@@ -171,13 +171,18 @@ def compile_limits():
 
 
 def warm_all_shapes(runner, model) -> None:
-    """Run one step of every rung pair (compiles them), then return the cache to its empty state."""
+    """Run one step of every rung pair (compiles them), then return the cache to its empty state; a callable
+    ``runner._hf_tpu_progress`` hears of each shape as it is done."""
     import time
 
     start = time.perf_counter()
     ladder = ladder_of(runner)
-    for q, kv in ladder.shapes:
+    progress = runner.__dict__.get("_hf_tpu_progress")  # (done, total, (q, kv), seconds), e.g. hf-tpu serve's
+    for i, (q, kv) in enumerate(ladder.shapes):
+        began = time.perf_counter()
         runner.run_one_warmup(model=model, num_q_tokens=q, max_kv_read=kv)
+        if progress is not None:
+            progress(i + 1, len(ladder.shapes), (q, kv), time.perf_counter() - began)
     runner.cache.reset()
     if os.environ.get("HF_TPU_QUIET_WARMUP") is None:
         logger.info(

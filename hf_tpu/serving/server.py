@@ -21,9 +21,10 @@ import time
 
 from hf_tpu._patch import patch, revert
 
-__all__ = ["run_server"]
+__all__ = ["run_server", "say_once"]
 
 FEATURE = "serve"
+_VERSIONS = ">=5.24,<5.25"
 
 
 def _max_len(model) -> int:
@@ -95,15 +96,68 @@ def _metrics_hook(cb, metrics):
     patch(router, "deliver_batch", batch, feature=FEATURE)
 
 
-def _prepare(app, model_manager, generation_state, *, aliases: set[str], max_pending: int, warmup: bool, out,
-             started: list, limits, tp: int = 1):  # fmt: skip
-    """Load, warm up and start the model's continuous-batching manager; return the guarded app. With ``tp > 1``
-    (rank 0 of ``hf-tpu serve --tp``) the model is loaded sharded (:mod:`hf_tpu.serving.tensor_parallel`)."""
+def _served_name(model_manager, served: str) -> None:
+    """Name the model ``served`` in ``/v1/models`` and in every answer (transformers' handlers take the model id from
+    ``BaseHandler._resolve_model``; the model is still loaded from its path)."""
+    from transformers.cli.serving.utils import BaseHandler
+
+    resolve = BaseHandler._resolve_model
+
+    @functools.wraps(resolve)
+    def _resolve_model(self, body):
+        _model_id, model, processor = resolve(self, body)
+        return served, model, processor
+
+    created = int(time.time())
+
+    def list_models(*_args, **_kwargs):
+        return [{"id": served, "object": "model", "created": created, "owned_by": "hf_tpu"}]
+
+    patch(BaseHandler, "_resolve_model", _resolve_model, feature=FEATURE, package="transformers", versions=_VERSIONS)
+    patch(model_manager, "list_models", list_models, feature=FEATURE)
+
+
+def _warm_up(cb, *, warmup: bool, readiness, out) -> None:
+    """Warm up and start the continuous-batching manager, printing the progress (in the main thread, while the
+    server answers ``/health`` with 503 from its own)."""
+    from hf_tpu.serving.metrics import compiles_so_far
+
+    start, compiles_before = time.perf_counter(), compiles_so_far()
+    cb.batch_processor = cb._create_batch_processor()
+    runner = cb.batch_processor.model_runner
+    shapes = 0
+    if warmup:
+        from hf_tpu.serving._runner import ladder_of
+
+        shapes = readiness.total = len(ladder_of(runner).shapes)
+        print(f"hf-tpu serve: warming up {shapes} step shapes (/health answers 503 until done)", file=out, flush=True)
+
+        def progress(done: int, total: int, shape: tuple[int, int], seconds: float) -> None:
+            readiness.done = done
+            print(f"hf-tpu serve: warm-up {done}/{total}: step of {shape[0]} query tokens, {shape[1]} KV tokens "
+                  f"({seconds:.1f} s)", file=out, flush=True)  # fmt: skip
+
+        runner._hf_tpu_progress = progress
+        cb.warmup()
+    cb.start()
+    readiness.set_ready()
+    print(
+        f"hf-tpu serve: warm-up done in {time.perf_counter() - start:.1f} s ({shapes} step shapes, "
+        f"{compiles_so_far() - compiles_before} graphs compiled); KV cache {cb.batch_processor.cache.num_blocks} "
+        "blocks; ready", file=out, flush=True,
+    )  # fmt: skip
+
+
+def _prepare(app, model_manager, generation_state, handlers, *, served: str, aliases: set[str], max_pending: int,
+             pending: dict, limits, tp: int = 1):  # fmt: skip
+    """Create the model's continuous-batching manager (left in ``pending`` with its :class:`Readiness`, for
+    :func:`_warm_up`), return the guarded app. With ``tp > 1`` (rank 0 of ``hf-tpu serve --tp``) the model is loaded
+    sharded (:mod:`hf_tpu.serving.tensor_parallel`)."""
     from fastapi.responses import JSONResponse
 
-    from hf_tpu.serving._guard import Guard, PromptTooLongError
+    from hf_tpu.serving._guard import Guard, PromptTooLongError, Readiness
     from hf_tpu.serving._openai import RequestError
-    from hf_tpu.serving.metrics import ServerMetrics, compiles_so_far
+    from hf_tpu.serving.metrics import ServerMetrics
 
     forced = model_manager.force_model
     model_id = model_manager.process_model_name(forced)
@@ -115,40 +169,33 @@ def _prepare(app, model_manager, generation_state, *, aliases: set[str], max_pen
             return load_sharded(forced, tp, dtype=dtype, attn_implementation=attn)
 
         patch(model_manager, "_load_model", _load_model, feature=FEATURE)
-    start = time.perf_counter()
     model, _processor = model_manager.load_model_and_processor(model_id)
-    gen_manager = generation_state.get_manager(model_id, use_cb=True)
+    gen_manager = generation_state.get_manager(served, use_cb=True)
     gen_config = copy.deepcopy(model.generation_config)
     cb_config = gen_manager._cb_config  # transformers serve's --cb-* flags, if any
     cb = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
-    compiles_before = compiles_so_far()
-    if warmup:
-        cb.warmup()
-    else:
-        cb.batch_processor = cb._create_batch_processor()
-    cache = cb.batch_processor.cache
 
     def queue_depth() -> int:
-        scheduler = cb.batch_processor.scheduler
-        return cb.input_queue.qsize() + len(getattr(scheduler, "waiting_requests", ()))
+        processor = cb.batch_processor
+        waiting = getattr(getattr(processor, "scheduler", None), "waiting_requests", ())
+        return cb.input_queue.qsize() + len(waiting)
 
     def kv_blocks() -> tuple[int, int]:
+        cache = getattr(cb.batch_processor, "cache", None)
+        if cache is None:
+            return 0, 0
         total = int(cache.num_blocks)
         free = cache.compute_free_capacity(relative=True)
         return total - int(round(free * total)), total
 
-    metrics = ServerMetrics(queue_depth, kv_blocks)
+    metrics = ServerMetrics(queue_depth, kv_blocks, model=served)
+    for handler in handlers:
+        handler.metrics = metrics
     patch(cb, "add_request", _checked_add_request(cb, _max_len(model), metrics), feature=FEATURE)
     _metrics_hook(cb, metrics)
-    cb.start()
-    started.append(cb)
     gen_manager._cb = cb  # upstream's CBGenerateManager.init_cb is a no-op once its manager exists
-    shapes = len(cb.batch_processor.model_runner.__dict__.get("_hf_tpu_ladder", None).shapes) if warmup else 0
-    print(
-        f"hf-tpu serve: warm-up done in {time.perf_counter() - start:.1f} s ({shapes} step shapes, "
-        f"{compiles_so_far() - compiles_before} graphs compiled); KV cache {cache.num_blocks} blocks",
-        file=out, flush=True,
-    )  # fmt: skip
+    readiness = Readiness()
+    pending.update(cb=cb, readiness=readiness)
 
     @app.exception_handler(PromptTooLongError)
     async def _too_long(_request, exc):
@@ -158,14 +205,23 @@ def _prepare(app, model_manager, generation_state, *, aliases: set[str], max_pen
     async def _refused(_request, exc):
         return JSONResponse(exc.body(), exc.status)
 
-    served = {forced, *aliases}
-    return Guard(app, served=served, canonical=forced, max_pending=max_pending, metrics=metrics, limits=limits)
+    return Guard(app, served={served, forced, *aliases}, canonical=forced, max_pending=max_pending, metrics=metrics,
+                 limits=limits, listed=served, readiness=readiness)  # fmt: skip
 
 
-def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bool = True, aliases=(), out=None,
-               tp: int = 1, limits=None, **serve_flags) -> None:  # fmt: skip
-    """Run transformers' server for ``model`` on the TPU until it is stopped (SIGINT/SIGTERM); ``tp > 1``: as rank
-    0 of ``hf-tpu serve --tp`` (:mod:`hf_tpu.serving.tensor_parallel`)."""
+def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bool = True, served_name=None,
+               aliases=(), out=None, tp: int = 1, limits=None, **serve_flags) -> None:  # fmt: skip
+    """Run transformers' server for ``model`` on the TPU until it is stopped (SIGINT/SIGTERM), under the name
+    ``served_name`` (default: the model directory's name); ``tp > 1``: as rank 0 of ``hf-tpu serve --tp``
+    (:mod:`hf_tpu.serving.tensor_parallel`).
+
+    uvicorn serves from a thread (transformers' ``Serve(non_blocking=True)``) as soon as the model is loaded, while
+    this thread warms up the continuous batch (``/health``: 503 until it is done). The warm-up and the manager stay
+    on the main thread: made from another thread, the simulator's steps ran ten times slower. SIGINT/SIGTERM stop
+    uvicorn gracefully (its own handler, installed here since uvicorn only installs it on the main thread); the
+    signal is raised again once it has stopped, as uvicorn does."""
+    import os
+    import signal
     import sys
 
     from transformers.cli import serve as serve_cli
@@ -176,8 +232,9 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
 
     out = out or sys.stdout
     limits = limits or Limits()
+    served = served_name or os.path.basename(model.rstrip("/"))
     upstream = server_module.build_server
-    started: list = []
+    pending: dict = {}
 
     @functools.wraps(upstream)
     def build_server(model_manager, chat_handler, *args, **kwargs):
@@ -185,24 +242,104 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
         # chat and completions answered per request (hf_tpu.serving._handlers), the other endpoints upstream's
         ChatHandler, TextHandler = handler_classes()
         chat = ChatHandler(model_manager, state, chat_template_kwargs=chat_handler.chat_template_kwargs)
-        kwargs["completion_handler"] = TextHandler(model_manager, state)
+        text = kwargs["completion_handler"] = TextHandler(model_manager, state)
         app = upstream(model_manager, chat, *args, **kwargs)
-        guarded = _prepare(
-            app, model_manager, state, aliases=set(aliases), max_pending=max_pending, warmup=warmup, out=out,
-            started=started, tp=tp, limits=limits,
-        )  # fmt: skip
-        ranks = f", tensor parallel over {tp} ranks" if tp > 1 else ""
-        print(f"hf-tpu serve: listening on http://{host}:{port} (OpenAI API under /v1, metrics at /metrics{ranks})",
-              file=out, flush=True)  # fmt: skip
-        return guarded
+        _served_name(model_manager, served)
+        return _prepare(app, model_manager, state, (chat, text), served=served, aliases=set(aliases),
+                        max_pending=max_pending, pending=pending, tp=tp, limits=limits)  # fmt: skip
 
-    versions = ">=5.24,<5.25"
-    patch(server_module, "build_server", build_server, feature=FEATURE, package="transformers", versions=versions)
+    patch(server_module, "build_server", build_server, feature=FEATURE, package="transformers", versions=_VERSIONS)
+    quiet = say_once()
+    stopping: list[int] = []
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def stop_loading(signum, _frame):
+        stopping.append(signum)
+        raise KeyboardInterrupt  # the model is loading: nothing to shut down gracefully yet
+
+    for sig in saved:
+        signal.signal(sig, stop_loading)
+    serve = cb = None
     try:
-        serve_cli.Serve(
-            force_model=model, continuous_batching=True, device="tpu", host=host, port=port, **serve_flags
-        )
+        print(f"hf-tpu serve: loading {model}", file=out, flush=True)
+        serve = serve_cli.Serve(
+            force_model=model, continuous_batching=True, device="tpu", host=host, port=port, non_blocking=True,
+            **serve_flags,
+        )  # fmt: skip
+        server, cb, readiness = serve.server, pending["cb"], pending["readiness"]
+
+        def stop_serving(signum, frame):  # uvicorn's own handler: a graceful shutdown, the signal kept to raise again
+            server.handle_exit(signum, frame)
+            if not readiness.ready:
+                raise KeyboardInterrupt  # stop the warm-up too
+
+        for sig in saved:
+            signal.signal(sig, stop_serving)
+        ranks = f", tensor parallel over {tp} ranks" if tp > 1 else ""
+        print(f"hf-tpu serve: listening on http://{host}:{port} as model {served!r} (OpenAI API under /v1, metrics "
+              f"at /metrics{ranks})", file=out, flush=True)  # fmt: skip
+        try:
+            _warm_up(cb, warmup=warmup, readiness=readiness, out=out)
+        except Exception as exc:
+            readiness.failure = f"{type(exc).__name__}: {exc}"
+            print(f"hf-tpu serve: {readiness.describe()}; stopping", file=out, flush=True)
+            raise
+        while serve._thread.is_alive():
+            serve._thread.join(timeout=0.5)  # a timeout, so that this thread takes the signals
+    except KeyboardInterrupt:
+        if not stopping and not (serve is not None and serve.server._captured_signals):
+            raise
     finally:
-        for cb in started:  # uvicorn has stopped: stop the generation thread too, so that the process exits
+        if serve is not None:
+            serve.server.should_exit = True
+            serve._thread.join()
+            stopping.extend(serve.server._captured_signals)
+        if cb is not None and cb.is_running():  # uvicorn has stopped: stop the generation thread, so that we exit
             cb.stop(block=True, hard_stop=True)  # nothing is left to serve: fail what is pending
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        quiet()
         revert(FEATURE)
+    for sig in reversed(stopping):
+        signal.raise_signal(sig)
+
+
+class _Once:
+    """A logging filter that lets each message through once (the last :data:`_ONCE_KEPT` remembered)."""
+
+    def __init__(self) -> None:
+        import collections
+
+        self.seen: collections.OrderedDict = collections.OrderedDict()
+
+    def filter(self, record) -> bool:
+        key = (record.levelno, record.getMessage())
+        if key in self.seen:
+            self.seen.move_to_end(key)
+            return False
+        self.seen[key] = None
+        if len(self.seen) > _ONCE_KEPT:
+            self.seen.popitem(last=False)
+        return True
+
+
+_ONCE_KEPT = 1024
+
+
+def say_once():
+    """Say each of upstream's log messages once (transformers' and its continuous batching's handlers); return the
+    undo."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    once = _Once()
+    handlers = [*hf_logging._get_library_root_logger().handlers, *logging.getLogger("ContinuousBatchingLogger").handlers]
+    for handler in handlers:
+        handler.addFilter(once)
+
+    def undo() -> None:
+        for handler in handlers:
+            handler.removeFilter(once)
+
+    return undo

@@ -30,6 +30,7 @@ class Server:
     def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
         self.proc, self.port, self.log = proc, port, log
         self.url = f"http://127.0.0.1:{port}"
+        self.health_before_ready: list[tuple[int, dict]] = []  # /health's answers while the server warmed up
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -78,8 +79,10 @@ def running_server(tmp_path: Path, *flags: str):
             assert time.monotonic() < deadline, f"the server was not up in time:\n{server.output()[-4000:]}"
             if "listening on" in server.output():
                 with contextlib.suppress(OSError):
-                    if server.get("/health")[0] == 200:
+                    status, body = server.get("/health")
+                    if status == 200:
                         break
+                    server.health_before_ready.append((status, json.loads(body or b"null")))
             time.sleep(0.5)
         yield server
     finally:

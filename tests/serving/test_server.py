@@ -21,7 +21,8 @@ from _timeouts import SAFETY_TIMEOUT_S
 
 from hf_tpu.assets import default_model_path
 
-MODEL = "tiny-lm"
+MODEL = "tiny-lm"  # the model directory's name: accepted besides the served name
+SERVED = "tiny-shakespeare"
 # Above the 16 concurrent clients of the load test: a client may get its answer and send its next request before the
 # server has counted the previous one out.
 MAX_PENDING = 24
@@ -33,7 +34,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("serve"), "--max-pending", str(MAX_PENDING)) as s:
+    flags = ("--max-pending", str(MAX_PENDING), "--served-model-name", SERVED)
+    with running_server(tmp_path_factory.mktemp("serve"), *flags) as s:
         yield s
 
 
@@ -68,14 +70,57 @@ def cpu():
 
 
 def test_chat_completion_and_models(client, cpu):
-    assert [m.id for m in client.models.list().data]
+    assert [m.id for m in client.models.list().data] == [SERVED]
     reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=8, temperature=0
     )
     assert reply.choices[0].message.content == cpu.chat("Hello there", 8)
-    done = client.completions.create(model=MODEL, prompt="The king said", max_tokens=8, temperature=0)
+    assert reply.model == SERVED
+    done = client.completions.create(model=SERVED, prompt="The king said", max_tokens=8, temperature=0)
     assert done.choices[0].text == cpu("The king said", 8)
-    assert done.usage.completion_tokens <= 8
+    assert done.usage.completion_tokens <= 8 and done.model == SERVED
+    by_path = client.completions.create(model=str(default_model_path()), prompt="The king said", max_tokens=2)
+    assert by_path.model == SERVED
+    chunks = list(client.completions.create(model=SERVED, prompt="The king said", max_tokens=2, stream=True))
+    assert {c.model for c in chunks} == {SERVED}
+
+
+def test_health_said_warming_up_and_the_console_showed_the_warm_up(server):
+    assert server.health_before_ready, "the server was never seen warming up"
+    status, body = server.health_before_ready[0]
+    assert status == 503 and body["status"] == "warming up", body
+    assert server.get("/health")[0] == 200
+    out = server.output()
+    assert "warm-up 1/3" in out and "warm-up 3/3" in out and "warm-up done" in out
+    assert out.index("listening on") < out.index("warm-up 1/3")
+
+
+def test_metrics_have_latency_throughput_process_and_the_model(server, client):
+    client.completions.create(model=MODEL, prompt="The king said", max_tokens=4, temperature=0)
+    _, text = server.get("/metrics")
+    lines = [line for line in text.decode().splitlines() if line and not line.startswith("#")]
+    ours = [line for line in lines if line.startswith("hf_tpu_")]
+    assert ours and all(f'model="{SERVED}"' in line for line in ours)
+    for name in ("hf_tpu_e2e_request_latency_seconds_count", "hf_tpu_prompt_throughput_tokens_per_second",
+                 "hf_tpu_generation_throughput_tokens_per_second", "process_resident_memory_bytes",
+                 "process_cpu_seconds_total"):  # fmt: skip
+        assert any(line.startswith(name) for line in lines), name
+    assert server.metric("hf_tpu_e2e_request_latency_seconds_count") >= 1
+    assert server.metric("hf_tpu_prompt_throughput_tokens_per_second") > 0
+    # time to first token runs from the arrival, so it is not longer than the whole answer
+    assert server.metric("hf_tpu_time_to_first_token_seconds_sum") <= server.metric(
+        "hf_tpu_e2e_request_latency_seconds_sum")
+    assert str(default_model_path()) not in text.decode()
+
+
+def test_upstream_warnings_are_said_once(server):
+    for _ in range(3):
+        status, body, _ = server.post("/v1/responses", {"model": MODEL, "input": "The king", "max_output_tokens": 2,
+                                                        "stream": False})  # fmt: skip
+        assert status == 200, body
+        assert body["model"] == SERVED
+    warnings = [line for line in server.output().splitlines() if line.startswith("[transformers]")]
+    assert warnings and len(warnings) == len(set(warnings)), warnings
 
 
 def test_streaming_joins_to_the_non_streamed_text(client):
@@ -108,7 +153,8 @@ def test_bad_input_is_answered_and_the_server_keeps_serving(server, client):
         status, body, _ = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": bad})
         assert status == 400 and "max_tokens must be a positive integer" in body["error"]["message"]
     status, body, _ = server.post("/v1/chat/completions", {"model": "gpt-9", "messages": []})
-    assert status == 404 and "gpt-9" in body["error"]["message"]
+    assert status == 404 and "gpt-9" in body["error"]["message"] and SERVED in body["error"]["message"]
+    assert str(default_model_path()) not in body["error"]["message"]
     status, body, _ = server.post("/v1/completions", {"model": MODEL, "prompt": "the king " * 200, "max_tokens": 4})
     assert status == 400 and "max_position_embeddings" in body["error"]["message"]
     assert client.completions.create(model=MODEL, prompt="Why, then", max_tokens=3).choices[0].text is not None
