@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     runtime.require_tpu("hf-tpu serve")
     settings = {
         "kv_cache_gib": args.kv_cache_gib, "slots": args.slots, "max_batch_tokens": args.max_batch_tokens,
-        "q_min": args.min_step_tokens, "compile_cache": args.compile_cache,
+        "q_min": args.min_step_tokens, "compile_cache": args.compile_cache, "max_logprobs": args.max_logprobs,
     }  # fmt: skip
     serving.configure(**{k: v for k, v in settings.items() if v is not None})
     hf_tpu.enable()

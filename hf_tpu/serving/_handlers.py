@@ -35,14 +35,18 @@ def child_ids(request_id: str, n: int) -> list[str]:
     return [request_id] + [f"{request_id}{CHILD}{i}" for i in range(n - 1)]
 
 
-def _request_kwargs(sampling: Sampling) -> dict[str, Any]:
-    """The per-request settings handed to the continuous batch (``add_request``'s logits-processor kwargs); refuses
-    what the batch does not honour yet."""
+def _request_kwargs(cb, sampling: Sampling) -> dict[str, Any]:
+    """The per-request settings handed to the continuous batch (``add_request``'s logits-processor kwargs, read by
+    :class:`hf_tpu.serving._sampling.RowSampling`); without it (async batching), only greedy requests."""
+    from hf_tpu.serving import _sampling
+
+    if _sampling.row_sampling_of(cb) is not None:
+        return _sampling.request_kwargs(sampling)
     if not sampling.greedy:
-        raise RequestError("temperature", "sampling (temperature > 0) is not honoured per request yet; send "
-                                          "temperature 0")  # fmt: skip
+        raise RequestError("temperature", "sampling per request needs hf_tpu's row sampling, off with async "
+                                          "batching; send temperature 0")  # fmt: skip
     if sampling.logprobs:
-        raise RequestError("logprobs", "logprobs are not returned yet; leave logprobs out")
+        raise RequestError("logprobs", "logprobs need hf_tpu's row sampling, off with async batching")
     return {}
 
 
@@ -140,7 +144,7 @@ class _Run:
         s = self.sampling
         for choice in self.choices:
             self.cb.register_result_handler(choice.cb_id, lambda out, c=choice: self.queue.put_nowait((c, out)))
-        kwargs = _request_kwargs(s)
+        kwargs = _request_kwargs(self.cb, s)
         if self.metrics is not None:
             self.metrics.arrived(self.base_id, self.arrival)
         try:

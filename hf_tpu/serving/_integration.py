@@ -9,6 +9,10 @@ each one calls upstream unchanged when the model is not on a ``tpu`` device:
 * ``ModelRunner.compute_batch``: hands the forward shape-determined integers only, and serves the step graphs from
   the persistent compile cache when there is one (:mod:`~hf_tpu.serving._step_graphs`);
 * ``ModelRunner.warmup``: compiles every rung pair of the ladder;
+* ``ModelRunner._forward_process_and_sample``, ``ContinuousBatchingIOs._setup_static_tensors`` and
+  ``prepare_batch_update``: per-request sampling and log-probabilities inside the step
+  (:mod:`~hf_tpu.serving._sampling`; the manager's logits processing becomes its ``RowSampling``, unless async
+  batching is on);
 * ``PagedAttentionCache.update``: traced by dynamo on a ``tpu`` cache (one graph per step shape, not pieces between
   the layers' cache updates).
 """
@@ -31,9 +35,9 @@ def _unwrap(owner, name):
 
 
 def apply() -> None:
-    from transformers.generation.continuous_batching import cache, continuous_api, model_runner
+    from transformers.generation.continuous_batching import cache, continuous_api, input_outputs, model_runner
 
-    from hf_tpu.serving import _runner, _step_graphs
+    from hf_tpu.serving import _runner, _sampling, _step_graphs
 
     manager_cls = continuous_api.ContinuousBatchingManager
     runner_cls = model_runner.ModelRunner
@@ -43,12 +47,42 @@ def apply() -> None:
     warm = _unwrap(runner_cls, "warmup")
     cache_cls = cache.PagedAttentionCache
     cache_update = _unwrap(cache_cls, "update")
+    io_cls = input_outputs.ContinuousBatchingIOs
+    setup = _unwrap(io_cls, "_setup_static_tensors")
+    batch_update = _unwrap(io_cls, "prepare_batch_update")
+    process_and_sample = _unwrap(runner_cls, "_forward_process_and_sample")
 
     @functools.wraps(init)
     def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None):
-        if _runner._is_tpu(getattr(model, "device", None)):
+        tpu = _runner._is_tpu(getattr(model, "device", None))
+        if tpu:
             continuous_batching_config = _runner.tpu_config(model, continuous_batching_config)
         init(self, model, generation_config, continuous_batching_config, workload_hints)
+        if tpu and not self.continuous_batching_config.use_async_batching:
+            top_n = _runner.SETTINGS.max_logprobs
+            self.logit_processor = _sampling.RowSampling(self.logit_processor, generation_config, top_n)
+
+    @functools.wraps(setup)
+    def _setup_static_tensors(self, logit_processor):
+        setup(self, logit_processor)
+        if isinstance(logit_processor, _sampling.RowSampling):  # room for the log-probabilities
+            import torch
+
+            shape = (logit_processor.output_rows, self.output_ids.shape[1])
+            self.output_ids = torch.zeros(shape, dtype=torch.int32, device=self.output_ids.device)
+            self._hf_tpu_row_sampling = True
+
+    @functools.wraps(batch_update)
+    def prepare_batch_update(self):
+        if getattr(self, "_hf_tpu_row_sampling", False):
+            return _sampling.batch_update(self, batch_update)
+        return batch_update(self)
+
+    @functools.wraps(process_and_sample)
+    def _forward_process_and_sample(self, model, batch_data, carry_over_ids, prev_output_ids, output_ids):
+        if isinstance(self.logit_processor, _sampling.RowSampling):
+            return _sampling.step(self, model, batch_data, carry_over_ids, prev_output_ids, output_ids)
+        return process_and_sample(self, model, batch_data, carry_over_ids, prev_output_ids, output_ids)
 
     @functools.wraps(pad)
     def maybe_pad_inputs(self, num_q_tokens, max_kv_read, use_decode_fast_path):
@@ -81,6 +115,9 @@ def apply() -> None:
         (runner_cls, "maybe_pad_inputs", maybe_pad_inputs, pad),
         (runner_cls, "compute_batch", compute_batch, compute),
         (runner_cls, "warmup", warmup, warm),
+        (runner_cls, "_forward_process_and_sample", _forward_process_and_sample, process_and_sample),
+        (io_cls, "_setup_static_tensors", _setup_static_tensors, setup),
+        (io_cls, "prepare_batch_update", prepare_batch_update, batch_update),
     ):
         fn.__hf_tpu_upstream__ = original
         patch(owner, name, fn, feature=FEATURE, package="transformers", versions=_VERSIONS)

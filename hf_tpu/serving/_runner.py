@@ -39,7 +39,8 @@ class ServingSettings:
     ``page_size``: tokens per KV page (None: upstream's default). ``q_min``/``q_factor``/``kv_factor``: the step
     ladder (:meth:`~hf_tpu.serving.ladder.StepLadder.build`). ``compile_cache``: where the step graphs are stored
     and loaded (a directory or a :class:`~hf_tpu.compile_cache.CompileCache`; None: ``HF_TPU_COMPILE_CACHE``, else
-    none; False: none).
+    none; False: none). ``max_logprobs``: how many most likely tokens (with their log-probabilities) each step
+    returns per row, the most a request may ask for (:mod:`hf_tpu.serving._sampling`).
     """
 
     max_batch_tokens: int = 256
@@ -50,6 +51,7 @@ class ServingSettings:
     q_factor: int = 4
     kv_factor: int = 4
     compile_cache: Any = None
+    max_logprobs: int = 5
 
 
 def configure(**values) -> ServingSettings:

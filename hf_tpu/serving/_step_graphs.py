@@ -56,12 +56,13 @@ def _namespace(cache, runner, model):
     """Everything a step graph depends on besides its shape and the weights."""
     from transformers.generation.continuous_batching import input_outputs, model_runner
 
-    from hf_tpu.serving import _runner
+    from hf_tpu.serving import _runner, _sampling
     from hf_tpu.transformers._graphs import model_identity
 
     cb = runner.cb_config
     compile_config = cb.varlen_compile_config
-    source = "".join(inspect.getsource(m) for m in (inspect.getmodule(step), _runner, model_runner, input_outputs))
+    modules = (inspect.getmodule(step), _runner, _sampling, model_runner, input_outputs)
+    source = "".join(inspect.getsource(m) for m in modules)
     parts = {
         **model_identity(model),
         "ladder": [list(r) for r in (_runner.ladder_of(runner).q_rungs, _runner.ladder_of(runner).kv_rungs)],
@@ -81,7 +82,7 @@ def _processors(cb_processors) -> list:
     return [
         [type(p).__name__, {k: v for k, v in sorted(vars(p).items()) if isinstance(v, plain)}]
         for p in getattr(cb_processors, "logits_processor", ())
-    ] + [getattr(cb_processors, "tensors_required", None)]
+    ] + [getattr(cb_processors, "tensors_required", None), getattr(cb_processors, "top_n", None)]
 
 
 class StepGraphs:

@@ -6,6 +6,7 @@ One server for the module (its warm-up is the expensive part); the SIGTERM test 
 from __future__ import annotations
 
 import json
+import math
 import signal
 import socket
 import threading
@@ -66,7 +67,30 @@ def cpu():
         return complete(list(ids["input_ids"]), new_tokens)
 
     text.chat = chat
+    text.tok, text.model = tok, model
     return text
+
+
+def cpu_logits(cpu, ids: list[int]) -> torch.Tensor:
+    """CPU's next-token logits after every position of ``ids`` (float32)."""
+    with torch.no_grad():
+        return cpu.model(torch.tensor([ids])).logits[0].float()
+
+
+def cpu_sampled(cpu, prompt_ids: list[int], new_tokens: int, *, temperature: float, seed: int, choice: int = 0,
+                top_k: int = 0, top_p: float = 1.0) -> list[int]:  # fmt: skip
+    """The tokens a request draws, replayed on CPU: the same keys (seed, choice, position) through hf_tpu's sampler
+    on CPU's logits (no end of sequence)."""
+    from hf_tpu.serving._sampling import noise_key, sample
+
+    ids = list(prompt_ids)
+    for _ in range(new_tokens):
+        key = noise_key(seed, choice, len(ids))
+        floats = torch.tensor([temperature, top_p, 0.0], dtype=torch.float32).view(torch.int32)
+        args = torch.stack([floats[0:1], torch.tensor([top_k], dtype=torch.int32), floats[1:2], floats[2:3],
+                            torch.tensor([key], dtype=torch.int32)])  # fmt: skip
+        ids.append(int(sample(cpu_logits(cpu, ids)[-1:], args)[0]))
+    return ids[len(prompt_ids) :]
 
 
 def test_chat_completion_and_models(client, cpu):
@@ -273,6 +297,126 @@ def test_after_warmup_a_mixed_load_compiles_nothing_and_loses_nothing(server, cl
     assert server.metric("hf_tpu_compiles_total") == before
     assert server.metric("hf_tpu_generated_tokens_total") > finished
     assert server.metric("hf_tpu_queue_depth") == 0 and server.metric("hf_tpu_requests_in_flight") == 0
+
+
+NO_EOS = {"ignore_eos": True}
+
+
+def test_greedy_and_sampled_requests_in_one_batch(server, client, cpu):
+    before = server.metric("hf_tpu_compiles_total")
+    prompt = "The king said"
+    ids = cpu.tok(prompt)["input_ids"]
+
+    def one(kind):
+        temperature, seed = (0.0, None) if kind == "greedy" else (1.0, 1234)
+        extra = {"seed": seed} if seed is not None else {}
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=temperature,
+                                          extra_body=NO_EOS, **extra)  # fmt: skip
+        return reply.choices[0].text
+
+    with ThreadPoolExecutor(4) as pool:  # 4 slots: all four requests share the steps
+        greedy, sampled, greedy_again, sampled_again = pool.map(one, ["greedy", "sampled", "greedy", "sampled"])
+    assert greedy == greedy_again == cpu(prompt, 12)
+    assert sampled == sampled_again != greedy  # seed 1234 repeats its draw exactly
+    assert sampled == cpu.tok.decode(cpu_sampled(cpu, ids, 12, temperature=1.0, seed=1234))
+    other = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=99,
+                                      extra_body=NO_EOS)  # fmt: skip
+    assert other.choices[0].text != sampled  # another seed, another answer
+    assert server.metric("hf_tpu_compiles_total") == before
+
+
+def test_n_choices_plain_and_streamed(client, cpu):
+    prompt = "O Romeo,"
+    ids = cpu.tok(prompt)["input_ids"]
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=7, n=3,
+                                      extra_body=NO_EOS)  # fmt: skip
+    texts = [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+    assert len(texts) == 3 and len(set(texts)) > 1 and reply.usage.completion_tokens == 18
+    for i, text in enumerate(texts):  # choice i: upstream's fork of the request, its own noise
+        assert text == cpu.tok.decode(cpu_sampled(cpu, ids, 6, temperature=1.0, seed=7, choice=i))
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Speak"}],
+                                            max_tokens=5, temperature=1.0, seed=7, n=3, stream=True)  # fmt: skip
+    joined, finished = {}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            joined[c.index] = joined.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert sorted(joined) == [0, 1, 2] and sorted(finished) == [0, 1, 2]
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Speak"}],
+                                           max_tokens=5, temperature=1.0, seed=7, n=3)  # fmt: skip
+    assert [joined[c.index] for c in plain.choices] == [c.message.content for c in plain.choices]
+
+
+def test_stop_cuts_before_the_stop_string(client, cpu):
+    prompt = "The king said"
+    whole = cpu(prompt, 30)
+    stop = whole.split()[3]  # a word a few tokens in
+    cut = whole[: whole.index(stop)]
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop, "zzz"])
+    assert reply.choices[0].text == cut and reply.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop,
+                                            stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    short = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stop="zzz")
+    assert short.choices[0].finish_reason == "length"
+
+
+def test_logprobs_equal_cpu_log_softmax(client, cpu):
+    prompt = "My lord, the"
+    ids = cpu.tok(prompt)["input_ids"]
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0.8, seed=3, logprobs=2,
+                                      extra_body=NO_EOS)  # fmt: skip
+    got = reply.choices[0].logprobs
+    tokens = cpu_sampled(cpu, ids, 5, temperature=0.8, seed=3)
+    log_probs = torch.log_softmax(cpu_logits(cpu, ids + tokens)[len(ids) - 1 : -1], dim=-1)
+    assert got.tokens == [cpu.tok.decode([t]) for t in tokens]
+    for k, token in enumerate(tokens):
+        assert got.token_logprobs[k] == pytest.approx(log_probs[k, token].item(), abs=1e-4)
+        values, top = log_probs[k].topk(2)
+        assert list(got.top_logprobs[k]) == [cpu.tok.decode([t]) for t in top.tolist()]
+        assert list(got.top_logprobs[k].values()) == pytest.approx(values.tolist(), abs=1e-4)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == 3 and all(len(e.top_logprobs) == 2 for e in entries)
+    assert all(e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in entries)  # greedy: the chosen is the top one
+
+
+def test_first_token_distribution_matches_cpu_warpers(server, client, cpu):
+    """Many seeded draws of one first token, counted against transformers' warpers on CPU's logits (chi-square)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    before = server.metric("hf_tpu_compiles_total")
+    prompt = "What is the"
+    temperature, top_k, top_p = 1.3, 6, 0.95
+    logits = cpu_logits(cpu, cpu.tok(prompt)["input_ids"])[-1:]
+    for warper in (TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)):
+        logits = warper(None, logits)
+    probs = torch.softmax(logits[0], dim=-1).double()
+
+    def draw(seed):
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=temperature,
+                                          top_p=top_p, seed=seed, n=8, extra_body={"top_k": top_k, **NO_EOS})
+        return [c.text for c in reply.choices]  # fmt: skip
+
+    with ThreadPoolExecutor(4) as pool:
+        drawn = [text for batch in pool.map(draw, range(40)) for text in batch]
+    support = (probs > 0).nonzero()[:, 0].tolist()
+    names = [cpu.tok.decode([t]) for t in support]  # counted by text, as the answers carry it
+    assert len(set(names)) == len(names) and set(drawn) <= set(names), (set(drawn), names)
+    observed = torch.tensor([float(drawn.count(name)) for name in names], dtype=torch.float64)
+    expected = probs[support] * len(drawn)
+    small = expected < 5  # pooled into one bin, so that every bin expects at least 5 draws
+    if small.any():
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+        observed = torch.cat([observed[~small], observed[small].sum()[None]])
+    stat = (((observed - expected) ** 2) / expected).sum().item()
+    df = expected.numel() - 1
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / (2 / (9 * df)) ** 0.5  # Wilson-Hilferty
+    assert 0.5 * math.erfc(z / 2**0.5) > 1e-3, (stat, df, observed.tolist(), expected.tolist())
+    assert server.metric("hf_tpu_compiles_total") == before
 
 
 def test_sigterm_stops_the_server(server):

@@ -1,0 +1,280 @@
+"""Per-request sampling inside one compiled continuous-batching step, and the step's log-probabilities.
+
+transformers 5.24's continuous batching samples every request of a step alike (``do_sample`` of the manager's one
+generation config, ``torch.multinomial`` on one generator); its per-request processors (``per_request_processors``)
+cover temperature, top-k and top-p only when the manager's config already has them, cannot mix greedy and sampled
+rows (a temperature of 0 divides by zero) and have no per-request seed. On a ``tpu`` model hf_tpu replaces the
+manager's logits-processor list with :class:`RowSampling` and the step's processing and sampling with :func:`step`:
+
+* each row of the step carries its own temperature (0: greedy), top-k, top-p, min-p and a noise key in the step's
+  existing per-row argument tensor (``logits_processor_args``: :data:`ROWS` int32 rows, floats viewed as int32),
+  filled on the host by :meth:`RowSampling.prepare_tensor_args` with the other inputs of the step; a new value is
+  new data, never a new graph;
+* sampling is the Gumbel-max trick: the argmax of the filtered, temperature-scaled logits plus Gumbel noise, which
+  draws from exactly the softmax of those logits; the noise comes from a counter-based hash of the row's key and the
+  token id (:func:`gumbel`), so a request's draws depend only on its seed, its choice index and the position of the
+  token, not on which other requests share the step or on a device generator: a seed repeats an answer exactly;
+* the filters are transformers' warpers' rules (temperature, then top-k, top-p and min-p on the softmax of what is
+  left, the most likely token always kept), computed once on one sort of each row;
+* the log-softmax of the raw logits is written with the token: the chosen token's log-probability and the
+  :data:`hf_tpu.serving._runner.SETTINGS` ``max_logprobs`` most likely tokens with theirs, into extra rows of the
+  step's output tensor; the host reads those rows only when a request of the step asked for log-probabilities
+  (:func:`batch_update`), in the same one copy as the tokens.
+
+Other logits processors of the model's generation config that upstream keeps run first, on every row alike.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from transformers.generation.continuous_batching.cb_logits_processors import (
+    ContinuousBatchingLogitsProcessor,
+    ContinuousBatchingLogitsProcessorList,
+)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+__all__ = ["ROWS", "RowSampling", "batch_update", "gumbel", "noise_key", "request_kwargs", "row_sampling_of",
+           "sample", "step"]  # fmt: skip
+
+#: The per-row arguments, one int32 row each: temperature (float), top-k, top-p (float), min-p (float), noise key.
+ROWS = ("temperature", "top_k", "top_p", "min_p", "key")
+_CHILD = "__child#"
+_M64 = (1 << 64) - 1
+# transformers' warpers that the rows carry (their values per request), and its per-request CB processors
+_PER_ROW = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
+            ContinuousBatchingLogitsProcessor)  # fmt: skip
+
+
+def _splitmix(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def noise_key(seed: int, choice: int, position: int) -> int:
+    """The 32-bit noise key (a signed int32) of the token at ``position`` of choice ``choice`` of a request seeded
+    with ``seed``."""
+    z = _splitmix(seed & _M64)
+    z = _splitmix(z ^ (choice & 0xFFFFFFFF))
+    z = _splitmix(z ^ (position & 0xFFFFFFFF))
+    z &= 0xFFFFFFFF
+    return z - (1 << 32) if z >= 1 << 31 else z
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int32 values (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (32 - bits)) - 1)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply, two rounds) of int32 values, wrapping on overflow."""
+    x = x ^ _shr(x, 16)
+    x = x * 0x7FEB352D
+    x = x ^ _shr(x, 15)
+    x = x * -0x7B935975  # 0x846CA68B as a signed int32
+    return x ^ _shr(x, 16)
+
+
+def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise ``[rows, vocab]`` (float32) from each row's int32 key: a hash of the key and the token
+    id, its top 24 bits a uniform in (0, 1)."""
+    ids = _hash32(torch.arange(vocab, device=keys.device, dtype=torch.int32) * -0x61C8864F + 0x3C6EF372)
+    bits = _shr(_hash32(keys.to(torch.int32)[:, None] ^ ids[None, :]), 8)
+    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(uniform))
+
+
+def filtered(scores: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """``scores`` (``[rows, vocab]``) divided by each row's temperature (rows at 0 or below: by 1), the tokens that
+    top-k, top-p or min-p remove at ``-inf``: transformers' warpers, in their order."""
+    vocab = scores.shape[-1]
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scaled = scores / t[:, None]
+    ordered, order = torch.sort(scaled, dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scores.device)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    keep = keep & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
+    keep = keep & (probs >= min_p[:, None] * probs[:, :1])
+    mask = torch.zeros_like(keep).scatter(1, order, keep)
+    return scaled.masked_fill(~mask, float("-inf"))
+
+
+def sample(scores: torch.Tensor, args: torch.Tensor) -> torch.Tensor:
+    """The next token of each row of ``scores`` (``[rows, vocab]``) under its arguments (``args``: ``[ROWS, rows]``
+    int32): greedy where the temperature is 0, else drawn from the filtered distribution."""
+    rows, vocab = scores.shape
+    args = args[:, :rows]
+    temperature, top_p, min_p = (args[i].contiguous().view(torch.float32) for i in (0, 2, 3))
+    top_k, keys = args[1], args[4]
+    noisy = filtered(scores, temperature, top_k, top_p, min_p) + gumbel(keys, vocab)
+    return torch.where(temperature[:, None] > 0, noisy, scores).argmax(dim=-1)
+
+
+def step(runner, model, batch_data: dict, carry_over_ids, prev_output_ids, output_ids) -> None:
+    """The continuous-batching step of a manager with :class:`RowSampling` (upstream's ``_forward_process_and_sample``
+    with per-row sampling): forward, the model's other logits processors, per-row sampling, log-probabilities.
+    ``output_ids`` rows: tokens, the chosen tokens' log-probabilities, then ``top_n`` token ids and ``top_n``
+    log-probabilities (floats viewed as int32)."""
+    sampler = runner.logit_processor
+    runner.inputs_and_outputs.carry_over_tokens(batch_data["input_ids"], carry_over_ids, prev_output_ids)
+    logits = model(**batch_data).logits
+    indices = batch_data["logits_indices"]
+    if "logits_to_keep" not in batch_data:
+        logits = logits[:, indices, :]
+    logits = logits[0].float()  # [rows, vocab]
+    scores = logits
+    if sampler.others:
+        scores = sampler.others(batch_data["input_ids"][0, indices], logits)
+    tokens = sample(scores, batch_data["logits_processor_args"])
+    rows = tokens.shape[0]
+    log_probs = torch.log_softmax(logits, dim=-1)
+    chosen = log_probs.gather(1, tokens[:, None])[:, 0]
+    output_ids[0, :rows].copy_(tokens.to(torch.int32))
+    output_ids[1, :rows].copy_(chosen.contiguous().view(torch.int32))
+    n = sampler.top_n
+    if n:
+        top = torch.topk(log_probs, n, dim=-1)
+        output_ids[2 : 2 + n, :rows].copy_(top.indices.to(torch.int32).T)
+        output_ids[2 + n : 2 + 2 * n, :rows].copy_(top.values.T.contiguous().view(torch.int32))
+
+
+def _choice(request_id: str) -> int:
+    """0 for a request, ``i + 1`` for its forked child ``i`` (upstream names it ``f"{id}__child#{i}"``)."""
+    _, sep, index = request_id.rpartition(_CHILD)
+    return int(index) + 1 if sep and index.isdigit() else 0
+
+
+def row_sampling_of(manager) -> Any:
+    """The manager's :class:`RowSampling`, or None (not a ``tpu`` model, or async batching)."""
+    processor = getattr(manager, "logit_processor", None)
+    return processor if isinstance(processor, RowSampling) else None
+
+
+class RowSampling(ContinuousBatchingLogitsProcessorList):
+    """The logits processing of a ``tpu`` continuous-batching manager: per-row sampling arguments (see the module
+    docstring); ``others``: the model's other processors, run first on every row alike."""
+
+    supported_kwargs = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
+                        "logprobs": int}  # fmt: skip
+
+    def __init__(self, upstream, generation_config, top_n: int) -> None:
+        kept = [p for p in upstream.logits_processor if not isinstance(p, _PER_ROW)]
+        self.others = LogitsProcessorList(kept) if kept else None
+        self.logits_processor = LogitsProcessorList(kept)
+        self.top_n = int(top_n)
+        self.output_rows = 2 + 2 * self.top_n
+        self.tensors_required = len(ROWS)
+        self.supported_keys = dict(self.supported_kwargs)
+        self.ignored_keys = set()
+        self.do_processing = True
+        g = generation_config
+        sampled = bool(getattr(g, "do_sample", False))
+        self.defaults = {
+            "temperature": float(g.temperature if g.temperature is not None else 1.0) if sampled else 0.0,
+            "top_k": int(g.top_k or 0) if sampled else 0,
+            "top_p": float(g.top_p if g.top_p is not None else 1.0),
+            "min_p": float(g.min_p or 0.0),
+        }
+        self._base_seed: int | None = None
+
+    def __repr__(self) -> str:
+        return f"RowSampling(defaults={self.defaults}, top_n={self.top_n}, others={self.others})"
+
+    def clear(self) -> None:
+        super().clear()
+        self.others, self.tensors_required = None, len(ROWS)
+        self.supported_keys, self.do_processing = dict(self.supported_kwargs), True
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        d = self.defaults
+        values = self._column(d["temperature"], d["top_k"], d["top_p"], d["min_p"], 0)
+        int32_tensor.copy_(values.view(len(ROWS), 1).to(int32_tensor.device))
+
+    @staticmethod
+    def _column(temperature, top_k, top_p, min_p, key) -> torch.Tensor:
+        floats = torch.tensor([temperature, top_p, min_p], dtype=torch.float32).view(torch.int32).tolist()
+        return torch.tensor([floats[0], top_k, floats[1], floats[2], key], dtype=torch.int32)
+
+    def _seed(self, state) -> int:
+        seed = state.logit_processor_kwargs.get("seed")
+        if seed is not None:
+            return seed
+        if self._base_seed is None:  # after the manager seeded torch (the same on every tensor-parallel rank)
+            self._base_seed = torch.initial_seed()
+        return self._base_seed ^ zlib.crc32(state.request_id.rpartition(_CHILD)[0].encode() or
+                                             state.request_id.encode())  # fmt: skip
+
+    def prepare_tensor_args(self, requests_in_batch, arg_storage: torch.Tensor) -> torch.Tensor:
+        d = self.defaults
+        rows = []
+        for future in requests_in_batch:
+            if not future.has_new_token:
+                continue
+            state = future.state
+            kw = state.logit_processor_kwargs
+            key = noise_key(self._seed(state), _choice(state.request_id), state.position_offset)
+            rows.append((float(kw.get("temperature", d["temperature"])), int(kw.get("top_k", d["top_k"])),
+                         float(kw.get("top_p", d["top_p"])), float(kw.get("min_p", d["min_p"])), key))  # fmt: skip
+        if rows:
+            columns = list(zip(*rows))
+            floats = torch.tensor([columns[0], columns[2], columns[3]], dtype=torch.float32).view(torch.int32)
+            host = torch.stack([floats[0], torch.tensor(columns[1], dtype=torch.int32), floats[1], floats[2],
+                                torch.tensor(columns[4], dtype=torch.int32)])  # fmt: skip
+            arg_storage[:, : len(rows)] = host.to(arg_storage.device)  # one copy for every row and argument
+        return arg_storage
+
+    def __call__(self, input_ids, scores, logits_processor_args):
+        raise RuntimeError("RowSampling runs inside hf_tpu.serving._sampling.step, not as a processor list")
+
+
+def batch_update(io, upstream):
+    """``ContinuousBatchingIOs.prepare_batch_update`` for a step of :func:`step`: the tokens, and for the requests
+    that asked for log-probabilities (``logprobs`` kwarg: how many alternatives) a record ``(chosen log-probability,
+    ((token id, log-probability), ...))`` per new token, None for the others; one device-to-host copy."""
+    requests = io.requests_in_batch
+    wanted = [f.state.logit_processor_kwargs.get("logprobs") if f.has_new_token else None for f in requests]
+    if all(w is None for w in wanted):
+        return upstream(io)
+    n = io.num_request_in_batch
+    table = io.output_ids[:, :n].tolist()
+    top = (io.output_ids.shape[0] - 2) // 2
+    as_float = torch.tensor(table[1:2] + table[2 + top :], dtype=torch.int32).view(torch.float32).tolist()
+    records, row = [], 0
+    for f, want in zip(requests, wanted):
+        if not f.has_new_token:
+            continue
+        if want is not None:
+            k = min(int(want), top)
+            alternatives = tuple((table[2 + j][row], as_float[1 + j][row]) for j in range(k))
+            records.append((as_float[0][row], alternatives))
+        else:
+            records.append(None)
+        row += 1
+    return requests, table[0], records
+
+
+def request_kwargs(sampling) -> dict:
+    """The ``add_request`` kwargs of a :class:`~hf_tpu.serving._openai.Sampling` (a random seed when it has none)."""
+    import secrets
+
+    kwargs: dict[str, Any] = {
+        "temperature": float(sampling.temperature), "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
+        "min_p": float(sampling.min_p),
+        "seed": int(sampling.seed) if sampling.seed is not None else secrets.randbits(63),
+    }  # fmt: skip
+    if sampling.logprobs:
+        kwargs["logprobs"] = int(sampling.top_logprobs)
+    return kwargs
