@@ -67,7 +67,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         ),
         Benchmark(
             "serve",
-            "hf-tpu serve: Poisson trace vs one at a time: throughput, TTFT, per-token latency, compiles after warm-up",
+            "hf-tpu serve: Poisson trace vs one at a time (throughput, TTFT, compiles after warm-up); --soak: mixed load",
             requires=(("fastapi", "pip install 'hf-tpu[serve]'"), ("prometheus_client", "pip install 'hf-tpu[serve]'")),
         ),
         Benchmark(
