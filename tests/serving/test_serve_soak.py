@@ -4,6 +4,8 @@ more than 200 requests; docs/serving.md has its figures)."""
 
 from __future__ import annotations
 
+import json
+
 from hf_tpu.benchmarks import serve
 from hf_tpu.benchmarks.__main__ import benchmark_parser
 
@@ -36,3 +38,23 @@ def test_a_short_soak_loses_nothing_compiles_nothing_and_keeps_the_queue_bounded
     assert f["end_queue"] == 0 and f["end_in_flight"] == 0 and f["end_kv_blocks"] == 0
     assert f["targets_met"], out
     assert "missed" not in out and "resident memory: not measured" in out
+
+
+def test_a_wrong_answer_is_seen():
+    """The soak's answer check (no server): a missing choice, a bad finish_reason, a 5xx, missing logprobs."""
+    chat = {"kind": "valid", "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                      "stream": False, "n": 2}}  # fmt: skip
+    good = {"choices": [{"index": i, "message": {"content": "a"}, "finish_reason": "stop"} for i in range(2)]}
+    assert serve._answer_problem(chat, 200, json.dumps(good).encode()) is None
+    one = {"choices": good["choices"][:1]}
+    assert "finish_reason" in serve._answer_problem(chat, 200, json.dumps(one).encode())
+    odd = {"choices": [dict(c, finish_reason="error") for c in good["choices"]]}
+    assert "finish_reason" in serve._answer_problem(chat, 200, json.dumps(odd).encode())
+    assert serve._answer_problem(chat, 500, b"") == "status 500"
+    streamed = {"kind": "valid", "body": {"prompt": "x", "max_tokens": 1, "stream": True, "logprobs": 2}}
+    chunks = [{"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+              {"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]}]  # fmt: skip
+    problem = serve._answer_problem(streamed, 200, chunks)
+    assert "max_tokens" in problem
+    streamed["body"]["max_tokens"] = 2
+    assert "logprobs" in serve._answer_problem(streamed, 200, chunks)
