@@ -459,6 +459,7 @@ def soak(a: argparse.Namespace) -> dict:
 
     requests = soak_requests(a.requests or 2000, a.seed)
     max_pending = max(4 * a.slots, 2 * a.concurrency + 8)  # above the clients: a closed stream may linger a moment
+    stop = threading.Event()  # ends the watcher below, however the soak ends
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _start_server(a, Path(tmp) / "serve.log", max_pending)
         try:
@@ -467,7 +468,6 @@ def soak(a: argparse.Namespace) -> dict:
                 model = json.loads(r.read())["data"][0]["id"]
             start = _metrics(url)
             peaks = {"queue": 0.0, "in_flight": 0.0}
-            stop = threading.Event()
 
             def watch():  # the queue's and the in-flight count's highest values, read once a second
                 while not stop.wait(1.0):
@@ -510,6 +510,7 @@ def soak(a: argparse.Namespace) -> dict:
             watcher.join()
             end = settled()
         finally:
+            stop.set()
             _stop(proc)
     return _soak_figures(requests, results, start, end, rss, peaks, max_pending, wall, a.concurrency)
 
