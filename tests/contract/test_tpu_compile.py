@@ -282,3 +282,23 @@ def test_plan_refuses_a_model_that_cannot_fit_before_compiling(tmp_path):
     assert 139e9 < plan.hbm["weights"] < 143e9  # 70.6B bf16 parameters
     assert "exceed" in plan.note
     assert json.loads(json.dumps(plan.to_dict()))["fits"] is False
+
+
+def test_chip_programs_script_lowers_and_runs_the_programs(tmp_path):
+    """scripts/chip_programs.py: `lower` writes generate's programs (torch_tpu's front end, no chip); `run` compiles
+    and times them where JAX has a device. Here on XLA:CPU (a program with a Mosaic call cannot run there, so the
+    tiny model takes eager attention), which checks the script's plumbing, not a chip's figures."""
+    path = _saved(tmp_path, "llama")
+    config = json.loads(Path(path, "config.json").read_text())
+    Path(path, "config.json").write_text(json.dumps({**config, "attn_implementation": "eager"}))
+    script = str(HERE.parents[1] / "scripts" / "chip_programs.py")
+    programs, measured = tmp_path / "programs.json", tmp_path / "measured.json"
+    subprocess.run([sys.executable, script, "lower", path, str(programs), "--max-prompt-len", "16", "--max-new-tokens",
+                    "8", "--dtype", "float32"], check=True)  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    subprocess.run([sys.executable, script, "run", str(programs), "--out", str(measured), "--platform", "cpu",
+                    "--repeats", "2"], check=True, env=env)  # fmt: skip
+    out = json.loads(measured.read_text())
+    assert [p["name"] for p in out["programs"]] == ["prefill-16", "decode"]
+    assert all("error" not in p and p["step_seconds_median"] > 0 for p in out["programs"]), out["programs"]
+    assert out["facts"]["weights_bytes"] > 0 and out["weights_matvec"]["step_seconds_median"] > 0
