@@ -123,6 +123,9 @@ def _compile_one(client, devices, text: str) -> dict:
     return record
 
 
+_DUMP_ONLY_HLO = "--xla_jf_dump_llo_text=false --xla_jf_dump_llo_html=false --xla_jf_dump_fusion_computations=false"
+
+
 def _keep_hlo(raw: str, dump_dir: str, i: int, record: dict) -> None:
     """Keep the scheduled HLO libtpu dumped for program ``i`` under ``raw`` and its HBM split; drop the rest."""
     import glob
@@ -150,7 +153,9 @@ def compile_programs(texts: list[str], topology: str, dump_dir: str | None = Non
     if dump_dir is not None:
         os.makedirs(dump_dir, exist_ok=True)
         raw = os.path.join(dump_dir, "libtpu")
-        os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} --xla_jf_dump_to={raw}".strip()
+        # the scheduled HLO is all that is kept: the per-kernel LLO text and HTML (most of a dump) are not written
+        flags = f"--xla_jf_dump_to={raw} {_DUMP_ONLY_HLO}"
+        os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flags}".strip()
     from jax.experimental import topologies
 
     device = topologies.get_topology_desc(topology, "tpu").devices[0]
