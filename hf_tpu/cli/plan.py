@@ -42,6 +42,11 @@ def register(subparsers) -> argparse.ArgumentParser:
         "--buckets", default="largest", choices=("largest", "all"),
         help="compile the largest prompt bucket's programs (default) or every bucket warm-up would",
     )  # fmt: skip
+    parser.add_argument(
+        "--dump-hlo", metavar="DIR", default=None,
+        help="keep libtpu's scheduled HLO of each program in DIR and report how much of the decode step's bytes "
+        "accessed is HBM traffic (python -m hf_tpu.tpu_compile.hlo_bytes DIR breaks it down; compiles ~3x slower)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
@@ -61,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_generate(
         args.model, args.target, batch=args.batch, max_prompt_len=args.max_prompt_len,
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, quantization=args.quantization, buckets=args.buckets,
-        progress=progress,
+        progress=progress, dump_hlo=args.dump_hlo,
     )  # fmt: skip
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))

@@ -1,11 +1,14 @@
 """libtpu's compiler for a TPU this host does not have, and XLA:CPU for the numerics check.
 
-``python -m hf_tpu.tpu_compile._xla IN.json TOPOLOGY OUT.json`` compiles each lowered program of IN.json (the
-lowering process's output) for the first chip of ``TOPOLOGY`` (a libtpu topology name, ``v6e:1x1``) with
+``python -m hf_tpu.tpu_compile._xla IN.json TOPOLOGY OUT.json [DUMP_DIR]`` compiles each lowered program of IN.json
+(the lowering process's output) for the first chip of ``TOPOLOGY`` (a libtpu topology name, ``v6e:1x1``) with
 ``jax.experimental.topologies``: libtpu's compile-only client, no chip needed. Per program it writes whether it
 compiled (else the compiler's message), the seconds it took, XLA's memory analysis (argument, output, alias, temp
 and generated-code bytes) and cost analysis (FLOPs, bytes accessed, ``optimal_seconds``; XLA reports a negative
-``optimal_seconds`` where it cannot estimate, as for programs with Mosaic custom calls).
+``optimal_seconds`` where it cannot estimate, as for programs with Mosaic custom calls). With ``DUMP_DIR``, libtpu
+dumps each program (``--xla_jf_dump_to``, which slows its compile about 3x); its scheduled HLO is kept as
+``DUMP_DIR/program-<i>.hlo.txt`` (the rest of the dump is removed) and split into the part of ``bytes accessed``
+that is HBM traffic (:mod:`hf_tpu.tpu_compile.hlo_bytes`): the record's ``hbm_bytes`` and ``hlo_path``.
 
 It runs in a process without torch_tpu's device (JAX loads libtpu itself). :func:`run_on_cpu` runs a program with
 no custom call on XLA:CPU, for comparing its result with torch's on the CPU.
@@ -120,9 +123,39 @@ def _compile_one(client, devices, text: str) -> dict:
     return record
 
 
-def compile_programs(texts: list[str], topology: str) -> list[dict]:
-    """Compile each StableHLO text for the first chip of ``topology``; one record per text (see the module doc)."""
+_DUMP_ONLY_HLO = "--xla_jf_dump_llo_text=false --xla_jf_dump_llo_html=false --xla_jf_dump_fusion_computations=false"
+
+
+def _keep_hlo(raw: str, dump_dir: str, i: int, record: dict) -> None:
+    """Keep the scheduled HLO libtpu dumped for program ``i`` under ``raw`` and its HBM split; drop the rest."""
+    import glob
+    import shutil
+
+    from hf_tpu.tpu_compile.hlo_bytes import find_dumps, split
+
+    found = find_dumps(raw) if os.path.isdir(raw) else []
+    if found:
+        path = os.path.join(dump_dir, f"program-{i}.hlo.txt")
+        shutil.move(found[0], path)
+        record["hlo_path"] = path
+        with open(path) as f:
+            record["hbm_bytes"] = split(f.read()).hbm_bytes
+    for entry in glob.glob(os.path.join(raw, "*")):
+        shutil.rmtree(entry) if os.path.isdir(entry) else os.remove(entry)
+
+
+def compile_programs(texts: list[str], topology: str, dump_dir: str | None = None) -> list[dict]:
+    """Compile each StableHLO text for the first chip of ``topology``; one record per text (see the module doc).
+    With ``dump_dir``, each record also has ``hlo_path`` and ``hbm_bytes`` (libtpu must not be loaded yet: its
+    dump flag is read when it starts)."""
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    raw = None
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
+        raw = os.path.join(dump_dir, "libtpu")
+        # the scheduled HLO is all that is kept: the per-kernel LLO text and HTML (most of a dump) are not written
+        flags = f"--xla_jf_dump_to={raw} {_DUMP_ONLY_HLO}"
+        os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flags}".strip()
     from jax.experimental import topologies
 
     device = topologies.get_topology_desc(topology, "tpu").devices[0]
@@ -130,6 +163,8 @@ def compile_programs(texts: list[str], topology: str) -> list[dict]:
     for i, text in enumerate(texts):
         try:
             records.append(_compile_one(device.client, [device], text))
+            if raw is not None:
+                _keep_hlo(raw, dump_dir, i, records[-1])
             print(f"hf_tpu.tpu_compile: compiled program {i + 1} of {len(texts)} for {topology} "
                   f"({records[-1]['compile_seconds']:.1f}s)", flush=True)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - the compiler's refusal is the record
@@ -159,10 +194,10 @@ def run_on_cpu(text: str, arrays: list) -> list:
 
 
 def main(argv: list[str]) -> int:
-    in_path, topology, out_path = argv
+    in_path, topology, out_path, *dump = argv
     with open(in_path) as f:
         texts = json.load(f)
-    records = compile_programs(texts, topology)
+    records = compile_programs(texts, topology, dump[0] if dump else None)
     with open(out_path, "w") as f:
         json.dump(records, f)
     return 0

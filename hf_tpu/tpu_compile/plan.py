@@ -76,7 +76,7 @@ class Plan:
         seconds = self.step_seconds(decode)
         floor = self.hbm["weights"] - int(self.info.get("gathered_embedding_bytes", 0)) + self.hbm["kv_cache"]
         batch = int(self.info.get("batch", 1))
-        return {
+        summary = {
             "program": decode.name,
             "projected_ms": seconds * 1e3,
             "projected_tokens_per_second": batch / seconds if seconds else None,
@@ -84,6 +84,13 @@ class Plan:
             "floor_bytes": floor,
             "bytes_over_floor": decode.bytes_accessed / floor if floor else None,
         }
+        if decode.hbm_bytes is not None:  # --dump-hlo: the part of bytes_accessed that is HBM traffic
+            hbm_seconds = max(decode.hbm_bytes / self.target.hbm_bandwidth, decode.flops / self.target.peak_flops)
+            summary.update(
+                hbm_bytes=decode.hbm_bytes, hbm_over_floor=decode.hbm_bytes / floor if floor else None,
+                projected_ms_from_hbm=hbm_seconds * 1e3,
+            )  # fmt: skip
+        return summary
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -144,8 +151,15 @@ class Plan:
                 f"  moves {human(summary['bytes_accessed'])}; its floor (the weights but the input embeddings, and the "
                 f"KV cache, "
                 f"read once) is "
-                f"{human(summary['floor_bytes'])}: {summary['bytes_over_floor']:.2f}x the floor",
+                f"{human(summary['floor_bytes'])}: {summary['bytes_over_floor']:.2f}x the floor (XLA's bytes accessed: "
+                f"on-chip copies counted too)",
             ]
+            if "hbm_bytes" in summary:
+                lines.append(
+                    f"  of which HBM traffic (libtpu's placement, --dump-hlo) {human(summary['hbm_bytes'])}: "
+                    f"{summary['hbm_over_floor']:.2f}x the floor, {summary['projected_ms_from_hbm']:.3f} ms at the "
+                    f"chip's HBM bandwidth"
+                )
         if self.error:
             lines += ["", f"error: {self.error}"]
         return "\n".join(lines)
@@ -163,6 +177,7 @@ def plan_generate(
     buckets: str = "largest",
     generation: dict | None = None,
     progress: Callable[[str], None] | None = None,
+    dump_hlo: str | os.PathLike | None = None,
 ) -> Plan:
     """Plan ``model``'s ``generate`` on ``target``: fit, compile times, projected decode step (see the module doc).
 
@@ -176,6 +191,8 @@ def plan_generate(
         buckets: ``"largest"`` compiles the bucket of ``max_prompt_len`` only; ``"all"`` every bucket warm-up would.
         generation: generation_config fields to set first (``{"do_sample": True, "top_k": 50}``).
         progress: called with a line of progress as programs lower and compile.
+        dump_hlo: a folder to keep libtpu's scheduled HLO of each program in (``<name>.hlo.txt``); the decode
+            summary then also says how much of its bytes accessed is HBM traffic (compiles take about 3x longer).
 
     Returns:
         A :class:`Plan`.
@@ -198,7 +215,8 @@ def plan_generate(
         "max_new_tokens": max_new_tokens, "buckets": buckets, "quantization": quantization,
         "capacity": chosen.hbm_bytes, "generation": generation,
     }  # fmt: skip
-    result = lower_and_compile(GENERATE_ENTRY, kwargs, chosen, progress=progress)
+    dump = os.fspath(dump_hlo) if dump_hlo is not None else None
+    result = lower_and_compile(GENERATE_ENTRY, kwargs, chosen, progress=progress, dump_hlo=dump)
     return _plan_from(result, path, batch, max_prompt_len, max_new_tokens, quantization)
 
 

@@ -47,6 +47,19 @@ def test_fit_counts_weights_cache_and_the_largest_programs_extra():
     assert [p["name"] for p in data["programs"]] == ["prefill-2048", "decode"]
 
 
+def test_with_the_dumped_hlo_the_step_also_says_its_hbm_traffic():
+    decode = _program("decode", args=int(16.5 * GB), out=GB // 2, temp=GB // 4, flops=4e10, moved=2e10)
+    plain = _plan_from(_result([decode]), "m", 1, 2048, 256, None).decode_summary()
+    assert "hbm_bytes" not in plain
+    decode.hbm_bytes = 1.6e10  # what hf_tpu.tpu_compile.hlo_bytes found in libtpu's placement
+    plan = _plan_from(_result([decode]), "m", 1, 2048, 256, None)
+    summary = plan.decode_summary()
+    assert summary["projected_ms"] == plain["projected_ms"]  # the headline stays XLA's bytes accessed
+    assert summary["hbm_over_floor"] == pytest.approx(1.6e10 / (15.5 * GB))
+    assert summary["projected_ms_from_hbm"] == pytest.approx(1.6e10 / target("v6e-1").hbm_bandwidth * 1e3)
+    assert "of which HBM traffic" in plan.table()
+
+
 def test_compute_bound_step_and_a_compiler_estimate_win():
     flops_bound = _program("decode", args=GB, out=0, temp=0, flops=9.18e14, moved=1e6)  # one second of v6e peak
     plan = _plan_from(_result([flops_bound]), "m", 1, 16, 8, None)
