@@ -6,9 +6,12 @@ table says whether the model fits the chip's HBM, what each program took to comp
 projected time (an estimate from the compiler's counts, not a measurement). Progress goes to stderr, the table or
 ``--json``'s object to stdout. Needs torch-tpu, libtpu and jax (``pip install 'hf-tpu[tpu]'``). See docs/planning.md.
 
+With ``--pipeline``, MODEL is a diffusers pipeline directory and the plan is its denoiser step at one resolution.
+
 Example:
     $ hf-tpu plan ./llama-3-8b --target v6e-1 --max-prompt-len 2048 --max-new-tokens 256
     $ hf-tpu plan ./llama-3-8b/config.json --target v6e-1 --quantization int8 --json
+    $ hf-tpu plan ./sd3-medium --pipeline --target v6e-1 --height 1024 --width 1024
 """
 
 from __future__ import annotations
@@ -26,12 +29,27 @@ def register(subparsers) -> argparse.ArgumentParser:
 
     parser = subparsers.add_parser(
         "plan",
-        help="compile a model's generate for a TPU without one: HBM fit, compile time, projected step",
+        help="compile a model's generate (or a pipeline's denoiser step) for a TPU without one: HBM fit, compile "
+        "time, projected step",
         description="Lower the prefill and decode programs hf_tpu's generate compiles through torch_tpu's real "
         "front end and compile them with libtpu for TARGET, on this host (no TPU needed); report HBM fit, compile "
-        "times and the decode step's projected time (the compiler's estimate, not a measurement).",
+        "times and the decode step's projected time (the compiler's estimate, not a measurement); with --pipeline, "
+        "the same for a diffusers pipeline's denoiser step.",
     )
-    parser.add_argument("model", help="a model directory or its config.json (no weights are read)")
+    parser.add_argument(
+        "model", help="a model directory or its config.json; with --pipeline a diffusers pipeline directory (no weights "
+        "are read)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pipeline", action="store_true",
+        help="MODEL is a diffusers pipeline (model_index.json): plan its denoiser step at --height x --width",
+    )  # fmt: skip
+    parser.add_argument("--height", type=int, default=1024, help="--pipeline: image height (default: 1024)")
+    parser.add_argument("--width", type=int, default=1024, help="--pipeline: image width (default: 1024)")
+    parser.add_argument(
+        "--guidance-scale", type=float, default=None,
+        help="--pipeline: guidance scale of the call (default: the pipeline's; above 1 doubles the batch with CFG)",
+    )  # fmt: skip
     parser.add_argument("--target", default="v6e-1", choices=sorted(TARGETS), help="TPU to compile for (v6e-1)")
     parser.add_argument("--batch", type=int, default=1, help="batch size (default: 1)")
     parser.add_argument("--max-prompt-len", type=int, default=2048, help="longest prompt (default: 2048)")
@@ -52,7 +70,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_tpu.tpu_compile.plan import plan_generate
+    from hf_tpu.tpu_compile.plan import plan_generate, plan_pipeline
 
     if min(args.batch, args.max_prompt_len, args.max_new_tokens) < 1:
         print("hf-tpu plan: --batch, --max-prompt-len and --max-new-tokens must be positive", file=sys.stderr)
@@ -62,6 +80,20 @@ def run(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
+    if args.pipeline:
+        if min(args.height, args.width) < 1:
+            print("hf-tpu plan: --height and --width must be positive", file=sys.stderr)
+            return 2
+        if args.quantization:
+            print("hf-tpu plan: --quantization plans generate only, not --pipeline", file=sys.stderr)
+            return 2
+        progress(f"lowering {args.model}'s denoiser step through torch_tpu (deferred weights, no chip)")
+        plan = plan_pipeline(
+            args.model, args.target, height=args.height, width=args.width, batch=args.batch,
+            guidance_scale=args.guidance_scale, dtype=args.dtype, progress=progress, dump_hlo=args.dump_hlo,
+        )  # fmt: skip
+        print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
+        return 0 if plan.error is None else 1
     progress(f"lowering {args.model}'s generate programs through torch_tpu (deferred weights, no chip)")
     plan = plan_generate(
         args.model, args.target, batch=args.batch, max_prompt_len=args.max_prompt_len,

@@ -5,7 +5,8 @@ hf_tpu's graphs (generate's prefill and decode, and any code an entry runs) go t
 needs a chip is stood in for (:func:`hf_tpu._torch_tpu.start_lowering`), and each StableHLO program is compiled by
 libtpu for a described TPU (``v6e-1``, ``v5e-1``, ``v6e-4``, ``v5p-4``, ``tpu7x-4``, ...). The compiler's own
 figures (HBM by kind, FLOPs, bytes accessed) then say what a chip would spend: :func:`plan_generate` and
-``hf-tpu plan`` turn them into a table a person reads in seconds. Every projected time is an estimate from the
+``hf-tpu plan`` turn them into a table a person reads in seconds (:func:`plan_pipeline`, ``hf-tpu plan --pipeline``:
+a diffusers pipeline's denoiser step). Every projected time is an estimate from the
 compiler's counts and the chip's published bandwidth, never a measurement. See docs/planning.md.
 
 Needs torch-tpu 0.2.0 with libtpu and jax (``pip install 'hf-tpu[tpu]'``); nothing here is imported by
@@ -30,12 +31,13 @@ __all__ = [
     "lower_and_compile",
     "lower_generate",
     "plan_generate",
+    "plan_pipeline",
     "target",
 ]
 
 
 def __getattr__(name: str):
-    if name in ("Plan", "plan_generate"):
+    if name in ("Plan", "plan_generate", "plan_pipeline"):
         from hf_tpu.tpu_compile import plan
 
         return getattr(plan, name)

@@ -29,7 +29,7 @@ from hf_tpu.errors import UserError
 from hf_tpu.tpu_compile.programs import LoweringResult, ProgramRecord, lower_and_compile
 from hf_tpu.tpu_compile.targets import Target, target as find_target
 
-__all__ = ["Plan", "plan_generate"]
+__all__ = ["Plan", "plan_generate", "plan_pipeline"]
 
 GENERATE_ENTRY = "hf_tpu.tpu_compile._generate:lower_generate"
 GB = 1e9
@@ -55,8 +55,11 @@ class Plan:
     info: dict[str, Any] = field(default_factory=dict)
     note: str | None = None
     error: str | None = None
+    kind: str = "generate"  # or "pipeline": a diffusers pipeline's denoiser step (plan_pipeline)
 
     def _decode(self) -> ProgramRecord | None:
+        if self.kind != "generate":
+            return None
         decodes = [p for p in self.programs if p.name.startswith("decode") and p.compiled]
         return max(decodes, key=lambda p: p.argument_bytes) if decodes else None
 
@@ -92,6 +95,27 @@ class Plan:
             )  # fmt: skip
         return summary
 
+    def step_summary(self) -> dict[str, Any] | None:
+        """A pipeline's denoiser step: projected ms per step, bytes moved, and bytes over its floor (the denoiser's
+        weights, read once per step); None for a generate plan or when nothing compiled."""
+        steps = [p for p in self.programs if p.compiled] if self.kind == "pipeline" else []
+        if not steps:
+            return None
+        seconds = sum(self.step_seconds(p) for p in steps)
+        moved = sum(p.bytes_accessed for p in steps)
+        floor = int(self.info.get("denoiser_bytes", 0))
+        summary = {
+            "programs": [p.name for p in steps],
+            "projected_ms": seconds * 1e3,
+            "bytes_accessed": moved,
+            "floor_bytes": floor,
+            "bytes_over_floor": moved / floor if floor else None,
+            "flops": sum(p.flops for p in steps),
+        }
+        if all(p.hbm_bytes is not None for p in steps):
+            summary["hbm_bytes"] = sum(p.hbm_bytes for p in steps)
+        return summary
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "target": self.target.name,
@@ -100,6 +124,8 @@ class Plan:
             "hbm_bytes": dict(self.hbm),
             "programs": [p.to_dict() for p in self.programs],
             "decode": self.decode_summary(),
+            "step": self.step_summary(),
+            "kind": self.kind,
             "estimate": "projected figures are estimates from libtpu's compiler counts, not measurements",
             "info": self.info,
             "note": self.note,
@@ -110,16 +136,23 @@ class Plan:
         """The plan as a few lines of text (what ``hf-tpu plan`` prints)."""
         gb = human
         info = self.info
+        if self.kind == "pipeline":
+            call = f"batch {info.get('batch')}, {info.get('height')}x{info.get('width')}, denoiser " + ", ".join(
+                info.get("denoisers", [])
+            )
+        else:
+            call = (
+                f"batch {info.get('batch')}, prompt {info.get('max_prompt_len')} (bucket {info.get('prompt_bucket')}), "
+                f"{info.get('max_new_tokens')} new tokens"
+            )
         lines = [
             f"{self.model}: {info.get('model_type', '?')}, {info.get('parameters', 0) / 1e9:.3g}B parameters, "
-            f"{info.get('dtype', '?')}{', ' + info['quantization'] if info.get('quantization') else ''}; "
-            f"batch {info.get('batch')}, prompt {info.get('max_prompt_len')} (bucket {info.get('prompt_bucket')}), "
-            f"{info.get('max_new_tokens')} new tokens",
+            f"{info.get('dtype', '?')}{', ' + info['quantization'] if info.get('quantization') else ''}; {call}",
             f"target {self.target.describe()}",
             "",
             f"HBM per device: {gb(self.hbm['capacity'])}",
-            f"  weights      {gb(self.hbm['weights'])}",
-            f"  KV cache     {gb(self.hbm['kv_cache'])}",
+            f"  weights      {gb(self.hbm['weights'])}" + ("  (every component)" if self.kind == "pipeline" else ""),
+            *([] if self.kind == "pipeline" else [f"  KV cache     {gb(self.hbm['kv_cache'])}"]),
             f"  temporaries  {gb(self.hbm['temporaries'])}  (largest program's temps and outputs not aliased)",
             f"  total        {gb(self.hbm['total'])}  -> {'FITS' if self.fits else 'DOES NOT FIT'} "
             f"(headroom {gb(self.hbm['capacity'] - self.hbm['total'])})",
@@ -160,6 +193,17 @@ class Plan:
                     f"{summary['hbm_over_floor']:.2f}x the floor, {summary['projected_ms_from_hbm']:.3f} ms at the "
                     f"chip's HBM bandwidth"
                 )
+        step = self.step_summary()
+        if step:
+            lines += [
+                "",
+                f"denoiser step (estimate from the compiler's counts, not a measurement): {step['projected_ms']:.3f} ms "
+                f"per step, {step['flops'] / 1e12:.2f} TFLOP",
+                f"  moves {human(step['bytes_accessed'])}; the denoiser's weights are {human(step['floor_bytes'])}"
+                + (f": {step['bytes_over_floor']:.2f}x" if step["bytes_over_floor"] else ""),
+            ]
+            if "hbm_bytes" in step:
+                lines.append(f"  of which HBM traffic (--dump-hlo) {human(step['hbm_bytes'])}")
         if self.error:
             lines += ["", f"error: {self.error}"]
         return "\n".join(lines)
@@ -218,6 +262,59 @@ def plan_generate(
     dump = os.fspath(dump_hlo) if dump_hlo is not None else None
     result = lower_and_compile(GENERATE_ENTRY, kwargs, chosen, progress=progress, dump_hlo=dump)
     return _plan_from(result, path, batch, max_prompt_len, max_new_tokens, quantization)
+
+
+PIPELINE_ENTRY = "hf_tpu.tpu_compile._pipeline:lower_pipeline"
+
+
+def plan_pipeline(
+    pipeline: str | os.PathLike,
+    target: str = "v6e-1",
+    *,
+    height: int = 1024,
+    width: int = 1024,
+    batch: int = 1,
+    guidance_scale: float | None = None,
+    dtype: str = "bfloat16",
+    progress: Callable[[str], None] | None = None,
+    dump_hlo: str | os.PathLike | None = None,
+) -> Plan:
+    """Plan a diffusers pipeline's denoiser step on ``target``: the pipeline is built from its saved configs with
+    deferred weights (nothing read), compiled as ``hf_tpu.diffusers.compile_pipeline`` compiles it and called once
+    at ``height`` x ``width``; the denoiser's program is compiled for the target. The plan says whether every model
+    component fits the chip's HBM, the step's compile time and its projected time (an estimate).
+
+    Args:
+        pipeline: a pipeline directory (``save_pretrained``'s layout, with model_index.json; weights not needed).
+        target: a name of :data:`hf_tpu.tpu_compile.TARGETS`.
+        height, width, batch: the call's size (``batch`` images per prompt batch).
+        guidance_scale: the call's guidance (None: the pipeline's default; above 1, classifier-free guidance
+            doubles the denoiser's batch in the pipelines that use it).
+        dtype: the weights' dtype.
+        progress, dump_hlo: as for :func:`plan_generate`.
+
+    Returns:
+        A :class:`Plan` with ``kind == "pipeline"`` (its :meth:`Plan.step_summary` is the denoiser step).
+
+    Raises:
+        UserError: ``pipeline`` is not a directory with a model_index.json.
+        hf_tpu.tpu_compile.UnknownTargetError: ``target`` is not a known target.
+    """
+    path = os.fspath(pipeline)
+    if not os.path.isfile(os.path.join(path, "model_index.json")):
+        raise UserError(f"{path}: no model_index.json there; pass a diffusers pipeline directory (save_pretrained)")
+    chosen = find_target(target)
+    kwargs = {
+        "pipeline": path, "height": height, "width": width, "batch": batch, "guidance_scale": guidance_scale,
+        "dtype": dtype, "capacity": chosen.hbm_bytes,
+    }  # fmt: skip
+    dump = os.fspath(dump_hlo) if dump_hlo is not None else None
+    result = lower_and_compile(PIPELINE_ENTRY, kwargs, chosen, progress=progress, dump_hlo=dump)
+    plan = _plan_from(result, path, batch, None, None, None)
+    plan.kind = "pipeline"
+    if plan.note:
+        plan.note = plan.note.split("; use ")[0] + "; use a larger chip or tensor parallelism over more chips"
+    return plan
 
 
 def _plan_from(result: LoweringResult, path: str, batch, prompt, new, quantization) -> Plan:

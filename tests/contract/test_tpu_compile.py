@@ -232,6 +232,28 @@ def test_diffusers_denoiser_step():
     assert result.programs[0].custom_calls > 0  # its joint attention became torch_tpu's flash-attention kernel
 
 
+def test_plan_pipeline_command_plans_the_denoiser_step(tmp_path):
+    """``hf-tpu plan DIR --pipeline``: a saved diffusers pipeline built from its configs with deferred weights,
+    compiled as compile_pipeline compiles it and called once; its denoiser step lowers and compiles for v6e-1."""
+    from hf_tpu.diffusers.testing import tiny_sd3_pipeline
+
+    path = tmp_path / "sd3"
+    tiny_sd3_pipeline(path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_tpu.cli", "plan", str(path), "--pipeline", "--height", "32", "--width", "32",
+         "--dtype", "float32", "--target", "v6e-1", "--json"], capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)
+    assert plan["kind"] == "pipeline" and plan["fits"] is True and plan["decode"] is None
+    [program] = plan["programs"]
+    assert program["name"] == "denoiser-32x32" and program["lowered"] and program["compiled"], program
+    step = plan["step"]
+    assert step["programs"] == ["denoiser-32x32"] and step["projected_ms"] > 0 and step["floor_bytes"] > 0
+    assert plan["info"]["denoisers"] == ["transformer"]
+    assert plan["hbm_bytes"]["weights"] == plan["info"]["weights_bytes"] > step["floor_bytes"]  # every component
+
+
 def test_tensor_parallel_rank_programs():
     result = lower_and_compile("_tpu_compile_entries:lower_tp_rank_layer", {}, "v6e-1")
     assert result.error is None, result.error

@@ -68,6 +68,28 @@ def test_compute_bound_step_and_a_compiler_estimate_win():
     assert _plan_from(_result([known]), "m", 1, 16, 8, None).step_seconds(known) == 0.25
 
 
+def test_a_pipeline_plan_is_its_denoiser_step():
+    step = _program("denoiser-1024x1024", args=int(4.2 * GB), out=GB // 8, temp=GB // 2, flops=9.18e13, moved=8e9)
+    result = _result([step], weights_bytes=int(15.5 * GB), kv_cache_bytes=0, denoiser_bytes=4 * GB,
+                     model_type="StableDiffusion3Pipeline", denoisers=["transformer"], height=1024, width=1024)  # fmt: skip
+    plan = _plan_from(result, "sd3", 1, None, None, None)
+    plan.kind = "pipeline"
+    assert plan.decode_summary() is None
+    summary = plan.step_summary()
+    assert summary["projected_ms"] == pytest.approx(100.0)  # 0.1 s of v6e's bf16 peak: compute bound
+    assert summary["bytes_over_floor"] == pytest.approx(2.0)
+    text = plan.table()
+    assert "1024x1024, denoiser transformer" in text and "denoiser step" in text and "KV cache" not in text
+    assert json.loads(json.dumps(plan.to_dict()))["step"]["floor_bytes"] == 4 * GB
+
+
+def test_plan_pipeline_wants_a_pipeline_directory(tmp_path):
+    from hf_tpu.tpu_compile.plan import plan_pipeline
+
+    with pytest.raises(UserError, match="model_index.json"):
+        plan_pipeline(tmp_path)
+
+
 def test_too_big_is_reported_without_programs():
     result = _result([], weights_bytes=141 * GB, kv_cache_bytes=0, kv_cache_estimate=GB,
                      skipped="the weights and KV cache alone exceed the chip's HBM: nothing was lowered")  # fmt: skip
