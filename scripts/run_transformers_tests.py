@@ -61,7 +61,9 @@ def run(root: Path, files: list[str], extra: list[str], env_extra: dict[str, str
     env = {k: v for k, v in os.environ.items() if k not in TPU_ENV}
     env.update(env_extra)
     env.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # a torch-tpu install must not autoload on a chipless host
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    # hf_tpu first, then what env_extra adds (the plugin's folder), then the caller's own PYTHONPATH
+    extra_path = env_extra.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), extra_path, os.environ.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *extra, *files]
     print(f"$ {' '.join(f'{k}={v}' for k, v in env_extra.items())} {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, cwd=root, env=env, check=False)
