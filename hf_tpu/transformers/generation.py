@@ -170,7 +170,10 @@ def generate(self, *args, **kwargs):
         input_ids = inputs.to("cpu")
     state = _state(self)
     before = _torch_tpu.cache_stats() if state.warmed and state.strict_eager else None
-    for key in ("attention_mask", "position_ids", "decoder_input_ids", "token_type_ids"):
+    # inputs_embeds too: upstream builds the call's special tokens, logits processors and stopping criteria on the
+    # prompt's device, and hf_tpu's loop keeps the sequence and runs those on the host (embeddings on the tpu are
+    # read back once per call; the loop sends them to the device again for the prefill)
+    for key in ("attention_mask", "position_ids", "decoder_input_ids", "token_type_ids", "inputs_embeds"):
         if extra_kwargs.get(key) is not None:
             extra_kwargs[key] = _to_host(extra_kwargs[key])
 

@@ -43,6 +43,22 @@ def test_inputs_embeds_on_the_host_generate_like_cpu_on_the_loop(family, pair, p
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores))
 
 
+def test_inputs_embeds_on_the_tpu_with_an_eos_id_generate_like_cpu(llama, prompts, ran):
+    # Embeddings already on the tpu (transformers' own tests make them there) with an end-of-sequence id and pad -1:
+    # upstream builds the call's special tokens and stopping criteria on the prompt's device; hf_tpu's loop keeps
+    # the sequence on the host, so the prompt comes back for upstream's preparation and goes to the device again.
+    cpu, tpu = llama
+    ids, mask = prompts([5, 8], seed=5)
+    embeds = cpu.get_input_embeddings()(ids).detach()
+    kw = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "eos_token_id": int(ids[0, -1]),
+          "pad_token_id": -1, "return_dict_in_generate": True, "output_scores": True}  # fmt: skip
+    got = tpu.generate(inputs_embeds=embeds.to("tpu"), **{**kw, "attention_mask": mask.to("tpu")})
+    expected = cpu.generate(inputs_embeds=embeds, **kw)
+    assert got.sequences.device.type == "tpu" and torch.equal(got.sequences.cpu(), expected.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores))
+    assert ran and ran[0] == "embeds_prefill", ran
+
+
 def test_embeds_with_the_penalty_on_the_device_keep_its_history_after_the_prompt(llama, prompts, ran):
     cpu, tpu = llama
     ids, mask = prompts([6, 3], seed=2)
