@@ -3,9 +3,10 @@
 :func:`hf_tpu.transformers._signatures.cache_name`) is copied into the bucketed cache.
 
 The bucketed cache is the model's pooled, left-padded static cache (reset by the next call), so it is never handed
-out: :func:`returned_cache` copies the slots the call wrote, the bucket's padding left out, into a ``DynamicCache``,
-exactly what upstream's loop leaves in the cache it returns (the prompt and every new token but the last), and
-which the caller can pass to the next ``generate`` or to ``model(...)``.
+out: :func:`returned_cache` copies the slots the call wrote, the bucket's padding left out, into a ``DynamicCache``
+(a ``StaticCache`` of upstream's length when the call asked for ``cache_implementation="static"``, as upstream's
+loop returns), exactly what upstream's loop leaves in the cache it returns (the prompt and every new token but the
+last), and which the caller can pass to the next ``generate`` or to ``model(...)``.
 
 Continuing (:func:`copy_in`): the call's ``input_ids`` hold the whole sequence (as upstream's continuation takes
 them), the cache its first ``L_c`` tokens. The loop plans the call as a prompt of the whole sequence, copies the
@@ -103,10 +104,14 @@ def copy_in(given, cache, start: int) -> int:
     return seen
 
 
-def returned_cache(model, cache, start: int, end: int):
+def returned_cache(model, cache, start: int, end: int, static_len: int | None = None):
     """A ``DynamicCache`` holding slots ``start`` to ``end`` of every layer of the bucketed ``cache`` (copies, on the
-    model's device), or None where the cache has other layer kinds than full attention (warned once)."""
-    from transformers.cache_utils import DynamicCache
+    model's device), or None where the cache has other layer kinds than full attention (warned once).
+
+    ``static_len``: the call asked for ``cache_implementation="static"``, for which upstream returns the
+    ``StaticCache`` it generated with, ``static_len`` slots long (``max_length - 1``): the same tokens then, in the
+    first slots of a ``StaticCache`` of that length (the rest zeros, as upstream leaves them)."""
+    from transformers.cache_utils import DynamicCache, StaticCache
 
     from hf_tpu.transformers._notes import warn_once
 
@@ -119,7 +124,7 @@ def returned_cache(model, cache, start: int, end: int):
             "upstream's loop and its cache.",
         )
         return None
-    out = DynamicCache()
+    out = DynamicCache() if static_len is None else StaticCache(config=model.config, max_cache_len=static_len)
     for index, layer in enumerate(cache.layers):
         out.update(layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone(), index)
     return out

@@ -289,7 +289,10 @@ def _decode_loop(
     call.run(*first, plan.cache_bucket - plan.prompt_bucket, step)
     returned = None
     if generation_config.return_dict_in_generate:
-        returned = returned_cache(model, cache, pad if not extra.get(_ALIGNED) else 0, length)
+        static_len = None
+        if generation_config.cache_implementation == "static":  # upstream returns its StaticCache, this long
+            static_len = generation_config.max_length - 1 + (prompt_len if prompt_len != ids_len else 0)
+        returned = returned_cache(model, cache, pad if not extra.get(_ALIGNED) else 0, length, static_len)
     return call.output(cache=returned)
 
 
