@@ -22,7 +22,8 @@ from __future__ import annotations
 __all__: list[str] = []
 
 
-def _full_attention_only(model) -> bool:
+def full_attention_only(model) -> bool:
+    """Whether every layer of ``model``'s bucketed cache is full attention (a ``StaticLayer``)."""
     from transformers.cache_utils import StaticLayer
 
     from hf_tpu.transformers._cache_layers import layer_plan
@@ -70,7 +71,7 @@ def given_cache_problem(model, cache, input_len: int | None, mask_len: int | Non
         return f"the cache passed is a {name}, not a transformers Cache"
     if model.config.is_encoder_decoder:
         return f"a {name} passed to an encoder-decoder model is not served by the bucketed loop yet"
-    if not _plain_layers(cache) or not _full_attention_only(model):
+    if not _plain_layers(cache) or not full_attention_only(model):
         return (
             f"a {name} passed in is copied into the bucketed cache only when every layer is full attention "
             f"({type(model).__name__}'s cache or the one passed has other layer kinds)"
@@ -115,7 +116,7 @@ def returned_cache(model, cache, start: int, end: int, static_len: int | None = 
 
     from hf_tpu.transformers._notes import warn_once
 
-    if not _full_attention_only(model) or getattr(cache, "self_attention_cache", None) is not None:
+    if not full_attention_only(model) or getattr(cache, "self_attention_cache", None) is not None:
         name = type(model).__name__
         warn_once(
             f"cache out:{name}",

@@ -228,18 +228,20 @@ def cacheless_loop(
     ids, mask, positions = _layout(model, call.input_ids, model_kwargs, length, call.new_tokens, call.fill_id)
     ids_dev, mask_dev = ids.to(device), mask.to(device)
     positions_dev = None if positions is None else positions.to(device)
-    args = (mask_dev, positions_dev, _extra(model), call.sampling(device, length + 1, 0))
+    args = (mask_dev, positions_dev, {**_extra(model), **call.output_flags}, call.sampling(device, length + 1, 0))
     prefill_key = ("cacheless_prefill" + variant, batch, length)
     decode_key = ("cacheless_decode" + variant, batch, length)
     slot = torch.tensor([prompt_len - 1]).to(device)
     first = _run(model, state, prefill_key, ids_dev, slot, *args)
+    first = call.take(first, slice(0, prompt_len), slice(0, prompt_len))  # (upstream: the whole sequence each step)
     next_slot = prompt_len
 
     def step(next_tokens):
         nonlocal next_slot
         packed = torch.stack([next_tokens, torch.full_like(next_tokens, next_slot)], dim=1).to(device)
         next_slot += 1
-        return _run(model, state, decode_key, ids_dev, packed, *args)
+        result = _run(model, state, decode_key, ids_dev, packed, *args)
+        return call.take(result, slice(0, next_slot), slice(0, next_slot))
 
     call.run(*first, length - prompt_len, step)
     return call.output()

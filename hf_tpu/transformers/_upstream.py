@@ -21,6 +21,8 @@ __all__: list[str] = []
 
 _UPSTREAM_GENERATE: Callable | None = None
 _SUPPORTED_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "input_ids", *CACHE_NAMES}
+# (upstream keeps these in the model kwargs too; the generation config's flags are what the loops read)
+_OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
 
 
 def _upstream_generate() -> Callable:
@@ -60,11 +62,11 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
     mode = config.get_generation_mode(args.get("assistant_model"))
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return f"{mode.value} is not supported by the bucketed loop (only greedy search and sampling are)", True
-    if config.output_attentions or config.output_hidden_states:
+    if (config.output_attentions or config.output_hidden_states) and model.config.is_encoder_decoder:
         asked = [n for n in ("output_attentions", "output_hidden_states") if getattr(config, n, False)]
         return (
-            f"{'/'.join(asked)}=True: hf_tpu's graphs return the next tokens (or the last logits row) only, not "
-            "every layer's attentions or hidden states"
+            f"{'/'.join(asked)}=True on an encoder-decoder model: hf_tpu's graphs return every layer's attentions "
+            "and hidden states for decoder-only models only (not the encoder's and cross-attention ones yet)"
         ), True
     if config.token_healing:
         return "token_healing is not supported by the bucketed loop", True
@@ -83,7 +85,7 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
             problem = f"a cache passed in is not copied into the cache of {type(model).__name__} (prompt first) yet"
         if problem is not None:
             return problem, True
-    extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS - set(PROMPT_INPUTS)
+    extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS - set(PROMPT_INPUTS) - set(_OUTPUT_FLAGS)
     if model.config.is_encoder_decoder:
         extra -= {"decoder_input_ids"}
     extra = {k for k in extra if model_kwargs[k] is not None}

@@ -104,6 +104,25 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
     if asked is not None:
         reason, warn = asked
         return Route(UPSTREAM, reason, warn=warn)
+    found = _call_route(model, config, model_kwargs)
+    outputs = config.output_attentions or config.output_hidden_states
+    if outputs and found.loop != UPSTREAM and _state(model).outputs_problem:
+        return Route(UPSTREAM, _state(model).outputs_problem, warn=True)
+    if config.output_attentions and found.loop in (CACHED, HOST_LENGTH):
+        from hf_tpu.transformers._cache_io import full_attention_only
+
+        if not full_attention_only(model):  # a window or a state: attention over other key slots than the tokens'
+            return Route(
+                UPSTREAM,
+                f"output_attentions=True: {type(model).__name__}'s cache has layer kinds other than full attention, "
+                "whose attention weights hf_tpu's loop does not cut to upstream's shapes",
+                warn=True,
+            )
+    return found
+
+
+def _call_route(model, config, model_kwargs: dict) -> Route:
+    """:func:`call_route` once the call asks for nothing only upstream's loop does."""
     use_cache = bool(config.use_cache)
     given = [k for k in _upstream.PROMPT_INPUTS if model_kwargs.get(k) is not None]
     if given:  # served by the cached loop only: its prefill takes them

@@ -108,25 +108,6 @@ def test_a_prompt_first_model_runs_embeds_upstream_with_the_reason(prompts, from
     assert torch.equal(got.cpu(), cpu.generate(inputs_embeds=embeds, **kw))
 
 
-@pytest.mark.parametrize("asked", ["output_attentions", "output_hidden_states"])
-def test_per_layer_outputs_run_upstream_with_the_reason(llama, prompts, asked):
-    cpu, tpu = llama
-    ids, mask = prompts([4, 6])
-    kw = {"attention_mask": mask, "max_new_tokens": 3, "do_sample": False, "return_dict_in_generate": True}
-    kw[asked] = True
-    generation.WARNED.clear()
-    with pytest.warns(UserWarning, match=f"{asked}=True: hf_tpu's graphs return the next tokens"):
-        got = tpu.generate(ids, **kw)
-    expected = cpu.generate(ids, **kw)
-    assert torch.equal(got.sequences.cpu(), expected.sequences)
-    field = "attentions" if asked == "output_attentions" else "hidden_states"
-    assert len(getattr(got, field)) == len(getattr(expected, field)) == 3  # one entry per step, as upstream's
-    for ours, theirs in zip(getattr(got, field), getattr(expected, field)):
-        assert len(ours) == len(theirs)
-        for a, b in zip(ours, theirs):
-            torch.testing.assert_close(a.cpu(), b)
-
-
 def test_an_encoder_decoder_without_input_ids_runs_upstream_with_the_reason(pair):
     cpu, tpu = pair("t5")
     kw = {"max_new_tokens": 3, "do_sample": False, "bos_token_id": 0}
