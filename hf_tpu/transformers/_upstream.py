@@ -12,6 +12,7 @@ arguments and the model's class (:func:`own_generate`, :func:`numbers_by_cache_l
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator
 
 from hf_tpu.transformers._settings import _DEVICE_TYPES
@@ -107,6 +108,31 @@ def prompt_first_inputs(model, given: list[str] | None = None) -> str:
         f"{names}: {type(model).__name__} places its prompt by its cache length (the prompt first, the bucket's "
         "padding after it), a layout the bucketed loop builds from ids only"
     )
+
+
+# Set while upstream's loop runs a call hf_tpu routed to it: a generate it calls from there (assisted decoding's
+# candidate generator calls the assistant's) runs upstream's loop too (:func:`nested_call`).
+_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_tpu_upstream_running", default=False)
+
+
+def nested_call() -> str | None:
+    """Why a ``generate`` called while upstream's loop runs an hf_tpu-routed call runs upstream's loop as well (None
+    outside one): the inner call shares the outer one's logits processors (assisted decoding hands the assistant
+    its own), which prepare device state on the tensors they first see; hf_tpu's loop would run them on the host
+    and leave host tensors in processors upstream's outer loop then runs on the device."""
+    if not _RUNNING.get():
+        return None
+    return "generate called from inside upstream's generate (assisted decoding's candidate generator): it runs upstream's too"
+
+
+@contextlib.contextmanager
+def running() -> Iterator[None]:
+    """While upstream's loop runs a call (see :func:`nested_call`)."""
+    token = _RUNNING.set(True)
+    try:
+        yield
+    finally:
+        _RUNNING.reset(token)
 
 
 @contextlib.contextmanager

@@ -80,7 +80,7 @@ from hf_tpu.transformers._settings import (
     compiled_graphs,
     configure,
 )
-from hf_tpu.transformers._upstream import _inputs_on_model_device, _upstream_generate
+from hf_tpu.transformers._upstream import _inputs_on_model_device, _upstream_generate, running
 from hf_tpu.transformers.buckets import BucketOverflowError
 from hf_tpu.transformers.route import UPSTREAM, call_route, demote, explain
 from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, ladder_figures, plan_shapes
@@ -204,7 +204,7 @@ def _run_upstream(model, route: Route, upstream, args, kwargs):
     route's reason once where it costs something."""
     if route.warn:
         warn_once(route.reason, f"hf_tpu: {route.reason}; running upstream's generate on the TPU instead.")
-    with _inputs_on_model_device(model):
+    with _inputs_on_model_device(model), running():
         return upstream(model, *args, **kwargs)
 
 

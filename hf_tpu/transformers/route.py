@@ -96,6 +96,9 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
     device = getattr(model, "device", None)
     if device is None or device.type not in _DEVICE_TYPES:
         return Route(UPSTREAM, "not on a tpu device")
+    nested = _upstream.nested_call()
+    if nested is not None:  # (the outer call said why it runs upstream's loop)
+        return Route(UPSTREAM, nested, warn=False)
     try:
         config, model_kwargs = model._prepare_generation_config(args.get("generation_config"), **kwargs)
     except (ValueError, TypeError, AttributeError):
