@@ -225,8 +225,8 @@ def _prompt_inputs_problem(model, given: list[str], use_cache: bool) -> tuple[st
     missing = [name for name in given if name not in params]
     if missing:
         return "the forward takes no " + ", ".join(missing), False  # upstream's own error (or handling)
-    if not use_cache and "inputs_embeds" not in given:
-        return f"{names} with use_cache=False are not supported by hf_tpu's loop without a cache", True
+    if "inputs_embeds" not in given and (not use_cache or model_route(model).loop == CACHELESS):
+        return None  # token types: the loop without a cache takes them too (see _cacheless)
     if model_route(model).loop not in (CACHED, HOST_LENGTH):
         return f"{names}: only hf_tpu's loop with a cache takes them, and {type(model).__name__} cannot run it", True
     if _upstream.numbers_by_cache_length(model) or _state(model).host_length:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_tpu.transformers import generation
+from hf_tpu.transformers import explain, generation
+from hf_tpu.transformers._settings import _state
 
 
 @pytest.fixture
@@ -106,6 +107,20 @@ def test_a_prompt_first_model_runs_embeds_upstream_with_the_reason(prompts, from
     with pytest.warns(UserWarning, match="places its prompt by its cache length"):
         got = tpu.generate(inputs_embeds=embeds, **kw)
     assert torch.equal(got.cpu(), cpu.generate(inputs_embeds=embeds, **kw))
+
+
+def test_token_type_ids_without_a_cache_run_the_loop_without_a_cache_like_cpu(pair, prompts):
+    cpu, tpu = pair("gpt2")
+    ids, mask = prompts([4, 7], seed=7)
+    types = torch.zeros_like(ids)
+    types[:, 4:] = 1  # upstream repeats the last type for every new token
+    kw = {"attention_mask": mask, "token_type_ids": types, "max_new_tokens": 5, "do_sample": False, "use_cache": False}
+    kw.update(eos_token_id=None, return_dict_in_generate=True, output_scores=True)
+    assert explain(tpu, input_ids=ids, **kw).loop == "cacheless"
+    got, expected = tpu.generate(ids, **kw), cpu.generate(ids, **kw)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores))
+    assert any(key[0] == "cacheless_prefill+token_type_ids" for key in _state(tpu).compiled)
 
 
 def test_an_encoder_decoder_without_input_ids_runs_upstream_with_the_reason(pair):
