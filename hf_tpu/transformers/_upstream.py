@@ -122,7 +122,10 @@ def nested_call() -> str | None:
     and leave host tensors in processors upstream's outer loop then runs on the device."""
     if not _RUNNING.get():
         return None
-    return "generate called from inside upstream's generate (assisted decoding's candidate generator): it runs upstream's too"
+    return (
+        "generate called from inside upstream's generate (assisted decoding's candidate generator): it runs "
+        "upstream's too"
+    )
 
 
 @contextlib.contextmanager
