@@ -18,7 +18,10 @@ With ``--hf-tpu`` a third run has ``hf_tpu.enable("generation")`` on the simulat
 generation loop, per model family, and every test that passes on the tpu with hf_tpu off but not with it on:
 
     python scripts/run_transformers_tests.py --hf-tpu /tmp/transformers \
-        tests/models/llama/test_modeling_llama.py tests/models/gpt2/test_modeling_gpt2.py -k generate
+        tests/models/llama/test_modeling_llama.py tests/models/gpt2/test_modeling_gpt2.py -m generate
+
+(``-m generate``: the tests of transformers' ``GenerationTesterMixin``; ``scripts/transformers_test_tree.py`` assembles
+such a tree from a transformers git directory and the installed version's sdist, without network.)
 
 Exits 1 when a test that passes on the CPU does not pass on the simulated tpu (with ``--hf-tpu``: or passes there
 with hf_tpu off but not with it on).
@@ -61,7 +64,9 @@ def run(root: Path, files: list[str], extra: list[str], env_extra: dict[str, str
     env = {k: v for k, v in os.environ.items() if k not in TPU_ENV}
     env.update(env_extra)
     env.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # a torch-tpu install must not autoload on a chipless host
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    # hf_tpu first, then what env_extra adds (the plugin's folder), then the caller's own PYTHONPATH
+    extra_path = env_extra.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), extra_path, os.environ.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *extra, *files]
     print(f"$ {' '.join(f'{k}={v}' for k, v in env_extra.items())} {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, cwd=root, env=env, check=False)
@@ -112,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("root", type=Path, help="a transformers checkout (the folder holding tests/)")
     p.add_argument("files", nargs="+", help="test files or node ids, relative to root")
     p.add_argument("-k", help="pytest -k expression")
+    p.add_argument("-m", help="pytest -m marker expression ('generate': the GenerationTesterMixin tests)")
     p.add_argument("--pytest-args", default="", help="more pytest arguments, e.g. '-n 2'")
     p.add_argument("--hf-tpu", action="store_true", help="a third run with hf_tpu.enable('generation')")
     a = p.parse_args(argv)
-    extra = [*(["-k", a.k] if a.k else []), *a.pytest_args.split()]
+    extra = [*(["-k", a.k] if a.k else []), *(["-m", a.m] if a.m else []), *a.pytest_args.split()]
     with tempfile.TemporaryDirectory(prefix="hf-tpu-tf-tests-") as tmp:
         cpu = run(a.root, a.files, extra, {}, Path(tmp) / "cpu.xml")
         tpu = run(a.root, a.files, extra, TPU_ENV, Path(tmp) / "tpu.xml")

@@ -3,9 +3,10 @@
 :func:`hf_tpu.transformers._signatures.cache_name`) is copied into the bucketed cache.
 
 The bucketed cache is the model's pooled, left-padded static cache (reset by the next call), so it is never handed
-out: :func:`returned_cache` copies the slots the call wrote, the bucket's padding left out, into a ``DynamicCache``,
-exactly what upstream's loop leaves in the cache it returns (the prompt and every new token but the last), and
-which the caller can pass to the next ``generate`` or to ``model(...)``.
+out: :func:`returned_cache` copies the slots the call wrote, the bucket's padding left out, into a ``DynamicCache``
+(a ``StaticCache`` of upstream's length when the call asked for ``cache_implementation="static"``, as upstream's
+loop returns), exactly what upstream's loop leaves in the cache it returns (the prompt and every new token but the
+last), and which the caller can pass to the next ``generate`` or to ``model(...)``.
 
 Continuing (:func:`copy_in`): the call's ``input_ids`` hold the whole sequence (as upstream's continuation takes
 them), the cache its first ``L_c`` tokens. The loop plans the call as a prompt of the whole sequence, copies the
@@ -21,7 +22,8 @@ from __future__ import annotations
 __all__: list[str] = []
 
 
-def _full_attention_only(model) -> bool:
+def full_attention_only(model) -> bool:
+    """Whether every layer of ``model``'s bucketed cache is full attention (a ``StaticLayer``)."""
     from transformers.cache_utils import StaticLayer
 
     from hf_tpu.transformers._cache_layers import layer_plan
@@ -69,7 +71,7 @@ def given_cache_problem(model, cache, input_len: int | None, mask_len: int | Non
         return f"the cache passed is a {name}, not a transformers Cache"
     if model.config.is_encoder_decoder:
         return f"a {name} passed to an encoder-decoder model is not served by the bucketed loop yet"
-    if not _plain_layers(cache) or not _full_attention_only(model):
+    if not _plain_layers(cache) or not full_attention_only(model):
         return (
             f"a {name} passed in is copied into the bucketed cache only when every layer is full attention "
             f"({type(model).__name__}'s cache or the one passed has other layer kinds)"
@@ -103,14 +105,18 @@ def copy_in(given, cache, start: int) -> int:
     return seen
 
 
-def returned_cache(model, cache, start: int, end: int):
+def returned_cache(model, cache, start: int, end: int, static_len: int | None = None):
     """A ``DynamicCache`` holding slots ``start`` to ``end`` of every layer of the bucketed ``cache`` (copies, on the
-    model's device), or None where the cache has other layer kinds than full attention (warned once)."""
-    from transformers.cache_utils import DynamicCache
+    model's device), or None where the cache has other layer kinds than full attention (warned once).
+
+    ``static_len``: the call asked for ``cache_implementation="static"``, for which upstream returns the
+    ``StaticCache`` it generated with, ``static_len`` slots long (``max_length - 1``): the same tokens then, in the
+    first slots of a ``StaticCache`` of that length (the rest zeros, as upstream leaves them)."""
+    from transformers.cache_utils import DynamicCache, StaticCache
 
     from hf_tpu.transformers._notes import warn_once
 
-    if not _full_attention_only(model) or getattr(cache, "self_attention_cache", None) is not None:
+    if not full_attention_only(model) or getattr(cache, "self_attention_cache", None) is not None:
         name = type(model).__name__
         warn_once(
             f"cache out:{name}",
@@ -119,7 +125,7 @@ def returned_cache(model, cache, start: int, end: int):
             "upstream's loop and its cache.",
         )
         return None
-    out = DynamicCache()
+    out = DynamicCache() if static_len is None else StaticCache(config=model.config, max_cache_len=static_len)
     for index, layer in enumerate(cache.layers):
         out.update(layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone(), index)
     return out

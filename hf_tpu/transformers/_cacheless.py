@@ -17,7 +17,8 @@ whole bucket are computed once per call (the prompt's as upstream's ``generate``
 slot), sent with the first step. Two graph kinds, compiled per (batch, bucket): ``cacheless_prefill`` (the
 prompt's last slot) and ``cacheless_decode`` (writes the new tokens first); their bodies live in the graph table
 (:mod:`hf_tpu.transformers._graphs`) and run through its ``_run`` (strict mode, the persistent compile cache) like
-the cached loop's.
+the cached loop's. Token types (GPT-2's ``token_type_ids``) fill a buffer of their own: the prompt's, then its last
+one for every slot after it, as upstream's loop extends them by the last one at each step.
 
 A decoder-only model whose cached form hf_tpu cannot run (its own cache type, a cache that cannot be sized, a
 forward that does not trace as one graph with a cache) runs this loop too, when two checks pass
@@ -228,18 +229,26 @@ def cacheless_loop(
     ids, mask, positions = _layout(model, call.input_ids, model_kwargs, length, call.new_tokens, call.fill_id)
     ids_dev, mask_dev = ids.to(device), mask.to(device)
     positions_dev = None if positions is None else positions.to(device)
-    args = (mask_dev, positions_dev, _extra(model), call.sampling(device, length + 1, 0))
+    extra = {**_extra(model), **call.output_flags}
+    types = model_kwargs.get("token_type_ids")
+    if types is not None:  # the prompt's, then its last one for every new token, as upstream's loop extends them
+        types = types.to("cpu").long()
+        extra["token_type_ids"] = torch.cat([types, types[:, -1:].expand(batch, length - prompt_len)], 1).to(device)
+        variant += "+token_type_ids"
+    args = (mask_dev, positions_dev, extra, call.sampling(device, length + 1, 0))
     prefill_key = ("cacheless_prefill" + variant, batch, length)
     decode_key = ("cacheless_decode" + variant, batch, length)
     slot = torch.tensor([prompt_len - 1]).to(device)
     first = _run(model, state, prefill_key, ids_dev, slot, *args)
+    first = call.take(first, slice(0, prompt_len), slice(0, prompt_len))  # (upstream: the whole sequence each step)
     next_slot = prompt_len
 
     def step(next_tokens):
         nonlocal next_slot
         packed = torch.stack([next_tokens, torch.full_like(next_tokens, next_slot)], dim=1).to(device)
         next_slot += 1
-        return _run(model, state, decode_key, ids_dev, packed, *args)
+        result = _run(model, state, decode_key, ids_dev, packed, *args)
+        return call.take(result, slice(0, next_slot), slice(0, next_slot))
 
     call.run(*first, length - prompt_len, step)
     return call.output()

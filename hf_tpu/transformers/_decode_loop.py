@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._cache_io import cached_length, copy_in, returned_cache
 from hf_tpu.transformers._cache_layers import set_decoding, set_length
 from hf_tpu.transformers._graphs import _ALIGNED, _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
@@ -106,6 +107,20 @@ class _Call:
         self.scores = () if want_scores else None
         self.raw_logits = () if want_logits else None
         self.unfinished = torch.ones(self.batch, dtype=torch.long)
+        # output_attentions / output_hidden_states: the graphs' variant and model arguments, and what they return
+        self.output_flags = step_outputs.asked(generation_config)
+        self.variant += step_outputs.variant(self.output_flags)
+        self.outputs = None
+        if self.output_flags:
+            self.outputs = step_outputs.StepOutputs(self.output_flags)
+
+    def take(self, result: tuple, rows: slice, keys: slice) -> tuple:
+        """A graph's ``(tokens, logits)``, keeping the attentions and hidden states it returned after them (cut to
+        ``rows`` queries and ``keys`` key slots, upstream's shapes: :mod:`~hf_tpu.transformers._step_outputs`)."""
+        if len(result) == 3:
+            self.outputs.add(result[2], rows, keys)
+            return result[:2]
+        return result
 
     def sampling(self, device, width: int, offset: int):
         """The device state of the sampling plan (None on the host path)."""
@@ -151,6 +166,8 @@ class _Call:
             return self.input_ids
         cls = GenerateEncoderDecoderOutput if seq2seq else GenerateDecoderOnlyOutput
         fields = {output_cache_field(cls): cache} if cache is not None else {}
+        if self.outputs is not None:
+            fields.update(attentions=self.outputs.attentions, hidden_states=self.outputs.hidden_states)
         return cls(sequences=self.input_ids, scores=self.scores, logits=self.raw_logits, **fields)
 
 
@@ -220,7 +237,7 @@ def _decode_loop(
     positions = positions.to("cpu").long().expand(batch, prompt_len)
     pad = plan.prompt_bucket - prompt_len
     pad_id = call.fill_id
-    extra = _extra(model)
+    extra = {**_extra(model), **call.output_flags}
     if extra.get(_ALIGNED) and (embeds is not None or types is not None):  # (its cache length found at a trace)
         from hf_tpu.transformers._settings import NotCompilableError
 
@@ -243,6 +260,12 @@ def _decode_loop(
             ],
             dim=1,
         )
+    start = pad  # the prompt's first cache slot
+    static_len = None
+    if generation_config.cache_implementation == "static":  # upstream generates with a StaticCache this long
+        static_len = generation_config.max_length - 1 + (prompt_len if prompt_len != ids_len else 0)
+    if call.outputs is not None:
+        call.outputs.key_width = static_len
     cache = _cache_for(model, state, batch, plan.cache_bucket, None)
     mask_dev = full_mask.to(device)
     # the history of the sampling plan holds the sequence's ids: after the prompt's embeddings that have none
@@ -269,12 +292,17 @@ def _decode_loop(
             set_length(cache, pad + index)
             packed_step = torch.stack([input_ids[:, index], positions[:, index]], dim=1).to(device)
             first = _run(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
+            first = call.take(first, slice(0, 1), slice(start, pad + index + 1))
+        if call.outputs is not None:  # upstream runs the uncached tokens in one forward
+            call.outputs.merge(prompt_len - seen)
     elif embeds is None:
         packed = torch.cat([ids, pos], dim=1).to(device)
         first = _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
     else:  # moved to the device like input_ids, wherever the caller left them; the padding: zero rows, masked out
         padded = F.pad(embeds.to(device=device, dtype=model.dtype), (0, 0, pad, 0))
         first = _run(model, state, prefill_key, padded, pos.to(device), mask_dev, cache, extra, sampling)
+    if not seen:
+        first = call.take(first, slice(pad, pad + prompt_len), slice(start, start + prompt_len))
     set_decoding(cache, True)
     positions = positions[:, -1]
 
@@ -284,12 +312,13 @@ def _decode_loop(
         length += 1
         positions = positions + 1
         packed_step = torch.stack([next_tokens, positions], dim=1).to(device)
-        return _run(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
+        result = _run(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
+        return call.take(result, slice(0, 1), slice(start, length))
 
     call.run(*first, plan.cache_bucket - plan.prompt_bucket, step)
     returned = None
     if generation_config.return_dict_in_generate:
-        returned = returned_cache(model, cache, pad if not extra.get(_ALIGNED) else 0, length)
+        returned = returned_cache(model, cache, start, length, static_len)
     return call.output(cache=returned)
 
 

@@ -25,6 +25,7 @@ from hf_tpu.transformers._settings import (
     _ModelState,
 )
 from hf_tpu.transformers._signatures import cache_name
+from hf_tpu.transformers._step_outputs import is_variant, prepare, with_outputs
 
 logger = logging.getLogger("hf_tpu.generation")
 
@@ -66,7 +67,7 @@ def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
         input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=prefill_mask(cache, mask, q),
         **{cache_name(): cache}, use_cache=True, return_dict=True, **extra,
     )  # fmt: skip
-    return _last_logits(out.logits, sampling)
+    return with_outputs(_last_logits(out.logits, sampling), out, extra)
 
 
 def _embeds_prefill(model, embeds, positions, mask, cache, extra, sampling=None):
@@ -77,7 +78,7 @@ def _embeds_prefill(model, embeds, positions, mask, cache, extra, sampling=None)
         inputs_embeds=embeds, position_ids=positions, attention_mask=prefill_mask(cache, mask, embeds.shape[1]),
         **{cache_name(): cache}, use_cache=True, return_dict=True, **extra,
     )  # fmt: skip
-    return _last_logits(out.logits, sampling)
+    return with_outputs(_last_logits(out.logits, sampling), out, extra)
 
 
 def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
@@ -100,7 +101,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
         if isinstance(counter, torch.Tensor):
             counter.copy_(length[0])
     logits = out.logits if "logits_to_keep" in kwargs else out.logits.index_select(1, length - 1)
-    return _last_logits(logits, sampling)
+    return with_outputs(_last_logits(logits, sampling), out, kwargs)
 
 
 def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
@@ -115,7 +116,7 @@ def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
         input_ids=packed[:, :q], attention_mask=decode_mask(cache, mask), **{cache_name(): cache}, use_cache=True,
         return_dict=True, **kwargs,
     )  # fmt: skip
-    return _last_logits(out.logits, sampling)
+    return with_outputs(_last_logits(out.logits, sampling), out, kwargs)
 
 
 def _encoder(model, input_ids, mask):
@@ -153,7 +154,7 @@ def _cacheless_forward(model, ids, slot, mask, positions, extra, sampling):
         kwargs["logits_to_keep"] = slot  # a tensor of indices: the logits of that slot only
     out = model(input_ids=ids, attention_mask=mask, return_dict=True, **kwargs)
     logits = out.logits if "logits_to_keep" in kwargs else out.logits.index_select(1, slot)
-    return _last_logits(logits, sampling)
+    return with_outputs(_last_logits(logits, sampling), out, kwargs)
 
 
 def _cacheless_prefill(model, ids, slot, mask, positions, extra, sampling=None):
@@ -258,12 +259,14 @@ def _namespace(cache, model, state: _ModelState):
 
     settings = state.settings
     backend = _backend_for(settings, model.device)
-    from hf_tpu.transformers import _cache_layer_classes, _cache_layers, sampling
+    from hf_tpu.transformers import _cache_layer_classes, _cache_layers, _step_outputs, sampling
     from hf_tpu.transformers.sampling import _processors, _registry, _warpers
 
-    # the graphs' own code: this module, the device sampling, and the cache layers and masks they trace
+    # the graphs' own code: this module, the device sampling, the outputs they return, and the cache layers and
+    # masks they trace
     modules = (
         inspect.getmodule(_run), sampling, _registry, _processors, _warpers, _cache_layers, _cache_layer_classes,
+        _step_outputs,
     )  # fmt: skip
     source = "".join(inspect.getsource(m) for m in modules)
     # and the bucketed forms of models' own caches (read, not imported: importing it imports their modeling files)
@@ -361,6 +364,15 @@ def _first_trace(model, state: _ModelState, key: tuple, compiled: Callable, args
         if what is None:
             raise
         what += _where(exc)
+        if is_variant(key[0]):  # the call's outputs only: this call runs upstream's loop, the model's route stays
+            reason = (
+                f"output_attentions/output_hidden_states: {type(model).__name__}'s forward returning them cannot be "
+                f"compiled as one static-shape graph ({what})"
+            )
+            state.outputs_problem = reason
+            error = NotCompilableError(f"{reason}; found tracing the {_describe(key)}")
+            error.reason, error.loop = reason, None
+            raise error from exc
         kind = key[0].split("+", 1)[0]
         loop = CACHELESS if kind.startswith("cacheless") else HOST_LENGTH if state.host_length else CACHED
         if loop == HOST_LENGTH:  # the second try: the first reason stays first
@@ -392,6 +404,8 @@ def _run(model, state: _ModelState, key: tuple, *args):
 
     if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill"):
         _module_state.reset(model, state, key[1])  # a new sequence: module-held state as upstream resets it
+    if first and is_variant(key[0]):
+        prepare(model)
     settings = state.settings
     if not settings.compile:
         result = _graph(key[0])(model, *args)

@@ -123,6 +123,8 @@ class _ModelState:
     module_states: list | None = None  # (module, attribute) of state kept on modules (_module_state.py); None: unseen
     # how its generate calls run (hf_tpu.transformers.route): decided at the first call, demoted when a graph fails
     route: Route | None = None
+    # why its forward cannot return attentions/hidden states in a graph (found at a first trace); None: not found
+    outputs_problem: str | None = None
 
     @property
     def host_length(self) -> bool:

@@ -12,6 +12,7 @@ arguments and the model's class (:func:`own_generate`, :func:`numbers_by_cache_l
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator
 
 from hf_tpu.transformers._settings import _DEVICE_TYPES
@@ -21,6 +22,8 @@ __all__: list[str] = []
 
 _UPSTREAM_GENERATE: Callable | None = None
 _SUPPORTED_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "input_ids", *CACHE_NAMES}
+# (upstream keeps these in the model kwargs too; the generation config's flags are what the loops read)
+_OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
 
 
 def _upstream_generate() -> Callable:
@@ -60,11 +63,11 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
     mode = config.get_generation_mode(args.get("assistant_model"))
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return f"{mode.value} is not supported by the bucketed loop (only greedy search and sampling are)", True
-    if config.output_attentions or config.output_hidden_states:
+    if (config.output_attentions or config.output_hidden_states) and model.config.is_encoder_decoder:
         asked = [n for n in ("output_attentions", "output_hidden_states") if getattr(config, n, False)]
         return (
-            f"{'/'.join(asked)}=True: hf_tpu's graphs return the next tokens (or the last logits row) only, not "
-            "every layer's attentions or hidden states"
+            f"{'/'.join(asked)}=True on an encoder-decoder model: hf_tpu's graphs return every layer's attentions "
+            "and hidden states for decoder-only models only (not the encoder's and cross-attention ones yet)"
         ), True
     if config.token_healing:
         return "token_healing is not supported by the bucketed loop", True
@@ -83,7 +86,7 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
             problem = f"a cache passed in is not copied into the cache of {type(model).__name__} (prompt first) yet"
         if problem is not None:
             return problem, True
-    extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS - set(PROMPT_INPUTS)
+    extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS - set(PROMPT_INPUTS) - set(_OUTPUT_FLAGS)
     if model.config.is_encoder_decoder:
         extra -= {"decoder_input_ids"}
     extra = {k for k in extra if model_kwargs[k] is not None}
@@ -105,6 +108,34 @@ def prompt_first_inputs(model, given: list[str] | None = None) -> str:
         f"{names}: {type(model).__name__} places its prompt by its cache length (the prompt first, the bucket's "
         "padding after it), a layout the bucketed loop builds from ids only"
     )
+
+
+# Set while upstream's loop runs a call hf_tpu routed to it: a generate it calls from there (assisted decoding's
+# candidate generator calls the assistant's) runs upstream's loop too (:func:`nested_call`).
+_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_tpu_upstream_running", default=False)
+
+
+def nested_call() -> str | None:
+    """Why a ``generate`` called while upstream's loop runs an hf_tpu-routed call runs upstream's loop as well (None
+    outside one): the inner call shares the outer one's logits processors (assisted decoding hands the assistant
+    its own), which prepare device state on the tensors they first see; hf_tpu's loop would run them on the host
+    and leave host tensors in processors upstream's outer loop then runs on the device."""
+    if not _RUNNING.get():
+        return None
+    return (
+        "generate called from inside upstream's generate (assisted decoding's candidate generator): it runs "
+        "upstream's too"
+    )
+
+
+@contextlib.contextmanager
+def running() -> Iterator[None]:
+    """While upstream's loop runs a call (see :func:`nested_call`)."""
+    token = _RUNNING.set(True)
+    try:
+        yield
+    finally:
+        _RUNNING.reset(token)
 
 
 @contextlib.contextmanager

@@ -80,7 +80,7 @@ from hf_tpu.transformers._settings import (
     compiled_graphs,
     configure,
 )
-from hf_tpu.transformers._upstream import _inputs_on_model_device, _upstream_generate
+from hf_tpu.transformers._upstream import _inputs_on_model_device, _upstream_generate, running
 from hf_tpu.transformers.buckets import BucketOverflowError
 from hf_tpu.transformers.route import UPSTREAM, call_route, demote, explain
 from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, ladder_figures, plan_shapes
@@ -170,7 +170,10 @@ def generate(self, *args, **kwargs):
         input_ids = inputs.to("cpu")
     state = _state(self)
     before = _torch_tpu.cache_stats() if state.warmed and state.strict_eager else None
-    for key in ("attention_mask", "position_ids", "decoder_input_ids", "token_type_ids"):
+    # inputs_embeds too: upstream builds the call's special tokens, logits processors and stopping criteria on the
+    # prompt's device, and hf_tpu's loop keeps the sequence and runs those on the host (embeddings on the tpu are
+    # read back once per call; the loop sends them to the device again for the prefill)
+    for key in ("attention_mask", "position_ids", "decoder_input_ids", "token_type_ids", "inputs_embeds"):
         if extra_kwargs.get(key) is not None:
             extra_kwargs[key] = _to_host(extra_kwargs[key])
 
@@ -201,7 +204,7 @@ def _run_upstream(model, route: Route, upstream, args, kwargs):
     route's reason once where it costs something."""
     if route.warn:
         warn_once(route.reason, f"hf_tpu: {route.reason}; running upstream's generate on the TPU instead.")
-    with _inputs_on_model_device(model):
+    with _inputs_on_model_device(model), running():
         return upstream(model, *args, **kwargs)
 
 

@@ -96,6 +96,9 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
     device = getattr(model, "device", None)
     if device is None or device.type not in _DEVICE_TYPES:
         return Route(UPSTREAM, "not on a tpu device")
+    nested = _upstream.nested_call()
+    if nested is not None:  # (the outer call said why it runs upstream's loop)
+        return Route(UPSTREAM, nested, warn=False)
     try:
         config, model_kwargs = model._prepare_generation_config(args.get("generation_config"), **kwargs)
     except (ValueError, TypeError, AttributeError):
@@ -104,6 +107,25 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
     if asked is not None:
         reason, warn = asked
         return Route(UPSTREAM, reason, warn=warn)
+    found = _call_route(model, config, model_kwargs)
+    outputs = config.output_attentions or config.output_hidden_states
+    if outputs and found.loop != UPSTREAM and _state(model).outputs_problem:
+        return Route(UPSTREAM, _state(model).outputs_problem, warn=True)
+    if config.output_attentions and found.loop in (CACHED, HOST_LENGTH):
+        from hf_tpu.transformers._cache_io import full_attention_only
+
+        if not full_attention_only(model):  # a window or a state: attention over other key slots than the tokens'
+            return Route(
+                UPSTREAM,
+                f"output_attentions=True: {type(model).__name__}'s cache has layer kinds other than full attention, "
+                "whose attention weights hf_tpu's loop does not cut to upstream's shapes",
+                warn=True,
+            )
+    return found
+
+
+def _call_route(model, config, model_kwargs: dict) -> Route:
+    """:func:`call_route` once the call asks for nothing only upstream's loop does."""
     use_cache = bool(config.use_cache)
     given = [k for k in _upstream.PROMPT_INPUTS if model_kwargs.get(k) is not None]
     if given:  # served by the cached loop only: its prefill takes them
@@ -203,8 +225,8 @@ def _prompt_inputs_problem(model, given: list[str], use_cache: bool) -> tuple[st
     missing = [name for name in given if name not in params]
     if missing:
         return "the forward takes no " + ", ".join(missing), False  # upstream's own error (or handling)
-    if not use_cache and "inputs_embeds" not in given:
-        return f"{names} with use_cache=False are not supported by hf_tpu's loop without a cache", True
+    if "inputs_embeds" not in given and (not use_cache or model_route(model).loop == CACHELESS):
+        return None  # token types: the loop without a cache takes them too (see _cacheless)
     if model_route(model).loop not in (CACHED, HOST_LENGTH):
         return f"{names}: only hf_tpu's loop with a cache takes them, and {type(model).__name__} cannot run it", True
     if _upstream.numbers_by_cache_length(model) or _state(model).host_length:

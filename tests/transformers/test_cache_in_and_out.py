@@ -128,3 +128,24 @@ def test_a_cache_with_inputs_embeds_runs_upstream_with_the_reason(llama, prompts
         got = tpu.generate(ids, inputs_embeds=embeds, **{cache_name(): filled(tpu, "tpu")}, **kw)
     expected = cpu.generate(ids, inputs_embeds=embeds, **{cache_name(): filled(cpu, "cpu")}, **kw)
     assert torch.equal(got.sequences.cpu(), expected.sequences)
+
+
+def test_a_static_cache_call_returns_a_static_cache_like_upstreams(llama, prompts):
+    # cache_implementation="static": upstream returns the StaticCache it generated with (max_length - 1 slots, the
+    # tokens in the first ones); the next call continues from it on the fast path
+    cpu, tpu = llama
+    ids, mask = prompts([4, 6], seed=6)
+    kw = {"attention_mask": mask, "max_new_tokens": 3, "cache_implementation": "static", **KW}
+    out = tpu.generate(ids, **kw)
+    ref = cpu.generate(ids, **kw)
+    ours, theirs = _cache_of(out), _cache_of(ref)
+    assert isinstance(ours, transformers.StaticCache) and isinstance(theirs, transformers.StaticCache)
+    assert int(ours.get_seq_length()) == int(theirs.get_seq_length()) == ids.shape[1] + 2
+    for mine, up in zip(ours.layers, theirs.layers):
+        assert mine.keys.shape == up.keys.shape == (2, mine.keys.shape[1], ids.shape[1] + 2, mine.keys.shape[3])
+        torch.testing.assert_close(mine.keys.cpu(), up.keys)
+        torch.testing.assert_close(mine.values.cpu(), up.values)
+    more = {"attention_mask": _ones(mask, 3), "max_new_tokens": 1, **KW}
+    got = tpu.generate(out.sequences, **{cache_name(): ours}, **more)
+    expected = cpu.generate(ids, **{**kw, "max_new_tokens": 4})
+    assert torch.equal(got.sequences, expected.sequences)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_tpu.transformers import generation
+from hf_tpu.transformers import explain, generation
+from hf_tpu.transformers._settings import _state
 
 
 @pytest.fixture
@@ -41,6 +42,22 @@ def test_inputs_embeds_on_the_host_generate_like_cpu_on_the_loop(family, pair, p
     expected = cpu.generate(ids, inputs_embeds=embeds, **kw)
     assert torch.equal(got.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores))
+
+
+def test_inputs_embeds_on_the_tpu_with_an_eos_id_generate_like_cpu(llama, prompts, ran):
+    # Embeddings already on the tpu (transformers' own tests make them there) with an end-of-sequence id and pad -1:
+    # upstream builds the call's special tokens and stopping criteria on the prompt's device; hf_tpu's loop keeps
+    # the sequence on the host, so the prompt comes back for upstream's preparation and goes to the device again.
+    cpu, tpu = llama
+    ids, mask = prompts([5, 8], seed=5)
+    embeds = cpu.get_input_embeddings()(ids).detach()
+    kw = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "eos_token_id": int(ids[0, -1]),
+          "pad_token_id": -1, "return_dict_in_generate": True, "output_scores": True}  # fmt: skip
+    got = tpu.generate(inputs_embeds=embeds.to("tpu"), **{**kw, "attention_mask": mask.to("tpu")})
+    expected = cpu.generate(inputs_embeds=embeds, **kw)
+    assert got.sequences.device.type == "tpu" and torch.equal(got.sequences.cpu(), expected.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores))
+    assert ran and ran[0] == "embeds_prefill", ran
 
 
 def test_embeds_with_the_penalty_on_the_device_keep_its_history_after_the_prompt(llama, prompts, ran):
@@ -92,23 +109,18 @@ def test_a_prompt_first_model_runs_embeds_upstream_with_the_reason(prompts, from
     assert torch.equal(got.cpu(), cpu.generate(inputs_embeds=embeds, **kw))
 
 
-@pytest.mark.parametrize("asked", ["output_attentions", "output_hidden_states"])
-def test_per_layer_outputs_run_upstream_with_the_reason(llama, prompts, asked):
-    cpu, tpu = llama
-    ids, mask = prompts([4, 6])
-    kw = {"attention_mask": mask, "max_new_tokens": 3, "do_sample": False, "return_dict_in_generate": True}
-    kw[asked] = True
-    generation.WARNED.clear()
-    with pytest.warns(UserWarning, match=f"{asked}=True: hf_tpu's graphs return the next tokens"):
-        got = tpu.generate(ids, **kw)
-    expected = cpu.generate(ids, **kw)
-    assert torch.equal(got.sequences.cpu(), expected.sequences)
-    field = "attentions" if asked == "output_attentions" else "hidden_states"
-    assert len(getattr(got, field)) == len(getattr(expected, field)) == 3  # one entry per step, as upstream's
-    for ours, theirs in zip(getattr(got, field), getattr(expected, field)):
-        assert len(ours) == len(theirs)
-        for a, b in zip(ours, theirs):
-            torch.testing.assert_close(a.cpu(), b)
+def test_token_type_ids_without_a_cache_run_the_loop_without_a_cache_like_cpu(pair, prompts):
+    cpu, tpu = pair("gpt2")
+    ids, mask = prompts([4, 7], seed=7)
+    types = torch.zeros_like(ids)
+    types[:, 4:] = 1  # upstream repeats the last type for every new token
+    kw = {"attention_mask": mask, "token_type_ids": types, "max_new_tokens": 5, "do_sample": False, "use_cache": False}
+    kw.update(eos_token_id=None, return_dict_in_generate=True, output_scores=True)
+    assert explain(tpu, input_ids=ids, **kw).loop == "cacheless"
+    got, expected = tpu.generate(ids, **kw), cpu.generate(ids, **kw)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores))
+    assert any(key[0] == "cacheless_prefill+token_type_ids" for key in _state(tpu).compiled)
 
 
 def test_an_encoder_decoder_without_input_ids_runs_upstream_with_the_reason(pair):

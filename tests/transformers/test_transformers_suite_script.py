@@ -50,3 +50,83 @@ def test_the_hf_tpu_run_counts_the_tests_its_loop_served(tmp_path, capsys):
     summary = "tests.models.llama: 3 tests, 1 ran hf_tpu's loop (1 passed); passed: 3 with hf_tpu off, 3 with it on"
     assert summary in out
     assert "pass with hf_tpu off, not with it on: 0" in out
+
+
+TREE_SCRIPT = SCRIPT.parent / "transformers_test_tree.py"
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_transformers_repo(root: Path) -> Path:
+    """A git repository laid out like transformers' (an older one: its tests import a setting the installed
+    transformers.testing_utils no longer has, and the mixins a helper module it lacks)."""
+    import subprocess
+
+    files = {
+        "conftest.py": "",
+        "pyproject.toml": "[tool.pytest.ini_options]\nmarkers = ['generate: old']\n",
+        "src/transformers/__init__.py": '__version__ = "5.16.0.dev0"\n',
+        "src/transformers/testing_utils.py": "_GONE_DEFAULTS = {'batch_size': 13}\nNOT_A_LITERAL = object()\n",
+        "tests/__init__.py": "",
+        "tests/causal_lm_tester.py": (
+            "from transformers.testing_utils import (\n    _GONE_DEFAULTS,\n    torch_device,\n)\n\n"
+            "BATCH = _GONE_DEFAULTS['batch_size']\n"
+        ),
+        "tests/test_fsdp_mixin.py": "from .distributed_testing_utils import run_distributed\n",
+        "tests/generation/__init__.py": "",
+        "tests/generation/test_utils.py": "class GenerationTesterMixin:\n    pass\n",
+        "tests/models/__init__.py": "",
+        "tests/models/llama/__init__.py": "",
+        "tests/models/llama/test_modeling_llama.py": "from ...causal_lm_tester import BATCH\n",
+        "tests/models/bert/test_modeling_bert.py": "",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "tree"], check=True)
+    return root / ".git"
+
+
+def test_the_tree_script_assembles_an_importable_tree_from_an_older_source(tmp_path, capsys):
+    import subprocess
+    import sys
+    import tarfile
+
+    import transformers
+
+    git_dir = _fake_transformers_repo(tmp_path / "repo")
+    sdist_root = tmp_path / "sdist" / f"transformers-{transformers.__version__}"
+    (sdist_root / "tests").mkdir(parents=True)
+    (sdist_root / "tests" / "test_modeling_common.py").write_text("FROM_SDIST = True\n")
+    (sdist_root / "pyproject.toml").write_text("[tool.pytest.ini_options]\nmarkers = ['generate: new']\n")
+    sdist = tmp_path / "transformers.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(sdist_root, arcname=sdist_root.name)
+    dest = tmp_path / "tree"
+    argv = [str(dest), "--git-dir", str(git_dir), "--sdist", str(sdist), "--models", "llama"]
+    status = _load(TREE_SCRIPT).main(argv)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "transformers 5.16.0.dev0" in out and f"installed: transformers {transformers.__version__}" in out
+    assert (dest / "tests/models/llama/test_modeling_llama.py").exists() and not (dest / "tests/models/bert").exists()
+    assert (dest / "tests/test_modeling_common.py").read_text() == "FROM_SDIST = True\n"
+    assert "generate: new" in (dest / "pyproject.toml").read_text()
+    tester = (dest / "tests/causal_lm_tester.py").read_text()
+    assert "from transformers.testing_utils import torch_device\n" in tester and "_GONE_DEFAULTS = {" in tester
+    assert "defined _GONE_DEFAULTS" in out and "tests/distributed_testing_utils.py: stand-in" in out
+    assert (dest / "src/transformers").resolve() == Path(transformers.__file__).parent.resolve()
+    check = (
+        "import unittest, tests.models.llama.test_modeling_llama as m, tests.distributed_testing_utils as d\n"
+        "assert m.BATCH == 13\n"
+        "try:\n    d.run_distributed()\nexcept unittest.SkipTest:\n    print('skipped')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], cwd=dest, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "skipped", done.stderr

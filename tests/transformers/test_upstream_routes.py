@@ -87,3 +87,37 @@ def test_a_class_with_its_own_generate_is_named_and_warmup_refuses_it(prompts, f
     assert not generation.compiled_graphs(tpu)
     with pytest.raises(generation.NotCompilableError, match="a generate of its own"):
         hf_tpu.warmup(tpu, max_prompt_len=8, batch_sizes=[1], max_new_tokens=4, progress=False)
+
+
+def test_the_assistants_generate_inside_upstreams_assisted_decoding_runs_upstream_too(from_config, prompts):
+    # assisted decoding (upstream's loop) calls the assistant's generate with the outer call's logits processors,
+    # which keep device state they prepare at their first call: that inner call runs upstream's loop as well (on
+    # hf_tpu's, the processors would run on the host and leave host tensors for the outer loop on the tpu)
+    # (a class without logits_to_keep: its assistant call would otherwise take hf_tpu's loop)
+    from transformers import GPT2DoubleHeadsModel
+
+    from hf_tpu.testing import tiny_config
+
+    cpu, tpu = from_config(GPT2DoubleHeadsModel, tiny_config("gpt2", vocab_size=96))
+    ids, mask = prompts([6], seed=8)
+    kw = {"max_new_tokens": 4, "do_sample": False, "bad_words_ids": [[1, 0]], "repetition_penalty": 1.2,
+          "return_dict_in_generate": True, "output_scores": True, "eos_token_id": None}  # fmt: skip
+    from hf_tpu.transformers import _upstream
+
+    inner = []
+    original = _upstream.nested_call
+
+    def spy():
+        reason = original()
+        inner.append(reason)
+        return reason
+
+    _upstream.nested_call = spy
+    try:
+        got = tpu.generate(ids.to("tpu"), attention_mask=mask.to("tpu"), assistant_model=tpu, **kw)
+    finally:
+        _upstream.nested_call = original
+    expected = cpu.generate(ids, attention_mask=mask, assistant_model=cpu, **kw)
+    assert torch.equal(got.sequences.cpu(), expected.sequences)
+    torch.testing.assert_close(torch.stack(got.scores).cpu(), torch.stack(expected.scores))
+    assert any(reason and "inside upstream's generate" in reason for reason in inner), inner
