@@ -23,7 +23,8 @@ classes) and plugs its own decoding loop in through upstream's ``custom_generate
 * returns the output on the device the inputs came from.
 
 Generation without a cache runs a loop of its own (:mod:`hf_tpu.transformers._cacheless`). Anything neither loop
-covers (beam search, assisted decoding, a user cache it cannot copy in (:mod:`hf_tpu.transformers._cache_io`: the
+covers (beam search, assisted decoding, attentions and hidden states of an encoder-decoder model, a user cache it
+cannot copy in (:mod:`hf_tpu.transformers._cache_io`: the
 cache in and out), a model that fails the checks of the loop without a cache, ...) runs upstream's code unchanged,
 with a warning that names the cost on a TPU.
 
@@ -40,6 +41,8 @@ Where a change belongs (this module is the public entry point and re-exports the
 * :mod:`hf_tpu.transformers._cacheless`: the loop without a cache (``use_cache=False``, a model that keeps none or
   whose cache the loop above cannot run: the whole sequence recomputed each step in one graph per bucket);
 * :mod:`hf_tpu.transformers.sampling`: logits processors, warpers and sampling inside the graphs;
+* :mod:`hf_tpu.transformers._step_outputs`: ``output_attentions`` / ``output_hidden_states`` from the graphs, cut to
+  upstream's shapes;
 * :mod:`hf_tpu.transformers._upstream`: when upstream's ``generate`` runs instead, and why.
 
 Example:
