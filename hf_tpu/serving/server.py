@@ -27,6 +27,9 @@ FEATURE = "serve"
 _VERSIONS = ">=5.24,<5.25"
 
 
+# How often the main thread wakes from waiting on the server thread to take a signal (a poll, not a deadline).
+_SIGNAL_POLL_S = 0.5
+
 def _max_len(model) -> int:
     config = model.config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
@@ -284,8 +287,8 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
             readiness.failure = f"{type(exc).__name__}: {exc}"
             print(f"hf-tpu serve: {readiness.describe()}; stopping", file=out, flush=True)
             raise
-        while serve._thread.is_alive():
-            serve._thread.join(timeout=0.5)  # a timeout, so that this thread takes the signals
+        while serve._thread.is_alive():  # joined in short polls, so that this thread takes the signals meanwhile
+            serve._thread.join(_SIGNAL_POLL_S)
     except KeyboardInterrupt:
         if not stopping and not (serve is not None and serve.server._captured_signals):
             raise
