@@ -209,14 +209,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _print_user_error(args.command, err)
         return 1
+    except BrokenPipeError:  # `hf-tpu env --json | head` (before `Exception`, which it is one of)
+        # the reader is gone: what is left to flush at exit goes nowhere instead of raising again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except Exception as err:
         if _debug(args) or not _is_user_error(err):
             raise
         _print_user_error(args.command, err)
         return 2
-    except BrokenPipeError:  # `hf-tpu env --json | head`
-        sys.stderr.close()
-        return 0
     except KeyboardInterrupt:
         print(f"hf-tpu {args.command}: interrupted", file=sys.stderr)
         return 130

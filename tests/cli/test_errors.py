@@ -211,3 +211,18 @@ def test_a_file_error_with_a_path_is_short_too(monkeypatch, capsys):
     monkeypatch.setattr(cli_main, "_load", lambda name: Fake)
     assert cli_main.main(["env"]) == 2
     short_error(capsys.readouterr().err, "No such file or directory: '/no/such/dir/report.json'")
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    # `hf-tpu env --json | head`: the command's output meets a closed pipe; it ends with status 0, no traceback
+    code = (
+        "import sys\n"
+        "import hf_tpu.cli.env as env\n"
+        "def closed(args):\n"
+        "    raise BrokenPipeError(32, 'Broken pipe')\n"
+        "env.run = closed\n"
+        "from hf_tpu.cli.main import main\n"
+        "sys.exit(main(['env']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
