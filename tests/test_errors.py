@@ -125,6 +125,7 @@ def _user_errors():
     from hf_tpu.distributed.launch import LaunchError
     from hf_tpu.distributed.tp_plan import TensorParallelConfigError
     from hf_tpu.serving._guard import PromptTooLongError
+    from hf_tpu.serving._openai import RequestError
     from hf_tpu.tpu_compile.targets import UnknownTargetError
     from hf_tpu.training.checks import TPUTrainingError
     from hf_tpu.transformers.buckets import BucketOverflowError
@@ -136,6 +137,7 @@ def _user_errors():
         LaunchError: RuntimeError,
         LoweringUnavailableError: RuntimeError,
         PromptTooLongError: ValueError,
+        RequestError: ValueError,
         TensorParallelConfigError: ValueError,
         TPUTrainingError: RuntimeError,
         runtime.TPUNotAvailableError: RuntimeError,

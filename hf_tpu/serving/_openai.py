@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_tpu.errors import UserError
+
 __all__ = ["CHAT", "COMPLETIONS", "Limits", "RequestError", "ROLES", "Sampling", "check", "resolve"]
 
 CHAT = "/v1/chat/completions"
@@ -55,8 +57,8 @@ _UNSUPPORTED_UNLESS_NONE = ("reasoning_effort", "verbosity", "audio", "modalitie
                             "functions", "function_call", "moderation")  # fmt: skip
 
 
-class RequestError(ValueError):
-    """A request field that is wrong: answered with ``status`` (400) naming ``param``."""
+class RequestError(UserError, ValueError):
+    """A request field that is wrong (the client's mistake): answered with ``status`` (400) naming ``param``."""
 
     def __init__(self, param: str | None, message: str, status: int = 400, kind: str = "invalid_request_error"):
         super().__init__(message)
