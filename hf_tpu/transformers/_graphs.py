@@ -58,7 +58,7 @@ _ALIGNED = "hf_tpu_prompt_first"
 
 
 def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
-    from hf_tpu.transformers._cache_layers import prefill_mask
+    from hf_tpu.transformers._cache.layers import prefill_mask
 
     q = packed.shape[1] // 2
     if extra.get(_ALIGNED):
@@ -72,7 +72,7 @@ def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
 
 def _embeds_prefill(model, embeds, positions, mask, cache, extra, sampling=None):
     """The prefill of a prompt given as embeddings (``generate(inputs_embeds=...)``), left-padded with zeros."""
-    from hf_tpu.transformers._cache_layers import prefill_mask
+    from hf_tpu.transformers._cache.layers import prefill_mask
 
     out = model(
         inputs_embeds=embeds, position_ids=positions, attention_mask=prefill_mask(cache, mask, embeds.shape[1]),
@@ -85,7 +85,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
     """The prefill of a right-aligned prompt: ``slots`` holds each token's cache slot, -1 for the padding after it."""
     import torch
 
-    from hf_tpu.transformers._cache_layers import prefill_mask
+    from hf_tpu.transformers._cache.layers import prefill_mask
 
     length = (slots >= 0).sum(dim=-1)[:1]  # the prompt's length (one per call: every row has it)
     kwargs = {k: v for k, v in extra.items() if k != _ALIGNED}
@@ -105,7 +105,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
 
 
 def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
-    from hf_tpu.transformers._cache_layers import decode_mask
+    from hf_tpu.transformers._cache.layers import decode_mask
 
     q = packed.shape[1] // 2
     _mark(sampling, packed[:, :q])
@@ -259,7 +259,9 @@ def _namespace(cache, model, state: _ModelState):
 
     settings = state.settings
     backend = _backend_for(settings, model.device)
-    from hf_tpu.transformers import _cache_layer_classes, _cache_layers, _step_outputs, sampling
+    from hf_tpu.transformers import _step_outputs, sampling
+    from hf_tpu.transformers._cache import layer_classes as _cache_layer_classes
+    from hf_tpu.transformers._cache import layers as _cache_layers
     from hf_tpu.transformers.sampling import _processors, _registry, _warpers
 
     # the graphs' own code: this module, the device sampling, the outputs they return, and the cache layers and
@@ -272,7 +274,7 @@ def _namespace(cache, model, state: _ModelState):
     # and the bucketed forms of models' own caches (read, not imported: importing it imports their modeling files)
     from pathlib import Path
 
-    source += (Path(__file__).parent / "_own_cache_classes.py").read_text()
+    source += (Path(__file__).parent / "_cache" / "model_classes.py").read_text()
     parts = {
         **model_identity(model),
         "ladder": list(state.ladder(model.config).rungs),

@@ -72,8 +72,8 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
     if config.token_healing:
         return "token_healing is not supported by the bucketed loop", True
     given = next((model_kwargs[n] for n in CACHE_NAMES if model_kwargs.get(n) is not None), None)
-    if given is not None:  # the caller's cache: copied into the bucketed one (_cache_io), or the reason it is not
-        from hf_tpu.transformers._cache_io import given_cache_problem
+    if given is not None:  # the caller's cache: copied into the bucketed one (_cache.handoff), or the reason it is not
+        from hf_tpu.transformers._cache.handoff import given_cache_problem
 
         ids = args.get("inputs") if args.get("inputs") is not None else model_kwargs.get("input_ids")
         mask = model_kwargs.get("attention_mask")
@@ -195,7 +195,7 @@ def layers_besides_full_attention(model) -> list[str]:
     linear-attention/SSM state folds in every token: a padded tail after the prompt would change both)."""
     from transformers.cache_utils import DummyLayer, StaticLayer
 
-    from hf_tpu.transformers._cache_layers import layer_plan
+    from hf_tpu.transformers._cache.layers import layer_plan
 
     try:
         plan = layer_plan(model.config)

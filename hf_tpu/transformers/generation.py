@@ -24,7 +24,7 @@ classes) and plugs its own decoding loop in through upstream's ``custom_generate
 
 Generation without a cache runs a loop of its own (:mod:`hf_tpu.transformers._cacheless`). Anything neither loop
 covers (beam search, assisted decoding, attentions and hidden states of an encoder-decoder model, a user cache it
-cannot copy in (:mod:`hf_tpu.transformers._cache_io`: the
+cannot copy in (:mod:`hf_tpu.transformers._cache.handoff`: the
 cache in and out), a model that fails the checks of the loop without a cache, ...) runs upstream's code unchanged,
 with a warning that names the cost on a TPU.
 
@@ -33,8 +33,8 @@ Where a change belongs (this module is the public entry point and re-exports the
 * :mod:`hf_tpu.transformers._settings`: per-model state and :func:`configure`;
 * :mod:`hf_tpu.transformers.shapes`: shape planning (:func:`plan_shapes`), :mod:`~hf_tpu.transformers.buckets`
   the ladders;
-* :mod:`hf_tpu.transformers._static_cache`: the static caches, built per layer kind by
-  :mod:`~hf_tpu.transformers._cache_layers` with the shapes :mod:`~hf_tpu.transformers._cache_probe` measures;
+* :mod:`hf_tpu.transformers._cache.pool`: the static caches, built per layer kind by
+  :mod:`~hf_tpu.transformers._cache.layers` with the shapes :mod:`~hf_tpu.transformers._cache.probe` measures;
 * :mod:`hf_tpu.transformers._graphs`: the compiled graphs and :func:`_run` (strict mode, the persistent compile
   cache of :mod:`hf_tpu.compile_cache`);
 * :mod:`hf_tpu.transformers._decode_loop`: the decoding loop and the warm-up of one shape plan;
@@ -316,10 +316,10 @@ def eager_decode_step(model, cache_len: int) -> Callable[[], object]:
     """
     import torch
 
+    from hf_tpu.transformers._cache.pool import cache_for
     from hf_tpu.transformers._graphs import _GRAPHS
-    from hf_tpu.transformers._static_cache import _cache_for
 
-    cache = _cache_for(model, _state(model), 1, cache_len, None)
+    cache = cache_for(model, _state(model), 1, cache_len, None)
     mask = torch.ones(1, cache_len, dtype=torch.bool).to(model.device)
     step = torch.tensor([[5, cache_len // 2]], dtype=torch.long).to(model.device)
     extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
