@@ -1,0 +1,69 @@
+"""The runs of the FSDP2 tests, shared by the test process (one process, the whole batch) and the launched ranks."""
+
+from __future__ import annotations
+
+import torch
+from train_helpers import SEQ, Losses, examples
+
+from hf_tpu.training import BucketingCollator
+
+GLOBAL_BATCH = 8
+LR = 3e-3
+FSDP = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}}
+
+
+def data(steps: int) -> list[dict]:
+    """``steps`` global batches of full-length rows (every rank's slice has the same number of tokens)."""
+    return examples(steps * GLOBAL_BATCH, lengths=(SEQ,), seed=3)
+
+
+def collator() -> BucketingCollator:
+    return BucketingCollator(buckets=(SEQ,), pad_token_id=0, return_attention_mask=False)
+
+
+class Memory:
+    """A ``TrainerCallback`` recording, right after the optimizer step of step ``at``, the live device bytes
+    (``torch.accelerator.memory_allocated()``) and this rank's parameter/gradient/optimizer-state bytes."""
+
+    def __new__(cls, at: int = 2):
+        from transformers import TrainerCallback
+
+        from hf_tpu.training.fsdp import local_state_bytes
+
+        class _Memory(TrainerCallback):
+            def __init__(self):
+                self.values: dict = {}
+
+            def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+                if state.global_step + 1 == at and args.device.type == "tpu":  # global_step counts after this hook
+                    self.values = {"live": int(torch.accelerator.memory_allocated()), **local_state_bytes(model, optimizer)}
+
+        return _Memory()
+
+
+def trainer_args(output_dir: str, steps: int, world: int, use_cpu: bool = False, **extra):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=steps,
+        learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1, report_to=[],
+        save_strategy="no", seed=0, use_cpu=use_cpu, **extra,
+    )  # fmt: skip
+
+
+def run_trainer(model, steps: int, world: int, output_dir: str, use_cpu: bool = False, train_data=None, **extra):
+    """Train ``model`` with the Trainer for ``steps`` steps of ``GLOBAL_BATCH`` rows in all; returns
+    ``(trainer, {"losses", "after_first", "memory"})``: the logged loss of each step, the simulator's counters summed
+    over the steps after the first, and :class:`Memory`'s record."""
+    from transformers import Trainer
+
+    from hf_tpu.training import StepCounters
+
+    log, counters, memory = Losses(), StepCounters(), Memory()
+    trainer = Trainer(
+        model=model, args=trainer_args(output_dir, steps, world, use_cpu=use_cpu, **extra),
+        train_dataset=data(steps) if train_data is None else train_data, data_collator=collator(),
+        callbacks=[log, counters, memory],
+    )  # fmt: skip
+    trainer.train()
+    return trainer, {"losses": log.values, "after_first": counters.after(1), "memory": memory.values}

@@ -1,0 +1,86 @@
+"""FSDP2 through the Trainer on launched TPU ranks (``hf-tpu launch --simulate``, one simulated chip per rank).
+
+A tiny Llama and a tiny Mixtral (MoE) trained with ``Trainer(fsdp="full_shard", fsdp_config={"fsdp_version": 2})``
+on N ranks give the losses, step by step, of one process training the same model on the whole global batch on the
+CPU without hf_tpu (rtol = atol = 1e-5: the ranks' gradients are averaged in a different order), compile nothing after
+the first step, and each rank holds 1/N of the single chip's parameters, gradients and optimizer state (plus the
+stated constant). Launches have a timeout and leave no process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _timeouts import SAFETY_TIMEOUT_S
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from _fsdp_data import run_trainer
+from _launch_util import launch, processes_mentioning
+from _reference import without_hf_tpu
+from train_helpers import VOCAB
+
+pytestmark = [pytest.mark.distributed]
+WORKER = "tests/training/_fsdp_worker.py"
+STEPS = 3
+# Per rank, beyond 1/N of the single chip's live bytes: the replicated rotary buffer, the batch, the loss and
+# FSDP's padding of each shard to an equal size: 16 KiB for these models (each under 0.5 MB of training state).
+CONSTANT = 16 * 1024
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    from hf_tpu.testing import tiny_model
+
+    made: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            made[family] = tmp_path_factory.mktemp(f"fsdp-{family}") / family
+            tiny_model(family, made[family], vocab_size=VOCAB, max_position_embeddings=64)
+        return made[family]
+
+    return make
+
+
+def _launch(out: Path, ranks: int, *args: str) -> list[dict]:
+    out.mkdir()
+    code, log, _ = launch(
+        ["--simulate", f"--nproc_per_node={ranks}", WORKER, str(out), *args], timeout=SAFETY_TIMEOUT_S
+    )
+    assert code == 0, log[-6000:]
+    assert not processes_mentioning(str(out)), "ranks left running after the launcher exited"
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    for r in results:
+        assert "error" not in r, r["error"]
+    return results
+
+
+@pytest.mark.parametrize(("family", "ranks"), [("llama", 2), ("mixtral", 2), ("llama", 4)])
+def test_trainer_fsdp2_equals_one_process_on_the_whole_batch(family_dir, tmp_path, family, ranks):
+    from transformers import AutoModelForCausalLM
+
+    path = family_dir(family)
+    results = _launch(tmp_path / "fsdp", ranks, str(path), str(STEPS), "trainer")
+
+    with without_hf_tpu():  # one process, the whole batch, on the CPU, upstream code only
+        _, cpu = run_trainer(AutoModelForCausalLM.from_pretrained(path), STEPS, 1, str(tmp_path / "cpu"), use_cpu=True)
+    # one simulated chip, the whole batch, no FSDP: the memory a single chip needs
+    _, one = run_trainer(AutoModelForCausalLM.from_pretrained(path).to("tpu"), STEPS, 1, str(tmp_path / "one"))
+
+    assert len(cpu["losses"]) == STEPS
+    for r in results:
+        assert r["distributed_type"] == "DistributedType.FSDP"
+        assert r["param_type"] == "DTensor" and r["device"] == "tpu:0"
+        assert r["local_shape"][0] == -(-r["global_shape"][0] // ranks)  # dim 0 split over the ranks
+        torch.testing.assert_close(r["losses"], cpu["losses"], rtol=1e-5, atol=1e-5)
+        assert r["losses"] == results[0]["losses"]
+        assert r["after_first"]["compiles"] == 0 and r["after_first"]["shape_signatures"] == 0, r["after_first"]
+        # params + grads + optimizer state on this rank's chip: 1/N of one chip's, plus the constant
+        assert r["memory"]["grads"] > 0 and r["memory"]["optimizer"] > 0
+        assert r["memory"]["total"] <= one["memory"]["total"] / ranks + CONSTANT, (r["memory"], one["memory"])
+        assert r["memory"]["live"] <= one["memory"]["live"] / ranks + CONSTANT, (r["memory"], one["memory"])
+    torch.testing.assert_close(one["losses"], cpu["losses"], rtol=1e-5, atol=1e-5)
