@@ -47,11 +47,13 @@ def trainer_args(output_dir: str, steps: int, world: int, use_cpu: bool = False,
     return TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=steps,
         learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1, report_to=[],
-        save_strategy="no", seed=0, use_cpu=use_cpu, **extra,
+        seed=0, use_cpu=use_cpu, **{"save_strategy": "no", **extra},
     )  # fmt: skip
 
 
-def run_trainer(model, steps: int, world: int, output_dir: str, use_cpu: bool = False, train_data=None, **extra):
+def run_trainer(
+    model, steps: int, world: int, output_dir: str, use_cpu: bool = False, resume_from_checkpoint=None, **extra
+):
     """Train ``model`` with the Trainer for ``steps`` steps of ``GLOBAL_BATCH`` rows in all; returns
     ``(trainer, {"losses", "after_first", "memory"})``: the logged loss of each step, the simulator's counters summed
     over the steps after the first, and :class:`Memory`'s record."""
@@ -62,8 +64,7 @@ def run_trainer(model, steps: int, world: int, output_dir: str, use_cpu: bool = 
     log, counters, memory = Losses(), StepCounters(), Memory()
     trainer = Trainer(
         model=model, args=trainer_args(output_dir, steps, world, use_cpu=use_cpu, **extra),
-        train_dataset=data(steps) if train_data is None else train_data, data_collator=collator(),
-        callbacks=[log, counters, memory],
+        train_dataset=data(steps), data_collator=collator(), callbacks=[log, counters, memory],
     )  # fmt: skip
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer, {"losses": log.values, "after_first": counters.after(1), "memory": memory.values}

@@ -4,7 +4,12 @@
 
 - ``trainer``: ``transformers.Trainer`` with ``fsdp="full_shard", fsdp_config={"fsdp_version": 2}`` on the model
   loaded on the host (accelerate wraps it with ``fully_shard`` over a ``tpu`` mesh);
-- ``accelerate``: a plain loop with ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))``.
+- ``accelerate``: a plain loop with ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))``;
+- ``save``: the Trainer with ``state_dict_type="SHARDED_STATE_DICT"``, a ``torch.distributed.checkpoint`` checkpoint
+  every ``STEPS // 2`` steps in ``OUT_DIR/run``; the trained weights (each DTensor's ``full_tensor()``) go to
+  ``OUT_DIR/weights.pt``;
+- ``resume``: the same run resumed from ``OUT_DIR/../save/run/checkpoint-{STEPS // 2}`` (on however many ranks this
+  launch has), then exported with ``accelerator.get_state_dict`` + ``save_pretrained`` to ``OUT_DIR/export``.
 
 It writes ``OUT_DIR/rank{RANK}.json``: the losses of every step, the counters after the first step, the memory record
 and what the parameters became (DTensor, local shape, device).
@@ -37,6 +42,23 @@ try:
         result.update(run)
         result["distributed_type"] = str(trainer.accelerator.distributed_type)
         model = trainer.model
+    elif mode in ("save", "resume"):
+        sharded = {**FSDP, "fsdp_config": {**FSDP["fsdp_config"], "state_dict_type": "SHARDED_STATE_DICT"}}
+        ckpt = os.path.join(os.path.dirname(out_dir), "save", "run", f"checkpoint-{steps // 2}")
+        trainer, run = run_trainer(
+            model, steps, world, os.path.join(out_dir, "run"), save_strategy="steps", save_steps=steps // 2,
+            resume_from_checkpoint=ckpt if mode == "resume" else None, **sharded,
+        )  # fmt: skip
+        result.update(run)
+        model = trainer.model
+        weights = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}  # a gather per parameter
+        if mode == "resume":
+            export = os.path.join(out_dir, "export")
+            state_dict = trainer.accelerator.get_state_dict(model)  # gathered to rank 0's host, piece by piece
+            if trainer.accelerator.is_main_process:
+                trainer.accelerator.unwrap_model(model).save_pretrained(export, state_dict=state_dict)
+        if rank == 0:
+            torch.save(weights, os.path.join(out_dir, "weights.pt"))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     weight = next(p for n, p in model.named_parameters() if "layers.0" in n and p.ndim == 2)

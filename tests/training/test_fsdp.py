@@ -84,3 +84,39 @@ def test_trainer_fsdp2_equals_one_process_on_the_whole_batch(family_dir, tmp_pat
         assert r["memory"]["total"] <= one["memory"]["total"] / ranks + CONSTANT, (r["memory"], one["memory"])
         assert r["memory"]["live"] <= one["memory"]["live"] / ranks + CONSTANT, (r["memory"], one["memory"])
     torch.testing.assert_close(one["losses"], cpu["losses"], rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_checkpoint_of_4_ranks_resumes_on_2_and_exports_a_plain_model(family_dir, tmp_path):
+    """``state_dict_type="SHARDED_STATE_DICT"``: the Trainer's checkpoint is ``torch.distributed.checkpoint``, one file
+    per rank (no rank writes the whole model); 2 ranks resume the 4 ranks' checkpoint of step 2 (DCP reshards it) and
+    train steps 3 and 4 with the losses of the uninterrupted 4-rank run; ``accelerator.get_state_dict`` +
+    ``save_pretrained`` export a model that ``from_pretrained`` loads equal to the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    path, steps = family_dir("llama"), 4
+    saved = _launch(tmp_path / "save", 4, str(path), str(steps), "save")
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint = tmp_path / "save" / "run" / "checkpoint-2" / "pytorch_model_fsdp_0"
+    assert len(list(checkpoint.glob("*.distcp"))) == 4  # one file per rank
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    initial = dict(AutoModelForCausalLM.from_pretrained(path).named_parameters())
+    for name, weight in initial.items():  # each weight saved as 4 row blocks, each rank its own
+        chunks = metadata.state_dict_metadata[f"model.{name}"].chunks
+        assert [c.sizes[0] for c in chunks] == [weight.shape[0] // 4] * 4, (name, chunks)
+
+    resumed = _launch(tmp_path / "resume", 2, str(path), str(steps), "resume")
+    assert len(saved[0]["losses"]) == steps and len(resumed[0]["losses"]) == steps - 2
+    for r in resumed:
+        torch.testing.assert_close(r["losses"], saved[0]["losses"][2:], rtol=1e-5, atol=1e-5)
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "resume" / "export")
+    trained = torch.load(tmp_path / "resume" / "weights.pt")
+    uninterrupted = torch.load(tmp_path / "save" / "weights.pt")
+    loaded = dict(exported.named_parameters())
+    assert set(loaded) == set(trained)
+    for name, weight in trained.items():
+        torch.testing.assert_close(loaded[name].detach(), weight, rtol=0, atol=0)
+        torch.testing.assert_close(weight, uninterrupted[name], rtol=1e-5, atol=1e-5)
+    # the weights moved in training: an export of the initial model would fail the comparison above
+    assert any(not torch.allclose(initial[n].detach(), w, atol=1e-4) for n, w in trained.items())
