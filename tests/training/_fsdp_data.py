@@ -68,3 +68,27 @@ def run_trainer(
     )  # fmt: skip
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer, {"losses": log.values, "after_first": counters.after(1), "memory": memory.values}
+
+
+def accelerate_loop(model, steps: int, fsdp: bool = True, cpu: bool = False) -> list[float]:
+    """A plain loop over ``steps`` global batches in order (accelerate gives each rank its slice), AdamW, gradient
+    clipping at 1.0: with ``fsdp``, ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...))``;
+    returns the mean loss over the ranks of every step."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap") if fsdp else None
+    accelerator = Accelerator(fsdp_plugin=plugin, cpu=cpu)
+    per_rank = GLOBAL_BATCH // accelerator.num_processes
+    loader = torch.utils.data.DataLoader(data(steps), batch_size=per_rank, shuffle=False, collate_fn=collator())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for batch in loader:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(accelerator.reduce(loss.detach(), "mean").cpu()))
+    return losses

@@ -5,6 +5,9 @@
 - ``trainer``: ``transformers.Trainer`` with ``fsdp="full_shard", fsdp_config={"fsdp_version": 2}`` on the model
   loaded on the host (accelerate wraps it with ``fully_shard`` over a ``tpu`` mesh);
 - ``accelerate``: a plain loop with ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))``;
+- ``bf16``: the Trainer with ``bf16=True`` and FSDP's activation checkpointing; records the dtype of a layer's
+  weight inside its forward (FSDP's all-gathered parameter) and of the sharded parameter the optimizer updates;
+- ``offload``: the Trainer with ``fsdp_config={"cpu_offload": True}``, which hf_tpu refuses (the error is the result);
 - ``save``: the Trainer with ``state_dict_type="SHARDED_STATE_DICT"``, a ``torch.distributed.checkpoint`` checkpoint
   every ``STEPS // 2`` steps in ``OUT_DIR/run``; the trained weights (each DTensor's ``full_tensor()``) go to
   ``OUT_DIR/weights.pt``;
@@ -30,7 +33,7 @@ out_dir, model_dir, steps, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sy
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 result: dict = {"rank": rank, "world_size": world}
 try:
-    from _fsdp_data import FSDP, run_trainer
+    from _fsdp_data import FSDP, accelerate_loop, run_trainer
     from transformers import AutoModelForCausalLM
 
     import hf_tpu
@@ -42,6 +45,29 @@ try:
         result.update(run)
         result["distributed_type"] = str(trainer.accelerator.distributed_type)
         model = trainer.model
+    elif mode == "bf16":
+        seen: list = []
+        layer = model.model.layers[0].mlp.down_proj
+        layer.register_forward_pre_hook(lambda m, args: seen.append(str(m.weight.dtype)))
+        ac = {**FSDP, "fsdp_config": {**FSDP["fsdp_config"], "activation_checkpointing": True}}
+        trainer, run = run_trainer(model, steps, world, os.path.join(out_dir, "run"), bf16=True, **ac)
+        result.update(run)
+        result["gathered_dtypes"] = sorted(set(seen))
+        result["sharded_dtype"] = str(layer.weight.dtype)
+        result["checkpointed"] = type(trainer.model.model.layers[0]).__name__
+        model = trainer.model
+    elif mode == "offload":
+        offload = {**FSDP, "fsdp_config": {**FSDP["fsdp_config"], "cpu_offload": True}}
+        try:
+            run_trainer(model, steps, world, os.path.join(out_dir, "run"), **offload)
+        except Exception as e:  # noqa: BLE001 - the refusal is what the test checks
+            result["refused"] = f"{type(e).__name__}: {e}"
+        dist.destroy_process_group()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        sys.exit(0)
+    elif mode == "accelerate":
+        result["losses"] = accelerate_loop(model, steps)
     elif mode in ("save", "resume"):
         sharded = {**FSDP, "fsdp_config": {**FSDP["fsdp_config"], "state_dict_type": "SHARDED_STATE_DICT"}}
         ckpt = os.path.join(os.path.dirname(out_dir), "save", "run", f"checkpoint-{steps // 2}")

@@ -18,7 +18,7 @@ import torch
 from _timeouts import SAFETY_TIMEOUT_S
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from _fsdp_data import run_trainer
+from _fsdp_data import accelerate_loop, run_trainer
 from _launch_util import launch, processes_mentioning
 from _reference import without_hf_tpu
 from train_helpers import VOCAB
@@ -120,3 +120,86 @@ def test_sharded_checkpoint_of_4_ranks_resumes_on_2_and_exports_a_plain_model(fa
         torch.testing.assert_close(weight, uninterrupted[name], rtol=1e-5, atol=1e-5)
     # the weights moved in training: an export of the initial model would fail the comparison above
     assert any(not torch.allclose(initial[n].detach(), w, atol=1e-4) for n, w in trained.items())
+
+
+def test_accelerator_loop_with_the_fsdp2_plugin_equals_one_process(family_dir, tmp_path):
+    """``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=
+    "transformer_based_wrap"))`` in a plain loop on 2 ranks: the losses of one CPU process on the whole batches."""
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM
+
+    path = family_dir("llama")
+    results = _launch(tmp_path / "fsdp", 2, str(path), str(STEPS), "accelerate")
+    AcceleratorState._reset_state(True)
+    try:
+        with without_hf_tpu():
+            cpu = accelerate_loop(AutoModelForCausalLM.from_pretrained(path), STEPS, fsdp=False, cpu=True)
+    finally:
+        AcceleratorState._reset_state(True)
+    assert len(cpu) == STEPS
+    for r in results:
+        assert r["param_type"] == "DTensor" and r["device"] == "tpu:0" and r["local_shape"][0] * 2 == r["global_shape"][0]
+        torch.testing.assert_close(r["losses"], cpu, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_and_activation_checkpointing(family_dir, tmp_path):
+    """``bf16=True``: FSDP gathers bf16 weights for the forward and the optimizer updates fp32 shards; with
+    ``fsdp_config={"activation_checkpointing": True}`` the layers are checkpointed. The logged loss is FSDP's bf16
+    output (its spacing near 4.9 is 1/32, the mean of two ranks' half of it), so it matches the fp32 CPU run within
+    0.05; nothing compiles after the first step."""
+    from transformers import AutoModelForCausalLM
+
+    path = family_dir("llama")
+    results = _launch(tmp_path / "fsdp", 2, str(path), str(STEPS), "bf16")
+    with without_hf_tpu():
+        _, cpu = run_trainer(AutoModelForCausalLM.from_pretrained(path), STEPS, 1, str(tmp_path / "cpu"), use_cpu=True)
+    for r in results:
+        assert r["gathered_dtypes"] == ["torch.bfloat16"] and r["sharded_dtype"] == "torch.float32"
+        assert "CheckpointWrapper" in r["checkpointed"]
+        assert r["after_first"]["compiles"] == 0 and r["after_first"]["shape_signatures"] == 0, r["after_first"]
+        torch.testing.assert_close(r["losses"], cpu["losses"], rtol=0, atol=0.05)
+
+
+def test_cpu_offload_is_refused_with_the_fix(family_dir, tmp_path):
+    results = _launch(tmp_path / "fsdp", 2, str(family_dir("llama")), "1", "offload")
+    for r in results:
+        assert r.get("refused", "").startswith("TPUTrainingError: FSDP CPU offload"), r
+        assert "--nproc_per_node" in r["refused"]
+
+
+def test_fsdp_plugin_checks():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hf_tpu.training import TPUTrainingError
+    from hf_tpu.training.fsdp import check_fsdp_plugin
+
+    check_fsdp_plugin(FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap"))
+    with pytest.raises(TPUTrainingError, match=r"fsdp_config=\{'fsdp_version': 2\}"):
+        check_fsdp_plugin(FullyShardedDataParallelPlugin(fsdp_version=1))
+    with pytest.raises(TPUTrainingError, match="CPU offload"):
+        check_fsdp_plugin(FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True))
+    offloaded = FullyShardedDataParallelPlugin(
+        fsdp_version=2, activation_checkpointing=True, activation_checkpointing_offload=True
+    )
+    with pytest.raises(TPUTrainingError, match="without the offload"):
+        check_fsdp_plugin(offloaded)
+
+
+def test_move_to_tpu_keeps_identity_where_torch_refuses_set_data():
+    """torch refuses ``cpu_param.data = tpu_tensor`` (PrivateUse1 is not among the dense backends of
+    ``has_compatible_shallow_copy_type``); ``move_to_tpu`` moves in place and tied weights stay one object."""
+    from hf_tpu.testing import tiny_model
+    from hf_tpu.training.fsdp import move_to_tpu
+
+    model = tiny_model("llama", vocab_size=VOCAB, tie_word_embeddings=True)
+    param = model.model.embed_tokens.weight
+    with pytest.raises(RuntimeError, match="incompatible tensor type"):
+        param.data = param.to("tpu")
+    expected = param.detach().clone()
+    optimizer = torch.optim.AdamW(model.parameters())
+    move_to_tpu(list(model.parameters()) + list(model.buffers()), torch.device("tpu", 0))
+    assert model.model.embed_tokens.weight is param and model.lm_head.weight is param
+    assert param.device.type == "tpu" and isinstance(param, torch.nn.Parameter) and param.requires_grad
+    assert optimizer.param_groups[0]["params"][0] is param
+    assert all(b.device.type == "tpu" for b in model.buffers())
+    torch.testing.assert_close(param.detach().cpu(), expected, rtol=0, atol=0)
