@@ -70,10 +70,11 @@ def run_trainer(
     return trainer, {"losses": log.values, "after_first": counters.after(1), "memory": memory.values}
 
 
-def accelerate_loop(model, steps: int, fsdp: bool = True, cpu: bool = False) -> list[float]:
+def accelerate_loop(model, steps: int, fsdp: bool = True, cpu: bool = False, memory: dict | None = None) -> list[float]:
     """A plain loop over ``steps`` global batches in order (accelerate gives each rank its slice), AdamW, gradient
     clipping at 1.0: with ``fsdp``, ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...))``;
-    returns the mean loss over the ranks of every step."""
+    returns the mean loss over the ranks of every step. ``memory`` (a dict) receives the peak device bytes during
+    ``prepare`` (the model is wrapped from the host) and the live bytes after it."""
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -82,7 +83,11 @@ def accelerate_loop(model, steps: int, fsdp: bool = True, cpu: bool = False) -> 
     per_rank = GLOBAL_BATCH // accelerator.num_processes
     loader = torch.utils.data.DataLoader(data(steps), batch_size=per_rank, shuffle=False, collate_fn=collator())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    if memory is not None:
+        torch.accelerator.reset_peak_memory_stats()
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if memory is not None:
+        memory.update(peak=torch.accelerator.max_memory_allocated(), live=torch.accelerator.memory_allocated())
     losses = []
     for batch in loader:
         loss = model(**batch).loss

@@ -67,7 +67,8 @@ try:
             json.dump(result, f)
         sys.exit(0)
     elif mode == "accelerate":
-        result["losses"] = accelerate_loop(model, steps)
+        result["memory"] = {}
+        result["losses"] = accelerate_loop(model, steps, memory=result["memory"])
     elif mode in ("save", "resume"):
         sharded = {**FSDP, "fsdp_config": {**FSDP["fsdp_config"], "state_dict_type": "SHARDED_STATE_DICT"}}
         ckpt = os.path.join(os.path.dirname(out_dir), "save", "run", f"checkpoint-{steps // 2}")

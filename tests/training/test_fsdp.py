@@ -124,7 +124,9 @@ def test_sharded_checkpoint_of_4_ranks_resumes_on_2_and_exports_a_plain_model(fa
 
 def test_accelerator_loop_with_the_fsdp2_plugin_equals_one_process(family_dir, tmp_path):
     """``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=
-    "transformer_based_wrap"))`` in a plain loop on 2 ranks: the losses of one CPU process on the whole batches."""
+    "transformer_based_wrap"))`` in a plain loop on 2 ranks: the losses of one CPU process on the whole batches.
+    The model comes from the host and is wrapped unit by unit: during ``prepare`` a chip holds at most its shards and
+    one unit unsharded, never the whole model."""
     from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM
 
@@ -137,7 +139,12 @@ def test_accelerator_loop_with_the_fsdp2_plugin_equals_one_process(family_dir, t
     finally:
         AcceleratorState._reset_state(True)
     assert len(cpu) == STEPS
+    model = AutoModelForCausalLM.from_pretrained(path)
+    units = [*model.model.layers, model.model.embed_tokens, torch.nn.ModuleList([model.model.norm, model.lm_head])]
+    largest_unit = max(sum(p.numel() * p.element_size() for p in unit.parameters()) for unit in units)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
     for r in results:
+        assert r["memory"]["peak"] <= r["memory"]["live"] + largest_unit < whole, (r["memory"], largest_unit, whole)
         assert r["param_type"] == "DTensor" and r["device"] == "tpu:0" and r["local_shape"][0] * 2 == r["global_shape"][0]
         torch.testing.assert_close(r["losses"], cpu, rtol=1e-5, atol=1e-5)
 
