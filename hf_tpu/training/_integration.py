@@ -14,6 +14,12 @@ Upstream state (transformers 5.24, accelerate 1.15 and 1.16), checked on the sim
   over ``tpu_dist`` (gloo for CPU tensors), each process on its chip ``tpu:0``; the Trainer then shards the batches
   and DDP averages the gradients. (On the simulated device ``ddp_find_unused_parameters`` defaults to False: see
   ``_ddp_defaults``.)
+- accelerate's FSDP mode is set only for the GPU-like types, so ``Trainer(fsdp=..., fsdp_config=...)`` and
+  ``Accelerator(fsdp_plugin=...)`` on those ranks silently became data parallel. hf_tpu turns the ranks' state into
+  ``DistributedType.FSDP`` with the plugin (after :func:`hf_tpu.training.fsdp.check_fsdp_plugin`), so accelerate
+  wraps with FSDP2's ``fully_shard`` over a ``tpu`` mesh; and under ``fully_shard`` it moves host tensors to the
+  chip by swapping them (:func:`hf_tpu.training.fsdp.move_to_tpu`), since torch refuses ``.data`` across CPU and
+  PrivateUse1.
 - ``Trainer.__init__`` runs :func:`hf_tpu.training.check_trainable` first when its device is a TPU (quantized
   models, CUDA-only optimizers, fp16). Upstream refuses fp16 too (accelerate: "fp16 mixed precision requires a
   device in (...)"), without saying to use bf16; the others fail later, inside bitsandbytes or a CUDA kernel.
