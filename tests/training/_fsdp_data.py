@@ -21,26 +21,6 @@ def collator() -> BucketingCollator:
     return BucketingCollator(buckets=(SEQ,), pad_token_id=0, return_attention_mask=False)
 
 
-class Memory:
-    """A ``TrainerCallback`` recording, right after the optimizer step of step ``at``, the live device bytes
-    (``torch.accelerator.memory_allocated()``) and this rank's parameter/gradient/optimizer-state bytes."""
-
-    def __new__(cls, at: int = 2):
-        from transformers import TrainerCallback
-
-        from hf_tpu.training.fsdp import local_state_bytes
-
-        class _Memory(TrainerCallback):
-            def __init__(self):
-                self.values: dict = {}
-
-            def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-                if state.global_step + 1 == at and args.device.type == "tpu":  # global_step counts after this hook
-                    self.values = {"live": int(torch.accelerator.memory_allocated()), **local_state_bytes(model, optimizer)}
-
-        return _Memory()
-
-
 def trainer_args(output_dir: str, steps: int, world: int, use_cpu: bool = False, **extra):
     from transformers import TrainingArguments
 
@@ -56,12 +36,12 @@ def run_trainer(
 ):
     """Train ``model`` with the Trainer for ``steps`` steps of ``GLOBAL_BATCH`` rows in all; returns
     ``(trainer, {"losses", "after_first", "memory"})``: the logged loss of each step, the simulator's counters summed
-    over the steps after the first, and :class:`Memory`'s record."""
+    over the steps after the first, and :class:`~hf_tpu.training.MemoryReport`'s record of the first step."""
     from transformers import Trainer
 
-    from hf_tpu.training import StepCounters
+    from hf_tpu.training import MemoryReport, StepCounters
 
-    log, counters, memory = Losses(), StepCounters(), Memory()
+    log, counters, memory = Losses(), StepCounters(), MemoryReport()
     trainer = Trainer(
         model=model, args=trainer_args(output_dir, steps, world, use_cpu=use_cpu, **extra),
         train_dataset=data(steps), data_collator=collator(), callbacks=[log, counters, memory],
