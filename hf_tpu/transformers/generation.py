@@ -43,6 +43,8 @@ Where a change belongs (this module is the public entry point and re-exports the
 * :mod:`hf_tpu.transformers.sampling`: logits processors, warpers and sampling inside the graphs;
 * :mod:`hf_tpu.transformers._step_outputs`: ``output_attentions`` / ``output_hidden_states`` from the graphs, cut to
   upstream's shapes;
+* :mod:`hf_tpu.transformers._images`: a vision-language call's images (the vision graph; the prefill's forward merges
+  them); an encoder taking features (Whisper's) is :func:`_encode_features` here;
 * :mod:`hf_tpu.transformers._upstream`: when upstream's ``generate`` runs instead, and why.
 
 Example:
