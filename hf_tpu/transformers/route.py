@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hf_tpu.transformers import _cacheless, _upstream
+from hf_tpu.transformers import _cacheless, _images, _upstream
 from hf_tpu.transformers._cache import pool
 from hf_tpu.transformers._settings import (
     _DEVICE_TYPES,
@@ -133,6 +133,16 @@ def _call_route(model, config, model_kwargs: dict) -> Route:
         if problem is not None:
             reason, warn = problem
             return Route(UPSTREAM, reason, warn=warn)
+    if _images.image_inputs(model, model_kwargs):  # encoded by a graph of their own, merged by the prefill's forward
+        problem = _images.images_problem(model, model_kwargs)
+        if problem is None and model_kwargs.get("inputs_embeds") is not None:
+            problem = "images with inputs_embeds are not supported by the bucketed loop (it merges them into ids)"
+        if problem is None and (not use_cache or model_route(model).loop not in (CACHED, HOST_LENGTH)):
+            problem = f"images: only hf_tpu's loop with a cache takes them, and this call of {type(model).__name__} cannot run it"
+        if problem is None and (_upstream.numbers_by_cache_length(model) or _state(model).host_length):
+            problem = _upstream.prompt_first_inputs(model, ["images"])
+        if problem is not None:
+            return Route(UPSTREAM, problem, warn=True)
     if not use_cache and not model.config.is_encoder_decoder:  # this call keeps no cache
         model_route(model)  # (the verdict below is kept with it)
         without = _without_cache(model)
