@@ -232,3 +232,22 @@ def test_compile_cache_quick_figures_are_consistent(tmp_path):
     assert all(n <= o for n, o in zip(cost["new"]["cache_lengths"], cost["old"]["cache_lengths"]))
     assert cost["new"]["bytes"] <= cost["old"]["bytes"] and is_count(round(cost["new"]["ops"]))
     assert "graphs loaded from the cache" in proc.stdout and "device bytes touched" in proc.stdout
+
+
+def test_summary_columns_fit_the_longest_name_and_status():
+    """issue 36: names of 13+ characters (compile_cache, diffusers_sweep) ran into the status column."""
+    from hf_tpu.cli.bench import summary_table
+
+    results = {
+        "sim_forward": {"status": "ok", "seconds": 6.5},
+        "diffusers_sweep": {"status": "targets missed", "seconds": 120.0},
+        "compile_cache": {"status": "skipped", "reason": "jax is not installed"},
+    }
+    lines = summary_table(results).splitlines()
+    assert lines == [
+        "  sim_forward      ok              6.5s",
+        "  diffusers_sweep  targets missed  120.0s",
+        "  compile_cache    skipped         jax is not installed",
+    ]
+    # every status starts in one column, every detail in another
+    assert len({line.index(s) for line, s in zip(lines, ("ok", "targets", "skipped"))}) == 1

@@ -1,0 +1,68 @@
+"""README.md and docs/*.md, run: python blocks, the commands a page tells a user to run, their outputs compared.
+
+The conventions a page follows are in tests/docs/pages.py. Command blocks marked heavy on their page run in the
+``docs_heavy`` group (``python -m pytest -m docs_heavy tests/docs``, a step of .ci/run); the README's test command
+deselects them (``addopts`` in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import pytest
+from sybil import Document
+
+from docs.pages import PAGES, ROOT, Commands, NotRun, PageParser, Problem
+
+
+def _parse(page: str) -> Document:
+    return Document.parse(str(ROOT / page), PageParser())
+
+
+def _examples(page: str, kinds: tuple[type, ...]):
+    return [ex for ex in _parse(page).examples() if isinstance(ex.parsed, kinds)]
+
+
+def _command_params():
+    params = []
+    for page in PAGES:
+        for ex in _examples(page, (Commands,)):
+            marks = [pytest.mark.docs_heavy] if ex.parsed.heavy else []
+            params.append(pytest.param(page, ex.line, marks=marks, id=f"{page}:{ex.line}"))
+    return params
+
+
+def _python_pages():
+    return [page for page in PAGES if any(not isinstance(ex.parsed, (Commands, NotRun, Problem))
+                                          for ex in _parse(page).examples())]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_is_run_or_says_why_not(page):
+    """Blocks the suite does not run still hold: python compiles, hf-tpu flags parse, files named exist; a block
+    nobody checks is marked with its reason."""
+    failures = []
+    for ex in _examples(page, (NotRun, Problem)):
+        message = ex.region.evaluator(ex)
+        if message:
+            failures.append(f"{page}, line {ex.line}: {message}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("page", _python_pages())
+def test_python_blocks_run(page):
+    """The page's python blocks, in order, in one namespace (each page's hf_tpu.enable() undone after)."""
+    import hf_tpu
+
+    document = _parse(page)
+    try:
+        for ex in document.examples():
+            if not isinstance(ex.parsed, (Commands, NotRun, Problem)):
+                ex.evaluate()
+    finally:
+        hf_tpu.disable()
+
+
+@pytest.mark.parametrize(("page", "line"), _command_params())
+def test_commands_print_what_the_page_shows(page, line):
+    (example,) = [ex for ex in _examples(page, (Commands,)) if ex.line == line]
+    message = example.region.evaluator(example)
+    assert message is None, f"{page}, line {line}: {message}"
