@@ -281,6 +281,8 @@ def command_env(scratch: Path) -> dict[str, str]:
 def scratch_dir() -> Path:
     scratch = Path(tempfile.mkdtemp(prefix="hf_tpu_docs_"))
     (scratch / "examples").symlink_to(ROOT / "examples")
+    # the scratch directory is also $HOME: curl shows its progress meter only when its output is not a terminal
+    (scratch / ".curlrc").write_text("--silent\n--show-error\n")
     return scratch
 
 
