@@ -49,8 +49,10 @@ def test_every_block_is_run_or_says_why_not(page):
 
 @pytest.mark.parametrize("page", _python_pages())
 def test_python_blocks_run(page):
-    """The page's python blocks, in order, in one namespace (each page's hf_tpu.enable() undone after)."""
+    """The page's python blocks, in order, in one namespace (each page's hf_tpu.enable() undone after, the
+    simulated device back at its defaults)."""
     import hf_tpu
+    import hf_tpu.sim
 
     document = _parse(page)
     try:
@@ -59,6 +61,7 @@ def test_python_blocks_run(page):
                 ex.evaluate()
     finally:
         hf_tpu.disable()
+        hf_tpu.sim.enable()
 
 
 @pytest.mark.parametrize(("page", "line"), _command_params())
