@@ -32,8 +32,10 @@ that an optional extra's import prints in the suite's environment but not on the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import io
 import os
 import re
 import shlex
@@ -410,11 +412,13 @@ def check_command_words(command: str) -> str | None:
 
         argv = words[1:]
         parser = build_parser(argv)
+        said = io.StringIO()
         try:
-            parser.parse_args(argv)
+            with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+                parser.parse_args(argv)
         except SystemExit as exit_:
             if exit_.code:
-                return f"`{command}`: hf-tpu's parser refuses these arguments (see its message above)"
+                return f"`{command}`: hf-tpu's parser refuses it: {said.getvalue().strip().splitlines()[-1]}"
         return None
     if words[0] in ("python", "python3") and len(words) > 1 and words[1].endswith(".py"):
         if not (ROOT / words[1]).exists():
