@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 from hf_tpu.encoders._integration import MODEL_TYPES
-from hf_tpu.encoders._state import DEFAULT_BATCH_SIZES, EncoderRecompileError, configure
+from hf_tpu.encoders._state import DEFAULT_BATCH_SIZES, EncoderRecompileError, configure, state
 from hf_tpu.encoders.route import EncoderRoute
 from hf_tpu.encoders.warmup import EncoderWarmupReport, warmup
 
@@ -27,6 +27,7 @@ __all__ = [
     "EncoderRecompileError",
     "EncoderRoute",
     "EncoderWarmupReport",
+    "compiled_graphs",
     "configure",
     "explain",
     "warmup",
@@ -51,3 +52,14 @@ def explain(model, *args, **kwargs) -> EncoderRoute:
     upstream = type(model).forward
     upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
     return route.decide(model, upstream, forward.bind(upstream, model, args, kwargs))
+
+
+def compiled_graphs(model) -> list[tuple]:
+    """The encoder graphs compiled for ``model`` so far, in order: ``(batch bucket, length bucket, inputs,
+    output_hidden_states, grad_enabled)`` each (one compile each, on the TPU; none twice).
+
+    Example:
+        >>> [key[:2] for key in compiled_graphs(model)]                                 # doctest: +SKIP
+        [(1, 16), (1, 32)]
+    """
+    return list(state(model).compile_log)

@@ -41,6 +41,7 @@ class EncoderState:
     lengths: BucketLadder | None = None
     batch_sizes: BucketLadder = field(default_factory=lambda: BucketLadder(DEFAULT_BATCH_SIZES))
     strict: bool | None = None
+    bucketed: bool = True
     warmed: bool = False
     compiled: set[tuple] = field(default_factory=set)
     compile_log: list[tuple] = field(default_factory=list)
@@ -72,6 +73,7 @@ def configure(
     lengths: BucketLadder | Iterable[int] | None = None,
     batch_sizes: BucketLadder | Iterable[int] | None = None,
     strict: bool | None = None,
+    bucketed: bool | None = None,
 ) -> EncoderState:
     """Set the ladders and strict mode of ``model``'s bucketed encoder forward.
 
@@ -82,6 +84,7 @@ def configure(
         batch_sizes: row counts batches are padded up to (default :data:`DEFAULT_BATCH_SIZES`).
         strict: True: after :func:`hf_tpu.encoders.warmup`, a call that needs a graph warm-up did not compile raises
             :class:`EncoderRecompileError` instead of compiling (default: ``HF_TPU_STRICT_COMPILE``).
+        bucketed: False: this model's calls run upstream's eager forward (the bucketed path is off for it alone).
 
     Returns:
         The model's :class:`EncoderState`.
@@ -103,4 +106,6 @@ def configure(
         raise UserError(f"hf_tpu.encoders.configure: {exc}") from None
     if strict is not None:
         found.strict = bool(strict)
+    if bucketed is not None:
+        found.bucketed = bool(bucketed)
     return found

@@ -82,7 +82,7 @@ def call(model, upstream, args: tuple, kwargs: dict):
         found = _route.decide(model, upstream, arguments)
         if not found.bucketed:
             _note(found.reason)
-            return upstream(model, *args, **kwargs)
+            return _eager(model, upstream, args, kwargs, device)
         try:
             return run(model, upstream, found)
         except _Unpaddable as exc:
@@ -94,9 +94,22 @@ def call(model, upstream, args: tuple, kwargs: dict):
             )
         state(model).problem = problem
         _note(problem)
-        return upstream(model, *args, **kwargs)
+        return _eager(model, upstream, args, kwargs, device)
     finally:
         _ACTIVE.reset(token)
+
+
+def _eager(model, upstream, args: tuple, kwargs: dict, device):
+    """Upstream's call, with tensor arguments left on the CPU moved to the model's device first (the bucketed path
+    takes them there; the eager one should not refuse them)."""
+    import torch
+
+    def move(value):
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            return value.to(device)
+        return value
+
+    return upstream(model, *(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
 
 
 def _note(reason: str) -> None:
@@ -158,17 +171,17 @@ def run(model, upstream, found: _route.EncoderRoute):
             "or allow compiles: hf_tpu.encoders.configure(model, strict=False) / unset HF_TPU_STRICT_COMPILE."
         )
     device = _device(model)
-    packed = _pack(model, found, names).to(device)
     backend = "tpu" if device.type == "tpu" else "aot_eager"
     limits = {"recompile_limit": max(torch._dynamo.config.recompile_limit, 1024)}
     if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
         limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
-    # Inside inference_mode, run the graph with it off (and no grad): its tensors are then the same kind as in any
-    # no-grad call, so one graph serves both (dynamo guards on it).
+    # Inside inference_mode, make the inputs and run the graph with it off (and no grad): the inputs are then plain
+    # tensors as in any no-grad call (dynamo guards on their dispatch keys), so one graph serves both.
     mode = torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
     if first and found.hidden_states:
         _install_capturing_hooks(model)
     with torch._dynamo.config.patch(**limits), mode, torch.set_grad_enabled(grad):
+        packed = _pack(model, found, names).to(device)  # one host->device copy
         fn = _compiled(backend)
         if first:
             out = _first(fn, model, upstream, packed, names, found.hidden_states)

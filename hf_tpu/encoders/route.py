@@ -80,6 +80,8 @@ def decide(model, upstream, arguments: dict[str, Any]) -> EncoderRoute:
         return EncoderRoute(False, f"{name}: {reason}", inputs=arguments)
 
     found = _state(model)
+    if not found.bucketed:
+        return eager("turned off for this model (hf_tpu.encoders.configure(model, bucketed=False))")
     if found.problem is not None:
         return EncoderRoute(False, found.problem, inputs=arguments)
     if model.training:

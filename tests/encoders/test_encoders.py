@@ -14,8 +14,7 @@ import torch
 from conftest import texts
 
 import hf_tpu.sim
-from hf_tpu.encoders import EncoderRecompileError, configure, explain, warmup
-from hf_tpu.encoders._state import state
+from hf_tpu.encoders import EncoderRecompileError, compiled_graphs, configure, explain, warmup
 from hf_tpu.transformers.generation import WARNED
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -31,10 +30,6 @@ def _pipelines(task: str, path, **kwargs):
     return pipeline(task, model=str(path), device="cpu", **kwargs), pipeline(task, model=str(path), device="tpu", **kwargs)
 
 
-def _buckets(model) -> set[tuple]:
-    return set(state(model).compiled)
-
-
 def test_feature_extraction_pipeline_equals_cpu_with_one_compile_per_bucket(encoder_dir):
     cpu, tpu = _pipelines("feature-extraction", encoder_dir("bert"))
     corpus = texts(64)
@@ -45,7 +40,7 @@ def test_feature_extraction_pipeline_equals_cpu_with_one_compile_per_bucket(enco
         for g, w in zip(got, want, strict=True):
             assert len(g[0]) == len(w[0])  # the pipeline's own (unbucketed) lengths come back
             _close(g, w)
-    keys = state(tpu.model).compile_log
+    keys = compiled_graphs(tpu.model)
     assert len(keys) == len(set(keys))  # each bucket compiled once
     assert {k[:2] for k in keys} >= {(1, 16), (1, 32), (1, 64), (8, 64)}, keys
     assert 0 < s.compiles <= len(keys)
@@ -60,7 +55,7 @@ def test_warmed_pipelines_compile_nothing_over_a_mixed_corpus(encoder_dir):
         with hf_tpu.sim.stats() as s:
             one = tpu(corpus)  # batch 1: one call per text, each at its own length
             eight = tpu(corpus, batch_size=8)  # batches of 8 padded to their longest, the last one full
-        assert s.compiles == 0, (task, state(tpu.model).compile_log)
+        assert s.compiles == 0, (task, compiled_graphs(tpu.model))
         if task == "feature-extraction":
             for got, want in ((one, cpu(corpus)), (eight, cpu(corpus, batch_size=8))):
                 for g, w in zip(got, want, strict=True):
@@ -176,7 +171,7 @@ def test_calls_the_bucketed_path_cannot_serve_run_eager_and_say_why_once(encoder
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # said once
             tpu(input_ids=ids, **{k: v.to("tpu") if torch.is_tensor(v) else v for k, v in kwargs.items()})
-    assert state(tpu).compile_log == []
+    assert compiled_graphs(tpu) == []
     _close(got.logits.cpu(), want.logits)
     if "labels" in kwargs:
         _close(got.loss.cpu(), want.loss)
