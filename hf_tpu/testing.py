@@ -291,7 +291,8 @@ def tiny_encoder(
     try:
         config_class, defaults = ENCODER_FAMILIES[family]
     except KeyError:
-        raise ValueError(f"unknown tiny encoder family {family!r}; choose one of {', '.join(ENCODER_FAMILIES)}") from None
+        known = ", ".join(ENCODER_FAMILIES)
+        raise ValueError(f"unknown tiny encoder family {family!r}; choose one of {known}") from None
     config = getattr(transformers, config_class)(**{**defaults, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, head).from_config(config).eval()

@@ -16,8 +16,10 @@ their longest text (what pipelines and sentence-transformers do), five ways, sid
 Per variant: sentences/s over a second pass of the corpus (the first pass compiles), compiles and new eager shape
 signatures in the first pass, host<->device copies per batch, and the largest difference from the CPU embeddings. New
 eager shapes are counted per process: a shape one variant made is not new for the next (the eager variant runs
-first). Targets, reported "met" or "missed": 0 compiles after warm-up; at most one compile per bucket; embeddings
-equal to the CPU's (within 1e-5).
+first). Targets, reported "met" or "missed" (a missed one makes the run's status 1): 0 compiles after warm-up, none
+in any variant's second pass; at most one compile per bucket; embeddings equal to the CPU's (within 1e-5). A timing
+target, reported but not failing the run: the warmed buckets at least as many sentences/s as tpu eager (on the
+simulator, where padding costs CPU time and a new shape costs no compile, it is usually missed).
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ def run(a: argparse.Namespace) -> dict:
 
     Returns ``{"texts", "batch", "shapes", "buckets", "variants": [{name, sentences_per_s, first_pass_compiles,
     second_pass_compiles, first_pass_new_shapes, h2d_per_batch, d2h_per_batch, max_difference, x_eager}, ...],
-    "targets": [{target, value, met}], "targets_met"}``; ``x_eager`` is sentences/s over the ``tpu eager`` variant's.
+    "targets": [{target, value, met}], "targets_met", "timing": {target, value, met}, "timing_missed": [str]}``;
+    ``x_eager`` is sentences/s over the ``tpu eager`` variant's (``hf-tpu bench`` says "missed" for ``timing_missed``).
 
     Example:
         >>> run(argparse.Namespace(texts=64, batch=8, hidden=32, layers=2, longest=60, threads=1))  # doctest: +SKIP
@@ -123,7 +126,8 @@ def run(a: argparse.Namespace) -> dict:
                  intermediate_size=4 * a.hidden)  # fmt: skip
     tok = AutoTokenizer.from_pretrained(path)
     corpus = _corpus(a.texts, a.longest)
-    batches = [dict(tok(corpus[i : i + a.batch], padding=True, return_tensors="pt")) for i in range(0, len(corpus), a.batch)]
+    starts = range(0, len(corpus), a.batch)
+    batches = [dict(tok(corpus[i : i + a.batch], padding=True, return_tensors="pt")) for i in starts]
     shapes = sorted({tuple(b["input_ids"].shape) for b in batches})
 
     def load(device: str):
@@ -141,7 +145,9 @@ def run(a: argparse.Namespace) -> dict:
     eager = configure_off(load("tpu"))
     variants.append((_first_pass("tpu eager", eager, batches, "tpu", reference)[0], eager, "tpu"))
     compiled = torch.compile(configure_off(load("tpu")), backend="tpu")
-    variants.append((_first_pass("tpu torch.compile", compiled, batches, "tpu", reference)[0], compiled, "tpu"))
+    # past dynamo's recompile_limit (8) the rest would run eagerly: raised, so that every shape gets its graph
+    with torch._dynamo.config.patch(recompile_limit=1024):
+        variants.append((_first_pass("tpu torch.compile", compiled, batches, "tpu", reference)[0], compiled, "tpu"))
     cold = load("tpu")
     variants.append((_first_pass("tpu bucketed", cold, batches, "tpu", reference)[0], cold, "tpu"))
     buckets = len(set(compiled_graphs(cold)))
@@ -151,23 +157,31 @@ def run(a: argparse.Namespace) -> dict:
     row = _first_pass("tpu bucketed, warmed", warm, batches, "tpu", reference)[0]
     row["warmup_compiles"] = report.new_compiles
     variants.append((row, warm, "tpu"))
-    _timed_pass(variants, batches)
+    with torch._dynamo.config.patch(recompile_limit=1024):
+        _timed_pass(variants, batches)
     rows = [v[0] for v in variants]
     eager = rows[1]["sentences_per_s"]
     for r in rows:
         r["x_eager"] = r["sentences_per_s"] / eager
+    after_warmup = rows[4]["first_pass_compiles"] + rows[4]["second_pass_compiles"]
+    difference = max(r["max_difference"] for r in rows)
     targets = [
-        {"target": "0 compiles after warm-up", "value": rows[4]["first_pass_compiles"] + rows[4]["second_pass_compiles"],
-         "met": rows[4]["first_pass_compiles"] + rows[4]["second_pass_compiles"] == 0},
-        {"target": "0 compiles in the second pass (every variant)", "value": sum(r["second_pass_compiles"] for r in rows),
+        {"target": "0 compiles after warm-up", "value": after_warmup, "met": after_warmup == 0},
+        {"target": "0 compiles in the second pass (every variant)",
+         "value": sum(r["second_pass_compiles"] for r in rows),
          "met": all(r["second_pass_compiles"] == 0 for r in rows)},
         {"target": "at most one compile per bucket (no warm-up)", "value": rows[3]["first_pass_compiles"],
          "met": rows[3]["first_pass_compiles"] <= buckets},
-        {"target": f"embeddings equal CPU within {TOLERANCE:g}", "value": max(r["max_difference"] for r in rows),
-         "met": max(r["max_difference"] for r in rows) <= TOLERANCE},
+        {"target": f"embeddings equal CPU within {TOLERANCE:g}", "value": difference, "met": difference <= TOLERANCE},
     ]  # fmt: skip
+    # A timing target, reported but not failing the run (simulator times: the padding costs CPU time here, while on a
+    # chip each new shape of the eager variant is a compile)
+    timing = {"target": "warmed buckets at least as many sentences/s as tpu eager", "value": rows[4]["x_eager"],
+              "met": rows[4]["x_eager"] >= 1.0}  # fmt: skip
     return {"texts": a.texts, "batch": a.batch, "shapes": len(shapes), "buckets": buckets, "variants": rows,
-            "targets": targets, "targets_met": all(t["met"] for t in targets)}  # fmt: skip
+            "targets": targets, "targets_met": all(t["met"] for t in targets), "timing": timing,
+            "timing_missed": [] if timing["met"] else
+            [f"warmed buckets {timing['value']:.2f}x tpu eager's sentences/s, target >= 1x"]}  # fmt: skip
 
 
 def print_table(figures: dict) -> None:
@@ -185,5 +199,8 @@ def print_table(figures: dict) -> None:
     warmed = f["variants"][-1]
     print(f"warm-up compiled {warmed.get('warmup_compiles', 0)} graphs; new eager shapes are counted per process "
           "(a shape one variant made is not new for the next); sentences/s are simulator times, not a TPU's")
-    for t in f["targets"]:
+    for t in [*f["targets"], f["timing"]]:
         print(f"{t['target']}: {t['value']:g} {'met' if t['met'] else 'missed'}")
+    if not f["timing"]["met"]:
+        print("(timing on the simulator: padded rows and tokens cost CPU time; on a chip the eager variant's new op "
+              "shapes are compiles)")

@@ -27,6 +27,7 @@ from typing import Any
 
 from hf_tpu.encoders import route as _route
 from hf_tpu.encoders._state import EncoderRecompileError, state
+from hf_tpu.errors import HfTpuError
 from hf_tpu.transformers._notes import warn_once
 
 logger = logging.getLogger("hf_tpu.encoders")
@@ -45,7 +46,7 @@ _ROWS = frozenset({"pooler_output"})
 _ROWS_AND_TOKENS = frozenset({"last_hidden_state", "hidden_states", "start_logits", "end_logits"})
 
 
-class _Unpaddable(Exception):
+class _Unpaddable(HfTpuError, RuntimeError):
     """An output field the bucketed path cannot slice back (its meaning of the padded axes is unknown)."""
 
 
@@ -116,7 +117,7 @@ def _note(reason: str) -> None:
     warn_once(f"encoder:{reason}", f"hf_tpu: the encoder forward runs upstream's eager path: {reason}")
 
 
-class _NotOneGraph(Exception):
+class _NotOneGraph(HfTpuError, RuntimeError):
     """The first trace of a bucket's graph broke (a graph break under fullgraph, a data-dependent shape)."""
 
 

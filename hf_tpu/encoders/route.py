@@ -90,10 +90,14 @@ def decide(model, upstream, arguments: dict[str, Any]) -> EncoderRoute:
             "training batches get fixed shapes from hf_tpu.training.BucketingCollator"
         )
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
-        return eager("config.is_decoder/add_cross_attention: a decoder's causal mask is not what the bucketed path pads")
+        return eager(
+            "config.is_decoder/add_cross_attention: a decoder's causal mask is not what the bucketed path pads"
+        )
     attention = getattr(config, "_attn_implementation", None) or "eager"
     if attention not in _ATTENTION:
-        return eager(f"attn_implementation={attention!r}: the bucketed path is checked with {' and '.join(_ATTENTION)}")
+        return eager(
+            f"attn_implementation={attention!r}: the bucketed path is checked with {' and '.join(_ATTENTION)}"
+        )
     for key, value in arguments.items():
         if key in INPUTS or value is None or value is False or key in _FLAGS[:3]:
             continue
@@ -139,7 +143,9 @@ def decide(model, upstream, arguments: dict[str, Any]) -> EncoderRoute:
         length=length,
         batch_bucket=batch_bucket,
         length_bucket=length_bucket,
-        hidden_states=bool(_flag(arguments.get("output_hidden_states"), getattr(config, "output_hidden_states", False))),
+        hidden_states=bool(
+            _flag(arguments.get("output_hidden_states"), getattr(config, "output_hidden_states", False))
+        ),
         return_dict=bool(_flag(arguments.get("return_dict"), getattr(config, "return_dict", True))),
         inputs=arguments,
     )

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import texts
 
+import hf_tpu
 import hf_tpu.sim
 from hf_tpu.encoders import EncoderRecompileError, compiled_graphs, configure, explain, warmup
 from hf_tpu.transformers.generation import WARNED
@@ -27,14 +28,19 @@ def _close(got, want) -> None:
 def _pipelines(task: str, path, **kwargs):
     from transformers import pipeline
 
-    return pipeline(task, model=str(path), device="cpu", **kwargs), pipeline(task, model=str(path), device="tpu", **kwargs)
+    return pipeline(task, model=str(path), device="cpu", **kwargs), pipeline(
+        task, model=str(path), device="tpu", **kwargs
+    )
 
 
 def test_feature_extraction_pipeline_equals_cpu_with_one_compile_per_bucket(encoder_dir):
     cpu, tpu = _pipelines("feature-extraction", encoder_dir("bert"))
     corpus = texts(64)
     with hf_tpu.sim.stats() as s:
-        one, eight = tpu(corpus), tpu(corpus, batch_size=8)  # one text a call, and batches of 8 padded to their longest
+        one, eight = (
+            tpu(corpus),
+            tpu(corpus, batch_size=8),
+        )  # one text a call, and batches of 8 padded to their longest
     for got, want in ((one, cpu(corpus)), (eight, cpu(corpus, batch_size=8))):
         assert len(got) == len(want) == 64
         for g, w in zip(got, want, strict=True):
@@ -47,7 +53,10 @@ def test_feature_extraction_pipeline_equals_cpu_with_one_compile_per_bucket(enco
 
 
 def test_warmed_pipelines_compile_nothing_over_a_mixed_corpus(encoder_dir):
-    for task, head in (("feature-extraction", "AutoModel"), ("text-classification", "AutoModelForSequenceClassification")):
+    for task, head in (
+        ("feature-extraction", "AutoModel"),
+        ("text-classification", "AutoModelForSequenceClassification"),
+    ):
         cpu, tpu = _pipelines(task, encoder_dir("bert", head))
         report = warmup(tpu.model, max_length=64, batch_sizes=[1, 8], progress=False)
         assert report.graphs == [(b, n) for b in (1, 8) for n in (16, 32, 64)]
@@ -69,7 +78,9 @@ def test_warmed_pipelines_compile_nothing_over_a_mixed_corpus(encoder_dir):
 
 
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta", "modernbert"])
-@pytest.mark.parametrize("head", ["AutoModel", "AutoModelForSequenceClassification", "AutoModelForTokenClassification"])
+@pytest.mark.parametrize(
+    "head", ["AutoModel", "AutoModelForSequenceClassification", "AutoModelForTokenClassification"]
+)
 def test_model_call_equals_cpu_for_each_family_and_head(encoder_dir, family, head):
     import transformers
     from transformers import AutoTokenizer
@@ -190,7 +201,6 @@ def test_training_mode_and_overlong_inputs_take_the_eager_path(encoder_dir):
 
 
 def test_disable_puts_upstream_forward_back():
-    import hf_tpu
     from transformers import BertModel
 
     assert hasattr(BertModel.forward, "__hf_tpu_upstream__")
