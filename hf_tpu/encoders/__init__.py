@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from hf_tpu.encoders._integration import MODEL_TYPES
+from hf_tpu.encoders._integration import MODEL_TYPES, serves
 from hf_tpu.encoders._state import DEFAULT_BATCH_SIZES, EncoderRecompileError, configure, state
 from hf_tpu.encoders.route import EncoderRoute
 from hf_tpu.encoders.warmup import EncoderWarmupReport, warmup
@@ -30,6 +30,7 @@ __all__ = [
     "compiled_graphs",
     "configure",
     "explain",
+    "serves",
     "warmup",
 ]
 

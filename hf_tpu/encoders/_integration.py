@@ -29,7 +29,7 @@ import inspect
 
 from hf_tpu._patch import patch
 
-__all__ = ["FEATURE", "MODEL_TYPES", "apply", "encoder_classes"]
+__all__ = ["FEATURE", "MODEL_TYPES", "apply", "encoder_classes", "serves"]
 
 FEATURE = "encoders"
 _VERSIONS = ">=5.23,<6"
@@ -60,6 +60,11 @@ def encoder_classes(module) -> list[type]:
         ):
             found.append(cls)
     return found
+
+
+def serves(model) -> bool:
+    """Whether ``model``'s class has the bucketed forward (the ``encoders`` integration is on and wrapped it)."""
+    return hasattr(type(model).__dict__.get("forward") or getattr(type(model), "forward", None), "__hf_tpu_upstream__")
 
 
 def _wrap(upstream):

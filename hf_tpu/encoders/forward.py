@@ -82,7 +82,10 @@ def call(model, upstream, args: tuple, kwargs: dict):
             return upstream(model, *args, **kwargs)  # upstream names the wrong argument itself
         found = _route.decide(model, upstream, arguments)
         if not found.bucketed:
-            _note(found.reason)
+            if found.decoder_use:
+                logger.debug("hf_tpu: upstream's forward: %s", found.reason)
+            else:
+                _note(found.reason)
             return _eager(model, upstream, args, kwargs, device)
         try:
             return run(model, upstream, found)

@@ -27,9 +27,12 @@ __all__ = ["INPUTS", "EncoderRoute", "decide", "input_names"]
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 # Keyword arguments it accepts besides them (output_attentions only when not True); any other that is not None (or
 # False) takes the eager path.
-_FLAGS = ("output_hidden_states", "return_dict", "use_cache", "output_attentions")
+_FLAGS = ("output_hidden_states", "return_dict", "output_attentions")
 # Attention implementations whose padding mask makes padded keys inert (checked: sdpa and eager).
 _ATTENTION = ("sdpa", "eager")
+
+# Arguments only a decoder's call passes (the encoder class as a causal LM's trunk, under generate).
+_DECODER_USE = ("past_key_values", "cache", "cache_position", "encoder_hidden_states", "use_cache")
 
 _WHY = {
     "labels": "labels given: the loss over a padded batch would differ from upstream's; compute the loss from the "
@@ -37,17 +40,19 @@ _WHY = {
     "inputs_embeds": "inputs_embeds given instead of input_ids: the bucketed path pads token ids only",
     "position_ids": "position_ids given: the bucketed path lets the model number its positions itself",
     "head_mask": "head_mask given: the bucketed path runs the model with all heads",
-    "encoder_hidden_states": "encoder_hidden_states given: the bucketed path serves encoders, not cross-attention",
 }
 
 
 @dataclass(frozen=True)
 class EncoderRoute:
     """The path of one encoder call: ``bucketed`` (padded to ``batch_bucket`` x ``length_bucket``, compiled once
-    per bucket) or not, with the ``reason`` when not; ``inputs`` are the call's arguments by name."""
+    per bucket) or not, with the ``reason`` when not; ``inputs`` are the call's arguments by name. ``decoder_use``:
+    the call is a decoder's (a cache or cross-attention states given: the encoder class as the trunk of a causal LM
+    under ``generate``), whose route the generation loop names; the reason is logged, not warned."""
 
     bucketed: bool
     reason: str | None = None
+    decoder_use: bool = False
     rows: int = 0
     length: int = 0
     batch_bucket: int = 0
@@ -79,6 +84,10 @@ def decide(model, upstream, arguments: dict[str, Any]) -> EncoderRoute:
     def eager(reason: str) -> EncoderRoute:
         return EncoderRoute(False, f"{name}: {reason}", inputs=arguments)
 
+    for key in _DECODER_USE:
+        if arguments.get(key) is not None and arguments.get(key) is not False:
+            reason = f"{name}: {key}= given: a decoder's call (generate's), not an encoder's"
+            return EncoderRoute(False, reason, decoder_use=True, inputs=arguments)
     found = _state(model)
     if not found.bucketed:
         return eager("turned off for this model (hf_tpu.encoders.configure(model, bucketed=False))")
@@ -99,7 +108,7 @@ def decide(model, upstream, arguments: dict[str, Any]) -> EncoderRoute:
             f"attn_implementation={attention!r}: the bucketed path is checked with {' and '.join(_ATTENTION)}"
         )
     for key, value in arguments.items():
-        if key in INPUTS or value is None or value is False or key in _FLAGS[:3]:
+        if key in INPUTS or value is None or value is False or key in _FLAGS[:2]:
             continue
         if key == "output_attentions":
             return eager("output_attentions=True: attention maps of a padded batch are not sliced back")

@@ -218,3 +218,58 @@ def test_warmup_refuses_a_model_off_the_tpu(encoder_dir):
 
     with pytest.raises(ValueError, match="model.to\\('tpu'\\)"):
         warmup(AutoModel.from_pretrained(encoder_dir("bert")), progress=False)
+
+
+def test_an_output_the_path_cannot_slice_back_sends_the_model_to_eager_once(encoder_dir):
+    from transformers import AutoModelForPreTraining
+
+    path = encoder_dir("bert", "AutoModelForPreTraining")
+    cpu = AutoModelForPreTraining.from_pretrained(path).eval()
+    tpu = AutoModelForPreTraining.from_pretrained(path, device_map="tpu").eval()
+    ids = torch.randint(5, 96, (2, 6))
+    WARNED.clear()
+    assert explain(tpu, input_ids=ids).bucketed  # known only once its graph has run
+    with torch.no_grad(), pytest.warns(UserWarning, match="its output 'prediction_logits' has padded axes"):
+        got = tpu(input_ids=ids)
+    assert "prediction_logits" in explain(tpu, input_ids=ids).reason  # and the model stays on the eager path
+    with torch.no_grad():
+        want = cpu(input_ids=ids)
+        _close(got.prediction_logits.cpu(), want.prediction_logits)
+        _close(tpu(input_ids=ids).seq_relationship_logits.cpu(), want.seq_relationship_logits)
+
+
+def test_a_causal_lm_on_an_encoder_trunk_generates_as_before_without_a_note():
+    """RobertaForCausalLM (a GenerationMixin head: not wrapped) calls the wrapped RobertaModel with a cache: upstream's
+    forward, logged, not warned; generate stays token-identical to the CPU."""
+    from transformers import RobertaConfig, RobertaForCausalLM
+
+    config = RobertaConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, is_decoder=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    cpu = RobertaForCausalLM(config).eval()
+    tpu = RobertaForCausalLM(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    tpu.to("tpu")
+    ids = torch.randint(3, 96, (1, 7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got = tpu.generate(ids, max_new_tokens=6, do_sample=False)  # upstream's generate: "generation" is off here
+    assert torch.equal(got.cpu(), cpu.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_hf_tpu_warmup_of_an_encoder_is_the_encoder_warmup(encoder_dir):
+    from transformers import AutoModel
+
+    from hf_tpu.encoders import EncoderWarmupReport
+    from hf_tpu.errors import UserError
+
+    tpu = AutoModel.from_pretrained(encoder_dir("bert"), device_map="tpu").eval()
+    report = hf_tpu.warmup(tpu, max_prompt_len=20, batch_sizes=[3], max_new_tokens=8, progress=False)
+    assert isinstance(report, EncoderWarmupReport) and report.graphs == [(4, 16), (4, 32)]
+    with hf_tpu.sim.stats() as s, torch.no_grad():
+        tpu(torch.randint(5, 96, (3, 20)))
+    assert s.compiles == 0
+    with pytest.raises(UserError, match="compile cache does not hold encoder graphs"):
+        hf_tpu.warmup(tpu, cache_dir="/tmp/unused", progress=False)
