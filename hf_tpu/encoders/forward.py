@@ -57,12 +57,17 @@ def _device(model):
         return None
 
 
+@functools.cache
+def _signature(upstream) -> inspect.Signature:
+    return inspect.signature(upstream)
+
+
 def bind(upstream, model, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The call's arguments by name (``**kwargs`` of the forward flattened in)."""
-    bound = inspect.signature(upstream).bind(model, *args, **kwargs)
-    arguments = dict(bound.arguments)
-    arguments.pop(next(iter(inspect.signature(upstream).parameters)), None)  # self
-    for name, param in inspect.signature(upstream).parameters.items():
+    signature = _signature(upstream)
+    arguments = dict(signature.bind(model, *args, **kwargs).arguments)
+    arguments.pop(next(iter(signature.parameters)), None)  # self
+    for name, param in signature.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
             arguments.update(arguments.pop(name))
     return arguments
@@ -82,7 +87,7 @@ def call(model, upstream, args: tuple, kwargs: dict):
             return upstream(model, *args, **kwargs)  # upstream names the wrong argument itself
         found = _route.decide(model, upstream, arguments)
         if not found.bucketed:
-            if found.decoder_use:
+            if found.quiet:
                 logger.debug("hf_tpu: upstream's forward: %s", found.reason)
             else:
                 _note(found.reason)

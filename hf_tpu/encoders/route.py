@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,13 +47,14 @@ _WHY = {
 @dataclass(frozen=True)
 class EncoderRoute:
     """The path of one encoder call: ``bucketed`` (padded to ``batch_bucket`` x ``length_bucket``, compiled once
-    per bucket) or not, with the ``reason`` when not; ``inputs`` are the call's arguments by name. ``decoder_use``:
+    per bucket) or not, with the ``reason`` when not; ``inputs`` are the call's arguments by name. ``quiet``: the
+    reason is logged, not warned: the path was turned off for the model (``configure(model, bucketed=False)``), or
     the call is a decoder's (a cache or cross-attention states given: the encoder class as the trunk of a causal LM
-    under ``generate``), whose route the generation loop names; the reason is logged, not warned."""
+    under ``generate``, whose route the generation loop names)."""
 
     bucketed: bool
     reason: str | None = None
-    decoder_use: bool = False
+    quiet: bool = False
     rows: int = 0
     length: int = 0
     batch_bucket: int = 0
@@ -62,6 +64,7 @@ class EncoderRoute:
     inputs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
+@functools.cache
 def input_names(upstream) -> tuple[str, ...]:
     """The padded inputs a forward takes: ``input_ids`` and ``attention_mask``, and ``token_type_ids`` where the
     forward names it (then it is always passed, zeros when the call has none: what such models use by default)."""
@@ -87,10 +90,11 @@ def decide(model, upstream, arguments: dict[str, Any]) -> EncoderRoute:
     for key in _DECODER_USE:
         if arguments.get(key) is not None and arguments.get(key) is not False:
             reason = f"{name}: {key}= given: a decoder's call (generate's), not an encoder's"
-            return EncoderRoute(False, reason, decoder_use=True, inputs=arguments)
+            return EncoderRoute(False, reason, quiet=True, inputs=arguments)
     found = _state(model)
     if not found.bucketed:
-        return eager("turned off for this model (hf_tpu.encoders.configure(model, bucketed=False))")
+        reason = f"{name}: turned off for this model (hf_tpu.encoders.configure(model, bucketed=False))"
+        return EncoderRoute(False, reason, quiet=True, inputs=arguments)
     if found.problem is not None:
         return EncoderRoute(False, found.problem, inputs=arguments)
     if model.training:

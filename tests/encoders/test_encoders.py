@@ -198,6 +198,12 @@ def test_training_mode_and_overlong_inputs_take_the_eager_path(encoder_dir):
     configure(tpu, batch_sizes=[1, 2])
     assert "past the largest batch bucket (2)" in explain(tpu, input_ids=torch.ones(3, 4, dtype=torch.long)).reason
     assert "past the largest bucket (128" in explain(tpu, input_ids=torch.ones(1, 129, dtype=torch.long)).reason
+    configure(tpu, bucketed=False)  # turned off for this model alone: upstream's forward, no warning
+    assert "turned off for this model" in explain(tpu, input_ids=torch.ones(1, 4, dtype=torch.long)).reason
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", UserWarning)
+        tpu(torch.ones(1, 4, dtype=torch.long))
+    assert compiled_graphs(tpu) == []
 
 
 def test_disable_puts_upstream_forward_back():
