@@ -143,6 +143,25 @@ def test_sentence_transformers_encode_equals_cpu_and_compiles_nothing_after_warm
     _close(got.cpu(), want)
 
 
+def test_cross_encoder_reranking_equals_cpu_and_compiles_nothing_after_warmup(tmp_path):
+    """Reranking: sentence-transformers' CrossEncoder scores (query, document) pairs (token type ids 0 and 1) with a
+    one-label sequence classifier."""
+    st = pytest.importorskip("sentence_transformers")
+    from hf_tpu.testing import tiny_encoder
+
+    tiny_encoder("bert", tmp_path, head="AutoModelForSequenceClassification", num_labels=1)
+    cpu = st.CrossEncoder(str(tmp_path), device="cpu")
+    tpu = st.CrossEncoder(str(tmp_path), device="tpu")
+    pairs = list(zip(texts(32, seed=5, longest=20), texts(32, seed=6, longest=40), strict=True))
+    want = cpu.predict(pairs, batch_size=8, convert_to_tensor=True)
+    warmup(tpu.model, max_length=64, batch_sizes=[8], progress=False)
+    with hf_tpu.sim.stats() as s:
+        got = tpu.predict(pairs, batch_size=8, convert_to_tensor=True)
+    assert s.compiles == 0 and s.h2d_copies > 0  # the warmed graphs ran on the device
+    assert {key[:2] for key in compiled_graphs(tpu.model)} == {(8, 16), (8, 32), (8, 64)}
+    _close(got.cpu(), want)
+
+
 def test_strict_mode_refuses_a_graph_warm_up_did_not_compile(encoder_dir):
     from transformers import AutoModel
 
