@@ -32,7 +32,7 @@ from hf_tpu.transformers._notes import warn_once
 
 logger = logging.getLogger("hf_tpu.encoders")
 
-__all__ = ["DEVICE_TYPES", "bind", "call", "run"]
+__all__ = ["DEVICE_TYPES", "NotOneGraph", "Unpaddable", "bind", "call", "problem", "run"]
 
 # Device types the bucketed path takes over (tests may widen it to compare on CPU).
 DEVICE_TYPES: set[str] = {"tpu"}
@@ -46,8 +46,12 @@ _ROWS = frozenset({"pooler_output"})
 _ROWS_AND_TOKENS = frozenset({"last_hidden_state", "hidden_states", "start_logits", "end_logits"})
 
 
-class _Unpaddable(HfTpuError, RuntimeError):
+class Unpaddable(HfTpuError, RuntimeError):
     """An output field the bucketed path cannot slice back (its meaning of the padded axes is unknown)."""
+
+
+class NotOneGraph(HfTpuError, RuntimeError):
+    """The first trace of a bucket's graph broke (a graph break under fullgraph, a data-dependent shape)."""
 
 
 def _device(model):
@@ -94,18 +98,22 @@ def call(model, upstream, args: tuple, kwargs: dict):
             return _eager(model, upstream, args, kwargs, device)
         try:
             return run(model, upstream, found)
-        except _Unpaddable as exc:
-            problem = f"{type(model).__name__}: its output {exc} has padded axes the bucketed path cannot slice back"
-        except _NotOneGraph as exc:
-            problem = (
-                f"{type(model).__name__}'s forward cannot be compiled as one static-shape graph ({exc}): "
-                "upstream's eager forward runs it"
-            )
-        state(model).problem = problem
-        _note(problem)
+        except (Unpaddable, NotOneGraph) as exc:
+            state(model).problem = problem(model, exc)
+        _note(state(model).problem)
         return _eager(model, upstream, args, kwargs, device)
     finally:
         _ACTIVE.reset(token)
+
+
+def problem(model, exc: Unpaddable | NotOneGraph) -> str:
+    """Why ``model`` cannot take the bucketed path at all, from what its first graph ran into."""
+    if isinstance(exc, Unpaddable):
+        return f"{type(model).__name__}: its output {exc} has padded axes the bucketed path cannot slice back"
+    return (
+        f"{type(model).__name__}'s forward cannot be compiled as one static-shape graph ({exc}): "
+        "upstream's eager forward runs it"
+    )
 
 
 def _eager(model, upstream, args: tuple, kwargs: dict, device):
@@ -123,10 +131,6 @@ def _eager(model, upstream, args: tuple, kwargs: dict, device):
 
 def _note(reason: str) -> None:
     warn_once(f"encoder:{reason}", f"hf_tpu: the encoder forward runs upstream's eager path: {reason}")
-
-
-class _NotOneGraph(HfTpuError, RuntimeError):
-    """The first trace of a bucket's graph broke (a graph break under fullgraph, a data-dependent shape)."""
 
 
 def _graph(model, upstream, packed, names: tuple[str, ...], hidden_states: bool):
@@ -215,14 +219,14 @@ def _install_capturing_hooks(model) -> None:
 
 
 def _first(fn, model, upstream, packed, names, hidden_states):
-    """The first run of a bucket's graph (its trace); a forward that is not one graph raises :class:`_NotOneGraph`."""
+    """The first run of a bucket's graph (its trace); a forward that is not one graph raises :class:`NotOneGraph`."""
     import torch
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     try:
         return fn(model, upstream, packed, names, hidden_states)
     except (torch._dynamo.exc.Unsupported, GuardOnDataDependentSymNode) as exc:
-        raise _NotOneGraph((str(exc).strip().splitlines() or [type(exc).__name__])[0]) from exc
+        raise NotOneGraph((str(exc).strip().splitlines() or [type(exc).__name__])[0]) from exc
 
 
 def _unpad(out, found: _route.EncoderRoute):
@@ -242,11 +246,11 @@ def _unpad(out, found: _route.EncoderRoute):
 
 
 def _rule(name: str, value) -> bool:
-    """Whether field ``name`` has a token axis to slice (else rows only); :class:`_Unpaddable` when unknown."""
+    """Whether field ``name`` has a token axis to slice (else rows only); :class:`Unpaddable` when unknown."""
     if name in _ROWS_AND_TOKENS:
         return True
     if name in _ROWS:
         return False
     if name == "logits":
         return value.dim() >= 3  # (batch, length, classes/vocab) per token; (batch, classes) per sequence
-    raise _Unpaddable(f"{name!r}")
+    raise Unpaddable(f"{name!r}")

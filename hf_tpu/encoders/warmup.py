@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from hf_tpu.encoders._integration import MODEL_TYPES, serves
 from hf_tpu.encoders._state import configure, state
 from hf_tpu.transformers.buckets import BucketLadder
 
@@ -92,6 +93,15 @@ def warmup(
             f"hf_tpu.encoders.warmup needs a model placed on the TPU, but it is on {device}: load it with "
             "device_map='tpu' or call model.to('tpu') first."
         )
+    if not serves(model):
+        model_type = getattr(model.config, "model_type", None)
+        if model_type in MODEL_TYPES:
+            fix = "turn on hf_tpu's encoders integration first: hf_tpu.enable() (or hf_tpu.enable('encoders'))"
+        else:
+            fix = f"the bucketed encoder forward serves {', '.join(MODEL_TYPES)} (hf_tpu.encoders.MODEL_TYPES)"
+        raise UserError(
+            f"hf_tpu.encoders.warmup: {type(model).__name__} ({model_type}) has no bucketed forward: {fix}"
+        )
     found = state(model)
     sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
     if not sizes or min(sizes) < 1:
@@ -103,7 +113,7 @@ def warmup(
     report = EncoderWarmupReport(length_buckets=length_buckets, batch_buckets=batch_buckets)
     before = len(found.compiled)
     start = time.perf_counter()
-    found.warmed = False  # warm-up compiles what strict mode would refuse
+    was_warmed, found.warmed = found.warmed, False  # warm-up compiles what strict mode would refuse
     plans = [(b, n) for b in batch_buckets for n in length_buckets]
     bar = tqdm(plans, desc="hf_tpu encoder warm-up", unit="shape", disable=not progress)
     try:
@@ -117,11 +127,18 @@ def warmup(
                 plan = route.decide(model, upstream, arguments)
                 if not plan.bucketed:
                     raise UserError(f"hf_tpu.encoders.warmup: no graph to compile: {plan.reason}")
-                forward.run(model, upstream, plan)
+                try:
+                    forward.run(model, upstream, plan)
+                except (forward.Unpaddable, forward.NotOneGraph) as exc:
+                    found.problem = forward.problem(model, exc)
+                    raise UserError(f"hf_tpu.encoders.warmup: no graph to compile: {found.problem}") from exc
                 report.graphs.append((rows, length))
+    except BaseException:
+        found.warmed = was_warmed
+        raise
     finally:
         bar.close()
-        found.warmed = True
+    found.warmed = True
     report.new_compiles = len(found.compiled) - before
     report.seconds = time.perf_counter() - start
     return report

@@ -298,3 +298,22 @@ def test_hf_tpu_warmup_of_an_encoder_is_the_encoder_warmup(encoder_dir):
     assert s.compiles == 0
     with pytest.raises(UserError, match="compile cache does not hold encoder graphs"):
         hf_tpu.warmup(tpu, cache_dir="/tmp/unused", progress=False)
+
+
+def test_warmup_names_why_it_has_no_graph_to_compile(encoder_dir):
+    from transformers import AutoModel, AutoModelForPreTraining
+
+    from hf_tpu.errors import UserError
+
+    pretraining = AutoModelForPreTraining.from_pretrained(
+        encoder_dir("bert", "AutoModelForPreTraining"), device_map="tpu"
+    )
+    with pytest.raises(UserError, match="no graph to compile: .*'prediction_logits' has padded axes"):
+        warmup(pretraining.eval(), max_length=16, progress=False)
+    tpu = AutoModel.from_pretrained(encoder_dir("bert"), device_map="tpu").eval()
+    hf_tpu.disable("encoders")
+    try:
+        with pytest.raises(UserError, match=r"no bucketed forward: turn on .*hf_tpu.enable\(\)"):
+            warmup(tpu, max_length=16, progress=False)
+    finally:
+        hf_tpu.enable("encoders")
