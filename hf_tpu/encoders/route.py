@@ -150,15 +150,30 @@ def decide(model, upstream, arguments: dict[str, Any]) -> EncoderRoute:
     except BucketOverflowError as exc:
         return eager(str(exc))
     batch_bucket = found.batch_sizes.bucket(rows)
+    hidden_states = bool(_flag(arguments.get("output_hidden_states"), getattr(config, "output_hidden_states", False)))
+    if found.warmed:
+        batch_bucket, length_bucket = _warmed_bucket(
+            found.compiled,
+            (batch_bucket, length_bucket, input_names(upstream), hidden_states, torch.is_grad_enabled()),
+        )
     return EncoderRoute(
         True,
         rows=rows,
         length=length,
         batch_bucket=batch_bucket,
         length_bucket=length_bucket,
-        hidden_states=bool(
-            _flag(arguments.get("output_hidden_states"), getattr(config, "output_hidden_states", False))
-        ),
+        hidden_states=hidden_states,
         return_dict=bool(_flag(arguments.get("return_dict"), getattr(config, "return_dict", True))),
         inputs=arguments,
     )
+
+
+def _warmed_bucket(compiled: set[tuple], key: tuple) -> tuple[int, int]:
+    """After warm-up: the ladder's bucket when its graph exists, else the smallest compiled graph (fewest padded
+    slots) that holds the call (a short last batch pads to a warmed batch size rather than compiling its own), else
+    the ladder's bucket (a compile; strict mode refuses it)."""
+    rows, length, *rest = key
+    if key in compiled:
+        return rows, length
+    holding = [k[:2] for k in compiled if k[0] >= rows and k[1] >= length and list(k[2:]) == rest]
+    return min(holding, key=lambda k: (k[0] * k[1], k)) if holding else (rows, length)
