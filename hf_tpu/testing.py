@@ -45,7 +45,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "T5ForConditionalGeneration",
         {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4, "decoder_start_token_id": 0},
     ),
-    # One family per cache layer kind of the bucketed loop (hf_tpu/transformers/_cache_layers.py):
+    # One family per cache layer kind of the bucketed loop (hf_tpu/transformers/_cache/layers.py):
     # sliding window (alternating with full attention; a window shorter than the test prompts)
     "gemma3": (
         "Gemma3TextConfig",
@@ -134,7 +134,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
     # compressed attention (DeepSeek-V4): a heavily compressed (HCA, one entry per 8 tokens) and a compressed sparse
     # (CSA, one per 4, indexer top 2) layer, each over an 8-token sliding window; runs upstream's loop, as HCA can
-    # have no bucketed static form (hf_tpu/transformers/_cache_layers.py: NO_STATIC_FORM)
+    # have no bucketed static form (hf_tpu/transformers/_cache/layers.py: NO_STATIC_FORM)
     "deepseek_v4": (
         "DeepseekV4Config",
         "DeepseekV4ForCausalLM",

@@ -39,8 +39,8 @@ __all__: list[str] = []
 
 def writes_no_cache(model) -> bool:
     """True for a decoder-only model whose forward writes nothing into the cache it is given (measured by
-    :func:`hf_tpu.transformers._cache_probe.cache_shapes`)."""
-    from hf_tpu.transformers._cache_probe import CacheProbeError, cache_shapes
+    :func:`hf_tpu.transformers._cache.probe.cache_shapes`)."""
+    from hf_tpu.transformers._cache.probe import CacheProbeError, cache_shapes
     from hf_tpu.transformers._signatures import model_cache_problem
 
     if model.config.is_encoder_decoder or model_cache_problem(model):

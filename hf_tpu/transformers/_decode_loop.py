@@ -15,14 +15,15 @@ from dataclasses import replace
 from typing import Any
 
 from hf_tpu.transformers import _step_outputs as step_outputs
-from hf_tpu.transformers._cache_io import cached_length, copy_in, returned_cache
-from hf_tpu.transformers._cache_layers import set_decoding, set_length
+from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_cache
+from hf_tpu.transformers._cache.layers import set_decoding, set_length
+from hf_tpu.transformers._cache.pool import cache_for
 from hf_tpu.transformers._graphs import _ALIGNED, _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
+from hf_tpu.transformers._images import features_shape
 from hf_tpu.transformers._notes import warn_once
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import _state
 from hf_tpu.transformers._signatures import cache_name, output_cache_field
-from hf_tpu.transformers._static_cache import _cache_for
 from hf_tpu.transformers._upstream import numbers_by_cache_length, prompt_first_inputs
 from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
 
@@ -199,7 +200,7 @@ def _decode_loop(
         plan = plan_shapes(
             model, batch, prompt_len, call.new_tokens, encoder_len=encoder_hidden.shape[1], variant=variant
         )
-        cache = _cache_for(model, state, batch, plan.cache_bucket, encoder_hidden.shape[1])
+        cache = cache_for(model, state, batch, plan.cache_bucket, encoder_hidden.shape[1])
         enc_mask_dev = enc_mask.to(device)
         sampling = call.sampling(device, plan.cache_bucket + 1, 0)
         prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
@@ -266,22 +267,28 @@ def _decode_loop(
         static_len = generation_config.max_length - 1 + (prompt_len if prompt_len != ids_len else 0)
     if call.outputs is not None:
         call.outputs.key_width = static_len
-    cache = _cache_for(model, state, batch, plan.cache_bucket, None)
+    cache = cache_for(model, state, batch, plan.cache_bucket, None)
     mask_dev = full_mask.to(device)
     # the history of the sampling plan holds the sequence's ids: after the prompt's embeddings that have none
     sampling = call.sampling(device, plan.cache_bucket + 1, pad + prompt_len - ids_len)
     decode_extra = extra
+    images = model_kwargs.get("mm_encoder_outputs")  # encoded by the vision graph (_images): the prefill merges them
     if types is not None:  # upstream repeats the prompt's last token type for every new token
         types = types.to("cpu").long()
         extra = {**extra, "token_type_ids": F.pad(types, (pad, 0), value=0).to(device)}
-        decode_extra = {**decode_extra, "token_type_ids": types[:, -1:].to(device)}
+        if not images:  # (with images they mark image tokens for the prefill's mask: Gemma 3 and PaliGemma pass
+            # them to the first forward only)
+            decode_extra = {**decode_extra, "token_type_ids": types[:, -1:].to(device)}
     kind = "prefill" if embeds is None else "embeds_prefill"
     prefill_key = (kind + variant, batch, plan.prompt_bucket, plan.cache_bucket)
+    if images:
+        extra = {**extra, "mm_encoder_outputs": images}
+        prefill_key = ("mm_prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket, features_shape(images))
     decode_key = ("decode" + variant, batch, plan.cache_bucket)
     set_length(cache, 0)
     given = model_kwargs.get(cache_name())  # the caller's cache (upstream's empty one when none was given)
     seen = cached_length(given) if given is not None else 0
-    if seen:  # continuing: the cached tokens copied in, the others through the decode graph (_cache_io)
+    if seen:  # continuing: the cached tokens copied in, the others through the decode graph (_cache.handoff)
         if sampling is not None:  # its history: the cached tokens; each decode step adds its own
             sampling = replace(call.sampler, input_ids=call.input_ids[:, :seen]).to_device(
                 device, plan.cache_bucket + 1, pad
@@ -411,7 +418,7 @@ def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
             hidden = _run(model, state, enc_key, ids.to(device), mask_dev)
             start = model.generation_config.decoder_start_token_id
             start = 0 if start is None else int(start)
-            cache = _cache_for(model, state, batch, plan.cache_bucket, plan.encoder_bucket)
+            cache = cache_for(model, state, batch, plan.cache_bucket, plan.encoder_bucket)
             prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, plan.prompt_len, plan.cache_bucket)
             decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
             step = torch.full((batch, plan.prompt_len), start, dtype=torch.long)
@@ -426,7 +433,7 @@ def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
             return [enc_key, prefill_key, decode_key]
         p, c = plan.prompt_bucket, plan.cache_bucket
         extra = _extra(model)
-        cache = _cache_for(model, state, batch, c, None)
+        cache = cache_for(model, state, batch, c, None)
         mask_dev = torch.ones(batch, c, dtype=torch.bool).to(device)
         pos = torch.arange(p, dtype=torch.long).expand(batch, p)
         ids = torch.zeros(batch, p, dtype=torch.long)

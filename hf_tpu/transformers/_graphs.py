@@ -58,7 +58,7 @@ _ALIGNED = "hf_tpu_prompt_first"
 
 
 def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
-    from hf_tpu.transformers._cache_layers import prefill_mask
+    from hf_tpu.transformers._cache.layers import prefill_mask
 
     q = packed.shape[1] // 2
     if extra.get(_ALIGNED):
@@ -72,7 +72,7 @@ def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
 
 def _embeds_prefill(model, embeds, positions, mask, cache, extra, sampling=None):
     """The prefill of a prompt given as embeddings (``generate(inputs_embeds=...)``), left-padded with zeros."""
-    from hf_tpu.transformers._cache_layers import prefill_mask
+    from hf_tpu.transformers._cache.layers import prefill_mask
 
     out = model(
         inputs_embeds=embeds, position_ids=positions, attention_mask=prefill_mask(cache, mask, embeds.shape[1]),
@@ -85,7 +85,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
     """The prefill of a right-aligned prompt: ``slots`` holds each token's cache slot, -1 for the padding after it."""
     import torch
 
-    from hf_tpu.transformers._cache_layers import prefill_mask
+    from hf_tpu.transformers._cache.layers import prefill_mask
 
     length = (slots >= 0).sum(dim=-1)[:1]  # the prompt's length (one per call: every row has it)
     kwargs = {k: v for k, v in extra.items() if k != _ALIGNED}
@@ -105,7 +105,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
 
 
 def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
-    from hf_tpu.transformers._cache_layers import decode_mask
+    from hf_tpu.transformers._cache.layers import decode_mask
 
     q = packed.shape[1] // 2
     _mark(sampling, packed[:, :q])
@@ -121,6 +121,19 @@ def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
 
 def _encoder(model, input_ids, mask):
     return model.get_encoder()(input_ids=input_ids, attention_mask=mask, return_dict=True).last_hidden_state
+
+
+def _vision(model, inputs):
+    """The image encoder of a vision-language model (its base model's ``get_image_features``, as upstream's
+    ``generate`` calls it before the prefill)."""
+    return model.base_model.get_image_features(**inputs, return_dict=True)
+
+
+def _features_encoder(model, features, mask=None):
+    """The encoder of a model taking features (Whisper's ``input_features``) rather than ids, with the call's mask
+    over its frames when one was given (Whisper's encoder ignores it; Speech2Text's reads it)."""
+    kwargs = {} if mask is None else {"attention_mask": mask}
+    return model.get_encoder()(**{model.main_input_name: features}, **kwargs, return_dict=True).last_hidden_state
 
 
 def _seq2seq_prefill(model, ids, encoder_hidden, encoder_mask, cache, sampling=None):
@@ -173,8 +186,11 @@ def _cacheless_decode(model, ids, step, mask, positions, extra, sampling=None):
 _GRAPHS: dict[str, Callable] = {
     "prefill": _decoder_prefill,
     "embeds_prefill": _embeds_prefill,
+    "mm_prefill": _decoder_prefill,  # (the encoded images among its extra arguments: the forward merges them)
+    "vision": _vision,
     "decode": _decoder_decode,
     "encoder": _encoder,
+    "features_encoder": _features_encoder,
     "seq2seq_prefill": _seq2seq_prefill,
     "seq2seq_decode": _seq2seq_decode,
     "cacheless_prefill": _cacheless_prefill,
@@ -212,8 +228,11 @@ def _describe(key: tuple) -> str:
     names = {
         "prefill": ("prompt bucket", "cache bucket"),
         "embeds_prefill": ("prompt bucket", "cache bucket"),
+        "mm_prefill": ("prompt bucket", "cache bucket", "image features"),
+        "vision": ("image inputs",),
         "decode": ("cache bucket",),
         "encoder": ("encoder bucket",),
+        "features_encoder": ("feature size", "frames", "mask"),
         "seq2seq_prefill": ("encoder bucket", "decoder prompt", "cache bucket"),
         "seq2seq_decode": ("encoder bucket", "cache bucket"),
         "cacheless_prefill": ("cache bucket",),
@@ -259,7 +278,9 @@ def _namespace(cache, model, state: _ModelState):
 
     settings = state.settings
     backend = _backend_for(settings, model.device)
-    from hf_tpu.transformers import _cache_layer_classes, _cache_layers, _step_outputs, sampling
+    from hf_tpu.transformers import _step_outputs, sampling
+    from hf_tpu.transformers._cache import layer_classes as _cache_layer_classes
+    from hf_tpu.transformers._cache import layers as _cache_layers
     from hf_tpu.transformers.sampling import _processors, _registry, _warpers
 
     # the graphs' own code: this module, the device sampling, the outputs they return, and the cache layers and
@@ -272,7 +293,7 @@ def _namespace(cache, model, state: _ModelState):
     # and the bucketed forms of models' own caches (read, not imported: importing it imports their modeling files)
     from pathlib import Path
 
-    source += (Path(__file__).parent / "_own_cache_classes.py").read_text()
+    source += (Path(__file__).parent / "_cache" / "model_classes.py").read_text()
     parts = {
         **model_identity(model),
         "ladder": list(state.ladder(model.config).rungs),
@@ -402,9 +423,9 @@ def _run(model, state: _ModelState, key: tuple, *args):
         )
     from hf_tpu.transformers import _module_state
 
-    if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill"):
+    if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill", "mm_prefill"):
         _module_state.reset(model, state, key[1])  # a new sequence: module-held state as upstream resets it
-    if first and is_variant(key[0]):
+    if first and (is_variant(key[0]) or key[0] == "vision"):  # (a vision tower's forward asks for hidden states)
         prepare(model)
     settings = state.settings
     if not settings.compile:

@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 
+from hf_tpu.transformers._images import image_inputs
 from hf_tpu.transformers._settings import _DEVICE_TYPES
 from hf_tpu.transformers._signatures import CACHE_NAMES
 
@@ -72,8 +73,8 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
     if config.token_healing:
         return "token_healing is not supported by the bucketed loop", True
     given = next((model_kwargs[n] for n in CACHE_NAMES if model_kwargs.get(n) is not None), None)
-    if given is not None:  # the caller's cache: copied into the bucketed one (_cache_io), or the reason it is not
-        from hf_tpu.transformers._cache_io import given_cache_problem
+    if given is not None:  # the caller's cache: copied into the bucketed one (_cache.handoff), or the reason it is not
+        from hf_tpu.transformers._cache.handoff import given_cache_problem
 
         ids = args.get("inputs") if args.get("inputs") is not None else model_kwargs.get("input_ids")
         mask = model_kwargs.get("attention_mask")
@@ -88,7 +89,8 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
             return problem, True
     extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS - set(PROMPT_INPUTS) - set(_OUTPUT_FLAGS)
     if model.config.is_encoder_decoder:
-        extra -= {"decoder_input_ids"}
+        extra -= {"decoder_input_ids", encoder_input_name(model)}
+    extra -= set(image_inputs(model, model_kwargs))  # (route.py says whether the cached loop takes them)
     extra = {k for k in extra if model_kwargs[k] is not None}
     if extra:
         return f"model inputs {sorted(extra)} are not supported by the bucketed loop", True
@@ -169,6 +171,16 @@ def _inputs_on_model_device(model) -> Iterator[None]:
         vars(model).pop("prepare_inputs_for_generation", None)
 
 
+def encoder_input_name(model) -> str | None:
+    """The name of the encoder input of an encoder-decoder ``model`` whose encoder takes features rather than token
+    ids (Whisper's and Speech2Text's ``input_features``: a float tensor whose length the model fixes, or its feature
+    extractor pads to); None for token ids or a decoder-only model. Read from the class's ``main_input_name``."""
+    if not model.config.is_encoder_decoder:
+        return None
+    name = getattr(model, "main_input_name", "input_ids")
+    return None if name == "input_ids" else name
+
+
 def numbers_by_cache_length(model) -> bool:
     """A decoder-only model with absolute position embeddings whose forward takes no ``position_ids`` (Bart-family
     and Whisper decoders, TrOCR, ...): it numbers the prompt's tokens from the cache length, so pads before a prompt
@@ -195,7 +207,7 @@ def layers_besides_full_attention(model) -> list[str]:
     linear-attention/SSM state folds in every token: a padded tail after the prompt would change both)."""
     from transformers.cache_utils import DummyLayer, StaticLayer
 
-    from hf_tpu.transformers._cache_layers import layer_plan
+    from hf_tpu.transformers._cache.layers import layer_plan
 
     try:
         plan = layer_plan(model.config)

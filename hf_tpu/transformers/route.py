@@ -4,7 +4,7 @@ Four loops can serve a call on a TPU, tried in this order:
 
 * ``"cached"``: hf_tpu's bucketed loop with a static cache (:mod:`hf_tpu.transformers._decode_loop`);
 * ``"host_length"``: the same loop with the full-attention layers reporting their length as a host int, for a
-  forward that branches on the cache length (:class:`~hf_tpu.transformers._cache_layer_classes.HostLengthLayer`);
+  forward that branches on the cache length (:class:`~hf_tpu.transformers._cache.layer_classes.HostLengthLayer`);
 * ``"cacheless"``: hf_tpu's loop without a cache (:mod:`hf_tpu.transformers._cacheless`), for ``use_cache=False``,
   a model that keeps no cache, or one whose cached forms cannot run;
 * ``"upstream"``: upstream's own loop, unchanged (beam search, assisted decoding, a model none of the above serves).
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hf_tpu.transformers import _cacheless, _upstream
+from hf_tpu.transformers import _cacheless, _images, _upstream
+from hf_tpu.transformers._cache import pool
 from hf_tpu.transformers._settings import (
     _DEVICE_TYPES,
     CACHED,
@@ -37,7 +38,6 @@ from hf_tpu.transformers._settings import (
     _state,
 )
 from hf_tpu.transformers._signatures import model_cache_problem
-from hf_tpu.transformers._static_cache import _static_cache_problem
 from hf_tpu.transformers._upstream import own_generate
 
 __all__ = [
@@ -112,7 +112,7 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
     if outputs and found.loop != UPSTREAM and _state(model).outputs_problem:
         return Route(UPSTREAM, _state(model).outputs_problem, warn=True)
     if config.output_attentions and found.loop in (CACHED, HOST_LENGTH):
-        from hf_tpu.transformers._cache_io import full_attention_only
+        from hf_tpu.transformers._cache.handoff import full_attention_only
 
         if not full_attention_only(model):  # a window or a state: attention over other key slots than the tokens'
             return Route(
@@ -133,6 +133,16 @@ def _call_route(model, config, model_kwargs: dict) -> Route:
         if problem is not None:
             reason, warn = problem
             return Route(UPSTREAM, reason, warn=warn)
+    if _images.image_inputs(model, model_kwargs):  # encoded by a graph of their own, merged by the prefill's forward
+        problem = _images.images_problem(model, model_kwargs)
+        if problem is None and model_kwargs.get("inputs_embeds") is not None:
+            problem = "images with inputs_embeds are not supported by the bucketed loop (it merges them into ids)"
+        if problem is None and (not use_cache or model_route(model).loop not in (CACHED, HOST_LENGTH)):
+            problem = f"images: only hf_tpu's loop with a cache takes them, and this call of {type(model).__name__} cannot run it"
+        if problem is None and (_upstream.numbers_by_cache_length(model) or _state(model).host_length):
+            problem = _upstream.prompt_first_inputs(model, ["images"])
+        if problem is not None:
+            return Route(UPSTREAM, problem, warn=True)
     if not use_cache and not model.config.is_encoder_decoder:  # this call keeps no cache
         model_route(model)  # (the verdict below is kept with it)
         without = _without_cache(model)
@@ -206,7 +216,7 @@ def static_cache_problem(model) -> str | None:
                 f"position embeddings): the bucketed loop puts such a prompt first and its padding after it, which its "
                 f"{', '.join(other)} layers cannot hold (a padded tail would enter their window or state)"
             )
-    problem = model_cache_problem(model) or _static_cache_problem(model)
+    problem = model_cache_problem(model) or pool.static_cache_problem(model)
     return f"{type(model).__name__}: {problem}" if problem else None
 
 
@@ -252,7 +262,7 @@ def demote(model, error: NotCompilableError) -> Route:
             state.route = _with_verdict(current, reason)
         return state.route
     if loop == CACHED and current.loop == CACHED:
-        from hf_tpu.transformers._cache_layers import host_length_fits
+        from hf_tpu.transformers._cache.layers import host_length_fits
 
         if host_length_fits(model.config):
             state.route = replace(current, loop=HOST_LENGTH, reason=reason, warn=False)

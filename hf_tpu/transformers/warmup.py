@@ -128,6 +128,14 @@ def warmup(
     own = _upstream.own_generate(model)
     if own:
         raise generation.NotCompilableError(f"{own}; warm-up has no graph its generate would use")
+    features = _upstream.encoder_input_name(model)
+    if features:
+        raise generation.NotCompilableError(
+            f"hf_tpu.warmup cannot warm {type(model).__name__} yet: its encoder takes {features}, whose shape and "
+            "decoder prompt (the language and task tokens) warm-up does not know ahead of a call; the first generate "
+            "of each batch size and decoder prompt compiles its graphs, and every later one with those shapes "
+            "compiles nothing"
+        )
     state = generation._state(model)
     _no_graph_if_upstream(route.explain(model))  # the route of a call with the model's own generation_config
     ladder = state.ladder(model.config)

@@ -8,7 +8,7 @@ import torch
 from torch_tpu._internal.compile import _backend, compiler
 from torch_tpu._internal.compile.dynamic import dynamic_compiler, symbol_bounds
 
-from hf_tpu.transformers._cache_layer_classes import HostLengthLayer
+from hf_tpu.transformers._cache.layer_classes import HostLengthLayer
 from hf_tpu.transformers._graphs import _HOST_LENGTH_SOURCES
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 import hf_tpu
 import hf_tpu.sim
 from hf_tpu.transformers import generation
-from hf_tpu.transformers._static_cache import _bucketed_cache, _static_cache_problem
+from hf_tpu.transformers._cache.pool import bucketed_cache, static_cache_problem
 
 # Eight prompt lengths in one bucket (16): each is padded on the left to it on the device; the CPU reference runs
 # the prompt unpadded, so equality also proves that the padding leaves every layer's state as the prompt would.
@@ -42,7 +43,7 @@ def _prompt(n: int, seed: int, vocab: int) -> torch.Tensor:
 )
 def test_each_layer_kind_runs_the_bucketed_loop_like_cpu(family, pair, model_root, tmp_path):
     cpu, tpu = pair(family)
-    assert _static_cache_problem(tpu) is None
+    assert static_cache_problem(tpu) is None
     cache = tmp_path / "cache" if family in SECOND_PROCESS else False
     generation.configure(tpu, buckets=[16, 32], compile_cache=cache)  # every graph warm-up compiles is stored there
     report = hf_tpu.warmup(tpu, max_prompt_len=16, batch_sizes=[1], max_new_tokens=NEW, progress=False)
@@ -77,7 +78,7 @@ def test_heavily_compressed_attention_runs_without_a_cache_and_says_why(pair, re
     compressed entry unmasked): generate names why and runs hf_tpu's loop without a cache, whose tokens are CPU's,
     over prompts long enough to emit compressed entries (one per 8 tokens, HCA; one per 4, CSA)."""
     cpu, tpu = pair("deepseek_v4")
-    why = _static_cache_problem(tpu)
+    why = static_cache_problem(tpu)
     assert why.startswith("its cache has DeepseekV4HCACache layers (heavily_compressed_attention), which can have no")
     assert "decode step reads every compressed entry the layer returns, unmasked" in why
     assert why.endswith("DeepseekV4CSACache layers, which have no bucketed static form in hf_tpu yet")
@@ -97,14 +98,14 @@ def test_cache_layers_a_forward_appends_are_allocated_ahead(pair):
     """Dory's looped middle layers: the second loop writes to copies of their cache layers, which the forward appends
     when the cache holds only the model's layers (``copy.deepcopy``, which no graph can do). The probe sees the copies;
     the bucketed cache holds them from the start, the same kind as the layers copied (sliding-window rings here)."""
-    from hf_tpu.transformers._cache_probe import cache_shapes
+    from hf_tpu.transformers._cache.probe import cache_shapes
 
     cpu, tpu = pair("dory")
     config = tpu.config
     shapes, _ = cache_shapes(tpu)
     looped = list(range(config.n_input_layers, config.num_hidden_layers - config.n_output_layers))
     assert [s.get("copy_of") for s in shapes[config.num_hidden_layers :]] == looped * (config.n_recurrent_loops - 1)
-    layers = _bucketed_cache(tpu, shapes, 1, 32).layers
+    layers = bucketed_cache(tpu, shapes, 1, 32).layers
     assert [type(la) for la in layers[config.num_hidden_layers :]] == [type(layers[i]) for i in looped]
     assert len({type(layers[i]) for i in looped}) == 2  # a ring and a full-attention layer, copied in their order
     generation.configure(tpu, buckets=[16, 32])

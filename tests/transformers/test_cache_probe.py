@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from hf_tpu.transformers import explain
-from hf_tpu.transformers._cache_probe import CacheProbeError, _probe_config, _run_probe, cache_shapes
-from hf_tpu.transformers._cache_probe_cpu import ZeroWeightProducts, cpu_probe
+from hf_tpu.transformers._cache.pool import static_cache_problem
+from hf_tpu.transformers._cache.probe import CacheProbeError, _probe_config, _run_probe, cache_shapes
+from hf_tpu.transformers._cache.probe_cpu import ZeroWeightProducts, cpu_probe
 from hf_tpu.transformers._signatures import cache_name
-from hf_tpu.transformers._static_cache import _static_cache_problem
 
 _TOKENS = {"vocab_size": 96, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
@@ -68,7 +68,7 @@ def test_the_cpu_fallback_sizes_the_cache_as_the_real_model_writes_it(name):
     assert cross is None and kv(on_cpu) == written
     shapes, cross = cache_shapes(model)  # meta, or the CPU where meta cannot run it (upstream's code decides which)
     assert cross is None and kv(shapes) == written
-    assert _static_cache_problem(model) is None
+    assert static_cache_problem(model) is None
 
 
 def test_the_cpu_copy_holds_no_weights_and_computes_what_zero_weights_compute():
@@ -138,7 +138,7 @@ def test_a_forward_that_replaces_its_own_modules_once_runs_the_loop_like_cpu():
     g = torch.Generator().manual_seed(0)
     short, long = torch.randint(3, 96, (1, 5), generator=g), torch.randint(3, 96, (1, 11), generator=g)  # one bucket
     assert torch.equal(tpu.generate(short, **kw), cpu.generate(short, **kw))
-    assert _static_cache_problem(tpu) is None and explain(tpu).loop == "cached"  # hf_tpu's loop
+    assert static_cache_problem(tpu) is None and explain(tpu).loop == "cached"  # hf_tpu's loop
     swapped = type(tpu.bert.encoder.layer[0].attention.self)
     assert swapped is not sparse and swapped is type(cpu.bert.encoder.layer[0].attention.self)  # as upstream swaps
     with hf_tpu.sim.stats() as second:
@@ -159,5 +159,5 @@ def test_a_forward_that_replaces_its_own_modules_on_every_run_is_refused_with_it
     sparse = tpu.bert.encoder.layer[0].attention.self
     with pytest.raises(CacheProbeError, match=r"replaces 2 of its own modules .*, and again on every later run"):
         cache_shapes(tpu)
-    assert "and again on every later run" in _static_cache_problem(tpu)
+    assert "and again on every later run" in static_cache_problem(tpu)
     assert tpu.bert.encoder.layer[0].attention.self is sparse  # refused before the model itself ran

@@ -3,7 +3,7 @@
 Some models read a tensor's value in their forward even given embeddings: a padding check (``mask.all()`` in the
 bidirectional masks of BigBird, MegatronBERT, RemBERT), an expert loop over the routing result
 (``expert_size.tolist()`` in JetMoE, ``expert_idx.item()`` in LongCat-Flash). The ``meta`` device has no values, so
-:mod:`~hf_tpu.transformers._cache_probe` runs such a model here instead: its class, built from the same config
+:mod:`~hf_tpu.transformers._cache.probe` runs such a model here instead: its class, built from the same config
 (every size kept: the cache shapes are exactly what the real model writes, layer by layer), on the CPU, with real
 values. Its buffers are computed as the class computes them (rotary frequencies, position ids); each parameter is a
 zero broadcast from one element, in the real model's dtype for it (weights the real model ties stay tied), and no

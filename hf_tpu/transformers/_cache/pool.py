@@ -3,8 +3,8 @@ reused across calls (at most ``_CACHE_POOL_SIZE`` kept allocated per model), and
 be a bucketed static cache at all.
 
 Each layer of a cache is the bucketed form of the upstream layer class ``StaticCache`` would build for it
-(:mod:`hf_tpu.transformers._cache_layers`), allocated with the shapes the model's layers write
-(:mod:`hf_tpu.transformers._cache_probe`).
+(:mod:`hf_tpu.transformers._cache.layers`), allocated with the shapes the model's layers write
+(:mod:`hf_tpu.transformers._cache.probe`).
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from hf_tpu.transformers._settings import _CACHE_POOL_SIZE, _ModelState
 __all__: list[str] = []
 
 
-def _bucketed_cache(model, shapes: list[dict], batch: int, cache_len: int, host_length: bool = False):
+def bucketed_cache(model, shapes: list[dict], batch: int, cache_len: int, host_length: bool = False):
     from transformers.cache_utils import Cache, StaticCache
 
-    from hf_tpu.transformers._cache_layers import build_layers
+    from hf_tpu.transformers._cache.layers import build_layers
 
     layers = build_layers(model.config, cache_len, shapes, batch, model.dtype, model.device, host_length)
     own = shapes[0].get("own") if shapes else None
     if own is not None:  # the model's own cache class, in its bucketed form
-        from hf_tpu.transformers._own_cache_classes import OWN_CACHES
+        from hf_tpu.transformers._cache.model_classes import OWN_CACHES
 
         return OWN_CACHES[own][1](layers, shapes, batch, model.dtype, model.device)
     cache = StaticCache.__new__(StaticCache)  # a StaticCache to upstream's isinstance checks, with bucketed layers
@@ -30,11 +30,11 @@ def _bucketed_cache(model, shapes: list[dict], batch: int, cache_len: int, host_
     return cache
 
 
-def _cache_for(model, state: _ModelState, batch: int, cache_len: int, encoder_len: int | None):
+def cache_for(model, state: _ModelState, batch: int, cache_len: int, encoder_len: int | None):
     """A reset static cache for this shape, reused across calls (at most ``_CACHE_POOL_SIZE`` kept allocated)."""
     from transformers.cache_utils import EncoderDecoderCache
 
-    from hf_tpu.transformers._cache_probe import cache_shapes
+    from hf_tpu.transformers._cache.probe import cache_shapes
 
     key = (batch, cache_len, encoder_len, model.dtype, bool(state.host_length))
     cache = state.caches.pop(key, None)
@@ -42,19 +42,19 @@ def _cache_for(model, state: _ModelState, batch: int, cache_len: int, encoder_le
         while len(state.caches) >= _CACHE_POOL_SIZE:
             state.caches.popitem(last=False)
         self_shapes, cross_shapes = cache_shapes(model)
-        cache = _bucketed_cache(model, self_shapes, batch, cache_len, bool(state.host_length))
+        cache = bucketed_cache(model, self_shapes, batch, cache_len, bool(state.host_length))
         if encoder_len is not None:
-            cache = EncoderDecoderCache(cache, _bucketed_cache(model, cross_shapes, batch, encoder_len))
+            cache = EncoderDecoderCache(cache, bucketed_cache(model, cross_shapes, batch, encoder_len))
     else:
         cache.reset()
     state.caches[key] = cache
     return cache
 
 
-def _static_cache_problem(model) -> str | None:
+def static_cache_problem(model) -> str | None:
     """Why a bucketed static cache does not fit this model (None when it does)."""
-    from hf_tpu.transformers._cache_layers import layer_problem
-    from hf_tpu.transformers._cache_probe import CacheProbeError, cache_shapes
+    from hf_tpu.transformers._cache.layers import layer_problem
+    from hf_tpu.transformers._cache.probe import CacheProbeError, cache_shapes
 
     if not model._supports_default_dynamic_cache():
         try:

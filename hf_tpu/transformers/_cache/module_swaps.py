@@ -3,7 +3,7 @@
 BigBird's block-sparse attention swaps itself for full attention (new modules holding the same weights) when its
 input is short or it is given a cache: upstream's first ``generate`` does exactly that to the user's model. A
 compiled graph cannot build modules, so hf_tpu lets the model take that step before its first trace. The cache probe
-(:mod:`~hf_tpu.transformers._cache_probe`) sees its copy's forward replace modules, runs the copy again and requires
+(:mod:`~hf_tpu.transformers._cache.probe`) sees its copy's forward replace modules, runs the copy again and requires
 the second forward to keep every module it found (a forward that replaces modules on every run stays on upstream's
 loop, with that reason); then the real model runs the same forward once, eagerly on its own device, on two tokens,
 and must end with the module classes the copy settled into. No module is built by hf_tpu: the model's own forward
@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from hf_tpu.transformers._cache_probe_error import CacheProbeError
+from hf_tpu.transformers._cache.probe_error import CacheProbeError
 
 __all__: list[str] = []
 

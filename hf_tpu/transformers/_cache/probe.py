@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import weakref
 
-from hf_tpu.transformers._cache_probe_error import CacheProbeError
+from hf_tpu.transformers._cache.probe_error import CacheProbeError
 from hf_tpu.transformers._signatures import cache_name
 
 __all__: list[str] = []
@@ -69,8 +69,8 @@ def _run_probe(model, probe, device: str) -> tuple[list[dict], list[dict] | None
 
     A forward that replaces some of the model's own modules (BigBird swaps its block-sparse attention for full
     attention on a short input or with a cache) runs again: the second run must keep every module, its cache is the
-    one measured, and the real model then takes the same step once (:mod:`~hf_tpu.transformers._module_swaps`)."""
-    from hf_tpu.transformers import _module_swaps
+    one measured, and the real model then takes the same step once (:mod:`~hf_tpu.transformers._cache.module_swaps`)."""
+    from hf_tpu.transformers._cache import module_swaps as _module_swaps
 
     text_config = model.config.get_text_config(decoder=True)
     built = dict(probe.named_modules())
@@ -109,7 +109,7 @@ def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[d
             )
         positions = torch.arange(2, device=device)[None]
         if not model._supports_default_dynamic_cache():  # it builds its own cache: take the one it returns
-            from hf_tpu.transformers._own_cache_classes import extra_shapes
+            from hf_tpu.transformers._cache.model_classes import extra_shapes
 
             cache = probe(inputs_embeds=embeds, position_ids=positions, use_cache=True)[name]
             extra = extra_shapes(cache)
@@ -155,8 +155,8 @@ def _with_copies(cache, model_dtype) -> list[dict]:
 def _measure(model) -> tuple[list[dict], list[dict] | None]:
     """The shapes, on the ``meta`` device, or where the model reads a value there (a padding check, an expert
     loop over a routing result), by a real run on the CPU of a copy whose weights take no memory
-    (:mod:`~hf_tpu.transformers._cache_probe_cpu`)."""
-    from hf_tpu.transformers._cache_probe_cpu import cpu_probe
+    (:mod:`~hf_tpu.transformers._cache.probe_cpu`)."""
+    from hf_tpu.transformers._cache.probe_cpu import cpu_probe
 
     try:
         return _run_probe(model, _meta_probe(model), "meta")

@@ -26,7 +26,7 @@ def full_attention_only(model) -> bool:
     """Whether every layer of ``model``'s bucketed cache is full attention (a ``StaticLayer``)."""
     from transformers.cache_utils import StaticLayer
 
-    from hf_tpu.transformers._cache_layers import layer_plan
+    from hf_tpu.transformers._cache.layers import layer_plan
 
     try:
         plan = layer_plan(model.config)

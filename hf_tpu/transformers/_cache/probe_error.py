@@ -1,5 +1,5 @@
-""":class:`CacheProbeError`, in a module of its own: raised by the cache probe (:mod:`~hf_tpu.transformers._cache_probe`,
-which re-exports it) and by the module swaps it runs (:mod:`~hf_tpu.transformers._module_swaps`), which it imports."""
+""":class:`CacheProbeError`, in a module of its own: raised by the cache probe (:mod:`~hf_tpu.transformers._cache.probe`,
+which re-exports it) and by the module swaps it runs (:mod:`~hf_tpu.transformers._cache.module_swaps`), which it imports."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Bucketed forms of the cache classes some models keep for themselves (upstream's ``StaticCache`` does not replace
 them: ``_supports_default_dynamic_cache()`` is False), keyed by that class, as
-:mod:`~hf_tpu.transformers._cache_layer_classes` keys layer forms by upstream's layer class.
+:mod:`~hf_tpu.transformers._cache.layer_classes` keys layer forms by upstream's layer class.
 
-Such a model creates its own cache when it is given none; the probe (:mod:`hf_tpu.transformers._cache_probe`) runs
+Such a model creates its own cache when it is given none; the probe (:mod:`hf_tpu.transformers._cache.probe`) runs
 it that way on the ``meta`` device and reads the states the cache holds besides its layers. A form here is a
 subclass of the model's cache class (the model's ``isinstance`` check passes) whose layers are the bucketed ones and
 whose extra states are fixed tensors written in place, read only when the loop says the graph decodes.

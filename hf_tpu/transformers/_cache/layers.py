@@ -4,7 +4,7 @@ hf_tpu's loop runs one compiled prefill graph per (prompt bucket, cache bucket) 
 bucket, so a cache layer may change only tensors inside a graph, never the Python state dynamo guards on (an int
 that grows per step would compile a new graph per step). Upstream's ``StaticCache`` (transformers 5.24) builds its
 layers from ``config.layer_types`` with ``STATIC_LAYER_TYPE_MAPPING``; ``BUCKETED_LAYERS`` (in
-:mod:`~hf_tpu.transformers._cache_layer_classes`) maps each of those classes to its bucketed form:
+:mod:`~hf_tpu.transformers._cache.layer_classes`) maps each of those classes to its bucketed form:
 
 * full attention (``StaticLayer``): upstream's own class, ``cache bucket`` slots written at a device-side counter;
 * sliding window (``StaticSlidingWindowLayer``, chunked attention too): upstream's layer tracks the window with a
@@ -30,10 +30,10 @@ Some layer kinds can have no bucketed form: :data:`NO_STATIC_FORM` names them, k
 the reason generate gives when it runs upstream's loop for them (DeepSeek-V4's heavily compressed attention).
 
 A model that keeps its own cache class (``_supports_default_dynamic_cache()`` False) runs the loop when that class
-has a bucketed form in :mod:`~hf_tpu.transformers._own_cache_classes` (MiniMax's), built around these layers.
+has a bucketed form in :mod:`~hf_tpu.transformers._cache.model_classes` (MiniMax's), built around these layers.
 
 Each layer is allocated ahead of the first graph with the shapes the model's own attention writes
-(:mod:`hf_tpu.transformers._cache_probe`), so multi-query, multi-latent and unequal encoder/decoder attention get
+(:mod:`hf_tpu.transformers._cache.probe`), so multi-query, multi-latent and unequal encoder/decoder attention get
 the cache they fill; layers the forward appends to the cache as copies of its own (Dory's looped layers) are
 allocated ahead too, after the model's layers, each the bucketed form of the layer it copies. A model whose layers
 are all of these kinds needs no change here.
@@ -47,8 +47,8 @@ __all__: list[str] = []
 
 
 def bucketed_layers() -> dict[type, type]:
-    """Upstream static layer class -> its bucketed form (:mod:`~hf_tpu.transformers._cache_layer_classes`)."""
-    from hf_tpu.transformers._cache_layer_classes import BUCKETED_LAYERS
+    """Upstream static layer class -> its bucketed form (:mod:`~hf_tpu.transformers._cache.layer_classes`)."""
+    from hf_tpu.transformers._cache.layer_classes import BUCKETED_LAYERS
 
     return BUCKETED_LAYERS
 
@@ -113,7 +113,7 @@ def build_layers(
     if host_length:
         from transformers.cache_utils import StaticLayer
 
-        from hf_tpu.transformers._cache_layer_classes import HostLengthLayer
+        from hf_tpu.transformers._cache.layer_classes import HostLengthLayer
 
         registry = {**registry, StaticLayer: HostLengthLayer}
     plan = layer_plan(config)
@@ -148,7 +148,7 @@ def build_layers(
 
 def host_length_fits(config) -> bool:
     """Whether this config's cache can report a host length
-    (:class:`~hf_tpu.transformers._cache_layer_classes.HostLengthLayer`): every layer is a full-attention one (the
+    (:class:`~hf_tpu.transformers._cache.layer_classes.HostLengthLayer`): every layer is a full-attention one (the
     loop then puts the prompt first, which a window or a recurrent state could not hold)."""
     from transformers.cache_utils import StaticLayer
 
@@ -159,7 +159,7 @@ def host_length_fits(config) -> bool:
 def set_length(cache, length: int) -> None:
     """Set the host length the ``HostLengthLayer`` layers of ``cache`` report to the model (the tokens cached
     before the next graph's input); a no-op for every other layer."""
-    from hf_tpu.transformers._cache_layer_classes import HostLengthLayer
+    from hf_tpu.transformers._cache.layer_classes import HostLengthLayer
 
     self_cache = getattr(cache, "self_attention_cache", cache)
     for layer in self_cache.layers:
@@ -172,7 +172,7 @@ def set_decoding(cache, decoding: bool) -> None:
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     self_cache = getattr(cache, "self_attention_cache", cache)
-    if hasattr(self_cache, "decoding"):  # a model's own cache class (hf_tpu.transformers._own_cache_classes)
+    if hasattr(self_cache, "decoding"):  # a model's own cache class (hf_tpu.transformers._cache.model_classes)
         self_cache.decoding = decoding
     for layer in self_cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):

@@ -1,0 +1,23 @@
+"""The cache of hf_tpu's generation loop, every piece in one package (private to :mod:`hf_tpu.transformers`).
+
+What lives where, and where a new piece goes:
+
+* :mod:`.pool`: the model's static caches, one per (batch, cache length, encoder length, dtype) shape, reset and
+  reused across calls, and the check that a model's cache can be bucketed at all.
+* :mod:`.layers`: the registry from upstream's static cache layer class to its bucketed form, and
+  ``NO_STATIC_FORM`` for the layer kinds that have none. **A new layer kind** of upstream's (a new
+  ``transformers.cache_utils`` layer class) gets its bucketed class in :mod:`.layer_classes` and one entry in the
+  registry here; **a layer kind with no static form** gets an entry in ``NO_STATIC_FORM`` with the reason generate
+  names when it runs upstream's loop instead.
+* :mod:`.layer_classes`: the bucketed layer classes themselves (module level: the persistent compile cache refers to
+  them by name).
+* :mod:`.model_classes`: bucketed forms of **a model's own cache class** (a model that does not take upstream's
+  ``StaticCache``); a new one goes here, keyed by that class.
+* :mod:`.probe` (with :mod:`.probe_cpu` and :mod:`.probe_error`): the shapes a model's layers write, measured once
+  per model on the ``meta`` device, else on the CPU with weights that take no memory.
+* :mod:`.module_swaps`: models whose first forward replaces some of their own modules, settled before the probe
+  measures them.
+* :mod:`.handoff`: the cache in and out of a call (a cache the caller passes, the cache a call returns).
+
+Nothing here is public API: :mod:`hf_tpu.transformers` is the room's front door.
+"""
