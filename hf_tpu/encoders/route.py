@@ -49,8 +49,8 @@ class EncoderRoute:
     """The path of one encoder call: ``bucketed`` (padded to ``batch_bucket`` x ``length_bucket``, compiled once
     per bucket) or not, with the ``reason`` when not; ``inputs`` are the call's arguments by name. ``quiet``: the
     reason is logged, not warned: the path was turned off for the model (``configure(model, bucketed=False)``), or
-    the call is a decoder's (a cache or cross-attention states given: the encoder class as the trunk of a causal LM
-    under ``generate``, whose route the generation loop names)."""
+    the call is a decoder's (a decoder config, a cache or cross-attention states given: the encoder class as the
+    trunk of a causal LM under ``generate``, whose route the generation loop names)."""
 
     bucketed: bool
     reason: str | None = None
@@ -103,9 +103,8 @@ def decide(model, upstream, arguments: dict[str, Any]) -> EncoderRoute:
             "training batches get fixed shapes from hf_tpu.training.BucketingCollator"
         )
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
-        return eager(
-            "config.is_decoder/add_cross_attention: a decoder's causal mask is not what the bucketed path pads"
-        )
+        reason = f"{name}: config.is_decoder/add_cross_attention: a decoder (generate's), not an encoder"
+        return EncoderRoute(False, reason, quiet=True, inputs=arguments)
     attention = getattr(config, "_attn_implementation", None) or "eager"
     if attention not in _ATTENTION:
         return eager(
