@@ -60,6 +60,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--shards", type=int, default=None, help="--train: FSDP degree (default: the target's device count)"
     )
+    parser.add_argument(
+        "--compute-dtype", default=None, choices=("bfloat16", "float32", "float16"),
+        help="--train: compute the forward and backward on the weights cast to this dtype (FSDP2 mixed precision, "
+        "e.g. --dtype float32 --compute-dtype bfloat16); default: --dtype",
+    )  # fmt: skip
     parser.add_argument("--height", type=int, default=1024, help="--pipeline: image height (default: 1024)")
     parser.add_argument("--width", type=int, default=1024, help="--pipeline: image width (default: 1024)")
     parser.add_argument(
@@ -147,7 +152,7 @@ def _run_train(args: argparse.Namespace, progress) -> int:
     progress(f"tracing {args.model}'s training step on the meta device, lowering it through torch_tpu (no chip)")
     plan = plan_train(
         args.model, args.target, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype, layers=args.layers,
-        shards=args.shards, progress=progress,
+        shards=args.shards, compute_dtype=args.compute_dtype, progress=progress,
     )  # fmt: skip
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
     return 0 if plan.error is None else 1

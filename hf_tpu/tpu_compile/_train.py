@@ -41,7 +41,7 @@ def _adamw(params, grads, exp_avg, exp_avg_sq, step):
     return new_p, new_m, new_v, t
 
 
-def trace_step(model, batch: int, seq_len: int):
+def trace_step(model, batch: int, seq_len: int, compute_dtype=None):
     """The ATen graphs of one training step of ``model`` (its parameters on the meta device for lowering; on the CPU
     the graphs also run, which is how the tests check them): forward with the loss and backward, then AdamW.
     Returns ``[(name, graph, example inputs), ...]``; the optimizer graph takes (parameters, gradients, exp_avg,
@@ -61,7 +61,10 @@ def trace_step(model, batch: int, seq_len: int):
 
     def forward_backward(*flat):  # flat arguments and results: what a compile backend is handed by Dynamo
         ps = [p.detach().requires_grad_() for p in flat[:n]]
-        loss = loss_of(ps, flat[n])
+        # mixed precision as FSDP2's MixedPrecisionPolicy(param_dtype=...): the weights cast for the compute, the
+        # gradients (through the cast) in the parameters' dtype
+        cast = ps if compute_dtype is None else [p.to(compute_dtype) for p in ps]
+        loss = loss_of(cast, flat[n])
         return (loss.detach(), *torch.autograd.grad(loss, ps))
 
     def adamw(*flat):
@@ -106,10 +109,12 @@ def lower_train(
     batch: int = 1,
     seq_len: int = 2048,
     layers: int | None = None,
+    compute_dtype: str | None = None,
 ) -> dict[str, Any]:
     """Lower one training step of the model at ``model`` (a directory or a config.json) for ``batch`` sequences of
     ``seq_len`` tokens (``layers``: only the first that many decoder layers, the same width). Parameters, gradients
-    and AdamW's two moments are in ``dtype``. Returns labels and facts for the plan."""
+    and AdamW's two moments are in ``dtype``; with ``compute_dtype`` the forward and backward compute on the weights
+    cast to it (FSDP2's mixed precision: fp32 shards, bf16 compute). Returns labels and facts for the plan."""
     import time
 
     import torch
@@ -133,7 +138,8 @@ def lower_train(
     }
     info["layers"] = built.config.get_text_config(decoder=True).num_hidden_layers
     started = time.perf_counter()
-    graphs = trace_step(built, batch, seq_len)
+    graphs = trace_step(built, batch, seq_len, getattr(torch, compute_dtype) if compute_dtype else None)
+    info["compute_dtype"] = compute_dtype or info["dtype"]
     info["trace_seconds"] = time.perf_counter() - started
     enable()
     backend = torch._dynamo.lookup_backend("tpu")
@@ -173,10 +179,15 @@ def _build(model: str, dtype: str | None, layers: int | None):
 
 
 def _largest_layer_bytes(model) -> int:
-    """Bytes of the largest decoder layer's parameters: what FSDP all-gathers at once (one layer unsharded)."""
+    """Bytes of the largest unit FSDP all-gathers at once, wrapped as hf_tpu wraps it (a unit per decoder layer, the
+    rest of the model, embeddings and head, as the root unit): the largest of a decoder layer and that rest."""
     import torch
 
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    def size(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
     if not lists:
-        return 0
-    return max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in lists[0])
+        return size(model.parameters())
+    layers = [size(layer.parameters()) for layer in lists[0]]
+    return max(max(layers), size(model.parameters()) - sum(layers))

@@ -11,8 +11,10 @@ from where:
   for the backward plus the workspace of both passes; its outputs are the gradients.
 - **from arithmetic**: parameters, gradients and AdamW's two moments (numel x element size); and the whole FSDP
   column: parameters, gradients and optimizer state divided by N, the compiler's activations unchanged (each device
-  runs its own batch), plus FSDP's transient unsharded copies (the largest decoder layer's parameters twice:
-  the one computing and the one prefetched; and its unsharded gradients once, before the reduce-scatter).
+  runs its own batch), plus FSDP's transient unsharded copies (the largest FSDP unit's parameters twice: the one
+  computing and the one prefetched; and its unsharded gradients once, before the reduce-scatter; the units as
+  hf_tpu wraps them: each decoder layer, and the rest, embeddings and head, as the root). Parameters are counted with
+  the model's buffers.
   torch_tpu 0.2.0's front end was not asked to lower the collectives (all-gather, reduce-scatter) of a sharded
   program, so libtpu never saw an FSDP program: the column is a projection, labelled as such.
 
@@ -86,7 +88,7 @@ class TrainPlan:
                 "compiler": "activations (the forward-backward program's temporaries: saved activations and the "
                 "passes' workspace), compiler_* peaks, one_device.total",
                 "arithmetic": "params, grads, optimizer_state (numel x element size), and every fsdp figure but "
-                "activations (divided by N; fsdp_gathered = the largest layer's parameters x2 and gradients x1)",
+                "activations (divided by N; fsdp_gathered = the largest FSDP unit's parameters x2 and gradients x1)",
             },
         }
 
@@ -120,7 +122,8 @@ class TrainPlan:
         layers = f", first {info.get('layers')} layers" if info.get("layers_limited") else ""
         lines = [
             f"{self.model}: {info.get('model_type', '?')}, {info.get('parameters', 0) / 1e9:.3g}B parameters{layers}, "
-            f"{info.get('dtype', '?')} parameters, gradients and AdamW state; batch {info.get('batch')} x "
+            f"{info.get('dtype', '?')} parameters, gradients and AdamW state, {info.get('compute_dtype', '?')} compute; "
+            f"batch {info.get('batch')} x "
             f"{info.get('seq_len')} tokens per device",
             f"target {self.target.describe()}",
             "",
@@ -132,7 +135,7 @@ class TrainPlan:
             f"  optimizer state (AdamW) {cell(one['optimizer_state']):>24}   {cell(fsdp['optimizer_state']):>14}   "
             "arithmetic",
             f"  activations + workspace {cell(one['activations']):>24}   {cell(fsdp['activations']):>14}   compiler",
-            f"  FSDP unsharded layer    {'':>24}   {cell(fsdp['fsdp_gathered']):>14}   arithmetic",
+            f"  FSDP unsharded unit     {'':>24}   {cell(fsdp['fsdp_gathered']):>14}   arithmetic",
             f"  total                   {cell(one.get('total')):>24}   {cell(fsdp.get('total')):>14}   "
             "compiler (one device) / arithmetic (FSDP)",
         ]
@@ -176,6 +179,7 @@ def plan_train(
     dtype: str = "bfloat16",
     layers: int | None = None,
     shards: int | None = None,
+    compute_dtype: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> TrainPlan:
     """Plan one training step of ``model`` per device of ``target`` (see the module doc).
@@ -185,6 +189,8 @@ def plan_train(
         target: a name of :data:`hf_tpu.tpu_compile.TARGETS`; its device count is the FSDP degree unless ``shards``.
         batch, seq_len: each device's batch of token sequences.
         dtype: parameters, gradients and AdamW state.
+        compute_dtype: the dtype the forward and backward compute in (the weights cast to it, as FSDP2's
+            ``MixedPrecisionPolicy(param_dtype=...)``); None: ``dtype``.
         layers: plan only the first ``layers`` decoder layers (same width), for a model whose full step would take
             too long to compile here; the figures are then that slice's.
         shards: the FSDP degree (default: the target's device count).
@@ -205,7 +211,8 @@ def plan_train(
         raise UserError("batch, seq_len, layers and shards must be positive")
     chosen = find_target(target)
     n = shards or chosen.chips * chosen.devices_per_chip
-    kwargs = {"model": path, "dtype": dtype, "batch": batch, "seq_len": seq_len, "layers": layers}
+    kwargs = {"model": path, "dtype": dtype, "batch": batch, "seq_len": seq_len, "layers": layers,
+              "compute_dtype": compute_dtype}  # fmt: skip
     result = lower_and_compile(TRAIN_ENTRY, kwargs, chosen, progress=progress)
     info = dict(result.info)
     info["layers_limited"] = bool(layers)

@@ -1,5 +1,6 @@
 """``hf-tpu plan --train`` end to end on a tiny Llama: one training step traced on the meta device, lowered by
-torch-tpu 0.2.0's real front end and compiled by libtpu for a v6e-8 device; the plan's figures, and which of them
+torch-tpu 0.2.0's real front end and compiled by libtpu for a v6e-8 device, with fp32 parameters and bf16 compute
+(FSDP2's mixed precision); the plan's figures, and which of them
 are the compiler's. The traced step's numerics against torch's own training step are checked on the CPU in
 tests/tpu_compile/test_train_plan.py."""
 
@@ -17,7 +18,7 @@ def test_plan_train_command_compiles_the_step_and_labels_its_sources(tmp_path):
     config.save_pretrained(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "hf_tpu.cli", "plan", str(tmp_path), "--train", "--target", "v6e-8", "--batch", "2",
-         "--seq-len", "16", "--json"], capture_output=True, text=True,
+         "--seq-len", "16", "--dtype", "float32", "--compute-dtype", "bfloat16", "--json"], capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads(proc.stdout)
@@ -29,7 +30,8 @@ def test_plan_train_command_compiles_the_step_and_labels_its_sources(tmp_path):
         assert p["flops"] > 0 and p["compile_seconds"] > 0
 
     info, mem = plan["info"], plan["memory"]
-    assert info["grads_bytes"] == 2 * info["parameters"]  # bf16, nothing frozen
+    assert info["compute_dtype"] == "bfloat16" and info["dtype"] == "float32"
+    assert info["grads_bytes"] == 4 * info["parameters"]  # fp32 gradients of fp32 parameters, nothing frozen
     assert 0 <= info["params_bytes"] - info["grads_bytes"] <= 1024  # and the buffers (RoPE's inv_freq)
     one, fsdp = mem["one_device"], mem["fsdp"]
     # the compiler's: the gradients come out of the forward-backward program (tile padding makes them no smaller)

@@ -79,3 +79,23 @@ def test_train_plan_refuses_clearly_without_torch_tpu(tmp_path, capsys, monkeypa
     assert main(["plan", str(tmp_path), "--train", "--target", "v6e-8"]) == 2
     err = capsys.readouterr().err
     assert "needs torch-tpu" in err and "pip install 'hf-tpu[tpu]'" in err and "Nothing was planned" in err
+
+
+def test_mixed_precision_computes_in_bf16_and_keeps_fp32_gradients():
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    (_, fwbw, _), _ = trace_step(model, 2, 8, torch.bfloat16)
+    loss, *grads = fwbw(*[p.detach().clone() for p in model.parameters()], ids)
+
+    half = copy.deepcopy(model).to(torch.bfloat16)  # the reference: the same weights in bf16, eager backward
+    expected = half(input_ids=ids, labels=ids).loss
+    expected.backward()
+    torch.testing.assert_close(loss.float(), expected.detach().float())
+    for g, p in zip(grads, half.parameters()):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.to(torch.bfloat16), p.grad, rtol=2e-2, atol=1e-3)
