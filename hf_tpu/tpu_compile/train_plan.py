@@ -165,6 +165,12 @@ class TrainPlan:
             "The FSDP column is arithmetic on the compiler's one-device figures: libtpu compiled no sharded program "
             "(collectives not lowered).",
         ]
+        fwbw = self._program("train-forward-backward")
+        if fwbw is not None and fwbw.custom_calls == 0:
+            lines.append(
+                "Attention is lowered on its math path (the meta-device trace decomposes sdpa, so torch_tpu's flash "
+                "kernel is not used): the activations include the attention matrices, an upper bound for a chip."
+            )
         if self.error:
             lines += ["", f"error: {self.error}"]
         return "\n".join(lines)
