@@ -85,3 +85,28 @@ def test_the_readme_quotes_the_architecture_sweep_from_its_generated_table():
     quoted = f"all {total[1]} architectures on the final code: {target[1]} of {target[2]} buildable architectures " \
              f"meet every target, {target[3]}%"  # fmt: skip
     assert quoted in readme, f"README.md should quote docs/architectures.md: '{quoted}'"
+
+
+def test_run_the_tests_quotes_the_suite_settings_and_names_files_that_exist():
+    """docs/first_hour.md's "Run the tests" quotes no measured time or test count (they were typed by hand and went
+    stale: "763 tests", "about 13 minutes"); the figures it does quote are settings, read here from where they are
+    set, and the test files its table names exist."""
+    import re
+    import tomllib
+
+    from _timeouts import SAFETY_TIMEOUT_S
+
+    section = (ROOT / "docs" / "first_hour.md").read_text().split("## 7. Run the tests", 1)[1]
+    pytest_ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    durations = next(a for a in pytest_ini["addopts"] if a.startswith("--durations="))
+    for quoted in (f"`tests/_timeouts.py`, {SAFETY_TIMEOUT_S} s", f"pytest-timeout's {pytest_ini['timeout']} s",
+                   f"its {durations.split('=')[1]} slowest tests (`{durations}`"):
+        assert quoted in section, f"docs/first_hour.md should say '{quoted}' (the value in the code)"
+    named = re.findall(r"`(tests/[^`]+)`", section)
+    assert named, "the section's table of slow tests names no test file: update this test"
+    missing = [n for n in named if not list(ROOT.glob(n.rstrip("/")))]
+    assert not missing, f"docs/first_hour.md names test files that do not exist: {missing}"
+    readme = (ROOT / "README.md").read_text()
+    typed = re.findall(r"(?<!-n )\b\d+ (?:minutes|tests|passed)\b",
+                       section + readme.split("Run the whole test suite", 1)[1][:300])  # `-n 2 tests` is a flag
+    assert not typed, f"a duration or test count typed by hand: {typed}; say `--durations` or `--collect-only`"
