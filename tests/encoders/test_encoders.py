@@ -150,9 +150,11 @@ def test_return_dict_false_and_positional_inputs(encoder_dir):
         _close(g.cpu(), w)
 
 
-def test_sentence_transformers_encode_equals_cpu_and_compiles_nothing_after_warmup(encoder_dir):
+@pytest.mark.parametrize("family", ["bert", "mpnet", "deberta-v2"])
+def test_sentence_transformers_encode_equals_cpu_and_compiles_nothing_after_warmup(encoder_dir, family):
+    """Mean pooling reads the positions the mask shows only: DeBERTa-v2's embeddings equal the CPU's too."""
     st = pytest.importorskip("sentence_transformers")
-    path = str(encoder_dir("bert"))
+    path = str(encoder_dir(family))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "No sentence-transformers model found ... creating mean pooling"
         cpu = st.SentenceTransformer(path, device="cpu")
@@ -168,13 +170,14 @@ def test_sentence_transformers_encode_equals_cpu_and_compiles_nothing_after_warm
     _close(got.cpu(), want)
 
 
-def test_cross_encoder_reranking_equals_cpu_and_compiles_nothing_after_warmup(tmp_path):
+@pytest.mark.parametrize("family", ["bert", "deberta-v2"])
+def test_cross_encoder_reranking_equals_cpu_and_compiles_nothing_after_warmup(tmp_path, family):
     """Reranking: sentence-transformers' CrossEncoder scores (query, document) pairs (token type ids 0 and 1) with a
     one-label sequence classifier."""
     st = pytest.importorskip("sentence_transformers")
     from hf_tpu.testing import tiny_encoder
 
-    tiny_encoder("bert", tmp_path, head="AutoModelForSequenceClassification", num_labels=1)
+    tiny_encoder(family, tmp_path, head="AutoModelForSequenceClassification", num_labels=1)
     cpu = st.CrossEncoder(str(tmp_path), device="cpu")
     tpu = st.CrossEncoder(str(tmp_path), device="tpu")
     pairs = list(zip(texts(32, seed=5, longest=20), texts(32, seed=6, longest=40), strict=True))
