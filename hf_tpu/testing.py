@@ -264,6 +264,16 @@ ENCODER_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "modernbert": ("ModernBertConfig", {**_ENCODER, "max_position_embeddings": 128, "bos_token_id": 2,
                                         "eos_token_id": 3, "cls_token_id": 2, "sep_token_id": 3,
                                         "local_attention": 8, "global_attn_every_n_layers": 2}),
+    # no token type ids; hidden_size/num_* map to dim/n_*, the feed-forward width is hidden_dim
+    "distilbert": ("DistilBertConfig", {**_ENCODER, "max_position_embeddings": 128, "hidden_dim": 64}),
+    # embeddings narrower than the hidden size (projected up), as ELECTRA's are
+    "electra": ("ElectraConfig", {**_ENCODER, "max_position_embeddings": 128, "embedding_size": 16}),
+    # disentangled relative-position attention (position buckets shorter than the test inputs), token types on
+    "deberta-v2": ("DebertaV2Config", {**_ENCODER, "max_position_embeddings": 128, "type_vocab_size": 2,
+                                       "relative_attention": True, "position_buckets": 16,
+                                       "pos_att_type": ["p2c", "c2p"], "position_biased_input": False}),
+    # RoBERTa-like positions (two more) and a relative-position bias
+    "mpnet": ("MPNetConfig", {**_ENCODER, "max_position_embeddings": 130, "bos_token_id": 2, "eos_token_id": 3}),
 }  # fmt: skip
 # The words of tiny_tokenizer: the special tokens, then w0, w1, ...
 ENCODER_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(_ENCODER["vocab_size"] - 5)]

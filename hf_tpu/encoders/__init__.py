@@ -1,7 +1,7 @@
 """Encoders on TPU: a bucketed, compiled forward for BERT-like models, their pipelines and sentence-transformers.
 
-With :func:`hf_tpu.enable`, a BERT, RoBERTa, XLM-R or ModernBERT model (the base model and its heads: embeddings,
-classification, token classification, reranking) placed on the TPU pads every call to a ladder of lengths and batch
+With :func:`hf_tpu.enable`, a BERT, RoBERTa, XLM-R, ModernBERT, DistilBERT, ELECTRA, DeBERTa-v2 or MPNet model (the
+base model and its heads: embeddings, classification, token classification, reranking) placed on the TPU pads every call to a ladder of lengths and batch
 sizes, compiles one graph per bucket with the ``"tpu"`` backend and returns the outputs sliced back to the call's
 own rows and tokens, equal to upstream's. ``model(**batch)``, ``pipeline("feature-extraction", device="tpu")`` and
 ``SentenceTransformer(path, device="tpu").encode(...)`` all take that path; :func:`warmup` compiles the ladder ahead.
@@ -11,7 +11,7 @@ once. Importing this package imports nothing heavy; the submodules import torch 
 Example:
     >>> import hf_tpu.encoders
     >>> sorted(hf_tpu.encoders.MODEL_TYPES)
-    ['bert', 'modernbert', 'roberta', 'xlm-roberta']
+    ['bert', 'deberta-v2', 'distilbert', 'electra', 'modernbert', 'mpnet', 'roberta', 'xlm-roberta']
 """
 
 from __future__ import annotations

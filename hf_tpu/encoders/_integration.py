@@ -41,6 +41,10 @@ MODEL_TYPES: dict[str, str] = {
     "roberta": "transformers.models.roberta.modeling_roberta",
     "xlm-roberta": "transformers.models.xlm_roberta.modeling_xlm_roberta",
     "modernbert": "transformers.models.modernbert.modeling_modernbert",
+    "distilbert": "transformers.models.distilbert.modeling_distilbert",
+    "electra": "transformers.models.electra.modeling_electra",
+    "deberta-v2": "transformers.models.deberta_v2.modeling_deberta_v2",
+    "mpnet": "transformers.models.mpnet.modeling_mpnet",
 }
 
 

@@ -78,7 +78,8 @@ def configure(
     """Set the ladders and strict mode of ``model``'s bucketed encoder forward.
 
     Args:
-        model: a transformers encoder (BERT, RoBERTa, XLM-R, ModernBERT and their heads).
+        model: a transformers encoder (BERT, RoBERTa, XLM-R, ModernBERT, DistilBERT, ELECTRA, DeBERTa-v2, MPNet and
+            their heads).
         lengths: sequence lengths inputs are padded up to (default: :func:`hf_tpu.transformers.buckets.default_ladder`
             of the config, 16, 32, ... up to ``max_position_embeddings``).
         batch_sizes: row counts batches are padded up to (default :data:`DEFAULT_BATCH_SIZES`).

@@ -44,6 +44,8 @@ _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_tpu_encoder_a
 # Output fields by how their padding is undone: rows only, or rows and tokens ("logits": by its rank).
 _ROWS = frozenset({"pooler_output"})
 _ROWS_AND_TOKENS = frozenset({"last_hidden_state", "hidden_states", "start_logits", "end_logits"})
+# Heads whose ``logits`` are per token with no class axis, (batch, length): ELECTRA's replaced-token discriminator.
+_TOKEN_LOGITS_2D = frozenset({"ElectraForPreTraining"})
 
 
 class Unpaddable(HfTpuError, RuntimeError):
@@ -204,7 +206,7 @@ def run(model, upstream, found: _route.EncoderRoute):
         model_state.compiled.add(key)
         model_state.compile_log.append(key)
         logger.info("hf_tpu: compiled the encoder graph for batch %d x length %d", key[0], key[1])
-    out = _unpad(out, found)
+    out = _unpad(out, found, type(model).__name__ in _TOKEN_LOGITS_2D)
     return out if found.return_dict else out.to_tuple()
 
 
@@ -229,15 +231,16 @@ def _first(fn, model, upstream, packed, names, hidden_states):
         raise NotOneGraph((str(exc).strip().splitlines() or [type(exc).__name__])[0]) from exc
 
 
-def _unpad(out, found: _route.EncoderRoute):
-    """Every output field sliced back to the call's rows (and tokens, for per-token fields)."""
+def _unpad(out, found: _route.EncoderRoute, token_logits: bool = False):
+    """Every output field sliced back to the call's rows (and tokens, for per-token fields; ``token_logits``:
+    ``logits`` are per token even with two axes)."""
     rows, length = found.rows, found.length
     if rows == found.batch_bucket and length == found.length_bucket:
         for name, value in out.items():
-            _rule(name, value)  # the same check as when slicing: an unknown field is unknown at any size
+            _rule(name, value, token_logits)  # the check of slicing: an unknown field is unknown at any size
         return out
     for name, value in list(out.items()):
-        tokens = _rule(name, value)
+        tokens = _rule(name, value, token_logits)
         if isinstance(value, tuple):
             out[name] = tuple(v[:rows, :length] if tokens else v[:rows] for v in value)
         else:
@@ -245,12 +248,13 @@ def _unpad(out, found: _route.EncoderRoute):
     return out
 
 
-def _rule(name: str, value) -> bool:
+def _rule(name: str, value, token_logits: bool = False) -> bool:
     """Whether field ``name`` has a token axis to slice (else rows only); :class:`Unpaddable` when unknown."""
     if name in _ROWS_AND_TOKENS:
         return True
     if name in _ROWS:
         return False
     if name == "logits":
-        return value.dim() >= 3  # (batch, length, classes/vocab) per token; (batch, classes) per sequence
+        # (batch, length, classes/vocab) per token; (batch, classes) per sequence
+        return token_logits or value.dim() >= 3
     raise Unpaddable(f"{name!r}")

@@ -89,7 +89,7 @@ def warmup(
 
     Returns:
         A :class:`WarmupReport`: the graph keys covered, how many were compiled or loaded, and the time taken. For an
-        encoder the ``encoders`` integration serves (BERT, RoBERTa, XLM-R, ModernBERT), the
+        encoder the ``encoders`` integration serves (BERT, RoBERTa, XLM-R, ModernBERT, ...), the
         :class:`~hf_tpu.encoders.EncoderWarmupReport` of :func:`hf_tpu.encoders.warmup` with ``max_length =
         max_prompt_len`` (``max_new_tokens`` plays no part).
 
