@@ -61,8 +61,12 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
     if not config.use_cache and model.config.is_encoder_decoder:
         return "use_cache=False recomputes the whole sequence each step, a new shape (and compile) per step", True
     mode = config.get_generation_mode(args.get("assistant_model"))
-    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        return f"{mode.value} is not supported by the bucketed loop (only greedy search and sampling are)", True
+    served = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
+    if mode not in served:  # (beam search: hf_tpu.transformers.route asks hf_tpu.transformers._beam what it serves)
+        return (
+            f"{mode.value} is not supported by the bucketed loop (only greedy search, sampling, beam search and beam "
+            "sampling are)"
+        ), True
     if (config.output_attentions or config.output_hidden_states) and model.config.is_encoder_decoder:
         asked = [n for n in ("output_attentions", "output_hidden_states") if getattr(config, n, False)]
         return (

@@ -61,7 +61,7 @@ import inspect
 from collections.abc import Callable, Iterator
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _cacheless
+from hf_tpu.transformers import _beam, _cacheless
 from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._decode_loop import _PENALTY, _decode_loop, _warm, default_variant
 from hf_tpu.transformers._graphs import _run
@@ -217,6 +217,8 @@ def run_loop(model, *args, hf_tpu_plan: dict, **kwargs):
     host-length routes, :func:`~hf_tpu.transformers._cacheless.cacheless_loop` for the loop without a cache (whose
     reason, where the cached loop cannot serve the model, is said once its graphs ran)."""
     route = hf_tpu_plan["route"]
+    if kwargs.get("generation_config") is not None and _beam.is_beam_call(kwargs["generation_config"]):
+        return _beam.beam_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
     if route.loop != CACHELESS:
         return _decode_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
     result = _cacheless.cacheless_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hf_tpu.transformers import _cacheless, _upstream
+from hf_tpu.transformers import _beam, _cacheless, _upstream
 from hf_tpu.transformers._cache import pool
 from hf_tpu.transformers._settings import (
     _DEVICE_TYPES,
@@ -75,7 +75,7 @@ def explain(model, **generate_kwargs) -> Route:
         return Route(UPSTREAM, own, warn=False)
     args = {k: generate_kwargs.pop(k) for k in _GENERATE_ARGUMENTS if k in generate_kwargs}
     found = call_route(model, args, dict(generate_kwargs))
-    if found.fast and not model.config.is_encoder_decoder:
+    if found.fast and not model.config.is_encoder_decoder and not _beam.asks_beams(model, args, generate_kwargs):
         from hf_tpu.transformers._decode_loop import host_sampling
 
         found = replace(found, host_sampling=host_sampling(model, **generate_kwargs))
@@ -108,6 +108,11 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
         reason, warn = asked
         return Route(UPSTREAM, reason, warn=warn)
     found = _call_route(model, config, model_kwargs)
+    if found.loop != UPSTREAM and _beam.is_beam_call(config):
+        problem = _beam.beam_problem(model, args, config, model_kwargs, found)
+        if problem is not None:
+            reason, warn = problem
+            return Route(UPSTREAM, reason, warn=warn)
     outputs = config.output_attentions or config.output_hidden_states
     if outputs and found.loop != UPSTREAM and _state(model).outputs_problem:
         return Route(UPSTREAM, _state(model).outputs_problem, warn=True)
