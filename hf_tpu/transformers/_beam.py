@@ -302,11 +302,12 @@ def warm(model, plan: ShapePlan, num_beams: int) -> list[tuple]:
 
     from hf_tpu.transformers.sampling import device_plan
 
-    config = model.generation_config
+    config, _ = model._prepare_generation_config(None, num_beams=num_beams)  # (upstream's defaults filled in)
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
     state, device = _state(model), model.device
     rows, p, c = plan.batch * num_beams, plan.prompt_bucket, plan.cache_bucket
-    eos = config.eos_token_id
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    eos = config._eos_token_tensor
+    eos = [] if eos is None else [int(e) for e in eos.reshape(-1)]
     keep = max(2, 1 + len(eos)) * num_beams
     early, do_sample = config.early_stopping, bool(config.do_sample)
     ids = torch.zeros(rows, p, dtype=torch.long)

@@ -125,9 +125,7 @@ def _beam_step(model, logits, cache, spec: Spec, beam: dict, sampling) -> tuple[
         topk_log_probs=topk_log_probs, topk_running_sequences=topk_sequences,
         topk_running_beam_indices=topk_indices, next_token_hits_stopping_criteria=hits, num_beams=num_beams,
     )  # fmt: skip
-    top_num_beam_mask = torch.cat(
-        [torch.ones(num_beams, dtype=torch.bool), torch.zeros(keep - num_beams, dtype=torch.bool)]
-    ).to(logits.device)
+    top_num_beam_mask = torch.arange(keep, device=logits.device) < num_beams  # (built on the device: no copy)
     # the length penalty of a hypothesis ending here: upstream's (cur_len + 1 - prompt_len) ** length_penalty, from
     # the host's table (its helper then divides by (...) ** 0.0 == 1.0)
     penalty = beam["finish_divisors"].index_select(0, generated)

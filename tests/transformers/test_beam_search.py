@@ -1,0 +1,195 @@
+"""Beam search and beam sampling on hf_tpu's bucketed loop (hf_tpu.transformers._beam), against upstream's
+``_beam_search`` on the CPU in the same test, with the device counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import hf_tpu
+import hf_tpu.sim
+from hf_tpu.transformers import explain, generation
+
+DICT = {"return_dict_in_generate": True, "output_scores": True}
+
+
+def _beam_kinds(tpu) -> set[str]:
+    return {k[0].split("+", 1)[0] for k in generation.compiled_graphs(tpu) if k[0].startswith("beam_")}
+
+
+def _assert_same(got, expected, scores: bool = True):
+    assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
+    assert torch.equal(got.beam_indices, expected.beam_indices), (got.beam_indices, expected.beam_indices)
+    if scores:
+        torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=1e-5, atol=1e-5)
+        assert len(got.scores) == len(expected.scores)
+        for mine, theirs in zip(got.scores, expected.scores):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def _stopping_eos(cpu, ids, mask, **kwargs) -> int:
+    """An eos id upstream's beams meet early for this prompt (the second new token of its best beam), so that the
+    search finishes hypotheses before max_new_tokens."""
+    out = cpu.generate(ids, attention_mask=mask, eos_token_id=None, **kwargs)
+    return int(out[0, ids.shape[1] + 1])
+
+
+@pytest.mark.parametrize(
+    "num_beams, returns, early_stopping, length_penalty",
+    [(3, 2, False, 1.0), (2, 1, True, 1.0), (4, 3, "never", 0.5), (3, 3, False, -1.5)],
+)
+def test_beam_search_matches_cpu(llama, prompts, num_beams, returns, early_stopping, length_penalty):
+    cpu, tpu = llama
+    ids, mask = prompts([5, 11])  # batch 2, left padding
+    kwargs = dict(
+        max_new_tokens=7, num_beams=num_beams, num_return_sequences=returns, early_stopping=early_stopping,
+        length_penalty=length_penalty, do_sample=False, pad_token_id=0,
+    )  # fmt: skip
+    eos = _stopping_eos(cpu, ids, mask, **kwargs)
+    assert explain(tpu, input_ids=ids, attention_mask=mask, eos_token_id=eos, **kwargs).loop == "cached"
+    expected = cpu.generate(ids, attention_mask=mask, eos_token_id=eos, **kwargs, **DICT)
+    got = tpu.generate(ids, attention_mask=mask, eos_token_id=eos, **kwargs, **DICT)
+    assert (expected.sequences[:, ids.shape[1] :] == eos).any()  # hypotheses finished at eos
+    _assert_same(got, expected)
+    assert _beam_kinds(tpu) >= {"beam_prefill", "beam_decode"}
+    # the plain call: the sequences only, as upstream's
+    plain = tpu.generate(ids, attention_mask=mask, eos_token_id=eos, **kwargs)
+    assert torch.equal(plain, expected.sequences)
+
+
+def test_several_prompt_lengths_in_one_bucket_compile_once(pair, prompts):
+    cpu, tpu = pair("qwen3")
+    kwargs = dict(max_new_tokens=5, num_beams=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    tpu.generate(prompts([4, 9])[0], attention_mask=prompts([4, 9])[1], **kwargs)
+    with hf_tpu.sim.stats() as s:
+        for lengths in ((3, 12), (16, 1), (7, 7)):
+            ids, mask = prompts(list(lengths), seed=sum(lengths))
+            got = tpu.generate(ids, attention_mask=mask, **kwargs, **DICT)
+            _assert_same(got, cpu.generate(ids, attention_mask=mask, **kwargs, **DICT))
+    assert s.compiles == 0
+
+
+def test_device_processors_run_in_the_beam_graphs(llama, prompts):
+    # what transformers' GenerationTesterMixin passes its beam tests: repetition penalty, n-gram ban, bad words
+    cpu, tpu = llama
+    ids, mask = prompts([6, 10], seed=3)
+    kwargs = dict(
+        max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False, repetition_penalty=1.2,
+        no_repeat_ngram_size=2, bad_words_ids=[[7], [11, 12]], remove_invalid_values=True, eos_token_id=None,
+        pad_token_id=0,
+    )  # fmt: skip
+    got = tpu.generate(ids, attention_mask=mask, **kwargs, **DICT)
+    _assert_same(got, cpu.generate(ids, attention_mask=mask, **kwargs, **DICT))
+    kinds = [k[0] for k in generation.compiled_graphs(tpu) if k[0].startswith("beam_decode")]
+    assert any("repetition_penalty" in k and "no_repeat_ngram" in k for k in kinds), kinds
+
+
+def test_logits_and_the_cache_come_back_as_upstreams(llama, prompts):
+    cpu, tpu = llama
+    ids, mask = prompts([4, 8], seed=5)
+    kwargs = dict(max_new_tokens=4, num_beams=2, do_sample=False, eos_token_id=None, pad_token_id=0,
+                  output_logits=True, **DICT)  # fmt: skip
+    expected = cpu.generate(ids, attention_mask=mask, **kwargs)
+    got = tpu.generate(ids, attention_mask=mask, **kwargs)
+    _assert_same(got, expected)
+    for mine, theirs in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    field = "cache" if hasattr(expected, "cache") else "past_key_values"
+    mine, theirs = getattr(got, field), getattr(expected, field)
+    assert mine.get_seq_length() == theirs.get_seq_length()
+    for a, b in zip(mine.layers, theirs.layers, strict=True):
+        torch.testing.assert_close(a.keys.cpu(), b.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values.cpu(), b.values, rtol=1e-5, atol=1e-5)
+
+
+def test_one_small_copy_per_step_and_nothing_sent(llama, prompts):
+    _, tpu = llama
+    ids, mask = prompts([5, 9])
+    kwargs = dict(num_beams=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def run(new_tokens):
+        with hf_tpu.sim.stats() as s:
+            out = tpu.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **kwargs)
+        assert out.shape[1] == ids.shape[1] + new_tokens  # no eos: every step ran
+        return s
+
+    run(10)  # compiles
+    short, long = run(2), run(10)
+    steps = 8
+    assert long.compiles == 0
+    assert (long.h2d_copies - short.h2d_copies) / steps == 0
+    assert (long.d2h_copies - short.d2h_copies) / steps <= 1
+    assert (long.host_syncs - short.host_syncs) / steps <= 1
+    assert (long.d2h_bytes - short.d2h_bytes) / steps <= 8
+
+
+def test_warmup_compiles_the_beam_graphs(pair, prompts, monkeypatch):
+    cpu, tpu = pair("gemma")
+    generation.configure(tpu, buckets=[16, 32, 64])
+    report = hf_tpu.warmup(tpu, max_prompt_len=20, batch_sizes=[2], max_new_tokens=6, num_beams=[2], progress=False)
+    assert {k[0].split("+", 1)[0] for k in report.graphs} >= {"beam_prefill", "beam_decode"}
+    monkeypatch.setenv(generation.STRICT_ENV, "1")  # a graph warm-up did not compile would raise
+    with hf_tpu.sim.stats() as s:
+        for lengths in ((3, 12), (20, 17)):
+            ids, mask = prompts(list(lengths))
+            kwargs = dict(max_new_tokens=6, num_beams=2, pad_token_id=0)
+            got = tpu.generate(ids, attention_mask=mask, **kwargs, **DICT)
+            _assert_same(got, cpu.generate(ids, attention_mask=mask, **kwargs, **DICT))
+    assert s.compiles == 0
+    with pytest.raises(ValueError, match="num_beams must hold integers of at least 2"):
+        hf_tpu.warmup(tpu, max_prompt_len=8, num_beams=1, progress=False)
+
+
+def test_beam_sample_is_seeded_and_scores_its_own_tokens(llama, prompts):
+    cpu, tpu = llama
+    ids, mask = prompts([5, 8], seed=7)
+    kwargs = dict(max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=True, temperature=0.8, top_k=20,
+                  eos_token_id=None, pad_token_id=0, **DICT)  # fmt: skip
+
+    def run():
+        torch.manual_seed(11)
+        return tpu.generate(ids, attention_mask=mask, **kwargs)
+
+    first, second = run(), run()
+    assert torch.equal(first.sequences, second.sequences)
+    assert "+beam_sample" in " ".join(k[0] for k in generation.compiled_graphs(tpu))
+    # the first step's processed scores are the prompt's, before any draw: upstream's on the CPU
+    torch.manual_seed(11)
+    reference = cpu.generate(ids, attention_mask=mask, **kwargs)
+    torch.testing.assert_close(first.scores[0], reference.scores[0], rtol=1e-5, atol=1e-5)
+    # each returned hypothesis: its score is the sum of the scores of the tokens it took, divided by its length
+    # (length_penalty 1), as upstream's compute_transition_scores reads them back through beam_indices
+    transition = cpu.compute_transition_scores(first.sequences, first.scores, first.beam_indices)
+    lengths = (first.beam_indices >= 0).sum(dim=1)
+    torch.testing.assert_close(transition.sum(dim=1) / lengths, first.sequences_scores, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(first.sequences_scores).all()
+
+
+class _Never(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_beam_calls_only_upstream_serves_say_why(pair, llama, prompts):
+    cpu, tpu = llama
+    ids, mask = prompts([6])
+    kwargs = dict(max_new_tokens=3, num_beams=2, do_sample=False, pad_token_id=0)
+    cases = [
+        ({"stopping_criteria": StoppingCriteriaList([_Never()])}, "stopping_criteria of your own"),
+        ({"use_cache": False}, "runs on its cached loop only"),
+        ({"output_hidden_states": True, "return_dict_in_generate": True}, "output_attentions/output_hidden_states"),
+    ]
+    generation.WARNED.clear()
+    for extra, reason in cases:
+        route = explain(tpu, input_ids=ids, attention_mask=mask, **kwargs, **extra)
+        assert route.loop == "upstream" and route.warn and reason in route.reason, route
+        with pytest.warns(UserWarning, match=reason):
+            got = tpu.generate(ids, attention_mask=mask, **kwargs, **extra)
+        expected = cpu.generate(ids, attention_mask=mask, **kwargs, **extra)
+        got = got if isinstance(got, torch.Tensor) else got.sequences
+        expected = expected if isinstance(expected, torch.Tensor) else expected.sequences
+        assert torch.equal(got, expected)
+    t5_cpu, t5 = pair("t5")
+    route = explain(t5, input_ids=ids, **kwargs)
+    assert route.loop == "upstream" and "encoder-decoder" in route.reason
