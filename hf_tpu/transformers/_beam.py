@@ -21,7 +21,8 @@ from hf_tpu.transformers._cache.handoff import full_attention_only, returned_cac
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
 from hf_tpu.transformers._decode_loop import _extra, _output_vocab
-from hf_tpu.transformers._graphs import _ALIGNED, _run
+from hf_tpu.transformers._graphs import _ALIGNED
+from hf_tpu.transformers._graphs import _run as _run_graph
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import CACHED, NotCompilableError, _state
 from hf_tpu.transformers._signatures import output_cache_field
@@ -171,6 +172,19 @@ def _beam_state(batch, num_beams, width, fill, max_new, last_position, eos, divi
     if eos is not None:
         host["eos"] = eos
     return {k: v.to(device) for k, v in host.items()}
+
+
+def _run(model, state, key: tuple, *args):
+    """Run a beam graph; one that does not trace sends this call (not the model: its greedy graphs may trace) to
+    upstream's loop with the reason (``NotCompilableError.loop`` None: the model's route stays)."""
+    try:
+        return _run_graph(model, state, key, *args)
+    except NotCompilableError as exc:
+        if exc.loop is None:
+            raise
+        error = NotCompilableError(f"beam search: {exc.reason or exc}")
+        error.reason = str(error)
+        raise error from exc
 
 
 def _output_fill(config) -> int:

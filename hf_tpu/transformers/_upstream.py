@@ -1,6 +1,6 @@
 """Upstream's loop: what a call asks for that only it does (:func:`call_problem`), and running it on a TPU.
 
-Anything hf_tpu's loops do not cover (beam search, assisted decoding, a user cache it cannot copy in, extra model
+Anything hf_tpu's loops do not cover (assisted decoding, beam search the beam loop cannot serve, a user cache it cannot copy in, extra model
 inputs, non-static ``cache_implementation``, ...) runs upstream's code unchanged, its inputs moved to the TPU as
 upstream's own ``prepare_inputs_for_generation`` moves them (:func:`_inputs_on_model_device`). The route of a call
 (which loop, and why) is decided in :mod:`hf_tpu.transformers.route`, which asks this module about the call's

@@ -23,7 +23,7 @@ classes) and plugs its own decoding loop in through upstream's ``custom_generate
 * returns the output on the device the inputs came from.
 
 Generation without a cache runs a loop of its own (:mod:`hf_tpu.transformers._cacheless`). Anything neither loop
-covers (beam search, assisted decoding, attentions and hidden states of an encoder-decoder model, a user cache it
+covers (assisted decoding, beam search :mod:`hf_tpu.transformers._beam` cannot serve, attentions and hidden states of an encoder-decoder model, a user cache it
 cannot copy in (:mod:`hf_tpu.transformers._cache.handoff`: the
 cache in and out), a model that fails the checks of the loop without a cache, ...) runs upstream's code unchanged,
 with a warning that names the cost on a TPU.

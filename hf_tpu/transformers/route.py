@@ -7,7 +7,8 @@ Four loops can serve a call on a TPU, tried in this order:
   forward that branches on the cache length (:class:`~hf_tpu.transformers._cache.layer_classes.HostLengthLayer`);
 * ``"cacheless"``: hf_tpu's loop without a cache (:mod:`hf_tpu.transformers._cacheless`), for ``use_cache=False``,
   a model that keeps no cache, or one whose cached forms cannot run;
-* ``"upstream"``: upstream's own loop, unchanged (beam search, assisted decoding, a model none of the above serves).
+* ``"upstream"``: upstream's own loop, unchanged (assisted decoding, a model none of the above serves, beam search
+  the beam loop of :mod:`hf_tpu.transformers._beam` cannot serve: a beam call it serves takes the cached route).
 
 A model's route (what a call with a cache takes) is decided once, from what can be checked before tracing
 (:func:`model_route`), kept in the model's state as one :class:`Route`, and demoted in one place when a graph
@@ -67,8 +68,8 @@ def explain(model, **generate_kwargs) -> Route:
         >>> from hf_tpu.transformers import explain                     # doctest: +SKIP
         >>> explain(model).loop                                         # doctest: +SKIP
         'cached'
-        >>> explain(model, num_beams=2)                                 # doctest: +SKIP
-        Route(loop='upstream', reason='beam_search is not supported by the bucketed loop ...', warn=True, ...)
+        >>> explain(model, num_beams=2, use_cache=False)                # doctest: +SKIP
+        Route(loop='upstream', reason="beam search on ...: hf_tpu's beam loop runs on its cached loop only ...", ...)
     """
     own = own_generate(model)
     if own:

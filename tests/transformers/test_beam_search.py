@@ -193,3 +193,16 @@ def test_beam_calls_only_upstream_serves_say_why(pair, llama, prompts):
     t5_cpu, t5 = pair("t5")
     route = explain(t5, input_ids=ids, **kwargs)
     assert route.loop == "upstream" and "encoder-decoder" in route.reason
+
+
+def test_a_processor_without_device_form_sends_the_beam_call_upstream(llama, prompts):
+    # the processors are built inside upstream's generate: the beam loop finds this one has no device form, and the
+    # call (not the model) runs upstream's loop, with the reason
+    cpu, tpu = llama
+    ids, mask = prompts([6])
+    kwargs = dict(max_new_tokens=3, num_beams=2, do_sample=False, pad_token_id=0, encoder_repetition_penalty=1.3)
+    generation.WARNED.clear()
+    with pytest.warns(UserWarning, match="EncoderRepetitionPenaltyLogitsProcessor has no device form"):
+        got = tpu.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(got, cpu.generate(ids, attention_mask=mask, **kwargs))
+    assert explain(tpu).loop == "cached"  # the model's route stays
