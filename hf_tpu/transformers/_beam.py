@@ -17,6 +17,7 @@ runs upstream's loop with the reason.
 
 from __future__ import annotations
 
+from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._cache.handoff import full_attention_only, returned_cache
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
@@ -92,8 +93,6 @@ def _problem(model, args: dict, config, model_kwargs: dict, route) -> str | None
 
     if any(model_kwargs.get(k) is not None for k in CACHE_NAMES):
         return "beam search from a cache passed in: the beam loop starts from the prompt"
-    if config.output_attentions or config.output_hidden_states:
-        return "beam search with output_attentions/output_hidden_states: the beam graphs do not return them"
     if not _state(model).settings.device_sampling:
         return "beam search with device sampling off (configure(model, device_sampling=False)): its processors run in the graph only"
     procs = args.get("logits_processor") or []
@@ -232,9 +231,11 @@ def beam_loop(
         error = NotCompilableError(f"beam search: {plan}: its processors run in the graph only")
         error.reason = str(error)
         raise error
+    flags = step_outputs.asked(config)  # output_attentions / output_hidden_states: graphs of their own
     variant = plan.variant + beam_variant(num_beams, keep, checked, config.early_stopping, do_sample)
+    variant += step_outputs.variant(flags)
     shapes = plan_shapes(model, rows, prompt_len, max_new, variant=variant, kind="beam_prefill")
-    extra = _extra(model)
+    extra = {**_extra(model), **flags}
     if extra.get(_ALIGNED):  # pragma: no cover - route.beam_problem refuses these models
         raise AssertionError("the beam loop does not place a prompt-first model's prompt")
 
@@ -268,6 +269,8 @@ def beam_loop(
     want_scores = bool(config.return_dict_in_generate and config.output_scores)
     want_logits = bool(config.return_dict_in_generate and config.output_logits)
     scores, raw_logits = (), ()
+    static_len = config.max_length - 1 if config.cache_implementation == "static" else None
+    outputs = step_outputs.StepOutputs(flags, key_width=static_len) if flags else None
 
     set_length(cache, 0)
     packed = torch.cat([ids, pos], dim=1).to(device)
@@ -275,7 +278,11 @@ def beam_loop(
     set_decoding(cache, True)
     steps = 0
     while True:
-        finished, step_scores, step_logits = result
+        finished, step_scores, step_logits = result[:3]
+        if outputs is not None:  # this step's forward: the prompt at the prefill, then one token per beam
+            first = steps == 0
+            queries = slice(pad, shapes.prompt_bucket) if first else slice(0, 1)
+            outputs.add(result[3], queries, slice(pad, shapes.prompt_bucket + steps))
         steps += 1
         if want_scores:
             scores += (step_scores.to("cpu"),)
@@ -295,8 +302,6 @@ def beam_loop(
     beam_indices = beam_indices[:, :generated]
     if not config.return_dict_in_generate:
         return sequences
-    cache_out = None
-    static_len = config.max_length - 1 if config.cache_implementation == "static" else None
     cache_out = returned_cache(model, cache, pad, shapes.prompt_bucket + steps - 1, static_len)
     fields = {output_cache_field(GenerateBeamDecoderOnlyOutput): cache_out} if cache_out is not None else {}
     return GenerateBeamDecoderOnlyOutput(
@@ -305,6 +310,8 @@ def beam_loop(
         scores=scores if want_scores else None,
         logits=raw_logits if want_logits else None,
         beam_indices=beam_indices,
+        attentions=None if outputs is None else outputs.attentions,
+        hidden_states=None if outputs is None else outputs.hidden_states,
         **fields,
     )
 

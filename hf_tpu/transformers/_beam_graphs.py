@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_tpu.transformers._step_outputs import with_outputs
+
 __all__: list[str] = []
 
 # The static description of a beam call a graph is traced for (all part of its key's kind):
@@ -34,14 +36,14 @@ __all__: list[str] = []
 Spec = tuple
 
 
-def _forward_last_logits(model, ids, positions, mask, cache, extra):
+def _forward(model, ids, positions, mask, cache, extra):
+    """The forward's outputs (with the attentions and hidden states ``extra`` asks for)."""
     from hf_tpu.transformers._signatures import cache_name
 
-    out = model(
+    return model(
         input_ids=ids, position_ids=positions, attention_mask=mask, **{cache_name(): cache}, use_cache=True,
         return_dict=True, **extra,
     )  # fmt: skip
-    return out.logits[:, -1, :].float()
 
 
 def _beam_prefill(model, packed, mask, cache, extra, spec: Spec, beam: dict, sampling=None):
@@ -50,10 +52,8 @@ def _beam_prefill(model, packed, mask, cache, extra, spec: Spec, beam: dict, sam
     from hf_tpu.transformers._cache.layers import prefill_mask
 
     q = packed.shape[1] // 2
-    logits = _forward_last_logits(
-        model, packed[:, :q], packed[:, q:], prefill_mask(cache, mask, q), cache, extra
-    )
-    return _beam_step(model, logits, cache, spec, beam, sampling)
+    out = _forward(model, packed[:, :q], packed[:, q:], prefill_mask(cache, mask, q), cache, extra)
+    return with_outputs(_beam_step(model, out.logits[:, -1, :].float(), cache, spec, beam, sampling), out, extra)
 
 
 def _beam_decode(model, mask, cache, extra, spec: Spec, beam: dict, sampling=None):
@@ -66,8 +66,8 @@ def _beam_decode(model, mask, cache, extra, spec: Spec, beam: dict, sampling=Non
     tokens = beam["seqs"][:, :, -1].reshape(batch * num_beams, 1)
     positions = (beam["last_position"] + beam["generated"])[:, None]
     advance(sampling, tokens)
-    logits = _forward_last_logits(model, tokens, positions, decode_mask(cache, mask), cache, extra)
-    return _beam_step(model, logits, cache, spec, beam, sampling)
+    out = _forward(model, tokens, positions, decode_mask(cache, mask), cache, extra)
+    return with_outputs(_beam_step(model, out.logits[:, -1, :].float(), cache, spec, beam, sampling), out, extra)
 
 
 def _shift(buffer, fill):

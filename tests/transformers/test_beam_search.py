@@ -178,7 +178,6 @@ def test_beam_calls_only_upstream_serves_say_why(pair, llama, prompts):
     cases = [
         ({"stopping_criteria": StoppingCriteriaList([_Never()])}, "stopping_criteria of your own"),
         ({"use_cache": False}, "runs on its cached loop only"),
-        ({"output_hidden_states": True, "return_dict_in_generate": True}, "output_attentions/output_hidden_states"),
     ]
     generation.WARNED.clear()
     for extra, reason in cases:
@@ -206,3 +205,35 @@ def test_a_processor_without_device_form_sends_the_beam_call_upstream(llama, pro
         got = tpu.generate(ids, attention_mask=mask, **kwargs)
     assert torch.equal(got, cpu.generate(ids, attention_mask=mask, **kwargs))
     assert explain(tpu).loop == "cached"  # the model's route stays
+
+
+def test_attentions_and_hidden_states_come_from_the_beam_graphs(prompts):
+    # as the greedy loop's (tests/transformers/test_step_outputs.py): each forward's, cut to upstream's shapes; the
+    # rows of the caller's own padding tokens (mask 0, read by no token) are left out of the comparison
+    import copy
+
+    from hf_tpu.testing import tiny_config, tiny_model
+
+    config = tiny_config("llama", vocab_size=96)
+    config._attn_implementation = "eager"  # (sdpa computes no attention weights)
+    cpu = tiny_model("llama", config=config)
+    tpu = copy.deepcopy(cpu).to("tpu")
+    ids, mask = prompts([4, 6], seed=1)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, num_beams=2, do_sample=False, eos_token_id=None,
+                  pad_token_id=0, output_attentions=True, output_hidden_states=True, **DICT)  # fmt: skip
+    assert explain(tpu, input_ids=ids, **kwargs).loop == "cached"
+    got, expected = tpu.generate(ids, **kwargs), cpu.generate(ids, **kwargs)
+    _assert_same(got, expected)
+    rows = mask.repeat_interleave(2, dim=0).bool()  # the prompt's rows, per beam
+    for mine, theirs, attention in ((got.attentions, expected.attentions, True),
+                                    (got.hidden_states, expected.hidden_states, False)):  # fmt: skip
+        assert len(mine) == len(theirs) == 4
+        for step, (ours, up) in enumerate(zip(mine, theirs)):
+            assert len(ours) == len(up) > 0
+            for a, b in zip(ours, up):
+                assert a.shape == b.shape, (step, a.shape, b.shape)
+                if attention:
+                    a, b = a.transpose(1, 2), b.transpose(1, 2)
+                keep = rows if step == 0 else torch.ones(a.shape[:2], dtype=torch.bool)
+                torch.testing.assert_close(a[keep], b[keep], rtol=1e-5, atol=1e-5)
+    assert any(k[0].endswith("+attentions+hidden_states") for k in generation.compiled_graphs(tpu))
