@@ -3,8 +3,14 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from _timeouts import SAFETY_TIMEOUT_S
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_tpu
@@ -237,3 +243,41 @@ def test_attentions_and_hidden_states_come_from_the_beam_graphs(prompts):
                 keep = rows if step == 0 else torch.ones(a.shape[:2], dtype=torch.bool)
                 torch.testing.assert_close(a[keep], b[keep], rtol=1e-5, atol=1e-5)
     assert any(k[0].endswith("+attentions+hidden_states") for k in generation.compiled_graphs(tpu))
+
+
+_CACHED_PROCESS = """
+import json, sys, torch
+import hf_tpu, hf_tpu.sim
+from transformers import AutoModelForCausalLM
+hf_tpu.sim.enable()
+hf_tpu.enable("generation")
+cpu = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+tpu = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval().to("tpu")
+report = hf_tpu.warmup(tpu, max_prompt_len=16, batch_sizes=[2], max_new_tokens=5, num_beams=3, progress=False,
+                       cache_dir=sys.argv[2])
+ids = torch.tensor([[0, 0, 5, 17, 33, 8, 61], [9, 9, 41, 2, 70, 12, 4]])
+mask = (torch.arange(7) >= torch.tensor([[2], [0]])).long()
+kw = dict(attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0)
+with hf_tpu.sim.stats() as s:
+    got = tpu.generate(ids, **kw)
+print("RESULT", json.dumps({"warm_compiles": report.new_compiles, "from_cache": report.from_cache,
+                            "compiles": s.compiles, "same": torch.equal(got, cpu.generate(ids, **kw))}))
+"""
+
+
+def test_beam_graphs_come_from_the_persistent_compile_cache_in_a_new_process(llama, model_root, tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+    def process() -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", _CACHED_PROCESS, str(model_root / "llama"), str(tmp_path / "cache")],
+            capture_output=True, text=True, env=env, timeout=SAFETY_TIMEOUT_S, cwd=root,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads([ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")][-1].split(" ", 1)[1])
+
+    first, second = process(), process()
+    assert first["same"] and second["same"]
+    assert first["warm_compiles"] > 0 and first["compiles"] == 0
+    assert second["warm_compiles"] == 0 and second["from_cache"] >= 4 and second["compiles"] == 0, second
