@@ -25,7 +25,7 @@ from hf_tpu.transformers._decode_loop import _extra, _output_vocab
 from hf_tpu.transformers._graphs import _ALIGNED
 from hf_tpu.transformers._graphs import _run as _run_graph
 from hf_tpu.transformers._pad_id import fill_id
-from hf_tpu.transformers._settings import CACHED, NotCompilableError, _state
+from hf_tpu.transformers._settings import CACHED, CACHELESS, NotCompilableError, _state
 from hf_tpu.transformers._signatures import output_cache_field
 from hf_tpu.transformers._upstream import numbers_by_cache_length
 from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
@@ -70,11 +70,11 @@ def _problem(model, args: dict, config, model_kwargs: dict, route) -> str | None
     name = type(model).__name__
     if model.config.is_encoder_decoder:
         return "beam search on an encoder-decoder model: hf_tpu's beam loop serves decoder-only models only"
-    if route.loop != CACHED:
-        return f"beam search on {name}: hf_tpu's beam loop runs on its cached loop only, and {route}"
-    if numbers_by_cache_length(model):
+    if route.loop not in (CACHED, CACHELESS):
+        return f"beam search on {name}: hf_tpu's beam loop runs on the cached loop and the loop without a cache, and {route}"
+    if route.loop == CACHED and numbers_by_cache_length(model):
         return f"beam search on {name}: its prompt goes first in the bucketed cache, which the beam loop does not place"
-    if not full_attention_only(model):
+    if route.loop == CACHED and not full_attention_only(model):
         return f"beam search on {name}: its cache has layer kinds other than full attention, which the beam loop does not reorder yet"
     if args.get("streamer") is not None:
         return f"beam search with a streamer {_UPSTREAM_ERROR}"
@@ -207,7 +207,6 @@ def beam_loop(
     """``custom_generate`` callable for beam search and beam sampling on the bucketed cache."""
     import torch
     import torch.nn.functional as F
-    from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
     from hf_tpu.transformers.sampling import device_plan
 
@@ -234,6 +233,10 @@ def beam_loop(
     flags = step_outputs.asked(config)  # output_attentions / output_hidden_states: graphs of their own
     variant = plan.variant + beam_variant(num_beams, keep, checked, config.early_stopping, do_sample)
     variant += step_outputs.variant(flags)
+    if (hf_tpu_plan or {}).get("route") is not None and hf_tpu_plan["route"].loop == CACHELESS:
+        return _cacheless_beam(
+            model, input_ids, config, model_kwargs, plan, variant, flags, max_new, keep, checked, eos, do_sample
+        )
     shapes = plan_shapes(model, rows, prompt_len, max_new, variant=variant, kind="beam_prefill")
     extra = {**_extra(model), **flags}
     if extra.get(_ALIGNED):  # pragma: no cover - route.beam_problem refuses these models
@@ -292,6 +295,22 @@ def beam_loop(
             break
         result = _run(model, state, decode_key, mask_dev, cache, extra, spec, beam, sampling)
 
+    cache_out = None
+    if config.return_dict_in_generate:
+        cache_out = returned_cache(model, cache, pad, shapes.prompt_bucket + steps - 1, static_len)
+    return _outputs(config, input_ids, beam, width, steps, scores, raw_logits, outputs, cache_out)
+
+
+def _outputs(config, input_ids, beam: dict, width: int, steps: int, scores, raw_logits, outputs, cache_out):
+    """What upstream's ``_beam_search`` returns, from the device state after ``steps`` steps."""
+    import torch
+    from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
+
+    num_beams = int(config.num_beams)
+    rows, prompt_len = input_ids.shape
+    batch = rows // num_beams
+    want_scores = bool(config.return_dict_in_generate and config.output_scores)
+    want_logits = bool(config.return_dict_in_generate and config.output_logits)
     returns = min(int(config.num_return_sequences), num_beams)
     sequences = beam["sequences"].to("cpu")[:, :returns, width - steps :].reshape(batch * returns, steps)
     beam_scores = beam["beam_scores"].to("cpu")[:, :returns].reshape(-1)
@@ -302,7 +321,6 @@ def beam_loop(
     beam_indices = beam_indices[:, :generated]
     if not config.return_dict_in_generate:
         return sequences
-    cache_out = returned_cache(model, cache, pad, shapes.prompt_bucket + steps - 1, static_len)
     fields = {output_cache_field(GenerateBeamDecoderOnlyOutput): cache_out} if cache_out is not None else {}
     return GenerateBeamDecoderOnlyOutput(
         sequences=sequences,
@@ -314,6 +332,57 @@ def beam_loop(
         hidden_states=None if outputs is None else outputs.hidden_states,
         **fields,
     )
+
+
+def _cacheless_beam(model, input_ids, config, model_kwargs, plan, variant, flags, max_new, keep, checked, eos,
+                    do_sample):
+    """Beam search without a cache (``use_cache=False``, a model that keeps none): the loop of
+    :mod:`hf_tpu.transformers._cacheless` (the ids in a buffer as long as the bucket, the prompt first, the whole
+    buffer through the model each step), its rows following the running beams."""
+    import torch
+
+    from hf_tpu.transformers import _cacheless
+
+    state, device = _state(model), model.device
+    rows, prompt_len = input_ids.shape
+    num_beams = int(config.num_beams)
+    batch = rows // num_beams
+    length = _cacheless._length_for(model, state, rows, prompt_len, max_new, "beam" + variant)
+    pad_id = fill_id(model, config._pad_token_tensor, config._eos_token_tensor)
+    ids, mask, positions = _cacheless._layout(model, input_ids, model_kwargs, length, max_new, pad_id)
+    ids_dev, mask_dev = ids.to(device), mask.to(device)
+    positions_dev = None if positions is None else positions.to(device)
+    extra = {**_cacheless._extra(model), **flags}
+    sampling = plan.to_device(device, length + 1, 0)
+    width = length  # the new-token columns of the beam buffers (at least max_new)
+    last = positions[:, prompt_len - 1].clone() if positions is not None else torch.zeros(rows, dtype=torch.long)
+    spec = (batch, num_beams, keep, config.early_stopping, do_sample, checked, width)
+    beam = _beam_state(batch, num_beams, width, _output_fill(config), max_new, last, eos,
+                       _divisors(config, width, max_new), device)  # fmt: skip
+    beam["slot"] = torch.tensor([prompt_len - 1]).to(device)  # the prompt's last slot; each step one more
+    prefill_key = ("beam_cacheless_prefill" + variant, rows, length)
+    decode_key = ("beam_cacheless_decode" + variant, rows, length)
+    want_scores = bool(config.return_dict_in_generate and config.output_scores)
+    want_logits = bool(config.return_dict_in_generate and config.output_logits)
+    scores, raw_logits = (), ()
+    outputs = step_outputs.StepOutputs(flags) if flags else None
+    args = (mask_dev, positions_dev, extra, spec, beam, sampling)
+    result = _run(model, state, prefill_key, ids_dev, *args)
+    steps = 0
+    while True:
+        finished, step_scores, step_logits = result[:3]
+        if outputs is not None:  # upstream's forward without a cache: the whole sequence each step
+            seen = prompt_len + steps
+            outputs.add(result[3], slice(0, seen), slice(0, seen))
+        steps += 1
+        if want_scores:
+            scores += (step_scores.to("cpu"),)
+        if want_logits:
+            raw_logits += (step_logits.to("cpu"),)
+        if bool(finished.to("cpu")[0]) or steps >= max_new:
+            break
+        result = _run(model, state, decode_key, ids_dev, *args)
+    return _outputs(config, input_ids, beam, width, steps, scores, raw_logits, outputs, None)
 
 
 def warm(model, plan: ShapePlan, num_beams: int) -> list[tuple]:

@@ -70,6 +70,39 @@ def _beam_decode(model, mask, cache, extra, spec: Spec, beam: dict, sampling=Non
     return with_outputs(_beam_step(model, out.logits[:, -1, :].float(), cache, spec, beam, sampling), out, extra)
 
 
+def _beam_cacheless_prefill(model, ids, mask, positions, extra, spec: Spec, beam: dict, sampling=None):
+    """Without a cache (hf_tpu.transformers._cacheless's layout: the ids in a buffer as long as the bucket, the prompt
+    first): the model over the buffer, the logits at the prompt's last slot, then the first beam step; the buffer's
+    rows follow the running beams."""
+    out, logits = _cacheless_forward(model, ids, beam["slot"], mask, positions, extra)
+    return with_outputs(_beam_step(model, logits, None, spec, beam, sampling, (ids,)), out, extra)
+
+
+def _beam_cacheless_decode(model, ids, mask, positions, extra, spec: Spec, beam: dict, sampling=None):
+    """Without a cache: the running beams' last tokens written into the buffer at the next slot, the model over the
+    buffer, the logits at that slot, then a beam step."""
+    from hf_tpu.transformers.sampling import advance
+
+    batch, num_beams = spec[0], spec[1]
+    tokens = beam["seqs"][:, :, -1].reshape(batch * num_beams, 1)
+    slot = beam["slot"] + beam["generated"]
+    ids.index_copy_(1, slot, tokens)
+    advance(sampling, tokens)
+    out, logits = _cacheless_forward(model, ids, slot, mask, positions, extra)
+    return with_outputs(_beam_step(model, logits, None, spec, beam, sampling, (ids,)), out, extra)
+
+
+def _cacheless_forward(model, ids, slot, mask, positions, extra):
+    kwargs = dict(extra)
+    if positions is not None:
+        kwargs["position_ids"] = positions
+    if model._supports_logits_to_keep():
+        kwargs["logits_to_keep"] = slot  # a tensor of indices: the logits of that slot only
+    out = model(input_ids=ids, attention_mask=mask, return_dict=True, **kwargs)
+    logits = out.logits if "logits_to_keep" in kwargs else out.logits.index_select(1, slot)
+    return out, logits[:, -1, :].float()
+
+
 def _shift(buffer, fill):
     """``buffer`` one column to the left, ``fill`` (an int, or a ``(1,)`` tensor: a value of the call) in its last
     column (the column this step writes)."""
@@ -82,9 +115,9 @@ def _shift(buffer, fill):
     return torch.cat([buffer[..., 1:], last], dim=-1)
 
 
-def _beam_step(model, logits, cache, spec: Spec, beam: dict, sampling) -> tuple[Any, Any, Any]:
+def _beam_step(model, logits, cache, spec: Spec, beam: dict, sampling, buffers: tuple = ()) -> tuple[Any, Any, Any]:
     """One iteration of upstream's ``_beam_search`` after its forward, on the device state ``beam`` (updated in
-    place). Returns ``(finished, scores, logits)``: whether the whole search stopped (``(1,)`` bool, the one value
+    place); ``cache`` (None without one) and ``buffers`` (per-row tensors) follow the running beams. Returns ``(finished, scores, logits)``: whether the whole search stopped (``(1,)`` bool, the one value
     the host reads per step), the processed log-probabilities and the raw logits (copied back only when asked)."""
     import torch
     from transformers.generation.utils import GenerationMixin as G
@@ -141,7 +174,10 @@ def _beam_step(model, logits, cache, spec: Spec, beam: dict, sampling) -> tuple[
 
     # the cache and the processors' state follow the running beams
     beam_idx = G._flatten_beam_dim(running_beam_indices[..., -1]).long()
-    _reorder_cache(cache, beam_idx)
+    if cache is not None:
+        _reorder_cache(cache, beam_idx)
+    for buffer in buffers:
+        buffer.copy_(buffer.index_select(0, beam_idx))
     if sampling is not None:
         _reorder_sampling(sampling, beam_idx)
 

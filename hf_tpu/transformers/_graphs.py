@@ -183,6 +183,8 @@ _GRAPHS: dict[str, Callable] = {
     # beam search (hf_tpu.transformers._beam): the forward, then upstream's beam step, in one graph
     "beam_prefill": _beam_graphs._beam_prefill,
     "beam_decode": _beam_graphs._beam_decode,
+    "beam_cacheless_prefill": _beam_graphs._beam_cacheless_prefill,
+    "beam_cacheless_decode": _beam_graphs._beam_cacheless_decode,
 }
 # Graph kinds carry the device plan's variant after a "+" ("decode+temperature+top_k+sample"): the processors
 # (and sampler) the graph runs on the device. The variant of greedy search with a lone repetition penalty:
@@ -224,6 +226,8 @@ def _describe(key: tuple) -> str:
         "cacheless_decode": ("cache bucket",),
         "beam_prefill": ("prompt bucket", "cache bucket"),
         "beam_decode": ("cache bucket",),
+        "beam_cacheless_prefill": ("cache bucket",),
+        "beam_cacheless_decode": ("cache bucket",),
     }[kind.split("+", 1)[0]]
     return f"{kind} graph for batch={batch}, " + ", ".join(f"{n}={v}" for n, v in zip(names, rest))
 

@@ -183,7 +183,6 @@ def test_beam_calls_only_upstream_serves_say_why(pair, llama, prompts):
     kwargs = dict(max_new_tokens=3, num_beams=2, do_sample=False, pad_token_id=0)
     cases = [
         ({"stopping_criteria": StoppingCriteriaList([_Never()])}, "stopping_criteria of your own"),
-        ({"use_cache": False}, "runs on its cached loop only"),
     ]
     generation.WARNED.clear()
     for extra, reason in cases:
@@ -281,3 +280,36 @@ def test_beam_graphs_come_from_the_persistent_compile_cache_in_a_new_process(lla
     assert first["same"] and second["same"]
     assert first["warm_compiles"] > 0 and first["compiles"] == 0
     assert second["warm_compiles"] == 0 and second["from_cache"] >= 4 and second["compiles"] == 0, second
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["beam_search", "beam_sample"])
+def test_beam_search_without_a_cache(llama, prompts, do_sample):
+    # use_cache=False (transformers' own dict-output beam tests pass it): the loop without a cache, its buffer's rows
+    # following the beams; with the attentions and hidden states of each forward over the whole sequence
+    cpu, tpu = llama
+    ids, mask = prompts([4, 7], seed=2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, num_beams=2, num_return_sequences=2, do_sample=do_sample,
+                  use_cache=False, eos_token_id=None, pad_token_id=0, output_logits=True, output_hidden_states=True,
+                  **DICT)  # fmt: skip
+    assert explain(tpu, input_ids=ids, **kwargs).loop == "cacheless"
+    torch.manual_seed(0)
+    got = tpu.generate(ids, **kwargs)
+    assert {k[0].split("+", 1)[0] for k in generation.compiled_graphs(tpu)} >= {"beam_cacheless_prefill",
+                                                                                 "beam_cacheless_decode"}
+    torch.manual_seed(0)
+    expected = cpu.generate(ids, **kwargs)
+    if do_sample:  # the device's draws: the first step's scores are the prompt's, and each hypothesis scores its tokens
+        torch.testing.assert_close(got.scores[0], expected.scores[0], rtol=1e-5, atol=1e-5)
+        transition = cpu.compute_transition_scores(got.sequences, got.scores, got.beam_indices)
+        lengths = (got.beam_indices >= 0).sum(dim=1)
+        torch.testing.assert_close(transition.sum(dim=1) / lengths, got.sequences_scores, rtol=1e-5, atol=1e-5)
+        return
+    _assert_same(got, expected)
+    rows = mask.repeat_interleave(2, dim=0).bool()
+    assert len(got.hidden_states) == len(expected.hidden_states) == 5
+    for step, (ours, up) in enumerate(zip(got.hidden_states, expected.hidden_states)):
+        for a, b in zip(ours, up, strict=True):
+            assert a.shape == b.shape, (step, a.shape, b.shape)
+            keep = torch.ones(a.shape[:2], dtype=torch.bool)
+            keep[:, : rows.shape[1]] = rows
+            torch.testing.assert_close(a[keep], b[keep], rtol=1e-5, atol=1e-5)

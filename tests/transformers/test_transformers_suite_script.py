@@ -1,7 +1,7 @@
 """``scripts/run_transformers_tests.py --hf-tpu`` on a stand-in for transformers' test tree (its model tests are not in
 the wheel): the third run enables hf_tpu's generation, and the summary counts, per model family, the tests that ran
-hf_tpu's loop (greedy and beam search do; beam search without a cache runs upstream's) and those that pass with hf_tpu
-off and on."""
+hf_tpu's loop (greedy and beam search do; beam search with a stopping criterion of its own runs upstream's) and those
+that pass with hf_tpu off and on."""
 
 from __future__ import annotations
 
@@ -33,9 +33,14 @@ class TestLlamaStandIn:
         ids = torch.tensor([[5, 6, 7]], device=torch_device)
         assert _model().generate(ids, max_new_tokens=3, num_beams=2, do_sample=False).shape == (1, 6)
 
-    def test_beam_search_without_a_cache(self):
+    def test_beam_search_with_a_stopping_criterion(self):
+        class Never(transformers.StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
         ids = torch.tensor([[5, 6, 7]], device=torch_device)
-        out = _model().generate(ids, max_new_tokens=3, num_beams=2, do_sample=False, use_cache=False)
+        stop = transformers.StoppingCriteriaList([Never()])
+        out = _model().generate(ids, max_new_tokens=3, num_beams=2, do_sample=False, stopping_criteria=stop)
         assert out.shape == (1, 6)
 
     def test_runs_on_the_tpu_when_asked(self):
