@@ -212,7 +212,8 @@ def test_a_processor_without_device_form_sends_the_beam_call_upstream(llama, pro
     assert explain(tpu).loop == "cached"  # the model's route stays
 
 
-def test_attentions_and_hidden_states_come_from_the_beam_graphs(prompts):
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+def test_attentions_and_hidden_states_come_from_the_beam_graphs(prompts, use_cache):
     # as the greedy loop's (tests/transformers/test_step_outputs.py): each forward's, cut to upstream's shapes; the
     # rows of the caller's own padding tokens (mask 0, read by no token) are left out of the comparison
     import copy
@@ -225,8 +226,9 @@ def test_attentions_and_hidden_states_come_from_the_beam_graphs(prompts):
     tpu = copy.deepcopy(cpu).to("tpu")
     ids, mask = prompts([4, 6], seed=1)
     kwargs = dict(attention_mask=mask, max_new_tokens=4, num_beams=2, do_sample=False, eos_token_id=None,
-                  pad_token_id=0, output_attentions=True, output_hidden_states=True, **DICT)  # fmt: skip
-    assert explain(tpu, input_ids=ids, **kwargs).loop == "cached"
+                  pad_token_id=0, output_attentions=True, output_hidden_states=True, use_cache=use_cache,
+                  **DICT)  # fmt: skip
+    assert explain(tpu, input_ids=ids, **kwargs).loop == ("cached" if use_cache else "cacheless")
     got, expected = tpu.generate(ids, **kwargs), cpu.generate(ids, **kwargs)
     _assert_same(got, expected)
     rows = mask.repeat_interleave(2, dim=0).bool()  # the prompt's rows, per beam
@@ -239,7 +241,9 @@ def test_attentions_and_hidden_states_come_from_the_beam_graphs(prompts):
                 assert a.shape == b.shape, (step, a.shape, b.shape)
                 if attention:
                     a, b = a.transpose(1, 2), b.transpose(1, 2)
-                keep = rows if step == 0 else torch.ones(a.shape[:2], dtype=torch.bool)
+                keep = torch.ones(a.shape[:2], dtype=torch.bool)  # (rows, queries): the prompt's by its mask
+                if step == 0 or not use_cache:
+                    keep[:, : rows.shape[1]] = rows
                 torch.testing.assert_close(a[keep], b[keep], rtol=1e-5, atol=1e-5)
     assert any(k[0].endswith("+attentions+hidden_states") for k in generation.compiled_graphs(tpu))
 
