@@ -93,6 +93,10 @@ def _problem(model, args: dict, config, model_kwargs: dict, route) -> str | None
 
     if any(model_kwargs.get(k) is not None for k in CACHE_NAMES):
         return "beam search from a cache passed in: the beam loop starts from the prompt"
+    taken = {"input_ids", "attention_mask", "position_ids", "use_cache", "output_attentions", "output_hidden_states"}
+    other = sorted(k for k, v in model_kwargs.items() if v is not None and k not in taken and k not in CACHE_NAMES)
+    if other:  # (images, audio features, ...: inputs other loops of hf_tpu may take)
+        return f"beam search with model inputs {other}: the beam loop takes input_ids only"
     if not _state(model).settings.device_sampling:
         return "beam search with device sampling off (configure(model, device_sampling=False)): its processors run in the graph only"
     procs = args.get("logits_processor") or []
