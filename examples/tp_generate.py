@@ -82,6 +82,8 @@ def run(args: argparse.Namespace, path: str) -> None:
         print(f"[rank 0] device {model.device}, tp_size={world}: {text}", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+    if args.compare and not same:
+        raise SystemExit(1)  # a shell, CI or the docs' test sees the mismatch, not only the line above
 
 
 if __name__ == "__main__":

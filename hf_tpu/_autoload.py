@@ -22,3 +22,10 @@ def load() -> None:
     from hf_tpu.distributed import _bootstrap
 
     _bootstrap._prepare()
+    import warnings
+
+    from hf_tpu._launch_env import slice_mismatch
+
+    mismatch = slice_mismatch(os.environ)
+    if mismatch:  # said by every rank of the host: each is started in the mismatched slice
+        warnings.warn(f"hf_tpu.sim: {mismatch}", UserWarning, stacklevel=2)

@@ -122,3 +122,31 @@ def set_simulated_launch_env(
         once("TORCH_TPU_SLICEBUILDER_ADDRESSES", lambda: ",".join(f"localhost:{_free_port()}" for _ in range(count)))
         once("TORCH_TPU_TOPOLOGY", mesh)
     return {k: v for k, v in env.items() if before.get(k) != v}
+
+
+def slice_mismatch(env: os._Environ | dict) -> str | None:
+    """In a rank torchrun started: a message when the launch environment describes a different number of devices
+    on this host than torchrun started processes, else None.
+
+    torch_tpu's ``set_tpu_launch_env()`` with no ``nproc_per_node`` describes every chip of the host (a 4-chip
+    host: ``TORCH_TPU_TOPOLOGY=2,2,1`` and 4 slice-builder addresses) whatever torchrun's ``--nproc_per_node``
+    says afterwards (torch-tpu 0.2.0, ``_internal/distributed/distributed.py``); ``hf_tpu.sim``'s stand-in does the
+    same. Two ranks in a four-device slice is a launch mistake on a TPU VM: this names it and the call that fixes
+    it, on the simulator as well.
+    """
+    addresses = [a for a in env.get("TORCH_TPU_SLICEBUILDER_ADDRESSES", "").split(",") if a]
+    local_world = env.get("LOCAL_WORLD_SIZE")
+    if not addresses or not local_world or not local_world.isdigit():
+        return None
+    nnodes = int(env.get("NNODES") or env.get("GROUP_WORLD_SIZE") or 1)
+    per_host = len(addresses) // max(nnodes, 1)
+    ranks = int(local_world)
+    if per_host == ranks:
+        return None
+    return (
+        f"this host's launch environment describes {per_host} TPU devices (TORCH_TPU_TOPOLOGY="
+        f"{env.get('TORCH_TPU_TOPOLOGY', '?')}, {per_host} slice-builder addresses) but torchrun started {ranks} "
+        f"process(es) here: call torch.tpu.distributed.set_tpu_launch_env(nproc_per_node={ranks}) before torchrun's "
+        f"main (torch_tpu then describes a {ranks}-device slice, or refuses a count the TPU generation has no "
+        "layout for), or use hf-tpu launch, which passes it"
+    )

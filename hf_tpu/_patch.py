@@ -52,6 +52,7 @@ INTEGRATIONS: dict[str, str] = {
     "tensor_parallel": "hf_tpu.distributed.tp_plan:apply",
     "kernels": "hf_tpu.kernels:apply",
     "generation": "hf_tpu.transformers._integration:apply",
+    "encoders": "hf_tpu.encoders._integration:apply",
     "serving": "hf_tpu.serving._integration:apply",
     "diffusers": "hf_tpu.diffusers.placement:apply",
     "training": "hf_tpu.training._integration:apply",

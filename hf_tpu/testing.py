@@ -10,7 +10,8 @@ hf_tpu's simulated device (``hf_tpu.sim.enable()``), against the same model on t
     tpu = AutoModelForCausalLM.from_pretrained(path, device_map="tpu")
 
 Every size is a keyword override of the config (``tiny_config("llama", num_key_value_heads=1)``). Diffusers
-pipelines have their own builders in :mod:`hf_tpu.diffusers.testing`.
+pipelines have their own builders in :mod:`hf_tpu.diffusers.testing`. Encoders (BERT, XLM-R, ModernBERT) come
+from :func:`tiny_encoder`, with a word-level tokenizer from :func:`tiny_tokenizer` (``w0 w1 ...`` are its words).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["FAMILIES", "tiny_config", "tiny_model"]
+__all__ = [
+    "ENCODER_FAMILIES", "ENCODER_WORDS", "FAMILIES", "tiny_config", "tiny_encoder", "tiny_model", "tiny_tokenizer",
+]
 
 # Shared by the decoder families: 2 layers, hidden 32, 4 heads (head_dim 8), 2 KV heads.
 _COMMON = {"vocab_size": 128, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
@@ -247,3 +250,78 @@ def tiny_model(
     if path is not None:
         model.save_pretrained(path)
     return model
+
+
+# Encoders: 2 layers, hidden 32, 4 heads, 96 words; (config class, defaults). The head is chosen per model.
+_ENCODER = {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 64, "pad_token_id": 0, "num_labels": 3}  # fmt: skip
+ENCODER_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "bert": ("BertConfig", {**_ENCODER, "max_position_embeddings": 128}),
+    # RoBERTa-like: positions counted from pad_token_id + 1, hence two more
+    "xlm-roberta": ("XLMRobertaConfig", {**_ENCODER, "max_position_embeddings": 130, "bos_token_id": 2,
+                                         "eos_token_id": 3}),
+    # alternating global and local (a window of 8, shorter than most test inputs) attention
+    "modernbert": ("ModernBertConfig", {**_ENCODER, "max_position_embeddings": 128, "bos_token_id": 2,
+                                        "eos_token_id": 3, "cls_token_id": 2, "sep_token_id": 3,
+                                        "local_attention": 8, "global_attn_every_n_layers": 2}),
+}  # fmt: skip
+# The words of tiny_tokenizer: the special tokens, then w0, w1, ...
+ENCODER_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(_ENCODER["vocab_size"] - 5)]
+
+
+def tiny_encoder(
+    family: str = "bert",
+    path: str | os.PathLike | None = None,
+    *,
+    head: str = "AutoModel",
+    seed: int = 0,
+    **overrides: Any,
+) -> Any:
+    """A tiny encoder of ``family`` (see :data:`ENCODER_FAMILIES`) with the transformers auto class ``head``
+    (``"AutoModel"``, ``"AutoModelForSequenceClassification"``, ...), weights from ``torch.manual_seed(seed)``, in
+    eval mode on the CPU; with ``path``, saved there with :func:`tiny_tokenizer`'s tokenizer beside it.
+
+    Example:
+        >>> tiny_encoder("bert", head="AutoModelForSequenceClassification").config.num_labels
+        3
+    """
+    import torch
+    import transformers
+
+    try:
+        config_class, defaults = ENCODER_FAMILIES[family]
+    except KeyError:
+        known = ", ".join(ENCODER_FAMILIES)
+        raise ValueError(f"unknown tiny encoder family {family!r}; choose one of {known}") from None
+    config = getattr(transformers, config_class)(**{**defaults, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, head).from_config(config).eval()
+    if path is not None:
+        model.save_pretrained(path)
+        tiny_tokenizer(path)
+    return model
+
+
+def tiny_tokenizer(path: str | os.PathLike | None = None) -> Any:
+    """A BERT-style word-level fast tokenizer over :data:`ENCODER_WORDS` (``[CLS] words [SEP]``, token type ids,
+    ``[PAD]`` = 0), saved to ``path`` when given.
+
+    Example:
+        >>> tiny_tokenizer()("w0 w1")["input_ids"]
+        [2, 5, 6, 3]
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(ENCODER_WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]", model_max_length=128,
+    )  # fmt: skip
+    if path is not None:
+        tok.save_pretrained(path)
+    return tok

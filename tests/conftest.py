@@ -15,12 +15,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_sessionstart(session):
     """In CI every optional dependency of the test command is installed: a missing one is a failure there, so that
     the tests that need it (jax for the kernels, peft for LoRA, torchao and compressed-tensors for quantization,
-    fastapi/uvicorn/openai/prometheus_client for tests/serving) cannot be skipped unnoticed."""
+    fastapi/uvicorn/openai/prometheus_client for tests/serving, sentence-transformers for tests/encoders) cannot be
+    skipped unnoticed."""
     if os.environ.get("CI", "").lower() != "true":
         return
     import importlib.util
 
-    wanted = ("jax", "peft", "torchao", "compressed_tensors", "fastapi", "uvicorn", "openai", "prometheus_client")
+    wanted = ("jax", "peft", "torchao", "compressed_tensors", "fastapi", "uvicorn", "openai", "prometheus_client",
+              "sentence_transformers")
     missing = [name for name in wanted if importlib.util.find_spec(name) is None]
     if missing:
         raise RuntimeError(

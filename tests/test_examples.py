@@ -21,6 +21,7 @@ EXAMPLES = {
     "generate.py": ([], ["compiles after warm-up: 0"]),
     "finetune.py": ([], ["tpu  losses per step", "0 compiles, 0 new eager shapes"]),
     "diffusers_sd3.py": (["--out", "sd3.png"], ["largest difference to the CPU image", "wrote sd3.png"]),
+    "encoders.py": ([], ["feature-extraction: 64 texts, 0 compiles after warm-up", "encoder warm-up: 6 graphs"]),
 }
 
 
@@ -39,8 +40,18 @@ def _sd3_image_close_to_cpu(out: str) -> None:
     assert diff <= 1e-5, out[-4000:]  # float32, values in [0, 1]
 
 
+def _encoders_equal_cpu(out: str) -> None:
+    diffs = _numbers(r"compiles after warm-up, max difference (\S+)$", out)
+    assert diffs and all(d <= 1e-5 for d in diffs), out[-4000:]  # float32 embeddings, bucketed vs unpadded
+    assert _numbers(r"^sentence-transformers: (\d+) compiles", out) in ([], [0.0]), out[-4000:]
+
+
 # script -> checks of the values its output reports (not only that it reports them)
-VALUES = {"device_map.py": [_device_map_logits_equal_cpu], "diffusers_sd3.py": [_sd3_image_close_to_cpu]}
+VALUES = {
+    "device_map.py": [_device_map_logits_equal_cpu],
+    "diffusers_sd3.py": [_sd3_image_close_to_cpu],
+    "encoders.py": [_encoders_equal_cpu],
+}
 
 
 def _env() -> dict[str, str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from _timeouts import SAFETY_TIMEOUT_S
 
+from docs import pages
 from hf_tpu import runtime, selftest
 from hf_tpu.cli.main import main
 
@@ -215,6 +216,10 @@ def test_selftest_passes_on_the_simulated_device(tmp_path):
     proc = run_cli("--simulate", "selftest", "--report", str(report_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[0].startswith("check"), proc.stdout[:2000]  # the table first, nothing above it
+    # docs/first_hour.md shows this command's table (its block is not run again by tests/docs: this test runs it)
+    shown = pages.shown_output("docs/first_hour.md", "hf-tpu --simulate selftest --report selftest.json")
+    printed = proc.stdout.replace(str(report_path), "selftest.json")
+    assert pages.match_output(shown, printed) is None, pages.match_output(shown, printed)
     report = json.loads(report_path.read_text())
     assert report["versions"]["torch"] == importlib.metadata.version("torch")
     assert report["versions"]["transformers"] == importlib.metadata.version("transformers")
@@ -276,3 +281,30 @@ def test_tensor_parallel_check_waits_for_the_launch_without_a_fixed_timeout(monk
     monkeypatch.setenv(tp_check.TIMEOUT_ENV, "soon")
     with pytest.raises(ValueError, match="HF_TPU_SELFTEST_TIMEOUT_S='soon': give a positive number of seconds"):
         tp_check._timeout()
+
+
+def test_piped_progress_is_a_line_per_check_on_stderr_and_figures_are_never_cut(registry, capfd):
+    """issue 36: `hf-tpu selftest --simulate | cat` was silent until the end, and the table cut figures with an
+    ellipsis; now a piped stderr gets a line per check and the table shows whole figures, then "+N more"."""
+    long_figures = {f"figure_{i}": 1234567.125 + i for i in range(8)}
+
+    @selftest.register_check("many")
+    def _many(ctx):
+        return long_figures
+
+    @selftest.register_check("few")
+    def _few(ctx):
+        return {"answer": 42}
+
+    assert main(["selftest"]) == 0
+    out, err = capfd.readouterr()
+    assert "hf-tpu selftest: check 1/2: few" in err and "hf-tpu selftest: check 2/2: many" in err
+    assert "check 1/2" not in out  # progress never mixes with the table
+    row = next(line for line in out.splitlines() if line.startswith("many"))
+    shown = row.split("s  ", 1)[1]
+    figures, more = shown.rsplit(", +", 1)
+    for item in figures.split(", "):  # each figure whole, exactly as the report has it
+        name, value = item.split("=")
+        assert float(value) == long_figures[name]
+    assert more == f"{len(long_figures) - len(figures.split(', '))} more"
+    assert "..." not in out and "…" not in out

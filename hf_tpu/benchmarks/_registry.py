@@ -71,6 +71,10 @@ BENCHMARKS: dict[str, Benchmark] = {
             requires=(("fastapi", "pip install 'hf-tpu[serve]'"), ("prometheus_client", "pip install 'hf-tpu[serve]'")),
         ),
         Benchmark(
+            "encoders",
+            "BERT-like encoder inference: eager vs torch.compile vs hf_tpu's buckets (warmed): sentences/s, compiles",
+        ),
+        Benchmark(
             "training",
             "training steps: eager vs compiled, buckets vs pad-to-longest: steps/s and compiles per step",
         ),

@@ -31,7 +31,7 @@ from pathlib import Path
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-__all__ = ["QUICK", "add_arguments", "print_table", "run"]
+__all__ = ["QUICK", "add_arguments", "print_table", "run", "verdict"]
 
 QUICK = {"max_prompt": 64, "samples": 4}
 TARGETS = {"padding": 0.12, "unused_cache": 0.25, "graphs": 32, "warm_ratio": 0.5}
@@ -237,4 +237,17 @@ def print_table(figures: dict) -> None:
           f"{sum(new['cache_lengths']) / len(new['cache_lengths']):.0f} | |")  # fmt: skip
     print(f"| device ops | {old['ops']:.0f} | {new['ops']:.0f} | {new['ops'] / old['ops']:.2f} |")
     print(f"| device bytes touched | {old['bytes']:.0f} | {new['bytes']:.0f} | {new['bytes'] / old['bytes']:.2f} |")
-    print("\n" + ("targets met" if figures["targets_met"] else "missed: " + "; ".join(figures["missed"])))
+    print("\n" + verdict(figures))
+
+
+def verdict(figures: dict) -> str:
+    """The closing line, in the words of ``hf-tpu bench``'s summary: ``targets met`` only when every target, timing
+    included, is met (the summary says ``ok``); a timing target alone missed is ``missed`` too (the summary's
+    ``missed``, exit status 0), a count target ``targets missed`` (exit status 1)."""
+    timing = figures["timing_missed"]
+    counts = [m for m in figures["missed"] if m not in timing]
+    if counts:
+        return "targets missed: " + "; ".join(figures["missed"])
+    if timing:
+        return "count targets met; missed (a timing target, which follows the host's load): " + "; ".join(timing)
+    return "targets met"

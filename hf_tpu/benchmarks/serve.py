@@ -198,7 +198,8 @@ def in_process(a: argparse.Namespace, requests: list[dict]) -> dict:
     finally:
         model.destroy_cached_continuous_batching_manager()
         quiet()
-    return {"together_s": together, "one_at_a_time_s": apart, "speedup": apart / together}
+    return {"together_s": together, "one_at_a_time_s": apart, "speedup": apart / together,
+            "max_new_tokens": a.max_tokens}  # fmt: skip
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -256,7 +257,8 @@ def print_table(f: dict) -> None:
     verdict = "ok" if not f["timing_missed"] else "missed"
     print(f"concurrent vs sequential: {f['speedup']:.2f}x faster (target >= {TARGET_SPEEDUP:g}x): {verdict}")
     g = f["generate_batch"]
-    print(f"without HTTP, generate_batch of the {f['requests']} prompts (--max-tokens new tokens each): "
+    print(f"without HTTP, generate_batch of the {f['requests']} prompts ({g['max_new_tokens']} new tokens each, "
+          "--max-tokens): "
           f"{g['together_s']:.2f} s together, {g['one_at_a_time_s']:.2f} s one at a time ({g['speedup']:.2f}x)")
     if os.environ.get("HF_TPU_BENCH_DEBUG"):
         print(json.dumps(f, indent=1))

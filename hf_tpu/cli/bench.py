@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["register", "run"]
+__all__ = ["register", "run", "summary_table"]
 
 # Flags of `hf-tpu bench` itself that may also come after the benchmark names.
 _OWN_FLAGS = ("quick", "json", "list", "simulate", "sim_generation", "sim_hbm")
@@ -50,7 +50,8 @@ def _own_flags(parser: argparse.ArgumentParser, default=None) -> None:
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from hf_tpu.benchmarks import BENCHMARKS
 
-    listing = "\n".join(f"  {name:<12} {b.summary}" for name, b in BENCHMARKS.items())
+    width = max(map(len, BENCHMARKS))
+    listing = "\n".join(f"  {name:<{width}}  {b.summary}" for name, b in BENCHMARKS.items())
     parser = subparsers.add_parser(
         "bench",
         help="measure compiles, host<->device copies and step times",
@@ -88,10 +89,11 @@ def _split(args: argparse.Namespace) -> tuple[list[str], list[str], argparse.Nam
 def _list() -> int:
     from hf_tpu.benchmarks import BENCHMARKS, missing_requirements
 
+    width = max(map(len, BENCHMARKS))
     for name, b in BENCHMARKS.items():
         missing = missing_requirements(name)
         state = f"  [skipped here: {'; '.join(missing)}]" if missing else ""
-        print(f"{name:<12} {b.summary}{state}")
+        print(f"{name:<{width}}  {b.summary}{state}")
     return 0
 
 
@@ -127,6 +129,19 @@ def _run_one(name: str, options: list[str], quick: bool) -> dict:
     why = f" ({'; '.join(record['figures']['timing_missed'])})" if status == "missed" else ""
     print(f"== {name}: {status}{why} in {seconds:.1f}s", flush=True)
     return {"status": status, "seconds": seconds, **record}
+
+
+def summary_table(results: dict[str, dict]) -> str:
+    """The closing summary: one line per benchmark, columns as wide as their longest entry."""
+    name_w = max(map(len, results), default=0)
+    status_w = max((len(r["status"]) for r in results.values()), default=0)
+    lines = []
+    for name, r in results.items():
+        detail = r.get("reason") or f"{r['seconds']:.1f}s"
+        if r["status"] == "missed":
+            detail += f"  ({'; '.join(r['figures']['timing_missed'])})"
+        lines.append(f"  {name:<{name_w}}  {r['status']:<{status_w}}  {detail}")
+    return "\n".join(lines) + "\n"
 
 
 def _status(returncode: int, record: dict) -> str:
@@ -182,11 +197,7 @@ def run(args: argparse.Namespace) -> int:
     results = {name: _run_one(name, options, quick) for name in selected}
 
     print("\nsummary:")
-    for name, r in results.items():
-        detail = r.get("reason") or f"{r['seconds']:.1f}s"
-        if r["status"] == "missed":
-            detail += f"  ({'; '.join(r['figures']['timing_missed'])})"
-        print(f"  {name:<12} {r['status']:<15} {detail}")
+    print(summary_table(results), end="")
     if flags.json:
         report = {
             "command": ["hf-tpu", *getattr(args, "argv", [])],

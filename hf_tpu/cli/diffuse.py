@@ -209,8 +209,9 @@ def _diffuse(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         print(
-            f"wrote {args.out}: {type(pipe).__name__} {width}x{height}, {args.steps} steps, seed {args.seed}, "
-            f"{summary['seconds']}s on {summary['device']} ({summary['graphs_compiled']} graph(s) compiled)"
+            f"wrote {args.out}: {type(pipe).__name__} {width}x{height} (width x height), {args.steps} steps, "
+            f"seed {args.seed}, {summary['seconds']}s on {summary['device']} "
+            f"({summary['graphs_compiled']} graph(s) compiled)"
         )
     return 0
 

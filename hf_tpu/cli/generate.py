@@ -85,10 +85,18 @@ def _overflow(prompt_len: int, new_tokens: int, rungs: tuple[int, ...], limit: i
     beyond = f" (past the model's max_position_embeddings, {limit})" if limit and larger[-1] > limit else ""
     ladder = f"--buckets {','.join(map(str, larger))}{beyond}"
     if prompt_len > biggest:
+        # The warm-up compiles a prompt's bucket at its full length: advise the longest prompt whose bucket plus the
+        # new tokens fits (a rung), and say how much more fits when the first token may compile instead.
+        fits = biggest - new_tokens + 1 if biggest > new_tokens else biggest
+        warmed = [r for r in rungs if r + new_tokens - 1 <= biggest]
+        if warmed and warmed[-1] < fits:
+            keep = (f"--max-prompt-len {warmed[-1]} (up to --max-prompt-len {fits} fits, without a warm-up: its "
+                    "first token then compiles)")  # fmt: skip
+        else:
+            keep = f"--max-prompt-len {fits}"
         return (
             f"the prompt is {prompt_len} tokens, past the largest bucket ({biggest}, ladder {list(rungs)}): keep its "
-            f"end with --max-prompt-len {biggest - new_tokens + 1 if biggest > new_tokens else biggest}, "
-            f"or give a larger ladder: {ladder}."
+            f"end with {keep}, or give a larger ladder: {ladder}."
         )
     return (
         f"the prompt ({prompt_len} tokens) plus --max-new-tokens {new_tokens} needs a cache of {need} tokens, past "

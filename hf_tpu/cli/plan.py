@@ -7,11 +7,14 @@ projected time (an estimate from the compiler's counts, not a measurement). Prog
 ``--json``'s object to stdout. Needs torch-tpu, libtpu and jax (``pip install 'hf-tpu[tpu]'``). See docs/planning.md.
 
 With ``--pipeline``, MODEL is a diffusers pipeline directory and the plan is its denoiser step at one resolution.
+With ``--train``, the plan is one training step (forward with the loss, backward, AdamW) per device, and each device's
+share under FSDP over the target's devices (that column is arithmetic on the compiler's one-device figures).
 
 Example:
     $ hf-tpu plan ./llama-3-8b --target v6e-1 --max-prompt-len 2048 --max-new-tokens 256
     $ hf-tpu plan ./llama-3-8b/config.json --target v6e-1 --quantization int8 --json
     $ hf-tpu plan ./sd3-medium --pipeline --target v6e-1 --height 1024 --width 1024
+    $ hf-tpu plan ./llama-3-8b --train --target v6e-8 --seq-len 2048 --layers 2
 """
 
 from __future__ import annotations
@@ -43,6 +46,24 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--pipeline", action="store_true",
         help="MODEL is a diffusers pipeline (model_index.json): plan its denoiser step at --height x --width",
+    )  # fmt: skip
+    parser.add_argument(
+        "--train", action="store_true",
+        help="plan one training step (forward+loss, backward, AdamW) per device, and its FSDP share over the "
+        "target's devices (arithmetic on the compiler's one-device figures)",
+    )  # fmt: skip
+    parser.add_argument("--seq-len", type=int, default=2048, help="--train: tokens per sequence (default: 2048)")
+    parser.add_argument(
+        "--layers", type=int, default=None,
+        help="--train: plan only the first N decoder layers (same width), when the whole step takes too long to compile",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shards", type=int, default=None, help="--train: FSDP degree (default: the target's device count)"
+    )
+    parser.add_argument(
+        "--compute-dtype", default=None, choices=("bfloat16", "float32", "float16"),
+        help="--train: compute the forward and backward on the weights cast to this dtype (FSDP2 mixed precision, "
+        "e.g. --dtype float32 --compute-dtype bfloat16); default: --dtype",
     )  # fmt: skip
     parser.add_argument("--height", type=int, default=1024, help="--pipeline: image height (default: 1024)")
     parser.add_argument("--width", type=int, default=1024, help="--pipeline: image width (default: 1024)")
@@ -80,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
+    if args.train:
+        return _run_train(args, progress)
     if args.pipeline:
         if min(args.height, args.width) < 1:
             print("hf-tpu plan: --height and --width must be positive", file=sys.stderr)
@@ -104,4 +127,32 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         print(plan.table())
+    return 0 if plan.error is None else 1
+
+
+def _run_train(args: argparse.Namespace, progress) -> int:
+    from hf_tpu._torch_tpu import installed_version
+    from hf_tpu.tpu_compile.train_plan import plan_train
+
+    if args.pipeline or args.quantization:
+        print(
+            "hf-tpu plan: --train plans a causal LM's training step; drop --pipeline/--quantization", file=sys.stderr
+        )
+        return 2
+    if min(args.seq_len, args.layers or 1, args.shards or 1) < 1:
+        print("hf-tpu plan: --seq-len, --layers and --shards must be positive", file=sys.stderr)
+        return 2
+    if installed_version() is None:
+        print(
+            "hf-tpu plan --train: compiling for a TPU needs torch-tpu, libtpu and jax, which are not installed here: "
+            "pip install 'hf-tpu[tpu]' (torch==2.13.0 first). Nothing was planned.",
+            file=sys.stderr,
+        )
+        return 2
+    progress(f"tracing {args.model}'s training step on the meta device, lowering it through torch_tpu (no chip)")
+    plan = plan_train(
+        args.model, args.target, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype, layers=args.layers,
+        shards=args.shards, compute_dtype=args.compute_dtype, progress=progress,
+    )  # fmt: skip
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
     return 0 if plan.error is None else 1

@@ -42,8 +42,17 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _figures_text(figures: dict[str, Any], width: int = 60) -> str:
-    text = ", ".join(f"{k}={v}" for k, v in figures.items())
-    return text if len(text) <= width else text[: width - 3] + "..."
+    """The figures that fit ``width``, each whole (``name=value``), then ``+N more`` for the rest (in the report);
+    a figure is never cut."""
+    items = [f"{k}={v}" for k, v in figures.items()]
+    shown: list[str] = []
+    for i, item in enumerate(items):
+        rest = len(items) - i - 1
+        tail = f", +{rest} more" if rest else ""
+        if shown and len(", ".join([*shown, item]) + tail) > width:
+            return ", ".join(shown) + f", +{len(items) - len(shown)} more"
+        shown.append(item)
+    return ", ".join(shown)
 
 
 def format_results(results: list) -> str:
@@ -173,7 +182,8 @@ def _warning_to(stream: TextIO):
 
 
 class _progress_bar:
-    """A tqdm bar on the terminal naming the check that runs; silent when that is not a terminal."""
+    """Progress on the terminal's stderr: a tqdm bar naming the check that runs, or, when stderr is not a terminal
+    (piped, a log file), one line per check, so that a piped run is not silent for minutes."""
 
     def __init__(self, stream: TextIO) -> None:
         self._bar = None
@@ -181,6 +191,7 @@ class _progress_bar:
 
     def step(self, name: str, index: int, total: int) -> None:
         if not self._stream.isatty():
+            print(f"hf-tpu selftest: check {index + 1}/{total}: {name}", file=self._stream, flush=True)
             return
         if self._bar is None:
             from tqdm import tqdm

@@ -277,6 +277,12 @@ def _patch_from_pretrained() -> None:
 
     @functools.wraps(func)
     def from_pretrained(cls, *args, **kwargs):
+        mesh = None
+        if kwargs.get("device_mesh") is not None and _patch.is_enabled("tensor_parallel"):
+            # transformers 5.24 drops device_mesh; the tensor-parallel integration shards over it (tp_plan.py).
+            from hf_tpu.distributed.tp_plan import load_kwargs_for_mesh, sharding_over
+
+            kwargs, mesh = load_kwargs_for_mesh(kwargs)
         token = _LOAD.set(
             {
                 "offload_folder": kwargs.get("offload_folder"),
@@ -285,7 +291,10 @@ def _patch_from_pretrained() -> None:
             }
         )
         try:
-            return func(cls, *args, **kwargs)
+            if mesh is None:
+                return func(cls, *args, **kwargs)
+            with sharding_over(mesh):
+                return func(cls, *args, **kwargs)
         except Exception as err:
             from hf_tpu.device_map.files import checkpoint_error
 

@@ -175,9 +175,12 @@ def check_frames(pipe: Any, num_frames: Any) -> None:
 def check_resolution(pipe: Any, height: int, width: int) -> None:
     """Raise ``ValueError`` if the pipeline cannot make a ``height`` x ``width`` image, naming valid sizes.
 
+    Sizes are written width x height, as ``hf-tpu diffuse`` reports the image it wrote.
+
     Example:
         >>> check_resolution(pipe, 30, 30)  # doctest: +SKIP
-        ValueError: StableDiffusion3Pipeline cannot make a 30x30 image: ... nearest valid sizes: 28x28, 32x32
+        ValueError: StableDiffusion3Pipeline cannot make a 30x30 (width x height) image: ... nearest valid sizes
+        (width x height): 28x28, 32x32
     """
     multiple, largest = resolution_limits(pipe)
     problems = []
@@ -203,12 +206,12 @@ def check_resolution(pipe: Any, height: int, width: int) -> None:
         return sorted({down, up})
 
     hs, ws = nearest(height), nearest(width)
-    suggestions = ", ".join(f"{h}x{w}" for h in hs for w in ws)
+    suggestions = ", ".join(f"{w}x{h}" for w in ws for h in hs)
     bound = f" and at most {largest}" if largest is not None else ""
     raise ValueError(
-        f"{type(pipe).__name__} cannot make a {height}x{width} image: {'; '.join(problems)}. Image sides must be "
-        f"multiples of {multiple} (the VAE scale times the denoiser's patch size){bound}; "
-        f"nearest valid sizes: {suggestions}."
+        f"{type(pipe).__name__} cannot make a {width}x{height} (width x height) image: {'; '.join(problems)}. Image "
+        f"sides must be multiples of {multiple} (the VAE scale times the denoiser's patch size){bound}; "
+        f"nearest valid sizes (width x height): {suggestions}."
     )
 
 

@@ -127,7 +127,14 @@ class SimulatedTPUProcessGroup(dist.ProcessGroup):
 
     @staticmethod
     def _avg(opts) -> tuple[Any, bool]:
-        """gloo has no AVG: run SUM and divide afterwards."""
+        """gloo has no AVG: run SUM and divide afterwards (torch_tpu's ``tpu_dist`` runs AVG as a sum too). PREMUL_SUM
+        is refused with the chip's own message: torch-tpu 0.2.0's ``ProcessGroupTpu`` has no pre-multiplied sum
+        (FSDP2 asks for one after ``set_gradient_divide_factor`` with a factor other than the world size)."""
+        if opts.reduceOp == ReduceOp.PREMUL_SUM:
+            raise RuntimeError(
+                "BuildReduceBody: 'premul_sum' reduction is not supported (torch_tpu's tpu_dist has no PREMUL_SUM; "
+                "with FSDP2 leave the gradient divide factor at the world size, or scale the loss instead)"
+            )
         if opts.reduceOp == ReduceOp.AVG:
             new = type(opts)()
             for attr in ("rootRank", "rootTensor", "timeout"):

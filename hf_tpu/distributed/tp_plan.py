@@ -16,7 +16,11 @@ is checked right after the model is built on the meta device and before the chec
 - user ``tp_plan`` overrides (``DistributedConfig(tp_plan={...})``) are merged over the model's plan, as upstream
   does, and honoured as given: a user rule that cannot work is an error, never silently rewritten;
 - impossible requests (``tp_size`` larger than the job, a world that the mesh does not fill, a process not started
-  by a launcher) fail before loading, with what to run instead.
+  by a launcher) fail before loading, with what to run instead;
+- ``from_pretrained(..., tp_plan="auto", device_mesh=mesh["tp"])`` (the mesh's ``tp`` dimension, e.g. of a
+  ``(dp_shard, tp)`` training mesh): transformers 5.24 documents ``device_mesh`` but drops it and derives
+  ``tp_size`` from ``WORLD_SIZE``, so 4 ranks shard over all 4 although the mesh's ``tp`` has 2. hf_tpu shards over
+  the mesh given (:func:`load_kwargs_for_mesh`).
 
 The checks are pure functions over a plan and a config (:func:`fix_plan`), unit-tested on CPU.
 
@@ -27,9 +31,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +49,9 @@ __all__ = [
     "apply",
     "check_world",
     "fix_plan",
+    "load_kwargs_for_mesh",
     "set_kv_heads_strategy",
+    "sharding_over",
     "weight_placement",
 ]
 
@@ -330,6 +338,11 @@ def check_world(tp_size: int, mesh_size: int, *, world_size: int | None, launche
         other = max(1, mesh_size // max(1, tp_size))  # pp * dp_replicate * fsdp
         if world_size > mesh_size and world_size % other == 0:
             hint = f"tp_size={world_size // other}, or --nproc_per_node={mesh_size}"
+            if world_size % mesh_size == 0:  # a 2-D job: the TP mesh is one dimension of a larger one
+                hint += (
+                    f", or build your own mesh with a 'tp' dimension of {tp_size} and load with "
+                    f"from_pretrained(..., tp_plan='auto', device_mesh=mesh['tp'])"
+                )
         else:
             hint = f"--nproc_per_node={mesh_size}"
         raise TensorParallelConfigError(
@@ -505,6 +518,93 @@ def _resolve_with_fixes(original):
     return _resolve_parallel_plans
 
 
+_USER_MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("hf_tpu_tp_user_mesh", default=None)
+
+
+def load_kwargs_for_mesh(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """Turn ``from_pretrained``'s ``device_mesh=`` into the ``DistributedConfig`` that shards over that mesh.
+
+    transformers 5.24 documents ``from_pretrained(..., tp_plan=..., device_mesh=mesh)`` ("it has to contain a
+    dimension named 'tp' ... this dimension will be used for tensor parallelism") but pops ``device_mesh`` and never
+    reads it: ``DistributedConfig(tp_plan="auto")`` then takes ``tp_size = WORLD_SIZE`` and builds a mesh over the
+    whole job. On a ``(dp_shard=2, tp=2)`` mesh of 4 ranks the model was sharded 4 ways. Given a mesh, this returns
+    the keyword arguments with ``distributed_config=DistributedConfig(tp_plan=..., tp_size=<the mesh's tp size>)``
+    (``device_mesh``/``tp_plan``/``tp_size`` removed) and the 1-D ``tp`` mesh, which the wrapped
+    ``initialize_distributed_mesh`` then uses instead of building one (see :func:`apply`). Without a mesh, or with a
+    mesh but no tensor-parallel request (upstream uses it for nothing else), the arguments are returned unchanged
+    with ``None``.
+
+    Raises:
+        TensorParallelConfigError: a mesh of more than one dimension with no ``tp`` dimension, a ``tp_size`` or
+            ``DistributedConfig`` that disagrees with the mesh, or a ``DistributedConfig`` asking transformers for
+            FSDP/pipeline/expert parallelism on top of a mesh of the caller's (build those over your own mesh).
+    """
+    mesh = kwargs.get("device_mesh")
+    config, tp_plan, tp_size = kwargs.get("distributed_config"), kwargs.get("tp_plan"), kwargs.get("tp_size")
+    if mesh is None or (config is None and tp_plan is None and tp_size is None):
+        return dict(kwargs), None
+    if mesh.ndim > 1:
+        if "tp" not in (mesh.mesh_dim_names or ()):
+            raise TensorParallelConfigError(
+                f"from_pretrained(device_mesh=...) got a {mesh.ndim}-D mesh with dimensions {mesh.mesh_dim_names} and "
+                "no 'tp' dimension: name the tensor-parallel dimension 'tp', or pass the 1-D mesh, device_mesh=mesh['tp']."
+            )
+        mesh = mesh["tp"]
+    size = mesh.size()
+    asked = tp_size if config is None else getattr(config, "tp_size", None)
+    if asked not in (None, size):
+        raise TensorParallelConfigError(
+            f"tp_size={asked} but device_mesh's 'tp' dimension has {size} ranks: drop tp_size (the mesh decides) "
+            f"or pass a mesh whose 'tp' dimension has {asked}."
+        )
+    if config is not None:
+        others = {
+            k: getattr(config, k, 1)
+            for k in ("fsdp_size", "dp_replicate_size", "pp_size", "ep_size")
+            if (getattr(config, k, 1) or 1) > 1
+        }
+        if others:
+            raise TensorParallelConfigError(
+                f"from_pretrained got device_mesh and a DistributedConfig that also asks for {others}: transformers "
+                "builds those over a mesh of its own. Pass DistributedConfig alone (with all its sizes), or "
+                "device_mesh=mesh['tp'] with tp_plan and apply FSDP over your mesh yourself (fully_shard, accelerate)."
+            )
+    from transformers.distributed import DistributedConfig
+
+    out = {k: v for k, v in kwargs.items() if k not in ("device_mesh", "tp_plan", "tp_size", "distributed_config")}
+    plan = tp_plan if config is None else config.tp_plan
+    out["distributed_config"] = DistributedConfig(tp_plan=plan if plan is not None else "auto", tp_size=size)
+    return out, mesh
+
+
+@contextlib.contextmanager
+def sharding_over(mesh: Any) -> Iterator[None]:
+    """Within the block, transformers' ``initialize_distributed_mesh`` answers with ``mesh`` (a 1-D ``tp`` mesh
+    from :func:`load_kwargs_for_mesh`) instead of building a mesh over the whole job; ``None`` changes nothing."""
+    token = _USER_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _USER_MESH.reset(token)
+
+
+class _GivenTpMesh:
+    """What transformers' loading asks of its mesh manager (``get_mesh(dims)``), answered by the caller's 1-D ``tp``
+    mesh: every other dimension (pp, fsdp, dp_replicate) has size 1, so any selection of dimensions is that mesh."""
+
+    def __init__(self, mesh: Any):
+        self._mesh = mesh
+
+    def get_mesh(self, dims: str | tuple[str, ...]) -> Any:
+        dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        if "ep" in dims or "efsdp" in dims:
+            raise TensorParallelConfigError(
+                "expert parallelism over a device_mesh passed to from_pretrained is not supported: use "
+                "DistributedConfig(ep_size=...) without device_mesh."
+            )
+        return self._mesh
+
+
 def _mesh_with_checks(original):
     """Wrap ``transformers.distributed.mixin.initialize_distributed_mesh`` (transformers >=5.24,<6).
 
@@ -527,6 +627,14 @@ def _mesh_with_checks(original):
         mesh_size = 1
         for s in sizes:
             mesh_size *= int(s)
+        given = _USER_MESH.get()
+        if given is not None and mesh_size == given.size():
+            # from_pretrained(device_mesh=...): shard over the caller's tp mesh (its process group exists already).
+            device = torch.device(given.device_type)
+            if given.device_type != "cpu":
+                device = torch.device(given.device_type, torch.accelerator.current_device_index())
+                torch.accelerator.set_device_index(device.index)
+            return device, _GivenTpMesh(given)
         if mesh_size > 1:
             if dist.is_initialized():
                 check_world(distributed_config.tp_size, mesh_size, world_size=dist.get_world_size(), launched=True)

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -99,8 +100,10 @@ def _build() -> ModuleType:
                     "hf_tpu.sim: building the simulator's native core in %s (once per torch version, about 40 s on "
                     "2 cores; HF_TPU_SIM_NATIVE=0 skips it)", build
                 )
+                started = time.monotonic()
                 _compile(name, build)
                 done.write_text(f"{name}\n")
+                _LOG.warning("hf_tpu.sim: built the simulator's native core in %.0f s", time.monotonic() - started)
     return _import(name, built)
 
 

@@ -130,8 +130,13 @@ def in_force(generator: Any) -> Any:
     return generator._cell if isinstance(generator, DeviceGenerator) else generator
 
 
-# The device's default generator (torch_tpu keeps its own; torch.manual_seed seeds it through torch.tpu).
+# The device's default generator (torch_tpu keeps its own; torch.manual_seed seeds it through torch.tpu). Seeded from
+# the host's entropy when it is made, as torch-tpu 0.2.0 seeds each device's default generator once per process
+# (DeviceGenerators::GetEagerDefaultGenerator calls InitDefaultGenerator with c10::detail::getNonDeterministicRandom()
+# in csrc/common/glue_*/libpywrap_*_common.so) and as torch seeds the CPU's: unseeded sampling differs between
+# processes, torch.manual_seed makes it repeat. (A new torch.Generator starts at a fixed seed, 67280421310721.)
 GENERATOR = DeviceGenerator()
+GENERATOR.seed()
 
 _FLAGS = ("graphsafe_rng_functionalization", "functionalize_rng_ops")  # torch._functorch.config's, as the wheel sets
 _SAVED: dict[str, Any] = {}  # what install() changed: the device-type set's additions and the flags' old values

@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "BucketingCollator",
+    "MemoryReport",
     "StepCounters",
     "TPUTrainingError",
     "check_trainable",
@@ -27,6 +28,7 @@ __all__ = [
 
 _EXPORTS = {
     "BucketingCollator": "hf_tpu.training.collator",
+    "MemoryReport": "hf_tpu.training.callbacks",
     "StepCounters": "hf_tpu.training.callbacks",
     "TPUTrainingError": "hf_tpu.training.checks",
     "check_trainable": "hf_tpu.training.checks",

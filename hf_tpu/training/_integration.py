@@ -14,6 +14,12 @@ Upstream state (transformers 5.24, accelerate 1.15 and 1.16), checked on the sim
   over ``tpu_dist`` (gloo for CPU tensors), each process on its chip ``tpu:0``; the Trainer then shards the batches
   and DDP averages the gradients. (On the simulated device ``ddp_find_unused_parameters`` defaults to False: see
   ``_ddp_defaults``.)
+- accelerate's FSDP mode is set only for the GPU-like types, so ``Trainer(fsdp=..., fsdp_config=...)`` and
+  ``Accelerator(fsdp_plugin=...)`` on those ranks silently became data parallel. hf_tpu turns the ranks' state into
+  ``DistributedType.FSDP`` with the plugin (after :func:`hf_tpu.training.fsdp.check_fsdp_plugin`), so accelerate
+  wraps with FSDP2's ``fully_shard`` over a ``tpu`` mesh; and under ``fully_shard`` it moves host tensors to the
+  chip by swapping them (:func:`hf_tpu.training.fsdp.move_to_tpu`), since torch refuses ``.data`` across CPU and
+  PrivateUse1.
 - ``Trainer.__init__`` runs :func:`hf_tpu.training.check_trainable` first when its device is a TPU (quantized
   models, CUDA-only optimizers, fp16). Upstream refuses fp16 too (accelerate: "fp16 mixed precision requires a
   device in (...)"), without saying to use bf16; the others fail later, inside bitsandbytes or a CUDA kernel.
@@ -31,6 +37,8 @@ ACCELERATE = {"package": "accelerate", "versions": ">=1.10,<1.17"}
 # accelerate 1.16 finds the TPU through torch.accelerator (PartialState.default_device answers tpu by itself).
 ACCELERATE_WITHOUT_TPU_DEFAULT = {"package": "accelerate", "versions": ">=1.10,<1.16"}
 TRANSFORMERS = {"package": "transformers", "versions": ">=5.0,<5.25"}
+# torch's private fully_shard module, whose state move hf_tpu wraps (read on torch 2.13).
+TORCH_FSDP2 = {"package": "torch", "versions": ">=2.11,<2.14"}
 
 __all__ = ["apply"]
 
@@ -104,6 +112,64 @@ def _patch_distributed_state() -> None:
     _patch.patch(PartialState, "set_device", set_device, feature=FEATURE, **ACCELERATE)
 
 
+def _patch_fsdp_state() -> None:
+    """Launched TPU ranks given accelerate's ``FullyShardedDataParallelPlugin`` (``Trainer(fsdp=..., fsdp_config=...)``,
+    ``Accelerator(fsdp_plugin=...)``, ``ACCELERATE_USE_FSDP``) train with FSDP2 instead of silently falling back to
+    data parallel: upstream sets its FSDP mode only for the GPU-like types (``MULTI_GPU``, ``MULTI_XPU``, ...), and
+    the TPU ranks' run is ``MULTI_CPU`` (above). After upstream's ``AcceleratorState.__init__`` the state becomes
+    ``DistributedType.FSDP`` with the plugin, as upstream does for those types, once
+    :func:`hf_tpu.training.fsdp.check_fsdp_plugin` has accepted it; accelerate then wraps with ``fully_shard``."""
+    import inspect
+
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    upstream = _patch.original(AcceleratorState, "__init__")
+    signature = inspect.signature(upstream)
+
+    @functools.wraps(upstream)
+    def __init__(self, *args, **kwargs):
+        upstream(self, *args, **kwargs)
+        plugin = signature.bind_partial(self, *args, **kwargs).arguments.get("fsdp_plugin")
+        tpu_ranks = (
+            self.distributed_type == DistributedType.MULTI_CPU
+            and getattr(self.device, "type", None) == "tpu"
+            and getattr(self, "fsdp_plugin", None) is None
+        )
+        if plugin is None or not tpu_ranks:
+            return
+        from hf_tpu.training.fsdp import check_fsdp_plugin
+
+        check_fsdp_plugin(plugin)
+        self.distributed_type = DistributedType.FSDP
+        if self._mixed_precision != "no":
+            plugin.set_mixed_precision(self._mixed_precision)
+        self.fsdp_plugin = plugin
+        PartialState._shared_state["distributed_type"] = self.distributed_type
+
+    _patch.patch(AcceleratorState, "__init__", __init__, feature=FEATURE, **ACCELERATE)
+
+
+def _patch_fully_shard_move() -> None:
+    """``fully_shard`` of a model on the host onto ``tpu`` devices: see :func:`hf_tpu.training.fsdp.move_to_tpu`
+    (torch's ``_move_states_to_device`` sets ``.data`` across CPU and PrivateUse1, which torch refuses)."""
+    import itertools
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+    upstream = _patch.original(_fsdp_init, "_move_states_to_device")
+
+    @functools.wraps(upstream)
+    def _move_states_to_device(params, buffers, device):
+        if device.type == "tpu":
+            from hf_tpu.training.fsdp import move_to_tpu
+
+            move_to_tpu(itertools.chain(params, buffers), device)
+        return upstream(params, buffers, device)
+
+    _patch.patch(_fsdp_init, "_move_states_to_device", _move_states_to_device, feature=FEATURE, **TORCH_FSDP2)
+
+
 def _version(name: str) -> str:
     import importlib.metadata
 
@@ -161,4 +227,6 @@ def apply() -> None:
     """Apply the training integration (called by :func:`hf_tpu.enable`)."""
     _patch_default_device()
     _patch_distributed_state()
+    _patch_fsdp_state()
+    _patch_fully_shard_move()
     _patch_trainer_init()

@@ -19,6 +19,7 @@ from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
 from hf_tpu.transformers._graphs import _ALIGNED, _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
+from hf_tpu.transformers._images import features_shape
 from hf_tpu.transformers._notes import warn_once
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import _state
@@ -271,12 +272,18 @@ def _decode_loop(
     # the history of the sampling plan holds the sequence's ids: after the prompt's embeddings that have none
     sampling = call.sampling(device, plan.cache_bucket + 1, pad + prompt_len - ids_len)
     decode_extra = extra
+    images = model_kwargs.get("mm_encoder_outputs")  # encoded by the vision graph (_images): the prefill merges them
     if types is not None:  # upstream repeats the prompt's last token type for every new token
         types = types.to("cpu").long()
         extra = {**extra, "token_type_ids": F.pad(types, (pad, 0), value=0).to(device)}
-        decode_extra = {**decode_extra, "token_type_ids": types[:, -1:].to(device)}
+        if not images:  # (with images they mark image tokens for the prefill's mask: Gemma 3 and PaliGemma pass
+            # them to the first forward only)
+            decode_extra = {**decode_extra, "token_type_ids": types[:, -1:].to(device)}
     kind = "prefill" if embeds is None else "embeds_prefill"
     prefill_key = (kind + variant, batch, plan.prompt_bucket, plan.cache_bucket)
+    if images:
+        extra = {**extra, "mm_encoder_outputs": images}
+        prefill_key = ("mm_prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket, features_shape(images))
     decode_key = ("decode" + variant, batch, plan.cache_bucket)
     set_length(cache, 0)
     given = model_kwargs.get(cache_name())  # the caller's cache (upstream's empty one when none was given)

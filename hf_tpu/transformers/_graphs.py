@@ -124,6 +124,19 @@ def _encoder(model, input_ids, mask):
     return model.get_encoder()(input_ids=input_ids, attention_mask=mask, return_dict=True).last_hidden_state
 
 
+def _vision(model, inputs):
+    """The image encoder of a vision-language model (its base model's ``get_image_features``, as upstream's
+    ``generate`` calls it before the prefill)."""
+    return model.base_model.get_image_features(**inputs, return_dict=True)
+
+
+def _features_encoder(model, features, mask=None):
+    """The encoder of a model taking features (Whisper's ``input_features``) rather than ids, with the call's mask
+    over its frames when one was given (Whisper's encoder ignores it; Speech2Text's reads it)."""
+    kwargs = {} if mask is None else {"attention_mask": mask}
+    return model.get_encoder()(**{model.main_input_name: features}, **kwargs, return_dict=True).last_hidden_state
+
+
 def _seq2seq_prefill(model, ids, encoder_hidden, encoder_mask, cache, sampling=None):
     from transformers.modeling_outputs import BaseModelOutput
 
@@ -174,8 +187,11 @@ def _cacheless_decode(model, ids, step, mask, positions, extra, sampling=None):
 _GRAPHS: dict[str, Callable] = {
     "prefill": _decoder_prefill,
     "embeds_prefill": _embeds_prefill,
+    "mm_prefill": _decoder_prefill,  # (the encoded images among its extra arguments: the forward merges them)
+    "vision": _vision,
     "decode": _decoder_decode,
     "encoder": _encoder,
+    "features_encoder": _features_encoder,
     "seq2seq_prefill": _seq2seq_prefill,
     "seq2seq_decode": _seq2seq_decode,
     "cacheless_prefill": _cacheless_prefill,
@@ -218,8 +234,11 @@ def _describe(key: tuple) -> str:
     names = {
         "prefill": ("prompt bucket", "cache bucket"),
         "embeds_prefill": ("prompt bucket", "cache bucket"),
+        "mm_prefill": ("prompt bucket", "cache bucket", "image features"),
+        "vision": ("image inputs",),
         "decode": ("cache bucket",),
         "encoder": ("encoder bucket",),
+        "features_encoder": ("feature size", "frames", "mask"),
         "seq2seq_prefill": ("encoder bucket", "decoder prompt", "cache bucket"),
         "seq2seq_decode": ("encoder bucket", "cache bucket"),
         "cacheless_prefill": ("cache bucket",),
@@ -414,9 +433,9 @@ def _run(model, state: _ModelState, key: tuple, *args):
         )
     from hf_tpu.transformers import _module_state
 
-    if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill", "beam_prefill"):
+    if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill", "mm_prefill", "beam_prefill"):
         _module_state.reset(model, state, key[1])  # a new sequence: module-held state as upstream resets it
-    if first and is_variant(key[0]):
+    if first and (is_variant(key[0]) or key[0] == "vision"):  # (a vision tower's forward asks for hidden states)
         prepare(model)
     settings = state.settings
     if not settings.compile:

@@ -4,9 +4,10 @@ Upstream's ``generate`` keeps doing all the argument handling; the replacement o
 loop (upstream's own extension point) when the model sits on a ``tpu`` device and the call is greedy search or
 sampling. On every other device it calls upstream unchanged. Tested with transformers 5.23.0 and 5.25.0 (the names
 that changed in between, ``past_key_values`` -> ``cache``, are read from the installed version:
-:mod:`hf_tpu.transformers._signatures`); :func:`hf_tpu.disable` puts the original back. Two smaller patches ride
+:mod:`hf_tpu.transformers._signatures`); :func:`hf_tpu.disable` puts the original back. Three smaller patches ride
 with it: rotary frequencies answered from the device (:mod:`~hf_tpu.transformers._rope_on_device`) and sdpa's
-grouped-query attention on tpu tensors (:mod:`~hf_tpu.transformers._sdpa_gqa`).
+grouped-query attention on tpu tensors (:mod:`~hf_tpu.transformers._sdpa_gqa`); Whisper's language detection
+takes features left on the host (:mod:`~hf_tpu.transformers._whisper_door`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ FEATURE = "generation"
 def apply() -> None:
     from transformers.generation.utils import GenerationMixin
 
-    from hf_tpu.transformers import _rope_on_device, _sdpa_gqa, _upstream, generation
+    from hf_tpu.transformers import _rope_on_device, _sdpa_gqa, _upstream, _whisper_door, generation
 
     upstream = GenerationMixin.__dict__["generate"]
     upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
@@ -37,3 +38,4 @@ def apply() -> None:
     patch(GenerationMixin, "generate", generate, feature=FEATURE, package="transformers", versions=">=5.23,<6")
     _rope_on_device.apply(FEATURE)  # one copy each way per decode step for models that rebuild rotary frequencies
     _sdpa_gqa.apply(FEATURE)  # KV heads reach sdpa unrepeated on tpu (no repeat_kv expansion in the graphs)
+    _whisper_door.apply(FEATURE)  # Whisper's language detection takes host input_features

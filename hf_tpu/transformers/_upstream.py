@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 
+from hf_tpu.transformers._images import image_inputs
 from hf_tpu.transformers._settings import _DEVICE_TYPES
 from hf_tpu.transformers._signatures import CACHE_NAMES
 
@@ -92,7 +93,8 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
             return problem, True
     extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS - set(PROMPT_INPUTS) - set(_OUTPUT_FLAGS)
     if model.config.is_encoder_decoder:
-        extra -= {"decoder_input_ids"}
+        extra -= {"decoder_input_ids", encoder_input_name(model)}
+    extra -= set(image_inputs(model, model_kwargs))  # (route.py says whether the cached loop takes them)
     extra = {k for k in extra if model_kwargs[k] is not None}
     if extra:
         return f"model inputs {sorted(extra)} are not supported by the bucketed loop", True
@@ -171,6 +173,16 @@ def _inputs_on_model_device(model) -> Iterator[None]:
         yield
     finally:
         vars(model).pop("prepare_inputs_for_generation", None)
+
+
+def encoder_input_name(model) -> str | None:
+    """The name of the encoder input of an encoder-decoder ``model`` whose encoder takes features rather than token
+    ids (Whisper's and Speech2Text's ``input_features``: a float tensor whose length the model fixes, or its feature
+    extractor pads to); None for token ids or a decoder-only model. Read from the class's ``main_input_name``."""
+    if not model.config.is_encoder_decoder:
+        return None
+    name = getattr(model, "main_input_name", "input_ids")
+    return None if name == "input_ids" else name
 
 
 def numbers_by_cache_length(model) -> bool:

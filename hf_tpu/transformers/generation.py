@@ -43,6 +43,8 @@ Where a change belongs (this module is the public entry point and re-exports the
 * :mod:`hf_tpu.transformers.sampling`: logits processors, warpers and sampling inside the graphs;
 * :mod:`hf_tpu.transformers._step_outputs`: ``output_attentions`` / ``output_hidden_states`` from the graphs, cut to
   upstream's shapes;
+* :mod:`hf_tpu.transformers._images`: a vision-language call's images (the vision graph; the prefill's forward merges
+  them); an encoder taking features (Whisper's) is :func:`_encode_features` here;
 * :mod:`hf_tpu.transformers._upstream`: when upstream's ``generate`` runs instead, and why.
 
 Example:
@@ -61,7 +63,7 @@ import inspect
 from collections.abc import Callable, Iterator
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _beam, _cacheless
+from hf_tpu.transformers import _beam, _cacheless, _images
 from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._decode_loop import _PENALTY, _decode_loop, _warm, default_variant
 from hf_tpu.transformers._graphs import _run
@@ -83,7 +85,7 @@ from hf_tpu.transformers._settings import (
     compiled_graphs,
     configure,
 )
-from hf_tpu.transformers._upstream import _inputs_on_model_device, _upstream_generate, running
+from hf_tpu.transformers._upstream import _inputs_on_model_device, _upstream_generate, encoder_input_name, running
 from hf_tpu.transformers.buckets import BucketOverflowError
 from hf_tpu.transformers.route import UPSTREAM, call_route, demote, explain
 from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, ladder_figures, plan_shapes
@@ -156,11 +158,17 @@ def generate(self, *args, **kwargs):
         return _run_upstream(self, route, upstream, args, kwargs)
 
     inputs = arguments.pop("inputs", None)
-    name = "input_ids"
+    features = encoder_input_name(self)  # an encoder taking features (Whisper's input_features), not ids
+    name = features or "input_ids"
     if inputs is None:
         inputs = extra_kwargs.pop(name, None)
     embeds = extra_kwargs.get("inputs_embeds")
-    if inputs is None and isinstance(embeds, torch.Tensor) and not self.config.is_encoder_decoder:
+    if features is not None:
+        if not isinstance(inputs, torch.Tensor) or not inputs.is_floating_point():
+            reason = f"generate got no {name} as a floating-point tensor"
+            return _run_upstream(self, Route(UPSTREAM, reason, warn=True), upstream, args, kwargs)
+        out_device, input_ids = inputs.device, None
+    elif inputs is None and isinstance(embeds, torch.Tensor) and not self.config.is_encoder_decoder:
         out_device, input_ids = embeds.device, None  # the prompt as embeddings: upstream prepares the (no) ids
     elif inputs is None and _bos_prompt(self, arguments, extra_kwargs) is not None:
         # no prompt: upstream starts from the bos id on the model's device, where its result comes back
@@ -180,7 +188,11 @@ def generate(self, *args, **kwargs):
         if extra_kwargs.get(key) is not None:
             extra_kwargs[key] = _to_host(extra_kwargs[key])
 
-    if self.config.is_encoder_decoder:
+    if _images.image_inputs(self, extra_kwargs):  # the vision tower's graph; the prefill's forward merges them
+        extra_kwargs = _images.encode_images(self, state, extra_kwargs, _run)
+    if features is not None:
+        input_ids, extra_kwargs = _encode_features(self, inputs, extra_kwargs)
+    elif self.config.is_encoder_decoder:
         input_ids, extra_kwargs = _encode(self, input_ids, extra_kwargs)
 
     arguments.pop("self", None)
@@ -207,8 +219,28 @@ def _run_upstream(model, route: Route, upstream, args, kwargs):
     route's reason once where it costs something."""
     if route.warn:
         warn_once(route.reason, f"hf_tpu: {route.reason}; running upstream's generate on the TPU instead.")
+    args, kwargs = _float_inputs_on_device(model, args, kwargs)
     with _inputs_on_model_device(model), running():
         return upstream(model, *args, **kwargs)
+
+
+def _float_inputs_on_device(model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's floating-point inputs (Whisper's ``input_features``, images' ``pixel_values``, and the other inputs
+    of the image encoder: Qwen2-VL's ``image_grid_thw``) moved to the TPU
+    for upstream's loop, wherever the caller left them: upstream hands them to the encoder or vision tower as they
+    are (which refuses host tensors against TPU weights), where the token ids, masks and positions stay on the host
+    and its ``prepare_inputs_for_generation`` moves them each step."""
+    import torch
+
+    images = set(_images.image_inputs(model, kwargs))  # with the integer ones the image encoder reads (grids, sizes)
+
+    def moved(value, name=None):
+        if not isinstance(value, torch.Tensor) or value.device == model.device:
+            return value
+        return value.to(model.device) if value.is_floating_point() or name in images else value
+
+    # (prompt embeddings excepted: upstream builds the call's ids and its bookkeeping where they are)
+    return tuple(moved(a) for a in args), {k: v if k == "inputs_embeds" else moved(v, k) for k, v in kwargs.items()}
 
 
 def run_loop(model, *args, hf_tpu_plan: dict, **kwargs):
@@ -278,6 +310,28 @@ def _encode(model, input_ids, model_kwargs: dict):
     model_kwargs["attention_mask"] = mask
     model_kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
     return ids, model_kwargs
+
+
+def _encode_features(model, features, model_kwargs: dict):
+    """Run the encoder of a model taking features (Whisper's ``input_features``) once, compiled for their shape
+    (one graph per batch and feature shape: Whisper's feature extractor pads every clip to the model's 30 s window,
+    so every audio length shares it), and hand upstream ``encoder_outputs``. The features go to the model's device
+    here, wherever the caller left them."""
+    import torch
+    from transformers.modeling_outputs import BaseModelOutput
+
+    state = _state(model)
+    on_device = features.to(model.device)  # (no copy when they are there already)
+    # what upstream's generate gets as its inputs: it reads their batch size and device only, the encoder having run
+    host = features if features.device.type == "cpu" else torch.empty(features.shape, dtype=features.dtype)
+    mask = model_kwargs.get("attention_mask")  # (over the frames, as upstream hands it to the encoder)
+    key = ("features_encoder", int(host.shape[0]), *(int(n) for n in host.shape[1:]), mask is not None)
+    with torch.no_grad():
+        args = (on_device,) if mask is None else (on_device, mask.to(model.device))
+        hidden = _run(model, state, key, *args)
+    model_kwargs = dict(model_kwargs)
+    model_kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
+    return host, model_kwargs
 
 
 @contextlib.contextmanager

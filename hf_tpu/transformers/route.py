@@ -8,7 +8,8 @@ Four loops can serve a call on a TPU, tried in this order:
 * ``"cacheless"``: hf_tpu's loop without a cache (:mod:`hf_tpu.transformers._cacheless`), for ``use_cache=False``,
   a model that keeps no cache, or one whose cached forms cannot run;
 * ``"upstream"``: upstream's own loop, unchanged (assisted decoding, a model none of the above serves, beam search
-  the beam loop of :mod:`hf_tpu.transformers._beam` cannot serve: a beam call it serves takes the cached route).
+  the beam loop of :mod:`hf_tpu.transformers._beam` cannot serve: a beam call it serves takes the cached route or
+  the loop without a cache).
 
 A model's route (what a call with a cache takes) is decided once, from what can be checked before tracing
 (:func:`model_route`), kept in the model's state as one :class:`Route`, and demoted in one place when a graph
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hf_tpu.transformers import _beam, _cacheless, _upstream
+from hf_tpu.transformers import _beam, _cacheless, _images, _upstream
 from hf_tpu.transformers._cache import pool
 from hf_tpu.transformers._settings import (
     _DEVICE_TYPES,
@@ -68,8 +69,8 @@ def explain(model, **generate_kwargs) -> Route:
         >>> from hf_tpu.transformers import explain                     # doctest: +SKIP
         >>> explain(model).loop                                         # doctest: +SKIP
         'cached'
-        >>> explain(model, num_beams=2, use_cache=False)                # doctest: +SKIP
-        Route(loop='upstream', reason="beam search on ...: hf_tpu's beam loop runs on its cached loop only ...", ...)
+        >>> explain(model, num_beams=2, max_time=5.0)                    # doctest: +SKIP
+        Route(loop='upstream', reason='beam search with stop_strings/max_time: those stopping criteria run ...', ...)
     """
     own = own_generate(model)
     if own:
@@ -139,6 +140,16 @@ def _call_route(model, config, model_kwargs: dict) -> Route:
         if problem is not None:
             reason, warn = problem
             return Route(UPSTREAM, reason, warn=warn)
+    if _images.image_inputs(model, model_kwargs):  # encoded by a graph of their own, merged by the prefill's forward
+        problem = _images.images_problem(model, model_kwargs)
+        if problem is None and model_kwargs.get("inputs_embeds") is not None:
+            problem = "images with inputs_embeds are not supported by the bucketed loop (it merges them into ids)"
+        if problem is None and (not use_cache or model_route(model).loop not in (CACHED, HOST_LENGTH)):
+            problem = f"images: only hf_tpu's loop with a cache takes them, and this call of {type(model).__name__} cannot run it"
+        if problem is None and (_upstream.numbers_by_cache_length(model) or _state(model).host_length):
+            problem = _upstream.prompt_first_inputs(model, ["images"])
+        if problem is not None:
+            return Route(UPSTREAM, problem, warn=True)
     if not use_cache and not model.config.is_encoder_decoder:  # this call keeps no cache
         model_route(model)  # (the verdict below is kept with it)
         without = _without_cache(model)

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hf_tpu.transformers._settings import _state
+from hf_tpu.transformers._upstream import encoder_input_name
 from hf_tpu.transformers.buckets import BucketLadder, BucketOverflowError, cache_length
 
 __all__ = ["ShapePlan", "ladder_figures", "plan_shapes"]
@@ -73,7 +74,9 @@ def plan_shapes(
     new = max(int(max_new_tokens), 1)
     if encoder_len is not None:
         # Encoder-decoder: the encoder input is bucketed, the decoder prompt (usually the start token) is not.
-        encoder_bucket = ladder.bucket(encoder_len, "the encoder input", LADDER_FIX)
+        # (an encoder of features runs at the length its input fixes: its output's length is the model's own)
+        exact = encoder_input_name(model) is not None
+        encoder_bucket = encoder_len if exact else ladder.bucket(encoder_len, "the encoder input", LADDER_FIX)
         need = prompt_len + new - 1
         if need > ladder.max:
             raise BucketOverflowError(

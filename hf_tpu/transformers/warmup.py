@@ -92,7 +92,10 @@ def warmup(
         progress: show a progress bar.
 
     Returns:
-        A :class:`WarmupReport`: the graph keys covered, how many were compiled or loaded, and the time taken.
+        A :class:`WarmupReport`: the graph keys covered, how many were compiled or loaded, and the time taken. For an
+        encoder the ``encoders`` integration serves (BERT, RoBERTa, XLM-R, ModernBERT), the
+        :class:`~hf_tpu.encoders.EncoderWarmupReport` of :func:`hf_tpu.encoders.warmup` with ``max_length =
+        max_prompt_len`` (``max_new_tokens`` plays no part).
 
     Raises:
         hf_tpu.runtime.TPUNotAvailableError, ValueError: the model is not on a TPU (the message says how to
@@ -105,6 +108,11 @@ def warmup(
         WarmupReport(graphs=[('prefill', 1, 16, 32), ('decode', 1, 32), ...], ...)
     """
     from tqdm.auto import tqdm
+
+    from hf_tpu.encoders import _integration as encoders
+
+    if encoders.serves(model):  # an encoder (BERT-like): its graphs are the bucketed forward's
+        return _warm_encoder(model, max_prompt_len, batch_sizes, buckets, strict, progress, cache_dir)
 
     from hf_tpu.transformers import generation
 
@@ -124,6 +132,14 @@ def warmup(
     own = _upstream.own_generate(model)
     if own:
         raise generation.NotCompilableError(f"{own}; warm-up has no graph its generate would use")
+    features = _upstream.encoder_input_name(model)
+    if features:
+        raise generation.NotCompilableError(
+            f"hf_tpu.warmup cannot warm {type(model).__name__} yet: its encoder takes {features}, whose shape and "
+            "decoder prompt (the language and task tokens) warm-up does not know ahead of a call; the first generate "
+            "of each batch size and decoder prompt compiles its graphs, and every later one with those shapes "
+            "compiles nothing"
+        )
     state = generation._state(model)
     _no_graph_if_upstream(route.explain(model))  # the route of a call with the model's own generation_config
     ladder = state.ladder(model.config)
@@ -182,6 +198,20 @@ def warmup(
         report.cache_dir = str(cache.root)
         report.cache_problems = list(cache.problems)
     return report
+
+
+def _warm_encoder(model, max_prompt_len, batch_sizes, buckets, strict, progress, cache_dir):
+    """:func:`hf_tpu.encoders.warmup` for ``hf_tpu.warmup(encoder, ...)``."""
+    from hf_tpu.encoders.warmup import warmup as warm_encoder
+    from hf_tpu.errors import UserError
+
+    if cache_dir is not None:
+        raise UserError(
+            "hf_tpu.warmup(encoder, cache_dir=...): the persistent compile cache does not hold encoder graphs yet; "
+            "warm up without cache_dir (each process compiles its buckets once)"
+        )
+    strict = None if strict is None else bool(strict)
+    return warm_encoder(model, max_prompt_len, batch_sizes, lengths=buckets, strict=strict, progress=progress)
 
 
 def _warm_one(model, plan, variant: str) -> list[tuple]:

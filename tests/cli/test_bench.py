@@ -232,3 +232,54 @@ def test_compile_cache_quick_figures_are_consistent(tmp_path):
     assert all(n <= o for n, o in zip(cost["new"]["cache_lengths"], cost["old"]["cache_lengths"]))
     assert cost["new"]["bytes"] <= cost["old"]["bytes"] and is_count(round(cost["new"]["ops"]))
     assert "graphs loaded from the cache" in proc.stdout and "device bytes touched" in proc.stdout
+
+
+def test_summary_columns_fit_the_longest_name_and_status():
+    """issue 36: names of 13+ characters (compile_cache, diffusers_sweep) ran into the status column."""
+    from hf_tpu.cli.bench import summary_table
+
+    results = {
+        "sim_forward": {"status": "ok", "seconds": 6.5},
+        "diffusers_sweep": {"status": "targets missed", "seconds": 120.0},
+        "compile_cache": {"status": "skipped", "reason": "jax is not installed"},
+    }
+    lines = summary_table(results).splitlines()
+    assert lines == [
+        "  sim_forward      ok              6.5s",
+        "  diffusers_sweep  targets missed  120.0s",
+        "  compile_cache    skipped         jax is not installed",
+    ]
+    # every status starts in one column, every detail in another
+    assert len({line.index(s) for line, s in zip(lines, ("ok", "targets", "skipped"))}) == 1
+
+
+def test_compile_cache_closing_line_agrees_with_the_summary():
+    """issue 36: with only the timing target missed, compile_cache's body said "targets met" and bench's summary
+    "missed"; now the body's last line uses the summary's word for the same figures."""
+    from hf_tpu.cli import bench
+
+    compile_cache = benchmarks.load("compile_cache")
+    timing = ["warm-up from the cache not under half the cold time"]
+    cases = [
+        ({"missed": [], "timing_missed": []}, 0, "ok", "targets met"),
+        ({"missed": timing, "timing_missed": timing}, 0, "missed", "count targets met; missed (a timing target"),
+        ({"missed": ["compiles in the warm-up from the cache", *timing], "timing_missed": timing}, 1,
+         "targets missed", "targets missed: compiles in the warm-up from the cache; warm-up from the cache"),
+    ]
+    for figures, returncode, status, line in cases:
+        assert bench._status(returncode, {"figures": figures}) == status
+        assert compile_cache.verdict(figures).startswith(line)
+        assert ("targets met" == compile_cache.verdict(figures)) == (status == "ok")
+
+
+def test_serve_prints_the_new_tokens_value_not_the_flag_name(capsys):
+    """issue 36: "(--max-tokens new tokens each)" printed instead of the number."""
+    serve = benchmarks.load("serve")
+    run = {"wall_s": 2.0, "tokens": 338, "tokens_per_s": 169.0, "ttft_p50_s": 0.07, "ttft_p99_s": 0.1,
+           "tpot_p50_s": 0.04}  # fmt: skip
+    serve.print_table({"requests": 16, "rate": 16.0, "concurrent": run, "sequential": run, "speedup": 1.0,
+                       "compiles_after_warmup": 0, "timing_missed": [],
+                       "generate_batch": {"together_s": 1.8, "one_at_a_time_s": 29.0, "speedup": 16.1,
+                                          "max_new_tokens": 24}})  # fmt: skip
+    out = capsys.readouterr().out
+    assert "of the 16 prompts (24 new tokens each, --max-tokens): 1.80 s together" in out

@@ -127,3 +127,25 @@ def test_main_dispatches_to_the_generate_command():
     argv = ["generate", "some/dir", "--prompt", "hi", "--simulate"]
     args = build_parser(argv).parse_args(argv)
     assert args._module is command and args.model_dir == "some/dir" and args.simulate
+
+
+def test_the_max_prompt_len_advised_for_a_long_prompt_warms_up_and_equals_cpu(tmp_path, capsys):
+    """issue 36: the advice "--max-prompt-len 249" for a 1402-token prompt, followed, warned that there was no
+    warm-up (the warm-up compiles the prompt's bucket, 256, plus the new tokens). The first value advised now warms
+    up; the longer one, said with its cost, still runs."""
+    import re
+
+    tok = _tiny_model_dir(tmp_path)
+    prompt = " ".join(["king", "queen", "prince"] * 50)  # 150 tokens, past the largest bucket (128)
+    argv = [str(tmp_path), "--prompt", prompt, "--max-new-tokens", "8"]
+    assert command.run(_args(argv=argv)) == 2
+    err = capsys.readouterr().err
+    advised = [int(n) for n in re.findall(r"--max-prompt-len (\d+)", err)]
+    assert advised == [64, 121], err  # a rung whose bucket + 8 new tokens fits 128; 121 fits without a warm-up
+    assert "without a warm-up" in err
+    ids = tok(prompt)["input_ids"]
+    for keep, warmed in zip(advised, (True, False)):
+        assert command.run(_args(argv=[*argv, "--max-prompt-len", str(keep)])) == 0
+        out, err = capsys.readouterr()
+        assert ("no warm-up" not in err) is warmed, err
+        assert out.strip() == _cpu_text(tmp_path, tok, ids[-keep:], 8)

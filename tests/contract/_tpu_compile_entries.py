@@ -136,3 +136,23 @@ def lower_tp_rank_layer(session, world_size: int = 2):
         compiled(x, w_up, w_down)
     dist.destroy_process_group()
     return {"labels": ["tp-rank-before-all-reduce", "tp-rank-collective", "tp-rank-after-all-reduce"]}
+
+
+def lower_encoder_warmup(session, family: str = "bert", head: str = "AutoModel"):
+    """hf_tpu's encoder warm-up (hf_tpu.encoders) for a tiny encoder on deferred tpu weights: its (batch, length)
+    bucket graphs go through torch_tpu's lowering."""
+    import transformers
+
+    import hf_tpu
+    from hf_tpu.encoders import compiled_graphs, warmup
+    from hf_tpu.testing import ENCODER_FAMILIES
+
+    config_class, defaults = ENCODER_FAMILIES[family]
+    config = getattr(transformers, config_class)(**defaults)
+    with torch.device("meta"):
+        model = getattr(transformers, head).from_config(config)
+    model = model.to_empty(device="tpu").eval()
+    hf_tpu.enable("encoders")
+    with session.mode:
+        warmup(model, max_length=32, batch_sizes=[2], progress=False)
+    return {"labels": [f"encoder-{b}x{n}" for b, n, *_ in compiled_graphs(model)]}

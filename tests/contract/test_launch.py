@@ -177,3 +177,23 @@ def test_multi_host_env_and_refusals_equal_the_wheel(tmp_path):
         accepted += 1
     tables = hardware._TOPOLOGY_BY_TPU_PCI_DEVICE_ID
     assert accepted == sum(1 for _, pci, n, _ in layouts if n in tables[pci])  # every layout the wheel accepts
+
+
+def test_no_process_count_describes_every_chip_and_two_ranks_there_are_named(fake_tpu_host, clean_launch_env):
+    """issue 36: torch_tpu's launch recipe (``set_tpu_launch_env()``, then torchrun with ``--nproc_per_node=2``) on a
+    4-chip host. The wheel, called without ``nproc_per_node``, describes all 4 chips (topology 2,2,1, 4 slice-builder
+    addresses), whatever torchrun starts afterwards; the simulator's stand-in says the same, and each of the 2 ranks
+    is told the call that fixes it (``set_tpu_launch_env(nproc_per_node=2)``, which the wheel refuses on v6e)."""
+    from hf_tpu._launch_env import set_simulated_launch_env, slice_mismatch
+
+    fake_tpu_host(GENERATIONS["v6e"], 4)
+    wheel = _wheel_env(clean_launch_env)
+    assert wheel["TORCH_TPU_TOPOLOGY"] == "2,2,1" and len(wheel["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")) == 4
+    ours = set_simulated_launch_env(nproc_per_node=4, env={}, generation="v6e")  # the simulated host: 4 devices
+    assert ours["TORCH_TPU_TOPOLOGY"] == wheel["TORCH_TPU_TOPOLOGY"]
+    assert len(ours["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")) == 4
+    for env in (wheel, ours):
+        message = slice_mismatch({**env, "LOCAL_WORLD_SIZE": "2"})
+        assert "describes 4 TPU devices" in message and "set_tpu_launch_env(nproc_per_node=2)" in message
+        assert slice_mismatch({**env, "LOCAL_WORLD_SIZE": "4"}) is None
+    assert "No TPU topology found for count: 2" in _wheel_env(clean_launch_env, nproc_per_node=2)

@@ -358,3 +358,11 @@ def test_chip_programs_script_lowers_and_runs_the_programs(tmp_path):
     assert [p["name"] for p in out["programs"]] == ["prefill-16", "decode"]
     assert all("error" not in p and p["step_seconds_median"] > 0 for p in out["programs"]), out["programs"]
     assert out["facts"]["weights_bytes"] > 0 and out["weights_matvec"]["step_seconds_median"] > 0
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_encoder_bucket_graphs(family):
+    """hf_tpu's bucketed encoder forward (hf_tpu.encoders): warm-up's two bucket graphs lower through torch_tpu and
+    compile for v6e-1."""
+    result = lower_and_compile("_tpu_compile_entries:lower_encoder_warmup", {"family": family}, "v6e-1")
+    _all_compiled(result, ["encoder-2x16", "encoder-2x32"])

@@ -88,3 +88,28 @@ def test_init_on_device_creates_parameters_on_the_tpu(device_map_on):
     with init_on_device(torch.device("tpu")):
         layer = torch.nn.Linear(4, 4)
     assert layer.weight.device.type == "tpu"
+
+
+def test_upstream_auto_places_on_the_cpu_with_a_tpu_device_present(sim, untied_path):
+    """The README's "upstream" column (issue 36 asked whether it is right): with a ``tpu`` device registered
+    (the simulator, as ``HF_TPU_SIMULATE=1`` gives) and hf_tpu's device_map integration off, upstream's
+    ``device_map="auto"`` places the whole model on the CPU: accelerate 1.15's ``get_max_memory`` asks npu, mlu,
+    sdaa, musa, xpu, hpu and cuda for devices, never a PrivateUse1 device such as ``tpu``, so its budget is
+    ``{"cpu": ...}``. With the integration on, the same call lands on ``tpu:0``."""
+    from accelerate.utils import get_max_memory
+    from transformers import AutoModelForCausalLM
+
+    import hf_tpu
+
+    was_on = hf_tpu.is_enabled("device_map")
+    hf_tpu.disable("device_map")
+    try:
+        assert set(get_max_memory()) == {"cpu"}
+        upstream = AutoModelForCausalLM.from_pretrained(untied_path, device_map="auto")
+    finally:
+        if was_on:
+            hf_tpu.enable("device_map")
+    assert {p.device.type for p in upstream.parameters()} == {"cpu"}
+    with hf_tpu.enabled("device_map"):
+        ours = AutoModelForCausalLM.from_pretrained(untied_path, device_map="auto")
+    assert {str(p.device) for p in ours.parameters()} == {"tpu:0"}

@@ -20,7 +20,7 @@ def test_denoiser_and_limits(load_pipe):
     ("kind", "size", "message"),
     [
         ("sd3", (30, 32), "height=30 is not a multiple of 4"),
-        ("sd3", (30, 30), "nearest valid sizes: 28x28, 28x32, 32x28, 32x32"),
+        ("sd3", (30, 30), "nearest valid sizes (width x height): 28x28, 28x32, 32x28, 32x32"),
         ("sd3", (2, 32), "height=2 is below the smallest side, 4"),
         ("sd3", (32, 400), "width=400 is above the largest side, 384"),
         ("sd", (36, 64), "height=36 is not a multiple of 8"),

@@ -36,7 +36,9 @@ def test_diffuse_bad_size(sim, model_dirs, tmp_path, capsys):
     argv = ["diffuse", model_dirs["sd"], "--prompt", "x", "--out", str(out), "--height", "36", "--simulate"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "cannot make a 36x128 image" in err and "multiples of 8" in err
+    # issue 36: one order for sizes, the one of the success line ("wrote ...: 128x36 (width x height)")
+    assert "cannot make a 128x36 (width x height) image: height=36 is not a multiple of 8" in err
+    assert "nearest valid sizes (width x height): 128x32, 128x40" in err
     assert not out.exists()
 
 

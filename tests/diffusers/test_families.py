@@ -69,7 +69,7 @@ def test_wan_compiled_matches_cpu(sim, two_experts):
         _video(pipe, seed=1)
     assert again.compiles == 0
     # The call checks know the (1, 2, 2) patch and the video VAE (sides / 8, time / 4).
-    with pytest.raises(ValueError, match=r"multiples of 16.*nearest valid sizes: 32x32, 32x48"):
+    with pytest.raises(ValueError, match=r"multiples of 16.*nearest valid sizes \(width x height\): 32x32, 48x32"):
         check_resolution(pipe, 32, 40)
     with pytest.raises(ValueError, match="a clip has k\\*4 \\+ 1 frames; nearest valid counts: 9, 13"):
         check_frames(pipe, 10)

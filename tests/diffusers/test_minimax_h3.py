@@ -98,7 +98,7 @@ def test_minimax_h3_frame_counts_and_audio_latents_are_checked():
         _run(pipe, num_frames=400)
     with pytest.raises(ValueError, match=r"audio_latents of shape \(2, 4, 200\) for 124 frames"):
         _run(pipe, audio_latents=torch.zeros(2, 4, 200))
-    with pytest.raises(ValueError, match=r"cannot make a 12x16 .*multiples of 8"):
+    with pytest.raises(ValueError, match=r"cannot make a 16x12 \(width x height\) .*multiples of 8"):
         pipe(prompt="a cat", height=12, width=16, num_inference_steps=1)
     assert encoder_calls == []
     # A count upstream snaps up itself (with its own warning) and noise of the right length pass.

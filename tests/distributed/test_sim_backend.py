@@ -84,3 +84,17 @@ def test_average_over_three_ranks_divides_the_sum_by_three():
         torch.testing.assert_close(got["allreduce"], mean)
         torch.testing.assert_close(got["scatter"], mean[2 * r : 2 * r + 2])
     torch.testing.assert_close(results[0]["reduce"], mean)  # the root holds the average
+
+
+def test_premul_sum_is_refused_as_on_a_chip(group):
+    """torch-tpu 0.2.0's ProcessGroupTpu: "BuildReduceBody: 'premul_sum' reduction is not supported" (read from the
+    wheel); FSDP2 asks for it only after ``set_gradient_divide_factor`` with a factor other than the world size."""
+    a, out = torch.arange(4.0).to("tpu"), torch.empty(4).to("tpu")
+    rs = dist.ReduceScatterOptions()
+    rs.reduceOp = dist.ReduceOp.PREMUL_SUM(0.5)
+    with pytest.raises(RuntimeError, match="'premul_sum' reduction is not supported"):
+        group._reduce_scatter_base(out, a, rs)
+    ar = dist.AllreduceOptions()
+    ar.reduceOp = dist.ReduceOp.PREMUL_SUM(0.5)
+    with pytest.raises(RuntimeError, match="'premul_sum' reduction is not supported"):
+        group.allreduce([a], ar)

@@ -143,3 +143,31 @@ def test_not_launched_is_a_clear_error(models):
         pytest.raises(TensorParallelConfigError, match="hf-tpu launch --nproc_per_node=2"),
     ):
         AutoModelForCausalLM.from_pretrained(models[0], distributed_config=DistributedConfig(tp_size=2))
+
+
+def test_tp_over_the_tp_dimension_of_a_2d_mesh(tmp_path, models):
+    # A FSDP x TP script builds a (dp_shard=2, tp=2) mesh on 4 ranks and loads with device_mesh=mesh["tp"].
+    # transformers 5.24 drops device_mesh and takes tp_size from WORLD_SIZE: the model was sharded 4 ways, and
+    # hf_tpu's plan check reported "tp_size=4" (2 KV heads: attention replicated). It must shard 2 ways, over the
+    # ranks of this rank's tp row, with the upstream plan as is.
+    out = tmp_path / "mesh2d"
+    out.mkdir()
+    code, log, _ = launch(
+        ["--simulate", "--nproc_per_node=4", "tests/distributed/_tp_mesh_worker.py", str(out), models[0]],
+        timeout=SAFETY_TIMEOUT_S,
+    )
+    assert code == 0, log[-6000:]
+    assert not processes_mentioning(str(out)), "ranks left running after the launcher exited"
+    cpu_logits, _ = CPU["llama_kv2"]
+    for rank in range(4):
+        r = json.loads((out / f"rank{rank}.json").read_text())
+        assert "error" not in r, r["error"]
+        assert r["tp_size"] == 2 and r["fixes"] == [], (r["tp_size"], r["fixes"])
+        assert r["weight_mesh_ranks"] == r["tp_ranks"] == ([0, 1] if rank < 2 else [2, 3])
+        assert r["gate_shape"] == [128, 64] and r["gate_local_shape"] == [64, 64]
+        assert r["logits_device"] == "tpu:0"
+        torch.testing.assert_close(torch.tensor(r["logits"]), cpu_logits, rtol=1e-4, atol=1e-4)
+        errors = r["errors"]
+        assert "tp_size=4" in errors["tp_size_mismatch"] and "2 ranks" in errors["tp_size_mismatch"]
+        assert "no 'tp' dimension" in errors["no_tp_dim"]
+        assert "needs 2 processes" in errors["config_alone"] and "device_mesh=mesh['tp']" in errors["config_alone"]

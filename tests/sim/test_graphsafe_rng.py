@@ -161,3 +161,47 @@ def test_disable_restores_torchs_flags_and_device_types():
         functorch_config.graphsafe_rng_functionalization, functorch_config.functionalize_rng_ops = before[1:]
         hf_tpu.sim.enable()
     assert _rng.installed()
+
+
+_DRAW = """
+import json, sys, torch
+import hf_tpu.sim
+hf_tpu.sim.enable()
+if sys.argv[1] != "unseeded":
+    torch.manual_seed(int(sys.argv[1]))
+logits = torch.zeros(1, 1000, device="tpu")
+draws = torch.multinomial(torch.softmax(logits, -1), 8, replacement=True).cpu().tolist()
+cpu = torch.multinomial(torch.softmax(logits.cpu(), -1), 8, replacement=True).tolist()
+print(json.dumps({"seed": torch.tpu.default_generators[0].initial_seed(), "tpu": draws, "cpu": cpu}))
+"""
+
+
+def _fresh_process_draws(arg: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _timeouts import SAFETY_TIMEOUT_S
+
+    env = {**os.environ, "HF_TPU_SIMULATE": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _DRAW, arg], env=env, capture_output=True, text=True,
+                          timeout=SAFETY_TIMEOUT_S, check=True)  # fmt: skip
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_default_generator_is_seeded_per_process_as_torch_tpu_and_the_cpu_are():
+    """issue 36: unseeded sampling on the simulated device drew the same tokens in every fresh process (a new
+    torch.Generator's fixed seed); torch-tpu 0.2.0 seeds each device's default generator from the host's entropy once
+    per process, as torch does the CPU's. Fresh processes now differ, as on CPU; torch.manual_seed makes them repeat."""
+    first, second = _fresh_process_draws("unseeded"), _fresh_process_draws("unseeded")
+    assert first["cpu"] != second["cpu"]  # the reference: CPU sampling differs between fresh processes
+    assert first["seed"] != second["seed"] and first["tpu"] != second["tpu"]
+    assert 67280421310721 not in (first["seed"], second["seed"])
+    seeded = _fresh_process_draws("5")
+    torch.manual_seed(5)  # this process: the same seed, the same draws
+    logits = torch.zeros(1, 1000, device="tpu")
+    here = torch.multinomial(torch.softmax(logits, -1), 8, replacement=True).cpu().tolist()
+    assert seeded["seed"] == 5 and seeded["tpu"] == here

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def test_native_counts_memory_and_frees_it():
     assert hf_tpu.sim.max_memory_allocated() >= base + 8 * 1024**2
 
 
-def test_a_killed_build_does_not_block_the_next_and_a_built_core_is_reused(tmp_path, monkeypatch):
+def test_a_killed_build_does_not_block_the_next_and_a_built_core_is_reused(tmp_path, monkeypatch, caplog):
     if STATE.native is None:
         pytest.skip("native core off here")
     from torch.utils import cpp_extension
@@ -149,8 +150,15 @@ def test_a_killed_build_does_not_block_the_next_and_a_built_core_is_reused(tmp_p
         calls.append(name)
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    assert _native._build() is STATE.native and len(calls) == 1 and (build / "built").is_file()
+    with caplog.at_level("WARNING", logger="hf_tpu.sim"):
+        assert _native._build() is STATE.native and len(calls) == 1 and (build / "built").is_file()
+    # issue 36: the build said when it started and never that it ended
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "building the simulator's native core" in said[0], said
+    assert re.fullmatch(r"hf_tpu.sim: built the simulator's native core in \d+ s", said[1]), said
+    caplog.clear()
     assert _native._build() is STATE.native and len(calls) == 1  # built: loaded, not compiled again
+    assert not caplog.records  # nothing built, nothing said
 
 
 def test_a_failed_build_falls_back_to_python_with_a_warning_or_raises_when_required(monkeypatch, caplog):

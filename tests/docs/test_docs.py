@@ -1,0 +1,87 @@
+"""README.md and docs/*.md, run: python blocks, the commands a page tells a user to run, their outputs compared.
+
+The conventions a page follows are in tests/docs/pages.py. Command blocks marked heavy on their page run in the
+``docs_heavy`` group (``python -m pytest -m docs_heavy tests/docs``, a step of .ci/run); the README's test command
+deselects them (``addopts`` in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import pytest
+from sybil import Document
+
+from docs.pages import PAGES, ROOT, Commands, NotRun, PageParser, Problem
+
+
+def _parse(page: str) -> Document:
+    return Document.parse(str(ROOT / page), PageParser())
+
+
+def _examples(page: str, kinds: tuple[type, ...]):
+    return [ex for ex in _parse(page).examples() if isinstance(ex.parsed, kinds)]
+
+
+def _command_params():
+    params = []
+    for page in PAGES:
+        for ex in _examples(page, (Commands,)):
+            marks = [pytest.mark.docs_heavy] if ex.parsed.heavy else []
+            params.append(pytest.param(page, ex.line, marks=marks, id=f"{page}:{ex.line}"))
+    return params
+
+
+def _python_pages():
+    return [page for page in PAGES if any(not isinstance(ex.parsed, (Commands, NotRun, Problem))
+                                          for ex in _parse(page).examples())]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_is_run_or_says_why_not(page):
+    """Blocks the suite does not run still hold: python compiles, hf-tpu flags parse, files named exist; a block
+    nobody checks is marked with its reason."""
+    failures = []
+    for ex in _examples(page, (NotRun, Problem)):
+        message = ex.region.evaluator(ex)
+        if message:
+            failures.append(f"{page}, line {ex.line}: {message}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("page", _python_pages())
+def test_python_blocks_run(page):
+    """The page's python blocks, in order, in one namespace (each page's hf_tpu.enable() undone after, the
+    simulated device back at its defaults)."""
+    import hf_tpu
+    import hf_tpu.sim
+
+    document = _parse(page)
+    try:
+        for ex in document.examples():
+            if not isinstance(ex.parsed, (Commands, NotRun, Problem)):
+                ex.evaluate()
+    finally:
+        hf_tpu.disable()
+        hf_tpu.sim.enable()
+
+
+@pytest.mark.parametrize(("page", "line"), _command_params())
+def test_commands_print_what_the_page_shows(page, line):
+    (example,) = [ex for ex in _examples(page, (Commands,)) if ex.line == line]
+    message = example.region.evaluator(example)
+    assert message is None, f"{page}, line {line}: {message}"
+
+
+def test_the_readme_quotes_the_architecture_sweep_from_its_generated_table():
+    """Figures in prose come from the generated table (issue 36): the README's sweep counts are docs/architectures.md's
+    (written by ``python benchmarks/arch_sweep.py --write-docs``), which said 196 / 179 of 190 after the table had
+    moved on to 200 / 182 of 193."""
+    import re
+
+    table = (ROOT / "docs" / "architectures.md").read_text()
+    total = re.search(r"^(\d+) architectures; of the \d+ measured, (\d+) buildable", table, re.M)
+    target = re.search(r"meet every target: (\d+) of (\d+) measured \(([\d.]+)%\)", table)
+    assert total and target, "docs/architectures.md's summary lines changed: update this test's patterns"
+    readme = (ROOT / "README.md").read_text()
+    quoted = f"all {total[1]} architectures on the final code: {target[1]} of {target[2]} buildable architectures " \
+             f"meet every target, {target[3]}%"  # fmt: skip
+    assert quoted in readme, f"README.md should quote docs/architectures.md: '{quoted}'"

@@ -1,0 +1,97 @@
+"""Whisper's ``generate`` (speech in, text out) on hf_tpu's seq2seq loop: its own generate hands the features to
+``GenerationMixin.generate``, where hf_tpu runs the encoder once as a compiled graph and the decoder as its cached
+loop, with the features left on the host as for text. Compared with the same model's greedy generate on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tpu
+from hf_tpu.transformers import explain, generation
+
+# special ids of the tiny vocabulary: start, end, pad, two languages, two tasks, no-timestamps
+SOT, EOS, PAD, EN, FR, TRANSCRIBE, TRANSLATE, NO_TS = 1, 2, 0, 90, 91, 92, 93, 94
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=96, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16,
+        max_target_positions=64, decoder_start_token_id=SOT, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=SOT,
+        init_std=0.3,  # (varied tokens from random weights)
+    )  # fmt: skip
+    gen = GenerationConfig(
+        decoder_start_token_id=SOT, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=SOT, is_multilingual=True,
+        lang_to_id={"<|en|>": EN, "<|fr|>": FR}, task_to_id={"transcribe": TRANSCRIBE, "translate": TRANSLATE},
+        no_timestamps_token_id=NO_TS, suppress_tokens=[5, 6], begin_suppress_tokens=[EOS], max_length=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    cpu = WhisperForConditionalGeneration(config).eval()
+    tpu = WhisperForConditionalGeneration(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    cpu.generation_config = gen
+    tpu.generation_config = gen
+    return cpu, tpu.to("tpu")
+
+
+def _features(batch: int, seed: int) -> torch.Tensor:
+    # the tiny model's 16 encoder positions take 32 frames (two stride-1/stride-2 convolutions), 8 mel bins
+    return torch.randn(batch, 8, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def test_whisper_greedy_with_language_and_task_equals_cpu_from_host_features(whisper):
+    cpu, tpu = whisper
+    features = _features(2, 0)  # left on the host, as the feature extractor returns them
+    assert explain(tpu, input_features=features, max_new_tokens=8).loop == "cached"
+    for kwargs in ({"language": "fr", "task": "transcribe"}, {"language": "en", "task": "translate"}, {}):
+        want = cpu.generate(features, max_new_tokens=8, **kwargs)
+        got = tpu.generate(features, max_new_tokens=8, **kwargs)
+        assert got.device.type == "cpu"
+        assert torch.equal(got, want), kwargs
+    on_device = tpu.generate(features.to("tpu"), max_new_tokens=8)  # features already there: the result too
+    assert on_device.device.type == "tpu"
+    assert torch.equal(on_device.cpu(), cpu.generate(features, max_new_tokens=8))
+    kinds = {key[0].split("+", 1)[0] for key in generation.compiled_graphs(tpu)}
+    assert kinds == {"features_encoder", "seq2seq_prefill", "seq2seq_decode"}
+
+
+def test_whisper_second_clip_compiles_nothing_and_copies_one_small_tensor_each_way_per_step(whisper):
+    cpu, tpu = whisper
+
+    def run(features, new_tokens):
+        with hf_tpu.sim.stats() as s:
+            out = tpu.generate(features, language="fr", max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        assert torch.equal(
+            out, cpu.generate(features, language="fr", max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        )
+        return s
+
+    run(_features(2, 1), 10)  # compiles this call's shapes
+    short, long = run(_features(2, 2), 2), run(_features(2, 3), 10)  # other clips (same bucket: Whisper's window)
+    assert short.compiles == long.compiles == 0
+    assert long.shape_signatures == 0
+    steps = 8
+    assert (long.h2d_copies - short.h2d_copies) / steps <= 1
+    assert (long.d2h_copies - short.d2h_copies) / steps <= 1
+    assert (long.d2h_bytes - short.d2h_bytes) / steps <= 2 * 8  # the batch's next tokens only
+    assert (long.host_syncs - short.host_syncs) / steps <= 1
+
+
+def test_whisper_beam_search_runs_upstream_with_its_reason_and_takes_host_features(whisper):
+    cpu, tpu = whisper
+    features = _features(1, 4)
+    assert "beam_search" in explain(tpu, input_features=features, num_beams=2).reason
+    generation.WARNED.clear()
+    with pytest.warns(UserWarning, match="beam_search is not supported by the bucketed loop"):
+        got = tpu.generate(features, num_beams=2, max_new_tokens=6)
+    assert torch.equal(got.cpu(), cpu.generate(features, num_beams=2, max_new_tokens=6))
+
+
+def test_whisper_warmup_says_it_cannot_warm_it_yet(whisper):
+    _, tpu = whisper
+    with pytest.raises(generation.NotCompilableError, match="its encoder takes input_features"):
+        hf_tpu.warmup(tpu, max_prompt_len=16, batch_sizes=[1], max_new_tokens=4, progress=False)

@@ -1,0 +1,166 @@
+"""Vision-language ``generate`` on hf_tpu's cached loop: the vision tower as its own compiled graph per image count
+and pixel shape, its features merged into the left-padded prompt by the model's own forward in the prefill graph,
+then the text loop's decode steps; pixel inputs left on the host. Tiny LLaVA-, Gemma 3- and Qwen2-VL-shaped models
+built from their configs, compared with the same model's greedy generate on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tpu
+from hf_tpu.transformers import explain, generation
+
+IMAGE = 90  # the image token of the tiny vocabulary
+_TEXT = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+
+def _llava():
+    import transformers as T
+
+    vision = T.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4,
+        projection_dim=32,
+    )  # fmt: skip
+    config = T.LlavaConfig(
+        vision_config=vision, text_config=T.LlamaConfig(**_TEXT), image_token_id=IMAGE, image_seq_length=17,
+        vision_feature_select_strategy="full", vision_feature_layer=-1,
+    )  # fmt: skip
+    return T.LlavaForConditionalGeneration, config, 17  # 16 patches and the class token per image
+
+
+def _gemma3():
+    import transformers as T
+
+    vision = T.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4
+    )
+    text = T.Gemma3TextConfig(
+        **_TEXT, head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"]
+    )  # (a window shorter than the prompts)
+    config = T.Gemma3Config(
+        vision_config=vision, text_config=text, image_token_id=IMAGE, mm_tokens_per_image=4, boi_token_index=91,
+        eoi_token_index=92,
+    )  # fmt: skip
+    return T.Gemma3ForConditionalGeneration, config, 4
+
+
+_BUILDERS = {"llava": _llava, "gemma3": _gemma3}
+_PAIRS: dict[str, tuple] = {}
+
+
+@pytest.fixture(params=sorted(_BUILDERS))
+def vlm(request):
+    family = request.param
+    if family not in _PAIRS:
+        cls, config, per_image = _BUILDERS[family]()
+        torch.manual_seed(0)
+        cpu = cls(config).eval()
+        tpu = cls(config).eval()
+        tpu.load_state_dict(cpu.state_dict())
+        _PAIRS[family] = (family, cpu, tpu.to("tpu"), per_image)
+    return _PAIRS[family]
+
+
+def _prompt(family: str, per_image: int, images: int, text: int, seed: int) -> dict:
+    """A processor's output, on the host: text, the image tokens of each image, more text; the pixel values."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randint(3, 60, (1, text), generator=g), *[torch.full((1, per_image), IMAGE)] * images]
+    ids = torch.cat([*parts, torch.randint(3, 60, (1, 3), generator=g)], dim=1)
+    kwargs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.randn(images, 3, 16, 16, generator=g),
+    }
+    if (
+        family == "gemma3"
+    ):  # Gemma 3's processor marks the image tokens (its prefill attends within an image both ways)
+        kwargs["token_type_ids"] = (ids == IMAGE).long()
+    return kwargs
+
+
+def _generate(model, kwargs: dict, new_tokens: int):
+    return model.generate(**kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+
+def test_greedy_with_images_equals_cpu_from_host_pixels(vlm):
+    family, cpu, tpu, per_image = vlm
+    kwargs = _prompt(family, per_image, images=1, text=5, seed=0)
+    assert explain(tpu, **kwargs, max_new_tokens=8).loop == "cached"
+    got = _generate(tpu, kwargs, 8)
+    assert got.device.type == "cpu"
+    assert torch.equal(got, _generate(cpu, kwargs, 8))
+    kinds = {key[0].split("+", 1)[0] for key in generation.compiled_graphs(tpu)}
+    assert {"vision", "mm_prefill", "decode"} <= kinds
+
+
+def test_another_image_compiles_nothing_and_another_count_compiles_only_its_own_graphs(vlm):
+    family, cpu, tpu, per_image = vlm
+    _generate(tpu, _prompt(family, per_image, images=1, text=5, seed=0), 8)
+    # another image, another prompt length in the same bucket
+    kwargs = _prompt(family, per_image, images=1, text=7, seed=1)
+    with hf_tpu.sim.stats() as s:
+        got = _generate(tpu, kwargs, 8)
+    assert torch.equal(got, _generate(cpu, kwargs, 8))
+    assert s.compiles == 0 and s.shape_signatures <= 4
+    # two images: the vision graph and the prefill for that feature shape (and the buckets the prompt reaches)
+    before = len(generation.compiled_graphs(tpu))
+    kwargs = _prompt(family, per_image, images=2, text=3, seed=2)
+    got = _generate(tpu, kwargs, 8)
+    assert torch.equal(got, _generate(cpu, kwargs, 8))
+    added = {key[0].split("+", 1)[0] for key in generation.compiled_graphs(tpu)[before:]}
+    assert {"vision", "mm_prefill"} <= added <= {"vision", "mm_prefill", "decode"}
+    kwargs = _prompt(family, per_image, images=2, text=4, seed=3)
+    with hf_tpu.sim.stats() as s:
+        got = _generate(tpu, kwargs, 8)
+    assert torch.equal(got, _generate(cpu, kwargs, 8))
+    assert s.compiles == 0 and s.shape_signatures <= 4
+
+
+def test_one_small_copy_each_way_per_decode_step_with_images(vlm):
+    family, _, tpu, per_image = vlm
+    kwargs = _prompt(family, per_image, images=1, text=5, seed=4)
+    _generate(tpu, kwargs, 10)
+    with hf_tpu.sim.stats() as short:
+        _generate(tpu, kwargs, 2)
+    with hf_tpu.sim.stats() as long:
+        _generate(tpu, kwargs, 10)
+    steps = 8
+    assert long.compiles == 0
+    assert (long.h2d_copies - short.h2d_copies) / steps <= 1
+    assert (long.d2h_copies - short.d2h_copies) / steps <= 1
+    assert (long.d2h_bytes - short.d2h_bytes) / steps <= 8
+    assert (long.host_syncs - short.host_syncs) / steps <= 1
+
+
+def test_qwen2_vl_runs_upstream_naming_its_positions_and_takes_host_inputs():
+    import transformers as T
+
+    text = dict(_TEXT, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0})
+    vision = dict(
+        depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=2, spatial_merge_size=2, temporal_patch_size=2,
+        in_channels=3, mlp_ratio=2,
+    )  # fmt: skip
+    config = T.Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=91, vision_start_token_id=92,
+        vision_end_token_id=93,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    cpu = T.Qwen2VLForConditionalGeneration(config).eval()
+    tpu = T.Qwen2VLForConditionalGeneration(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    tpu.to("tpu")
+    ids = torch.cat([torch.tensor([[5, 6, 92]]), torch.full((1, 4), IMAGE), torch.tensor([[93, 7, 8]])], dim=1)
+    kwargs = {
+        "input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": torch.randn(16, 24),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+    }  # fmt: skip
+    route = explain(tpu, **kwargs, max_new_tokens=6)
+    assert route.loop == "upstream" and "get_rope_index" in route.reason
+    generation.WARNED.clear()
+    with pytest.warns(UserWarning, match="multimodal rotary positions"):
+        got = tpu.generate(**kwargs, max_new_tokens=6)
+    assert torch.equal(got.cpu(), cpu.generate(**kwargs, max_new_tokens=6))
