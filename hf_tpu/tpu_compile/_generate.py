@@ -123,10 +123,11 @@ def lower_generate(
     generation: dict | None = None,
     experts_implementation: str | None = None,
     attn_implementation: str | None = None,
+    num_beams: int | None = None,
 ) -> dict[str, Any]:
     """Lower the graphs ``hf_tpu.warmup`` compiles for this call size (``buckets="largest"``: the bucket of
-    ``max_prompt_len`` only; ``"all"``: the whole ladder up to it). Returns labels and facts for the plan; lowers
-    nothing when the weights alone exceed ``capacity``."""
+    ``max_prompt_len`` only; ``"all"``: the whole ladder up to it; ``num_beams``: the beam-search graphs too). Returns
+    labels and facts for the plan; lowers nothing when the weights alone exceed ``capacity``."""
     import torch
 
     from hf_tpu._patch import enable
@@ -169,7 +170,7 @@ def lower_generate(
         extra = {"buckets": [bucket, *ladder.at_least(bucket + 1)]} if buckets == "largest" else {}
         report = warmup(
             built, max_prompt_len=max_prompt_len, batch_sizes=[batch], max_new_tokens=max_new_tokens, progress=False,
-            **extra,
+            num_beams=num_beams, **extra,
         )  # fmt: skip
     keys = gen.compiled_graphs(built)
     decodes = sum(1 for k in keys if k[0].split("+", 1)[0] == "decode")

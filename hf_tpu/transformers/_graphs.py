@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from hf_tpu.transformers import _beam_graphs
 from hf_tpu.transformers._settings import (
     CACHED,
     CACHELESS,
@@ -195,6 +196,11 @@ _GRAPHS: dict[str, Callable] = {
     "seq2seq_decode": _seq2seq_decode,
     "cacheless_prefill": _cacheless_prefill,
     "cacheless_decode": _cacheless_decode,
+    # beam search (hf_tpu.transformers._beam): the forward, then upstream's beam step, in one graph
+    "beam_prefill": _beam_graphs._beam_prefill,
+    "beam_decode": _beam_graphs._beam_decode,
+    "beam_cacheless_prefill": _beam_graphs._beam_cacheless_prefill,
+    "beam_cacheless_decode": _beam_graphs._beam_cacheless_decode,
 }
 # Graph kinds carry the device plan's variant after a "+" ("decode+temperature+top_k+sample"): the processors
 # (and sampler) the graph runs on the device. The variant of greedy search with a lone repetition penalty:
@@ -237,6 +243,10 @@ def _describe(key: tuple) -> str:
         "seq2seq_decode": ("encoder bucket", "cache bucket"),
         "cacheless_prefill": ("cache bucket",),
         "cacheless_decode": ("cache bucket",),
+        "beam_prefill": ("prompt bucket", "cache bucket"),
+        "beam_decode": ("cache bucket",),
+        "beam_cacheless_prefill": ("cache bucket",),
+        "beam_cacheless_decode": ("cache bucket",),
     }[kind.split("+", 1)[0]]
     return f"{kind} graph for batch={batch}, " + ", ".join(f"{n}={v}" for n, v in zip(names, rest))
 
@@ -287,7 +297,7 @@ def _namespace(cache, model, state: _ModelState):
     # masks they trace
     modules = (
         inspect.getmodule(_run), sampling, _registry, _processors, _warpers, _cache_layers, _cache_layer_classes,
-        _step_outputs,
+        _step_outputs, _beam_graphs,
     )  # fmt: skip
     source = "".join(inspect.getsource(m) for m in modules)
     # and the bucketed forms of models' own caches (read, not imported: importing it imports their modeling files)
@@ -423,7 +433,7 @@ def _run(model, state: _ModelState, key: tuple, *args):
         )
     from hf_tpu.transformers import _module_state
 
-    if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill", "mm_prefill"):
+    if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill", "mm_prefill", "beam_prefill"):
         _module_state.reset(model, state, key[1])  # a new sequence: module-held state as upstream resets it
     if first and (is_variant(key[0]) or key[0] == "vision"):  # (a vision tower's forward asks for hidden states)
         prepare(model)

@@ -1,6 +1,6 @@
 """Upstream's loop: what a call asks for that only it does (:func:`call_problem`), and running it on a TPU.
 
-Anything hf_tpu's loops do not cover (beam search, assisted decoding, a user cache it cannot copy in, extra model
+Anything hf_tpu's loops do not cover (assisted decoding, beam search the beam loop cannot serve, a user cache it cannot copy in, extra model
 inputs, non-static ``cache_implementation``, ...) runs upstream's code unchanged, its inputs moved to the TPU as
 upstream's own ``prepare_inputs_for_generation`` moves them (:func:`_inputs_on_model_device`). The route of a call
 (which loop, and why) is decided in :mod:`hf_tpu.transformers.route`, which asks this module about the call's
@@ -62,8 +62,12 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
     if not config.use_cache and model.config.is_encoder_decoder:
         return "use_cache=False recomputes the whole sequence each step, a new shape (and compile) per step", True
     mode = config.get_generation_mode(args.get("assistant_model"))
-    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        return f"{mode.value} is not supported by the bucketed loop (only greedy search and sampling are)", True
+    served = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
+    if mode not in served:  # (beam search: hf_tpu.transformers.route asks hf_tpu.transformers._beam what it serves)
+        return (
+            f"{mode.value} is not supported by the bucketed loop (only greedy search, sampling, beam search and beam "
+            "sampling are)"
+        ), True
     if (config.output_attentions or config.output_hidden_states) and model.config.is_encoder_decoder:
         asked = [n for n in ("output_attentions", "output_hidden_states") if getattr(config, n, False)]
         return (

@@ -23,7 +23,7 @@ classes) and plugs its own decoding loop in through upstream's ``custom_generate
 * returns the output on the device the inputs came from.
 
 Generation without a cache runs a loop of its own (:mod:`hf_tpu.transformers._cacheless`). Anything neither loop
-covers (beam search, assisted decoding, attentions and hidden states of an encoder-decoder model, a user cache it
+covers (assisted decoding, beam search :mod:`hf_tpu.transformers._beam` cannot serve, attentions and hidden states of an encoder-decoder model, a user cache it
 cannot copy in (:mod:`hf_tpu.transformers._cache.handoff`: the
 cache in and out), a model that fails the checks of the loop without a cache, ...) runs upstream's code unchanged,
 with a warning that names the cost on a TPU.
@@ -63,7 +63,7 @@ import inspect
 from collections.abc import Callable, Iterator
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _cacheless, _images
+from hf_tpu.transformers import _beam, _cacheless, _images
 from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._decode_loop import _PENALTY, _decode_loop, _warm, default_variant
 from hf_tpu.transformers._graphs import _run
@@ -249,6 +249,8 @@ def run_loop(model, *args, hf_tpu_plan: dict, **kwargs):
     host-length routes, :func:`~hf_tpu.transformers._cacheless.cacheless_loop` for the loop without a cache (whose
     reason, where the cached loop cannot serve the model, is said once its graphs ran)."""
     route = hf_tpu_plan["route"]
+    if kwargs.get("generation_config") is not None and _beam.is_beam_call(kwargs["generation_config"]):
+        return _beam.beam_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
     if route.loop != CACHELESS:
         return _decode_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
     result = _cacheless.cacheless_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)

@@ -7,7 +7,9 @@ Four loops can serve a call on a TPU, tried in this order:
   forward that branches on the cache length (:class:`~hf_tpu.transformers._cache.layer_classes.HostLengthLayer`);
 * ``"cacheless"``: hf_tpu's loop without a cache (:mod:`hf_tpu.transformers._cacheless`), for ``use_cache=False``,
   a model that keeps no cache, or one whose cached forms cannot run;
-* ``"upstream"``: upstream's own loop, unchanged (beam search, assisted decoding, a model none of the above serves).
+* ``"upstream"``: upstream's own loop, unchanged (assisted decoding, a model none of the above serves, beam search
+  the beam loop of :mod:`hf_tpu.transformers._beam` cannot serve: a beam call it serves takes the cached route or
+  the loop without a cache).
 
 A model's route (what a call with a cache takes) is decided once, from what can be checked before tracing
 (:func:`model_route`), kept in the model's state as one :class:`Route`, and demoted in one place when a graph
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hf_tpu.transformers import _cacheless, _images, _upstream
+from hf_tpu.transformers import _beam, _cacheless, _images, _upstream
 from hf_tpu.transformers._cache import pool
 from hf_tpu.transformers._settings import (
     _DEVICE_TYPES,
@@ -67,15 +69,15 @@ def explain(model, **generate_kwargs) -> Route:
         >>> from hf_tpu.transformers import explain                     # doctest: +SKIP
         >>> explain(model).loop                                         # doctest: +SKIP
         'cached'
-        >>> explain(model, num_beams=2)                                 # doctest: +SKIP
-        Route(loop='upstream', reason='beam_search is not supported by the bucketed loop ...', warn=True, ...)
+        >>> explain(model, num_beams=2, max_time=5.0)                    # doctest: +SKIP
+        Route(loop='upstream', reason='beam search with stop_strings/max_time: those stopping criteria run ...', ...)
     """
     own = own_generate(model)
     if own:
         return Route(UPSTREAM, own, warn=False)
     args = {k: generate_kwargs.pop(k) for k in _GENERATE_ARGUMENTS if k in generate_kwargs}
     found = call_route(model, args, dict(generate_kwargs))
-    if found.fast and not model.config.is_encoder_decoder:
+    if found.fast and not model.config.is_encoder_decoder and not _beam.asks_beams(model, args, generate_kwargs):
         from hf_tpu.transformers._decode_loop import host_sampling
 
         found = replace(found, host_sampling=host_sampling(model, **generate_kwargs))
@@ -108,6 +110,11 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
         reason, warn = asked
         return Route(UPSTREAM, reason, warn=warn)
     found = _call_route(model, config, model_kwargs)
+    if found.loop != UPSTREAM and _beam.is_beam_call(config):
+        problem = _beam.beam_problem(model, args, config, model_kwargs, found)
+        if problem is not None:
+            reason, warn = problem
+            return Route(UPSTREAM, reason, warn=warn)
     outputs = config.output_attentions or config.output_hidden_states
     if outputs and found.loop != UPSTREAM and _state(model).outputs_problem:
         return Route(UPSTREAM, _state(model).outputs_problem, warn=True)

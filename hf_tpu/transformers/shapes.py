@@ -56,9 +56,11 @@ def _cache_size(state, ladder: BucketLadder, need: int) -> int:
 
 
 def plan_shapes(
-    model, batch: int, prompt_len: int, max_new_tokens: int, *, encoder_len: int | None = None, variant: str = ""
+    model, batch: int, prompt_len: int, max_new_tokens: int, *, encoder_len: int | None = None, variant: str = "",
+    kind: str = "prefill",
 ) -> ShapePlan:
-    """The buckets a ``generate`` call of this size runs in (prefers shapes already compiled for the model).
+    """The buckets a ``generate`` call of this size runs in (prefers shapes already compiled for the model: its
+    ``kind + variant`` prefill graphs; beam search's are ``"beam_prefill"``).
 
     Raises :class:`BucketOverflowError` for a prompt past the largest bucket, or a prompt plus ``max_new_tokens``
     longer than the largest bucket.
@@ -101,7 +103,7 @@ def plan_shapes(
     compiled = sorted(
         k[3]
         for k in state.compiled
-        if k[0] == "prefill" + variant and k[1:3] == (batch, prompt_bucket) and k[3] >= need
+        if k[0] == kind + variant and k[1:3] == (batch, prompt_bucket) and k[3] >= need
     )
     cache_bucket = compiled[0] if compiled else _cache_size(state, ladder, need)
     return ShapePlan(batch, prompt_len, prompt_bucket, cache_bucket)

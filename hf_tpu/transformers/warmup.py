@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _cacheless, _settings, _upstream, route
+from hf_tpu.transformers import _beam, _cacheless, _settings, _upstream, route
 from hf_tpu.transformers._settings import CACHELESS, LOOPS, UPSTREAM
 from hf_tpu.transformers.buckets import BucketLadder
 
@@ -69,6 +69,7 @@ def warmup(
     strict: bool | str | None = None,
     progress: bool = True,
     cache_dir: str | os.PathLike | None = None,
+    num_beams: int | Iterable[int] | None = None,
 ) -> WarmupReport:
     """Compile the prefill and decode graphs for every prompt bucket up to ``max_prompt_len`` and every batch size.
 
@@ -77,13 +78,16 @@ def warmup(
     current setting (or the environment variable).
     ``progress`` shows a progress bar (tqdm) while compiling. ``cache_dir`` is the persistent compile cache
     (default: the model's, set by ``configure(model, compile_cache=...)``, else ``HF_TPU_COMPILE_CACHE``); graphs
-    found there are loaded, not compiled (``report.from_cache``), and the others are stored.
+    found there are loaded, not compiled (``report.from_cache``), and the others are stored. ``num_beams`` (one
+    or several) also compiles the beam-search graphs of each shape for calls with that many beams and the model's own
+    ``generation_config`` otherwise (``batch_sizes`` counts prompts, before their beams).
 
     Args:
         model: a model on the TPU (``device_map="tpu"`` or ``.to("tpu")``).
         max_prompt_len: every prompt bucket up to the one holding this length is compiled.
         batch_sizes: the batch sizes to compile for.
         max_new_tokens: the largest ``max_new_tokens`` later calls use (it sizes the caches).
+        num_beams: the beam counts of later beam-search calls (None: none).
         buckets, strict, cache_dir: see :func:`~hf_tpu.transformers.configure`.
         progress: show a progress bar.
 
@@ -145,6 +149,7 @@ def warmup(
     prompt_buckets = ladder.up_to(max_prompt_len)
     seq2seq = bool(model.config.is_encoder_decoder)
 
+    beam_counts = _beam_counts(model, num_beams)
     variant = generation.default_variant(model)
     plans = []
     for batch in batch_sizes:
@@ -171,6 +176,8 @@ def warmup(
             shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
             bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
             keys = _warm_one(model, plan, variant)
+            for beams in beam_counts if not seq2seq else ():
+                keys = keys + _beam.warm(model, plan, beams)
             for key in keys:
                 if key not in report.graphs:
                     report.graphs.append(key)
@@ -222,6 +229,20 @@ def _warm_one(model, plan, variant: str) -> list[tuple]:
             route.demote(model, exc)
             _no_graph_if_upstream(route.explain(model), exc)
     raise AssertionError("unreachable: every demotion moves down a finite order")  # pragma: no cover
+
+
+def _beam_counts(model, num_beams) -> tuple[int, ...]:
+    """The beam counts to warm (``num_beams``: None, an int or several), each checked against the route a beam call
+    with the model's own ``generation_config`` takes (a beam call hf_tpu's beam loop cannot serve has no graph)."""
+    if num_beams is None:
+        return ()
+    counts = (num_beams,) if isinstance(num_beams, int) else tuple(num_beams)
+    counts = tuple(dict.fromkeys(int(n) for n in counts))
+    if not counts or min(counts) < 2:
+        raise ValueError(f"num_beams must hold integers of at least 2 (beam search), got {num_beams!r}")
+    for count in counts:
+        _no_graph_if_upstream(route.explain(model, num_beams=count))
+    return counts
 
 
 def _no_graph_if_upstream(found, cause: BaseException | None = None) -> None:

@@ -48,6 +48,17 @@ def _all_compiled(result, names: list[str] | None = None):
         assert [p.name for p in result.programs] == names
 
 
+def test_generate_beam_search_graphs(tmp_path):
+    # beam search's graphs (hf_tpu.transformers._beam_graphs): upstream's beam helpers, the cache reorder by beam
+    # index and the step's stopping flag lower through torch_tpu and compile with libtpu
+    result = lower_and_compile(GENERATE, {"model": _saved(tmp_path, "llama"), "max_prompt_len": 16,
+                                          "max_new_tokens": 8, "dtype": "float32", "num_beams": 3}, "v6e-1")  # fmt: skip
+    _all_compiled(result)
+    kinds = [p.name.split("+", 1)[0] for p in result.programs]
+    assert {"beam_prefill", "beam_decode"} <= set(kinds), kinds
+    assert result.eager["device_to_host"] == 0
+
+
 def test_generate_greedy_prefill_and_decode(tmp_path):
     result = lower_and_compile(GENERATE, {"model": _saved(tmp_path, "llama"), "max_prompt_len": 16,
                                           "max_new_tokens": 8, "dtype": "float32"}, "v6e-1")  # fmt: skip

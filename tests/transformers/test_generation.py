@@ -221,16 +221,24 @@ def test_bad_inputs_get_clear_messages(llama, prompts):
         tpu.generate(torch.randint(3, tpu.config.vocab_size, (1, 10)), max_new_tokens=ladder_max)
 
 
-def test_dynamic_cache_and_beam_search_warn_and_run_upstream(llama, prompts):
+def test_dynamic_cache_and_beam_search_with_host_criteria_warn_and_run_upstream(llama, prompts):
     cpu, tpu = llama
     ids, _ = prompts([5])
     generation.WARNED.clear()
     with pytest.warns(UserWarning, match="every decode step has a new shape and compiles"):
         got = tpu.generate(ids, max_new_tokens=3, cache_implementation="dynamic")
     assert torch.equal(got, cpu.generate(ids, max_new_tokens=3))
-    with pytest.warns(UserWarning, match="beam_search is not supported by the bucketed loop"):
-        got = tpu.generate(ids, max_new_tokens=3, num_beams=2)
-    assert torch.equal(got, cpu.generate(ids, max_new_tokens=3, num_beams=2))
+    # beam search runs hf_tpu's beam loop (tests/transformers/test_beam_search.py), but not with stopping criteria
+    # that the host must ask
+    stop = StoppingCriteriaList([_NeverStop()])
+    with pytest.warns(UserWarning, match="stopping_criteria of your own"):
+        got = tpu.generate(ids, max_new_tokens=3, num_beams=2, stopping_criteria=stop)
+    assert torch.equal(got, cpu.generate(ids, max_new_tokens=3, num_beams=2, stopping_criteria=stop))
+
+
+class _NeverStop(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 def test_a_decoder_numbering_tokens_by_its_cache_length_gets_its_prompt_first(prompts):

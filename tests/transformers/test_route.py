@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_tpu
 from hf_tpu.transformers import Route, explain, generation
@@ -39,18 +40,25 @@ def test_a_full_attention_model_takes_the_cached_loop(from_config, prompts):
 def test_calls_only_upstream_serves_say_why(llama, prompts):
     cpu, tpu = llama
     ids = prompts([6])[0]
-    beams = explain(tpu, input_ids=ids, num_beams=2, **GREEDY)
-    assert beams.loop == "upstream" and beams.warn and "beam_search is not supported" in beams.reason
+    stop = StoppingCriteriaList([_NeverStop()])
+    beams = explain(tpu, input_ids=ids, num_beams=2, stopping_criteria=stop, **GREEDY)
+    assert beams.loop == "upstream" and beams.warn and "stopping_criteria of your own" in beams.reason
+    assert explain(tpu, input_ids=ids, num_beams=2, **GREEDY).loop == "cached"  # (hf_tpu.transformers._beam)
     dynamic = explain(tpu, input_ids=ids, cache_implementation="dynamic", **GREEDY)
     assert dynamic.loop == "upstream" and "every decode step has a new shape" in dynamic.reason
     on_cpu = explain(cpu, input_ids=ids, **GREEDY)
     assert on_cpu.loop == "upstream" and on_cpu.reason == "not on a tpu device" and not on_cpu.warn
     generation.WARNED.clear()
     before = generation.compiled_graphs(tpu)
-    with pytest.warns(UserWarning, match="beam_search is not supported by the bucketed loop"):
-        got = tpu.generate(ids, num_beams=2, **GREEDY)
-    assert torch.equal(got, cpu.generate(ids, num_beams=2, **GREEDY))
+    with pytest.warns(UserWarning, match="stopping_criteria of your own"):
+        got = tpu.generate(ids, num_beams=2, stopping_criteria=stop, **GREEDY)
+    assert torch.equal(got, cpu.generate(ids, num_beams=2, stopping_criteria=stop, **GREEDY))
     assert generation.compiled_graphs(tpu) == before  # upstream's loop ran: no graph of hf_tpu's
+
+
+class _NeverStop(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 def test_use_cache_false_takes_the_loop_without_a_cache(llama, prompts):

@@ -1,6 +1,7 @@
 """``scripts/run_transformers_tests.py --hf-tpu`` on a stand-in for transformers' test tree (its model tests are not in
 the wheel): the third run enables hf_tpu's generation, and the summary counts, per model family, the tests that ran
-hf_tpu's loop (greedy search does, beam search runs upstream's) and those that pass with hf_tpu off and on."""
+hf_tpu's loop (greedy and beam search do; beam search with a stopping criterion of its own runs upstream's) and those
+that pass with hf_tpu off and on."""
 
 from __future__ import annotations
 
@@ -32,6 +33,16 @@ class TestLlamaStandIn:
         ids = torch.tensor([[5, 6, 7]], device=torch_device)
         assert _model().generate(ids, max_new_tokens=3, num_beams=2, do_sample=False).shape == (1, 6)
 
+    def test_beam_search_with_a_stopping_criterion(self):
+        class Never(transformers.StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        ids = torch.tensor([[5, 6, 7]], device=torch_device)
+        stop = transformers.StoppingCriteriaList([Never()])
+        out = _model().generate(ids, max_new_tokens=3, num_beams=2, do_sample=False, stopping_criteria=stop)
+        assert out.shape == (1, 6)
+
     def test_runs_on_the_tpu_when_asked(self):
         assert torch_device in ("cpu", "tpu")
 '''
@@ -47,7 +58,7 @@ def test_the_hf_tpu_run_counts_the_tests_its_loop_served(tmp_path, capsys):
     status = script.main(["--hf-tpu", "--pytest-args=-p no:warnings", str(tmp_path), "tests/models/llama"])
     out = capsys.readouterr().out
     assert status == 0, out
-    summary = "tests.models.llama: 3 tests, 1 ran hf_tpu's loop (1 passed); passed: 3 with hf_tpu off, 3 with it on"
+    summary = "tests.models.llama: 4 tests, 2 ran hf_tpu's loop (2 passed); passed: 4 with hf_tpu off, 4 with it on"
     assert summary in out
     assert "pass with hf_tpu off, not with it on: 0" in out
 
