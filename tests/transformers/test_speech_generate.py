@@ -91,7 +91,25 @@ def test_whisper_beam_search_runs_upstream_with_its_reason_and_takes_host_featur
     assert torch.equal(got.cpu(), cpu.generate(features, num_beams=2, max_new_tokens=6))
 
 
-def test_whisper_warmup_says_it_cannot_warm_it_yet(whisper):
-    _, tpu = whisper
-    with pytest.raises(generation.NotCompilableError, match="its encoder takes input_features"):
-        hf_tpu.warmup(tpu, max_prompt_len=16, batch_sizes=[1], max_new_tokens=4, progress=False)
+def test_whisper_warmup_then_every_clip_compiles_nothing(whisper):
+    """``hf_tpu.warmup`` runs Whisper's own generate on silent features of its window per batch size, with the
+    call's language and task (they set the decoder prompt); afterwards, in strict mode (a graph warm-up missed would
+    raise), clips of that batch size compile nothing, for any max_new_tokens up to the warmed one."""
+    cpu, tpu = whisper
+    report = hf_tpu.warmup(
+        tpu, batch_sizes=[1, 3], max_new_tokens=8, generate_kwargs={"language": "en", "task": "translate"},
+        strict=True, progress=False,
+    )  # fmt: skip
+    kinds = {(key[0].split("+", 1)[0], key[1]) for key in report.graphs}
+    assert kinds == {(kind, b) for kind in ("features_encoder", "seq2seq_prefill", "seq2seq_decode") for b in (1, 3)}
+    try:
+        for batch, seed, new_tokens in [(1, 20, 8), (3, 21, 8), (3, 22, 5), (1, 23, 3)]:
+            features = _features(batch, seed)
+            with hf_tpu.sim.stats() as s:
+                got = tpu.generate(features, language="en", task="translate", max_new_tokens=new_tokens)
+            want = cpu.generate(features, language="en", task="translate", max_new_tokens=new_tokens)
+            assert torch.equal(got, want), (batch, new_tokens)
+            assert s.compiles == 0 and s.shape_signatures <= 4, (batch, s.compiles, s.shape_signatures)
+    finally:
+        generation.configure(tpu, strict=False)
+

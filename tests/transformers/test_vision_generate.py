@@ -164,3 +164,35 @@ def test_qwen2_vl_runs_upstream_naming_its_positions_and_takes_host_inputs():
     with pytest.warns(UserWarning, match="multimodal rotary positions"):
         got = tpu.generate(**kwargs, max_new_tokens=6)
     assert torch.equal(got.cpu(), cpu.generate(**kwargs, max_new_tokens=6))
+
+
+def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
+    """``hf_tpu.warmup(image_sizes=..., num_images=...)``: the vision graph per image count and pixel shape, and the
+    image prefill and decode graphs of every warmed bucket holding the images' tokens; afterwards (strict mode: a
+    graph warm-up missed would raise) one and two images in prompts of other lengths compile nothing."""
+    family, cpu, tpu, per_image = vlm
+    report = hf_tpu.warmup(
+        tpu, max_prompt_len=64, batch_sizes=[1], max_new_tokens=8, image_sizes=[(16, 16)], num_images=[1, 2],
+        strict=True, progress=False,
+    )  # fmt: skip
+    vision = {key[1] for key in report.graphs if key[0] == "vision"}
+    assert vision == {1, 2}
+    prefills = [key for key in report.graphs if key[0].startswith("mm_prefill")]
+    assert {key[2] for key in prefills} == ({32, 64} if family == "llava" else {16, 32, 64})  # (LLaVA: 17 per image)
+    try:
+        for images, text, seed in [(1, 5, 10), (2, 4, 11), (1, 20, 12), (2, 9, 13)]:
+            kwargs = _prompt(family, per_image, images=images, text=text, seed=seed)
+            with hf_tpu.sim.stats() as s:
+                got = tpu.generate(**kwargs, max_new_tokens=8, do_sample=False)
+            assert torch.equal(got, cpu.generate(**kwargs, max_new_tokens=8, do_sample=False)), (images, text)
+            assert s.compiles == 0 and s.shape_signatures <= 4, (images, text, s.compiles, s.shape_signatures)
+    finally:
+        generation.configure(tpu, strict=False)
+
+
+def test_warmup_of_images_says_what_it_cannot_warm(vlm):
+    family, _, tpu, _ = vlm
+    with pytest.raises(ValueError, match="raise max_prompt_len"):
+        hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[(16, 16)], num_images=[8], progress=False)
+    with pytest.raises(ValueError, match=r"\(height, width\) pairs"):
+        hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[16], progress=False)
