@@ -113,3 +113,51 @@ def test_whisper_warmup_then_every_clip_compiles_nothing(whisper):
     finally:
         generation.configure(tpu, strict=False)
 
+
+def _whisper_processor(tmp_path):
+    """A tokenizer of the tiny vocabulary (its special tokens at the ids above, one character per other id) and a
+    feature extractor of 8 mel bins whose window is the tiny model's 32 frames (1 s at 5120 Hz, hop 160)."""
+    import json
+
+    from transformers import WhisperFeatureExtractor, WhisperTokenizer
+
+    special = {"<pad>": PAD, "<|startoftranscript|>": SOT, "<|endoftext|>": EOS, "<|en|>": EN, "<|fr|>": FR}
+    special.update({"<|transcribe|>": TRANSCRIBE, "<|translate|>": TRANSLATE, "<|notimestamps|>": NO_TS})
+    letters = [chr(c) for c in range(ord("A"), ord("Z") + 1)] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    free = [i for i in range(96) if i not in special.values()]
+    vocab = {**special, **{(letters * 2)[n] + ("" if n < len(letters) else "_"): i for n, i in enumerate(free)}}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = WhisperTokenizer(
+        str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"), unk_token="<|endoftext|>",
+        bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<pad>",
+    )  # fmt: skip
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [t for t in special if t.startswith("<|") and "end" not in t]}
+    )
+    extractor = WhisperFeatureExtractor(feature_size=8, sampling_rate=5120, hop_length=160, chunk_length=1, n_fft=400)
+    assert extractor.nb_max_frames == 32
+    return tokenizer, extractor
+
+
+def test_asr_pipeline_on_tpu_runs_hf_tpu_loop_and_equals_cpu(whisper, tmp_path):
+    """``pipeline("automatic-speech-recognition", device="tpu")`` hands Whisper's generate the extractor's features
+    (on the host) and reaches hf_tpu's loop with greedy search (the pipeline's own default is 5 beams, openai's:
+    beam search), transcribing as the CPU pipeline does."""
+    import numpy as np
+    from transformers import pipeline
+
+    cpu, tpu = whisper
+    tokenizer, extractor = _whisper_processor(tmp_path)
+    audio = np.random.default_rng(0).standard_normal(3000).astype(np.float32)  # 0.6 s: padded to the window
+    greedy = {"language": "fr", "max_new_tokens": 8, "num_beams": 1}
+    on_cpu = pipeline("automatic-speech-recognition", model=cpu, tokenizer=tokenizer, feature_extractor=extractor)
+    on_tpu = pipeline(
+        "automatic-speech-recognition", model=tpu, tokenizer=tokenizer, feature_extractor=extractor, device="tpu"
+    )
+    assert on_tpu.device.type == "tpu"
+    want = on_cpu({"raw": audio, "sampling_rate": 5120}, generate_kwargs=greedy)
+    got = on_tpu({"raw": audio, "sampling_rate": 5120}, generate_kwargs=greedy)
+    assert got == want and want["text"]
+    # the extractor's attention mask over the frames goes to the encoder graph (its key says a mask was given)
+    assert ("features_encoder", 1, 8, 32, True) in generation.compiled_graphs(tpu)
