@@ -54,7 +54,10 @@ _PAIRS: dict[str, tuple] = {}
 
 @pytest.fixture(params=sorted(_BUILDERS))
 def vlm(request):
-    family = request.param
+    return _pair(request.param)
+
+
+def _pair(family: str) -> tuple:
     if family not in _PAIRS:
         cls, config, per_image = _BUILDERS[family]()
         torch.manual_seed(0)
@@ -196,3 +199,55 @@ def test_warmup_of_images_says_what_it_cannot_warm(vlm):
         hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[(16, 16)], num_images=[8], progress=False)
     with pytest.raises(ValueError, match=r"\(height, width\) pairs"):
         hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[16], progress=False)
+
+
+def _llava_processor():
+    """A processor of the tiny LLaVA, built here: a word-level tokenizer of the tiny vocabulary (``<image>`` at the
+    image token), CLIP's image processor at the tower's 16 x 16, 17 image tokens per image."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, IMAGE)] + ["<image>"]
+    words += [f"x{i}" for i in range(IMAGE + 1, 96)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="w3"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})  # (split out before the words)
+    images = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    return LlavaProcessor(
+        image_processor=images, tokenizer=tokenizer, patch_size=4, vision_feature_select_strategy="full",
+        num_additional_image_tokens=1,
+    )  # fmt: skip
+
+
+def test_image_text_to_text_pipeline_on_tpu_runs_hf_tpu_loop_and_equals_cpu():
+    """``pipeline("image-text-to-text", device="tpu")``: the processor's pixels (host) and prompt reach hf_tpu's
+    loop through the model's generate (the vision graph, the image prefill), and the text equals the CPU pipeline's."""
+    import numpy as np
+    from PIL import Image
+    from transformers import pipeline
+
+    _, cpu, tpu, per_image = _pair("llava")
+    processor = _llava_processor()
+    picture = Image.fromarray((np.random.default_rng(0).random((20, 24, 3)) * 255).astype("uint8"))
+    text, kwargs = "w5 w6 <image> w7 w8", {"max_new_tokens": 6, "do_sample": False}
+    want = pipeline("image-text-to-text", model=cpu, processor=processor)(
+        images=picture, text=text, generate_kwargs=kwargs
+    )
+    on_tpu = pipeline("image-text-to-text", model=tpu, processor=processor, device="tpu")
+    assert on_tpu.device.type == "tpu"
+    before = len(generation.compiled_graphs(tpu))
+    got = on_tpu(images=picture, text=text, generate_kwargs=kwargs)
+    assert got == want and len(want[0]["generated_text"]) > len(text)
+    ran = generation.compiled_graphs(tpu)
+    assert any(key[0] == "mm_prefill" and key[1] == 1 for key in ran), ran  # (compiled by this call or an earlier one)
+    with hf_tpu.sim.stats() as s:  # a second picture of another size: the processor resizes it to the tower's
+        other = Image.fromarray((np.random.default_rng(1).random((40, 30, 3)) * 255).astype("uint8"))
+        got = on_tpu(images=other, text=text, generate_kwargs=kwargs)
+    assert got == pipeline("image-text-to-text", model=cpu, processor=processor)(
+        images=other, text=text, generate_kwargs=kwargs
+    )
+    assert s.compiles == 0 and len(generation.compiled_graphs(tpu)) >= before
