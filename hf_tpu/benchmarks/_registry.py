@@ -51,6 +51,10 @@ BENCHMARKS: dict[str, Benchmark] = {
             "every causal-LM architecture: fast path or why not, identical to CPU, compiles, signatures, copies",
         ),
         Benchmark(
+            "vlm_sweep",
+            "every image-text-to-text architecture: hf_tpu's loop or why not, identical to CPU, compiles after warm-up",
+        ),
+        Benchmark(
             "arch_compile",
             "every fast-path architecture's decode program compiled for v6e-1 by libtpu (no TPU): compiles, est. step",
             requires=(("torch_tpu", "pip install 'hf-tpu[tpu]'"),),

@@ -156,7 +156,8 @@ def tiny_config(model_type: str) -> Any:
         fields[key] = _shrunk(text.to_dict())  # a sub-config the class builds by default
         config = _first_valid(cls, fields)
         text = config.get_text_config(decoder=True)
-    wanted = MODEL_FOR_CAUSAL_LM_MAPPING[cls].config_class
+    # (an image-text-to-text config without a causal-LM class: hf_tpu/benchmarks/vlm_sweep.py)
+    wanted = MODEL_FOR_CAUSAL_LM_MAPPING[cls].config_class if cls in MODEL_FOR_CAUSAL_LM_MAPPING else None
     if type(text) is not cls and type(text) is wanted and not hasattr(config, "text_config"):
         # the causal-LM class takes a decoder sub-config that upstream's auto class does not pick out (MusicGen's
         # `decoder`, where it picks `text_config`): the sub-config itself

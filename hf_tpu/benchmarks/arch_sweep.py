@@ -61,6 +61,9 @@ QUICK = {"archs": ["llama", "qwen3_moe"], "new_tokens": 8}
 DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "architectures.md"
 LENGTHS = (5, 11)  # two prompt lengths in one prompt bucket (16)
 
+# the heading of the image-text-to-text sweep's section of the page (hf_tpu/benchmarks/vlm_sweep.py writes it)
+VLM_SECTION = "## Image-text-to-text architectures"
+
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -217,12 +220,13 @@ def _line(e: BaseException) -> str:
 # ---- the sweep: workers, each architecture isolated ------------------------------------------------------------
 
 
-def _worker(archs: list[str], new_tokens: int) -> None:
-    """Measure ``archs`` in turn, printing ``START name`` before and ``ROW {json}`` after each one."""
+def _worker(archs: list[str], new_tokens: int, measure_one: Any = None) -> None:
+    """Measure ``archs`` in turn (with ``measure_one``, default :func:`measure`: another sweep's), printing
+    ``START name`` before and ``ROW {json}`` after each one."""
     for arch in archs:
         print(f"START {arch}", flush=True)
         try:
-            row = measure(arch, new_tokens)
+            row = (measure_one or measure)(arch, new_tokens)
         except Exception as e:  # noqa: BLE001
             row = {"arch": arch, "status": "error", "reason": f"{type(e).__name__}: {_line(e)}"}
         print("ROW " + json.dumps(row), flush=True)
@@ -237,12 +241,14 @@ def _record(rows: dict, row: dict, log: Any, rows_file: str | None) -> None:
 
 
 def _supervise(
-    archs: list[str], new_tokens: int, timeout: float, rows: dict, log: Any, rows_file: str | None = None
+    archs: list[str], new_tokens: int, timeout: float, rows: dict, log: Any, rows_file: str | None = None,
+    module: str = __name__,
 ) -> None:
-    """Run ``archs`` in worker processes; a worker that dies or hangs on one is replaced for the rest."""
+    """Run ``archs`` in worker processes (``python -m module --worker``); a worker that dies or hangs on one is
+    replaced for the rest."""
     todo = list(archs)
     while todo:
-        cmd = [sys.executable, "-m", "hf_tpu.benchmarks.arch_sweep", "--worker", str(new_tokens), *todo]
+        cmd = [sys.executable, "-m", module, "--worker", str(new_tokens), *todo]
         env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PYTHONWARNINGS": "ignore"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         err: list[str] = []
@@ -286,14 +292,16 @@ def sweep(
     timeout: float = 600,
     log: Any = None,
     rows_file: str | None = None,
+    module: str = __name__,
 ) -> list[dict]:
     """Rows for ``archs``, measured in ``jobs`` worker processes at once, in ``archs``' order (each row also
-    appended to ``rows_file`` as a JSON line as soon as it is measured)."""
+    appended to ``rows_file`` as a JSON line as soon as it is measured). ``module``: the sweep whose ``--worker``
+    measures them (another sweep reuses these workers: :mod:`hf_tpu.benchmarks.vlm_sweep`)."""
     rows: dict[str, dict] = {}
     log = log or sys.stderr
     shares = [archs[i::jobs] for i in range(max(1, jobs))]
     threads = [
-        threading.Thread(target=_supervise, args=(share, new_tokens, timeout, rows, log, rows_file))
+        threading.Thread(target=_supervise, args=(share, new_tokens, timeout, rows, log, rows_file, module))
         for share in shares
         if share
     ]
@@ -357,8 +365,9 @@ def run(args: argparse.Namespace) -> dict:
         + ([f"--new-tokens {args.new_tokens}"] if args.new_tokens != 20 else [])
         + ["--write-docs"]
     )
-    if args.write_docs:
-        DOCS_PAGE.write_text(markdown(figures))
+    if args.write_docs:  # (the image-text-to-text sweep's section after the table stays: vlm_sweep.py writes it)
+        kept = DOCS_PAGE.read_text().partition(VLM_SECTION)[1:] if DOCS_PAGE.exists() else ("", "")
+        DOCS_PAGE.write_text(markdown(figures) + ("\n" + "".join(kept) if kept[0] else ""))
         print(f"wrote {DOCS_PAGE}")
     return figures
 
@@ -449,9 +458,9 @@ def summarize(rows: list[dict]) -> dict:
 def _one_line(row: dict) -> str:
     extra = row.get("reason") or ""
     if "identical" in row:
+        copies = f"copies/step={row['h2d_per_step']}+{row['d2h_per_step']} " if "h2d_per_step" in row else ""
         extra = (
-            f"identical={row['identical']} compiles={row['compiles_2nd']} sigs={row['signatures_2nd']} "
-            f"copies/step={row['h2d_per_step']}+{row['d2h_per_step']} {extra}"
+            f"identical={row['identical']} compiles={row['compiles_2nd']} sigs={row['signatures_2nd']} {copies}{extra}"
         )
     return f"{row['arch']:<28} {row['status']:<14} {extra}"
 

@@ -100,10 +100,11 @@ def plan_shapes(
             "shorten the prompt, or give a larger ladder (hf_tpu.transformers.configure(model, buckets=[...]))."
         )
     need = prompt_bucket + new - 1
+    kinds = (kind + variant,)
+    if kind == "prefill":
+        kinds += ("mm_prefill" + variant,)  # (an image call's prefill: the same cache shapes)
     compiled = sorted(
-        k[3]
-        for k in state.compiled
-        if k[0] == kind + variant and k[1:3] == (batch, prompt_bucket) and k[3] >= need
+        k[3] for k in state.compiled if k[0] in kinds and k[1:3] == (batch, prompt_bucket) and k[3] >= need
     )
     cache_bucket = compiled[0] if compiled else _cache_size(state, ladder, need)
     return ShapePlan(batch, prompt_len, prompt_bucket, cache_bucket)

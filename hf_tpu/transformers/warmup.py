@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _beam, _cacheless, _settings, _upstream, route
+from hf_tpu.transformers import _beam, _cacheless, _mm_warmup, _settings, _upstream, route
 from hf_tpu.transformers._settings import CACHELESS, LOOPS, UPSTREAM
 from hf_tpu.transformers.buckets import BucketLadder
 
@@ -70,6 +70,9 @@ def warmup(
     progress: bool = True,
     cache_dir: str | os.PathLike | None = None,
     num_beams: int | Iterable[int] | None = None,
+    image_sizes: Iterable[tuple[int, int]] | None = None,
+    num_images: Iterable[int] = (1,),
+    generate_kwargs: dict | None = None,
 ) -> WarmupReport:
     """Compile the prefill and decode graphs for every prompt bucket up to ``max_prompt_len`` and every batch size.
 
@@ -82,6 +85,15 @@ def warmup(
     or several) also compiles the beam-search graphs of each shape for calls with that many beams and the model's own
     ``generation_config`` otherwise (``batch_sizes`` counts prompts, before their beams).
 
+    Vision-language models (``image_sizes``): for every batch size, every pixel size in ``image_sizes`` and every
+    count in ``num_images`` (images per prompt), the vision graph and the image prefill and decode graphs of every
+    warmed prompt bucket that holds the images' tokens are compiled too, on ``pixel_values`` of shape
+    ``(batch * images, channels, height, width)`` in float32 (what LLaVA's, Gemma 3's and PaliGemma's processors
+    return). Models whose encoder takes features (Whisper): ``max_prompt_len`` does not apply (the encoder runs
+    on the model's input window, which every clip is padded to); the model's own ``generate`` runs once per batch
+    size on silent features of that window with ``generate_kwargs`` (what the served calls pass: ``language=``,
+    ``task=``; they set the decoder prompt, which is not bucketed).
+
     Args:
         model: a model on the TPU (``device_map="tpu"`` or ``.to("tpu")``).
         max_prompt_len: every prompt bucket up to the one holding this length is compiled.
@@ -90,6 +102,9 @@ def warmup(
         num_beams: the beam counts of later beam-search calls (None: none).
         buckets, strict, cache_dir: see :func:`~hf_tpu.transformers.configure`.
         progress: show a progress bar.
+        image_sizes: ``(height, width)`` pixel sizes of the images later calls pass (None: no image graphs).
+        num_images: the numbers of images per prompt to warm, with ``image_sizes``.
+        generate_kwargs: for a model whose encoder takes features, the keyword arguments of its ``generate`` calls.
 
     Returns:
         A :class:`WarmupReport`: the graph keys covered, how many were compiled or loaded, and the time taken. For an
@@ -101,7 +116,8 @@ def warmup(
         hf_tpu.runtime.TPUNotAvailableError, ValueError: the model is not on a TPU (the message says how to
             place it), or ``batch_sizes`` holds no positive integer.
         NotCompilableError: none of hf_tpu's loops serves the model's ``generate`` (the reason
-            :func:`hf_tpu.transformers.explain` gives), so there is no graph to compile.
+            :func:`hf_tpu.transformers.explain` gives), so there is no graph to compile; or the images or features
+            asked for cannot be warmed (the reason says why).
 
     Example:
         >>> hf_tpu.warmup(model, max_prompt_len=64, batch_sizes=[1], max_new_tokens=16)   # doctest: +SKIP
@@ -132,20 +148,16 @@ def warmup(
     own = _upstream.own_generate(model)
     if own:
         raise generation.NotCompilableError(f"{own}; warm-up has no graph its generate would use")
-    features = _upstream.encoder_input_name(model)
-    if features:
-        raise generation.NotCompilableError(
-            f"hf_tpu.warmup cannot warm {type(model).__name__} yet: its encoder takes {features}, whose shape and "
-            "decoder prompt (the language and task tokens) warm-up does not know ahead of a call; the first generate "
-            "of each batch size and decoder prompt compiles its graphs, and every later one with those shapes "
-            "compiles nothing"
-        )
     state = generation._state(model)
     _no_graph_if_upstream(route.explain(model))  # the route of a call with the model's own generation_config
     ladder = state.ladder(model.config)
     batch_sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"batch_sizes must hold positive integers, got {batch_sizes!r}")
+    images = _image_plan(image_sizes, num_images)
+    if _upstream.encoder_input_name(model):  # (Whisper's: its own generate on silent features of its window)
+        return _warm_calls(model, state, batch_sizes, progress, lambda b: _mm_warmup.warm_features(
+            model, b, max_new_tokens, dict(generate_kwargs or {})))  # fmt: skip
     prompt_buckets = ladder.up_to(max_prompt_len)
     seq2seq = bool(model.config.is_encoder_decoder)
 
@@ -161,6 +173,7 @@ def warmup(
             else:
                 plans.append(generation.plan_shapes(model, batch, bucket, max_new_tokens, variant=variant))
     plans += [p for p in _manifest_plans(model, state) if p not in plans]
+    image_plans = [(batch, size, count) for batch in batch_sizes for size, count in images]
 
     before = len(state.compiled)
     hits_before = _cache_hits()
@@ -179,6 +192,11 @@ def warmup(
             for beams in beam_counts if not seq2seq else ():
                 keys = keys + _beam.warm(model, plan, beams)
             for key in keys:
+                if key not in report.graphs:
+                    report.graphs.append(key)
+        for batch, size, count in image_plans:
+            bar.set_postfix_str(f"batch {batch}, {count} image(s) of {size[0]}x{size[1]}")
+            for key in _mm_warmup.warm_images(model, batch, size, count, prompt_buckets, max_new_tokens, variant):
                 if key not in report.graphs:
                     report.graphs.append(key)
     except BaseException:
@@ -212,6 +230,51 @@ def _warm_encoder(model, max_prompt_len, batch_sizes, buckets, strict, progress,
         )
     strict = None if strict is None else bool(strict)
     return warm_encoder(model, max_prompt_len, batch_sizes, lengths=buckets, strict=strict, progress=progress)
+
+
+def _image_plan(image_sizes, num_images) -> list[tuple[tuple[int, int], int]]:
+    """The ``(size, count)`` pairs of warm-up's image graphs (empty without ``image_sizes``)."""
+    if image_sizes is None:
+        return []
+    try:
+        sizes = [tuple(int(n) for n in size) for size in image_sizes]
+        counts = tuple(dict.fromkeys(int(n) for n in num_images))
+    except (TypeError, ValueError):
+        sizes, counts = [], ()
+    if not sizes or any(len(s) != 2 or min(s) < 1 for s in sizes) or not counts or min(counts) < 1:
+        raise ValueError(
+            f"image_sizes must hold (height, width) pairs of positive integers and num_images positive integers, "
+            f"got {image_sizes!r} and {num_images!r}"
+        )
+    return [(size, count) for size in dict.fromkeys(sizes) for count in counts]
+
+
+def _warm_calls(model, state, batch_sizes, progress: bool, warm) -> WarmupReport:
+    """Warm-up by calls: ``warm(batch)`` per batch size (a model whose encoder takes features), timed and counted as
+    :func:`warmup` counts its graphs."""
+    from tqdm.auto import tqdm
+
+    before, hits_before, tpu_before = len(state.compiled), _cache_hits(), _torch_tpu.cache_stats()
+    start = time.perf_counter()
+    report = WarmupReport(batch_sizes=batch_sizes)
+    was_warmed, state.warmed = state.warmed, False
+    try:
+        for batch in tqdm(batch_sizes, desc="hf_tpu warm-up", unit="batch size", disable=not progress):
+            report.graphs += [k for k in warm(batch) if k not in report.graphs]
+    except BaseException:
+        state.warmed = was_warmed
+        raise
+    state.warmed = True
+    report.seconds = time.perf_counter() - start
+    report.from_cache = _cache_hits() - hits_before
+    report.new_compiles = len(state.compiled) - before - report.from_cache
+    if tpu_before is not None:
+        spent = _torch_tpu.cache_stats() - tpu_before
+        report.tpu_cache_requests, report.tpu_cache_misses = spent.requests, spent.misses
+    cache = _settings._compile_cache(state)
+    if cache is not None:
+        report.cache_dir, report.cache_problems = str(cache.root), list(cache.problems)
+    return report
 
 
 def _warm_one(model, plan, variant: str) -> list[tuple]:

@@ -91,7 +91,73 @@ def test_whisper_beam_search_runs_upstream_with_its_reason_and_takes_host_featur
     assert torch.equal(got.cpu(), cpu.generate(features, num_beams=2, max_new_tokens=6))
 
 
-def test_whisper_warmup_says_it_cannot_warm_it_yet(whisper):
-    _, tpu = whisper
-    with pytest.raises(generation.NotCompilableError, match="its encoder takes input_features"):
-        hf_tpu.warmup(tpu, max_prompt_len=16, batch_sizes=[1], max_new_tokens=4, progress=False)
+def test_whisper_warmup_then_every_clip_compiles_nothing(whisper):
+    """``hf_tpu.warmup`` runs Whisper's own generate on silent features of its window per batch size, with the
+    call's language and task (they set the decoder prompt); afterwards, in strict mode (a graph warm-up missed would
+    raise), clips of that batch size compile nothing, for any max_new_tokens up to the warmed one."""
+    cpu, tpu = whisper
+    report = hf_tpu.warmup(
+        tpu, batch_sizes=[1, 3], max_new_tokens=8, generate_kwargs={"language": "en", "task": "translate"},
+        strict=True, progress=False,
+    )  # fmt: skip
+    kinds = {(key[0].split("+", 1)[0], key[1]) for key in report.graphs}
+    assert kinds == {(kind, b) for kind in ("features_encoder", "seq2seq_prefill", "seq2seq_decode") for b in (1, 3)}
+    try:
+        for batch, seed, new_tokens in [(1, 20, 8), (3, 21, 8), (3, 22, 5), (1, 23, 3)]:
+            features = _features(batch, seed)
+            with hf_tpu.sim.stats() as s:
+                got = tpu.generate(features, language="en", task="translate", max_new_tokens=new_tokens)
+            want = cpu.generate(features, language="en", task="translate", max_new_tokens=new_tokens)
+            assert torch.equal(got, want), (batch, new_tokens)
+            assert s.compiles == 0 and s.shape_signatures <= 4, (batch, s.compiles, s.shape_signatures)
+    finally:
+        generation.configure(tpu, strict=False)
+
+
+def _whisper_processor(tmp_path):
+    """A tokenizer of the tiny vocabulary (its special tokens at the ids above, one character per other id) and a
+    feature extractor of 8 mel bins whose window is the tiny model's 32 frames (1 s at 5120 Hz, hop 160)."""
+    import json
+
+    from transformers import WhisperFeatureExtractor, WhisperTokenizer
+
+    special = {"<pad>": PAD, "<|startoftranscript|>": SOT, "<|endoftext|>": EOS, "<|en|>": EN, "<|fr|>": FR}
+    special.update({"<|transcribe|>": TRANSCRIBE, "<|translate|>": TRANSLATE, "<|notimestamps|>": NO_TS})
+    letters = [chr(c) for c in range(ord("A"), ord("Z") + 1)] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    free = [i for i in range(96) if i not in special.values()]
+    vocab = {**special, **{(letters * 2)[n] + ("" if n < len(letters) else "_"): i for n, i in enumerate(free)}}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = WhisperTokenizer(
+        str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"), unk_token="<|endoftext|>",
+        bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<pad>",
+    )  # fmt: skip
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [t for t in special if t.startswith("<|") and "end" not in t]}
+    )
+    extractor = WhisperFeatureExtractor(feature_size=8, sampling_rate=5120, hop_length=160, chunk_length=1, n_fft=400)
+    assert extractor.nb_max_frames == 32
+    return tokenizer, extractor
+
+
+def test_asr_pipeline_on_tpu_runs_hf_tpu_loop_and_equals_cpu(whisper, tmp_path):
+    """``pipeline("automatic-speech-recognition", device="tpu")`` hands Whisper's generate the extractor's features
+    (on the host) and reaches hf_tpu's loop with greedy search (the pipeline's own default is 5 beams, openai's:
+    beam search), transcribing as the CPU pipeline does."""
+    import numpy as np
+    from transformers import pipeline
+
+    cpu, tpu = whisper
+    tokenizer, extractor = _whisper_processor(tmp_path)
+    audio = np.random.default_rng(0).standard_normal(3000).astype(np.float32)  # 0.6 s: padded to the window
+    greedy = {"language": "fr", "max_new_tokens": 8, "num_beams": 1}
+    on_cpu = pipeline("automatic-speech-recognition", model=cpu, tokenizer=tokenizer, feature_extractor=extractor)
+    on_tpu = pipeline(
+        "automatic-speech-recognition", model=tpu, tokenizer=tokenizer, feature_extractor=extractor, device="tpu"
+    )
+    assert on_tpu.device.type == "tpu"
+    want = on_cpu({"raw": audio, "sampling_rate": 5120}, generate_kwargs=greedy)
+    got = on_tpu({"raw": audio, "sampling_rate": 5120}, generate_kwargs=greedy)
+    assert got == want and want["text"]
+    # the extractor's attention mask over the frames goes to the encoder graph (its key says a mask was given)
+    assert ("features_encoder", 1, 8, 32, True) in generation.compiled_graphs(tpu)

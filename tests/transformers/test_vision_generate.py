@@ -54,7 +54,10 @@ _PAIRS: dict[str, tuple] = {}
 
 @pytest.fixture(params=sorted(_BUILDERS))
 def vlm(request):
-    family = request.param
+    return _pair(request.param)
+
+
+def _pair(family: str) -> tuple:
     if family not in _PAIRS:
         cls, config, per_image = _BUILDERS[family]()
         torch.manual_seed(0)
@@ -164,3 +167,87 @@ def test_qwen2_vl_runs_upstream_naming_its_positions_and_takes_host_inputs():
     with pytest.warns(UserWarning, match="multimodal rotary positions"):
         got = tpu.generate(**kwargs, max_new_tokens=6)
     assert torch.equal(got.cpu(), cpu.generate(**kwargs, max_new_tokens=6))
+
+
+def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
+    """``hf_tpu.warmup(image_sizes=..., num_images=...)``: the vision graph per image count and pixel shape, and the
+    image prefill and decode graphs of every warmed bucket holding the images' tokens; afterwards (strict mode: a
+    graph warm-up missed would raise) one and two images in prompts of other lengths compile nothing."""
+    family, cpu, tpu, per_image = vlm
+    report = hf_tpu.warmup(
+        tpu, max_prompt_len=64, batch_sizes=[1], max_new_tokens=8, image_sizes=[(16, 16)], num_images=[1, 2],
+        strict=True, progress=False,
+    )  # fmt: skip
+    vision = {key[1] for key in report.graphs if key[0] == "vision"}
+    assert vision == {1, 2}
+    prefills = [key for key in report.graphs if key[0].startswith("mm_prefill")]
+    assert {key[2] for key in prefills} == ({32, 64} if family == "llava" else {16, 32, 64})  # (LLaVA: 17 per image)
+    try:
+        for images, text, seed in [(1, 5, 10), (2, 4, 11), (1, 20, 12), (2, 9, 13)]:
+            kwargs = _prompt(family, per_image, images=images, text=text, seed=seed)
+            with hf_tpu.sim.stats() as s:
+                got = tpu.generate(**kwargs, max_new_tokens=8, do_sample=False)
+            assert torch.equal(got, cpu.generate(**kwargs, max_new_tokens=8, do_sample=False)), (images, text)
+            assert s.compiles == 0 and s.shape_signatures <= 4, (images, text, s.compiles, s.shape_signatures)
+    finally:
+        generation.configure(tpu, strict=False)
+
+
+def test_warmup_of_images_says_what_it_cannot_warm(vlm):
+    family, _, tpu, _ = vlm
+    with pytest.raises(ValueError, match="raise max_prompt_len"):
+        hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[(16, 16)], num_images=[8], progress=False)
+    with pytest.raises(ValueError, match=r"\(height, width\) pairs"):
+        hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[16], progress=False)
+
+
+def _llava_processor():
+    """A processor of the tiny LLaVA, built here: a word-level tokenizer of the tiny vocabulary (``<image>`` at the
+    image token), CLIP's image processor at the tower's 16 x 16, 17 image tokens per image."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, IMAGE)] + ["<image>"]
+    words += [f"x{i}" for i in range(IMAGE + 1, 96)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="w3"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})  # (split out before the words)
+    images = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    return LlavaProcessor(
+        image_processor=images, tokenizer=tokenizer, patch_size=4, vision_feature_select_strategy="full",
+        num_additional_image_tokens=1,
+    )  # fmt: skip
+
+
+def test_image_text_to_text_pipeline_on_tpu_runs_hf_tpu_loop_and_equals_cpu():
+    """``pipeline("image-text-to-text", device="tpu")``: the processor's pixels (host) and prompt reach hf_tpu's
+    loop through the model's generate (the vision graph, the image prefill), and the text equals the CPU pipeline's."""
+    import numpy as np
+    from PIL import Image
+    from transformers import pipeline
+
+    _, cpu, tpu, per_image = _pair("llava")
+    processor = _llava_processor()
+    picture = Image.fromarray((np.random.default_rng(0).random((20, 24, 3)) * 255).astype("uint8"))
+    text, kwargs = "w5 w6 <image> w7 w8", {"max_new_tokens": 6, "do_sample": False}
+    want = pipeline("image-text-to-text", model=cpu, processor=processor)(
+        images=picture, text=text, generate_kwargs=kwargs
+    )
+    on_tpu = pipeline("image-text-to-text", model=tpu, processor=processor, device="tpu")
+    assert on_tpu.device.type == "tpu"
+    before = len(generation.compiled_graphs(tpu))
+    got = on_tpu(images=picture, text=text, generate_kwargs=kwargs)
+    assert got == want and len(want[0]["generated_text"]) > len(text)
+    ran = generation.compiled_graphs(tpu)
+    assert any(key[0] == "mm_prefill" and key[1] == 1 for key in ran), ran  # (compiled by this call or an earlier one)
+    with hf_tpu.sim.stats() as s:  # a second picture of another size: the processor resizes it to the tower's
+        other = Image.fromarray((np.random.default_rng(1).random((40, 30, 3)) * 255).astype("uint8"))
+        got = on_tpu(images=other, text=text, generate_kwargs=kwargs)
+    assert got == pipeline("image-text-to-text", model=cpu, processor=processor)(
+        images=other, text=text, generate_kwargs=kwargs
+    )
+    assert s.compiles == 0 and len(generation.compiled_graphs(tpu)) >= before

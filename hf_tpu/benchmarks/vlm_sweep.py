@@ -1,0 +1,413 @@
+"""Benchmark: does each image-text-to-text architecture of the installed transformers generate well on a TPU (the
+simulator)?
+
+For every model type of ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``, a tiny random model is built from its config
+class, shrunk by the causal-LM sweep's rules (:func:`hf_tpu.benchmarks._tiny_configs.tiny_config`; special-token ids
+past the shrunk vocabulary moved into it), one copy on the CPU and one on the simulated ``tpu`` after
+``hf_tpu.enable()``. The images are what a processor returns for the model's own vision size: ``pixel_values`` of
+shape ``(images, channels, image_size, image_size)``, and the prompt holds as many image tokens as the model's
+``get_image_features`` gives features (run once on the CPU). Greedy ``generate`` runs three calls against the CPU's:
+one image after five text tokens, two images, another image after nine text tokens. Per architecture:
+
+- *route*: the loop the calls take, from :func:`hf_tpu.transformers.explain` (with its reason when not hf_tpu's);
+- *identical*: the three generations token-identical to the CPU's;
+- *compiles* and *new signatures*: the most of the two later calls (another image count, another image and prompt
+  length), after ``hf_tpu.warmup(image_sizes=[...], num_images=[1, 2])`` on hf_tpu's loop (upstream's loop: after
+  the first call, eagerly). Targets: hf_tpu's loop, identical, 0 compiles, <= 4 new signatures.
+
+An architecture whose inputs the generic builder cannot make (no ``get_image_features``, a pixel layout other than
+``(images, channels, height, width)``, no image token) is a row saying so, counted apart from the buildable ones.
+Workers, timeouts and ``--rows``/``--resume`` are the causal-LM sweep's (:mod:`hf_tpu.benchmarks.arch_sweep`).
+``--write-docs`` writes the table into docs/architectures.md (its section after the causal-LM table). Run::
+
+    hf-tpu bench vlm_sweep                              # every architecture
+    hf-tpu bench vlm_sweep --archs llava gemma3         # some of them
+    python benchmarks/vlm_sweep.py --rows /tmp/vlm.jsonl --resume --write-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from hf_tpu.benchmarks import arch_sweep
+from hf_tpu.benchmarks._tiny_configs import VOCAB, tiny_config
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+__all__ = ["QUICK", "SECTION", "add_arguments", "architectures", "measure", "print_table", "run"]
+
+QUICK = {"archs": ["llava", "gemma3", "paligemma", "qwen2_vl"], "new_tokens": 6}
+# The docs page's section this sweep writes (from this line to the end of docs/architectures.md; the causal-LM
+# sweep keeps it when it rewrites the page above it).
+SECTION = arch_sweep.VLM_SECTION
+TARGET_SHARE = arch_sweep.TARGET_SHARE
+_NO_INPUTS = "no generic inputs"
+_UNBUILT = ("not buildable", "fails on CPU", "not measured", _NO_INPUTS)
+
+
+def architectures() -> list[str]:
+    """The model types with an image-text-to-text class in the installed transformers, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def _small_token_ids(config: Any) -> None:
+    """Special-token ids past the shrunk vocabulary (an image token at 32000) moved to ids under it, each its own."""
+    free = iter(range(VOCAB - 4, 3, -1))
+    for name in sorted(vars(config)):
+        value = getattr(config, name)
+        if (name.endswith("_token_id") or name.endswith("_token_index")) and isinstance(value, int) and value >= VOCAB:
+            setattr(config, name, next(free))
+
+
+def _consistent(config: Any) -> None:
+    """Fields the shrunk vision tower must agree with: Gemma 3's image tokens pool the patch grid (``(patches per
+    side / tokens per side)`` must be a whole kernel), so at its shrunk default size 224/16: 7 x 7 tokens."""
+    text = config.get_text_config(decoder=True)
+    rope = getattr(text, "rope_parameters", None)
+    # Qwen-VL's multimodal rotary sections: a split of the rotary half (its modeling file's default when unset)
+    sections = rope.get("mrope_section", [16, 24, 24] if "qwen" in config.model_type else None) if isinstance(
+        rope, dict) else None  # fmt: skip
+    half = (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) // 2
+    if isinstance(sections, list) and sections and sum(sections) != half:
+        scaled = [max(1, sections[i] * half // sum(sections)) for i in range(len(sections) - 1)]
+        rope["mrope_section"] = [*scaled, half - sum(scaled)]
+    vision = getattr(config, "vision_config", None)
+    tokens = getattr(config, "mm_tokens_per_image", None)
+    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    if isinstance(tokens, int) and isinstance(size, int) and isinstance(patch, int):
+        side = size // patch
+        if side % max(int(tokens**0.5), 1) or int(tokens**0.5) > side:
+            per_side = next(d for d in range(min(int(tokens**0.5), side), 0, -1) if side % d == 0 and d < side)
+            config.mm_tokens_per_image = per_side * per_side
+
+
+def _grid_images(vision: Any, count: int, seed: int) -> dict:
+    """Qwen-VL's processor output: each image's patches flattened (``temporal_patch_size`` frames of
+    ``patch_size``-square patches per row) and its ``image_grid_thw`` (one frame, 4 x 4 patches, merged 2 x 2)."""
+    import torch
+
+    channels = int(getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3) or 3)
+    width = channels * vision.temporal_patch_size * vision.patch_size**2
+    g = torch.Generator().manual_seed(seed)
+    side = 2 * vision.spatial_merge_size
+    return {
+        "pixel_values": torch.randn(count * side * side, width, generator=g),
+        "image_grid_thw": torch.tensor([[1, side, side]] * count),
+    }
+
+
+def _images(config: Any, count: int, seed: int) -> tuple[dict, int | None]:
+    """The image inputs of ``count`` images and their pixel size (None for Qwen-VL's patch layout)."""
+    vision = getattr(config, "vision_config", None)
+    if hasattr(vision, "spatial_merge_size") and hasattr(vision, "temporal_patch_size"):
+        return _grid_images(vision, count, seed), None
+    pixels, size = _pixels(config, count, seed)
+    return {"pixel_values": pixels}, size
+
+
+def _pixels(config: Any, count: int, seed: int):
+    import torch
+
+    vision = getattr(config, "vision_config", None)
+    size = getattr(vision, "image_size", None)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    if not isinstance(size, int):
+        raise LookupError("its vision config names no image_size")
+    channels = int(getattr(vision, "num_channels", 3) or 3)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(count, channels, size, size, generator=g), size
+
+
+def _image_token(config: Any) -> int:
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise LookupError("its config names no image token (image_token_id)")
+
+
+def _inputs(model: Any, tokens: int, count: int, text: int, seed: int) -> dict:
+    """A processor's output on the host: ``text`` tokens, each image's ``tokens`` image tokens, three more."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    image = _image_token(model.config)
+    ids = torch.cat(
+        [torch.randint(3, 60, (1, text), generator=g), torch.full((1, tokens * count), image),
+         torch.randint(3, 60, (1, 3), generator=g)], dim=1,
+    )  # fmt: skip
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **_images(model.config, count, seed)[0]}
+    if _takes_token_types(model):  # Gemma 3's processor marks the image tokens
+        kwargs["token_type_ids"] = (ids == image).long()
+    return kwargs
+
+
+def _takes_token_types(model: Any) -> bool:
+    import inspect
+
+    return "token_type_ids" in inspect.signature(model.forward).parameters
+
+
+def _feature_tokens(model: Any, encoded: Any) -> int:
+    """How many prompt tokens the encoded images fill: their features' elements over the text's hidden size."""
+    import torch
+
+    pooled = getattr(encoded, "pooler_output", encoded)
+    tensors = pooled if isinstance(pooled, (list, tuple)) else [pooled]
+    hidden = int(model.config.get_text_config(decoder=True).hidden_size)
+    return sum(int(t.numel()) for t in tensors if isinstance(t, torch.Tensor)) // hidden
+
+
+def measure(model_type: str, new_tokens: int = 8, workdir: str | None = None) -> dict:
+    """One architecture's row (see the module docstring); raises only for a failure outside the model."""
+    import hf_tpu
+    import hf_tpu.sim
+
+    hf_tpu.sim.enable()
+    with hf_tpu.enabled():
+        return _measure(model_type, new_tokens)
+
+
+def _measure(model_type: str, new_tokens: int) -> dict:
+    import warnings
+
+    import torch
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    import hf_tpu
+    import hf_tpu.sim
+    from hf_tpu.transformers import explain
+
+    row: dict[str, Any] = {"arch": model_type}
+    try:
+        config = tiny_config(model_type)
+        _small_token_ids(config)
+        _consistent(config)
+        cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+        torch.manual_seed(0)
+        cpu = cls._from_config(config).eval()
+        tpu = cls._from_config(config).eval()
+        tpu.load_state_dict(cpu.state_dict())
+    except Exception as e:  # noqa: BLE001 - any failure to build is this architecture's verdict
+        row.update(status="not buildable", reason=f"{type(e).__name__}: {arch_sweep._line(e)}")
+        return row
+    try:
+        encoder = getattr(cpu.base_model, "get_image_features", None)
+        if encoder is None:
+            raise LookupError("its base model has no get_image_features")
+        images, size = _images(cpu.config, 1, 0)
+        with torch.no_grad():
+            tokens = _feature_tokens(cpu, encoder(**images, return_dict=True))
+        calls = [(1, 5, 0), (2, 4, 1), (1, 9, 2)]  # (images, text tokens, seed)
+        prompts = [_inputs(cpu, tokens, *call) for call in calls]
+    except Exception as e:  # noqa: BLE001 - the generic processor stand-in does not fit this model
+        row.update(status=_NO_INPUTS, reason=f"{type(e).__name__}: {arch_sweep._line(e)}")
+        return row
+    kw = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0, "max_new_tokens": new_tokens}
+    try:
+        with torch.no_grad():
+            expected = [cpu.generate(**p, **kw) for p in prompts]
+    except Exception as e:  # noqa: BLE001 - upstream fails on the CPU too: not a TPU problem
+        row.update(status="fails on CPU", reason=f"{type(e).__name__}: {arch_sweep._line(e)}")
+        return row
+    row["image_tokens"] = tokens
+    stage = "placing the model"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tpu.to("tpu")
+            route = explain(tpu, **prompts[0], **kw)
+            fast = route.fast
+            runs, stats = [], []
+            if fast and size is not None:
+                stage = "warm-up"
+                longest = max(p["input_ids"].shape[1] for p in prompts)
+                bucket = 1 << (longest - 1).bit_length()
+                hf_tpu.warmup(
+                    tpu, max_prompt_len=bucket, buckets=[bucket, 2 * bucket], max_new_tokens=new_tokens,
+                    image_sizes=[(size, size)],
+                    num_images=[1, 2], progress=False,
+                )  # fmt: skip
+            for index, p in enumerate(prompts):
+                stage = f"call {index + 1}"
+                with hf_tpu.sim.stats() as s:
+                    runs.append(tpu.generate(**p, **kw))
+                stats.append(s)
+    except Exception as e:  # noqa: BLE001
+        row.update(status="error", reason=f"{stage}: {type(e).__name__}: {arch_sweep._line(e)}")
+        return row
+    route = explain(tpu, **prompts[0], **kw)  # after what the first traces found
+    identical = all(torch.equal(got.cpu(), want) for got, want in zip(runs, expected, strict=True))
+    row.update(
+        status="fast path" if route.fast else "upstream loop",
+        route=route.loop,
+        reason="" if route.fast else route.reason,
+        identical=identical,
+        compiles_2nd=max(s.compiles for s in stats[1:]),
+        signatures_2nd=max(s.shape_signatures for s in stats[1:]),
+    )
+    return row
+
+
+# ---- the sweep: the causal-LM sweep's workers ---------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options (the causal-LM sweep's)."""
+    arch_sweep.add_arguments(parser)
+    parser.set_defaults(new_tokens=8)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Sweep; returns ``{"rows": [...], "summary": {...}, "command": str}`` (and writes the docs section if asked)."""
+    from pathlib import Path
+
+    archs = args.archs or architectures()
+    unknown = sorted(set(archs) - set(architectures()))
+    if unknown:
+        raise SystemExit(f"unknown image-text-to-text architectures {unknown}")
+    start = time.monotonic()
+    if args.from_rows:
+        saved = arch_sweep._saved_rows([p for p in args.from_rows if p != "docs"])
+        missing = {"status": "not measured", "reason": "not reached by the run that made this table"}
+        rows = [saved.get(a) or {"arch": a, **missing} for a in archs]
+    else:
+        saved = arch_sweep._saved_rows([args.rows]) if args.resume and args.rows and Path(args.rows).exists() else {}
+        todo = [a for a in archs if a not in saved]
+        fresh = {
+            r["arch"]: r
+            for r in arch_sweep.sweep(
+                todo, args.new_tokens, args.jobs, args.timeout, rows_file=args.rows, module=__name__
+            )
+        }
+        rows = [saved.get(a) or fresh[a] for a in archs]
+    if args.archs and args.write_docs:  # a partial run: the others are listed as not measured
+        rows = [*rows, *({"arch": a, "status": "not measured", "reason": "not in this run's --archs"}
+                         for a in architectures() if a not in archs)]  # fmt: skip
+        rows.sort(key=lambda r: r["arch"])
+    summary = summarize(rows)
+    figures = {"rows": rows, "summary": summary, "seconds": round(time.monotonic() - start)}
+    figures["targets_met"] = summary["meets_targets"] >= TARGET_SHARE * summary["buildable"]
+    figures["command"] = "python benchmarks/vlm_sweep.py " + " ".join(
+        ([f"--archs {' '.join(archs)}"] if args.archs else [])
+        + ([f"--new-tokens {args.new_tokens}"] if args.new_tokens != 8 else [])
+        + ["--write-docs"]
+    )
+    if args.write_docs:
+        write_section(markdown(figures))
+        print(f"wrote the image-text-to-text section of {arch_sweep.DOCS_PAGE}")
+    return figures
+
+
+def write_section(text: str) -> None:
+    """Replace this sweep's section of docs/architectures.md (from :data:`SECTION` to the end) with ``text``."""
+    page = arch_sweep.DOCS_PAGE
+    current = page.read_text()
+    head = current.split(SECTION, 1)[0].rstrip("\n")
+    page.write_text(head + "\n\n" + text)
+
+
+def misses(row: dict) -> list[str]:
+    """The targets a measured, buildable row misses (empty: it meets every one)."""
+    if row["status"] != "fast path":
+        return [row["status"]]
+    missed = [] if row.get("identical") else ["not identical"]
+    if row.get("compiles_2nd") != 0:
+        missed.append("compiles")
+    if row.get("signatures_2nd", 99) > 4:
+        missed.append("> 4 new signatures")
+    return missed
+
+
+def summarize(rows: list[dict]) -> dict:
+    measured = [r for r in rows if r["status"] != "not measured"]
+    buildable = [r for r in measured if r["status"] not in _UNBUILT]
+    return {
+        "architectures": len(rows),
+        "measured": len(measured),
+        "no_inputs": sum(r["status"] == _NO_INPUTS for r in rows),
+        "buildable": len(buildable),
+        "fast_path": sum(r["status"] == "fast path" for r in rows),
+        "meets_targets": sum(not misses(r) for r in buildable),
+        "identical": sum(bool(r.get("identical")) for r in rows),
+        "crashes": sum(r["status"] in ("crash", "error", "timeout") for r in rows),
+    }
+
+
+def _target_line(s: dict) -> str:
+    share = s["meets_targets"] / s["buildable"] if s["buildable"] else 0.0
+    verdict = "met" if share >= TARGET_SHARE else "**missed**"
+    return (
+        f"{s['meets_targets']} of {s['buildable']} buildable architectures meet the targets ({share:.1%}; the issue's "
+        f"target is {TARGET_SHARE:.0%}): {verdict}."
+    )
+
+
+def markdown(figures: dict) -> str:
+    rows, s = figures["rows"], figures["summary"]
+    lines = [
+        SECTION,
+        "",
+        f"Generated by `{figures['command']}` (hf_tpu/benchmarks/vlm_sweep.py; do not edit by hand). Each",
+        "image-text-to-text architecture of the installed transformers (`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING`), a tiny",
+        "random model built from its config class with the causal-LM sweep's rules (special-token ids past the",
+        "shrunk vocabulary moved into it), on the CPU and on the simulated `tpu` after `hf_tpu.enable()`; images as",
+        "`pixel_values` of the model's own vision size `(images, channels, size, size)` and as many image tokens as",
+        "its `get_image_features` gives features. Greedy `generate` of "
+        f"{_new_tokens(figures)} tokens: one image, two images, another image with a longer prompt; *identical*: all",
+        "three equal the CPU's. *compiles* and *new signatures* (new eager op shapes): the most of the second and",
+        "third calls, after `hf_tpu.warmup(..., image_sizes=[(size, size)], num_images=[1, 2])` on hf_tpu's loop",
+        "(upstream's loop: after the first call). *route*: `hf_tpu.transformers.explain` after the calls. Targets:",
+        "hf_tpu's loop (fast path), identical, 0 compiles, <= 4 new signatures. *no generic inputs*: the builder's",
+        "processor stand-in does not fit the model (the reason says why); counted apart from the buildable ones.",
+        "",
+        f"{s['architectures']} architectures; {s['measured']} measured; {s['no_inputs']} without generic inputs; "
+        f"{s['buildable']} buildable (built, inputs made, run on the CPU); {s['fast_path']} on hf_tpu's loop; "
+        f"{s['identical']} token-identical; {s['crashes']} errors, crashes or timeouts."
+        + (
+            f" {s['architectures'] - s['measured']} not measured (not in the run's `--archs`, or not reached)."
+            if s["architectures"] != s["measured"]
+            else ""
+        ),  # fmt: skip
+        "",
+        _target_line(s),
+        "",
+        "| architecture | status | route | identical | compiles | new signatures | reason |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        reason = (r.get("reason") or "").replace("|", "\\|")
+        lines.append(
+            f"| {r['arch']} | {r['status']} | {r.get('route', '')} | {arch_sweep._cell(r, 'identical')} | "
+            f"{arch_sweep._cell(r, 'compiles_2nd')} | {arch_sweep._cell(r, 'signatures_2nd')} | {reason} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _new_tokens(figures: dict) -> int:
+    command = figures["command"].split()
+    return int(command[command.index("--new-tokens") + 1]) if "--new-tokens" in command else 8
+
+
+def print_table(figures: dict) -> None:
+    for row in figures["rows"]:
+        print(arch_sweep._one_line(row))
+    s = figures["summary"]
+    print(f"\n{s['architectures']} architectures, {s['buildable']} buildable, {s['fast_path']} on hf_tpu's loop "
+          f"({figures['seconds']} s)")  # fmt: skip
+    print(_target_line(s).replace("**", ""))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        arch_sweep._worker(sys.argv[3:], int(sys.argv[2]), measure)
+    else:
+        from hf_tpu.benchmarks.__main__ import main
+
+        sys.exit(main(["vlm_sweep", *sys.argv[1:]]))

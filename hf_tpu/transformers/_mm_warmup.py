@@ -1,0 +1,164 @@
+"""Warm-up of the graphs an image or audio ``generate`` call runs (:func:`hf_tpu.warmup`'s ``image_sizes`` and
+``num_images``, and its path for models whose encoder takes features, Whisper's).
+
+Images: per batch size, image count and pixel size, the vision graph (:func:`hf_tpu.transformers._images.encode_images`
+on zero pixels of shape ``(batch * images, channels, height, width)``, the layout LLaVA's, Gemma 3's and PaliGemma's
+processors return), then, for every warmed prompt bucket that holds the images' tokens, the ``mm_prefill`` graph (the
+model's forward merging those features, keyed by their shape) and the decode graph of that cache, on dummy ids whose
+image tokens match the features, as :func:`hf_tpu.transformers._decode_loop._decode_loop` runs them.
+
+Audio: the model's own ``generate`` once per batch size on silent features of its input window (Whisper's feature
+extractor pads every clip to that window, so every audio length shares it), with the keyword arguments the served
+calls pass (``language=``, ``task=``: they set the decoder prompt, which is not bucketed).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+from hf_tpu.transformers import _images
+from hf_tpu.transformers._cache.layers import set_decoding, set_length
+from hf_tpu.transformers._cache.pool import cache_for
+from hf_tpu.transformers._decode_loop import _extra, _warm_sampling
+from hf_tpu.transformers._graphs import _run
+from hf_tpu.transformers._settings import NotCompilableError, _state
+from hf_tpu.transformers.shapes import plan_shapes
+
+__all__ = ["feature_window", "warm_features", "warm_images"]
+
+
+def takes_token_types(model) -> bool:
+    """Whether the model's forward takes ``token_type_ids`` (Gemma 3's and PaliGemma's processors return them with
+    the images: their calls run the ``+token_type_ids`` graphs)."""
+    try:
+        return "token_type_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return False
+
+
+def _image_token_id(model) -> int:
+    config = model.config
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise NotCompilableError(
+        f"hf_tpu.warmup cannot warm the images of {type(model).__name__}: its config names no image token "
+        "(image_token_id), so warm-up cannot build a prompt holding the images' tokens"
+    )
+
+
+def _feature_tokens(model, encoded) -> int:
+    """How many prompt tokens the encoded images fill: their features' elements over the text's hidden size."""
+    import torch
+
+    pooled = getattr(encoded, "pooler_output", encoded)
+    tensors = pooled if isinstance(pooled, (list, tuple)) else [pooled]
+    hidden = int(model.config.get_text_config(decoder=True).hidden_size)
+    return sum(int(t.numel()) for t in tensors if isinstance(t, torch.Tensor)) // hidden
+
+
+def warm_images(
+    model, batch: int, size: tuple[int, int], count: int, prompt_buckets, max_new_tokens: int, variant: str
+) -> list[tuple]:
+    """Compile the vision graph for ``batch * count`` images of ``size`` (height, width) and the image prefill and
+    decode graphs of every bucket in ``prompt_buckets`` holding their tokens; returns the keys."""
+    import torch
+
+    state = _state(model)
+    device = model.device
+    vision_config = getattr(model.config, "vision_config", None)
+    channels = int(getattr(vision_config, "num_channels", 3) or 3)
+    height, width = (int(n) for n in size)
+    # float32: what image processors return (the vision towers cast them to their own dtype)
+    pixels = torch.zeros(batch * count, channels, height, width)
+    kwargs = {"pixel_values": pixels}
+    if not _images.image_inputs(model, kwargs):
+        raise NotCompilableError(
+            f"hf_tpu.warmup cannot warm the images of {type(model).__name__}: its image encoder takes no pixel_values "
+            "of shape (images, channels, height, width)"
+        )
+    problem = _images.images_problem(model, kwargs)
+    if problem is not None:
+        raise NotCompilableError(f"{problem}; generate runs upstream's loop for such calls, so warm-up has no graph")
+    before = list(state.compile_log)
+    with torch.no_grad():
+        encoded = _images.encode_images(model, state, kwargs, _run)["mm_encoder_outputs"]
+    keys = [k for k in state.compile_log if k not in before and k[0] == "vision"]
+    keys = keys or [k for k in state.compiled if k[0] == "vision" and k[1] == batch * count]
+    tokens, rest = divmod(_feature_tokens(model, encoded["image"]), batch)
+    fitting = [p for p in prompt_buckets if p >= tokens]
+    if rest or not fitting:
+        raise ValueError(
+            f"warm-up for {count} image(s) of {height}x{width}: they fill {tokens} prompt tokens per row, more than "
+            f"the largest warmed prompt bucket ({max(prompt_buckets)}): raise max_prompt_len"
+        )
+    types = takes_token_types(model)
+    image_id = _image_token_id(model)
+    extra = _extra(model)
+    kind_variant = variant + ("+token_type_ids" if types else "")
+    with torch.no_grad():
+        for p in fitting:
+            plan = plan_shapes(model, batch, p, max_new_tokens, variant=kind_variant)
+            c = plan.cache_bucket
+            cache = cache_for(model, state, batch, c, None)
+            mask_dev = torch.ones(batch, c, dtype=torch.bool).to(device)
+            ids = torch.zeros(batch, p, dtype=torch.long)
+            ids[:, p - tokens :] = image_id
+            pos = torch.arange(p, dtype=torch.long).expand(batch, p)
+            sampling = _warm_sampling(model, ids, variant, c + 1, 0)
+            prefill_extra = {**extra, "mm_encoder_outputs": encoded}
+            if types:
+                prefill_extra["token_type_ids"] = (ids == image_id).long().to(device)
+            prefill_key = ("mm_prefill" + kind_variant, batch, p, c, _images.features_shape(encoded))
+            decode_key = ("decode" + kind_variant, batch, c)
+            set_length(cache, 0)
+            _run(model, state, prefill_key, torch.cat([ids, pos], dim=1).to(device), mask_dev, cache, prefill_extra,
+                 sampling)  # fmt: skip
+            set_decoding(cache, True)
+            step = torch.tensor([[0, p]], dtype=torch.long).expand(batch, 2).contiguous().to(device)
+            set_length(cache, p)
+            _run(model, state, decode_key, step, mask_dev, cache, extra, sampling)
+            cache.reset()
+            keys += [prefill_key, decode_key]
+    return keys
+
+
+def feature_window(model) -> tuple[int, int]:
+    """The ``(feature size, frames)`` of one input window of a model whose encoder takes features: Whisper's
+    ``num_mel_bins`` and ``max_source_positions`` times its convolutions' strides (the feature extractor pads
+    every clip to it)."""
+    import torch
+
+    config = model.config
+    mel, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if not isinstance(mel, int) or not isinstance(positions, int):
+        raise NotCompilableError(
+            f"hf_tpu.warmup cannot warm {type(model).__name__}: its config gives no fixed input window "
+            "(num_mel_bins and max_source_positions, as Whisper's does), so the features' shape is not known ahead "
+            "of a call; the first generate of each shape compiles its graphs, and later ones with that shape nothing"
+        )
+    strides = [m.stride[0] for m in model.get_encoder().modules() if isinstance(m, torch.nn.Conv1d)]
+    return mel, positions * math.prod(strides)
+
+
+def warm_features(model, batch: int, max_new_tokens: int, generate_kwargs: dict) -> list[tuple]:
+    """Run the model's own ``generate`` on silent features of its window for ``batch`` clips (what the feature
+    extractor returns, on the host) with ``generate_kwargs``; returns the keys of the graphs it ran."""
+    import torch
+
+    state = _state(model)
+    mel, frames = feature_window(model)
+    before = len(state.compile_log)
+    seen = set(state.compiled)
+    features = torch.zeros(batch, mel, frames)
+    with torch.no_grad():
+        model.generate(features, max_new_tokens=max_new_tokens, **generate_kwargs)
+    keys = list(state.compile_log[before:])
+    # the graphs a call of this batch size and window ran before (a second warm-up of the same shapes)
+    keys += [k for k in seen if k[1] == batch and k[0].split("+", 1)[0] in _FEATURE_KINDS and k not in keys]
+    return keys
+
+
+_FEATURE_KINDS = ("features_encoder", "seq2seq_prefill", "seq2seq_decode")
