@@ -86,17 +86,18 @@ def _problem(model, args: dict, config, model_kwargs: dict, route) -> str | None
         return f"beam search with low_memory=True {_UPSTREAM_ERROR}"
     from hf_tpu.transformers._upstream import PROMPT_INPUTS
 
-    given = [k for k in PROMPT_INPUTS if model_kwargs.get(k) is not None]
+    given = [k for k in PROMPT_INPUTS if k != "token_type_ids" and model_kwargs.get(k) is not None]
     if given:
-        return f"beam search with {', '.join(given)}: the beam loop takes input_ids only"
+        return f"beam search with {', '.join(given)}: the beam loop takes input_ids (and token_type_ids) only"
     from hf_tpu.transformers._signatures import CACHE_NAMES
 
     if any(model_kwargs.get(k) is not None for k in CACHE_NAMES):
         return "beam search from a cache passed in: the beam loop starts from the prompt"
-    taken = {"input_ids", "attention_mask", "position_ids", "use_cache", "output_attentions", "output_hidden_states"}
+    taken = {"input_ids", "attention_mask", "position_ids", "token_type_ids", "use_cache", "output_attentions",
+             "output_hidden_states"}  # fmt: skip
     other = sorted(k for k, v in model_kwargs.items() if v is not None and k not in taken and k not in CACHE_NAMES)
     if other:  # (images, audio features, ...: inputs other loops of hf_tpu may take)
-        return f"beam search with model inputs {other}: the beam loop takes input_ids only"
+        return f"beam search with model inputs {other}: the beam loop takes input_ids (and token_type_ids) only"
     if not _state(model).settings.device_sampling:
         return "beam search with device sampling off (configure(model, device_sampling=False)): its processors run in the graph only"
     procs = args.get("logits_processor") or []
@@ -237,6 +238,10 @@ def beam_loop(
     flags = step_outputs.asked(config)  # output_attentions / output_hidden_states: graphs of their own
     variant = plan.variant + beam_variant(num_beams, keep, checked, config.early_stopping, do_sample)
     variant += step_outputs.variant(flags)
+    types = model_kwargs.get("token_type_ids")  # (GPT-2's; the beams of a prompt share its types)
+    if types is not None:
+        types = types.to("cpu").long()
+        variant += "+token_type_ids"  # (graphs taking them: their own kind)
     if (hf_tpu_plan or {}).get("route") is not None and hf_tpu_plan["route"].loop == CACHELESS:
         return _cacheless_beam(
             model, input_ids, config, model_kwargs, plan, variant, flags, max_new, keep, checked, eos, do_sample
@@ -265,6 +270,11 @@ def beam_loop(
     width = shapes.cache_bucket  # the new-token columns of the beam buffers (at least max_new)
     cache = cache_for(model, state, rows, shapes.cache_bucket, None)
     mask_dev = full_mask.to(device)
+    decode_extra = extra
+    if types is not None:  # the prompt's (padding: type 0, masked), then its last one for every new token, as
+        # upstream's loop extends them (rows of one prompt share them, so the beams' reorder leaves them alone)
+        extra = {**extra, "token_type_ids": F.pad(types, (pad, 0), value=0).to(device)}
+        decode_extra = {**decode_extra, "token_type_ids": types[:, -1:].to(device)}
     sampling = plan.to_device(device, shapes.cache_bucket + 1, pad)
     spec = (batch, num_beams, keep, config.early_stopping, do_sample, checked, width)
     beam = _beam_state(
@@ -297,7 +307,7 @@ def beam_loop(
             raw_logits += (step_logits.to("cpu"),)
         if bool(finished.to("cpu")[0]) or steps >= max_new:
             break
-        result = _run(model, state, decode_key, mask_dev, cache, extra, spec, beam, sampling)
+        result = _run(model, state, decode_key, mask_dev, cache, decode_extra, spec, beam, sampling)
 
     cache_out = None
     if config.return_dict_in_generate:
@@ -357,6 +367,10 @@ def _cacheless_beam(model, input_ids, config, model_kwargs, plan, variant, flags
     ids_dev, mask_dev = ids.to(device), mask.to(device)
     positions_dev = None if positions is None else positions.to(device)
     extra = {**_cacheless._extra(model), **flags}
+    types = model_kwargs.get("token_type_ids")
+    if types is not None:  # the prompt's, then its last one for every new token (the variant says so already)
+        types = types.to("cpu").long()
+        extra["token_type_ids"] = torch.cat([types, types[:, -1:].expand(rows, length - prompt_len)], 1).to(device)
     sampling = plan.to_device(device, length + 1, 0)
     width = length  # the new-token columns of the beam buffers (at least max_new)
     last = positions[:, prompt_len - 1].clone() if positions is not None else torch.zeros(rows, dtype=torch.long)

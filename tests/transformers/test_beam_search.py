@@ -317,3 +317,22 @@ def test_beam_search_without_a_cache(llama, prompts, do_sample):
             keep = torch.ones(a.shape[:2], dtype=torch.bool)
             keep[:, : rows.shape[1]] = rows
             torch.testing.assert_close(a[keep], b[keep], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+def test_token_type_ids_take_the_beam_loop(pair, prompts, use_cache):
+    # GPT-2's token types (transformers' own GPT-2 generation tests pass them): the prompt's through the prefill,
+    # then its last one for every new token as upstream extends them; the beams of a prompt share them
+    cpu, tpu = pair("gpt2")
+    ids, mask = prompts([4, 7], seed=3)
+    types = torch.zeros_like(ids)
+    types[:, 5:] = 1  # the last type differs from the first: it changes the new tokens' scores
+    kwargs = dict(attention_mask=mask, token_type_ids=types, max_new_tokens=5, num_beams=2, num_return_sequences=2,
+                  do_sample=False, use_cache=use_cache, eos_token_id=None, pad_token_id=0, **DICT)  # fmt: skip
+    assert explain(tpu, input_ids=ids, **kwargs).loop == ("cached" if use_cache else "cacheless")
+    got, expected = tpu.generate(ids, **kwargs), cpu.generate(ids, **kwargs)
+    _assert_same(got, expected)
+    untyped = cpu.generate(ids, **{**kwargs, "token_type_ids": None})
+    assert not torch.allclose(untyped.scores[-1], expected.scores[-1])  # the types reach the new tokens too
+    kind = "beam_prefill" if use_cache else "beam_cacheless_prefill"
+    assert any(k[0].startswith(kind) and k[0].endswith("+token_type_ids") for k in generation.compiled_graphs(tpu))
