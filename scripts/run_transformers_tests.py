@@ -14,8 +14,9 @@ The tests are not in the transformers wheel: check out the tests of the installe
     python scripts/run_transformers_tests.py /tmp/transformers tests/models/llama/test_modeling_llama.py
 
 With ``--hf-tpu`` a third run has ``hf_tpu.enable("generation")`` on the simulated tpu (the pytest plugin
-``scripts/_hf_tpu_generation_plugin.py``); the script then lists, per test file, how many tests ran hf_tpu's
-generation loop, per model family, and every test that passes on the tpu with hf_tpu off but not with it on:
+``scripts/_hf_tpu_generation_plugin.py``); the script then lists, per model family, how many tests ran hf_tpu's
+generation loop and the names of those that did not, and every test that passes on the tpu with hf_tpu off but not
+with it on:
 
     python scripts/run_transformers_tests.py --hf-tpu /tmp/transformers \
         tests/models/llama/test_modeling_llama.py tests/models/gpt2/test_modeling_gpt2.py -m generate
@@ -89,8 +90,9 @@ def compare(cpu: dict[str, str], tpu: dict[str, str]) -> tuple[str, list[str]]:
 
 
 def compare_hf_tpu(off: dict[str, str], on: dict[str, str], served: set[str]) -> tuple[str, list[str]]:
-    """Per model family (``tests.models.<family>``): tests run, those that ran hf_tpu's loop (and passed), and the
-    tests that pass with hf_tpu off but not with it on (the regressions)."""
+    """Per model family (``tests.models.<family>``): tests run, those that ran hf_tpu's loop (and passed), the names
+    of those that did not (with their outcome), and the tests that pass with hf_tpu off but not with it on (the
+    regressions)."""
     lines = []
 
     def family(test: str) -> str:  # tests.models.<family>, else the test's module and class
@@ -106,6 +108,9 @@ def compare_hf_tpu(off: dict[str, str], on: dict[str, str], served: set[str]) ->
             f"passed: {sum(off.get(t) == 'passed' for t in tests)} with hf_tpu off, "
             f"{sum(on[t] == 'passed' for t in tests)} with it on"
         )
+        missed = sorted(t for t in tests if t not in served)  # (each with its outcome with hf_tpu on)
+        if missed:
+            lines.append("  not on hf_tpu's loop: " + ", ".join(f"{t.split('::')[-1]} ({on[t]})" for t in missed))
     regressions = sorted(t for t, o in off.items() if o == "passed" and on.get(t) != "passed")
     lines.append(f"pass with hf_tpu off, not with it on: {len(regressions)}")
     lines += [f"  {t}: {on.get(t, 'absent')}{' (hf_tpu loop)' if t in served else ''}" for t in regressions]

@@ -60,6 +60,11 @@ def test_the_hf_tpu_run_counts_the_tests_its_loop_served(tmp_path, capsys):
     assert status == 0, out
     summary = "tests.models.llama: 4 tests, 2 ran hf_tpu's loop (2 passed); passed: 4 with hf_tpu off, 4 with it on"
     assert summary in out
+    missed = (  # (the stopping criterion's beam call runs upstream's loop; the last test calls no generate)
+        "  not on hf_tpu's loop: test_beam_search_with_a_stopping_criterion (passed), "
+        "test_runs_on_the_tpu_when_asked (passed)"
+    )
+    assert missed in out, out
     assert "pass with hf_tpu off, not with it on: 0" in out
 
 
