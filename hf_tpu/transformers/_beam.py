@@ -9,7 +9,8 @@ own helpers, the finished hypotheses and the cache reorder, all on the device). 
 back one boolean: whether the search stopped (the check upstream's loop makes on the host). The outputs are
 upstream's ``_beam_search``'s: ``sequences`` (``num_return_sequences`` per prompt), and with
 ``return_dict_in_generate`` ``sequences_scores`` (with ``output_scores``), ``scores``/``logits`` (copied back each
-step only when asked), ``beam_indices`` and the cache.
+step only when asked), ``beam_indices`` and the cache. ``token_type_ids`` (GPT-2's) go through the prefill, and the
+prompt's last type with every new token, as upstream extends them (graph variants ``+token_type_ids``).
 
 What it serves is decided in :mod:`hf_tpu.transformers.route` with :func:`beam_problem`: a call it cannot serve
 runs upstream's loop with the reason.
