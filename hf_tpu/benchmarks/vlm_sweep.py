@@ -67,8 +67,15 @@ def _small_token_ids(config: Any) -> None:
 
 def _consistent(config: Any) -> None:
     """Fields the shrunk vision tower must agree with: Gemma 3's image tokens pool the patch grid (``(patches per
-    side / tokens per side)`` must be a whole kernel), so at its shrunk default size 224/16: 7 x 7 tokens."""
+    side / tokens per side)`` must be a whole kernel), so at its shrunk default size 224/16: 7 x 7 tokens; a
+    projector into the text's embeddings (PaliGemma's ``projection_dim``, its defaults' text width) outputs the
+    shrunk text width."""
     text = config.get_text_config(decoder=True)
+    default_width = getattr(type(config)().get_text_config(decoder=True), "hidden_size", None)
+    for holder in (config, getattr(config, "vision_config", None)):
+        if default_width and getattr(holder, "projection_dim", None) == default_width:
+            # left at 2048, a 224/16 image's 196 features became 6272 "tokens" of the shrunk 64-wide text
+            holder.projection_dim = text.hidden_size
     rope = getattr(text, "rope_parameters", None)
     # Qwen-VL's multimodal rotary sections: a split of the rotary half (its modeling file's default when unset)
     sections = rope.get("mrope_section", [16, 24, 24] if "qwen" in config.model_type else None) if isinstance(
@@ -161,6 +168,9 @@ def _feature_tokens(model: Any, encoded: Any) -> int:
     pooled = getattr(encoded, "pooler_output", encoded)
     tensors = pooled if isinstance(pooled, (list, tuple)) else [pooled]
     hidden = int(model.config.get_text_config(decoder=True).hidden_size)
+    widths = {int(t.shape[-1]) for t in tensors if isinstance(t, torch.Tensor)}
+    if widths != {hidden}:  # a processor fills one prompt token per feature vector of the text's width
+        raise LookupError(f"its image features are {sorted(widths)} wide, its text {hidden}")
     return sum(int(t.numel()) for t in tensors if isinstance(t, torch.Tensor)) // hidden
 
 
