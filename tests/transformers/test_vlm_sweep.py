@@ -39,7 +39,7 @@ def test_slice_verdicts_match_cpu_and_the_docs(arch):
         assert row["route"] == "cached" and row["compiles_2nd"] == 0 and row["signatures_2nd"] <= 4, row
         assert not vlm_sweep.misses(row), row  # (and <= 1 copy each way per decode step)
     else:
-        assert "get_rope_index" in row["reason"], row  # Qwen2-VL: the named fallback
+        assert "get_rope_index" in row["reason"], row  # (Qwen3-VL-like positions: the named fallback)
     documented = _documented()[arch]
     if documented[1] != "not measured":
         assert documented[1] == row["status"] and documented[3] == "yes", (documented, row)
