@@ -383,7 +383,8 @@ def rows_from_docs(path: Path | str = DOCS_PAGE) -> dict[str, dict]:
     import re
 
     rows: dict[str, dict] = {}
-    for line in Path(path).read_text().splitlines():
+    # (the page above the image-text-to-text sweep's section: its table has as many columns)
+    for line in Path(path).read_text().partition(VLM_SECTION)[0].splitlines():
         if not line.startswith("| "):
             continue
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]

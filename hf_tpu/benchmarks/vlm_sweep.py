@@ -13,7 +13,12 @@ one image after five text tokens, two images, another image after nine text toke
 - *identical*: the three generations token-identical to the CPU's;
 - *compiles* and *new signatures*: the most of the two later calls (another image count, another image and prompt
   length), after ``hf_tpu.warmup(image_sizes=[...], num_images=[1, 2])`` on hf_tpu's loop (upstream's loop: after
-  the first call, eagerly). Targets: hf_tpu's loop, identical, 0 compiles, <= 4 new signatures.
+  the first call, eagerly);
+- *copies per step*: host->device and device->host copies per decode step (the third call and a 2-token run of its
+  prompt, differenced).
+
+Targets (:func:`hf_tpu.benchmarks.arch_sweep.misses`, the causal-LM sweep's): hf_tpu's loop, identical, 0 compiles,
+<= 4 new signatures, <= 1 copy each way per step.
 
 An architecture whose inputs the generic builder cannot make (no ``get_image_features``, a pixel layout other than
 ``(images, channels, height, width)``, no image token) is a row saying so, counted apart from the buildable ones.
@@ -96,7 +101,7 @@ def _consistent(config: Any) -> None:
 
 def _grid_images(vision: Any, count: int, seed: int) -> dict:
     """Qwen-VL's processor output: each image's patches flattened (``temporal_patch_size`` frames of
-    ``patch_size``-square patches per row) and its ``image_grid_thw`` (one frame, 4 x 4 patches, merged 2 x 2)."""
+    ``patch_size``-square patches per row) and its ``image_grid_thw`` (one frame, 2 x 2 merged patches)."""
     import torch
 
     channels = int(getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3) or 3)
@@ -112,8 +117,8 @@ def _grid_images(vision: Any, count: int, seed: int) -> dict:
 def _images(config: Any, count: int, seed: int) -> tuple[dict, int | None]:
     """The image inputs of ``count`` images and their pixel size (None for Qwen-VL's patch layout)."""
     vision = getattr(config, "vision_config", None)
-    if hasattr(vision, "spatial_merge_size") and hasattr(vision, "temporal_patch_size"):
-        return _grid_images(vision, count, seed), None
+    if hasattr(vision, "spatial_merge_size") and hasattr(vision, "temporal_patch_size"):  # (2 merged sides)
+        return _grid_images(vision, count, seed), 2 * vision.spatial_merge_size * vision.patch_size
     pixels, size = _pixels(config, count, seed)
     return {"pixel_values": pixels}, size
 
@@ -144,21 +149,32 @@ def _inputs(model: Any, tokens: int, count: int, text: int, seed: int) -> dict:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    image = _image_token(model.config)
+    config = model.config
+    image = _image_token(config)
+    one = torch.full((1, tokens), image)
+    start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
+    if isinstance(start, int) and isinstance(end, int):  # Qwen-VL's processor puts each image between these
+        one = torch.cat([torch.tensor([[start]]), one, torch.tensor([[end]])], dim=1)
     ids = torch.cat(
-        [torch.randint(3, 60, (1, text), generator=g), torch.full((1, tokens * count), image),
-         torch.randint(3, 60, (1, 3), generator=g)], dim=1,
-    )  # fmt: skip
-    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **_images(model.config, count, seed)[0]}
+        [torch.randint(3, 60, (1, text), generator=g), *[one] * count, torch.randint(3, 60, (1, 3), generator=g)],
+        dim=1,
+    )
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **_images(config, count, seed)[0]}
     if _takes_token_types(model):  # Gemma 3's processor marks the image tokens
         kwargs["token_type_ids"] = (ids == image).long()
+    if "image_grid_thw" in kwargs and _takes(model, "mm_token_type_ids"):  # Qwen-VL's marks them by modality
+        kwargs["mm_token_type_ids"] = (ids == image).int()
     return kwargs
 
 
 def _takes_token_types(model: Any) -> bool:
+    return _takes(model, "token_type_ids")
+
+
+def _takes(model: Any, name: str) -> bool:
     import inspect
 
-    return "token_type_ids" in inspect.signature(model.forward).parameters
+    return name in inspect.signature(model.forward).parameters
 
 
 def _feature_tokens(model: Any, encoded: Any) -> int:
@@ -249,11 +265,15 @@ def _measure(model_type: str, new_tokens: int) -> dict:
                 with hf_tpu.sim.stats() as s:
                     runs.append(tpu.generate(**p, **kw))
                 stats.append(s)
+            stage = "short run"  # the third call's prompt for 2 tokens: the difference is the decode steps'
+            with hf_tpu.sim.stats() as short:
+                tpu.generate(**prompts[-1], **{**kw, "max_new_tokens": 2})
     except Exception as e:  # noqa: BLE001
         row.update(status="error", reason=f"{stage}: {type(e).__name__}: {arch_sweep._line(e)}")
         return row
     route = explain(tpu, **prompts[0], **kw)  # after what the first traces found
     identical = all(torch.equal(got.cpu(), want) for got, want in zip(runs, expected, strict=True))
+    h2d, d2h = arch_sweep._per_step(stats[-1], short, new_tokens - 2)
     row.update(
         status="fast path" if route.fast else "upstream loop",
         route=route.loop,
@@ -261,6 +281,8 @@ def _measure(model_type: str, new_tokens: int) -> dict:
         identical=identical,
         compiles_2nd=max(s.compiles for s in stats[1:]),
         signatures_2nd=max(s.shape_signatures for s in stats[1:]),
+        h2d_per_step=round(h2d, 2),
+        d2h_per_step=round(d2h, 2),
     )
     return row
 
@@ -323,16 +345,9 @@ def write_section(text: str) -> None:
     page.write_text(head + "\n\n" + text)
 
 
-def misses(row: dict) -> list[str]:
-    """The targets a measured, buildable row misses (empty: it meets every one)."""
-    if row["status"] != "fast path":
-        return [row["status"]]
-    missed = [] if row.get("identical") else ["not identical"]
-    if row.get("compiles_2nd") != 0:
-        missed.append("compiles")
-    if row.get("signatures_2nd", 99) > 4:
-        missed.append("> 4 new signatures")
-    return missed
+# The targets a measured, buildable row misses (empty: it meets every one): the causal-LM sweep's, copies per decode
+# step included.
+misses = arch_sweep.misses
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -373,8 +388,11 @@ def markdown(figures: dict) -> str:
         f"{_new_tokens(figures)} tokens: one image, two images, another image with a longer prompt; *identical*: all",
         "three equal the CPU's. *compiles* and *new signatures* (new eager op shapes): the most of the second and",
         "third calls, after `hf_tpu.warmup(..., image_sizes=[(size, size)], num_images=[1, 2])` on hf_tpu's loop",
-        "(upstream's loop: after the first call). *route*: `hf_tpu.transformers.explain` after the calls. Targets:",
-        "hf_tpu's loop (fast path), identical, 0 compiles, <= 4 new signatures. *no generic inputs*: the builder's",
+        "(upstream's loop: after the first call). *route*: `hf_tpu.transformers.explain` after the calls.",
+        "*copies/step*: host->device + device->host copies per decode step (the third call's prompt for "
+        f"{_new_tokens(figures)} and for 2",
+        "tokens, differenced). Targets: hf_tpu's loop (fast path), identical, 0 compiles, <= 4 new signatures, <= 1",
+        "copy each way per step. *no generic inputs*: the builder's",
         "processor stand-in does not fit the model (the reason says why); counted apart from the buildable ones.",
         "",
         f"{s['architectures']} architectures; {s['measured']} measured; {s['no_inputs']} without generic inputs; "
@@ -388,14 +406,16 @@ def markdown(figures: dict) -> str:
         "",
         _target_line(s),
         "",
-        "| architecture | status | route | identical | compiles | new signatures | reason |",
-        "|---|---|---|---|---|---|---|",
+        "| architecture | status | route | identical | compiles | new signatures | copies/step | reason |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         reason = (r.get("reason") or "").replace("|", "\\|")
+        copies = f"{arch_sweep._cell(r, 'h2d_per_step')} + {arch_sweep._cell(r, 'd2h_per_step')}" if (
+            "h2d_per_step" in r) else ""  # fmt: skip
         lines.append(
             f"| {r['arch']} | {r['status']} | {r.get('route', '')} | {arch_sweep._cell(r, 'identical')} | "
-            f"{arch_sweep._cell(r, 'compiles_2nd')} | {arch_sweep._cell(r, 'signatures_2nd')} | {reason} |"
+            f"{arch_sweep._cell(r, 'compiles_2nd')} | {arch_sweep._cell(r, 'signatures_2nd')} | {copies} | {reason} |"
         )
     return "\n".join(lines) + "\n"
 

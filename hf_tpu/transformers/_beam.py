@@ -25,6 +25,7 @@ from hf_tpu.transformers._cache.pool import cache_for
 from hf_tpu.transformers._decode_loop import _extra, _output_vocab
 from hf_tpu.transformers._graphs import _ALIGNED
 from hf_tpu.transformers._graphs import _run as _run_graph
+from hf_tpu.transformers._images import mrope_rows
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import CACHED, CACHELESS, NotCompilableError, _state
 from hf_tpu.transformers._signatures import output_cache_field
@@ -75,6 +76,8 @@ def _problem(model, args: dict, config, model_kwargs: dict, route) -> str | None
         return f"beam search on {name}: hf_tpu's beam loop runs on the cached loop and the loop without a cache, and {route}"
     if route.loop == CACHED and numbers_by_cache_length(model):
         return f"beam search on {name}: its prompt goes first in the bucketed cache, which the beam loop does not place"
+    if mrope_rows(model) > 1:
+        return f"beam search on {name}: its positions come in three rows (multimodal rotary positions), which the beam loop does not carry yet"
     if route.loop == CACHED and not full_attention_only(model):
         return f"beam search on {name}: its cache has layer kinds other than full attention, which the beam loop does not reorder yet"
     if args.get("streamer") is not None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 
+from hf_tpu.transformers._images import mrope_rows
 from hf_tpu.transformers._pad_id import fill_id
 
 __all__: list[str] = []
@@ -71,6 +72,11 @@ def cacheless_problem(model) -> str | None:
     (:func:`_not_causal`: one eager forward; :mod:`hf_tpu.transformers.route` asks once per model and keeps the
     answer with the model's route), or it prepares inputs of its own for each forward, which this loop would not
     pass."""
+    if mrope_rows(model) > 1:
+        return (
+            f"{type(model).__name__} numbers its positions in three rows (multimodal rotary positions), which hf_tpu's "
+            "loop without a cache does not carry"
+        )
     failure = _not_causal(model)
     if failure is not None:
         return failure

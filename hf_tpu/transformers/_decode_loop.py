@@ -2,9 +2,10 @@
 
 The loop pads the prompt on the left to its bucket, runs the prefill graph, then one decode graph per new token;
 the growing tensors (sequence, mask, positions) stay on the host, each decode step sends one ``(batch, 2)`` tensor
-and reads back the next tokens: the logits processors and the sampler run in the graph
-(:mod:`hf_tpu.transformers.sampling`), unless one of them has no device form or the scores are wanted on the host
-(``output_scores``): then the last logits row comes back and upstream's processors run on the host.
+(``(batch, 4)`` for a model numbering its positions in three rows: Qwen2-VL's) and reads back the next tokens: the
+logits processors and the sampler run in the graph (:mod:`hf_tpu.transformers.sampling`), unless one of them has
+no device form or the scores are wanted on the host (``output_scores``): then the last logits row comes back and
+upstream's processors run on the host.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_cache
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
-from hf_tpu.transformers._graphs import _ALIGNED, _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
-from hf_tpu.transformers._images import features_shape
+from hf_tpu.transformers._graphs import _ALIGNED, _MROPE, _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
+from hf_tpu.transformers._images import features_shape, mrope_rows
 from hf_tpu.transformers._notes import warn_once
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import _state
@@ -224,6 +225,7 @@ def _decode_loop(
     embeds = model_kwargs.get("inputs_embeds")  # the prompt as embeddings: input_ids holds the ids given, if any
     types = model_kwargs.get("token_type_ids")
     variant += "+token_type_ids" if types is not None else ""  # (graphs taking them: their own kind)
+    variant += "+mrope" if mrope_rows(model) > 1 else ""  # (positions in rows, packed after the ids)
     ids_len = prompt_len
     if embeds is not None:
         prompt_len = embeds.shape[1]
@@ -235,7 +237,12 @@ def _decode_loop(
     positions = model_kwargs.get("position_ids")
     if positions is None:
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    positions = positions.to("cpu").long().expand(batch, prompt_len)
+    rows = mrope_rows(model)
+    if rows > 1:  # (rows, batch, prompt): upstream's rows (Qwen2-VL's: the text row first, for masks, then 3)
+        positions = positions.to("cpu").long()
+        positions = positions[-rows:] if positions.ndim == 3 else positions.expand(rows, batch, prompt_len)
+    else:
+        positions = positions.to("cpu").long().expand(batch, prompt_len)[None]
     pad = plan.prompt_bucket - prompt_len
     pad_id = call.fill_id
     extra = {**_extra(model), **call.output_flags}
@@ -248,12 +255,12 @@ def _decode_loop(
     length = prompt_len if extra.get(_ALIGNED) else plan.prompt_bucket  # the cache's length after the prefill
     if extra.get(_ALIGNED):  # the prompt first, the bucket's padding after it (slot -1)
         ids = F.pad(input_ids, (0, pad), value=pad_id)
-        pos = F.pad(torch.arange(prompt_len).expand(batch, prompt_len), (0, pad), value=-1)
+        pos = F.pad(torch.arange(prompt_len).expand(batch, prompt_len), (0, pad), value=-1)[None]
         full_mask = torch.cat([mask.bool(), torch.ones(batch, plan.cache_bucket - prompt_len, dtype=torch.bool)], 1)
         pad = 0
     else:
         ids = F.pad(input_ids, (pad, 0), value=pad_id)
-        pos = F.pad(positions, (pad, 0), value=0)
+        pos = F.pad(positions, (pad, 0), value=0)  # (rows, batch, bucket)
         full_mask = torch.cat(
             [
                 F.pad(mask.bool(), (pad, 0), value=False),
@@ -297,28 +304,29 @@ def _decode_loop(
         set_decoding(cache, True)
         for index in range(seen, prompt_len):
             set_length(cache, pad + index)
-            packed_step = torch.stack([input_ids[:, index], positions[:, index]], dim=1).to(device)
+            packed_step = torch.cat([input_ids[:, index, None], positions[..., index].T], dim=1).to(device)
             first = _run(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
             first = call.take(first, slice(0, 1), slice(start, pad + index + 1))
         if call.outputs is not None:  # upstream runs the uncached tokens in one forward
             call.outputs.merge(prompt_len - seen)
     elif embeds is None:
-        packed = torch.cat([ids, pos], dim=1).to(device)
+        packed = torch.cat([ids, *pos], dim=1).to(device)
         first = _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
     else:  # moved to the device like input_ids, wherever the caller left them; the padding: zero rows, masked out
         padded = F.pad(embeds.to(device=device, dtype=model.dtype), (0, 0, pad, 0))
+        pos = pos if rows > 1 else pos[0]
         first = _run(model, state, prefill_key, padded, pos.to(device), mask_dev, cache, extra, sampling)
     if not seen:
         first = call.take(first, slice(pad, pad + prompt_len), slice(start, start + prompt_len))
     set_decoding(cache, True)
-    positions = positions[:, -1]
+    positions = positions[..., -1].T  # (batch, rows): each row goes on by one per token, as upstream's loop does
 
     def step(next_tokens):
         nonlocal length, positions
         set_length(cache, length)
         length += 1
         positions = positions + 1
-        packed_step = torch.stack([next_tokens, positions], dim=1).to(device)
+        packed_step = torch.cat([next_tokens[:, None], positions], dim=1).to(device)  # (batch, 1 + rows)
         result = _run(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
         return call.take(result, slice(0, 1), slice(start, length))
 
@@ -333,6 +341,8 @@ def _extra(model) -> dict:
     """The prefill/decode graphs' extra model arguments: ``logits_to_keep`` where the model takes it, and the flag of
     a model whose prompt goes first (:data:`hf_tpu.transformers._graphs._ALIGNED`)."""
     extra: dict = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
+    if mrope_rows(model) > 1:  # its positions in rows, packed after the ids
+        extra[_MROPE] = mrope_rows(model)
     # a cache reporting its host length goes prompt-first too: the length it reports is the real token count
     if numbers_by_cache_length(model) or _state(model).host_length:
         extra[_ALIGNED] = True
@@ -435,16 +445,18 @@ def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
         extra = _extra(model)
         cache = cache_for(model, state, batch, c, None)
         mask_dev = torch.ones(batch, c, dtype=torch.bool).to(device)
+        rows = mrope_rows(model)
         pos = torch.arange(p, dtype=torch.long).expand(batch, p)
         ids = torch.zeros(batch, p, dtype=torch.long)
         sampling = _warm_sampling(model, ids, variant, c + 1, 0)
-        packed = torch.cat([ids, pos], dim=1).to(device)
-        prefill_key = ("prefill" + variant, batch, p, c)
-        decode_key = ("decode" + variant, batch, c)
+        packed = torch.cat([ids, *[pos] * rows], dim=1).to(device)
+        kind_variant = variant + ("+mrope" if rows > 1 else "")
+        prefill_key = ("prefill" + kind_variant, batch, p, c)
+        decode_key = ("decode" + kind_variant, batch, c)
         set_length(cache, 0)
         _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
         set_decoding(cache, True)
-        step = torch.tensor([[0, p]], dtype=torch.long).expand(batch, 2).contiguous().to(device)
+        step = torch.tensor([[0, *[p] * rows]], dtype=torch.long).expand(batch, 1 + rows).contiguous().to(device)
         set_length(cache, p)
         _run(model, state, decode_key, step, mask_dev, cache, extra, sampling)
         cache.reset()

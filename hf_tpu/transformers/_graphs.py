@@ -56,17 +56,39 @@ def _mark(sampling, tokens) -> None:
 # follows it, and the prefill sets every layer's counter back to the prompt length, so each token sits at its own
 # position (the padding is causal future to the prompt, and decode overwrites it). ``extra`` carries the flag.
 _ALIGNED = "hf_tpu_prompt_first"
+# A model numbering its positions in several rows (Qwen2-VL's multimodal rotary positions: temporal, height, width)
+# gets them packed after the ids, row after row; ``extra`` carries the number of rows (the graphs' "+mrope" kinds).
+_MROPE = "hf_tpu_position_rows"
+
+
+def _split(packed, extra: dict):
+    """The ids and positions of a packed ``(batch, q * (1 + rows))`` input: positions ``(batch, q)``, or
+    ``(rows, batch, q)`` for a model numbering them in ``rows`` rows."""
+    rows = extra.get(_MROPE, 1)
+    q = packed.shape[1] // (1 + rows)
+    positions = packed[:, q:]
+    if rows > 1:
+        positions = positions.reshape(packed.shape[0], rows, q).transpose(0, 1)
+    return packed[:, :q], positions
+
+
+def _model_kwargs(extra: dict) -> dict:
+    """``extra`` without hf_tpu's flags (as given when it has none: copying it would guard on its keys' order)."""
+    if extra.get(_ALIGNED) is None and extra.get(_MROPE) is None:
+        return extra
+    return {k: v for k, v in extra.items() if k not in (_ALIGNED, _MROPE)}
 
 
 def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
     from hf_tpu.transformers._cache.layers import prefill_mask
 
-    q = packed.shape[1] // 2
+    ids, positions = _split(packed, extra)
+    q = ids.shape[1]
     if extra.get(_ALIGNED):
-        return _aligned_prefill(model, packed[:, :q], packed[:, q:], mask, cache, extra, sampling)
+        return _aligned_prefill(model, ids, positions, mask, cache, extra, sampling)
     out = model(
-        input_ids=packed[:, :q], position_ids=packed[:, q:], attention_mask=prefill_mask(cache, mask, q),
-        **{cache_name(): cache}, use_cache=True, return_dict=True, **extra,
+        input_ids=ids, position_ids=positions, attention_mask=prefill_mask(cache, mask, q),
+        **{cache_name(): cache}, use_cache=True, return_dict=True, **_model_kwargs(extra),
     )  # fmt: skip
     return with_outputs(_last_logits(out.logits, sampling), out, extra)
 
@@ -77,7 +99,7 @@ def _embeds_prefill(model, embeds, positions, mask, cache, extra, sampling=None)
 
     out = model(
         inputs_embeds=embeds, position_ids=positions, attention_mask=prefill_mask(cache, mask, embeds.shape[1]),
-        **{cache_name(): cache}, use_cache=True, return_dict=True, **extra,
+        **{cache_name(): cache}, use_cache=True, return_dict=True, **_model_kwargs(extra),
     )  # fmt: skip
     return with_outputs(_last_logits(out.logits, sampling), out, extra)
 
@@ -108,13 +130,13 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
 def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
     from hf_tpu.transformers._cache.layers import decode_mask
 
-    q = packed.shape[1] // 2
-    _mark(sampling, packed[:, :q])
-    kwargs = {k: v for k, v in extra.items() if k != _ALIGNED}
+    ids, positions = _split(packed, extra)
+    _mark(sampling, ids)
+    kwargs = {k: v for k, v in extra.items() if k not in (_ALIGNED, _MROPE)}  # (a copy: positions go in)
     if not extra.get(_ALIGNED):  # (a prompt-first model takes no positions: its cache length places the token)
-        kwargs["position_ids"] = packed[:, q:]
+        kwargs["position_ids"] = positions
     out = model(
-        input_ids=packed[:, :q], attention_mask=decode_mask(cache, mask), **{cache_name(): cache}, use_cache=True,
+        input_ids=ids, attention_mask=decode_mask(cache, mask), **{cache_name(): cache}, use_cache=True,
         return_dict=True, **kwargs,
     )  # fmt: skip
     return with_outputs(_last_logits(out.logits, sampling), out, kwargs)
@@ -128,6 +150,15 @@ def _vision(model, inputs):
     """The image encoder of a vision-language model (its base model's ``get_image_features``, as upstream's
     ``generate`` calls it before the prefill)."""
     return model.base_model.get_image_features(**inputs, return_dict=True)
+
+
+def _grid_vision(model, pixels, precomputed):
+    """The vision tower of a model taking its images as patch rows with a grid each (Qwen2-VL, Qwen2.5-VL), on the
+    grid's precomputed inputs (:func:`hf_tpu.transformers._images.grid_inputs`); returns the merged features of all
+    images, in order (what ``get_image_features`` splits per image and the forward concatenates again)."""
+    visual = model.base_model.visual
+    out = visual(pixels.type(visual.dtype), grid_thw=None, **precomputed, return_dict=True)
+    return out.pooler_output
 
 
 def _features_encoder(model, features, mask=None):
@@ -189,6 +220,7 @@ _GRAPHS: dict[str, Callable] = {
     "embeds_prefill": _embeds_prefill,
     "mm_prefill": _decoder_prefill,  # (the encoded images among its extra arguments: the forward merges them)
     "vision": _vision,
+    "grid_vision": _grid_vision,
     "decode": _decoder_decode,
     "encoder": _encoder,
     "features_encoder": _features_encoder,
@@ -236,6 +268,7 @@ def _describe(key: tuple) -> str:
         "embeds_prefill": ("prompt bucket", "cache bucket"),
         "mm_prefill": ("prompt bucket", "cache bucket", "image features"),
         "vision": ("image inputs",),
+        "grid_vision": ("pixel rows", "image grids"),
         "decode": ("cache bucket",),
         "encoder": ("encoder bucket",),
         "features_encoder": ("feature size", "frames", "mask"),
@@ -435,7 +468,8 @@ def _run(model, state: _ModelState, key: tuple, *args):
 
     if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill", "mm_prefill", "beam_prefill"):
         _module_state.reset(model, state, key[1])  # a new sequence: module-held state as upstream resets it
-    if first and (is_variant(key[0]) or key[0] == "vision"):  # (a vision tower's forward asks for hidden states)
+    # (a vision tower's forward asks for hidden states)
+    if first and (is_variant(key[0]) or key[0] in ("vision", "grid_vision")):
         prepare(model)
     settings = state.settings
     if not settings.compile:

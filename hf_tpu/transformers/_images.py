@@ -10,13 +10,24 @@ and hands upstream the encoded images as ``mm_encoder_outputs``; its cached loop
 (``"mm_prefill"``, keyed also by the features' shape) runs the model's forward on the left-padded prompt, image
 tokens included (they count toward the prompt bucket), and the forward merges them; the decode steps are the text
 loop's. Pixel inputs left on the host are moved to the device here.
+
+Qwen2-VL and Qwen2.5-VL (:func:`grid_model`) take their images as patch rows with a grid per image
+(``image_grid_thw``) and number their positions from that grid (multimodal rotary positions, three rows: temporal,
+height, width). What depends on the grid's values runs on the host, where upstream computes it: the vision tower's
+patch positions, its attention's segment bounds and Qwen2.5's window order (``transformers.vision_utils``, handed to
+the tower as the precomputed inputs its ``get_vision_*`` helpers accept), and the prompt's three position rows
+(upstream's ``generate`` calls the model's ``_prepare_position_ids_for_generation``, ``get_rope_index``, on the host
+ids with the grid and ``mm_token_type_ids``, which stay on the host for it). The tower runs as a ``"grid_vision"``
+graph keyed by the grids (its per-image attention is one static chunk per image: :class:`Bounds`); the prefill and
+decode graphs take the three rows packed with the ids (``"+mrope"`` graphs), so a decode step still sends one
+``(batch, 4)`` tensor and reads back the next tokens.
 """
 
 from __future__ import annotations
 
 import inspect
 
-__all__ = ["encode_images", "image_inputs", "images_problem"]
+__all__ = ["Bounds", "encode_images", "grid_model", "image_inputs", "images_problem", "mrope_rows", "video_inputs"]
 
 # the argument names upstream recognises as a modality's main input (generation/utils.py)
 _PIXEL_NAMES = ("pixel_values", "pixel_values_images", "image_patches")
@@ -40,16 +51,48 @@ def image_inputs(model, model_kwargs: dict) -> list[str]:
     return names if any(k in _PIXEL_NAMES for k in names) else []
 
 
+# The models whose grid-numbered images the loop builds (their vision towers accept the grid's precomputed inputs and
+# their get_rope_index numbers text and images only): Qwen2-VL and Qwen2.5-VL.
+_GRID_MODELS = ("qwen2_vl", "qwen2_5_vl")
+
+
+def grid_model(model) -> bool:
+    """Whether ``model`` is a vision-language model whose images come as patch rows with a grid per image and whose
+    positions are numbered from those grids (Qwen2-VL, Qwen2.5-VL), which the loop serves."""
+    return getattr(model.config, "model_type", None) in _GRID_MODELS and hasattr(model.base_model, "visual")
+
+
+def mrope_rows(model) -> int:
+    """How many rows of positions the model's rotary embedding reads (3 for the multimodal rotary positions of
+    Qwen2-VL and Qwen2.5-VL, whose ``generate`` numbers every call's prompt, with or without images, in three rows);
+    1 for every other model."""
+    return 3 if grid_model(model) else 1
+
+
+def video_inputs(model, model_kwargs: dict) -> list[str]:
+    """The names of the call's inputs that upstream hands the video encoder (``get_video_features``'s arguments among
+    ``model_kwargs``, given and not None: Qwen2-VL's ``pixel_values_videos`` and ``video_grid_thw``)."""
+    fn = getattr(model.base_model, "get_video_features", None)
+    try:
+        params = inspect.signature(fn).parameters if fn is not None else {}
+    except (TypeError, ValueError):
+        return []
+    return [k for k in params if k != "kwargs" and model_kwargs.get(k) is not None]
+
+
 def images_problem(model, model_kwargs: dict) -> str | None:
     """Why hf_tpu's cached loop cannot take this call's images (None when it can)."""
     name = type(model).__name__
     if "image" not in getattr(model, "input_modalities", ()) or not model._supports_mm_encoder_outputs():
         return f"images: {name}'s forward takes no pre-encoded images (mm_encoder_outputs)"
     base = model.base_model
-    if hasattr(base, "get_rope_index") or "rope_deltas" in inspect.signature(model.forward).parameters:
+    grid = grid_model(model)
+    if grid and model_kwargs.get("image_grid_thw") is None:
+        return f"images: {name} takes its images' grid (image_grid_thw) with them, and the call gave none"
+    if not grid and (hasattr(base, "get_rope_index") or "rope_deltas" in inspect.signature(model.forward).parameters):
         return (
             f"images: {name} numbers its positions from the images (multimodal rotary positions, get_rope_index over "
-            "the image grid), which the bucketed loop does not build yet"
+            f"the image grid), which the bucketed loop builds for {', '.join(_GRID_MODELS)} only"
         )
     video = [k for k in model_kwargs if "video" in k and model_kwargs[k] is not None]
     if video:
@@ -63,6 +106,8 @@ def encode_images(model, state, model_kwargs: dict, run) -> dict:
     inputs moved to the model's device, keyed by the shapes of its tensor inputs."""
     import torch
 
+    if grid_model(model):
+        return _encode_grid_images(model, state, model_kwargs, run)
     names = image_inputs(model, model_kwargs)
     kwargs = dict(model_kwargs)
     inputs = {}
@@ -90,3 +135,73 @@ def features_shape(mm_encoder_outputs) -> tuple:
             if isinstance(t, torch.Tensor):
                 shapes.append(tuple(t.shape))
     return tuple(shapes)
+
+
+class Bounds:
+    """The segment bounds of a vision tower's packed attention (``cu_seqlens``: one segment per image frame) as host
+    integers. Upstream's towers take them precomputed, and the attention they run off flash kernels cuts its
+    sequence at them (``(bounds[1:] - bounds[:-1]).tolist()``): read from a tensor, those lengths would be values
+    the compiled graph cannot know; from this object they are constants of the graph (keyed by the grids), and each
+    image is attended on its own exactly as upstream does."""
+
+    def __init__(self, values):
+        self.values = tuple(int(v) for v in values)
+
+    def __getitem__(self, index):
+        return Bounds(self.values[index])
+
+    def __sub__(self, other):
+        return Bounds([a - b for a, b in zip(self.values, other.values)])
+
+    def tolist(self) -> list[int]:
+        return list(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __repr__(self) -> str:
+        return f"Bounds({list(self.values)})"
+
+
+def grid_inputs(model, grid) -> dict:
+    """The vision tower's precomputed inputs for the images of ``grid`` (``image_grid_thw`` on the host), computed on
+    the host with upstream's own helpers: the patches' rotary positions (on the model's device), the attention's
+    segment bounds (:class:`Bounds`) and, for a tower with window attention (Qwen2.5-VL), the window order (on the
+    device) and the windows' bounds."""
+    from transformers import vision_utils
+
+    visual = model.base_model.visual
+    merge = int(visual.spatial_merge_size)
+    grid = grid.to("cpu").long()
+    inputs = {
+        "position_ids": vision_utils.get_vision_position_ids(grid, merge).to(model.device),
+        "cu_seqlens": Bounds(vision_utils.get_vision_cu_seqlens(grid).tolist()),
+    }
+    if hasattr(visual, "window_size"):
+        index, window_bounds = vision_utils.get_vision_window_index(
+            grid, spatial_merge_size=merge, window_size=visual.window_size, patch_size=visual.patch_size
+        )
+        inputs["window_index"] = index.to(model.device)
+        inputs["cu_window_seqlens"] = Bounds(window_bounds.tolist())
+    return inputs
+
+
+def _encode_grid_images(model, state, model_kwargs: dict, run) -> dict:
+    """:func:`encode_images` for a grid model: the tower on the patch rows as a ``"grid_vision"`` graph keyed by the
+    grids; ``image_grid_thw`` (and ``mm_token_type_ids``) stay in the kwargs, on the host, for upstream's
+    ``generate`` to number the prompt's positions from."""
+    import torch
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    kwargs = dict(model_kwargs)
+    pixels = kwargs.pop("pixel_values")
+    grid = kwargs["image_grid_thw"].to("cpu").long()
+    kwargs["image_grid_thw"] = grid
+    if kwargs.get("mm_token_type_ids") is not None:
+        kwargs["mm_token_type_ids"] = kwargs["mm_token_type_ids"].to("cpu")
+    key = ("grid_vision", int(grid.shape[0]), tuple(pixels.shape), tuple(tuple(row) for row in grid.tolist()))
+    with torch.no_grad():
+        merged = run(model, state, key, pixels.to(model.device), grid_inputs(model, grid))
+    # (the forward concatenates the images' features before merging them: one tensor holds them all)
+    kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(merged,))}
+    return kwargs

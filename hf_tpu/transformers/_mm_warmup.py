@@ -3,9 +3,10 @@
 
 Images: per batch size, image count and pixel size, the vision graph (:func:`hf_tpu.transformers._images.encode_images`
 on zero pixels of shape ``(batch * images, channels, height, width)``, the layout LLaVA's, Gemma 3's and PaliGemma's
-processors return), then, for every warmed prompt bucket that holds the images' tokens, the ``mm_prefill`` graph (the
-model's forward merging those features, keyed by their shape) and the decode graph of that cache, on dummy ids whose
-image tokens match the features, as :func:`hf_tpu.transformers._decode_loop._decode_loop` runs them.
+processors return; Qwen2-VL's and Qwen2.5-VL's patch rows and grids for images of that size), then, for every warmed
+prompt bucket that holds the images' tokens, the ``mm_prefill`` graph (the model's forward merging those features,
+keyed by their shape) and the decode graph of that cache, on dummy ids whose image tokens match the features, as
+:func:`hf_tpu.transformers._decode_loop._decode_loop` runs them (with three rows of positions for Qwen-VL's).
 
 Audio: the model's own ``generate`` once per batch size on silent features of its input window (Whisper's feature
 extractor pads every clip to that window, so every audio length shares it), with the keyword arguments the served
@@ -72,8 +73,10 @@ def warm_images(
     channels = int(getattr(vision_config, "num_channels", 3) or 3)
     height, width = (int(n) for n in size)
     # float32: what image processors return (the vision towers cast them to their own dtype)
-    pixels = torch.zeros(batch * count, channels, height, width)
-    kwargs = {"pixel_values": pixels}
+    if _images.grid_model(model):
+        kwargs = _grid_pixels(model, batch * count, height, width)
+    else:
+        kwargs = {"pixel_values": torch.zeros(batch * count, channels, height, width)}
     if not _images.image_inputs(model, kwargs):
         raise NotCompilableError(
             f"hf_tpu.warmup cannot warm the images of {type(model).__name__}: its image encoder takes no pixel_values "
@@ -85,8 +88,9 @@ def warm_images(
     before = list(state.compile_log)
     with torch.no_grad():
         encoded = _images.encode_images(model, state, kwargs, _run)["mm_encoder_outputs"]
-    keys = [k for k in state.compile_log if k not in before and k[0] == "vision"]
-    keys = keys or [k for k in state.compiled if k[0] == "vision" and k[1] == batch * count]
+    kinds = ("vision", "grid_vision")
+    keys = [k for k in state.compile_log if k not in before and k[0] in kinds]
+    keys = keys or [k for k in state.compiled if k[0] in kinds and k[1] == batch * count]
     tokens, rest = divmod(_feature_tokens(model, encoded["image"]), batch)
     fitting = [p for p in prompt_buckets if p >= tokens]
     if rest or not fitting:
@@ -97,7 +101,8 @@ def warm_images(
     types = takes_token_types(model)
     image_id = _image_token_id(model)
     extra = _extra(model)
-    kind_variant = variant + ("+token_type_ids" if types else "")
+    rows = _images.mrope_rows(model)
+    kind_variant = variant + ("+token_type_ids" if types else "") + ("+mrope" if rows > 1 else "")
     with torch.no_grad():
         for p in fitting:
             plan = plan_shapes(model, batch, p, max_new_tokens, variant=kind_variant)
@@ -108,21 +113,43 @@ def warm_images(
             ids[:, p - tokens :] = image_id
             pos = torch.arange(p, dtype=torch.long).expand(batch, p)
             sampling = _warm_sampling(model, ids, variant, c + 1, 0)
-            prefill_extra = {**extra, "mm_encoder_outputs": encoded}
+            prefill_extra = dict(extra)  # (in the loop's order: the graphs guard on it)
             if types:
                 prefill_extra["token_type_ids"] = (ids == image_id).long().to(device)
+            prefill_extra["mm_encoder_outputs"] = encoded
             prefill_key = ("mm_prefill" + kind_variant, batch, p, c, _images.features_shape(encoded))
             decode_key = ("decode" + kind_variant, batch, c)
             set_length(cache, 0)
-            _run(model, state, prefill_key, torch.cat([ids, pos], dim=1).to(device), mask_dev, cache, prefill_extra,
-                 sampling)  # fmt: skip
+            _run(model, state, prefill_key, torch.cat([ids, *[pos] * rows], dim=1).to(device), mask_dev, cache,
+                 prefill_extra, sampling)  # fmt: skip
             set_decoding(cache, True)
-            step = torch.tensor([[0, p]], dtype=torch.long).expand(batch, 2).contiguous().to(device)
+            step = torch.tensor([[0, *[p] * rows]], dtype=torch.long).expand(batch, 1 + rows).contiguous().to(device)
             set_length(cache, p)
             _run(model, state, decode_key, step, mask_dev, cache, extra, sampling)
             cache.reset()
             keys += [prefill_key, decode_key]
     return keys
+
+
+def _grid_pixels(model, images: int, height: int, width: int) -> dict:
+    """What Qwen2-VL's image processor returns for ``images`` images resized to ``height`` x ``width`` pixels: their
+    patch rows (``temporal_patch_size`` frames of ``patch_size``-square patches per row) and each one's grid."""
+    import torch
+
+    vision = model.config.vision_config
+    patch, merge = int(vision.patch_size), int(vision.spatial_merge_size)
+    if height % (patch * merge) or width % (patch * merge):
+        raise ValueError(
+            f"image_sizes: {type(model).__name__} takes images whose sides are multiples of patch_size x "
+            f"spatial_merge_size ({patch * merge} pixels; its image processor resizes them so), got {height}x{width}"
+        )
+    channels = int(getattr(vision, "in_channels", 3) or 3)
+    rows, cols = height // patch, width // patch
+    row_width = channels * int(vision.temporal_patch_size) * patch * patch
+    return {
+        "pixel_values": torch.zeros(images * rows * cols, row_width),
+        "image_grid_thw": torch.tensor([[1, rows, cols]] * images),
+    }
 
 
 def feature_window(model) -> tuple[int, int]:

@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 
-from hf_tpu.transformers._images import image_inputs
+from hf_tpu.transformers._images import grid_model, image_inputs
 from hf_tpu.transformers._settings import _DEVICE_TYPES
 from hf_tpu.transformers._signatures import CACHE_NAMES
 
@@ -95,6 +95,8 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
     if model.config.is_encoder_decoder:
         extra -= {"decoder_input_ids", encoder_input_name(model)}
     extra -= set(image_inputs(model, model_kwargs))  # (route.py says whether the cached loop takes them)
+    if grid_model(model):  # (upstream's generate numbers the prompt's positions from them, on the host)
+        extra -= {"mm_token_type_ids", "image_grid_thw"}
     extra = {k for k in extra if model_kwargs[k] is not None}
     if extra:
         return f"model inputs {sorted(extra)} are not supported by the bucketed loop", True

@@ -184,7 +184,9 @@ def generate(self, *args, **kwargs):
     # inputs_embeds too: upstream builds the call's special tokens, logits processors and stopping criteria on the
     # prompt's device, and hf_tpu's loop keeps the sequence and runs those on the host (embeddings on the tpu are
     # read back once per call; the loop sends them to the device again for the prefill)
-    for key in ("attention_mask", "position_ids", "decoder_input_ids", "token_type_ids", "inputs_embeds"):
+    # (and a grid model's image grids and token types: upstream's generate numbers the positions from them)
+    host = ("image_grid_thw", "mm_token_type_ids") if _images.grid_model(self) else ()
+    for key in ("attention_mask", "position_ids", "decoder_input_ids", "token_type_ids", "inputs_embeds", *host):
         if extra_kwargs.get(key) is not None:
             extra_kwargs[key] = _to_host(extra_kwargs[key])
 
@@ -226,18 +228,22 @@ def _run_upstream(model, route: Route, upstream, args, kwargs):
 
 def _float_inputs_on_device(model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The call's floating-point inputs (Whisper's ``input_features``, images' ``pixel_values``, and the other inputs
-    of the image encoder: Qwen2-VL's ``image_grid_thw``) moved to the TPU
+    of the image and video encoders: Qwen2-VL's ``image_grid_thw``, ``video_grid_thw``) moved to the TPU
     for upstream's loop, wherever the caller left them: upstream hands them to the encoder or vision tower as they
     are (which refuses host tensors against TPU weights), where the token ids, masks and positions stay on the host
-    and its ``prepare_inputs_for_generation`` moves them each step."""
+    and its ``prepare_inputs_for_generation`` moves them each step. A grid model's call with images or videos
+    (Qwen2-VL) has all its tensors moved: upstream numbers its positions from the ids and the grids together
+    (``get_rope_index``), so they must share a device (the result then comes back on the TPU)."""
     import torch
 
-    images = set(_images.image_inputs(model, kwargs))  # with the integer ones the image encoder reads (grids, sizes)
+    # with the integer ones the image and video encoders read (grids, sizes)
+    images = set(_images.image_inputs(model, kwargs)) | set(_images.video_inputs(model, kwargs))
+    everything = bool(images) and _images.grid_model(model)
 
     def moved(value, name=None):
         if not isinstance(value, torch.Tensor) or value.device == model.device:
             return value
-        return value.to(model.device) if value.is_floating_point() or name in images else value
+        return value.to(model.device) if value.is_floating_point() or name in images or everything else value
 
     # (prompt embeddings excepted: upstream builds the call's ids and its bookkeeping where they are)
     return tuple(moved(a) for a in args), {k: v if k == "inputs_embeds" else moved(v, k) for k, v in kwargs.items()}

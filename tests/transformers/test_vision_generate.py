@@ -1,7 +1,9 @@
 """Vision-language ``generate`` on hf_tpu's cached loop: the vision tower as its own compiled graph per image count
 and pixel shape, its features merged into the left-padded prompt by the model's own forward in the prefill graph,
-then the text loop's decode steps; pixel inputs left on the host. Tiny LLaVA-, Gemma 3- and Qwen2-VL-shaped models
-built from their configs, compared with the same model's greedy generate on the CPU."""
+then the text loop's decode steps; pixel inputs left on the host. Qwen2-VL and Qwen2.5-VL: the tower on patch rows
+keyed by the grids, the prompt's three rows of multimodal rotary positions (upstream's, computed on the host) packed
+with the ids. Tiny LLaVA-, Gemma 3-, Qwen2-VL- and Qwen2.5-VL-shaped models built from their configs, compared with
+the same model's greedy generate on the CPU."""
 
 from __future__ import annotations
 
@@ -48,7 +50,34 @@ def _gemma3():
     return T.Gemma3ForConditionalGeneration, config, 4
 
 
-_BUILDERS = {"llava": _llava, "gemma3": _gemma3}
+_QWEN_TEXT = dict(_TEXT, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0})
+_QWEN_VISION = dict(
+    depth=2, hidden_size=32, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3
+)  # (16 x 16 pixels: a 4 x 4 patch grid, merged 2 x 2 into 4 image tokens)
+_QWEN_TOKENS = dict(image_token_id=IMAGE, video_token_id=91, vision_start_token_id=92, vision_end_token_id=93)
+
+
+def _qwen2_vl():
+    import transformers as T
+
+    config = T.Qwen2VLConfig(
+        text_config=_QWEN_TEXT, vision_config=dict(_QWEN_VISION, embed_dim=32, mlp_ratio=2), **_QWEN_TOKENS
+    )
+    return T.Qwen2VLForConditionalGeneration, config, 4
+
+
+def _qwen2_5_vl():
+    import transformers as T
+
+    vision = dict(  # window attention in the first block (windows of 2 x 2 image tokens), full in the second
+        _QWEN_VISION, intermediate_size=64, out_hidden_size=32, window_size=16, fullatt_block_indexes=[1]
+    )
+    config = T.Qwen2_5_VLConfig(text_config=_QWEN_TEXT, vision_config=vision, **_QWEN_TOKENS)
+    return T.Qwen2_5_VLForConditionalGeneration, config, 4
+
+
+_BUILDERS = {"llava": _llava, "gemma3": _gemma3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl}
+_GRID = ("qwen2_vl", "qwen2_5_vl")  # images as patch rows with a grid each, positions numbered from the grids
 _PAIRS: dict[str, tuple] = {}
 
 
@@ -68,21 +97,35 @@ def _pair(family: str) -> tuple:
     return _PAIRS[family]
 
 
-def _prompt(family: str, per_image: int, images: int, text: int, seed: int) -> dict:
-    """A processor's output, on the host: text, the image tokens of each image, more text; the pixel values."""
+def _prompt(family: str, per_image: int, images: int, text: int, seed: int, size=(16, 16)) -> dict:
+    """A processor's output, on the host: text, the image tokens of each image, more text; the pixel values (Qwen-VL's:
+    each image's 4 x 4-pixel patches of 2 frames as rows, its grid, and the tokens' modality types)."""
     g = torch.Generator().manual_seed(seed)
-    parts = [torch.randint(3, 60, (1, text), generator=g), *[torch.full((1, per_image), IMAGE)] * images]
+    if family in _GRID:
+        grid = [1, size[0] // 4, size[1] // 4]
+        per_image = grid[1] * grid[2] // 4
+    image = torch.full((1, per_image), IMAGE)
+    if family in _GRID:  # (each image between its start and end tokens: upstream numbers each run of image tokens)
+        image = torch.cat([torch.tensor([[92]]), image, torch.tensor([[93]])], dim=1)
+    parts = [torch.randint(3, 60, (1, text), generator=g), *[image] * images]
     ids = torch.cat([*parts, torch.randint(3, 60, (1, 3), generator=g)], dim=1)
-    kwargs = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "pixel_values": torch.randn(images, 3, 16, 16, generator=g),
-    }
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if family in _GRID:
+        kwargs["pixel_values"] = torch.randn(images * grid[1] * grid[2], 3 * 2 * 4 * 4, generator=g)
+        kwargs["image_grid_thw"] = torch.tensor([grid] * images)
+        kwargs["mm_token_type_ids"] = (ids == IMAGE).int()
+        return kwargs
+    kwargs["pixel_values"] = torch.randn(images, 3, 16, 16, generator=g)
     if (
         family == "gemma3"
     ):  # Gemma 3's processor marks the image tokens (its prefill attends within an image both ways)
         kwargs["token_type_ids"] = (ids == IMAGE).long()
     return kwargs
+
+
+def _kinds(keys) -> set[str]:
+    """The graph kinds of ``keys``, variants left out (Qwen-VL's vision graph, "grid_vision", read as "vision")."""
+    return {key[0].split("+", 1)[0].removeprefix("grid_") for key in keys}
 
 
 def _generate(model, kwargs: dict, new_tokens: int):
@@ -96,8 +139,7 @@ def test_greedy_with_images_equals_cpu_from_host_pixels(vlm):
     got = _generate(tpu, kwargs, 8)
     assert got.device.type == "cpu"
     assert torch.equal(got, _generate(cpu, kwargs, 8))
-    kinds = {key[0].split("+", 1)[0] for key in generation.compiled_graphs(tpu)}
-    assert {"vision", "mm_prefill", "decode"} <= kinds
+    assert {"vision", "mm_prefill", "decode"} <= _kinds(generation.compiled_graphs(tpu))
 
 
 def test_another_image_compiles_nothing_and_another_count_compiles_only_its_own_graphs(vlm):
@@ -114,7 +156,7 @@ def test_another_image_compiles_nothing_and_another_count_compiles_only_its_own_
     kwargs = _prompt(family, per_image, images=2, text=3, seed=2)
     got = _generate(tpu, kwargs, 8)
     assert torch.equal(got, _generate(cpu, kwargs, 8))
-    added = {key[0].split("+", 1)[0] for key in generation.compiled_graphs(tpu)[before:]}
+    added = _kinds(generation.compiled_graphs(tpu)[before:])
     assert {"vision", "mm_prefill"} <= added <= {"vision", "mm_prefill", "decode"}
     kwargs = _prompt(family, per_image, images=2, text=4, seed=3)
     with hf_tpu.sim.stats() as s:
@@ -139,34 +181,40 @@ def test_one_small_copy_each_way_per_decode_step_with_images(vlm):
     assert (long.host_syncs - short.host_syncs) / steps <= 1
 
 
-def test_qwen2_vl_runs_upstream_naming_its_positions_and_takes_host_inputs():
-    import transformers as T
+@pytest.mark.parametrize("family", _GRID)
+def test_grid_model_text_and_untyped_calls_equal_cpu_on_the_cached_loop(family):
+    """Qwen-VL numbers every prompt in three rows (upstream's generate computes them on the host, with or without
+    images): a text-only call and an image call without ``mm_token_type_ids`` (upstream then numbers the image tokens
+    as text) run hf_tpu's loop ("+mrope" graphs) and equal the CPU's."""
+    _, cpu, tpu, per_image = _pair(family)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    text = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    assert explain(tpu, **text, max_new_tokens=6).loop == "cached"
+    before = len(generation.compiled_graphs(tpu))
+    assert torch.equal(_generate(tpu, text, 6), _generate(cpu, text, 6))
+    assert {key[0].split("+")[-1] for key in generation.compiled_graphs(tpu)[before:]} == {"mrope"}
+    for asked in ({"num_beams": 2}, {"use_cache": False}):  # (loops that do not carry three rows: named)
+        route = explain(tpu, **text, max_new_tokens=6, **asked)
+        assert route.loop == "upstream" and "three rows" in route.reason, (asked, route)
+    untyped = _prompt(family, per_image, images=1, text=4, seed=5)
+    del untyped["mm_token_type_ids"]
+    assert torch.equal(_generate(tpu, untyped, 6), _generate(cpu, untyped, 6))
 
-    text = dict(_TEXT, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0})
-    vision = dict(
-        depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=2, spatial_merge_size=2, temporal_patch_size=2,
-        in_channels=3, mlp_ratio=2,
-    )  # fmt: skip
-    config = T.Qwen2VLConfig(
-        text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=91, vision_start_token_id=92,
-        vision_end_token_id=93,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    cpu = T.Qwen2VLForConditionalGeneration(config).eval()
-    tpu = T.Qwen2VLForConditionalGeneration(config).eval()
-    tpu.load_state_dict(cpu.state_dict())
-    tpu.to("tpu")
-    ids = torch.cat([torch.tensor([[5, 6, 92]]), torch.full((1, 4), IMAGE), torch.tensor([[93, 7, 8]])], dim=1)
+
+def test_qwen2_vl_video_runs_upstream_naming_the_inputs():
+    """Videos are not on the loop yet: the call runs upstream's loop, and explain says which inputs."""
+    _, cpu, tpu, _ = _pair("qwen2_vl")
+    ids = torch.cat([torch.tensor([[5, 6]]), torch.full((1, 4), 91), torch.tensor([[7, 8]])], dim=1)
     kwargs = {
-        "input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": torch.randn(16, 24),
-        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values_videos": torch.randn(16, 96),
+        "video_grid_thw": torch.tensor([[1, 4, 4]]), "mm_token_type_ids": (ids == 91).int() * 2,
     }  # fmt: skip
-    route = explain(tpu, **kwargs, max_new_tokens=6)
-    assert route.loop == "upstream" and "get_rope_index" in route.reason
+    route = explain(tpu, **kwargs, max_new_tokens=4)
+    assert route.loop == "upstream" and "pixel_values_videos" in route.reason
     generation.WARNED.clear()
-    with pytest.warns(UserWarning, match="multimodal rotary positions"):
-        got = tpu.generate(**kwargs, max_new_tokens=6)
-    assert torch.equal(got.cpu(), cpu.generate(**kwargs, max_new_tokens=6))
+    with pytest.warns(UserWarning, match="pixel_values_videos"):
+        got = _generate(tpu, kwargs, 4)
+    assert torch.equal(got.cpu(), _generate(cpu, kwargs, 4))
 
 
 def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
@@ -174,17 +222,21 @@ def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
     image prefill and decode graphs of every warmed bucket holding the images' tokens; afterwards (strict mode: a
     graph warm-up missed would raise) one and two images in prompts of other lengths compile nothing."""
     family, cpu, tpu, per_image = vlm
+    # (Qwen-VL: a second image size, 16 x 32 pixels, 8 image tokens; the others' processors resize every image)
+    sizes = [(16, 16), (16, 32)] if family in _GRID else [(16, 16)]
     report = hf_tpu.warmup(
-        tpu, max_prompt_len=64, batch_sizes=[1], max_new_tokens=8, image_sizes=[(16, 16)], num_images=[1, 2],
+        tpu, max_prompt_len=64, batch_sizes=[1], max_new_tokens=8, image_sizes=sizes, num_images=[1, 2],
         strict=True, progress=False,
     )  # fmt: skip
-    vision = {key[1] for key in report.graphs if key[0] == "vision"}
+    vision = {key[1] for key in report.graphs if key[0] in ("vision", "grid_vision")}
     assert vision == {1, 2}
     prefills = [key for key in report.graphs if key[0].startswith("mm_prefill")]
     assert {key[2] for key in prefills} == ({32, 64} if family == "llava" else {16, 32, 64})  # (LLaVA: 17 per image)
     try:
-        for images, text, seed in [(1, 5, 10), (2, 4, 11), (1, 20, 12), (2, 9, 13)]:
-            kwargs = _prompt(family, per_image, images=images, text=text, seed=seed)
+        calls = [(1, 5, 10, (16, 16)), (2, 4, 11, (16, 16)), (1, 20, 12, (16, 16)), (2, 9, 13, (16, 16))]
+        calls += [(1, 6, 14, (16, 32)), (2, 7, 15, (16, 32))] if family in _GRID else []
+        for images, text, seed, size in calls:
+            kwargs = _prompt(family, per_image, images=images, text=text, seed=seed, size=size)
             with hf_tpu.sim.stats() as s:
                 got = tpu.generate(**kwargs, max_new_tokens=8, do_sample=False)
             assert torch.equal(got, cpu.generate(**kwargs, max_new_tokens=8, do_sample=False)), (images, text)
@@ -199,6 +251,9 @@ def test_warmup_of_images_says_what_it_cannot_warm(vlm):
         hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[(16, 16)], num_images=[8], progress=False)
     with pytest.raises(ValueError, match=r"\(height, width\) pairs"):
         hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[16], progress=False)
+    if family in _GRID:  # its processor resizes images to whole merged patches (8 pixels here)
+        with pytest.raises(ValueError, match="multiples of patch_size x spatial_merge_size"):
+            hf_tpu.warmup(tpu, max_prompt_len=32, max_new_tokens=4, image_sizes=[(12, 16)], progress=False)
 
 
 def _llava_processor():

@@ -1,6 +1,6 @@
-"""A slice of the image-text-to-text sweep (hf_tpu/benchmarks/vlm_sweep.py): LLaVA, Gemma 3 and PaliGemma on
-hf_tpu's loop, Qwen2-VL on upstream's (its multimodal rotary positions), measured here against the CPU, with the
-verdicts the docs table (the whole sweep's, in docs/architectures.md) states for them."""
+"""A slice of the image-text-to-text sweep (hf_tpu/benchmarks/vlm_sweep.py): LLaVA, Gemma 3, PaliGemma and Qwen2-VL on
+hf_tpu's loop, measured here against the CPU, with the verdicts the docs table (the whole sweep's, in
+docs/architectures.md) states for them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _documented() -> dict[str, list[str]]:
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
-        if len(cells) == 7 and cells[0] in vlm_sweep.architectures():
+        if len(cells) in (7, 8) and cells[0] in vlm_sweep.architectures():  # (8: with copies/step)
             rows[cells[0]] = cells
     return rows
 
@@ -37,8 +37,9 @@ def test_slice_verdicts_match_cpu_and_the_docs(arch):
     assert row["identical"], row  # greedy tokens with images equal the CPU's, three calls
     if row["status"] == "fast path":  # after warm-up: another image count, another image and prompt length
         assert row["route"] == "cached" and row["compiles_2nd"] == 0 and row["signatures_2nd"] <= 4, row
+        assert not vlm_sweep.misses(row), row  # (and <= 1 copy each way per decode step)
     else:
-        assert "get_rope_index" in row["reason"], row  # Qwen2-VL: the named fallback
+        assert "get_rope_index" in row["reason"], row  # (Qwen3-VL-like positions: the named fallback)
     documented = _documented()[arch]
     if documented[1] != "not measured":
         assert documented[1] == row["status"] and documented[3] == "yes", (documented, row)
