@@ -39,12 +39,12 @@ def simulated_topology(nproc: int, generation: str = SIM_DEFAULT_GENERATION) -> 
         raise LaunchError(str(err)) from None
 
 
-def _is_multihost(nnodes: int | None, env) -> bool:
+def is_multihost(nnodes: int | None, env) -> bool:
     """torch_tpu's rule: ``nnodes > 1``, two or more ``TPU_WORKER_HOSTNAMES``, or ``JOB_COMPLETION_INDEX`` set."""
     return (nnodes is not None and nnodes > 1) or len(_worker_hostnames(env)) > 1 or "JOB_COMPLETION_INDEX" in env
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
@@ -94,7 +94,7 @@ def set_simulated_launch_env(
             f"({env['TPU_WORKER_HOSTNAMES']!r}); pass --nnodes={len(hosts)} or fix TPU_WORKER_HOSTNAMES."
         )
     completion_index = env.get("JOB_COMPLETION_INDEX")
-    if _is_multihost(nnodes, env):
+    if is_multihost(nnodes, env):
         if not hosts:
             raise LaunchError(
                 "a multi-host launch was asked (--nnodes > 1 or JOB_COMPLETION_INDEX set), but "
@@ -119,7 +119,7 @@ def set_simulated_launch_env(
         once("MASTER_PORT", "29500")
         once("TORCH_TPU_TOPOLOGY", mesh)
     else:
-        once("TORCH_TPU_SLICEBUILDER_ADDRESSES", lambda: ",".join(f"localhost:{_free_port()}" for _ in range(count)))
+        once("TORCH_TPU_SLICEBUILDER_ADDRESSES", lambda: ",".join(f"localhost:{free_port()}" for _ in range(count)))
         once("TORCH_TPU_TOPOLOGY", mesh)
     return {k: v for k, v in env.items() if before.get(k) != v}
 

@@ -152,9 +152,9 @@ def _status(returncode: int, record: dict) -> str:
 
 
 def _versions() -> dict:
-    from hf_tpu.cli.env import _versions
+    from hf_tpu.cli.env import package_versions
 
-    return _versions()
+    return package_versions()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -79,7 +79,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _versions() -> dict[str, str | None]:
+def package_versions() -> dict[str, str | None]:
     from hf_tpu import __version__
 
     out: dict[str, str | None] = {}
@@ -309,7 +309,7 @@ def collect() -> dict[str, Any]:
     """
     from hf_tpu import runtime
 
-    versions = _versions()
+    versions = package_versions()
     env = _relevant_env()
     info = runtime.detect().to_dict()
     scan = runtime.scan_pci()

@@ -105,7 +105,7 @@ def _overflow(prompt_len: int, new_tokens: int, rungs: tuple[int, ...], limit: i
     )
 
 
-def _model_dir(arg: str | None, tokenizer: bool = True):
+def model_dir_of(arg: str | None, tokenizer: bool = True):
     from hf_tpu.cli._model_path import ModelSource, resolve_model_dir
 
     if arg:
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             f"hf-tpu generate: two models given ({args.model_dir} and --model {model_opt}): give one", file=sys.stderr
         )
         return 2
-    source = _model_dir(model_opt or args.model_dir)
+    source = model_dir_of(model_opt or args.model_dir)
     path, local = source.path, {"local_files_only": True} if source.local_files_only else {}
 
     import torch

@@ -59,9 +59,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_prompt_len < 1 or args.max_new_tokens < 1 or min(args.batch_sizes) < 1:
         print("hf-tpu warmup: --max-prompt-len, --max-new-tokens and --batch-sizes must be positive", file=sys.stderr)
         return 2
-    from hf_tpu.cli.generate import _model_dir
+    from hf_tpu.cli.generate import model_dir_of
 
-    source = _model_dir(args.model_dir, tokenizer=False)  # warm-up runs no tokenizer
+    source = model_dir_of(args.model_dir, tokenizer=False)  # warm-up runs no tokenizer
     path, local = source.path, {"local_files_only": True} if source.local_files_only else {}
 
     import torch

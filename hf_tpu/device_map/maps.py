@@ -30,7 +30,7 @@ def int_means_tpu() -> bool:
     return tpu_available()
 
 
-def _tpu_index(value: Any) -> int:
+def tpu_index(value: Any) -> int:
     if isinstance(value, int):
         return value
     if isinstance(value, str):
@@ -44,7 +44,7 @@ def _tpu_index(value: Any) -> int:
     return 0 if value.index is None else int(value.index)
 
 
-def _check_index(index: int, asked: Any) -> None:
+def check_index(index: int, asked: Any) -> None:
     from hf_tpu import runtime
 
     runtime.require_tpu(f"device {asked!r}")
@@ -71,12 +71,12 @@ def normalize_device(value: Any) -> Any:
         if value < 0:
             return "cpu" if value == -1 else value
         if int_means_tpu():
-            _check_index(value, value)
+            check_index(value, value)
             return f"tpu:{value}"
         return value
     if is_tpu_device(value):
-        index = _tpu_index(value)
-        _check_index(index, str(value))
+        index = tpu_index(value)
+        check_index(index, str(value))
         return f"tpu:{index}"
     import torch
 

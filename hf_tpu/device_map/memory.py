@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hf_tpu.device_map.devices import is_tpu_device, tpu_device_count, tpu_memory
-from hf_tpu.device_map.maps import _check_index, _tpu_index, int_means_tpu, names_tpu
+from hf_tpu.device_map.maps import check_index, tpu_index, int_means_tpu, names_tpu
 
 __all__ = ["get_max_memory", "normalize_max_memory"]
 
@@ -47,8 +47,8 @@ def _keys_for(key: Any) -> list[Any]:
         runtime.require_tpu("max_memory={'tpu': ...}")
         return list(range(tpu_device_count()))
     if is_tpu_device(key) or (isinstance(key, int) and int_means_tpu()):
-        index = _tpu_index(key)
-        _check_index(index, key if isinstance(key, int) else str(key))
+        index = tpu_index(key)
+        check_index(index, key if isinstance(key, int) else str(key))
         return [index]
     if hasattr(key, "type"):  # another torch.device: upstream knows it by its string
         return [str(key)]

@@ -32,7 +32,7 @@ __all__ = [
 # The modules a pipeline calls once per denoising step, in the order upstream pipelines name them: the experts of a
 # two-stage model (Wan 2.2's ``transformer`` and ``transformer_2``), the UNet, the prior and decoder of a two-stage
 # pipeline (Kandinsky, Wuerstchen, Stable Cascade) and the ControlNet that runs beside the denoiser.
-_DENOISERS = ("transformer", "unet", "prior", "decoder")
+DENOISERS = ("transformer", "unet", "prior", "decoder")
 # MiniMax-H3's ``ref2va`` workflow denoises with ``transformer_ref`` (a second checkpoint partition).
 _EXTRA = re.compile(
     r"^(transformer|unet|prior|decoder)_\d+$|^(controlnet|prior_prior|image_unet|text_unet|transformer_ref)$"
@@ -48,7 +48,7 @@ def denoisers(pipe: Any) -> list[tuple[str, Any]]:
     """
     import torch
 
-    found = [(n, m) for n in _DENOISERS if isinstance(m := getattr(pipe, n, None), torch.nn.Module)]
+    found = [(n, m) for n in DENOISERS if isinstance(m := getattr(pipe, n, None), torch.nn.Module)]
     extra = sorted(n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module) and _EXTRA.match(n))
     found += [(n, getattr(pipe, n)) for n in extra if n not in dict(found)]
     if not found:
@@ -66,13 +66,13 @@ def denoiser(pipe: Any) -> tuple[str, Any]:
     """
     import torch
 
-    for name in _DENOISERS:
+    for name in DENOISERS:
         module = getattr(pipe, name, None)
         if isinstance(module, torch.nn.Module):
             return name, module
     components = ", ".join(k for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)) or "none"
     raise ValueError(
-        f"{type(pipe).__name__} has no denoiser to compile: looked for a module named one of {', '.join(_DENOISERS)} "
+        f"{type(pipe).__name__} has no denoiser to compile: looked for a module named one of {', '.join(DENOISERS)} "
         f"and found these model components: {components}. Compile the module yourself with "
         f"module.compile(backend='tpu', fullgraph=True, dynamic=False)."
     )

@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any
 
 from hf_tpu.diffusers._av_checks import check_audio_latents, check_chunked_frames, chunked_frames
-from hf_tpu.diffusers._checks import _DENOISERS, check_generator, check_resolution
+from hf_tpu.diffusers._checks import DENOISERS, check_generator, check_resolution
 
 __all__ = ["has_checks", "install", "is_modular", "remove"]
 
@@ -81,7 +81,7 @@ def _block(inputs: list) -> Any:
 def _has_denoiser(pipe: Any) -> bool:
     import torch
 
-    return any(isinstance(getattr(pipe, name, None), torch.nn.Module) for name in _DENOISERS)
+    return any(isinstance(getattr(pipe, name, None), torch.nn.Module) for name in DENOISERS)
 
 
 def install(pipe: Any) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 __all__: list[str] = []
 
 
-def _byte_chars() -> list[str]:
+def byte_chars() -> list[str]:
     """The 256 printable stand-ins that byte-level BPE uses for the bytes 0..255 (the GPT-2 table)."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
     chars, extra = [], 0
@@ -23,7 +23,7 @@ def _byte_chars() -> list[str]:
     return chars
 
 
-def _finish(pipe: Any, path: str | os.PathLike | None) -> Any:
+def finish_pipeline(pipe: Any, path: str | os.PathLike | None) -> Any:
     import torch
 
     for component in pipe.components.values():

@@ -32,9 +32,9 @@ def qwen3vl_tokenizer() -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import Qwen2TokenizerFast
 
-    from hf_tpu.diffusers._tiny_common import _byte_chars
+    from hf_tpu.diffusers._tiny_common import byte_chars
 
-    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(_byte_chars())}, merges=[]))
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars())}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     tok = Qwen2TokenizerFast(

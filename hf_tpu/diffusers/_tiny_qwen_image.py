@@ -38,9 +38,9 @@ def qwen_tokenizer() -> Any:
     from transformers import Qwen2Tokenizer
 
     vocab: dict[str, int] = {"<|endoftext|>": 0}
-    from hf_tpu.diffusers._tiny_common import _byte_chars
+    from hf_tpu.diffusers._tiny_common import byte_chars
 
-    for ch in _byte_chars():
+    for ch in byte_chars():
         vocab.setdefault(ch, len(vocab))
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=512)
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in _QWEN_SPECIAL_TOKENS])
@@ -164,6 +164,6 @@ def tiny_qwen_image_pipeline(path: str | os.PathLike | None = None, *, seed: int
         processor=processor,
         transformer=transformer,
     )
-    from hf_tpu.diffusers._tiny_common import _finish
+    from hf_tpu.diffusers._tiny_common import finish_pipeline
 
-    return _finish(pipe, path)
+    return finish_pipeline(pipe, path)

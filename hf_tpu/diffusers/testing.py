@@ -19,7 +19,7 @@ import os
 import string
 from typing import Any
 
-from hf_tpu.diffusers._tiny_common import _byte_chars, _finish
+from hf_tpu.diffusers._tiny_common import byte_chars, finish_pipeline
 
 # Qwen-Image and MiniMax-H3 (modular, video + audio) live in modules of their own; re-exported here.
 from hf_tpu.diffusers._tiny_minimax_h3 import qwen3vl_tokenizer, tiny_minimax_h3_pipeline
@@ -47,7 +47,7 @@ def clip_tokenizer(model_max_length: int = _MAX_TEXT_LENGTH) -> Any:
     from transformers import CLIPTokenizer
 
     vocab: dict[str, int] = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for ch in _byte_chars():
+    for ch in byte_chars():
         vocab.setdefault(ch, len(vocab))
         vocab.setdefault(ch + "</w>", len(vocab))
     return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
@@ -157,7 +157,7 @@ def tiny_flux_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) 
         transformer=transformer,
         vae=vae,
     )
-    return _finish(pipe, path)
+    return finish_pipeline(pipe, path)
 
 
 def tiny_sd3_pipeline(
@@ -209,7 +209,7 @@ def tiny_sd3_pipeline(
         transformer=transformer,
         vae=vae,
     )
-    return _finish(pipe, path)
+    return finish_pipeline(pipe, path)
 
 
 def tiny_sd_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) -> Any:
@@ -266,7 +266,7 @@ def tiny_sd_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) ->
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    return _finish(pipe, path)
+    return finish_pipeline(pipe, path)
 
 
 def tiny_wan_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, two_experts: bool = False) -> Any:
@@ -314,7 +314,7 @@ def tiny_wan_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, t
         transformer_2=transformer() if two_experts else None,
         boundary_ratio=0.5 if two_experts else None,
     )
-    return _finish(pipe, path)
+    return finish_pipeline(pipe, path)
 
 
 def tiny_sd_controlnet_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0) -> Any:
@@ -338,4 +338,4 @@ def tiny_sd_controlnet_pipeline(path: str | os.PathLike | None = None, *, seed: 
     )
     components = {k: v for k, v in base.components.items() if k not in ("image_encoder",)}
     pipe = StableDiffusionControlNetPipeline(**components, controlnet=controlnet)
-    return _finish(pipe, path)
+    return finish_pipeline(pipe, path)

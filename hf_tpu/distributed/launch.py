@@ -37,8 +37,8 @@ from pathlib import Path
 from hf_tpu._launch_env import (  # the simulated launch environment, shared with the simulator (hf_tpu.sim)
     SIM_DEFAULT_GENERATION,
     LaunchError,
-    _free_port,  # noqa: F401  (hf_tpu.serving.tensor_parallel picks the rendezvous port with it)
-    _is_multihost,
+    free_port,  # noqa: F401  (hf_tpu.serving.tensor_parallel picks the rendezvous port with it)
+    is_multihost,
     set_simulated_launch_env,
     simulated_topology,
 )
@@ -167,7 +167,7 @@ def _resolve_nproc(args: argparse.Namespace, simulate: bool) -> None:
 def _pin_rendezvous_flags(args: argparse.Namespace, nnodes: int | None) -> None:
     """On several hosts, put the rendezvous flags given on the command line into the launch environment (they
     win over values already there), so that the launch environment (torch_tpu's or the simulator's) keeps them."""
-    if not _is_multihost(nnodes, os.environ):
+    if not is_multihost(nnodes, os.environ):
         return
     for dest, name in (("node_rank", "NODE_RANK"), ("master_addr", "MASTER_ADDR"), ("master_port", "MASTER_PORT")):
         value = getattr(args, dest, None)
@@ -337,7 +337,7 @@ def launch(args: argparse.Namespace) -> int:
                 f"hf-tpu launch starts one process per TPU chip, but this host has none ({info.reason}); "
                 f"{runtime.INSTALL_HINT}."
             )
-        check_process_count(info.generation, nproc, info.chips_on_host, multihost=_is_multihost(nnodes, os.environ))
+        check_process_count(info.generation, nproc, info.chips_on_host, multihost=is_multihost(nnodes, os.environ))
         _pin_rendezvous_flags(args, nnodes)
         set_real_launch_env(nnodes=nnodes, nproc_per_node=nproc)
     _fill_multihost_flags(args)

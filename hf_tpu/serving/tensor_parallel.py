@@ -57,7 +57,7 @@ def launch(serve_argv: Sequence[str], tp: int, *, simulate: bool) -> int:
     from hf_tpu.distributed import launch as launcher
 
     os.environ[TP_ENV] = str(tp)
-    argv = [*(["--simulate"] if simulate else []), f"--nproc_per_node={tp}", f"--master_port={launcher._free_port()}"]
+    argv = [*(["--simulate"] if simulate else []), f"--nproc_per_node={tp}", f"--master_port={launcher.free_port()}"]
     return launcher.main([*argv, *RANK_COMMAND, *serve_argv, "--tp", str(tp)])
 
 

@@ -139,7 +139,7 @@ def _storage_to_tpu(original):
 
     def _to(self, device, non_blocking=False):
         if isinstance(device, torch.device) and device.type == "tpu" and self.device.type == "cpu":
-            _device_module._index(device)
+            _device_module.index_of_device(device)
             cpu = torch.UntypedStorage(self.nbytes())
             cpu.copy_(self)
             STATE.h2d_copies += 1
@@ -181,7 +181,7 @@ def patch_untyped_storage_new() -> None:
         dev = device if isinstance(device, torch.device) else torch.device(device)
         if dev.type != "tpu":
             return base_new(klass, *args, device=device, **kwargs)
-        _device_module._index(dev)
+        _device_module.index_of_device(dev)
         if kwargs or len(args) > 1 or (args and not isinstance(args[0], int)):
             raise NotImplementedError(
                 "torch.UntypedStorage(..., device='tpu') takes only a size in bytes on the simulated device; "

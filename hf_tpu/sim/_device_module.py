@@ -119,7 +119,7 @@ def _configure(name: str, hbm: int) -> None:
     _GENERATION["hbm"] = hbm
 
 
-def _index(device: Any) -> int:
+def index_of_device(device: Any) -> int:
     if device is None:
         return 0
     if isinstance(device, str):
@@ -166,11 +166,11 @@ def current_device() -> int:
 
 @_internal("torch.accelerator.set_device_index")
 def set_device(device: Any) -> None:
-    _index(device)
+    index_of_device(device)
 
 
 def _exchange_device(device: int) -> int:
-    _index(device)
+    index_of_device(device)
     return 0
 
 
@@ -181,7 +181,7 @@ def _maybe_exchange_device(device: int) -> int:
 @_internal("torch.accelerator.synchronize")
 def synchronize(device: Any = None) -> None:
     """Wait for the device (the simulator computes eagerly, so there is nothing to wait for)."""
-    _index(device)
+    index_of_device(device)
 
 
 def manual_seed(seed: int) -> None:
@@ -203,12 +203,12 @@ def initial_seed() -> int:
 
 @_internal("torch.accelerator.random.get_rng_state")
 def get_rng_state(device: Any = "tpu") -> torch.Tensor:
-    _index(device)
+    index_of_device(device)
     return _GENERATOR.get_state()
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "tpu") -> None:
-    _index(device)
+    index_of_device(device)
     _GENERATOR.set_state(new_state.cpu() if new_state.device.type != "cpu" else new_state)
 
 
@@ -222,16 +222,16 @@ default_generators = (_GENERATOR,)
 def _get_generator(device: torch.device) -> torch.Generator:
     """The default generator of ``device`` (torch_tpu's ``_get_generator``: what AOTAutograd's graph-safe RNG asks
     ``torch.<device>`` for; see hf_tpu/sim/_rng.py)."""
-    return default_generators[_index(device)]
+    return default_generators[index_of_device(device)]
 
 
 def get_device_name(device: Any = None) -> str:
-    _index(device)
+    index_of_device(device)
     return _GENERATION["name"]
 
 
 def get_device_properties(device: Any = None) -> _TpuDeviceProperties:
-    _index(device)
+    index_of_device(device)
     return _TpuDeviceProperties(name=str(_GENERATION["name"]), total_memory=int(_GENERATION["hbm"]))
 
 
@@ -347,7 +347,7 @@ class device:
     @_internal("torch.accelerator.device_index", name="_DeviceContext")  # torch_tpu's class name, in its message
     def __init__(self, device: Any) -> None:
         if device is not None and not (isinstance(device, int) and device < 0):
-            _index(device)
+            index_of_device(device)
 
     def __enter__(self) -> None:
         return None

@@ -41,9 +41,9 @@ def _is_tpu(device: Any) -> bool:
 class _GeneratorMeta(type(_CGenerator)):  # type: ignore[misc]
     def __call__(cls, device: Any = "cpu") -> Any:
         if _is_tpu(device):
-            from hf_tpu.sim._device_module import _index
+            from hf_tpu.sim._device_module import index_of_device
 
-            _index(device)
+            index_of_device(device)
             if cls is not Generator:
                 raise NotImplementedError(
                     f"{cls.__name__}(device={str(device)!r}): a subclass of torch.Generator cannot live on the "

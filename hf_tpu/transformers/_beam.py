@@ -22,12 +22,12 @@ from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._cache.handoff import full_attention_only, returned_cache
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
-from hf_tpu.transformers._decode_loop import _extra, _output_vocab
-from hf_tpu.transformers._graphs import _ALIGNED
-from hf_tpu.transformers._graphs import _run as _run_graph
+from hf_tpu.transformers._decode_loop import extra_inputs, output_vocab
+from hf_tpu.transformers._graphs import ALIGNED
+from hf_tpu.transformers._graphs import run_graph as _run_graph
 from hf_tpu.transformers._images import mrope_rows
 from hf_tpu.transformers._pad_id import fill_id
-from hf_tpu.transformers._settings import CACHED, CACHELESS, NotCompilableError, _state
+from hf_tpu.transformers._settings import CACHED, CACHELESS, NotCompilableError, model_state
 from hf_tpu.transformers._signatures import output_cache_field
 from hf_tpu.transformers._upstream import numbers_by_cache_length
 from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
@@ -102,7 +102,7 @@ def _problem(model, args: dict, config, model_kwargs: dict, route) -> str | None
     other = sorted(k for k, v in model_kwargs.items() if v is not None and k not in taken and k not in CACHE_NAMES)
     if other:  # (images, audio features, ...: inputs other loops of hf_tpu may take)
         return f"beam search with model inputs {other}: the beam loop takes input_ids (and token_type_ids) only"
-    if not _state(model).settings.device_sampling:
+    if not model_state(model).settings.device_sampling:
         return "beam search with device sampling off (configure(model, device_sampling=False)): its processors run in the graph only"
     procs = args.get("logits_processor") or []
     from hf_tpu.transformers.sampling._registry import form_for
@@ -220,7 +220,7 @@ def beam_loop(
     from hf_tpu.transformers.sampling import device_plan
 
     config = generation_config
-    state, device = _state(model), model.device
+    state, device = model_state(model), model.device
     input_ids = input_ids.to("cpu")
     rows, prompt_len = input_ids.shape
     num_beams = int(config.num_beams)
@@ -234,7 +234,7 @@ def beam_loop(
     keep = max(2, 1 + (0 if eos_config is None else int(eos_config.shape[0]))) * num_beams
     checked = 0 if eos is None else int(eos.shape[0])
     do_sample = bool(config.do_sample)
-    plan = device_plan(logits_processor, input_ids, vocab=_output_vocab(model), do_sample=False)
+    plan = device_plan(logits_processor, input_ids, vocab=output_vocab(model), do_sample=False)
     if isinstance(plan, str):
         error = NotCompilableError(f"beam search: {plan}: its processors run in the graph only")
         error.reason = str(error)
@@ -251,8 +251,8 @@ def beam_loop(
             model, input_ids, config, model_kwargs, plan, variant, flags, max_new, keep, checked, eos, do_sample
         )
     shapes = plan_shapes(model, rows, prompt_len, max_new, variant=variant, kind="beam_prefill")
-    extra = {**_extra(model), **flags}
-    if extra.get(_ALIGNED):  # pragma: no cover - route.beam_problem refuses these models
+    extra = {**extra_inputs(model), **flags}
+    if extra.get(ALIGNED):  # pragma: no cover - route.beam_problem refuses these models
         raise AssertionError("the beam loop does not place a prompt-first model's prompt")
 
     mask = model_kwargs.get("attention_mask")
@@ -361,16 +361,16 @@ def _cacheless_beam(model, input_ids, config, model_kwargs, plan, variant, flags
 
     from hf_tpu.transformers import _cacheless
 
-    state, device = _state(model), model.device
+    state, device = model_state(model), model.device
     rows, prompt_len = input_ids.shape
     num_beams = int(config.num_beams)
     batch = rows // num_beams
-    length = _cacheless._length_for(model, state, rows, prompt_len, max_new, "beam" + variant)
+    length = _cacheless.length_for(model, state, rows, prompt_len, max_new, "beam" + variant)
     pad_id = fill_id(model, config._pad_token_tensor, config._eos_token_tensor)
-    ids, mask, positions = _cacheless._layout(model, input_ids, model_kwargs, length, max_new, pad_id)
+    ids, mask, positions = _cacheless.cacheless_layout(model, input_ids, model_kwargs, length, max_new, pad_id)
     ids_dev, mask_dev = ids.to(device), mask.to(device)
     positions_dev = None if positions is None else positions.to(device)
-    extra = {**_cacheless._extra(model), **flags}
+    extra = {**_cacheless.cacheless_extra(model), **flags}
     types = model_kwargs.get("token_type_ids")
     if types is not None:  # the prompt's, then its last one for every new token (the variant says so already)
         types = types.to("cpu").long()
@@ -416,18 +416,18 @@ def warm(model, plan: ShapePlan, num_beams: int) -> list[tuple]:
 
     config, _ = model._prepare_generation_config(None, num_beams=num_beams)  # (upstream's defaults filled in)
     model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
-    state, device = _state(model), model.device
+    state, device = model_state(model), model.device
     rows, p, c = plan.batch * num_beams, plan.prompt_bucket, plan.cache_bucket
     eos = config._eos_token_tensor
     eos = [] if eos is None else [int(e) for e in eos.reshape(-1)]
     keep = max(2, 1 + len(eos)) * num_beams
     early, do_sample = config.early_stopping, bool(config.do_sample)
     ids = torch.zeros(rows, p, dtype=torch.long)
-    dplan = device_plan(_processors(model, ids, num_beams), ids, vocab=_output_vocab(model), do_sample=False)
+    dplan = device_plan(_processors(model, ids, num_beams), ids, vocab=output_vocab(model), do_sample=False)
     if isinstance(dplan, str):
         raise NotCompilableError(f"beam search: {dplan}: its processors run in the graph only, so warm-up has none")
     variant = dplan.variant + beam_variant(num_beams, keep, len(eos), early, do_sample)
-    extra = _extra(model)
+    extra = extra_inputs(model)
     cache = cache_for(model, state, rows, c, None)
     with torch.no_grad():
         mask_dev = torch.ones(rows, c, dtype=torch.bool).to(device)

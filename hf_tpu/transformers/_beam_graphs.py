@@ -46,7 +46,7 @@ def _forward(model, ids, positions, mask, cache, extra):
     )  # fmt: skip
 
 
-def _beam_prefill(model, packed, mask, cache, extra, spec: Spec, beam: dict, sampling=None):
+def beam_prefill_body(model, packed, mask, cache, extra, spec: Spec, beam: dict, sampling=None):
     """The prompt (``packed``: ids then positions, left-padded to the prompt bucket) through the model, then the
     first beam step."""
     from hf_tpu.transformers._cache.layers import prefill_mask
@@ -56,7 +56,7 @@ def _beam_prefill(model, packed, mask, cache, extra, spec: Spec, beam: dict, sam
     return with_outputs(_beam_step(model, out.logits[:, -1, :].float(), cache, spec, beam, sampling), out, extra)
 
 
-def _beam_decode(model, mask, cache, extra, spec: Spec, beam: dict, sampling=None):
+def beam_decode_body(model, mask, cache, extra, spec: Spec, beam: dict, sampling=None):
     """The running beams' last tokens through the model (their positions: the prompt's last plus the tokens
     generated), then a beam step. Nothing comes from the host."""
     from hf_tpu.transformers._cache.layers import decode_mask
@@ -70,7 +70,7 @@ def _beam_decode(model, mask, cache, extra, spec: Spec, beam: dict, sampling=Non
     return with_outputs(_beam_step(model, out.logits[:, -1, :].float(), cache, spec, beam, sampling), out, extra)
 
 
-def _beam_cacheless_prefill(model, ids, mask, positions, extra, spec: Spec, beam: dict, sampling=None):
+def beam_cacheless_prefill_body(model, ids, mask, positions, extra, spec: Spec, beam: dict, sampling=None):
     """Without a cache (hf_tpu.transformers._cacheless's layout: the ids in a buffer as long as the bucket, the prompt
     first): the model over the buffer, the logits at the prompt's last slot, then the first beam step; the buffer's
     rows follow the running beams."""
@@ -78,7 +78,7 @@ def _beam_cacheless_prefill(model, ids, mask, positions, extra, spec: Spec, beam
     return with_outputs(_beam_step(model, logits, None, spec, beam, sampling, (ids,)), out, extra)
 
 
-def _beam_cacheless_decode(model, ids, mask, positions, extra, spec: Spec, beam: dict, sampling=None):
+def beam_cacheless_decode_body(model, ids, mask, positions, extra, spec: Spec, beam: dict, sampling=None):
     """Without a cache: the running beams' last tokens written into the buffer at the next slot, the model over the
     buffer, the logits at that slot, then a beam step."""
     from hf_tpu.transformers.sampling import advance

@@ -16,7 +16,7 @@ recurrent state alike, and each token keeps the position upstream gives it. The 
 whole bucket are computed once per call (the prompt's as upstream's ``generate`` prepares them, then one more per
 slot), sent with the first step. Two graph kinds, compiled per (batch, bucket): ``cacheless_prefill`` (the
 prompt's last slot) and ``cacheless_decode`` (writes the new tokens first); their bodies live in the graph table
-(:mod:`hf_tpu.transformers._graphs`) and run through its ``_run`` (strict mode, the persistent compile cache) like
+(:mod:`hf_tpu.transformers._graphs`) and run through its ``run_graph`` (strict mode, the persistent compile cache) like
 the cached loop's. Token types (GPT-2's ``token_type_ids``) fill a buffer of their own: the prompt's, then its last
 one for every slot after it, as upstream's loop extends them by the last one at each step.
 
@@ -105,7 +105,7 @@ def _not_causal(model) -> str | None:
         with torch.no_grad():
             for tail in (5, 9):
                 ids = torch.cat([prompt, torch.randint(1, vocab, (1, tail), generator=g)], dim=1)
-                kwargs = dict(_extra(model), attention_mask=torch.ones_like(ids))
+                kwargs = dict(cacheless_extra(model), attention_mask=torch.ones_like(ids))
                 if _takes(model, "position_ids"):
                     kwargs["position_ids"] = torch.arange(ids.shape[1])[None]
                 kwargs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
@@ -172,7 +172,7 @@ def buffer_length(model, cache_bucket: int, need: int) -> int:
     return cache_bucket if limit is None else max(min(cache_bucket, limit), need)
 
 
-def _length_for(model, state, batch: int, prompt_len: int, new_tokens: int, variant: str) -> int:
+def length_for(model, state, batch: int, prompt_len: int, new_tokens: int, variant: str) -> int:
     """The buffer's length for a call: the shortest one compiled that holds the call (what warm-up compiled), else
     the cache bucket of the call's shape plan (which also refuses a call past the model's ladder)."""
     from hf_tpu.transformers.shapes import plan_shapes
@@ -184,12 +184,12 @@ def _length_for(model, state, batch: int, prompt_len: int, new_tokens: int, vari
     return compiled[0] if compiled else buffer_length(model, plan.cache_bucket, need)
 
 
-def _extra(model) -> dict:
+def cacheless_extra(model) -> dict:
     """The graphs' constant model arguments (``use_cache=False`` where the forward takes it)."""
     return {"use_cache": False} if _takes(model, "use_cache") else {}
 
 
-def _layout(model, input_ids, model_kwargs: dict, length: int, new_tokens: int, pad_id: int):
+def cacheless_layout(model, input_ids, model_kwargs: dict, length: int, new_tokens: int, pad_id: int):
     """The buffer's host tensors: ids (the prompt first, ``pad_id``, an id the model embeds, after), the mask (the
     prompt's, ones after) and the positions (None for a model without ``position_ids``: it numbers the buffer itself,
     0 to ``length - 1``)."""
@@ -226,16 +226,16 @@ def cacheless_loop(
     """``custom_generate`` callable of a call without a cache (see the module docstring)."""
     import torch
 
-    from hf_tpu.transformers._decode_loop import _Call
-    from hf_tpu.transformers._graphs import _run
+    from hf_tpu.transformers._decode_loop import LoopCall
+    from hf_tpu.transformers._graphs import run_graph
 
-    call = _Call(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan)
+    call = LoopCall(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan)
     state, device, variant, batch, prompt_len = call.state, model.device, call.variant, call.batch, call.prompt_len
-    length = _length_for(model, state, batch, prompt_len, call.new_tokens, variant)
-    ids, mask, positions = _layout(model, call.input_ids, model_kwargs, length, call.new_tokens, call.fill_id)
+    length = length_for(model, state, batch, prompt_len, call.new_tokens, variant)
+    ids, mask, positions = cacheless_layout(model, call.input_ids, model_kwargs, length, call.new_tokens, call.fill_id)
     ids_dev, mask_dev = ids.to(device), mask.to(device)
     positions_dev = None if positions is None else positions.to(device)
-    extra = {**_extra(model), **call.output_flags}
+    extra = {**cacheless_extra(model), **call.output_flags}
     types = model_kwargs.get("token_type_ids")
     if types is not None:  # the prompt's, then its last one for every new token, as upstream's loop extends them
         types = types.to("cpu").long()
@@ -245,7 +245,7 @@ def cacheless_loop(
     prefill_key = ("cacheless_prefill" + variant, batch, length)
     decode_key = ("cacheless_decode" + variant, batch, length)
     slot = torch.tensor([prompt_len - 1]).to(device)
-    first = _run(model, state, prefill_key, ids_dev, slot, *args)
+    first = run_graph(model, state, prefill_key, ids_dev, slot, *args)
     first = call.take(first, slice(0, prompt_len), slice(0, prompt_len))  # (upstream: the whole sequence each step)
     next_slot = prompt_len
 
@@ -253,7 +253,7 @@ def cacheless_loop(
         nonlocal next_slot
         packed = torch.stack([next_tokens, torch.full_like(next_tokens, next_slot)], dim=1).to(device)
         next_slot += 1
-        result = _run(model, state, decode_key, ids_dev, packed, *args)
+        result = run_graph(model, state, decode_key, ids_dev, packed, *args)
         return call.take(result, slice(0, next_slot), slice(0, next_slot))
 
     call.run(*first, length - prompt_len, step)
@@ -264,25 +264,25 @@ def warm(model, plan, variant: str = "") -> list[tuple]:
     """Compile (or find compiled) the two graphs a call with ``plan`` runs, on dummy inputs; returns their keys."""
     import torch
 
-    from hf_tpu.transformers._decode_loop import _warm_sampling
-    from hf_tpu.transformers._graphs import _run
-    from hf_tpu.transformers._settings import _state
+    from hf_tpu.transformers._decode_loop import warm_sampling
+    from hf_tpu.transformers._graphs import run_graph
+    from hf_tpu.transformers._settings import model_state
 
-    state = _state(model)
+    state = model_state(model)
     device = model.device
     batch = plan.batch
     length = buffer_length(model, plan.cache_bucket, plan.prompt_bucket)
     ids = torch.zeros(batch, plan.prompt_len, dtype=torch.long)
     with torch.no_grad():
-        buffer, mask, positions = _layout(model, ids, {}, length, length - plan.prompt_len + 1, fill_id(model, None))
+        buffer, mask, positions = cacheless_layout(model, ids, {}, length, length - plan.prompt_len + 1, fill_id(model, None))
         buffer, mask = buffer.to(device), mask.to(device)
         positions = None if positions is None else positions.to(device)
-        extra = _extra(model)
-        sampling = _warm_sampling(model, ids, variant, length + 1, 0)
+        extra = cacheless_extra(model)
+        sampling = warm_sampling(model, ids, variant, length + 1, 0)
         prefill_key = ("cacheless_prefill" + variant, batch, length)
         decode_key = ("cacheless_decode" + variant, batch, length)
         slot = torch.tensor([plan.prompt_len - 1]).to(device)
-        _run(model, state, prefill_key, buffer, slot, mask, positions, extra, sampling)
+        run_graph(model, state, prefill_key, buffer, slot, mask, positions, extra, sampling)
         step = torch.tensor([[0, min(plan.prompt_len, length - 1)]], dtype=torch.long).expand(batch, 2)
-        _run(model, state, decode_key, buffer, step.contiguous().to(device), mask, positions, extra, sampling)
+        run_graph(model, state, decode_key, buffer, step.contiguous().to(device), mask, positions, extra, sampling)
     return [prefill_key, decode_key]

@@ -19,11 +19,11 @@ from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_cache
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
-from hf_tpu.transformers._graphs import _ALIGNED, _MROPE, _PENALTY, _run  # noqa: F401  (_PENALTY: re-exported)
+from hf_tpu.transformers._graphs import ALIGNED, MROPE, PENALTY, run_graph  # noqa: F401  (PENALTY: re-exported)
 from hf_tpu.transformers._images import features_shape, mrope_rows
 from hf_tpu.transformers._notes import warn_once
 from hf_tpu.transformers._pad_id import fill_id
-from hf_tpu.transformers._settings import _state
+from hf_tpu.transformers._settings import model_state
 from hf_tpu.transformers._signatures import cache_name, output_cache_field
 from hf_tpu.transformers._upstream import numbers_by_cache_length, prompt_first_inputs
 from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
@@ -53,7 +53,7 @@ def _select(
     return tokens, scores, logits
 
 
-def _output_vocab(model) -> int:
+def output_vocab(model) -> int:
     embeddings = model.get_output_embeddings()
     if embeddings is not None and hasattr(embeddings, "weight"):
         return int(embeddings.weight.shape[0])
@@ -65,7 +65,7 @@ def _plan(model, logits_processor, input_ids, do_sample: bool, host_only: str | 
     its cost per step)."""
     from hf_tpu.transformers.sampling import device_plan, host_path_cost
 
-    vocab = _output_vocab(model)
+    vocab = output_vocab(model)
     reason = host_only or device_plan(logits_processor, input_ids, vocab=vocab, do_sample=do_sample)
     if not isinstance(reason, str):
         return reason
@@ -77,8 +77,8 @@ def _plan(model, logits_processor, input_ids, do_sample: bool, host_only: str | 
     return None
 
 
-class _Call:
-    """What both loops (:func:`_decode_loop`, and the one without a cache in :mod:`hf_tpu.transformers._cacheless`)
+class LoopCall:
+    """What both loops (:func:`decode_loop`, and the one without a cache in :mod:`hf_tpu.transformers._cacheless`)
     do around their graphs in one ``generate`` call: the sampling plan (on the device, or the host path), and each
     step's host side (the next tokens, the scores and logits kept, finished rows padded, the streamer fed, the
     stopping criteria asked)."""
@@ -87,7 +87,7 @@ class _Call:
         import torch
 
         self.streamer = (plan or {}).get("streamer", streamer)
-        self.state = _state(model)
+        self.state = model_state(model)
         self.input_ids = input_ids.to("cpu")
         self.batch, self.prompt_len = self.input_ids.shape
         self.new_tokens = generation_config.max_length - self.prompt_len
@@ -173,7 +173,7 @@ class _Call:
         return cls(sequences=self.input_ids, scores=self.scores, logits=self.raw_logits, **fields)
 
 
-def _decode_loop(
+def decode_loop(
     model,
     input_ids,
     logits_processor,
@@ -188,7 +188,7 @@ def _decode_loop(
     import torch
     import torch.nn.functional as F
 
-    call = _Call(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan)
+    call = LoopCall(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan)
     state, device, variant = call.state, model.device, call.variant
     batch, prompt_len, input_ids = call.batch, call.prompt_len, call.input_ids
     is_seq2seq = bool(model.config.is_encoder_decoder)
@@ -207,7 +207,7 @@ def _decode_loop(
         prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
         decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
         set_length(cache, 0)
-        first = _run(model, state, prefill_key, input_ids.to(device), encoder_hidden, enc_mask_dev, cache, sampling)
+        first = run_graph(model, state, prefill_key, input_ids.to(device), encoder_hidden, enc_mask_dev, cache, sampling)
         set_decoding(cache, True)
         length = prompt_len
 
@@ -216,7 +216,7 @@ def _decode_loop(
             set_length(cache, length)
             length += 1
             ids = next_tokens[:, None].to(device)
-            return _run(model, state, decode_key, ids, encoder_hidden, enc_mask_dev, cache, sampling)
+            return run_graph(model, state, decode_key, ids, encoder_hidden, enc_mask_dev, cache, sampling)
 
         call.run(*first, plan.cache_bucket - prompt_len, step)
         returned = returned_cache(model, cache, 0, length) if generation_config.return_dict_in_generate else None
@@ -245,15 +245,15 @@ def _decode_loop(
         positions = positions.to("cpu").long().expand(batch, prompt_len)[None]
     pad = plan.prompt_bucket - prompt_len
     pad_id = call.fill_id
-    extra = {**_extra(model), **call.output_flags}
-    if extra.get(_ALIGNED) and (embeds is not None or types is not None):  # (its cache length found at a trace)
+    extra = {**extra_inputs(model), **call.output_flags}
+    if extra.get(ALIGNED) and (embeds is not None or types is not None):  # (its cache length found at a trace)
         from hf_tpu.transformers._settings import NotCompilableError
 
         error = NotCompilableError(prompt_first_inputs(model))
         error.reason = str(error)  # (error.loop None: this call's inputs, the route stays)
         raise error
-    length = prompt_len if extra.get(_ALIGNED) else plan.prompt_bucket  # the cache's length after the prefill
-    if extra.get(_ALIGNED):  # the prompt first, the bucket's padding after it (slot -1)
+    length = prompt_len if extra.get(ALIGNED) else plan.prompt_bucket  # the cache's length after the prefill
+    if extra.get(ALIGNED):  # the prompt first, the bucket's padding after it (slot -1)
         ids = F.pad(input_ids, (0, pad), value=pad_id)
         pos = F.pad(torch.arange(prompt_len).expand(batch, prompt_len), (0, pad), value=-1)[None]
         full_mask = torch.cat([mask.bool(), torch.ones(batch, plan.cache_bucket - prompt_len, dtype=torch.bool)], 1)
@@ -305,17 +305,17 @@ def _decode_loop(
         for index in range(seen, prompt_len):
             set_length(cache, pad + index)
             packed_step = torch.cat([input_ids[:, index, None], positions[..., index].T], dim=1).to(device)
-            first = _run(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
+            first = run_graph(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
             first = call.take(first, slice(0, 1), slice(start, pad + index + 1))
         if call.outputs is not None:  # upstream runs the uncached tokens in one forward
             call.outputs.merge(prompt_len - seen)
     elif embeds is None:
         packed = torch.cat([ids, *pos], dim=1).to(device)
-        first = _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
+        first = run_graph(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
     else:  # moved to the device like input_ids, wherever the caller left them; the padding: zero rows, masked out
         padded = F.pad(embeds.to(device=device, dtype=model.dtype), (0, 0, pad, 0))
         pos = pos if rows > 1 else pos[0]
-        first = _run(model, state, prefill_key, padded, pos.to(device), mask_dev, cache, extra, sampling)
+        first = run_graph(model, state, prefill_key, padded, pos.to(device), mask_dev, cache, extra, sampling)
     if not seen:
         first = call.take(first, slice(pad, pad + prompt_len), slice(start, start + prompt_len))
     set_decoding(cache, True)
@@ -327,7 +327,7 @@ def _decode_loop(
         length += 1
         positions = positions + 1
         packed_step = torch.cat([next_tokens[:, None], positions], dim=1).to(device)  # (batch, 1 + rows)
-        result = _run(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
+        result = run_graph(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
         return call.take(result, slice(0, 1), slice(start, length))
 
     call.run(*first, plan.cache_bucket - plan.prompt_bucket, step)
@@ -337,15 +337,15 @@ def _decode_loop(
     return call.output(cache=returned)
 
 
-def _extra(model) -> dict:
+def extra_inputs(model) -> dict:
     """The prefill/decode graphs' extra model arguments: ``logits_to_keep`` where the model takes it, and the flag of
-    a model whose prompt goes first (:data:`hf_tpu.transformers._graphs._ALIGNED`)."""
+    a model whose prompt goes first (:data:`hf_tpu.transformers._graphs.ALIGNED`)."""
     extra: dict = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
     if mrope_rows(model) > 1:  # its positions in rows, packed after the ids
-        extra[_MROPE] = mrope_rows(model)
+        extra[MROPE] = mrope_rows(model)
     # a cache reporting its host length goes prompt-first too: the length it reports is the real token count
-    if numbers_by_cache_length(model) or _state(model).host_length:
-        extra[_ALIGNED] = True
+    if numbers_by_cache_length(model) or model_state(model).host_length:
+        extra[ALIGNED] = True
     return extra
 
 
@@ -369,12 +369,12 @@ def _default_plan(model, input_ids, **generate_kwargs):
         generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
         logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={},
     )  # fmt: skip
-    return device_plan(processors, input_ids, vocab=_output_vocab(model), do_sample=bool(config.do_sample))
+    return device_plan(processors, input_ids, vocab=output_vocab(model), do_sample=bool(config.do_sample))
 
 
 def host_sampling(model, **generate_kwargs) -> str | None:
     """Why a call with ``generate_kwargs`` keeps its logits processors and sampling on the host (one logits row
-    back per step), None when they run in the graph: what :class:`_Call` finds, without a call."""
+    back per step), None when they run in the graph: what :class:`LoopCall` finds, without a call."""
     import torch
 
     config, _ = model._prepare_generation_config(None, **generate_kwargs)
@@ -383,7 +383,7 @@ def host_sampling(model, **generate_kwargs) -> str | None:
     ids = generate_kwargs.pop("input_ids", None)
     ids = torch.zeros(1, 1, dtype=torch.long) if ids is None else ids.to("cpu")
     plan = _default_plan(model, ids, **{k: v for k, v in generate_kwargs.items() if not hasattr(v, "device")})
-    if not _state(model).settings.device_sampling and (config.do_sample or not isinstance(plan, str) and plan.variant):
+    if not model_state(model).settings.device_sampling and (config.do_sample or not isinstance(plan, str) and plan.variant):
         return "device sampling is off (configure(model, device_sampling=False))"
     return plan if isinstance(plan, str) else None
 
@@ -398,7 +398,7 @@ def default_variant(model) -> str:
     return "" if isinstance(plan, str) else plan.variant
 
 
-def _warm_sampling(model, ids, variant: str, width: int, offset: int):
+def warm_sampling(model, ids, variant: str, width: int, offset: int):
     """Dummy device sampling state for warming ``variant`` (the model's default one) on prompt ``ids``."""
     if not variant:
         return None
@@ -412,11 +412,11 @@ def _warm_sampling(model, ids, variant: str, width: int, offset: int):
     return plan.to_device(model.device, width, offset)
 
 
-def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
+def warm_plan(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
     """Compile (or find compiled) every graph a call with ``plan`` runs, on dummy inputs; returns their keys."""
     import torch
 
-    state = _state(model)
+    state = model_state(model)
     device = model.device
     batch = plan.batch
     with torch.no_grad():
@@ -425,39 +425,39 @@ def _warm(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
             ids = torch.zeros(batch, plan.encoder_bucket, dtype=torch.long)
             mask = torch.ones(batch, plan.encoder_bucket, dtype=torch.long)
             mask_dev = mask.to(device)
-            hidden = _run(model, state, enc_key, ids.to(device), mask_dev)
+            hidden = run_graph(model, state, enc_key, ids.to(device), mask_dev)
             start = model.generation_config.decoder_start_token_id
             start = 0 if start is None else int(start)
             cache = cache_for(model, state, batch, plan.cache_bucket, plan.encoder_bucket)
             prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, plan.prompt_len, plan.cache_bucket)
             decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
             step = torch.full((batch, plan.prompt_len), start, dtype=torch.long)
-            sampling = _warm_sampling(model, step, variant, plan.cache_bucket + 1, 0)
+            sampling = warm_sampling(model, step, variant, plan.cache_bucket + 1, 0)
             set_length(cache, 0)
-            _run(model, state, prefill_key, step.to(device), hidden, mask_dev, cache, sampling)
+            run_graph(model, state, prefill_key, step.to(device), hidden, mask_dev, cache, sampling)
             set_decoding(cache, True)
             step = torch.full((batch, 1), start, dtype=torch.long).to(device)
             set_length(cache, plan.prompt_len)
-            _run(model, state, decode_key, step, hidden, mask_dev, cache, sampling)
+            run_graph(model, state, decode_key, step, hidden, mask_dev, cache, sampling)
             cache.reset()  # the next call resets it too: meet the eager ops of the reset here
             return [enc_key, prefill_key, decode_key]
         p, c = plan.prompt_bucket, plan.cache_bucket
-        extra = _extra(model)
+        extra = extra_inputs(model)
         cache = cache_for(model, state, batch, c, None)
         mask_dev = torch.ones(batch, c, dtype=torch.bool).to(device)
         rows = mrope_rows(model)
         pos = torch.arange(p, dtype=torch.long).expand(batch, p)
         ids = torch.zeros(batch, p, dtype=torch.long)
-        sampling = _warm_sampling(model, ids, variant, c + 1, 0)
+        sampling = warm_sampling(model, ids, variant, c + 1, 0)
         packed = torch.cat([ids, *[pos] * rows], dim=1).to(device)
         kind_variant = variant + ("+mrope" if rows > 1 else "")
         prefill_key = ("prefill" + kind_variant, batch, p, c)
         decode_key = ("decode" + kind_variant, batch, c)
         set_length(cache, 0)
-        _run(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
+        run_graph(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
         set_decoding(cache, True)
         step = torch.tensor([[0, *[p] * rows]], dtype=torch.long).expand(batch, 1 + rows).contiguous().to(device)
         set_length(cache, p)
-        _run(model, state, decode_key, step, mask_dev, cache, extra, sampling)
+        run_graph(model, state, decode_key, step, mask_dev, cache, extra, sampling)
         cache.reset()
         return [prefill_key, decode_key]

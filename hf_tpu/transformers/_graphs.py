@@ -1,7 +1,7 @@
-"""The compiled graphs of the generation loop and the one place that runs them (:func:`_run`).
+"""The compiled graphs of the generation loop and the one place that runs them (:func:`run_graph`).
 
 Each graph kind (prefill, decode, encoder, seq2seq prefill/decode; with a device sampling plan, a variant of one)
-is its own top-level function, so that dynamo keeps one cache of compiled entries per kind. :func:`_run` runs the
+is its own top-level function, so that dynamo keeps one cache of compiled entries per kind. :func:`run_graph` runs the
 graph for one shape key: from the model's persistent compile cache when it has one (:mod:`hf_tpu.compile_cache`: loaded
 without tracing or compiling, or compiled ahead of time and stored), else through ``torch.compile``; in strict
 mode after warm-up it refuses a shape warm-up did not compile.
@@ -20,10 +20,10 @@ from hf_tpu.transformers._settings import (
     HOST_LENGTH,
     STRICT_ENV,
     GenerationSettings,
+    ModelState,
     NotCompilableError,
     RecompileError,
-    _compile_cache,
-    _ModelState,
+    compile_cache_of,
 )
 from hf_tpu.transformers._signatures import cache_name
 from hf_tpu.transformers._step_outputs import is_variant, prepare, with_outputs
@@ -55,16 +55,16 @@ def _mark(sampling, tokens) -> None:
 # Whisper decoders, TrOCR) gets its prompt right-aligned: the prompt fills the first slots, the bucket's padding
 # follows it, and the prefill sets every layer's counter back to the prompt length, so each token sits at its own
 # position (the padding is causal future to the prompt, and decode overwrites it). ``extra`` carries the flag.
-_ALIGNED = "hf_tpu_prompt_first"
+ALIGNED = "hf_tpu_prompt_first"
 # A model numbering its positions in several rows (Qwen2-VL's multimodal rotary positions: temporal, height, width)
 # gets them packed after the ids, row after row; ``extra`` carries the number of rows (the graphs' "+mrope" kinds).
-_MROPE = "hf_tpu_position_rows"
+MROPE = "hf_tpu_position_rows"
 
 
 def _split(packed, extra: dict):
     """The ids and positions of a packed ``(batch, q * (1 + rows))`` input: positions ``(batch, q)``, or
     ``(rows, batch, q)`` for a model numbering them in ``rows`` rows."""
-    rows = extra.get(_MROPE, 1)
+    rows = extra.get(MROPE, 1)
     q = packed.shape[1] // (1 + rows)
     positions = packed[:, q:]
     if rows > 1:
@@ -74,9 +74,9 @@ def _split(packed, extra: dict):
 
 def _model_kwargs(extra: dict) -> dict:
     """``extra`` without hf_tpu's flags (as given when it has none: copying it would guard on its keys' order)."""
-    if extra.get(_ALIGNED) is None and extra.get(_MROPE) is None:
+    if extra.get(ALIGNED) is None and extra.get(MROPE) is None:
         return extra
-    return {k: v for k, v in extra.items() if k not in (_ALIGNED, _MROPE)}
+    return {k: v for k, v in extra.items() if k not in (ALIGNED, MROPE)}
 
 
 def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
@@ -84,7 +84,7 @@ def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
 
     ids, positions = _split(packed, extra)
     q = ids.shape[1]
-    if extra.get(_ALIGNED):
+    if extra.get(ALIGNED):
         return _aligned_prefill(model, ids, positions, mask, cache, extra, sampling)
     out = model(
         input_ids=ids, position_ids=positions, attention_mask=prefill_mask(cache, mask, q),
@@ -111,7 +111,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
     from hf_tpu.transformers._cache.layers import prefill_mask
 
     length = (slots >= 0).sum(dim=-1)[:1]  # the prompt's length (one per call: every row has it)
-    kwargs = {k: v for k, v in extra.items() if k != _ALIGNED}
+    kwargs = {k: v for k, v in extra.items() if k != ALIGNED}
     if "logits_to_keep" in kwargs:
         kwargs["logits_to_keep"] = length - 1
     out = model(
@@ -132,8 +132,8 @@ def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
 
     ids, positions = _split(packed, extra)
     _mark(sampling, ids)
-    kwargs = {k: v for k, v in extra.items() if k not in (_ALIGNED, _MROPE)}  # (a copy: positions go in)
-    if not extra.get(_ALIGNED):  # (a prompt-first model takes no positions: its cache length places the token)
+    kwargs = {k: v for k, v in extra.items() if k not in (ALIGNED, MROPE)}  # (a copy: positions go in)
+    if not extra.get(ALIGNED):  # (a prompt-first model takes no positions: its cache length places the token)
         kwargs["position_ids"] = positions
     out = model(
         input_ids=ids, attention_mask=decode_mask(cache, mask), **{cache_name(): cache}, use_cache=True,
@@ -215,7 +215,7 @@ def _cacheless_decode(model, ids, step, mask, positions, extra, sampling=None):
     return _cacheless_forward(model, ids, slot, mask, positions, extra, sampling)
 
 
-_GRAPHS: dict[str, Callable] = {
+GRAPHS: dict[str, Callable] = {
     "prefill": _decoder_prefill,
     "embeds_prefill": _embeds_prefill,
     "mm_prefill": _decoder_prefill,  # (the encoded images among its extra arguments: the forward merges them)
@@ -229,18 +229,18 @@ _GRAPHS: dict[str, Callable] = {
     "cacheless_prefill": _cacheless_prefill,
     "cacheless_decode": _cacheless_decode,
     # beam search (hf_tpu.transformers._beam): the forward, then upstream's beam step, in one graph
-    "beam_prefill": _beam_graphs._beam_prefill,
-    "beam_decode": _beam_graphs._beam_decode,
-    "beam_cacheless_prefill": _beam_graphs._beam_cacheless_prefill,
-    "beam_cacheless_decode": _beam_graphs._beam_cacheless_decode,
+    "beam_prefill": _beam_graphs.beam_prefill_body,
+    "beam_decode": _beam_graphs.beam_decode_body,
+    "beam_cacheless_prefill": _beam_graphs.beam_cacheless_prefill_body,
+    "beam_cacheless_decode": _beam_graphs.beam_cacheless_decode_body,
 }
 # Graph kinds carry the device plan's variant after a "+" ("decode+temperature+top_k+sample"): the processors
 # (and sampler) the graph runs on the device. The variant of greedy search with a lone repetition penalty:
-_PENALTY = "+repetition_penalty"
+PENALTY = "+repetition_penalty"
 
 
 def _graph(kind: str) -> Callable:
-    return _GRAPHS[kind.split("+", 1)[0]]
+    return GRAPHS[kind.split("+", 1)[0]]
 _COMPILED: dict[tuple, Callable] = {}
 
 
@@ -314,7 +314,7 @@ def model_identity(model) -> dict[str, Any]:
     }
 
 
-def _namespace(cache, model, state: _ModelState):
+def cache_namespace(cache, model, state: ModelState):
     """The model's namespace in the compile cache: everything a graph depends on besides its shapes and weights."""
     import hashlib
     import inspect
@@ -329,7 +329,7 @@ def _namespace(cache, model, state: _ModelState):
     # the graphs' own code: this module, the device sampling, the outputs they return, and the cache layers and
     # masks they trace
     modules = (
-        inspect.getmodule(_run), sampling, _registry, _processors, _warpers, _cache_layers, _cache_layer_classes,
+        inspect.getmodule(run_graph), sampling, _registry, _processors, _warpers, _cache_layers, _cache_layer_classes,
         _step_outputs, _beam_graphs,
     )  # fmt: skip
     source = "".join(inspect.getsource(m) for m in modules)
@@ -347,17 +347,17 @@ def _namespace(cache, model, state: _ModelState):
     return cache.namespace("generation", parts)
 
 
-def _from_cache(model, state: _ModelState, key: tuple, args: tuple) -> Callable | None:
+def _from_cache(model, state: ModelState, key: tuple, args: tuple) -> Callable | None:
     """The graph for ``key`` from the model's persistent compile cache (loaded, or compiled ahead of time and
     stored); None when the model has no cache or the cache cannot serve this graph (reported, not raised)."""
-    cache = _compile_cache(state)
+    cache = compile_cache_of(state)
     settings = state.settings
     if cache is None or not settings.fullgraph:
         return None
     if state.host_length:  # a graph with a symbolic cache length: torch-tpu 0.2.0 cannot serialize those
         _skip_cache_once(model)
         return None
-    space = _namespace(cache, model, state)
+    space = cache_namespace(cache, model, state)
     if space is None:
         return None
     backend = _backend_for(settings, model.device)
@@ -417,7 +417,7 @@ def _where(exc: BaseException) -> str:
     return ""
 
 
-def _first_trace(model, state: _ModelState, key: tuple, compiled: Callable, args: tuple):
+def _first_trace(model, state: ModelState, key: tuple, compiled: Callable, args: tuple):
     """The first run of a graph (its trace); a model whose forward cannot be one static-shape graph raises
     :class:`NotCompilableError`, carrying the reason and the loop whose graph failed for
     :func:`hf_tpu.transformers.route.demote` (which moves the model to its next route)."""
@@ -451,7 +451,7 @@ def _first_trace(model, state: _ModelState, key: tuple, compiled: Callable, args
         raise error from exc
 
 
-def _run(model, state: _ModelState, key: tuple, *args):
+def run_graph(model, state: ModelState, key: tuple, *args):
     """Run the graph ``key[0]`` for the shape ``key``; strict mode refuses a shape warm-up did not compile."""
     import torch
 

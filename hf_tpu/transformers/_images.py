@@ -102,7 +102,7 @@ def images_problem(model, model_kwargs: dict) -> str | None:
 
 def encode_images(model, state, model_kwargs: dict, run) -> dict:
     """``model_kwargs`` with its image inputs replaced by ``mm_encoder_outputs={"image": ...}``: the base model's
-    ``get_image_features`` run as a compiled graph (``run``: :func:`hf_tpu.transformers._graphs._run`) on the
+    ``get_image_features`` run as a compiled graph (``run``: :func:`hf_tpu.transformers._graphs.run_graph`) on the
     inputs moved to the model's device, keyed by the shapes of its tensor inputs."""
     import torch
 

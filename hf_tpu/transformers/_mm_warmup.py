@@ -6,7 +6,7 @@ on zero pixels of shape ``(batch * images, channels, height, width)``, the layou
 processors return; Qwen2-VL's and Qwen2.5-VL's patch rows and grids for images of that size), then, for every warmed
 prompt bucket that holds the images' tokens, the ``mm_prefill`` graph (the model's forward merging those features,
 keyed by their shape) and the decode graph of that cache, on dummy ids whose image tokens match the features, as
-:func:`hf_tpu.transformers._decode_loop._decode_loop` runs them (with three rows of positions for Qwen-VL's).
+:func:`hf_tpu.transformers._decode_loop.decode_loop` runs them (with three rows of positions for Qwen-VL's).
 
 Audio: the model's own ``generate`` once per batch size on silent features of its input window (Whisper's feature
 extractor pads every clip to that window, so every audio length shares it), with the keyword arguments the served
@@ -21,9 +21,9 @@ import math
 from hf_tpu.transformers import _images
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
-from hf_tpu.transformers._decode_loop import _extra, _warm_sampling
-from hf_tpu.transformers._graphs import _run
-from hf_tpu.transformers._settings import NotCompilableError, _state
+from hf_tpu.transformers._decode_loop import extra_inputs, warm_sampling
+from hf_tpu.transformers._graphs import run_graph
+from hf_tpu.transformers._settings import NotCompilableError, model_state
 from hf_tpu.transformers.shapes import plan_shapes
 
 __all__ = ["feature_window", "warm_features", "warm_images"]
@@ -67,7 +67,7 @@ def warm_images(
     decode graphs of every bucket in ``prompt_buckets`` holding their tokens; returns the keys."""
     import torch
 
-    state = _state(model)
+    state = model_state(model)
     device = model.device
     vision_config = getattr(model.config, "vision_config", None)
     channels = int(getattr(vision_config, "num_channels", 3) or 3)
@@ -87,7 +87,7 @@ def warm_images(
         raise NotCompilableError(f"{problem}; generate runs upstream's loop for such calls, so warm-up has no graph")
     before = list(state.compile_log)
     with torch.no_grad():
-        encoded = _images.encode_images(model, state, kwargs, _run)["mm_encoder_outputs"]
+        encoded = _images.encode_images(model, state, kwargs, run_graph)["mm_encoder_outputs"]
     kinds = ("vision", "grid_vision")
     keys = [k for k in state.compile_log if k not in before and k[0] in kinds]
     keys = keys or [k for k in state.compiled if k[0] in kinds and k[1] == batch * count]
@@ -100,7 +100,7 @@ def warm_images(
         )
     types = takes_token_types(model)
     image_id = _image_token_id(model)
-    extra = _extra(model)
+    extra = extra_inputs(model)
     rows = _images.mrope_rows(model)
     kind_variant = variant + ("+token_type_ids" if types else "") + ("+mrope" if rows > 1 else "")
     with torch.no_grad():
@@ -112,7 +112,7 @@ def warm_images(
             ids = torch.zeros(batch, p, dtype=torch.long)
             ids[:, p - tokens :] = image_id
             pos = torch.arange(p, dtype=torch.long).expand(batch, p)
-            sampling = _warm_sampling(model, ids, variant, c + 1, 0)
+            sampling = warm_sampling(model, ids, variant, c + 1, 0)
             prefill_extra = dict(extra)  # (in the loop's order: the graphs guard on it)
             if types:
                 prefill_extra["token_type_ids"] = (ids == image_id).long().to(device)
@@ -120,12 +120,12 @@ def warm_images(
             prefill_key = ("mm_prefill" + kind_variant, batch, p, c, _images.features_shape(encoded))
             decode_key = ("decode" + kind_variant, batch, c)
             set_length(cache, 0)
-            _run(model, state, prefill_key, torch.cat([ids, *[pos] * rows], dim=1).to(device), mask_dev, cache,
+            run_graph(model, state, prefill_key, torch.cat([ids, *[pos] * rows], dim=1).to(device), mask_dev, cache,
                  prefill_extra, sampling)  # fmt: skip
             set_decoding(cache, True)
             step = torch.tensor([[0, *[p] * rows]], dtype=torch.long).expand(batch, 1 + rows).contiguous().to(device)
             set_length(cache, p)
-            _run(model, state, decode_key, step, mask_dev, cache, extra, sampling)
+            run_graph(model, state, decode_key, step, mask_dev, cache, extra, sampling)
             cache.reset()
             keys += [prefill_key, decode_key]
     return keys
@@ -175,7 +175,7 @@ def warm_features(model, batch: int, max_new_tokens: int, generate_kwargs: dict)
     extractor returns, on the host) with ``generate_kwargs``; returns the keys of the graphs it ran."""
     import torch
 
-    state = _state(model)
+    state = model_state(model)
     mel, frames = feature_window(model)
     before = len(state.compile_log)
     seen = set(state.compiled)

@@ -1,6 +1,6 @@
 """Per-model generation state: the knobs :func:`configure` sets, the graphs compiled so far, the static caches kept.
 
-Every other generation module reads a model's state through :func:`_state`; the state lives on the model object
+Every other generation module reads a model's state through :func:`model_state`; the state lives on the model object
 (``model.__dict__["_hf_tpu_generation"]``), so it goes away with the model.
 """
 
@@ -26,10 +26,10 @@ STRICT_ENV = "HF_TPU_STRICT_COMPILE"
 STRICT_EAGER = "eager"
 
 # Device types the hf_tpu loop takes over. Tests may widen it to exercise the loop on CPU.
-_DEVICE_TYPES: set[str] = {"tpu"}
+DEVICE_TYPES: set[str] = {"tpu"}
 
 # How many static caches (one per batch/cache-bucket shape) a model keeps allocated between calls.
-_CACHE_POOL_SIZE = 4
+CACHE_POOL_SIZE = 4
 
 _UNSET: Any = object()
 
@@ -113,7 +113,7 @@ class GenerationSettings:
 
 
 @dataclass
-class _ModelState:
+class ModelState:
     settings: GenerationSettings = field(default_factory=GenerationSettings)
     compiled: set[tuple] = field(default_factory=set)  # graph keys already compiled (or loaded) for this model
     compile_log: list[tuple] = field(default_factory=list)
@@ -152,10 +152,10 @@ class _ModelState:
         return self._strict_setting() == STRICT_EAGER
 
 
-def _state(model) -> _ModelState:
+def model_state(model) -> ModelState:
     state = model.__dict__.get("_hf_tpu_generation")
     if state is None:
-        state = _ModelState()
+        state = ModelState()
         model.__dict__["_hf_tpu_generation"] = state
     return state
 
@@ -199,7 +199,7 @@ def configure(
         >>> from hf_tpu.transformers import configure                   # doctest: +SKIP
         >>> configure(model, buckets=[32, 128, 512], strict=True)       # doctest: +SKIP
     """
-    state = _state(model)
+    state = model_state(model)
     if buckets is not None:
         state.settings.buckets = BucketLadder.coerce(buckets)
     if cache_multiple is not _UNSET:
@@ -236,7 +236,7 @@ def compiled_graphs(model) -> list[tuple]:
         >>> compiled_graphs(model)                            # doctest: +SKIP
         [('prefill', 1, 16, 32), ('decode', 1, 32)]
     """
-    return list(_state(model).compile_log)
+    return list(model_state(model).compile_log)
 
 
 def cache_bytes(model) -> dict[tuple, int]:
@@ -264,10 +264,10 @@ def cache_bytes(model) -> dict[tuple, int]:
             return sum(size(o, seen) for o in vars(obj).values())
         return 0
 
-    return {key: size(cache, set()) for key, cache in _state(model).caches.items()}
+    return {key: size(cache, set()) for key, cache in model_state(model).caches.items()}
 
 
-def _compile_cache(state: _ModelState):
+def compile_cache_of(state: ModelState):
     """The model's persistent compile cache (from :func:`configure` or ``HF_TPU_COMPILE_CACHE``), or None."""
     if state.settings.compile_cache is _UNSET:
         from hf_tpu.compile_cache import CompileCache
@@ -277,11 +277,11 @@ def _compile_cache(state: _ModelState):
 
 
 @contextlib.contextmanager
-def _device_types(*types: str) -> Iterator[None]:
+def device_types(*types: str) -> Iterator[None]:
     """Let the loop take over models on other device types too (tests use it to compare on CPU)."""
-    added = [t for t in types if t not in _DEVICE_TYPES]
-    _DEVICE_TYPES.update(added)
+    added = [t for t in types if t not in DEVICE_TYPES]
+    DEVICE_TYPES.update(added)
     try:
         yield
     finally:
-        _DEVICE_TYPES.difference_update(added)
+        DEVICE_TYPES.difference_update(added)

@@ -2,7 +2,7 @@
 
 Anything hf_tpu's loops do not cover (assisted decoding, beam search the beam loop cannot serve, a user cache it cannot copy in, extra model
 inputs, non-static ``cache_implementation``, ...) runs upstream's code unchanged, its inputs moved to the TPU as
-upstream's own ``prepare_inputs_for_generation`` moves them (:func:`_inputs_on_model_device`). The route of a call
+upstream's own ``prepare_inputs_for_generation`` moves them (:func:`inputs_on_model_device`). The route of a call
 (which loop, and why) is decided in :mod:`hf_tpu.transformers.route`, which asks this module about the call's
 arguments and the model's class (:func:`own_generate`, :func:`numbers_by_cache_length`).
 ``_UPSTREAM_GENERATE`` is the original ``GenerationMixin.generate``, set by
@@ -16,7 +16,7 @@ import contextvars
 from collections.abc import Callable, Iterator
 
 from hf_tpu.transformers._images import grid_model, image_inputs
-from hf_tpu.transformers._settings import _DEVICE_TYPES
+from hf_tpu.transformers._settings import DEVICE_TYPES
 from hf_tpu.transformers._signatures import CACHE_NAMES
 
 __all__: list[str] = []
@@ -27,7 +27,7 @@ _SUPPORTED_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "input
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
 
 
-def _upstream_generate() -> Callable:
+def upstream_generate() -> Callable:
     if _UPSTREAM_GENERATE is not None:
         return _UPSTREAM_GENERATE
     from transformers.generation.utils import GenerationMixin
@@ -147,7 +147,7 @@ def running() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _inputs_on_model_device(model) -> Iterator[None]:
+def inputs_on_model_device(model) -> Iterator[None]:
     """While upstream's loop runs on a TPU-placed ``model``: its ``prepare_inputs_for_generation`` ends by moving
     the forward's inputs onto the model's device, as upstream's own one does (upstream keeps the growing sequence
     on the caller's device, the host here, and moves only what the forward consumes). Upstream's method does
@@ -160,7 +160,7 @@ def _inputs_on_model_device(model) -> Iterator[None]:
     own = type(model).prepare_inputs_for_generation
     if (
         device is None
-        or device.type not in _DEVICE_TYPES
+        or device.type not in DEVICE_TYPES
         or own is GenerationMixin.prepare_inputs_for_generation
         or "prepare_inputs_for_generation" in vars(model)
     ):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 from hf_tpu._patch import original, patch
-from hf_tpu.transformers._settings import _DEVICE_TYPES
+from hf_tpu.transformers._settings import DEVICE_TYPES
 
 __all__ = ["apply"]
 
@@ -30,7 +30,7 @@ def apply(feature: str) -> None:
     @functools.wraps(upstream)
     def detect_language(self, input_features=None, *args, **kwargs):
         device = getattr(self, "device", None)
-        if input_features is not None and device is not None and device.type in _DEVICE_TYPES:
+        if input_features is not None and device is not None and device.type in DEVICE_TYPES:
             input_features = input_features.to(device)
         return upstream(self, input_features, *args, **kwargs)
 

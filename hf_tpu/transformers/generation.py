@@ -35,7 +35,7 @@ Where a change belongs (this module is the public entry point and re-exports the
   the ladders;
 * :mod:`hf_tpu.transformers._cache.pool`: the static caches, built per layer kind by
   :mod:`~hf_tpu.transformers._cache.layers` with the shapes :mod:`~hf_tpu.transformers._cache.probe` measures;
-* :mod:`hf_tpu.transformers._graphs`: the compiled graphs and :func:`_run` (strict mode, the persistent compile
+* :mod:`hf_tpu.transformers._graphs`: the compiled graphs and :func:`run_graph` (strict mode, the persistent compile
   cache of :mod:`hf_tpu.compile_cache`);
 * :mod:`hf_tpu.transformers._decode_loop`: the decoding loop and the warm-up of one shape plan;
 * :mod:`hf_tpu.transformers._cacheless`: the loop without a cache (``use_cache=False``, a model that keeps none or
@@ -65,13 +65,13 @@ from collections.abc import Callable, Iterator
 from hf_tpu import _torch_tpu
 from hf_tpu.transformers import _beam, _cacheless, _images
 from hf_tpu.transformers._compile_config import check_compile_config
-from hf_tpu.transformers._decode_loop import _PENALTY, _decode_loop, _warm, default_variant
-from hf_tpu.transformers._graphs import _run
+from hf_tpu.transformers._decode_loop import PENALTY, decode_loop, default_variant, warm_plan
+from hf_tpu.transformers._graphs import run_graph
 from hf_tpu.transformers._notes import WARNED, warn_once
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import (
-    _DEVICE_TYPES,
     CACHELESS,
+    DEVICE_TYPES,
     LOOPS,
     STRICT_EAGER,
     STRICT_ENV,
@@ -79,13 +79,13 @@ from hf_tpu.transformers._settings import (
     NotCompilableError,
     RecompileError,
     Route,
-    _device_types,
-    _state,
     cache_bytes,
     compiled_graphs,
     configure,
+    device_types,
+    model_state,
 )
-from hf_tpu.transformers._upstream import _inputs_on_model_device, _upstream_generate, encoder_input_name, running
+from hf_tpu.transformers._upstream import encoder_input_name, inputs_on_model_device, running, upstream_generate
 from hf_tpu.transformers.buckets import BucketOverflowError
 from hf_tpu.transformers.route import UPSTREAM, call_route, demote, explain
 from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, ladder_figures, plan_shapes
@@ -112,7 +112,7 @@ __all__ = [
 ]
 
 # Re-exported for the modules and tests that reach the loop's internals through this module.
-_INTERNALS = (_DEVICE_TYPES, _PENALTY, WARNED, _device_types, _warm)
+_INTERNALS = (DEVICE_TYPES, PENALTY, WARNED, device_types, warm_plan)
 
 
 def _to_host(value):
@@ -147,7 +147,7 @@ def generate(self, *args, **kwargs):
     """
     import torch
 
-    upstream = _upstream_generate()
+    upstream = upstream_generate()
     bound = inspect.signature(upstream).bind(self, *args, **kwargs)
     arguments = dict(bound.arguments)
     extra_kwargs = dict(arguments.pop("kwargs", {}))
@@ -179,7 +179,7 @@ def generate(self, *args, **kwargs):
     else:
         out_device = inputs.device
         input_ids = inputs.to("cpu")
-    state = _state(self)
+    state = model_state(self)
     before = _torch_tpu.cache_stats() if state.warmed and state.strict_eager else None
     # inputs_embeds too: upstream builds the call's special tokens, logits processors and stopping criteria on the
     # prompt's device, and hf_tpu's loop keeps the sequence and runs those on the host (embeddings on the tpu are
@@ -191,7 +191,7 @@ def generate(self, *args, **kwargs):
             extra_kwargs[key] = _to_host(extra_kwargs[key])
 
     if _images.image_inputs(self, extra_kwargs):  # the vision tower's graph; the prefill's forward merges them
-        extra_kwargs = _images.encode_images(self, state, extra_kwargs, _run)
+        extra_kwargs = _images.encode_images(self, state, extra_kwargs, run_graph)
     if features is not None:
         input_ids, extra_kwargs = _encode_features(self, inputs, extra_kwargs)
     elif self.config.is_encoder_decoder:
@@ -222,7 +222,7 @@ def _run_upstream(model, route: Route, upstream, args, kwargs):
     if route.warn:
         warn_once(route.reason, f"hf_tpu: {route.reason}; running upstream's generate on the TPU instead.")
     args, kwargs = _float_inputs_on_device(model, args, kwargs)
-    with _inputs_on_model_device(model), running():
+    with inputs_on_model_device(model), running():
         return upstream(model, *args, **kwargs)
 
 
@@ -251,14 +251,14 @@ def _float_inputs_on_device(model, args: tuple, kwargs: dict) -> tuple[tuple, di
 
 def run_loop(model, *args, hf_tpu_plan: dict, **kwargs):
     """The ``custom_generate`` callable hf_tpu hands upstream's ``generate``: the loop of the call's route
-    (``hf_tpu_plan["route"]``): :func:`~hf_tpu.transformers._decode_loop._decode_loop` for the cached and
+    (``hf_tpu_plan["route"]``): :func:`~hf_tpu.transformers._decode_loop.decode_loop` for the cached and
     host-length routes, :func:`~hf_tpu.transformers._cacheless.cacheless_loop` for the loop without a cache (whose
     reason, where the cached loop cannot serve the model, is said once its graphs ran)."""
     route = hf_tpu_plan["route"]
     if kwargs.get("generation_config") is not None and _beam.is_beam_call(kwargs["generation_config"]):
         return _beam.beam_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
     if route.loop != CACHELESS:
-        return _decode_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
+        return decode_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
     result = _cacheless.cacheless_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
     if route.warn:
         warn_once(f"no cache:{route.reason}", f"hf_tpu: {route.reason}; {_cacheless.NO_CACHE_NOTE}.")
@@ -299,7 +299,7 @@ def _encode(model, input_ids, model_kwargs: dict):
     import torch
     from transformers.modeling_outputs import BaseModelOutput
 
-    state = _state(model)
+    state = model_state(model)
     batch, length = input_ids.shape
     ladder = state.ladder(model.config)
     bucket = ladder.bucket(length, "the encoder input", LADDER_FIX)
@@ -311,7 +311,7 @@ def _encode(model, input_ids, model_kwargs: dict):
     ids = _pad_right(input_ids, bucket, pad_id)
     mask = _pad_right(mask.long(), bucket, 0)
     with torch.no_grad():
-        hidden = _run(model, state, ("encoder", batch, bucket), ids.to(model.device), mask.to(model.device))
+        hidden = run_graph(model, state, ("encoder", batch, bucket), ids.to(model.device), mask.to(model.device))
     model_kwargs = dict(model_kwargs)
     model_kwargs["attention_mask"] = mask
     model_kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
@@ -326,7 +326,7 @@ def _encode_features(model, features, model_kwargs: dict):
     import torch
     from transformers.modeling_outputs import BaseModelOutput
 
-    state = _state(model)
+    state = model_state(model)
     on_device = features.to(model.device)  # (no copy when they are there already)
     # what upstream's generate gets as its inputs: it reads their batch size and device only, the encoder having run
     host = features if features.device.type == "cpu" else torch.empty(features.shape, dtype=features.dtype)
@@ -334,7 +334,7 @@ def _encode_features(model, features, model_kwargs: dict):
     key = ("features_encoder", int(host.shape[0]), *(int(n) for n in host.shape[1:]), mask is not None)
     with torch.no_grad():
         args = (on_device,) if mask is None else (on_device, mask.to(model.device))
-        hidden = _run(model, state, key, *args)
+        hidden = run_graph(model, state, key, *args)
     model_kwargs = dict(model_kwargs)
     model_kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
     return host, model_kwargs
@@ -379,16 +379,16 @@ def eager_decode_step(model, cache_len: int) -> Callable[[], object]:
     import torch
 
     from hf_tpu.transformers._cache.pool import cache_for
-    from hf_tpu.transformers._graphs import _GRAPHS
+    from hf_tpu.transformers._graphs import GRAPHS
 
-    cache = cache_for(model, _state(model), 1, cache_len, None)
+    cache = cache_for(model, model_state(model), 1, cache_len, None)
     mask = torch.ones(1, cache_len, dtype=torch.bool).to(model.device)
     step = torch.tensor([[5, cache_len // 2]], dtype=torch.long).to(model.device)
     extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
 
     def run():
         with torch.no_grad():
-            return _GRAPHS["decode"](model, step, mask, cache, extra, None)
+            return GRAPHS["decode"](model, step, mask, cache, extra, None)
 
     return run
 

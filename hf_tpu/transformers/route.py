@@ -29,15 +29,15 @@ from dataclasses import replace
 from hf_tpu.transformers import _beam, _cacheless, _images, _upstream
 from hf_tpu.transformers._cache import pool
 from hf_tpu.transformers._settings import (
-    _DEVICE_TYPES,
     CACHED,
     CACHELESS,
+    DEVICE_TYPES,
     HOST_LENGTH,
     LOOPS,
     UPSTREAM,
     NotCompilableError,
     Route,
-    _state,
+    model_state,
 )
 from hf_tpu.transformers._signatures import model_cache_problem
 from hf_tpu.transformers._upstream import own_generate
@@ -96,7 +96,7 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
     """The route of one ``generate`` call: ``args`` its named arguments, ``kwargs`` the rest (generation-config
     fields and model inputs), as ``generate`` binds them."""
     device = getattr(model, "device", None)
-    if device is None or device.type not in _DEVICE_TYPES:
+    if device is None or device.type not in DEVICE_TYPES:
         return Route(UPSTREAM, "not on a tpu device")
     nested = _upstream.nested_call()
     if nested is not None:  # (the outer call said why it runs upstream's loop)
@@ -116,8 +116,8 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
             reason, warn = problem
             return Route(UPSTREAM, reason, warn=warn)
     outputs = config.output_attentions or config.output_hidden_states
-    if outputs and found.loop != UPSTREAM and _state(model).outputs_problem:
-        return Route(UPSTREAM, _state(model).outputs_problem, warn=True)
+    if outputs and found.loop != UPSTREAM and model_state(model).outputs_problem:
+        return Route(UPSTREAM, model_state(model).outputs_problem, warn=True)
     if config.output_attentions and found.loop in (CACHED, HOST_LENGTH):
         from hf_tpu.transformers._cache.handoff import full_attention_only
 
@@ -146,7 +146,7 @@ def _call_route(model, config, model_kwargs: dict) -> Route:
             problem = "images with inputs_embeds are not supported by the bucketed loop (it merges them into ids)"
         if problem is None and (not use_cache or model_route(model).loop not in (CACHED, HOST_LENGTH)):
             problem = f"images: only hf_tpu's loop with a cache takes them, and this call of {type(model).__name__} cannot run it"
-        if problem is None and (_upstream.numbers_by_cache_length(model) or _state(model).host_length):
+        if problem is None and (_upstream.numbers_by_cache_length(model) or model_state(model).host_length):
             problem = _upstream.prompt_first_inputs(model, ["images"])
         if problem is not None:
             return Route(UPSTREAM, problem, warn=True)
@@ -163,7 +163,7 @@ def _call_route(model, config, model_kwargs: dict) -> Route:
 
 def model_route(model) -> Route:
     """The route of the model's calls with a cache, decided once (then demoted by :func:`demote` only)."""
-    state = _state(model)
+    state = model_state(model)
     if state.route is None:
         state.route = _decide(model)
     return state.route
@@ -203,7 +203,7 @@ def _with_verdict(route: Route, without: str | None) -> Route:
 
 def _without_cache(model) -> str | None:
     """Why the loop without a cache cannot serve ``model`` (None when it can), checked once per model."""
-    state = _state(model)
+    state = model_state(model)
     known = state.route
     if known is not None and known.without_cache_checked:
         return known.without_cache
@@ -246,7 +246,7 @@ def _prompt_inputs_problem(model, given: list[str], use_cache: bool) -> tuple[st
         return None  # token types: the loop without a cache takes them too (see _cacheless)
     if model_route(model).loop not in (CACHED, HOST_LENGTH):
         return f"{names}: only hf_tpu's loop with a cache takes them, and {type(model).__name__} cannot run it", True
-    if _upstream.numbers_by_cache_length(model) or _state(model).host_length:
+    if _upstream.numbers_by_cache_length(model) or model_state(model).host_length:
         return _upstream.prompt_first_inputs(model, given), True
     return None
 
@@ -255,7 +255,7 @@ def demote(model, error: NotCompilableError) -> Route:
     """The one place a route changes after ``error`` (a graph of ``error.loop`` failed its first trace, or the
     call's inputs cannot take the loop: ``error.loop`` None): the model's route moves down the order where its own
     loop failed; the call then asks :func:`call_route` again. Returns the model's route."""
-    state = _state(model)
+    state = model_state(model)
     current = model_route(model)
     loop = getattr(error, "loop", None)
     reason = getattr(error, "reason", None) or str(error)

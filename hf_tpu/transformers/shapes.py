@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hf_tpu.transformers._settings import _state
+from hf_tpu.transformers._settings import model_state
 from hf_tpu.transformers._upstream import encoder_input_name
 from hf_tpu.transformers.buckets import BucketLadder, BucketOverflowError, cache_length
 
@@ -69,7 +69,7 @@ def plan_shapes(
         >>> plan_shapes(model, batch=1, prompt_len=20, max_new_tokens=32)      # doctest: +SKIP
         ShapePlan(batch=1, prompt_len=20, prompt_bucket=32, cache_bucket=64, encoder_bucket=None)
     """
-    state = _state(model)
+    state = model_state(model)
     ladder = state.ladder(model.config)
     new = max(int(max_new_tokens), 1)
     if encoder_len is not None:

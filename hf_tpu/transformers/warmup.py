@@ -137,7 +137,7 @@ def warmup(
     if cache_dir is not None:
         generation.configure(model, compile_cache=cache_dir)
     device = getattr(model, "device", None)
-    if device is None or device.type not in generation._DEVICE_TYPES:
+    if device is None or device.type not in generation.DEVICE_TYPES:
         from hf_tpu.runtime import require_tpu
 
         require_tpu("hf_tpu.warmup(model)")
@@ -148,7 +148,7 @@ def warmup(
     own = _upstream.own_generate(model)
     if own:
         raise generation.NotCompilableError(f"{own}; warm-up has no graph its generate would use")
-    state = generation._state(model)
+    state = generation.model_state(model)
     _no_graph_if_upstream(route.explain(model))  # the route of a call with the model's own generation_config
     ladder = state.ladder(model.config)
     batch_sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
@@ -206,7 +206,7 @@ def warmup(
         bar.close()
     state.warmed = True
     report.seconds = time.perf_counter() - start
-    cache = _settings._compile_cache(state)
+    cache = _settings.compile_cache_of(state)
     report.from_cache = _cache_hits() - hits_before
     report.new_compiles = len(state.compiled) - before - report.from_cache
     if tpu_before is not None:
@@ -271,7 +271,7 @@ def _warm_calls(model, state, batch_sizes, progress: bool, warm) -> WarmupReport
     if tpu_before is not None:
         spent = _torch_tpu.cache_stats() - tpu_before
         report.tpu_cache_requests, report.tpu_cache_misses = spent.requests, spent.misses
-    cache = _settings._compile_cache(state)
+    cache = _settings.compile_cache_of(state)
     if cache is not None:
         report.cache_dir, report.cache_problems = str(cache.root), list(cache.problems)
     return report
@@ -285,7 +285,7 @@ def _warm_one(model, plan, variant: str) -> list[tuple]:
 
     for _ in range(len(LOOPS)):
         loop = route.explain(model).loop
-        warm = _cacheless.warm if loop == CACHELESS else generation._warm
+        warm = _cacheless.warm if loop == CACHELESS else generation.warm_plan
         try:
             return warm(model, plan, variant)
         except generation.NotCompilableError as exc:
@@ -328,12 +328,12 @@ def _cache_hits() -> int:
 def _manifest_plans(model, state) -> list:
     """Shape plans for the graphs the model's compile-cache manifest lists (what earlier processes needed)."""
     from hf_tpu.transformers import generation
-    from hf_tpu.transformers._graphs import _namespace
+    from hf_tpu.transformers._graphs import cache_namespace
 
-    cache = _settings._compile_cache(state)
+    cache = _settings.compile_cache_of(state)
     if cache is None or not state.settings.compile:
         return []
-    space = _namespace(cache, model, state)
+    space = cache_namespace(cache, model, state)
     if space is None:
         return []
     plans = []

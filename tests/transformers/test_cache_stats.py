@@ -74,7 +74,7 @@ def test_warmup_reports_torch_tpu_cache_and_strict_eager_passes_inside_the_ladde
 
 def test_strict_eager_raises_on_an_eager_compile_after_warmup_and_strict_graphs_does_not(warmed, prompts, monkeypatch):
     _, tpu, _ = warmed
-    real_loop = generation._decode_loop
+    real_loop = generation.decode_loop
     calls = []
 
     def loop_with_a_new_eager_op(*args, **kwargs):
@@ -83,7 +83,7 @@ def test_strict_eager_raises_on_an_eager_compile_after_warmup_and_strict_graphs_
         torch.full((3, 5, 1000 + len(calls)), 2.0, device="tpu")
         return real_loop(*args, **kwargs)
 
-    monkeypatch.setattr(generation, "_decode_loop", loop_with_a_new_eager_op)
+    monkeypatch.setattr(generation, "decode_loop", loop_with_a_new_eager_op)
     ids, mask = prompts([4, 9])
     generation.configure(tpu, strict=True)  # graphs only: the eager compile goes through
     tpu.generate(ids, attention_mask=mask, max_new_tokens=6)
@@ -99,7 +99,7 @@ def test_strict_eager_raises_on_an_eager_compile_after_warmup_and_strict_graphs_
 
 def test_strict_eager_from_the_environment_and_bad_values(warmed, monkeypatch):
     _, tpu, _ = warmed
-    state = generation._state(tpu)
+    state = generation.model_state(tpu)
     generation.configure(tpu, strict=None)
     state.settings.strict = None
     monkeypatch.setenv(generation.STRICT_ENV, "eager")

@@ -20,13 +20,13 @@ def test_greedy_matches_cpu_for_batched_prompts_of_different_lengths(family, pai
     cpu, tpu = pair(family)
     ids, mask = prompts([5, 11])
     expected = cpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    ran, run = [], _decode_loop._run
+    ran, run = [], _decode_loop.run_graph
 
     def spy(model, state, key, *args):
         ran.append(key[0])
         return run(model, state, key, *args)
 
-    monkeypatch.setattr(_decode_loop, "_run", spy)
+    monkeypatch.setattr(_decode_loop, "run_graph", spy)
     got = tpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert got.device.type == "cpu"  # back on the inputs' device
     assert torch.equal(got, expected)
@@ -212,7 +212,7 @@ def test_return_dict_with_scores(llama, prompts):
 def test_bad_inputs_get_clear_messages(llama, prompts):
     _, tpu = llama
     limit = generation.plan_shapes(tpu, 1, 1, 1)  # the default ladder ends at max_position_embeddings
-    ladder_max = generation._state(tpu).settings.buckets.max
+    ladder_max = generation.model_state(tpu).settings.buckets.max
     assert limit.prompt_bucket == 16
     long_prompt = torch.randint(3, tpu.config.vocab_size, (1, ladder_max + 1))
     with pytest.raises(BucketOverflowError, match=rf"the prompt is {ladder_max + 1} tokens, past the largest bucket"):

@@ -75,7 +75,7 @@ def test_warmup_switches_to_the_host_length_and_strict_generate_compiles_nothing
         report = hf_tpu.warmup(
             tpu, max_prompt_len=8, batch_sizes=[1], max_new_tokens=6, progress=False, cache_dir=tmp_path
         )
-    assert report.new_compiles >= 2 and generation._state(tpu).host_length
+    assert report.new_compiles >= 2 and generation.model_state(tpu).host_length
     generation.configure(tpu, strict=True)
     try:
         for n in (3, 8):

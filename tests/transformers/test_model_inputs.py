@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_tpu.transformers import explain, generation
-from hf_tpu.transformers._settings import _state
+from hf_tpu.transformers._settings import model_state
 
 
 @pytest.fixture
@@ -16,13 +16,13 @@ def ran(monkeypatch) -> list[str]:
     """The graph kinds the cached loop ran during the test."""
     from hf_tpu.transformers import _decode_loop
 
-    kinds, run = [], _decode_loop._run
+    kinds, run = [], _decode_loop.run_graph
 
     def spy(model, state, key, *args):
         kinds.append(key[0])
         return run(model, state, key, *args)
 
-    monkeypatch.setattr(_decode_loop, "_run", spy)
+    monkeypatch.setattr(_decode_loop, "run_graph", spy)
     return kinds
 
 
@@ -120,7 +120,7 @@ def test_token_type_ids_without_a_cache_run_the_loop_without_a_cache_like_cpu(pa
     got, expected = tpu.generate(ids, **kw), cpu.generate(ids, **kw)
     assert torch.equal(got.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores))
-    assert any(key[0] == "cacheless_prefill+token_type_ids" for key in _state(tpu).compiled)
+    assert any(key[0] == "cacheless_prefill+token_type_ids" for key in model_state(tpu).compiled)
 
 
 def test_an_encoder_decoder_without_input_ids_runs_upstream_with_the_reason(pair):

@@ -13,15 +13,15 @@ from hf_tpu.transformers import generation
 def _spy(monkeypatch) -> list[str]:
     from hf_tpu.transformers import _graphs
 
-    ran, run = [], _graphs._run
+    ran, run = [], _graphs.run_graph
 
     def spy(model, state, key, *args):
         ran.append(key[0])
         return run(model, state, key, *args)
 
     for module in ("_decode_loop", "_cacheless"):
-        monkeypatch.setattr(f"hf_tpu.transformers.{module}._run", spy, raising=False)
-    monkeypatch.setattr(_graphs, "_run", spy)
+        monkeypatch.setattr(f"hf_tpu.transformers.{module}.run_graph", spy, raising=False)
+    monkeypatch.setattr(_graphs, "run_graph", spy)
     return ran
 
 

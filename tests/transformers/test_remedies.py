@@ -59,10 +59,10 @@ def _messages() -> list[str]:
         with pytest.raises(BucketOverflowError) as info:
             raise_it()
         found.append(str(info.value))
-    state = _settings._ModelState(warmed=True)
+    state = _settings.ModelState(warmed=True)
     state.settings.strict = True
     with pytest.raises(RecompileError) as info:
-        _graphs._run(None, state, ("decode", 1, 32))
+        _graphs.run_graph(None, state, ("decode", 1, 32))
     found.append(str(info.value))
     return found
 

@@ -14,7 +14,7 @@ import transformers
 
 from hf_tpu.testing import tiny_config, tiny_model
 from hf_tpu.transformers import explain, generation
-from hf_tpu.transformers._settings import _state
+from hf_tpu.transformers._settings import model_state
 from hf_tpu.transformers._signatures import cache_name, output_cache_field
 
 VOCAB = 96  # (as the shared models': make_prompts draws ids below it)
@@ -38,7 +38,7 @@ def eager_pair():
 
 
 def _kinds(model) -> set[str]:
-    return {key[0] for key in _state(model).compiled}
+    return {key[0] for key in model_state(model).compiled}
 
 
 def _same(ours: tuple, theirs: tuple, mask: torch.Tensor, attention: bool) -> None:

@@ -64,7 +64,7 @@ def given_cache_problem(model, cache, input_len: int | None, mask_len: int | Non
     the one-time warning of the call that runs upstream's loop instead."""
     from transformers.cache_utils import Cache
 
-    from hf_tpu.transformers._settings import _state
+    from hf_tpu.transformers._settings import model_state
 
     name = type(cache).__name__
     if not isinstance(cache, Cache):
@@ -76,7 +76,7 @@ def given_cache_problem(model, cache, input_len: int | None, mask_len: int | Non
             f"a {name} passed in is copied into the bucketed cache only when every layer is full attention "
             f"({type(model).__name__}'s cache or the one passed has other layer kinds)"
         )
-    if _state(model).host_length:
+    if model_state(model).host_length:
         return f"a {name} passed in is not copied into a cache that reports a host length (prompt first) yet"
     seen = cached_length(cache)
     if input_len is None:

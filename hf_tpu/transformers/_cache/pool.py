@@ -1,5 +1,5 @@
 """The static caches of the generation loop: one per (batch, cache length, encoder length, dtype) shape, reset and
-reused across calls (at most ``_CACHE_POOL_SIZE`` kept allocated per model), and the check that a model's cache can
+reused across calls (at most ``CACHE_POOL_SIZE`` kept allocated per model), and the check that a model's cache can
 be a bucketed static cache at all.
 
 Each layer of a cache is the bucketed form of the upstream layer class ``StaticCache`` would build for it
@@ -9,7 +9,7 @@ Each layer of a cache is the bucketed form of the upstream layer class ``StaticC
 
 from __future__ import annotations
 
-from hf_tpu.transformers._settings import _CACHE_POOL_SIZE, _ModelState
+from hf_tpu.transformers._settings import CACHE_POOL_SIZE, ModelState
 
 __all__: list[str] = []
 
@@ -30,8 +30,8 @@ def bucketed_cache(model, shapes: list[dict], batch: int, cache_len: int, host_l
     return cache
 
 
-def cache_for(model, state: _ModelState, batch: int, cache_len: int, encoder_len: int | None):
-    """A reset static cache for this shape, reused across calls (at most ``_CACHE_POOL_SIZE`` kept allocated)."""
+def cache_for(model, state: ModelState, batch: int, cache_len: int, encoder_len: int | None):
+    """A reset static cache for this shape, reused across calls (at most ``CACHE_POOL_SIZE`` kept allocated)."""
     from transformers.cache_utils import EncoderDecoderCache
 
     from hf_tpu.transformers._cache.probe import cache_shapes
@@ -39,7 +39,7 @@ def cache_for(model, state: _ModelState, batch: int, cache_len: int, encoder_len
     key = (batch, cache_len, encoder_len, model.dtype, bool(state.host_length))
     cache = state.caches.pop(key, None)
     if cache is None:
-        while len(state.caches) >= _CACHE_POOL_SIZE:
+        while len(state.caches) >= CACHE_POOL_SIZE:
             state.caches.popitem(last=False)
         self_shapes, cross_shapes = cache_shapes(model)
         cache = bucketed_cache(model, self_shapes, batch, cache_len, bool(state.host_length))
