@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hf_tpu.device_map.devices import is_tpu_device, tpu_device_count, tpu_memory
-from hf_tpu.device_map.maps import check_index, tpu_index, int_means_tpu, names_tpu
+from hf_tpu.device_map.maps import check_index, int_means_tpu, names_tpu, tpu_index
 
 __all__ = ["get_max_memory", "normalize_max_memory"]
 
