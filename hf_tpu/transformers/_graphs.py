@@ -433,7 +433,7 @@ def _first_trace(model, state: ModelState, key: tuple, compiled: Callable, args:
                 f"output_attentions/output_hidden_states: {type(model).__name__}'s forward returning them cannot be "
                 f"compiled as one static-shape graph ({what})"
             )
-            state.outputs_problem = reason
+            state.outputs_problems[frozenset(key[0].split("+")[1:]) & {"attentions", "hidden_states"}] = reason
             error = NotCompilableError(f"{reason}; found tracing the {_describe(key)}")
             error.reason, error.loop = reason, None
             raise error from exc

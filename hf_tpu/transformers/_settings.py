@@ -123,8 +123,16 @@ class ModelState:
     module_states: list | None = None  # (module, attribute) of state kept on modules (_module_state.py); None: unseen
     # how its generate calls run (hf_tpu.transformers.route): decided at the first call, demoted when a graph fails
     route: Route | None = None
-    # why its forward cannot return attentions/hidden states in a graph (found at a first trace); None: not found
-    outputs_problem: str | None = None
+    # why its forward cannot return attentions/hidden states in a graph (found at a first trace), by the outputs the
+    # failing graph returned: a frozenset of "attentions"/"hidden_states" -> the reason (a failure found returning
+    # attentions says nothing of a call asking for hidden states only: sdpa's forward warns on attentions alone)
+    outputs_problems: dict = field(default_factory=dict)
+
+    def outputs_problem(self, attentions: bool, hidden_states: bool) -> str | None:
+        """Why a call asking for these outputs cannot return them from a graph: a failure found with a subset of
+        them (None: none found)."""
+        asked = {name for name, on in (("attentions", attentions), ("hidden_states", hidden_states)) if on}
+        return next((reason for found, reason in self.outputs_problems.items() if found <= asked), None)
 
     @property
     def host_length(self) -> bool:

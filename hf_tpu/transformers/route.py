@@ -116,8 +116,9 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
             reason, warn = problem
             return Route(UPSTREAM, reason, warn=warn)
     outputs = config.output_attentions or config.output_hidden_states
-    if outputs and found.loop != UPSTREAM and model_state(model).outputs_problem:
-        return Route(UPSTREAM, model_state(model).outputs_problem, warn=True)
+    problem = model_state(model).outputs_problem(bool(config.output_attentions), bool(config.output_hidden_states))
+    if outputs and found.loop != UPSTREAM and problem:
+        return Route(UPSTREAM, problem, warn=True)
     if config.output_attentions and found.loop in (CACHED, HOST_LENGTH):
         from hf_tpu.transformers._cache.handoff import full_attention_only
 

@@ -107,6 +107,24 @@ def test_sdpa_gives_hidden_states_and_no_attention_weights_as_upstream(llama, pr
     _same(got.hidden_states, expected.hidden_states, mask, attention=False)
 
 
+def test_a_failure_returning_attentions_leaves_hidden_states_on_the_loop(from_config, prompts):
+    # sdpa warns through logger.warning_once when asked for attention weights, which dynamo cannot trace: that call
+    # runs upstream's loop; a later call asking for hidden states only still takes hf_tpu's loop (the failure was
+    # recorded against the attentions it asked for, not against every call asking for outputs)
+    config = tiny_config("llama", vocab_size=96)
+    config._attn_implementation = "sdpa"
+    cpu, tpu = from_config(transformers.LlamaForCausalLM, config)
+    ids, mask = prompts([3, 5], seed=4)
+    kw = {"attention_mask": mask, "max_new_tokens": 3, "do_sample": False, "eos_token_id": None,
+          "return_dict_in_generate": True}  # fmt: skip
+    tpu.generate(ids, output_attentions=True, output_hidden_states=True, **kw)
+    assert explain(tpu, output_attentions=True, output_hidden_states=True, **kw).loop == "upstream"
+    assert explain(tpu, output_hidden_states=True, **kw).loop == "cached"
+    got, expected = (m.generate(ids, output_hidden_states=True, **kw) for m in (tpu, cpu))
+    assert torch.equal(got.sequences.cpu(), expected.sequences)
+    _same(got.hidden_states, expected.hidden_states, mask, attention=False)
+
+
 def test_an_encoder_decoder_asking_for_them_runs_upstream_with_the_reason(pair):
     cpu, tpu = pair("t5")
     ids = torch.tensor([[5, 6, 7, 8]])
