@@ -37,7 +37,7 @@ def _on_sim(device: Any) -> bool:
     acc = torch.accelerator.current_accelerator()
     if acc is None or acc.type != "tpu":
         return False
-    from hf_tpu.sim._device_module import index_of_device
+    from hf_tpu.sim._device_index import index_of_device
 
     if isinstance(device, (str, torch.device)) and torch.device(device).type != "tpu":
         return False  # let torch raise its own "must match the current accelerator" error

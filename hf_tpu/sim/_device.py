@@ -13,7 +13,17 @@ import types
 
 import torch
 
-from hf_tpu.sim import _accelerator, _attention, _autocast, _device_module, _native, _ops, _pinned, _public_api
+from hf_tpu.sim import (
+    _accelerator,
+    _attention,
+    _autocast,
+    _device_index,
+    _device_module,
+    _native,
+    _ops,
+    _pinned,
+    _public_api,
+)
 from hf_tpu.sim._after_import import after_import
 
 __all__ = ["register"]
@@ -139,7 +149,7 @@ def _storage_to_tpu(original):
 
     def _to(self, device, non_blocking=False):
         if isinstance(device, torch.device) and device.type == "tpu" and self.device.type == "cpu":
-            _device_module.index_of_device(device)
+            _device_index.index_of_device(device)
             cpu = torch.UntypedStorage(self.nbytes())
             cpu.copy_(self)
             STATE.h2d_copies += 1
@@ -181,7 +191,7 @@ def patch_untyped_storage_new() -> None:
         dev = device if isinstance(device, torch.device) else torch.device(device)
         if dev.type != "tpu":
             return base_new(klass, *args, device=device, **kwargs)
-        _device_module.index_of_device(dev)
+        _device_index.index_of_device(dev)
         if kwargs or len(args) > 1 or (args and not isinstance(args[0], int)):
             raise NotImplementedError(
                 "torch.UntypedStorage(..., device='tpu') takes only a size in bytes on the simulated device; "

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from hf_tpu.sim._device_index import index_of_device as _index
 from hf_tpu.sim._rng import GENERATOR as _GENERATOR
 from hf_tpu.sim._precision import Precision, precision
 
@@ -119,24 +120,6 @@ def _configure(name: str, hbm: int) -> None:
     _GENERATION["hbm"] = hbm
 
 
-def index_of_device(device: Any) -> int:
-    if device is None:
-        return 0
-    if isinstance(device, str):
-        device = torch.device(device)
-    if isinstance(device, torch.device):
-        if device.type != "tpu":
-            raise ValueError(f"expected a tpu device, got {device}")
-        idx = 0 if device.index is None else device.index
-    else:
-        idx = int(device)
-    if idx != 0:
-        raise RuntimeError(
-            f"tpu:{idx} does not exist: the simulated TPU, like torch_tpu, gives each process one device (tpu:0)."
-        )
-    return idx
-
-
 @_internal("torch.accelerator.is_available")
 def is_available() -> bool:
     return True
@@ -166,11 +149,11 @@ def current_device() -> int:
 
 @_internal("torch.accelerator.set_device_index")
 def set_device(device: Any) -> None:
-    index_of_device(device)
+    _index(device)
 
 
 def _exchange_device(device: int) -> int:
-    index_of_device(device)
+    _index(device)
     return 0
 
 
@@ -181,7 +164,7 @@ def _maybe_exchange_device(device: int) -> int:
 @_internal("torch.accelerator.synchronize")
 def synchronize(device: Any = None) -> None:
     """Wait for the device (the simulator computes eagerly, so there is nothing to wait for)."""
-    index_of_device(device)
+    _index(device)
 
 
 def manual_seed(seed: int) -> None:
@@ -203,12 +186,12 @@ def initial_seed() -> int:
 
 @_internal("torch.accelerator.random.get_rng_state")
 def get_rng_state(device: Any = "tpu") -> torch.Tensor:
-    index_of_device(device)
+    _index(device)
     return _GENERATOR.get_state()
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "tpu") -> None:
-    index_of_device(device)
+    _index(device)
     _GENERATOR.set_state(new_state.cpu() if new_state.device.type != "cpu" else new_state)
 
 
@@ -222,16 +205,16 @@ default_generators = (_GENERATOR,)
 def _get_generator(device: torch.device) -> torch.Generator:
     """The default generator of ``device`` (torch_tpu's ``_get_generator``: what AOTAutograd's graph-safe RNG asks
     ``torch.<device>`` for; see hf_tpu/sim/_rng.py)."""
-    return default_generators[index_of_device(device)]
+    return default_generators[_index(device)]
 
 
 def get_device_name(device: Any = None) -> str:
-    index_of_device(device)
+    _index(device)
     return _GENERATION["name"]
 
 
 def get_device_properties(device: Any = None) -> _TpuDeviceProperties:
-    index_of_device(device)
+    _index(device)
     return _TpuDeviceProperties(name=str(_GENERATION["name"]), total_memory=int(_GENERATION["hbm"]))
 
 
@@ -347,7 +330,7 @@ class device:
     @_internal("torch.accelerator.device_index", name="_DeviceContext")  # torch_tpu's class name, in its message
     def __init__(self, device: Any) -> None:
         if device is not None and not (isinstance(device, int) and device < 0):
-            index_of_device(device)
+            _index(device)
 
     def __enter__(self) -> None:
         return None

@@ -41,7 +41,7 @@ def _is_tpu(device: Any) -> bool:
 class _GeneratorMeta(type(_CGenerator)):  # type: ignore[misc]
     def __call__(cls, device: Any = "cpu") -> Any:
         if _is_tpu(device):
-            from hf_tpu.sim._device_module import index_of_device
+            from hf_tpu.sim._device_index import index_of_device
 
             index_of_device(device)
             if cls is not Generator:
