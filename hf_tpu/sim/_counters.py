@@ -193,11 +193,20 @@ class Stats:
         STATE.window_peak = max(self._saved_window, STATE.window_peak)
 
     def as_dict(self) -> dict[str, int]:
-        """The counters as a plain dict (for JSON, benchmarks and assertions)."""
+        """The counters as a plain dict (for JSON, benchmarks and assertions).
+
+        Returns:
+            Each counter's name (``"compiles"``, ``"h2d_copies"``, ..., ``"live_bytes"``, ``"peak_bytes"``) mapped
+            to its value at the time of the call.
+        """
         return {name: getattr(self, name) for name in (*_FIELDS, "live_bytes", "peak_bytes")}
 
     def report(self) -> str:
-        """A short human-readable summary."""
+        """A short human-readable summary (also what ``str(stats)`` prints).
+
+        Returns:
+            A few lines of text, one per counter, with byte counts in readable units.
+        """
         d = self.as_dict()
         lines = [
             "simulated tpu counters",
@@ -224,6 +233,9 @@ class Stats:
 def stats() -> Iterator[Stats]:
     """Count what the simulated device does inside the block.
 
+    Yields:
+        A :class:`Stats` whose counters read live inside the block and freeze when it closes.
+
     Example:
         >>> import torch, hf_tpu.sim
         >>> with hf_tpu.sim.stats() as s:
@@ -245,6 +257,14 @@ def strict(host_syncs: bool = True, recompiles: bool = True) -> Iterator[None]:
     """Raise :class:`SimStrictError` on a host sync (``host_syncs``) or a compile (``recompiles``) in the block.
 
     Use it after warm-up to prove a loop never waits on the device nor compiles a new graph.
+
+    Args:
+        host_syncs: raise on a host sync (``.item()``, ``.tolist()``, ``.cpu()``, ...) inside the block; True by
+            default.
+        recompiles: raise on a compile (a new graph or a new eager op signature) inside the block; True by default.
+
+    Raises:
+        SimStrictError: inside the block, at the first forbidden host sync or compile.
 
     Example:
         >>> import torch, hf_tpu.sim
