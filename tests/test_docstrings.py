@@ -68,6 +68,17 @@ def sections(doc: str) -> dict[str, str]:
     return {title: "\n".join(lines) for title, lines in found.items()}
 
 
+def documented_names(section: str) -> set[str]:
+    """The names a section documents: each entry line starts with them (``x: ...``, ``*names: ...``, ``backend,
+    fullgraph: ...`` for several at once, ``x (int): ...``)."""
+    names = set()
+    for line in section.splitlines():
+        match = re.match(r"^\s+([\w*][\w*,\s]*?)\s*(\([^)]*\))?:", line)
+        if match:
+            names.update(part.strip().lstrip("*") for part in match.group(1).split(","))
+    return names
+
+
 def own_body(tree: ast.AST) -> list[tuple[ast.AST, frozenset[str]]]:
     """The nodes of the function's own body (not those of functions, lambdas or classes nested in it), each with
     the exception names caught around it in that body (``try: ... except (OSError, ValueError):``)."""
@@ -130,7 +141,7 @@ def function_problems(func, *, method: bool = False) -> list[str]:
         if not args:
             problems.append("no Args: section")
         else:
-            named = {m.group(1) for m in re.finditer(r"^\s+\**(\w+)\b", args, re.MULTILINE)}
+            named = documented_names(args)
             missing = [name for name in params if name not in named]
             if missing:
                 problems.append(f"Args: does not name {missing}")
@@ -162,7 +173,7 @@ def class_problems(cls) -> dict[str, list[str]]:
     params = [name for name in params if not name.startswith("_")]
     if params:
         text = found.get("Args", "") + "\n" + found.get("Attributes", "")
-        named = {m.group(1) for m in re.finditer(r"^\s+\**(\w+)\b", text, re.MULTILINE)}
+        named = documented_names(text)
         missing = [name for name in params if name not in named]
         if missing:
             out[cls.__qualname__] = [f"Args:/Attributes: do not name {missing}"]
