@@ -364,7 +364,16 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hf_tpu.launch [--simulate] [torchrun args] script.py [script args]``; the exit status."""
+    """``python -m hf_tpu.launch [--simulate] [torchrun args] script.py [script args]``; the exit status.
+
+    Args:
+        argv: the command line after the program name; None (the default) reads ``sys.argv[1:]``.
+
+    Returns:
+        torchrun's exit status (a failed rank's exit code, after naming the rank and its error), or 2 when the
+        launch itself is refused (the reason is printed to stderr). A malformed command line exits through
+        argparse (status 2).
+    """
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         return launch(args)

@@ -189,6 +189,28 @@ def fix_plan(
     Returns the plan to use and the fixes made. Rules named in ``user_rules`` are never rewritten: if one of
     them cannot work, :class:`TensorParallelConfigError` says why and what to change.
 
+    Args:
+        plan: module pattern -> TP style (``"colwise"``, ``"rowwise"``, ``"embedding_rowwise"``, ...), the model's
+            ``base_model_tp_plan`` merged with the user's ``tp_plan``.
+        config: the model config (its text config's head counts, ``vocab_size``, ``tie_word_embeddings``).
+        tp_size: the number of tensor-parallel ranks.
+        user_rules: the patterns the user gave; they are kept as given or refused, never rewritten.
+        tied_embeddings: whether the input embedding and the LM head share their weight; None (the default)
+            reads ``config.tie_word_embeddings``.
+        embedding_key: the plan's pattern of the input embedding, for the tied-weight and vocabulary checks;
+            None skips them.
+        head_key: the plan's pattern of the LM head, likewise.
+        kv_heads_strategy: ``"replicate"`` (the default) or ``"repeat"``, see above.
+
+    Returns:
+        A ``PlanReport``: ``plan``, the plan to use, and ``fixes``, each change made with its reason
+        (``report.kinds()`` lists their kinds).
+
+    Raises:
+        TensorParallelConfigError: ``tp_size`` below 1, a user rule that cannot work with these heads or tied
+            embeddings, or a vocabulary smaller than ``tp_size``.
+        ValueError: ``kv_heads_strategy`` is not one of ``KV_HEADS_STRATEGIES``.
+
     Example:
         >>> from types import SimpleNamespace as C
         >>> cfg = C(num_attention_heads=8, num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False)

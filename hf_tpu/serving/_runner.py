@@ -57,6 +57,16 @@ class ServingSettings:
 def configure(**values) -> ServingSettings:
     """Set :data:`SETTINGS` fields by name (for managers created afterwards); returns the settings.
 
+    Args:
+        **values: :class:`ServingSettings` field names and their new values (``max_batch_tokens=128``, ...);
+            fields not named keep their values.
+
+    Returns:
+        :data:`SETTINGS`, the one settings object, changed.
+
+    Raises:
+        TypeError: a name that is not a :class:`ServingSettings` field (the message lists them).
+
     Example:
         >>> import hf_tpu.serving                                                   # doctest: +SKIP
         >>> hf_tpu.serving.configure(max_batch_tokens=128, kv_cache_gib=1.0)         # doctest: +SKIP
@@ -155,7 +165,15 @@ def normalize_step(runner, batch_data: dict) -> None:
 
 def compiled_shapes(manager_or_model) -> set[tuple[int, int]]:
     """The ``(query tokens, KV tokens read)`` step shapes a continuous-batching manager (or a model's cached one) has
-    run so far."""
+    run so far.
+
+    Args:
+        manager_or_model: a continuous-batching manager, or a model whose ``generate_batch`` /
+            ``init_continuous_batching`` made one.
+
+    Returns:
+        A new set of ``(query tokens, KV tokens read)`` pairs; empty when there is no manager or it ran nothing.
+    """
     manager = getattr(manager_or_model, "_cached_continuous_batching_manager", manager_or_model)
     processor = getattr(manager, "batch_processor", None)
     runner = getattr(processor, "model_runner", None)
