@@ -64,7 +64,15 @@ class Plan:
         return max(decodes, key=lambda p: p.argument_bytes) if decodes else None
 
     def step_seconds(self, program: ProgramRecord) -> float | None:
-        """The projected seconds of one run of ``program`` on the target (an estimate; see the module doc)."""
+        """The projected seconds of one run of ``program`` on the target (an estimate; see the module doc).
+
+        Args:
+            program: one of :attr:`programs`.
+
+        Returns:
+            libtpu's optimal-seconds estimate when it gave one, else the larger of bytes accessed over the target's
+            HBM bandwidth and flops over its peak; None when the program did not compile.
+        """
         if not program.compiled:
             return None
         if program.optimal_seconds is not None and program.optimal_seconds > 0:
@@ -72,7 +80,13 @@ class Plan:
         return max(program.bytes_accessed / self.target.hbm_bandwidth, program.flops / self.target.peak_flops)
 
     def decode_summary(self) -> dict[str, Any] | None:
-        """The decode step: projected ms and tokens/s, bytes moved, and bytes over its floor (weights + KV once)."""
+        """The decode step: projected ms and tokens/s, bytes moved, and bytes over its floor (weights + KV once).
+
+        Returns:
+            A dict (``program``, ``projected_ms``, ``projected_tokens_per_second``, ``bytes_accessed``,
+            ``floor_bytes``, ``bytes_over_floor``, and the HBM figures with ``dump_hlo``) for the largest compiled
+            decode program; None for a pipeline plan or when no decode program compiled.
+        """
         decode = self._decode()
         if decode is None:
             return None
@@ -97,7 +111,12 @@ class Plan:
 
     def step_summary(self) -> dict[str, Any] | None:
         """A pipeline's denoiser step: projected ms per step, bytes moved, and bytes over its floor (the denoiser's
-        weights, read once per step); None for a generate plan or when nothing compiled."""
+        weights, read once per step); None for a generate plan or when nothing compiled.
+
+        Returns:
+            A dict (``programs``, ``projected_ms``, ``bytes_accessed``, ``floor_bytes``, ``bytes_over_floor``,
+            ``flops``, and ``hbm_bytes`` with ``dump_hlo``) summed over the compiled programs, or None.
+        """
         steps = [p for p in self.programs if p.compiled] if self.kind == "pipeline" else []
         if not steps:
             return None
@@ -117,6 +136,12 @@ class Plan:
         return summary
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as ``hf-tpu plan --json`` prints it.
+
+        Returns:
+            A JSON-serializable dict: target, model, fits, HBM bytes, each program's record, the decode or step
+            summary, info, note and error.
+        """
         return {
             "target": self.target.name,
             "model": self.model,
@@ -133,7 +158,11 @@ class Plan:
         }
 
     def table(self) -> str:
-        """The plan as a few lines of text (what ``hf-tpu plan`` prints)."""
+        """The plan as a few lines of text (what ``hf-tpu plan`` prints).
+
+        Returns:
+            The text, lines joined by newlines.
+        """
         gb = human
         info = self.info
         if self.kind == "pipeline":

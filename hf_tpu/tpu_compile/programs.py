@@ -70,6 +70,14 @@ class ProgramRecord:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     def to_dict(self, text: bool = False) -> dict:
+        """The record as a plain dict (for JSON).
+
+        Args:
+            text: keep the program's text and its argument and output lists; False (the default) drops them.
+
+        Returns:
+            Each field's name mapped to its value.
+        """
         out = asdict(self)
         if not text:
             out.pop("text")
@@ -148,6 +156,17 @@ def lower_and_compile(
     (a folder), libtpu's scheduled HLO of each program is kept there as ``<name>.hlo.txt`` and each record gets
     ``hbm_bytes``, the part of ``bytes_accessed`` that is HBM traffic (:mod:`hf_tpu.tpu_compile.hlo_bytes`; the
     compile takes about 3x longer).
+
+    Args:
+        entry: ``"module:function"``; the function gets a lowering session and ``kwargs`` in a child process with
+            torch_tpu (never the simulator).
+        kwargs: JSON-serializable keyword arguments of ``entry``.
+        target: a :class:`Target` or its name in :data:`TARGETS`; ``"v6e-1"`` by default.
+        compile: also compile each lowered program for ``target`` (True, the default) or lower only.
+        progress: called with each progress line the child processes print; None: not reported.
+        timeout: seconds each child process may take to exit once its output has ended; None (the default): no
+            limit.
+        dump_hlo: a folder to keep each program's scheduled HLO in (and measure HBM traffic); None: not kept.
 
     Returns:
         A :class:`LoweringResult`; a program that failed to lower or compile is a record saying so, not an error.

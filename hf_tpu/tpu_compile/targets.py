@@ -39,6 +39,11 @@ class Target:
     devices_per_chip: int = 1
 
     def describe(self) -> str:
+        """One line for reports.
+
+        Returns:
+            The name, chip count, and HBM size and bandwidth per chip (per device for two-device chips).
+        """
         unit = "device, half a chip" if self.devices_per_chip == 2 else "chip"
         return (
             f"{self.name} ({self.chips} chip{'s' if self.chips > 1 else ''}, {self.hbm_bytes / GiB:.0f} GiB HBM and "
@@ -66,6 +71,12 @@ TARGETS: dict[str, Target] = {
 
 def target(name: str) -> Target:
     """The :class:`Target` called ``name``.
+
+    Args:
+        name: a key of :data:`TARGETS` (``"v5e-1"``, ``"v6e-8"``, ...).
+
+    Returns:
+        The :class:`Target`.
 
     Raises:
         UnknownTargetError: ``name`` is not one of :data:`TARGETS` (the message lists them).
