@@ -131,7 +131,13 @@ VFIO_ROOT = "/dev/vfio"
 
 @dataclass(frozen=True)
 class PciScan:
-    """What the PCI bus shows, read from sysfs the way torch_tpu's ``hardware`` module does."""
+    """What the PCI bus shows, read from sysfs the way torch_tpu's ``hardware`` module does.
+
+    Attributes:
+        functions: Google TPU PCI functions of a known generation.
+        vfio: of those, the ones exposed through VFIO: the devices torch_tpu can use (v7: 2 per chip).
+        generation: key of :data:`GENERATIONS` of the first one found, or None.
+    """
 
     functions: int  # Google TPU PCI functions of a known generation
     vfio: int  # of those, the ones exposed through VFIO: the devices torch_tpu can use (v7: 2 per chip)

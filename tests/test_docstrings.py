@@ -11,8 +11,9 @@ itself, the docstring must have:
   re-raise and exceptions raised by helpers it calls are not read.
 
 A public class with a hand-written ``__init__`` that takes parameters names them under ``Args:`` (or
-``Attributes:``); a dataclass's fields are not checked here. Exception classes are skipped: users catch them, they do not call them. Everything is read with
-:mod:`inspect` and :mod:`ast`; nothing is run.
+``Attributes:``); a dataclass names its public fields under ``Attributes:`` (or ``Args:``). Exception classes are
+skipped: users catch them, they do not call them. Everything is read with :mod:`inspect` and :mod:`ast`; nothing
+is run. ``ALLOWED`` lists, with reasons, the few names a section cannot apply to; ``PENDING`` what is left to do.
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ ALLOWED: dict[tuple[str, str], str] = {
         "a torch.distributed c10d backend: torch constructs it through register()'s creator and calls its methods "
         "(allreduce, broadcast, ...) with the signatures of torch's ProcessGroup, documented there; users call "
         "torch.distributed, never these"
+    ),
+}
+
+# Entries still to do, each with why it is not done yet. test_pending_entries_still_fail makes sure an entry leaves
+# this list once its docstring is fixed.
+PENDING: dict[tuple[str, str], str] = {
+    ("hf_tpu.transformers", "Route"): (
+        "hf_tpu/transformers/_settings.py is being edited by other helpers in session 45; Route's fields are "
+        "described in its prose and move under Attributes: after their merge"
     ),
 }
 
@@ -177,7 +187,9 @@ def class_problems(cls) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     found = sections(inspect.getdoc(cls) or "")
     init = cls.__dict__.get("__init__")
-    if not dataclasses.is_dataclass(cls) and init is not None and inspect.isfunction(init):
+    if dataclasses.is_dataclass(cls):
+        params = [f.name for f in dataclasses.fields(cls)]
+    elif init is not None and inspect.isfunction(init):
         params = list(inspect.signature(init).parameters)[1:]
     else:
         params = []
@@ -212,7 +224,8 @@ def public_objects():
                 yield module_name, name, obj
 
 
-def problems_of(module_name: str, obj) -> dict[str, list[str]]:
+def problems_of(module_name: str, obj, *, skip: tuple[dict, ...] | None = None) -> dict[str, list[str]]:
+    skip = (ALLOWED, PENDING) if skip is None else skip
     if inspect.isclass(obj):
         if issubclass(obj, BaseException):
             return {}
@@ -223,8 +236,7 @@ def problems_of(module_name: str, obj) -> dict[str, list[str]]:
         qualname: problems
         for qualname, problems in found.items()
         if problems
-        and (module_name, qualname) not in ALLOWED
-        and (module_name, qualname.split(".")[0]) not in ALLOWED
+        and not any((module_name, name) in listed for listed in skip for name in (qualname, qualname.split(".")[0]))
     }
 
 
@@ -253,9 +265,16 @@ def test_every_public_submodule_is_walked():
 
 def test_the_allow_list_names_only_existing_public_names():
     names = {(mod, name) for mod, name, _ in public_objects()}
-    for (mod, qualname), reason in ALLOWED.items():
+    for (mod, qualname), reason in {**ALLOWED, **PENDING}.items():
         assert (mod, qualname.split(".")[0]) in names, (mod, qualname)
         assert reason.strip(), (mod, qualname)
+
+
+def test_pending_entries_still_fail():
+    objects = {(mod, name): obj for mod, name, obj in public_objects()}
+    for mod, qualname in PENDING:
+        found = problems_of(mod, objects[(mod, qualname.split(".")[0])], skip=(ALLOWED,))
+        assert qualname in found, f"{mod}.{qualname} is documented now: remove it from PENDING"
 
 
 def _sample(doc: str):

@@ -74,7 +74,13 @@ class TensorParallelConfigError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class PlanFix:
-    """One change hf_tpu made to a TP plan (or a condition it checked and accepted), with the reason."""
+    """One change hf_tpu made to a TP plan (or a condition it checked and accepted), with the reason.
+
+    Attributes:
+        kind: ``"replicate_attention"``, ``"repeat_kv_heads"``, ``"uneven_vocab"`` or ``"tie_embeddings"``.
+        rules: the plan keys concerned.
+        reason: what was changed and why, in words.
+    """
 
     kind: str  # "replicate_attention" | "uneven_vocab" | "tie_embeddings"
     rules: tuple[str, ...]  # the plan keys concerned

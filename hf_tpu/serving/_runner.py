@@ -33,14 +33,17 @@ __all__ = ["SETTINGS", "ServingSettings", "compiled_shapes", "configure"]
 class ServingSettings:
     """Defaults hf_tpu gives the continuous-batching config of a TPU model (a value set in the config wins).
 
-    ``max_batch_tokens``: the largest step (query tokens; longer prompts are prefilled in chunks). ``slots``:
-    requests in one step (``max_requests_per_batch``), also the number of full-length requests the KV cache is
-    sized for. ``kv_cache_gib``: a cap on the KV cache (default: ``HF_TPU_KV_CACHE_GIB``, else none).
-    ``page_size``: tokens per KV page (None: upstream's default). ``q_min``/``q_factor``/``kv_factor``: the step
-    ladder (:meth:`~hf_tpu.serving.ladder.StepLadder.build`). ``compile_cache``: where the step graphs are stored
-    and loaded (a directory or a :class:`~hf_tpu.compile_cache.CompileCache`; None: ``HF_TPU_COMPILE_CACHE``, else
-    none; False: none). ``max_logprobs``: how many most likely tokens (with their log-probabilities) each step
-    returns per row, the most a request may ask for (:mod:`hf_tpu.serving._sampling`).
+    Attributes:
+        max_batch_tokens: the largest step (query tokens; longer prompts are prefilled in chunks).
+        slots: requests in one step (``max_requests_per_batch``), also the number of full-length requests the KV
+            cache is sized for.
+        kv_cache_gib: a cap on the KV cache (default: ``HF_TPU_KV_CACHE_GIB``, else none).
+        page_size: tokens per KV page (None: upstream's default).
+        q_min, q_factor, kv_factor: the step ladder (:meth:`~hf_tpu.serving.ladder.StepLadder.build`).
+        compile_cache: where the step graphs are stored and loaded (a directory or a
+            :class:`~hf_tpu.compile_cache.CompileCache`; None: ``HF_TPU_COMPILE_CACHE``, else none; False: none).
+        max_logprobs: how many most likely tokens (with their log-probabilities) each step returns per row, the
+            most a request may ask for (:mod:`hf_tpu.serving._sampling`).
     """
 
     max_batch_tokens: int = 256

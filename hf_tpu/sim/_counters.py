@@ -140,18 +140,21 @@ class Stats:
 
     Fields read live while the block is open and freeze when it closes.
 
-    - ``compiles``: graphs compiled by the ``"tpu"`` torch.compile backend (each recompile counts).
-    - ``compile_cache_hits``: graphs loaded from hf_tpu's persistent compile cache instead (not compiled).
-    - ``h2d_copies`` / ``h2d_bytes``: host→device transfers; ``d2h_copies`` / ``d2h_bytes``: device→host.
-    - ``host_syncs``: points where the host waited for a device value (``.item()``, ``.tolist()``, printing,
-      ``.cpu()``, data-dependent shapes such as ``nonzero``).
-    - ``shape_signatures``: eager op signatures (the op, its tensors' and outputs' shapes and dtypes, and the
-      non-tensor arguments torch_tpu compiles in) this process had never run before; torch_tpu
-      compiles each of them once, so this is the eager-mode compile count.
-    - ``ops``: device ops executed eagerly.
-    - ``cpu_fallbacks``: ops torch_tpu does not implement that ran on the host because the CPU fallback is on
-      (``hf_tpu.sim.execution_mode.enable_cpu_fallback``, mirroring torch_tpu's); off, they raise instead.
-    - ``live_bytes``: device memory in use at the end; ``peak_bytes``: the most in use during the block.
+    Attributes:
+        compiles: graphs compiled by the ``"tpu"`` torch.compile backend (each recompile counts).
+        compile_cache_hits: graphs loaded from hf_tpu's persistent compile cache instead (not compiled).
+        h2d_copies, h2d_bytes: host→device transfers and their bytes.
+        d2h_copies, d2h_bytes: device→host transfers and their bytes.
+        host_syncs: points where the host waited for a device value (``.item()``, ``.tolist()``, printing,
+            ``.cpu()``, data-dependent shapes such as ``nonzero``).
+        shape_signatures: eager op signatures (the op, its tensors' and outputs' shapes and dtypes, and the
+            non-tensor arguments torch_tpu compiles in) this process had never run before; torch_tpu
+            compiles each of them once, so this is the eager-mode compile count.
+        ops: device ops executed eagerly.
+        cpu_fallbacks: ops torch_tpu does not implement that ran on the host because the CPU fallback is on
+            (``hf_tpu.sim.execution_mode.enable_cpu_fallback``, mirroring torch_tpu's); off, they raise instead.
+        live_bytes: device memory in use at the end.
+        peak_bytes: the most device memory in use during the block.
     """
 
     compiles: int = 0

@@ -45,7 +45,20 @@ def human(n: float) -> str:
 
 @dataclass
 class Plan:
-    """A plan for one model, call size and target (see the module doc); :meth:`to_dict` is ``--json``'s object."""
+    """A plan for one model, call size and target (see the module doc); :meth:`to_dict` is ``--json``'s object.
+
+    Attributes:
+        target: the :class:`~hf_tpu.tpu_compile.Target` planned for.
+        model: the model (or pipeline) directory or config file planned.
+        fits: whether everything compiled and weights, KV cache and temporaries fit the device's HBM.
+        hbm: the HBM budget in bytes: ``capacity``, ``weights``, ``kv_cache`` (0 for a pipeline),
+            ``temporaries``, ``total``.
+        programs: one :class:`~hf_tpu.tpu_compile.ProgramRecord` per program.
+        info: facts about the model and the call (parameters, dtype, buckets, batch, ...).
+        note: why nothing was lowered (the weights alone exceed HBM) and what to do, else None.
+        error: why the plan failed (the entry's error, or no program compiled), else None.
+        kind: ``"generate"`` (:func:`plan_generate`) or ``"pipeline"`` (:func:`plan_pipeline`).
+    """
 
     target: Target
     model: str

@@ -28,7 +28,17 @@ class UnknownTargetError(UserError, ValueError):
 class Target:
     """A TPU slice hf_tpu compiles for: ``topology`` is the name libtpu describes it by
     (``jax.experimental.topologies.get_topology_desc(topology, "tpu")``). Figures are per *device*, the unit one
-    torch_tpu process owns and one program runs on: a chip, or half a chip on v7 (two devices per chip)."""
+    torch_tpu process owns and one program runs on: a chip, or half a chip on v7 (two devices per chip).
+
+    Attributes:
+        name: the key in :data:`TARGETS` (``"v6e-1"``, ...).
+        topology: libtpu's name of the slice (``"v6e:1x1"``, ...).
+        chips: the chips in the slice.
+        hbm_bytes: HBM per device, in bytes.
+        hbm_bandwidth: HBM bandwidth per device, in bytes per second.
+        peak_flops: peak bfloat16 FLOP/s per device.
+        devices_per_chip: torch_tpu devices per chip (2 on v7, else 1).
+    """
 
     name: str
     topology: str
