@@ -112,7 +112,8 @@ def get_max_memory(max_memory: dict[Any, Any] | None = None, *, upstream: Callab
 
     Raises:
         TPUNotAvailableError: ``max_memory`` names a TPU and this process has none.
-        ValueError: an unknown device key (see :func:`normalize_max_memory`).
+        TypeError: a bool key (see :func:`normalize_max_memory`).
+        ValueError: an unknown device key, or a TPU index this process lacks (see :func:`normalize_max_memory`).
 
     Example:
         >>> import hf_tpu.sim; hf_tpu.sim.enable(hbm="1GiB")                    # doctest: +SKIP
