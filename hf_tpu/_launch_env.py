@@ -28,6 +28,13 @@ class LaunchError(UserError, RuntimeError):
 def simulated_topology(nproc: int, generation: str = SIM_DEFAULT_GENERATION) -> str:
     """The ``TORCH_TPU_TOPOLOGY`` torch_tpu sets for ``nproc`` devices of ``generation`` (``"2,2,1"`` for 4).
 
+    Args:
+        nproc: the number of TPU devices (processes) on the host.
+        generation: a key of :data:`hf_tpu.runtime.GENERATIONS`; the simulator's default generation unless given.
+
+    Returns:
+        The topology string, as torch_tpu's table gives it.
+
     Raises:
         LaunchError: torch_tpu has no mesh for ``nproc`` on ``generation``; the message names the counts that work.
     """
@@ -69,6 +76,19 @@ def set_simulated_launch_env(
     :class:`LaunchError` (torch_tpu's ``get_tpu_topology`` raises RuntimeError there). Every rank also gets
     ``HF_TPU_SIMULATE=1`` and ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (torch_tpu must not initialise a device on a
     host without chips). Returns the variables this call set.
+
+    Args:
+        nnodes: the number of hosts (``--nnodes``); None: one, unless the environment says multi-host.
+        nproc_per_node: devices (processes) per simulated host; None: 1.
+        env: the environment to fill; None (the default) is ``os.environ``.
+        generation: the simulated TPU generation; the simulator's default unless given.
+
+    Returns:
+        The variables this call set, with their values.
+
+    Raises:
+        LaunchError: no mesh for ``nproc_per_node`` on ``generation``, ``nnodes`` that disagrees with
+            ``TPU_WORKER_HOSTNAMES``, or a multi-host launch without the hostnames or this host's rank.
 
     Example:
         >>> env = {}

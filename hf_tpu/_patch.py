@@ -220,6 +220,15 @@ def applied(feature: str | None = None) -> list[PatchRecord]:
 
 
 def is_enabled(name: str | None = None) -> bool:
+    """Whether hf_tpu's integrations are in force.
+
+    Args:
+        name: one integration of :data:`INTEGRATIONS` (``"generation"``, ...); None (the default) asks whether any
+            integration is enabled.
+
+    Returns:
+        True when ``name`` is enabled (or, with no name, when at least one integration is).
+    """
     with _LOCK:
         return bool(_STATE.enabled) if name is None else name in _STATE.enabled
 
@@ -264,7 +273,12 @@ def enable(*names: str) -> list[str]:
 
 
 def disable(*names: str) -> None:
-    """Revert the named integrations (all when none are named) to exactly the upstream state."""
+    """Revert the named integrations (all when none are named) to exactly the upstream state.
+
+    Args:
+        *names: integrations of :data:`INTEGRATIONS` to revert; none: all of them. A name that is not enabled is
+            left as it is.
+    """
     with _LOCK:
         if not names:
             revert()
@@ -275,7 +289,17 @@ def disable(*names: str) -> None:
 
 @contextlib.contextmanager
 def enabled(*names: str) -> Iterator[list[str]]:
-    """Context manager: integrations applied inside, reverted on exit (only those this call enabled)."""
+    """Context manager: integrations applied inside, reverted on exit (only those this call enabled).
+
+    Args:
+        *names: integrations of :data:`INTEGRATIONS` to apply; none: all of them.
+
+    Yields:
+        The names of the integrations in force inside the block (as :func:`enable` returns them).
+
+    Raises:
+        ValueError: a name that is not an integration (raised by :func:`enable` on entry).
+    """
     with _LOCK:
         before = list(_STATE.enabled)
     now = enable(*names)

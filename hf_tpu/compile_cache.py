@@ -135,6 +135,10 @@ def versions() -> dict[str, Any]:
 class CompileCache:
     """A compile-cache directory. ``problems`` lists what was reported and bypassed in this process.
 
+    Args:
+        root: the directory (``~`` expanded; created on first use). On a TPU chip, torch_tpu's own tier-2 and
+            tier-3 caches are pointed here too, unless the user set them.
+
     Example:
         >>> cache = CompileCache("/tmp/hf-tpu-compile-cache")                 # doctest: +SKIP
         >>> cache.clear()                                                       # doctest: +SKIP
@@ -152,13 +156,27 @@ class CompileCache:
 
     @classmethod
     def from_env(cls) -> CompileCache | None:
-        """The cache ``HF_TPU_COMPILE_CACHE`` names, or None when it is unset or empty."""
+        """The cache ``HF_TPU_COMPILE_CACHE`` names, or None when it is unset or empty.
+
+        Returns:
+            A :class:`CompileCache` over that directory, or None.
+        """
         value = os.environ.get(ENV, "").strip()
         return cls(value) if value else None
 
     @classmethod
     def coerce(cls, value: Any) -> CompileCache | None:
-        """A cache from a path or a cache; None or False mean no cache."""
+        """A cache from a path or a cache; None or False mean no cache.
+
+        Args:
+            value: a directory path, a :class:`CompileCache` (returned as it is), None or False.
+
+        Returns:
+            The :class:`CompileCache`, or None for None / False.
+
+        Raises:
+            TypeError: ``value`` is none of the above.
+        """
         if value is None or value is False:
             return None
         if isinstance(value, CompileCache):
@@ -172,7 +190,11 @@ class CompileCache:
         return self.root / f"hf_tpu-v{FORMAT}"
 
     def report(self, message: str) -> None:
-        """Warn once per message (the graph is compiled as usual) and remember it in :attr:`problems`."""
+        """Warn once per message (the graph is compiled as usual) and remember it in :attr:`problems`.
+
+        Args:
+            message: what went wrong and what happens instead; a message already reported is not warned again.
+        """
         if message in self._reported:
             return
         self._reported.add(message)
@@ -181,7 +203,17 @@ class CompileCache:
         warnings.warn(f"hf_tpu compile cache: {message}", CompileCacheWarning, stacklevel=3)
 
     def namespace(self, kind: str, parts: dict[str, Any]) -> Namespace | None:
-        """The namespace for ``parts`` (versions added), created on disk; None when the directory is unusable."""
+        """The namespace for ``parts`` (versions added), created on disk; None when the directory is unusable.
+
+        Args:
+            kind: what is cached (``"generate"``, ``"diffusers"``, ...); it starts the namespace's folder name.
+            parts: the rest of the key (model config, shapes, dtypes, ...), JSON-serializable; with the versions of
+                :func:`versions` it is hashed into the folder name and stored in ``key.json``.
+
+        Returns:
+            The :class:`Namespace` (the same object for the same key within a process), or None when the directory
+            cannot be created or written (reported through :meth:`report`).
+        """
         key = {**versions(), "kind": kind, **parts}
         text = json.dumps(key, sort_keys=True, default=str)
         name = f"{kind}-{_sha(text)[:24]}"
@@ -237,20 +269,45 @@ class CompileCache:
 
 
 class Namespace:
-    """The entries of one model (or pipeline component) under one key: graphs and the manifest of needed graphs."""
+    """The entries of one model (or pipeline component) under one key: graphs and the manifest of needed graphs.
+
+    Made by :meth:`CompileCache.namespace`, not by hand.
+
+    Args:
+        cache: the :class:`CompileCache` it belongs to (problems are reported there).
+        path: its folder.
+        key: the key it was made for, stored in each graph file's header and checked on load.
+    """
 
     def __init__(self, cache: CompileCache, path: Path, key: dict[str, Any]) -> None:
         self.cache, self.path, self.key = cache, path, key
         self._key_text = json.dumps(key, sort_keys=True, default=str)
 
     def graph_path(self, graph_id: str) -> Path:
+        """Where one graph is stored.
+
+        Args:
+            graph_id: the caller's name for the graph (shapes, phase, ...); it is hashed into the file name.
+
+        Returns:
+            The graph file's path under this namespace's ``graphs/`` folder (it may not exist).
+        """
         return self.path / "graphs" / f"{_sha(graph_id)[:32]}.bin"
 
     # -- graphs ---------------------------------------------------------------------------------------------------
 
     def load(self, graph_id: str, describe: str = "graph", roots: tuple = ()) -> Callable | None:
         """The stored graph, deserialized; None when absent, or (reported) corrupt or from another version.
-        ``roots``: the modules the graph runs (see :mod:`hf_tpu._capture_registry`)."""
+
+        Args:
+            graph_id: the graph's name, as given to :meth:`save`.
+            describe: how messages name the graph (``"decode graph"``, ...).
+            roots: the modules the graph runs (see :mod:`hf_tpu._capture_registry`).
+
+        Returns:
+            The compiled function, or None (absent, corrupt, stored for another key, or not loadable: each but the
+            first reported through :meth:`CompileCache.report`).
+        """
         path = self.graph_path(graph_id)
         if not path.exists():
             return None
@@ -286,7 +343,13 @@ class Namespace:
             return None
 
     def save(self, graph_id: str, compiled: Any, describe: str = "graph") -> None:
-        """Store an ``AOTCompiledFunction``; a failure is reported, never raised."""
+        """Store an ``AOTCompiledFunction``; a failure is reported, never raised.
+
+        Args:
+            graph_id: the graph's name, as :meth:`load` will ask for it.
+            compiled: the ``AOTCompiledFunction`` of ``torch.compile(...).aot_compile``.
+            describe: how messages name the graph.
+        """
         path = self.graph_path(graph_id)
         try:
             payload = type(compiled).serialize(compiled).serialized_data
@@ -299,7 +362,19 @@ class Namespace:
         self, graph_id: str, fn: Callable, backend: Any, args: tuple, describe: str = "graph"
     ) -> Callable | None:
         """The graph of ``fn`` for ``args``: loaded (nothing traced or compiled) or compiled ahead of time with
-        ``backend`` and stored. None when neither works (reported; the caller compiles as usual)."""
+        ``backend`` and stored. None when neither works (reported; the caller compiles as usual).
+
+        Args:
+            graph_id: the graph's name in this namespace.
+            fn: the function to compile (``fullgraph=True, dynamic=False``).
+            backend: the ``torch.compile`` backend.
+            args: the example arguments the graph is compiled for (its modules are the graph's roots).
+            describe: how messages name the graph.
+
+        Returns:
+            A callable running the graph (on inputs its guards reject it reports and raises
+            :class:`StaleGraphError`, so that the caller compiles as usual), or None.
+        """
         roots = tuple(args)  # the modules among them: see hf_tpu._capture_registry
         loaded = self.load(graph_id, describe, roots)
         if loaded is not None:
@@ -328,7 +403,11 @@ class Namespace:
         return self.path / "manifest.json"
 
     def manifest(self) -> list:
-        """The entries recorded so far (each a JSON value the caller chose); [] when none or unreadable."""
+        """The entries recorded so far (each a JSON value the caller chose); [] when none or unreadable.
+
+        Returns:
+            The list of entries of ``manifest.json`` (an unreadable file is reported and reads as []).
+        """
         try:
             data = json.loads(self.manifest_path.read_text())
         except FileNotFoundError:
@@ -340,7 +419,11 @@ class Namespace:
         return entries if isinstance(entries, list) else []
 
     def record(self, entries: list) -> None:
-        """Add entries to the manifest (kept in order, without duplicates; concurrent writers merge)."""
+        """Add entries to the manifest (kept in order, without duplicates; concurrent writers merge).
+
+        Args:
+            entries: JSON values to add; those already present are skipped. A write failure is reported.
+        """
         if all(e in self.manifest() for e in entries):
             return
         try:

@@ -83,6 +83,19 @@ class TPUNotAvailableError(UserError, RuntimeError):
 
 @dataclass(frozen=True)
 class RuntimeInfo:
+    """Which TPU this process runs on, as :func:`detect` decided it (``hf-tpu env`` prints it).
+
+    Attributes:
+        mode: ``"real"`` (torch_tpu on TPU chips), ``"simulated"`` (:mod:`hf_tpu.sim`) or ``"none"``.
+        device_count: devices this process can address (torch_tpu: 1 per process, seen as ``tpu:0``).
+        chips_on_host: TPU devices on the PCI bus exposed through VFIO, as torch_tpu counts them (v7: 2 per chip).
+        hbm_bytes: memory of one device, in bytes.
+        generation: key of :data:`GENERATIONS` (``"v5e"``, ...), or None when unknown.
+        torch_tpu_version: the installed torch-tpu's version, or None.
+        libtpu_version: the installed libtpu's version, or None.
+        reason: why this mode was chosen, in words.
+    """
+
     mode: Mode
     device_count: int  # devices this process can address (torch_tpu: 1 per process, seen as tpu:0)
     chips_on_host: int  # TPU devices on the PCI bus exposed through VFIO, as torch_tpu counts them (v7: 2 per chip)
@@ -93,6 +106,11 @@ class RuntimeInfo:
     reason: str  # why this mode was chosen, for `hf-tpu env`
 
     def to_dict(self) -> dict:
+        """The fields as a plain dict.
+
+        Returns:
+            Each field's name mapped to its value (for JSON output).
+        """
         return asdict(self)
 
 
@@ -113,7 +131,13 @@ VFIO_ROOT = "/dev/vfio"
 
 @dataclass(frozen=True)
 class PciScan:
-    """What the PCI bus shows, read from sysfs the way torch_tpu's ``hardware`` module does."""
+    """What the PCI bus shows, read from sysfs the way torch_tpu's ``hardware`` module does.
+
+    Attributes:
+        functions: Google TPU PCI functions of a known generation.
+        vfio: of those, the ones exposed through VFIO: the devices torch_tpu can use (v7: 2 per chip).
+        generation: key of :data:`GENERATIONS` of the first one found, or None.
+    """
 
     functions: int  # Google TPU PCI functions of a known generation
     vfio: int  # of those, the ones exposed through VFIO: the devices torch_tpu can use (v7: 2 per chip)
@@ -125,6 +149,15 @@ def scan_pci(root: str | os.PathLike | None = None, vfio_root: str | os.PathLike
 
     torch_tpu 0.2.0 counts a TPU function only when its IOMMU group is present under ``/dev/vfio``; ``vfio``
     is that count, ``functions`` counts every TPU function so that a chip bound to another driver is reported.
+
+    Args:
+        root: the sysfs PCI devices folder; None (the default) reads ``/sys/bus/pci/devices`` (tests point it at
+            a fake tree).
+        vfio_root: the VFIO folder; None (the default) reads ``/dev/vfio``.
+
+    Returns:
+        A :class:`PciScan`: TPU functions found, how many are exposed through VFIO, and their generation (all
+        zero / None when the folder cannot be read).
 
     Example:
         >>> scan_pci("/nonexistent")
@@ -161,6 +194,13 @@ def scan_pci(root: str | os.PathLike | None = None, vfio_root: str | os.PathLike
 def scan_pci_chips(root: str | os.PathLike | None = None) -> tuple[int, str | None]:
     """``(TPU PCI functions, generation)`` on this host; see :func:`scan_pci`.
 
+    Args:
+        root: the sysfs PCI devices folder; None (the default) reads ``/sys/bus/pci/devices``.
+
+    Returns:
+        The number of TPU PCI functions (whether or not exposed through VFIO) and the generation's key of
+        :data:`GENERATIONS` (None when there are none).
+
     Example:
         >>> scan_pci_chips("/nonexistent")
         (0, None)
@@ -193,7 +233,12 @@ def _real_hbm(generation: str | None) -> int:
 
 @functools.cache
 def detect() -> RuntimeInfo:
-    """Decide the runtime mode of this process (cached; the simulator resets it when it is enabled)."""
+    """Decide the runtime mode of this process (cached; the simulator resets it when it is enabled).
+
+    Returns:
+        A :class:`RuntimeInfo`: ``"simulated"`` once :func:`hf_tpu.sim.enable` ran, ``"real"`` when TPU chips are
+        exposed through VFIO and torch-tpu is installed, otherwise ``"none"`` with the reason.
+    """
     torch_tpu_version = _pkg_version("torch-tpu") or _pkg_version("torch_tpu")
     libtpu_version = _pkg_version("libtpu")
     if _SIMULATED is not None:
@@ -226,23 +271,53 @@ def detect() -> RuntimeInfo:
 
 
 def is_simulated() -> bool:
+    """Whether this process runs on the simulated device.
+
+    Returns:
+        True when :func:`detect`'s mode is ``"simulated"``.
+    """
     return detect().mode == "simulated"
 
 
 def is_real() -> bool:
+    """Whether this process runs on real TPU chips through torch_tpu.
+
+    Returns:
+        True when :func:`detect`'s mode is ``"real"``.
+    """
     return detect().mode == "real"
 
 
 def device_count() -> int:
+    """TPU devices this process can address.
+
+    Returns:
+        :attr:`RuntimeInfo.device_count` of :func:`detect` (0 without a TPU).
+    """
     return detect().device_count
 
 
 def hbm_bytes() -> int:
+    """Memory of one TPU device.
+
+    Returns:
+        :attr:`RuntimeInfo.hbm_bytes` of :func:`detect`, in bytes (0 without a TPU).
+    """
     return detect().hbm_bytes
 
 
 def require_tpu(what: str = "a tpu device") -> RuntimeInfo:
-    """Return the runtime info, or raise :class:`TPUNotAvailableError` naming ``what`` was asked and the fix."""
+    """Return the runtime info, or raise :class:`TPUNotAvailableError` naming ``what`` was asked and the fix.
+
+    Args:
+        what: what the caller asked for, quoted in the error (``"device_map='tpu'"``, ...).
+
+    Returns:
+        The :class:`RuntimeInfo` of :func:`detect`, whose mode is ``"real"`` or ``"simulated"``.
+
+    Raises:
+        TPUNotAvailableError: no TPU chips and no simulated device, or torch_tpu cannot be imported.
+    """
     info = detect()
     if info.mode == "none":
         raise TPUNotAvailableError(

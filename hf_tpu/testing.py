@@ -214,6 +214,16 @@ def _family(family: str) -> tuple[str, str, dict[str, Any]]:
 def tiny_config(family: str = "llama", **overrides: Any) -> Any:
     """The config of a tiny ``family`` model (see :data:`FAMILIES`), any field overridden by keyword.
 
+    Args:
+        family: a key of :data:`FAMILIES`; ``"llama"`` by default.
+        **overrides: config fields to set instead of the tiny defaults.
+
+    Returns:
+        A transformers config of the family's config class.
+
+    Raises:
+        ValueError: an unknown family (the message lists them).
+
     Example:
         >>> tiny_config("llama", num_key_value_heads=1).num_key_value_heads
         1
@@ -231,6 +241,18 @@ def tiny_model(
 
     ``path``: also saved there with ``save_pretrained`` (load it back with ``from_pretrained(path, ...)``).
     ``overrides``: config fields (see :func:`tiny_config`); a ``config`` keyword takes a whole config instead.
+
+    Args:
+        family: a key of :data:`FAMILIES`; ``"llama"`` by default.
+        path: a folder to save the model to; None (the default) saves nothing.
+        seed: the ``torch.manual_seed`` the weights are drawn with; 0 by default.
+        **overrides: config fields, or ``config=`` a whole config.
+
+    Returns:
+        The model (the family's ``...ForCausalLM`` class), in eval mode on the CPU.
+
+    Raises:
+        ValueError: an unknown family, or ``config=`` together with config fields.
 
     Example:
         >>> model = tiny_model("qwen3", tie_word_embeddings=True)
@@ -291,6 +313,19 @@ def tiny_encoder(
     (``"AutoModel"``, ``"AutoModelForSequenceClassification"``, ...), weights from ``torch.manual_seed(seed)``, in
     eval mode on the CPU; with ``path``, saved there with :func:`tiny_tokenizer`'s tokenizer beside it.
 
+    Args:
+        family: a key of :data:`ENCODER_FAMILIES`; ``"bert"`` by default.
+        path: a folder to save the model and tokenizer to; None (the default) saves nothing.
+        head: the transformers auto class the model is built with; ``"AutoModel"`` by default.
+        seed: the ``torch.manual_seed`` the weights are drawn with; 0 by default.
+        **overrides: config fields to set instead of the tiny defaults.
+
+    Returns:
+        The model, in eval mode on the CPU.
+
+    Raises:
+        ValueError: an unknown family (the message lists them).
+
     Example:
         >>> tiny_encoder("bert", head="AutoModelForSequenceClassification").config.num_labels
         3
@@ -315,6 +350,12 @@ def tiny_encoder(
 def tiny_tokenizer(path: str | os.PathLike | None = None) -> Any:
     """A BERT-style word-level fast tokenizer over :data:`ENCODER_WORDS` (``[CLS] words [SEP]``, token type ids,
     ``[PAD]`` = 0), saved to ``path`` when given.
+
+    Args:
+        path: a folder to save the tokenizer to; None (the default) saves nothing.
+
+    Returns:
+        A ``PreTrainedTokenizerFast`` (``model_max_length`` 128).
 
     Example:
         >>> tiny_tokenizer()("w0 w1")["input_ids"]

@@ -37,7 +37,14 @@ logger = logging.getLogger("hf_tpu.device_map")
 
 @dataclass(frozen=True)
 class TPUMemory:
-    """Memory of one TPU device, in bytes."""
+    """Memory of one TPU device, in bytes.
+
+    Attributes:
+        index: the device's index (``tpu:index``).
+        total: its HBM.
+        used: bytes in use now (live tensors).
+        free: ``total - used``, never below 0.
+    """
 
     index: int
     total: int
@@ -49,14 +56,22 @@ class TPUMemory:
 
 
 def tpu_available() -> bool:
-    """True when this process has a TPU: real chips through torch_tpu, or the simulated device."""
+    """Whether this process has a TPU: real chips through torch_tpu, or the simulated device.
+
+    Returns:
+        True when :func:`hf_tpu.runtime.detect` finds a real or simulated TPU.
+    """
     from hf_tpu import runtime
 
     return runtime.detect().mode != "none"
 
 
 def tpu_device_count() -> int:
-    """Number of TPU devices this process addresses (0 without a TPU; 1 per process on torch_tpu)."""
+    """Number of TPU devices this process addresses.
+
+    Returns:
+        0 without a TPU; 1 per process on torch_tpu and on the simulator.
+    """
     from hf_tpu import runtime
 
     info = runtime.detect()
@@ -110,6 +125,17 @@ def _total_bytes(index: int) -> int:
 def tpu_memory(index: int = 0) -> TPUMemory:
     """Total, used and free HBM of ``tpu:index``.
 
+    Args:
+        index: the device index; 0 (the default) is the one device torch_tpu gives each process.
+
+    Returns:
+        A :class:`TPUMemory` read now (the used bytes from the simulator or torch_tpu's allocator; when neither
+        answers, a RuntimeWarning says so and 0 bytes are counted as used).
+
+    Raises:
+        TPUNotAvailableError: this process has no TPU.
+        ValueError: ``index`` is not a device this process addresses.
+
     Example:
         >>> import hf_tpu.sim; hf_tpu.sim.enable()          # doctest: +SKIP
         >>> tpu_memory(0).free <= tpu_memory(0).total          # doctest: +SKIP
@@ -131,7 +157,15 @@ def tpu_memory(index: int = 0) -> TPUMemory:
 
 
 def is_tpu_device(device: Any) -> bool:
-    """Whether a device-map value (``"tpu"``, ``"tpu:0"``, ``torch.device('tpu', 0)``) names a TPU."""
+    """Whether a device-map value (``"tpu"``, ``"tpu:0"``, ``torch.device('tpu', 0)``) names a TPU.
+
+    Args:
+        device: a device-map value: a string, a ``torch.device``, an integer, ...; integers answer False here
+            (whether they mean a TPU depends on the process, see :mod:`hf_tpu.device_map.maps`).
+
+    Returns:
+        True for ``"tpu"``, ``"tpu:N"`` and a ``torch.device`` of type ``tpu``.
+    """
     if isinstance(device, str):
         return device == "tpu" or device.startswith("tpu:")
     return getattr(device, "type", None) == "tpu"

@@ -61,6 +61,19 @@ def check_index(index: int, asked: Any) -> None:
 def normalize_device(value: Any) -> Any:
     """Canonical form of one device-map value (see the module docstring).
 
+    Args:
+        value: a device-map value: ``"tpu"``, ``"tpu:N"``, a ``torch.device``, an integer id, ``"cpu"``,
+            ``"disk"``, ...
+
+    Returns:
+        ``"tpu:N"`` for a TPU (an integer id means a TPU when this process has one), ``"cpu"`` for -1, the string
+        of any other ``torch.device``, and other values unchanged.
+
+    Raises:
+        TypeError: ``value`` is a bool.
+        ValueError: a TPU index this process does not address, or a malformed ``"tpu:..."`` string.
+        TPUNotAvailableError: ``value`` names a TPU and this process has none.
+
     Example:
         >>> normalize_device("disk")
         'disk'
@@ -87,6 +100,17 @@ def normalize_device(value: Any) -> Any:
 
 def normalize_device_map(device_map: Any) -> Any:
     """Apply :func:`normalize_device` to every value of a dict device map; other values pass through.
+
+    Args:
+        device_map: a ``device_map`` argument: a dict (module name -> device), or a string such as ``"auto"``.
+
+    Returns:
+        A new dict of the same type with each value normalised, or ``device_map`` itself when it is not a dict.
+
+    Raises:
+        TypeError: see :func:`normalize_device`.
+        ValueError: see :func:`normalize_device`.
+        TPUNotAvailableError: see :func:`normalize_device`.
 
     Example:
         >>> normalize_device_map("auto")

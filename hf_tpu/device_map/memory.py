@@ -58,6 +58,20 @@ def _keys_for(key: Any) -> list[Any]:
 def normalize_max_memory(max_memory: dict[Any, Any]) -> dict[Any, int]:
     """A new dict with TPU keys as integer ids, sizes in bytes, accelerators first, then mps, cpu, disk.
 
+    Args:
+        max_memory: device -> size, as users pass it to ``from_pretrained``: keys ``"tpu"`` (every TPU device),
+            ``"tpu:N"``, a ``torch.device``, N (a TPU id when this process has a TPU), ``"mps"``, ``"cpu"`` or
+            ``"disk"``; sizes in bytes or strings such as ``"14GiB"``.
+
+    Returns:
+        A new dict in accelerate's form: integer TPU ids first, then ``"mps"``, ``"cpu"``, ``"disk"``, sizes in
+        bytes.
+
+    Raises:
+        TypeError: a key is a bool.
+        ValueError: a key is no device hf_tpu or accelerate knows, or names a TPU index this process lacks.
+        TPUNotAvailableError: a key names a TPU and this process has none.
+
     Example:
         >>> normalize_max_memory({"cpu": "1KiB", "disk": 10})
         {'cpu': 1024, 'disk': 10}
@@ -86,6 +100,20 @@ def get_max_memory(max_memory: dict[Any, Any] | None = None, *, upstream: Callab
     :class:`hf_tpu.runtime.TPUNotAvailableError`.
 
     Like upstream, string sizes in a passed dict are converted in place (transformers relies on it).
+
+    Args:
+        max_memory: device -> size as users pass it (see :func:`normalize_max_memory`); None (the default): what
+            the devices have free now.
+        upstream: accelerate's original ``get_max_memory``, called when no TPU is involved; None (the default)
+            looks it up in :mod:`hf_tpu._patch`'s records.
+
+    Returns:
+        Device -> bytes in accelerate's form (integer TPU ids first, then ``"cpu"``, ...).
+
+    Raises:
+        TPUNotAvailableError: ``max_memory`` names a TPU and this process has none.
+        TypeError: a bool key (see :func:`normalize_max_memory`).
+        ValueError: an unknown device key, or a TPU index this process lacks (see :func:`normalize_max_memory`).
 
     Example:
         >>> import hf_tpu.sim; hf_tpu.sim.enable(hbm="1GiB")                    # doctest: +SKIP

@@ -28,12 +28,19 @@ class DeviceMapFitError(UserError, ValueError):
 
 
 def format_bytes(n: float) -> str:
-    """``1536`` -> ``'1.50 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    """``1536`` -> ``'1.50 KiB'``.
+
+    Args:
+        n: a number of bytes.
+
+    Returns:
+        ``n`` in the largest binary unit (B, KiB, MiB, GiB, TiB) that keeps it under 1024, two decimals past bytes.
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.2f} TiB"
 
 
 def _device_for(name: str, device_map: dict[str, Any]) -> Any:
@@ -50,6 +57,16 @@ def placement_bytes(model: Any, device_map: dict[str, Any], hf_quantizer: Any = 
     """Bytes of parameters and buffers each device of ``device_map`` receives (tied weights counted once).
 
     Works on a model whose tensors are on the meta device; a transformers quantizer gives the stored element size.
+
+    Args:
+        model: the model (its parameters and buffers may be on the meta device).
+        device_map: module or tensor name -> device; a tensor goes where its longest named prefix goes, and
+            tensors no entry covers are not counted.
+        hf_quantizer: a transformers quantizer, whose ``param_element_size`` gives each tensor's stored size;
+            None (the default): each tensor's own element size.
+
+    Returns:
+        Each device of ``device_map`` that receives tensors, mapped to their bytes.
     """
     skip = set(getattr(model, "all_tied_weights_keys", {}) or {})
     seen: set[int] = set()
@@ -91,6 +108,24 @@ def check_placement(
       (an ``offload_folder`` or a ``"disk"`` entry in ``max_memory``), and fits within a ``"disk"`` limit if any.
 
     ``limits`` is the ``max_memory`` the plan was made with (named in the message).
+
+    Args:
+        model: the model about to be loaded (tensors may be on the meta device).
+        device_map: the placement, module or tensor name -> device.
+        asked: the ``device_map`` argument the user passed, quoted in the message.
+        inferred: True when the plan was inferred (``"auto"``, ``"balanced"``, ...) rather than given as a dict.
+        disk_allowed: whether weights may be offloaded to disk (an ``offload_folder`` or a ``"disk"`` entry in
+            ``max_memory``); True by default.
+        limits: the ``max_memory`` the plan was made with; None: none given.
+        hf_quantizer: a transformers quantizer giving the stored element sizes (see :func:`placement_bytes`).
+
+    Returns:
+        The bytes each device receives, as :func:`placement_bytes` counts them.
+
+    Raises:
+        DeviceMapFitError: a TPU device gets more than its free HBM, or an inferred plan needs disk offload that is
+            not allowed or exceeds the ``"disk"`` limit. Nothing has been loaded then.
+        TPUNotAvailableError: the map names a TPU device and this process has none (from :func:`tpu_memory`).
     """
     placed = placement_bytes(model, device_map, hf_quantizer)
     total = sum(placed.values())

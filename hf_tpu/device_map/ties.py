@@ -27,7 +27,14 @@ __all__ = ["retie", "tied_groups"]
 
 
 def tied_groups(module: torch.nn.Module) -> list[list[str]]:
-    """Names of parameters that are one and the same ``Parameter`` object, one list per shared parameter."""
+    """Names of parameters that are one and the same ``Parameter`` object, one list per shared parameter.
+
+    Args:
+        module: the model (read before it is moved, so that :func:`retie` can restore the ties afterwards).
+
+    Returns:
+        One list of parameter names per parameter reachable under more than one name.
+    """
     by_id: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(name)
@@ -35,7 +42,15 @@ def tied_groups(module: torch.nn.Module) -> list[list[str]]:
 
 
 def retie(module: torch.nn.Module, groups: list[list[str]]) -> int:
-    """Make every name of each group refer to the group's first parameter again; returns how many were re-tied."""
+    """Make every name of each group refer to the group's first parameter again.
+
+    Args:
+        module: the model whose ties a move may have broken.
+        groups: the groups :func:`tied_groups` returned before the move.
+
+    Returns:
+        How many names were pointed back at their group's first parameter (0 when the ties held).
+    """
     fixed = 0
     for names in groups:
         source = module.get_parameter(names[0])

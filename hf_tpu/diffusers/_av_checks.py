@@ -39,7 +39,14 @@ def chunked_frames(pipe: Any) -> tuple[int, int] | None:
 
 
 def valid_frame_counts(pipe: Any) -> list[int]:
-    """Every frame count the pipeline generates: the VAE's chunked counts whose duration is in the model's range."""
+    """Every frame count the pipeline generates: the VAE's chunked counts whose duration is in the model's range.
+
+    Args:
+        pipe: a pipeline; only a chunked-VAE video pipeline (MiniMax-H3) has counts to list.
+
+    Returns:
+        The valid counts (``per_chunk * n + latents``) in increasing order; [] for a pipeline without a chunked VAE.
+    """
     chunks = chunked_frames(pipe)
     if chunks is None:
         return []
@@ -103,7 +110,15 @@ def check_chunked_frames(pipe: Any, num_frames: Any, *, strict: bool = True) -> 
 
 
 def audio_latent_count(pipe: Any, num_frames: int) -> int:
-    """Audio latents per channel that cover ``num_frames`` frames (after upstream's snapping): 40 per second."""
+    """Audio latents per channel that cover ``num_frames`` frames (after upstream's snapping): 40 per second.
+
+    Args:
+        pipe: a MiniMax-H3 pipeline (its ``fps`` and chunked VAE decide the snapping; 24 fps when it has none).
+        num_frames: the clip's frame count as asked.
+
+    Returns:
+        The length ``n`` of the audio latents' last dimension for that clip.
+    """
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
         MINIMAX_H3_AUDIO_LATENTS_PER_SECOND,
         audio_latent_num_frames,
@@ -122,6 +137,15 @@ def check_audio_latents(pipe: Any, audio_latents: Any, num_frames: Any) -> None:
     MiniMax-H3 packs its soundtrack as ``(channels, audio_latent_channels, n)`` noise, ``n`` = one latent per 1/40 s
     of the (snapped) clip: 207 for 124 frames. The error names the shape this clip needs and the frame count that a
     tensor of this length would fit, if any.
+
+    Args:
+        pipe: the pipeline (a pipeline without a chunked VAE passes unchecked).
+        audio_latents: the tensor the call passes, or None (nothing to check).
+        num_frames: the clip's frame count (a non-int passes unchecked: :func:`check_frames` names it).
+
+    Raises:
+        ValueError: ``audio_latents`` is not a tensor of shape ``(audio_channels, audio_latent_channels, n)`` for
+            this clip.
     """
     import torch
 

@@ -65,7 +65,14 @@ def _checked_latents(pipe: Any, method: Any) -> Any:
 
 
 def has_call_checks(pipe: Any) -> bool:
-    """Whether :func:`install_call_checks` is in force on ``pipe``."""
+    """Whether :func:`install_call_checks` is in force on ``pipe``.
+
+    Args:
+        pipe: a ``DiffusionPipeline`` or ``ModularPipeline``.
+
+    Returns:
+        True when this instance's checks are installed.
+    """
     if _modular_checks.is_modular(pipe):
         return _modular_checks.has_checks(pipe)
     return any(getattr(pipe.__dict__.get(name), _FLAG, False) for name in _METHODS)
@@ -74,7 +81,15 @@ def has_call_checks(pipe: Any) -> bool:
 def install_call_checks(pipe: Any) -> Any:
     """Wrap ``pipe.check_inputs`` and ``pipe.prepare_latents`` of this instance (idempotent). Returns ``pipe``.
 
-    A modular pipeline gets the check block at the head of its blocks instead."""
+    A modular pipeline gets the check block at the head of its blocks instead.
+
+    Args:
+        pipe: a ``DiffusionPipeline`` (its instance, never its class, is changed) or ``ModularPipeline``.
+
+    Returns:
+        ``pipe``, whose later calls check their size, frame count and generator first (:func:`check_resolution`,
+        :func:`check_frames`, :func:`check_generator`: each raises ``ValueError`` naming the fix).
+    """
     if _modular_checks.is_modular(pipe):
         return _modular_checks.install(pipe)
     wrappers = {"check_inputs": _checked_inputs, "prepare_latents": _checked_latents}
@@ -89,7 +104,14 @@ def install_call_checks(pipe: Any) -> Any:
 
 
 def remove_call_checks(pipe: Any) -> Any:
-    """Undo :func:`install_call_checks` on ``pipe``. Returns ``pipe``."""
+    """Undo :func:`install_call_checks` on ``pipe``. Returns ``pipe``.
+
+    Args:
+        pipe: a pipeline with or without the checks.
+
+    Returns:
+        ``pipe``, its call checks removed.
+    """
     if _modular_checks.is_modular(pipe):
         return _modular_checks.remove(pipe)
     for name in _METHODS:

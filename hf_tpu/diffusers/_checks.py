@@ -42,6 +42,16 @@ _EXTRA = re.compile(
 def denoisers(pipe: Any) -> list[tuple[str, Any]]:
     """Every module the pipeline calls once per step: its denoiser(s), experts, prior, decoder and ControlNet.
 
+    Args:
+        pipe: a ``DiffusionPipeline`` or ``ModularPipeline``.
+
+    Returns:
+        ``(name, module)`` pairs: the first denoiser found (``transformer``, ``unet``, ...), then the other
+        per-step modules among the components (``transformer_2``, ``prior``, ``controlnet``, ...).
+
+    Raises:
+        ValueError: the pipeline has no denoiser (see :func:`denoiser`).
+
     Example:
         >>> [name for name, _ in denoisers(wan22_pipe)]  # doctest: +SKIP
         ['transformer', 'transformer_2']
@@ -58,6 +68,15 @@ def denoisers(pipe: Any) -> list[tuple[str, Any]]:
 
 def denoiser(pipe: Any) -> tuple[str, Any]:
     """The name and module of the pipeline's denoiser (``transformer`` for DiT pipelines, ``unet`` for UNets).
+
+    Args:
+        pipe: a ``DiffusionPipeline`` or ``ModularPipeline``.
+
+    Returns:
+        ``(name, module)`` of the first denoiser attribute that holds a module.
+
+    Raises:
+        ValueError: no denoiser module; the message lists the model components there are.
 
     Example:
         >>> name, module = denoiser(pipe)  # doctest: +SKIP
@@ -110,6 +129,15 @@ def resolution_limits(pipe: Any) -> tuple[int, int | None]:
     ``multiple`` is the VAE's spatial downscale factor times the denoiser's patch (1 for a UNet; the spatial sides
     of a tuple patch such as Wan's ``(1, 2, 2)``); ``largest`` comes from the transformer's positional-embedding
     table where it has one (``pos_embed_max_size`` in SD3).
+
+    Args:
+        pipe: a ``DiffusionPipeline`` or ``ModularPipeline``.
+
+    Returns:
+        ``(multiple, largest)`` in pixels.
+
+    Raises:
+        ValueError: the pipeline has no denoiser (see :func:`denoiser`).
     """
     vae_scale = _vae_scale(pipe)
     name, module = denoiser(pipe)
@@ -125,7 +153,14 @@ def resolution_limits(pipe: Any) -> tuple[int, int | None]:
 
 
 def frame_multiple(pipe: Any) -> int | None:
-    """The VAE's temporal compression of a video pipeline (``num_frames - 1`` must be a multiple), else None."""
+    """The VAE's temporal compression of a video pipeline (``num_frames - 1`` must be a multiple), else None.
+
+    Args:
+        pipe: a ``DiffusionPipeline`` or ``ModularPipeline``.
+
+    Returns:
+        The temporal factor read from the pipeline or its VAE config, or None for an image pipeline.
+    """
     value = None
     for attr in ("vae_scale_factor_temporal", "vae_temporal_compression_ratio"):  # Wan, Cosmos...; LTX
         try:
@@ -148,6 +183,14 @@ def check_frames(pipe: Any, num_frames: Any) -> None:
     latent frames; do not use this check for it). Each call of an LTX pipeline is checked (they floor a bad count
     silently); Wan rounds it itself with a warning. A chunked video VAE (MiniMax-H3: ``17n + 5`` frames within the
     model's 5 to 15 seconds) is checked by :func:`check_chunked_frames`.
+
+    Args:
+        pipe: a video pipeline (an image pipeline, or ``num_frames=None``, passes unchecked).
+        num_frames: the frame count the call asks for.
+
+    Raises:
+        ValueError: ``num_frames`` is not a positive int, or not ``k * t + 1`` (or, for a chunked VAE, not a
+            count it takes); the message names the nearest valid counts.
 
     Example:
         >>> check_frames(wan_pipe, 10)  # doctest: +SKIP
@@ -176,6 +219,15 @@ def check_resolution(pipe: Any, height: int, width: int) -> None:
     """Raise ``ValueError`` if the pipeline cannot make a ``height`` x ``width`` image, naming valid sizes.
 
     Sizes are written width x height, as ``hf-tpu diffuse`` reports the image it wrote.
+
+    Args:
+        pipe: a ``DiffusionPipeline`` or ``ModularPipeline``.
+        height: the image height asked for, in pixels.
+        width: the image width asked for, in pixels.
+
+    Raises:
+        ValueError: a side is not an int, not a multiple of :func:`resolution_limits`' ``multiple``, or outside
+            its bounds (the message names the nearest valid sizes); or the pipeline has no denoiser.
 
     Example:
         >>> check_resolution(pipe, 30, 30)  # doctest: +SKIP
@@ -228,6 +280,16 @@ def check_generator(pipe: Any, generator: Any, batch_size: int | None = None) ->
     on the pipeline's own device works too. Any other device, a mix of devices, or a list whose length is not
     the batch size is refused with a message that says how to make a suitable one.
 
+    Args:
+        pipe: the pipeline (its execution device is the one allowed besides the CPU).
+        generator: a ``torch.Generator``, a list of them, or None (nothing to check).
+        batch_size: the number of images of the call; None (the default) skips the list-length check.
+
+    Raises:
+        TypeError: an element is not a ``torch.Generator``.
+        ValueError: a generator on another device than the CPU or the pipeline's, generators on mixed devices,
+            or a list whose length is neither 1 nor ``batch_size``.
+
     Example:
         >>> check_generator(pipe, torch.Generator("cpu").manual_seed(0))  # doctest: +SKIP
     """
@@ -267,6 +329,14 @@ def _tensors(module: Any) -> Iterable[tuple[str, Any]]:
 
 def check_components_on(pipe: Any, device: Any) -> None:
     """Raise ``RuntimeError`` naming every model component that has a tensor off ``device``.
+
+    Args:
+        pipe: the pipeline whose ``components`` are checked (modules only).
+        device: the device every parameter and buffer should be on (``"tpu"``, ``"tpu:0"``, a ``torch.device``).
+
+    Raises:
+        RuntimeError: some component has tensors elsewhere (the message names up to three per component and how
+            to fix it: remove offloading hooks, use a TPU-supported quantization, or move them yourself).
 
     Example:
         >>> pipe.to("tpu"); check_components_on(pipe, "tpu")  # doctest: +SKIP

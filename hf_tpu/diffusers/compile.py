@@ -90,7 +90,8 @@ def compile_pipeline(
 
     Args:
         pipe: a ``DiffusionPipeline`` or ``ModularPipeline`` placed on the TPU.
-        backend, fullgraph, dynamic, options: what ``torch.compile`` gets for each module.
+        backend, fullgraph, dynamic, options: what ``torch.compile`` gets for each module (``options``: None
+            passes none).
         recompile_limit: how many shapes one module may be compiled for.
         cache_dir: the persistent compile cache directory, None for none (default ``HF_TPU_COMPILE_CACHE``).
         vae: also compile the VAE decoder.
@@ -154,7 +155,14 @@ def compile_pipeline(
 
 
 def compiled_modules(pipe: Any) -> list[str]:
-    """Names of the pipeline modules that :func:`compile_pipeline` compiled (and that are still compiled)."""
+    """Names of the pipeline modules that :func:`compile_pipeline` compiled (and that are still compiled).
+
+    Args:
+        pipe: a pipeline.
+
+    Returns:
+        Dotted names under ``pipe.components`` (``"transformer"``, ``"vae.decoder"``, ...).
+    """
     import torch
 
     names = []
@@ -168,7 +176,14 @@ def compiled_modules(pipe: Any) -> list[str]:
 
 
 def uncompile_pipeline(pipe: Any) -> Any:
-    """Undo :func:`compile_pipeline`: the modules run eagerly again. Returns ``pipe``."""
+    """Undo :func:`compile_pipeline`: the modules run eagerly again. Returns ``pipe``.
+
+    Args:
+        pipe: a pipeline :func:`compile_pipeline` compiled (one it did not is left as it is).
+
+    Returns:
+        ``pipe``, its modules back to eager.
+    """
     import torch
 
     for component in pipe.components.values():
@@ -183,7 +198,15 @@ def uncompile_pipeline(pipe: Any) -> Any:
 
 @dataclass(frozen=True)
 class WarmupResult:
-    """One warmed-up resolution: its size, the wall time of the warm-up call, and the graphs it compiled."""
+    """One warmed-up resolution: its size, the wall time of the warm-up call, and the graphs it compiled.
+
+    Attributes:
+        height: the image height, in pixels.
+        width: the image width, in pixels.
+        seconds: wall time of the warm-up call.
+        graphs: graphs compiled during it.
+        from_cache: graphs loaded from the persistent compile cache instead of compiled.
+    """
 
     height: int
     width: int
@@ -224,6 +247,24 @@ def warmup(
     ``cache_dir`` attaches a persistent compile cache to the modules :func:`compile_pipeline` compiled (see
     :mod:`hf_tpu.compile_cache`): graphs found there are loaded, not compiled (``WarmupResult.from_cache``).
     Returns one :class:`WarmupResult` per size.
+
+    Args:
+        pipe: the pipeline, on the TPU, usually compiled by :func:`compile_pipeline` first.
+        resolutions: sizes to warm up: an int for a square image, or a ``(height, width)`` pair (repeats run once).
+        prompt: the prompt of the warm-up calls (passed when the pipeline takes one); None passes none.
+        num_inference_steps: steps per warm-up call; None (the default) runs the pipeline's default.
+        progress: show a progress bar over the sizes.
+        cache_dir: a persistent compile cache to attach to the compiled denoisers (a directory or a
+            :class:`~hf_tpu.compile_cache.CompileCache`); not given or None: leave them as they are.
+        **call_kwargs: further arguments of the pipeline call, as later calls will pass them (``guidance_scale``,
+            ``num_images_per_prompt``, ...); ``output_type`` defaults to ``"np"``.
+
+    Returns:
+        One :class:`WarmupResult` per distinct size, in order.
+
+    Raises:
+        ValueError: no resolutions, a resolution that is neither an int nor a pair, a size the pipeline cannot
+            make (:func:`check_resolution`), or ``cache_dir`` given while a denoiser is not compiled.
 
     Example:
         >>> compile_pipeline(pipe)                                        # doctest: +SKIP

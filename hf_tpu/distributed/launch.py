@@ -74,6 +74,16 @@ def set_real_launch_env(*, nnodes: int | None = None, nproc_per_node: int | None
     torch_tpu raises ValueError for a launch it cannot lay out (hosts, node rank) and RuntimeError for a device
     count it has no mesh for; both become a :class:`LaunchError` (the launcher checks the count first, see
     :func:`check_process_count`, so the second names the counts that work).
+
+    Args:
+        nnodes: the number of hosts; None: as torch_tpu decides from the environment.
+        nproc_per_node: processes per host; None: one per device.
+
+    Returns:
+        The environment variables the call set, with their values.
+
+    Raises:
+        LaunchError: torch-tpu cannot be imported, or it refuses the launch (the message says why).
     """
     from hf_tpu import _torch_tpu
 
@@ -96,6 +106,16 @@ def check_process_count(generation: str | None, nproc: int | None, host_devices:
     ``nproc`` is the processes asked per host (None: one per device), ``host_devices`` the TPU devices torch_tpu
     counts on this host. torch_tpu looks up, single-host, ``nproc`` (or the device count) in its topology table
     and, multi-host, the host's device count; on multi-host hf_tpu also refuses an ``nproc`` with no mesh.
+
+    Args:
+        generation: the host's TPU generation; None (unknown) checks nothing.
+        nproc: processes asked per host; None: one per device.
+        host_devices: the TPU devices torch_tpu counts on this host.
+        multihost: whether the launch spans several hosts.
+
+    Raises:
+        LaunchError: torch_tpu has no mesh for the count (from :func:`simulated_topology`; it names the counts
+            that work).
     """
     if generation is None:
         return
@@ -108,7 +128,15 @@ def check_process_count(generation: str | None, nproc: int | None, host_devices:
 
 def add_launch_arguments(parser: argparse.ArgumentParser, *, simulate_flag: bool = True) -> argparse.ArgumentParser:
     """Add torchrun's arguments (all of them, multi-node included) and, unless the caller adds its own,
-    ``--simulate`` to ``parser``."""
+    ``--simulate`` to ``parser``.
+
+    Args:
+        parser: the parser to extend (``hf-tpu launch``'s, or a command that launches, such as ``hf-tpu serve``).
+        simulate_flag: also add ``--simulate`` when the parser has none; True by default.
+
+    Returns:
+        ``parser``.
+    """
     from torch.distributed.run import get_args_parser
 
     for action in get_args_parser()._actions:
@@ -128,7 +156,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, simulate_flag: bool
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``python -m hf_tpu.launch`` parser: torchrun's arguments plus ``--simulate``."""
+    """``python -m hf_tpu.launch`` parser: torchrun's arguments plus ``--simulate``.
+
+    Returns:
+        A new ``argparse.ArgumentParser``.
+    """
     parser = argparse.ArgumentParser(
         prog="hf-tpu launch",
         description="Start one process per TPU chip with torch_tpu's launch environment (torchrun underneath). "
@@ -293,6 +325,17 @@ def launch(args: argparse.Namespace) -> int:
 
     A rank that fails makes torchrun stop the others; this returns that rank's exit code (non-zero) after
     printing which rank failed and its error.
+
+    Args:
+        args: the namespace :func:`build_parser` parsed (torchrun's fields plus ``simulate``).
+
+    Returns:
+        0 when every rank succeeded, the failed rank's exit code (1 for one killed by a signal), or ``128 + signal``
+        when the launcher itself was stopped.
+
+    Raises:
+        LaunchError: no script given, ``--simulate`` on a host with TPU chips, no TPU for a real launch, or a
+            process count or multi-host setup torch_tpu cannot lay out.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -364,7 +407,16 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hf_tpu.launch [--simulate] [torchrun args] script.py [script args]``; the exit status."""
+    """``python -m hf_tpu.launch [--simulate] [torchrun args] script.py [script args]``; the exit status.
+
+    Args:
+        argv: the command line after the program name; None (the default) reads ``sys.argv[1:]``.
+
+    Returns:
+        torchrun's exit status (a failed rank's exit code, after naming the rank and its error), or 2 when the
+        launch itself is refused (the reason is printed to stderr). A malformed command line exits through
+        argparse (status 2).
+    """
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         return launch(args)

@@ -305,6 +305,14 @@ def _create(dist_opts, backend_options=None) -> SimulatedTPUProcessGroup:
 
 
 def is_registered(name: str = BACKEND_NAME) -> bool:
+    """Whether a process-group backend of this name is registered with ``torch.distributed`` (by anyone).
+
+    Args:
+        name: the backend's name; ``"tpu_dist"`` (:data:`BACKEND_NAME`) by default.
+
+    Returns:
+        True when ``torch.distributed`` knows the backend.
+    """
     return name.upper() in dist.Backend._plugins
 
 
@@ -313,6 +321,13 @@ def register(name: str = BACKEND_NAME, devices: Sequence[str] = ("tpu",)) -> Non
     ``init_process_group``; ``hf-tpu launch --simulate`` does it in every rank.
 
     Never call it in a process that uses real torch_tpu: there ``tpu_dist`` is torch_tpu's own backend.
+
+    Args:
+        name: the backend's name; ``"tpu_dist"`` (:data:`BACKEND_NAME`) by default.
+        devices: the device types it serves (each but ``"cpu"`` gets it as its default backend); ``("tpu",)``.
+
+    Raises:
+        RuntimeError: another library (torch_tpu) registered a backend of that name already.
     """
     with _LOCK:
         if is_registered(name):

@@ -74,7 +74,13 @@ class TensorParallelConfigError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class PlanFix:
-    """One change hf_tpu made to a TP plan (or a condition it checked and accepted), with the reason."""
+    """One change hf_tpu made to a TP plan (or a condition it checked and accepted), with the reason.
+
+    Attributes:
+        kind: ``"replicate_attention"``, ``"repeat_kv_heads"``, ``"uneven_vocab"`` or ``"tie_embeddings"``.
+        rules: the plan keys concerned.
+        reason: what was changed and why, in words.
+    """
 
     kind: str  # "replicate_attention" | "uneven_vocab" | "tie_embeddings"
     rules: tuple[str, ...]  # the plan keys concerned
@@ -83,15 +89,34 @@ class PlanFix:
 
 @dataclass
 class PlanReport:
+    """What :func:`fix_plan` returns.
+
+    Attributes:
+        plan: the TP plan to use (module pattern -> style).
+        fixes: each change made to the plan asked for (or condition checked and accepted), with its reason.
+    """
+
     plan: dict[str, str]
     fixes: list[PlanFix] = field(default_factory=list)
 
     def kinds(self) -> list[str]:
+        """The kinds of the fixes, in order.
+
+        Returns:
+            ``"replicate_attention"``, ``"uneven_vocab"``, ``"tie_embeddings"``, ... one per fix.
+        """
         return [f.kind for f in self.fixes]
 
 
 def weight_placement(style: str | None, *, embedding: bool) -> str:
     """How a TP style lays out a module's ``weight``: ``"shard0"``, ``"shard1"`` or ``"replicate"``.
+
+    Args:
+        style: a TP style of transformers or hf_tpu (``"colwise"``, ``"embedding_rowwise"``, ...); None: no rule.
+        embedding: whether the module is an embedding (its weight is ``(vocab, hidden)``, not ``(out, in)``).
+
+    Returns:
+        ``"shard0"`` (split along the first dimension), ``"shard1"`` (the second) or ``"replicate"``.
 
     Example:
         >>> weight_placement("embedding_rowwise", embedding=True), weight_placement("colwise_gather_output", embedding=False)
@@ -188,6 +213,28 @@ def fix_plan(
 
     Returns the plan to use and the fixes made. Rules named in ``user_rules`` are never rewritten: if one of
     them cannot work, :class:`TensorParallelConfigError` says why and what to change.
+
+    Args:
+        plan: module pattern -> TP style (``"colwise"``, ``"rowwise"``, ``"embedding_rowwise"``, ...), the model's
+            ``base_model_tp_plan`` merged with the user's ``tp_plan``.
+        config: the model config (its text config's head counts, ``vocab_size``, ``tie_word_embeddings``).
+        tp_size: the number of tensor-parallel ranks.
+        user_rules: the patterns the user gave; they are kept as given or refused, never rewritten.
+        tied_embeddings: whether the input embedding and the LM head share their weight; None (the default)
+            reads ``config.tie_word_embeddings``.
+        embedding_key: the plan's pattern of the input embedding, for the tied-weight and vocabulary checks;
+            None skips them.
+        head_key: the plan's pattern of the LM head, likewise.
+        kv_heads_strategy: ``"replicate"`` (the default) or ``"repeat"``, see above.
+
+    Returns:
+        A ``PlanReport``: ``plan``, the plan to use, and ``fixes``, each change made with its reason
+        (``report.kinds()`` lists their kinds).
+
+    Raises:
+        TensorParallelConfigError: ``tp_size`` below 1, a user rule that cannot work with these heads or tied
+            embeddings, or a vocabulary smaller than ``tp_size``.
+        ValueError: ``kv_heads_strategy`` is not one of ``KV_HEADS_STRATEGIES``.
 
     Example:
         >>> from types import SimpleNamespace as C
@@ -321,6 +368,16 @@ def fix_plan(
 def check_world(tp_size: int, mesh_size: int, *, world_size: int | None, launched: bool) -> None:
     """Fail early, with the command to run, when the job cannot hold the requested mesh.
 
+    Args:
+        tp_size: the tensor-parallel size asked for.
+        mesh_size: the processes the whole mesh needs (pp * dp_replicate * fsdp * tp).
+        world_size: the job's ``WORLD_SIZE``; None when unknown (then only ``launched`` is checked).
+        launched: whether a launcher started this process (``RANK``/``WORLD_SIZE`` set).
+
+    Raises:
+        TensorParallelConfigError: not launched, or a world size the mesh does not fill exactly (the message names
+            the launch command or sizes that work).
+
     Example:
         >>> try:
         ...     check_world(4, 4, world_size=2, launched=True)
@@ -362,6 +419,15 @@ def set_kv_heads_strategy(strategy: str) -> str:
 
     ``"replicate"`` (default): the block runs whole on every rank. ``"repeat"``: query heads and the output
     projection stay sharded, each rank computes the one KV head its query heads use (see :func:`fix_plan`).
+
+    Args:
+        strategy: one of :data:`KV_HEADS_STRATEGIES` (``"replicate"``, ``"repeat"``).
+
+    Returns:
+        The strategy in force before the call.
+
+    Raises:
+        ValueError: an unknown strategy.
 
     Example:
         >>> previous = set_kv_heads_strategy("repeat")
@@ -534,6 +600,14 @@ def load_kwargs_for_mesh(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], Any
     mesh but no tensor-parallel request (upstream uses it for nothing else), the arguments are returned unchanged
     with ``None``.
 
+    Args:
+        kwargs: the keyword arguments of ``from_pretrained`` (``device_mesh``, ``tp_plan``, ``tp_size``,
+            ``distributed_config`` and the rest).
+
+    Returns:
+        ``(kwargs, mesh)``: a new dict of keyword arguments to pass upstream, and the 1-D ``tp`` mesh to shard over
+        (None when there is none).
+
     Raises:
         TensorParallelConfigError: a mesh of more than one dimension with no ``tp`` dimension, a ``tp_size`` or
             ``DistributedConfig`` that disagrees with the mesh, or a ``DistributedConfig`` asking transformers for
@@ -580,7 +654,11 @@ def load_kwargs_for_mesh(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], Any
 @contextlib.contextmanager
 def sharding_over(mesh: Any) -> Iterator[None]:
     """Within the block, transformers' ``initialize_distributed_mesh`` answers with ``mesh`` (a 1-D ``tp`` mesh
-    from :func:`load_kwargs_for_mesh`) instead of building a mesh over the whole job; ``None`` changes nothing."""
+    from :func:`load_kwargs_for_mesh`) instead of building a mesh over the whole job; ``None`` changes nothing.
+
+    Args:
+        mesh: the 1-D ``tp`` device mesh, or None.
+    """
     token = _USER_MESH.set(mesh)
     try:
         yield

@@ -59,6 +59,12 @@ def compiled_graphs(model) -> list[tuple]:
     """The encoder graphs compiled for ``model`` so far, in order: ``(batch bucket, length bucket, inputs,
     output_hidden_states, grad_enabled)`` each (one compile each, on the TPU; none twice).
 
+    Args:
+        model: an encoder model (see :data:`MODEL_TYPES`).
+
+    Returns:
+        One key tuple per compiled graph, in compile order ([] before the first bucketed call).
+
     Example:
         >>> [key[:2] for key in compiled_graphs(model)]                                 # doctest: +SKIP
         [(1, 16), (1, 32)]

@@ -67,7 +67,14 @@ def encoder_classes(module) -> list[type]:
 
 
 def serves(model) -> bool:
-    """Whether ``model``'s class has the bucketed forward (the ``encoders`` integration is on and wrapped it)."""
+    """Whether ``model``'s class has the bucketed forward (the ``encoders`` integration is on and wrapped it).
+
+    Args:
+        model: a model instance.
+
+    Returns:
+        True when its class's ``forward`` is hf_tpu's wrapper.
+    """
     return hasattr(type(model).__dict__.get("forward") or getattr(type(model), "forward", None), "__hf_tpu_upstream__")
 
 

@@ -50,7 +50,20 @@ class EncoderRoute:
     per bucket) or not, with the ``reason`` when not; ``inputs`` are the call's arguments by name. ``quiet``: the
     reason is logged, not warned: the path was turned off for the model (``configure(model, bucketed=False)``), or
     the call is a decoder's (a decoder config, a cache or cross-attention states given: the encoder class as the
-    trunk of a causal LM under ``generate``, whose route the generation loop names)."""
+    trunk of a causal LM under ``generate``, whose route the generation loop names).
+
+    Attributes:
+        bucketed: whether the call runs padded to buckets, one compiled graph per bucket.
+        reason: why not, when not bucketed; None otherwise.
+        quiet: the reason is logged, not warned (see above).
+        rows: the call's batch size.
+        length: the call's sequence length.
+        batch_bucket: the batch size it is padded to (0 when not bucketed).
+        length_bucket: the length it is padded to (0 when not bucketed).
+        hidden_states: whether the call asks for every layer's hidden states.
+        return_dict: whether the call returns a ``ModelOutput`` (else a tuple).
+        inputs: the call's arguments by name.
+    """
 
     bucketed: bool
     reason: str | None = None

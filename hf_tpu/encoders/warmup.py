@@ -26,7 +26,15 @@ __all__ = ["EncoderWarmupReport", "warmup"]
 @dataclass
 class EncoderWarmupReport:
     """What :func:`warmup` did: the ``(batch bucket, length bucket)`` graphs it covered, how many it compiled (the
-    others existed already), and how long it took."""
+    others existed already), and how long it took.
+
+    Attributes:
+        graphs: the ``(batch bucket, length bucket)`` pairs run.
+        new_compiles: graphs compiled during the warm-up (the others were compiled before).
+        seconds: wall time of the warm-up.
+        length_buckets: the length buckets covered.
+        batch_buckets: the batch buckets covered.
+    """
 
     graphs: list[tuple[int, int]] = field(default_factory=list)
     new_compiles: int = 0

@@ -64,6 +64,13 @@ def expose_tpu_backend(feature: str = "kernels") -> bool:
     Without hf_tpu, the same effect is one line before ``get_kernel``:
     ``torch.backends.tpu = types.ModuleType("torch.backends.tpu")``.
 
+    Args:
+        feature: the :mod:`hf_tpu._patch` feature the change is recorded under (reverted with it); ``"kernels"``
+            by default.
+
+    Returns:
+        True when it set ``torch.backends.tpu``, False when it had nothing to do.
+
     Example:
         >>> import hf_tpu
         >>> hf_tpu.enable("kernels")  # on a TPU VM, plain kernels.get_kernel now finds torch-tpu  # doctest: +SKIP
@@ -102,6 +109,16 @@ def tpu_variant_selection() -> Iterator[None]:
 def load_local_kernel(repo_path: str | Path, *, trust_remote_code: bool | list[str] = False) -> ModuleType:
     """``kernels.get_local_kernel`` on a kernel repository folder, with the ``torch-tpu`` variant selected.
 
+    Args:
+        repo_path: a kernel repository in the Hub layout (``build/<variant>/<package>/__init__.py``).
+        trust_remote_code: passed to ``kernels.get_local_kernel``; False by default.
+
+    Returns:
+        The kernel's Python module.
+
+    Raises:
+        FileNotFoundError: ``repo_path`` has no ``build/`` folder.
+
     Example:
         >>> from hf_tpu.kernels.loader import RAGGED_DOT_REPO, load_local_kernel
         >>> load_local_kernel(RAGGED_DOT_REPO).ragged_dot          # doctest: +SKIP
@@ -120,6 +137,12 @@ def load_local_kernel(repo_path: str | Path, *, trust_remote_code: bool | list[s
 
 def load_ragged_dot_kernel() -> ModuleType:
     """The ragged-dot MoE experts kernel shipped with hf_tpu (same code as the Hub repository ``ragged-dot-tpu``).
+
+    Returns:
+        The kernel module (``ragged_dot``, ``experts_forward``, ``make_experts_forward``, ...).
+
+    Raises:
+        FileNotFoundError: the shipped repository's ``build/`` folder is missing (a broken install).
 
     Example:
         >>> kernel = load_ragged_dot_kernel()                       # doctest: +SKIP

@@ -62,6 +62,22 @@ def register_experts(name: str, kernel: ModuleType | Callable, *, replace: bool 
     else (transformers' ``grouped_mm``, or another kernel) is an error unless ``replace=True``; the previous entry
     comes back on :func:`unregister_experts` / ``hf_tpu.disable()``.
 
+    Args:
+        name: the ``experts_implementation`` name to register (not empty, not ``"eager"``).
+        kernel: a kernel module defining ``experts_forward(self, hidden_states, top_k_index, top_k_weights)``, or
+            that function itself.
+        replace: override an implementation already registered under ``name`` (until ``hf_tpu.disable()``);
+            False by default.
+
+    Returns:
+        ``name``, to pass as ``experts_implementation``.
+
+    Raises:
+        ValueError: an empty name or ``"eager"``, or a name already registered to something else without
+            ``replace=True``.
+        AttributeError: a kernel module without ``experts_forward``.
+        TypeError: ``kernel`` is neither a module nor a callable.
+
     Example:
         >>> from hf_tpu.kernels import load_ragged_dot_kernel, register_experts
         >>> name = register_experts("ragged_dot_tpu", load_ragged_dot_kernel())          # doctest: +SKIP
@@ -91,7 +107,12 @@ def register_experts(name: str, kernel: ModuleType | Callable, *, replace: bool 
 
 
 def unregister_experts(name: str) -> None:
-    """Undo :func:`register_experts` for ``name`` (restoring what was there before); unknown names are ignored."""
+    """Undo :func:`register_experts` for ``name`` (restoring what was there before); unknown names are ignored.
+
+    Args:
+        name: a name given to :func:`register_experts`. If another library registered over it since, its entry is
+            left in place.
+    """
     with _LOCK:
         entry = _OURS.pop(name, None)
         if entry is None:
@@ -107,7 +128,11 @@ def unregister_experts(name: str) -> None:
 
 
 def registered_experts() -> dict[str, Callable]:
-    """The experts implementations hf_tpu registered and that are still in force."""
+    """The experts implementations hf_tpu registered and that are still in force.
+
+    Returns:
+        A new dict: ``experts_implementation`` name -> the experts forward function.
+    """
     with _LOCK:
         return {name: fn for name, (fn, _) in _OURS.items()}
 
@@ -118,6 +143,17 @@ def use_ragged_dot_experts(name: str = RAGGED_DOT_NAME, *, implementation: str =
 
     ``implementation`` picks the grouped matmul (``"auto"``: the Pallas kernel on TPU, the XLA path elsewhere;
     ``"pallas"``, ``"pallas_interpret"``, ``"xla"``, ``"xla_tiled"``).
+
+    Args:
+        name: the name to register it under; ``"ragged_dot_tpu"`` by default.
+        implementation: the grouped matmul, see above; ``"auto"`` by default.
+
+    Returns:
+        ``name``, to pass as ``experts_implementation`` (registering the same kernel again does nothing).
+
+    Raises:
+        ValueError: an unknown ``implementation`` (from the kernel), or see :func:`register_experts`.
+        FileNotFoundError: the shipped kernel's folder is missing (see :func:`~hf_tpu.kernels.load_local_kernel`).
 
     Example:
         >>> from hf_tpu.kernels import use_ragged_dot_experts

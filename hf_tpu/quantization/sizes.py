@@ -23,6 +23,14 @@ def tensor_bytes(tensor: Any) -> int:
 def weight_bytes(model: Any, device_type: str | None = None) -> int:
     """Bytes of ``model``'s parameters and buffers (on ``device_type`` only, when given).
 
+    Args:
+        model: a ``torch.nn.Module``; a tensor shared by several names counts once, and a quantized tensor
+            subclass counts its inner tensors.
+        device_type: count only tensors on this device type (``"tpu"``, ``"cpu"``); None (the default) counts all.
+
+    Returns:
+        The total in bytes.
+
     Example:
         >>> import torch
         >>> weight_bytes(torch.nn.Linear(4, 2, bias=False).to(torch.bfloat16))

@@ -33,14 +33,17 @@ __all__ = ["SETTINGS", "ServingSettings", "compiled_shapes", "configure"]
 class ServingSettings:
     """Defaults hf_tpu gives the continuous-batching config of a TPU model (a value set in the config wins).
 
-    ``max_batch_tokens``: the largest step (query tokens; longer prompts are prefilled in chunks). ``slots``:
-    requests in one step (``max_requests_per_batch``), also the number of full-length requests the KV cache is
-    sized for. ``kv_cache_gib``: a cap on the KV cache (default: ``HF_TPU_KV_CACHE_GIB``, else none).
-    ``page_size``: tokens per KV page (None: upstream's default). ``q_min``/``q_factor``/``kv_factor``: the step
-    ladder (:meth:`~hf_tpu.serving.ladder.StepLadder.build`). ``compile_cache``: where the step graphs are stored
-    and loaded (a directory or a :class:`~hf_tpu.compile_cache.CompileCache`; None: ``HF_TPU_COMPILE_CACHE``, else
-    none; False: none). ``max_logprobs``: how many most likely tokens (with their log-probabilities) each step
-    returns per row, the most a request may ask for (:mod:`hf_tpu.serving._sampling`).
+    Attributes:
+        max_batch_tokens: the largest step (query tokens; longer prompts are prefilled in chunks).
+        slots: requests in one step (``max_requests_per_batch``), also the number of full-length requests the KV
+            cache is sized for.
+        kv_cache_gib: a cap on the KV cache (default: ``HF_TPU_KV_CACHE_GIB``, else none).
+        page_size: tokens per KV page (None: upstream's default).
+        q_min, q_factor, kv_factor: the step ladder (:meth:`~hf_tpu.serving.ladder.StepLadder.build`).
+        compile_cache: where the step graphs are stored and loaded (a directory or a
+            :class:`~hf_tpu.compile_cache.CompileCache`; None: ``HF_TPU_COMPILE_CACHE``, else none; False: none).
+        max_logprobs: how many most likely tokens (with their log-probabilities) each step returns per row, the
+            most a request may ask for (:mod:`hf_tpu.serving._sampling`).
     """
 
     max_batch_tokens: int = 256
@@ -56,6 +59,16 @@ class ServingSettings:
 
 def configure(**values) -> ServingSettings:
     """Set :data:`SETTINGS` fields by name (for managers created afterwards); returns the settings.
+
+    Args:
+        **values: :class:`ServingSettings` field names and their new values (``max_batch_tokens=128``, ...);
+            fields not named keep their values.
+
+    Returns:
+        :data:`SETTINGS`, the one settings object, changed.
+
+    Raises:
+        TypeError: a name that is not a :class:`ServingSettings` field (the message lists them).
 
     Example:
         >>> import hf_tpu.serving                                                   # doctest: +SKIP
@@ -155,7 +168,15 @@ def normalize_step(runner, batch_data: dict) -> None:
 
 def compiled_shapes(manager_or_model) -> set[tuple[int, int]]:
     """The ``(query tokens, KV tokens read)`` step shapes a continuous-batching manager (or a model's cached one) has
-    run so far."""
+    run so far.
+
+    Args:
+        manager_or_model: a continuous-batching manager, or a model whose ``generate_batch`` /
+            ``init_continuous_batching`` made one.
+
+    Returns:
+        A new set of ``(query tokens, KV tokens read)`` pairs; empty when there is no manager or it ran nothing.
+    """
     manager = getattr(manager_or_model, "_cached_continuous_batching_manager", manager_or_model)
     processor = getattr(manager, "batch_processor", None)
     runner = getattr(processor, "model_runner", None)

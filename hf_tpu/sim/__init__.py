@@ -131,17 +131,29 @@ def enable(generation: str = "v6e", hbm: int | None = None, emulate_precision: b
 
 
 def is_enabled() -> bool:
-    """True once :func:`enable` ran in this process."""
+    """Whether the simulated device is registered.
+
+    Returns:
+        True once :func:`enable` ran in this process.
+    """
     return bool(_ENABLED)
 
 
 def memory_allocated() -> int:
-    """Bytes of simulated device memory held by live tensors."""
+    """Simulated device memory in use.
+
+    Returns:
+        The bytes of simulated device memory held by live tensors now.
+    """
     return STATE.live_bytes
 
 
 def max_memory_allocated() -> int:
-    """Most simulated device memory held at once since the start or the last :func:`reset_peak`."""
+    """Peak simulated device memory.
+
+    Returns:
+        The most bytes of simulated device memory held at once since the start or the last :func:`reset_peak`.
+    """
     return STATE.peak_bytes
 
 
@@ -161,7 +173,11 @@ def forget_shapes() -> None:
 
 
 def native_status() -> str:
-    """The simulator's native core: ``'on'``, ``'off (...)'``, ``'unavailable (...)'`` or ``'not loaded'``."""
+    """Whether the simulator's native (C++) core serves the device's ops.
+
+    Returns:
+        ``'on'``, ``'off (...)'``, ``'unavailable (...)'`` or ``'not loaded'``, the parentheses giving the reason.
+    """
     from hf_tpu.sim import _native
 
     return _native.status()

@@ -140,18 +140,21 @@ class Stats:
 
     Fields read live while the block is open and freeze when it closes.
 
-    - ``compiles``: graphs compiled by the ``"tpu"`` torch.compile backend (each recompile counts).
-    - ``compile_cache_hits``: graphs loaded from hf_tpu's persistent compile cache instead (not compiled).
-    - ``h2d_copies`` / ``h2d_bytes``: host→device transfers; ``d2h_copies`` / ``d2h_bytes``: device→host.
-    - ``host_syncs``: points where the host waited for a device value (``.item()``, ``.tolist()``, printing,
-      ``.cpu()``, data-dependent shapes such as ``nonzero``).
-    - ``shape_signatures``: eager op signatures (the op, its tensors' and outputs' shapes and dtypes, and the
-      non-tensor arguments torch_tpu compiles in) this process had never run before; torch_tpu
-      compiles each of them once, so this is the eager-mode compile count.
-    - ``ops``: device ops executed eagerly.
-    - ``cpu_fallbacks``: ops torch_tpu does not implement that ran on the host because the CPU fallback is on
-      (``hf_tpu.sim.execution_mode.enable_cpu_fallback``, mirroring torch_tpu's); off, they raise instead.
-    - ``live_bytes``: device memory in use at the end; ``peak_bytes``: the most in use during the block.
+    Attributes:
+        compiles: graphs compiled by the ``"tpu"`` torch.compile backend (each recompile counts).
+        compile_cache_hits: graphs loaded from hf_tpu's persistent compile cache instead (not compiled).
+        h2d_copies, h2d_bytes: host→device transfers and their bytes.
+        d2h_copies, d2h_bytes: device→host transfers and their bytes.
+        host_syncs: points where the host waited for a device value (``.item()``, ``.tolist()``, printing,
+            ``.cpu()``, data-dependent shapes such as ``nonzero``).
+        shape_signatures: eager op signatures (the op, its tensors' and outputs' shapes and dtypes, and the
+            non-tensor arguments torch_tpu compiles in) this process had never run before; torch_tpu
+            compiles each of them once, so this is the eager-mode compile count.
+        ops: device ops executed eagerly.
+        cpu_fallbacks: ops torch_tpu does not implement that ran on the host because the CPU fallback is on
+            (``hf_tpu.sim.execution_mode.enable_cpu_fallback``, mirroring torch_tpu's); off, they raise instead.
+        live_bytes: device memory in use at the end.
+        peak_bytes: the most device memory in use during the block.
     """
 
     compiles: int = 0
@@ -193,11 +196,20 @@ class Stats:
         STATE.window_peak = max(self._saved_window, STATE.window_peak)
 
     def as_dict(self) -> dict[str, int]:
-        """The counters as a plain dict (for JSON, benchmarks and assertions)."""
+        """The counters as a plain dict (for JSON, benchmarks and assertions).
+
+        Returns:
+            Each counter's name (``"compiles"``, ``"h2d_copies"``, ..., ``"live_bytes"``, ``"peak_bytes"``) mapped
+            to its value at the time of the call.
+        """
         return {name: getattr(self, name) for name in (*_FIELDS, "live_bytes", "peak_bytes")}
 
     def report(self) -> str:
-        """A short human-readable summary."""
+        """A short human-readable summary (also what ``str(stats)`` prints).
+
+        Returns:
+            A few lines of text, one per counter, with byte counts in readable units.
+        """
         d = self.as_dict()
         lines = [
             "simulated tpu counters",
@@ -224,6 +236,9 @@ class Stats:
 def stats() -> Iterator[Stats]:
     """Count what the simulated device does inside the block.
 
+    Yields:
+        A :class:`Stats` whose counters read live inside the block and freeze when it closes.
+
     Example:
         >>> import torch, hf_tpu.sim
         >>> with hf_tpu.sim.stats() as s:
@@ -245,6 +260,14 @@ def strict(host_syncs: bool = True, recompiles: bool = True) -> Iterator[None]:
     """Raise :class:`SimStrictError` on a host sync (``host_syncs``) or a compile (``recompiles``) in the block.
 
     Use it after warm-up to prove a loop never waits on the device nor compiles a new graph.
+
+    Args:
+        host_syncs: raise on a host sync (``.item()``, ``.tolist()``, ``.cpu()``, ...) inside the block; True by
+            default.
+        recompiles: raise on a compile (a new graph or a new eager op signature) inside the block; True by default.
+
+    Raises:
+        SimStrictError: inside the block, at the first forbidden host sync or compile.
 
     Example:
         >>> import torch, hf_tpu.sim

@@ -118,7 +118,14 @@ def host_storage(ws: torch.UntypedStorage) -> torch.UntypedStorage | None:
 
 
 def is_sim_tensor(t: object) -> bool:
-    """True for a tensor on the simulated ``tpu`` device."""
+    """Whether ``t`` lives on the simulated ``tpu`` device.
+
+    Args:
+        t: any object; a non-tensor or a CPU tensor answers False.
+
+    Returns:
+        True for a tensor whose memory is the simulated device's.
+    """
     if not isinstance(t, torch.Tensor) or t.is_cpu:
         return False
     try:
@@ -132,6 +139,15 @@ def host_view(t: torch.Tensor) -> torch.Tensor:
 
     Writes to it are writes to the device tensor. It is for code that stands in for device-side work
     (the ``tpu_dist`` collectives stand-in, kernels run on the simulator); user code should use ``.cpu()``.
+
+    Args:
+        t: a tensor on the simulated ``tpu`` device.
+
+    Returns:
+        A CPU tensor with ``t``'s shape, strides, dtype and conjugate/negative bits, over the same memory.
+
+    Raises:
+        TypeError: ``t`` is a CPU tensor or lives on another device than the simulated one.
 
     Example:
         >>> import torch, hf_tpu.sim

@@ -46,7 +46,12 @@ class _ExecutionModeModule(types.ModuleType):
 
 @contextlib.contextmanager
 def cpu_fallback(enabled: bool = True) -> Iterator[None]:
-    """Set :data:`enable_cpu_fallback` inside the block, restoring it after."""
+    """Set :data:`enable_cpu_fallback` inside the block, restoring it after.
+
+    Args:
+        enabled: run ops torch_tpu lacks on the host (True, the default, each counted in ``Stats.cpu_fallbacks``)
+            or make them raise (False).
+    """
     saved = STATE.cpu_fallback
     STATE.cpu_fallback = bool(enabled)
     try:

@@ -127,7 +127,31 @@ def lower_generate(
 ) -> dict[str, Any]:
     """Lower the graphs ``hf_tpu.warmup`` compiles for this call size (``buckets="largest"``: the bucket of
     ``max_prompt_len`` only; ``"all"``: the whole ladder up to it; ``num_beams``: the beam-search graphs too). Returns
-    labels and facts for the plan; lowers nothing when the weights alone exceed ``capacity``."""
+    labels and facts for the plan; lowers nothing when the weights alone exceed ``capacity``.
+
+    It is the entry :func:`~hf_tpu.tpu_compile.plan_generate` runs through
+    :func:`~hf_tpu.tpu_compile.lower_and_compile`, in the lowering process.
+
+    Args:
+        session: the lowering session of that process (its ``mode`` records the programs).
+        model: a model directory or its ``config.json`` (no weights are read).
+        dtype: the weights' dtype name (``"bfloat16"``); None keeps the config's.
+        batch: the batch size; 1 by default.
+        max_prompt_len: the longest prompt, in tokens; 128 by default.
+        max_new_tokens: tokens generated per call; 32 by default.
+        buckets: ``"largest"`` (the default) or ``"all"``, see above.
+        quantization: ``"int8"``, ``"int4"`` (weight-only, torchao) or ``"fp8"`` (fine-grained layout); None: none.
+        capacity: the device's HBM in bytes; weights and KV cache above it skip the lowering. None: no check.
+        generation: generation_config fields to set first; None: none.
+        experts_implementation: passed to the model's config (``"ragged_dot_tpu"``, ...); None: the default.
+        attn_implementation: passed to the model's config; None: the default.
+        num_beams: also lower the beam-search graphs for this many beams; None: greedy/sampling only.
+
+    Returns:
+        The plan's facts: ``model_type``, ``parameters``, ``dtype``, ``prompt_bucket``, ``kv_cache_estimate``,
+        ``weights_bytes``, and either ``skipped`` (why nothing was lowered) or the graphs' ``labels`` and
+        ``graph_keys``, ``kv_cache_bytes`` and ``warmup_seconds``.
+    """
     import torch
 
     from hf_tpu._patch import enable

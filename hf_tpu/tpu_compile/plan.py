@@ -45,7 +45,20 @@ def human(n: float) -> str:
 
 @dataclass
 class Plan:
-    """A plan for one model, call size and target (see the module doc); :meth:`to_dict` is ``--json``'s object."""
+    """A plan for one model, call size and target (see the module doc); :meth:`to_dict` is ``--json``'s object.
+
+    Attributes:
+        target: the :class:`~hf_tpu.tpu_compile.Target` planned for.
+        model: the model (or pipeline) directory or config file planned.
+        fits: whether everything compiled and weights, KV cache and temporaries fit the device's HBM.
+        hbm: the HBM budget in bytes: ``capacity``, ``weights``, ``kv_cache`` (0 for a pipeline),
+            ``temporaries``, ``total``.
+        programs: one :class:`~hf_tpu.tpu_compile.ProgramRecord` per program.
+        info: facts about the model and the call (parameters, dtype, buckets, batch, ...).
+        note: why nothing was lowered (the weights alone exceed HBM) and what to do, else None.
+        error: why the plan failed (the entry's error, or no program compiled), else None.
+        kind: ``"generate"`` (:func:`plan_generate`) or ``"pipeline"`` (:func:`plan_pipeline`).
+    """
 
     target: Target
     model: str
@@ -64,7 +77,15 @@ class Plan:
         return max(decodes, key=lambda p: p.argument_bytes) if decodes else None
 
     def step_seconds(self, program: ProgramRecord) -> float | None:
-        """The projected seconds of one run of ``program`` on the target (an estimate; see the module doc)."""
+        """The projected seconds of one run of ``program`` on the target (an estimate; see the module doc).
+
+        Args:
+            program: one of :attr:`programs`.
+
+        Returns:
+            libtpu's optimal-seconds estimate when it gave one, else the larger of bytes accessed over the target's
+            HBM bandwidth and flops over its peak; None when the program did not compile.
+        """
         if not program.compiled:
             return None
         if program.optimal_seconds is not None and program.optimal_seconds > 0:
@@ -72,7 +93,13 @@ class Plan:
         return max(program.bytes_accessed / self.target.hbm_bandwidth, program.flops / self.target.peak_flops)
 
     def decode_summary(self) -> dict[str, Any] | None:
-        """The decode step: projected ms and tokens/s, bytes moved, and bytes over its floor (weights + KV once)."""
+        """The decode step: projected ms and tokens/s, bytes moved, and bytes over its floor (weights + KV once).
+
+        Returns:
+            A dict (``program``, ``projected_ms``, ``projected_tokens_per_second``, ``bytes_accessed``,
+            ``floor_bytes``, ``bytes_over_floor``, and the HBM figures with ``dump_hlo``) for the largest compiled
+            decode program; None for a pipeline plan or when no decode program compiled.
+        """
         decode = self._decode()
         if decode is None:
             return None
@@ -97,7 +124,12 @@ class Plan:
 
     def step_summary(self) -> dict[str, Any] | None:
         """A pipeline's denoiser step: projected ms per step, bytes moved, and bytes over its floor (the denoiser's
-        weights, read once per step); None for a generate plan or when nothing compiled."""
+        weights, read once per step); None for a generate plan or when nothing compiled.
+
+        Returns:
+            A dict (``programs``, ``projected_ms``, ``bytes_accessed``, ``floor_bytes``, ``bytes_over_floor``,
+            ``flops``, and ``hbm_bytes`` with ``dump_hlo``) summed over the compiled programs, or None.
+        """
         steps = [p for p in self.programs if p.compiled] if self.kind == "pipeline" else []
         if not steps:
             return None
@@ -117,6 +149,12 @@ class Plan:
         return summary
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as ``hf-tpu plan --json`` prints it.
+
+        Returns:
+            A JSON-serializable dict: target, model, fits, HBM bytes, each program's record, the decode or step
+            summary, info, note and error.
+        """
         return {
             "target": self.target.name,
             "model": self.model,
@@ -133,7 +171,11 @@ class Plan:
         }
 
     def table(self) -> str:
-        """The plan as a few lines of text (what ``hf-tpu plan`` prints)."""
+        """The plan as a few lines of text (what ``hf-tpu plan`` prints).
+
+        Returns:
+            The text, lines joined by newlines.
+        """
         gb = human
         info = self.info
         if self.kind == "pipeline":

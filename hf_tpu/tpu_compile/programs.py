@@ -36,7 +36,36 @@ PROGRESS_PREFIX = "hf_tpu.tpu_compile:"
 
 @dataclass
 class ProgramRecord:
-    """One program: lowered by torch_tpu's front end, compiled by libtpu for the target (see the module doc)."""
+    """One program: lowered by torch_tpu's front end, compiled by libtpu for the target (see the module doc).
+
+    The compiler's figures are None until the program compiled.
+
+    Attributes:
+        name: the program's label (``"prefill-16"``, ``"decode"``, ...; ``"graph-<i>"`` when the entry gave none).
+        lowered: whether torch_tpu lowered it.
+        compiled: whether libtpu compiled it.
+        error: why it failed to lower or compile, else None.
+        where: the source line the lowering failure came from, else None.
+        lower_seconds: seconds the lowering took.
+        compile_seconds: seconds libtpu's compile took.
+        flops: XLA's cost analysis: floating-point operations of one run.
+        bytes_accessed: XLA's cost analysis: bytes read and written by one run.
+        transcendentals: XLA's cost analysis: transcendental operations of one run.
+        optimal_seconds: XLA's estimate of one run's seconds (negative where it cannot estimate, as with Mosaic
+            custom calls).
+        hbm_bytes: the part of ``bytes_accessed`` in HBM, from libtpu's dumped HLO (``dump_hlo`` only).
+        hlo_path: where the scheduled HLO was kept (``dump_hlo`` only).
+        argument_bytes: XLA's memory analysis: bytes of the arguments.
+        output_bytes: bytes of the outputs.
+        alias_bytes: bytes of outputs aliased to (donated) arguments.
+        temp_bytes: bytes of temporaries.
+        code_bytes: bytes of generated code.
+        donated: indices of the arguments torch_tpu donated.
+        custom_calls: how many ``tpu_custom_call`` (Pallas/Mosaic kernels) the program holds.
+        arguments: the arguments as lowered, ``[shape, dtype name]`` each.
+        outputs: the outputs as lowered, likewise.
+        text: the StableHLO text (left out of ``repr`` and, by default, of :meth:`to_dict`).
+    """
 
     name: str
     lowered: bool = False
@@ -70,6 +99,14 @@ class ProgramRecord:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     def to_dict(self, text: bool = False) -> dict:
+        """The record as a plain dict (for JSON).
+
+        Args:
+            text: keep the program's text and its argument and output lists; False (the default) drops them.
+
+        Returns:
+            Each field's name mapped to its value.
+        """
         out = asdict(self)
         if not text:
             out.pop("text")
@@ -81,7 +118,18 @@ class ProgramRecord:
 @dataclass
 class LoweringResult:
     """What :func:`lower_and_compile` found: one record per program, the entry's facts (``info``), the eager traffic
-    the stand-in met outside graphs, and an error when the entry itself failed (with where it came from)."""
+    the stand-in met outside graphs, and an error when the entry itself failed (with where it came from).
+
+    Attributes:
+        target: the :class:`~hf_tpu.tpu_compile.Target` compiled for.
+        programs: one :class:`ProgramRecord` per program, in lowering order.
+        info: the facts the entry returned (its ``labels`` taken out).
+        eager: the counts of eager traffic the lowering stand-in met outside graphs.
+        error: why the entry itself failed, else None.
+        where: the source line that failure came from, else None.
+        lower_seconds: seconds the lowering process took.
+        compile_seconds: seconds libtpu took over all programs.
+    """
 
     target: Target
     programs: list[ProgramRecord]
@@ -148,6 +196,17 @@ def lower_and_compile(
     (a folder), libtpu's scheduled HLO of each program is kept there as ``<name>.hlo.txt`` and each record gets
     ``hbm_bytes``, the part of ``bytes_accessed`` that is HBM traffic (:mod:`hf_tpu.tpu_compile.hlo_bytes`; the
     compile takes about 3x longer).
+
+    Args:
+        entry: ``"module:function"``; the function gets a lowering session and ``kwargs`` in a child process with
+            torch_tpu (never the simulator).
+        kwargs: JSON-serializable keyword arguments of ``entry``.
+        target: a :class:`Target` or its name in :data:`TARGETS`; ``"v6e-1"`` by default.
+        compile: also compile each lowered program for ``target`` (True, the default) or lower only.
+        progress: called with each progress line the child processes print; None: not reported.
+        timeout: seconds each child process may take to exit once its output has ended; None (the default): no
+            limit.
+        dump_hlo: a folder to keep each program's scheduled HLO in (and measure HBM traffic); None: not kept.
 
     Returns:
         A :class:`LoweringResult`; a program that failed to lower or compile is a record saying so, not an error.

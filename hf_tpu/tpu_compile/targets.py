@@ -28,7 +28,17 @@ class UnknownTargetError(UserError, ValueError):
 class Target:
     """A TPU slice hf_tpu compiles for: ``topology`` is the name libtpu describes it by
     (``jax.experimental.topologies.get_topology_desc(topology, "tpu")``). Figures are per *device*, the unit one
-    torch_tpu process owns and one program runs on: a chip, or half a chip on v7 (two devices per chip)."""
+    torch_tpu process owns and one program runs on: a chip, or half a chip on v7 (two devices per chip).
+
+    Attributes:
+        name: the key in :data:`TARGETS` (``"v6e-1"``, ...).
+        topology: libtpu's name of the slice (``"v6e:1x1"``, ...).
+        chips: the chips in the slice.
+        hbm_bytes: HBM per device, in bytes.
+        hbm_bandwidth: HBM bandwidth per device, in bytes per second.
+        peak_flops: peak bfloat16 FLOP/s per device.
+        devices_per_chip: torch_tpu devices per chip (2 on v7, else 1).
+    """
 
     name: str
     topology: str
@@ -39,6 +49,11 @@ class Target:
     devices_per_chip: int = 1
 
     def describe(self) -> str:
+        """One line for reports.
+
+        Returns:
+            The name, chip count, and HBM size and bandwidth per chip (per device for two-device chips).
+        """
         unit = "device, half a chip" if self.devices_per_chip == 2 else "chip"
         return (
             f"{self.name} ({self.chips} chip{'s' if self.chips > 1 else ''}, {self.hbm_bytes / GiB:.0f} GiB HBM and "
@@ -66,6 +81,12 @@ TARGETS: dict[str, Target] = {
 
 def target(name: str) -> Target:
     """The :class:`Target` called ``name``.
+
+    Args:
+        name: a key of :data:`TARGETS` (``"v5e-1"``, ``"v6e-8"``, ...).
+
+    Returns:
+        The :class:`Target`.
 
     Raises:
         UnknownTargetError: ``name`` is not one of :data:`TARGETS` (the message lists them).

@@ -24,7 +24,8 @@ def _base():
 class StepCounters(_base()):
     """Per optimizer step: ``compiles``, ``shape_signatures`` (new eager signatures), ``host_syncs``, ``seconds``.
 
-    ``steps`` is a list of dicts, one per step; ``after(n)`` sums the steps after the first ``n`` (warm-up).
+    ``steps`` is a list of dicts, one per step; ``after(n)`` sums the steps after the first ``n`` (warm-up). The
+    counts are read from the simulated device; on a real TPU only ``seconds`` is measured.
 
     Example:
         >>> counters = StepCounters()
@@ -51,9 +52,25 @@ class StepCounters(_base()):
         return snap
 
     def on_step_begin(self, args, state, control, **kwargs):
+        """Trainer hook: mark the counters at the start of a step.
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: its ``TrainerState``.
+            control: its ``TrainerControl`` (left as it is).
+            **kwargs: what else the Trainer passes (model, optimizer, ...); unused.
+        """
         self._mark = self._now()
 
     def on_step_end(self, args, state, control, **kwargs):
+        """Trainer hook: append the step's counts to :attr:`steps`.
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: its ``TrainerState``.
+            control: its ``TrainerControl`` (left as it is).
+            **kwargs: what else the Trainer passes (model, optimizer, ...); unused.
+        """
         if self._mark is None:
             return
         now = self._now()
@@ -63,7 +80,15 @@ class StepCounters(_base()):
         self._mark = None
 
     def after(self, warmup: int) -> dict[str, Any]:
-        """Totals of the steps after the first ``warmup`` ones."""
+        """Totals of the steps after the first ``warmup`` ones.
+
+        Args:
+            warmup: how many first steps to leave out (the ones that compile).
+
+        Returns:
+            ``{"compiles", "shape_signatures", "host_syncs", "seconds"}`` summed over the remaining steps (the
+            counters present), and ``"steps"``: how many steps that is.
+        """
         rest = self.steps[warmup:]
         return {k: sum(s.get(k, 0) for s in rest) for k in (*self.FIELDS, "seconds")} | {"steps": len(rest)}
 
@@ -72,7 +97,11 @@ class MemoryReport(_base()):
     """Right after the optimizer step of step ``at_step`` (the first by default): this rank's device bytes for the
     parameters, gradients and optimizer state (local shards under FSDP2), the live device bytes and the peak since the
     process started (``torch.accelerator.memory_allocated`` / ``max_memory_allocated``; activations are about
-    ``peak`` minus the rest). Kept in ``.values`` and logged once (logger ``hf_tpu.training``).
+    ``peak`` minus the rest). Kept in ``.values`` and logged once (logger ``hf_tpu.training``). Nothing is measured
+    when the Trainer runs on the CPU.
+
+    Args:
+        at_step: the 1-based optimizer step after which to measure; 1 by default.
 
     Example:
         >>> memory = MemoryReport()
@@ -86,6 +115,16 @@ class MemoryReport(_base()):
         self.values: dict[str, int] = {}
 
     def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        """Trainer hook: measure once, right after the optimizer step of step :attr:`at_step`.
+
+        Args:
+            args: the Trainer's ``TrainingArguments`` (its device: nothing is measured on the CPU).
+            state: its ``TrainerState``.
+            control: its ``TrainerControl`` (left as it is).
+            model: the model being trained (its parameters and gradients are counted).
+            optimizer: the optimizer (its state is counted).
+            **kwargs: what else the Trainer passes; unused.
+        """
         # global_step counts the step after this hook
         if self.values or state.global_step + 1 != self.at_step or getattr(args.device, "type", None) == "cpu":
             return

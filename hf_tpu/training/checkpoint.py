@@ -54,6 +54,17 @@ def save_checkpoint(
     """Write ``model`` (``save_pretrained`` for a transformers model, else ``model.safetensors``) and the training
     state (optimizer, scheduler, step, torch's CPU RNG, ``extra`` JSON values) under the directory ``path``.
 
+    Args:
+        path: the checkpoint directory (created if needed).
+        model: the model; its weights are read from wherever they live (TPU or CPU).
+        optimizer: an optimizer whose ``state_dict`` is saved; None (the default) saves none.
+        scheduler: a learning-rate scheduler whose ``state_dict`` is saved; None (the default) saves none.
+        step: the training step to record; 0 by default.
+        **extra: further JSON-serializable values, returned by :func:`load_checkpoint`.
+
+    Returns:
+        The checkpoint directory as a ``Path``.
+
     Example:
         >>> save_checkpoint("ckpt/step-100", model, optimizer, scheduler, step=100)   # doctest: +SKIP
     """
@@ -84,6 +95,20 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load what :func:`save_checkpoint` wrote into ``model`` (in place, on its current device), ``optimizer``
     and ``scheduler``; restore torch's CPU RNG; return ``{"step": ..., **extra}``.
+
+    Args:
+        path: a directory :func:`save_checkpoint` wrote.
+        model: the model to load the weights into, in place, on its current device.
+        optimizer: an optimizer to restore (built over the model's parameters); None (the default) skips it.
+        scheduler: a scheduler to restore when the checkpoint has one; None (the default) skips it.
+        strict: passed to safetensors' ``load_model``: missing or unexpected weights raise; True by default.
+
+    Returns:
+        ``{"step": ..., **extra}`` as saved.
+
+    Raises:
+        FileNotFoundError: ``path`` lacks the training state or ``model.safetensors`` file.
+        ValueError: an optimizer is given but the checkpoint was saved without one.
 
     Example:
         >>> info = load_checkpoint("ckpt/step-100", model, optimizer, scheduler)   # doctest: +SKIP

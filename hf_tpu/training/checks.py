@@ -40,6 +40,14 @@ def check_trainable(model: Any, args: Any | None = None) -> None:
     and ``fp16=True`` (TPUs compute in bfloat16: use ``bf16=True``). ``hf_tpu.enable()`` runs this check in
     ``Trainer.__init__`` when the Trainer's device is a TPU; call it yourself before a plain training loop.
 
+    Args:
+        model: the model to train.
+        args: the ``TrainingArguments``; None (the default) checks the model only.
+
+    Raises:
+        TPUTrainingError: a quantized model, a CUDA-only optimizer (``optim``), or ``fp16`` / ``fp16_full_eval``;
+            the message says what to use instead.
+
     Example:
         >>> from hf_tpu.training import check_trainable
         >>> check_trainable(model)   # doctest: +SKIP

@@ -61,7 +61,17 @@ class BucketingCollator:
         self.return_attention_mask = return_attention_mask
 
     def bucket_for(self, length: int) -> int:
-        """The padded length of a batch whose longest example has ``length`` tokens."""
+        """The padded length of a batch whose longest example has ``length`` tokens.
+
+        Args:
+            length: the longest example's token count.
+
+        Returns:
+            The smallest bucket that holds it (the largest bucket when ``truncate`` and none does).
+
+        Raises:
+            ValueError: ``length`` exceeds the largest bucket and ``truncate`` is off.
+        """
         for b in self.buckets:
             if length <= b:
                 return b
