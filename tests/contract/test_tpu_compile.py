@@ -198,10 +198,19 @@ def test_moe_ragged_dot_kernel_needs_a_chip_to_lower(tmp_path):
     assert not any(p.compiled for p in result.programs)
 
 
-def test_generate_bfloat16_and_int8_weights(tmp_path):
-    path = _saved(tmp_path, "llama", hidden_size=256, intermediate_size=512, head_dim=64)
-    plain = plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, dtype="bfloat16")
-    int8 = plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, dtype="bfloat16", quantization="int8")
+@pytest.fixture(scope="module")
+def quantized_plans(tmp_path_factory):
+    """``plan_generate`` of one bfloat16 Llama (256 wide) for v6e-1 with each weight quantization (None: plain
+    bfloat16), planned once for the two tests below."""
+    path = _saved(tmp_path_factory.mktemp("quantized"), "llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    return {
+        q: plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, dtype="bfloat16", quantization=q)
+        for q in (None, "int8", "int4", "fp8")
+    }
+
+
+def test_generate_bfloat16_and_int8_weights(quantized_plans):
+    plain, int8 = quantized_plans[None], quantized_plans["int8"]
     for plan in (plain, int8):
         assert plan.error is None, plan.error
         _all_compiled(type("R", (), {"error": None, "where": None, "programs": plan.programs})())
@@ -211,10 +220,8 @@ def test_generate_bfloat16_and_int8_weights(tmp_path):
     assert int8.decode_summary()["bytes_accessed"] < plain.decode_summary()["bytes_accessed"]
 
 
-def test_generate_int4_and_fp8_weights(tmp_path):
-    path = _saved(tmp_path, "llama", hidden_size=256, intermediate_size=512, head_dim=64)
-    plans = {q: plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, quantization=q)
-             for q in (None, "int8", "int4", "fp8")}  # fmt: skip
+def test_generate_int4_and_fp8_weights(quantized_plans):
+    plans = quantized_plans
     for q in ("int4", "fp8"):
         assert plans[q].error is None and [p.compiled for p in plans[q].programs] == [True, True], plans[q].error
     assert plans["int4"].hbm["weights"] < plans["int8"].hbm["weights"] < plans[None].hbm["weights"]
