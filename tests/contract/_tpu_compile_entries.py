@@ -156,3 +156,35 @@ def lower_encoder_warmup(session, family: str = "bert", head: str = "AutoModel")
     with session.mode:
         warmup(model, max_length=32, batch_sizes=[2], progress=False)
     return {"labels": [f"encoder-{b}x{n}" for b, n, *_ in compiled_graphs(model)]}
+
+
+def lower_each(session, entries: dict[str, dict]):
+    """Several entries in one lowering process (one torch_tpu device start instead of one each): ``entries`` maps a
+    name to ``{"entry": "module:function", "kwargs": {...}}``. Each runs as :mod:`hf_tpu.tpu_compile._child` runs one
+    (``session.mark()`` first), after ``torch._dynamo.reset()`` so that no compiled code or guard of an earlier entry
+    is reused; an entry that raises is recorded and the next one runs. Returns one label per program (the entry's
+    own, else ``<name>/graph-<i>``) and ``groups``: per entry, its programs' slice (``first``, ``count``), its
+    labels, info, error and the eager traffic it alone caused."""
+    import importlib
+
+    labels: list[str] = []
+    groups = []
+    for name, spec in entries.items():
+        module_name, func_name = spec["entry"].split(":")
+        entry = getattr(importlib.import_module(module_name), func_name)
+        torch._dynamo.reset()
+        first, before = len(session.programs), dict(session.counts)
+        group = {"name": name, "first": first, "labels": [], "info": {}, "error": None}
+        session.mark()
+        try:
+            info = dict(entry(session, **spec.get("kwargs", {})) or {})
+            group["labels"] = list(info.pop("labels", []))
+            group["info"] = info
+        except Exception as exc:  # noqa: BLE001 - recorded for that entry's test; the next entry still runs
+            group["error"] = f"{type(exc).__name__}: {exc}"
+        group["count"] = len(session.programs) - first
+        group["eager"] = {k: v - before.get(k, 0) for k, v in session.counts.items()}
+        own = group["labels"] if len(group["labels"]) == group["count"] else []
+        labels += own or [f"{name}/graph-{i}" for i in range(group["count"])]
+        groups.append(group)
+    return {"labels": labels, "groups": groups}

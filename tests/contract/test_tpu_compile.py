@@ -1,9 +1,11 @@
 """The compile tier: hf_tpu's graphs through torch_tpu's real lowering and libtpu's compiler for v6e-1, no chip.
 
 Each test lowers one kind of graph hf_tpu compiles (built from a tiny config on deferred tpu tensors) in a child
-process with torch_tpu's device (hf_tpu.tpu_compile), and compiles it with libtpu for a described v6e chip. A test
-fails when its graph does not lower or does not compile. Where a program has no custom call, its XLA:CPU result is
-compared with torch on the CPU in the same test.
+process with torch_tpu's device (hf_tpu.tpu_compile), and compiles it with libtpu for a described v6e chip. The
+kinds whose lowering succeeds share one lowering and one compiling process (the ``lowered`` fixture); the ones
+expected to fail, the plan commands and the HLO dump run their own. A test fails when its graph does not lower or
+does not compile. Where a program has no custom call, its XLA:CPU result is compared with torch on the CPU in the
+same test.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from hf_tpu.testing import tiny_config
-from hf_tpu.tpu_compile import lower_and_compile
+from hf_tpu.tpu_compile import LoweringResult, lower_and_compile
 from hf_tpu.tpu_compile.plan import plan_generate
 
 HERE = Path(__file__).resolve().parent
@@ -38,6 +40,74 @@ def _saved(tmp_path, family: str, **overrides) -> str:
     return str(path)
 
 
+def _roformer(root) -> str:
+    """RoFormer, which reads its cache length as a number (the host-length route)."""
+    from transformers import RoFormerConfig
+
+    path = root / "roformer"
+    RoFormerConfig(vocab_size=96, embedding_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                   intermediate_size=64, max_position_embeddings=64, is_decoder=True).save_pretrained(path)  # fmt: skip
+    return str(path)
+
+
+def _grouped_entries(root) -> dict[str, dict]:
+    """The entries whose lowering succeeds, by test: lowered in one process and compiled in one (``lowered``)."""
+    llama = _saved(root, "llama")
+    qwen3_moe = _saved(root, "qwen3_moe")
+    plain = {"model": llama, "max_prompt_len": 16, "max_new_tokens": 8, "dtype": "float32"}
+    return {
+        "beam": {"entry": GENERATE, "kwargs": {**plain, "num_beams": 3}},
+        "greedy": {"entry": GENERATE, "kwargs": plain},
+        "processors": {
+            "entry": GENERATE,
+            "kwargs": {**plain, "generation": {"repetition_penalty": 1.3, "no_repeat_ngram_size": 0}},
+        },
+        "cacheless": {"entry": GENERATE, "kwargs": {**plain, "generation": {"use_cache": False}}},
+        "moe_grouped_mm": {
+            "entry": "_tpu_compile_entries:lower_moe_generate",
+            "kwargs": {"model": qwen3_moe, "experts_implementation": "grouped_mm"},
+        },
+        "routing_offsets": {"entry": "_tpu_compile_entries:lower_routing_offsets", "kwargs": {}},
+        "host_length": {"entry": GENERATE, "kwargs": {**plain, "model": _roformer(root)}},
+        "denoiser": {"entry": "_tpu_compile_entries:lower_sd3_denoiser", "kwargs": {"size": 32}},
+        "tp_rank": {"entry": "_tpu_compile_entries:lower_tp_rank_layer", "kwargs": {}},
+        "train_forward": {"entry": "_tpu_compile_entries:lower_train_forward", "kwargs": {}},
+        "block": {"entry": "_tpu_compile_entries:lower_block", "kwargs": {}},
+        "encoder-bert": {"entry": "_tpu_compile_entries:lower_encoder_warmup", "kwargs": {"family": "bert"}},
+        "encoder-modernbert": {
+            "entry": "_tpu_compile_entries:lower_encoder_warmup",
+            "kwargs": {"family": "modernbert"},
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def lowered(tmp_path_factory):
+    """``lowered[name]``: the :class:`LoweringResult` of one entry of :func:`_grouped_entries`, as
+    ``lower_and_compile(entry, kwargs, "v6e-1")`` returns it alone. The entries share one lowering process (torch_tpu's
+    device started once; ``torch._dynamo.reset()`` before each, see ``_tpu_compile_entries.lower_each``) and one
+    libtpu compiling process: two processes in all instead of two per test. Each entry's programs, labels, info,
+    error and eager traffic are its own."""
+    entries = _grouped_entries(tmp_path_factory.mktemp("models"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+        whole = lower_and_compile("_tpu_compile_entries:lower_each", {"entries": entries}, "v6e-1")
+    assert whole.error is None, f"{whole.error}\n at {whole.where}"
+    groups = whole.info["groups"]
+    assert [g["name"] for g in groups] == list(entries)
+    assert sum(g["count"] for g in groups) == len(whole.programs)
+    return {
+        g["name"]: LoweringResult(
+            target=whole.target,
+            programs=whole.programs[g["first"] : g["first"] + g["count"]],
+            info=g["info"],
+            eager=g["eager"],
+            error=g["error"],
+        )
+        for g in groups
+    }
+
+
 def _all_compiled(result, names: list[str] | None = None):
     assert result.error is None, f"{result.error}\n at {result.where}"
     assert result.programs, "nothing was lowered"
@@ -48,20 +118,18 @@ def _all_compiled(result, names: list[str] | None = None):
         assert [p.name for p in result.programs] == names
 
 
-def test_generate_beam_search_graphs(tmp_path):
+def test_generate_beam_search_graphs(lowered):
     # beam search's graphs (hf_tpu.transformers._beam_graphs): upstream's beam helpers, the cache reorder by beam
     # index and the step's stopping flag lower through torch_tpu and compile with libtpu
-    result = lower_and_compile(GENERATE, {"model": _saved(tmp_path, "llama"), "max_prompt_len": 16,
-                                          "max_new_tokens": 8, "dtype": "float32", "num_beams": 3}, "v6e-1")  # fmt: skip
+    result = lowered["beam"]
     _all_compiled(result)
     kinds = [p.name.split("+", 1)[0] for p in result.programs]
     assert {"beam_prefill", "beam_decode"} <= set(kinds), kinds
     assert result.eager["device_to_host"] == 0
 
 
-def test_generate_greedy_prefill_and_decode(tmp_path):
-    result = lower_and_compile(GENERATE, {"model": _saved(tmp_path, "llama"), "max_prompt_len": 16,
-                                          "max_new_tokens": 8, "dtype": "float32"}, "v6e-1")  # fmt: skip
+def test_generate_greedy_prefill_and_decode(lowered):
+    result = lowered["greedy"]
     _all_compiled(result, ["prefill-16", "decode"])
     # sdpa became torch_tpu's Mosaic flash-attention kernel (one per layer), which libtpu compiled
     assert all(p.custom_calls == 2 for p in result.programs)
@@ -71,11 +139,8 @@ def test_generate_greedy_prefill_and_decode(tmp_path):
     assert result.eager["device_to_host"] == 0
 
 
-def test_generate_with_logits_processors_on_the_device(tmp_path):
-    result = lower_and_compile(GENERATE, {
-        "model": _saved(tmp_path, "llama"), "max_prompt_len": 16, "max_new_tokens": 8, "dtype": "float32",
-        "generation": {"repetition_penalty": 1.3, "no_repeat_ngram_size": 0},
-    }, "v6e-1")  # fmt: skip
+def test_generate_with_logits_processors_on_the_device(lowered):
+    result = lowered["processors"]
     _all_compiled(result, ["prefill-16", "decode"])
     assert result.info["graph_keys"][1][0].startswith("decode+")  # the processors' variant of the graph
 
@@ -91,27 +156,22 @@ def test_sampling_draws_need_the_device_generator_to_lower(tmp_path):
     assert not any(p.compiled for p in result.programs)
 
 
-def test_generate_without_a_cache(tmp_path):
-    result = lower_and_compile(GENERATE, {
-        "model": _saved(tmp_path, "llama"), "max_prompt_len": 16, "max_new_tokens": 8, "dtype": "float32",
-        "generation": {"use_cache": False},
-    }, "v6e-1")  # fmt: skip
+def test_generate_without_a_cache(lowered):
+    result = lowered["cacheless"]
     _all_compiled(result)
     assert all(k[0].startswith("cacheless") for k in result.info["graph_keys"]), result.info["graph_keys"]
 
 
-def test_generate_moe_grouped_mm(tmp_path):
+def test_generate_moe_grouped_mm(lowered):
     """Qwen3-MoE with transformers' grouped_mm experts: the routing's cumsum lowers to ``chlo.scan``, which the
     compile step passes to libtpu as the equivalent reduce_window (hf_tpu.tpu_compile._xla.normalize)."""
-    result = lower_and_compile("_tpu_compile_entries:lower_moe_generate",
-                               {"model": _saved(tmp_path, "qwen3_moe"), "experts_implementation": "grouped_mm"},
-                               "v6e-1")  # fmt: skip
+    result = lowered["moe_grouped_mm"]
     _all_compiled(result, ["prefill-16", "decode"])
     assert all("chlo.scan" in p.text and "chlo.ragged_dot" in p.text for p in result.programs)
 
 
-def test_routing_cumsum_rewrite_equals_torch_on_xla_cpu():
-    result = lower_and_compile("_tpu_compile_entries:lower_routing_offsets", {}, "v6e-1")
+def test_routing_cumsum_rewrite_equals_torch_on_xla_cpu(lowered):
+    result = lowered["routing_offsets"]
     _all_compiled(result, ["routing-offsets"])
     program = result.programs[0]
     assert "chlo.scan" in program.text
@@ -138,10 +198,19 @@ def test_moe_ragged_dot_kernel_needs_a_chip_to_lower(tmp_path):
     assert not any(p.compiled for p in result.programs)
 
 
-def test_generate_bfloat16_and_int8_weights(tmp_path):
-    path = _saved(tmp_path, "llama", hidden_size=256, intermediate_size=512, head_dim=64)
-    plain = plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, dtype="bfloat16")
-    int8 = plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, dtype="bfloat16", quantization="int8")
+@pytest.fixture(scope="module")
+def quantized_plans(tmp_path_factory):
+    """``plan_generate`` of one bfloat16 Llama (256 wide) for v6e-1 with each weight quantization (None: plain
+    bfloat16), planned once for the two tests below."""
+    path = _saved(tmp_path_factory.mktemp("quantized"), "llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    return {
+        q: plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, dtype="bfloat16", quantization=q)
+        for q in (None, "int8", "int4", "fp8")
+    }
+
+
+def test_generate_bfloat16_and_int8_weights(quantized_plans):
+    plain, int8 = quantized_plans[None], quantized_plans["int8"]
     for plan in (plain, int8):
         assert plan.error is None, plan.error
         _all_compiled(type("R", (), {"error": None, "where": None, "programs": plan.programs})())
@@ -151,10 +220,8 @@ def test_generate_bfloat16_and_int8_weights(tmp_path):
     assert int8.decode_summary()["bytes_accessed"] < plain.decode_summary()["bytes_accessed"]
 
 
-def test_generate_int4_and_fp8_weights(tmp_path):
-    path = _saved(tmp_path, "llama", hidden_size=256, intermediate_size=512, head_dim=64)
-    plans = {q: plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, quantization=q)
-             for q in (None, "int8", "int4", "fp8")}  # fmt: skip
+def test_generate_int4_and_fp8_weights(quantized_plans):
+    plans = quantized_plans
     for q in ("int4", "fp8"):
         assert plans[q].error is None and [p.compiled for p in plans[q].programs] == [True, True], plans[q].error
     assert plans["int4"].hbm["weights"] < plans["int8"].hbm["weights"] < plans[None].hbm["weights"]
@@ -178,18 +245,12 @@ def test_every_private_name_the_lowering_stand_in_replaces_exists_in_the_wheel()
     assert [n for n in _torch_tpu.DYNAMIC_NAMES if f"self.{n}" not in source] == []
 
 
-def test_host_length_model_lowers_its_dynamic_decode_through_torch_tpu(tmp_path):
+def test_host_length_model_lowers_its_dynamic_decode_through_torch_tpu(lowered):
     """RoFormer reads its cache length as a number (``torch.arange(length, length + n)``): its cached prefill fails
     its first trace, and warm-up moves it to the host-length route, as generate would. Through torch_tpu's real
     front end that decode graph (the length a dynamic size) goes to torch_tpu's dynamic compiler, which takes the
     length as an int32 scalar input; it lowers and libtpu compiles it."""
-    from transformers import RoFormerConfig
-
-    path = tmp_path / "roformer"
-    RoFormerConfig(vocab_size=96, embedding_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                   intermediate_size=64, max_position_embeddings=64, is_decoder=True).save_pretrained(path)  # fmt: skip
-    result = lower_and_compile(GENERATE, {"model": str(path), "max_prompt_len": 16, "max_new_tokens": 8,
-                                          "dtype": "float32"}, "v6e-1")  # fmt: skip
+    result = lowered["host_length"]  # the RoFormer of _roformer
     _all_compiled(result)
     kinds = [k[0] for k in result.info["graph_keys"]]
     assert kinds == ["prefill", "decode"], kinds
@@ -237,8 +298,8 @@ def test_dumped_hlo_splits_bytes_accessed_into_hbm_and_on_chip(tmp_path):
     assert sorted(p.name for p in dump.iterdir()) == ["decode.hlo.txt", "libtpu", "prefill-16.hlo.txt"]
 
 
-def test_diffusers_denoiser_step():
-    result = lower_and_compile("_tpu_compile_entries:lower_sd3_denoiser", {"size": 32}, "v6e-1")
+def test_diffusers_denoiser_step(lowered):
+    result = lowered["denoiser"]
     _all_compiled(result, ["denoiser-32x32"])
     assert result.programs[0].custom_calls > 0  # its joint attention became torch_tpu's flash-attention kernel
 
@@ -265,8 +326,8 @@ def test_plan_pipeline_command_plans_the_denoiser_step(tmp_path):
     assert plan["hbm_bytes"]["weights"] == plan["info"]["weights_bytes"] > step["floor_bytes"]  # every component
 
 
-def test_tensor_parallel_rank_programs():
-    result = lower_and_compile("_tpu_compile_entries:lower_tp_rank_layer", {}, "v6e-1")
+def test_tensor_parallel_rank_programs(lowered):
+    result = lowered["tp_rank"]
     assert result.error is None, result.error
     assert [p.name for p in result.programs] == ["tp-rank-before-all-reduce", "tp-rank-collective",
                                                  "tp-rank-after-all-reduce"]  # fmt: skip
@@ -276,15 +337,15 @@ def test_tensor_parallel_rank_programs():
     assert before.flops > 0
 
 
-def test_training_forward_with_its_loss():
-    result = lower_and_compile("_tpu_compile_entries:lower_train_forward", {}, "v6e-1")
+def test_training_forward_with_its_loss(lowered):
+    result = lowered["train_forward"]
     _all_compiled(result, ["train-forward"])
 
 
-def test_block_numerics_on_xla_cpu_equal_torch():
+def test_block_numerics_on_xla_cpu_equal_torch(lowered):
     import _tpu_compile_entries as entries
 
-    result = lower_and_compile("_tpu_compile_entries:lower_block", {}, "v6e-1")
+    result = lowered["block"]
     _all_compiled(result, ["block"])
     program = result.programs[0]
     assert program.custom_calls == 0
@@ -361,8 +422,8 @@ def test_chip_programs_script_lowers_and_runs_the_programs(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["bert", "modernbert"])
-def test_encoder_bucket_graphs(family):
+def test_encoder_bucket_graphs(lowered, family):
     """hf_tpu's bucketed encoder forward (hf_tpu.encoders): warm-up's two bucket graphs lower through torch_tpu and
     compile for v6e-1."""
-    result = lower_and_compile("_tpu_compile_entries:lower_encoder_warmup", {"family": family}, "v6e-1")
+    result = lowered[f"encoder-{family}"]
     _all_compiled(result, ["encoder-2x16", "encoder-2x32"])
