@@ -70,11 +70,16 @@ def _small_token_ids(config: Any) -> None:
             setattr(config, name, next(free))
 
 
+# The multimodal rotary sections a modeling file uses where the config leaves them unset (by model-type part)
+_MROPE_SECTIONS = {"qwen": [16, 24, 24], "ernie4_5_vl": [22, 22, 20]}
+
+
 def _consistent(config: Any) -> None:
     """Fields the shrunk vision tower must agree with: Gemma 3's image tokens pool the patch grid (``(patches per
     side / tokens per side)`` must be a whole kernel), so at its shrunk default size 224/16: 7 x 7 tokens; a
     projector into the text's embeddings (PaliGemma's ``projection_dim``, its defaults' text width) outputs the
-    shrunk text width."""
+    shrunk text width, as does a vision tower's ``out_hidden_size``; multimodal rotary sections split the shrunk
+    head's rotary half."""
     text = config.get_text_config(decoder=True)
     default_width = getattr(type(config)().get_text_config(decoder=True), "hidden_size", None)
     for holder in (config, getattr(config, "vision_config", None)):
@@ -82,14 +87,19 @@ def _consistent(config: Any) -> None:
             # left at 2048, a 224/16 image's 196 features became 6272 "tokens" of the shrunk 64-wide text
             holder.projection_dim = text.hidden_size
     rope = getattr(text, "rope_parameters", None)
-    # Qwen-VL's multimodal rotary sections: a split of the rotary half (its modeling file's default when unset)
-    sections = rope.get("mrope_section", [16, 24, 24] if "qwen" in config.model_type else None) if isinstance(
-        rope, dict) else None  # fmt: skip
+    # Qwen-VL's (ERNIE-VL's) multimodal rotary sections: a split of the rotary half (its modeling file's default
+    # when unset)
+    unset = next((v for k, v in _MROPE_SECTIONS.items() if k in config.model_type), None)
+    sections = rope.get("mrope_section", unset) if isinstance(rope, dict) else None
     half = (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) // 2
     if isinstance(sections, list) and sections and sum(sections) != half:
         scaled = [max(1, sections[i] * half // sum(sections)) for i in range(len(sections) - 1)]
         rope["mrope_section"] = [*scaled, half - sum(scaled)]
     vision = getattr(config, "vision_config", None)
+    if isinstance(getattr(vision, "out_hidden_size", None), int) and vision.out_hidden_size != text.hidden_size:
+        # the vision tower's merger writes its features into the text's embeddings (Qwen3.5's 3584, GLM-5's 1536 by
+        # default, past any default width the shrink rules follow): the shrunk text width
+        vision.out_hidden_size = text.hidden_size
     tokens = getattr(config, "mm_tokens_per_image", None)
     size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
     if isinstance(tokens, int) and isinstance(size, int) and isinstance(patch, int):
