@@ -43,7 +43,7 @@ from hf_tpu.benchmarks._tiny_configs import VOCAB, tiny_config
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-__all__ = ["QUICK", "SECTION", "add_arguments", "architectures", "measure", "print_table", "run"]
+__all__ = ["QUICK", "SECTION", "add_arguments", "architectures", "measure", "print_table", "run", "tiny_vlm_config"]
 
 QUICK = {"archs": ["llava", "gemma3", "paligemma", "qwen2_vl"], "new_tokens": 6}
 # The docs page's section this sweep writes (from this line to the end of docs/architectures.md; the causal-LM
@@ -59,6 +59,15 @@ def architectures() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def tiny_vlm_config(model_type: str) -> Any:
+    """The architecture's tiny config: :func:`~hf_tpu.benchmarks._tiny_configs.tiny_config`, its special-token ids
+    moved into the shrunk vocabulary and its vision tower made consistent with the shrunk text."""
+    config = tiny_config(model_type)
+    _small_token_ids(config)
+    _consistent(config)
+    return config
 
 
 def _small_token_ids(config: Any) -> None:
@@ -222,9 +231,7 @@ def _measure(model_type: str, new_tokens: int) -> dict:
 
     row: dict[str, Any] = {"arch": model_type}
     try:
-        config = tiny_config(model_type)
-        _small_token_ids(config)
-        _consistent(config)
+        config = tiny_vlm_config(model_type)
         cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
         torch.manual_seed(0)
         cpu = cls._from_config(config).eval()
