@@ -244,8 +244,9 @@ def _shrunk(defaults: dict, widths: set[int] | None = None) -> dict:
         default = defaults[name]
         if default == 0 and type(default) is int:
             del fields[name]  # a part the architecture leaves out (GLM-5's NoPE attention: no rotary width) stays out
-        elif _sizes(default) and len(default) != defaults.get("num_hidden_layers") and isinstance(value, int):
-            # one size per kind of block (ERNIE-VL's text and vision experts), not per layer: each scaled as the first
+        elif _sizes(default) and len(default) != defaults.get("num_hidden_layers") and 0 < value <= default[0]:
+            # one size per kind of block (ERNIE-VL's text and vision experts), not per layer: each scaled down as the
+            # first (a list the shrunk value would grow, Florence-2's heads per stage, is left to the class's check)
             fields[name] = [max(1, round(value * size / default[0])) for size in default]
     fields.update({k: v for k, v in _IF_NONE.items() if k in defaults and defaults[k] is None})
     heads = defaults.get("n_head") or defaults.get("num_attention_heads")

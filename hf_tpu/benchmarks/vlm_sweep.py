@@ -39,7 +39,7 @@ import time
 from typing import Any
 
 from hf_tpu.benchmarks import arch_sweep
-from hf_tpu.benchmarks._tiny_configs import VOCAB, tiny_config
+from hf_tpu.benchmarks._tiny_configs import SHRINK, VOCAB, tiny_config
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
@@ -105,9 +105,11 @@ def _consistent(config: Any) -> None:
         scaled = [max(1, sections[i] * half // sum(sections)) for i in range(len(sections) - 1)]
         rope["mrope_section"] = [*scaled, half - sum(scaled)]
     vision = getattr(config, "vision_config", None)
-    if isinstance(getattr(vision, "out_hidden_size", None), int) and vision.out_hidden_size != text.hidden_size:
+    out = getattr(vision, "out_hidden_size", None)
+    if isinstance(out, int) and out != text.hidden_size and text.hidden_size == SHRINK["hidden_size"]:
         # the vision tower's merger writes its features into the text's embeddings (Qwen3.5's 3584, GLM-5's 1536 by
-        # default, past any default width the shrink rules follow): the shrunk text width
+        # default, past any default width the shrink rules follow): the shrunk text width (a text left at its
+        # defaults' size is not followed up)
         vision.out_hidden_size = text.hidden_size
     tokens = getattr(config, "mm_tokens_per_image", None)
     size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
