@@ -5,8 +5,10 @@
 from its fields: a layer pattern keeps each layer kind of the defaults' (a hybrid's attention layer, a KV-sharing
 model's producer of each kind), a partial rotary keeps its share of the shrunk head, top-k stays within the shrunk
 experts, counts the defaults leave None (a checkpoint sets them) get numbers, RoPE keyed per layer kind covers every
-kind. Sub-configs (a multimodal model's towers, BLT's four models) are shrunk alike, and a field naming a width of
-another sub-model follows it; a heterogeneous config's per-layer overrides are scaled as their fields' global values
+kind, a size the defaults leave 0 (a NoPE attention's rotary width) stays 0, a list of sizes per kind of block is
+scaled down entry by entry. Sub-configs (a multimodal model's towers, BLT's four models) are shrunk alike (keeping
+their model type), and a field naming a width of another sub-model follows it (a quantizer's codebook width, its
+own); a heterogeneous config's per-layer overrides are scaled as their fields' global values
 were. :data:`_OVERRIDES` holds the few upstream defaults that no checkpoint has and no rule can derive, each with
 its reason. :func:`build_model` builds the architecture's causal-LM class from such a config.
 """
