@@ -5,8 +5,10 @@
 from its fields: a layer pattern keeps each layer kind of the defaults' (a hybrid's attention layer, a KV-sharing
 model's producer of each kind), a partial rotary keeps its share of the shrunk head, top-k stays within the shrunk
 experts, counts the defaults leave None (a checkpoint sets them) get numbers, RoPE keyed per layer kind covers every
-kind. Sub-configs (a multimodal model's towers, BLT's four models) are shrunk alike, and a field naming a width of
-another sub-model follows it; a heterogeneous config's per-layer overrides are scaled as their fields' global values
+kind, a size the defaults leave 0 (a NoPE attention's rotary width) stays 0, a list of sizes per kind of block is
+scaled down entry by entry. Sub-configs (a multimodal model's towers, BLT's four models) are shrunk alike (keeping
+their model type), and a field naming a width of another sub-model follows it (a quantizer's codebook width, its
+own); a heterogeneous config's per-layer overrides are scaled as their fields' global values
 were. :data:`_OVERRIDES` holds the few upstream defaults that no checkpoint has and no rule can derive, each with
 its reason. :func:`build_model` builds the architecture's causal-LM class from such a config.
 """
@@ -121,6 +123,23 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
         "indexer_budget": 16,
         "indexer_compress_ratio": 4,
     },
+    # Apertus 1.5's vocabulary holds the text's ids, then the image codebook's, then the audio codebook's (its
+    # validator: image offset + image codebook == audio offset, audio offset + audio codebook <= vocabulary): both
+    # codebooks shrunk to 16 entries after 64 text ids; the VQ image tokenizer's convolutions shrunk to 32 channels
+    # (its group norms' 32 groups), one residual block per stage (its stages, hence its 16x downsampling and its
+    # attention stage, kept)
+    "apertus1p5": {
+        "image_token_offset": 64,
+        "audio_token_offset": 80,
+        "vision_config": {
+            "codebook_size": 16,
+            "embed_dim": 16,
+            "latent_channels": 32,
+            "base_channels": 32,
+            "num_res_blocks": 1,
+        },
+        "audio_config": {"codebook_size": 16},
+    },
     # ReformerModelWithLMHead asserts is_decoder (causal self-attention)
     "reformer": {"is_decoder": True},
     # X-MOD's adapters need a language to route through: the defaults' only one
@@ -205,6 +224,11 @@ def _widths(defaults: dict) -> set[int]:
     return found
 
 
+def _sizes(value: Any) -> bool:
+    """Whether ``value`` is a non-empty list of sizes."""
+    return isinstance(value, list) and bool(value) and all(type(v) is int and v > 0 for v in value)
+
+
 def _is_sub_config(value: Any) -> bool:
     return isinstance(value, dict) and "model_type" in value
 
@@ -218,6 +242,14 @@ def _shrunk(defaults: dict, widths: set[int] | None = None) -> dict:
     # (a sliding window, an unpadded vocabulary only where the architecture has one by default)
     optional = ("sliding_window", "sliding_window_size", "unpadded_vocab_size")
     fields = {k: v for k, v in SHRINK.items() if k in defaults and (k not in optional or defaults[k])}
+    for name, value in list(fields.items()):
+        default = defaults[name]
+        if default == 0 and type(default) is int:
+            del fields[name]  # a part the architecture leaves out (GLM-5's NoPE attention: no rotary width) stays out
+        elif _sizes(default) and len(default) != defaults.get("num_hidden_layers") and 0 < value <= default[0]:
+            # one size per kind of block (ERNIE-VL's text and vision experts), not per layer: each scaled down as the
+            # first (a list the shrunk value would grow, Florence-2's heads per stage, is left to the class's check)
+            fields[name] = [max(1, round(value * size / default[0])) for size in default]
     fields.update({k: v for k, v in _IF_NONE.items() if k in defaults and defaults[k] is None})
     heads = defaults.get("n_head") or defaults.get("num_attention_heads")
     width = defaults.get("n_embd") or defaults.get("hidden_size")
@@ -230,7 +262,7 @@ def _shrunk(defaults: dict, widths: set[int] | None = None) -> dict:
         # a width split into parts that sum to the hidden size (Reformer's axial position embeddings): scaled
         fields["axial_pos_embds_dim"] = [d * fields["hidden_size"] // sum(split) for d in split]
     if "head_dim" in fields and "qk_rope_head_dim" in defaults:  # MLA: rotary embeddings sized by the rope part
-        fields["head_dim"] = SHRINK["qk_rope_head_dim"]
+        fields["head_dim"] = fields.get("qk_rope_head_dim", defaults["qk_rope_head_dim"])
     if "kv_lora_rank" in defaults and "num_key_value_heads" in fields:
         fields["num_key_value_heads"] = SHRINK["num_attention_heads"]  # MLA: one latent, expanded to every head
     if "layer_types" in defaults:
@@ -248,6 +280,8 @@ def _shrunk(defaults: dict, widths: set[int] | None = None) -> dict:
             # a width that names another one (a sub-model's link to the global model's width, an adapter between
             # towers): it follows the shrunk widths, as the config's validation demands
             fields[name] = SHRINK["hidden_size"]
+        elif name == "codebook_dim" and value == defaults.get("hidden_size") and "hidden_size" in fields:
+            fields[name] = fields["hidden_size"]  # a quantizer without projections (WavTokenizer): the model's width
         elif name.endswith("_vocab") and value > (defaults.get("vocab_size") or 0):
             fields[name] = VOCAB  # a hashed table's rows (BLT's byte n-grams), larger than the vocabulary
     if defaults.get("per_layer_config") and isinstance(defaults.get("num_hidden_layers"), int):
@@ -257,7 +291,8 @@ def _shrunk(defaults: dict, widths: set[int] | None = None) -> dict:
     fields.update({k: v for k, v in _TOKENS.items() if k in defaults})
     for name, value in defaults.items():  # sub-configs (a multimodal model's towers, BLT's four models): alike
         if _is_sub_config(value):
-            fields[name] = _shrunk(value, widths)
+            # (its model type too: a sub-config the class builds through AutoConfig, EXAONE 4.5's text, needs it)
+            fields[name] = {"model_type": value["model_type"], **_shrunk(value, widths)}
     for name, value in _OVERRIDES.get(defaults.get("model_type"), {}).items():
         nested = isinstance(value, dict) and isinstance(defaults.get(name), dict)
         fields[name] = {**fields.get(name, defaults[name]), **value} if nested else value

@@ -39,11 +39,11 @@ import time
 from typing import Any
 
 from hf_tpu.benchmarks import arch_sweep
-from hf_tpu.benchmarks._tiny_configs import VOCAB, tiny_config
+from hf_tpu.benchmarks._tiny_configs import SHRINK, VOCAB, tiny_config
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-__all__ = ["QUICK", "SECTION", "add_arguments", "architectures", "measure", "print_table", "run"]
+__all__ = ["QUICK", "SECTION", "add_arguments", "architectures", "measure", "print_table", "run", "tiny_vlm_config"]
 
 QUICK = {"archs": ["llava", "gemma3", "paligemma", "qwen2_vl"], "new_tokens": 6}
 # The docs page's section this sweep writes (from this line to the end of docs/architectures.md; the causal-LM
@@ -61,6 +61,15 @@ def architectures() -> list[str]:
     return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
+def tiny_vlm_config(model_type: str) -> Any:
+    """The architecture's tiny config: :func:`~hf_tpu.benchmarks._tiny_configs.tiny_config`, its special-token ids
+    moved into the shrunk vocabulary and its vision tower made consistent with the shrunk text."""
+    config = tiny_config(model_type)
+    _small_token_ids(config)
+    _consistent(config)
+    return config
+
+
 def _small_token_ids(config: Any) -> None:
     """Special-token ids past the shrunk vocabulary (an image token at 32000) moved to ids under it, each its own."""
     free = iter(range(VOCAB - 4, 3, -1))
@@ -70,11 +79,16 @@ def _small_token_ids(config: Any) -> None:
             setattr(config, name, next(free))
 
 
+# The multimodal rotary sections a modeling file uses where the config leaves them unset (by model-type part)
+_MROPE_SECTIONS = {"qwen": [16, 24, 24], "ernie4_5_vl": [22, 22, 20]}
+
+
 def _consistent(config: Any) -> None:
     """Fields the shrunk vision tower must agree with: Gemma 3's image tokens pool the patch grid (``(patches per
     side / tokens per side)`` must be a whole kernel), so at its shrunk default size 224/16: 7 x 7 tokens; a
     projector into the text's embeddings (PaliGemma's ``projection_dim``, its defaults' text width) outputs the
-    shrunk text width."""
+    shrunk text width, as does a vision tower's ``out_hidden_size``; multimodal rotary sections split the shrunk
+    head's rotary half."""
     text = config.get_text_config(decoder=True)
     default_width = getattr(type(config)().get_text_config(decoder=True), "hidden_size", None)
     for holder in (config, getattr(config, "vision_config", None)):
@@ -82,14 +96,21 @@ def _consistent(config: Any) -> None:
             # left at 2048, a 224/16 image's 196 features became 6272 "tokens" of the shrunk 64-wide text
             holder.projection_dim = text.hidden_size
     rope = getattr(text, "rope_parameters", None)
-    # Qwen-VL's multimodal rotary sections: a split of the rotary half (its modeling file's default when unset)
-    sections = rope.get("mrope_section", [16, 24, 24] if "qwen" in config.model_type else None) if isinstance(
-        rope, dict) else None  # fmt: skip
+    # Qwen-VL's (ERNIE-VL's) multimodal rotary sections: a split of the rotary half (its modeling file's default
+    # when unset)
+    unset = next((v for k, v in _MROPE_SECTIONS.items() if k in config.model_type), None)
+    sections = rope.get("mrope_section", unset) if isinstance(rope, dict) else None
     half = (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) // 2
     if isinstance(sections, list) and sections and sum(sections) != half:
         scaled = [max(1, sections[i] * half // sum(sections)) for i in range(len(sections) - 1)]
         rope["mrope_section"] = [*scaled, half - sum(scaled)]
     vision = getattr(config, "vision_config", None)
+    out = getattr(vision, "out_hidden_size", None)
+    if isinstance(out, int) and out != text.hidden_size and text.hidden_size == SHRINK["hidden_size"]:
+        # the vision tower's merger writes its features into the text's embeddings (Qwen3.5's 3584, GLM-5's 1536 by
+        # default, past any default width the shrink rules follow): the shrunk text width (a text left at its
+        # defaults' size is not followed up)
+        vision.out_hidden_size = text.hidden_size
     tokens = getattr(config, "mm_tokens_per_image", None)
     size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
     if isinstance(tokens, int) and isinstance(size, int) and isinstance(patch, int):
@@ -212,9 +233,7 @@ def _measure(model_type: str, new_tokens: int) -> dict:
 
     row: dict[str, Any] = {"arch": model_type}
     try:
-        config = tiny_config(model_type)
-        _small_token_ids(config)
-        _consistent(config)
+        config = tiny_vlm_config(model_type)
         cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
         torch.manual_seed(0)
         cpu = cls._from_config(config).eval()

@@ -20,14 +20,24 @@ the tower as the precomputed inputs its ``get_vision_*`` helpers accept), and th
 ids with the grid and ``mm_token_type_ids``, which stay on the host for it). The tower runs as a ``"grid_vision"``
 graph keyed by the grids (its per-image attention is one static chunk per image: :class:`Bounds`); the prefill and
 decode graphs take the three rows packed with the ids (``"+mrope"`` graphs), so a decode step still sends one
-``(batch, 4)`` tensor and reads back the next tokens.
+``(batch, 4)`` tensor and reads back the next tokens. EXAONE 4.5 (:func:`grid_tower`) has Qwen2.5-VL's tower before a
+text of one row of positions: its images take the ``"grid_vision"`` graph, the rest is the plain image loop.
 """
 
 from __future__ import annotations
 
 import inspect
 
-__all__ = ["Bounds", "encode_images", "grid_model", "image_inputs", "images_problem", "mrope_rows", "video_inputs"]
+__all__ = [
+    "Bounds",
+    "encode_images",
+    "grid_model",
+    "grid_tower",
+    "image_inputs",
+    "images_problem",
+    "mrope_rows",
+    "video_inputs",
+]
 
 # the argument names upstream recognises as a modality's main input (generation/utils.py)
 _PIXEL_NAMES = ("pixel_values", "pixel_values_images", "image_patches")
@@ -54,12 +64,22 @@ def image_inputs(model, model_kwargs: dict) -> list[str]:
 # The models whose grid-numbered images the loop builds (their vision towers accept the grid's precomputed inputs and
 # their get_rope_index numbers text and images only): Qwen2-VL and Qwen2.5-VL.
 _GRID_MODELS = ("qwen2_vl", "qwen2_5_vl")
+# The models whose vision towers take grid-numbered images with the precomputed inputs (the "grid_vision" graph),
+# positions numbered from the grids or not: Qwen2-VL's and Qwen2.5-VL's, and EXAONE 4.5's (Qwen2.5-VL's tower with
+# axial rotary positions in front of a text with one row of positions).
+_GRID_TOWERS = (*_GRID_MODELS, "exaone4_5")
 
 
 def grid_model(model) -> bool:
     """Whether ``model`` is a vision-language model whose images come as patch rows with a grid per image and whose
     positions are numbered from those grids (Qwen2-VL, Qwen2.5-VL), which the loop serves."""
     return getattr(model.config, "model_type", None) in _GRID_MODELS and hasattr(model.base_model, "visual")
+
+
+def grid_tower(model) -> bool:
+    """Whether ``model``'s images come as patch rows with a grid per image to a vision tower that takes the grid's
+    precomputed inputs (:func:`grid_inputs`): the grid models' and EXAONE 4.5's."""
+    return getattr(model.config, "model_type", None) in _GRID_TOWERS and hasattr(model.base_model, "visual")
 
 
 def mrope_rows(model) -> int:
@@ -106,7 +126,7 @@ def encode_images(model, state, model_kwargs: dict, run) -> dict:
     inputs moved to the model's device, keyed by the shapes of its tensor inputs."""
     import torch
 
-    if grid_model(model):
+    if grid_tower(model):
         return _encode_grid_images(model, state, model_kwargs, run)
     names = image_inputs(model, model_kwargs)
     kwargs = dict(model_kwargs)
@@ -204,4 +224,6 @@ def _encode_grid_images(model, state, model_kwargs: dict, run) -> dict:
         merged = run(model, state, key, pixels.to(model.device), grid_inputs(model, grid))
     # (the forward concatenates the images' features before merging them: one tensor holds them all)
     kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(merged,))}
+    if not grid_model(model):  # (one row of positions, numbered from the ids: the grids served the tower only)
+        kwargs.pop("image_grid_thw")
     return kwargs

@@ -185,7 +185,7 @@ def generate(self, *args, **kwargs):
     # prompt's device, and hf_tpu's loop keeps the sequence and runs those on the host (embeddings on the tpu are
     # read back once per call; the loop sends them to the device again for the prefill)
     # (and a grid model's image grids and token types: upstream's generate numbers the positions from them)
-    host = ("image_grid_thw", "mm_token_type_ids") if _images.grid_model(self) else ()
+    host = ("image_grid_thw", "mm_token_type_ids") if _images.grid_tower(self) else ()
     for key in ("attention_mask", "position_ids", "decoder_input_ids", "token_type_ids", "inputs_embeds", *host):
         if extra_kwargs.get(key) is not None:
             extra_kwargs[key] = _to_host(extra_kwargs[key])

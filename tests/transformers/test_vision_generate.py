@@ -2,8 +2,9 @@
 and pixel shape, its features merged into the left-padded prompt by the model's own forward in the prefill graph,
 then the text loop's decode steps; pixel inputs left on the host. Qwen2-VL and Qwen2.5-VL: the tower on patch rows
 keyed by the grids, the prompt's three rows of multimodal rotary positions (upstream's, computed on the host) packed
-with the ids. Tiny LLaVA-, Gemma 3-, Qwen2-VL- and Qwen2.5-VL-shaped models built from their configs, compared with
-the same model's greedy generate on the CPU."""
+with the ids; EXAONE 4.5: Qwen2.5-VL's tower keyed by the grids before a text of one row of positions. Tiny LLaVA-,
+Gemma 3-, Qwen2-VL-, Qwen2.5-VL- and EXAONE 4.5-shaped models built from their configs, compared with the same
+model's greedy generate on the CPU."""
 
 from __future__ import annotations
 
@@ -76,8 +77,23 @@ def _qwen2_5_vl():
     return T.Qwen2_5_VLForConditionalGeneration, config, 4
 
 
-_BUILDERS = {"llava": _llava, "gemma3": _gemma3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl}
+def _exaone4_5():
+    import transformers as T
+
+    vision = dict(  # Qwen2.5-VL's tower (window attention, then full) with axial rotary positions
+        _QWEN_VISION, intermediate_size=64, out_hidden_size=32, window_size=16, fullatt_block_indexes=[1],
+        num_key_value_heads=2,
+    )  # fmt: skip
+    text = dict(_TEXT, model_type="exaone4", sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    config = T.Exaone4_5_Config(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=91)
+    return T.Exaone4_5_ForConditionalGeneration, config, 4
+
+
+_BUILDERS = {
+    "llava": _llava, "gemma3": _gemma3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "exaone4_5": _exaone4_5,
+}  # fmt: skip
 _GRID = ("qwen2_vl", "qwen2_5_vl")  # images as patch rows with a grid each, positions numbered from the grids
+_GRID_IMAGES = (*_GRID, "exaone4_5")  # images as patch rows with a grid each (EXAONE 4.5: one row of positions)
 _PAIRS: dict[str, tuple] = {}
 
 
@@ -101,7 +117,7 @@ def _prompt(family: str, per_image: int, images: int, text: int, seed: int, size
     """A processor's output, on the host: text, the image tokens of each image, more text; the pixel values (Qwen-VL's:
     each image's 4 x 4-pixel patches of 2 frames as rows, its grid, and the tokens' modality types)."""
     g = torch.Generator().manual_seed(seed)
-    if family in _GRID:
+    if family in _GRID_IMAGES:
         grid = [1, size[0] // 4, size[1] // 4]
         per_image = grid[1] * grid[2] // 4
     image = torch.full((1, per_image), IMAGE)
@@ -110,10 +126,11 @@ def _prompt(family: str, per_image: int, images: int, text: int, seed: int, size
     parts = [torch.randint(3, 60, (1, text), generator=g), *[image] * images]
     ids = torch.cat([*parts, torch.randint(3, 60, (1, 3), generator=g)], dim=1)
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if family in _GRID:
+    if family in _GRID_IMAGES:
         kwargs["pixel_values"] = torch.randn(images * grid[1] * grid[2], 3 * 2 * 4 * 4, generator=g)
         kwargs["image_grid_thw"] = torch.tensor([grid] * images)
-        kwargs["mm_token_type_ids"] = (ids == IMAGE).int()
+        if family in _GRID:
+            kwargs["mm_token_type_ids"] = (ids == IMAGE).int()
         return kwargs
     kwargs["pixel_values"] = torch.randn(images, 3, 16, 16, generator=g)
     if (
@@ -223,7 +240,7 @@ def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
     graph warm-up missed would raise) one and two images in prompts of other lengths compile nothing."""
     family, cpu, tpu, per_image = vlm
     # (Qwen-VL: a second image size, 16 x 32 pixels, 8 image tokens; the others' processors resize every image)
-    sizes = [(16, 16), (16, 32)] if family in _GRID else [(16, 16)]
+    sizes = [(16, 16), (16, 32)] if family in _GRID_IMAGES else [(16, 16)]
     report = hf_tpu.warmup(
         tpu, max_prompt_len=64, batch_sizes=[1], max_new_tokens=8, image_sizes=sizes, num_images=[1, 2],
         strict=True, progress=False,
@@ -234,7 +251,7 @@ def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
     assert {key[2] for key in prefills} == ({32, 64} if family == "llava" else {16, 32, 64})  # (LLaVA: 17 per image)
     try:
         calls = [(1, 5, 10, (16, 16)), (2, 4, 11, (16, 16)), (1, 20, 12, (16, 16)), (2, 9, 13, (16, 16))]
-        calls += [(1, 6, 14, (16, 32)), (2, 7, 15, (16, 32))] if family in _GRID else []
+        calls += [(1, 6, 14, (16, 32)), (2, 7, 15, (16, 32))] if family in _GRID_IMAGES else []
         for images, text, seed, size in calls:
             kwargs = _prompt(family, per_image, images=images, text=text, seed=seed, size=size)
             with hf_tpu.sim.stats() as s:
@@ -251,7 +268,7 @@ def test_warmup_of_images_says_what_it_cannot_warm(vlm):
         hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[(16, 16)], num_images=[8], progress=False)
     with pytest.raises(ValueError, match=r"\(height, width\) pairs"):
         hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[16], progress=False)
-    if family in _GRID:  # its processor resizes images to whole merged patches (8 pixels here)
+    if family in _GRID_IMAGES:  # its processor resizes images to whole merged patches (8 pixels here)
         with pytest.raises(ValueError, match="multiples of patch_size x spatial_merge_size"):
             hf_tpu.warmup(tpu, max_prompt_len=32, max_new_tokens=4, image_sizes=[(12, 16)], progress=False)
 

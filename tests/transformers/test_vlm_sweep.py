@@ -45,6 +45,37 @@ def test_slice_verdicts_match_cpu_and_the_docs(arch):
         assert documented[1] == row["status"] and documented[3] == "yes", (documented, row)
 
 
+@pytest.mark.parametrize("arch", ["apertus1p5", "ernie4_5_vl_moe", "exaone4_5", "glm5_next"])
+def test_tiny_configs_of_linked_towers_shrink_and_keep_each_part(arch):
+    """Configs whose validators link fields across sub-configs (their text stayed full size and the sweep's workers
+    ran out of memory): shrunk consistently, each layer kind and tower kept, and the model small (built on meta)."""
+    import torch
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    config = vlm_sweep.tiny_vlm_config(arch)
+    text, vision = config.get_text_config(decoder=True), config.vision_config
+    assert text.hidden_size == 64 and text.num_hidden_layers == 4 and text.vocab_size == 128
+    with torch.device("meta"):
+        model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]._from_config(config)
+    assert sum(p.numel() for p in model.parameters()) < 20_000_000  # the full-size defaults: billions
+    if arch == "apertus1p5":  # text ids, then the image codebook, then the audio codebook, within the vocabulary
+        assert config.image_token_offset + vision.codebook_size == config.audio_token_offset
+        assert config.audio_token_offset + config.audio_config.codebook_size <= text.vocab_size
+        assert config.audio_config.codebook_dim == config.audio_config.hidden_size  # (WavTokenizer's validator)
+        assert max(config.image_token_id, config.audio_token_id) < text.vocab_size
+    if arch == "ernie4_5_vl_moe":  # text and vision experts' widths; rotary sections splitting the head's half
+        assert len(text.moe_intermediate_size) == 2 and set(text.mlp_layer_types) == {"dense", "sparse"}
+        assert sum(text.rope_parameters["mrope_section"]) == text.hidden_size // text.num_attention_heads // 2
+    if arch == "exaone4_5":
+        assert set(text.layer_types) == {"sliding_attention", "full_attention"}
+    if arch == "glm5_next":  # NoPE attention, both attention kinds and both MLP kinds
+        assert text.qk_rope_head_dim == 0
+        assert set(text.layer_types) == {"linear_attention", "indexed_attention"}
+        assert set(text.mlp_layer_types) == {"dense", "sparse"}
+    if hasattr(vision, "out_hidden_size"):  # the tower's features land in the text's embeddings
+        assert vision.out_hidden_size == text.hidden_size
+
+
 def test_each_sweep_rewrites_its_own_part_of_the_page(tmp_path, monkeypatch):
     """vlm_sweep writes its section after the causal-LM table (replacing its earlier one); arch_sweep rewriting the
     table above keeps it."""
