@@ -438,6 +438,19 @@ def _first_trace(model, state: ModelState, key: tuple, compiled: Callable, args:
             error.reason, error.loop = reason, None
             raise error from exc
         kind = key[0].split("+", 1)[0]
+        # the image encoder, or the forward merging the images where the text's prefill traced: the images' own
+        # code, so calls with images run upstream's loop and the others keep the model's route
+        merge = kind == "mm_prefill" and any(k[0].split("+", 1)[0] == "prefill" for k in state.compiled)
+        if key[0] in ("vision", "grid_vision") or merge:
+            part = "forward merging them" if merge else "image encoder (get_image_features)"
+            reason = (
+                f"images: {type(model).__name__}'s {part} cannot be compiled as one static-shape graph ({what})"
+                + ("; without images it can" if merge else "")
+            )
+            state.images_problem = reason
+            error = NotCompilableError(f"{reason}; found tracing the {_describe(key)}")
+            error.reason, error.loop = reason, None
+            raise error from exc
         loop = CACHELESS if kind.startswith("cacheless") else HOST_LENGTH if state.host_length else CACHED
         if loop == HOST_LENGTH:  # the second try: the first reason stays first
             reason = f"{state.route.reason}; with its cache length as a host int: {what}"
