@@ -146,9 +146,21 @@ def _encoder(model, input_ids, mask):
     return model.get_encoder()(input_ids=input_ids, attention_mask=mask, return_dict=True).last_hidden_state
 
 
-def _vision(model, inputs):
+def _vision(model, inputs, constants=None, precomputed=None):
     """The image encoder of a vision-language model (its base model's ``get_image_features``, as upstream's
-    ``generate`` calls it before the prefill)."""
+    ``generate`` calls it before the prefill). A model taking a grid per image (not Qwen-VL's:
+    :func:`hf_tpu.transformers._images.takes_grid`): ``constants`` holds the grid and its segment bounds as ints
+    (:func:`~hf_tpu.transformers._images.grid_constants`), made tensors here, and ``precomputed`` a windowed
+    tower's window inputs."""
+    import torch
+
+    from hf_tpu.transformers._images import Bounds
+
+    if constants is not None:
+        device = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).device
+        grid = torch.tensor(constants["image_grid_thw"], dtype=torch.long, device=device)
+        bounds = Bounds(constants["cu_seqlens"])
+        inputs = {**inputs, "image_grid_thw": grid, "cu_seqlens": bounds, **(precomputed or {})}
     return model.base_model.get_image_features(**inputs, return_dict=True)
 
 
@@ -267,7 +279,7 @@ def _describe(key: tuple) -> str:
         "prefill": ("prompt bucket", "cache bucket"),
         "embeds_prefill": ("prompt bucket", "cache bucket"),
         "mm_prefill": ("prompt bucket", "cache bucket", "image features"),
-        "vision": ("image inputs",),
+        "vision": ("image inputs", "image grids"),  # (the grids: a model taking one per image, not Qwen-VL)
         "grid_vision": ("pixel rows", "image grids"),
         "decode": ("cache bucket",),
         "encoder": ("encoder bucket",),
