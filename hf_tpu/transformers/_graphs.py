@@ -146,9 +146,21 @@ def _encoder(model, input_ids, mask):
     return model.get_encoder()(input_ids=input_ids, attention_mask=mask, return_dict=True).last_hidden_state
 
 
-def _vision(model, inputs):
+def _vision(model, inputs, constants=None, precomputed=None):
     """The image encoder of a vision-language model (its base model's ``get_image_features``, as upstream's
-    ``generate`` calls it before the prefill)."""
+    ``generate`` calls it before the prefill). A model taking a grid per image (not Qwen-VL's:
+    :func:`hf_tpu.transformers._images.takes_grid`): ``constants`` holds the grid and its segment bounds as ints
+    (:func:`~hf_tpu.transformers._images.grid_constants`), made tensors here, and ``precomputed`` a windowed
+    tower's window inputs."""
+    import torch
+
+    from hf_tpu.transformers._images import Bounds
+
+    if constants is not None:
+        device = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).device
+        grid = torch.tensor(constants["image_grid_thw"], dtype=torch.long, device=device)
+        bounds = Bounds(constants["cu_seqlens"])
+        inputs = {**inputs, "image_grid_thw": grid, "cu_seqlens": bounds, **(precomputed or {})}
     return model.base_model.get_image_features(**inputs, return_dict=True)
 
 
@@ -267,7 +279,7 @@ def _describe(key: tuple) -> str:
         "prefill": ("prompt bucket", "cache bucket"),
         "embeds_prefill": ("prompt bucket", "cache bucket"),
         "mm_prefill": ("prompt bucket", "cache bucket", "image features"),
-        "vision": ("image inputs",),
+        "vision": ("image inputs", "image grids"),  # (the grids: a model taking one per image, not Qwen-VL)
         "grid_vision": ("pixel rows", "image grids"),
         "decode": ("cache bucket",),
         "encoder": ("encoder bucket",),
@@ -438,6 +450,19 @@ def _first_trace(model, state: ModelState, key: tuple, compiled: Callable, args:
             error.reason, error.loop = reason, None
             raise error from exc
         kind = key[0].split("+", 1)[0]
+        # the image encoder, or the forward merging the images where the text's prefill traced: the images' own
+        # code, so calls with images run upstream's loop and the others keep the model's route
+        merge = kind == "mm_prefill" and any(k[0].split("+", 1)[0] == "prefill" for k in state.compiled)
+        if key[0] in ("vision", "grid_vision") or merge:
+            part = "forward merging them" if merge else "image encoder (get_image_features)"
+            reason = (
+                f"images: {type(model).__name__}'s {part} cannot be compiled as one static-shape graph ({what})"
+                + ("; without images it can" if merge else "")
+            )
+            state.images_problem = reason
+            error = NotCompilableError(f"{reason}; found tracing the {_describe(key)}")
+            error.reason, error.loop = reason, None
+            raise error from exc
         loop = CACHELESS if kind.startswith("cacheless") else HOST_LENGTH if state.host_length else CACHED
         if loop == HOST_LENGTH:  # the second try: the first reason stays first
             reason = f"{state.route.reason}; with its cache length as a host int: {what}"

@@ -82,6 +82,19 @@ def grid_tower(model) -> bool:
     return getattr(model.config, "model_type", None) in _GRID_TOWERS and hasattr(model.base_model, "visual")
 
 
+def takes_grid(model) -> bool:
+    """Whether the model's image encoder takes its images as patch rows with a grid per image (``get_image_features``
+    takes ``image_grid_thw``: LFM3-VL, MiniMax-M3-VL, HyperCLOVA X Vision V2 as well as Qwen2-VL) and numbers the
+    prompt's positions in one row (not :func:`grid_tower`'s, whose towers take the grid's precomputed inputs): its
+    vision graph takes the grid as constants (:func:`encode_images`)."""
+    fn = _encoder_fn(model)
+    try:
+        params = inspect.signature(fn).parameters if fn is not None else {}
+    except (TypeError, ValueError):
+        return False
+    return "image_grid_thw" in params and not grid_tower(model)
+
+
 def mrope_rows(model) -> int:
     """How many rows of positions the model's rotary embedding reads (3 for the multimodal rotary positions of
     Qwen2-VL and Qwen2.5-VL, whose ``generate`` numbers every call's prompt, with or without images, in three rows);
@@ -114,6 +127,8 @@ def images_problem(model, model_kwargs: dict) -> str | None:
             f"images: {name} numbers its positions from the images (multimodal rotary positions, get_rope_index over "
             f"the image grid), which the bucketed loop builds for {', '.join(_GRID_MODELS)} only"
         )
+    if takes_grid(model) and model_kwargs.get("image_grid_thw") is None:
+        return f"images: {name} takes its images' grid (image_grid_thw) with them, and the call gave none"
     video = [k for k in model_kwargs if "video" in k and model_kwargs[k] is not None]
     if video:
         return f"videos ({', '.join(video)}) are not supported by the bucketed loop yet"
@@ -131,15 +146,23 @@ def encode_images(model, state, model_kwargs: dict, run) -> dict:
     names = image_inputs(model, model_kwargs)
     kwargs = dict(model_kwargs)
     inputs = {}
+    grid = kwargs.pop("image_grid_thw", None) if takes_grid(model) else None
     for name in names:
-        value = kwargs.pop(name)
-        inputs[name] = value.to(model.device) if isinstance(value, torch.Tensor) else value
+        if name != "image_grid_thw" or grid is None:
+            value = kwargs.pop(name)
+            inputs[name] = value.to(model.device) if isinstance(value, torch.Tensor) else value
     shapes = tuple(
         (name, tuple(v.shape)) if isinstance(v, torch.Tensor) else (name, repr(v)) for name, v in inputs.items()
     )
     key = ("vision", int(next(v for k, v in inputs.items() if k in _PIXEL_NAMES).shape[0]), shapes)
+    if grid is not None:  # the grid's values: constants of the graph (keyed by them), with what upstream reads of them
+        constants = grid_constants(model, grid)
+        key = ("vision", len(constants["image_grid_thw"]), shapes, constants["image_grid_thw"])  # (per image count)
+        args = (inputs, constants, _window_inputs(model, grid))
+    else:
+        args = (inputs,)
     with torch.no_grad():
-        encoded = run(model, state, key, inputs)
+        encoded = run(model, state, key, *args)
     kwargs["mm_encoder_outputs"] = {"image": encoded}
     return kwargs
 
@@ -204,6 +227,37 @@ def grid_inputs(model, grid) -> dict:
         inputs["window_index"] = index.to(model.device)
         inputs["cu_window_seqlens"] = Bounds(window_bounds.tolist())
     return inputs
+
+
+def grid_constants(model, grid) -> dict:
+    """The grid of a :func:`takes_grid` model's images (``image_grid_thw``) and its attention's segment bounds
+    (upstream's ``get_vision_cu_seqlens``, one segment per frame: every image has one) as nested tuples of ints:
+    the vision graph builds its tensors from them, and dynamo knows the values those tensors hold (a tower reads
+    them back with ``tolist()`` to size its per-image splits; from a graph input they would be unknown values)."""
+    from transformers import vision_utils
+
+    grid = grid.to("cpu").long()
+    return {
+        "image_grid_thw": tuple(tuple(int(n) for n in row) for row in grid.tolist()),
+        "cu_seqlens": tuple(int(n) for n in vision_utils.get_vision_cu_seqlens(grid).tolist()),
+    }
+
+
+def _window_inputs(model, grid) -> dict:
+    """A windowed vision tower's precomputed window order (on the device) and windows' bounds (as :class:`Bounds`),
+    computed on the host with upstream's ``get_vision_window_index`` (Qwen2.5-VL's tower, which HyperCLOVA X Vision
+    V2 uses); empty for a tower without windows."""
+    from transformers import vision_utils
+
+    tower = next((m for m in model.base_model.children() if hasattr(m, "window_size") and hasattr(m, "patch_size")),
+                 None)  # fmt: skip
+    if tower is None:
+        return {}
+    index, bounds = vision_utils.get_vision_window_index(
+        grid.to("cpu").long(), spatial_merge_size=tower.spatial_merge_size, window_size=tower.window_size,
+        patch_size=tower.patch_size,
+    )  # fmt: skip
+    return {"window_index": index.to(model.device), "cu_window_seqlens": Bounds(bounds.tolist())}
 
 
 def _encode_grid_images(model, state, model_kwargs: dict, run) -> dict:

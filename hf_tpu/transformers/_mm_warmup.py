@@ -73,7 +73,7 @@ def warm_images(
     channels = int(getattr(vision_config, "num_channels", 3) or 3)
     height, width = (int(n) for n in size)
     # float32: what image processors return (the vision towers cast them to their own dtype)
-    if _images.grid_tower(model):
+    if _images.grid_tower(model) or _images.takes_grid(model):
         kwargs = _grid_pixels(model, batch * count, height, width)
     else:
         kwargs = {"pixel_values": torch.zeros(batch * count, channels, height, width)}

@@ -127,6 +127,9 @@ class ModelState:
     # failing graph returned: a frozenset of "attentions"/"hidden_states" -> the reason (a failure found returning
     # attentions says nothing of a call asking for hidden states only: sdpa's forward warns on attentions alone)
     outputs_problems: dict = field(default_factory=dict)
+    # why its image encoder cannot be one graph (found at the vision graph's first trace): calls with images then
+    # run upstream's loop, calls without keep the model's route
+    images_problem: str | None = None
 
     def outputs_problem(self, attentions: bool, hidden_states: bool) -> str | None:
         """Why a call asking for these outputs cannot return them from a graph: a failure found with a subset of

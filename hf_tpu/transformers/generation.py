@@ -191,7 +191,12 @@ def generate(self, *args, **kwargs):
             extra_kwargs[key] = _to_host(extra_kwargs[key])
 
     if _images.image_inputs(self, extra_kwargs):  # the vision tower's graph; the prefill's forward merges them
-        extra_kwargs = _images.encode_images(self, state, extra_kwargs, run_graph)
+        try:
+            extra_kwargs = _images.encode_images(self, state, extra_kwargs, run_graph)
+        except NotCompilableError:  # its image encoder is not one graph (recorded): this call runs upstream's loop
+            if state.images_problem is None:
+                raise
+            return _run_upstream(self, call_route(self, *asked), upstream, args, kwargs)
     if features is not None:
         input_ids, extra_kwargs = _encode_features(self, inputs, extra_kwargs)
     elif self.config.is_encoder_decoder:

@@ -142,7 +142,7 @@ def _call_route(model, config, model_kwargs: dict) -> Route:
             reason, warn = problem
             return Route(UPSTREAM, reason, warn=warn)
     if _images.image_inputs(model, model_kwargs):  # encoded by a graph of their own, merged by the prefill's forward
-        problem = _images.images_problem(model, model_kwargs)
+        problem = _images.images_problem(model, model_kwargs) or model_state(model).images_problem
         if problem is None and model_kwargs.get("inputs_embeds") is not None:
             problem = "images with inputs_embeds are not supported by the bucketed loop (it merges them into ids)"
         if problem is None and (not use_cache or model_route(model).loop not in (CACHED, HOST_LENGTH)):

@@ -47,6 +47,9 @@ class WarmupReport:
     # misses (programs compiled: eager op signatures and graphs, or loaded from its tier 2/3); None without it.
     tpu_cache_requests: int | None = None
     tpu_cache_misses: int | None = None
+    # what warm-up compiled no graph for, each with its reason (the model's calls, or its image calls, run upstream's
+    # loop: found before or while tracing; hf_tpu.transformers.explain says the same)
+    not_warmed: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         tpu = "" if self.tpu_cache_requests is None else (
@@ -55,7 +58,7 @@ class WarmupReport:
         return (
             f"warm-up: {len(self.graphs)} graphs ({self.new_compiles} newly compiled, {self.from_cache} from the "
             f"compile cache) for batch sizes {list(self.batch_sizes)} and prompt buckets {list(self.prompt_buckets)} "
-            f"in {self.seconds:.1f}s{tpu}"
+            f"in {self.seconds:.1f}s{tpu}" + "".join(f"; not warmed: {reason}" for reason in self.not_warmed)
         )
 
 
@@ -106,6 +109,13 @@ def warmup(
         num_images: the numbers of images per prompt to warm, with ``image_sizes``.
         generate_kwargs: for a model whose encoder takes features, the keyword arguments of its ``generate`` calls.
 
+    A model whose forward does not trace as one static-shape graph moves down its routes as ``generate`` moves it
+    (:func:`hf_tpu.transformers.route.demote`: host length, then without a cache) and the graphs of the loop it
+    lands on are warmed; where that is upstream's loop (found now or before), or its image encoder is not one graph
+    (its calls with images run upstream's loop), warm-up compiles no graph for those calls, warns once with the
+    reason (``generate`` does not warn it again) and returns: ``report.not_warmed`` and
+    :func:`hf_tpu.transformers.explain` say why. A beam count whose calls run upstream's loop is left out so.
+
     Returns:
         A :class:`WarmupReport`: the graph keys covered, how many were compiled or loaded, and the time taken. For an
         encoder the ``encoders`` integration serves (BERT, RoBERTa, XLM-R, ModernBERT, ...), the
@@ -115,9 +125,10 @@ def warmup(
     Raises:
         hf_tpu.runtime.TPUNotAvailableError, ValueError: the model is not on a TPU (the message says how to
             place it), or ``batch_sizes`` holds no positive integer.
-        NotCompilableError: none of hf_tpu's loops serves the model's ``generate`` (the reason
-            :func:`hf_tpu.transformers.explain` gives), so there is no graph to compile; or the images or features
-            asked for cannot be warmed (the reason says why).
+        NotCompilableError: the model's class has a ``generate`` of its own (hf_tpu's loops never run for it); or
+            the images or features asked for cannot be warmed (no image token in the config, no pixel input, images
+            the loop does not take: the reason says why). Not for a forward or image encoder that does not trace
+            (above: warned once, in ``report.not_warmed``).
 
     Example:
         >>> hf_tpu.warmup(model, max_prompt_len=64, batch_sizes=[1], max_new_tokens=16)   # doctest: +SKIP
@@ -149,7 +160,9 @@ def warmup(
     if own:
         raise generation.NotCompilableError(f"{own}; warm-up has no graph its generate would use")
     state = generation.model_state(model)
-    _no_graph_if_upstream(route.explain(model))  # the route of a call with the model's own generation_config
+    found = route.explain(model)  # the route of a call with the model's own generation_config
+    if found.loop == UPSTREAM:  # no graph of it to compile: said once, as generate says it
+        return WarmupReport(batch_sizes=tuple(batch_sizes), not_warmed=[_upstream_note(found.reason)])
     ladder = state.ladder(model.config)
     batch_sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
     if not batch_sizes or min(batch_sizes) < 1:
@@ -161,7 +174,8 @@ def warmup(
     prompt_buckets = ladder.up_to(max_prompt_len)
     seq2seq = bool(model.config.is_encoder_decoder)
 
-    beam_counts = _beam_counts(model, num_beams)
+    notes: list[str] = []
+    beam_counts = _beam_counts(model, num_beams, notes)
     variant = generation.default_variant(model)
     plans = []
     for batch in batch_sizes:
@@ -179,7 +193,7 @@ def warmup(
     hits_before = _cache_hits()
     tpu_before = _torch_tpu.cache_stats()
     start = time.perf_counter()
-    report = WarmupReport(prompt_buckets=prompt_buckets, batch_sizes=batch_sizes)
+    report = WarmupReport(prompt_buckets=prompt_buckets, batch_sizes=batch_sizes, not_warmed=notes)
     bar = tqdm(plans, desc="hf_tpu warm-up", unit="shape", disable=not progress)
     # A second warm-up (other sampling settings, more batch sizes) compiles what the first did not: strict mode
     # refuses new graphs only outside warm-up. A warm-up that fails leaves the model as it found it.
@@ -189,6 +203,10 @@ def warmup(
             shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
             bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
             keys = _warm_one(model, plan, variant)
+            if keys is None:  # a trace demoted the model to upstream's loop: no graph of it to compile
+                notes.append(_upstream_note(route.model_route(model).reason))
+                image_plans = []
+                break
             for beams in beam_counts if not seq2seq else ():
                 keys = keys + _beam.warm(model, plan, beams)
             for key in keys:
@@ -196,7 +214,14 @@ def warmup(
                     report.graphs.append(key)
         for batch, size, count in image_plans:
             bar.set_postfix_str(f"batch {batch}, {count} image(s) of {size[0]}x{size[1]}")
-            for key in _mm_warmup.warm_images(model, batch, size, count, prompt_buckets, max_new_tokens, variant):
+            loop = route.model_route(model).loop
+            keys = _warm_images(model, state, notes, batch, size, count, prompt_buckets, max_new_tokens, variant)
+            if keys is None:  # image calls run upstream's loop (said in notes): no image graph to compile
+                if route.model_route(model).loop not in (loop, UPSTREAM):  # (the image prefill demoted the model)
+                    for plan in plans:  # its text calls' graphs are the new route's
+                        report.graphs += [k for k in _warm_one(model, plan, variant) or () if k not in report.graphs]
+                break
+            for key in keys:
                 if key not in report.graphs:
                     report.graphs.append(key)
     except BaseException:
@@ -277,45 +302,77 @@ def _warm_calls(model, state, batch_sizes, progress: bool, warm) -> WarmupReport
     return report
 
 
-def _warm_one(model, plan, variant: str) -> list[tuple]:
+def _warm_one(model, plan, variant: str) -> list[tuple] | None:
     """Warm ``plan`` with the loop of the route a call with the model's own ``generation_config`` takes; where a
     graph does not trace, the model moves to its next route (:func:`hf_tpu.transformers.route.demote`), as
-    ``generate`` would, and that loop's graphs are warmed. Returns the keys."""
+    ``generate`` would, and that loop's graphs are warmed. Returns the keys, None where the model's route became
+    upstream's loop (no graph to compile)."""
     from hf_tpu.transformers import generation
 
     for _ in range(len(LOOPS)):
         loop = route.explain(model).loop
+        if loop == UPSTREAM:
+            return None
         warm = _cacheless.warm if loop == CACHELESS else generation.warm_plan
         try:
             return warm(model, plan, variant)
         except generation.NotCompilableError as exc:
+            if getattr(exc, "loop", None) is None:  # (not a trace's verdict on the model's loop)
+                raise
             route.demote(model, exc)
-            _no_graph_if_upstream(route.explain(model), exc)
-    raise AssertionError("unreachable: every demotion moves down a finite order")  # pragma: no cover
+    return None  # pragma: no cover - (every demotion moves down a finite order, upstream's loop at its end)
 
 
-def _beam_counts(model, num_beams) -> tuple[int, ...]:
+def _warm_images(model, state, notes: list[str], batch, size, count, prompt_buckets, max_new_tokens, variant):
+    """:func:`hf_tpu.transformers._mm_warmup.warm_images`, or None (the reason added to ``notes``, said once) where
+    image calls run upstream's loop: the image encoder is not one graph, or a trace of the image prefill demoted the
+    model (:func:`warmup` then warms the text plans again for its new route)."""
+    from hf_tpu.transformers._settings import NotCompilableError
+
+    if state.images_problem is None:
+        try:
+            return _mm_warmup.warm_images(model, batch, size, count, prompt_buckets, max_new_tokens, variant)
+        except NotCompilableError as exc:
+            if getattr(exc, "loop", None) is not None:  # the image prefill's trace: the model's route moves down
+                route.demote(model, exc)
+                notes.append(_upstream_note(f"{exc.reason} (the image prefill); its route is now "
+                                            f"{route.model_route(model).loop!r}", images=True))  # fmt: skip
+                return None
+            if state.images_problem is None:  # (the images asked for cannot be warmed: the reason says why)
+                raise
+    notes.append(_upstream_note(state.images_problem, images=True))
+    return None
+
+
+def _beam_counts(model, num_beams, notes: list[str]) -> tuple[int, ...]:
     """The beam counts to warm (``num_beams``: None, an int or several), each checked against the route a beam call
-    with the model's own ``generation_config`` takes (a beam call hf_tpu's beam loop cannot serve has no graph)."""
+    with the model's own ``generation_config`` takes (a beam call hf_tpu's beam loop cannot serve has no graph:
+    left out, its reason added to ``notes``)."""
     if num_beams is None:
         return ()
     counts = (num_beams,) if isinstance(num_beams, int) else tuple(num_beams)
     counts = tuple(dict.fromkeys(int(n) for n in counts))
     if not counts or min(counts) < 2:
         raise ValueError(f"num_beams must hold integers of at least 2 (beam search), got {num_beams!r}")
+    served = []
     for count in counts:
-        _no_graph_if_upstream(route.explain(model, num_beams=count))
-    return counts
+        found = route.explain(model, num_beams=count)
+        if found.loop == UPSTREAM:
+            notes.append(_upstream_note(f"num_beams={count}: {found.reason}"))
+        else:
+            served.append(count)
+    return tuple(served)
 
 
-def _no_graph_if_upstream(found, cause: BaseException | None = None) -> None:
-    """Raise where ``found`` (a route) is upstream's loop: warm-up has no graph to compile for it."""
-    from hf_tpu.transformers._settings import NotCompilableError
+def _upstream_note(reason: str, images: bool = False) -> str:
+    """What warm-up leaves out where ``generate`` runs upstream's loop for ``reason``; warned once (with the key
+    ``generate``'s own warning of that reason takes, so the pair says it once)."""
+    from hf_tpu.transformers._notes import warn_once
 
-    if found.loop == UPSTREAM:
-        raise NotCompilableError(
-            f"{found.reason}; generate runs upstream's loop for it, so warm-up has no graph to compile"
-        ) from cause
+    calls = "calls with images" if images else "calls"
+    note = f"{reason}; generate runs upstream's loop for such {calls}, so warm-up has no graph to compile for them"
+    warn_once(reason, f"hf_tpu: {note}")
+    return note
 
 
 def _cache_hits() -> int:

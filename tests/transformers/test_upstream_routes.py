@@ -3,11 +3,13 @@ warning naming why, token-identical to upstream's ``generate`` on the CPU (never
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import hf_tpu
-from hf_tpu.transformers import generation
+from hf_tpu.transformers import explain, generation
 
 
 def _generate_like_cpu(cpu, tpu, prompts, match: str) -> None:
@@ -63,8 +65,40 @@ def test_a_model_with_no_graph_in_any_form_runs_upstream_with_every_reason(promp
         assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
     assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
     assert not generation.compiled_graphs(tpu)
-    with pytest.raises(generation.NotCompilableError, match="warm-up has no graph to compile"):
-        hf_tpu.warmup(tpu, max_prompt_len=8, batch_sizes=[1], max_new_tokens=4, progress=False)
+    # warm-up after that call: no graph to compile, said in the report (warned once already, by generate)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = hf_tpu.warmup(tpu, max_prompt_len=8, batch_sizes=[1], max_new_tokens=4, progress=False)
+    assert report.graphs == [] and len(report.not_warmed) == 1
+    assert "warm-up has no graph to compile" in report.not_warmed[0] and "and without a cache" in report.not_warmed[0]
+
+
+def test_warmup_first_of_a_model_whose_forward_does_not_trace_demotes_it_and_returns(prompts, from_config):
+    # the same CPM-Ant (its forward branches on its cache length), warmed before any call: warm-up demotes it down
+    # the routes as generate would (host length, then without a cache, then upstream's loop), warns once with the
+    # reason and returns; explain then says so, and generate runs upstream's loop without warning again
+    from transformers import CpmAntConfig, CpmAntForCausalLM
+
+    config = CpmAntConfig(
+        vocab_size=96, hidden_size=32, num_attention_heads=2, dim_head=16, dim_ff=64, num_hidden_layers=1,
+        prompt_length=4, prompt_types=3, segment_types=4, position_bias_num_buckets=16, position_bias_max_distance=64,
+    )  # fmt: skip
+    cpu, tpu = from_config(CpmAntForCausalLM, config)
+    generation.WARNED.clear()
+    assert explain(tpu).loop == "cached"  # (what can be checked before a trace finds nothing)
+    with pytest.warns(UserWarning, match=r"at modeling_cpmant\.py.*no graph to compile") as w:
+        report = hf_tpu.warmup(tpu, max_prompt_len=8, batch_sizes=[1], max_new_tokens=4, progress=False)
+    assert len([x for x in w if "hf_tpu:" in str(x.message)]) == 1
+    route = explain(tpu)
+    assert route.loop == "upstream" and "cannot be compiled as one static-shape graph" in route.reason
+    assert "and without a cache: CpmAntForCausalLM's outputs on a sequence change" in route.reason
+    assert len(report.not_warmed) == 1 and route.reason in report.not_warmed[0]
+    kw = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0, "max_new_tokens": 4}
+    for ids in (prompts([5])[0], prompts([3, 6], seed=1)[0]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (said once, by warm-up)
+            got = tpu.generate(ids, **kw)
+        assert torch.equal(got, cpu.generate(ids, **kw))
 
 
 def test_a_class_with_its_own_generate_is_named_and_warmup_refuses_it(prompts, from_config):

@@ -2,9 +2,10 @@
 and pixel shape, its features merged into the left-padded prompt by the model's own forward in the prefill graph,
 then the text loop's decode steps; pixel inputs left on the host. Qwen2-VL and Qwen2.5-VL: the tower on patch rows
 keyed by the grids, the prompt's three rows of multimodal rotary positions (upstream's, computed on the host) packed
-with the ids; EXAONE 4.5: Qwen2.5-VL's tower keyed by the grids before a text of one row of positions. Tiny LLaVA-,
-Gemma 3-, Qwen2-VL-, Qwen2.5-VL- and EXAONE 4.5-shaped models built from their configs, compared with the same
-model's greedy generate on the CPU."""
+with the ids; EXAONE 4.5: Qwen2.5-VL's tower keyed by the grids before a text of one row of positions. LFM3-VL and
+HyperCLOVA X Vision V2: patch rows and a grid per image too, the grid's values constants of the vision graph,
+positions in one row. Tiny LLaVA-, Gemma 3-, Qwen2-VL-, Qwen2.5-VL-, EXAONE 4.5-, LFM3-VL- and HyperCLOVA X Vision
+V2-shaped models built from their configs, compared with the same model's greedy generate on the CPU."""
 
 from __future__ import annotations
 
@@ -89,11 +90,43 @@ def _exaone4_5():
     return T.Exaone4_5_ForConditionalGeneration, config, 4
 
 
+def _lfm3_vl():
+    import transformers as T
+
+    text = dict(_TEXT, head_dim=8, layer_types=["conv", "full_attention"], conv_L_cache=3)
+    vision = dict(  # a convolution block, then an attention block over each image's patches (4 x 4 per 16 pixels)
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["conv", "full_attention"], patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+    )  # fmt: skip
+    config = T.Lfm3VlConfig(
+        text_config=text, vision_config=vision, projector_hidden_size=32, image_token_id=IMAGE, video_token_id=91,
+        vision_start_token_id=92, vision_end_token_id=93,
+    )  # fmt: skip
+    return T.Lfm3VlForConditionalGeneration, config, 4
+
+
+def _hyperclovax_vision_v2():
+    import transformers as T
+
+    vision = dict(  # Qwen2.5-VL's tower (window attention in the first block), positions in one row
+        _QWEN_VISION, model_type="qwen2_5_vl_vision", intermediate_size=64, out_hidden_size=32, window_size=16,
+        fullatt_block_indexes=[1],
+    )  # fmt: skip
+    config = T.HyperCLOVAXVisionV2Config(
+        text_config=dict(_TEXT, model_type="hyperclovax", head_dim=8), vision_config=vision, image_token_id=IMAGE,
+        video_token_id=91,
+    )  # fmt: skip
+    return T.HyperCLOVAXVisionV2ForConditionalGeneration, config, 4
+
+
 _BUILDERS = {
     "llava": _llava, "gemma3": _gemma3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "exaone4_5": _exaone4_5,
+    "lfm3_vl": _lfm3_vl, "hyperclovax_vision_v2": _hyperclovax_vision_v2,
 }  # fmt: skip
 _GRID = ("qwen2_vl", "qwen2_5_vl")  # images as patch rows with a grid each, positions numbered from the grids
 _GRID_IMAGES = (*_GRID, "exaone4_5")  # images as patch rows with a grid each (EXAONE 4.5: one row of positions)
+# images as patch rows with a grid each, positions in one row: the vision graph takes the grid as constants
+_TAKES_GRID = ("lfm3_vl", "hyperclovax_vision_v2")
 _PAIRS: dict[str, tuple] = {}
 
 
@@ -117,7 +150,7 @@ def _prompt(family: str, per_image: int, images: int, text: int, seed: int, size
     """A processor's output, on the host: text, the image tokens of each image, more text; the pixel values (Qwen-VL's:
     each image's 4 x 4-pixel patches of 2 frames as rows, its grid, and the tokens' modality types)."""
     g = torch.Generator().manual_seed(seed)
-    if family in _GRID_IMAGES:
+    if family in _GRID_IMAGES + _TAKES_GRID:
         grid = [1, size[0] // 4, size[1] // 4]
         per_image = grid[1] * grid[2] // 4
     image = torch.full((1, per_image), IMAGE)
@@ -126,7 +159,7 @@ def _prompt(family: str, per_image: int, images: int, text: int, seed: int, size
     parts = [torch.randint(3, 60, (1, text), generator=g), *[image] * images]
     ids = torch.cat([*parts, torch.randint(3, 60, (1, 3), generator=g)], dim=1)
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if family in _GRID_IMAGES:
+    if family in _GRID_IMAGES + _TAKES_GRID:
         kwargs["pixel_values"] = torch.randn(images * grid[1] * grid[2], 3 * 2 * 4 * 4, generator=g)
         kwargs["image_grid_thw"] = torch.tensor([grid] * images)
         if family in _GRID:
@@ -240,7 +273,7 @@ def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
     graph warm-up missed would raise) one and two images in prompts of other lengths compile nothing."""
     family, cpu, tpu, per_image = vlm
     # (Qwen-VL: a second image size, 16 x 32 pixels, 8 image tokens; the others' processors resize every image)
-    sizes = [(16, 16), (16, 32)] if family in _GRID_IMAGES else [(16, 16)]
+    sizes = [(16, 16), (16, 32)] if family in _GRID_IMAGES + _TAKES_GRID else [(16, 16)]
     report = hf_tpu.warmup(
         tpu, max_prompt_len=64, batch_sizes=[1], max_new_tokens=8, image_sizes=sizes, num_images=[1, 2],
         strict=True, progress=False,
@@ -251,7 +284,7 @@ def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
     assert {key[2] for key in prefills} == ({32, 64} if family == "llava" else {16, 32, 64})  # (LLaVA: 17 per image)
     try:
         calls = [(1, 5, 10, (16, 16)), (2, 4, 11, (16, 16)), (1, 20, 12, (16, 16)), (2, 9, 13, (16, 16))]
-        calls += [(1, 6, 14, (16, 32)), (2, 7, 15, (16, 32))] if family in _GRID_IMAGES else []
+        calls += [(1, 6, 14, (16, 32)), (2, 7, 15, (16, 32))] if family in _GRID_IMAGES + _TAKES_GRID else []
         for images, text, seed, size in calls:
             kwargs = _prompt(family, per_image, images=images, text=text, seed=seed, size=size)
             with hf_tpu.sim.stats() as s:
@@ -268,9 +301,50 @@ def test_warmup_of_images_says_what_it_cannot_warm(vlm):
         hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[(16, 16)], num_images=[8], progress=False)
     with pytest.raises(ValueError, match=r"\(height, width\) pairs"):
         hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[16], progress=False)
-    if family in _GRID_IMAGES:  # its processor resizes images to whole merged patches (8 pixels here)
+    if family in _GRID_IMAGES + _TAKES_GRID:  # its processor resizes images to whole merged patches (8 pixels here)
         with pytest.raises(ValueError, match="multiples of patch_size x spatial_merge_size"):
             hf_tpu.warmup(tpu, max_prompt_len=32, max_new_tokens=4, image_sizes=[(12, 16)], progress=False)
+
+
+def test_an_image_encoder_that_is_not_one_graph_sends_image_calls_upstream_and_warmup_says_so():
+    """A tiny LLaVA whose image encoder branches on its pixels' values (a data-dependent branch: no static graph):
+    warm-up warms the text graphs, warns the reason once and returns; calls with images run upstream's loop, equal
+    to the CPU's, with explain naming the reason; calls without keep hf_tpu's cached loop."""
+    import warnings
+
+    cls, config, per_image = _llava()
+    torch.manual_seed(0)
+    cpu, tpu = cls(config).eval(), cls(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    tpu.to("tpu")
+    encoder = tpu.model.get_image_features
+
+    def branching(pixel_values, **kwargs):
+        if pixel_values.abs().sum() > 1e9:  # (never true here: the result is the encoder's)
+            pixel_values = pixel_values * 0
+        return encoder(pixel_values, **kwargs)
+
+    tpu.model.get_image_features = branching
+    generation.WARNED.clear()
+    with pytest.warns(UserWarning, match=r"image encoder \(get_image_features\) cannot be compiled") as w:
+        report = hf_tpu.warmup(
+            tpu, max_prompt_len=32, batch_sizes=[1], max_new_tokens=6, image_sizes=[(16, 16)], progress=False
+        )
+    assert len([x for x in w if "hf_tpu:" in str(x.message)]) == 1
+    assert len(report.not_warmed) == 1 and "calls with images" in report.not_warmed[0]
+    assert _kinds(report.graphs) == {"prefill", "decode"}
+    kwargs = _prompt("llava", per_image, images=1, text=5, seed=0)
+    route = explain(tpu, **kwargs, max_new_tokens=6)
+    assert route.loop == "upstream" and "Data-dependent branching" in route.reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (said once, by warm-up)
+        got = _generate(tpu, kwargs, 6)
+    assert torch.equal(got.cpu(), _generate(cpu, kwargs, 6))
+    text = {"input_ids": kwargs["input_ids"][:, :5], "attention_mask": kwargs["attention_mask"][:, :5]}
+    assert explain(tpu, **text, max_new_tokens=6).loop == "cached"
+    with hf_tpu.sim.stats() as s:  # (the warmed variant: the model's own generation_config, no min_new_tokens)
+        got = tpu.generate(**text, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, cpu.generate(**text, max_new_tokens=6, do_sample=False)) and s.compiles == 0
 
 
 def _llava_processor():
