@@ -189,8 +189,8 @@ def _seq2seq_decode(model, ids, encoder_hidden, encoder_mask, cache, sampling=No
     return _last_logits(out.logits, sampling)
 
 
-# The loop without a cache (hf_tpu.transformers._cacheless): the ids live in a device buffer as long as the bucket,
-# the prompt first; each graph runs the model over all of it and reads the logits at one slot.
+# The loop without a cache (hf_tpu.transformers._loops.cacheless): the ids live in a device buffer as long as the
+# bucket, the prompt first; each graph runs the model over all of it and reads the logits at one slot.
 def _cacheless_forward(model, ids, slot, mask, positions, extra, sampling):
     kwargs = dict(extra)
     if positions is not None:
@@ -228,7 +228,7 @@ GRAPHS: dict[str, Callable] = {
     "seq2seq_decode": _seq2seq_decode,
     "cacheless_prefill": _cacheless_prefill,
     "cacheless_decode": _cacheless_decode,
-    # beam search (hf_tpu.transformers._beam): the forward, then upstream's beam step, in one graph
+    # beam search (hf_tpu.transformers._loops.beam): the forward, then upstream's beam step, in one graph
     "beam_prefill": _beam_graphs.beam_prefill_body,
     "beam_decode": _beam_graphs.beam_decode_body,
     "beam_cacheless_prefill": _beam_graphs.beam_cacheless_prefill_body,

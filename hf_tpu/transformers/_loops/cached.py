@@ -78,7 +78,7 @@ def _plan(model, logits_processor, input_ids, do_sample: bool, host_only: str | 
 
 
 class LoopCall:
-    """What both loops (:func:`decode_loop`, and the one without a cache in :mod:`hf_tpu.transformers._cacheless`)
+    """What both loops (:func:`decode_loop`, and the one without a cache in :mod:`hf_tpu.transformers._loops.cacheless`)
     do around their graphs in one ``generate`` call: the sampling plan (on the device, or the host path), and each
     step's host side (the next tokens, the scores and logits kept, finished rows padded, the streamer fed, the
     stopping criteria asked)."""

@@ -226,8 +226,8 @@ def cacheless_loop(
     """``custom_generate`` callable of a call without a cache (see the module docstring)."""
     import torch
 
-    from hf_tpu.transformers._decode_loop import LoopCall
     from hf_tpu.transformers._graphs import run_graph
+    from hf_tpu.transformers._loops.cached import LoopCall
 
     call = LoopCall(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan)
     state, device, variant, batch, prompt_len = call.state, model.device, call.variant, call.batch, call.prompt_len
@@ -264,8 +264,8 @@ def warm(model, plan, variant: str = "") -> list[tuple]:
     """Compile (or find compiled) the two graphs a call with ``plan`` runs, on dummy inputs; returns their keys."""
     import torch
 
-    from hf_tpu.transformers._decode_loop import warm_sampling
     from hf_tpu.transformers._graphs import run_graph
+    from hf_tpu.transformers._loops.cached import warm_sampling
     from hf_tpu.transformers._settings import model_state
 
     state = model_state(model)
