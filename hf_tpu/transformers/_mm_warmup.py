@@ -22,7 +22,8 @@ from hf_tpu.transformers import _images
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
 from hf_tpu.transformers._graphs import run_graph
-from hf_tpu.transformers._loops.cached import extra_inputs, warm_sampling
+from hf_tpu.transformers._loops.cached import extra_inputs
+from hf_tpu.transformers._loops.skeleton import warm_sampling
 from hf_tpu.transformers._settings import NotCompilableError, model_state
 from hf_tpu.transformers.shapes import plan_shapes
 

@@ -38,7 +38,8 @@ Where a change belongs (this module is the public entry point and re-exports the
 * :mod:`hf_tpu.transformers._graphs`: the compiled graphs and :func:`run_graph` (strict mode, the persistent compile
   cache of :mod:`hf_tpu.compile_cache`);
 * :mod:`hf_tpu.transformers._loops`: the loops, one module each (its docstring says which serves which route and
-  where a new one goes): :mod:`~hf_tpu.transformers._loops.cached` the decoding loop and the warm-up of one shape
+  where a new one goes): :mod:`~hf_tpu.transformers._loops.skeleton` what every loop does around its graphs,
+  :mod:`~hf_tpu.transformers._loops.cached` the decoding loop and the warm-up of one shape
   plan, :mod:`~hf_tpu.transformers._loops.cacheless` the loop without a cache (``use_cache=False``, a model that
   keeps none or whose cache the loop above cannot run: the whole sequence recomputed each step in one graph per
   bucket), :mod:`~hf_tpu.transformers._loops.beam` beam search;
@@ -67,9 +68,10 @@ from collections.abc import Callable, Iterator
 from hf_tpu import _torch_tpu
 from hf_tpu.transformers import _images
 from hf_tpu.transformers._compile_config import check_compile_config
-from hf_tpu.transformers._graphs import run_graph
+from hf_tpu.transformers._graphs import PENALTY, run_graph
 from hf_tpu.transformers._loops import beam, cacheless
-from hf_tpu.transformers._loops.cached import PENALTY, decode_loop, default_variant, warm_plan
+from hf_tpu.transformers._loops.cached import decode_loop, warm_plan
+from hf_tpu.transformers._loops.skeleton import default_variant
 from hf_tpu.transformers._notes import WARNED, warn_once
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import (
@@ -357,14 +359,14 @@ def timed_host_steps() -> Iterator[list[float]]:
         >>> host[0]                                                    # doctest: +SKIP
         0.0021
     """
-    from hf_tpu.transformers._loops import cached
+    from hf_tpu.transformers._loops import skeleton
 
     total = [0.0]
-    cached.HOST_TIMERS.append(total)
+    skeleton.HOST_TIMERS.append(total)
     try:
         yield total
     finally:
-        cached.HOST_TIMERS.remove(total)
+        skeleton.HOST_TIMERS.remove(total)
 
 
 def eager_decode_step(model, cache_len: int) -> Callable[[], object]:

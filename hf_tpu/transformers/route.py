@@ -79,7 +79,7 @@ def explain(model, **generate_kwargs) -> Route:
     args = {k: generate_kwargs.pop(k) for k in _GENERATE_ARGUMENTS if k in generate_kwargs}
     found = call_route(model, args, dict(generate_kwargs))
     if found.fast and not model.config.is_encoder_decoder and not beam.asks_beams(model, args, generate_kwargs):
-        from hf_tpu.transformers._loops.cached import host_sampling
+        from hf_tpu.transformers._loops.skeleton import host_sampling
 
         found = replace(found, host_sampling=host_sampling(model, **generate_kwargs))
     return found

@@ -4,10 +4,12 @@ Each loop is a ``custom_generate`` callable: upstream's ``generate`` prepares th
 processors, stopping criteria, streamer) and hands it to :func:`hf_tpu.transformers.generation.run_loop`, which runs
 the loop of the call's route (decided once, in :mod:`hf_tpu.transformers.route`):
 
+* :mod:`.skeleton`: what the cached loop and the loop without a cache share, written once
+  (:class:`~.skeleton.LoopCall`: the sampling plan, each step's host side, the stopping criteria and the streamer,
+  the output); each of the two supplies only its layout and its graphs;
 * :mod:`.cached`: the route ``"cached"`` (the bucketed static cache: a prefill graph, then one decode graph per new
   token) and ``"host_length"`` (the same loop, its decode graph taking the cache length as a host number); also
-  the warm-up of one shape plan, and :class:`~.cached.LoopCall`, what every loop does around its graphs in one call
-  (the sampling plan, each step's host side, the stopping criteria and the streamer, the output);
+  the warm-up of one shape plan;
 * :mod:`.cacheless`: the route ``"cacheless"`` (no cache: each step runs the model over the whole sequence, padded
   to the bucket, in one graph), and the checks a model passes to take it;
 * :mod:`.beam`: a beam call (``num_beams > 1``) on either route above (its graphs run upstream's own beam step on

@@ -25,7 +25,8 @@ from hf_tpu.transformers._cache.pool import cache_for
 from hf_tpu.transformers._graphs import ALIGNED
 from hf_tpu.transformers._graphs import run_graph as _run_graph
 from hf_tpu.transformers._images import mrope_rows
-from hf_tpu.transformers._loops.cached import extra_inputs, output_vocab
+from hf_tpu.transformers._loops.cached import extra_inputs
+from hf_tpu.transformers._loops.skeleton import output_vocab
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import CACHED, CACHELESS, NotCompilableError, model_state
 from hf_tpu.transformers._signatures import output_cache_field

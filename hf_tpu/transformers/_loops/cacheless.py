@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 
 from hf_tpu.transformers._images import mrope_rows
+from hf_tpu.transformers._loops.skeleton import LoopCall, warm_sampling
 from hf_tpu.transformers._pad_id import fill_id
 
 __all__: list[str] = []
@@ -227,7 +228,6 @@ def cacheless_loop(
     import torch
 
     from hf_tpu.transformers._graphs import run_graph
-    from hf_tpu.transformers._loops.cached import LoopCall
 
     call = LoopCall(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan)
     state, device, variant, batch, prompt_len = call.state, model.device, call.variant, call.batch, call.prompt_len
@@ -265,7 +265,6 @@ def warm(model, plan, variant: str = "") -> list[tuple]:
     import torch
 
     from hf_tpu.transformers._graphs import run_graph
-    from hf_tpu.transformers._loops.cached import warm_sampling
     from hf_tpu.transformers._settings import model_state
 
     state = model_state(model)
