@@ -18,7 +18,7 @@ from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
 from hf_tpu.transformers._graphs import ALIGNED, MROPE, run_graph
 from hf_tpu.transformers._images import features_shape, mrope_rows
-from hf_tpu.transformers._loops.skeleton import LoopCall, warm_sampling
+from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
 from hf_tpu.transformers._settings import model_state
 from hf_tpu.transformers._signatures import cache_name
 from hf_tpu.transformers._upstream import numbers_by_cache_length, prompt_first_inputs
@@ -27,22 +27,12 @@ from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
 __all__: list[str] = []
 
 
-def decode_loop(
-    model,
-    input_ids,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    synced_gpus: bool = False,
-    streamer=None,
-    hf_tpu_plan: dict | None = None,
-    **model_kwargs,
-):
-    """``custom_generate`` callable: greedy/sampling decode with bucketed static shapes and compiled graphs."""
+def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
+    """The cached loop's part of a call (:func:`decode_loop`): the prompt padded to its bucket, the static cache, the
+    prefill graph, then one decode graph per new token; the cache the call returns."""
     import torch
     import torch.nn.functional as F
 
-    call = LoopCall(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan)
     state, device, variant = call.state, model.device, call.variant
     batch, prompt_len, input_ids = call.batch, call.prompt_len, call.input_ids
     is_seq2seq = bool(model.config.is_encoder_decoder)
@@ -72,9 +62,10 @@ def decode_loop(
             ids = next_tokens[:, None].to(device)
             return run_graph(model, state, decode_key, ids, encoder_hidden, enc_mask_dev, cache, sampling)
 
-        call.run(*first, plan.cache_bucket - prompt_len, step)
-        returned = returned_cache(model, cache, 0, length) if generation_config.return_dict_in_generate else None
-        return call.output(seq2seq=True, cache=returned)
+        def returned():
+            return returned_cache(model, cache, 0, length)
+
+        return Steps(first, plan.cache_bucket - prompt_len, step, returned, seq2seq=True)
 
     embeds = model_kwargs.get("inputs_embeds")  # the prompt as embeddings: input_ids holds the ids given, if any
     types = model_kwargs.get("token_type_ids")
@@ -124,8 +115,8 @@ def decode_loop(
         )
     start = pad  # the prompt's first cache slot
     static_len = None
-    if generation_config.cache_implementation == "static":  # upstream generates with a StaticCache this long
-        static_len = generation_config.max_length - 1 + (prompt_len if prompt_len != ids_len else 0)
+    if call.config.cache_implementation == "static":  # upstream generates with a StaticCache this long
+        static_len = call.config.max_length - 1 + (prompt_len if prompt_len != ids_len else 0)
     if call.outputs is not None:
         call.outputs.key_width = static_len
     cache = cache_for(model, state, batch, plan.cache_bucket, None)
@@ -184,11 +175,14 @@ def decode_loop(
         result = run_graph(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
         return call.take(result, slice(0, 1), slice(start, length))
 
-    call.run(*first, plan.cache_bucket - plan.prompt_bucket, step)
-    returned = None
-    if generation_config.return_dict_in_generate:
-        returned = returned_cache(model, cache, start, length, static_len)
-    return call.output(cache=returned)
+    def returned():
+        return returned_cache(model, cache, start, length, static_len)
+
+    return Steps(first, plan.cache_bucket - plan.prompt_bucket, step, returned)
+
+
+# ``custom_generate`` callable: greedy/sampling decode with bucketed static shapes and compiled graphs.
+decode_loop = loop(cached_steps)
 
 
 def extra_inputs(model) -> dict:

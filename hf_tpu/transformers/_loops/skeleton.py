@@ -1,16 +1,17 @@
-"""What every hf_tpu loop does around its graphs in one ``generate`` call, written once: :class:`LoopCall`.
+"""What every hf_tpu loop does around its graphs in one ``generate`` call, written once: :func:`loop`.
 
-The cached loop (:mod:`.cached`) and the loop without a cache (:mod:`.cacheless`) share their shape; each supplies
-only what differs, its inputs' layout and its two graphs:
+The cached loop (:mod:`.cached`) and the loop without a cache (:mod:`.cacheless`) share their shape; each is
+``loop(its_steps)`` and supplies in ``its_steps(call, model, model_kwargs)`` only what differs, its inputs' layout
+and its two graphs. A call then runs:
 
 1. ``call = LoopCall(...)``: the call's sampling plan (the logits processors and the sampler in the graph, or the host
    path, warned once with its cost per step) and the graph variant it leads to, the outputs asked
    (``output_attentions`` / ``output_hidden_states``), the sequences kept on the host;
-2. the loop's layout and its prefill graph (through :func:`hf_tpu.transformers._graphs.run_graph`), whose outputs
-   :meth:`LoopCall.take` keeps;
+2. the loop's steps: its layout and its prefill graph (through :func:`hf_tpu.transformers._graphs.run_graph`), whose
+   outputs :meth:`LoopCall.take` keeps, returned as :class:`Steps` with its decode step;
 3. :meth:`LoopCall.run`: each step's host side (the next tokens back, scores and logits kept, finished rows padded,
    the streamer fed, the stopping criteria asked), then the loop's ``step(next_tokens)``, its decode graph;
-4. :meth:`LoopCall.output`: what upstream's ``generate`` returns (the cache the loop hands back, if any).
+4. :meth:`LoopCall.output`: what upstream's ``generate`` returns (with the cache the loop hands back, if any).
 
 Also here: the sampling plan a call with the model's own ``generation_config`` leads to (:func:`default_variant`,
 :func:`host_sampling`, :func:`warm_sampling`), which warm-up and :func:`hf_tpu.transformers.explain` ask without a
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from hf_tpu.transformers import _step_outputs as step_outputs
@@ -172,6 +174,47 @@ class LoopCall:
         if self.outputs is not None:
             fields.update(attentions=self.outputs.attentions, hidden_states=self.outputs.hidden_states)
         return cls(sequences=self.input_ids, scores=self.scores, logits=self.raw_logits, **fields)
+
+
+@dataclass
+class Steps:
+    """What a loop hands the skeleton after its prefill graph ran (see :func:`loop`)."""
+
+    first: tuple  # the prefill graph's (next tokens, logits), as :meth:`LoopCall.take` kept them
+    left: int  # the decode steps the call's shape has room for after the prefill
+    step: Callable  # next tokens -> the decode graph's (next tokens, logits), as LoopCall.take kept them
+    returned: Callable[[], Any] | None = None  # the cache the call returns (asked with return_dict_in_generate only)
+    seq2seq: bool = False  # the output class: upstream's encoder-decoder one
+
+
+def loop(steps: Callable[[LoopCall, Any, dict], Steps]) -> Callable:
+    """A loop's ``custom_generate`` callable, from its own part ``steps(call, model, model_kwargs)`` (its layout, its
+    prefill graph and its decode step): the :class:`LoopCall` of the call, the steps' host side until every row has
+    stopped, and upstream's output, written once for every loop built on it."""
+
+    def custom_generate(
+        model,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus: bool = False,
+        streamer=None,
+        hf_tpu_plan: dict | None = None,
+        **model_kwargs,
+    ):
+        call = LoopCall(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan
+        )
+        found = steps(call, model, model_kwargs)
+        call.run(*found.first, found.left, found.step)
+        returned = None
+        if found.returned is not None and generation_config.return_dict_in_generate:
+            returned = found.returned()
+        return call.output(seq2seq=found.seq2seq, cache=returned)
+
+    custom_generate.__doc__ = f"``custom_generate`` callable of hf_tpu's loop on :func:`{steps.__name__}`."
+    return custom_generate
 
 
 def _default_plan(model, input_ids, **generate_kwargs):
