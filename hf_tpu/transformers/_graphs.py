@@ -111,7 +111,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
     from hf_tpu.transformers._cache.layers import prefill_mask
 
     length = (slots >= 0).sum(dim=-1)[:1]  # the prompt's length (one per call: every row has it)
-    kwargs = {k: v for k, v in extra.items() if k != ALIGNED}
+    kwargs = _model_kwargs(extra)  # (a copy: ALIGNED is set)
     if "logits_to_keep" in kwargs:
         kwargs["logits_to_keep"] = length - 1
     out = model(
@@ -132,7 +132,7 @@ def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
 
     ids, positions = _split(packed, extra)
     _mark(sampling, ids)
-    kwargs = {k: v for k, v in extra.items() if k not in (ALIGNED, MROPE)}  # (a copy: positions go in)
+    kwargs = dict(_model_kwargs(extra))  # (a copy: positions go in)
     if not extra.get(ALIGNED):  # (a prompt-first model takes no positions: its cache length places the token)
         kwargs["position_ids"] = positions
     out = model(
