@@ -3,7 +3,7 @@
 Two graph kinds, registered in :mod:`hf_tpu.transformers._graphs`: ``beam_prefill`` (the prompt, expanded to
 ``batch * num_beams`` rows as upstream's ``_expand_inputs_for_generation`` does, then the first beam step) and
 ``beam_decode`` (one token per running beam, then a beam step). A beam step is upstream's own ``_beam_search``
-iteration, run in the graph on the device state of :mod:`hf_tpu.transformers._beam`: log-softmax, the logits
+iteration, run in the graph on the device state of :mod:`hf_tpu.transformers._loops.beam`: log-softmax, the logits
 processors' device forms (:mod:`hf_tpu.transformers.sampling`), upstream's ``_get_top_k_continuations``,
 ``_get_running_beams_for_next_iteration``, ``_update_finished_beams``, ``_check_early_stop_heuristic`` and
 ``_beam_search_has_unfinished_sequences`` (called, not copied), the stopping criteria's device forms (max length,
@@ -71,8 +71,8 @@ def beam_decode_body(model, mask, cache, extra, spec: Spec, beam: dict, sampling
 
 
 def beam_cacheless_prefill_body(model, ids, mask, positions, extra, spec: Spec, beam: dict, sampling=None):
-    """Without a cache (hf_tpu.transformers._cacheless's layout: the ids in a buffer as long as the bucket, the prompt
-    first): the model over the buffer, the logits at the prompt's last slot, then the first beam step; the buffer's
+    """Without a cache (hf_tpu.transformers._loops.cacheless's layout: the ids in a buffer as long as the bucket, the
+    prompt first): the model over the buffer, the logits at the prompt's last slot, then the first beam step; the buffer's
     rows follow the running beams."""
     out, logits = _cacheless_forward(model, ids, beam["slot"], mask, positions, extra)
     return with_outputs(_beam_step(model, logits, None, spec, beam, sampling, (ids,)), out, extra)

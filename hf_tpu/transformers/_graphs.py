@@ -111,7 +111,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
     from hf_tpu.transformers._cache.layers import prefill_mask
 
     length = (slots >= 0).sum(dim=-1)[:1]  # the prompt's length (one per call: every row has it)
-    kwargs = {k: v for k, v in extra.items() if k != ALIGNED}
+    kwargs = _model_kwargs(extra)  # (a copy: ALIGNED is set)
     if "logits_to_keep" in kwargs:
         kwargs["logits_to_keep"] = length - 1
     out = model(
@@ -132,7 +132,7 @@ def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
 
     ids, positions = _split(packed, extra)
     _mark(sampling, ids)
-    kwargs = {k: v for k, v in extra.items() if k not in (ALIGNED, MROPE)}  # (a copy: positions go in)
+    kwargs = dict(_model_kwargs(extra))  # (a copy: positions go in)
     if not extra.get(ALIGNED):  # (a prompt-first model takes no positions: its cache length places the token)
         kwargs["position_ids"] = positions
     out = model(
@@ -201,8 +201,8 @@ def _seq2seq_decode(model, ids, encoder_hidden, encoder_mask, cache, sampling=No
     return _last_logits(out.logits, sampling)
 
 
-# The loop without a cache (hf_tpu.transformers._cacheless): the ids live in a device buffer as long as the bucket,
-# the prompt first; each graph runs the model over all of it and reads the logits at one slot.
+# The loop without a cache (hf_tpu.transformers._loops.cacheless): the ids live in a device buffer as long as the
+# bucket, the prompt first; each graph runs the model over all of it and reads the logits at one slot.
 def _cacheless_forward(model, ids, slot, mask, positions, extra, sampling):
     kwargs = dict(extra)
     if positions is not None:
@@ -240,7 +240,7 @@ GRAPHS: dict[str, Callable] = {
     "seq2seq_decode": _seq2seq_decode,
     "cacheless_prefill": _cacheless_prefill,
     "cacheless_decode": _cacheless_decode,
-    # beam search (hf_tpu.transformers._beam): the forward, then upstream's beam step, in one graph
+    # beam search (hf_tpu.transformers._loops.beam): the forward, then upstream's beam step, in one graph
     "beam_prefill": _beam_graphs.beam_prefill_body,
     "beam_decode": _beam_graphs.beam_decode_body,
     "beam_cacheless_prefill": _beam_graphs.beam_cacheless_prefill_body,

@@ -6,7 +6,7 @@ on zero pixels of shape ``(batch * images, channels, height, width)``, the layou
 processors return; Qwen2-VL's and Qwen2.5-VL's patch rows and grids for images of that size), then, for every warmed
 prompt bucket that holds the images' tokens, the ``mm_prefill`` graph (the model's forward merging those features,
 keyed by their shape) and the decode graph of that cache, on dummy ids whose image tokens match the features, as
-:func:`hf_tpu.transformers._decode_loop.decode_loop` runs them (with three rows of positions for Qwen-VL's).
+:func:`hf_tpu.transformers._loops.cached.decode_loop` runs them (with three rows of positions for Qwen-VL's).
 
 Audio: the model's own ``generate`` once per batch size on silent features of its input window (Whisper's feature
 extractor pads every clip to that window, so every audio length shares it), with the keyword arguments the served
@@ -21,8 +21,9 @@ import math
 from hf_tpu.transformers import _images
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
-from hf_tpu.transformers._decode_loop import extra_inputs, warm_sampling
 from hf_tpu.transformers._graphs import run_graph
+from hf_tpu.transformers._loops.cached import extra_inputs
+from hf_tpu.transformers._loops.skeleton import warm_sampling
 from hf_tpu.transformers._settings import NotCompilableError, model_state
 from hf_tpu.transformers.shapes import plan_shapes
 

@@ -63,7 +63,7 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
         return "use_cache=False recomputes the whole sequence each step, a new shape (and compile) per step", True
     mode = config.get_generation_mode(args.get("assistant_model"))
     served = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
-    if mode not in served:  # (beam search: hf_tpu.transformers.route asks hf_tpu.transformers._beam what it serves)
+    if mode not in served:  # (beam search: hf_tpu.transformers.route asks hf_tpu.transformers._loops.beam)
         return (
             f"{mode.value} is not supported by the bucketed loop (only greedy search, sampling, beam search and beam "
             "sampling are)"

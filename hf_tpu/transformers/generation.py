@@ -22,9 +22,9 @@ classes) and plugs its own decoding loop in through upstream's ``custom_generate
   the last logits row back instead;
 * returns the output on the device the inputs came from.
 
-Generation without a cache runs a loop of its own (:mod:`hf_tpu.transformers._cacheless`). Anything neither loop
-covers (assisted decoding, beam search :mod:`hf_tpu.transformers._beam` cannot serve, attentions and hidden states of an encoder-decoder model, a user cache it
-cannot copy in (:mod:`hf_tpu.transformers._cache.handoff`: the
+Generation without a cache runs a loop of its own (:mod:`hf_tpu.transformers._loops.cacheless`). Anything neither loop
+covers (assisted decoding, beam search :mod:`hf_tpu.transformers._loops.beam` cannot serve, attentions and hidden
+states of an encoder-decoder model, a user cache it cannot copy in (:mod:`hf_tpu.transformers._cache.handoff`: the
 cache in and out), a model that fails the checks of the loop without a cache, ...) runs upstream's code unchanged,
 with a warning that names the cost on a TPU.
 
@@ -37,9 +37,12 @@ Where a change belongs (this module is the public entry point and re-exports the
   :mod:`~hf_tpu.transformers._cache.layers` with the shapes :mod:`~hf_tpu.transformers._cache.probe` measures;
 * :mod:`hf_tpu.transformers._graphs`: the compiled graphs and :func:`run_graph` (strict mode, the persistent compile
   cache of :mod:`hf_tpu.compile_cache`);
-* :mod:`hf_tpu.transformers._decode_loop`: the decoding loop and the warm-up of one shape plan;
-* :mod:`hf_tpu.transformers._cacheless`: the loop without a cache (``use_cache=False``, a model that keeps none or
-  whose cache the loop above cannot run: the whole sequence recomputed each step in one graph per bucket);
+* :mod:`hf_tpu.transformers._loops`: the loops, one module each (its docstring says which serves which route and
+  where a new one goes): :mod:`~hf_tpu.transformers._loops.skeleton` what every loop does around its graphs,
+  :mod:`~hf_tpu.transformers._loops.cached` the decoding loop and the warm-up of one shape
+  plan, :mod:`~hf_tpu.transformers._loops.cacheless` the loop without a cache (``use_cache=False``, a model that
+  keeps none or whose cache the loop above cannot run: the whole sequence recomputed each step in one graph per
+  bucket), :mod:`~hf_tpu.transformers._loops.beam` beam search;
 * :mod:`hf_tpu.transformers.sampling`: logits processors, warpers and sampling inside the graphs;
 * :mod:`hf_tpu.transformers._step_outputs`: ``output_attentions`` / ``output_hidden_states`` from the graphs, cut to
   upstream's shapes;
@@ -63,10 +66,12 @@ import inspect
 from collections.abc import Callable, Iterator
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _beam, _cacheless, _images
+from hf_tpu.transformers import _images
 from hf_tpu.transformers._compile_config import check_compile_config
-from hf_tpu.transformers._decode_loop import PENALTY, decode_loop, default_variant, warm_plan
-from hf_tpu.transformers._graphs import run_graph
+from hf_tpu.transformers._graphs import PENALTY, run_graph
+from hf_tpu.transformers._loops import beam, cacheless
+from hf_tpu.transformers._loops.cached import decode_loop, warm_plan
+from hf_tpu.transformers._loops.skeleton import default_variant
 from hf_tpu.transformers._notes import WARNED, warn_once
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import (
@@ -256,17 +261,17 @@ def _float_inputs_on_device(model, args: tuple, kwargs: dict) -> tuple[tuple, di
 
 def run_loop(model, *args, hf_tpu_plan: dict, **kwargs):
     """The ``custom_generate`` callable hf_tpu hands upstream's ``generate``: the loop of the call's route
-    (``hf_tpu_plan["route"]``): :func:`~hf_tpu.transformers._decode_loop.decode_loop` for the cached and
-    host-length routes, :func:`~hf_tpu.transformers._cacheless.cacheless_loop` for the loop without a cache (whose
+    (``hf_tpu_plan["route"]``): :func:`~hf_tpu.transformers._loops.cached.decode_loop` for the cached and
+    host-length routes, :func:`~hf_tpu.transformers._loops.cacheless.cacheless_loop` for the loop without a cache (whose
     reason, where the cached loop cannot serve the model, is said once its graphs ran)."""
     route = hf_tpu_plan["route"]
-    if kwargs.get("generation_config") is not None and _beam.is_beam_call(kwargs["generation_config"]):
-        return _beam.beam_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
+    if kwargs.get("generation_config") is not None and beam.is_beam_call(kwargs["generation_config"]):
+        return beam.beam_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
     if route.loop != CACHELESS:
         return decode_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
-    result = _cacheless.cacheless_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
+    result = cacheless.cacheless_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
     if route.warn:
-        warn_once(f"no cache:{route.reason}", f"hf_tpu: {route.reason}; {_cacheless.NO_CACHE_NOTE}.")
+        warn_once(f"no cache:{route.reason}", f"hf_tpu: {route.reason}; {cacheless.NO_CACHE_NOTE}.")
     return result
 
 
@@ -359,14 +364,14 @@ def timed_host_steps() -> Iterator[list[float]]:
         >>> host[0]                                                    # doctest: +SKIP
         0.0021
     """
-    from hf_tpu.transformers import _decode_loop
+    from hf_tpu.transformers._loops import skeleton
 
     total = [0.0]
-    _decode_loop.HOST_TIMERS.append(total)
+    skeleton.HOST_TIMERS.append(total)
     try:
         yield total
     finally:
-        _decode_loop.HOST_TIMERS.remove(total)
+        skeleton.HOST_TIMERS.remove(total)
 
 
 def eager_decode_step(model, cache_len: int) -> Callable[[], object]:

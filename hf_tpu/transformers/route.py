@@ -2,13 +2,13 @@
 
 Four loops can serve a call on a TPU, tried in this order:
 
-* ``"cached"``: hf_tpu's bucketed loop with a static cache (:mod:`hf_tpu.transformers._decode_loop`);
+* ``"cached"``: hf_tpu's bucketed loop with a static cache (:mod:`hf_tpu.transformers._loops.cached`);
 * ``"host_length"``: the same loop with the full-attention layers reporting their length as a host int, for a
   forward that branches on the cache length (:class:`~hf_tpu.transformers._cache.layer_classes.HostLengthLayer`);
-* ``"cacheless"``: hf_tpu's loop without a cache (:mod:`hf_tpu.transformers._cacheless`), for ``use_cache=False``,
+* ``"cacheless"``: hf_tpu's loop without a cache (:mod:`hf_tpu.transformers._loops.cacheless`), for ``use_cache=False``,
   a model that keeps no cache, or one whose cached forms cannot run;
 * ``"upstream"``: upstream's own loop, unchanged (assisted decoding, a model none of the above serves, beam search
-  the beam loop of :mod:`hf_tpu.transformers._beam` cannot serve: a beam call it serves takes the cached route or
+  the beam loop of :mod:`hf_tpu.transformers._loops.beam` cannot serve: a beam call it serves takes the cached route or
   the loop without a cache).
 
 A model's route (what a call with a cache takes) is decided once, from what can be checked before tracing
@@ -26,8 +26,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hf_tpu.transformers import _beam, _cacheless, _images, _upstream
+from hf_tpu.transformers import _images, _upstream
 from hf_tpu.transformers._cache import pool
+from hf_tpu.transformers._loops import beam, cacheless
 from hf_tpu.transformers._settings import (
     CACHED,
     CACHELESS,
@@ -77,8 +78,8 @@ def explain(model, **generate_kwargs) -> Route:
         return Route(UPSTREAM, own, warn=False)
     args = {k: generate_kwargs.pop(k) for k in _GENERATE_ARGUMENTS if k in generate_kwargs}
     found = call_route(model, args, dict(generate_kwargs))
-    if found.fast and not model.config.is_encoder_decoder and not _beam.asks_beams(model, args, generate_kwargs):
-        from hf_tpu.transformers._decode_loop import host_sampling
+    if found.fast and not model.config.is_encoder_decoder and not beam.asks_beams(model, args, generate_kwargs):
+        from hf_tpu.transformers._loops.skeleton import host_sampling
 
         found = replace(found, host_sampling=host_sampling(model, **generate_kwargs))
     return found
@@ -110,8 +111,8 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
         reason, warn = asked
         return Route(UPSTREAM, reason, warn=warn)
     found = _call_route(model, config, model_kwargs)
-    if found.loop != UPSTREAM and _beam.is_beam_call(config):
-        problem = _beam.beam_problem(model, args, config, model_kwargs, found)
+    if found.loop != UPSTREAM and beam.is_beam_call(config):
+        problem = beam.beam_problem(model, args, config, model_kwargs, found)
         if problem is not None:
             reason, warn = problem
             return Route(UPSTREAM, reason, warn=warn)
@@ -175,7 +176,7 @@ def _decide(model) -> Route:
     if model.config.is_encoder_decoder:
         problem = static_cache_problem(model)
         return Route(CACHED) if problem is None else Route(UPSTREAM, problem, warn=True)
-    if _cacheless.writes_no_cache(model):
+    if cacheless.writes_no_cache(model):
         reason = f"{name}'s forward writes nothing into the cache it is given"
         without = _without_cache(model)
         if without is not None:
@@ -208,7 +209,7 @@ def _without_cache(model) -> str | None:
     known = state.route
     if known is not None and known.without_cache_checked:
         return known.without_cache
-    without = _cacheless.cacheless_problem(model)
+    without = cacheless.cacheless_problem(model)
     if known is not None:
         state.route = _with_verdict(known, without)
     return without
@@ -244,7 +245,7 @@ def _prompt_inputs_problem(model, given: list[str], use_cache: bool) -> tuple[st
     if missing:
         return "the forward takes no " + ", ".join(missing), False  # upstream's own error (or handling)
     if "inputs_embeds" not in given and (not use_cache or model_route(model).loop == CACHELESS):
-        return None  # token types: the loop without a cache takes them too (see _cacheless)
+        return None  # token types: the loop without a cache takes them too (see _loops.cacheless)
     if model_route(model).loop not in (CACHED, HOST_LENGTH):
         return f"{names}: only hf_tpu's loop with a cache takes them, and {type(model).__name__} cannot run it", True
     if _upstream.numbers_by_cache_length(model) or model_state(model).host_length:

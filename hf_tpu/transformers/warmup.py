@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hf_tpu import _torch_tpu
-from hf_tpu.transformers import _beam, _cacheless, _mm_warmup, _settings, _upstream, route
+from hf_tpu.transformers import _mm_warmup, _settings, _upstream, route
+from hf_tpu.transformers._loops import beam, cacheless
 from hf_tpu.transformers._settings import CACHELESS, LOOPS, UPSTREAM
 from hf_tpu.transformers.buckets import BucketLadder
 
@@ -208,7 +209,7 @@ def warmup(
                 image_plans = []
                 break
             for beams in beam_counts if not seq2seq else ():
-                keys = keys + _beam.warm(model, plan, beams)
+                keys = keys + beam.warm(model, plan, beams)
             for key in keys:
                 if key not in report.graphs:
                     report.graphs.append(key)
@@ -313,7 +314,7 @@ def _warm_one(model, plan, variant: str) -> list[tuple] | None:
         loop = route.explain(model).loop
         if loop == UPSTREAM:
             return None
-        warm = _cacheless.warm if loop == CACHELESS else generation.warm_plan
+        warm = cacheless.warm if loop == CACHELESS else generation.warm_plan
         try:
             return warm(model, plan, variant)
         except generation.NotCompilableError as exc:

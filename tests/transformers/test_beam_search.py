@@ -1,4 +1,4 @@
-"""Beam search and beam sampling on hf_tpu's bucketed loop (hf_tpu.transformers._beam), against upstream's
+"""Beam search and beam sampling on hf_tpu's bucketed loop (hf_tpu.transformers._loops.beam), against upstream's
 ``_beam_search`` on the CPU in the same test, with the device counters."""
 
 from __future__ import annotations

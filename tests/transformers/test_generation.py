@@ -15,18 +15,18 @@ from hf_tpu.transformers.buckets import BucketOverflowError
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gpt2", "t5"])
 def test_greedy_matches_cpu_for_batched_prompts_of_different_lengths(family, pair, prompts, monkeypatch):
-    from hf_tpu.transformers import _decode_loop
+    from hf_tpu.transformers._loops import cached
 
     cpu, tpu = pair(family)
     ids, mask = prompts([5, 11])
     expected = cpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    ran, run = [], _decode_loop.run_graph
+    ran, run = [], cached.run_graph
 
     def spy(model, state, key, *args):
         ran.append(key[0])
         return run(model, state, key, *args)
 
-    monkeypatch.setattr(_decode_loop, "run_graph", spy)
+    monkeypatch.setattr(cached, "run_graph", spy)
     got = tpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert got.device.type == "cpu"  # back on the inputs' device
     assert torch.equal(got, expected)

@@ -14,15 +14,15 @@ from hf_tpu.transformers._settings import model_state
 @pytest.fixture
 def ran(monkeypatch) -> list[str]:
     """The graph kinds the cached loop ran during the test."""
-    from hf_tpu.transformers import _decode_loop
+    from hf_tpu.transformers._loops import cached
 
-    kinds, run = [], _decode_loop.run_graph
+    kinds, run = [], cached.run_graph
 
     def spy(model, state, key, *args):
         kinds.append(key[0])
         return run(model, state, key, *args)
 
-    monkeypatch.setattr(_decode_loop, "run_graph", spy)
+    monkeypatch.setattr(cached, "run_graph", spy)
     return kinds
 
 

@@ -19,7 +19,7 @@ def _spy(monkeypatch) -> list[str]:
         ran.append(key[0])
         return run(model, state, key, *args)
 
-    for module in ("_decode_loop", "_cacheless"):
+    for module in ("_loops.cached", "_loops.cacheless"):
         monkeypatch.setattr(f"hf_tpu.transformers.{module}.run_graph", spy, raising=False)
     monkeypatch.setattr(_graphs, "run_graph", spy)
     return ran

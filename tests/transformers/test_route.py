@@ -43,7 +43,7 @@ def test_calls_only_upstream_serves_say_why(llama, prompts):
     stop = StoppingCriteriaList([_NeverStop()])
     beams = explain(tpu, input_ids=ids, num_beams=2, stopping_criteria=stop, **GREEDY)
     assert beams.loop == "upstream" and beams.warn and "stopping_criteria of your own" in beams.reason
-    assert explain(tpu, input_ids=ids, num_beams=2, **GREEDY).loop == "cached"  # (hf_tpu.transformers._beam)
+    assert explain(tpu, input_ids=ids, num_beams=2, **GREEDY).loop == "cached"  # (hf_tpu.transformers._loops.beam)
     dynamic = explain(tpu, input_ids=ids, cache_implementation="dynamic", **GREEDY)
     assert dynamic.loop == "upstream" and "every decode step has a new shape" in dynamic.reason
     on_cpu = explain(cpu, input_ids=ids, **GREEDY)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 
 from hf_tpu.transformers._images import mrope_rows
+from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
 from hf_tpu.transformers._pad_id import fill_id
 
 __all__: list[str] = []
@@ -212,24 +213,13 @@ def cacheless_layout(model, input_ids, model_kwargs: dict, length: int, new_toke
     return ids, full_mask, torch.cat([positions, after], dim=1)  # (slots no token reaches keep the last position)
 
 
-def cacheless_loop(
-    model,
-    input_ids,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    synced_gpus: bool = False,
-    streamer=None,
-    hf_tpu_plan: dict | None = None,
-    **model_kwargs,
-):
-    """``custom_generate`` callable of a call without a cache (see the module docstring)."""
+def cacheless_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
+    """The part of a call without a cache (:func:`cacheless_loop`, see the module docstring): the buffer's layout, the
+    prefill graph, then one decode graph per new token; no cache to return."""
     import torch
 
-    from hf_tpu.transformers._decode_loop import LoopCall
     from hf_tpu.transformers._graphs import run_graph
 
-    call = LoopCall(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan)
     state, device, variant, batch, prompt_len = call.state, model.device, call.variant, call.batch, call.prompt_len
     length = length_for(model, state, batch, prompt_len, call.new_tokens, variant)
     ids, mask, positions = cacheless_layout(model, call.input_ids, model_kwargs, length, call.new_tokens, call.fill_id)
@@ -256,15 +246,17 @@ def cacheless_loop(
         result = run_graph(model, state, decode_key, ids_dev, packed, *args)
         return call.take(result, slice(0, next_slot), slice(0, next_slot))
 
-    call.run(*first, length - prompt_len, step)
-    return call.output()
+    return Steps(first, length - prompt_len, step)
+
+
+# ``custom_generate`` callable of a call without a cache (see the module docstring).
+cacheless_loop = loop(cacheless_steps)
 
 
 def warm(model, plan, variant: str = "") -> list[tuple]:
     """Compile (or find compiled) the two graphs a call with ``plan`` runs, on dummy inputs; returns their keys."""
     import torch
 
-    from hf_tpu.transformers._decode_loop import warm_sampling
     from hf_tpu.transformers._graphs import run_graph
     from hf_tpu.transformers._settings import model_state
 

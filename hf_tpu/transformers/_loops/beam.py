@@ -22,10 +22,11 @@ from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._cache.handoff import full_attention_only, returned_cache
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
-from hf_tpu.transformers._decode_loop import extra_inputs, output_vocab
 from hf_tpu.transformers._graphs import ALIGNED
 from hf_tpu.transformers._graphs import run_graph as _run_graph
 from hf_tpu.transformers._images import mrope_rows
+from hf_tpu.transformers._loops.cached import extra_inputs
+from hf_tpu.transformers._loops.skeleton import output_vocab
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import CACHED, CACHELESS, NotCompilableError, model_state
 from hf_tpu.transformers._signatures import output_cache_field
@@ -355,22 +356,22 @@ def _outputs(config, input_ids, beam: dict, width: int, steps: int, scores, raw_
 def _cacheless_beam(model, input_ids, config, model_kwargs, plan, variant, flags, max_new, keep, checked, eos,
                     do_sample):
     """Beam search without a cache (``use_cache=False``, a model that keeps none): the loop of
-    :mod:`hf_tpu.transformers._cacheless` (the ids in a buffer as long as the bucket, the prompt first, the whole
+    :mod:`hf_tpu.transformers._loops.cacheless` (the ids in a buffer as long as the bucket, the prompt first, the whole
     buffer through the model each step), its rows following the running beams."""
     import torch
 
-    from hf_tpu.transformers import _cacheless
+    from hf_tpu.transformers._loops import cacheless
 
     state, device = model_state(model), model.device
     rows, prompt_len = input_ids.shape
     num_beams = int(config.num_beams)
     batch = rows // num_beams
-    length = _cacheless.length_for(model, state, rows, prompt_len, max_new, "beam" + variant)
+    length = cacheless.length_for(model, state, rows, prompt_len, max_new, "beam" + variant)
     pad_id = fill_id(model, config._pad_token_tensor, config._eos_token_tensor)
-    ids, mask, positions = _cacheless.cacheless_layout(model, input_ids, model_kwargs, length, max_new, pad_id)
+    ids, mask, positions = cacheless.cacheless_layout(model, input_ids, model_kwargs, length, max_new, pad_id)
     ids_dev, mask_dev = ids.to(device), mask.to(device)
     positions_dev = None if positions is None else positions.to(device)
-    extra = {**_cacheless.cacheless_extra(model), **flags}
+    extra = {**cacheless.cacheless_extra(model), **flags}
     types = model_kwargs.get("token_type_ids")
     if types is not None:  # the prompt's, then its last one for every new token (the variant says so already)
         types = types.to("cpu").long()

@@ -1,0 +1,248 @@
+"""The decoding loop plugged into upstream ``generate`` as ``custom_generate``, and warm-up of one shape plan.
+
+The loop pads the prompt on the left to its bucket, runs the prefill graph, then one decode graph per new token;
+the growing tensors (sequence, mask, positions) stay on the host, each decode step sends one ``(batch, 2)`` tensor
+(``(batch, 4)`` for a model numbering its positions in three rows: Qwen2-VL's) and reads back the next tokens: the
+logits processors and the sampler run in the graph (:mod:`hf_tpu.transformers.sampling`), unless one of them has
+no device form or the scores are wanted on the host (``output_scores``): then the last logits row comes back and
+upstream's processors run on the host. What the loop does around its graphs (the sampling plan, each step's host
+side, the output) is the shared :class:`~hf_tpu.transformers._loops.skeleton.LoopCall`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_cache
+from hf_tpu.transformers._cache.layers import set_decoding, set_length
+from hf_tpu.transformers._cache.pool import cache_for
+from hf_tpu.transformers._graphs import ALIGNED, MROPE, run_graph
+from hf_tpu.transformers._images import features_shape, mrope_rows
+from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
+from hf_tpu.transformers._settings import model_state
+from hf_tpu.transformers._signatures import cache_name
+from hf_tpu.transformers._upstream import numbers_by_cache_length, prompt_first_inputs
+from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
+
+__all__: list[str] = []
+
+
+def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
+    """The cached loop's part of a call (:func:`decode_loop`): the prompt padded to its bucket, the static cache, the
+    prefill graph, then one decode graph per new token; the cache the call returns."""
+    import torch
+    import torch.nn.functional as F
+
+    state, device, variant = call.state, model.device, call.variant
+    batch, prompt_len, input_ids = call.batch, call.prompt_len, call.input_ids
+    is_seq2seq = bool(model.config.is_encoder_decoder)
+
+    if is_seq2seq:
+        encoder_hidden = model_kwargs["encoder_outputs"].last_hidden_state
+        enc_mask = model_kwargs.get("attention_mask")
+        if enc_mask is None:
+            enc_mask = torch.ones(encoder_hidden.shape[:2], dtype=torch.long)
+        plan = plan_shapes(
+            model, batch, prompt_len, call.new_tokens, encoder_len=encoder_hidden.shape[1], variant=variant
+        )
+        cache = cache_for(model, state, batch, plan.cache_bucket, encoder_hidden.shape[1])
+        enc_mask_dev = enc_mask.to(device)
+        sampling = call.sampling(device, plan.cache_bucket + 1, 0)
+        prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
+        decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
+        set_length(cache, 0)
+        first = run_graph(model, state, prefill_key, input_ids.to(device), encoder_hidden, enc_mask_dev, cache, sampling)
+        set_decoding(cache, True)
+        length = prompt_len
+
+        def step(next_tokens):
+            nonlocal length
+            set_length(cache, length)
+            length += 1
+            ids = next_tokens[:, None].to(device)
+            return run_graph(model, state, decode_key, ids, encoder_hidden, enc_mask_dev, cache, sampling)
+
+        def returned():
+            return returned_cache(model, cache, 0, length)
+
+        return Steps(first, plan.cache_bucket - prompt_len, step, returned, seq2seq=True)
+
+    embeds = model_kwargs.get("inputs_embeds")  # the prompt as embeddings: input_ids holds the ids given, if any
+    types = model_kwargs.get("token_type_ids")
+    variant += "+token_type_ids" if types is not None else ""  # (graphs taking them: their own kind)
+    variant += "+mrope" if mrope_rows(model) > 1 else ""  # (positions in rows, packed after the ids)
+    ids_len = prompt_len
+    if embeds is not None:
+        prompt_len = embeds.shape[1]
+    plan = plan_shapes(model, batch, prompt_len, call.new_tokens, variant=variant)
+    mask = model_kwargs.get("attention_mask")
+    if mask is None:
+        mask = torch.ones(batch, prompt_len, dtype=torch.long)
+    mask = mask.to("cpu")
+    positions = model_kwargs.get("position_ids")
+    if positions is None:
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    rows = mrope_rows(model)
+    if rows > 1:  # (rows, batch, prompt): upstream's rows (Qwen2-VL's: the text row first, for masks, then 3)
+        positions = positions.to("cpu").long()
+        positions = positions[-rows:] if positions.ndim == 3 else positions.expand(rows, batch, prompt_len)
+    else:
+        positions = positions.to("cpu").long().expand(batch, prompt_len)[None]
+    pad = plan.prompt_bucket - prompt_len
+    pad_id = call.fill_id
+    extra = {**extra_inputs(model), **call.output_flags}
+    if extra.get(ALIGNED) and (embeds is not None or types is not None):  # (its cache length found at a trace)
+        from hf_tpu.transformers._settings import NotCompilableError
+
+        error = NotCompilableError(prompt_first_inputs(model))
+        error.reason = str(error)  # (error.loop None: this call's inputs, the route stays)
+        raise error
+    length = prompt_len if extra.get(ALIGNED) else plan.prompt_bucket  # the cache's length after the prefill
+    if extra.get(ALIGNED):  # the prompt first, the bucket's padding after it (slot -1)
+        ids = F.pad(input_ids, (0, pad), value=pad_id)
+        pos = F.pad(torch.arange(prompt_len).expand(batch, prompt_len), (0, pad), value=-1)[None]
+        full_mask = torch.cat([mask.bool(), torch.ones(batch, plan.cache_bucket - prompt_len, dtype=torch.bool)], 1)
+        pad = 0
+    else:
+        ids = F.pad(input_ids, (pad, 0), value=pad_id)
+        pos = F.pad(positions, (pad, 0), value=0)  # (rows, batch, bucket)
+        full_mask = torch.cat(
+            [
+                F.pad(mask.bool(), (pad, 0), value=False),
+                torch.ones(batch, plan.cache_bucket - plan.prompt_bucket, dtype=torch.bool),
+            ],
+            dim=1,
+        )
+    start = pad  # the prompt's first cache slot
+    static_len = None
+    if call.config.cache_implementation == "static":  # upstream generates with a StaticCache this long
+        static_len = call.config.max_length - 1 + (prompt_len if prompt_len != ids_len else 0)
+    if call.outputs is not None:
+        call.outputs.key_width = static_len
+    cache = cache_for(model, state, batch, plan.cache_bucket, None)
+    mask_dev = full_mask.to(device)
+    # the history of the sampling plan holds the sequence's ids: after the prompt's embeddings that have none
+    sampling = call.sampling(device, plan.cache_bucket + 1, pad + prompt_len - ids_len)
+    decode_extra = extra
+    images = model_kwargs.get("mm_encoder_outputs")  # encoded by the vision graph (_images): the prefill merges them
+    if types is not None:  # upstream repeats the prompt's last token type for every new token
+        types = types.to("cpu").long()
+        extra = {**extra, "token_type_ids": F.pad(types, (pad, 0), value=0).to(device)}
+        if not images:  # (with images they mark image tokens for the prefill's mask: Gemma 3 and PaliGemma pass
+            # them to the first forward only)
+            decode_extra = {**decode_extra, "token_type_ids": types[:, -1:].to(device)}
+    kind = "prefill" if embeds is None else "embeds_prefill"
+    prefill_key = (kind + variant, batch, plan.prompt_bucket, plan.cache_bucket)
+    if images:
+        extra = {**extra, "mm_encoder_outputs": images}
+        prefill_key = ("mm_prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket, features_shape(images))
+    decode_key = ("decode" + variant, batch, plan.cache_bucket)
+    set_length(cache, 0)
+    given = model_kwargs.get(cache_name())  # the caller's cache (upstream's empty one when none was given)
+    seen = cached_length(given) if given is not None else 0
+    if seen:  # continuing: the cached tokens copied in, the others through the decode graph (_cache.handoff)
+        if sampling is not None:  # its history: the cached tokens; each decode step adds its own
+            sampling = replace(call.sampler, input_ids=call.input_ids[:, :seen]).to_device(
+                device, plan.cache_bucket + 1, pad
+            )
+        copy_in(given, cache, pad)
+        set_decoding(cache, True)
+        for index in range(seen, prompt_len):
+            set_length(cache, pad + index)
+            packed_step = torch.cat([input_ids[:, index, None], positions[..., index].T], dim=1).to(device)
+            first = run_graph(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
+            first = call.take(first, slice(0, 1), slice(start, pad + index + 1))
+        if call.outputs is not None:  # upstream runs the uncached tokens in one forward
+            call.outputs.merge(prompt_len - seen)
+    elif embeds is None:
+        packed = torch.cat([ids, *pos], dim=1).to(device)
+        first = run_graph(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
+    else:  # moved to the device like input_ids, wherever the caller left them; the padding: zero rows, masked out
+        padded = F.pad(embeds.to(device=device, dtype=model.dtype), (0, 0, pad, 0))
+        pos = pos if rows > 1 else pos[0]
+        first = run_graph(model, state, prefill_key, padded, pos.to(device), mask_dev, cache, extra, sampling)
+    if not seen:
+        first = call.take(first, slice(pad, pad + prompt_len), slice(start, start + prompt_len))
+    set_decoding(cache, True)
+    positions = positions[..., -1].T  # (batch, rows): each row goes on by one per token, as upstream's loop does
+
+    def step(next_tokens):
+        nonlocal length, positions
+        set_length(cache, length)
+        length += 1
+        positions = positions + 1
+        packed_step = torch.cat([next_tokens[:, None], positions], dim=1).to(device)  # (batch, 1 + rows)
+        result = run_graph(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
+        return call.take(result, slice(0, 1), slice(start, length))
+
+    def returned():
+        return returned_cache(model, cache, start, length, static_len)
+
+    return Steps(first, plan.cache_bucket - plan.prompt_bucket, step, returned)
+
+
+# ``custom_generate`` callable: greedy/sampling decode with bucketed static shapes and compiled graphs.
+decode_loop = loop(cached_steps)
+
+
+def extra_inputs(model) -> dict:
+    """The prefill/decode graphs' extra model arguments: ``logits_to_keep`` where the model takes it, and the flag of
+    a model whose prompt goes first (:data:`hf_tpu.transformers._graphs.ALIGNED`)."""
+    extra: dict = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
+    if mrope_rows(model) > 1:  # its positions in rows, packed after the ids
+        extra[MROPE] = mrope_rows(model)
+    # a cache reporting its host length goes prompt-first too: the length it reports is the real token count
+    if numbers_by_cache_length(model) or model_state(model).host_length:
+        extra[ALIGNED] = True
+    return extra
+
+
+def warm_plan(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
+    """Compile (or find compiled) every graph a call with ``plan`` runs, on dummy inputs; returns their keys."""
+    import torch
+
+    state = model_state(model)
+    device = model.device
+    batch = plan.batch
+    with torch.no_grad():
+        if plan.encoder_bucket is not None:
+            enc_key = ("encoder", batch, plan.encoder_bucket)
+            ids = torch.zeros(batch, plan.encoder_bucket, dtype=torch.long)
+            mask = torch.ones(batch, plan.encoder_bucket, dtype=torch.long)
+            mask_dev = mask.to(device)
+            hidden = run_graph(model, state, enc_key, ids.to(device), mask_dev)
+            start = model.generation_config.decoder_start_token_id
+            start = 0 if start is None else int(start)
+            cache = cache_for(model, state, batch, plan.cache_bucket, plan.encoder_bucket)
+            prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, plan.prompt_len, plan.cache_bucket)
+            decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
+            step = torch.full((batch, plan.prompt_len), start, dtype=torch.long)
+            sampling = warm_sampling(model, step, variant, plan.cache_bucket + 1, 0)
+            set_length(cache, 0)
+            run_graph(model, state, prefill_key, step.to(device), hidden, mask_dev, cache, sampling)
+            set_decoding(cache, True)
+            step = torch.full((batch, 1), start, dtype=torch.long).to(device)
+            set_length(cache, plan.prompt_len)
+            run_graph(model, state, decode_key, step, hidden, mask_dev, cache, sampling)
+            cache.reset()  # the next call resets it too: meet the eager ops of the reset here
+            return [enc_key, prefill_key, decode_key]
+        p, c = plan.prompt_bucket, plan.cache_bucket
+        extra = extra_inputs(model)
+        cache = cache_for(model, state, batch, c, None)
+        mask_dev = torch.ones(batch, c, dtype=torch.bool).to(device)
+        rows = mrope_rows(model)
+        pos = torch.arange(p, dtype=torch.long).expand(batch, p)
+        ids = torch.zeros(batch, p, dtype=torch.long)
+        sampling = warm_sampling(model, ids, variant, c + 1, 0)
+        packed = torch.cat([ids, *[pos] * rows], dim=1).to(device)
+        kind_variant = variant + ("+mrope" if rows > 1 else "")
+        prefill_key = ("prefill" + kind_variant, batch, p, c)
+        decode_key = ("decode" + kind_variant, batch, c)
+        set_length(cache, 0)
+        run_graph(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
+        set_decoding(cache, True)
+        step = torch.tensor([[0, *[p] * rows]], dtype=torch.long).expand(batch, 1 + rows).contiguous().to(device)
+        set_length(cache, p)
+        run_graph(model, state, decode_key, step, mask_dev, cache, extra, sampling)
+        cache.reset()
+        return [prefill_key, decode_key]

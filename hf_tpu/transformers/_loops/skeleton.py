@@ -1,0 +1,280 @@
+"""What every hf_tpu loop does around its graphs in one ``generate`` call, written once: :func:`loop`.
+
+The cached loop (:mod:`.cached`) and the loop without a cache (:mod:`.cacheless`) share their shape; each is
+``loop(its_steps)`` and supplies in ``its_steps(call, model, model_kwargs)`` only what differs, its inputs' layout
+and its two graphs. A call then runs:
+
+1. ``call = LoopCall(...)``: the call's sampling plan (the logits processors and the sampler in the graph, or the host
+   path, warned once with its cost per step) and the graph variant it leads to, the outputs asked
+   (``output_attentions`` / ``output_hidden_states``), the sequences kept on the host;
+2. the loop's steps: its layout and its prefill graph (through :func:`hf_tpu.transformers._graphs.run_graph`), whose
+   outputs :meth:`LoopCall.take` keeps, returned as :class:`Steps` with its decode step;
+3. :meth:`LoopCall.run`: each step's host side (the next tokens back, scores and logits kept, finished rows padded,
+   the streamer fed, the stopping criteria asked), then the loop's ``step(next_tokens)``, its decode graph;
+4. :meth:`LoopCall.output`: what upstream's ``generate`` returns (with the cache the loop hands back, if any).
+
+Also here: the sampling plan a call with the model's own ``generation_config`` leads to (:func:`default_variant`,
+:func:`host_sampling`, :func:`warm_sampling`), which warm-up and :func:`hf_tpu.transformers.explain` ask without a
+call. Beam search (:mod:`.beam`) keeps its search state on the device and has a host side of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hf_tpu.transformers import _step_outputs as step_outputs
+from hf_tpu.transformers._notes import warn_once
+from hf_tpu.transformers._pad_id import fill_id
+from hf_tpu.transformers._settings import model_state
+from hf_tpu.transformers._signatures import output_cache_field
+
+__all__ = ["default_variant"]
+
+# The running totals of the open generation.timed_host_steps() blocks: seconds spent getting each step's next tokens
+# to the host (the copy back, and on the host path the processors and the sampler).
+HOST_TIMERS: list[list[float]] = []
+
+def _select(
+    logits_processor, input_ids, tokens_dev, logits_dev, do_sample: bool, host_path: bool
+) -> tuple[Any, Any, Any]:
+    """Next tokens on the host: the device argmax (one small copy) or, when processors/sampling need the scores,
+    the last logits row processed on the host exactly as upstream's ``_sample`` does."""
+    import torch
+
+    if not host_path:
+        return tokens_dev.to("cpu"), None, None
+    logits = logits_dev.to("cpu")
+    scores = logits_processor(input_ids, logits)
+    if do_sample:
+        probs = torch.nn.functional.softmax(scores, dim=-1)
+        tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+    else:
+        tokens = torch.argmax(scores, dim=-1)
+    return tokens, scores, logits
+
+
+def output_vocab(model) -> int:
+    embeddings = model.get_output_embeddings()
+    if embeddings is not None and hasattr(embeddings, "weight"):
+        return int(embeddings.weight.shape[0])
+    return int(model.config.get_text_config(decoder=True).vocab_size)
+
+
+def _plan(model, logits_processor, input_ids, do_sample: bool, host_only: str | None):
+    """The call's device sampling plan, or None for the host path (warned once per model class and reason, with
+    its cost per step)."""
+    from hf_tpu.transformers.sampling import device_plan, host_path_cost
+
+    vocab = output_vocab(model)
+    reason = host_only or device_plan(logits_processor, input_ids, vocab=vocab, do_sample=do_sample)
+    if not isinstance(reason, str):
+        return reason
+    warn_once(
+        f"host-path:{type(model).__name__}:{reason}",
+        f"hf_tpu: {reason}, so {type(model).__name__}.generate keeps the logits processors and sampling on the host: "
+        f"{host_path_cost(input_ids.shape[0], vocab)}.",
+    )
+    return None
+
+
+class LoopCall:
+    """What both loops (:func:`~hf_tpu.transformers._loops.cached.decode_loop`, and the one without a cache in
+    :mod:`hf_tpu.transformers._loops.cacheless`) do around their graphs in one ``generate`` call: the sampling plan (on the device, or the host path), and each
+    step's host side (the next tokens, the scores and logits kept, finished rows padded, the streamer fed, the
+    stopping criteria asked)."""
+
+    def __init__(self, model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, plan):
+        import torch
+
+        self.streamer = (plan or {}).get("streamer", streamer)
+        self.state = model_state(model)
+        self.input_ids = input_ids.to("cpu")
+        self.batch, self.prompt_len = self.input_ids.shape
+        self.new_tokens = generation_config.max_length - self.prompt_len
+        self.config = generation_config
+        self.logits_processor, self.stopping_criteria = logits_processor, stopping_criteria
+        self.pad_token = generation_config._pad_token_tensor
+        # what a bucket's padding and a finished row's next input embed (the sequences keep the caller's pad id)
+        self.fill_id = fill_id(model, self.pad_token, generation_config._eos_token_tensor)
+        self.has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+        self.do_sample = bool(generation_config.do_sample)
+        want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+        host_only = "output_scores/output_logits need the scores on the host" if want_scores or want_logits else None
+        if not self.state.settings.device_sampling and (self.do_sample or len(logits_processor) > 0):
+            host_only = "device sampling is off (configure(model, device_sampling=False))"
+        self.sampler = _plan(model, logits_processor, self.input_ids, self.do_sample, host_only)
+        self.host_path = self.sampler is None
+        self.variant = "" if self.sampler is None else self.sampler.variant
+        self.scores = () if want_scores else None
+        self.raw_logits = () if want_logits else None
+        self.unfinished = torch.ones(self.batch, dtype=torch.long)
+        # output_attentions / output_hidden_states: the graphs' variant and model arguments, and what they return
+        self.output_flags = step_outputs.asked(generation_config)
+        self.variant += step_outputs.variant(self.output_flags)
+        self.outputs = None
+        if self.output_flags:
+            self.outputs = step_outputs.StepOutputs(self.output_flags)
+
+    def take(self, result: tuple, rows: slice, keys: slice) -> tuple:
+        """A graph's ``(tokens, logits)``, keeping the attentions and hidden states it returned after them (cut to
+        ``rows`` queries and ``keys`` key slots, upstream's shapes: :mod:`~hf_tpu.transformers._step_outputs`)."""
+        if len(result) == 3:
+            self.outputs.add(result[2], rows, keys)
+            return result[:2]
+        return result
+
+    def sampling(self, device, width: int, offset: int):
+        """The device state of the sampling plan (None on the host path)."""
+        return None if self.host_path else self.sampler.to_device(device, width, offset)
+
+    def run(self, tokens_dev, logits_dev, steps_left: int, step: Callable) -> None:
+        """From the prefill's outputs: each step's host side, then ``step(next_tokens)`` (the next graph, which
+        returns its outputs), until every row has stopped or ``steps_left`` more steps ran."""
+        import torch
+
+        while True:
+            start = time.perf_counter() if HOST_TIMERS else None
+            next_tokens, step_scores, step_logits = _select(
+                self.logits_processor, self.input_ids, tokens_dev, logits_dev, self.do_sample, self.host_path
+            )
+            if start is not None:
+                for total in HOST_TIMERS:
+                    total[0] += time.perf_counter() - start
+            if self.scores is not None:
+                self.scores += (step_scores,)
+            if self.raw_logits is not None:
+                self.raw_logits += (step_logits,)
+            fed = next_tokens
+            if self.has_eos:
+                fed = next_tokens * self.unfinished + self.fill_id * (1 - self.unfinished)
+                next_tokens = next_tokens * self.unfinished + self.pad_token * (1 - self.unfinished)
+            self.input_ids = torch.cat([self.input_ids, next_tokens[:, None]], dim=-1)
+            if self.streamer is not None:
+                self.streamer.put(next_tokens)
+            self.unfinished = self.unfinished & ~self.stopping_criteria(self.input_ids, self.scores)
+            if self.unfinished.max() == 0 or steps_left <= 0:
+                break
+            steps_left -= 1
+            tokens_dev, logits_dev = step(fed)
+
+    def output(self, seq2seq: bool = False, cache=None):
+        """What upstream's ``generate`` returns for the call (``cache``: the transformers cache it returns)."""
+        from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
+
+        if self.streamer is not None:
+            self.streamer.end()
+        if not self.config.return_dict_in_generate:
+            return self.input_ids
+        cls = GenerateEncoderDecoderOutput if seq2seq else GenerateDecoderOnlyOutput
+        fields = {output_cache_field(cls): cache} if cache is not None else {}
+        if self.outputs is not None:
+            fields.update(attentions=self.outputs.attentions, hidden_states=self.outputs.hidden_states)
+        return cls(sequences=self.input_ids, scores=self.scores, logits=self.raw_logits, **fields)
+
+
+@dataclass
+class Steps:
+    """What a loop hands the skeleton after its prefill graph ran (see :func:`loop`)."""
+
+    first: tuple  # the prefill graph's (next tokens, logits), as :meth:`LoopCall.take` kept them
+    left: int  # the decode steps the call's shape has room for after the prefill
+    step: Callable  # next tokens -> the decode graph's (next tokens, logits), as LoopCall.take kept them
+    returned: Callable[[], Any] | None = None  # the cache the call returns (asked with return_dict_in_generate only)
+    seq2seq: bool = False  # the output class: upstream's encoder-decoder one
+
+
+def loop(steps: Callable[[LoopCall, Any, dict], Steps]) -> Callable:
+    """A loop's ``custom_generate`` callable, from its own part ``steps(call, model, model_kwargs)`` (its layout, its
+    prefill graph and its decode step): the :class:`LoopCall` of the call, the steps' host side until every row has
+    stopped, and upstream's output, written once for every loop built on it."""
+
+    def custom_generate(
+        model,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus: bool = False,
+        streamer=None,
+        hf_tpu_plan: dict | None = None,
+        **model_kwargs,
+    ):
+        call = LoopCall(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, hf_tpu_plan
+        )
+        found = steps(call, model, model_kwargs)
+        call.run(*found.first, found.left, found.step)
+        returned = None
+        if found.returned is not None and generation_config.return_dict_in_generate:
+            returned = found.returned()
+        return call.output(seq2seq=found.seq2seq, cache=returned)
+
+    custom_generate.__doc__ = f"``custom_generate`` callable of hf_tpu's loop on :func:`{steps.__name__}`."
+    return custom_generate
+
+
+def _default_plan(model, input_ids, **generate_kwargs):
+    """The device plan (or the host-path reason) of a call with the model's own ``generation_config`` (updated by
+    ``generate_kwargs``, as a call's keyword arguments update it), built from the processors upstream's
+    ``generate`` would build for it."""
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    from hf_tpu.transformers.sampling import device_plan
+
+    config, _ = model._prepare_generation_config(None, **generate_kwargs)
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
+    # As upstream's generate does before building the processors: min_new_tokens also sets min_length (prompt +
+    # min_new_tokens), which adds a MinLengthLogitsProcessor, so the call runs "+min_length+min_new_tokens".
+    model._prepare_generated_length(
+        config, has_default_max_length=True, has_default_min_length=True, model_input_name="input_ids",
+        input_ids_length=input_ids.shape[1], inputs_tensor=input_ids,
+    )  # fmt: skip
+    processors = model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+        logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={},
+    )  # fmt: skip
+    return device_plan(processors, input_ids, vocab=output_vocab(model), do_sample=bool(config.do_sample))
+
+
+def host_sampling(model, **generate_kwargs) -> str | None:
+    """Why a call with ``generate_kwargs`` keeps its logits processors and sampling on the host (one logits row
+    back per step), None when they run in the graph: what :class:`LoopCall` finds, without a call."""
+    import torch
+
+    config, _ = model._prepare_generation_config(None, **generate_kwargs)
+    if config.return_dict_in_generate and (config.output_scores or config.output_logits):
+        return "output_scores/output_logits need the scores on the host"
+    ids = generate_kwargs.pop("input_ids", None)
+    ids = torch.zeros(1, 1, dtype=torch.long) if ids is None else ids.to("cpu")
+    plan = _default_plan(model, ids, **{k: v for k, v in generate_kwargs.items() if not hasattr(v, "device")})
+    if not model_state(model).settings.device_sampling and (config.do_sample or not isinstance(plan, str) and plan.variant):
+        return "device sampling is off (configure(model, device_sampling=False))"
+    return plan if isinstance(plan, str) else None
+
+
+def default_variant(model) -> str:
+    """The graph variant the model's own ``generation_config`` leads to (``"+temperature+top_k+top_p+sample"`` for
+    Qwen3's, ``"+repetition_penalty"`` for greedy search with a repetition penalty, ``""`` for plain greedy search
+    or the host path); :func:`hf_tpu.warmup` compiles that one."""
+    import torch
+
+    plan = _default_plan(model, torch.zeros(1, 1, dtype=torch.long))
+    return "" if isinstance(plan, str) else plan.variant
+
+
+def warm_sampling(model, ids, variant: str, width: int, offset: int):
+    """Dummy device sampling state for warming ``variant`` (the model's default one) on prompt ``ids``."""
+    if not variant:
+        return None
+    plan = _default_plan(model, ids)
+    if isinstance(plan, str) or plan.variant != variant:
+        found = plan if isinstance(plan, str) else plan.variant
+        raise ValueError(
+            f"warm-up can compile the variant of the model's own generation_config only; asked for {variant!r}, "
+            f"the generation_config leads to {found!r}"
+        )
+    return plan.to_device(model.device, width, offset)
