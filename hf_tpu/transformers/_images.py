@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import inspect
 
-__all__ = ["Bounds", "encode_images", "grid_model", "image_inputs", "images_problem", "mrope_rows", "video_inputs"]
+__all__ = [
+    "Bounds", "encode_images", "grid_model", "image_inputs", "images_problem", "mrope_rows", "numbers_from_images",
+    "video_inputs",
+]  # fmt: skip
 
 # the argument names upstream recognises as a modality's main input (generation/utils.py)
 _PIXEL_NAMES = ("pixel_values", "pixel_values_images", "image_patches")
@@ -62,6 +65,17 @@ def grid_model(model) -> bool:
     return getattr(model.config, "model_type", None) in _GRID_MODELS and hasattr(model.base_model, "visual")
 
 
+def numbers_from_images(model) -> bool:
+    """Whether ``model`` numbers its positions from its images (multimodal rotary positions: a ``get_rope_index``
+    over the images' grids, Qwen2-VL's to Qwen3-VL's, or a forward taking ``rope_deltas``)."""
+    forward = getattr(model, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        params = {}
+    return hasattr(model.base_model, "get_rope_index") or "rope_deltas" in params
+
+
 def mrope_rows(model) -> int:
     """How many rows of positions the model's rotary embedding reads (3 for the multimodal rotary positions of
     Qwen2-VL and Qwen2.5-VL, whose ``generate`` numbers every call's prompt, with or without images, in three rows);
@@ -85,11 +99,10 @@ def images_problem(model, model_kwargs: dict) -> str | None:
     name = type(model).__name__
     if "image" not in getattr(model, "input_modalities", ()) or not model._supports_mm_encoder_outputs():
         return f"images: {name}'s forward takes no pre-encoded images (mm_encoder_outputs)"
-    base = model.base_model
     grid = grid_model(model)
     if grid and model_kwargs.get("image_grid_thw") is None:
         return f"images: {name} takes its images' grid (image_grid_thw) with them, and the call gave none"
-    if not grid and (hasattr(base, "get_rope_index") or "rope_deltas" in inspect.signature(model.forward).parameters):
+    if not grid and numbers_from_images(model):
         return (
             f"images: {name} numbers its positions from the images (multimodal rotary positions, get_rope_index over "
             f"the image grid), which the bucketed loop builds for {', '.join(_GRID_MODELS)} only"

@@ -217,6 +217,30 @@ def test_qwen2_vl_video_runs_upstream_naming_the_inputs():
     assert torch.equal(got.cpu(), _generate(cpu, kwargs, 4))
 
 
+def test_qwen3_vl_images_run_upstream_naming_the_positions_and_equal_cpu_from_host_inputs():
+    """Qwen3-VL numbers its positions from the image grids too (its own get_rope_index), with the images' features
+    also added into early decoder layers (deepstack), which the loop does not build: upstream's loop runs the call,
+    explain names the positions, and the inputs left on the host (ids, grid, token types) reach upstream's
+    get_rope_index on one device."""
+    import transformers as T
+
+    vision = dict(_QWEN_VISION, intermediate_size=64, out_hidden_size=32, num_position_embeddings=16)
+    vision["deepstack_visual_indexes"] = [0]  # (the first block's features added into the first decoder layer)
+    config = T.Qwen3VLConfig(text_config=dict(_QWEN_TEXT, head_dim=8), vision_config=vision, **_QWEN_TOKENS)
+    torch.manual_seed(0)
+    cpu = T.Qwen3VLForConditionalGeneration(config).eval()
+    tpu = T.Qwen3VLForConditionalGeneration(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    tpu.to("tpu")
+    kwargs = _prompt("qwen2_vl", 4, images=2, text=5, seed=3)  # (Qwen3-VL's processor makes the same layout)
+    route = explain(tpu, **kwargs, max_new_tokens=4)
+    assert route.loop == "upstream" and "get_rope_index" in route.reason, route
+    generation.WARNED.clear()
+    with pytest.warns(UserWarning, match="get_rope_index"):
+        got = _generate(tpu, kwargs, 4)
+    assert torch.equal(got.cpu(), _generate(cpu, kwargs, 4))
+
+
 def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
     """``hf_tpu.warmup(image_sizes=..., num_images=...)``: the vision graph per image count and pixel shape, and the
     image prefill and decode graphs of every warmed bucket holding the images' tokens; afterwards (strict mode: a
