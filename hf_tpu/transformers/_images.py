@@ -113,6 +113,13 @@ def images_problem(model, model_kwargs: dict) -> str | None:
     return None
 
 
+# Image inputs that give each image's size in pixels (LLaVA-NeXT's and Mistral 3's ``image_sizes``, ``(images, 2)``):
+# the encoder shapes its tensors by their values (tiles per image, the unpadded feature grid, the crop of each image),
+# which a compiled graph cannot read from a tensor; handed over as host integers (as upstream's helpers accept them)
+# they are constants of the vision graph, keyed by them.
+_SIZES = ("image_sizes",)
+
+
 def encode_images(model, state, model_kwargs: dict, run) -> dict:
     """``model_kwargs`` with its image inputs replaced by ``mm_encoder_outputs={"image": ...}``: the base model's
     ``get_image_features`` run as a compiled graph (``run``: :func:`hf_tpu.transformers._graphs.run_graph`) on the
@@ -126,6 +133,8 @@ def encode_images(model, state, model_kwargs: dict, run) -> dict:
     inputs = {}
     for name in names:
         value = kwargs.pop(name)
+        if name in _SIZES and isinstance(value, torch.Tensor):
+            value = value.tolist()  # (host integers: constants of the graph, which its key names)
         inputs[name] = value.to(model.device) if isinstance(value, torch.Tensor) else value
     shapes = tuple(
         (name, tuple(v.shape)) if isinstance(v, torch.Tensor) else (name, repr(v)) for name, v in inputs.items()

@@ -2,8 +2,10 @@
 and pixel shape, its features merged into the left-padded prompt by the model's own forward in the prefill graph,
 then the text loop's decode steps; pixel inputs left on the host. Qwen2-VL and Qwen2.5-VL: the tower on patch rows
 keyed by the grids, the prompt's three rows of multimodal rotary positions (upstream's, computed on the host) packed
-with the ids. Tiny LLaVA-, Gemma 3-, Qwen2-VL- and Qwen2.5-VL-shaped models built from their configs, compared with
-the same model's greedy generate on the CPU."""
+with the ids. Mistral 3: each image's size (``image_sizes``) with it, host integers in the vision graph. Idefics3: a
+text row's images ``(1, images, ...)`` with ``pixel_attention_mask``. Tiny LLaVA-, Gemma 3-, Qwen2-VL-, Qwen2.5-VL-,
+Mistral 3- and Idefics3-shaped models built from their configs, compared with the same model's greedy generate on the
+CPU."""
 
 from __future__ import annotations
 
@@ -76,7 +78,35 @@ def _qwen2_5_vl():
     return T.Qwen2_5_VLForConditionalGeneration, config, 4
 
 
-_BUILDERS = {"llava": _llava, "gemma3": _gemma3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl}
+def _mistral3():
+    import transformers as T
+
+    vision = T.PixtralVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8, image_size=16,
+        patch_size=4,
+    )  # fmt: skip
+    config = T.Mistral3Config(
+        vision_config=vision, text_config=T.MistralConfig(**_TEXT), image_token_index=IMAGE, spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )  # fmt: skip
+    return T.Mistral3ForConditionalGeneration, config, 4  # (a 4 x 4 patch grid, merged 2 x 2)
+
+
+def _idefics3():
+    import transformers as T
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+                  patch_size=4)  # fmt: skip
+    config = T.Idefics3Config(
+        vision_config=vision, text_config=T.LlamaConfig(**_TEXT), image_token_id=IMAGE, scale_factor=2
+    )
+    return T.Idefics3ForConditionalGeneration, config, 4  # (a 4 x 4 patch grid, folded 2 x 2)
+
+
+_BUILDERS = {
+    "llava": _llava, "gemma3": _gemma3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "mistral3": _mistral3,
+    "idefics3": _idefics3,
+}  # fmt: skip
 _GRID = ("qwen2_vl", "qwen2_5_vl")  # images as patch rows with a grid each, positions numbered from the grids
 _PAIRS: dict[str, tuple] = {}
 
@@ -115,7 +145,13 @@ def _prompt(family: str, per_image: int, images: int, text: int, seed: int, size
         kwargs["image_grid_thw"] = torch.tensor([grid] * images)
         kwargs["mm_token_type_ids"] = (ids == IMAGE).int()
         return kwargs
+    if family == "idefics3":  # (its processor: a text row's images, with the mask of their real pixels)
+        kwargs["pixel_values"] = torch.randn(1, images, 3, 16, 16, generator=g)
+        kwargs["pixel_attention_mask"] = torch.ones(1, images, 16, 16, dtype=torch.long)
+        return kwargs
     kwargs["pixel_values"] = torch.randn(images, 3, 16, 16, generator=g)
+    if family == "mistral3":  # (its processor: each image's size)
+        kwargs["image_sizes"] = torch.tensor([[16, 16]] * images)
     if (
         family == "gemma3"
     ):  # Gemma 3's processor marks the image tokens (its prefill attends within an image both ways)
@@ -253,7 +289,8 @@ def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
         strict=True, progress=False,
     )  # fmt: skip
     vision = {key[1] for key in report.graphs if key[0] in ("vision", "grid_vision")}
-    assert vision == {1, 2}
+    assert vision == ({1} if family == "idefics3" else {1, 2})  # (the pixels' first dim: Idefics3's is text rows)
+    assert len({key for key in report.graphs if key[0] in ("vision", "grid_vision")}) == 2 * len(sizes)
     prefills = [key for key in report.graphs if key[0].startswith("mm_prefill")]
     assert {key[2] for key in prefills} == ({32, 64} if family == "llava" else {16, 32, 64})  # (LLaVA: 17 per image)
     try:
