@@ -151,7 +151,8 @@ def _processor_pixels(model, batch: int, count: int, channels: int, height: int,
             "pixel_attention_mask": torch.ones(batch, count, height, width, dtype=torch.long),
         }
     pixels = torch.zeros(batch * count, channels, height, width)
-    if "image_sizes" not in params:
+    if "image_sizes" not in params or params["image_sizes"].default is not inspect.Parameter.empty:
+        # (LLaVA's encoder takes image_sizes optionally, for Pixtral towers; its processor returns none)
         return {"pixel_values": pixels}
     pinpoints = getattr(model.config, "image_grid_pinpoints", None)
     if pinpoints:  # (upstream's own count of the tiles its processor cuts an image of that size into)
