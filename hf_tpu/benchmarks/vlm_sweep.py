@@ -3,11 +3,17 @@ simulator)?
 
 For every model type of ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``, a tiny random model is built from its config
 class, shrunk by the causal-LM sweep's rules (:func:`hf_tpu.benchmarks._tiny_configs.tiny_config`; special-token ids
-past the shrunk vocabulary moved into it), one copy on the CPU and one on the simulated ``tpu`` after
-``hf_tpu.enable()``. The images are what a processor returns for the model's own vision size: ``pixel_values`` of
-shape ``(images, channels, image_size, image_size)``, and the prompt holds as many image tokens as the model's
-``get_image_features`` gives features (run once on the CPU). Greedy ``generate`` runs three calls against the CPU's:
-one image after five text tokens, two images, another image after nine text tokens. Per architecture:
+past the shrunk vocabulary moved into it; the vision fields linked to the shrunk text made consistent with it:
+``_consistent``), one copy on the CPU and one on the simulated ``tpu`` after ``hf_tpu.enable()``. The images are what
+the model's processor returns for images of its own vision size: ``pixel_values`` of shape
+``(images, channels, image_size, image_size)``; Qwen-VL's patch rows with ``image_grid_thw`` (2 x 2 merged patches);
+with ``image_sizes`` where the encoder takes them (LLaVA-NeXT's tiles of the vision size, one of the whole image
+first, ``(images, tiles, channels, size, size)``; Mistral 3's image of 4 x 4 merged patches); Idefics2's and
+Idefics3's unsplit images per text row, ``(1, images, channels, size, size)``, with ``pixel_attention_mask``
+(tests/transformers/test_vlm_sweep.py compares them with the families' own image processors). The prompt holds as
+many image tokens as the model's ``get_image_features`` gives features (run once on the CPU). Greedy ``generate``
+runs three calls against the CPU's: one image after five text tokens, two images, another image after nine text
+tokens. Per architecture:
 
 - *route*: the loop the calls take, from :func:`hf_tpu.transformers.explain` (with its reason when not hf_tpu's);
 - *identical*: the three generations token-identical to the CPU's;
@@ -20,8 +26,8 @@ one image after five text tokens, two images, another image after nine text toke
 Targets (:func:`hf_tpu.benchmarks.arch_sweep.misses`, the causal-LM sweep's): hf_tpu's loop, identical, 0 compiles,
 <= 4 new signatures, <= 1 copy each way per step.
 
-An architecture whose inputs the generic builder cannot make (no ``get_image_features``, a pixel layout other than
-``(images, channels, height, width)``, no image token) is a row saying so, counted apart from the buildable ones.
+An architecture whose inputs the builder cannot make (no ``get_image_features``, a pixel layout or encoder arguments
+other than those above, no image token) is a row saying so, counted apart from the buildable ones.
 Workers, timeouts and ``--rows``/``--resume`` are the causal-LM sweep's (:mod:`hf_tpu.benchmarks.arch_sweep`).
 ``--write-docs`` writes the table into docs/architectures.md (its section after the causal-LM table). Run::
 
@@ -96,14 +102,15 @@ def _consistent(config: Any) -> None:
             # left at 2048, a 224/16 image's 196 features became 6272 "tokens" of the shrunk 64-wide text
             holder.projection_dim = text.hidden_size
     rope = getattr(text, "rope_parameters", None)
-    # Qwen-VL's (ERNIE-VL's) multimodal rotary sections: a split of the rotary half (its modeling file's default
-    # when unset)
-    unset = next((v for k, v in _MROPE_SECTIONS.items() if k in config.model_type), None)
+    # multimodal rotary sections (Qwen-VL, ERNIE-VL, GLM-4V): a split of the rotary half (its modeling file's
+    # default when unset), scaled to the shrunk head's rotary half (its partial rotary share of it)
+    unset = _mrope_default(config) or next((v for k, v in _MROPE_SECTIONS.items() if k in config.model_type), None)
     sections = rope.get("mrope_section", unset) if isinstance(rope, dict) else None
-    half = (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) // 2
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    half = int(head * (rope.get("partial_rotary_factor") or 1.0) if isinstance(rope, dict) else head) // 2
     if isinstance(sections, list) and sections and sum(sections) != half:
         scaled = [max(1, sections[i] * half // sum(sections)) for i in range(len(sections) - 1)]
-        rope["mrope_section"] = [*scaled, half - sum(scaled)]
+        rope["mrope_section"] = [*scaled, max(0, half - sum(scaled))]
     vision = getattr(config, "vision_config", None)
     out = getattr(vision, "out_hidden_size", None)
     if isinstance(out, int) and out != text.hidden_size and text.hidden_size == SHRINK["hidden_size"]:
@@ -111,13 +118,45 @@ def _consistent(config: Any) -> None:
         # default, past any default width the shrink rules follow): the shrunk text width (a text left at its
         # defaults' size is not followed up)
         vision.out_hidden_size = text.hidden_size
+    pinpoints = getattr(config, "image_grid_pinpoints", None)
+    size = getattr(vision, "image_size", None)
+    if pinpoints and isinstance(size, int):
+        # LLaVA-NeXT's resolutions, multiples of its tile (the vision size: 336 by default, its checkpoints' CLIP) in
+        # pixels: the same multiples of the shrunk vision size (CLIP's default, 224), as its processor tiles by it
+        import math
+
+        unit = math.gcd(*(int(n) for pair in pinpoints for n in pair))
+        if unit != size:
+            config.image_grid_pinpoints = [[int(n) // unit * size for n in pair] for pair in pinpoints]
+    scale, patch = getattr(config, "scale_factor", None), getattr(vision, "patch_size", None)
+    if isinstance(scale, int) and isinstance(size, int) and isinstance(patch, int) and (size // patch) % scale:
+        # Idefics3's and SmolVLM's connector folds scale x scale patches into one token: their vision defaults (224
+        # pixels of 32) leave 7 patches a side, which no checkpoint has (Idefics3's: 364 of 14, 26 a side): the
+        # largest size under it whose side is a whole number of folds
+        vision.image_size = max(1, size // (patch * scale)) * patch * scale
     tokens = getattr(config, "mm_tokens_per_image", None)
-    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    size = getattr(vision, "image_size", None)
     if isinstance(tokens, int) and isinstance(size, int) and isinstance(patch, int):
         side = size // patch
         if side % max(int(tokens**0.5), 1) or int(tokens**0.5) > side:
             per_side = next(d for d in range(min(int(tokens**0.5), side), 0, -1) if side % d == 0 and d < side)
             config.mm_tokens_per_image = per_side * per_side
+
+
+def _mrope_default(config: Any) -> list[int] | None:
+    """The multimodal rotary sections the model's rotary embedding uses when its config sets none: the default its
+    modeling file passes to ``rope_parameters.get("mrope_section", ...)`` (None where it has none)."""
+    import ast
+    import inspect
+    import re
+    import sys
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
+    module = sys.modules.get(cls.__module__) if cls is not None else None
+    found = re.search(r'get\("mrope_section", (\[[\d, ]+\])\)', inspect.getsource(module)) if module else None
+    return list(ast.literal_eval(found.group(1))) if found else None
 
 
 def _grid_images(vision: Any, count: int, seed: int) -> dict:
@@ -140,8 +179,73 @@ def _images(config: Any, count: int, seed: int) -> tuple[dict, int | None]:
     vision = getattr(config, "vision_config", None)
     if hasattr(vision, "spatial_merge_size") and hasattr(vision, "temporal_patch_size"):  # (2 merged sides)
         return _grid_images(vision, count, seed), 2 * vision.spatial_merge_size * vision.patch_size
+    if "image_sizes" in _encoder_arguments(config):
+        return _sized_images(config, count, seed)
+    if "pixel_attention_mask" in _encoder_arguments(config, required=False):
+        return _masked_images(config, count, seed)
     pixels, size = _pixels(config, count, seed)
     return {"pixel_values": pixels}, size
+
+
+def _encoder_arguments(config: Any, required: bool = True) -> list[str]:
+    """The arguments (``required``: those without a default) of the image encoder (the model class's
+    ``get_image_features``) of ``config``."""
+    import inspect
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
+    fn = getattr(cls, "get_image_features", None)
+    if fn is None:
+        return []
+    params = inspect.signature(fn).parameters.values()
+    return [
+        p.name
+        for p in params
+        if (p.default is p.empty or not required) and p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "self"
+    ]
+
+
+def _masked_images(config: Any, count: int, seed: int) -> tuple[dict, int]:
+    """Idefics2's, Idefics3's and SmolVLM's processor output for ``count`` images of the vision size, not split into
+    tiles (its ``do_image_splitting=False``): one text row's images, ``(1, images, channels, size, size)``, and the
+    mask of their real pixels, ``(1, images, size, size)`` (all real: no padding at the vision size)."""
+    import torch
+
+    pixels, size = _pixels(config, count, seed)
+    mask = torch.ones(1, count, size, size, dtype=torch.long)
+    return {"pixel_values": pixels.unsqueeze(0), "pixel_attention_mask": mask}, size
+
+
+def _sized_images(config: Any, count: int, seed: int) -> tuple[dict, int]:
+    """The processor's output for ``count`` square images of the vision size, of a model that takes each image's size
+    (``image_sizes``, ``(images, 2)``: height, width). LLaVA-NeXT's (a config with ``image_grid_pinpoints``: any
+    resolution): each image resized to its best grid of vision-size tiles and cut into them after one tile of the
+    whole image, stacked as ``(images, tiles, channels, size, size)``, the tile count from upstream's
+    ``image_size_to_num_patches``; Mistral 3's (Pixtral's tower): ``(images, channels, height, width)``, of an image
+    of 4 x 4 merged patches (its processor keeps an image smaller than its largest size as it is)."""
+    import sys
+
+    import torch
+
+    pixels, size = _pixels(config, count, seed)
+    pinpoints = getattr(config, "image_grid_pinpoints", None)
+    vision = config.vision_config
+    merge = int(getattr(config, "spatial_merge_size", 1) or 1)
+    if not pinpoints and size > 4 * vision.patch_size * merge:
+        # (Pixtral's processor keeps an image under its largest size as it is, rounded up to whole merged patches:
+        # a small one of 4 x 4 merged patches)
+        size = 4 * vision.patch_size * merge
+        pixels = pixels[..., :size, :size].contiguous()
+    sizes = torch.tensor([[size, size]] * count)
+    if pinpoints:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+        module = sys.modules[MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)].__module__]
+        tiles = module.image_size_to_num_patches(image_size=(size, size), grid_pinpoints=pinpoints, patch_size=size)
+        g = torch.Generator().manual_seed(seed)
+        pixels = torch.randn(count, tiles, *pixels.shape[1:], generator=g)
+    return {"pixel_values": pixels, "image_sizes": sizes}, size
 
 
 def _pixels(config: Any, count: int, seed: int):
@@ -176,10 +280,11 @@ def _inputs(model: Any, tokens: int, count: int, text: int, seed: int) -> dict:
     start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
     if isinstance(start, int) and isinstance(end, int):  # Qwen-VL's processor puts each image between these
         one = torch.cat([torch.tensor([[start]]), one, torch.tensor([[end]])], dim=1)
-    ids = torch.cat(
-        [torch.randint(3, 60, (1, text), generator=g), *[one] * count, torch.randint(3, 60, (1, 3), generator=g)],
-        dim=1,
-    )
+    before, after = torch.randint(3, 60, (1, text), generator=g), torch.randint(3, 60, (1, 3), generator=g)
+    special = [v for k, v in vars(config).items() if k.endswith(("_token_id", "_token_index")) and isinstance(v, int)]
+    for part in (before, after):  # (text, not a special token: Mistral 3's image token is 10)
+        part[torch.isin(part, torch.tensor(special))] = min(set(range(3, 60)) - set(special))
+    ids = torch.cat([before, *[one] * count, after], dim=1)
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **_images(config, count, seed)[0]}
     if _takes_token_types(model):  # Gemma 3's processor marks the image tokens
         kwargs["token_type_ids"] = (ids == image).long()
@@ -402,7 +507,9 @@ def markdown(figures: dict) -> str:
         "image-text-to-text architecture of the installed transformers (`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING`), a tiny",
         "random model built from its config class with the causal-LM sweep's rules (special-token ids past the",
         "shrunk vocabulary moved into it), on the CPU and on the simulated `tpu` after `hf_tpu.enable()`; images as",
-        "`pixel_values` of the model's own vision size `(images, channels, size, size)` and as many image tokens as",
+        "its processor returns them for its own vision size (`pixel_values` `(images, channels, size, size)`; Qwen-VL's",
+        "patch rows and grids; LLaVA-NeXT's tiles and Mistral 3's small image with `image_sizes`; Idefics2/3's",
+        "per text row with `pixel_attention_mask`) and as many image tokens as",
         "its `get_image_features` gives features. Greedy `generate` of "
         f"{_new_tokens(figures)} tokens: one image, two images, another image with a longer prompt; *identical*: all",
         "three equal the CPU's. *compiles* and *new signatures* (new eager op shapes): the most of the second and",

@@ -36,6 +36,7 @@ __all__ = [
     "image_inputs",
     "images_problem",
     "mrope_rows",
+    "numbers_from_images",
     "video_inputs",
 ]
 
@@ -95,6 +96,17 @@ def takes_grid(model) -> bool:
     return "image_grid_thw" in params and not grid_tower(model)
 
 
+def numbers_from_images(model) -> bool:
+    """Whether ``model`` numbers its positions from its images (multimodal rotary positions: a ``get_rope_index``
+    over the images' grids, Qwen2-VL's to Qwen3-VL's, or a forward taking ``rope_deltas``)."""
+    forward = getattr(model, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        params = {}
+    return hasattr(model.base_model, "get_rope_index") or "rope_deltas" in params
+
+
 def mrope_rows(model) -> int:
     """How many rows of positions the model's rotary embedding reads (3 for the multimodal rotary positions of
     Qwen2-VL and Qwen2.5-VL, whose ``generate`` numbers every call's prompt, with or without images, in three rows);
@@ -118,11 +130,10 @@ def images_problem(model, model_kwargs: dict) -> str | None:
     name = type(model).__name__
     if "image" not in getattr(model, "input_modalities", ()) or not model._supports_mm_encoder_outputs():
         return f"images: {name}'s forward takes no pre-encoded images (mm_encoder_outputs)"
-    base = model.base_model
     grid = grid_model(model)
     if grid and model_kwargs.get("image_grid_thw") is None:
         return f"images: {name} takes its images' grid (image_grid_thw) with them, and the call gave none"
-    if not grid and (hasattr(base, "get_rope_index") or "rope_deltas" in inspect.signature(model.forward).parameters):
+    if not grid and numbers_from_images(model):
         return (
             f"images: {name} numbers its positions from the images (multimodal rotary positions, get_rope_index over "
             f"the image grid), which the bucketed loop builds for {', '.join(_GRID_MODELS)} only"
@@ -133,6 +144,13 @@ def images_problem(model, model_kwargs: dict) -> str | None:
     if video:
         return f"videos ({', '.join(video)}) are not supported by the bucketed loop yet"
     return None
+
+
+# Image inputs that give each image's size in pixels (LLaVA-NeXT's and Mistral 3's ``image_sizes``, ``(images, 2)``):
+# the encoder shapes its tensors by their values (tiles per image, the unpadded feature grid, the crop of each image),
+# which a compiled graph cannot read from a tensor; handed over as host integers (as upstream's helpers accept them)
+# they are constants of the vision graph, keyed by them.
+_SIZES = ("image_sizes",)
 
 
 def encode_images(model, state, model_kwargs: dict, run) -> dict:
@@ -148,9 +166,12 @@ def encode_images(model, state, model_kwargs: dict, run) -> dict:
     inputs = {}
     grid = kwargs.pop("image_grid_thw", None) if takes_grid(model) else None
     for name in names:
-        if name != "image_grid_thw" or grid is None:
-            value = kwargs.pop(name)
-            inputs[name] = value.to(model.device) if isinstance(value, torch.Tensor) else value
+        if name == "image_grid_thw" and grid is not None:  # (popped above: the graph's constants)
+            continue
+        value = kwargs.pop(name)
+        if name in _SIZES and isinstance(value, torch.Tensor):
+            value = value.tolist()  # (host integers: constants of the graph, which its key names)
+        inputs[name] = value.to(model.device) if isinstance(value, torch.Tensor) else value
     shapes = tuple(
         (name, tuple(v.shape)) if isinstance(v, torch.Tensor) else (name, repr(v)) for name, v in inputs.items()
     )

@@ -3,7 +3,9 @@
 
 Images: per batch size, image count and pixel size, the vision graph (:func:`hf_tpu.transformers._images.encode_images`
 on zero pixels of shape ``(batch * images, channels, height, width)``, the layout LLaVA's, Gemma 3's and PaliGemma's
-processors return; Qwen2-VL's and Qwen2.5-VL's patch rows and grids for images of that size), then, for every warmed
+processors return, with the images' sizes where the encoder takes them (Mistral 3's, LLaVA-NeXT's tiles); per text row
+with the mask of real pixels for Idefics2's and Idefics3's; Qwen2-VL's and Qwen2.5-VL's patch rows and grids for
+images of that size), then, for every warmed
 prompt bucket that holds the images' tokens, the ``mm_prefill`` graph (the model's forward merging those features,
 keyed by their shape) and the decode graph of that cache, on dummy ids whose image tokens match the features, as
 :func:`hf_tpu.transformers._loops.cached.decode_loop` runs them (with three rows of positions for Qwen-VL's).
@@ -77,7 +79,7 @@ def warm_images(
     if _images.grid_tower(model) or _images.takes_grid(model):
         kwargs = _grid_pixels(model, batch * count, height, width)
     else:
-        kwargs = {"pixel_values": torch.zeros(batch * count, channels, height, width)}
+        kwargs = _processor_pixels(model, batch, count, channels, height, width)
     if not _images.image_inputs(model, kwargs):
         raise NotCompilableError(
             f"hf_tpu.warmup cannot warm the images of {type(model).__name__}: its image encoder takes no pixel_values "
@@ -130,6 +132,37 @@ def warm_images(
             cache.reset()
             keys += [prefill_key, decode_key]
     return keys
+
+
+def _processor_pixels(model, batch: int, count: int, channels: int, height: int, width: int) -> dict:
+    """What the model's processor returns for ``count`` images of ``height`` x ``width`` pixels per row of ``batch``,
+    in the layout its image encoder (``get_image_features``) takes: ``(images, channels, height, width)``; with each
+    image's size (``image_sizes``: Mistral 3's, and LLaVA-NeXT's whose images are tiles of the vision size, one of the
+    whole image first, ``(images, tiles, channels, size, size)``); per text row with the mask of real pixels
+    (``pixel_attention_mask``: Idefics2's, Idefics3's, ``(rows, images, channels, height, width)``, pixels of one, as
+    their encoder drops all-zero images as padding)."""
+    import sys
+
+    import torch
+
+    params = inspect.signature(_images._encoder_fn(model)).parameters
+    if "pixel_attention_mask" in params:
+        return {
+            "pixel_values": torch.ones(batch, count, channels, height, width),
+            "pixel_attention_mask": torch.ones(batch, count, height, width, dtype=torch.long),
+        }
+    pixels = torch.zeros(batch * count, channels, height, width)
+    if "image_sizes" not in params or params["image_sizes"].default is not inspect.Parameter.empty:
+        # (LLaVA's encoder takes image_sizes optionally, for Pixtral towers; its processor returns none)
+        return {"pixel_values": pixels}
+    pinpoints = getattr(model.config, "image_grid_pinpoints", None)
+    if pinpoints:  # (upstream's own count of the tiles its processor cuts an image of that size into)
+        tile = int(model.config.vision_config.image_size)
+        tiles = sys.modules[type(model).__module__].image_size_to_num_patches(
+            image_size=(height, width), grid_pinpoints=pinpoints, patch_size=tile
+        )
+        pixels = torch.zeros(batch * count, tiles, channels, tile, tile)
+    return {"pixel_values": pixels, "image_sizes": torch.tensor([[height, width]] * (batch * count))}
 
 
 def _grid_pixels(model, images: int, height: int, width: int) -> dict:

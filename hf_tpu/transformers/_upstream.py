@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 
-from hf_tpu.transformers._images import grid_model, image_inputs
+from hf_tpu.transformers._images import grid_model, image_inputs, numbers_from_images
 from hf_tpu.transformers._settings import DEVICE_TYPES
 from hf_tpu.transformers._signatures import CACHE_NAMES
 
@@ -94,8 +94,11 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
     extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS - set(PROMPT_INPUTS) - set(_OUTPUT_FLAGS)
     if model.config.is_encoder_decoder:
         extra -= {"decoder_input_ids", encoder_input_name(model)}
-    extra -= set(image_inputs(model, model_kwargs))  # (route.py says whether the cached loop takes them)
-    if grid_model(model):  # (upstream's generate numbers the prompt's positions from them, on the host)
+    images = image_inputs(model, model_kwargs)
+    extra -= set(images)  # (route.py says whether the cached loop takes them)
+    if grid_model(model) or (images and numbers_from_images(model)):
+        # (upstream's generate numbers the prompt's positions from them, on the host; for a model whose images the
+        # loop does not number, route.py says why with the images)
         extra -= {"mm_token_type_ids", "image_grid_thw"}
     extra = {k for k in extra if model_kwargs[k] is not None}
     if extra:

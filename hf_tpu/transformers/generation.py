@@ -241,14 +241,15 @@ def _float_inputs_on_device(model, args: tuple, kwargs: dict) -> tuple[tuple, di
     of the image and video encoders: Qwen2-VL's ``image_grid_thw``, ``video_grid_thw``) moved to the TPU
     for upstream's loop, wherever the caller left them: upstream hands them to the encoder or vision tower as they
     are (which refuses host tensors against TPU weights), where the token ids, masks and positions stay on the host
-    and its ``prepare_inputs_for_generation`` moves them each step. A grid model's call with images or videos
-    (Qwen2-VL) has all its tensors moved: upstream numbers its positions from the ids and the grids together
-    (``get_rope_index``), so they must share a device (the result then comes back on the TPU)."""
+    and its ``prepare_inputs_for_generation`` moves them each step. The call with images or videos of a model that
+    numbers its positions from them (Qwen2-VL to Qwen3-VL) has all its tensors moved: upstream numbers its positions
+    from the ids and the grids together (``get_rope_index``), so they must share a device (the result then comes
+    back on the TPU)."""
     import torch
 
     # with the integer ones the image and video encoders read (grids, sizes)
     images = set(_images.image_inputs(model, kwargs)) | set(_images.video_inputs(model, kwargs))
-    everything = bool(images) and _images.grid_model(model)
+    everything = bool(images) and _images.numbers_from_images(model)
 
     def moved(value, name=None):
         if not isinstance(value, torch.Tensor) or value.device == model.device:

@@ -4,8 +4,10 @@ then the text loop's decode steps; pixel inputs left on the host. Qwen2-VL and Q
 keyed by the grids, the prompt's three rows of multimodal rotary positions (upstream's, computed on the host) packed
 with the ids; EXAONE 4.5: Qwen2.5-VL's tower keyed by the grids before a text of one row of positions. LFM3-VL and
 HyperCLOVA X Vision V2: patch rows and a grid per image too, the grid's values constants of the vision graph,
-positions in one row. Tiny LLaVA-, Gemma 3-, Qwen2-VL-, Qwen2.5-VL-, EXAONE 4.5-, LFM3-VL- and HyperCLOVA X Vision
-V2-shaped models built from their configs, compared with the same model's greedy generate on the CPU."""
+positions in one row. Mistral 3: each image's size (``image_sizes``) with it, host integers in the vision graph.
+Idefics3: a text row's images ``(1, images, ...)`` with ``pixel_attention_mask``. Tiny LLaVA-, Gemma 3-, Qwen2-VL-,
+Qwen2.5-VL-, EXAONE 4.5-, LFM3-VL-, HyperCLOVA X Vision V2-, Mistral 3- and Idefics3-shaped models built from their
+configs, compared with the same model's greedy generate on the CPU."""
 
 from __future__ import annotations
 
@@ -119,9 +121,35 @@ def _hyperclovax_vision_v2():
     return T.HyperCLOVAXVisionV2ForConditionalGeneration, config, 4
 
 
+def _mistral3():
+    import transformers as T
+
+    vision = T.PixtralVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8, image_size=16,
+        patch_size=4,
+    )  # fmt: skip
+    config = T.Mistral3Config(
+        vision_config=vision, text_config=T.MistralConfig(**_TEXT), image_token_index=IMAGE, spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )  # fmt: skip
+    return T.Mistral3ForConditionalGeneration, config, 4  # (a 4 x 4 patch grid, merged 2 x 2)
+
+
+def _idefics3():
+    import transformers as T
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+                  patch_size=4)  # fmt: skip
+    config = T.Idefics3Config(
+        vision_config=vision, text_config=T.LlamaConfig(**_TEXT), image_token_id=IMAGE, scale_factor=2
+    )
+    return T.Idefics3ForConditionalGeneration, config, 4  # (a 4 x 4 patch grid, folded 2 x 2)
+
+
 _BUILDERS = {
     "llava": _llava, "gemma3": _gemma3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "exaone4_5": _exaone4_5,
-    "lfm3_vl": _lfm3_vl, "hyperclovax_vision_v2": _hyperclovax_vision_v2,
+    "lfm3_vl": _lfm3_vl, "hyperclovax_vision_v2": _hyperclovax_vision_v2, "mistral3": _mistral3,
+    "idefics3": _idefics3,
 }  # fmt: skip
 _GRID = ("qwen2_vl", "qwen2_5_vl")  # images as patch rows with a grid each, positions numbered from the grids
 _GRID_IMAGES = (*_GRID, "exaone4_5")  # images as patch rows with a grid each (EXAONE 4.5: one row of positions)
@@ -165,7 +193,13 @@ def _prompt(family: str, per_image: int, images: int, text: int, seed: int, size
         if family in _GRID:
             kwargs["mm_token_type_ids"] = (ids == IMAGE).int()
         return kwargs
+    if family == "idefics3":  # (its processor: a text row's images, with the mask of their real pixels)
+        kwargs["pixel_values"] = torch.randn(1, images, 3, 16, 16, generator=g)
+        kwargs["pixel_attention_mask"] = torch.ones(1, images, 16, 16, dtype=torch.long)
+        return kwargs
     kwargs["pixel_values"] = torch.randn(images, 3, 16, 16, generator=g)
+    if family == "mistral3":  # (its processor: each image's size)
+        kwargs["image_sizes"] = torch.tensor([[16, 16]] * images)
     if (
         family == "gemma3"
     ):  # Gemma 3's processor marks the image tokens (its prefill attends within an image both ways)
@@ -267,6 +301,30 @@ def test_qwen2_vl_video_runs_upstream_naming_the_inputs():
     assert torch.equal(got.cpu(), _generate(cpu, kwargs, 4))
 
 
+def test_qwen3_vl_images_run_upstream_naming_the_positions_and_equal_cpu_from_host_inputs():
+    """Qwen3-VL numbers its positions from the image grids too (its own get_rope_index), with the images' features
+    also added into early decoder layers (deepstack), which the loop does not build: upstream's loop runs the call,
+    explain names the positions, and the inputs left on the host (ids, grid, token types) reach upstream's
+    get_rope_index on one device."""
+    import transformers as T
+
+    vision = dict(_QWEN_VISION, intermediate_size=64, out_hidden_size=32, num_position_embeddings=16)
+    vision["deepstack_visual_indexes"] = [0]  # (the first block's features added into the first decoder layer)
+    config = T.Qwen3VLConfig(text_config=dict(_QWEN_TEXT, head_dim=8), vision_config=vision, **_QWEN_TOKENS)
+    torch.manual_seed(0)
+    cpu = T.Qwen3VLForConditionalGeneration(config).eval()
+    tpu = T.Qwen3VLForConditionalGeneration(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    tpu.to("tpu")
+    kwargs = _prompt("qwen2_vl", 4, images=2, text=5, seed=3)  # (Qwen3-VL's processor makes the same layout)
+    route = explain(tpu, **kwargs, max_new_tokens=4)
+    assert route.loop == "upstream" and "get_rope_index" in route.reason, route
+    generation.WARNED.clear()
+    with pytest.warns(UserWarning, match="get_rope_index"):
+        got = _generate(tpu, kwargs, 4)
+    assert torch.equal(got.cpu(), _generate(cpu, kwargs, 4))
+
+
 def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
     """``hf_tpu.warmup(image_sizes=..., num_images=...)``: the vision graph per image count and pixel shape, and the
     image prefill and decode graphs of every warmed bucket holding the images' tokens; afterwards (strict mode: a
@@ -279,7 +337,8 @@ def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
         strict=True, progress=False,
     )  # fmt: skip
     vision = {key[1] for key in report.graphs if key[0] in ("vision", "grid_vision")}
-    assert vision == {1, 2}
+    assert vision == ({1} if family == "idefics3" else {1, 2})  # (the pixels' first dim: Idefics3's is text rows)
+    assert len({key for key in report.graphs if key[0] in ("vision", "grid_vision")}) == 2 * len(sizes)
     prefills = [key for key in report.graphs if key[0].startswith("mm_prefill")]
     assert {key[2] for key in prefills} == ({32, 64} if family == "llava" else {16, 32, 64})  # (LLaVA: 17 per image)
     try:

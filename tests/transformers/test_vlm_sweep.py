@@ -99,3 +99,81 @@ def test_each_sweep_rewrites_its_own_part_of_the_page(tmp_path, monkeypatch):
     text = page.read_text()
     assert "old causal table" not in text and "| llama | " in text
     assert text.endswith(f"\n{vlm_sweep.SECTION}\n\nrun 2\n") and text.count(vlm_sweep.SECTION) == 1
+
+
+def _image(height: int, width: int, seed: int):
+    import numpy as np
+
+    return (np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8)
+
+
+def _processed(arch: str, config, size: int, count: int) -> dict:
+    """The model family's own image processor (its PIL backend, built locally) on ``count`` random images of
+    ``size`` pixels a side, set as its checkpoints' processors are for the shrunk config."""
+    import transformers as T
+
+    images = [_image(size, size, seed) for seed in range(count)]
+    vision = config.vision_config
+    if arch in ("qwen3_vl", "qwen3_5"):
+        merge = vision.spatial_merge_size
+        p = T.Qwen2VLImageProcessorPil(
+            patch_size=vision.patch_size, merge_size=merge, temporal_patch_size=vision.temporal_patch_size,
+            min_pixels=size * size, max_pixels=size * size,
+        )  # fmt: skip
+        return dict(p(images=images, return_tensors="pt"))
+    if arch == "llava_next":
+        p = T.LlavaNextImageProcessorPil(
+            size={"shortest_edge": vision.image_size}, image_grid_pinpoints=config.image_grid_pinpoints,
+            crop_size={"height": vision.image_size, "width": vision.image_size},
+        )  # fmt: skip
+        return dict(p(images=images, return_tensors="pt"))
+    if arch == "mistral3":
+        merged = vision.patch_size * config.spatial_merge_size  # (its processor's patch: merged patches)
+        p = T.PixtralImageProcessorPil(patch_size={"height": merged, "width": merged}, size={"longest_edge": 1024})
+        return dict(p(images=images, return_tensors="pt"))
+    cls = T.Idefics3ImageProcessorPil if arch == "idefics3" else T.Idefics2ImageProcessorPil
+    edge = {"longest_edge": size} if arch == "idefics3" else {"longest_edge": size, "shortest_edge": size}
+    extra = {"max_image_size": {"longest_edge": size}} if arch == "idefics3" else {}
+    p = cls(do_image_splitting=False, size=edge, **extra)
+    return dict(p(images=[images], return_tensors="pt"))  # (one text row's images)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5", "llava_next", "mistral3", "idefics2", "idefics3"])
+def test_stand_in_images_are_shaped_as_the_models_processor_makes_them_and_the_cpu_model_takes_them(arch):
+    """The sweep's processor stand-in for the families it widened to: the same inputs (names, shapes, dtypes) as the
+    family's own image processor returns for images of the stand-in's size, and the tiny model's forward on the CPU
+    takes the prompt built around them (one image token per feature: upstream raises otherwise) with the processor's
+    pixels in place of the stand-in's equally."""
+    import torch
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    from hf_tpu.benchmarks._tiny_configs import tiny_config
+
+    config = tiny_config(arch)
+    vlm_sweep._small_token_ids(config)
+    vlm_sweep._consistent(config)
+    text = config.get_text_config(decoder=True)
+    if arch.startswith("qwen3"):  # (the merger projects into the text's width; the rotary sections fill its half)
+        assert config.vision_config.out_hidden_size == text.hidden_size
+        rope = text.rope_parameters
+        rotary = int(text.head_dim * (rope.get("partial_rotary_factor") or 1.0))
+        assert sum(rope["mrope_section"]) == rotary // 2
+    images, size = vlm_sweep._images(config, 2, 0)
+    processed = _processed(arch, config, size or 2 * config.vision_config.spatial_merge_size
+                           * config.vision_config.patch_size, 2)  # fmt: skip
+    assert set(images) == set(processed) - {"num_patches"}, (sorted(images), sorted(processed))
+    for name, value in images.items():
+        assert value.shape == processed[name].shape and value.dtype == processed[name].dtype, name
+        if not value.is_floating_point():  # (sizes, grids, masks: the same values)
+            assert torch.equal(value, processed[name]), name
+    torch.manual_seed(0)
+    model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]._from_config(config).eval()
+    with torch.no_grad():
+        encoded = model.base_model.get_image_features(**vlm_sweep._images(config, 1, 0)[0], return_dict=True)
+        tokens = vlm_sweep._feature_tokens(model, encoded)
+        prompt = vlm_sweep._inputs(model, tokens, 2, 5, 0)
+        assert int((prompt["input_ids"] == vlm_sweep._image_token(config)).sum()) == 2 * tokens
+        ours = model(**prompt).logits
+        theirs = model(**{**prompt, "pixel_values": processed["pixel_values"]}).logits
+    assert ours.shape == theirs.shape == (1, prompt["input_ids"].shape[1], text.vocab_size)
+    assert not torch.equal(ours, theirs)  # (the pixels reach the logits: the images were merged, not dropped)
