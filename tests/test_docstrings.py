@@ -62,12 +62,7 @@ ALLOWED: dict[tuple[str, str], str] = {
 
 # Entries still to do, each with why it is not done yet. test_pending_entries_still_fail makes sure an entry leaves
 # this list once its docstring is fixed.
-PENDING: dict[tuple[str, str], str] = {
-    ("hf_tpu.transformers", "Route"): (
-        "hf_tpu/transformers/_settings.py is being edited by other helpers in session 45; Route's fields are "
-        "described in its prose and move under Attributes: after their merge"
-    ),
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 SECTION = re.compile(r"^(\w[\w ]*):\s*$")
 

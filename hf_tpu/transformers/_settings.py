@@ -57,14 +57,17 @@ LOOPS = (CACHED, HOST_LENGTH, CACHELESS, UPSTREAM)
 
 @dataclass(frozen=True)
 class Route:
-    """How ``generate`` runs (:func:`hf_tpu.transformers.explain`): ``loop`` (one of ``"cached"``,
-    ``"host_length"``, ``"cacheless"``, ``"upstream"``), ``reason`` (why not the cached loop; None for it),
-    ``warn`` (whether ``generate`` says the reason once in a warning: a cost on a TPU the caller should know).
+    """How ``generate`` runs (:func:`hf_tpu.transformers.explain`), decided once per model and demoted in one place.
 
-    ``without_cache``: why hf_tpu's loop without a cache cannot serve the model (None: it can, or it was not
-    needed yet; ``without_cache_checked`` tells which), kept with the route as it is checked once per model.
-    ``host_sampling`` (from :func:`~hf_tpu.transformers.explain` only): why the call's logits processors and
-    sampling run on the host, one logits row copied back per step (None: in the graph).
+    Attributes:
+        loop: one of ``"cached"``, ``"host_length"``, ``"cacheless"``, ``"upstream"``.
+        reason: why not the cached loop; None for it.
+        warn: whether ``generate`` says the reason once in a warning (a cost on a TPU the caller should know).
+        without_cache: why hf_tpu's loop without a cache cannot serve the model (None: it can, or it was not needed
+            yet; ``without_cache_checked`` tells which), kept with the route as it is checked once per model.
+        without_cache_checked: whether ``without_cache`` has been decided.
+        host_sampling: (from :func:`~hf_tpu.transformers.explain` only) why the call's logits processors and
+            sampling run on the host, one logits row copied back per step (None: in the graph).
     """
 
     loop: str
