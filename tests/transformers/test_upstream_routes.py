@@ -44,16 +44,20 @@ def test_a_model_with_its_own_cache_and_inputs_preparation_runs_upstream_for_its
     _generate_like_cpu(cpu, tpu, [prompts([5])[0]], "XLNetLMHeadModel: it keeps its own cache type")
 
 
-def test_a_model_with_no_graph_in_any_form_runs_upstream_with_every_reason(prompts, from_config):
-    # CPM-Ant branches on its cache length and re-reads the whole sequence each step (no graph with a cache, even
-    # with the length as a host int), and its outputs on a sequence change with the tokens after it
+def _cpmant(from_config):
     from transformers import CpmAntConfig, CpmAntForCausalLM
 
     config = CpmAntConfig(
         vocab_size=96, hidden_size=32, num_attention_heads=2, dim_head=16, dim_ff=64, num_hidden_layers=1,
         prompt_length=4, prompt_types=3, segment_types=4, position_bias_num_buckets=16, position_bias_max_distance=64,
     )  # fmt: skip
-    cpu, tpu = from_config(CpmAntForCausalLM, config)
+    return from_config(CpmAntForCausalLM, config)
+
+
+def test_a_model_with_no_graph_in_any_form_runs_upstream_with_every_reason(prompts, from_config):
+    # CPM-Ant branches on its cache length and re-reads the whole sequence each step (no graph with a cache, even
+    # with the length as a host int), and its outputs on a sequence change with the tokens after it
+    cpu, tpu = _cpmant(from_config)
     generation.WARNED.clear()
     kw = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0, "max_new_tokens": 4}
     ids = prompts([5])[0]
@@ -77,13 +81,7 @@ def test_warmup_first_of_a_model_whose_forward_does_not_trace_demotes_it_and_ret
     # the same CPM-Ant (its forward branches on its cache length), warmed before any call: warm-up demotes it down
     # the routes as generate would (host length, then without a cache, then upstream's loop), warns once with the
     # reason and returns; explain then says so, and generate runs upstream's loop without warning again
-    from transformers import CpmAntConfig, CpmAntForCausalLM
-
-    config = CpmAntConfig(
-        vocab_size=96, hidden_size=32, num_attention_heads=2, dim_head=16, dim_ff=64, num_hidden_layers=1,
-        prompt_length=4, prompt_types=3, segment_types=4, position_bias_num_buckets=16, position_bias_max_distance=64,
-    )  # fmt: skip
-    cpu, tpu = from_config(CpmAntForCausalLM, config)
+    cpu, tpu = _cpmant(from_config)
     generation.WARNED.clear()
     assert explain(tpu).loop == "cached"  # (what can be checked before a trace finds nothing)
     with pytest.warns(UserWarning, match=r"at modeling_cpmant\.py.*no graph to compile") as w:
