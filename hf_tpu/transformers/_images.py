@@ -179,7 +179,8 @@ def encode_images(model, state, model_kwargs: dict, run) -> dict:
     if grid is not None:  # the grid's values: constants of the graph (keyed by them), with what upstream reads of them
         constants = grid_constants(model, grid)
         key = ("vision", len(constants["image_grid_thw"]), shapes, constants["image_grid_thw"])  # (per image count)
-        args = (inputs, constants, _window_inputs(model, grid))
+        tower = next((m for m in model.base_model.children() if hasattr(m, "window_size")), None)
+        args = (inputs, constants, _window_inputs(tower, grid, model.device))
     else:
         args = (inputs,)
     with torch.no_grad():
@@ -241,12 +242,7 @@ def grid_inputs(model, grid) -> dict:
         "position_ids": vision_utils.get_vision_position_ids(grid, merge).to(model.device),
         "cu_seqlens": Bounds(vision_utils.get_vision_cu_seqlens(grid).tolist()),
     }
-    if hasattr(visual, "window_size"):
-        index, window_bounds = vision_utils.get_vision_window_index(
-            grid, spatial_merge_size=merge, window_size=visual.window_size, patch_size=visual.patch_size
-        )
-        inputs["window_index"] = index.to(model.device)
-        inputs["cu_window_seqlens"] = Bounds(window_bounds.tolist())
+    inputs.update(_window_inputs(visual, grid, model.device))
     return inputs
 
 
@@ -264,21 +260,19 @@ def grid_constants(model, grid) -> dict:
     }
 
 
-def _window_inputs(model, grid) -> dict:
-    """A windowed vision tower's precomputed window order (on the device) and windows' bounds (as :class:`Bounds`),
-    computed on the host with upstream's ``get_vision_window_index`` (Qwen2.5-VL's tower, which HyperCLOVA X Vision
-    V2 uses); empty for a tower without windows."""
+def _window_inputs(tower, grid, device) -> dict:
+    """A windowed vision tower's precomputed window order (on ``device``) and windows' bounds (as :class:`Bounds`),
+    computed on the host with upstream's ``get_vision_window_index`` (Qwen2.5-VL's tower, which EXAONE 4.5 and
+    HyperCLOVA X Vision V2 use); empty for a tower without windows (or none)."""
     from transformers import vision_utils
 
-    tower = next((m for m in model.base_model.children() if hasattr(m, "window_size") and hasattr(m, "patch_size")),
-                 None)  # fmt: skip
-    if tower is None:
+    if tower is None or not hasattr(tower, "window_size"):
         return {}
     index, bounds = vision_utils.get_vision_window_index(
-        grid.to("cpu").long(), spatial_merge_size=tower.spatial_merge_size, window_size=tower.window_size,
+        grid.to("cpu").long(), spatial_merge_size=int(tower.spatial_merge_size), window_size=tower.window_size,
         patch_size=tower.patch_size,
     )  # fmt: skip
-    return {"window_index": index.to(model.device), "cu_window_seqlens": Bounds(bounds.tolist())}
+    return {"window_index": index.to(device), "cu_window_seqlens": Bounds(bounds.tolist())}
 
 
 def _encode_grid_images(model, state, model_kwargs: dict, run) -> dict:
