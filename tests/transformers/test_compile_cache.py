@@ -45,9 +45,11 @@ def _worker(model_dir: Path, cache_dir: Path, *flags: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TPU_SIMULATE", compile_cache.ENV)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    # (prompts up to 16 tokens: the worker's generate, 13 tokens, takes bucket 16; the default 20 would warm up
+    # bucket 32's two graphs too, compiled in the first process and loaded in each other one, used by neither)
     proc = subprocess.run(
-        [sys.executable, str(WORKER), str(model_dir), str(cache_dir), *flags], env=env, capture_output=True,
-        text=True, check=False,
+        [sys.executable, str(WORKER), str(model_dir), str(cache_dir), "--max-prompt-len=16", *flags], env=env,
+        capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
