@@ -1,8 +1,9 @@
 """Run by ``hf-tpu launch --simulate`` from tests/distributed: one rank of a tensor-parallel check.
 
 ``python _tp_worker.py OUT_DIR TP_SIZE MODEL_DIR...``. Each rank loads every model twice on its own simulated
-``tpu:0``: as the TP=1 reference (no distributed config) and sharded with ``DistributedConfig(tp_size=TP_SIZE)``,
-runs a forward and a greedy static-cache generation with both, and writes what it saw to
+``tpu:0``: as the TP=1 reference (no distributed config; once per model, shared by the checks that load it sharded
+again) and sharded with ``DistributedConfig(tp_size=TP_SIZE)``, runs a forward and a greedy static-cache generation
+with both, and writes what it saw to
 ``OUT_DIR/rank{RANK}.json``; the test asserts on those files. Extra checks named in ``HF_TPU_TP_CHECKS``
 (comma-separated) exercise collectives, user plan overrides and the errors for impossible requests.
 """
@@ -40,17 +41,31 @@ result: dict = {
 ids = torch.tensor([[1, 5, 9, 23, 77, 3, 41]])
 
 
+gen_kwargs = {"max_new_tokens": 6, "do_sample": False, "cache_implementation": "static"}
+# model dir -> the TP=1 reference's logits, greedy tokens and input embedding (on this rank's tpu:0): the same for
+# every sharded load of that model, computed once (a reference model's generate compiles its own graphs)
+references: dict[str, tuple] = {}
+
+
+def reference(path: str) -> tuple:
+    if path not in references:
+        ref = AutoModelForCausalLM.from_pretrained(path).to("tpu")
+        x = ids.to("tpu")
+        with torch.no_grad():
+            ref_logits = ref(x).logits.cpu()
+        ref_tokens = ref.generate(x, **gen_kwargs).cpu()
+        references[path] = ref_logits, ref_tokens, ref.get_input_embeddings().weight.cpu()
+    return references[path]
+
+
 def run_model(path: str, **load_kwargs) -> dict:
-    ref = AutoModelForCausalLM.from_pretrained(path).to("tpu")
+    ref_logits, ref_tokens, ref_embedding = reference(path)
     model = AutoModelForCausalLM.from_pretrained(
         path, distributed_config=DistributedConfig(tp_size=tp_size, **load_kwargs)
     )
     x = ids.to("tpu")
     with torch.no_grad():
-        ref_logits = ref(x).logits.cpu()
         logits = model(x).logits
-    gen_kwargs = {"max_new_tokens": 6, "do_sample": False, "cache_implementation": "static"}
-    ref_tokens = ref.generate(x, **gen_kwargs).cpu()
     tokens = model.generate(x, **gen_kwargs)
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     full_emb = emb.full_tensor() if hasattr(emb, "full_tensor") else emb
@@ -68,7 +83,7 @@ def run_model(path: str, **load_kwargs) -> dict:
         "tokens": tokens.cpu().tolist(),
         "ref_tokens": ref_tokens.tolist(),
         "tied": head is emb,
-        "embedding_equal_ref": torch.equal(full_emb.cpu(), ref.get_input_embeddings().weight.cpu()),
+        "embedding_equal_ref": torch.equal(full_emb.cpu(), ref_embedding),
         "fixes": [f.kind for f in getattr(model, "_hf_tpu_tp_fixes", [])],
         "placements": placements,
     }
