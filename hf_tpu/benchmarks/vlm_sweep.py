@@ -93,8 +93,8 @@ def _consistent(config: Any) -> None:
     """Fields the shrunk vision tower must agree with: Gemma 3's image tokens pool the patch grid (``(patches per
     side / tokens per side)`` must be a whole kernel), so at its shrunk default size 224/16: 7 x 7 tokens; a
     projector into the text's embeddings (PaliGemma's ``projection_dim``, its defaults' text width) outputs the
-    shrunk text width, as does a vision tower's ``out_hidden_size``; multimodal rotary sections split the shrunk
-    head's rotary half."""
+    shrunk text width, as does a vision tower's ``out_hidden_size``; a tower sized by ``embed_dim`` and ``depth``
+    (Qwen2-VL's) gets the shrunk width and depth; multimodal rotary sections split the shrunk head's rotary half."""
     text = config.get_text_config(decoder=True)
     default_width = getattr(type(config)().get_text_config(decoder=True), "hidden_size", None)
     for holder in (config, getattr(config, "vision_config", None)):
@@ -118,6 +118,14 @@ def _consistent(config: Any) -> None:
         # default, past any default width the shrink rules follow): the shrunk text width (a text left at its
         # defaults' size is not followed up)
         vision.out_hidden_size = text.hidden_size
+    embed = getattr(vision, "embed_dim", None)
+    if isinstance(embed, int) and isinstance(getattr(vision, "depth", None), int) and embed > text.hidden_size and (
+        text.hidden_size == SHRINK["hidden_size"]
+    ):  # fmt: skip
+        # a tower sized by embed_dim and depth (its hidden_size: the merger's output, the text's width), names the
+        # shrink rules do not cover: Qwen2-VL's stayed 32 layers 1280 wide, 658M parameters (6 GB and minutes per
+        # row): the shrunk width and depth
+        vision.embed_dim, vision.depth = SHRINK["hidden_size"], SHRINK["num_hidden_layers"]
     pinpoints = getattr(config, "image_grid_pinpoints", None)
     size = getattr(vision, "image_size", None)
     if pinpoints and isinstance(size, int):
