@@ -211,7 +211,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(runtime.scan_pci().vfio > 0, reason="this host has TPU chips: the simulator refuses to run")
 def test_selftest_passes_on_the_simulated_device(tmp_path):
     """The full self-test, once (the slowest command of this file): every check passes; the figures of the
-    runtime, device, compile and diffusers checks are what they must be."""
+    runtime, device, compile, generation, diffusers, serving and training checks are what they must be."""
     report_path = tmp_path / "selftest.json"
     proc = run_cli("--simulate", "selftest", "--report", str(report_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -240,6 +240,13 @@ def test_selftest_passes_on_the_simulated_device(tmp_path):
     assert gen["warmup_tpu_cache_misses"] >= gen["warmup_compiles"] >= 1
     assert gen["generate_tpu_cache_requests"] > 0 and gen["generate_tpu_cache_misses"] == 0
     _diffusers_check_reports_images_and_compiles(checks["diffusers"])
+    # The serving and training checks' figures (their tests ran each check once more, in-process; this run is enough).
+    serving = checks["serving"]["figures"]
+    assert serving["second_compiles"] == 0 and serving["warmup_and_first_compiles"] > 0
+    assert 0 < serving["step_shapes"] <= 3
+    training = checks["training"]["figures"]  # losses equal the CPU's, no compile after the first step
+    assert training["max_loss_diff"] < 1e-4 and training["trainer_device"] == "tpu:0"
+    assert training["warm_compiles_per_step"] == 0 and training["warm_shape_signatures_per_step"] == 0
 
 
 @pytest.mark.skipif(runtime.scan_pci().functions > 0, reason="this host has TPU chips")
