@@ -45,7 +45,7 @@ import time
 from typing import Any
 
 from hf_tpu.benchmarks import arch_sweep
-from hf_tpu.benchmarks._tiny_configs import SHRINK, VOCAB, tiny_config
+from hf_tpu.benchmarks._tiny_configs import SHRINK, VOCAB, _shrunk, tiny_config
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
@@ -71,9 +71,20 @@ def tiny_vlm_config(model_type: str) -> Any:
     """The architecture's tiny config: :func:`~hf_tpu.benchmarks._tiny_configs.tiny_config`, its special-token ids
     moved into the shrunk vocabulary and its vision tower made consistent with the shrunk text."""
     config = tiny_config(model_type)
+    _vision_tower(config)
     _small_token_ids(config)
     _consistent(config)
     return config
+
+
+def _vision_tower(config: Any) -> None:
+    """A vision tower the defaults leave out (Gemma 4's optional ``vision_config``, None by default: a checkpoint
+    sets it): its config class's defaults, shrunk by the same rules, so that the model has images to take."""
+    spec = getattr(type(config), "sub_configs", {}).get("vision_config")
+    if spec is None or getattr(config, "vision_config", None) is not None:
+        return
+    cls = getattr(spec, "config_class", spec)
+    config.vision_config = cls(**_shrunk(cls().to_dict()))
 
 
 def _small_token_ids(config: Any) -> None:
@@ -101,13 +112,32 @@ def _consistent(config: Any) -> None:
         if default_width and getattr(holder, "projection_dim", None) == default_width:
             # left at 2048, a 224/16 image's 196 features became 6272 "tokens" of the shrunk 64-wide text
             holder.projection_dim = text.hidden_size
+    if (getattr(text, "vocab_size_per_layer_input", 0) or 0) > text.vocab_size:
+        # per-layer input embeddings (Gemma 3n's, Gemma 4's) of their own vocabulary, the full one by default (a
+        # 262144-row table, 1 GB a copy): the shrunk vocabulary's (the text's ids are all under it)
+        text.vocab_size_per_layer_input = text.vocab_size
+    vision = getattr(config, "vision_config", None)
+    dims = ("mm_embed_dim", "output_proj_dims")
+    if all(isinstance(getattr(vision, k, None), int) for k in dims):
+        # Gemma 4 Unified's patch embedder, as wide as the text it writes into (3840 by default, a name no shrink
+        # rule follows): the shrunk text width
+        for k in dims:
+            setattr(vision, k, text.hidden_size)
+    ratio = getattr(vision, "pixel_shuffle_ratio", None)
+    if isinstance(ratio, float) and isinstance(getattr(vision, "projector_input_dim", None), int):
+        # Llama 4's vision adapter: a pixel shuffle folds 1/ratio^2 patches into one token of hidden/ratio^2 channels,
+        # which its MLP takes as intermediate_size (its checkpoints: 1408 / 0.25 = 5632), projects to
+        # projector_input_dim, then from projector_output_dim to the projector's vision_output_dim (all 4096 in its
+        # checkpoints; 7680 by default): the shrunk width folded, then the text's width
+        vision.intermediate_size = round(vision.hidden_size / ratio**2)
+        for k in ("projector_input_dim", "projector_output_dim", "vision_output_dim"):
+            setattr(vision, k, text.hidden_size)
     rope = getattr(text, "rope_parameters", None)
     # multimodal rotary sections (Qwen-VL, ERNIE-VL, GLM-4V): a split of the rotary half (its modeling file's
     # default when unset), scaled to the shrunk head's rotary half (its partial rotary share of it)
     unset = _mrope_default(config) or next((v for k, v in _MROPE_SECTIONS.items() if k in config.model_type), None)
     sections = rope.get("mrope_section", unset) if isinstance(rope, dict) else None
-    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    half = int(head * (rope.get("partial_rotary_factor") or 1.0) if isinstance(rope, dict) else head) // 2
+    half = int(_head_dim(text) * (rope.get("partial_rotary_factor") or 1.0)) // 2 if sections else 0
     if isinstance(sections, list) and sections and sum(sections) != half:
         scaled = [max(1, sections[i] * half // sum(sections)) for i in range(len(sections) - 1)]
         rope["mrope_section"] = [*scaled, max(0, half - sum(scaled))]
@@ -141,6 +171,13 @@ def _consistent(config: Any) -> None:
         if side % max(int(tokens**0.5), 1) or int(tokens**0.5) > side:
             per_side = next(d for d in range(min(int(tokens**0.5), side), 0, -1) if side % d == 0 and d < side)
             config.mm_tokens_per_image = per_side * per_side
+
+
+def _head_dim(text: Any) -> int:
+    """The text's attention head width; a heterogeneous config's (Gemma 4's, whose global ``head_dim`` is ambiguous:
+    upstream raises on reading it) from its first layer's config."""
+    layer = text.per_layer_config[0] if getattr(text, "is_heterogeneous", False) else text
+    return getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
 
 
 def _mrope_default(config: Any) -> list[int] | None:
@@ -181,10 +218,42 @@ def _images(config: Any, count: int, seed: int) -> tuple[dict, int | None]:
         return _grid_images(vision, count, seed), 2 * vision.spatial_merge_size * vision.patch_size
     if "image_sizes" in _encoder_arguments(config):
         return _sized_images(config, count, seed)
+    if "image_position_ids" in _encoder_arguments(config, required=False):
+        return _positioned_patches(vision, count, seed)
     if "pixel_attention_mask" in _encoder_arguments(config, required=False):
         return _masked_images(config, count, seed)
     pixels, size = _pixels(config, count, seed)
     return {"pixel_values": pixels}, size
+
+
+# Gemma 4's image processor: the fewest soft tokens an image may be given (its max_soft_tokens choices' least), so
+# the fewest patch rows every image is padded to (times the pooling kernel's area)
+_GEMMA4_SOFT_TOKENS = 70
+
+
+def _positioned_patches(vision: Any, count: int, seed: int) -> tuple[dict, int]:
+    """Gemma 4's processor output (``max_soft_tokens=70``) for ``count`` square images: each resized to the most
+    whole pooling kernels (``pooling_kernel_size`` patches a side) that fit its 70 soft tokens, 8 x 8 of them; its
+    patch rows (``patch_size``-square patches of its pixels in [0, 1], row after row) padded with zero rows to 70
+    kernels' patches, ``(images, patches, 3 * patch**2)``, and each row's (x, y) patch position, (-1, -1) for the
+    padding (``image_position_ids``, ``(images, patches, 2)``). Gemma 4 Unified's processor merges each kernel into
+    one row (no pooling in the model): 8 x 8 rows of 70."""
+    import math
+
+    import torch
+
+    kernel, patch = int(vision.pooling_kernel_size), int(vision.patch_size)
+    if hasattr(vision, "model_patch_size"):  # (Gemma 4 Unified: a row per merged patch, one token each)
+        kernel, patch = 1, int(vision.model_patch_size)
+    side = math.isqrt(_GEMMA4_SOFT_TOKENS) * kernel  # patches a side
+    rows = _GEMMA4_SOFT_TOKENS * kernel * kernel
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.zeros(count, rows, 3 * patch * patch)
+    pixels[:, : side * side] = torch.rand(count, side * side, 3 * patch * patch, generator=g)
+    ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    positions = torch.full((count, rows, 2), -1, dtype=torch.long)
+    positions[:, : side * side] = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
+    return {"pixel_values": pixels, "image_position_ids": positions}, side * patch
 
 
 def _encoder_arguments(config: Any, required: bool = True) -> list[str]:
@@ -311,6 +380,11 @@ def _feature_tokens(model: Any, encoded: Any) -> int:
     tensors = pooled if isinstance(pooled, (list, tuple)) else [pooled]
     hidden = int(model.config.get_text_config(decoder=True).hidden_size)
     widths = {int(t.shape[-1]) for t in tensors if isinstance(t, torch.Tensor)}
+    if pooled is None and isinstance(getattr(encoded, "last_hidden_state", None), torch.Tensor):
+        # an encoder whose features the forward projects itself (Llama 4's: its multi_modal_projector after
+        # get_image_features): one prompt token per feature vector of the tower's width
+        features = encoded.last_hidden_state
+        return int(features.numel()) // int(features.shape[-1])
     if widths != {hidden}:  # a processor fills one prompt token per feature vector of the text's width
         raise LookupError(f"its image features are {sorted(widths)} wide, its text {hidden}")
     return sum(int(t.numel()) for t in tensors if isinstance(t, torch.Tensor)) // hidden
