@@ -202,7 +202,8 @@ def _grid_images(vision: Any, count: int, seed: int) -> dict:
     import torch
 
     channels = int(getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3) or 3)
-    width = channels * vision.temporal_patch_size * vision.patch_size**2
+    # (a tower of still images, Dots3Note's: one frame a patch, no temporal_patch_size)
+    width = channels * int(getattr(vision, "temporal_patch_size", 1)) * vision.patch_size**2
     g = torch.Generator().manual_seed(seed)
     side = 2 * vision.spatial_merge_size
     return {
@@ -214,7 +215,8 @@ def _grid_images(vision: Any, count: int, seed: int) -> dict:
 def _images(config: Any, count: int, seed: int) -> tuple[dict, int | None]:
     """The image inputs of ``count`` images and their pixel size (None for Qwen-VL's patch layout)."""
     vision = getattr(config, "vision_config", None)
-    if hasattr(vision, "spatial_merge_size") and hasattr(vision, "temporal_patch_size"):  # (2 merged sides)
+    grid = hasattr(vision, "temporal_patch_size") or "image_grid_thw" in _encoder_arguments(config)
+    if hasattr(vision, "spatial_merge_size") and grid:  # (2 merged sides)
         return _grid_images(vision, count, seed), 2 * vision.spatial_merge_size * vision.patch_size
     if "image_sizes" in _encoder_arguments(config):
         return _sized_images(config, count, seed)
@@ -265,6 +267,10 @@ def _encoder_arguments(config: Any, required: bool = True) -> list[str]:
 
     cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
     fn = getattr(cls, "get_image_features", None)
+    if fn is None:  # (only its base model has one: Dots3Note's, which the sweep's encoder call uses anyway)
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+        fn = getattr(MODEL_MAPPING.get(type(config), None), "get_image_features", None)
     if fn is None:
         return []
     params = inspect.signature(fn).parameters.values()
