@@ -365,6 +365,8 @@ def _inputs(model: Any, tokens: int, count: int, text: int, seed: int) -> dict:
         kwargs["token_type_ids"] = (ids == image).long()
     if "image_grid_thw" in kwargs and _takes(model, "mm_token_type_ids"):  # Qwen-VL's marks them by modality
         kwargs["mm_token_type_ids"] = (ids == image).int()
+    if "image_position_ids" in kwargs and _takes(model, "mm_token_type_ids"):  # Gemma 4's too
+        kwargs["mm_token_type_ids"] = (ids == image).long()
     return kwargs
 
 

@@ -108,6 +108,8 @@ def warm_images(
     extra = extra_inputs(model)
     rows = _images.mrope_rows(model)
     kind_variant = variant + ("+token_type_ids" if types else "") + ("+mrope" if rows > 1 else "")
+    mm_types = _images.positioned(model)  # (Gemma 4's processor marks the image tokens: mm_token_type_ids)
+    kind_variant += "+mm_token_type_ids" if mm_types else ""
     with torch.no_grad():
         for p in fitting:
             plan = plan_shapes(model, batch, p, max_new_tokens, variant=kind_variant)
@@ -121,6 +123,8 @@ def warm_images(
             prefill_extra = dict(extra)  # (in the loop's order: the graphs guard on it)
             if types:
                 prefill_extra["token_type_ids"] = (ids == image_id).long().to(device)
+            if mm_types:
+                prefill_extra["mm_token_type_ids"] = (ids == image_id).long().to(device)
             prefill_extra["mm_encoder_outputs"] = encoded
             prefill_key = ("mm_prefill" + kind_variant, batch, p, c, _images.features_shape(encoded))
             decode_key = ("decode" + kind_variant, batch, c)

@@ -470,8 +470,8 @@ def _gemma4_pair(family: str) -> tuple:
         return _PAIRS[family]
     text = dict(
         _TEXT, head_dim=8, global_head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
-        hidden_size_per_layer_input=8, vocab_size_per_layer_input=96,
-    )  # fmt: skip
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, use_bidirectional_attention="vision",
+    )  # fmt: skip  (each image's tokens attend to each other both ways in the prefill: mm_token_type_ids mark them)
     tokens = dict(image_token_id=IMAGE, boi_token_id=91, eoi_token_id=92, video_token_id=93, audio_token_id=94,
                   boa_token_id=95, eoa_token_index=89)  # fmt: skip
     if family == "gemma4":
@@ -496,8 +496,8 @@ def _gemma4_pair(family: str) -> tuple:
 def _positioned_prompt(images: int, text: int, seed: int, size: tuple[int, int]) -> dict:
     """Gemma 4's processor output (``max_soft_tokens=70``) for ``images`` images of ``size`` pixels: text, each
     image's tokens (a token per 2 x 2 patches of 4 pixels, Gemma 4 Unified's merged 8-pixel patches alike), more
-    text; each image's 4-pixel patch rows (Unified's: 8-pixel rows), padded to 70 tokens' rows, and their (x, y)
-    positions, (-1, -1) for the padding."""
+    text, with the image tokens marked (``mm_token_type_ids``); each image's 4-pixel patch rows (Unified's: 8-pixel
+    rows, :func:`_unified`), padded to 70 tokens' rows, and their (x, y) positions, (-1, -1) for the padding."""
     g = torch.Generator().manual_seed(seed)
     per_image = size[0] * size[1] // 64
     parts = [torch.randint(3, 60, (1, text), generator=g), *[torch.full((1, per_image), IMAGE)] * images]
@@ -509,7 +509,7 @@ def _positioned_prompt(images: int, text: int, seed: int, size: tuple[int, int])
     positions = torch.full((images, 280, 2), -1, dtype=torch.long)
     positions[:, : rows * cols] = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,
-            "image_position_ids": positions}  # fmt: skip
+            "image_position_ids": positions, "mm_token_type_ids": (ids == IMAGE).long()}  # fmt: skip
 
 
 def _unified(kwargs: dict) -> dict:
