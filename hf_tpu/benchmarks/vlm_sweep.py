@@ -9,8 +9,10 @@ the model's processor returns for images of its own vision size: ``pixel_values`
 ``(images, channels, image_size, image_size)``; Qwen-VL's patch rows with ``image_grid_thw`` (2 x 2 merged patches);
 with ``image_sizes`` where the encoder takes them (LLaVA-NeXT's tiles of the vision size, one of the whole image
 first, ``(images, tiles, channels, size, size)``; Mistral 3's image of 4 x 4 merged patches); Idefics2's and
-Idefics3's unsplit images per text row, ``(1, images, channels, size, size)``, with ``pixel_attention_mask``
-(tests/transformers/test_vlm_sweep.py compares them with the families' own image processors). The prompt holds as
+Idefics3's unsplit images per text row, ``(1, images, channels, size, size)``, with ``pixel_attention_mask``;
+Gemma 4's patch rows with their positions (``image_position_ids``), padded to 70 tokens' rows, with
+``mm_token_type_ids`` (tests/transformers/test_vlm_sweep.py compares them with the families' own image processors).
+A vision tower the config's defaults leave out (Gemma 4's) is built from its config class's shrunk defaults. The prompt holds as
 many image tokens as the model's ``get_image_features`` gives features (run once on the CPU). Greedy ``generate``
 runs three calls against the CPU's: one image after five text tokens, two images, another image after nine text
 tokens. Per architecture:
@@ -591,7 +593,8 @@ def markdown(figures: dict) -> str:
         "shrunk vocabulary moved into it), on the CPU and on the simulated `tpu` after `hf_tpu.enable()`; images as",
         "its processor returns them for its own vision size (`pixel_values` `(images, channels, size, size)`; Qwen-VL's",
         "patch rows and grids; LLaVA-NeXT's tiles and Mistral 3's small image with `image_sizes`; Idefics2/3's",
-        "per text row with `pixel_attention_mask`) and as many image tokens as",
+        "per text row with `pixel_attention_mask`; Gemma 4's patch rows with `image_position_ids`) and as many",
+        "image tokens as",
         "its `get_image_features` gives features. Greedy `generate` of "
         f"{_new_tokens(figures)} tokens: one image, two images, another image with a longer prompt; *identical*: all",
         "three equal the CPU's. *compiles* and *new signatures* (new eager op shapes): the most of the second and",
