@@ -17,7 +17,7 @@ from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
 from hf_tpu.transformers._graphs import ALIGNED, MROPE, run_graph
-from hf_tpu.transformers._images import features_shape, mrope_rows
+from hf_tpu.transformers._images import features_shape, mrope_rows, positioned
 from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
 from hf_tpu.transformers._settings import model_state
 from hf_tpu.transformers._signatures import cache_name
@@ -73,7 +73,9 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
     variant += "+mrope" if mrope_rows(model) > 1 else ""  # (positions in rows, packed after the ids)
     # Gemma 4's processor marks its image tokens (mm_token_type_ids): its prefill's forward reads them (a mask over
     # each image), upstream passes them to the first forward only
+    # (Qwen-VL's stay with upstream, which numbers the positions from them: not the forward's)
     mm_types = model_kwargs.get("mm_token_type_ids") if model_kwargs.get("mm_encoder_outputs") else None
+    mm_types = mm_types if positioned(model) else None
     variant += "+mm_token_type_ids" if mm_types is not None else ""
     ids_len = prompt_len
     if embeds is not None:
