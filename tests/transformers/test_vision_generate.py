@@ -5,7 +5,9 @@ keyed by the grids, the prompt's three rows of multimodal rotary positions (upst
 with the ids; EXAONE 4.5: Qwen2.5-VL's tower keyed by the grids before a text of one row of positions. LFM3-VL and
 HyperCLOVA X Vision V2: patch rows and a grid per image too, the grid's values constants of the vision graph,
 positions in one row. Mistral 3: each image's size (``image_sizes``) with it, host integers in the vision graph.
-Idefics3: a text row's images ``(1, images, ...)`` with ``pixel_attention_mask``. Tiny LLaVA-, Gemma 3-, Qwen2-VL-,
+Idefics3: a text row's images ``(1, images, ...)`` with ``pixel_attention_mask``. Gemma 4 and Gemma 4 Unified:
+patch rows padded to their processor's length with each row's position (``image_position_ids``), each image's
+features kept by its real rows counted on the host, ``mm_token_type_ids`` into the prefill. Tiny LLaVA-, Gemma 3-, Qwen2-VL-,
 Qwen2.5-VL-, EXAONE 4.5-, LFM3-VL-, HyperCLOVA X Vision V2-, Mistral 3- and Idefics3-shaped models built from their
 configs, compared with the same model's greedy generate on the CPU."""
 
@@ -536,7 +538,7 @@ def test_gemma4_images_run_the_cached_loop_equal_cpu_and_another_count_and_size_
     each image's features by its real rows (counted on the host, where upstream masks them by the positions'
     values), so calls run hf_tpu's loop and equal the CPU's. After ``hf_tpu.warmup`` of one and two 16 x 32 images
     (strict: a graph warm-up missed would raise), calls with one or two images, and with a 32 x 16 image (another
-    size, as many rows and tokens: the same graphs), compile nothing."""
+    size, as many rows and tokens: the same graphs), compile nothing; their logits equal the CPU's too."""
     _, cpu, tpu, _ = _gemma4_pair(family)
 
     def prompt(images, text, seed, size):
@@ -558,3 +560,9 @@ def test_gemma4_images_run_the_cached_loop_equal_cpu_and_another_count_and_size_
             assert s.compiles == 0 and s.shape_signatures <= 4, (images, size, s.compiles, s.shape_signatures)
     finally:
         generation.configure(tpu, strict=False)
+    # the logits too (greedy tokens can hide a small change of the images' features): the same on the cached loop
+    kwargs = prompt(2, 3, 1, (16, 32))
+    asked = dict(max_new_tokens=2, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert explain(tpu, **kwargs, **asked).loop == "cached"
+    got, want = tpu.generate(**kwargs, **asked), cpu.generate(**kwargs, **asked)
+    torch.testing.assert_close(torch.stack(got.logits).cpu(), torch.stack(want.logits), rtol=1e-4, atol=1e-5)
