@@ -9,8 +9,10 @@ the model's processor returns for images of its own vision size: ``pixel_values`
 ``(images, channels, image_size, image_size)``; Qwen-VL's patch rows with ``image_grid_thw`` (2 x 2 merged patches);
 with ``image_sizes`` where the encoder takes them (LLaVA-NeXT's tiles of the vision size, one of the whole image
 first, ``(images, tiles, channels, size, size)``; Mistral 3's image of 4 x 4 merged patches); Idefics2's and
-Idefics3's unsplit images per text row, ``(1, images, channels, size, size)``, with ``pixel_attention_mask``
-(tests/transformers/test_vlm_sweep.py compares them with the families' own image processors). The prompt holds as
+Idefics3's unsplit images per text row, ``(1, images, channels, size, size)``, with ``pixel_attention_mask``;
+Gemma 4's patch rows with their positions (``image_position_ids``), padded to 70 tokens' rows, with
+``mm_token_type_ids`` (tests/transformers/test_vlm_sweep.py compares them with the families' own image processors).
+A vision tower the config's defaults leave out (Gemma 4's) is built from its config class's shrunk defaults. The prompt holds as
 many image tokens as the model's ``get_image_features`` gives features (run once on the CPU). Greedy ``generate``
 runs three calls against the CPU's: one image after five text tokens, two images, another image after nine text
 tokens. Per architecture:
@@ -45,7 +47,7 @@ import time
 from typing import Any
 
 from hf_tpu.benchmarks import arch_sweep
-from hf_tpu.benchmarks._tiny_configs import SHRINK, VOCAB, tiny_config
+from hf_tpu.benchmarks._tiny_configs import SHRINK, VOCAB, _shrunk, tiny_config
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
@@ -71,9 +73,20 @@ def tiny_vlm_config(model_type: str) -> Any:
     """The architecture's tiny config: :func:`~hf_tpu.benchmarks._tiny_configs.tiny_config`, its special-token ids
     moved into the shrunk vocabulary and its vision tower made consistent with the shrunk text."""
     config = tiny_config(model_type)
+    _vision_tower(config)
     _small_token_ids(config)
     _consistent(config)
     return config
+
+
+def _vision_tower(config: Any) -> None:
+    """A vision tower the defaults leave out (Gemma 4's optional ``vision_config``, None by default: a checkpoint
+    sets it): its config class's defaults, shrunk by the same rules, so that the model has images to take."""
+    spec = getattr(type(config), "sub_configs", {}).get("vision_config")
+    if spec is None or getattr(config, "vision_config", None) is not None:
+        return
+    cls = getattr(spec, "config_class", spec)
+    config.vision_config = cls(**_shrunk(cls().to_dict()))
 
 
 def _small_token_ids(config: Any) -> None:
@@ -101,13 +114,32 @@ def _consistent(config: Any) -> None:
         if default_width and getattr(holder, "projection_dim", None) == default_width:
             # left at 2048, a 224/16 image's 196 features became 6272 "tokens" of the shrunk 64-wide text
             holder.projection_dim = text.hidden_size
+    if (getattr(text, "vocab_size_per_layer_input", 0) or 0) > text.vocab_size:
+        # per-layer input embeddings (Gemma 3n's, Gemma 4's) of their own vocabulary, the full one by default (a
+        # 262144-row table, 1 GB a copy): the shrunk vocabulary's (the text's ids are all under it)
+        text.vocab_size_per_layer_input = text.vocab_size
+    vision = getattr(config, "vision_config", None)
+    dims = ("mm_embed_dim", "output_proj_dims")
+    if all(isinstance(getattr(vision, k, None), int) for k in dims):
+        # Gemma 4 Unified's patch embedder, as wide as the text it writes into (3840 by default, a name no shrink
+        # rule follows): the shrunk text width
+        for k in dims:
+            setattr(vision, k, text.hidden_size)
+    ratio = getattr(vision, "pixel_shuffle_ratio", None)
+    if isinstance(ratio, float) and isinstance(getattr(vision, "projector_input_dim", None), int):
+        # Llama 4's vision adapter: a pixel shuffle folds 1/ratio^2 patches into one token of hidden/ratio^2 channels,
+        # which its MLP takes as intermediate_size (its checkpoints: 1408 / 0.25 = 5632), projects to
+        # projector_input_dim, then from projector_output_dim to the projector's vision_output_dim (all 4096 in its
+        # checkpoints; 7680 by default): the shrunk width folded, then the text's width
+        vision.intermediate_size = round(vision.hidden_size / ratio**2)
+        for k in ("projector_input_dim", "projector_output_dim", "vision_output_dim"):
+            setattr(vision, k, text.hidden_size)
     rope = getattr(text, "rope_parameters", None)
     # multimodal rotary sections (Qwen-VL, ERNIE-VL, GLM-4V): a split of the rotary half (its modeling file's
     # default when unset), scaled to the shrunk head's rotary half (its partial rotary share of it)
     unset = _mrope_default(config) or next((v for k, v in _MROPE_SECTIONS.items() if k in config.model_type), None)
     sections = rope.get("mrope_section", unset) if isinstance(rope, dict) else None
-    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    half = int(head * (rope.get("partial_rotary_factor") or 1.0) if isinstance(rope, dict) else head) // 2
+    half = int(_head_dim(text) * (rope.get("partial_rotary_factor") or 1.0)) // 2 if sections else 0
     if isinstance(sections, list) and sections and sum(sections) != half:
         scaled = [max(1, sections[i] * half // sum(sections)) for i in range(len(sections) - 1)]
         rope["mrope_section"] = [*scaled, max(0, half - sum(scaled))]
@@ -151,6 +183,13 @@ def _consistent(config: Any) -> None:
             config.mm_tokens_per_image = per_side * per_side
 
 
+def _head_dim(text: Any) -> int:
+    """The text's attention head width; a heterogeneous config's (Gemma 4's, whose global ``head_dim`` is ambiguous:
+    upstream raises on reading it) from its first layer's config."""
+    layer = text.per_layer_config[0] if getattr(text, "is_heterogeneous", False) else text
+    return getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
+
+
 def _mrope_default(config: Any) -> list[int] | None:
     """The multimodal rotary sections the model's rotary embedding uses when its config sets none: the default its
     modeling file passes to ``rope_parameters.get("mrope_section", ...)`` (None where it has none)."""
@@ -173,7 +212,8 @@ def _grid_images(vision: Any, count: int, seed: int) -> dict:
     import torch
 
     channels = int(getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3) or 3)
-    width = channels * vision.temporal_patch_size * vision.patch_size**2
+    # (a tower of still images, Dots3Note's: one frame a patch, no temporal_patch_size)
+    width = channels * int(getattr(vision, "temporal_patch_size", 1)) * vision.patch_size**2
     g = torch.Generator().manual_seed(seed)
     side = 2 * vision.spatial_merge_size
     return {
@@ -185,14 +225,47 @@ def _grid_images(vision: Any, count: int, seed: int) -> dict:
 def _images(config: Any, count: int, seed: int) -> tuple[dict, int | None]:
     """The image inputs of ``count`` images and their pixel size (None for Qwen-VL's patch layout)."""
     vision = getattr(config, "vision_config", None)
-    if hasattr(vision, "spatial_merge_size") and hasattr(vision, "temporal_patch_size"):  # (2 merged sides)
+    grid = hasattr(vision, "temporal_patch_size") or "image_grid_thw" in _encoder_arguments(config)
+    if hasattr(vision, "spatial_merge_size") and grid:  # (2 merged sides)
         return _grid_images(vision, count, seed), 2 * vision.spatial_merge_size * vision.patch_size
     if "image_sizes" in _encoder_arguments(config):
         return _sized_images(config, count, seed)
+    if "image_position_ids" in _encoder_arguments(config, required=False):
+        return _positioned_patches(vision, count, seed)
     if "pixel_attention_mask" in _encoder_arguments(config, required=False):
         return _masked_images(config, count, seed)
     pixels, size = _pixels(config, count, seed)
     return {"pixel_values": pixels}, size
+
+
+# Gemma 4's image processor: the fewest soft tokens an image may be given (its max_soft_tokens choices' least), so
+# the fewest patch rows every image is padded to (times the pooling kernel's area)
+_GEMMA4_SOFT_TOKENS = 70
+
+
+def _positioned_patches(vision: Any, count: int, seed: int) -> tuple[dict, int]:
+    """Gemma 4's processor output (``max_soft_tokens=70``) for ``count`` square images: each resized to the most
+    whole pooling kernels (``pooling_kernel_size`` patches a side) that fit its 70 soft tokens, 8 x 8 of them; its
+    patch rows (``patch_size``-square patches of its pixels in [0, 1], row after row) padded with zero rows to 70
+    kernels' patches, ``(images, patches, 3 * patch**2)``, and each row's (x, y) patch position, (-1, -1) for the
+    padding (``image_position_ids``, ``(images, patches, 2)``). Gemma 4 Unified's processor merges each kernel into
+    one row (no pooling in the model): 8 x 8 rows of 70."""
+    import math
+
+    import torch
+
+    kernel, patch = int(vision.pooling_kernel_size), int(vision.patch_size)
+    if hasattr(vision, "model_patch_size"):  # (Gemma 4 Unified: a row per merged patch, one token each)
+        kernel, patch = 1, int(vision.model_patch_size)
+    side = math.isqrt(_GEMMA4_SOFT_TOKENS) * kernel  # patches a side
+    rows = _GEMMA4_SOFT_TOKENS * kernel * kernel
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.zeros(count, rows, 3 * patch * patch)
+    pixels[:, : side * side] = torch.rand(count, side * side, 3 * patch * patch, generator=g)
+    ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    positions = torch.full((count, rows, 2), -1, dtype=torch.long)
+    positions[:, : side * side] = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
+    return {"pixel_values": pixels, "image_position_ids": positions}, side * patch
 
 
 def _encoder_arguments(config: Any, required: bool = True) -> list[str]:
@@ -204,6 +277,10 @@ def _encoder_arguments(config: Any, required: bool = True) -> list[str]:
 
     cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
     fn = getattr(cls, "get_image_features", None)
+    if fn is None:  # (only its base model has one: Dots3Note's, which the sweep's encoder call uses anyway)
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+        fn = getattr(MODEL_MAPPING.get(type(config), None), "get_image_features", None)
     if fn is None:
         return []
     params = inspect.signature(fn).parameters.values()
@@ -298,6 +375,8 @@ def _inputs(model: Any, tokens: int, count: int, text: int, seed: int) -> dict:
         kwargs["token_type_ids"] = (ids == image).long()
     if "image_grid_thw" in kwargs and _takes(model, "mm_token_type_ids"):  # Qwen-VL's marks them by modality
         kwargs["mm_token_type_ids"] = (ids == image).int()
+    if "image_position_ids" in kwargs and _takes(model, "mm_token_type_ids"):  # Gemma 4's too
+        kwargs["mm_token_type_ids"] = (ids == image).long()
     return kwargs
 
 
@@ -319,6 +398,11 @@ def _feature_tokens(model: Any, encoded: Any) -> int:
     tensors = pooled if isinstance(pooled, (list, tuple)) else [pooled]
     hidden = int(model.config.get_text_config(decoder=True).hidden_size)
     widths = {int(t.shape[-1]) for t in tensors if isinstance(t, torch.Tensor)}
+    if pooled is None and isinstance(getattr(encoded, "last_hidden_state", None), torch.Tensor):
+        # an encoder whose features the forward projects itself (Llama 4's: its multi_modal_projector after
+        # get_image_features): one prompt token per feature vector of the tower's width
+        features = encoded.last_hidden_state
+        return int(features.numel()) // int(features.shape[-1])
     if widths != {hidden}:  # a processor fills one prompt token per feature vector of the text's width
         raise LookupError(f"its image features are {sorted(widths)} wide, its text {hidden}")
     return sum(int(t.numel()) for t in tensors if isinstance(t, torch.Tensor)) // hidden
@@ -517,7 +601,8 @@ def markdown(figures: dict) -> str:
         "shrunk vocabulary moved into it), on the CPU and on the simulated `tpu` after `hf_tpu.enable()`; images as",
         "its processor returns them for its own vision size (`pixel_values` `(images, channels, size, size)`; Qwen-VL's",
         "patch rows and grids; LLaVA-NeXT's tiles and Mistral 3's small image with `image_sizes`; Idefics2/3's",
-        "per text row with `pixel_attention_mask`) and as many image tokens as",
+        "per text row with `pixel_attention_mask`; Gemma 4's patch rows with `image_position_ids`) and as many",
+        "image tokens as",
         "its `get_image_features` gives features. Greedy `generate` of "
         f"{_new_tokens(figures)} tokens: one image, two images, another image with a longer prompt; *identical*: all",
         "three equal the CPU's. *compiles* and *new signatures* (new eager op shapes): the most of the second and",

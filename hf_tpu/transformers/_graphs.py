@@ -9,6 +9,7 @@ mode after warm-up it refuses a shape warm-up did not compile.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -173,6 +174,51 @@ def _grid_vision(model, pixels, precomputed):
     return out.pooler_output
 
 
+@contextlib.contextmanager
+def _no_output_collector():
+    """No outputs collected from the modules run inside, as upstream's ``capture_outputs`` sets it around a forward
+    asking for none: its hooks on the layers (installed once a forward of the model asked for outputs) then read a
+    plain variable, which dynamo traces, not the context variable they read outside a decorated forward."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - a transformers without output capturing: no hooks to quiet
+        yield
+        return
+    token = _active_collector.set(None)
+    try:
+        yield
+    finally:
+        _active_collector.reset(token)
+
+
+def _positioned_vision(model, pixels, positions, counts):
+    """The image encoder of a model taking patch rows with their positions (Gemma 4, Gemma 4 Unified:
+    :func:`hf_tpu.transformers._images.positioned`), its own modules as its ``get_image_features`` runs them, up to
+    the features of the padded rows; then each image's first features (``counts``: its real rows, host integers),
+    where upstream keeps them by the positions' values (a boolean mask: a shape the graph cannot know). Returns the
+    images' features in one tensor, in order."""
+    import torch
+
+    base = model.base_model
+    tower = getattr(base, "vision_tower", None)
+    if tower is None:  # Gemma 4 Unified: an encoder-free embedder, a token per row
+        features = base.embed_vision(pixels, positions, return_dict=True).pooler_output
+        return torch.cat([features[i, :n] for i, n in enumerate(counts)])
+    area = int(tower.config.pooling_kernel_size) ** 2
+    padding = (positions == -1).all(dim=-1)
+    embeds = tower.patch_embedder(pixels, positions, padding)
+    with _no_output_collector():
+        hidden = tower.encoder(inputs_embeds=embeds, attention_mask=~padding, pixel_position_ids=positions)
+    pooled, _ = tower.pooler(
+        hidden_states=hidden.last_hidden_state, pixel_position_ids=positions, padding_positions=padding,
+        output_length=pixels.shape[-2] // area,
+    )  # fmt: skip
+    pooled = torch.cat([pooled[i, : n // area] for i, n in enumerate(counts)])
+    if tower.config.standardize:
+        pooled = (pooled - tower.std_bias.float()) * tower.std_scale.float()
+    return base.embed_vision(inputs_embeds=pooled.to(embeds.dtype))
+
+
 def _features_encoder(model, features, mask=None):
     """The encoder of a model taking features (Whisper's ``input_features``) rather than ids, with the call's mask
     over its frames when one was given (Whisper's encoder ignores it; Speech2Text's reads it)."""
@@ -233,6 +279,7 @@ GRAPHS: dict[str, Callable] = {
     "mm_prefill": _decoder_prefill,  # (the encoded images among its extra arguments: the forward merges them)
     "vision": _vision,
     "grid_vision": _grid_vision,
+    "positioned_vision": _positioned_vision,
     "decode": _decoder_decode,
     "encoder": _encoder,
     "features_encoder": _features_encoder,
@@ -281,6 +328,7 @@ def _describe(key: tuple) -> str:
         "mm_prefill": ("prompt bucket", "cache bucket", "image features"),
         "vision": ("image inputs", "image grids"),  # (the grids: a model taking one per image, not Qwen-VL)
         "grid_vision": ("pixel rows", "image grids"),
+        "positioned_vision": ("patch rows", "real rows per image"),
         "decode": ("cache bucket",),
         "encoder": ("encoder bucket",),
         "features_encoder": ("feature size", "frames", "mask"),
@@ -453,7 +501,7 @@ def _first_trace(model, state: ModelState, key: tuple, compiled: Callable, args:
         # the image encoder, or the forward merging the images where the text's prefill traced: the images' own
         # code, so calls with images run upstream's loop and the others keep the model's route
         merge = kind == "mm_prefill" and any(k[0].split("+", 1)[0] == "prefill" for k in state.compiled)
-        if key[0] in ("vision", "grid_vision") or merge:
+        if key[0] in ("vision", "grid_vision", "positioned_vision") or merge:
             part = "forward merging them" if merge else "image encoder (get_image_features)"
             reason = (
                 f"images: {type(model).__name__}'s {part} cannot be compiled as one static-shape graph ({what})"
@@ -494,7 +542,7 @@ def run_graph(model, state: ModelState, key: tuple, *args):
     if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill", "mm_prefill", "beam_prefill"):
         _module_state.reset(model, state, key[1])  # a new sequence: module-held state as upstream resets it
     # (a vision tower's forward asks for hidden states)
-    if first and (is_variant(key[0]) or key[0] in ("vision", "grid_vision")):
+    if first and (is_variant(key[0]) or key[0] in ("vision", "grid_vision", "positioned_vision")):
         prepare(model)
     settings = state.settings
     if not settings.compile:

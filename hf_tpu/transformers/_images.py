@@ -22,6 +22,14 @@ graph keyed by the grids (its per-image attention is one static chunk per image:
 decode graphs take the three rows packed with the ids (``"+mrope"`` graphs), so a decode step still sends one
 ``(batch, 4)`` tensor and reads back the next tokens. EXAONE 4.5 (:func:`grid_tower`) has Qwen2.5-VL's tower before a
 text of one row of positions: its images take the ``"grid_vision"`` graph, the rest is the plain image loop.
+
+Gemma 4 and Gemma 4 Unified (:func:`positioned`) take each image as patch rows padded to their processor's length,
+with each row's (x, y) position (``image_position_ids``, (-1, -1) for padding); upstream's encoder drops the padding
+by the positions' values (a boolean mask, then per-image split sizes read back with ``tolist()``), shapes no compiled
+graph can know. The rows' real counts are read on the host from the positions (the processor's output, which stays
+on the host) and the ``"positioned_vision"`` graph, keyed by them, runs the encoder's own modules up to the padded
+features and keeps each image's first ones (the processor puts an image's rows first, so its pooled features come
+first too): the features upstream's encoder returns, in one tensor.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ __all__ = [
     "images_problem",
     "mrope_rows",
     "numbers_from_images",
+    "positioned",
+    "positioned_counts",
     "video_inputs",
 ]
 
@@ -94,6 +104,36 @@ def takes_grid(model) -> bool:
     except (TypeError, ValueError):
         return False
     return "image_grid_thw" in params and not grid_tower(model)
+
+
+def positioned(model) -> bool:
+    """Whether the model's image encoder takes its images as patch rows with each row's position
+    (``image_position_ids``) and is one the ``"positioned_vision"`` graph runs: Gemma 4's (a vision tower with a patch
+    embedder, an encoder and a pooler, then ``embed_vision``) or Gemma 4 Unified's (an encoder-free ``embed_vision``
+    taking the rows and positions)."""
+    fn = _encoder_fn(model)
+    try:
+        params = inspect.signature(fn).parameters if fn is not None else {}
+    except (TypeError, ValueError):
+        return False
+    if "image_position_ids" not in params:
+        return False
+    base = model.base_model
+    tower = getattr(base, "vision_tower", None)
+    if tower is not None:
+        return all(hasattr(tower, k) for k in ("patch_embedder", "encoder", "pooler")) and hasattr(base, "embed_vision")
+    embed = getattr(base, "embed_vision", None)
+    try:
+        return embed is not None and "image_position_ids" in inspect.signature(embed.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def positioned_counts(model, positions) -> tuple[int, ...]:
+    """Each image's real patch rows (its positions other than (-1, -1)), read on the host; the features each one
+    gives are these over the pooling kernel's area (Gemma 4's) or these (Gemma 4 Unified's, a row per token)."""
+    real = (positions.to("cpu") != -1).all(dim=-1).sum(dim=-1)
+    return tuple(int(n) for n in real.tolist())
 
 
 def numbers_from_images(model) -> bool:
@@ -161,6 +201,8 @@ def encode_images(model, state, model_kwargs: dict, run) -> dict:
 
     if grid_tower(model):
         return _encode_grid_images(model, state, model_kwargs, run)
+    if positioned(model):
+        return _encode_positioned_images(model, state, model_kwargs, run)
     names = image_inputs(model, model_kwargs)
     kwargs = dict(model_kwargs)
     inputs = {}
@@ -295,4 +337,21 @@ def _encode_grid_images(model, state, model_kwargs: dict, run) -> dict:
     kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(merged,))}
     if not grid_model(model):  # (one row of positions, numbered from the ids: the grids served the tower only)
         kwargs.pop("image_grid_thw")
+    return kwargs
+
+
+def _encode_positioned_images(model, state, model_kwargs: dict, run) -> dict:
+    """:func:`encode_images` for a :func:`positioned` model: the ``"positioned_vision"`` graph on the patch rows and
+    positions, keyed by their shapes and each image's real row count (host integers, constants of the graph)."""
+    import torch
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    kwargs = dict(model_kwargs)
+    pixels, positions = kwargs.pop("pixel_values"), kwargs.pop("image_position_ids")
+    counts = positioned_counts(model, positions)
+    key = ("positioned_vision", int(pixels.shape[0]), tuple(pixels.shape), counts)
+    with torch.no_grad():
+        features = run(model, state, key, pixels.to(model.device), positions.to(model.device), counts)
+    # (the forward concatenates the images' features before merging them: one tensor holds them all)
+    kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(features,))}
     return kwargs

@@ -5,7 +5,7 @@ Images: per batch size, image count and pixel size, the vision graph (:func:`hf_
 on zero pixels of shape ``(batch * images, channels, height, width)``, the layout LLaVA's, Gemma 3's and PaliGemma's
 processors return, with the images' sizes where the encoder takes them (Mistral 3's, LLaVA-NeXT's tiles); per text row
 with the mask of real pixels for Idefics2's and Idefics3's; Qwen2-VL's and Qwen2.5-VL's patch rows and grids for
-images of that size), then, for every warmed
+images of that size; Gemma 4's patch rows and positions, padded as its processor pads them), then, for every warmed
 prompt bucket that holds the images' tokens, the ``mm_prefill`` graph (the model's forward merging those features,
 keyed by their shape) and the decode graph of that cache, on dummy ids whose image tokens match the features, as
 :func:`hf_tpu.transformers._loops.cached.decode_loop` runs them (with three rows of positions for Qwen-VL's).
@@ -78,6 +78,8 @@ def warm_images(
     # float32: what image processors return (the vision towers cast them to their own dtype)
     if _images.grid_tower(model) or _images.takes_grid(model):
         kwargs = _grid_pixels(model, batch * count, height, width)
+    elif _images.positioned(model):
+        kwargs = _positioned_pixels(model, batch * count, height, width)
     else:
         kwargs = _processor_pixels(model, batch, count, channels, height, width)
     if not _images.image_inputs(model, kwargs):
@@ -91,7 +93,7 @@ def warm_images(
     before = list(state.compile_log)
     with torch.no_grad():
         encoded = _images.encode_images(model, state, kwargs, run_graph)["mm_encoder_outputs"]
-    kinds = ("vision", "grid_vision")
+    kinds = ("vision", "grid_vision", "positioned_vision")
     keys = [k for k in state.compile_log if k not in before and k[0] in kinds]
     keys = keys or [k for k in state.compiled if k[0] in kinds and k[1] == batch * count]
     tokens, rest = divmod(_feature_tokens(model, encoded["image"]), batch)
@@ -106,6 +108,8 @@ def warm_images(
     extra = extra_inputs(model)
     rows = _images.mrope_rows(model)
     kind_variant = variant + ("+token_type_ids" if types else "") + ("+mrope" if rows > 1 else "")
+    mm_types = _images.positioned(model)  # (Gemma 4's processor marks the image tokens: mm_token_type_ids)
+    kind_variant += "+mm_token_type_ids" if mm_types else ""
     with torch.no_grad():
         for p in fitting:
             plan = plan_shapes(model, batch, p, max_new_tokens, variant=kind_variant)
@@ -119,6 +123,8 @@ def warm_images(
             prefill_extra = dict(extra)  # (in the loop's order: the graphs guard on it)
             if types:
                 prefill_extra["token_type_ids"] = (ids == image_id).long().to(device)
+            if mm_types:
+                prefill_extra["mm_token_type_ids"] = (ids == image_id).long().to(device)
             prefill_extra["mm_encoder_outputs"] = encoded
             prefill_key = ("mm_prefill" + kind_variant, batch, p, c, _images.features_shape(encoded))
             decode_key = ("decode" + kind_variant, batch, c)
@@ -179,11 +185,46 @@ def _grid_pixels(model, images: int, height: int, width: int) -> dict:
         )
     channels = int(getattr(vision, "in_channels", 3) or 3)
     rows, cols = height // patch, width // patch
-    row_width = channels * int(vision.temporal_patch_size) * patch * patch
+    row_width = channels * int(getattr(vision, "temporal_patch_size", 1)) * patch * patch  # (1: still images)
     return {
         "pixel_values": torch.zeros(images * rows * cols, row_width),
         "image_grid_thw": torch.tensor([[1, rows, cols]] * images),
     }
+
+
+# Gemma 4's image processors' choices of max_soft_tokens (the tokens an image may fill; its rows are padded to them)
+_SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
+
+
+def _positioned_pixels(model, images: int, height: int, width: int) -> dict:
+    """What Gemma 4's (or Gemma 4 Unified's) image processor returns for ``images`` images resized to ``height`` x
+    ``width`` pixels: their patch rows (zero pixels) and each row's (x, y) position, padded to the least of its
+    ``max_soft_tokens`` choices that holds the image's tokens (the processor resizes an image to nearly fill the budget
+    it is given, so an image of this size came from that budget: the padded length the served calls have)."""
+    import torch
+
+    vision = model.config.vision_config
+    patch, kernel = int(vision.patch_size), int(vision.pooling_kernel_size)
+    if hasattr(vision, "model_patch_size"):  # (Gemma 4 Unified: one row per merged kernel of patches)
+        patch, kernel = int(vision.model_patch_size), 1
+    if height % (patch * kernel) or width % (patch * kernel):
+        raise ValueError(
+            f"image_sizes: {type(model).__name__} takes images whose sides are multiples of its pooling kernel "
+            f"({patch * kernel} pixels; its image processor resizes them so), got {height}x{width}"
+        )
+    cols, rows = width // patch, height // patch
+    tokens = cols * rows // (kernel * kernel)
+    budget = next((b for b in _SOFT_TOKEN_BUDGETS if b >= tokens), None)
+    if budget is None:
+        raise ValueError(
+            f"image_sizes: {height}x{width} fills {tokens} image tokens, more than {type(model).__name__}'s image "
+            f"processor gives an image ({_SOFT_TOKEN_BUDGETS[-1]})"
+        )
+    length = budget * kernel * kernel
+    ys, xs = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    positions = torch.full((images, length, 2), -1, dtype=torch.long)
+    positions[:, : rows * cols] = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
+    return {"pixel_values": torch.zeros(images, length, 3 * patch * patch), "image_position_ids": positions}
 
 
 def feature_window(model) -> tuple[int, int]:

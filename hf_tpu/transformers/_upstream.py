@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 
-from hf_tpu.transformers._images import grid_model, image_inputs, numbers_from_images
+from hf_tpu.transformers._images import grid_model, image_inputs, numbers_from_images, positioned
 from hf_tpu.transformers._settings import DEVICE_TYPES
 from hf_tpu.transformers._signatures import CACHE_NAMES
 
@@ -96,6 +96,9 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
         extra -= {"decoder_input_ids", encoder_input_name(model)}
     images = image_inputs(model, model_kwargs)
     extra -= set(images)  # (route.py says whether the cached loop takes them)
+    if images and positioned(model):
+        # (Gemma 4's processor marks the image tokens: the prefill's forward reads them, for its mask over each image)
+        extra -= {"mm_token_type_ids"}
     if grid_model(model) or (images and numbers_from_images(model)):
         # (upstream's generate numbers the prompt's positions from them, on the host; for a model whose images the
         # loop does not number, route.py says why with the images)

@@ -5,7 +5,9 @@ keyed by the grids, the prompt's three rows of multimodal rotary positions (upst
 with the ids; EXAONE 4.5: Qwen2.5-VL's tower keyed by the grids before a text of one row of positions. LFM3-VL and
 HyperCLOVA X Vision V2: patch rows and a grid per image too, the grid's values constants of the vision graph,
 positions in one row. Mistral 3: each image's size (``image_sizes``) with it, host integers in the vision graph.
-Idefics3: a text row's images ``(1, images, ...)`` with ``pixel_attention_mask``. Tiny LLaVA-, Gemma 3-, Qwen2-VL-,
+Idefics3: a text row's images ``(1, images, ...)`` with ``pixel_attention_mask``. Gemma 4 and Gemma 4 Unified:
+patch rows padded to their processor's length with each row's position (``image_position_ids``), each image's
+features kept by its real rows counted on the host, ``mm_token_type_ids`` into the prefill. Tiny LLaVA-, Gemma 3-, Qwen2-VL-,
 Qwen2.5-VL-, EXAONE 4.5-, LFM3-VL-, HyperCLOVA X Vision V2-, Mistral 3- and Idefics3-shaped models built from their
 configs, compared with the same model's greedy generate on the CPU."""
 
@@ -456,3 +458,111 @@ def test_image_text_to_text_pipeline_on_tpu_runs_hf_tpu_loop_and_equals_cpu():
         images=other, text=text, generate_kwargs=kwargs
     )
     assert s.compiles == 0 and len(generation.compiled_graphs(tpu)) >= before
+
+
+# Gemma 4 (a vision tower pooling 2 x 2 patches of 4 pixels) and Gemma 4 Unified (an encoder-free embedder of merged
+# 8-pixel patches): their processors' patch rows with positions, padded to 70 tokens' rows
+_POSITIONED = ("gemma4", "gemma4_unified")
+
+
+def _gemma4_pair(family: str) -> tuple:
+    import transformers as T
+
+    if family in _PAIRS:
+        return _PAIRS[family]
+    text = dict(
+        _TEXT, head_dim=8, global_head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, use_bidirectional_attention="vision",
+    )  # fmt: skip  (each image's tokens attend to each other both ways in the prefill: mm_token_type_ids mark them)
+    tokens = dict(image_token_id=IMAGE, boi_token_id=91, eoi_token_id=92, video_token_id=93, audio_token_id=94,
+                  boa_token_id=95, eoa_token_index=89)  # fmt: skip
+    if family == "gemma4":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, head_dim=8, patch_size=4, pooling_kernel_size=2,
+                      position_embedding_size=64)  # fmt: skip
+        cls, config = T.Gemma4ForConditionalGeneration, T.Gemma4Config(text_config=text, vision_config=vision, **tokens)
+    else:
+        vision = dict(patch_size=4, pooling_kernel_size=2, mm_embed_dim=32, mm_posemb_size=64, output_proj_dims=32)
+        text = {k: v for k, v in text.items() if k not in ("global_head_dim", "hidden_size_per_layer_input",
+                                                           "vocab_size_per_layer_input")}  # fmt: skip
+        cls = T.Gemma4UnifiedForConditionalGeneration
+        config = T.Gemma4UnifiedConfig(text_config=text, vision_config=vision, **tokens)
+    torch.manual_seed(0)
+    cpu = cls(config).eval()
+    tpu = cls(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    _PAIRS[family] = (family, cpu, tpu.to("tpu"), None)
+    return _PAIRS[family]
+
+
+def _positioned_prompt(images: int, text: int, seed: int, size: tuple[int, int]) -> dict:
+    """Gemma 4's processor output (``max_soft_tokens=70``) for ``images`` images of ``size`` pixels: text, each
+    image's tokens (a token per 2 x 2 patches of 4 pixels, Gemma 4 Unified's merged 8-pixel patches alike), more
+    text, with the image tokens marked (``mm_token_type_ids``); each image's 4-pixel patch rows (Unified's: 8-pixel
+    rows, :func:`_unified`), padded to 70 tokens' rows, and their (x, y) positions, (-1, -1) for the padding."""
+    g = torch.Generator().manual_seed(seed)
+    per_image = size[0] * size[1] // 64
+    parts = [torch.randint(3, 60, (1, text), generator=g), *[torch.full((1, per_image), IMAGE)] * images]
+    ids = torch.cat([*parts, torch.randint(3, 60, (1, 3), generator=g)], dim=1)
+    rows, cols = size[0] // 4, size[1] // 4
+    pixels = torch.zeros(images, 280, 48)
+    pixels[:, : rows * cols] = torch.rand(images, rows * cols, 48, generator=g)
+    ys, xs = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    positions = torch.full((images, 280, 2), -1, dtype=torch.long)
+    positions[:, : rows * cols] = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,
+            "image_position_ids": positions, "mm_token_type_ids": (ids == IMAGE).long()}  # fmt: skip
+
+
+def _unified(kwargs: dict) -> dict:
+    """Gemma 4 Unified's layout of the same images: each 2 x 2 kernel of 4-pixel patches one 8-pixel row (its
+    processor merges them), 70 rows."""
+    pixels, positions = kwargs["pixel_values"], kwargs["image_position_ids"]
+    real = int((positions[0] != -1).all(-1).sum())
+    cols = int(positions[0, :real, 0].max()) + 1
+    rows = real // cols
+    patches = pixels[:, :real].reshape(-1, rows, cols, 4, 4, 3)  # (the processor's rows: a patch's pixels, then colour)
+    merged = patches.reshape(-1, rows // 2, 2, cols // 2, 2, 4, 4, 3).permute(0, 1, 3, 2, 5, 4, 6, 7)
+    merged = merged.reshape(-1, rows // 2 * cols // 2, 192)
+    out = torch.zeros(pixels.shape[0], 70, 192)
+    out[:, : merged.shape[1]] = merged
+    ys, xs = torch.meshgrid(torch.arange(rows // 2), torch.arange(cols // 2), indexing="ij")
+    where = torch.full((pixels.shape[0], 70, 2), -1, dtype=torch.long)
+    where[:, : merged.shape[1]] = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
+    return {**kwargs, "pixel_values": out, "image_position_ids": where}
+
+
+@pytest.mark.parametrize("family", _POSITIONED)
+def test_gemma4_images_run_the_cached_loop_equal_cpu_and_another_count_and_size_compile_nothing(family):
+    """Gemma 4's images (patch rows padded to its processor's length, with their positions): the vision graph keeps
+    each image's features by its real rows (counted on the host, where upstream masks them by the positions'
+    values), so calls run hf_tpu's loop and equal the CPU's. After ``hf_tpu.warmup`` of one and two 16 x 32 images
+    (strict: a graph warm-up missed would raise), calls with one or two images, and with a 32 x 16 image (another
+    size, as many rows and tokens: the same graphs), compile nothing; their logits equal the CPU's too."""
+    _, cpu, tpu, _ = _gemma4_pair(family)
+
+    def prompt(images, text, seed, size):
+        kwargs = _positioned_prompt(images, text, seed, size)
+        return _unified(kwargs) if family == "gemma4_unified" else kwargs
+
+    report = hf_tpu.warmup(
+        tpu, max_prompt_len=32, buckets=[32, 64], batch_sizes=[1], max_new_tokens=4, image_sizes=[(16, 32)],
+        num_images=[1, 2], strict=True, progress=False,
+    )  # fmt: skip
+    assert len([key for key in report.graphs if key[0] == "positioned_vision"]) == 2  # (one per image count)
+    try:
+        for images, text, seed, size in [(1, 5, 0, (16, 32)), (2, 3, 1, (16, 32)), (1, 9, 2, (32, 16))]:
+            kwargs = prompt(images, text, seed, size)
+            assert explain(tpu, **kwargs, max_new_tokens=4).loop == "cached"
+            with hf_tpu.sim.stats() as s:
+                got = tpu.generate(**kwargs, max_new_tokens=4, do_sample=False)
+            assert torch.equal(got, cpu.generate(**kwargs, max_new_tokens=4, do_sample=False)), (images, size)
+            assert s.compiles == 0 and s.shape_signatures <= 4, (images, size, s.compiles, s.shape_signatures)
+    finally:
+        generation.configure(tpu, strict=False)
+    # the logits too (greedy tokens can hide a small change of the images' features): the same on the cached loop
+    kwargs = prompt(2, 3, 1, (16, 32))
+    asked = dict(max_new_tokens=2, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert explain(tpu, **kwargs, **asked).loop == "cached"
+    got, want = tpu.generate(**kwargs, **asked), cpu.generate(**kwargs, **asked)
+    torch.testing.assert_close(torch.stack(got.logits).cpu(), torch.stack(want.logits), rtol=1e-4, atol=1e-5)

@@ -17,7 +17,7 @@ from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
 from hf_tpu.transformers._graphs import ALIGNED, MROPE, run_graph
-from hf_tpu.transformers._images import features_shape, mrope_rows
+from hf_tpu.transformers._images import features_shape, mrope_rows, positioned
 from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
 from hf_tpu.transformers._settings import model_state
 from hf_tpu.transformers._signatures import cache_name
@@ -71,6 +71,12 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
     types = model_kwargs.get("token_type_ids")
     variant += "+token_type_ids" if types is not None else ""  # (graphs taking them: their own kind)
     variant += "+mrope" if mrope_rows(model) > 1 else ""  # (positions in rows, packed after the ids)
+    # Gemma 4's processor marks its image tokens (mm_token_type_ids): its prefill's forward reads them (a mask over
+    # each image), upstream passes them to the first forward only
+    # (Qwen-VL's stay with upstream, which numbers the positions from them: not the forward's)
+    mm_types = model_kwargs.get("mm_token_type_ids") if model_kwargs.get("mm_encoder_outputs") else None
+    mm_types = mm_types if positioned(model) else None
+    variant += "+mm_token_type_ids" if mm_types is not None else ""
     ids_len = prompt_len
     if embeds is not None:
         prompt_len = embeds.shape[1]
@@ -131,6 +137,8 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
         if not images:  # (with images they mark image tokens for the prefill's mask: Gemma 3 and PaliGemma pass
             # them to the first forward only)
             decode_extra = {**decode_extra, "token_type_ids": types[:, -1:].to(device)}
+    if mm_types is not None:  # (left-padded as the ids: the padding is text)
+        extra = {**extra, "mm_token_type_ids": F.pad(mm_types.to("cpu").long(), (pad, 0), value=0).to(device)}
     kind = "prefill" if embeds is None else "embeds_prefill"
     prefill_key = (kind + variant, batch, plan.prompt_bucket, plan.cache_bucket)
     if images:
