@@ -9,6 +9,7 @@ It is registered only in simulated mode and never replaces torch_tpu's own backe
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from hf_tpu.sim._counters import STATE, SimStrictError, graph_run
 __all__ = ["note_cache_hit", "register", "tpu_backend"]
 
 TAKEN_OVER: dict[str, Any] = {}
+_LOG = logging.getLogger("hf_tpu.sim")
 
 
 def _in_graph(fn: Any) -> Any:
@@ -29,8 +31,47 @@ def _in_graph(fn: Any) -> Any:
     return run
 
 
+# torch_tpu 0.2.0's refusal of a graph that reads a device value on the host (its eager ``_local_scalar_dense``
+# kernel, met while it lowers the graph's FX nodes), word for word.
+HOST_READ_REFUSAL = "local_scalar_dense(): cannot record EventSnapshot during an FX trace"
+_HOST_READ_SITES: set[str] = set()  # the source lines already warned about, once per process
+
+
+def _host_read_site(gm: torch.fx.GraphModule) -> str | None:
+    """The source line of the first read of a device value on the host (``aten._local_scalar_dense``: ``.item()``,
+    ``.tolist()``, a tensor check) in the graph ``gm``; None when it has none."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default:
+            frames = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip()]
+            files = [i for i, line in enumerate(frames) if line.startswith("File ")]
+            if not files:
+                return "an unknown line"
+            last = files[-1]
+            return " ".join(frames[last : last + 2])
+    return None
+
+
+def _warn_host_read(gm: torch.fx.GraphModule) -> None:
+    """Log once per source line a compiled graph that reads a device value on the host: the simulator runs the read
+    (a host sync), torch_tpu refuses to lower the graph (:data:`HOST_READ_REFUSAL`), so on a chip it does not
+    compile."""
+    site = _host_read_site(gm)
+    if site is None or site in _HOST_READ_SITES:
+        return
+    _HOST_READ_SITES.add(site)
+    _LOG.warning(
+        "hf_tpu.sim: a compiled graph reads a device value on the host (%s); the simulator runs the read, but "
+        "torch_tpu refuses to lower such a graph (%r): on a TPU it does not compile. Compute the value on the host "
+        "before the graph, or keep it on the device.",
+        site,
+        HOST_READ_REFUSAL,
+    )
+
+
 def _compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
     from torch._functorch import config as functorch_config
+
+    _warn_host_read(gm)
     from torch._functorch.aot_autograd import make_boxed_func
 
     if functorch_config.bundled_autograd_cache or functorch_config.force_autograd_cache:

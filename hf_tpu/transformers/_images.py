@@ -36,9 +36,14 @@ from __future__ import annotations
 
 import inspect
 
+from hf_tpu.errors import UserError
+
 __all__ = [
     "Bounds",
+    "ImageTokensError",
+    "check_image_tokens",
     "encode_images",
+    "feature_tokens",
     "grid_model",
     "grid_tower",
     "image_inputs",
@@ -222,13 +227,56 @@ def encode_images(model, state, model_kwargs: dict, run) -> dict:
         constants = grid_constants(model, grid)
         key = ("vision", len(constants["image_grid_thw"]), shapes, constants["image_grid_thw"])  # (per image count)
         tower = next((m for m in model.base_model.children() if hasattr(m, "window_size")), None)
-        args = (inputs, constants, _window_inputs(tower, grid, model.device))
+        args = (inputs, constants, {**_window_inputs(tower, grid, model.device), **_position_inputs(model, grid)})
     else:
         args = (inputs,)
     with torch.no_grad():
         encoded = run(model, state, key, *args)
     kwargs["mm_encoder_outputs"] = {"image": encoded}
     return kwargs
+
+
+class ImageTokensError(UserError, ValueError):
+    """A prompt whose image tokens do not match its encoded images' features in number."""
+
+
+def image_token_id(model) -> int | None:
+    """The model's image token (``image_token_id`` or ``image_token_index`` of its config); None when it names none."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(model.config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def feature_tokens(model, encoded) -> int:
+    """How many prompt tokens the encoded images fill: their features' elements over the text's hidden size."""
+    import torch
+
+    pooled = getattr(encoded, "pooler_output", encoded)
+    tensors = pooled if isinstance(pooled, (list, tuple)) else [pooled]
+    hidden = int(model.config.get_text_config(decoder=True).hidden_size)
+    return sum(int(t.numel()) for t in tensors if isinstance(t, torch.Tensor)) // hidden
+
+
+def check_image_tokens(model, input_ids, mm_encoder_outputs) -> None:
+    """Upstream's check that the prompt holds one image token per feature row of its encoded images (the forward's
+    ``get_placeholder_mask``), run on the host ids: in the prefill graph it is a read of a device value on the host,
+    which torch_tpu refuses to lower, so the ``mm_prefill`` graphs are traced without it (``_graphs.run_graph``).
+
+    Raises:
+        ImageTokensError: the counts differ (upstream raises ``ValueError`` with its own message then)."""
+    token = image_token_id(model)
+    if token is None:
+        return
+    expected = feature_tokens(model, mm_encoder_outputs["image"])
+    found = int((input_ids.to("cpu") == token).sum())
+    if found != expected:
+        raise ImageTokensError(
+            f"image features and image tokens do not match: the prompt holds {found} image token(s) (id {token}) and "
+            f"its images fill {expected}; build the prompt with the model's processor, which puts one image token "
+            "per feature row"
+        )
 
 
 def features_shape(mm_encoder_outputs) -> tuple:
@@ -315,6 +363,26 @@ def _window_inputs(tower, grid, device) -> dict:
         patch_size=tower.patch_size,
     )  # fmt: skip
     return {"window_index": index.to(device), "cu_window_seqlens": Bounds(bounds.tolist())}
+
+
+def _position_inputs(model, grid) -> dict:
+    """The patches' rotary positions of a :func:`takes_grid` model's tower that numbers them with upstream's
+    ``get_vision_position_ids(grid_thw, self.spatial_merge_size, kwargs=kwargs)`` (LFM3-VL's, Qwen2.5-VL's in
+    HyperCLOVA X Vision V2), computed on the host and moved to the model's device, as that helper accepts them
+    precomputed: in the graph it builds a tensor of the merge size and reads it back (``tolist()``), a read of a device
+    value on the host that torch_tpu refuses to lower. Empty for another tower."""
+    from transformers import vision_utils
+
+    for tower in model.base_model.children():
+        merge = getattr(tower, "spatial_merge_size", None)
+        try:
+            source = inspect.getsource(type(tower).forward) if isinstance(merge, int) else ""
+        except (OSError, TypeError):
+            source = ""
+        if "get_vision_position_ids(grid_thw, self.spatial_merge_size, kwargs=kwargs)" in source:
+            positions = vision_utils.get_vision_position_ids(grid.to("cpu").long(), merge)
+            return {"position_ids": positions.to(model.device)}
+    return {}
 
 
 def _encode_grid_images(model, state, model_kwargs: dict, run) -> dict:

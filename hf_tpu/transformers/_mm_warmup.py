@@ -42,25 +42,13 @@ def takes_token_types(model) -> bool:
 
 
 def _image_token_id(model) -> int:
-    config = model.config
-    for name in ("image_token_id", "image_token_index"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    raise NotCompilableError(
-        f"hf_tpu.warmup cannot warm the images of {type(model).__name__}: its config names no image token "
-        "(image_token_id), so warm-up cannot build a prompt holding the images' tokens"
-    )
-
-
-def _feature_tokens(model, encoded) -> int:
-    """How many prompt tokens the encoded images fill: their features' elements over the text's hidden size."""
-    import torch
-
-    pooled = getattr(encoded, "pooler_output", encoded)
-    tensors = pooled if isinstance(pooled, (list, tuple)) else [pooled]
-    hidden = int(model.config.get_text_config(decoder=True).hidden_size)
-    return sum(int(t.numel()) for t in tensors if isinstance(t, torch.Tensor)) // hidden
+    token = _images.image_token_id(model)
+    if token is None:
+        raise NotCompilableError(
+            f"hf_tpu.warmup cannot warm the images of {type(model).__name__}: its config names no image token "
+            "(image_token_id), so warm-up cannot build a prompt holding the images' tokens"
+        )
+    return token
 
 
 def warm_images(
@@ -96,7 +84,7 @@ def warm_images(
     kinds = ("vision", "grid_vision", "positioned_vision")
     keys = [k for k in state.compile_log if k not in before and k[0] in kinds]
     keys = keys or [k for k in state.compiled if k[0] in kinds and k[1] == batch * count]
-    tokens, rest = divmod(_feature_tokens(model, encoded["image"]), batch)
+    tokens, rest = divmod(_images.feature_tokens(model, encoded["image"]), batch)
     fitting = [p for p in prompt_buckets if p >= tokens]
     if rest or not fitting:
         raise ValueError(

@@ -188,3 +188,47 @@ def lower_each(session, entries: dict[str, dict]):
         labels += own or [f"{name}/graph-{i}" for i in range(group["count"])]
         groups.append(group)
     return {"labels": labels, "groups": groups}
+
+
+
+def lower_vision_warmup(session, family: str, image_size: tuple[int, int] = (16, 16), prompt_bucket: int = 16,
+                        max_new_tokens: int = 8):  # fmt: skip
+    """Warm-up's image graphs (``hf_tpu.warmup(image_sizes=[image_size])``'s part for images:
+    :func:`hf_tpu.transformers._mm_warmup.warm_images`, one image per prompt, batch 1) of a tiny vision-language model
+    (the ``family`` builder of tests/transformers/test_vision_generate.py) on deferred tpu weights: its vision tower's
+    graph (``"vision"``, Qwen2-VL's grid-keyed ``"grid_vision"``), the image prefill (``"mm_prefill"``) and the
+    decode (``"+mrope"`` for Qwen2-VL's three rows of positions) go through torch_tpu's lowering. Each program is
+    labelled with the kind of the graph key that lowered it (``grid_vision``, ``mm_prefill+mrope``); a key whose
+    graph dynamo reused (Gemma 3's image decode is the text decode's graph) lowers nothing."""
+    import sys
+    from pathlib import Path
+
+    from hf_tpu._patch import enable
+    from hf_tpu.transformers import _graphs, _mm_warmup, generation
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transformers"))
+    import test_vision_generate as vlm
+
+    cls, config, _ = vlm._BUILDERS[family]()
+    with torch.device("meta"):
+        model = cls(config)
+    enable()
+    model = model.to_empty(device="tpu").eval()
+    labels: list[str] = []
+    run_graph = _graphs.run_graph
+
+    def recording(model, state, key, *args):  # (each program lowered while the graph of ``key`` ran)
+        first = len(session.programs)
+        try:
+            return run_graph(model, state, key, *args)
+        finally:
+            labels.extend([key[0]] * (len(session.programs) - first))
+
+    _mm_warmup.run_graph = recording  # (the image graphs' runner, as warm_images calls it)
+    try:
+        with session.mode, torch.no_grad():
+            keys = _mm_warmup.warm_images(model, 1, tuple(image_size), 1, [prompt_bucket], max_new_tokens,
+                                          generation.default_variant(model))  # fmt: skip
+    finally:
+        _mm_warmup.run_graph = run_graph
+    return {"labels": labels, "graph_keys": [[str(k) for k in key] for key in keys]}

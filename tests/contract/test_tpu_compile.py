@@ -78,6 +78,10 @@ def _grouped_entries(root) -> dict[str, dict]:
             "entry": "_tpu_compile_entries:lower_encoder_warmup",
             "kwargs": {"family": "modernbert"},
         },
+        **{
+            f"vision-{family}": {"entry": "_tpu_compile_entries:lower_vision_warmup", "kwargs": {"family": family}}
+            for family in ("qwen2_vl", "gemma3", "lfm3_vl")  # (LFM3-VL's fails: last)
+        },
     }
 
 
@@ -427,3 +431,48 @@ def test_encoder_bucket_graphs(lowered, family):
     compile for v6e-1."""
     result = lowered[f"encoder-{family}"]
     _all_compiled(result, ["encoder-2x16", "encoder-2x32"])
+
+
+_VISION_FIGURES = ("flops", "bytes_accessed", "argument_bytes", "output_bytes", "temp_bytes", "code_bytes")
+
+
+@pytest.mark.parametrize(
+    "family, names",
+    [
+        ("qwen2_vl", ["grid_vision", "mm_prefill+mrope", "decode+mrope"]),
+        ("gemma3", ["vision", "mm_prefill+token_type_ids", "decode+token_type_ids"]),
+    ],
+)
+def test_vision_generate_graphs(lowered, family, names):
+    """Warm-up's image graphs of a tiny Qwen2-VL (the tower on patch rows keyed by the grid, the host's segment
+    bounds constants of the graph; prefill and decode on ids packed with three rows of positions) and a tiny Gemma 3
+    (the tower on pixels; the prefill merging the features, with token types) lower through torch_tpu and compile
+    for v6e-1. Their image prefill reads nothing on the host: upstream's check of image tokens against features (a
+    tensor check, a host read in the graph that torch_tpu refuses to lower) runs on the host ids instead. The figures
+    libtpu reports for each program are printed (docs/planning.md quotes them)."""
+    result = lowered[f"vision-{family}"]
+    _all_compiled(result, names)
+    assert result.eager["device_to_host"] == 0 and result.eager["host_reads"] == 0, result.eager
+    vision, prefill, decode = result.programs
+    if family == "qwen2_vl":
+        assert [[16, 96], "float32"] in vision.arguments, vision.arguments  # 16 patch rows of 3 x 2 x 4 x 4
+        assert [[1, 64], "int64"] in prefill.arguments, prefill.arguments  # 16 ids and 3 rows of 16 positions
+        assert [[1, 4], "int64"] in decode.arguments, decode.arguments  # one id and its 3 positions
+    else:
+        assert [[1, 3, 16, 16], "float32"] in vision.arguments, vision.arguments
+        assert [[1, 4, 32], "float32"] in prefill.arguments, prefill.arguments  # the 4 image tokens' features
+    for p in result.programs:
+        print(f"{family} {p.name} v6e-1: " + ", ".join(f"{k}={getattr(p, k)}" for k in _VISION_FIGURES))
+
+
+def test_takes_grid_vision_graph_reads_its_grid_on_the_host_which_torch_tpu_refuses(lowered):
+    """LFM3-VL's vision graph (a model taking a grid per image, positions in one row: the grid's values constants of
+    the graph, hf_tpu.transformers._images.takes_grid): its tower reads the grid built in the graph back on the host
+    (``grid_thw.tolist()``), which torch_tpu refuses to lower; the simulator runs that read (a host sync). Reported
+    as not lowered, with why. (Before its rotary positions were computed on the host, the graph stopped earlier, at
+    upstream's ``torch.tensor([spatial_merge_size], device=...)``, a copy to the device needing a chip.)"""
+    result = lowered["vision-lfm3_vl"]
+    assert result.error is not None, "LFM3-VL's vision graph lowered: update docs/planning.md and this test"
+    assert "cannot record EventSnapshot during an FX trace" in result.error, result.error
+    assert "grid_thw.tolist()" in result.error, result.error
+    assert not result.programs

@@ -139,3 +139,30 @@ def test_group_norm_on_strided_views_forward_and_backward_match_cpu():
     out.sum().backward()
     torch.testing.assert_close(out.cpu(), ref)
     torch.testing.assert_close(xt.grad.cpu(), xc.grad)
+
+
+def _checked_double(ids, features):
+    n = (ids == 5).sum()  # a tensor check, as transformers' torch_compilable_check makes it while compiling
+    torch._check_tensor_all(n * features.shape[-1] == features.numel())
+    return features * 2
+
+
+def test_a_graph_reading_a_device_value_on_the_host_is_logged_as_refused_by_torch_tpu(caplog):
+    """torch_tpu refuses to lower a graph holding ``aten._local_scalar_dense`` (a tensor check, ``.item()``,
+    ``.tolist()`` of a value computed in it: "cannot record EventSnapshot during an FX trace", tests/contract's
+    LFM3-VL vision graph); the simulator runs the read (a host sync) and logs, once per source line, that a chip would
+    refuse the graph. A graph without the read logs nothing."""
+    from hf_tpu.sim import _backend
+
+    ids, features = torch.tensor([[5, 1, 5]]), torch.randn(1, 2, 4)
+    _backend._HOST_READ_SITES.clear()
+    with caplog.at_level("WARNING", logger="hf_tpu.sim"):
+        out = torch.compile(_checked_double, backend="tpu", fullgraph=True)(ids.to("tpu"), features.to("tpu"))
+        torch._dynamo.reset()
+        torch.compile(_checked_double, backend="tpu", fullgraph=True)(ids.to("tpu"), features.to("tpu"))
+        torch.compile(lambda x: x * 2, backend="tpu", fullgraph=True)(features.to("tpu"))
+    torch.testing.assert_close(out.cpu(), _checked_double(ids, features))
+    logged = [r.getMessage() for r in caplog.records if "reads a device value on the host" in r.getMessage()]
+    assert len(logged) == 1, logged  # once for the line, not again for its second compile; none for the plain graph
+    assert "test_compile_defaults.py" in logged[0] and "_check_tensor_all" in logged[0], logged[0]
+    assert _backend.HOST_READ_REFUSAL in logged[0]

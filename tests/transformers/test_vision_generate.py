@@ -566,3 +566,32 @@ def test_gemma4_images_run_the_cached_loop_equal_cpu_and_another_count_and_size_
     assert explain(tpu, **kwargs, **asked).loop == "cached"
     got, want = tpu.generate(**kwargs, **asked), cpu.generate(**kwargs, **asked)
     torch.testing.assert_close(torch.stack(got.logits).cpu(), torch.stack(want.logits), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_vl"])
+def test_image_prefill_reads_nothing_on_the_host_and_the_image_tokens_are_checked_there(family):
+    """Upstream's forward checks that the prompt holds one image token per feature row (``torch_compilable_check`` on
+    a tensor): in a compiled graph that is a read of a device value on the host, which torch_tpu refuses to lower
+    (tests/contract/test_tpu_compile.py). hf_tpu traces its image prefill without it and checks the host ids: a
+    one-token generate with an image reads one value (its token), and a prompt one image token short raises
+    ImageTokensError (a ValueError, as upstream's check raises on the CPU)."""
+    from hf_tpu.transformers._images import ImageTokensError
+
+    family, cpu, tpu, per_image = _pair(family)
+    kwargs = _prompt(family, per_image, images=1, text=5, seed=5)
+    _generate(tpu, kwargs, 1)
+    with hf_tpu.sim.stats() as s:
+        got = _generate(tpu, kwargs, 1)
+    assert torch.equal(got, _generate(cpu, kwargs, 1))
+    assert s.d2h_copies == 1 and s.host_syncs == 1, (s.d2h_copies, s.host_syncs)
+    ids = kwargs["input_ids"].clone()
+    ids[0, int((ids[0] == IMAGE).nonzero()[0])] = 5  # one image token fewer
+    short = {**kwargs, "input_ids": ids}
+    if "token_type_ids" in short:
+        short["token_type_ids"] = (ids == IMAGE).long()
+    with pytest.raises(ValueError):
+        _generate(cpu, short, 1)
+    expected = (per_image if family != "qwen2_vl" else 4) - 1
+    match = rf"holds {expected} image token\(s\) \(id {IMAGE}\) and its images fill"
+    with pytest.raises(ImageTokensError, match=match):
+        _generate(tpu, short, 1)

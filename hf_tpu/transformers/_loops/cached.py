@@ -17,7 +17,7 @@ from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
 from hf_tpu.transformers._graphs import ALIGNED, MROPE, run_graph
-from hf_tpu.transformers._images import features_shape, mrope_rows, positioned
+from hf_tpu.transformers._images import check_image_tokens, features_shape, mrope_rows, positioned
 from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
 from hf_tpu.transformers._settings import model_state
 from hf_tpu.transformers._signatures import cache_name
@@ -142,6 +142,7 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
     kind = "prefill" if embeds is None else "embeds_prefill"
     prefill_key = (kind + variant, batch, plan.prompt_bucket, plan.cache_bucket)
     if images:
+        check_image_tokens(model, input_ids, images)  # (upstream's check in the forward: here, on the host ids)
         extra = {**extra, "mm_encoder_outputs": images}
         prefill_key = ("mm_prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket, features_shape(images))
     decode_key = ("decode" + variant, batch, plan.cache_bucket)
