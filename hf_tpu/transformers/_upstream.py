@@ -103,10 +103,30 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
         # (upstream's generate numbers the prompt's positions from them, on the host; for a model whose images the
         # loop does not number, route.py says why with the images)
         extra -= {"mm_token_type_ids", "image_grid_thw"}
-    extra = {k for k in extra if model_kwargs[k] is not None}
+    extra = {k for k in extra if model_kwargs[k] is not None} - unread_inputs(model, extra)
     if extra:
         return f"model inputs {sorted(extra)} are not supported by the bucketed loop", True
     return None
+
+
+def unread_inputs(model, names) -> set[str]:
+    """The inputs among ``names`` that the model's ``forward`` takes as named parameters and never reads (GLM-5 Next's
+    ``mm_token_type_ids``: its processor returns them, its forward accepts and drops them): upstream's loop hands them
+    over for nothing, so the bucketed loop may leave them out. Read from the forward's bytecode (decorators unwrapped):
+    a parameter no instruction loads, in a function that neither calls ``locals()`` nor hands it to a closure."""
+    import dis
+    import inspect
+
+    forward = inspect.unwrap(getattr(type(model), "forward", None) or (lambda: None))
+    code = getattr(forward, "__code__", None)
+    if code is None or "locals" in code.co_names or "vars" in code.co_names:
+        return set()
+    params = set(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]) - set(code.co_cellvars)
+    read = set()
+    for inst in dis.get_instructions(code):
+        if inst.opname.startswith(("LOAD_FAST", "DELETE_FAST", "STORE_FAST")) or inst.opname == "LOAD_DEREF":
+            read.update(inst.argval if isinstance(inst.argval, tuple) else (inst.argval,))
+    return {name for name in names if name in params and name not in read}
 
 
 # Prompt inputs besides ids the cached loop takes, where the model's forward does (decoder-only models): the prompt as

@@ -130,3 +130,33 @@ def test_an_encoder_decoder_without_input_ids_runs_upstream_with_the_reason(pair
     with pytest.warns(UserWarning, match="generate got no input ids; running upstream's generate"):
         got = tpu.generate(**kw)
     assert torch.equal(got.cpu(), cpu.generate(**kw))
+
+
+def test_an_input_the_forward_never_reads_stays_on_the_loop_and_one_it_reads_runs_upstream(prompts, from_config):
+    """GLM-5 Next's forward takes ``mm_token_type_ids`` (its processor returns them) and never reads them: the loop
+    leaves them out and equals the CPU's; a forward that reads such an input runs upstream's loop naming it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class Ignores(LlamaForCausalLM):
+        def forward(self, *args, mm_token_type_ids=None, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    class Reads(LlamaForCausalLM):
+        def forward(self, *args, mm_token_type_ids=None, **kwargs):
+            out = super().forward(*args, **kwargs)
+            if mm_token_type_ids is not None:
+                out.logits = out.logits + mm_token_type_ids.sum()
+            return out
+
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    ids, mask = prompts([6])
+    kw = {"attention_mask": mask, "mm_token_type_ids": torch.zeros_like(ids), "max_new_tokens": 4, "do_sample": False}
+    cpu, tpu = from_config(Ignores, config)
+    assert explain(tpu, input_ids=ids, **kw).loop == "cached"
+    assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
+    _, tpu = from_config(Reads, config)
+    route = explain(tpu, input_ids=ids, **kw)
+    assert route.loop == "upstream" and "mm_token_type_ids" in route.reason, route

@@ -408,6 +408,100 @@ def test_an_image_encoder_that_is_not_one_graph_sends_image_calls_upstream_and_w
     assert torch.equal(got, cpu.generate(**text, max_new_tokens=6, do_sample=False)) and s.compiles == 0
 
 
+def _llava_next():
+    """A tiny LLaVA-NeXT: 16-pixel tiles of 4 x 4 patches, an image resized to its best grid of tiles (pinpoints of
+    1 x 1, 1 x 2 and 2 x 1 tiles) after one tile of the whole image; its tokens: the whole image's 16, then the grid's
+    rows unpadded to the image's aspect, each row ending in the newline embedding."""
+    import transformers as T
+
+    vision = T.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4,
+        projection_dim=32,
+    )  # fmt: skip
+    config = T.LlavaNextConfig(
+        vision_config=vision, text_config=T.LlamaConfig(**_TEXT), image_token_id=IMAGE,
+        image_grid_pinpoints=[[16, 16], [16, 32], [32, 16]], vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    cpu, tpu = T.LlavaNextForConditionalGeneration(config).eval(), T.LlavaNextForConditionalGeneration(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    return cpu, tpu.to("tpu")
+
+
+def _llava_next_prompt(cpu, size: tuple, text: int, seed: int) -> dict:
+    """Its processor's output for one image of ``size`` (height, width): the tiles, the size, and as many image
+    tokens as the CPU model's own encoder gives the image features."""
+    import sys
+
+    g = torch.Generator().manual_seed(seed)
+    module = sys.modules[type(cpu).__module__]
+    tiles = module.image_size_to_num_patches(image_size=size, grid_pinpoints=cpu.config.image_grid_pinpoints,
+                                             patch_size=16)  # fmt: skip
+    pixels, sizes = torch.randn(1, tiles, 3, 16, 16, generator=g), torch.tensor([list(size)])
+    with torch.no_grad():
+        features = cpu.model.get_image_features(pixel_values=pixels, image_sizes=sizes).pooler_output
+    image = torch.full((1, sum(f.shape[0] for f in features)), IMAGE)
+    ids = torch.cat([torch.randint(3, 60, (1, text), generator=g), image, torch.tensor([[5, 6, 7]])], dim=1)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels, "image_sizes": sizes}
+
+
+def test_llava_next_tiles_equal_cpu_and_a_second_warmed_image_size_compiles_nothing():
+    """LLaVA-NeXT's encoder packs each image's tiles by its size (``image_sizes``, host integers: constants of the
+    vision graph; its ``np.prod`` of the static feature shape an integer there, hf_tpu/transformers/_numpy_fold.py):
+    after warm-up of two image sizes (1 x 1 and 1 x 2 tiles), greedy generate with either equals the CPU's on hf_tpu's
+    cached loop, compiling nothing (strict mode) and at most 4 new op shapes."""
+    cpu, tpu = _llava_next()
+    report = hf_tpu.warmup(
+        tpu, max_prompt_len=64, batch_sizes=[1], max_new_tokens=6, image_sizes=[(16, 16), (16, 32)], strict=True,
+        progress=False,
+    )  # fmt: skip
+    assert len([key for key in report.graphs if key[0] == "vision"]) == 2 and not report.not_warmed
+    try:
+        for size, text, seed in (((16, 16), 5, 0), ((16, 32), 4, 1)):
+            kwargs = _llava_next_prompt(cpu, size, text, seed)
+            assert explain(tpu, **kwargs, max_new_tokens=6).loop == "cached"
+            with hf_tpu.sim.stats() as s:  # (the warmed variant: the model's own generation_config)
+                got = tpu.generate(**kwargs, max_new_tokens=6, do_sample=False)
+            assert torch.equal(got, cpu.generate(**kwargs, max_new_tokens=6, do_sample=False)), size
+            assert s.compiles == 0 and s.shape_signatures <= 4, (size, s.compiles, s.shape_signatures)
+    finally:
+        generation.configure(tpu, strict=False)
+
+
+def test_numpy_prod_of_a_static_shape_is_an_integer_in_a_compiled_graph():
+    """``np.prod`` of a static shape (LLaVA-NeXT's check of its tiles' features) is folded to eager's integer while
+    the generation integration is on (a branch on it is a shape check, not data-dependent), and traced again as a
+    tensor, a data-dependent branch, once it is off."""
+    import numpy as np
+    from torch._dynamo.variables.misc import NumpyVariable
+
+    from hf_tpu import _patch
+
+    def checked(x):
+        if np.prod(x.shape) % 6 != 0 and x.dim() == 2:
+            return x + 1
+        return x * 2
+
+    def unfolded(x):  # (the same code, another function: dynamo traces it afresh with the patch off)
+        if np.prod(x.shape) % 6 != 0 and x.dim() == 2:
+            return x + 1
+        return x * 2
+
+    assert any(r.target.endswith("NumpyVariable.call_function") for r in _patch.applied("generation"))
+    compiled = torch.compile(checked, fullgraph=True, dynamic=False, backend="eager")
+    for shape in ((2, 3), (2, 4)):
+        x = torch.ones(shape)
+        torch.testing.assert_close(compiled(x), checked(x))
+    hf_tpu.disable("generation")
+    try:
+        assert not hasattr(NumpyVariable.call_function, "__wrapped__")
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="Data-dependent branching"):
+            torch.compile(unfolded, fullgraph=True, dynamic=False, backend="eager")(torch.ones(2, 3))
+    finally:
+        hf_tpu.enable("generation")
+
+
 def _llava_processor():
     """A processor of the tiny LLaVA, built here: a word-level tokenizer of the tiny vocabulary (``<image>`` at the
     image token), CLIP's image processor at the tower's 16 x 16, 17 image tokens per image."""
