@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -173,6 +174,7 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
         row.update(status="fails on CPU", reason=f"{type(e).__name__}: {_line(e)}")
         return row
     stage = "first prompt length"
+    reads = len(hf_tpu.sim.host_reads())
     try:
         with warnings.catch_warnings():  # the route below says what generate's notes say
             warnings.simplefilter("ignore")
@@ -198,6 +200,9 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
         notes.append("no cache" + (f": {route.reason}" if route.warn else ""))
     if fast and route.host_sampling:  # the processors on the host: one logits row back per step (the copy targets)
         notes.append(f"host sampling: {route.host_sampling}")
+    refused = host_read_note(hf_tpu.sim.host_reads()[reads:])
+    if fast and refused:
+        notes.append(refused)
     second = runs[1][1]
     h2d, d2h = _per_step(second, short, new_tokens - 2)
     row.update(
@@ -208,6 +213,7 @@ def _measure(model_type: str, new_tokens: int, workdir: str | None, config: Any)
         signatures_2nd=second.shape_signatures,
         h2d_per_step=round(h2d, 2),
         d2h_per_step=round(d2h, 2),
+        host_reads=len(hf_tpu.sim.host_reads()) - reads,
     )
     return row
 
@@ -427,11 +433,28 @@ TARGET_SHARE = 0.9  # of the buildable architectures, meeting every target
 _UNBUILT = ("not buildable", "not loadable", "fails on CPU", "not measured")
 
 
+def host_read_note(sites: list[str]) -> str:
+    """The reason a row gives for compiled graphs that read a device value on the host (``hf_tpu.sim.host_reads``
+    over its calls): torch_tpu refuses to lower them, so on a TPU they do not compile; empty when there are none."""
+    if not sites:
+        return ""
+    where = re.match(r'File "(?:.*/)?([^/"]+)", line (\d+), in (\S+)', sites[0])
+    first = f"{where[1]}:{where[2]} in {where[3]}" if where else sites[0]
+    return f"{HOST_READ_WORDS} ({len(sites)} graphs; first: {first})"
+
+
+# The words that start a row's reason when its compiled graphs read a device value on the host: how a row read back
+# from the docs table (which keeps no count) is known to miss that target.
+HOST_READ_WORDS = "torch_tpu refuses graphs that read a device value on the host"
+
+
 def misses(row: dict) -> list[str]:
     """The targets a measured, buildable row misses (empty: it meets every one)."""
     if row["status"] != "fast path":
         return [row["status"]]
     missed = [] if row.get("identical") else ["not identical"]
+    if row.get("host_reads") or HOST_READ_WORDS in (row.get("reason") or ""):
+        missed.append("host reads in compiled graphs")
     if row.get("compiles_2nd") != 0:
         missed.append("compiles")
     if row.get("signatures_2nd", 99) > 4:

@@ -460,6 +460,7 @@ def _measure(model_type: str, new_tokens: int) -> dict:
         return row
     row["image_tokens"] = tokens
     stage = "placing the model"
+    reads = len(hf_tpu.sim.host_reads())
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -490,15 +491,17 @@ def _measure(model_type: str, new_tokens: int) -> dict:
     route = explain(tpu, **prompts[0], **kw)  # after what the first traces found
     identical = all(torch.equal(got.cpu(), want) for got, want in zip(runs, expected, strict=True))
     h2d, d2h = arch_sweep._per_step(stats[-1], short, new_tokens - 2)
+    sites = hf_tpu.sim.host_reads()[reads:]  # warm-up's graphs and the calls' (torch_tpu refuses those that read)
     row.update(
         status="fast path" if route.fast else "upstream loop",
         route=route.loop,
-        reason="" if route.fast else route.reason,
+        reason=arch_sweep.host_read_note(sites) if route.fast else route.reason,
         identical=identical,
         compiles_2nd=max(s.compiles for s in stats[1:]),
         signatures_2nd=max(s.shape_signatures for s in stats[1:]),
         h2d_per_step=round(h2d, 2),
         d2h_per_step=round(d2h, 2),
+        host_reads=len(sites),
     )
     return row
 
@@ -611,7 +614,9 @@ def markdown(figures: dict) -> str:
         "*copies/step*: host->device + device->host copies per decode step (the third call's prompt for "
         f"{_new_tokens(figures)} and for 2",
         "tokens, differenced). Targets: hf_tpu's loop (fast path), identical, 0 compiles, <= 4 new signatures, <= 1",
-        "copy each way per step. *no generic inputs*: the builder's",
+        "copy each way per step, and no compiled graph (warm-up's included) that reads a device value on the host",
+        "(`hf_tpu.sim.host_reads()`: torch_tpu refuses to lower such a graph; the reason names the first site).",
+        "*no generic inputs*: the builder's",
         "processor stand-in does not fit the model (the reason says why); counted apart from the buildable ones.",
         "",
         f"{s['architectures']} architectures; {s['measured']} measured; {s['no_inputs']} without generic inputs; "

@@ -29,6 +29,7 @@ __all__ = [
     "enable",
     "execution_mode",
     "forget_shapes",
+    "host_reads",
     "host_view",
     "is_enabled",
     "is_sim_tensor",
@@ -170,6 +171,20 @@ def forget_shapes() -> None:
     """Forget the eager op shapes seen so far, as a new process would (the next call of each counts as a new
     signature, i.e. an op compile on torch_tpu); compiled graphs are forgotten with ``torch._dynamo.reset()``."""
     STATE.seen.clear()
+
+
+def host_reads() -> list[str]:
+    """The source lines at which graphs compiled by the simulator's ``"tpu"`` backend read a device value on the host
+    (``.item()``, ``.tolist()``, a check on a tensor: ``aten._local_scalar_dense``), one per such graph, in compile
+    order, since the process started. The simulator runs these reads; torch_tpu 0.2.0 refuses to lower such a graph
+    ("local_scalar_dense(): cannot record EventSnapshot during an FX trace"), so on a TPU it does not compile.
+
+    Returns:
+        A new list of ``"File ..., line N, in fn <source>"`` strings (empty when no compiled graph read the host).
+    """
+    from hf_tpu.sim import _backend
+
+    return list(_backend.HOST_READS)
 
 
 def native_status() -> str:

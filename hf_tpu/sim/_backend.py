@@ -35,6 +35,9 @@ def _in_graph(fn: Any) -> Any:
 # kernel, met while it lowers the graph's FX nodes), word for word.
 HOST_READ_REFUSAL = "local_scalar_dense(): cannot record EventSnapshot during an FX trace"
 _HOST_READ_SITES: set[str] = set()  # the source lines already warned about, once per process
+# Every compiled graph's first host read, in compile order (a site once per graph that has one, warned or not): what
+# ``hf_tpu.sim.host_reads`` returns.
+HOST_READS: list[str] = []
 
 
 def _host_read_site(gm: torch.fx.GraphModule) -> str | None:
@@ -56,7 +59,10 @@ def _warn_host_read(gm: torch.fx.GraphModule) -> None:
     (a host sync), torch_tpu refuses to lower the graph (:data:`HOST_READ_REFUSAL`), so on a chip it does not
     compile."""
     site = _host_read_site(gm)
-    if site is None or site in _HOST_READ_SITES:
+    if site is None:
+        return
+    HOST_READS.append(site)
+    if site in _HOST_READ_SITES:
         return
     _HOST_READ_SITES.add(site)
     _LOG.warning(

@@ -156,6 +156,7 @@ def test_a_graph_reading_a_device_value_on_the_host_is_logged_as_refused_by_torc
 
     ids, features = torch.tensor([[5, 1, 5]]), torch.randn(1, 2, 4)
     _backend._HOST_READ_SITES.clear()
+    before = len(hf_tpu.sim.host_reads())
     with caplog.at_level("WARNING", logger="hf_tpu.sim"):
         out = torch.compile(_checked_double, backend="tpu", fullgraph=True)(ids.to("tpu"), features.to("tpu"))
         torch._dynamo.reset()
@@ -166,3 +167,16 @@ def test_a_graph_reading_a_device_value_on_the_host_is_logged_as_refused_by_torc
     assert len(logged) == 1, logged  # once for the line, not again for its second compile; none for the plain graph
     assert "test_compile_defaults.py" in logged[0] and "_check_tensor_all" in logged[0], logged[0]
     assert _backend.HOST_READ_REFUSAL in logged[0]
+    # hf_tpu.sim.host_reads: one site per graph that reads (both compiles of the checked graph; the plain one adds none)
+    sites = hf_tpu.sim.host_reads()[before:]
+    assert len(sites) == 2 and sites[0] == sites[1] and "test_compile_defaults.py" in sites[0], sites
+    # the sweeps count such a row as missing its targets (tables read back from docs keep the reason's words)
+    from hf_tpu.benchmarks import arch_sweep
+
+    row = {"status": "fast path", "identical": True, "compiles_2nd": 0, "signatures_2nd": 0, "h2d_per_step": 1.0,
+           "d2h_per_step": 1.0}  # fmt: skip
+    assert arch_sweep.misses(row) == [] and arch_sweep.host_read_note([]) == ""
+    note = arch_sweep.host_read_note(sites)
+    assert "test_compile_defaults.py:" in note and "2 graphs" in note, note
+    assert arch_sweep.misses({**row, "host_reads": 2}) == ["host reads in compiled graphs"]
+    assert arch_sweep.misses({**row, "reason": note}) == ["host reads in compiled graphs"]
