@@ -166,12 +166,15 @@ def _vision(model, inputs, constants=None, precomputed=None):
 
 
 def _grid_vision(model, pixels, precomputed):
-    """The vision tower of a model taking its images as patch rows with a grid each (Qwen2-VL, Qwen2.5-VL), on the
+    """The vision tower of a model taking its images as patch rows with a grid each (Qwen2-VL to Qwen3-VL), on the
     grid's precomputed inputs (:func:`hf_tpu.transformers._images.grid_inputs`); returns the merged features of all
-    images, in order (what ``get_image_features`` splits per image and the forward concatenates again)."""
+    images, in order (what ``get_image_features`` splits per image and the forward concatenates again), and with a
+    tower handing the text features of its early layers (Qwen3-VL's ``deepstack_features``) those as well, a tuple
+    of one tensor per layer."""
     visual = model.base_model.visual
     out = visual(pixels.type(visual.dtype), grid_thw=None, **precomputed, return_dict=True)
-    return out.pooler_output
+    deepstack = getattr(out, "deepstack_features", None)
+    return (out.pooler_output, tuple(deepstack)) if deepstack else out.pooler_output
 
 
 @contextlib.contextmanager

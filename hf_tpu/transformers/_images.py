@@ -20,7 +20,11 @@ the tower as the precomputed inputs its ``get_vision_*`` helpers accept), and th
 ids with the grid and ``mm_token_type_ids``, which stay on the host for it). The tower runs as a ``"grid_vision"``
 graph keyed by the grids (its per-image attention is one static chunk per image: :class:`Bounds`); the prefill and
 decode graphs take the three rows packed with the ids (``"+mrope"`` graphs), so a decode step still sends one
-``(batch, 4)`` tensor and reads back the next tokens. EXAONE 4.5 (:func:`grid_tower`) has Qwen2.5-VL's tower before a
+``(batch, 4)`` tensor and reads back the next tokens. Qwen3-VL's family (Qwen3-VL, Qwen3.5, their MoE forms, Cosmos 3
+Omni, Qwen4-Exp) numbers its positions the same way; its towers also resample learned position embeddings to each
+grid (the gather indices and weights computed on the host: more precomputed inputs) and Qwen3-VL's hands features of
+early blocks to the first decoder layers (``deepstack_features``: the ``"grid_vision"`` graph returns them, and the
+model's forward adds them at the image tokens in the prefill graph). EXAONE 4.5 (:func:`grid_tower`) has Qwen2.5-VL's tower before a
 text of one row of positions: its images take the ``"grid_vision"`` graph, the rest is the plain image loop.
 
 Gemma 4 and Gemma 4 Unified (:func:`positioned`) take each image as patch rows padded to their processor's length,
@@ -78,8 +82,13 @@ def image_inputs(model, model_kwargs: dict) -> list[str]:
 
 
 # The models whose grid-numbered images the loop builds (their vision towers accept the grid's precomputed inputs and
-# their get_rope_index numbers text and images only): Qwen2-VL and Qwen2.5-VL.
-_GRID_MODELS = ("qwen2_vl", "qwen2_5_vl")
+# their get_rope_index numbers text and images from the ids, the token types and the grids, on the host): Qwen2-VL,
+# Qwen2.5-VL, and Qwen3-VL's family (Qwen3-VL and its MoE, Qwen3.5 and its MoE, Qwen4-Exp, Cosmos 3 Omni), whose
+# towers also interpolate learned position embeddings to each grid and may hand features of early layers to the
+# text (deepstack): see :func:`grid_inputs` and :func:`hf_tpu.transformers._graphs._grid_vision`.
+_GRID_MODELS = (
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "cosmos3_omni",
+)  # fmt: skip
 # The models whose vision towers take grid-numbered images with the precomputed inputs (the "grid_vision" graph),
 # positions numbered from the grids or not: Qwen2-VL's and Qwen2.5-VL's, and EXAONE 4.5's (Qwen2.5-VL's tower with
 # axial rotary positions in front of a text with one row of positions).
@@ -88,7 +97,7 @@ _GRID_TOWERS = (*_GRID_MODELS, "exaone4_5")
 
 def grid_model(model) -> bool:
     """Whether ``model`` is a vision-language model whose images come as patch rows with a grid per image and whose
-    positions are numbered from those grids (Qwen2-VL, Qwen2.5-VL), which the loop serves."""
+    positions are numbered from those grids (Qwen2-VL, Qwen2.5-VL, Qwen3-VL's family), which the loop serves."""
     return getattr(model.config, "model_type", None) in _GRID_MODELS and hasattr(model.base_model, "visual")
 
 
@@ -154,7 +163,7 @@ def numbers_from_images(model) -> bool:
 
 def mrope_rows(model) -> int:
     """How many rows of positions the model's rotary embedding reads (3 for the multimodal rotary positions of
-    Qwen2-VL and Qwen2.5-VL, whose ``generate`` numbers every call's prompt, with or without images, in three rows);
+    :func:`grid_model`'s, whose ``generate`` numbers every call's prompt, with or without images, in three rows);
     1 for every other model."""
     return 3 if grid_model(model) else 1
 
@@ -285,10 +294,16 @@ def features_shape(mm_encoder_outputs) -> tuple:
 
     encoded = mm_encoder_outputs["image"]
     shapes = []
+
+    def add(value):
+        if isinstance(value, torch.Tensor):
+            shapes.append(tuple(value.shape))
+        elif isinstance(value, (list, tuple)):  # (per image; per layer and image for deepstack features)
+            for item in value:
+                add(item)
+
     for value in encoded.values() if hasattr(encoded, "values") else [encoded]:
-        for t in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(t, torch.Tensor):
-                shapes.append(tuple(t.shape))
+        add(value)
     return tuple(shapes)
 
 
@@ -321,8 +336,9 @@ class Bounds:
 def grid_inputs(model, grid) -> dict:
     """The vision tower's precomputed inputs for the images of ``grid`` (``image_grid_thw`` on the host), computed on
     the host with upstream's own helpers: the patches' rotary positions (on the model's device), the attention's
-    segment bounds (:class:`Bounds`) and, for a tower with window attention (Qwen2.5-VL), the window order (on the
-    device) and the windows' bounds."""
+    segment bounds (:class:`Bounds`), for a tower with window attention (Qwen2.5-VL) the window order (on the
+    device) and the windows' bounds, and for a tower resampling learned position embeddings (Qwen3-VL's family)
+    their gather indices and weights (:func:`_interpolation_inputs`)."""
     from transformers import vision_utils
 
     visual = model.base_model.visual
@@ -333,7 +349,26 @@ def grid_inputs(model, grid) -> dict:
         "cu_seqlens": Bounds(vision_utils.get_vision_cu_seqlens(grid).tolist()),
     }
     inputs.update(_window_inputs(visual, grid, model.device))
+    inputs.update(_interpolation_inputs(visual, grid, model.device))
     return inputs
+
+
+def _interpolation_inputs(tower, grid, device) -> dict:
+    """The gather indices and weights (on ``device``) with which a vision tower resamples its square table of learned
+    position embeddings to each image's grid (Qwen3-VL's family: ``num_grid_per_side``), computed on the host with
+    upstream's ``get_vision_interpolation_indices_and_weights`` as the tower calls it; empty for a tower without
+    such a table."""
+    from transformers import vision_utils
+
+    side = getattr(tower, "num_grid_per_side", None)
+    if not isinstance(side, int):
+        return {}
+    indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
+        grid.to("cpu").long(), num_grid_per_side=side, mode=getattr(tower, "interpolation_mode", "bilinear"),
+        align_corners=getattr(tower, "interpolation_align_corners", False),
+        spatial_merge_size=int(tower.config.spatial_merge_size),
+    )  # fmt: skip
+    return {"interp_indices": indices.to(device), "interp_weights": weights.to(device)}
 
 
 def grid_constants(model, grid) -> dict:
@@ -389,6 +424,8 @@ def _encode_grid_images(model, state, model_kwargs: dict, run) -> dict:
     """:func:`encode_images` for a grid model: the tower on the patch rows as a ``"grid_vision"`` graph keyed by the
     grids; ``image_grid_thw`` (and ``mm_token_type_ids``) stay in the kwargs, on the host, for upstream's
     ``generate`` to number the prompt's positions from."""
+    import sys
+
     import torch
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
@@ -402,7 +439,13 @@ def _encode_grid_images(model, state, model_kwargs: dict, run) -> dict:
     with torch.no_grad():
         merged = run(model, state, key, pixels.to(model.device), grid_inputs(model, grid))
     # (the forward concatenates the images' features before merging them: one tensor holds them all)
-    kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(merged,))}
+    if isinstance(merged, tuple):  # with the features of the tower's early layers, per text layer (deepstack)
+        merged, deepstack = merged
+        output = sys.modules[type(model.base_model).__module__].BaseModelOutputWithDeepstackFeatures
+        encoded = output(pooler_output=(merged,), deepstack_features=[(layer,) for layer in deepstack])
+    else:
+        encoded = BaseModelOutputWithPooling(pooler_output=(merged,))
+    kwargs["mm_encoder_outputs"] = {"image": encoded}
     if not grid_model(model):  # (one row of positions, numbered from the ids: the grids served the tower only)
         kwargs.pop("image_grid_thw")
     return kwargs

@@ -147,7 +147,11 @@ def _call_route(model, config, model_kwargs: dict) -> Route:
         if problem is None and model_kwargs.get("inputs_embeds") is not None:
             problem = "images with inputs_embeds are not supported by the bucketed loop (it merges them into ids)"
         if problem is None and (not use_cache or model_route(model).loop not in (CACHED, HOST_LENGTH)):
-            problem = f"images: only hf_tpu's loop with a cache takes them, and this call of {type(model).__name__} cannot run it"
+            why = model_route(model).reason if use_cache else "use_cache=False"  # (what keeps it off that loop)
+            problem = (
+                f"images: only hf_tpu's loop with a cache takes them, and this call of {type(model).__name__} cannot "
+                f"run it ({why})"
+            )
         if problem is None and (_upstream.numbers_by_cache_length(model) or model_state(model).host_length):
             problem = _upstream.prompt_first_inputs(model, ["images"])
         if problem is not None:

@@ -303,11 +303,13 @@ def test_qwen2_vl_video_runs_upstream_naming_the_inputs():
     assert torch.equal(got.cpu(), _generate(cpu, kwargs, 4))
 
 
-def test_qwen3_vl_images_run_upstream_naming_the_positions_and_equal_cpu_from_host_inputs():
-    """Qwen3-VL numbers its positions from the image grids too (its own get_rope_index), with the images' features
-    also added into early decoder layers (deepstack), which the loop does not build: upstream's loop runs the call,
-    explain names the positions, and the inputs left on the host (ids, grid, token types) reach upstream's
-    get_rope_index on one device."""
+def test_qwen3_vl_images_on_the_cached_loop_equal_cpu_and_warmed_sizes_compile_nothing():
+    """Qwen3-VL's family (Qwen3-VL, Qwen3.5, ...) on hf_tpu's loop: its tower interpolates learned position
+    embeddings to each grid (indices and weights computed on the host, keyed by the grids) and hands the features of
+    an early block to the first decoder layer at the image tokens (deepstack: the "grid_vision" graph returns them,
+    the image prefill adds them); positions in three rows from upstream's get_rope_index on the host. Inputs left
+    on the host equal the CPU's; after warm-up of two image sizes and counts (strict: a graph warm-up missed would
+    raise), calls with either size compile nothing."""
     import transformers as T
 
     vision = dict(_QWEN_VISION, intermediate_size=64, out_hidden_size=32, num_position_embeddings=16)
@@ -319,12 +321,25 @@ def test_qwen3_vl_images_run_upstream_naming_the_positions_and_equal_cpu_from_ho
     tpu.load_state_dict(cpu.state_dict())
     tpu.to("tpu")
     kwargs = _prompt("qwen2_vl", 4, images=2, text=5, seed=3)  # (Qwen3-VL's processor makes the same layout)
-    route = explain(tpu, **kwargs, max_new_tokens=4)
-    assert route.loop == "upstream" and "get_rope_index" in route.reason, route
-    generation.WARNED.clear()
-    with pytest.warns(UserWarning, match="get_rope_index"):
-        got = _generate(tpu, kwargs, 4)
-    assert torch.equal(got.cpu(), _generate(cpu, kwargs, 4))
+    assert explain(tpu, **kwargs, max_new_tokens=6).loop == "cached"
+    got = _generate(tpu, kwargs, 6)
+    assert got.device.type == "cpu" and torch.equal(got, _generate(cpu, kwargs, 6))
+    kinds = {key[0] for key in generation.compiled_graphs(tpu)}
+    assert "grid_vision" in kinds and {"mm_prefill", "decode"} <= {k.split("+")[0] for k in kinds if "+mrope" in k}
+    report = hf_tpu.warmup(
+        tpu, max_prompt_len=32, batch_sizes=[1], max_new_tokens=8, image_sizes=[(16, 16), (16, 32)],
+        num_images=[1, 2], strict=True, progress=False,
+    )  # fmt: skip
+    assert len({key for key in report.graphs if key[0] == "grid_vision"}) == 4
+    try:
+        for images, text, seed, size in [(1, 6, 14, (16, 32)), (2, 7, 15, (16, 32)), (1, 9, 16, (16, 16))]:
+            kwargs = _prompt("qwen2_vl", 4, images=images, text=text, seed=seed, size=size)
+            with hf_tpu.sim.stats() as s:
+                got = tpu.generate(**kwargs, max_new_tokens=8, do_sample=False)
+            assert torch.equal(got, cpu.generate(**kwargs, max_new_tokens=8, do_sample=False)), (images, size)
+            assert s.compiles == 0 and s.shape_signatures <= 4, (images, size, s.compiles, s.shape_signatures)
+    finally:
+        generation.configure(tpu, strict=False)
 
 
 def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
