@@ -40,17 +40,45 @@ _HOST_READ_SITES: set[str] = set()  # the source lines already warned about, onc
 HOST_READS: list[str] = []
 
 
-def _host_read_site(gm: torch.fx.GraphModule) -> str | None:
+# ops whose output shape is a count of a device tensor's values: torch_tpu 0.2.0 computes it on the host while it
+# lowers the graph ("nonzero(): cannot record EventSnapshot during an FX trace"), and refuses, as for a host read
+_COUNTED = ("nonzero", "masked_select", "unique", "_unique2", "unique_consecutive")
+_INDEXED = ("index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put")
+
+
+def _reads_host(node: torch.fx.Node) -> str | None:
+    """Whether the aten op of ``node`` reads a device value on the host when torch_tpu lowers it: ``.item()`` and
+    its kin (``_local_scalar_dense``), an op shaped by a count of values (``nonzero``, ...), or an index by a
+    boolean mask (``x[mask]``, ``x[mask] = y``: a ``nonzero`` of the mask). Returns the op torch_tpu's refusal names
+    (``"local_scalar_dense"``, ``"nonzero"``), or None."""
+    packet = getattr(node.target, "_overloadpacket", None)
+    name = getattr(packet, "__name__", "")
+    if node.target is torch.ops.aten._local_scalar_dense.default:
+        return "local_scalar_dense"
+    if name in _COUNTED:
+        return "nonzero"
+    if name in _INDEXED and len(node.args) > 1:
+        indices = node.args[1] if isinstance(node.args[1], (list, tuple)) else ()
+        for index in indices:
+            value = getattr(index, "meta", {}).get("val") if isinstance(index, torch.fx.Node) else None
+            if value is not None and getattr(value, "dtype", None) in (torch.bool, torch.uint8):
+                return "nonzero"
+    return None
+
+
+def _host_read_site(gm: torch.fx.GraphModule) -> tuple[str, str] | None:
     """The source line of the first read of a device value on the host (``aten._local_scalar_dense``: ``.item()``,
-    ``.tolist()``, a tensor check) in the graph ``gm``; None when it has none."""
+    ``.tolist()``, a tensor check; a boolean-mask index or ``nonzero``: :func:`_reads_host`) in the graph ``gm`` and
+    the op torch_tpu's refusal names; None when it has none."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default:
+        op = _reads_host(node) if node.op == "call_function" else None
+        if op:
             frames = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip()]
             files = [i for i, line in enumerate(frames) if line.startswith("File ")]
             if not files:
-                return "an unknown line"
+                return "an unknown line", op
             last = files[-1]
-            return " ".join(frames[last : last + 2])
+            return " ".join(frames[last : last + 2]), op
     return None
 
 
@@ -58,9 +86,10 @@ def _warn_host_read(gm: torch.fx.GraphModule) -> None:
     """Log once per source line a compiled graph that reads a device value on the host: the simulator runs the read
     (a host sync), torch_tpu refuses to lower the graph (:data:`HOST_READ_REFUSAL`), so on a chip it does not
     compile."""
-    site = _host_read_site(gm)
-    if site is None:
+    found = _host_read_site(gm)
+    if found is None:
         return
+    site, op = found
     HOST_READS.append(site)
     if site in _HOST_READ_SITES:
         return
@@ -70,7 +99,7 @@ def _warn_host_read(gm: torch.fx.GraphModule) -> None:
         "torch_tpu refuses to lower such a graph (%r): on a TPU it does not compile. Compute the value on the host "
         "before the graph, or keep it on the device.",
         site,
-        HOST_READ_REFUSAL,
+        HOST_READ_REFUSAL.replace("local_scalar_dense", op),
     )
 
 

@@ -544,6 +544,10 @@ def run_graph(model, state: ModelState, key: tuple, *args):
 
     if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill", "mm_prefill", "beam_prefill"):
         _module_state.reset(model, state, key[1])  # a new sequence: module-held state as upstream resets it
+    if first and key[0].split("+", 1)[0] == "mm_prefill":
+        from hf_tpu.transformers import _deepstack
+
+        _deepstack.apply_to(model)  # early vision features added at the image tokens with static shapes (Qwen3-VL)
     # (a vision tower's forward asks for hidden states)
     if first and (is_variant(key[0]) or key[0] in ("vision", "grid_vision", "positioned_vision")):
         prepare(model)

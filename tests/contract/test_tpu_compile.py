@@ -80,7 +80,7 @@ def _grouped_entries(root) -> dict[str, dict]:
         },
         **{
             f"vision-{family}": {"entry": "_tpu_compile_entries:lower_vision_warmup", "kwargs": {"family": family}}
-            for family in ("qwen2_vl", "gemma3", "lfm3_vl")  # (LFM3-VL's fails: last)
+            for family in ("qwen2_vl", "gemma3", "qwen3_vl", "lfm3_vl")  # (LFM3-VL's fails: last)
         },
     }
 
@@ -440,6 +440,7 @@ _VISION_FIGURES = ("flops", "bytes_accessed", "argument_bytes", "output_bytes", 
     "family, names",
     [
         ("qwen2_vl", ["grid_vision", "mm_prefill+mrope", "decode+mrope"]),
+        ("qwen3_vl", ["grid_vision", "mm_prefill+mrope", "decode+mrope"]),
         ("gemma3", ["vision", "mm_prefill+token_type_ids", "decode+token_type_ids"]),
     ],
 )
@@ -454,7 +455,7 @@ def test_vision_generate_graphs(lowered, family, names):
     _all_compiled(result, names)
     assert result.eager["device_to_host"] == 0 and result.eager["host_reads"] == 0, result.eager
     vision, prefill, decode = result.programs
-    if family == "qwen2_vl":
+    if family.startswith("qwen"):
         assert [[16, 96], "float32"] in vision.arguments, vision.arguments  # 16 patch rows of 3 x 2 x 4 x 4
         assert [[1, 64], "int64"] in prefill.arguments, prefill.arguments  # 16 ids and 3 rows of 16 positions
         assert [[1, 4], "int64"] in decode.arguments, decode.arguments  # one id and its 3 positions

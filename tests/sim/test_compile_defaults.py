@@ -180,3 +180,23 @@ def test_a_graph_reading_a_device_value_on_the_host_is_logged_as_refused_by_torc
     assert "test_compile_defaults.py:" in note and "2 graphs" in note, note
     assert arch_sweep.misses({**row, "host_reads": 2}) == ["host reads in compiled graphs"]
     assert arch_sweep.misses({**row, "reason": note}) == ["host reads in compiled graphs"]
+
+
+def test_a_boolean_mask_index_in_a_compiled_graph_counts_as_a_host_read():
+    """``x[mask]`` shapes its result by the mask's count of True: torch_tpu computes that with ``nonzero`` while it
+    lowers the graph and refuses ("nonzero(): cannot record EventSnapshot during an FX trace": the contract tier's
+    Qwen3-VL image prefill before hf_tpu.transformers._deepstack); the simulator records it with the host reads. The
+    same sum through ``masked_scatter`` (a static shape) records nothing."""
+    x, mask = torch.randn(2, 5, 4), torch.tensor([[True, False, True, False, False], [False] * 4 + [True]])
+    rows = torch.randn(3, 4)
+    before = len(hf_tpu.sim.host_reads())
+    got = torch.compile(lambda x, m: x[m] * 2, backend="tpu", fullgraph=True)(x.to("tpu"), mask.to("tpu"))
+    torch.testing.assert_close(got.cpu(), x[mask] * 2)
+    assert len(hf_tpu.sim.host_reads()) == before + 1, hf_tpu.sim.host_reads()[before:]
+
+    def scattered(x, m, rows):
+        return x + torch.zeros_like(x).masked_scatter(m[..., None].expand_as(x), rows)
+
+    got = torch.compile(scattered, backend="tpu", fullgraph=True)(x.to("tpu"), mask.to("tpu"), rows.to("tpu"))
+    torch.testing.assert_close(got.cpu(), scattered(x, mask, rows))
+    assert len(hf_tpu.sim.host_reads()) == before + 1

@@ -72,6 +72,15 @@ def _qwen2_vl():
     return T.Qwen2VLForConditionalGeneration, config, 4
 
 
+def _qwen3_vl():  # (not in _BUILDERS: its own test; tests/contract lowers its graphs)
+    import transformers as T
+
+    vision = dict(_QWEN_VISION, intermediate_size=64, out_hidden_size=32, num_position_embeddings=16)
+    vision["deepstack_visual_indexes"] = [0]  # (the first block's features added into the first decoder layer)
+    config = T.Qwen3VLConfig(text_config=dict(_QWEN_TEXT, head_dim=8), vision_config=vision, **_QWEN_TOKENS)
+    return T.Qwen3VLForConditionalGeneration, config, 4
+
+
 def _qwen2_5_vl():
     import transformers as T
 
@@ -310,14 +319,10 @@ def test_qwen3_vl_images_on_the_cached_loop_equal_cpu_and_warmed_sizes_compile_n
     the image prefill adds them); positions in three rows from upstream's get_rope_index on the host. Inputs left
     on the host equal the CPU's; after warm-up of two image sizes and counts (strict: a graph warm-up missed would
     raise), calls with either size compile nothing."""
-    import transformers as T
-
-    vision = dict(_QWEN_VISION, intermediate_size=64, out_hidden_size=32, num_position_embeddings=16)
-    vision["deepstack_visual_indexes"] = [0]  # (the first block's features added into the first decoder layer)
-    config = T.Qwen3VLConfig(text_config=dict(_QWEN_TEXT, head_dim=8), vision_config=vision, **_QWEN_TOKENS)
+    cls, config, _ = _qwen3_vl()
     torch.manual_seed(0)
-    cpu = T.Qwen3VLForConditionalGeneration(config).eval()
-    tpu = T.Qwen3VLForConditionalGeneration(config).eval()
+    cpu = cls(config).eval()
+    tpu = cls(config).eval()
     tpu.load_state_dict(cpu.state_dict())
     tpu.to("tpu")
     kwargs = _prompt("qwen2_vl", 4, images=2, text=5, seed=3)  # (Qwen3-VL's processor makes the same layout)
