@@ -336,15 +336,8 @@ def test_qwen3_vl_images_on_the_cached_loop_equal_cpu_and_warmed_sizes_compile_n
         num_images=[1, 2], strict=True, progress=False,
     )  # fmt: skip
     assert len({key for key in report.graphs if key[0] == "grid_vision"}) == 4
-    try:
-        for images, text, seed, size in [(1, 6, 14, (16, 32)), (2, 7, 15, (16, 32)), (1, 9, 16, (16, 16))]:
-            kwargs = _prompt("qwen2_vl", 4, images=images, text=text, seed=seed, size=size)
-            with hf_tpu.sim.stats() as s:
-                got = tpu.generate(**kwargs, max_new_tokens=8, do_sample=False)
-            assert torch.equal(got, cpu.generate(**kwargs, max_new_tokens=8, do_sample=False)), (images, size)
-            assert s.compiles == 0 and s.shape_signatures <= 4, (images, size, s.compiles, s.shape_signatures)
-    finally:
-        generation.configure(tpu, strict=False)
+    _warmed_calls_compile_nothing("qwen2_vl", cpu, tpu, 4, [(1, 6, 14, (16, 32)), (2, 7, 15, (16, 32)),
+                                                          (1, 9, 16, (16, 16))])  # fmt: skip
 
 
 def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
@@ -363,14 +356,20 @@ def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
     assert len({key for key in report.graphs if key[0] in ("vision", "grid_vision")}) == 2 * len(sizes)
     prefills = [key for key in report.graphs if key[0].startswith("mm_prefill")]
     assert {key[2] for key in prefills} == ({32, 64} if family == "llava" else {16, 32, 64})  # (LLaVA: 17 per image)
+    calls = [(1, 5, 10, (16, 16)), (2, 4, 11, (16, 16)), (1, 20, 12, (16, 16)), (2, 9, 13, (16, 16))]
+    calls += [(1, 6, 14, (16, 32)), (2, 7, 15, (16, 32))] if family in _GRID_IMAGES + _TAKES_GRID else []
+    _warmed_calls_compile_nothing(family, cpu, tpu, per_image, calls)
+
+
+def _warmed_calls_compile_nothing(family, cpu, tpu, per_image, calls):
+    """Each ``(images, text tokens, seed, size)`` call's greedy tokens equal the CPU's and compile nothing (at most 4
+    new signatures) after a strict warm-up; strict mode is switched off afterwards."""
     try:
-        calls = [(1, 5, 10, (16, 16)), (2, 4, 11, (16, 16)), (1, 20, 12, (16, 16)), (2, 9, 13, (16, 16))]
-        calls += [(1, 6, 14, (16, 32)), (2, 7, 15, (16, 32))] if family in _GRID_IMAGES + _TAKES_GRID else []
         for images, text, seed, size in calls:
             kwargs = _prompt(family, per_image, images=images, text=text, seed=seed, size=size)
             with hf_tpu.sim.stats() as s:
                 got = tpu.generate(**kwargs, max_new_tokens=8, do_sample=False)
-            assert torch.equal(got, cpu.generate(**kwargs, max_new_tokens=8, do_sample=False)), (images, text)
+            assert torch.equal(got, cpu.generate(**kwargs, max_new_tokens=8, do_sample=False)), (images, text, size)
             assert s.compiles == 0 and s.shape_signatures <= 4, (images, text, s.compiles, s.shape_signatures)
     finally:
         generation.configure(tpu, strict=False)
