@@ -177,12 +177,17 @@ def vlm(request):
 def _pair(family: str) -> tuple:
     if family not in _PAIRS:
         cls, config, per_image = _BUILDERS[family]()
-        torch.manual_seed(0)
-        cpu = cls(config).eval()
-        tpu = cls(config).eval()
-        tpu.load_state_dict(cpu.state_dict())
-        _PAIRS[family] = (family, cpu, tpu.to("tpu"), per_image)
+        _PAIRS[family] = (family, *_cpu_and_tpu(cls, config), per_image)
     return _PAIRS[family]
+
+
+def _cpu_and_tpu(cls, config) -> tuple:
+    """A model of ``cls`` on the CPU (seeded) and the same weights on ``tpu``, both in eval mode."""
+    torch.manual_seed(0)
+    cpu = cls(config).eval()
+    tpu = cls(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    return cpu, tpu.to("tpu")
 
 
 def _prompt(family: str, per_image: int, images: int, text: int, seed: int, size=(16, 16)) -> dict:
@@ -319,12 +324,7 @@ def test_qwen3_vl_images_on_the_cached_loop_equal_cpu_and_warmed_sizes_compile_n
     the image prefill adds them); positions in three rows from upstream's get_rope_index on the host. Inputs left
     on the host equal the CPU's; after warm-up of two image sizes and counts (strict: a graph warm-up missed would
     raise), calls with either size compile nothing."""
-    cls, config, _ = _qwen3_vl()
-    torch.manual_seed(0)
-    cpu = cls(config).eval()
-    tpu = cls(config).eval()
-    tpu.load_state_dict(cpu.state_dict())
-    tpu.to("tpu")
+    cpu, tpu = _cpu_and_tpu(*_qwen3_vl()[:2])
     kwargs = _prompt("qwen2_vl", 4, images=2, text=5, seed=3)  # (Qwen3-VL's processor makes the same layout)
     assert explain(tpu, **kwargs, max_new_tokens=6).loop == "cached"
     got = _generate(tpu, kwargs, 6)
@@ -600,11 +600,7 @@ def _gemma4_pair(family: str) -> tuple:
                                                            "vocab_size_per_layer_input")}  # fmt: skip
         cls = T.Gemma4UnifiedForConditionalGeneration
         config = T.Gemma4UnifiedConfig(text_config=text, vision_config=vision, **tokens)
-    torch.manual_seed(0)
-    cpu = cls(config).eval()
-    tpu = cls(config).eval()
-    tpu.load_state_dict(cpu.state_dict())
-    _PAIRS[family] = (family, cpu, tpu.to("tpu"), None)
+    _PAIRS[family] = (family, *_cpu_and_tpu(cls, config), None)
     return _PAIRS[family]
 
 
