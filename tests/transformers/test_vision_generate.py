@@ -182,7 +182,9 @@ def _pair(family: str) -> tuple:
 
 
 def _cpu_and_tpu(cls, config) -> tuple:
-    """A model of ``cls`` on the CPU (seeded) and the same weights on ``tpu``, both in eval mode."""
+    """A model of ``cls`` on the CPU (seeded) and the same weights on ``tpu``, both in eval mode. (conftest's
+    ``_from_config`` does the same, but tests/contract imports this module in torch_tpu's process, where importing
+    this folder's conftest would enable the simulator.)"""
     torch.manual_seed(0)
     cpu = cls(config).eval()
     tpu = cls(config).eval()
