@@ -8,7 +8,9 @@ that changed in between, ``past_key_values`` -> ``cache``, are read from the ins
 with it: rotary frequencies answered from the device (:mod:`~hf_tpu.transformers._rope_on_device`) and sdpa's
 grouped-query attention on tpu tensors (:mod:`~hf_tpu.transformers._sdpa_gqa`); Whisper's language detection
 takes features left on the host (:mod:`~hf_tpu.transformers._whisper_door`); ``np.prod`` of a static shape is an
-integer in the compiled graphs (:mod:`~hf_tpu.transformers._numpy_fold`: LLaVA-NeXT's image encoder).
+integer in the compiled graphs (:mod:`~hf_tpu.transformers._numpy_fold`: LLaVA-NeXT's image encoder), and so are
+``tolist()``/``item()`` of a tensor built from constants only (:mod:`~hf_tpu.transformers._tolist_fold`: vision
+encoders sizing their splits from the grids and image sizes, no read of a device value on the host).
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ FEATURE = "generation"
 def apply() -> None:
     from transformers.generation.utils import GenerationMixin
 
-    from hf_tpu.transformers import _numpy_fold, _rope_on_device, _sdpa_gqa, _upstream, _whisper_door, generation
+    from hf_tpu.transformers import (
+        _numpy_fold,
+        _rope_on_device,
+        _sdpa_gqa,
+        _tolist_fold,
+        _upstream,
+        _whisper_door,
+        generation,
+    )
 
     upstream = GenerationMixin.__dict__["generate"]
     upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
@@ -41,3 +51,4 @@ def apply() -> None:
     _sdpa_gqa.apply(FEATURE)  # KV heads reach sdpa unrepeated on tpu (no repeat_kv expansion in the graphs)
     _whisper_door.apply(FEATURE)  # Whisper's language detection takes host input_features
     _numpy_fold.apply(FEATURE)  # np.prod of a static shape stays an int in a graph (LLaVA-NeXT's image encoder)
+    _tolist_fold.apply(FEATURE)  # tolist()/item() of a tensor of constants: numbers, not host reads (vision splits)

@@ -80,7 +80,7 @@ def _grouped_entries(root) -> dict[str, dict]:
         },
         **{
             f"vision-{family}": {"entry": "_tpu_compile_entries:lower_vision_warmup", "kwargs": {"family": family}}
-            for family in ("qwen2_vl", "gemma3", "qwen3_vl", "lfm3_vl")  # (LFM3-VL's fails: last)
+            for family in ("qwen2_vl", "gemma3", "qwen3_vl", "lfm3_vl", "mistral3")
         },
     }
 
@@ -466,14 +466,19 @@ def test_vision_generate_graphs(lowered, family, names):
         print(f"{family} {p.name} v6e-1: " + ", ".join(f"{k}={getattr(p, k)}" for k in _VISION_FIGURES))
 
 
-def test_takes_grid_vision_graph_reads_its_grid_on_the_host_which_torch_tpu_refuses(lowered):
-    """LFM3-VL's vision graph (a model taking a grid per image, positions in one row: the grid's values constants of
-    the graph, hf_tpu.transformers._images.takes_grid): its tower reads the grid built in the graph back on the host
-    (``grid_thw.tolist()``), which torch_tpu refuses to lower; the simulator runs that read (a host sync). Reported
-    as not lowered, with why. (Before its rotary positions were computed on the host, the graph stopped earlier, at
-    upstream's ``torch.tensor([spatial_merge_size], device=...)``, a copy to the device needing a chip.)"""
-    result = lowered["vision-lfm3_vl"]
-    assert result.error is not None, "LFM3-VL's vision graph lowered: update docs/planning.md and this test"
-    assert "cannot record EventSnapshot during an FX trace" in result.error, result.error
-    assert "grid_thw.tolist()" in result.error, result.error
-    assert not result.programs
+@pytest.mark.parametrize("family", ["lfm3_vl", "mistral3"])
+def test_vision_graphs_sizing_splits_from_constants_read_nothing_on_the_host(lowered, family):
+    """LFM3-VL's tower (a grid per image, the grid's values constants of the vision graph) reads the grid back with
+    ``grid_thw.tolist()`` to shape its convolution per image, and Mistral 3's encoder splits its features with
+    ``(torch.as_tensor(image_sizes) // ratio).prod(-1).tolist()``: tensors built from constants only, whose values
+    hf_tpu folds to eager's numbers while tracing (hf_tpu/transformers/_tolist_fold.py). Traced as reads of device
+    values (``aten._local_scalar_dense``), torch_tpu refused to lower LFM3-VL's graph ("cannot record EventSnapshot
+    during an FX trace"); folded, its three graphs and Mistral 3's lower and compile for v6e-1 with no eager read."""
+    result = lowered[f"vision-{family}"]
+    _all_compiled(result, ["vision", "mm_prefill", "decode"])
+    assert result.eager["device_to_host"] == 0 and result.eager["host_reads"] == 0, result.eager
+    vision = result.programs[0]
+    pixels = [[16, 96], "float32"] if family == "lfm3_vl" else [[1, 3, 16, 16], "float32"]
+    assert pixels in vision.arguments, vision.arguments
+    for p in result.programs:
+        print(f"{family} {p.name} v6e-1: " + ", ".join(f"{k}={getattr(p, k)}" for k in _VISION_FIGURES))

@@ -242,6 +242,10 @@ def test_greedy_with_images_equals_cpu_from_host_pixels(vlm):
     assert got.device.type == "cpu"
     assert torch.equal(got, _generate(cpu, kwargs, 8))
     assert {"vision", "mm_prefill", "decode"} <= _kinds(generation.compiled_graphs(tpu))
+    # no compiled graph of the model's reads a device value on the host (torch_tpu would refuse to lower it)
+    files = (f"modeling_{family}.py", "vision_utils.py")
+    reads = [site for site in hf_tpu.sim.host_reads() if any(f in site for f in files)]
+    assert not reads or family == "idefics3", reads  # (Idefics3's padding images: dropped by their pixels' values)
 
 
 def test_another_image_compiles_nothing_and_another_count_compiles_only_its_own_graphs(vlm):
@@ -519,6 +523,53 @@ def test_numpy_prod_of_a_static_shape_is_an_integer_in_a_compiled_graph():
         assert not hasattr(NumpyVariable.call_function, "__wrapped__")
         with pytest.raises(torch._dynamo.exc.Unsupported, match="Data-dependent branching"):
             torch.compile(unfolded, fullgraph=True, dynamic=False, backend="eager")(torch.ones(2, 3))
+    finally:
+        hf_tpu.enable("generation")
+
+
+def test_tolist_of_a_tensor_of_constants_is_numbers_in_a_compiled_graph():
+    """``tolist()``/``item()`` of a tensor built from constants only (Mistral 3's split sizes from ``image_sizes``,
+    transformers' ``get_vision_position_ids`` on a merge size) are eager's numbers in a compiled graph while the
+    generation integration is on: no ``.item()`` in the graph (a read of a device value on the host, which torch_tpu
+    refuses to lower). A tensor computed from a graph input, and one the graph writes into, are still read in the
+    graph; with the integration off every one is."""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    from hf_tpu import _patch
+
+    def split(x, sizes):
+        counts = (torch.as_tensor(sizes, device=x.device) // 2).prod(dim=-1).tolist()
+        merge = torch.tensor([2], device=x.device).expand(len(sizes)).tolist()
+        written = torch.zeros(2, dtype=torch.long, device=x.device)
+        written[0] = len(sizes)
+        return torch.split(x, counts), merge, written.tolist(), (x > 0).sum().item()
+
+    def unfolded(x, sizes):  # (the same code, another function: dynamo traces it afresh with the patch off)
+        counts = (torch.as_tensor(sizes, device=x.device) // 2).prod(dim=-1).tolist()
+        return torch.split(x, counts)
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def reads(gm) -> int:
+        return sum(node.op == "call_method" and node.target == "item" for node in gm.graph.nodes)
+
+    assert any(r.target.endswith("TensorVariable.call_method") for r in _patch.applied("generation"))
+    sizes = [[4, 2], [6, 2]]  # (2 and 3 rows)
+    x = torch.randn(5, 3)
+    got = torch.compile(split, fullgraph=True, dynamic=False, backend=backend)(x, sizes)
+    want = split(x, sizes)
+    assert [t.shape for t in got[0]] == [t.shape for t in want[0]] and all(map(torch.equal, got[0], want[0]))
+    assert got[1:] == want[1:]
+    assert reads(graphs[-1]) == 3  # the written tensor's two values and the input's count; none of the sizes
+    hf_tpu.disable("generation")
+    try:
+        assert not hasattr(TensorVariable.call_method, "__wrapped__")
+        got = torch.compile(unfolded, fullgraph=True, dynamic=False, backend=backend)(x, sizes)
+        assert all(map(torch.equal, got, unfolded(x, sizes))) and reads(graphs[-1]) == 2
     finally:
         hf_tpu.enable("generation")
 
