@@ -346,11 +346,19 @@ def test_qwen3_vl_images_on_the_cached_loop_equal_cpu_and_warmed_sizes_compile_n
                                                           (1, 9, 16, (16, 16))])  # fmt: skip
 
 
-def test_warmup_of_image_counts_leaves_nothing_to_compile(vlm):
+# The warm-up test's families: one per image path (plain pixels, token types, grid with three rows of positions,
+# windowed grid, grid as constants, image sizes, a text row's images). EXAONE 4.5 (Qwen2.5-VL's tower) and HyperCLOVA X
+# Vision V2 (LFM3-VL's path, Qwen2.5-VL's tower) are warmed in the image-text-to-text sweep with every other
+# architecture (benchmarks/vlm_sweep.py: warm-up, then calls compiling nothing).
+_WARMED = sorted(set(_BUILDERS) - {"exaone4_5", "hyperclovax_vision_v2"})
+
+
+@pytest.mark.parametrize("family", _WARMED)
+def test_warmup_of_image_counts_leaves_nothing_to_compile(family):
     """``hf_tpu.warmup(image_sizes=..., num_images=...)``: the vision graph per image count and pixel shape, and the
     image prefill and decode graphs of every warmed bucket holding the images' tokens; afterwards (strict mode: a
     graph warm-up missed would raise) one and two images in prompts of other lengths compile nothing."""
-    family, cpu, tpu, per_image = vlm
+    family, cpu, tpu, per_image = _pair(family)
     # (Qwen-VL: a second image size, 16 x 32 pixels, 8 image tokens; the others' processors resize every image)
     sizes = [(16, 16), (16, 32)] if family in _GRID_IMAGES + _TAKES_GRID else [(16, 16)]
     report = hf_tpu.warmup(
