@@ -43,26 +43,46 @@ HOST_READS: list[str] = []
 # ops whose output shape is a count of a device tensor's values: torch_tpu 0.2.0 computes it on the host while it
 # lowers the graph ("nonzero(): cannot record EventSnapshot during an FX trace"), and refuses, as for a host read
 _COUNTED = ("nonzero", "masked_select", "unique", "_unique2", "unique_consecutive")
-_INDEXED = ("index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put")
+_INDEXED = ("index",)
+# assignments through an index: torch_tpu 0.2.0 lowers a boolean-mask one whose value broadcasts to the whole target
+# (``x[mask] = 0``, ``x[row_mask] = row``: a select, as transformers' vocabulary-parallel embedding masks ids) and
+# refuses one whose value has a row per masked position ("index_put_(): cannot record EventSnapshot during an FX
+# trace"), checked against the wheel by tests/contract (``lower_host_reads``)
+_PUT = ("index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put")
+
+
+def _val(arg):
+    return getattr(arg, "meta", {}).get("val") if isinstance(arg, torch.fx.Node) else None
+
+
+def _boolean(index) -> bool:
+    return getattr(_val(index), "dtype", None) in (torch.bool, torch.uint8)
 
 
 def _reads_host(node: torch.fx.Node) -> str | None:
     """Whether the aten op of ``node`` reads a device value on the host when torch_tpu lowers it: ``.item()`` and
-    its kin (``_local_scalar_dense``), an op shaped by a count of values (``nonzero``, ...), or an index by a
-    boolean mask (``x[mask]``, ``x[mask] = y``: a ``nonzero`` of the mask). Returns the op torch_tpu's refusal names
-    (``"local_scalar_dense"``, ``"nonzero"``), or None."""
+    its kin (``_local_scalar_dense``), an op shaped by a count of values (``nonzero``, ...), an index by a boolean mask
+    (``x[mask]``: a ``nonzero`` of the mask), or an assignment through one whose value has a row per masked position
+    (``x[mask] = rows``). Returns the op torch_tpu's refusal names (``"local_scalar_dense"``, ``"nonzero"``,
+    ``"index_put_"``), or None."""
     packet = getattr(node.target, "_overloadpacket", None)
     name = getattr(packet, "__name__", "")
     if node.target is torch.ops.aten._local_scalar_dense.default:
         return "local_scalar_dense"
     if name in _COUNTED:
         return "nonzero"
-    if name in _INDEXED and len(node.args) > 1:
-        indices = node.args[1] if isinstance(node.args[1], (list, tuple)) else ()
-        for index in indices:
-            value = getattr(index, "meta", {}).get("val") if isinstance(index, torch.fx.Node) else None
-            if value is not None and getattr(value, "dtype", None) in (torch.bool, torch.uint8):
-                return "nonzero"
+    indices = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else ()
+    if name in _INDEXED and any(_boolean(index) for index in indices):
+        return "nonzero"
+    if name in _PUT and any(_boolean(index) for index in indices):
+        target, value = _val(node.args[0]), _val(node.args[2]) if len(node.args) > 2 else None
+        if target is None or value is None:
+            return "index_put_"
+        try:
+            broadcasts = tuple(torch.broadcast_shapes(value.shape, target.shape)) == tuple(target.shape)
+        except RuntimeError:
+            broadcasts = False
+        return None if broadcasts and len(indices) == 1 else "index_put_"
     return None
 
 
@@ -82,31 +102,35 @@ def _host_read_site(gm: torch.fx.GraphModule) -> tuple[str, str] | None:
     return None
 
 
-def _warn_host_read(gm: torch.fx.GraphModule) -> None:
-    """Log once per source line a compiled graph that reads a device value on the host: the simulator runs the read
-    (a host sync), torch_tpu refuses to lower the graph (:data:`HOST_READ_REFUSAL`), so on a chip it does not
-    compile."""
+def _refuse_host_read(gm: torch.fx.GraphModule) -> None:
+    """Refuse a graph that reads a device value on the host, as torch_tpu does while it lowers one: a RuntimeError
+    with torch_tpu's words (:data:`HOST_READ_REFUSAL`, the op it names), then the source line of the read. The site
+    is recorded (:func:`hf_tpu.sim.host_reads`) and logged once per source line."""
     found = _host_read_site(gm)
     if found is None:
         return
     site, op = found
     HOST_READS.append(site)
-    if site in _HOST_READ_SITES:
-        return
-    _HOST_READ_SITES.add(site)
-    _LOG.warning(
-        "hf_tpu.sim: a compiled graph reads a device value on the host (%s); the simulator runs the read, but "
-        "torch_tpu refuses to lower such a graph (%r): on a TPU it does not compile. Compute the value on the host "
-        "before the graph, or keep it on the device.",
-        site,
-        HOST_READ_REFUSAL.replace("local_scalar_dense", op),
+    refusal = HOST_READ_REFUSAL.replace("local_scalar_dense", op)
+    if site not in _HOST_READ_SITES:
+        _HOST_READ_SITES.add(site)
+        _LOG.warning(
+            "hf_tpu.sim: a compiled graph reads a device value on the host (%s); torch_tpu refuses to lower such a "
+            "graph (%r), and so does the simulator. Compute the value on the host before the graph, or keep it on "
+            "the device.",
+            site,
+            refusal,
+        )
+    raise RuntimeError(
+        f"{refusal} [hf_tpu.sim: the graph reads a device value on the host at {site}; torch_tpu refuses to lower "
+        "it. Compute the value on the host before the graph, or keep it on the device.]"
     )
 
 
 def _compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
     from torch._functorch import config as functorch_config
 
-    _warn_host_read(gm)
+    _refuse_host_read(gm)
     from torch._functorch.aot_autograd import make_boxed_func
 
     if functorch_config.bundled_autograd_cache or functorch_config.force_autograd_cache:

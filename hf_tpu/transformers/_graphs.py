@@ -447,9 +447,25 @@ def _skip_cache_once(model) -> None:
 _HOST_LENGTH_SOURCES = r".*\.hf_tpu_length$"
 
 
+# torch_tpu's refusal of a graph that reads a device value on the host while it lowers it ("local_scalar_dense(): ..."
+# for .item()/.tolist()/a tensor check, "nonzero(): ..." for a boolean-mask index; the simulator refuses alike)
+_HOST_READ_REFUSED = "cannot record EventSnapshot during an FX trace"
+
+
+def _host_read_reason(message: str) -> str:
+    """The reason a graph torch_tpu refused for a read of a device value on the host gives, with the op it names."""
+    import re
+
+    op = re.search(r"(\w+)\(\): " + re.escape(_HOST_READ_REFUSED), message)
+    sites = re.findall(r'File "(?:[^"]*/)?([^/"]+)", line (\d+), in (\w+)', message)
+    where = f" at {sites[-1][0]}:{sites[-1][1]} in {sites[-1][2]}" if sites else ""
+    return f"torch_tpu refuses graphs that read a device value on the host ({op[1] if op else 'a read'}{where})"
+
+
 def _not_one_graph(exc: BaseException) -> str | None:
     """What made a trace fail when the code cannot be one graph, None for any other failure: a graph break under
-    ``fullgraph`` (a branch on a tensor's value, ...) or a shape that depends on a tensor's value."""
+    ``fullgraph`` (a branch on a tensor's value, ...), a shape that depends on a tensor's value, or a read of a device
+    value on the host inside the graph, which torch_tpu refuses to lower."""
     import torch
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
 
@@ -459,6 +475,8 @@ def _not_one_graph(exc: BaseException) -> str | None:
     for _ in range(8):  # the error, then what it was raised from
         if seen is None or isinstance(seen, HfTpuError):
             return None  # (hf_tpu's own error: one handled before this trace, met as the context it ran in)
+        if _HOST_READ_REFUSED in str(seen):
+            return _host_read_reason(str(seen))
         if isinstance(seen, torch._dynamo.exc.Unsupported):
             return (str(seen).strip().splitlines() or [""])[0]
         if isinstance(seen, (GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound)):

@@ -158,6 +158,57 @@ def lower_encoder_warmup(session, family: str = "bert", head: str = "AutoModel")
     return {"labels": [f"encoder-{b}x{n}" for b, n, *_ in compiled_graphs(model)]}
 
 
+def _masked_double(x):
+    return x[x > 0] * 2  # (a boolean-mask index: its shape is a count of the mask's values)
+
+
+def _item_scaled(x):
+    return x * (x > 0).sum().item()  # (a read of a device value on the host)
+
+
+def _rows_put(x, mask, rows):
+    y = x.clone()
+    y[mask] = rows  # (a row per masked position: as many as the mask's True values)
+    return y
+
+
+def _masked_fill_by_index(x, mask, row):
+    y = x.clone()
+    y[mask] = 0  # (one value for every masked position: a select, whatever the count)
+    y[mask.all(dim=-1)] = row  # (a row broadcast to every masked row)
+    return y
+
+
+def lower_host_reads(session):
+    """Graphs reading a device value on the host, and assignments through a boolean mask, as torch_tpu lowers them:
+    for each, the refusal's text (an exception out of ``torch.compile``; None when it lowered) and the reason hf_tpu's
+    loops read from it (``_graphs._not_one_graph``, with which they take the next route). Only the masked fill lowers
+    (its program is labelled ``masked-fill``)."""
+    from hf_tpu.transformers._graphs import _not_one_graph
+
+    x = torch.empty(2, 6, device="tpu")
+    mask, rows_mask = torch.empty(2, 6, dtype=torch.bool, device="tpu"), torch.empty(4, dtype=torch.bool, device="tpu")
+    rows, row = torch.empty(3, 6, device="tpu"), torch.empty(6, device="tpu")  # (3 of 4 rows masked, say)
+    cases = (
+        ("mask", _masked_double, (x,)), ("item", _item_scaled, (x,)),
+        ("rows", _rows_put, (torch.empty(4, 6, device="tpu"), rows_mask, rows)),
+        ("fill", _masked_fill_by_index, (x, mask, row)),
+    )  # fmt: skip
+    found = {}
+    labels = []
+    for name, fn, args in cases:
+        compiled = torch.compile(fn, backend="tpu", fullgraph=True, dynamic=False)
+        try:
+            before = len(session.programs)
+            with session.mode:
+                compiled(*args)
+            labels += ["masked-fill"] * (len(session.programs) - before)
+            found[name] = {"error": None, "reason": None}
+        except Exception as exc:  # noqa: BLE001 - the refusal is what this entry reports
+            found[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "reason": _not_one_graph(exc)}
+    return {"labels": labels, "refusals": found}
+
+
 def lower_each(session, entries: dict[str, dict]):
     """Several entries in one lowering process (one torch_tpu device start instead of one each): ``entries`` maps a
     name to ``{"entry": "module:function", "kwargs": {...}}``. Each runs as :mod:`hf_tpu.tpu_compile._child` runs one

@@ -73,6 +73,7 @@ def _grouped_entries(root) -> dict[str, dict]:
         "tp_rank": {"entry": "_tpu_compile_entries:lower_tp_rank_layer", "kwargs": {}},
         "train_forward": {"entry": "_tpu_compile_entries:lower_train_forward", "kwargs": {}},
         "block": {"entry": "_tpu_compile_entries:lower_block", "kwargs": {}},
+        "host_reads": {"entry": "_tpu_compile_entries:lower_host_reads", "kwargs": {}},
         "encoder-bert": {"entry": "_tpu_compile_entries:lower_encoder_warmup", "kwargs": {"family": "bert"}},
         "encoder-modernbert": {
             "entry": "_tpu_compile_entries:lower_encoder_warmup",
@@ -464,6 +465,32 @@ def test_vision_generate_graphs(lowered, family, names):
         assert [[1, 4, 32], "float32"] in prefill.arguments, prefill.arguments  # the 4 image tokens' features
     for p in result.programs:
         print(f"{family} {p.name} v6e-1: " + ", ".join(f"{k}={getattr(p, k)}" for k in _VISION_FIGURES))
+
+
+def test_torch_tpu_refusing_a_host_read_is_read_as_a_graph_that_cannot_compile(lowered):
+    """A graph indexing by a boolean mask, one calling ``.item()`` on a value computed in it and one assigning a row per
+    masked position (``x[mask] = rows``): torch_tpu refuses to lower each ("nonzero()/local_scalar_dense()/
+    index_put_(): cannot record EventSnapshot during an FX trace", raised out of ``torch.compile`` as
+    ``BackendCompilerFailed``), and hf_tpu's loops read that refusal as a graph that cannot be compiled, with the op
+    and the source line (``_graphs._not_one_graph``; its route then takes the next loop, named). A masked fill with
+    one value or a broadcast row (``x[mask] = 0``: transformers' vocabulary-parallel embedding) lowers and compiles.
+    The simulator refuses and accepts the same graphs with the same words (tests/sim/test_compile_defaults.py)."""
+    from hf_tpu.sim._backend import HOST_READ_REFUSAL
+
+    result = lowered["host_reads"]
+    assert result.error is None, result.error
+    refusals = result.info["refusals"]
+    cases = (("mask", "nonzero", "_masked_double"), ("item", "local_scalar_dense", "_item_scaled"),
+             ("rows", "index_put_", "_rows_put"))  # fmt: skip
+    for name, op, line in cases:
+        found = refusals[name]
+        assert HOST_READ_REFUSAL.replace("local_scalar_dense", op) in (found["error"] or ""), found
+        assert found["reason"].startswith(
+            f"torch_tpu refuses graphs that read a device value on the host ({op} at _tpu_compile_entries.py:"
+        ), found["reason"]
+        assert found["reason"].endswith(f" in {line})"), found["reason"]
+    assert refusals["fill"] == {"error": None, "reason": None}, refusals["fill"]
+    _all_compiled(result, ["masked-fill"])
 
 
 @pytest.mark.parametrize("family", ["lfm3_vl", "mistral3"])

@@ -5,6 +5,8 @@ No backend: graphs with tpu inputs go to the "tpu" backend (counted as compiles)
 torch_tpu's default CPU backend. Compiled UNets (GroupNorm over strided views) run and match the CPU.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -147,30 +149,39 @@ def _checked_double(ids, features):
     return features * 2
 
 
-def test_a_graph_reading_a_device_value_on_the_host_is_logged_as_refused_by_torch_tpu(caplog):
+def test_a_graph_reading_a_device_value_on_the_host_is_refused_as_torch_tpu_refuses_it(caplog):
     """torch_tpu refuses to lower a graph holding ``aten._local_scalar_dense`` (a tensor check, ``.item()``,
-    ``.tolist()`` of a value computed in it: "cannot record EventSnapshot during an FX trace", tests/contract's
-    LFM3-VL vision graph); the simulator runs the read (a host sync) and logs, once per source line, that a chip would
-    refuse the graph. A graph without the read logs nothing."""
+    ``.tolist()`` of a value computed in it: "local_scalar_dense(): cannot record EventSnapshot during an FX trace",
+    met by tests/contract on LFM3-VL's vision graph before hf_tpu folded its reads); the simulator refuses it with the
+    same words and the read's source line, logged once per line. hf_tpu's loops read that refusal as "not one graph"
+    (the route's reason names it). A graph without the read compiles and runs."""
     from hf_tpu.sim import _backend
+    from hf_tpu.transformers._graphs import _not_one_graph
 
     ids, features = torch.tensor([[5, 1, 5]]), torch.randn(1, 2, 4)
     _backend._HOST_READ_SITES.clear()
     before = len(hf_tpu.sim.host_reads())
+    refused = []
     with caplog.at_level("WARNING", logger="hf_tpu.sim"):
-        out = torch.compile(_checked_double, backend="tpu", fullgraph=True)(ids.to("tpu"), features.to("tpu"))
-        torch._dynamo.reset()
-        torch.compile(_checked_double, backend="tpu", fullgraph=True)(ids.to("tpu"), features.to("tpu"))
-        torch.compile(lambda x: x * 2, backend="tpu", fullgraph=True)(features.to("tpu"))
-    torch.testing.assert_close(out.cpu(), _checked_double(ids, features))
+        for _ in range(2):
+            torch._dynamo.reset()
+            with pytest.raises(Exception, match=re.escape(_backend.HOST_READ_REFUSAL)) as caught:
+                torch.compile(_checked_double, backend="tpu", fullgraph=True)(ids.to("tpu"), features.to("tpu"))
+            refused.append(caught.value)
+        out = torch.compile(lambda x: x * 2, backend="tpu", fullgraph=True)(features.to("tpu"))
+    torch.testing.assert_close(out.cpu(), features * 2)
+    assert "test_compile_defaults.py" in str(refused[0]) and "_check_tensor_all" in str(refused[0]), refused[0]
+    reason = _not_one_graph(refused[0])
+    assert reason.startswith("torch_tpu refuses graphs that read a device value on the host (local_scalar_dense at")
+    assert "test_compile_defaults.py:" in reason, reason
     logged = [r.getMessage() for r in caplog.records if "reads a device value on the host" in r.getMessage()]
     assert len(logged) == 1, logged  # once for the line, not again for its second compile; none for the plain graph
-    assert "test_compile_defaults.py" in logged[0] and "_check_tensor_all" in logged[0], logged[0]
-    assert _backend.HOST_READ_REFUSAL in logged[0]
-    # hf_tpu.sim.host_reads: one site per graph that reads (both compiles of the checked graph; the plain one adds none)
+    assert "test_compile_defaults.py" in logged[0] and _backend.HOST_READ_REFUSAL in logged[0], logged[0]
+    # hf_tpu.sim.host_reads: one site per refused graph (both compiles of the checked graph; the plain one adds none)
     sites = hf_tpu.sim.host_reads()[before:]
     assert len(sites) == 2 and sites[0] == sites[1] and "test_compile_defaults.py" in sites[0], sites
-    # the sweeps count such a row as missing its targets (tables read back from docs keep the reason's words)
+    # the sweeps count a row whose graphs read the host as missing its targets (tables read back from docs keep the
+    # reason's words)
     from hf_tpu.benchmarks import arch_sweep
 
     row = {"status": "fast path", "identical": True, "compiles_2nd": 0, "signatures_2nd": 0, "h2d_per_step": 1.0,
@@ -185,13 +196,13 @@ def test_a_graph_reading_a_device_value_on_the_host_is_logged_as_refused_by_torc
 def test_a_boolean_mask_index_in_a_compiled_graph_counts_as_a_host_read():
     """``x[mask]`` shapes its result by the mask's count of True: torch_tpu computes that with ``nonzero`` while it
     lowers the graph and refuses ("nonzero(): cannot record EventSnapshot during an FX trace": the contract tier's
-    Qwen3-VL image prefill before hf_tpu.transformers._deepstack); the simulator records it with the host reads. The
-    same sum through ``masked_scatter`` (a static shape) records nothing."""
+    Qwen3-VL image prefill before hf_tpu.transformers._deepstack); the simulator refuses it alike and records it with
+    the host reads. The same sum through ``masked_scatter`` (a static shape) compiles and records nothing."""
     x, mask = torch.randn(2, 5, 4), torch.tensor([[True, False, True, False, False], [False] * 4 + [True]])
     rows = torch.randn(3, 4)
     before = len(hf_tpu.sim.host_reads())
-    got = torch.compile(lambda x, m: x[m] * 2, backend="tpu", fullgraph=True)(x.to("tpu"), mask.to("tpu"))
-    torch.testing.assert_close(got.cpu(), x[mask] * 2)
+    with pytest.raises(Exception, match=r"nonzero\(\): cannot record EventSnapshot during an FX trace"):
+        torch.compile(lambda x, m: x[m] * 2, backend="tpu", fullgraph=True)(x.to("tpu"), mask.to("tpu"))
     assert len(hf_tpu.sim.host_reads()) == before + 1, hf_tpu.sim.host_reads()[before:]
 
     def scattered(x, m, rows):
@@ -200,3 +211,23 @@ def test_a_boolean_mask_index_in_a_compiled_graph_counts_as_a_host_read():
     got = torch.compile(scattered, backend="tpu", fullgraph=True)(x.to("tpu"), mask.to("tpu"), rows.to("tpu"))
     torch.testing.assert_close(got.cpu(), scattered(x, mask, rows))
     assert len(hf_tpu.sim.host_reads()) == before + 1
+
+    # assignments through a mask, as the wheel takes them (tests/contract's lower_host_reads): one value or a row
+    # broadcast to the masked positions compiles; a row per masked position is refused ("index_put_(): ...")
+    def filled(x, m):
+        y = x.clone()
+        y[m] = 0
+        y[m.all(dim=-1)] = x[0, 0]
+        return y
+
+    def rows_put(x, m, rows):
+        y = x.clone()
+        y[m] = rows
+        return y
+
+    got = torch.compile(filled, backend="tpu", fullgraph=True)(x.to("tpu"), mask.to("tpu"))
+    torch.testing.assert_close(got.cpu(), filled(x, mask))
+    assert len(hf_tpu.sim.host_reads()) == before + 1
+    with pytest.raises(Exception, match=r"index_put_\(\): cannot record EventSnapshot during an FX trace"):
+        torch.compile(rows_put, backend="tpu", fullgraph=True)(x.to("tpu"), mask.to("tpu"), rows.to("tpu"))
+    assert len(hf_tpu.sim.host_reads()) == before + 2
