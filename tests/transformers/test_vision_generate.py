@@ -814,3 +814,19 @@ def test_padded_images_drop_on_the_host_equal_cpu_read_nothing_and_warmed_calls_
         with pytest.raises(_images.NoImagesError, match="every image given to Idefics2ForConditionalGeneration"):
             tpu.generate(**kwargs, max_new_tokens=4, do_sample=False)
     assert hf_tpu.sim.host_reads()[reads:] == []
+
+
+def test_a_padded_family_encoder_with_another_patch_rule_runs_upstream_naming_why(monkeypatch):
+    """A model of Idefics3's family whose encoder marks its patches by a rule ``padded_rule`` does not know (here
+    SmolVLM's source with its "any pixel real" line changed) is not given the ``"padded_vision"`` graph: its image
+    calls run upstream's loop, and explain names the reason."""
+    from hf_tpu.transformers import _images
+
+    _, _, tpu, _ = _padded_pair("smolvlm")
+    source = _images._encoder_source(tpu)
+    assert _images._PADDED_ANY in source
+    changed = source.replace(_images._PADDED_ANY, _images._PADDED_ANY.replace(">0", ">1"))
+    monkeypatch.setitem(_images._SOURCES, type(tpu.base_model), changed)
+    assert _images.padded(tpu) and _images.padded_rule(tpu) is None
+    route = explain(tpu, **_padded_prompt([1], 5, 0), max_new_tokens=4)
+    assert route.loop == "upstream" and "rules hf_tpu does not know" in route.reason, route
