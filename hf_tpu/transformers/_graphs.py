@@ -222,6 +222,32 @@ def _positioned_vision(model, pixels, positions, counts):
     return base.embed_vision(inputs_embeds=pooled.to(embeds.dtype))
 
 
+def _padded_vision(model, pixels, mask, rules):
+    """The image encoder of Idefics2, Idefics3 and SmolVLM (:func:`hf_tpu.transformers._images.padded`) on the call's
+    real images only (``pixels``, ``(images, channels, height, width)``, in the model's dtype) and their pixel masks
+    (``(images, height, width)``), dropped from the padding on the host
+    (:func:`~hf_tpu.transformers._images.padded_images`). Re-composes the lines of upstream's ``get_image_features``
+    after that drop (modeling_idefics2.py, modeling_idefics3.py, modeling_smolvlm.py in transformers 5.24): each
+    patch's mask from its pixels' (unfolded as upstream does; ``rules``: every pixel real, Idefics2's, else any, and
+    whether the connector takes the patches' mask, as :func:`~hf_tpu.transformers._images.padded_rule` read them from
+    that code), the model's own ``vision_model`` and ``connector``; not the per-row split (``tolist()`` of a device
+    value there; the forward concatenates the rows' features again). Returns the images' features, a row per token,
+    in order: what upstream's per-row features concatenate to."""
+    base = model.base_model
+    full, connector_mask = rules
+    patch = int(base.config.vision_config.patch_size)
+    subgrid = mask.unfold(dimension=1, size=patch, step=patch).unfold(dimension=2, size=patch, step=patch)
+    sums = subgrid.sum(dim=(-1, -2))
+    patch_mask = (sums == patch * patch).bool() if full else (sums > 0).bool()
+    out = base.vision_model(pixel_values=pixels, patch_attention_mask=patch_mask, return_dict=True)
+    hidden = out.last_hidden_state
+    if connector_mask:
+        features = base.connector(hidden, attention_mask=patch_mask.view(pixels.size(0), -1))
+    else:
+        features = base.connector(hidden)
+    return features.reshape(-1, features.shape[-1])
+
+
 def _features_encoder(model, features, mask=None):
     """The encoder of a model taking features (Whisper's ``input_features``) rather than ids, with the call's mask
     over its frames when one was given (Whisper's encoder ignores it; Speech2Text's reads it)."""
@@ -283,6 +309,7 @@ GRAPHS: dict[str, Callable] = {
     "vision": _vision,
     "grid_vision": _grid_vision,
     "positioned_vision": _positioned_vision,
+    "padded_vision": _padded_vision,
     "decode": _decoder_decode,
     "encoder": _encoder,
     "features_encoder": _features_encoder,
@@ -296,6 +323,8 @@ GRAPHS: dict[str, Callable] = {
     "beam_cacheless_prefill": _beam_graphs.beam_cacheless_prefill_body,
     "beam_cacheless_decode": _beam_graphs.beam_cacheless_decode_body,
 }
+# The image encoders' graph kinds (run before the prefill, keyed by the images)
+VISION_KINDS = ("vision", "grid_vision", "positioned_vision", "padded_vision")
 # Graph kinds carry the device plan's variant after a "+" ("decode+temperature+top_k+sample"): the processors
 # (and sampler) the graph runs on the device. The variant of greedy search with a lone repetition penalty:
 PENALTY = "+repetition_penalty"
@@ -332,6 +361,7 @@ def _describe(key: tuple) -> str:
         "vision": ("image inputs", "image grids"),  # (the grids: a model taking one per image, not Qwen-VL)
         "grid_vision": ("pixel rows", "image grids"),
         "positioned_vision": ("patch rows", "real rows per image"),
+        "padded_vision": ("real images' pixels", "pixel mask dtype"),
         "decode": ("cache bucket",),
         "encoder": ("encoder bucket",),
         "features_encoder": ("feature size", "frames", "mask"),
@@ -522,7 +552,7 @@ def _first_trace(model, state: ModelState, key: tuple, compiled: Callable, args:
         # the image encoder, or the forward merging the images where the text's prefill traced: the images' own
         # code, so calls with images run upstream's loop and the others keep the model's route
         merge = kind == "mm_prefill" and any(k[0].split("+", 1)[0] == "prefill" for k in state.compiled)
-        if key[0] in ("vision", "grid_vision", "positioned_vision") or merge:
+        if key[0] in VISION_KINDS or merge:
             part = "forward merging them" if merge else "image encoder (get_image_features)"
             reason = (
                 f"images: {type(model).__name__}'s {part} cannot be compiled as one static-shape graph ({what})"
@@ -567,7 +597,7 @@ def run_graph(model, state: ModelState, key: tuple, *args):
 
         _deepstack.apply_to(model)  # early vision features added at the image tokens with static shapes (Qwen3-VL)
     # (a vision tower's forward asks for hidden states)
-    if first and (is_variant(key[0]) or key[0] in ("vision", "grid_vision", "positioned_vision")):
+    if first and (is_variant(key[0]) or key[0] in VISION_KINDS):
         prepare(model)
     settings = state.settings
     if not settings.compile:

@@ -34,6 +34,14 @@ graph can know. The rows' real counts are read on the host from the positions (t
 on the host) and the ``"positioned_vision"`` graph, keyed by them, runs the encoder's own modules up to the padded
 features and keeps each image's first ones (the processor puts an image's rows first, so its pooled features come
 first too): the features upstream's encoder returns, in one tensor.
+
+Idefics2, Idefics3 and SmolVLM (:func:`padded`) take each text row's images padded to the most images of a row, with
+a mask of each image's real pixels (``pixel_attention_mask``); upstream's encoder drops the padding images by their
+pixel values (all zero: a boolean-mask index, a shape no compiled graph can know) and splits the features per row with
+``tolist()``. The real images are found on the host (the processor's output, which stays there), exactly by upstream's
+rule (:func:`padded_images`), and the ``"padded_vision"`` graph, keyed by their shape, runs the model's own vision
+model and connector on them only: the features upstream's encoder returns per row, in one tensor (the forward
+concatenates them anyway).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from hf_tpu.errors import UserError
 __all__ = [
     "Bounds",
     "ImageTokensError",
+    "NoImagesError",
     "check_image_tokens",
     "encode_images",
     "feature_tokens",
@@ -54,6 +63,9 @@ __all__ = [
     "images_problem",
     "mrope_rows",
     "numbers_from_images",
+    "padded",
+    "padded_images",
+    "padded_rule",
     "positioned",
     "positioned_counts",
     "video_inputs",
@@ -143,6 +155,89 @@ def positioned(model) -> bool:
         return False
 
 
+# Upstream's lines of an image encoder that drops padding images by their pixel values (Idefics2's, Idefics3's and
+# SmolVLM's ``get_image_features``), whitespace removed: the drop itself; each patch's mask from its pixels' (Idefics2:
+# every pixel of the patch real; Idefics3, SmolVLM: any pixel real); SmolVLM's "if no images, leave one empty image".
+_PADDED_DROP = "real_images_inds=(pixel_values==0.0).sum(dim=(-1,-2,-3))!=nb_values_per_image"
+_PADDED_FULL = "patch_attention_mask=(patches_subgrid.sum(dim=(-1,-2))==patch_size*patch_size).bool()"
+_PADDED_ANY = "patch_attention_mask=(patches_subgrid.sum(dim=(-1,-2))>0).bool()"
+_PADDED_KEEP_ONE = "real_images_inds[0]|=~torch.any(real_images_inds)"
+
+
+_SOURCES: dict[type, str] = {}
+
+
+def _encoder_source(model) -> str:
+    """The source of the base model's ``get_image_features`` (decorators unwrapped), whitespace removed, read once per
+    class; empty when it has none or its source cannot be read."""
+    cls = type(model.base_model)
+    if cls not in _SOURCES:
+        fn = getattr(cls, "get_image_features", None)
+        try:
+            _SOURCES[cls] = "".join(inspect.getsource(inspect.unwrap(fn)).split()) if fn is not None else ""
+        except (OSError, TypeError):
+            _SOURCES[cls] = ""
+    return _SOURCES[cls]
+
+
+def padded(model) -> bool:
+    """Whether the model's image encoder takes each text row's images padded with all-zero images and a mask of their
+    real pixels (``pixel_attention_mask``) and drops the padding images by their pixel values: Idefics2's, Idefics3's
+    and SmolVLM's family (:func:`padded_rule` says whether the ``"padded_vision"`` graph knows its rules)."""
+    fn = _encoder_fn(model)
+    try:
+        params = inspect.signature(fn).parameters if fn is not None else {}
+    except (TypeError, ValueError):
+        return False
+    return "pixel_attention_mask" in params and _PADDED_DROP in _encoder_source(model)
+
+
+def padded_rule(model) -> dict | None:
+    """The rules of a :func:`padded` model's encoder, read from its source: ``full`` (a patch is real when every pixel
+    of it is: Idefics2's; else when any is: Idefics3's, SmolVLM's), ``keep_one`` (with no real image, the first one is
+    kept: SmolVLM's), ``connector_mask`` (its connector takes the patches' mask: Idefics2's perceiver). None when the
+    encoder is none of these (another rule, or modules other than ``vision_model`` and ``connector``)."""
+    source = _encoder_source(model)
+    base = model.base_model
+    full, any_ = _PADDED_FULL in source, _PADDED_ANY in source
+    if full == any_ or not all(hasattr(base, k) for k in ("vision_model", "connector")):
+        return None
+    if "self.vision_model(pixel_values=pixel_values,patch_attention_mask=patch_attention_mask" not in source:
+        return None
+    try:
+        takes_mask = "attention_mask" in inspect.signature(base.connector.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    calls_with_mask = "self.connector(image_hidden_states,attention_mask=patch_attention_mask.view(" in source
+    if takes_mask != calls_with_mask or (not calls_with_mask and "self.connector(image_hidden_states)" not in source):
+        return None
+    return {"full": full, "keep_one": _PADDED_KEEP_ONE in source, "connector_mask": calls_with_mask}
+
+
+def padded_images(model, pixels, mask):
+    """The real images of a :func:`padded` model's call and their pixel masks, on the host, by upstream's rule (its
+    ``get_image_features``: the pixels cast to the model's dtype, an image all of whose values are zero is padding;
+    SmolVLM's keeps the first image when none is real; no mask given: every pixel real), and the real images per text
+    row (host ints). ``pixels``: ``(rows, images, channels, height, width)``; ``mask``: ``(rows, images, height,
+    width)`` or None."""
+    import torch
+
+    rule = padded_rule(model)
+    rows, count = int(pixels.shape[0]), int(pixels.shape[1])
+    pixels = pixels.to("cpu").to(dtype=model.base_model.dtype)
+    pixels = pixels.reshape(rows * count, *pixels.shape[2:])
+    real = (pixels == 0.0).sum(dim=(-1, -2, -3)) != pixels.shape[1:].numel()
+    if rule is not None and rule["keep_one"]:
+        real[0] |= ~torch.any(real)
+    counts = tuple(int(n) for n in real.view(rows, count).sum(dim=1).tolist())
+    pixels = pixels[real].contiguous()
+    if mask is None:
+        mask = torch.ones(pixels.shape[0], pixels.shape[2], pixels.shape[3], dtype=torch.bool)
+    else:
+        mask = mask.to("cpu").reshape(rows * count, *mask.shape[2:])[real].contiguous()
+    return pixels, mask, counts
+
+
 def positioned_counts(model, positions) -> tuple[int, ...]:
     """Each image's real patch rows (its positions other than (-1, -1)), read on the host; the features each one
     gives are these over the pooling kernel's area (Gemma 4's) or these (Gemma 4 Unified's, a row per token)."""
@@ -194,6 +289,12 @@ def images_problem(model, model_kwargs: dict) -> str | None:
         )
     if takes_grid(model) and model_kwargs.get("image_grid_thw") is None:
         return f"images: {name} takes its images' grid (image_grid_thw) with them, and the call gave none"
+    if padded(model) and padded_rule(model) is None:
+        return (
+            f"images: {name}'s image encoder drops padding images by their pixel values with rules hf_tpu does not "
+            "know (a patch's mask neither 'every pixel real' as Idefics2's nor 'any pixel real' as Idefics3's, or "
+            "modules other than vision_model and connector), so its vision graph cannot leave them out on the host"
+        )
     video = [k for k in model_kwargs if "video" in k and model_kwargs[k] is not None]
     if video:
         return f"videos ({', '.join(video)}) are not supported by the bucketed loop yet"
@@ -217,6 +318,8 @@ def encode_images(model, state, model_kwargs: dict, run) -> dict:
         return _encode_grid_images(model, state, model_kwargs, run)
     if positioned(model):
         return _encode_positioned_images(model, state, model_kwargs, run)
+    if padded(model):
+        return _encode_padded_images(model, state, model_kwargs, run)
     names = image_inputs(model, model_kwargs)
     kwargs = dict(model_kwargs)
     inputs = {}
@@ -243,6 +346,11 @@ def encode_images(model, state, model_kwargs: dict, run) -> dict:
         encoded = run(model, state, key, *args)
     kwargs["mm_encoder_outputs"] = {"image": encoded}
     return kwargs
+
+
+class NoImagesError(UserError, ValueError):
+    """A call whose images are all padding to a model whose image encoder drops padding images (Idefics2's,
+    Idefics3's) and then has none to encode."""
 
 
 class ImageTokensError(UserError, ValueError):
@@ -464,5 +572,34 @@ def _encode_positioned_images(model, state, model_kwargs: dict, run) -> dict:
     with torch.no_grad():
         features = run(model, state, key, pixels.to(model.device), positions.to(model.device), counts)
     # (the forward concatenates the images' features before merging them: one tensor holds them all)
+    kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(features,))}
+    return kwargs
+
+
+def _encode_padded_images(model, state, model_kwargs: dict, run) -> dict:
+    """:func:`encode_images` for a :func:`padded` model: the padding images dropped on the host
+    (:func:`padded_images`), then the ``"padded_vision"`` graph on the real ones, keyed by their shape and their
+    mask's dtype (the per-row counts shape nothing: the forward concatenates the rows' features)."""
+    import torch
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    rule = padded_rule(model)
+    if rule is None:  # (images_problem sends such calls to upstream's loop first, and warm-up refuses them)
+        from hf_tpu.transformers._settings import NotCompilableError
+
+        state.images_problem = images_problem(model, model_kwargs)
+        raise NotCompilableError(state.images_problem)
+    kwargs = dict(model_kwargs)
+    pixels, mask, _ = padded_images(model, kwargs.pop("pixel_values"), kwargs.pop("pixel_attention_mask", None))
+    if pixels.shape[0] == 0:  # (Idefics2's, Idefics3's rule: upstream's encoder fails too, reshaping no features)
+        raise NoImagesError(
+            f"every image given to {type(model).__name__} is all zero, which its image encoder drops as padding, and "
+            "it then has no image to encode (upstream's get_image_features fails on it as well): leave pixel_values "
+            "out of a call without images"
+        )
+    key = ("padded_vision", int(pixels.shape[0]), tuple(pixels.shape), str(mask.dtype).removeprefix("torch."))
+    with torch.no_grad():
+        rules = (rule["full"], rule["connector_mask"])  # (constants of the graph: the model's own)
+        features = run(model, state, key, pixels.to(model.device), mask.to(model.device), rules)
     kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(features,))}
     return kwargs

@@ -23,7 +23,7 @@ import math
 from hf_tpu.transformers import _images
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
-from hf_tpu.transformers._graphs import run_graph
+from hf_tpu.transformers._graphs import VISION_KINDS, run_graph
 from hf_tpu.transformers._loops.cached import extra_inputs
 from hf_tpu.transformers._loops.skeleton import warm_sampling
 from hf_tpu.transformers._settings import NotCompilableError, model_state
@@ -81,7 +81,7 @@ def warm_images(
     before = list(state.compile_log)
     with torch.no_grad():
         encoded = _images.encode_images(model, state, kwargs, run_graph)["mm_encoder_outputs"]
-    kinds = ("vision", "grid_vision", "positioned_vision")
+    kinds = VISION_KINDS
     keys = [k for k in state.compile_log if k not in before and k[0] in kinds]
     keys = keys or [k for k in state.compiled if k[0] in kinds and k[1] == batch * count]
     tokens, rest = divmod(_images.feature_tokens(model, encoded["image"]), batch)
@@ -133,8 +133,8 @@ def _processor_pixels(model, batch: int, count: int, channels: int, height: int,
     in the layout its image encoder (``get_image_features``) takes: ``(images, channels, height, width)``; with each
     image's size (``image_sizes``: Mistral 3's, and LLaVA-NeXT's whose images are tiles of the vision size, one of the
     whole image first, ``(images, tiles, channels, size, size)``); per text row with the mask of real pixels
-    (``pixel_attention_mask``: Idefics2's, Idefics3's, ``(rows, images, channels, height, width)``, pixels of one, as
-    their encoder drops all-zero images as padding)."""
+    (``pixel_attention_mask``: Idefics2's, Idefics3's, SmolVLM's, ``(rows, images, channels, height, width)``, pixels of
+    one, as their encoder drops all-zero images as padding)."""
     import sys
 
     import torch

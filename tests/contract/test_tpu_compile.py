@@ -81,7 +81,7 @@ def _grouped_entries(root) -> dict[str, dict]:
         },
         **{
             f"vision-{family}": {"entry": "_tpu_compile_entries:lower_vision_warmup", "kwargs": {"family": family}}
-            for family in ("qwen2_vl", "gemma3", "qwen3_vl", "lfm3_vl", "mistral3")
+            for family in ("qwen2_vl", "gemma3", "qwen3_vl", "idefics3", "lfm3_vl", "mistral3")
         },
     }
 
@@ -443,6 +443,7 @@ _VISION_FIGURES = ("flops", "bytes_accessed", "argument_bytes", "output_bytes", 
         ("qwen2_vl", ["grid_vision", "mm_prefill+mrope", "decode+mrope"]),
         ("qwen3_vl", ["grid_vision", "mm_prefill+mrope", "decode+mrope"]),
         ("gemma3", ["vision", "mm_prefill+token_type_ids", "decode+token_type_ids"]),
+        ("idefics3", ["padded_vision", "mm_prefill", "decode"]),
     ],
 )
 def test_vision_generate_graphs(lowered, family, names):
@@ -451,7 +452,9 @@ def test_vision_generate_graphs(lowered, family, names):
     (the tower on pixels; the prefill merging the features, with token types) lower through torch_tpu and compile
     for v6e-1. Their image prefill reads nothing on the host: upstream's check of image tokens against features (a
     tensor check, a host read in the graph that torch_tpu refuses to lower) runs on the host ids instead. The figures
-    libtpu reports for each program are printed (docs/planning.md quotes them)."""
+    libtpu reports for each program are printed (docs/planning.md quotes them). A tiny Idefics3's: its padding images
+    dropped on the host, the ``"padded_vision"`` graph on the real image and its pixel mask (upstream's encoder drops
+    them with a boolean-mask index and reads per-row counts back with ``tolist()``, which torch_tpu refuses)."""
     result = lowered[f"vision-{family}"]
     _all_compiled(result, names)
     assert result.eager["device_to_host"] == 0 and result.eager["host_reads"] == 0, result.eager
@@ -460,6 +463,10 @@ def test_vision_generate_graphs(lowered, family, names):
         assert [[16, 96], "float32"] in vision.arguments, vision.arguments  # 16 patch rows of 3 x 2 x 4 x 4
         assert [[1, 64], "int64"] in prefill.arguments, prefill.arguments  # 16 ids and 3 rows of 16 positions
         assert [[1, 4], "int64"] in decode.arguments, decode.arguments  # one id and its 3 positions
+    elif family == "idefics3":
+        assert [[1, 3, 16, 16], "float32"] in vision.arguments, vision.arguments  # the real image
+        assert [[1, 16, 16], "int64"] in vision.arguments, vision.arguments  # its mask of real pixels
+        assert [[4, 32], "float32"] in prefill.arguments, prefill.arguments  # the 4 image tokens' features, a row each
     else:
         assert [[1, 3, 16, 16], "float32"] in vision.arguments, vision.arguments
         assert [[1, 4, 32], "float32"] in prefill.arguments, prefill.arguments  # the 4 image tokens' features

@@ -5,7 +5,8 @@ keyed by the grids, the prompt's three rows of multimodal rotary positions (upst
 with the ids; EXAONE 4.5: Qwen2.5-VL's tower keyed by the grids before a text of one row of positions. LFM3-VL and
 HyperCLOVA X Vision V2: patch rows and a grid per image too, the grid's values constants of the vision graph,
 positions in one row. Mistral 3: each image's size (``image_sizes``) with it, host integers in the vision graph.
-Idefics3: a text row's images ``(1, images, ...)`` with ``pixel_attention_mask``. Gemma 4 and Gemma 4 Unified:
+Idefics3 (and Idefics2, SmolVLM: their own test): a text row's images ``(rows, images, ...)`` with
+``pixel_attention_mask``, the padding images dropped on the host. Gemma 4 and Gemma 4 Unified:
 patch rows padded to their processor's length with each row's position (``image_position_ids``), each image's
 features kept by its real rows counted on the host, ``mm_token_type_ids`` into the prefill. Tiny LLaVA-, Gemma 3-, Qwen2-VL-,
 Qwen2.5-VL-, EXAONE 4.5-, LFM3-VL-, HyperCLOVA X Vision V2-, Mistral 3- and Idefics3-shaped models built from their
@@ -226,8 +227,9 @@ def _prompt(family: str, per_image: int, images: int, text: int, seed: int, size
 
 
 def _kinds(keys) -> set[str]:
-    """The graph kinds of ``keys``, variants left out (Qwen-VL's vision graph, "grid_vision", read as "vision")."""
-    return {key[0].split("+", 1)[0].removeprefix("grid_") for key in keys}
+    """The graph kinds of ``keys``, variants left out (Qwen-VL's vision graph, "grid_vision", and Idefics3's,
+    "padded_vision", read as "vision")."""
+    return {key[0].split("+", 1)[0].removeprefix("grid_").removeprefix("padded_") for key in keys}
 
 
 def _generate(model, kwargs: dict, new_tokens: int):
@@ -245,7 +247,7 @@ def test_greedy_with_images_equals_cpu_from_host_pixels(vlm):
     # no compiled graph of the model's reads a device value on the host (torch_tpu would refuse to lower it)
     files = (f"modeling_{family}.py", "vision_utils.py")
     reads = [site for site in hf_tpu.sim.host_reads() if any(f in site for f in files)]
-    assert not reads or family == "idefics3", reads  # (Idefics3's padding images: dropped by their pixels' values)
+    assert not reads, reads
 
 
 def test_another_image_compiles_nothing_and_another_count_compiles_only_its_own_graphs(vlm):
@@ -365,9 +367,10 @@ def test_warmup_of_image_counts_leaves_nothing_to_compile(family):
         tpu, max_prompt_len=64, batch_sizes=[1], max_new_tokens=8, image_sizes=sizes, num_images=[1, 2],
         strict=True, progress=False,
     )  # fmt: skip
-    vision = {key[1] for key in report.graphs if key[0] in ("vision", "grid_vision")}
-    assert vision == ({1} if family == "idefics3" else {1, 2})  # (the pixels' first dim: Idefics3's is text rows)
-    assert len({key for key in report.graphs if key[0] in ("vision", "grid_vision")}) == 2 * len(sizes)
+    kinds = ("vision", "grid_vision", "padded_vision")
+    vision = {key[1] for key in report.graphs if key[0] in kinds}
+    assert vision == {1, 2}  # (the images: Idefics3's real ones, its padding dropped on the host)
+    assert len({key for key in report.graphs if key[0] in kinds}) == 2 * len(sizes)
     prefills = [key for key in report.graphs if key[0].startswith("mm_prefill")]
     assert {key[2] for key in prefills} == ({32, 64} if family == "llava" else {16, 32, 64})  # (LLaVA: 17 per image)
     calls = [(1, 5, 10, (16, 16)), (2, 4, 11, (16, 16)), (1, 20, 12, (16, 16)), (2, 9, 13, (16, 16))]
@@ -765,3 +768,124 @@ def test_image_prefill_reads_nothing_on_the_host_and_the_image_tokens_are_checke
     match = rf"holds {expected} image token\(s\) \(id {IMAGE}\) and its images fill"
     with pytest.raises(ImageTokensError, match=match):
         _generate(tpu, short, 1)
+
+
+# Idefics2 (a patch real when all its pixels are, a perceiver connector taking the patches' mask) and SmolVLM (any
+# pixel real; with no real image it keeps one): each text row's images padded with all-zero images to the most of a
+# row, with the mask of their real pixels
+_PADDED = ("idefics2", "smolvlm")
+
+
+def _padded_pair(family: str) -> tuple:
+    import transformers as T
+
+    if family in _PAIRS:
+        return _PAIRS[family]
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+                  patch_size=4)  # fmt: skip
+    if family == "idefics2":
+        cls = T.Idefics2ForConditionalGeneration
+        perceiver = dict(resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2, resampler_head_dim=8,
+                         num_key_value_heads=1)  # fmt: skip  (4 latents: 4 tokens per image)
+        config = T.Idefics2Config(vision_config=vision, text_config=T.MistralConfig(**_TEXT), image_token_id=IMAGE,
+                                  perceiver_config=perceiver)  # fmt: skip
+    else:
+        cls = T.SmolVLMForConditionalGeneration
+        config = T.SmolVLMConfig(vision_config=vision, text_config=T.LlamaConfig(**_TEXT), image_token_id=IMAGE,
+                                 scale_factor=2)  # fmt: skip  (a 4 x 4 patch grid folded 2 x 2: 4 tokens per image)
+    _PAIRS[family] = (family, *_cpu_and_tpu(cls, config), 4)
+    return _PAIRS[family]
+
+
+def _padded_prompt(counts: list[int], text: int, seed: int) -> dict:
+    """The processor's output for text rows holding ``counts`` images of 16 x 16 pixels (4 tokens each), rows
+    left-padded to the longest: the images ``(rows, most images, 3, 16, 16)``, a row's missing ones all zero, and the
+    mask of real pixels; each row's last image has only its top 14 pixel rows real (its padding pixels zero), so its
+    last patch row is partly real (not a real patch by Idefics2's rule, one by SmolVLM's)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [
+        torch.cat([torch.randint(3, 60, (text + i,), generator=g), torch.full((4 * n,), IMAGE),
+                   torch.randint(3, 60, (3,), generator=g)])  # fmt: skip
+        for i, n in enumerate(counts)
+    ]
+    length = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    pixels = torch.zeros(len(rows), max(counts), 3, 16, 16)
+    real = torch.zeros(len(rows), max(counts), 16, 16, dtype=torch.long)
+    for i, (row, n) in enumerate(zip(rows, counts)):
+        ids[i, length - len(row) :], mask[i, length - len(row) :] = row, 1
+        pixels[i, :n] = torch.rand(n, 3, 16, 16, generator=g)
+        real[i, :n] = 1
+        pixels[i, n - 1, :, 14:], real[i, n - 1, 14:] = 0, 0
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "pixel_attention_mask": real}
+
+
+@pytest.mark.parametrize("family", _PADDED)
+def test_padded_images_drop_on_the_host_equal_cpu_read_nothing_and_warmed_calls_compile_nothing(family):
+    """Idefics2's and SmolVLM's encoders drop a row's padding images by their pixel values (a boolean-mask index, then
+    ``tolist()`` of per-row counts: host reads torch_tpu refuses to lower). hf_tpu drops them on the host by the same
+    rule and the ``"padded_vision"`` graph runs the model's vision model and connector on the real images only: calls
+    with one or two images, and a batch whose rows hold two and one (a padding image), run hf_tpu's loop, equal the
+    CPU's, and no graph reads the host; after warm-up (strict) of one and two images a row, such calls compile
+    nothing, and a second batch of the first's shapes compiles nothing either. Images all padding: SmolVLM keeps the
+    first (upstream's rule, equal to the CPU), Idefics2 has none to encode (NoImagesError; upstream fails too)."""
+    from hf_tpu.transformers import _images
+
+    _, cpu, tpu, _ = _padded_pair(family)
+    assert _images.padded_rule(tpu) == {
+        "full": family == "idefics2", "keep_one": family == "smolvlm", "connector_mask": family == "idefics2"
+    }  # fmt: skip
+    reads = len(hf_tpu.sim.host_reads())
+    report = hf_tpu.warmup(
+        tpu, max_prompt_len=16, buckets=[16, 32], batch_sizes=[1], max_new_tokens=4, image_sizes=[(16, 16)],
+        num_images=[1, 2], strict=True, progress=False,
+    )  # fmt: skip
+    assert {key[1] for key in report.graphs if key[0] == "padded_vision"} == {1, 2}
+    calls = [([1], 5, 0), ([2], 3, 1), ([1], 9, 2)]
+    try:
+        for counts, text, seed in calls:
+            kwargs = _padded_prompt(counts, text, seed)
+            assert explain(tpu, **kwargs, max_new_tokens=4).loop == "cached"
+            with hf_tpu.sim.stats() as s:
+                got = tpu.generate(**kwargs, max_new_tokens=4, do_sample=False)
+            assert torch.equal(got, cpu.generate(**kwargs, max_new_tokens=4, do_sample=False)), counts
+            assert s.compiles == 0 and s.shape_signatures <= 4, (counts, s.compiles, s.shape_signatures)
+    finally:
+        generation.configure(tpu, strict=False)
+    for index, (text, seed) in enumerate([(4, 3), (2, 4)]):  # rows of two images and one: a padding image
+        kwargs = _padded_prompt([2, 1], text, seed)
+        with hf_tpu.sim.stats() as s:
+            got = tpu.generate(**kwargs, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, cpu.generate(**kwargs, max_new_tokens=4, do_sample=False)), (text, seed)
+        assert index == 0 or s.compiles == 0, s.compiles
+    assert ("padded_vision", 3, (3, 3, 16, 16), "int64") in generation.compiled_graphs(tpu)  # (the real images only)
+    # no real image: SmolVLM's encoder keeps the first one (empty); Idefics2's has none to encode (and fails on the CPU)
+    kwargs = _padded_prompt([1], 5, 5)
+    kwargs["pixel_values"].zero_()
+    kwargs["pixel_attention_mask"].zero_()
+    if family == "smolvlm":
+        got = tpu.generate(**kwargs, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, cpu.generate(**kwargs, max_new_tokens=4, do_sample=False))
+    else:
+        with pytest.raises(RuntimeError):
+            cpu.generate(**kwargs, max_new_tokens=4, do_sample=False)
+        with pytest.raises(_images.NoImagesError, match="every image given to Idefics2ForConditionalGeneration"):
+            tpu.generate(**kwargs, max_new_tokens=4, do_sample=False)
+    assert hf_tpu.sim.host_reads()[reads:] == []
+
+
+def test_a_padded_family_encoder_with_another_patch_rule_runs_upstream_naming_why(monkeypatch):
+    """A model of Idefics3's family whose encoder marks its patches by a rule ``padded_rule`` does not know (here
+    SmolVLM's source with its "any pixel real" line changed) is not given the ``"padded_vision"`` graph: its image
+    calls run upstream's loop, and explain names the reason."""
+    from hf_tpu.transformers import _images
+
+    _, _, tpu, _ = _padded_pair("smolvlm")
+    source = _images._encoder_source(tpu)
+    assert _images._PADDED_ANY in source
+    changed = source.replace(_images._PADDED_ANY, _images._PADDED_ANY.replace(">0", ">1"))
+    monkeypatch.setitem(_images._SOURCES, type(tpu.base_model), changed)
+    assert _images.padded(tpu) and _images.padded_rule(tpu) is None
+    route = explain(tpu, **_padded_prompt([1], 5, 0), max_new_tokens=4)
+    assert route.loop == "upstream" and "rules hf_tpu does not know" in route.reason, route
