@@ -85,6 +85,12 @@ _COPY: dict[str, tuple[str, str, int, int, dict[int, str]]] = {
 }
 GOOGLE_PCI_VENDOR = "0x1ae0"
 
+# torch-tpu 0.2.0's words when it refuses, while lowering, a graph that reads a device value on the host, after the op it
+# met ("local_scalar_dense(): " for .item()/.tolist()/a tensor check, "nonzero(): " for a boolean-mask index,
+# "index_put_(): " for an assignment of a row per masked position), raised out of torch.compile as
+# BackendCompilerFailed (tests/contract: lower_host_reads). The simulator refuses such graphs with the same words.
+HOST_READ_REFUSED = "cannot record EventSnapshot during an FX trace"
+
 # Every torch_tpu name hf_tpu reads: module -> attributes. ``torch.tpu`` lists the public names real-mode code
 # calls (checked in torch_tpu's public API table); ``torch.accelerator`` the torch entry points used instead of
 # torch.tpu's internal ones (device_count, synchronize, memory).

@@ -176,8 +176,9 @@ def forget_shapes() -> None:
 def host_reads() -> list[str]:
     """The source lines at which graphs compiled by the simulator's ``"tpu"`` backend read a device value on the host
     (``.item()``, ``.tolist()``, a check on a tensor: ``aten._local_scalar_dense``), one per such graph, in compile
-    order, since the process started. The simulator runs these reads; torch_tpu 0.2.0 refuses to lower such a graph
-    ("local_scalar_dense(): cannot record EventSnapshot during an FX trace"), so on a TPU it does not compile.
+    order, since the process started. torch_tpu 0.2.0 refuses to lower such a graph ("local_scalar_dense(): cannot
+    record EventSnapshot during an FX trace"), and the simulator refuses it alike: each site is that of a refused
+    graph (a boolean-mask index or an assignment of a row per masked position counts too).
 
     Returns:
         A new list of ``"File ..., line N, in fn <source>"`` strings (empty when no compiled graph read the host).

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hf_tpu._torch_tpu import HOST_READ_REFUSED
 from hf_tpu.sim._counters import STATE, SimStrictError, graph_run
 
 __all__ = ["note_cache_hit", "register", "tpu_backend"]
@@ -33,7 +34,7 @@ def _in_graph(fn: Any) -> Any:
 
 # torch_tpu 0.2.0's refusal of a graph that reads a device value on the host (its eager ``_local_scalar_dense``
 # kernel, met while it lowers the graph's FX nodes), word for word.
-HOST_READ_REFUSAL = "local_scalar_dense(): cannot record EventSnapshot during an FX trace"
+HOST_READ_REFUSAL = f"local_scalar_dense(): {HOST_READ_REFUSED}"
 _HOST_READ_SITES: set[str] = set()  # the source lines already warned about, once per process
 # Every compiled graph's first host read, in compile order (a site once per graph that has one, warned or not): what
 # ``hf_tpu.sim.host_reads`` returns.

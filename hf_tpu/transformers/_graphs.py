@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from hf_tpu._torch_tpu import HOST_READ_REFUSED
 from hf_tpu.transformers import _beam_graphs
 from hf_tpu.transformers._settings import (
     CACHED,
@@ -477,16 +478,12 @@ def _skip_cache_once(model) -> None:
 _HOST_LENGTH_SOURCES = r".*\.hf_tpu_length$"
 
 
-# torch_tpu's refusal of a graph that reads a device value on the host while it lowers it ("local_scalar_dense(): ..."
-# for .item()/.tolist()/a tensor check, "nonzero(): ..." for a boolean-mask index; the simulator refuses alike)
-_HOST_READ_REFUSED = "cannot record EventSnapshot during an FX trace"
-
-
 def _host_read_reason(message: str) -> str:
-    """The reason a graph torch_tpu refused for a read of a device value on the host gives, with the op it names."""
+    """The reason a graph torch_tpu refused for a read of a device value on the host gives (its words:
+    :data:`hf_tpu._torch_tpu.HOST_READ_REFUSED`), with the op it names and the innermost source line."""
     import re
 
-    op = re.search(r"(\w+)\(\): " + re.escape(_HOST_READ_REFUSED), message)
+    op = re.search(r"(\w+)\(\): " + re.escape(HOST_READ_REFUSED), message)
     sites = re.findall(r'File "(?:[^"]*/)?([^/"]+)", line (\d+), in (\w+)', message)
     where = f" at {sites[-1][0]}:{sites[-1][1]} in {sites[-1][2]}" if sites else ""
     return f"torch_tpu refuses graphs that read a device value on the host ({op[1] if op else 'a read'}{where})"
@@ -505,7 +502,7 @@ def _not_one_graph(exc: BaseException) -> str | None:
     for _ in range(8):  # the error, then what it was raised from
         if seen is None or isinstance(seen, HfTpuError):
             return None  # (hf_tpu's own error: one handled before this trace, met as the context it ran in)
-        if _HOST_READ_REFUSED in str(seen):
+        if HOST_READ_REFUSED in str(seen):
             return _host_read_reason(str(seen))
         if isinstance(seen, torch._dynamo.exc.Unsupported):
             return (str(seen).strip().splitlines() or [""])[0]

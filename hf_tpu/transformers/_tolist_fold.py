@@ -125,6 +125,8 @@ def constant_value(node):
     with unset_fake_temporarily():
         for current in history:
             args, kwargs = load(current.args), load(current.kwargs)
+            if "device" in kwargs:  # (also a device named by a string: "tpu")
+                kwargs["device"] = "cpu"
             try:
                 if current.op == "call_method":
                     values[current] = getattr(args[0], current.target)(*args[1:], **kwargs)
@@ -153,14 +155,11 @@ def apply(feature: str) -> None:
             except Exception:  # pragma: no cover - a tensor variable without a proxy
                 node = None
             value = constant_value(node) if node is not None else None
-            if value is not None and not value.is_floating_point() and not value.is_complex():
-                if name == "item":
-                    return (
-                        ConstantVariable.create(value.item())
-                        if value.numel() == 1
-                        else upstream(self, tx, name, args, kwargs)
-                    )
+            integral = value is not None and not value.is_floating_point() and not value.is_complex()
+            if integral and name == "tolist":
                 return SourcelessBuilder.create(tx, value.tolist())
+            if integral and value.numel() == 1:
+                return ConstantVariable.create(value.item())
         return upstream(self, tx, name, args, kwargs)
 
     patch(TensorVariable, "call_method", call_method, feature=feature, package="torch", versions=">=2.10,<2.14")
