@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any
 
-from hf_tpu.serving._openai import CHAT, COMPLETIONS, RequestError, Sampling, resolve
+from hf_tpu.serving._openai import CHAT, COMPLETIONS, RequestError, Sampling, check_vocab, resolve
 
 __all__ = ["child_ids", "handler_classes"]
 
@@ -47,6 +47,8 @@ def _request_kwargs(cb, sampling: Sampling) -> dict[str, Any]:
                                           "batching; send temperature 0")  # fmt: skip
     if sampling.logprobs:
         raise RequestError("logprobs", "logprobs need hf_tpu's row sampling, off with async batching")
+    for name in sampling.extra.get("penalties", ()):  # (the model's own defaults stay dropped, as upstream does)
+        raise RequestError(name, f"{name} needs hf_tpu's row sampling, off with async batching; leave it out")
     return {}
 
 
@@ -259,6 +261,9 @@ class _Answer:
         self.model_id, self.model, self.processor = model_id, model, processor
         input_ids = self._prompt_ids(processor)
         sampling = resolve(self.path, self.body, model.generation_config)
+        from hf_tpu.serving._penalties import vocab_of
+
+        check_vocab(self.body, vocab_of(model))
         self.parser = self._parser(processor, model, input_ids) if self.chat else None
         run = _Run(cb, input_ids, sampling, processor, h.metrics, skip_special=self.parser is None,
                    stream=bool(self.body.get("stream")))

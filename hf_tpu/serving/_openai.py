@@ -12,12 +12,13 @@ Fields a request may send (OpenAI's, plus ``top_k``, ``min_p``, ``ignore_eos``, 
 
 * honoured: ``messages``/``prompt``, ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``,
   ``min_p``, ``seed``, ``n``, ``stop``, ``logprobs``/``top_logprobs``, ``stream``/``stream_options``,
-  ``ignore_eos``, ``tools`` (rendered by the chat template, parsed by transformers), ``suffix`` (completions);
+  ``ignore_eos``, ``tools`` (rendered by the chat template, parsed by transformers), ``suffix`` (completions),
+  ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``min_tokens`` (vLLM's
+  extensions: the last two; all per request, in the compiled step: :mod:`hf_tpu.serving._penalties`);
 * accepted, no effect on the text: ``model`` (checked), ``user``, ``metadata``, ``store``, ``service_tier``,
   ``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``, ``prompt_cache_options``,
   ``parallel_tool_calls``;
-* refused with a 400 naming the field unless at their neutral value: ``presence_penalty``, ``frequency_penalty``,
-  ``logit_bias``, ``response_format`` (other than text), ``tool_choice`` (other than auto), ``best_of`` (other than
+* refused with a 400 naming the field unless at their neutral value: ``response_format`` (other than text), ``tool_choice`` (other than auto), ``best_of`` (other than
   ``n``), ``echo``, ``reasoning_effort``, ``verbosity``, ``audio``, ``modalities``, ``prediction``,
   ``web_search_options``, ``functions``, ``function_call``, ``moderation``; any other field is refused as unknown.
 """
@@ -31,7 +32,8 @@ from typing import Any
 
 from hf_tpu.errors import UserError
 
-__all__ = ["CHAT", "COMPLETIONS", "Limits", "RequestError", "ROLES", "Sampling", "check", "resolve"]
+__all__ = ["CHAT", "COMPLETIONS", "Limits", "RequestError", "ROLES", "PENALTIES", "Sampling", "check", "check_vocab",
+           "resolve"]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -46,6 +48,7 @@ _NO_EFFECT = {
 _COMMON = {
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop", "logprobs", "stream",
     "stream_options", "ignore_eos", "generation_config", "presence_penalty", "frequency_penalty", "logit_bias",
+    "repetition_penalty", "min_tokens",
 }  # fmt: skip
 _CHAT_ONLY = {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
@@ -53,6 +56,7 @@ _CHAT_ONLY = {
     "functions", "function_call", "moderation",
 }  # fmt: skip
 _TEXT_ONLY = {"prompt", "suffix", "best_of", "echo"}
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
 _UNSUPPORTED_UNLESS_NONE = ("reasoning_effort", "verbosity", "audio", "modalities", "prediction", "web_search_options",
                             "functions", "function_call", "moderation")  # fmt: skip
 
@@ -226,13 +230,35 @@ def check(path: str, body: dict, limits: Limits = Limits()) -> None:
     _check_unsupported(body, chat)
 
 
-def _check_unsupported(body: dict, chat: bool) -> None:
+def _check_penalties(body: dict) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         _number(body, name, -2.0, 2.0)
-        if body.get(name):
-            raise _unsupported(name, " yet (penalties are not applied per request in the continuous batch); send 0")
-    if body.get("logit_bias"):
-        raise _unsupported("logit_bias", " yet")
+    _number(body, "repetition_penalty", 0.0, 2.0, lo_open=True)
+    _integer(body, "min_tokens", 0)
+    wanted = body.get("max_completion_tokens") or body.get("max_tokens")
+    if body.get("min_tokens") is not None and wanted is not None and body["min_tokens"] > wanted:
+        raise RequestError("min_tokens", f"min_tokens ({body['min_tokens']}) must not exceed max_tokens ({wanted})")
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias", "logit_bias must be an object mapping token ids to biases from -100 to 100")
+    for token, value in bias.items():
+        if not (isinstance(token, str) and token.isdigit()):
+            raise RequestError("logit_bias", f"logit_bias keys must be token ids (digit strings), got {token!r:.40}")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise RequestError("logit_bias", f"logit_bias[{token}] must be a number from -100 to 100, got {value!r}")
+
+
+def check_vocab(body: dict, vocab: int) -> None:
+    """Raise :class:`RequestError` when ``logit_bias`` names a token past the model's ``vocab``."""
+    past = sorted(int(t) for t in body.get("logit_bias") or {} if int(t) >= vocab)
+    if past:
+        raise RequestError("logit_bias", f"logit_bias names token {past[0]}, past the model's vocabulary of {vocab}")
+
+
+def _check_unsupported(body: dict, chat: bool) -> None:
+    _check_penalties(body)
     if chat:
         fmt = body.get("response_format")
         if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
@@ -258,6 +284,8 @@ class Sampling:
     seed per request. ``max_tokens``: the request's, else the base config's ``max_new_tokens``; None: up to the
     model's context. ``eos_token_id`` None: no end of sequence.
     ``logprobs``: return the chosen token's log-probability; ``top_logprobs``: and that many alternatives.
+    ``repetition_penalty`` (the base config's when the request has none), ``presence_penalty``,
+    ``frequency_penalty``, ``logit_bias`` (token id -> bias), ``min_tokens``: neutral at 1, 0, 0, ``{}``, 0.
     """
 
     temperature: float = 0.0
@@ -272,6 +300,11 @@ class Sampling:
     max_tokens: int | None = None
     eos_token_id: Any = None
     include_usage: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)
+    min_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
@@ -321,4 +354,10 @@ def resolve(path: str, body: dict, model_config) -> Sampling:
         max_tokens=max_tokens,
         eos_token_id=None if body.get("ignore_eos") else base.eos_token_id,
         include_usage=bool(options.get("include_usage")),
+        repetition_penalty=float(_positive(body.get("repetition_penalty"), _positive(base.repetition_penalty, 1.0))),
+        presence_penalty=float(body.get("presence_penalty") or 0.0),
+        frequency_penalty=float(body.get("frequency_penalty") or 0.0),
+        logit_bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()},
+        min_tokens=int(body.get("min_tokens") or _positive(base.min_new_tokens, 0)),
+        extra={"penalties": tuple(n for n in PENALTIES if body.get(n) not in (None, {}, 1 if n == "repetition_penalty" else 0))},
     )

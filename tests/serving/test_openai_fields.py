@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import GenerationConfig
 
-from hf_tpu.serving._openai import CHAT, COMPLETIONS, Limits, RequestError, check, resolve
+from hf_tpu.serving._openai import CHAT, COMPLETIONS, Limits, RequestError, check, check_vocab, resolve
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -44,8 +44,14 @@ def refused(path: str, body: dict, limits: Limits = Limits()) -> RequestError:
         ({"messages": HI, "max_completion_tokens": True}, "max_completion_tokens"),
         ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": HI, "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
-        ({"messages": HI, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": HI, "presence_penalty": 2.5}, "presence_penalty"),
         ({"messages": HI, "frequency_penalty": 3}, "frequency_penalty"),
+        ({"messages": HI, "repetition_penalty": 0}, "repetition_penalty"),
+        ({"messages": HI, "min_tokens": -1}, "min_tokens"),
+        ({"messages": HI, "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"messages": HI, "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"messages": HI, "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"messages": HI, "logit_bias": [1]}, "logit_bias"),
         ({"messages": HI, "response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": HI, "tool_choice": "required"}, "tool_choice"),
         ({"messages": HI, "stream": "yes"}, "stream"),
@@ -87,7 +93,8 @@ def test_valid_bodies_pass():
     check(CHAT, {"messages": HI + [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
                  "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 3, "n": 2, "stop": ["\n"],
                  "logprobs": True, "top_logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
-                 "max_completion_tokens": 8, "presence_penalty": 0, "user": "u", "model": "m"})  # fmt: skip
+                 "max_completion_tokens": 8, "presence_penalty": 0.5, "frequency_penalty": -1, "user": "u",
+                 "model": "m", "repetition_penalty": 1.2, "logit_bias": {"5": -100, "7": 2.5}, "min_tokens": 8})  # fmt: skip
     check(COMPLETIONS, {"prompt": "x", "logprobs": 0, "stop": "\n", "best_of": 1, "echo": False, "suffix": "!"})
     check(COMPLETIONS, {"prompt": "x", "generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})})
 
@@ -103,3 +110,17 @@ def test_resolve_takes_the_request_else_the_model():
     assert (s.temperature, s.top_p, s.logprobs, s.top_logprobs, s.eos_token_id) == (0.8, 0.95, True, 2, None)
     s = resolve(COMPLETIONS, {"prompt": "x", "top_k": -1}, GenerationConfig(do_sample=True))
     assert (s.temperature, s.top_k, s.max_tokens) == (1.0, 0, None)
+
+
+def test_penalties_resolve_from_the_request_else_the_model():
+    model = GenerationConfig(do_sample=False, repetition_penalty=1.3, min_new_tokens=2)
+    s = resolve(CHAT, {"messages": HI}, model)
+    assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty, s.logit_bias, s.min_tokens) == (
+        1.3, 0.0, 0.0, {}, 2)  # fmt: skip
+    assert s.extra["penalties"] == ()  # (the model's defaults are not the request's asking)
+    body = {"prompt": "x", "repetition_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {"9": -5}, "min_tokens": 1}
+    s = resolve(COMPLETIONS, body, model)
+    assert (s.repetition_penalty, s.presence_penalty, s.logit_bias, s.min_tokens) == (1.0, 0.5, {9: -5.0}, 1)
+    assert s.extra["penalties"] == ("presence_penalty", "logit_bias", "min_tokens")
+    error = pytest.raises(RequestError, check_vocab, {"logit_bias": {"5": 1, "96": 1}}, 96).value
+    assert error.param == "logit_bias" and "96" in error.message

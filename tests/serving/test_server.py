@@ -47,15 +47,16 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def cpu():
-    """The shipped model on CPU, greedy without the repetition penalty (continuous batching drops it upstream)."""
+    """The shipped model on CPU, greedy with its generation config (its repetition penalty of 1.3 included: the
+    server honours it, where upstream's continuous batching drops it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
 
-    def complete(ids: list[int], new_tokens: int) -> str:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, repetition_penalty=1.0)
+    def complete(ids: list[int], new_tokens: int, **kwargs) -> str:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, **kwargs)
         return tok.decode(out[0, len(ids) :], skip_special_tokens=True)
 
     def text(prompt: str, new_tokens: int) -> str:
@@ -66,7 +67,7 @@ def cpu():
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
         return complete(list(ids["input_ids"]), new_tokens)
 
-    text.chat = chat
+    text.chat, text.complete = chat, complete
     text.tok, text.model = tok, model
     return text
 
@@ -77,10 +78,18 @@ def cpu_logits(cpu, ids: list[int]) -> torch.Tensor:
         return cpu.model(torch.tensor([ids])).logits[0].float()
 
 
+def cpu_scores(cpu, ids: list[int]) -> torch.Tensor:
+    """CPU's last logits row after the model's repetition penalty (the server's default for every request)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    penalty = RepetitionPenaltyLogitsProcessor(float(cpu.model.generation_config.repetition_penalty))
+    return penalty(torch.tensor([ids]), cpu_logits(cpu, ids)[-1:])
+
+
 def cpu_sampled(cpu, prompt_ids: list[int], new_tokens: int, *, temperature: float, seed: int, choice: int = 0,
                 top_k: int = 0, top_p: float = 1.0) -> list[int]:  # fmt: skip
     """The tokens a request draws, replayed on CPU: the same keys (seed, choice, position) through hf_tpu's sampler
-    on CPU's logits (no end of sequence)."""
+    on CPU's logits after the model's repetition penalty (no end of sequence)."""
     from hf_tpu.serving._sampling import noise_key, sample
 
     ids = list(prompt_ids)
@@ -89,7 +98,7 @@ def cpu_sampled(cpu, prompt_ids: list[int], new_tokens: int, *, temperature: flo
         floats = torch.tensor([temperature, top_p, 0.0], dtype=torch.float32).view(torch.int32)
         args = torch.stack([floats[0:1], torch.tensor([top_k], dtype=torch.int32), floats[1:2], floats[2:3],
                             torch.tensor([key], dtype=torch.int32)])  # fmt: skip
-        ids.append(int(sample(cpu_logits(cpu, ids)[-1:], args)[0]))
+        ids.append(int(sample(cpu_scores(cpu, ids), args)[0]))
     return ids[len(prompt_ids) :]
 
 
@@ -325,6 +334,42 @@ def test_greedy_and_sampled_requests_in_one_batch(server, client, cpu):
     assert server.metric("hf_tpu_compiles_total") == before
 
 
+def test_penalties_and_biases_per_request_equal_cpu_processors(server, client, cpu):
+    """presence/frequency/repetition penalties, logit_bias and min_tokens, mixed in one batch, each equal to CPU
+    greedy generate with transformers' processors (presence and frequency: OpenAI's formula over the new tokens)."""
+    from test_penalties import OpenAIPenalties
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    before = server.metric("hf_tpu_compiles_total")
+    prompt = "The king said"
+    ids = cpu.tok(prompt)["input_ids"]
+    eos = int(cpu.model.generation_config.eos_token_id)
+    cases = [
+        ({"frequency_penalty": 1.5, "presence_penalty": 0.5}, [RepetitionPenaltyLogitsProcessor(1.3),
+                                                              OpenAIPenalties(len(ids), 0.5, 1.5)]),
+        ({"repetition_penalty": 1.05, "logit_bias": {"100": 8.0}}, [SequenceBiasLogitsProcessor({(100,): 8.0}),
+                                                                    RepetitionPenaltyLogitsProcessor(1.05)]),
+        ({"min_tokens": 3, "logit_bias": {str(eos): 100}, "repetition_penalty": 1.0},
+         [SequenceBiasLogitsProcessor({(eos,): 100.0}), MinNewTokensLengthLogitsProcessor(len(ids), 3, eos)]),
+    ]  # fmt: skip
+
+    def one(body):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, extra_body=body)
+
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(one, [body for body, _ in cases]))
+    for reply, (body, procs) in zip(replies, cases, strict=True):
+        want = cpu.complete(ids, 10, repetition_penalty=1.0, logits_processor=LogitsProcessorList(procs))
+        assert reply.choices[0].text == want, body
+    assert replies[2].choices[0].finish_reason == "stop"  # min_tokens held the end of sequence back 3 tokens
+    assert server.metric("hf_tpu_compiles_total") == before
+
+
 def test_n_choices_plain_and_streamed(client, cpu):
     prompt = "O Romeo,"
     ids = cpu.tok(prompt)["input_ids"]
@@ -391,7 +436,7 @@ def test_first_token_distribution_matches_cpu_warpers(server, client, cpu):
     before = server.metric("hf_tpu_compiles_total")
     prompt = "What is the"
     temperature, top_k, top_p = 1.3, 6, 0.95
-    logits = cpu_logits(cpu, cpu.tok(prompt)["input_ids"])[-1:]
+    logits = cpu_scores(cpu, cpu.tok(prompt)["input_ids"])
     for warper in (TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)):
         logits = warper(None, logits)
     probs = torch.softmax(logits[0], dim=-1).double()
