@@ -415,7 +415,8 @@ class _Answer:
                     suffix = self.body.get("suffix") or ""
                     ends.append({"index": c.index, "text": suffix, "logprobs": None, "finish_reason": finish})
             yield self._chunk(ends)
-            yield self._chunk([], usage=run.usage())
+            if s.include_usage:  # as OpenAI: the usage chunk (empty choices) only when the request asked for it
+                yield self._chunk([], usage=run.usage())
             yield "data: [DONE]\n\n"
         finally:
             run.close()

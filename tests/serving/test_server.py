@@ -271,6 +271,44 @@ def test_a_client_disconnecting_mid_stream_frees_its_slot(server):
     assert server.metric("hf_tpu_generated_tokens_total") - generated < 240
 
 
+def test_an_abandoned_non_streamed_request_frees_its_slot(server):
+    """A client that sends a long non-streamed request and goes away: the request is cancelled in the batch (its
+    slot and KV blocks freed), not run to its max_tokens."""
+    generated = server.metric("hf_tpu_generated_tokens_total")
+    body = json.dumps({"model": MODEL, "prompt": "The king said", "max_tokens": 240, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=SAFETY_TIMEOUT_S)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    try:
+        _wait_for(lambda: server.metric("hf_tpu_kv_blocks_in_use") > 0, "the request never reached the batch")
+    finally:
+        sock.close()  # the client goes away before its answer
+    _wait_for(lambda: server.metric("hf_tpu_requests_in_flight") == 0, "an abandoned request stays in flight")
+    _wait_for(lambda: server.metric("hf_tpu_kv_blocks_in_use") == 0, "an abandoned request keeps its KV blocks")
+    assert server.metric("hf_tpu_generated_tokens_total") - generated < 240  # cancelled, not run to its end
+    assert 'status="499"' in server.get("/metrics")[1].decode()  # counted as the client closing it
+
+
+def test_models_retrieve_names_the_served_model(client):
+    for name in (SERVED, MODEL, str(default_model_path())):  # any name the model is served under
+        model = client.models.retrieve(name)
+        assert model.id == SERVED and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-9")
+    assert "gpt-9" in info.value.body["message"] and info.value.body["param"] == "model"
+
+
+def test_usage_chunk_only_when_stream_options_ask_for_it(client):
+    for create, kwargs in ((client.completions.create, {"prompt": "He that"}),
+                           (client.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}]})):  # fmt: skip
+        plain = list(create(model=MODEL, max_tokens=3, stream=True, **kwargs))
+        assert plain and all(c.choices for c in plain)  # the usual chunk.choices[0] loop never meets an empty one
+        assert all(c.usage is None for c in plain)
+        asked = list(create(model=MODEL, max_tokens=3, stream=True, stream_options={"include_usage": True}, **kwargs))
+        assert asked[-1].choices == [] and 0 < asked[-1].usage.completion_tokens <= 3
+        assert all(c.choices for c in asked[:-1])
+
+
 def test_after_warmup_a_mixed_load_compiles_nothing_and_loses_nothing(server, client, cpu):
     before = server.metric("hf_tpu_compiles_total")
     finished = server.metric("hf_tpu_generated_tokens_total")
