@@ -6,7 +6,8 @@ bound. In front of it, for ``POST /v1/...``:
 * a body that is not a JSON object -> 400 naming the problem;
 * ``max_tokens``/``max_completion_tokens``/``max_output_tokens`` that is not a positive integer -> 400;
 * a ``model`` other than the one served -> 404 listing the served name;
-* for chat and completions, every field (:func:`hf_tpu.serving._openai.check`): a wrong one -> 400 naming it;
+* for chat and completions, every field (:func:`hf_tpu.serving._openai.check`), for responses
+  (:func:`~hf_tpu.serving._openai.check_responses`) likewise: a wrong one -> 400 naming it;
 * more than ``max_pending`` requests in flight (counted from their arrival, body not yet read included) -> 429 with
   ``Retry-After`` (the queue is bounded);
 * any request while the server warms up -> 503 with ``Retry-After`` (and ``GET /health`` -> 503 ``"warming up"``
@@ -28,7 +29,7 @@ import threading
 import time
 
 from hf_tpu.errors import UserError
-from hf_tpu.serving._openai import CHAT, COMPLETIONS, Limits, RequestError, check
+from hf_tpu.serving._openai import CHAT, COMPLETIONS, RESPONSES, Limits, RequestError, check, check_responses
 
 __all__ = ["ARRIVAL", "Guard", "PromptTooLongError", "Readiness"]
 
@@ -205,9 +206,9 @@ class Guard:
         if model is not None and model not in self.served:
             message = f"model {model!r} is not served here; this server serves {self.listed!r}"
             return _error(404, message, "not_found_error", "model"), body
-        if path in (CHAT, COMPLETIONS):
+        if path in (CHAT, COMPLETIONS, RESPONSES):
             try:
-                check(path, data, self.limits)
+                check_responses(data, self.limits) if path == RESPONSES else check(path, data, self.limits)
             except RequestError as exc:
                 return _error(exc.status, exc.message, exc.kind, exc.param), body
         if model is not None and model != self.canonical:

@@ -8,7 +8,8 @@ serves, hf_tpu (through a reversible patch of ``transformers.cli.serving.server.
   :mod:`hf_tpu.serving.ladder`), then starts it; prints when warm-up is done and where it listens;
 * puts :class:`~hf_tpu.serving._guard.Guard` in front of the app (bad input -> 400 naming the field, unknown model
   -> 404, a bounded number of requests in flight -> 429 with ``Retry-After``, ``/metrics``);
-* answers chat and completions with :mod:`hf_tpu.serving._handlers` (per request: ``n``, ``stop``, finish reasons);
+* answers chat, completions and responses with :mod:`hf_tpu.serving._handlers` (per request: sampling, ``n``,
+  ``stop``, finish reasons; responses run as chat and answered in the Responses API's shape);
 * checks every request's length where it is tokenized: a prompt that leaves no room to generate within the model's
   ``max_position_embeddings`` -> 400; ``max_tokens`` past that length is cut to it.
 """
@@ -266,12 +267,15 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
     def build_server(model_manager, chat_handler, *args, **kwargs):
         state = kwargs["generation_state"]
         # chat and completions answered per request (hf_tpu.serving._handlers), the other endpoints upstream's
-        ChatHandler, TextHandler = handler_classes()
+        ChatHandler, TextHandler, ResponsesHandler = handler_classes()
         chat = ChatHandler(model_manager, state, chat_template_kwargs=chat_handler.chat_template_kwargs)
         text = kwargs["completion_handler"] = TextHandler(model_manager, state)
+        responses = kwargs["response_handler"] = ResponsesHandler(
+            model_manager, state, chat_template_kwargs=chat_handler.chat_template_kwargs
+        )
         app = upstream(model_manager, chat, *args, **kwargs)
         card = _served_name(model_manager, served)
-        return _prepare(app, model_manager, state, (chat, text), served=served, aliases=set(aliases),
+        return _prepare(app, model_manager, state, (chat, text, responses), served=served, aliases=set(aliases),
                         max_pending=max_pending, pending=pending, tp=tp, limits=limits, card=card)  # fmt: skip
 
     patch(server_module, "build_server", build_server, feature=FEATURE, package="transformers", versions=_VERSIONS)

@@ -321,8 +321,8 @@ class Plan:
             ]
             if "matmul_flops" in summary:
                 lines.append(
-                    f"  {summary['flops'] / 1e9:.1f} GFLOP by XLA's count, {summary['flops_over_matmul']:.2f}x the token's "
-                    f"matrix products ({summary['matmul_flops'] / 1e9:.1f} GFLOP: 2 x parameters x batch; at batch 1 "
+                    f"  {summary['flops'] / 1e9:.1f} GFLOP by XLA's count, {summary['flops_over_matmul']:.2f}x the "
+                    f"token's matrix products ({summary['matmul_flops'] / 1e9:.1f} GFLOP: 2 x parameters x batch; at batch 1 "
                     "libtpu computes a matrix-vector product as elementwise ops and counts 5 per weight, not 2)"
                 )
             if "hbm_bytes" in summary:
@@ -481,8 +481,8 @@ def _plan_from(result: LoweringResult, path: str, batch, prompt, new, quantizati
     error = result.error if result.error else None
     failed = [p for p in result.programs if not p.compiled and p.name not in ooms]
     if error is None and failed:
-        error = "; ".join(f"{p.name} did not {'compile' if p.lowered else 'lower'}: {(p.error or '?').splitlines()[0][:300]}"
-                          for p in failed)  # fmt: skip
+        error = "; ".join(f"{p.name} did not {'compile' if p.lowered else 'lower'}: "
+                          f"{(p.error or '?').splitlines()[0][:300]}" for p in failed)  # fmt: skip
     if error is None and not note and not compiled and not ooms:
         error = "no program compiled"
     too_big = note is not None or bool(ooms) or total > capacity

@@ -299,14 +299,53 @@ def test_models_retrieve_names_the_served_model(client):
 
 
 def test_usage_chunk_only_when_stream_options_ask_for_it(client):
+    hi = [{"role": "user", "content": "hi"}]
     for create, kwargs in ((client.completions.create, {"prompt": "He that"}),
-                           (client.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}]})):  # fmt: skip
+                           (client.chat.completions.create, {"messages": hi})):  # fmt: skip
         plain = list(create(model=MODEL, max_tokens=3, stream=True, **kwargs))
         assert plain and all(c.choices for c in plain)  # the usual chunk.choices[0] loop never meets an empty one
         assert all(c.usage is None for c in plain)
         asked = list(create(model=MODEL, max_tokens=3, stream=True, stream_options={"include_usage": True}, **kwargs))
         assert asked[-1].choices == [] and 0 < asked[-1].usage.completion_tokens <= 3
         assert all(c.choices for c in asked[:-1])
+
+
+def test_responses_answer_as_chat_does(server, client, cpu):
+    """``/v1/responses`` with the openai client: a JSON ``response`` unless streamed (OpenAI's default), the text
+    CPU's greedy chat answer, streamed deltas joining to it, the sampling fields honoured per request."""
+    reply = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=8, temperature=0)
+    assert reply.object == "response" and reply.status == "completed" and reply.model == SERVED
+    assert reply.output_text == cpu.chat("Hello there", 8)
+    assert reply.usage.output_tokens <= 8 and reply.usage.input_tokens > 0
+    events = list(client.responses.create(model=MODEL, input="Hello there", max_output_tokens=8, temperature=0,
+                                          stream=True))  # fmt: skip
+    assert events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Speak"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=5,
+                                          extra_body=NO_EOS)  # fmt: skip
+    sampled = client.responses.create(model=MODEL, instructions="Be brief.", input="Speak", max_output_tokens=6,
+                                      temperature=1.0, extra_body={"seed": 5, **NO_EOS})  # fmt: skip
+    assert sampled.output_text == chat.choices[0].message.content  # the same seeded draw as chat's
+
+
+def test_responses_are_checked_at_the_door(server, client):
+    def refused(**body):
+        status, answer, _ = server.post("/v1/responses", {"model": MODEL, **body})
+        assert status == 400 and set(answer) == {"error"}, (status, answer)  # OpenAI's error shape, never 5xx
+        return answer["error"]["param"]
+
+    assert refused(max_output_tokens=4) == "input"
+    assert refused(input="hi", temperature=-1) == "temperature"
+    assert refused(input="hi", top_p=0) == "top_p"
+    assert refused(input=5) == "input"
+    assert refused(input=[{"role": "wizard", "content": "x"}]) == "input[0].role"
+    assert refused(input=[{"type": "image", "url": "x"}]) == "input[0]"
+    assert refused(input="hi", previous_response_id="resp_1") == "previous_response_id"
+    assert refused(input="hi", frobnicate=1) == "frobnicate"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="hi", temperature=-1)
+    assert info.value.param == "temperature"
 
 
 def test_after_warmup_a_mixed_load_compiles_nothing_and_loses_nothing(server, client, cpu):
