@@ -6,7 +6,9 @@ with the numbers and compiles nothing), then lowers the prefill and decode progr
 them for the target (:func:`hf_tpu.tpu_compile.lower_and_compile`). The :class:`Plan` says whether it fits (weights,
 KV cache, the largest program's temporaries and outputs not aliased to an input), the compile time per program,
 the decode step's projected time and tokens/s, and how close the step is to its floor (the weights and KV cache
-read once).
+read once). It fits only when every program compiled within the HBM; a program libtpu refused for HBM makes it
+``"does not fit"`` (named, with the bytes it needed, and what would fit), any other failure ``"could not plan"``
+(:attr:`Plan.verdict`, :attr:`Plan.exit_status`: ``hf-tpu plan``'s 0, 3 or 1).
 
 Every projected time is an estimate: XLA's ``bytes accessed`` over the chip's published HBM bandwidth, or its
 FLOPs over the published peak, whichever is longer (XLA's own ``optimal_seconds`` where it gives one). They are
