@@ -499,7 +499,8 @@ def _plan_from(result: LoweringResult, path: str, batch, prompt, new, quantizati
 
 def _suggestions(plan: Plan, ooms: dict[str, dict[str, float]]) -> list[str]:
     """What would fit, estimated from the plan's bytes (each to re-plan to be sure): a smaller prompt bucket or batch
-    (a prefill's own bytes grow with its tokens), int8 weights (about half the bytes of 16-bit ones), more chips."""
+    (a prefill's own bytes grow with its tokens), int8 weights (about half the bytes of 16-bit linear weights; the
+    input embedding stays), more chips."""
     cap, info = plan.hbm["capacity"], plan.info
     resident = plan.hbm["weights"] + plan.hbm["kv_cache"]
     out: list[str] = []
@@ -520,7 +521,8 @@ def _suggestions(plan: Plan, ooms: dict[str, dict[str, float]]) -> list[str]:
                            f"{human(available - resident)} left beside the weights and KV cache)")  # fmt: skip
     weights = plan.hbm["weights"]
     if not info.get("quantization") and info.get("dtype") in ("bfloat16", "float16", "float32") and weights:
-        saved = weights * (0.75 if info["dtype"] == "float32" else 0.5)
+        linear = weights - int(info.get("gathered_embedding_bytes", 0))  # the input embedding is not quantized
+        saved = linear * (0.75 if info["dtype"] == "float32" else 0.5)
         if plan.hbm["total"] - saved <= cap:
             out.append(f"--quantization int8: weight-only int8 weights take about {human(weights - saved)} instead "
                        f"of {human(weights)}, for a total near {human(plan.hbm['total'] - saved)}")  # fmt: skip
