@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import GenerationConfig
 
-from hf_tpu.serving._openai import CHAT, COMPLETIONS, Limits, RequestError, check, resolve
+from hf_tpu.serving._openai import CHAT, COMPLETIONS, Limits, RequestError, check, check_responses, resolve
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -103,3 +103,45 @@ def test_resolve_takes_the_request_else_the_model():
     assert (s.temperature, s.top_p, s.logprobs, s.top_logprobs, s.eos_token_id) == (0.8, 0.95, True, 2, None)
     s = resolve(COMPLETIONS, {"prompt": "x", "top_k": -1}, GenerationConfig(do_sample=True))
     assert (s.temperature, s.top_k, s.max_tokens) == (1.0, 0, None)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": 3}, "input"),
+        ({"input": [{"type": "input_text", "text": 3}]}, "input[0].text"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+        ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "name": "f"}]}, "input[1].call_id"),
+        ({"input": "x", "instructions": 1}, "instructions"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "temperature": -1}, "temperature"),
+        ({"input": "x", "top_p": 1.5}, "top_p"),
+        ({"input": "x", "seed": "s"}, "seed"),
+        ({"input": "x", "stream": "yes"}, "stream"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text"),
+        ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "messages": HI}, "messages"),
+    ],
+)
+def test_a_wrong_responses_field_is_named(body, param):
+    with pytest.raises(RequestError) as info:
+        check_responses(body)
+    assert info.value.param == param and info.value.status == 400
+
+
+def test_valid_responses_bodies_pass():
+    check_responses({"input": "x", "instructions": "be brief", "max_output_tokens": 4, "temperature": 0.5, "top_p": 0.9,
+                     "seed": 1, "stream": False, "store": False, "text": {"format": {"type": "text"}},
+                     "truncation": "disabled", "tool_choice": "auto", "tools": [], "top_logprobs": 0})  # fmt: skip
+    check_responses({"input": [{"type": "input_text", "text": "x"}]})
+    check_responses({"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "sunny"},
+    ]})  # fmt: skip
