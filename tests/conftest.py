@@ -28,3 +28,15 @@ def pytest_sessionstart(session):
         raise RuntimeError(
             f"CI=true but {', '.join(missing)} not installed: the test command installs .[test,kernels,quant,serve]"
         )
+
+
+import pytest  # noqa: E402  (after the environment above, which must precede torch)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """The slow tier (``tests/_tiers.py``): the tests it names get the ``slow`` marker, which the README's command
+    deselects (pyproject.toml's addopts) and ``.ci/run`` runs as a step of its own."""
+    from _tiers import mark_slow
+
+    mark_slow(items)

@@ -37,7 +37,13 @@ def _unwrap(owner, name):
 
 
 def apply() -> None:
-    from transformers.generation.continuous_batching import cache, continuous_api, input_outputs, model_runner, scheduler
+    from transformers.generation.continuous_batching import (
+        cache,
+        continuous_api,
+        input_outputs,
+        model_runner,
+        scheduler,
+    )
 
     from hf_tpu.serving import _penalties, _runner, _sampling, _step_graphs
 

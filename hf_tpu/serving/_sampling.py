@@ -133,8 +133,8 @@ def sample(scores: torch.Tensor, args: torch.Tensor) -> torch.Tensor:
 
 
 def penalized(scores: torch.Tensor, args: torch.Tensor, table) -> tuple[torch.Tensor, torch.Tensor]:
-    """``scores`` (``[rows, vocab]``) after each row's penalties and biases (:func:`hf_tpu.serving._penalties.penalize`),
-    and each row's table row."""
+    """``scores`` (``[rows, vocab]``) after each row's penalties and biases
+    (:func:`hf_tpu.serving._penalties.penalize`), and each row's table row."""
     rows = scores.shape[0]
     args = args[:, :rows]
     repetition, presence, frequency = (args[i].contiguous().view(torch.float32) for i in (5, 6, 7))

@@ -82,7 +82,8 @@ def test_penalize_equals_transformers_processors_row_by_row():
     table = RequestTable(capacity=4, vocab=VOCAB, device="cpu")
     cases = [
         ({"repetition_penalty": 1.3}, [5, 9, 9, 40], [7, 7, 12]),
-        ({"presence_penalty": 0.5, "frequency_penalty": 0.75, "logit_bias": {"3": 5.0, "50": -100.0}}, [4, 8], [8, 3, 3]),
+        ({"presence_penalty": 0.5, "frequency_penalty": 0.75, "logit_bias": {"3": 5.0, "50": -100.0}}, [4, 8],
+         [8, 3, 3]),
         ({"min_tokens": 4, "repetition_penalty": 0.8, "logit_bias": {str(EOS): 30.0}}, [11, 2, 60], [17]),
         ({}, [20, 21], []),
     ]  # fmt: skip

@@ -280,6 +280,83 @@ def test_a_client_disconnecting_mid_stream_frees_its_slot(server):
     assert server.metric("hf_tpu_generated_tokens_total") - generated < 240
 
 
+def test_an_abandoned_non_streamed_request_frees_its_slot(server):
+    """A client that sends a long non-streamed request and goes away: the request is cancelled in the batch (its
+    slot and KV blocks freed), not run to its max_tokens."""
+    generated = server.metric("hf_tpu_generated_tokens_total")
+    body = json.dumps({"model": MODEL, "prompt": "The king said", "max_tokens": 240, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=SAFETY_TIMEOUT_S)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    try:
+        _wait_for(lambda: server.metric("hf_tpu_kv_blocks_in_use") > 0, "the request never reached the batch")
+    finally:
+        sock.close()  # the client goes away before its answer
+    _wait_for(lambda: server.metric("hf_tpu_requests_in_flight") == 0, "an abandoned request stays in flight")
+    _wait_for(lambda: server.metric("hf_tpu_kv_blocks_in_use") == 0, "an abandoned request keeps its KV blocks")
+    assert server.metric("hf_tpu_generated_tokens_total") - generated < 240  # cancelled, not run to its end
+    assert 'status="499"' in server.get("/metrics")[1].decode()  # counted as the client closing it
+
+
+def test_models_retrieve_names_the_served_model(client):
+    for name in (SERVED, MODEL, str(default_model_path())):  # any name the model is served under
+        model = client.models.retrieve(name)
+        assert model.id == SERVED and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-9")
+    assert "gpt-9" in info.value.body["message"] and info.value.body["param"] == "model"
+
+
+def test_usage_chunk_only_when_stream_options_ask_for_it(client):
+    hi = [{"role": "user", "content": "hi"}]
+    for create, kwargs in ((client.completions.create, {"prompt": "He that"}),
+                           (client.chat.completions.create, {"messages": hi})):  # fmt: skip
+        plain = list(create(model=MODEL, max_tokens=3, stream=True, **kwargs))
+        assert plain and all(c.choices for c in plain)  # the usual chunk.choices[0] loop never meets an empty one
+        assert all(c.usage is None for c in plain)
+        asked = list(create(model=MODEL, max_tokens=3, stream=True, stream_options={"include_usage": True}, **kwargs))
+        assert asked[-1].choices == [] and 0 < asked[-1].usage.completion_tokens <= 3
+        assert all(c.choices for c in asked[:-1])
+
+
+def test_responses_answer_as_chat_does(server, client, cpu):
+    """``/v1/responses`` with the openai client: a JSON ``response`` unless streamed (OpenAI's default), the text
+    CPU's greedy chat answer, streamed deltas joining to it, the sampling fields honoured per request."""
+    reply = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=8, temperature=0)
+    assert reply.object == "response" and reply.status == "completed" and reply.model == SERVED
+    assert reply.output_text == cpu.chat("Hello there", 8)
+    assert reply.usage.output_tokens <= 8 and reply.usage.input_tokens > 0
+    events = list(client.responses.create(model=MODEL, input="Hello there", max_output_tokens=8, temperature=0,
+                                          stream=True))  # fmt: skip
+    assert events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Speak"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=5,
+                                          extra_body=NO_EOS)  # fmt: skip
+    sampled = client.responses.create(model=MODEL, instructions="Be brief.", input="Speak", max_output_tokens=6,
+                                      temperature=1.0, extra_body={"seed": 5, **NO_EOS})  # fmt: skip
+    assert sampled.output_text == chat.choices[0].message.content  # the same seeded draw as chat's
+
+
+def test_responses_are_checked_at_the_door(server, client):
+    def refused(**body):
+        status, answer, _ = server.post("/v1/responses", {"model": MODEL, **body})
+        assert status == 400 and set(answer) == {"error"}, (status, answer)  # OpenAI's error shape, never 5xx
+        return answer["error"]["param"]
+
+    assert refused(max_output_tokens=4) == "input"
+    assert refused(input="hi", temperature=-1) == "temperature"
+    assert refused(input="hi", top_p=0) == "top_p"
+    assert refused(input=5) == "input"
+    assert refused(input=[{"role": "wizard", "content": "x"}]) == "input[0].role"
+    assert refused(input=[{"type": "image", "url": "x"}]) == "input[0]"
+    assert refused(input="hi", previous_response_id="resp_1") == "previous_response_id"
+    assert refused(input="hi", frobnicate=1) == "frobnicate"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="hi", temperature=-1)
+    assert info.value.param == "temperature"
+
+
 def test_after_warmup_a_mixed_load_compiles_nothing_and_loses_nothing(server, client, cpu):
     before = server.metric("hf_tpu_compiles_total")
     finished = server.metric("hf_tpu_generated_tokens_total")
