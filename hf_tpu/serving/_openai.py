@@ -14,14 +14,15 @@ Fields a request may send (OpenAI's, plus ``top_k``, ``min_p``, ``ignore_eos``, 
 * honoured: ``messages``/``prompt``, ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``,
   ``min_p``, ``seed``, ``n``, ``stop``, ``logprobs``/``top_logprobs``, ``stream``/``stream_options``,
   ``ignore_eos``, ``tools`` (rendered by the chat template, parsed by transformers), ``suffix`` (completions),
-  ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``min_tokens`` (vLLM's
-  extensions: the last two; all per request, in the compiled step: :mod:`hf_tpu.serving._penalties`);
+  ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's ``repetition_penalty`` and ``min_tokens``
+  (per request, in the compiled step: :mod:`hf_tpu.serving._penalties`);
 * accepted, no effect on the text: ``model`` (checked), ``user``, ``metadata``, ``store``, ``service_tier``,
   ``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``, ``prompt_cache_options``,
   ``parallel_tool_calls``;
 * refused with a 400 naming the field unless at their neutral value: ``response_format`` (other than text),
-  ``tool_choice`` (other than auto), ``best_of`` (other than ``n``), ``echo``, ``reasoning_effort``, ``verbosity``, ``audio``, ``modalities``, ``prediction``,
-  ``web_search_options``, ``functions``, ``function_call``, ``moderation``; any other field is refused as unknown.
+  ``tool_choice`` (other than auto), ``best_of`` (other than ``n``), ``echo``, ``reasoning_effort``, ``verbosity``,
+  ``audio``, ``modalities``, ``prediction``, ``web_search_options``, ``functions``, ``function_call``,
+  ``moderation``; any other field is refused as unknown.
 """
 
 from __future__ import annotations
