@@ -22,13 +22,17 @@ WORKER_ENV = {"HF_TPU_SIMULATE": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "HF_
               "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}  # fmt: skip
 
 
+# Ray's usage statistics (sent off the host) and Ray Data's usage queries (a Prometheus on localhost:9090): off.
+NO_USAGE_REPORTS = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DATA_USAGE_DISABLED": "1"}
+
+
 @contextlib.contextmanager
 def simulated_cluster(nodes: int = 2, head_cpus: int = 1) -> Iterator[object]:
     """A connected Ray cluster of ``nodes`` simulated 1-chip TPU VMs (yields the ``Cluster``)."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.update(NO_USAGE_REPORTS)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": head_cpus, "object_store_memory": 2 * OBJECT_STORE, "include_dashboard": False},
@@ -44,8 +48,8 @@ def simulated_cluster(nodes: int = 2, head_cpus: int = 1) -> Iterator[object]:
         cluster.shutdown()
 
 
-def heldout_prompts(count: int, words: tuple[int, int] = (2, 7)) -> list[str]:
-    """``count`` prompts cut from the shipped model's held-out Shakespeare: the first 2-7 words of its lines."""
+def heldout_prompts(count: int, words: tuple[int, int] = (2, 5)) -> list[str]:
+    """``count`` prompts cut from the shipped model's held-out Shakespeare: the first 2-5 words of its lines (at most 16 tokens)."""
     from importlib.resources import files
 
     lines = [ln.strip() for ln in (files("hf_tpu.assets") / "tiny-lm" / "heldout.txt").read_text().splitlines()]
