@@ -1,7 +1,7 @@
 """Batch inference with Ray Data: :class:`HfTpuGenerate`, a callable class for ``Dataset.map_batches``.
 
-Ray Data runs a callable class in a pool of actors (``concurrency=N``): each actor builds the class once and calls
-it on batch after batch. Here each actor loads the model once on its TPU (``device_map="tpu"``), warms up the graphs
+Ray Data runs a callable class in a pool of actors (``compute=ray.data.ActorPoolStrategy(size=N)``; ``concurrency=N``,
+deprecated since Ray 2.51): each actor builds the class once and calls it on batch after batch. Here each actor loads the model once on its TPU (``device_map="tpu"``), warms up the graphs
 of one batch shape through :func:`hf_tpu.warmup` with the persistent compile cache (:mod:`hf_tpu.compile_cache`),
 and then generates each batch with hf_tpu's bucketed ``generate`` (static cache, compiled prefill and decode).
 
@@ -25,7 +25,7 @@ Example:
     ...     HfTpuGenerate,
     ...     fn_constructor_kwargs={"model": "/models/llama", "batch_size": 16, "max_new_tokens": 64,
     ...                            "cache_dir": "/mnt/shared/hf_tpu_compile"},
-    ...     batch_size=16, resources={"TPU": 1}, concurrency=8)                                     # doctest: +SKIP
+    ...     batch_size=16, resources={"TPU": 1}, compute=ray.data.ActorPoolStrategy(size=8))  # doctest: +SKIP
     >>> out.write_parquet("/mnt/out")                                                               # doctest: +SKIP
 """
 
@@ -147,8 +147,9 @@ class HfTpuGenerate:
         if tp_size != 1:
             raise UserError(
                 f"HfTpuGenerate(tp_size={tp_size}): one actor runs one model on one chip (torch_tpu gives a process "
-                "one chip). Run one actor per chip (map_batches(..., resources={'TPU': 1}, concurrency=<chips>)), or "
-                f"serve the model with tensor parallel (hf_tpu.ray.serve with tp={tp_size}) and send it the rows."
+                "one chip). Run one actor per chip (map_batches(..., resources={'TPU': 1}, "
+                "compute=ActorPoolStrategy(size=<chips>))), or serve the model with tensor parallel "
+                f"(hf_tpu.ray.serve with tp={tp_size}) and send it the rows."
             )
         for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens),
                             ("max_prompt_len", max_prompt_len)):  # fmt: skip

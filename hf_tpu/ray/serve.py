@@ -131,8 +131,6 @@ class HfTpuServer:
             A ``starlette.responses.Response`` (or ``StreamingResponse``) with the server's status, headers and body,
             plus :data:`REPLICA_HEADER`.
         """
-        from starlette.responses import Response, StreamingResponse
-
         import aiohttp
         from starlette.responses import Response, StreamingResponse
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _ray_cluster import cpu_greedy_rows, heldout_prompts, shipped_model
 
+from hf_tpu.assets import default_model_path
 from hf_tpu.errors import UserError
 from hf_tpu.ray import HfTpuGenerate
+from hf_tpu.ray.local import cpu_greedy_rows, heldout_prompts
+
+MODEL = str(default_model_path())  # the model that ships with hf_tpu, with its tokenizer
 
 NEW_TOKENS = 4
 
@@ -16,7 +19,7 @@ NEW_TOKENS = 4
 @pytest.fixture(scope="module")
 def generator(tmp_path_factory):
     reports = tmp_path_factory.mktemp("reports")
-    gen = HfTpuGenerate(shipped_model(), batch_size=2, max_new_tokens=NEW_TOKENS, max_prompt_len=16, simulate=True,
+    gen = HfTpuGenerate(MODEL, batch_size=2, max_new_tokens=NEW_TOKENS, max_prompt_len=16, simulate=True,
                         start_reports=reports)  # fmt: skip
     return gen, reports
 
@@ -31,7 +34,7 @@ def test_rows_equal_cpu_greedy_and_a_short_batch_is_padded_not_recompiled(genera
     assert s.compiles == 0  # warm-up covered every call, the short one too
     assert list(out["id"]) == list(range(5)) and list(out["prompt"]) == prompts  # input columns kept, in order
     assert list(out["error"]) == [None] * 5
-    expected = cpu_greedy_rows(shipped_model(), prompts, NEW_TOKENS)
+    expected = cpu_greedy_rows(MODEL, prompts, NEW_TOKENS)
     assert [ids.tolist() for ids in out["generated_token_ids"]] == expected
     assert list(out["generated_text"]) == [gen.tokenizer.decode(t, skip_special_tokens=True) for t in expected]
     (report,) = [p.read_text() for p in reports.iterdir()]
@@ -59,7 +62,7 @@ def test_a_failing_batch_is_retried_row_by_row_and_only_the_bad_row_fails(genera
     monkeypatch.setattr(gen, "_generate", flaky)
     out = gen({"prompt": prompts})
     assert out["error"][0] is None
-    assert out["generated_token_ids"][0].tolist() == cpu_greedy_rows(shipped_model(), prompts[:1], NEW_TOKENS)[0]
+    assert out["generated_token_ids"][0].tolist() == cpu_greedy_rows(MODEL, prompts[:1], NEW_TOKENS)[0]
     assert out["error"][1] == "RuntimeError: device lost"
 
 
@@ -68,6 +71,6 @@ def test_bad_arguments_name_the_fix(generator):
     with pytest.raises(UserError, match="no column 'prompt'.*prompt_column"):
         gen({"text": ["hello"]})
     with pytest.raises(UserError, match="resources=\\{'TPU': 1\\}.*hf_tpu.ray.serve with tp=4"):
-        HfTpuGenerate(shipped_model(), tp_size=4)
+        HfTpuGenerate(MODEL, tp_size=4)
     with pytest.raises(UserError, match="batch_size=0"):
-        HfTpuGenerate(shipped_model(), batch_size=0)
+        HfTpuGenerate(MODEL, batch_size=0)

@@ -1,8 +1,8 @@
-"""HfTpuGenerate under Ray Data on a local 2-node cluster of simulated TPU VMs (tests/ray/_ray_cluster.py).
+"""HfTpuGenerate under Ray Data on a local 2-node cluster of simulated TPU VMs (hf_tpu.ray.local).
 
-One job of prompts through ``map_batches(HfTpuGenerate, resources={"TPU": 1}, concurrency=2)``: one actor per node,
-every row equal to the CPU's greedy ``generate``, the second actor to start compiles nothing (shared compile-cache
-directory); then the same job with one actor killed mid-run: Ray restarts it and retries its batch, no row is lost or
+One job of prompts through ``map_batches(HfTpuGenerate, resources={"TPU": 1}, compute=ActorPoolStrategy(size=2))``:
+one actor per node, every row equal to the CPU's greedy ``generate``, the second actor to start compiles nothing
+(shared compile-cache directory); then the same job with one actor killed mid-run: Ray restarts it and retries its batch, no row is lost or
 doubled. Slow: a Ray cluster and two model-loading actors on a 2-core host.
 """
 
@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 from _timeouts import SAFETY_TIMEOUT_S
-from _ray_cluster import cpu_greedy_rows, heldout_prompts, shipped_model, simulated_cluster
+
+from hf_tpu.assets import default_model_path
+from hf_tpu.ray.local import cpu_greedy_rows, heldout_prompts, simulated_cluster
+
+MODEL = str(default_model_path())  # the model that ships with hf_tpu, with its tokenizer
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -43,7 +47,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected():
-    return cpu_greedy_rows(shipped_model(), heldout_prompts(PROMPTS), NEW_TOKENS)
+    return cpu_greedy_rows(MODEL, heldout_prompts(PROMPTS), NEW_TOKENS)
 
 
 def _job(cache_dir: Path, reports: Path):
@@ -51,10 +55,10 @@ def _job(cache_dir: Path, reports: Path):
 
     prompts = heldout_prompts(PROMPTS)
     ds = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)], override_num_blocks=PROMPTS // BATCH)
-    kwargs = {"model": shipped_model(), "batch_size": BATCH, "max_new_tokens": NEW_TOKENS, "max_prompt_len": 16,
+    kwargs = {"model": MODEL, "batch_size": BATCH, "max_new_tokens": NEW_TOKENS, "max_prompt_len": 16,
               "cache_dir": str(cache_dir), "start_reports": str(reports)}  # fmt: skip
     return ds.map_batches(HfTpuGenerate, fn_constructor_kwargs=kwargs, batch_size=BATCH, num_cpus=0,
-                          resources={"TPU": 1}, concurrency=2)  # fmt: skip
+                          resources={"TPU": 1}, compute=ray.data.ActorPoolStrategy(size=2))  # fmt: skip
 
 
 def _reports(folder: Path) -> list[dict]:

@@ -10,8 +10,12 @@ import concurrent.futures
 import socket
 
 import pytest
-from _ray_cluster import heldout_prompts, shipped_model, simulated_cluster
 from _timeouts import SAFETY_TIMEOUT_S
+
+from hf_tpu.assets import default_model_path
+from hf_tpu.ray.local import heldout_prompts, simulated_cluster
+
+MODEL = str(default_model_path())  # the model that ships with hf_tpu, with its tokenizer
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -46,8 +50,8 @@ def cpu():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(shipped_model())
-    model = AutoModelForCausalLM.from_pretrained(shipped_model()).eval()
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(MODEL).eval()
 
     def text(prompt: str, new_tokens: int) -> str:
         ids = tok(prompt)["input_ids"]
