@@ -2,8 +2,8 @@
 
 One job of prompts through ``map_batches(HfTpuGenerate, resources={"TPU": 1}, compute=ActorPoolStrategy(size=2))``:
 one actor per node, every row equal to the CPU's greedy ``generate``, the second actor to start compiles nothing
-(shared compile-cache directory); then the same job with one actor killed mid-run: Ray restarts it and retries its batch, no row is lost or
-doubled. Slow: a Ray cluster and two model-loading actors on a 2-core host.
+(shared compile-cache directory); then the same job with one actor killed mid-run: Ray retries its batches (on the
+other actor or on the killed one, which Ray restarts), no row is lost or doubled. Slow: a Ray cluster and two model-loading actors on a 2-core host.
 """
 
 from __future__ import annotations
@@ -94,7 +94,6 @@ def test_killing_an_actor_mid_run_loses_no_row(cluster, cache_dir, expected, tmp
             killed.append(victim)
     assert killed and len(rows) > 1
     _check_rows(rows, expected)
+    # every actor that started (a restart of the killed one too, when it came up before the job ended) loaded its graphs
     reports = _reports(tmp_path)
-    restarted = [r for r in reports if r["pid"] not in killed]
-    assert all(r["sim_compiles"] == 0 for r in reports)  # (the cache was filled by the test above, or by this one)
-    assert len(reports) >= 2 and restarted
+    assert len(reports) >= 2 and all(r["sim_compiles"] == 0 for r in reports)
