@@ -61,7 +61,8 @@ starts = sorted((json.loads(p.read_text()) for p in reports.glob("*.json")), key
 errors = [r for r in rows if r["error"] is not None]
 print(f"{len(rows)} rows back of {len(prompts)} prompts, {len(errors)} with an error, "
       f"{len({r['id'] for r in rows})} distinct ids")
-print(f"job: {end - start:.1f} s with actor start; {len(rows) / (end - first):.1f} rows/s from the first row to the last")
+print(f"job: {end - start:.1f} s with actor start; {len(rows) / (end - first):.1f} rows/s from the first row to the "
+      "last")
 for i, s in enumerate(starts):
     print(f"actor {i + 1} (node {str(s['node_id'])[:8]}): load {s['load_s']:.1f} s, warm-up {s['warmup_s']:.1f} s "
           f"(waited {s['lock_wait_s']:.1f} s for the cache lock), {s['new_compiles']} graphs compiled, "

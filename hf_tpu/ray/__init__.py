@@ -13,7 +13,8 @@ Example:
     >>> from hf_tpu.ray import HfTpuGenerate                                                        # doctest: +SKIP
     >>> ds = ray.data.from_items([{"prompt": "The king said"}] * 64)                                 # doctest: +SKIP
     >>> out = ds.map_batches(HfTpuGenerate, fn_constructor_kwargs={"model": path, "batch_size": 16},
-    ...                      batch_size=16, resources={"TPU": 1}, compute=ray.data.ActorPoolStrategy(size=2))  # doctest: +SKIP
+    ...                      batch_size=16, resources={"TPU": 1},
+    ...                      compute=ray.data.ActorPoolStrategy(size=2))                             # doctest: +SKIP
 """
 
 from __future__ import annotations

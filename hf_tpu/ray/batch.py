@@ -1,9 +1,10 @@
 """Batch inference with Ray Data: :class:`HfTpuGenerate`, a callable class for ``Dataset.map_batches``.
 
 Ray Data runs a callable class in a pool of actors (``compute=ray.data.ActorPoolStrategy(size=N)``; ``concurrency=N``,
-deprecated since Ray 2.51): each actor builds the class once and calls it on batch after batch. Here each actor loads the model once on its TPU (``device_map="tpu"``), warms up the graphs
-of one batch shape through :func:`hf_tpu.warmup` with the persistent compile cache (:mod:`hf_tpu.compile_cache`),
-and then generates each batch with hf_tpu's bucketed ``generate`` (static cache, compiled prefill and decode).
+deprecated since Ray 2.51): each actor builds the class once and calls it on batch after batch. Here each actor loads
+the model once on its TPU (``device_map="tpu"``), warms up the graphs of one batch shape through :func:`hf_tpu.warmup`
+with the persistent compile cache (:mod:`hf_tpu.compile_cache`), and then generates each batch with hf_tpu's bucketed
+``generate`` (static cache, compiled prefill and decode).
 
 * Warm-up holds a lock on the cache directory, so actors that start together on one host (or on hosts sharing the
   directory) warm up one after the other: the first compiles and stores, the later ones load (0 compiles).
@@ -124,7 +125,8 @@ class HfTpuGenerate:
             positive.
 
     Example:
-        >>> gen = HfTpuGenerate(path, batch_size=2, max_new_tokens=4, max_prompt_len=16, simulate=True)  # doctest: +SKIP
+        >>> gen = HfTpuGenerate(path, batch_size=2, max_new_tokens=4, max_prompt_len=16,
+        ...                     simulate=True)                                                      # doctest: +SKIP
         >>> gen({"prompt": np.array(["The king said", "O Romeo"])})["generated_text"]             # doctest: +SKIP
     """
 
@@ -213,7 +215,8 @@ class HfTpuGenerate:
             warmup_s=round(time.perf_counter() - start, 3), lock_wait_s=round(waited, 3), graphs=len(report.graphs),
             new_compiles=report.new_compiles, from_cache=report.from_cache,
             sim_compiles=stats.compiles if simulated else None,
-            cache_dir=None if cache is None else str(cache.root), tpu_visible_chips=os.environ.get("TPU_VISIBLE_CHIPS"),
+            cache_dir=None if cache is None else str(cache.root),
+            tpu_visible_chips=os.environ.get("TPU_VISIBLE_CHIPS"),
         )  # fmt: skip
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:

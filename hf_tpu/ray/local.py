@@ -11,7 +11,8 @@ is shut down when the block ends, whatever happened.
 Example:
     >>> from hf_tpu.ray.local import simulated_cluster                                              # doctest: +SKIP
     >>> with simulated_cluster(nodes=2):
-    ...     ray.data.range(8).map_batches(Fn, resources={"TPU": 1}, compute=ray.data.ActorPoolStrategy(size=2))  # doctest: +SKIP
+    ...     ray.data.range(8).map_batches(Fn, resources={"TPU": 1},
+    ...                                   compute=ray.data.ActorPoolStrategy(size=2))            # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NO_USAGE_REPORTS", "WORKER_ENV", "cpu_greedy_rows", "heldout_prompts", "simulated_cluster"]
+__all__ = ["NO_USAGE_REPORTS", "WORKER_ENV", "cpu_greedy_rows", "free_port", "heldout_prompts", "simulated_cluster"]
 
 #: Ray's usage statistics (sent off the host) and Ray Data's usage queries (a Prometheus on localhost:9090): off.
 NO_USAGE_REPORTS = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DATA_USAGE_DISABLED": "1"}
@@ -30,6 +31,19 @@ NO_USAGE_REPORTS = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DATA_USAGE_DISABLED": "
 WORKER_ENV = {"HF_TPU_SIMULATE": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "HF_HUB_OFFLINE": "1",
               "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}  # fmt: skip
 _MIB = 1024**2
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server this host starts: Ray's, a replica's).
+
+    Returns:
+        The port number.
+    """
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -55,8 +69,8 @@ def simulated_cluster(nodes: int = 2, *, chips_per_node: int = 1, cpus_per_node:
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": head_cpus, "object_store_memory": 2 * object_store_mib * _MIB,
-                        "include_dashboard": False},
-    )  # fmt: skip
+                        "include_dashboard": False, "dashboard_agent_listen_port": free_port()},
+    )  # fmt: skip  (the agent's fixed default port would clash with another local cluster, a parallel test's)
     try:
         for _ in range(nodes):
             cluster.add_node(num_cpus=cpus_per_node, resources={"TPU": chips_per_node},

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from typing import Any
 from ray import serve
 
 from hf_tpu.errors import UserError
+from hf_tpu.ray.local import free_port
 
 __all__ = ["REPLICA_HEADER", "HfTpuServer", "app", "build_app"]
 
@@ -50,12 +50,6 @@ CHIP_COUNTS = (1, 2, 4, 8)
 # Response headers not passed on: the proxy frames the body itself.
 _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 _POLL_S = 0.5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -83,7 +77,7 @@ class HfTpuServer:
 
     def __init__(self, model: str | None = None, serve_args: Sequence[str] = (), tp: int = 1, simulate: bool = False,
                  startup_timeout_s: float = 1800.0) -> None:  # fmt: skip
-        self.port = _free_port()
+        self.port = free_port()
         command = [sys.executable, "-m", "hf_tpu.cli", "serve", *([model] if model else []), "--host", "127.0.0.1",
                    "--port", str(self.port), *(["--tp", str(tp)] if tp > 1 else []),
                    *(["--simulate"] if simulate else []), *serve_args]  # fmt: skip

@@ -3,7 +3,8 @@
 One job of prompts through ``map_batches(HfTpuGenerate, resources={"TPU": 1}, compute=ActorPoolStrategy(size=2))``:
 one actor per node, every row equal to the CPU's greedy ``generate``, the second actor to start compiles nothing
 (shared compile-cache directory); then the same job with one actor killed mid-run: Ray retries its batches (on the
-other actor or on the killed one, which Ray restarts), no row is lost or doubled. Slow: a Ray cluster and two model-loading actors on a 2-core host.
+other actor or on the killed one, which Ray restarts), no row is lost or doubled. Slow: a Ray cluster and two
+model-loading actors on a 2-core host.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _job(cache_dir: Path, reports: Path):
     from hf_tpu.ray import HfTpuGenerate
 
     prompts = heldout_prompts(PROMPTS)
-    ds = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)], override_num_blocks=PROMPTS // BATCH)
+    rows = [{"id": i, "prompt": p} for i, p in enumerate(prompts)]
+    ds = ray.data.from_items(rows, override_num_blocks=PROMPTS // BATCH)
     kwargs = {"model": MODEL, "batch_size": BATCH, "max_new_tokens": NEW_TOKENS, "max_prompt_len": 16,
               "cache_dir": str(cache_dir), "start_reports": str(reports)}  # fmt: skip
     return ds.map_batches(HfTpuGenerate, fn_constructor_kwargs=kwargs, batch_size=BATCH, num_cpus=0,
@@ -94,6 +96,6 @@ def test_killing_an_actor_mid_run_loses_no_row(cluster, cache_dir, expected, tmp
             killed.append(victim)
     assert killed and len(rows) > 1
     _check_rows(rows, expected)
-    # every actor that started (a restart of the killed one too, when it came up before the job ended) loaded its graphs
+    # every actor that started (the killed one's restart too, when it came up before the job ended) loaded its graphs
     reports = _reports(tmp_path)
     assert len(reports) >= 2 and all(r["sim_compiles"] == 0 for r in reports)

@@ -7,13 +7,12 @@ Slow: two servers warming up on a 2-core host.
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 
 import pytest
 from _timeouts import SAFETY_TIMEOUT_S
 
 from hf_tpu.assets import default_model_path
-from hf_tpu.ray.local import heldout_prompts, simulated_cluster
+from hf_tpu.ray.local import free_port, heldout_prompts, simulated_cluster
 
 MODEL = str(default_model_path())  # the model that ships with hf_tpu, with its tokenizer
 
@@ -32,9 +31,7 @@ def endpoint():
     from hf_tpu.ray.serve import build_app
 
     with simulated_cluster(nodes=2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         try:
             app = build_app(num_replicas=2, simulate=True, serve_args=SMALL_FLAGS, startup_timeout_s=SAFETY_TIMEOUT_S)
