@@ -81,11 +81,12 @@ class HfTpuServer:
         command = [sys.executable, "-m", "hf_tpu.cli", "serve", *([model] if model else []), "--host", "127.0.0.1",
                    "--port", str(self.port), *(["--tp", str(tp)] if tp > 1 else []),
                    *(["--simulate"] if simulate else []), *serve_args]  # fmt: skip
-        self.log = tempfile.NamedTemporaryFile(prefix=f"hf-tpu-serve-{self.port}-", suffix=".log", delete=False)
+        log = tempfile.NamedTemporaryFile(prefix=f"hf-tpu-serve-{self.port}-", suffix=".log", delete=False)
         self.process = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )  # fmt: skip
+        self.log = log
         self.url = f"http://127.0.0.1:{self.port}"
         try:
             self._wait_ready(startup_timeout_s)
@@ -162,6 +163,8 @@ class HfTpuServer:
             raise RuntimeError(f"hf-tpu serve exited ({self.process.returncode}):\n{self._output()}")
 
     def _stop(self) -> None:
+        if not hasattr(self, "log"):  # the constructor failed before starting the server
+            return
         if self.process.poll() is None:
             self.process.terminate()
             try:
