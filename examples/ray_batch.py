@@ -33,9 +33,9 @@ parser.add_argument("--cache-dir", default=None, help="compile-cache directory (
 parser.add_argument("--check-cpu", action="store_true", help="compare every row with the CPU's greedy generate")
 args = parser.parse_args()
 
-work = Path(tempfile.mkdtemp(prefix="hf-tpu-ray-"))
-cache_dir = args.cache_dir or str(work / "compile-cache")
-reports = work / "start-reports"
+work = tempfile.TemporaryDirectory(prefix="hf-tpu-ray-")  # the cache and the actors' start reports; removed at the end
+cache_dir = args.cache_dir or str(Path(work.name) / "compile-cache")
+reports = Path(work.name) / "start-reports"
 
 with simulated_cluster(nodes=args.nodes):
     # Start the job once every actor is up, so that rows/s below measures generation, not start-up.
@@ -58,6 +58,7 @@ with simulated_cluster(nodes=args.nodes):
     end = time.perf_counter()
 
 starts = sorted((json.loads(p.read_text()) for p in reports.glob("*.json")), key=lambda r: r["lock_wait_s"])
+work.cleanup()
 errors = [r for r in rows if r["error"] is not None]
 print(f"{len(rows)} rows back of {len(prompts)} prompts, {len(errors)} with an error, "
       f"{len({r['id'] for r in rows})} distinct ids")
