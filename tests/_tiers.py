@@ -176,6 +176,7 @@ _slow(
     "the whole `hf-tpu selftest` as a process (each check's capability has core tests)",
     "test_selftest_passes_on_the_simulated_device",
 )
+_slow("ray/test_serve_arguments.py", "needs Ray (the [ray] extra), which .ci/run installs for the slow tier")
 
 
 def slow_prefix(nodeid: str) -> str | None:
