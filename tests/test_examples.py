@@ -74,9 +74,10 @@ def test_every_example_is_covered():
     assert {p.name for p in (REPO / "examples").glob("*.py")} == {*EXAMPLES, *SLOW_EXAMPLES, "tp_generate.py"}
 
 
-@pytest.mark.parametrize(
-    "script", [*EXAMPLES, *(pytest.param(name, marks=pytest.mark.slow) for name in SLOW_EXAMPLES)]
-)
+_RAY = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (.ci/run: --dist loadgroup)
+
+
+@pytest.mark.parametrize("script", [*EXAMPLES, *(pytest.param(name, marks=_RAY) for name in SLOW_EXAMPLES)])
 def test_example_runs_on_the_simulator(script, tmp_path, tmp_path_factory):
     if script in SLOW_EXAMPLES:
         pytest.importorskip("ray")

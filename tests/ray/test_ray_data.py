@@ -22,7 +22,7 @@ from hf_tpu.ray.local import cpu_greedy_rows, heldout_prompts, simulated_cluster
 
 MODEL = str(default_model_path())  # the model that ships with hf_tpu, with its tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (--dist loadgroup)
 ray = pytest.importorskip("ray")
 
 PROMPTS = 48

@@ -16,7 +16,7 @@ from hf_tpu.ray.local import free_port, heldout_prompts, simulated_cluster
 
 MODEL = str(default_model_path())  # the model that ships with hf_tpu, with its tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (--dist loadgroup)
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
