@@ -176,6 +176,15 @@ _slow(
     "the whole `hf-tpu selftest` as a process (each check's capability has core tests)",
     "test_selftest_passes_on_the_simulated_device",
 )
+_slow(
+    "docs/test_docs.py",
+    "a page whose python blocks load, warm up and run several models (the README's and the other pages' blocks stay "
+    "in the core tier)",
+    "test_python_blocks_run[docs/training.md]",
+    "test_python_blocks_run[docs/serving.md]",
+    "test_python_blocks_run[docs/encoders.md]",
+)
+_slow("ray/test_serve_arguments.py", "needs Ray (the [ray] extra), which .ci/run installs for the slow tier")
 
 
 def slow_prefix(nodeid: str) -> str | None:

@@ -17,6 +17,11 @@ def pytest_sessionstart(session):
     the tests that need it (jax for the kernels, peft for LoRA, torchao and compressed-tensors for quantization,
     fastapi/uvicorn/openai/prometheus_client for tests/serving, sentence-transformers for tests/encoders) cannot be
     skipped unnoticed."""
+    if os.environ.get("HF_TPU_EXPECT_RAY") == "1":  # .ci/run's slow tier installs the [ray] extra for tests/ray
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise RuntimeError("HF_TPU_EXPECT_RAY=1 but ray is not installed: pip install -e '.[ray]'")
     if os.environ.get("CI", "").lower() != "true":
         return
     import importlib.util

@@ -108,7 +108,7 @@ def test_run_the_tests_quotes_the_suite_settings_and_names_files_that_exist():
     assert not missing, f"docs/first_hour.md names test files that do not exist: {missing}"
     readme = (ROOT / "README.md").read_text()
     typed = re.findall(r"(?<!-n )\b\d+ (?:minutes|tests|passed)\b",
-                       section + readme.split("Run the whole test suite", 1)[1][:300])  # `-n 2 tests` is a flag
+                       section + readme.split("Run the test suite", 1)[1][:300])  # `-n 2 tests` is a flag
     assert not typed, f"a duration or test count typed by hand: {typed}; say `--durations` or `--collect-only`"
 
 
