@@ -143,7 +143,8 @@ def lower_generate(
         quantization: ``"int8"``, ``"int4"`` (weight-only, torchao) or ``"fp8"`` (fine-grained layout); None: none.
         capacity: the device's HBM in bytes; weights and KV cache above it skip the lowering. None: no check.
         generation: generation_config fields to set first; None: none.
-        experts_implementation: passed to the model's config (``"ragged_dot_tpu"``, ...); None: the default.
+        experts_implementation: passed to the model's config (``"ragged_dot_tpu"``, hf_tpu's ``"hf_tpu_measured"``,
+            ``"hf_tpu_dense"``, ``"hf_tpu_slots"``, or transformers' own); None: the default.
         attn_implementation: passed to the model's config; None: the default.
         num_beams: also lower the beam-search graphs for this many beams; None: greedy/sampling only.
 
@@ -159,10 +160,18 @@ def lower_generate(
     from hf_tpu.transformers.buckets import default_ladder
     from hf_tpu.transformers.warmup import warmup
 
+    if experts_implementation:
+        from hf_tpu.kernels import experts_forms
+
+        experts_forms.register_named(experts_implementation)
     extra_args = {"experts_implementation": experts_implementation} if experts_implementation else {}
     if attn_implementation:
         extra_args["attn_implementation"] = attn_implementation
     built, torch_dtype = build_deferred(model, dtype, generation, **extra_args)
+    if experts_implementation:  # asked for: warm-up keeps it (it gives a default grouped_mm the measured choice)
+        from hf_tpu.kernels.experts_forms import KEEP
+
+        built.__dict__[KEEP] = True
     ladder = default_ladder(built.config)
     bucket = ladder.bucket(max_prompt_len, "the prompt")
     info: dict[str, Any] = {
