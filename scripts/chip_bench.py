@@ -1,33 +1,36 @@
 """The chip benchmark: hf_tpu's programs beside a lean JAX step of the same model, the chip's streaming floor and
 JAX's megablox ``gmm``, side by side in one run on a TPU.
 
-On a TPU VM with torch-tpu and jax installed, one command does everything::
+On a TPU VM with torch-tpu and jax installed, one command does everything (lower, run on the local chip, report)::
 
-    python scripts/chip_bench.py all --out bench/          # lower, then run on the local chip, then report
+    python scripts/chip_bench.py all bench/
 
-Where the chip has no torch (this project's chip machine), the two halves run on two machines::
+Where the chip has no torch (this project's chip machine), the halves run on two machines::
 
-    python scripts/chip_bench.py lower bench/              # anywhere with torch-tpu: hf_tpu's programs as StableHLO
-    python scripts/chip_bench.py run bench/ --out $OUT     # on the chip, jax only: every part, records as they come
-    python scripts/chip_bench.py report $OUT/records.jsonl # anywhere: rows for docs/chip_v5e.json and the table
+    python scripts/chip_bench.py lower bench/               # anywhere with torch-tpu: hf_tpu's programs as StableHLO
+    python scripts/chip_bench.py run bench/ --out $OUT      # on the chip, jax only: every part, records as they come
+    python scripts/chip_bench.py report $OUT/records.jsonl --rows docs/chip_v5e.json \
+        --table hf_tpu/kernels/experts_v5e.json             # anywhere: the rows, hf_tpu's choice table, a markdown table
 
 ``run`` starts each part in a process of its own with its own timeout (a hung or failing program costs only its
 part) and appends each measurement to ``records.jsonl`` the moment it is taken. The parts:
 
-- ``floor``: the chip's HBM streaming rate (a bf16 reduction over 2.5 GB); every floor below is bytes over it.
+- ``floor``: the chip's HBM streaming rate (a bf16 reduction and a matrix-vector product over 2.5 GB; the faster
+  counts); every floor is bytes over it.
 - ``experts``: one experts layer of Qwen3-30B-A3B, Mixtral-8x7B and gpt-oss-20b at 1, 8, 64, 512 and 2048 tokens
-  in every form (hf_tpu's kernel: decode and visit forms; ``lax.ragged_dot``; every expert densely; per-slot
-  products; the kernel's megablox form) against megablox ``gmm`` with its best of three tilings, and the
-  routed-experts floor; ``experts_v5e.json`` (hf_tpu's measured choice table) is written from these rows.
-Environment: ``CHIP_BENCH_TOKENS`` (experts part: token counts, default 1 8 64 512 2048), ``CHIP_BENCH_BATCHES`` and
-``CHIP_BENCH_LEAN`` (lean part: batches, default 1 8 64; models, default "llama moe"), ``CHIP_BENCH_TIMEOUTS``
-(``part=seconds ...``) narrow a run.
+  in every form (hf_tpu's kernel in its decode and visit forms and as megablox; ``lax.ragged_dot``, what
+  transformers' grouped_mm lowers to; every expert densely; per-slot products) against megablox ``gmm`` with the
+  better of two tilings, and the routed-experts floor. ``report --table`` writes hf_tpu's choice table from them.
+- ``lean``: a lean JAX decode step (layers unrolled, donated KV cache, greedy) of a Llama-3.2-1B shape and of a
+  Qwen3-30B-A3B shape (8 layers: as many as fit beside a lean copy's temporaries) at batch 1, 8, 64, the MoE in
+  each experts form, each step synced and 30 steps dispatched back to back.
+- ``programs``: each program ``lower`` wrote (prefill at batch 1, decode at 1, 8, 64; the MoE with each experts form
+  torch_tpu lowers), compiled by JAX's TPU client and run on random inputs, synced and back to back.
 
-- ``lean``: a lean JAX decode step (``lax.scan`` over layers, donated cache) of a Llama-3.2-1B shape at batch 1, 8,
-  64 and of a Qwen3-30B-A3B shape (``--moe-layers`` layers) at batch 1, 8, 64 in each experts form, synced each
-  step and dispatched back to back.
-- ``programs``: each program ``lower`` wrote (prefill and decode of the same shapes, the MoE with each experts
-  form hf_tpu lowers), compiled by JAX's TPU client and run on random inputs, synced and back to back.
+Environment (narrowing a run): ``CHIP_BENCH_TOKENS`` (experts part: token counts), ``CHIP_BENCH_BATCHES``,
+``CHIP_BENCH_LEAN`` (lean part: batches; models, "llama moe"), ``CHIP_BENCH_LEAN_FORMS`` (its experts forms),
+``CHIP_BENCH_PROGRAMS`` (programs part: ``tag/program`` names, in this order), ``CHIP_BENCH_TIMEOUTS``
+(``part=seconds ...``).
 
 Figures from a run are in docs/chip_v5e.json and docs/planning.md ("Measured on a chip").
 """
@@ -528,7 +531,8 @@ def part_lean(out: Path, folder: Path, quick: bool) -> None:
     models = os.environ.get("CHIP_BENCH_LEAN", "llama moe").split()
     runs = [("llama-1b", llama, None, b) for b in batches if "llama" in models]
     for b in batches if "moe" in models else []:
-        for form in ["kernel_decode", "dense", "megablox", "ragged_dot", "slots", "kernel"]:
+        lean_forms = os.environ.get("CHIP_BENCH_LEAN_FORMS", "kernel_decode dense megablox ragged_dot slots kernel")
+        for form in lean_forms.split():
             if _form_applies(form, b, moe["top_k"]):
                 runs.append((f"qwen3-moe-{moe['layers']}l", moe, form, b))
     params = {}
@@ -586,55 +590,65 @@ def part_programs(out: Path, folder: Path, quick: bool) -> None:
 
     files = sorted((folder / "programs").glob("*.json"), key=priority)
     steps = 3 if quick else 20
+    wanted = os.environ.get("CHIP_BENCH_PROGRAMS", "").split()  # "tag/program" names; all when unset
+    order = {name: i for i, name in enumerate(wanted)}
+    jobs = []
     for path in files:
         data = json.loads(path.read_text())
         for program in data["programs"]:
-            if program["name"].startswith("prefill") and data["batch"] != 1:
+            name = f"{data['tag']}/{program['name']}"
+            if wanted and name not in order:
+                continue
+            if not wanted and program["name"].startswith("prefill") and data["batch"] != 1:
                 continue  # prefill is timed at batch 1; the larger batches' programs here are their decodes
-            base = {"part": "programs", "tag": data["tag"], "model": data["model"], "batch": data["batch"],
-                    "form": data["form"], "program": program["name"], "facts": data["facts"]}  # fmt: skip
-            try:
-                t0 = time.perf_counter()
-                with jax_mlir.make_ir_context():
-                    module = ir.Module.parse(xla.normalize(program["text"]))
-                    executable = backend.compile_and_load(module, xla_client.DeviceList((device,)),
-                                                          xla_client.CompileOptions())  # fmt: skip
-                compile_s = time.perf_counter() - t0
-                key = jax.random.PRNGKey(0)
-                arrays = []
-                for i, (shape, dtype) in enumerate(program["arguments"]):
-                    dt = jnp.dtype(dtype)
-                    if jnp.issubdtype(dt, jnp.floating):
-                        a = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * 0.02).astype(dt)
-                    elif dt == jnp.bool_:
-                        a = jnp.ones(shape, dt)  # masks: every position valid
-                    else:  # ids and positions: distinct per row (a MoE's rows then route apart), inside every bound
-                        a = jax.random.randint(jax.random.fold_in(key, i), shape, 0, 128).astype(dt)
-                    arrays.append(jax.device_put(a, device))
+            jobs.append((order.get(name, 0), data, program))
+    jobs.sort(key=lambda j: j[0])
+    for _, data, program in jobs:
+        base = {"part": "programs", "tag": data["tag"], "model": data["model"], "batch": data["batch"],
+                "form": data["form"], "program": program["name"], "facts": data["facts"]}  # fmt: skip
+        try:
+            t0 = time.perf_counter()
+            with jax_mlir.make_ir_context():
+                module = ir.Module.parse(xla.normalize(program["text"]))
+                executable = backend.compile_and_load(module, xla_client.DeviceList((device,)),
+                                                      xla_client.CompileOptions())  # fmt: skip
+            compile_s = time.perf_counter() - t0
+            key = jax.random.PRNGKey(0)
+            arrays = []
+            for i, (shape, dtype) in enumerate(program["arguments"]):
+                dt = jnp.dtype(dtype)
+                if jnp.issubdtype(dt, jnp.floating):
+                    a = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * 0.02).astype(dt)
+                elif dt == jnp.bool_:
+                    a = jnp.ones(shape, dt)  # masks: every position valid
+                else:  # ids and positions: distinct per row (a MoE's rows then route apart), inside every bound
+                    a = jax.random.randint(jax.random.fold_in(key, i), shape, 0, 128).astype(dt)
+                arrays.append(jax.device_put(a, device))
 
-                def call(arrays=arrays, executable=executable):
-                    return executable.execute(arrays)
+            def call(arrays=arrays, executable=executable):
+                return executable.execute(arrays)
 
-                outs = call()
-                for o in outs:
-                    o.block_until_ready()
-                synced = []
-                for _ in range(steps):
-                    t1 = time.perf_counter()
-                    for o in call():
-                        o.block_until_ready()
-                    synced.append(time.perf_counter() - t1)
+            outs = call()
+            for o in outs:
+                o.block_until_ready()
+            synced = []
+            for _ in range(steps):
                 t1 = time.perf_counter()
-                for _ in range(steps):
-                    outs = call()
-                for o in outs:
+                for o in call():
                     o.block_until_ready()
-                back_to_back = (time.perf_counter() - t1) / steps
-                _record(out, **base, compile_s=compile_s, synced_s=statistics.median(synced),
-                        back_to_back_s=back_to_back)  # fmt: skip
-                del arrays, outs, executable
-            except Exception as exc:  # noqa: BLE001 - a program that fails on the chip is a record
-                _record(out, **base, error=f"{type(exc).__name__}: {str(exc)[:800]}")
+                synced.append(time.perf_counter() - t1)
+            t1 = time.perf_counter()
+            for _ in range(steps):
+                outs = call()
+            for o in outs:
+                o.block_until_ready()
+            back_to_back = (time.perf_counter() - t1) / steps
+            _record(out, **base, compile_s=compile_s, synced_s=statistics.median(synced),
+                    back_to_back_s=back_to_back)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a program that fails on the chip is a record
+            _record(out, **base, error=f"{type(exc).__name__}: {str(exc)[:800]}")
+        finally:  # this program's weights (up to 11 GB) leave the chip before the next one's arrive
+            arrays = outs = executable = call = None
 
 
 PARTS = {"lean": part_lean, "programs": part_programs}
@@ -656,7 +670,9 @@ def _load(paths: list[str]) -> list[dict]:
     for run, path in enumerate(paths):
         for line in Path(path).read_text().splitlines():
             if line.strip():
-                records.append(dict(json.loads(line), run=run))
+                record = json.loads(line)
+                record.setdefault("run", run)
+                records.append(record)
     return records
 
 
@@ -667,6 +683,10 @@ def _latest(records, part, key):
         if r.get("part") == part and "error" not in r and "status" not in r and key(r) is not None:
             found[key(r)] = r
     return found
+
+
+def _top_k(model: str) -> int:
+    return next(shape[4] for shape in EXPERTS_SHAPES if shape[0] == model)
 
 
 def _met(ratio, limit):
@@ -681,7 +701,20 @@ def report(args: argparse.Namespace) -> int:
     bw = max((r["bytes_per_second"] for r in records if r.get("part") == "floor" and "bytes_per_second" in r),
              default=819e9)  # fmt: skip
     rows, table_rows = [], []
-    experts = _latest(records, "experts", lambda r: (r["model"], r["tokens"], r["form"]) if "form" in r else None)
+    # one run per (model, tokens): the latest that measured every form there (a run cut short leaves a point to an
+    # earlier one), so that a point's forms are timed alike
+    by_run: dict = {}
+    for r in records:
+        if r.get("part") == "experts" and "form" in r and "error" not in r:
+            by_run.setdefault((r["model"], r["tokens"]), {}).setdefault(r["run"], set()).add(r["form"])
+    chosen_run = {}
+    for point, runs in by_run.items():
+        complete = [run for run, forms in runs.items()
+                    if {f for f in FORMS if _form_applies(f, point[1], _top_k(point[0]))} <= forms]  # fmt: skip
+        chosen_run[point] = max(complete or runs)
+    experts = _latest([r for r in records if r.get("part") != "experts" or "form" not in r
+                       or chosen_run.get((r["model"], r["tokens"])) == r["run"]], "experts",
+                      lambda r: (r["model"], r["tokens"], r["form"]) if "form" in r else None)  # fmt: skip
     points = sorted({(m, t) for m, t, _ in experts}, key=lambda p: ([s[0] for s in EXPERTS_SHAPES].index(p[0]), p[1]))
     for model, tokens in points:
         ref = experts.get((model, tokens, "megablox_gmm_reference"))
@@ -760,9 +793,17 @@ def report(args: argparse.Namespace) -> int:
                          "floor_s": floors[floor_key], "floor_kind": floor_key, "target": target,
                          "met": _met(ratio, limit) if limit else None, "ratio_to_floor": ratio,
                          "measured_synced_s": r["synced_s"]})  # fmt: skip
-    result = {"bytes_per_second": bw, "rows": rows}
+    result = {"device": "TPU v5 lite (one chip), jax 0.10.2", "source": "scripts/chip_bench.py report",
+              "records": [str(p) for p in args.records], "bytes_per_second": bw,
+              "timing": "measured_s: back to back (a step's result not waited for before the next is dispatched); "
+                        "*_synced_s: each call waited for. Experts rows with timing 'synced' come from the first run.",
+              "rows": rows}  # fmt: skip
     if args.rows:
-        Path(args.rows).write_text(json.dumps(result, indent=1) + "\n")
+        path = Path(args.rows)
+        if path.exists():  # what an earlier version of this file held stays, under "earlier"
+            old = json.loads(path.read_text())
+            result["earlier"] = old.get("earlier", old) if "rows" in old else old
+        path.write_text(json.dumps(result, indent=1) + "\n")
     if args.table:
         Path(args.table).write_text(json.dumps({"device": "TPU v5e (one chip)", "source": "scripts/chip_bench.py",
                                                 "rows": table_rows}, indent=1) + "\n")  # fmt: skip
@@ -798,6 +839,9 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--out", default=os.environ.get("OUT", "."))
     go.add_argument("--parts", nargs="+", default=["floor", "experts", "lean", "programs"], choices=list(TIMEOUTS))
     go.add_argument("--quick", action="store_true", help="tiny shapes (a check of the script on a CPU)")
+    every = sub.add_parser("all", help="lower, run on this machine's chip and report (needs torch-tpu and jax)")
+    every.add_argument("folder")
+    every.add_argument("--target", default="v5e-1")
     rep = sub.add_parser("report", help="rows, hf_tpu's choice table and a markdown table from records")
     rep.add_argument("records", nargs="+", help="records.jsonl files, later ones replacing earlier measurements")
     rep.add_argument("--rows", help="write the rows here (docs/chip_v5e.json)")
@@ -814,6 +858,14 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "report":
         return report(args)
+    if args.command == "all":
+        folder = Path(args.folder)
+        lower(argparse.Namespace(folder=str(folder), target=args.target, moe_layers=QWEN3_MOE["layers"],
+                                 batches=BATCHES, again=False))  # fmt: skip
+        out = folder / "measured"
+        run(argparse.Namespace(folder=str(folder), out=str(out), parts=list(TIMEOUTS), quick=False))
+        return report(argparse.Namespace(records=[str(out / "records.jsonl")], rows=str(folder / "rows.json"),
+                                         table=str(folder / "experts_table.json")))  # fmt: skip
     if args.command == "part":
         out = Path(args.out)
         {"floor": part_floor, "experts": part_experts}[args.part](out, args.quick) if args.part in ("floor", "experts") \

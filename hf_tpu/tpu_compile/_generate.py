@@ -151,7 +151,8 @@ def lower_generate(
     Returns:
         The plan's facts: ``model_type``, ``parameters``, ``dtype``, ``prompt_bucket``, ``kv_cache_estimate``,
         ``weights_bytes``, and either ``skipped`` (why nothing was lowered) or the graphs' ``labels`` and
-        ``graph_keys``, ``kv_cache_bytes`` and ``warmup_seconds``.
+        ``graph_keys``, ``kv_cache_bytes``, ``warmup_seconds`` and ``experts_implementation`` (what the model's
+        experts ran: a MoE left at transformers' default gets hf_tpu's measured choice in warm-up).
     """
     import torch
 
@@ -212,4 +213,5 @@ def lower_generate(
     sizes = gen.cache_bytes(built)
     info["kv_cache_bytes"] = max(sizes.values()) if sizes else 0
     info["warmup_seconds"] = report.seconds
+    info["experts_implementation"] = getattr(built.config, "_experts_implementation", None)
     return info
