@@ -45,6 +45,24 @@ def _gathered_embedding_bytes(model) -> int:
     return weight.numel() * weight.element_size()
 
 
+def _experts_facts(model) -> dict:
+    """A MoE's routed experts: ``experts_bytes`` (every experts module's stacked (E, ., .) weights), ``num_experts``
+    and ``top_k``; empty for a model without them. A decode step reads only the routed experts' share of those
+    bytes (the plan's floor)."""
+    text = model.config.get_text_config(decoder=True)
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if not isinstance(experts, int) or not isinstance(top_k, int) or experts <= top_k:
+        return {}
+    total = 0
+    for module in model.modules():
+        for name in ("gate_up_proj", "down_proj", "up_proj", "gate_proj"):
+            weight = getattr(module, name, None)
+            if getattr(weight, "ndim", 0) == 3 and weight.shape[0] == experts:
+                total += weight.numel() * weight.element_size()
+    return {"experts_bytes": total, "num_experts": experts, "top_k": top_k} if total else {}
+
+
 def _kv_estimate(config, batch: int, cache_len: int, dtype) -> int:
     """2 x layers x KV heads x head size x cache length x batch x element size: a plain KV cache's bytes, for the
     fit check before anything is lowered (0 where the config does not say it plainly: per-layer sizes, no heads)."""
@@ -191,6 +209,7 @@ def lower_generate(
             info["skipped"] = "the weights and KV cache alone exceed the chip's HBM: nothing was lowered"
             return info
     info["gathered_embedding_bytes"] = _gathered_embedding_bytes(built)
+    info.update(_experts_facts(built))
     enable()
     built = built.to_empty(device="tpu").eval()
     with session.mode, torch.no_grad():
