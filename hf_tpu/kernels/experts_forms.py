@@ -231,6 +231,29 @@ def _layer_shape(module) -> tuple[int, int, int]:
     return down.shape[1], down.shape[2], gate_up.shape[0]  # hidden, intermediate, experts
 
 
+def _choice(hidden: int, intermediate: int, experts: int, top_k: int, tokens: int, forms: tuple[str, ...]) -> str:
+    return choose(hidden, intermediate, experts, top_k, tokens, forms=forms)
+
+
+def _constant_choice(*args) -> str:
+    """:func:`choose` as a constant of the graph being traced: the shapes are static there, and the table is read
+    outside the trace (Dynamo cannot trace reading a file; ``fullgraph=True`` would refuse the graph)."""
+    return (_CONSTANT_CHOICE or _constant_choice_wrapper())(*args)
+
+
+def _constant_choice_wrapper():
+    """Made once, before any trace (by :func:`use_measured_experts`): Dynamo refuses to trace its making."""
+    import torch
+
+    global _CONSTANT_CHOICE
+    if _CONSTANT_CHOICE is None:
+        _CONSTANT_CHOICE = torch.compiler.assume_constant_result(_choice)
+    return _CONSTANT_CHOICE
+
+
+_CONSTANT_CHOICE = None
+
+
 def _measured_forward(forms: tuple[str, ...]):
     def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         """transformers' experts interface: the form :func:`choose` answers for this layer's shape and token count.
@@ -241,7 +264,8 @@ def _measured_forward(forms: tuple[str, ...]):
         if not _fusable(self):
             return _form_forward("grouped_mm")(self, hidden_states, top_k_index, top_k_weights)
         hidden, intermediate, experts = _layer_shape(self)
-        form = choose(hidden, intermediate, experts, top_k_index.shape[-1], hidden_states.shape[0], forms=forms)
+        form = _constant_choice(int(hidden), int(intermediate), int(experts), int(top_k_index.shape[-1]),
+                                int(hidden_states.shape[0]), forms)  # fmt: skip
         return _form_forward(form)(self, hidden_states, top_k_index, top_k_weights)
 
     return experts_forward
@@ -259,6 +283,7 @@ def use_measured_experts(name: str = MEASURED_NAME) -> str:
     ``experts_implementation``."""
     from hf_tpu.kernels.registry import register_experts, registered_experts
 
+    _constant_choice_wrapper()
     ours = registered_experts()
     for key, fn in ((name, measured_experts_forward), (MEASURED_KERNELS_NAME, measured_kernels_experts_forward),
                     ("hf_tpu_dense", dense_experts_forward), ("hf_tpu_slots", slots_experts_forward)):  # fmt: skip

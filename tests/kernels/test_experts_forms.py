@@ -109,3 +109,18 @@ def test_prefer_measured_only_on_torch_tpu_and_not_when_kept(monkeypatch):
     model.__dict__[experts_forms.KEEP] = True
     assert experts_forms.prefer_measured(model) is False
     assert model.config._experts_implementation == "grouped_mm"
+
+
+def test_measured_choice_compiles_into_one_graph():
+    """The choice is a constant of the traced graph (shapes are static there): ``torch.compile(fullgraph=True)``
+    takes the model whole, as hf_tpu compiles its buckets, and computes what eager computes."""
+    from hf_tpu.testing import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    name = experts_forms.use_measured_experts()
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", vocab_size=128), experts_implementation=name)
+    model.eval()
+    ids = torch.randint(0, 128, (2, 1))
+    compiled = torch.compile(lambda x: model(x).logits, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), model(ids).logits)
