@@ -14,7 +14,7 @@ where it gives one): the compiler's counts with default options, not torch_tpu's
 step's: the bytes the step must read from HBM (its floor: the weights, for a MoE only the share of the experts a
 batch of random tokens routes to, and the KV cache) at the streaming rate a chip reaches (:data:`STREAMING`, measured
 on a v5e), or its FLOPs over the peak, whichever is longer. Checked on a TPU v5e (docs/planning.md, "Measured on a
-chip"): XLA's bytes accessed projected a Llama-3.2-1B-shaped decode at 3x its measured time (the count includes
+chip"): XLA's bytes accessed projected a Llama-3.2-1B-shaped decode at 2.5x its measured time (the count includes
 on-chip copies); the floor at the measured rate came within 10% of it, and within 20% of a Qwen3-30B-A3B-shaped MoE
 decode's (batch 1). At batch 8 and 64 hf_tpu's decode programs ran 1.7x to 8x that projection (their attention; see
 there): the projection is what the step costs at the chip's streaming rate, not what those programs reach yet.
