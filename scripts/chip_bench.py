@@ -10,7 +10,7 @@ Where the chip has no torch (this project's chip machine), the halves run on two
     python scripts/chip_bench.py lower bench/               # anywhere with torch-tpu: hf_tpu's programs as StableHLO
     python scripts/chip_bench.py run bench/ --out $OUT      # on the chip, jax only: every part, records as they come
     python scripts/chip_bench.py report $OUT/records.jsonl --rows docs/chip_v5e.json \
-        --table hf_tpu/kernels/experts_v5e.json             # anywhere: the rows, hf_tpu's choice table, a markdown table
+        --table hf_tpu/kernels/experts_v5e.json             # anywhere: rows, hf_tpu's choice table, a table
 
 ``run`` starts each part in a process of its own with its own timeout (a hung or failing program costs only its
 part) and appends each measurement to ``records.jsonl`` the moment it is taken. The parts:
@@ -38,6 +38,7 @@ Figures from a run are in docs/chip_v5e.json and docs/planning.md ("Measured on 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -95,7 +96,8 @@ def write_configs(folder: Path, moe_layers: int) -> dict[str, Path]:
         max_position_embeddings=8192, rope_theta=500000.0,
     )  # fmt: skip
     qwen = Qwen3MoeConfig(
-        vocab_size=QWEN3_MOE["vocab"], hidden_size=QWEN3_MOE["hidden"], moe_intermediate_size=QWEN3_MOE["intermediate"],
+        vocab_size=QWEN3_MOE["vocab"], hidden_size=QWEN3_MOE["hidden"],
+        moe_intermediate_size=QWEN3_MOE["intermediate"],
         intermediate_size=6144, num_hidden_layers=moe_layers, num_attention_heads=QWEN3_MOE["heads"],
         num_key_value_heads=QWEN3_MOE["kv_heads"], head_dim=QWEN3_MOE["head_dim"], num_experts=QWEN3_MOE["experts"],
         num_experts_per_tok=QWEN3_MOE["top_k"], decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
@@ -159,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
         cmd = [sys.executable, __file__, "part", part, args.folder, "--out", str(out)]
         if args.quick:
             cmd.append("--quick")
-        limits = dict(TIMEOUTS, **{k: int(v) for k, v in (kv.split("=") for kv in
-                                                          os.environ.get("CHIP_BENCH_TIMEOUTS", "").split())})  # fmt: skip
+        asked = (kv.split("=") for kv in os.environ.get("CHIP_BENCH_TIMEOUTS", "").split())
+        limits = dict(TIMEOUTS, **{k: int(v) for k, v in asked})
         try:
             proc = subprocess.run(cmd, env=env, timeout=limits[part] * (3 if args.quick else 1))
             status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
@@ -250,8 +252,6 @@ def _slots_experts(hidden, index, weights, gate_up, down):
 
 def experts_layer(k, form: str):
     """``fn(hidden, index, weights, gate_up, down)`` of one experts form (transformers' (E, 2I, H) layout)."""
-    import functools
-
     import jax
 
     if form == "slots":
@@ -263,13 +263,11 @@ def experts_layer(k, form: str):
 
 def _gmm_layer(tiling):
     """The experts layer with megablox ``gmm`` for both grouped matmuls at one tiling (the reference)."""
-    import functools
-
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-    @functools.partial(jax.jit, static_argnames=())
+    @jax.jit
     def layer(hidden, index, weights, gate_up, down):
         tokens, top_k = index.shape
         ids = index.reshape(-1)
@@ -355,7 +353,7 @@ def part_experts(out: Path, quick: bool) -> None:
                 if interpret and form in ("kernel_decode", "kernel", "megablox"):
                     impl = {"kernel_decode": "pallas_decode_interpret", "kernel": "pallas_interpret",
                             "megablox": "megablox_interpret"}[form]  # fmt: skip
-                    fn = lambda *a, impl=impl: k.moe_experts(*a, rhs_transposed=True, implementation=impl)  # noqa: E731
+                    fn = functools.partial(k.moe_experts, rhs_transposed=True, implementation=impl)
                 try:
                     t = _timed(lambda fn=fn: fn(*args), 10)
                     got = np.asarray(fn(*args), np.float32)
@@ -546,7 +544,7 @@ def part_lean(out: Path, folder: Path, quick: bool) -> None:
             if not on_tpu and form in ("kernel_decode", "kernel", "megablox"):
                 impl = {"kernel_decode": "pallas_decode_interpret", "kernel": "pallas_interpret",
                         "megablox": "megablox_interpret"}[form]  # fmt: skip
-                fn = lambda *a, impl=impl: k.moe_experts(*a, rhs_transposed=True, implementation=impl)  # noqa: E731
+                fn = functools.partial(k.moe_experts, rhs_transposed=True, implementation=impl)
         caches = [(jnp.zeros((batch, cfg["kv_heads"], cache_len, cfg["head_dim"]), jnp.bfloat16),) * 2
                   for _ in range(cfg["layers"])]  # fmt: skip
         caches = [(a, jnp.zeros_like(a)) for a, _ in caches]
@@ -757,10 +755,12 @@ def report(args: argparse.Namespace) -> int:
             ref_s = ref["back_to_back_s"] if ref else None
             ratio = measured / ref_s if measured and ref_s else None
             rows.append({"name": "llama-3.2-1b-shape decode (hf_tpu program)", "batch": batch, "measured_s": measured,
-                         "reference_s": ref_s, "floor_s": floor, "target": "within 1.1x of the lean JAX step (both back to back)",
+                         "reference_s": ref_s, "floor_s": floor,
+                         "target": "within 1.1x of the lean JAX step (both back to back)",
                          "met": _met(ratio, 1.1), "ratio_to_reference": ratio,
                          "ratio_to_floor": measured / floor if measured else None,
-                         "measured_synced_s": prog and prog["synced_s"], "reference_synced_s": ref and ref["synced_s"]})  # fmt: skip
+                         "measured_synced_s": prog and prog["synced_s"],
+                         "reference_synced_s": ref and ref["synced_s"]})  # fmt: skip
         pre = programs.get((f"llama-1b-b{batch}", f"prefill-{PROMPT}"))
         if pre:
             rows.append({"name": f"llama-3.2-1b-shape prefill-{PROMPT} (hf_tpu program)", "batch": batch,
@@ -868,8 +868,10 @@ def main(argv: list[str] | None = None) -> int:
                                          table=str(folder / "experts_table.json")))  # fmt: skip
     if args.command == "part":
         out = Path(args.out)
-        {"floor": part_floor, "experts": part_experts}[args.part](out, args.quick) if args.part in ("floor", "experts") \
-            else PARTS[args.part](out, Path(args.folder), args.quick)
+        if args.part in ("floor", "experts"):
+            {"floor": part_floor, "experts": part_experts}[args.part](out, args.quick)
+        else:
+            PARTS[args.part](out, Path(args.folder), args.quick)
         return 0
     return 2
 

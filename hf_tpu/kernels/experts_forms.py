@@ -181,11 +181,13 @@ def choose(
     """
     rows = (table or measured_table())["rows"]
 
+    own_bytes = _bytes_per_expert(hidden, intermediate)
+
     def shape_distance(r):
         return (
             abs(math.log(r["experts"] / experts))
             + abs(math.log(r["top_k"] / top_k))
-            + abs(math.log(_bytes_per_expert(r["hidden"], r["intermediate"]) / _bytes_per_expert(hidden, intermediate)))
+            + abs(math.log(_bytes_per_expert(r["hidden"], r["intermediate"]) / own_bytes))
         )
 
     def usable(r):
@@ -196,7 +198,8 @@ def choose(
 
     candidates = [r for r in rows if usable(r)]
     if not candidates:
-        raise ValueError(f"no measured experts form among {forms}; the table has {sorted({f for r in rows for f in r['seconds']})}")
+        measured = sorted({f for r in rows for f in r["seconds"]})
+        raise ValueError(f"no measured experts form among {forms}; the table has {measured}")
     nearest_shape = min(shape_distance(r) for r in candidates)
     same_shape = [r for r in candidates if shape_distance(r) == nearest_shape]
     row = min(same_shape, key=lambda r: abs(math.log(r["tokens"] / max(tokens, 1))))
@@ -306,8 +309,9 @@ def register_named(name: str) -> None:
 def prefer_measured(model) -> bool:
     """Give a TPU-placed MoE model hf_tpu's measured experts choice: a model whose experts run transformers' default
     (``grouped_mm``) switches to ``"hf_tpu_measured"``, so that each bucket's graph runs the form measured fastest
-    for its token count. Returns whether it switched. ``HF_TPU_MEASURED_EXPERTS=0``, or ``model._hf_tpu_keep_experts = True``,
-    keeps what the model has (transformers cannot tell a default ``grouped_mm`` from one asked for)."""
+    for its token count. Returns whether it switched. ``HF_TPU_MEASURED_EXPERTS=0``, or
+    ``model._hf_tpu_keep_experts = True``, keeps what the model has (transformers cannot tell a default
+    ``grouped_mm`` from one asked for)."""
     import os
 
     config = getattr(model, "config", None)

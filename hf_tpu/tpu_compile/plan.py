@@ -16,8 +16,9 @@ batch of random tokens routes to, and the KV cache) at the streaming rate a chip
 on a v5e), or its FLOPs over the peak, whichever is longer. Checked on a TPU v5e (docs/planning.md, "Measured on a
 chip"): XLA's bytes accessed projected a Llama-3.2-1B-shaped decode at 2.5x its measured time (the count includes
 on-chip copies); the floor at the measured rate came within 10% of it, and within 20% of a Qwen3-30B-A3B-shaped MoE
-decode's (batch 1). At batch 8 and 64 hf_tpu's decode programs ran 1.7x to 8x that projection (their attention; see
-there): the projection is what the step costs at the chip's streaming rate, not what those programs reach yet.
+decode's (batch 1). At batch 8 and 64 hf_tpu's decode programs ran 1.7x to 8x that projection (not for their
+experts; see there): the projection is what the step costs at the chip's streaming rate, not what those programs
+reach yet.
 
 Example:
     >>> from hf_tpu.tpu_compile.plan import plan_generate                             # doctest: +SKIP
@@ -249,7 +250,8 @@ class Plan:
                 f"{summary['projected_ms']:.3f} ms, {summary['projected_tokens_per_second']:.0f} tokens/s at batch "
                 f"{info.get('batch')}",
                 f"  its floor (the weights but the input embeddings, a MoE's routed experts only, and the KV cache, "
-                f"read once) is {human(summary['floor_bytes'])}; XLA's bytes accessed {human(summary['bytes_accessed'])}"
+                f"read once) is {human(summary['floor_bytes'])}; XLA's bytes accessed "
+                f"{human(summary['bytes_accessed'])}"
                 f" ({summary['bytes_over_floor']:.2f}x the floor, on-chip copies counted too: "
                 f"{summary['projected_ms_from_bytes_accessed']:.3f} ms at the HBM bandwidth)",
             ]

@@ -76,7 +76,8 @@ def test_shipped_table_answers_a_form_for_every_bucket():
     assert {r["model"] for r in table["rows"]} >= {"Qwen3-30B-A3B", "Mixtral-8x7B", "gpt-oss-20b"}
     for tokens in (1, 8, 64, 512, 2048):
         for shape in ((2048, 768, 128, 8), (4096, 14336, 8, 2), (2880, 2880, 32, 4)):
-            assert experts_forms.choose(*shape, tokens, forms=experts_forms.DEFAULT_FORMS) in experts_forms.DEFAULT_FORMS
+            form = experts_forms.choose(*shape, tokens, forms=experts_forms.DEFAULT_FORMS)
+            assert form in experts_forms.DEFAULT_FORMS
     assert experts_forms.choose(2048, 768, 128, 8, 1, forms=experts_forms.DEFAULT_FORMS) == "slots"
 
 

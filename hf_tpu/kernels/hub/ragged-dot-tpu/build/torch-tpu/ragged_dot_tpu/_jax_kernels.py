@@ -345,7 +345,8 @@ def decode_tile_sizes(m: int, n: int, k: int, dtype, num_groups: int) -> tuple[i
     itemsize = jnp.dtype(dtype).itemsize
     mp = _round_up(max(m, 1), 16 if itemsize < 4 else 8)
     slots = max(1, min(num_groups, m))
-    tn_options = [n] if n <= _LANE else sorted({c for c in range(_LANE, min(n, 4096) + 1, _LANE)} | ({n} if n <= 4096 else set()))
+    whole = {n} if n <= 4096 else set()
+    tn_options = [n] if n <= _LANE else sorted(set(range(_LANE, min(n, 4096) + 1, _LANE)) | whole)
     splits = [c for c in (4096, 2048, 1024, 512, 256, 128) if c < k]
     tk_options = [k] + ([c for c in splits if k % c == 0] or splits)
     fitting = [

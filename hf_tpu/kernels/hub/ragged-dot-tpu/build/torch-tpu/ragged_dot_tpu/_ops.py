@@ -92,8 +92,9 @@ def _resolve(impl: str, placement: str) -> str:
         return "pallas" if impl == "auto" else impl
     if impl in TPU_ONLY:
         raise ValueError(
-            f"ragged_dot: implementation={impl!r} compiles a TPU (Mosaic) kernel, but these tensors live in host memory "
-            f"(CPU or the simulated device); use '{impl}_interpret' to run the same kernel body there, or 'auto'."
+            f"ragged_dot: implementation={impl!r} compiles a TPU (Mosaic) kernel, but these tensors live in host "
+            f"memory (CPU or the simulated device); use '{impl}_interpret' to run the same kernel body there, or "
+            "'auto'."
         )
     return "xla_tiled" if impl == "auto" else impl
 
