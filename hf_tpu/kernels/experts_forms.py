@@ -18,9 +18,12 @@ weights once. The forms:
 :func:`choose` picks, for one layer shape and token count, the form with the least time in the table of chip
 measurements shipped with hf_tpu (``experts_v5e.json``, written by ``scripts/chip_bench.py``): the measured shape
 nearest to the layer's (experts, top-k, bytes per expert) and the measured token count nearest to T, the form
-fastest there. The experts implementation ``"hf_tpu_measured"`` (:func:`measured_experts_forward`, registered by
-:func:`use_measured_experts`) asks :func:`choose` in each compiled graph: T is static in a bucket's graph, so each
-bucket (prefill, decode at each batch) runs its own measured-fastest form.
+fastest there. The experts implementation ``"hf_tpu_measured"`` (:data:`measured_experts_forward`, registered by
+:func:`use_measured_experts`) asks :func:`choose` in each compiled graph, as a constant of the trace: T is static in
+a bucket's graph, so each bucket (prefill, decode at each batch) runs its own measured-fastest form. It chooses
+among :data:`DEFAULT_FORMS` (what torch_tpu lowers with the graph, so ``hf-tpu plan`` compiles exactly that);
+``"hf_tpu_measured_kernels"`` among every form. :func:`prefer_measured` (called by warm-up and ``generate``) gives a
+MoE on torch_tpu left at transformers' default the former.
 """
 
 from __future__ import annotations
