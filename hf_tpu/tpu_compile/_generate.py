@@ -45,6 +45,24 @@ def _gathered_embedding_bytes(model) -> int:
     return weight.numel() * weight.element_size()
 
 
+def _experts_facts(model) -> dict:
+    """A MoE's routed experts: ``experts_bytes`` (every experts module's stacked (E, ., .) weights), ``num_experts``
+    and ``top_k``; empty for a model without them. A decode step reads only the routed experts' share of those
+    bytes (the plan's floor)."""
+    text = model.config.get_text_config(decoder=True)
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if not isinstance(experts, int) or not isinstance(top_k, int) or experts <= top_k:
+        return {}
+    total = 0
+    for module in model.modules():
+        for name in ("gate_up_proj", "down_proj", "up_proj", "gate_proj"):
+            weight = getattr(module, name, None)
+            if getattr(weight, "ndim", 0) == 3 and weight.shape[0] == experts:
+                total += weight.numel() * weight.element_size()
+    return {"experts_bytes": total, "num_experts": experts, "top_k": top_k} if total else {}
+
+
 def _kv_estimate(config, batch: int, cache_len: int, dtype) -> int:
     """2 x layers x KV heads x head size x cache length x batch x element size: a plain KV cache's bytes, for the
     fit check before anything is lowered (0 where the config does not say it plainly: per-layer sizes, no heads)."""
@@ -143,14 +161,16 @@ def lower_generate(
         quantization: ``"int8"``, ``"int4"`` (weight-only, torchao) or ``"fp8"`` (fine-grained layout); None: none.
         capacity: the device's HBM in bytes; weights and KV cache above it skip the lowering. None: no check.
         generation: generation_config fields to set first; None: none.
-        experts_implementation: passed to the model's config (``"ragged_dot_tpu"``, ...); None: the default.
+        experts_implementation: passed to the model's config (``"ragged_dot_tpu"``, hf_tpu's ``"hf_tpu_measured"``,
+            ``"hf_tpu_dense"``, ``"hf_tpu_slots"``, or transformers' own); None: the default.
         attn_implementation: passed to the model's config; None: the default.
         num_beams: also lower the beam-search graphs for this many beams; None: greedy/sampling only.
 
     Returns:
         The plan's facts: ``model_type``, ``parameters``, ``dtype``, ``prompt_bucket``, ``kv_cache_estimate``,
         ``weights_bytes``, and either ``skipped`` (why nothing was lowered) or the graphs' ``labels`` and
-        ``graph_keys``, ``kv_cache_bytes`` and ``warmup_seconds``.
+        ``graph_keys``, ``kv_cache_bytes``, ``warmup_seconds`` and ``experts_implementation`` (what the model's
+        experts ran: a MoE left at transformers' default gets hf_tpu's measured choice in warm-up).
     """
     import torch
 
@@ -159,10 +179,18 @@ def lower_generate(
     from hf_tpu.transformers.buckets import default_ladder
     from hf_tpu.transformers.warmup import warmup
 
+    if experts_implementation:
+        from hf_tpu.kernels import experts_forms
+
+        experts_forms.register_named(experts_implementation)
     extra_args = {"experts_implementation": experts_implementation} if experts_implementation else {}
     if attn_implementation:
         extra_args["attn_implementation"] = attn_implementation
     built, torch_dtype = build_deferred(model, dtype, generation, **extra_args)
+    if experts_implementation:  # asked for: warm-up keeps it (it gives a default grouped_mm the measured choice)
+        from hf_tpu.kernels.experts_forms import KEEP
+
+        built.__dict__[KEEP] = True
     ladder = default_ladder(built.config)
     bucket = ladder.bucket(max_prompt_len, "the prompt")
     info: dict[str, Any] = {
@@ -184,6 +212,7 @@ def lower_generate(
     info["gathered_embedding_bytes"] = _gathered_embedding_bytes(built)
     embed = getattr(built.get_input_embeddings(), "weight", None)
     info["gathered_embedding_parameters"] = embed.numel() if info["gathered_embedding_bytes"] and embed is not None else 0
+    info.update(_experts_facts(built))
     enable()
     built = built.to_empty(device="tpu").eval()
     with session.mode, torch.no_grad():
@@ -206,4 +235,5 @@ def lower_generate(
     sizes = gen.cache_bytes(built)
     info["kv_cache_bytes"] = max(sizes.values()) if sizes else 0
     info["warmup_seconds"] = report.seconds
+    info["experts_implementation"] = getattr(built.config, "_experts_implementation", None)
     return info

@@ -161,6 +161,9 @@ def generate(self, *args, **kwargs):
     route = call_route(self, *asked)
     if route.loop == UPSTREAM:
         return _run_upstream(self, route, upstream, args, kwargs)
+    from hf_tpu.kernels.experts_forms import prefer_measured
+
+    prefer_measured(self)  # a MoE on torch_tpu: each bucket's measured-fastest experts form
 
     inputs = arguments.pop("inputs", None)
     features = encoder_input_name(self)  # an encoder taking features (Whisper's input_features), not ids

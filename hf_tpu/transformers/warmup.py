@@ -161,6 +161,9 @@ def warmup(
     if own:
         raise generation.NotCompilableError(f"{own}; warm-up has no graph its generate would use")
     state = generation.model_state(model)
+    from hf_tpu.kernels.experts_forms import prefer_measured
+
+    prefer_measured(model)  # a MoE on torch_tpu: each bucket's measured-fastest experts form
     found = route.explain(model)  # the route of a call with the model's own generation_config
     if found.loop == UPSTREAM:  # no graph of it to compile: said once, as generate says it
         return WarmupReport(batch_sizes=tuple(batch_sizes), not_warmed=[_upstream_note(found.reason)])

@@ -203,6 +203,28 @@ def test_moe_ragged_dot_kernel_needs_a_chip_to_lower(tmp_path):
     assert not any(p.compiled for p in result.programs)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["v5e-1", "v6e-1"])
+def test_moe_decode_with_the_measured_experts_choice_compiles(tmp_path, target):
+    """The MoE decode program hf_tpu runs on a TPU by default: a Qwen3-30B-A3B-shaped model (one layer of its 128
+    experts, top-8, hidden 2048, expert width 768; a small vocabulary) with no experts implementation asked for.
+    Warm-up gives it hf_tpu's measured choice (``hf_tpu_measured``), whose one-token form for this shape is the slots
+    form (hf_tpu/kernels/experts_v5e.json, measured on a v5e); that decode program lowers through torch_tpu and
+    compiles for the target, with no ``ragged_dot`` left in it (transformers' default lowers to one)."""
+    from hf_tpu.kernels import experts_forms
+
+    assert experts_forms.choose(2048, 768, 128, 8, 1, forms=experts_forms.DEFAULT_FORMS) == "slots"
+    path = _saved(tmp_path, "qwen3_moe", hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                  num_experts_per_tok=8, num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=4,
+                  head_dim=128, vocab_size=1024)  # fmt: skip
+    result = lower_and_compile(GENERATE, {"model": path, "max_prompt_len": 16, "max_new_tokens": 8,
+                                          "dtype": "bfloat16"}, target)  # fmt: skip
+    _all_compiled(result, ["prefill-16", "decode"])
+    assert result.info["experts_implementation"] == experts_forms.MEASURED_NAME
+    decode = result.programs[-1]
+    assert "ragged_dot" not in decode.text
+
+
 @pytest.fixture(scope="module")
 def quantized_plans(tmp_path_factory):
     """``plan_generate`` of one bfloat16 Llama (256 wide) for v6e-1 with each weight quantization (None: plain

@@ -343,3 +343,60 @@ def test_float32_operands_are_multiplied_at_float32_precision(kernel):
 
     assert "precision=(Precision.HIGHEST, Precision.HIGHEST)" in body("float32")
     assert "precision" not in body("bfloat16")
+
+
+_SLOW = pytest.mark.slow  # interpret mode: ~10 s a case
+DECODE_CASES = [  # (M, K, N, group sizes, rhs_transposed): one token, a few tokens over many groups, rows past the
+    # groups, no rows; the first case runs in the core tier
+    (1, 32, 64, [0, 1, 0, 0], True),
+    pytest.param(1, 32, 64, [0, 1, 0, 0], False, marks=_SLOW),
+    pytest.param(8, 200, 130, [2, 0, 3, 0, 1], True, marks=_SLOW),
+    pytest.param(8, 200, 130, [2, 0, 3, 0, 1], False, marks=_SLOW),
+    pytest.param(16, 64, 256, [4, 4, 4, 4], True, marks=_SLOW),
+    pytest.param(3, 64, 128, [0, 0, 0, 0], False, marks=_SLOW),
+]
+
+
+@pytest.mark.parametrize(("m", "k", "n", "sizes", "rhs_transposed"), DECODE_CASES)
+def test_decode_form_megablox_and_dense_match_float64(kernel, m, k, n, sizes, rhs_transposed):
+    """The decode form (grid over the routed groups only, all rows in one block), the megablox form and the dense
+    form against the float64 definition, in interpret mode; K=200 also takes a split contraction (tk=128, the last
+    block masked past K)."""
+    rng = np.random.default_rng(m * 1000 + k)
+    g = len(sizes)
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    rhs = rng.standard_normal((g, n, k) if rhs_transposed else (g, k, n)).astype(np.float32)
+    jk = jax_kernels(kernel)
+    ref = ragged_dot_reference(lhs, rhs, sizes, rhs_transposed)
+    group_sizes = np.asarray(sizes, np.int32)
+    outs = {
+        "decode": jk.ragged_dot_pallas_decode(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed, interpret=True),
+        "megablox": jk.ragged_dot_megablox(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed, interpret=True),
+        "dense": jk.ragged_dot_dense(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed),
+    }
+    if k == 200:
+        outs["decode split K"] = jk.ragged_dot_pallas_decode(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed,
+                                                             interpret=True, tk=128)  # fmt: skip
+    for name, out in outs.items():
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4, err_msg=name)
+
+
+def test_expert_plan_visits_each_routed_group_once(kernel):
+    jk = jax_kernels(kernel)
+    ids, valid, starts, ends = (np.asarray(a) for a in jk.expert_plan(np.asarray([0, 3, 0, 2, 1], np.int32), 4))
+    assert ids.tolist() == [1, 3, 4, 4] and valid.tolist() == [1, 1, 1, 0]  # the spare slot repeats the last group
+    assert starts.tolist() == [0, 0, 3, 3, 5] and ends.tolist() == [0, 3, 3, 5, 6]
+
+
+def test_decode_tiles_hold_every_row_in_one_block(kernel):
+    """Tiles per token count: the rows rounded up to the sublane only (no padding to 128), the weight blocks within
+    the VMEM budget; too many rows for one block is a ValueError naming the visit form."""
+    import jax.numpy as jnp
+
+    jk = jax_kernels(kernel)
+    for m, n, k, g in ((8, 1536, 2048, 128), (16, 28672, 4096, 8), (32, 5760, 2880, 32), (512, 1536, 2048, 128)):
+        mp, tn, tk = jk.decode_tile_sizes(m, n, k, jnp.bfloat16, g)
+        assert mp == -(-m // 16) * 16
+        assert jk.vmem_bytes(mp, tn, tk, jnp.bfloat16, ragged_k=k % tk != 0) <= jk.VMEM_BUDGET
+    with pytest.raises(ValueError, match="visit form"):
+        jk.decode_tile_sizes(60000, 4096, 4096, jnp.bfloat16, 8)

@@ -10,7 +10,7 @@ import pytest
 from hf_tpu.cli.main import main
 from hf_tpu.errors import UserError
 from hf_tpu.tpu_compile import TARGETS, UnknownTargetError, target
-from hf_tpu.tpu_compile.plan import EXIT_COULD_NOT_PLAN, EXIT_DOES_NOT_FIT, _plan_from, human, plan_generate
+from hf_tpu.tpu_compile.plan import EXIT_COULD_NOT_PLAN, EXIT_DOES_NOT_FIT, STREAMING, _plan_from, human, plan_generate
 from hf_tpu.tpu_compile.programs import LoweringResult, ProgramRecord
 
 GB = 10**9
@@ -36,9 +36,11 @@ def test_fit_counts_weights_cache_and_the_largest_programs_extra():
     assert plan.hbm["total"] == 16 * GB + GB // 2 + GB + GB // 2
     assert plan.fits and plan.error is None
     summary = plan.decode_summary()
-    # bytes over the HBM bandwidth (XLA gave no optimal_seconds); the floor leaves out the gathered embeddings
-    assert summary["projected_ms"] == pytest.approx(2e10 / target("v6e-1").hbm_bandwidth * 1e3)
+    # the floor (which leaves out the gathered embeddings) at the streaming rate a chip reaches; XLA's bytes
+    # accessed over the HBM bandwidth beside it (XLA gave no optimal_seconds)
     assert summary["floor_bytes"] == 15 * GB + GB // 2
+    assert summary["projected_ms"] == pytest.approx(15.5 * GB / (target("v6e-1").hbm_bandwidth * STREAMING) * 1e3)
+    assert summary["projected_ms_from_bytes_accessed"] == pytest.approx(2e10 / target("v6e-1").hbm_bandwidth * 1e3)
     assert summary["bytes_over_floor"] == pytest.approx(2e10 / (15.5 * GB))
     text = plan.table()
     assert "FITS" in text and "estimate" in text and "decode" in text
@@ -54,10 +56,22 @@ def test_with_the_dumped_hlo_the_step_also_says_its_hbm_traffic():
     decode.hbm_bytes = 1.6e10  # what hf_tpu.tpu_compile.hlo_bytes found in libtpu's placement
     plan = _plan_from(_result([decode]), "m", 1, 2048, 256, None)
     summary = plan.decode_summary()
-    assert summary["projected_ms"] == plain["projected_ms"]  # the headline stays XLA's bytes accessed
+    assert summary["projected_ms"] == plain["projected_ms"]  # the headline stays the floor's
     assert summary["hbm_over_floor"] == pytest.approx(1.6e10 / (15.5 * GB))
     assert summary["projected_ms_from_hbm"] == pytest.approx(1.6e10 / target("v6e-1").hbm_bandwidth * 1e3)
     assert "of which HBM traffic" in plan.table()
+
+
+def test_a_moe_decode_floor_reads_the_routed_experts_only():
+    """A MoE's decode reads the experts its batch routes to: E x (1 - (1 - k/E)^batch) of each layer's E."""
+    decode = _program("decode", args=int(11 * GB), out=0, temp=0, flops=1e9, moved=3e10)
+    moe = {"weights_bytes": 11 * GB, "kv_cache_bytes": 0, "gathered_embedding_bytes": GB, "experts_bytes": 9 * GB,
+           "num_experts": 128, "top_k": 8}  # fmt: skip
+    one = _plan_from(_result([decode], **moe), "m", 1, 512, 128, None)
+    assert one.decode_floor_bytes() == pytest.approx(10 * GB - 9 * GB * (1 - 8 / 128), rel=1e-9)
+    every = _plan_from(_result([decode], **moe), "m", 64, 512, 128, None)
+    assert one.decode_floor_bytes() < every.decode_floor_bytes() < 10 * GB
+    assert every.decode_floor_bytes() == pytest.approx(10 * GB - 9 * GB * (1 - 8 / 128) ** 64, rel=1e-9)
 
 
 def test_compute_bound_step_and_a_compiler_estimate_win():

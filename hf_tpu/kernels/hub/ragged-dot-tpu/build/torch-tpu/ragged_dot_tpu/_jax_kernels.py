@@ -25,10 +25,14 @@ __all__ = [
     "moe_experts",
     "moe_experts_device",
     "ragged_dot_device",
+    "ragged_dot_dense",
+    "ragged_dot_megablox",
     "ragged_dot_pallas",
+    "ragged_dot_pallas_decode",
     "ragged_dot_xla",
     "ragged_dot_xla_tiled",
     "visit_plan",
+    "expert_plan",
 ]
 
 
@@ -275,6 +279,176 @@ def ragged_dot_pallas(
     return out[:m].astype(lhs.dtype)
 
 
+def expert_plan(group_sizes: jax.Array, slots: int) -> tuple[jax.Array, ...]:
+    """Static-shape list of the routed groups for the decode form: ``slots`` entries.
+
+    Returns ``(ids, valid, starts, ends)``: per slot the group it visits (the non-empty groups in order; the slots
+    past them repeat the last one, so that Pallas fetches no new weight block for them) and whether it computes;
+    per group its first and one-past-last row. ``slots`` is ``min(G, M)``: M rows fall in at most M groups.
+    """
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    nonempty = sizes > 0
+    order = jnp.argsort(~nonempty, stable=True).astype(jnp.int32)[:slots]
+    count = jnp.sum(nonempty.astype(jnp.int32))
+    s = jnp.arange(slots, dtype=jnp.int32)
+    valid = s < count
+    last = order[jnp.clip(count - 1, 0, slots - 1)]
+    return jnp.where(valid, order, last), valid.astype(jnp.int32), starts, ends
+
+
+def _decode_kernel(ids_ref, valid_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, *, tk, k, rhs_transposed):
+    from jax.experimental import pallas as pl
+
+    s = pl.program_id(1)
+    kk = pl.program_id(2)
+
+    @pl.when((s == 0) & (kk == 0))
+    def _init():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+    @pl.when(valid_ref[s] == 1)
+    def _accumulate():
+        g = ids_ref[s]
+        rows = lax.broadcasted_iota(jnp.int32, (lhs_ref.shape[0], 1), 0)
+        keep = (rows >= starts_ref[g]) & (rows < ends_ref[g])
+        w = rhs_ref[0]
+        if k % tk:  # the last contraction block reaches past K: zero what lies there (see _gmm_kernel)
+            cols = kk * tk + lax.broadcasted_iota(jnp.int32, (1, tk), 1)
+            keep = keep & (cols < k)
+            k_axis = 1 if rhs_transposed else 0
+            w_k = kk * tk + lax.broadcasted_iota(jnp.int32, (1, tk) if rhs_transposed else (tk, 1), k_axis)
+            w = jnp.where(w_k < k, w, jnp.zeros((), w.dtype))
+        x = jnp.where(keep, lhs_ref[...], jnp.zeros((), lhs_ref.dtype))
+        contract = ((1,), (1,)) if rhs_transposed else ((1,), (0,))
+        precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+        out_ref[...] += lax.dot_general(
+            x, w, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
+
+
+def decode_tile_seconds(m: int, n: int, k: int, slots: int, tn: int, tk: int, itemsize: int) -> float:
+    """Estimated time of the decode form with (tn, tk) tiles: every routed group's weight read once (padded to
+    whole blocks), the rows once per contraction block and output column block, plus the grid steps."""
+    n_tiles, k_tiles = -(-n // tn), -(-k // tk)
+    weights = slots * n_tiles * tn * k_tiles * tk * itemsize
+    rows = n_tiles * k_tiles * m * tk * itemsize
+    return (weights + rows + m * n * 4) / _HBM_BYTES_PER_SECOND + n_tiles * slots * k_tiles * _SECONDS_PER_STEP
+
+
+def decode_tile_sizes(m: int, n: int, k: int, dtype, num_groups: int) -> tuple[int, int, int]:
+    """``(rows, tn, tk)`` of the decode form for ``m`` rows (chosen per token count): all the rows in one block
+    (``m`` rounded up to the sublane, no padding to 128), and of the (tn, tk) tiles whose blocks fit
+    :data:`VMEM_BUDGET` the one :func:`decode_tile_seconds` estimates fastest (fewest grid steps for the same
+    weight bytes). Raises ValueError where nothing fits (rows too many for one block: use the visit form)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    mp = _round_up(max(m, 1), 16 if itemsize < 4 else 8)
+    slots = max(1, min(num_groups, m))
+    whole = {n} if n <= 4096 else set()
+    tn_options = [n] if n <= _LANE else sorted(set(range(_LANE, min(n, 4096) + 1, _LANE)) | whole)
+    splits = [c for c in (4096, 2048, 1024, 512, 256, 128) if c < k]
+    tk_options = [k] + ([c for c in splits if k % c == 0] or splits)
+    fitting = [
+        (tn, tk) for tn in tn_options for tk in tk_options
+        if vmem_bytes(mp, tn, tk, dtype, ragged_k=k % tk != 0) <= VMEM_BUDGET
+    ]  # fmt: skip
+    if not fitting:
+        raise ValueError(
+            f"ragged_dot_pallas_decode: {m} rows of K={k} do not fit one block in the {VMEM_BUDGET / 2**20:.0f} MiB "
+            "VMEM budget; use implementation='pallas' (the visit form) for this many rows."
+        )
+    tn, tk = min(fitting, key=lambda t: (decode_tile_seconds(mp, n, k, slots, *t, itemsize), -t[0], -t[1]))
+    return mp, tn, tk
+
+
+@functools.partial(jax.jit, static_argnames=("rhs_transposed", "interpret", "tn", "tk"))
+def ragged_dot_pallas_decode(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    rhs_transposed: bool = False,
+    interpret: bool = False,
+    tn: int | None = None,
+    tk: int | None = None,
+) -> jax.Array:
+    """Grouped matmul for a few rows (decode): the grid runs over the routed groups only.
+
+    Grid: (output column tiles, ``min(G, M)`` group slots, contraction tiles). All M rows sit in one VMEM block
+    (M rounded up to the sublane: no padding to 128); each slot multiplies its group's rows (the others masked) by
+    its group's weight block, accumulating into the resident (M, tn) float32 output block. Each routed group's
+    weight is fetched from HBM once per (column, contraction) tile, i.e. once in all; slots past the routed groups
+    repeat the last one's block index (no fetch) and skip their arithmetic. Tiles: :func:`decode_tile_sizes`.
+    Same contract as :func:`ragged_dot_pallas` (rows past the groups are zeros).
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
+    mp, auto_tn, auto_tk = decode_tile_sizes(m, n, k, lhs.dtype, num_groups)
+    tn, tk = tn or auto_tn, tk or auto_tk
+    _check_tiles(mp, n, k, mp, tn, tk, lhs.dtype, interpret)
+    lhs_p = jnp.pad(lhs, ((0, mp - m), (0, 0))) if mp != m else lhs
+    slots = max(1, min(num_groups, m))
+    plan = expert_plan(group_sizes, slots)
+    if rhs_transposed:
+        rhs_spec = pl.BlockSpec((1, tn, tk), lambda j, s, kk, ids, *_: (ids[s], j, kk))
+    else:
+        rhs_spec = pl.BlockSpec((1, tk, tn), lambda j, s, kk, ids, *_: (ids[s], kk, j))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(pl.cdiv(n, tn), slots, pl.cdiv(k, tk)),
+        in_specs=[pl.BlockSpec((mp, tk), lambda j, s, kk, *_: (0, kk)), rhs_spec],
+        out_specs=pl.BlockSpec((mp, tn), lambda j, s, kk, *_: (0, j)),
+    )
+    kernel = functools.partial(_decode_kernel, tk=tk, k=k, rhs_transposed=rhs_transposed)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, n), jnp.float32),
+        grid_spec=grid_spec,
+        interpret=interpret,
+        compiler_params=None
+        if interpret
+        else pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        name="ragged_dot_tpu_decode",
+    )(*plan, lhs_p, rhs)
+    return out[:m].astype(lhs.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("rhs_transposed", "interpret"))
+def ragged_dot_megablox(lhs, rhs, group_sizes, *, rhs_transposed: bool = False, interpret: bool = False):
+    """JAX's own Pallas grouped matmul (``jax.experimental.pallas.ops.tpu.megablox.gmm``) with tiles for this M:
+    rows padded to the row tile (its kernel needs M divisible by it), the padding's rows zero."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    m, k = lhs.shape
+    n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
+    tm = min(128, _round_up(max(m, 1), 16 if lhs.dtype.itemsize < 4 else 8))
+    mp = _round_up(max(m, 1), tm)
+    lhs_p = jnp.pad(lhs, ((0, mp - m), (0, 0))) if mp != m else lhs
+    tiling = (tm, min(k, 1024), min(n, 512))  # the better of two tilings in most of the v5e's measurements
+    out = gmm(lhs_p, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32, tiling=tiling,
+              transpose_rhs=rhs_transposed, interpret=interpret)  # fmt: skip
+    rows = jnp.arange(mp)[:, None] < jnp.sum(group_sizes)
+    return jnp.where(rows, out, 0.0)[:m].astype(lhs.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("rhs_transposed",))
+def ragged_dot_dense(lhs, rhs, group_sizes, *, rhs_transposed: bool = False):
+    """Every row times every group's weight, each row keeping its own group's product: G times the arithmetic,
+    every weight read once, no routing-dependent work (a TPU streams it at the all-groups floor)."""
+    num_groups = rhs.shape[0]
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    group = jnp.searchsorted(ends, jnp.arange(lhs.shape[0], dtype=jnp.int32), side="right")
+    spec = "mk,gnk->gmn" if rhs_transposed else "mk,gkn->gmn"
+    all_groups = jnp.einsum(spec, lhs, rhs, preferred_element_type=jnp.float32)
+    onehot = (group[None, :] == jnp.arange(num_groups)[:, None]).astype(jnp.float32)
+    return jnp.einsum("gmn,gm->mn", all_groups, onehot).astype(lhs.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("rhs_transposed",))
 def ragged_dot_xla(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, rhs_transposed: bool = False):
     """``jax.lax.ragged_dot``: XLA's own lowering (native on TPU; on CPU it computes every group densely)."""
@@ -406,6 +580,11 @@ def _dot_for(implementation: str):
         return {
             "pallas": ragged_dot_pallas,
             "pallas_interpret": functools.partial(ragged_dot_pallas, interpret=True),
+            "pallas_decode": ragged_dot_pallas_decode,
+            "pallas_decode_interpret": functools.partial(ragged_dot_pallas_decode, interpret=True),
+            "megablox": ragged_dot_megablox,
+            "megablox_interpret": functools.partial(ragged_dot_megablox, interpret=True),
+            "dense": ragged_dot_dense,
             "xla": ragged_dot_xla,
             "xla_tiled": ragged_dot_xla_tiled,
         }[implementation]
@@ -419,6 +598,21 @@ def _gated_mlp(x, gate_up, down, group_sizes, rhs_transposed, implementation):
     gate, up = jnp.split(h, 2, axis=-1)
     h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
     return dot(h, down, group_sizes, rhs_transposed=rhs_transposed)
+
+
+def _moe_experts_dense(hidden, top_k_index, top_k_weights, gate_up, down, rhs_transposed):
+    """Every expert on every token, each token's outputs weighted by its routing (zero for experts it did not
+    choose): E / k times the arithmetic, every weight read once, no sort, gather or scatter."""
+    num_experts = gate_up.shape[0]
+    x = hidden.astype(gate_up.dtype)
+    h = jnp.einsum("th,eih->eti" if rhs_transposed else "th,ehi->eti", x, gate_up, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(h, 2, axis=-1)
+    h = (jax.nn.silu(gate) * up).astype(x.dtype)
+    y = jnp.einsum("eti,ehi->eth" if rhs_transposed else "eti,eih->eth", h, down, preferred_element_type=jnp.float32)
+    ids = top_k_index.astype(jnp.int32)
+    chosen = ids[:, :, None] == jnp.arange(num_experts, dtype=jnp.int32)  # (T, k, E); ids >= E choose nothing
+    scale = jnp.einsum("tke,tk->et", chosen.astype(jnp.float32), top_k_weights.astype(jnp.float32))
+    return jnp.einsum("eth,et->th", y.astype(x.dtype).astype(jnp.float32), scale).astype(hidden.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("rhs_transposed", "implementation"))
@@ -441,6 +635,8 @@ def moe_experts(
     arithmetic follows transformers' experts: the gathered tokens in the weights' dtype, each slot's output
     scaled by its routing weight in that dtype, the ``k`` slots of a token summed.
     """
+    if implementation == "dense":
+        return _moe_experts_dense(hidden, top_k_index, top_k_weights, gate_up, down, rhs_transposed)
     num_tokens, top_k = top_k_index.shape
     num_experts = _num_groups(gate_up)
     ids = top_k_index.reshape(-1).astype(jnp.int32)

@@ -26,7 +26,12 @@ import torch
 
 __all__ = ["IMPLEMENTATIONS", "OP_NAMESPACE", "experts_op", "ragged_dot", "ragged_dot_op", "torch_tpu_ops"]
 
-IMPLEMENTATIONS = ("auto", "pallas", "pallas_interpret", "xla", "xla_tiled")
+IMPLEMENTATIONS = (
+    "auto", "pallas", "pallas_interpret", "pallas_decode", "pallas_decode_interpret", "megablox", "megablox_interpret",
+    "dense", "xla", "xla_tiled",
+)  # fmt: skip
+#: Implementations that compile a Mosaic (TPU) kernel: not for tensors in host memory.
+TPU_ONLY = ("pallas", "pallas_decode", "megablox")
 
 
 def _namespace() -> str:
@@ -85,10 +90,11 @@ def _resolve(impl: str, placement: str) -> str:
     """The implementation to run: Pallas where a TPU compiles it, the XLA loop in host memory."""
     if placement == "torch_tpu":
         return "pallas" if impl == "auto" else impl
-    if impl == "pallas":
+    if impl in TPU_ONLY:
         raise ValueError(
-            "ragged_dot: implementation='pallas' compiles a TPU (Mosaic) kernel, but these tensors live in host memory "
-            "(CPU or the simulated device); use 'pallas_interpret' to run the same kernel body there, or 'auto'."
+            f"ragged_dot: implementation={impl!r} compiles a TPU (Mosaic) kernel, but these tensors live in host "
+            f"memory (CPU or the simulated device); use '{impl}_interpret' to run the same kernel body there, or "
+            "'auto'."
         )
     return "xla_tiled" if impl == "auto" else impl
 
@@ -303,15 +309,9 @@ def _jax_fn(kind: str, impl: str, rhs_transposed: bool):
 def _run_jax(impl: str, lhs, rhs, group_sizes, rhs_transposed: bool):
     from . import _jax_kernels as jk
 
-    if impl == "pallas":
-        return jk.ragged_dot_pallas(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed)
-    if impl == "pallas_interpret":
-        return jk.ragged_dot_pallas(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed, interpret=True)
-    if impl == "xla":
-        return jk.ragged_dot_xla(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed)
-    if impl == "xla_tiled":
-        return jk.ragged_dot_xla_tiled(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed)
-    raise ValueError(f"ragged_dot: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
+    if impl not in IMPLEMENTATIONS or impl == "auto":
+        raise ValueError(f"ragged_dot: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
+    return jk._dot_for(impl)(lhs, rhs, group_sizes, rhs_transposed=rhs_transposed)
 
 
 def _check(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, rhs_transposed: bool) -> int:
