@@ -57,7 +57,7 @@ def _namespace(cache, runner, model):
     from transformers.generation.continuous_batching import input_outputs, model_runner
 
     from hf_tpu.serving import _runner, _sampling
-    from hf_tpu.transformers._graphs import model_identity
+    from hf_tpu.compile_cache import model_identity
 
     cb = runner.cb_config
     compile_config = cb.varlen_compile_config
