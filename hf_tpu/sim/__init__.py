@@ -127,8 +127,16 @@ def enable(generation: str = "v6e", hbm: int | None = None, emulate_precision: b
             torch_tpu_version=_version("torch-tpu") or _version("torch_tpu"),
             libtpu_version=_version("libtpu"),
             reason=f"simulated {spec['name']} with {hbm_bytes / 1024**3:.2f} GiB HBM (hf_tpu.sim, CPU memory)",
-        )
+        ),
+        distributed=_process_group,
     )
+
+
+def _process_group():
+    """The simulator's side of ``torch.distributed`` (imported when asked: it imports torch.distributed)."""
+    from hf_tpu.sim import process_group
+
+    return process_group
 
 
 def is_enabled() -> bool:

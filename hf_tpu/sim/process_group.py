@@ -1,5 +1,9 @@
 """The ``tpu_dist`` process-group backend of the simulated device: collectives over the CPU buffers, gloo underneath.
 
+The simulator's side of ``torch.distributed``, as torch_tpu's own ``tpu_dist`` is the chip's. Code outside the
+simulator (``hf-tpu launch``'s ranks, the tensor-parallel plan) reaches it through
+:func:`hf_tpu.runtime.simulated_distributed`, never by importing the simulator.
+
 On a real TPU, torch_tpu registers ``tpu_dist`` for the ``tpu`` device. On the simulator every rank is its own
 process with its own simulated ``tpu:0`` whose tensors keep their data in CPU memory; this backend runs each
 collective with gloo on CPU views of those buffers (:func:`hf_tpu.sim.host_view`), so results land in place,
@@ -7,13 +11,14 @@ with no host<->device copy counted, and ``torch.distributed``, DeviceMesh, DTens
 parallel code run unchanged. Collectives are synchronous (the returned work is already complete).
 
 Example:
-    >>> from hf_tpu.distributed import sim_backend
-    >>> sim_backend.register()          # done by `hf-tpu launch --simulate` in every rank   # doctest: +SKIP
+    >>> from hf_tpu.sim import process_group
+    >>> process_group.register()        # done by `hf-tpu launch --simulate` in every rank   # doctest: +SKIP
     >>> torch.distributed.init_process_group("tpu_dist")                                      # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -37,7 +42,7 @@ from torch._C._distributed_c10d import (
     _create_work_from_future,
 )
 
-__all__ = ["BACKEND_NAME", "SimulatedTPUProcessGroup", "is_registered", "register"]
+__all__ = ["BACKEND_NAME", "SimulatedTPUProcessGroup", "is_registered", "prepare_rank", "register"]
 
 BACKEND_NAME = "tpu_dist"
 _LOCK = threading.Lock()
@@ -46,7 +51,7 @@ _LOCK = threading.Lock()
 def _host_view_default(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":
         return t
-    from hf_tpu.sim import host_view
+    from hf_tpu.sim._tensors import host_view
 
     return host_view(t)
 
@@ -343,3 +348,19 @@ def register(name: str = BACKEND_NAME, devices: Sequence[str] = ("tpu",)) -> Non
         for device in devices:
             if device != "cpu":
                 dist.Backend.default_device_backend_map[device] = name
+
+
+def prepare_rank() -> None:
+    """A rank of ``hf-tpu launch --simulate`` (its ``hf_tpu`` import enabled the simulated device): the generation
+    and HBM the launcher was asked to simulate (``HF_TPU_SIM_GENERATION``, ``HF_TPU_SIM_HBM``), then the
+    ``tpu_dist`` backend (:func:`register`).
+
+    Raises:
+        ValueError: an unknown generation or a bad HBM size (see :func:`hf_tpu.sim.enable`).
+    """
+    from hf_tpu.sim import enable
+
+    generation, hbm = os.environ.get("HF_TPU_SIM_GENERATION"), os.environ.get("HF_TPU_SIM_HBM")
+    if generation or hbm:
+        enable(**({"generation": generation} if generation else {}), hbm=int(hbm) if hbm else None)
+    register()
