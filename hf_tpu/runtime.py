@@ -18,7 +18,6 @@ import importlib.util
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, Literal
 
 from hf_tpu.errors import UserError
@@ -118,7 +117,7 @@ class RuntimeInfo:
 
 _SIMULATED: RuntimeInfo | None = None
 # The simulator's side of torch.distributed, handed over by hf_tpu.sim.enable (see simulated_distributed).
-_SIM_DISTRIBUTED: Callable[[], Any] | None = None
+_SIM_DISTRIBUTED: Any = None
 
 
 def _pkg_version(name: str) -> str | None:
@@ -213,7 +212,7 @@ def scan_pci_chips(root: str | os.PathLike | None = None) -> tuple[int, str | No
     return scan.functions, scan.generation
 
 
-def _set_simulated(info: RuntimeInfo | None, distributed: Callable[[], Any] | None = None) -> None:
+def _set_simulated(info: RuntimeInfo | None, distributed: Any = None) -> None:
     """Called by :mod:`hf_tpu.sim` when it registers (or, in tests, forgets) the simulated device; ``distributed``
     hands over the simulator's side of ``torch.distributed`` (:func:`simulated_distributed`)."""
     global _SIMULATED, _SIM_DISTRIBUTED
@@ -223,20 +222,20 @@ def _set_simulated(info: RuntimeInfo | None, distributed: Callable[[], Any] | No
 
 
 def simulated_distributed() -> Any | None:
-    """The simulator's side of ``torch.distributed`` (:mod:`hf_tpu.sim.process_group`: ``register()``,
-    ``prepare_rank()``, its ``tpu_dist`` backend) when this process runs on the simulated device, else None.
+    """The simulator's side of ``torch.distributed`` (:class:`hf_tpu.sim.DistributedSide`: ``register()`` of its
+    ``tpu_dist`` backend, ``prepare_rank()``) when this process runs on the simulated device, else None.
 
     Distributed code asks here, so that it never imports the simulator (which stays the bottom of the house).
 
     Returns:
-        The module, or None without the simulated device.
+        The simulator's side, or None without the simulated device.
 
     Example:
         >>> side = simulated_distributed()
         >>> side is None or hasattr(side, "register")
         True
     """
-    return None if _SIM_DISTRIBUTED is None else _SIM_DISTRIBUTED()
+    return _SIM_DISTRIBUTED
 
 
 def _real_hbm(generation: str | None) -> int:

@@ -2,7 +2,8 @@
 
 The simulator's side of ``torch.distributed``, as torch_tpu's own ``tpu_dist`` is the chip's. Code outside the
 simulator (``hf-tpu launch``'s ranks, the tensor-parallel plan) reaches it through
-:func:`hf_tpu.runtime.simulated_distributed`, never by importing the simulator.
+:func:`hf_tpu.runtime.simulated_distributed` (:class:`hf_tpu.sim.DistributedSide`), never by importing the
+simulator.
 
 On a real TPU, torch_tpu registers ``tpu_dist`` for the ``tpu`` device. On the simulator every rank is its own
 process with its own simulated ``tpu:0`` whose tensors keep their data in CPU memory; this backend runs each
@@ -18,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -42,7 +42,7 @@ from torch._C._distributed_c10d import (
     _create_work_from_future,
 )
 
-__all__ = ["BACKEND_NAME", "SimulatedTPUProcessGroup", "is_registered", "prepare_rank", "register"]
+__all__ = ["BACKEND_NAME", "SimulatedTPUProcessGroup", "is_registered", "register"]
 
 BACKEND_NAME = "tpu_dist"
 _LOCK = threading.Lock()
@@ -349,18 +349,3 @@ def register(name: str = BACKEND_NAME, devices: Sequence[str] = ("tpu",)) -> Non
             if device != "cpu":
                 dist.Backend.default_device_backend_map[device] = name
 
-
-def prepare_rank() -> None:
-    """A rank of ``hf-tpu launch --simulate`` (its ``hf_tpu`` import enabled the simulated device): the generation
-    and HBM the launcher was asked to simulate (``HF_TPU_SIM_GENERATION``, ``HF_TPU_SIM_HBM``), then the
-    ``tpu_dist`` backend (:func:`register`).
-
-    Raises:
-        ValueError: an unknown generation or a bad HBM size (see :func:`hf_tpu.sim.enable`).
-    """
-    from hf_tpu.sim import enable
-
-    generation, hbm = os.environ.get("HF_TPU_SIM_GENERATION"), os.environ.get("HF_TPU_SIM_HBM")
-    if generation or hbm:
-        enable(**({"generation": generation} if generation else {}), hbm=int(hbm) if hbm else None)
-    register()
