@@ -17,8 +17,15 @@ the module that defines a name; ``hf_tpu.sim`` is the bottom room. The rules:
    - no module imports its own package's ``__init__`` (or an enclosing one's): it imports the submodule that
      defines the name;
    - only ``hf_tpu.cli`` and ``hf_tpu.benchmarks`` import ``hf_tpu.cli``;
-   - ``hf_tpu.sim`` imports nothing from ``hf_tpu.distributed``;
-3. the benchmarks measure hf_tpu through its public seams: a module of ``hf_tpu.benchmarks`` imports no private
+   - ``hf_tpu.sim`` imports nothing from ``hf_tpu.distributed``, and ``hf_tpu.distributed`` nothing from ``hf_tpu.sim``
+     (the simulator is the bottom room: distributed code reaches its ``tpu_dist`` side through
+     ``hf_tpu.runtime.simulated_distributed``);
+   - ``hf_tpu._shared``, the layer under the integrations, imports no integration;
+3. the integrations (``hf_tpu.transformers``, ``hf_tpu.encoders``, ``hf_tpu.diffusers``, ``hf_tpu.serving``,
+   ``hf_tpu.training``) are siblings: none imports another's private module or name, and ``hf_tpu.transformers``
+   and ``hf_tpu.encoders`` do not import each other at all (what both need is in ``hf_tpu._shared``; the facade
+   ``hf_tpu._warmup`` picks one warm-up or the other);
+4. the benchmarks measure hf_tpu through its public seams: a module of ``hf_tpu.benchmarks`` imports no private
    module (a dotted component starting with ``_``) and no underscore name of another room.
 """
 
@@ -38,6 +45,9 @@ CLI_IMPORTERS = ("hf_tpu.cli", "hf_tpu.benchmarks")
 SIM = "hf_tpu.sim"
 DISTRIBUTED = "hf_tpu.distributed"
 BENCHMARKS = "hf_tpu.benchmarks"
+SHARED = "hf_tpu._shared"
+INTEGRATIONS = ("hf_tpu.transformers", "hf_tpu.encoders", "hf_tpu.diffusers", "hf_tpu.serving", "hf_tpu.training")
+STRANGERS = {"hf_tpu.transformers", "hf_tpu.encoders"}  # integrations that import nothing of each other
 
 @dataclass(frozen=True)
 class Import:
@@ -168,7 +178,34 @@ def upward_reasons(imp: Import) -> list[str]:
         reasons.append("only hf_tpu.cli and hf_tpu.benchmarks import hf_tpu.cli")
     if is_within(importer, SIM) and is_within(target, DISTRIBUTED):
         reasons.append("hf_tpu.sim is the bottom room: it imports nothing from hf_tpu.distributed")
+    if is_within(importer, DISTRIBUTED) and is_within(target, SIM):
+        reasons.append(
+            "hf_tpu.distributed imports nothing from hf_tpu.sim: ask hf_tpu.runtime.simulated_distributed() for the "
+            "simulator's side of torch.distributed"
+        )
+    if is_within(importer, SHARED) and integration_of(target) is not None:
+        reasons.append(f"hf_tpu._shared is below the integrations: it imports nothing of {integration_of(target)}")
     return reasons
+
+
+def integration_of(module: str) -> str | None:
+    return next((room for room in INTEGRATIONS if is_within(module, room)), None)
+
+
+def sibling_reasons(imp: Import) -> list[str]:
+    """Why ``imp`` reaches into another integration (empty when it does not)."""
+    mine, theirs = integration_of(imp.importer), integration_of(imp.target)
+    if mine is None or theirs is None or mine == theirs:
+        return []
+    if {mine, theirs} == STRANGERS:
+        return [
+            f"{mine} imports nothing of {theirs}: put what both need in hf_tpu._shared (the facade hf_tpu._warmup "
+            "picks between them)"
+        ]
+    private = private_part(imp.imported)
+    if private is not None and is_within(private, theirs):
+        return [f"imports {private}, private to {theirs}: give it a public seam, or move it under hf_tpu._shared"]
+    return []
 
 
 def private_part(imported: str) -> str | None:
@@ -209,6 +246,11 @@ def test_no_upward_import():
     assert not wrong, "imports up the house:\n" + "\n".join(sorted(set(wrong)))
 
 
+def test_integrations_import_no_private_part_of_each_other_and_transformers_and_encoders_nothing():
+    wrong = [f"  {imp}: {reason}" for imp in ALL_IMPORTS for reason in sibling_reasons(imp)]
+    assert not wrong, "integrations reaching into each other:\n" + "\n".join(sorted(set(wrong)))
+
+
 def test_benchmarks_import_no_private_module_or_name_of_another_room():
     wrong = benchmark_seams()
     assert not wrong, (
@@ -235,7 +277,21 @@ def test_the_rules_catch_what_they_name():
     assert reasons("hf_tpu.cli.warmup", "hf_tpu") == []
     assert reasons("hf_tpu.benchmarks.generate", "hf_tpu", binds=True) == []
     assert reasons("hf_tpu.benchmarks.generate", "hf_tpu.cli.main") == []
-    assert reasons("hf_tpu.distributed.sim_backend", "hf_tpu.sim") == []
+    assert reasons("hf_tpu.distributed._bootstrap", "hf_tpu.sim")
+    assert reasons("hf_tpu._shared.buckets", "hf_tpu.transformers.generation")
+    assert reasons("hf_tpu._shared.notes", "hf_tpu.errors") == []
+    assert reasons("hf_tpu.distributed.tp_plan", "hf_tpu.runtime") == []
+
+    def siblings(importer: str, imported: str) -> list[str]:
+        return sibling_reasons(Import(importer, imported, module_of(imported) or imported, 1))
+
+    assert siblings("hf_tpu.transformers.warmup", "hf_tpu.encoders.warmup")  # public, but strangers
+    assert siblings("hf_tpu.encoders.route", "hf_tpu.transformers.buckets.BucketLadder")
+    assert siblings("hf_tpu.serving._step_graphs", "hf_tpu.transformers._graphs.model_identity")
+    assert siblings("hf_tpu.serving.server", "hf_tpu.transformers.generation._helper")
+    assert siblings("hf_tpu.serving.server", "hf_tpu.transformers.generation") == []  # a public seam
+    assert siblings("hf_tpu._warmup", "hf_tpu.encoders.warmup") == []  # the facade, above both
+    assert siblings("hf_tpu.encoders.route", "hf_tpu._shared.buckets.BucketLadder") == []
     assert reasons("hf_tpu.sim", "hf_tpu.sim._counters") == []
     assert private_part("hf_tpu.transformers._settings.SETTINGS") == "hf_tpu.transformers._settings"
     assert private_part("hf_tpu.transformers.generation._helper") == "hf_tpu.transformers.generation._helper"
