@@ -20,7 +20,7 @@ the module that defines a name; ``hf_tpu.sim`` is the bottom room. The rules:
    - ``hf_tpu.sim`` imports nothing from ``hf_tpu.distributed``, and ``hf_tpu.distributed`` nothing from ``hf_tpu.sim``
      (the simulator is the bottom room: distributed code reaches its ``tpu_dist`` side through
      ``hf_tpu.runtime.simulated_distributed``);
-   - ``hf_tpu._shared``, the layer under the integrations, imports no integration;
+   - ``hf_tpu._shared``, the layer under the integrations, and ``hf_tpu.sim`` import no integration;
 3. the integrations (``hf_tpu.transformers``, ``hf_tpu.encoders``, ``hf_tpu.diffusers``, ``hf_tpu.serving``,
    ``hf_tpu.training``) are siblings: none imports another's private module or name, and ``hf_tpu.transformers``
    and ``hf_tpu.encoders`` do not import each other at all (what both need is in ``hf_tpu._shared``; the facade
@@ -183,8 +183,9 @@ def upward_reasons(imp: Import) -> list[str]:
             "hf_tpu.distributed imports nothing from hf_tpu.sim: ask hf_tpu.runtime.simulated_distributed() for the "
             "simulator's side of torch.distributed"
         )
-    if is_within(importer, SHARED) and integration_of(target) is not None:
-        reasons.append(f"hf_tpu._shared is below the integrations: it imports nothing of {integration_of(target)}")
+    for below in (SHARED, SIM):
+        if is_within(importer, below) and integration_of(target) is not None:
+            reasons.append(f"{below} is below the integrations: it imports nothing of {integration_of(target)}")
     return reasons
 
 
@@ -280,6 +281,7 @@ def test_the_rules_catch_what_they_name():
     assert reasons("hf_tpu.distributed._bootstrap", "hf_tpu.sim")
     assert reasons("hf_tpu._shared.buckets", "hf_tpu.transformers.generation")
     assert reasons("hf_tpu._shared.notes", "hf_tpu.errors") == []
+    assert reasons("hf_tpu.sim._ops", "hf_tpu.transformers._settings")
     assert reasons("hf_tpu.distributed.tp_plan", "hf_tpu.runtime") == []
 
     def siblings(importer: str, imported: str) -> list[str]:
