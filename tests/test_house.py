@@ -26,7 +26,10 @@ the module that defines a name; ``hf_tpu.sim`` is the bottom room. The rules:
    and ``hf_tpu.encoders`` do not import each other at all (what both need is in ``hf_tpu._shared``; the facade
    ``hf_tpu._warmup`` picks one warm-up or the other);
 4. the benchmarks measure hf_tpu through its public seams: a module of ``hf_tpu.benchmarks`` imports no private
-   module (a dotted component starting with ``_``) and no underscore name of another room.
+   module (a dotted component starting with ``_``) and no underscore name of another room;
+5. every attribute hf_tpu sets on another library's object goes through ``hf_tpu._patch`` (``patch``, or ``assign``
+   with its reason): outside it, no ``setattr(x, ...)`` and no ``x.attr = ...`` where ``x`` is a name imported from
+   a third-party package (``torch``, ``transformers``, ...). An object reached through a variable is not seen.
 """
 
 from __future__ import annotations
@@ -229,6 +232,41 @@ def benchmark_seams() -> set[tuple[str, str]]:
     return found
 
 
+THIRD_PARTY = {
+    "accelerate", "diffusers", "huggingface_hub", "jax", "numpy", "peft", "safetensors", "sentence_transformers",
+    "tokenizers", "torch", "torch_tpu", "torchao", "transformers",
+}  # fmt: skip
+PATCH_MODULE = "hf_tpu._patch"
+
+
+def third_party_sets(source: str) -> list[tuple[int, str]]:
+    """(line, code) of every ``setattr(x, ...)`` and ``x.attr = ...`` in ``source`` whose ``x`` (the root name) an
+    import of the same source binds to a third-party package or one of its names."""
+    tree = ast.parse(source)
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] in THIRD_PARTY}
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in THIRD_PARTY:
+            bound |= {a.asname or a.name for a in node.names}
+
+    def root(node: ast.AST) -> str | None:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        )  # fmt: skip
+        found += [(node.lineno, ast.unparse(t)) for t in targets if isinstance(t, ast.Attribute) and root(t) in bound]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if node.args and root(node.args[0]) in bound:
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
 def test_the_graph_sees_the_whole_package():
     assert "hf_tpu" in MODULES and "hf_tpu.sim._ops" in MODULES and "hf_tpu.cli.main" in MODULES
     assert not any("hub" in module.split(".") for module in MODULES)  # a kernel repository, not hf_tpu's code
@@ -257,6 +295,19 @@ def test_benchmarks_import_no_private_module_or_name_of_another_room():
     assert not wrong, (
         "hf_tpu.benchmarks imports private modules or names of another room; give the room a public seam "
         "instead:\n" + "\n".join(f"  {module} imports {private}" for module, private in sorted(wrong))
+    )
+
+
+def test_third_party_attributes_are_set_only_through_the_patch_module():
+    wrong = [
+        f"  {module} (line {line}): {code}"
+        for module, path in MODULES.items()
+        if module != PATCH_MODULE
+        for line, code in third_party_sets(path.read_text())
+    ]
+    assert not wrong, (
+        "attributes of third-party objects set outside hf_tpu._patch (use _patch.patch, or _patch.assign with the "
+        "reason it is not a patch):\n" + "\n".join(wrong)
     )
 
 
@@ -297,4 +348,10 @@ def test_the_rules_catch_what_they_name():
     assert reasons("hf_tpu.sim", "hf_tpu.sim._counters") == []
     assert private_part("hf_tpu.transformers._settings.SETTINGS") == "hf_tpu.transformers._settings"
     assert private_part("hf_tpu.transformers.generation._helper") == "hf_tpu.transformers.generation._helper"
+    assert third_party_sets("import torch\ntorch._functorch.config.enable_autograd_cache = False") == [
+        (2, "torch._functorch.config.enable_autograd_cache")
+    ]
+    assert third_party_sets("from torch._functorch import config as c\ndef f():\n    setattr(c, 'x', 1)")
+    assert third_party_sets("import torch.backends\ntorch.backends.tpu = None")
+    assert third_party_sets("import os\nos.sep = '/'\nclass A: pass\nA.x = 1") == []
     assert private_part("hf_tpu.__version__") is None and private_part("hf_tpu.runtime") is None
