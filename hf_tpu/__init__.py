@@ -26,7 +26,7 @@ __all__ = ["__version__", "disable", "enable", "enabled", "is_enabled", "runtime
 _LAZY: dict[str, str] = {
     "runtime": "hf_tpu.runtime",
     "sim": "hf_tpu.sim",
-    "warmup": "hf_tpu.transformers.warmup:warmup",
+    "warmup": "hf_tpu._warmup:warmup",
 }
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -35,6 +35,8 @@ __all__ = [
     "INTEGRATIONS",
     "PatchRecord",
     "applied",
+    "assign",
+    "assigned",
     "disable",
     "enable",
     "enabled",
@@ -88,6 +90,7 @@ class _State:
     undo: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
     enabled: list[str] = field(default_factory=list)
     warned_versions: set[tuple[str, str]] = field(default_factory=set)
+    assigned: list[tuple[str, str, str]] = field(default_factory=list)  # (feature, target, reason) of assign()
 
 
 _STATE = _State()
@@ -160,6 +163,43 @@ def patch(
         _STATE.patches[key] = record
         logger.debug("hf_tpu[%s]: patched %s", feature, record.target)
         return record
+
+
+def assign(owner: Any, name: str, value: Any, *, feature: str, reason: str) -> None:
+    """Set ``owner.name = value`` where :func:`patch`'s record-and-revert does not fit, and say why.
+
+    Two cases only: a value that stays for the process's life (the simulated device's answers, which torch cannot
+    unregister), and an undo putting back upstream's own object or setting (where :func:`revert` would restore the
+    wrong thing: a torch config module, whose attributes are not in its ``__dict__``, or an alias bound after the
+    patch). Nothing is recorded for :func:`revert`; :func:`assigned` lists what was set and why.
+
+    Args:
+        owner: the object of another library (a module, class, config module).
+        name: the attribute.
+        value: what to set.
+        feature: what sets it (``"sim"``, ``"device_map"``, ...).
+        reason: why it is not a :func:`patch`.
+
+    Example:
+        >>> import types
+        >>> from hf_tpu._patch import assign
+        >>> owner = types.SimpleNamespace(flag=False)
+        >>> assign(owner, "flag", True, feature="example", reason="a doctest")
+        >>> owner.flag
+        True
+    """
+    with _LOCK:
+        setattr(owner, name, value)
+        target = PatchRecord(owner, name, None, value, feature, None, None).target
+        _STATE.assigned.append((feature, target, reason))
+        del _STATE.assigned[:-256]  # (a bounded log: an undo may run once per enable/disable cycle)
+        logger.debug("hf_tpu[%s]: set %s (%s)", feature, target, reason)
+
+
+def assigned() -> list[tuple[str, str, str]]:
+    """What :func:`assign` set, oldest first (the last 256): ``(feature, target, reason)`` each."""
+    with _LOCK:
+        return list(_STATE.assigned)
 
 
 def original(owner: Any, name: str) -> Any:

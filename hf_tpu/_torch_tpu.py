@@ -466,6 +466,8 @@ def start_lowering(announce=None) -> LoweringSession:
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_tpu import _patch
     from torch.utils._pytree import tree_flatten, tree_map
 
     loader = importlib.import_module("torch_tpu._loader")
@@ -474,7 +476,10 @@ def start_lowering(announce=None) -> LoweringSession:
     em = importlib.import_module("torch_tpu._internal.execution_mode")
     # The AOTAutograd cache would try to serialize the stand-in executable; backward runs on this thread, where the
     # stand-in's dispatch mode is (autograd's device threads would not see it).
-    torch._functorch.config.enable_autograd_cache = False
+    _patch.assign(
+        torch._functorch.config, "enable_autograd_cache", False, feature="tpu_compile",
+        reason="the lowering process's AOTAutograd cache cannot serialize the stand-in executable; for its life",
+    )  # fmt: skip
     torch.autograd.set_multithreading_enabled(False)
 
     programs: list[LoweredProgram] = []

@@ -55,7 +55,15 @@ from hf_tpu.errors import HfTpuError
 
 logger = logging.getLogger("hf_tpu.compile_cache")
 
-__all__ = ["ENV", "TORCH_TPU_TIER2_ENV", "TORCH_TPU_TIER3_ENV", "CompileCache", "CompileCacheWarning", "Namespace"]
+__all__ = [
+    "ENV",
+    "TORCH_TPU_TIER2_ENV",
+    "TORCH_TPU_TIER3_ENV",
+    "CompileCache",
+    "CompileCacheWarning",
+    "Namespace",
+    "model_identity",
+]
 
 ENV = "HF_TPU_COMPILE_CACHE"
 # torch_tpu's C++ runtime reads these (see hf_tpu._torch_tpu: tier 2 is a name, tier 3 a path).
@@ -138,6 +146,34 @@ def versions() -> dict[str, Any]:
         "libtpu": _version("libtpu"),
         "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
         "runtime": runtime.detect().mode,
+    }
+
+
+def model_identity(model) -> dict[str, Any]:
+    """What a compiled graph of ``model`` depends on besides its shapes and weights: transformers' version, the
+    model class, a hash of its config (paths and versions left out), attention implementation, dtype and device
+    type. Generation's and serving's compile-cache namespaces start from it.
+
+    Args:
+        model: a transformers model (its ``config``, ``dtype`` and ``device`` are read).
+
+    Returns:
+        A JSON-able dict: ``transformers``, ``model_class``, ``config`` (a sha256), ``attn_implementation``,
+        ``dtype`` and ``device``.
+    """
+    import transformers
+
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "name_or_path"):
+        config.pop(volatile, None)
+    cls = type(model)
+    return {
+        "transformers": transformers.__version__,
+        "model_class": f"{cls.__module__}.{cls.__qualname__}",
+        "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "dtype": str(model.dtype),
+        "device": model.device.type,
     }
 
 

@@ -18,7 +18,7 @@ import importlib.util
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from hf_tpu.errors import UserError
 
@@ -35,6 +35,7 @@ __all__ = [
     "require_tpu",
     "scan_pci",
     "scan_pci_chips",
+    "simulated_distributed",
 ]
 
 GiB = 1024**3
@@ -115,6 +116,8 @@ class RuntimeInfo:
 
 
 _SIMULATED: RuntimeInfo | None = None
+# The simulator's side of torch.distributed, handed over by hf_tpu.sim.enable (see simulated_distributed).
+_SIM_DISTRIBUTED: Any = None
 
 
 def _pkg_version(name: str) -> str | None:
@@ -209,11 +212,30 @@ def scan_pci_chips(root: str | os.PathLike | None = None) -> tuple[int, str | No
     return scan.functions, scan.generation
 
 
-def _set_simulated(info: RuntimeInfo | None) -> None:
-    """Called by :mod:`hf_tpu.sim` when it registers (or, in tests, forgets) the simulated device."""
-    global _SIMULATED
+def _set_simulated(info: RuntimeInfo | None, distributed: Any = None) -> None:
+    """Called by :mod:`hf_tpu.sim` when it registers (or, in tests, forgets) the simulated device; ``distributed``
+    hands over the simulator's side of ``torch.distributed`` (:func:`simulated_distributed`)."""
+    global _SIMULATED, _SIM_DISTRIBUTED
     _SIMULATED = info
+    _SIM_DISTRIBUTED = distributed if info is not None else None
     detect.cache_clear()
+
+
+def simulated_distributed() -> Any | None:
+    """The simulator's side of ``torch.distributed`` (:class:`hf_tpu.sim.DistributedSide`: ``register()`` of its
+    ``tpu_dist`` backend, ``prepare_rank()``) when this process runs on the simulated device, else None.
+
+    Distributed code asks here, so that it never imports the simulator (which stays the bottom of the house).
+
+    Returns:
+        The simulator's side, or None without the simulated device.
+
+    Example:
+        >>> side = simulated_distributed()
+        >>> side is None or hasattr(side, "register")
+        True
+    """
+    return _SIM_DISTRIBUTED
 
 
 def _real_hbm(generation: str | None) -> int:

@@ -34,7 +34,6 @@ MODULES = (
     "hf_tpu.diffusers",
     "hf_tpu.distributed",
     "hf_tpu.distributed.launch",
-    "hf_tpu.distributed.sim_backend",
     "hf_tpu.distributed.tp_plan",
     "hf_tpu.encoders",
     "hf_tpu.kernels",
@@ -47,6 +46,7 @@ MODULES = (
     "hf_tpu.serving",
     "hf_tpu.sim",
     "hf_tpu.sim.execution_mode",
+    "hf_tpu.sim.process_group",
     "hf_tpu.testing",
     "hf_tpu.tpu_compile",
     "hf_tpu.training",
@@ -56,7 +56,7 @@ MODULES = (
 # (module, qualified name) -> why a section cannot apply. Keep it short and give each entry its reason. An entry
 # naming a class covers its constructor and methods.
 ALLOWED: dict[tuple[str, str], str] = {
-    ("hf_tpu.distributed.sim_backend", "SimulatedTPUProcessGroup"): (
+    ("hf_tpu.sim.process_group", "SimulatedTPUProcessGroup"): (
         "a torch.distributed c10d backend: torch constructs it through register()'s creator and calls its methods "
         "(allreduce, broadcast, ...) with the signatures of torch's ProcessGroup, documented there; users call "
         "torch.distributed, never these"

@@ -17,9 +17,19 @@ the module that defines a name; ``hf_tpu.sim`` is the bottom room. The rules:
    - no module imports its own package's ``__init__`` (or an enclosing one's): it imports the submodule that
      defines the name;
    - only ``hf_tpu.cli`` and ``hf_tpu.benchmarks`` import ``hf_tpu.cli``;
-   - ``hf_tpu.sim`` imports nothing from ``hf_tpu.distributed``;
-3. the benchmarks measure hf_tpu through its public seams: a module of ``hf_tpu.benchmarks`` imports no private
-   module (a dotted component starting with ``_``) and no underscore name of another room.
+   - ``hf_tpu.sim`` imports nothing from ``hf_tpu.distributed``, and ``hf_tpu.distributed`` nothing from ``hf_tpu.sim``
+     (the simulator is the bottom room: distributed code reaches its ``tpu_dist`` side through
+     ``hf_tpu.runtime.simulated_distributed``);
+   - ``hf_tpu._shared``, the layer under the integrations, and ``hf_tpu.sim`` import no integration;
+3. the integrations (``hf_tpu.transformers``, ``hf_tpu.encoders``, ``hf_tpu.diffusers``, ``hf_tpu.serving``,
+   ``hf_tpu.training``) are siblings: none imports another's private module or name, and ``hf_tpu.transformers``
+   and ``hf_tpu.encoders`` do not import each other at all (what both need is in ``hf_tpu._shared``; the facade
+   ``hf_tpu._warmup`` picks one warm-up or the other);
+4. the benchmarks measure hf_tpu through its public seams: a module of ``hf_tpu.benchmarks`` imports no private
+   module (a dotted component starting with ``_``) and no underscore name of another room;
+5. every attribute hf_tpu sets on another library's object goes through ``hf_tpu._patch`` (``patch``, or ``assign``
+   with its reason): outside it, no ``setattr(x, ...)`` and no ``x.attr = ...`` where ``x`` is a name imported from
+   a third-party package (``torch``, ``transformers``, ...). An object reached through a variable is not seen.
 """
 
 from __future__ import annotations
@@ -38,6 +48,9 @@ CLI_IMPORTERS = ("hf_tpu.cli", "hf_tpu.benchmarks")
 SIM = "hf_tpu.sim"
 DISTRIBUTED = "hf_tpu.distributed"
 BENCHMARKS = "hf_tpu.benchmarks"
+SHARED = "hf_tpu._shared"
+INTEGRATIONS = ("hf_tpu.transformers", "hf_tpu.encoders", "hf_tpu.diffusers", "hf_tpu.serving", "hf_tpu.training")
+STRANGERS = {"hf_tpu.transformers", "hf_tpu.encoders"}  # integrations that import nothing of each other
 
 @dataclass(frozen=True)
 class Import:
@@ -168,7 +181,35 @@ def upward_reasons(imp: Import) -> list[str]:
         reasons.append("only hf_tpu.cli and hf_tpu.benchmarks import hf_tpu.cli")
     if is_within(importer, SIM) and is_within(target, DISTRIBUTED):
         reasons.append("hf_tpu.sim is the bottom room: it imports nothing from hf_tpu.distributed")
+    if is_within(importer, DISTRIBUTED) and is_within(target, SIM):
+        reasons.append(
+            "hf_tpu.distributed imports nothing from hf_tpu.sim: ask hf_tpu.runtime.simulated_distributed() for the "
+            "simulator's side of torch.distributed"
+        )
+    for below in (SHARED, SIM):
+        if is_within(importer, below) and integration_of(target) is not None:
+            reasons.append(f"{below} is below the integrations: it imports nothing of {integration_of(target)}")
     return reasons
+
+
+def integration_of(module: str) -> str | None:
+    return next((room for room in INTEGRATIONS if is_within(module, room)), None)
+
+
+def sibling_reasons(imp: Import) -> list[str]:
+    """Why ``imp`` reaches into another integration (empty when it does not)."""
+    mine, theirs = integration_of(imp.importer), integration_of(imp.target)
+    if mine is None or theirs is None or mine == theirs:
+        return []
+    if {mine, theirs} == STRANGERS:
+        return [
+            f"{mine} imports nothing of {theirs}: put what both need in hf_tpu._shared (the facade hf_tpu._warmup "
+            "picks between them)"
+        ]
+    private = private_part(imp.imported)
+    if private is not None and is_within(private, theirs):
+        return [f"imports {private}, private to {theirs}: give it a public seam, or move it under hf_tpu._shared"]
+    return []
 
 
 def private_part(imported: str) -> str | None:
@@ -191,6 +232,41 @@ def benchmark_seams() -> set[tuple[str, str]]:
     return found
 
 
+THIRD_PARTY = {
+    "accelerate", "diffusers", "huggingface_hub", "jax", "numpy", "peft", "safetensors", "sentence_transformers",
+    "tokenizers", "torch", "torch_tpu", "torchao", "transformers",
+}  # fmt: skip
+PATCH_MODULE = "hf_tpu._patch"
+
+
+def third_party_sets(source: str) -> list[tuple[int, str]]:
+    """(line, code) of every ``setattr(x, ...)`` and ``x.attr = ...`` in ``source`` whose ``x`` (the root name) an
+    import of the same source binds to a third-party package or one of its names."""
+    tree = ast.parse(source)
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] in THIRD_PARTY}
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in THIRD_PARTY:
+            bound |= {a.asname or a.name for a in node.names}
+
+    def root(node: ast.AST) -> str | None:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        )  # fmt: skip
+        found += [(node.lineno, ast.unparse(t)) for t in targets if isinstance(t, ast.Attribute) and root(t) in bound]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if node.args and root(node.args[0]) in bound:
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
 def test_the_graph_sees_the_whole_package():
     assert "hf_tpu" in MODULES and "hf_tpu.sim._ops" in MODULES and "hf_tpu.cli.main" in MODULES
     assert not any("hub" in module.split(".") for module in MODULES)  # a kernel repository, not hf_tpu's code
@@ -209,11 +285,29 @@ def test_no_upward_import():
     assert not wrong, "imports up the house:\n" + "\n".join(sorted(set(wrong)))
 
 
+def test_integrations_import_no_private_part_of_each_other_and_transformers_and_encoders_nothing():
+    wrong = [f"  {imp}: {reason}" for imp in ALL_IMPORTS for reason in sibling_reasons(imp)]
+    assert not wrong, "integrations reaching into each other:\n" + "\n".join(sorted(set(wrong)))
+
+
 def test_benchmarks_import_no_private_module_or_name_of_another_room():
     wrong = benchmark_seams()
     assert not wrong, (
         "hf_tpu.benchmarks imports private modules or names of another room; give the room a public seam "
         "instead:\n" + "\n".join(f"  {module} imports {private}" for module, private in sorted(wrong))
+    )
+
+
+def test_third_party_attributes_are_set_only_through_the_patch_module():
+    wrong = [
+        f"  {module} (line {line}): {code}"
+        for module, path in MODULES.items()
+        if module != PATCH_MODULE
+        for line, code in third_party_sets(path.read_text())
+    ]
+    assert not wrong, (
+        "attributes of third-party objects set outside hf_tpu._patch (use _patch.patch, or _patch.assign with the "
+        "reason it is not a patch):\n" + "\n".join(wrong)
     )
 
 
@@ -235,8 +329,29 @@ def test_the_rules_catch_what_they_name():
     assert reasons("hf_tpu.cli.warmup", "hf_tpu") == []
     assert reasons("hf_tpu.benchmarks.generate", "hf_tpu", binds=True) == []
     assert reasons("hf_tpu.benchmarks.generate", "hf_tpu.cli.main") == []
-    assert reasons("hf_tpu.distributed.sim_backend", "hf_tpu.sim") == []
+    assert reasons("hf_tpu.distributed._bootstrap", "hf_tpu.sim")
+    assert reasons("hf_tpu._shared.buckets", "hf_tpu.transformers.generation")
+    assert reasons("hf_tpu._shared.notes", "hf_tpu.errors") == []
+    assert reasons("hf_tpu.sim._ops", "hf_tpu.transformers._settings")
+    assert reasons("hf_tpu.distributed.tp_plan", "hf_tpu.runtime") == []
+
+    def siblings(importer: str, imported: str) -> list[str]:
+        return sibling_reasons(Import(importer, imported, module_of(imported) or imported, 1))
+
+    assert siblings("hf_tpu.transformers.warmup", "hf_tpu.encoders.warmup")  # public, but strangers
+    assert siblings("hf_tpu.encoders.route", "hf_tpu.transformers.buckets.BucketLadder")
+    assert siblings("hf_tpu.serving._step_graphs", "hf_tpu.transformers._graphs.model_identity")
+    assert siblings("hf_tpu.serving.server", "hf_tpu.transformers.generation._helper")
+    assert siblings("hf_tpu.serving.server", "hf_tpu.transformers.generation") == []  # a public seam
+    assert siblings("hf_tpu._warmup", "hf_tpu.encoders.warmup") == []  # the facade, above both
+    assert siblings("hf_tpu.encoders.route", "hf_tpu._shared.buckets.BucketLadder") == []
     assert reasons("hf_tpu.sim", "hf_tpu.sim._counters") == []
     assert private_part("hf_tpu.transformers._settings.SETTINGS") == "hf_tpu.transformers._settings"
     assert private_part("hf_tpu.transformers.generation._helper") == "hf_tpu.transformers.generation._helper"
+    assert third_party_sets("import torch\ntorch._functorch.config.enable_autograd_cache = False") == [
+        (2, "torch._functorch.config.enable_autograd_cache")
+    ]
+    assert third_party_sets("from torch._functorch import config as c\ndef f():\n    setattr(c, 'x', 1)")
+    assert third_party_sets("import torch.backends\ntorch.backends.tpu = None")
+    assert third_party_sets("import os\nos.sep = '/'\nclass A: pass\nA.x = 1") == []
     assert private_part("hf_tpu.__version__") is None and private_part("hf_tpu.runtime") is None

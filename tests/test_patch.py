@@ -133,3 +133,36 @@ def test_failing_apply_is_rolled_back(monkeypatch, target):
     with pytest.raises(RuntimeError, match="boom"):
         _patch.enable("broken")
     assert target.value == "original" and not _patch.is_enabled("broken")
+
+
+def test_assign_sets_and_logs_with_its_reason_and_revert_leaves_it(target):
+    _patch.assign(target, "value", "for-life", feature="test-feature", reason="stays for the process")
+    assert target.value == "for-life"
+    feature, where, reason = _patch.assigned()[-1]
+    assert (feature, reason) == ("test-feature", "stays for the process") and where.endswith(".value")
+    _patch.revert("test-feature")
+    assert target.value == "for-life"  # not a patch: nothing for revert to restore
+    assert _patch.applied("test-feature") == []
+
+
+def test_a_torch_config_flag_set_by_the_simulator_is_restored_by_its_uninstall():
+    """The simulator's graph-safe RNG flags go through assign (a torch config module keeps them out of its
+    ``__dict__``, so patch() would delete them on revert); its uninstall puts the values found back."""
+    import hf_tpu.sim
+    from hf_tpu.sim import _rng
+
+    hf_tpu.sim.enable()
+    if not _rng.installed():
+        pytest.skip("this torch has no graph-safe RNG registration for other devices")
+    from torch._functorch import config
+
+    assert config.graphsafe_rng_functionalization is True and config.functionalize_rng_ops is False
+    before = dict(_rng._SAVED)
+    targets = [t for feature, t, _ in _patch.assigned() if feature == "sim"]
+    assert any(t.endswith(".graphsafe_rng_functionalization") for t in targets), targets
+    _rng.uninstall()
+    try:
+        assert config.graphsafe_rng_functionalization == before["graphsafe_rng_functionalization"]
+        assert config.functionalize_rng_ops == before["functionalize_rng_ops"]
+    finally:
+        _rng.install()

@@ -90,7 +90,7 @@ def _patch_function(
         # A module imported while the integration was on (``from accelerate import dispatch_model`` in diffusers,
         # say) bound the wrapper; give it upstream's object back too.
         for owner, attr in _aliases(replacement, (name, *aliases)):
-            setattr(owner, attr, upstream)
+            _patch.assign(owner, attr, upstream, feature=FEATURE, reason="an alias bound after the patch, put back")
 
     _patch.on_revert(FEATURE, restore_late_aliases)
 

@@ -1,10 +1,12 @@
-"""Several TPU chips: the launcher, the simulated ``tpu_dist`` backend, and the tensor-parallel plan checks.
+"""Several TPU chips: the launcher and the tensor-parallel plan checks.
 
 - :mod:`hf_tpu.distributed.launch`: ``hf-tpu launch`` / ``python -m hf_tpu.launch`` (torch_tpu's launch
   environment or its simulated counterpart, then torchrun in-process);
-- :mod:`hf_tpu.distributed.sim_backend`: ``tpu_dist`` for the simulated device (gloo over the CPU buffers);
 - :mod:`hf_tpu.distributed.tp_plan`: ``DistributedConfig(tp_size=N)`` plans checked against the model config at
   load (integration ``"tensor_parallel"`` of :func:`hf_tpu.enable`).
+
+The simulated device's ``tpu_dist`` backend is the simulator's (:mod:`hf_tpu.sim.process_group`); this package
+reaches it through :func:`hf_tpu.runtime.simulated_distributed` and imports nothing of :mod:`hf_tpu.sim`.
 
 Importing this package imports nothing heavy; each submodule is imported on first use.
 
@@ -17,13 +19,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["TensorParallelConfigError", "fix_plan", "launch", "sim_backend", "tp_plan"]
+__all__ = ["TensorParallelConfigError", "fix_plan", "launch", "tp_plan"]
 
 _LAZY = {
     "TensorParallelConfigError": "hf_tpu.distributed.tp_plan:TensorParallelConfigError",
     "fix_plan": "hf_tpu.distributed.tp_plan:fix_plan",
     "launch": "hf_tpu.distributed.launch",
-    "sim_backend": "hf_tpu.distributed.sim_backend",
     "tp_plan": "hf_tpu.distributed.tp_plan",
 }
 

@@ -1,7 +1,8 @@
 """Worker entry point used by ``hf-tpu launch``: ``python -m hf_tpu.distributed._bootstrap --script S [args]``.
 
-It imports hf_tpu first (with ``HF_TPU_SIMULATE=1`` that registers this rank's own simulated ``tpu:0`` and the
-simulated ``tpu_dist`` process-group backend), then runs the user's script or module as ``__main__`` with the
+It imports hf_tpu first (with ``HF_TPU_SIMULATE=1`` that registers this rank's own simulated ``tpu:0``; the
+simulator's side of ``torch.distributed``, reached through :func:`hf_tpu.runtime.simulated_distributed`, then sets
+the generation asked for and registers the simulated ``tpu_dist`` process-group backend), then runs the user's script or module as ``__main__`` with the
 arguments it was given. An exception is recorded for torchrun (``TORCHELASTIC_ERROR_FILE``), so the launcher
 can show which rank failed and its traceback.
 """
@@ -19,15 +20,12 @@ def _prepare() -> None:
     # hf_tpu's __init__ has run already (this module is part of the package): with HF_TPU_SIMULATE=1 it enabled the
     # simulated device here.
     if os.environ.get("HF_TPU_SIMULATE", "").strip().lower() in ("1", "true", "yes", "on"):
-        from hf_tpu import sim
-        from hf_tpu.distributed import sim_backend
+        from hf_tpu import runtime
 
         # The launcher passes on the generation / HBM it was asked to simulate (hf-tpu --sim-generation ...).
-        generation, hbm = os.environ.get("HF_TPU_SIM_GENERATION"), os.environ.get("HF_TPU_SIM_HBM")
-        if generation or hbm:
-            sim.enable(**({"generation": generation} if generation else {}), hbm=int(hbm) if hbm else None)
-
-        sim_backend.register()
+        side = runtime.simulated_distributed()
+        if side is not None:
+            side.prepare_rank()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -722,10 +722,9 @@ def _mesh_with_checks(original):
                 check_world(distributed_config.tp_size, mesh_size, world_size=world, launched=launched)
             from hf_tpu import runtime
 
-            if runtime.is_simulated() and torch._C._get_accelerator().type == "tpu":
-                from hf_tpu.distributed import sim_backend
-
-                sim_backend.register()
+            side = runtime.simulated_distributed()
+            if side is not None and torch._C._get_accelerator().type == "tpu":
+                side.register()
         return original(distributed_config)
 
     initialize_distributed_mesh.__wrapped__ = original

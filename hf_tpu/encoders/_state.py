@@ -1,17 +1,17 @@
 """Per-model settings and state of the bucketed encoder forward: its ladders, strict mode, what it compiled.
 
-A leaf module (it imports nothing of hf_tpu's beyond the shared bucket ladder), read by the route, the forward and
+A leaf module (it imports nothing of hf_tpu's beyond the layer the integrations share, :mod:`hf_tpu._shared`), read by the route, the forward and
 the warm-up. The state lives in the model's ``__dict__`` (as generation's does), so it goes when the model goes.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from hf_tpu._shared.buckets import BucketLadder, default_ladder
+from hf_tpu._shared.state import STRICT_ENV, attached, strict_from_env
 from hf_tpu.errors import HfTpuError, UserError
-from hf_tpu.transformers.buckets import BucketLadder, default_ladder
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
@@ -24,8 +24,6 @@ __all__ = [
 
 # One graph per (batch bucket, length bucket): rows are padded to the next power of two up to 128.
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-# The environment switch generation's strict mode reads, read here too: after warm-up a new graph is an error.
-STRICT_ENV = "HF_TPU_STRICT_COMPILE"
 
 
 class EncoderRecompileError(HfTpuError, RuntimeError):
@@ -55,16 +53,12 @@ class EncoderState:
     def is_strict(self) -> bool:
         if self.strict is not None:
             return self.strict
-        return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on", "eager")
+        return bool(strict_from_env())  # (HF_TPU_STRICT_COMPILE, as generation reads it; "eager" counts as on)
 
 
 def state(model) -> EncoderState:
     """The model's :class:`EncoderState` (made on first use)."""
-    found = model.__dict__.get("_hf_tpu_encoder")
-    if found is None:
-        found = EncoderState()
-        model.__dict__["_hf_tpu_encoder"] = found
-    return found
+    return attached(model, "_hf_tpu_encoder", EncoderState)
 
 
 def configure(
@@ -80,7 +74,7 @@ def configure(
     Args:
         model: a transformers encoder (BERT, RoBERTa, XLM-R, ModernBERT, DistilBERT, ELECTRA, DeBERTa-v2, MPNet and
             their heads).
-        lengths: sequence lengths inputs are padded up to (default: :func:`hf_tpu.transformers.buckets.default_ladder`
+        lengths: sequence lengths inputs are padded up to (default: :func:`hf_tpu._shared.buckets.default_ladder`
             of the config, 16, 32, ... up to ``max_position_embeddings``).
         batch_sizes: row counts batches are padded up to (default :data:`DEFAULT_BATCH_SIZES`).
         strict: True: after :func:`hf_tpu.encoders.warmup`, a call that needs a graph warm-up did not compile raises

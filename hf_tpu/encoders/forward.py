@@ -28,7 +28,7 @@ from typing import Any
 from hf_tpu.encoders import route as _route
 from hf_tpu.encoders._state import EncoderRecompileError, state
 from hf_tpu.errors import HfTpuError
-from hf_tpu.transformers._notes import warn_once
+from hf_tpu._shared.notes import warn_once
 
 logger = logging.getLogger("hf_tpu.encoders")
 

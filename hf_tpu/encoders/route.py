@@ -4,7 +4,7 @@
 by the forward (:mod:`hf_tpu.encoders.forward`) and by :func:`hf_tpu.encoders.explain`. The bucketed path pads
 ``input_ids``/``attention_mask``/``token_type_ids`` of shape ``(batch, length)`` to a bucket and slices the outputs
 back; whatever it could not undo exactly goes to upstream's forward, with the reason named once
-(:func:`hf_tpu.transformers._notes.warn_once`, as generate's fallbacks do).
+(:func:`hf_tpu._shared.notes.warn_once`, as generate's fallbacks do).
 
 Example:
     >>> from hf_tpu.encoders.route import EncoderRoute
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hf_tpu.encoders._state import state as _state
-from hf_tpu.transformers.buckets import BucketOverflowError
+from hf_tpu._shared.buckets import BucketOverflowError
 
 __all__ = ["INPUTS", "EncoderRoute", "decide", "input_names"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from hf_tpu.encoders._integration import MODEL_TYPES, serves
 from hf_tpu.encoders._state import configure, state
-from hf_tpu.transformers.buckets import BucketLadder
+from hf_tpu._shared.buckets import BucketLadder
 
 __all__ = ["EncoderWarmupReport", "warmup"]
 
@@ -82,7 +82,7 @@ def warmup(
             it), or ``batch_sizes`` holds no positive integer.
         hf_tpu.errors.UserError: the model's calls cannot take the bucketed path (the reason
             :func:`hf_tpu.encoders.explain` gives), so there is no graph to compile.
-        hf_tpu.transformers.buckets.BucketOverflowError: ``max_length`` or a batch size past the ladders.
+        hf_tpu._shared.buckets.BucketOverflowError: ``max_length`` or a batch size past the ladders.
     """
     import torch
     from tqdm.auto import tqdm

@@ -50,6 +50,10 @@ CHIP_COUNTS = (1, 2, 4, 8)
 # Response headers not passed on: the proxy frames the body itself.
 _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 _POLL_S = 0.5
+#: One health probe of the replica's server (a probe, polled until the start deadline; not real work).
+_PROBE_S = 5
+#: How long a replica's server has to exit after SIGTERM before it is killed.
+_STOP_GRACE_S = 60
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -109,7 +113,7 @@ class HfTpuServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"hf-tpu serve exited ({self.process.returncode}):\n{self._output()}")
             with contextlib.suppress(OSError, urllib.error.URLError):
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                with urllib.request.urlopen(self.url + "/health", timeout=_PROBE_S) as r:
                     if r.status == 200:
                         return
             if time.monotonic() > deadline:
@@ -168,7 +172,7 @@ class HfTpuServer:
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=60)
+                self.process.wait(timeout=_STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()

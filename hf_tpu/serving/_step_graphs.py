@@ -56,8 +56,8 @@ def _namespace(cache, runner, model):
     """Everything a step graph depends on besides its shape and the weights."""
     from transformers.generation.continuous_batching import input_outputs, model_runner
 
+    from hf_tpu.compile_cache import model_identity
     from hf_tpu.serving import _penalties, _runner, _sampling
-    from hf_tpu.transformers._graphs import model_identity
 
     cb = runner.cb_config
     compile_config = cb.varlen_compile_config

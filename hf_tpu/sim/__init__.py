@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 from hf_tpu.sim import execution_mode  # torch_tpu's CPU-fallback switch, mirrored
 from hf_tpu.sim._after_import import after_import
@@ -127,8 +128,35 @@ def enable(generation: str = "v6e", hbm: int | None = None, emulate_precision: b
             torch_tpu_version=_version("torch-tpu") or _version("torch_tpu"),
             libtpu_version=_version("libtpu"),
             reason=f"simulated {spec['name']} with {hbm_bytes / 1024**3:.2f} GiB HBM (hf_tpu.sim, CPU memory)",
-        )
+        ),
+        distributed=DistributedSide,
     )
+
+
+class DistributedSide:
+    """The simulator's side of ``torch.distributed``, handed to :func:`hf_tpu.runtime.simulated_distributed` by
+    :func:`enable`: code outside the simulator (``hf-tpu launch``'s ranks, the tensor-parallel mesh) calls it there
+    and never imports the simulator."""
+
+    @staticmethod
+    def register() -> None:
+        """Register the simulated ``tpu_dist`` process-group backend (:func:`hf_tpu.sim.process_group.register`)."""
+        from hf_tpu.sim import process_group
+
+        process_group.register()
+
+    @staticmethod
+    def prepare_rank() -> None:
+        """A rank of ``hf-tpu launch --simulate`` (its ``hf_tpu`` import enabled the device): the generation and HBM
+        the launcher was asked to simulate (``HF_TPU_SIM_GENERATION``, ``HF_TPU_SIM_HBM``), then :meth:`register`.
+
+        Raises:
+            ValueError: an unknown generation or a bad HBM size (see :func:`enable`).
+        """
+        generation, hbm = os.environ.get("HF_TPU_SIM_GENERATION"), os.environ.get("HF_TPU_SIM_HBM")
+        if generation or hbm:
+            enable(**({"generation": generation} if generation else {}), hbm=int(hbm) if hbm else None)
+        DistributedSide.register()
 
 
 def is_enabled() -> bool:

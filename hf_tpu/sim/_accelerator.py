@@ -28,6 +28,8 @@ import torch
 import torch.accelerator
 import torch.accelerator.memory
 
+from hf_tpu import _patch
+
 from hf_tpu.sim._counters import STATE
 
 __all__ = ["install"]
@@ -139,4 +141,4 @@ def install() -> None:
             replacement = make(current)
             replacement._hf_tpu_sim = True  # type: ignore[attr-defined]
             replacement._hf_tpu_original = current  # type: ignore[attr-defined]
-            setattr(owner, name, replacement)
+            _patch.assign(owner, name, replacement, feature="sim", reason="the simulated device's, for the process's life")

@@ -99,7 +99,12 @@ def register() -> None:
     if not hasattr(torch.backends, "tpu") or not getattr(torch.backends.tpu, "simulated", False):
         if hasattr(torch.backends, "tpu"):
             TAKEN_OVER["torch.backends.tpu"] = torch.backends.tpu
-        torch.backends.tpu = _backends_module()  # type: ignore[attr-defined]
+        from hf_tpu import _patch
+
+        _patch.assign(
+            torch.backends, "tpu", _backends_module(), feature="sim",
+            reason="the simulated device's torch.backends.tpu (torch_tpu's is taken over), for the process's life",
+        )  # fmt: skip
         sys.modules["torch.backends.tpu"] = torch.backends.tpu
     _accelerator.install()  # torch.accelerator's memory and synchronize answers, with the device for its life
     _ops.install()

@@ -139,6 +139,7 @@ GENERATOR = DeviceGenerator()
 GENERATOR.seed()
 
 _FLAGS = ("graphsafe_rng_functionalization", "functionalize_rng_ops")  # torch._functorch.config's, as the wheel sets
+_WHY = "a torch config module's flag (not in its __dict__, so patch() could not restore it); undone by uninstall()"
 _SAVED: dict[str, Any] = {}  # what install() changed: the device-type set's additions and the flags' old values
 
 
@@ -163,8 +164,8 @@ def install() -> None:
         _SAVED[flag] = getattr(config, flag)
     aot_utils.register_graphsafe_rng_device_type("privateuseone")
     types.add("tpu")  # torch_tpu renames privateuseone to tpu; so does the simulator
-    config.graphsafe_rng_functionalization = True
-    config.functionalize_rng_ops = False
+    for flag, value in zip(_FLAGS, (True, False), strict=True):
+        _patch.assign(config, flag, value, feature="sim", reason=_WHY)
     _patch.on_revert("sim", uninstall)
 
 
@@ -175,7 +176,9 @@ def uninstall() -> None:
 
     if not _SAVED:
         return
+    from hf_tpu import _patch
+
     aot_utils._GRAPHSAFE_RNG_DEVICE_TYPES.difference_update(_SAVED["added"])
     for flag in _FLAGS:
-        setattr(config, flag, _SAVED[flag])  # (not delattr: on a config module that hides the flag)
+        _patch.assign(config, flag, _SAVED[flag], feature="sim", reason=_WHY)  # (not delattr: a config module)
     _SAVED.clear()

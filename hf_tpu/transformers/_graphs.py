@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hf_tpu._torch_tpu import HOST_READ_REFUSED
+from hf_tpu.compile_cache import model_identity
 from hf_tpu.transformers import _beam_graphs
 from hf_tpu.transformers._settings import (
     CACHED,
@@ -383,29 +384,6 @@ def _graph_id(key: tuple, args: tuple) -> str:
     Python float constants the trace bakes in (none today: the plan's values are graph inputs)."""
     constants = [a[1] for a in args if isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], float)]
     return repr((key, constants))
-
-
-def model_identity(model) -> dict[str, Any]:
-    """What a compiled graph of ``model`` depends on besides its shapes and weights: transformers' version, the
-    model class, a hash of its config (paths and versions left out), attention implementation, dtype and device
-    type. Generation's and serving's compile-cache namespaces start from it."""
-    import hashlib
-    import json
-
-    import transformers
-
-    config = model.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "name_or_path"):
-        config.pop(volatile, None)
-    cls = type(model)
-    return {
-        "transformers": transformers.__version__,
-        "model_class": f"{cls.__module__}.{cls.__qualname__}",
-        "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "dtype": str(model.dtype),
-        "device": model.device.type,
-    }
 
 
 def cache_namespace(cache, model, state: ModelState):

@@ -1,17 +1,7 @@
-"""The one-time notes ``generate`` gives (:func:`warn_once`): each reason is said once per process."""
+"""Generation's one-time notes: :mod:`hf_tpu._shared.notes` (one set of keys said, shared with the encoders)."""
 
 from __future__ import annotations
 
-import warnings
+from hf_tpu._shared.notes import WARNED, warn_once
 
 __all__ = ["WARNED", "warn_once"]
-
-# The keys said so far (cleared by whoever needs every note again: the architecture sweep, tests).
-WARNED: set[str] = set()
-
-
-def warn_once(key: str, message: str) -> None:
-    """Warn ``message`` unless a warning with ``key`` was given already in this process."""
-    if key not in WARNED:
-        WARNED.add(key)
-        warnings.warn(message, stacklevel=4)

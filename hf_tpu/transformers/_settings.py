@@ -7,23 +7,18 @@ Every other generation module reads a model's state through :func:`model_state`;
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_tpu._shared.buckets import DEFAULT_CACHE_MULTIPLE, BucketLadder, default_ladder
+from hf_tpu._shared.state import STRICT_EAGER, STRICT_ENV, attached, strict_from_env
 from hf_tpu.errors import HfTpuError
-from hf_tpu.transformers.buckets import DEFAULT_CACHE_MULTIPLE, BucketLadder, default_ladder
 
 __all__ = [
     "STRICT_EAGER", "STRICT_ENV", "GenerationSettings", "RecompileError", "Route", "compiled_graphs", "configure",
 ]
-
-# Turns a compile after warm-up into an error (same as ``warmup(..., strict=True)``; ``=eager``: ``strict="eager"``).
-STRICT_ENV = "HF_TPU_STRICT_COMPILE"
-# ``strict="eager"``: an eager op compile after warm-up (a torch_tpu cache miss) is an error too, not only a graph's.
-STRICT_EAGER = "eager"
 
 # Device types the hf_tpu loop takes over. Tests may widen it to exercise the loop on CPU.
 DEVICE_TYPES: set[str] = {"tpu"}
@@ -153,8 +148,7 @@ class ModelState:
     def _strict_setting(self) -> bool | str:
         if self.settings.strict is not None:
             return self.settings.strict
-        value = os.environ.get(STRICT_ENV, "").strip().lower()
-        return STRICT_EAGER if value == STRICT_EAGER else value in ("1", "true", "yes", "on")
+        return strict_from_env()
 
     @property
     def strict(self) -> bool:
@@ -167,11 +161,7 @@ class ModelState:
 
 
 def model_state(model) -> ModelState:
-    state = model.__dict__.get("_hf_tpu_generation")
-    if state is None:
-        state = ModelState()
-        model.__dict__["_hf_tpu_generation"] = state
-    return state
+    return attached(model, "_hf_tpu_generation", ModelState)
 
 
 def configure(

@@ -118,10 +118,9 @@ def warmup(
     :func:`hf_tpu.transformers.explain` say why. A beam count whose calls run upstream's loop is left out so.
 
     Returns:
-        A :class:`WarmupReport`: the graph keys covered, how many were compiled or loaded, and the time taken. For an
-        encoder the ``encoders`` integration serves (BERT, RoBERTa, XLM-R, ModernBERT, ...), the
-        :class:`~hf_tpu.encoders.EncoderWarmupReport` of :func:`hf_tpu.encoders.warmup` with ``max_length =
-        max_prompt_len`` (``max_new_tokens`` plays no part).
+        A :class:`WarmupReport`: the graph keys covered, how many were compiled or loaded, and the time taken.
+        (``hf_tpu.warmup``, the facade in :mod:`hf_tpu._warmup`, sends an encoder the ``encoders`` integration
+        serves to :func:`hf_tpu.encoders.warmup` instead.)
 
     Raises:
         hf_tpu.runtime.TPUNotAvailableError, ValueError: the model is not on a TPU (the message says how to
@@ -136,11 +135,6 @@ def warmup(
         WarmupReport(graphs=[('prefill', 1, 16, 32), ('decode', 1, 32), ...], ...)
     """
     from tqdm.auto import tqdm
-
-    from hf_tpu.encoders import _integration as encoders
-
-    if encoders.serves(model):  # an encoder (BERT-like): its graphs are the bucketed forward's
-        return _warm_encoder(model, max_prompt_len, batch_sizes, buckets, strict, progress, cache_dir)
 
     from hf_tpu.transformers import generation
 
@@ -245,20 +239,6 @@ def warmup(
         report.cache_dir = str(cache.root)
         report.cache_problems = list(cache.problems)
     return report
-
-
-def _warm_encoder(model, max_prompt_len, batch_sizes, buckets, strict, progress, cache_dir):
-    """:func:`hf_tpu.encoders.warmup` for ``hf_tpu.warmup(encoder, ...)``."""
-    from hf_tpu.encoders.warmup import warmup as warm_encoder
-    from hf_tpu.errors import UserError
-
-    if cache_dir is not None:
-        raise UserError(
-            "hf_tpu.warmup(encoder, cache_dir=...): the persistent compile cache does not hold encoder graphs yet; "
-            "warm up without cache_dir (each process compiles its buckets once)"
-        )
-    strict = None if strict is None else bool(strict)
-    return warm_encoder(model, max_prompt_len, batch_sizes, lengths=buckets, strict=strict, progress=progress)
 
 
 def _image_plan(image_sizes, num_images) -> list[tuple[tuple[int, int], int]]:

@@ -129,12 +129,15 @@ def cpu_reference(cpu, prompt: list[int], kw: dict) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+_POLL_S = 1
+
+
 def finished(manager, ids: list[str]) -> dict:
     """The finished results of ``ids`` (upstream's ``get_result`` hands out results in arrival order)."""
     deadline, results = time.monotonic() + SAFETY_TIMEOUT_S, {}
     while len(results) < len(ids):
         assert time.monotonic() < deadline and manager.is_running(), f"unfinished: {set(ids) - set(results)}"
-        result = manager.get_result(timeout=1)
+        result = manager.get_result(timeout=_POLL_S)  # a poll: the deadline above is the safety timeout
         if result is not None and result.is_finished():
             results[result.request_id] = result
     return results

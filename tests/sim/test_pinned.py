@@ -79,7 +79,7 @@ def test_ddp_with_find_unused_parameters_matches_the_cpu(tmp_path):
     """DDP's C++ reducer allocates its used-parameter map with pin_memory=True (the native core's allocator)."""
     import torch.distributed as dist
 
-    from hf_tpu.distributed import sim_backend
+    from hf_tpu.sim import process_group as sim_backend
     from hf_tpu.sim._counters import STATE
 
     if STATE.native is None:

@@ -1,5 +1,10 @@
 """The ``tpu_dist`` process-group backend of the simulated device: collectives over the CPU buffers, gloo underneath.
 
+The simulator's side of ``torch.distributed``, as torch_tpu's own ``tpu_dist`` is the chip's. Code outside the
+simulator (``hf-tpu launch``'s ranks, the tensor-parallel plan) reaches it through
+:func:`hf_tpu.runtime.simulated_distributed` (:class:`hf_tpu.sim.DistributedSide`), never by importing the
+simulator.
+
 On a real TPU, torch_tpu registers ``tpu_dist`` for the ``tpu`` device. On the simulator every rank is its own
 process with its own simulated ``tpu:0`` whose tensors keep their data in CPU memory; this backend runs each
 collective with gloo on CPU views of those buffers (:func:`hf_tpu.sim.host_view`), so results land in place,
@@ -7,8 +12,8 @@ with no host<->device copy counted, and ``torch.distributed``, DeviceMesh, DTens
 parallel code run unchanged. Collectives are synchronous (the returned work is already complete).
 
 Example:
-    >>> from hf_tpu.distributed import sim_backend
-    >>> sim_backend.register()          # done by `hf-tpu launch --simulate` in every rank   # doctest: +SKIP
+    >>> from hf_tpu.sim import process_group
+    >>> process_group.register()        # done by `hf-tpu launch --simulate` in every rank   # doctest: +SKIP
     >>> torch.distributed.init_process_group("tpu_dist")                                      # doctest: +SKIP
 """
 
@@ -46,7 +51,7 @@ _LOCK = threading.Lock()
 def _host_view_default(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":
         return t
-    from hf_tpu.sim import host_view
+    from hf_tpu.sim._tensors import host_view
 
     return host_view(t)
 
@@ -343,3 +348,4 @@ def register(name: str = BACKEND_NAME, devices: Sequence[str] = ("tpu",)) -> Non
         for device in devices:
             if device != "cpu":
                 dist.Backend.default_device_backend_map[device] = name
+

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import hf_tpu.sim
-from hf_tpu.distributed.sim_backend import SimulatedTPUProcessGroup
+from hf_tpu.sim.process_group import SimulatedTPUProcessGroup
 
 
 @pytest.fixture
