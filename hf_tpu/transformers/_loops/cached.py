@@ -59,7 +59,7 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
             nonlocal length
             set_length(cache, length)
             length += 1
-            ids = next_tokens[:, None].to(device)
+            ids = next_tokens.to(device)[:, None]
             return run_graph(model, state, decode_key, ids, encoder_hidden, enc_mask_dev, cache, sampling)
 
         def returned():
@@ -173,14 +173,14 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
     if not seen:
         first = call.take(first, slice(pad, pad + prompt_len), slice(start, start + prompt_len))
     set_decoding(cache, True)
-    positions = positions[..., -1].T  # (batch, rows): each row goes on by one per token, as upstream's loop does
+    # (batch, rows), on the device: each row goes on by one per token, as upstream's loop does
+    positions = positions[..., -1].T.contiguous().to(device)
 
     def step(next_tokens):
         nonlocal length, positions
         set_length(cache, length)
         length += 1
-        positions = positions + 1
-        packed_step = torch.cat([next_tokens[:, None], positions], dim=1).to(device)  # (batch, 1 + rows)
+        packed_step, positions = decode_input(next_tokens, positions)
         result = run_graph(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
         return call.take(result, slice(0, 1), slice(start, length))
 
@@ -192,6 +192,17 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
 
 # ``custom_generate`` callable: greedy/sampling decode with bucketed static shapes and compiled graphs.
 decode_loop = loop(cached_steps)
+
+
+def decode_input(next_tokens, positions) -> tuple:
+    """A decode step's ``(batch, 1 + rows)`` input on the device, from the next tokens (on the device, where the loop
+    keeps them between read-backs, or on the host) and the last positions ``(batch, rows)`` on the device; returns it
+    with the step's positions. Nothing comes back to the host."""
+    import torch
+
+    positions = positions + 1
+    return torch.cat([next_tokens.to(positions.device)[:, None], positions], dim=1), positions
+
 
 
 def extra_inputs(model) -> dict:
@@ -230,7 +241,7 @@ def warm_plan(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
             set_length(cache, 0)
             run_graph(model, state, prefill_key, step.to(device), hidden, mask_dev, cache, sampling)
             set_decoding(cache, True)
-            step = torch.full((batch, 1), start, dtype=torch.long).to(device)
+            step = torch.full((batch,), start, dtype=torch.long).to(device)[:, None]  # (as the loop's: _loops.cached)
             set_length(cache, plan.prompt_len)
             run_graph(model, state, decode_key, step, hidden, mask_dev, cache, sampling)
             cache.reset()  # the next call resets it too: meet the eager ops of the reset here
@@ -250,7 +261,8 @@ def warm_plan(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
         set_length(cache, 0)
         run_graph(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
         set_decoding(cache, True)
-        step = torch.tensor([[0, *[p] * rows]], dtype=torch.long).expand(batch, 1 + rows).contiguous().to(device)
+        tokens = torch.zeros(batch, dtype=torch.long).to(device)
+        step, _ = decode_input(tokens, torch.full((batch, rows), p - 1, dtype=torch.long).to(device))
         set_length(cache, p)
         run_graph(model, state, decode_key, step, mask_dev, cache, extra, sampling)
         cache.reset()
