@@ -70,6 +70,8 @@ class Route:
         without_cache_checked: whether ``without_cache`` has been decided.
         host_sampling: (from :func:`~hf_tpu.transformers.explain` only) why the call's logits processors and
             sampling run on the host, one logits row copied back per step (None: in the graph).
+        step_by_step: (from :func:`~hf_tpu.transformers.explain` only) why the call's new tokens come back each
+            decode step (None: every ``read_back_every`` steps, :mod:`hf_tpu.transformers._loops.readback`).
     """
 
     loop: str
@@ -78,6 +80,7 @@ class Route:
     without_cache: str | None = None
     without_cache_checked: bool = False
     host_sampling: str | None = None
+    step_by_step: str | None = None
 
     @property
     def fast(self) -> bool:

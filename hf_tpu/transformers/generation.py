@@ -71,6 +71,7 @@ from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._graphs import PENALTY, run_graph
 from hf_tpu.transformers._loops import beam, cacheless
 from hf_tpu.transformers._loops.cached import decode_loop, warm_plan
+from hf_tpu.transformers._loops.readback import ReadBacks, read_backs
 from hf_tpu.transformers._loops.skeleton import default_variant
 from hf_tpu.transformers._notes import WARNED, warn_once
 from hf_tpu.transformers._pad_id import fill_id
@@ -101,6 +102,7 @@ __all__ = [
     "BucketOverflowError",
     "GenerationSettings",
     "NotCompilableError",
+    "ReadBacks",
     "RecompileError",
     "Route",
     "ShapePlan",
@@ -113,6 +115,7 @@ __all__ = [
     "generate",
     "ladder_figures",
     "plan_shapes",
+    "read_backs",
     "timed_host_steps",
 ]
 

@@ -36,7 +36,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["DeviceRows", "ReadBacks", "read_backs", "step_by_step_reason", "warm"]
+__all__ = ["DeviceRows", "ReadBacks", "explain", "read_backs", "step_by_step_reason", "warm"]
 
 
 @dataclass
@@ -98,6 +98,22 @@ def step_by_step_reason(every: int, host_path: bool, output_flags: dict, stoppin
     if any(isinstance(c, MaxTimeCriteria) for c in stopping_criteria):
         return "max_time: its stopping criterion reads the clock after each token"
     return None
+
+
+def explain(model, host_sampling: str | None, args: dict, kwargs: dict) -> str | None:
+    """:func:`step_by_step_reason` of a ``generate`` call (``args`` its named arguments, ``kwargs`` the rest), for
+    :func:`hf_tpu.transformers.explain`."""
+    from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+    from hf_tpu.transformers._settings import model_state
+    from hf_tpu.transformers._step_outputs import asked
+
+    config, _ = model._prepare_generation_config(args.get("generation_config"), **kwargs)
+    criteria = list(args.get("stopping_criteria") or ())
+    if config.max_time is not None:
+        criteria.append(MaxTimeCriteria(config.max_time))
+    every = model_state(model).settings.read_back_every
+    return step_by_step_reason(every, host_sampling is not None, asked(config), criteria)
 
 
 def eos_ids(stopping_criteria):
