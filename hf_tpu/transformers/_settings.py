@@ -217,8 +217,8 @@ def configure(
         The model's :class:`GenerationSettings` after the change.
 
     Raises:
-        ValueError: a ``cache_multiple`` or ``read_back_every`` that is not a positive int, a ``strict`` other than True, False or
-            ``"eager"``, or a ladder that is not increasing positive lengths.
+        ValueError: a ``cache_multiple`` or ``read_back_every`` that is not a positive int, a ``strict`` other than
+            True, False or ``"eager"``, or a ladder that is not increasing positive lengths.
 
     Example:
         >>> from hf_tpu.transformers import configure                   # doctest: +SKIP

@@ -48,16 +48,17 @@ def _cpu(cpu, ids, kwargs, seed=0):
         return cpu.generate(ids, **kwargs)
 
 
-def _ending_ids(free, prompt_len: int, rows: list[int], at: int) -> list[int]:
-    """For each of ``rows``, a token it first emits at new token ``at`` or later in the free run ``free`` and that
-    no row emits before ``at``: as end-of-sequence ids, they end those rows there (others may end on them later)."""
+def _ending_ids(free, prompt_len: int, rows: list[int], at: int, floor: int = 10) -> list[int]:
+    """For each of ``rows``, a token it emits in the free run ``free`` (from new token ``at`` on where it can, else
+    from ``floor`` on) that no row emits before new token ``floor``: as end-of-sequence ids, they end each of those
+    rows at or after ``floor`` and by that token (other rows may end on them too)."""
     new = free[:, prompt_len:]
-    early = set(new[:, :at].flatten().tolist())
+    early = set(new[:, :floor].flatten().tolist())
     chosen = []
     for row in rows:
-        token = next((int(t) for t in new[row, at:] if int(t) not in early and int(t) not in chosen), None)
-        assert token is not None, f"row {row} emits no fresh token after {at}: pick another prompt"
-        chosen.append(token)
+        fresh = [(p, int(t)) for p, t in enumerate(new[row].tolist()) if p >= floor and t not in early | set(chosen)]
+        assert fresh, f"row {row} emits no token after {floor} that no row emits before: pick another prompt"
+        chosen.append(next((t for p, t in fresh if p >= at), fresh[-1][1]))
     return chosen
 
 

@@ -38,6 +38,7 @@ __all__ = ["default_variant"]
 # to the host (the copy back, and on the host path the processors and the sampler).
 HOST_TIMERS: list[list[float]] = []
 
+
 def _add_time(start: float | None) -> None:
     if start is not None:
         for total in HOST_TIMERS:
@@ -186,8 +187,8 @@ class LoopCall:
         return fed
 
     def _run_chunked(self, tokens_dev, steps_left: int, step: Callable) -> None:
-        """:meth:`run` with the tokens kept on the device: up to :attr:`every` steps dispatched back to back, one read-back,
-        then the host side of each token read, cut at the first where every row has stopped."""
+        """:meth:`run` with the tokens kept on the device: up to :attr:`every` steps dispatched back to back, one
+        read-back, then the host side of each token read, cut at the first where every row has stopped."""
         record = self.record
         pad = None if self.pad_token is None else int(self.pad_token)
         eos = readback.eos_ids(self.stopping_criteria) if self.has_eos else None
