@@ -1,12 +1,14 @@
 """The decoding loop plugged into upstream ``generate`` as ``custom_generate``, and warm-up of one shape plan.
 
 The loop pads the prompt on the left to its bucket, runs the prefill graph, then one decode graph per new token;
-the growing tensors (sequence, mask, positions) stay on the host, each decode step sends one ``(batch, 2)`` tensor
-(``(batch, 4)`` for a model numbering its positions in three rows: Qwen2-VL's) and reads back the next tokens: the
-logits processors and the sampler run in the graph (:mod:`hf_tpu.transformers.sampling`), unless one of them has
-no device form or the scores are wanted on the host (``output_scores``): then the last logits row comes back and
-upstream's processors run on the host. What the loop does around its graphs (the sampling plan, each step's host
-side, the output) is the shared :class:`~hf_tpu.transformers._loops.skeleton.LoopCall`'s.
+the growing tensors (sequence, mask) stay on the host, each decode step's input (``(batch, 2)``: the next tokens and
+their positions; ``(batch, 4)`` for a model numbering its positions in three rows: Qwen2-VL's) is built on the device
+(:func:`decode_input`) from the last step's tokens, which come back to the host every K steps
+(:mod:`~hf_tpu.transformers._loops.readback`): the logits processors and the sampler run in the graph
+(:mod:`hf_tpu.transformers.sampling`), unless one of them has no device form or the scores are wanted on the host
+(``output_scores``): then the last logits row comes back each step and upstream's processors run on the host. What
+the loop does around its graphs (the sampling plan, each step's host side, the output) is the shared
+:class:`~hf_tpu.transformers._loops.skeleton.LoopCall`'s.
 """
 
 from __future__ import annotations
