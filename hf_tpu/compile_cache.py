@@ -87,10 +87,19 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
+def exclusive(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` + ``.lock`` for the block (released by the OS if the process dies), so that
     processes writing the same manifest at once (ranks, parallel warm-ups) merge their entries instead of one
-    overwriting the other's. Without ``fcntl`` (Windows) the block runs unlocked."""
+    overwriting the other's, and so that actors starting at once on one cache warm up one after the other (the
+    later ones load what the first compiled: :mod:`hf_tpu.ray.batch`). Without ``fcntl`` (Windows) the block runs
+    unlocked.
+
+    Args:
+        path: the file the lock is named after (``path`` + ``.lock`` is created beside it).
+
+    Yields:
+        Nothing: the lock is held while the block runs.
+    """
     try:
         import fcntl
     except ImportError:
@@ -427,7 +436,7 @@ class Namespace:
         if all(e in self.manifest() for e in entries):
             return
         try:
-            with _exclusive(self.manifest_path):
+            with exclusive(self.manifest_path):
                 current = self.manifest()  # read again under the lock: another process may have added entries
                 merged = current + [e for e in entries if e not in current]
                 if merged != current:

@@ -17,6 +17,11 @@ def pytest_sessionstart(session):
     the tests that need it (jax for the kernels, peft for LoRA, torchao and compressed-tensors for quantization,
     fastapi/uvicorn/openai/prometheus_client for tests/serving, sentence-transformers for tests/encoders) cannot be
     skipped unnoticed."""
+    if os.environ.get("HF_TPU_EXPECT_RAY") == "1":  # .ci/run's slow tier installs the [ray] extra for tests/ray
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise RuntimeError("HF_TPU_EXPECT_RAY=1 but ray is not installed: pip install -e '.[ray]'")
     if os.environ.get("CI", "").lower() != "true":
         return
     import importlib.util
@@ -28,3 +33,15 @@ def pytest_sessionstart(session):
         raise RuntimeError(
             f"CI=true but {', '.join(missing)} not installed: the test command installs .[test,kernels,quant,serve]"
         )
+
+
+import pytest  # noqa: E402  (after the environment above, which must precede torch)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """The slow tier (``tests/_tiers.py``): the tests it names get the ``slow`` marker, which the README's command
+    deselects (pyproject.toml's addopts) and ``.ci/run`` runs as a step of its own."""
+    from _tiers import mark_slow
+
+    mark_slow(items)

@@ -46,6 +46,16 @@ def _encoders_equal_cpu(out: str) -> None:
     assert _numbers(r"^sentence-transformers: (\d+) compiles", out) in ([], [0.0]), out[-4000:]
 
 
+# script -> (extra arguments, fragments its output must contain), run in the slow tier (a Ray cluster of simulated VMs)
+SLOW_EXAMPLES = {
+    "ray_batch.py": (["--prompts", "64", "--check-cpu"], [
+        "64 rows back of 64 prompts, 0 with an error, 64 distinct ids",
+        "64 of 64 rows equal the CPU's greedy generate, token for token",
+        "0 graphs compiled, 2 from the compile cache",
+    ]),
+}
+
+
 # script -> checks of the values its output reports (not only that it reports them)
 VALUES = {
     "device_map.py": [_device_map_logits_equal_cpu],
@@ -61,12 +71,17 @@ def _env() -> dict[str, str]:
 
 
 def test_every_example_is_covered():
-    assert {p.name for p in (REPO / "examples").glob("*.py")} == {*EXAMPLES, "tp_generate.py"}
+    assert {p.name for p in (REPO / "examples").glob("*.py")} == {*EXAMPLES, *SLOW_EXAMPLES, "tp_generate.py"}
 
 
-@pytest.mark.parametrize("script", list(EXAMPLES))
+_RAY = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (.ci/run: --dist loadgroup)
+
+
+@pytest.mark.parametrize("script", [*EXAMPLES, *(pytest.param(name, marks=_RAY) for name in SLOW_EXAMPLES)])
 def test_example_runs_on_the_simulator(script, tmp_path, tmp_path_factory):
-    args, expected = EXAMPLES[script]
+    if script in SLOW_EXAMPLES:
+        pytest.importorskip("ray")
+    args, expected = {**EXAMPLES, **SLOW_EXAMPLES}[script]
     tmpdir = tmp_path_factory.mktemp("tmpdir")
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / script), *args],

@@ -79,6 +79,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             "BERT-like encoder inference: eager vs torch.compile vs hf_tpu's buckets (warmed): sentences/s, compiles",
         ),
         Benchmark(
+            "ray_batch",
+            "Ray Data batch inference (HfTpuGenerate): rows/s on 2 vs 1 simulated TPU VMs, actor start with/without cache",
+            requires=(("ray", "pip install 'hf-tpu[ray]'"),),
+        ),
+        Benchmark(
             "training",
             "training steps: eager vs compiled, buckets vs pad-to-longest: steps/s and compiles per step",
         ),

@@ -278,7 +278,7 @@ _INVALID: list[tuple[str, object, int, str | None]] = [
     ("/v1/completions", {"prompt": "The king said", "n": 1000}, 400, "n"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": "The king said", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "The king said", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "The king said", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "The king said", "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": "The king said", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", b'{"prompt": "The king', 400, None),

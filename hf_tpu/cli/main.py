@@ -3,7 +3,9 @@
 Each subcommand is a module ``hf_tpu.cli.<name>`` with two functions:
 
 - ``register(subparsers)``: adds its parser with ``subparsers.add_parser(<name>, help=..., ...)``;
-- ``run(args) -> int``: does the work and returns the exit status.
+- ``run(args) -> int``: does the work and returns the exit status;
+- optionally ``refuse_early(args) -> int | None``: a check run before the simulator is enabled (and torch
+  imported), returning an exit status to stop with (having said why) or None to go on.
 
 ``--simulate``, ``--sim-generation`` and ``--sim-hbm`` are added to every command by this module (accepted before
 or after the command name) and the simulator is enabled before ``run`` is called: commands do not define them.
@@ -194,6 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    early = getattr(args._module, "refuse_early", None)  # a check that needs neither torch nor the simulator
+    refused = early(args) if early is not None else None
+    if refused is not None:
+        return int(refused)
     from hf_tpu.runtime import TPUNotAvailableError
 
     if args.simulate or args.sim_generation or args.sim_hbm:

@@ -10,11 +10,14 @@ With ``--pipeline``, MODEL is a diffusers pipeline directory and the plan is its
 With ``--train``, the plan is one training step (forward with the loss, backward, AdamW) per device, and each device's
 share under FSDP over the target's devices (that column is arithmetic on the compiler's one-device figures).
 
+Exit status: 0 fits, 3 does not fit, 1 could not plan (a program failed for another reason, a package missing), 2 a
+bad command line (``--help`` says more).
+
 Example:
-    $ hf-tpu plan ./llama-3-8b --target v6e-1 --max-prompt-len 2048 --max-new-tokens 256
-    $ hf-tpu plan ./llama-3-8b/config.json --target v6e-1 --quantization int8 --json
+    $ hf-tpu plan ./llama-3-8b-shape --target v6e-1 --max-prompt-len 2048 --max-new-tokens 256
+    $ hf-tpu plan ./llama-3-8b-shape/config.json --target v6e-1 --quantization int8 --json
     $ hf-tpu plan ./sd3-medium --pipeline --target v6e-1 --height 1024 --width 1024
-    $ hf-tpu plan ./llama-3-8b --train --target v6e-8 --seq-len 2048 --layers 2
+    $ hf-tpu plan ./llama-3-8b-shape --train --target v6e-8 --seq-len 2048 --layers 2
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ def register(subparsers) -> argparse.ArgumentParser:
         "front end and compile them with libtpu for TARGET, on this host (no TPU needed); report HBM fit, compile "
         "times and the decode step's projected time (the compiler's estimate, not a measurement); with --pipeline, "
         "the same for a diffusers pipeline's denoiser step.",
+        epilog="exit status: 0 fits (every program the run needs compiled within the target's HBM); 3 does not fit "
+        "(the weights and KV cache, or a program, exceed the target's HBM: the plan names it, the bytes it needed "
+        "and what would fit); 1 could not plan (a program failed to lower or compile for another reason, its error "
+        "printed; or torch-tpu, or torchao for --quantization int8/int4, is not installed: the message names the "
+        "extra); 2 a bad command line or input. --train: 3 when even the FSDP share does not fit.",
     )
     parser.add_argument(
         "model", help="a model directory or its config.json; with --pipeline a diffusers pipeline directory (no weights "
@@ -91,11 +99,21 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_tpu.tpu_compile.plan import plan_generate, plan_pipeline
+    from hf_tpu.tpu_compile.plan import EXIT_COULD_NOT_PLAN, EXIT_USAGE, MissingPackageError
 
     if min(args.batch, args.max_prompt_len, args.max_new_tokens) < 1:
         print("hf-tpu plan: --batch, --max-prompt-len and --max-new-tokens must be positive", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    try:
+        return _run(args)
+    except MissingPackageError as exc:  # could not plan: said in one line, naming the extra to install
+        print(f"hf-tpu plan: {exc}", file=sys.stderr)
+        return EXIT_COULD_NOT_PLAN
+
+
+def _run(args: argparse.Namespace) -> int:
+    from hf_tpu.tpu_compile.plan import EXIT_USAGE, plan_generate, plan_pipeline, require_packages
+
     started = time.perf_counter()
 
     def progress(message: str) -> None:
@@ -103,20 +121,21 @@ def run(args: argparse.Namespace) -> int:
 
     if args.train:
         return _run_train(args, progress)
+    require_packages(None if args.pipeline else args.quantization)  # before any progress line
     if args.pipeline:
         if min(args.height, args.width) < 1:
             print("hf-tpu plan: --height and --width must be positive", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
         if args.quantization:
             print("hf-tpu plan: --quantization plans generate only, not --pipeline", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
         progress(f"lowering {args.model}'s denoiser step through torch_tpu (deferred weights, no chip)")
         plan = plan_pipeline(
             args.model, args.target, height=args.height, width=args.width, batch=args.batch,
             guidance_scale=args.guidance_scale, dtype=args.dtype, progress=progress, dump_hlo=args.dump_hlo,
         )  # fmt: skip
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
-        return 0 if plan.error is None else 1
+        return plan.exit_status
     progress(f"lowering {args.model}'s generate programs through torch_tpu (deferred weights, no chip)")
     plan = plan_generate(
         args.model, args.target, batch=args.batch, max_prompt_len=args.max_prompt_len,
@@ -127,32 +146,28 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         print(plan.table())
-    return 0 if plan.error is None else 1
+    return plan.exit_status
 
 
 def _run_train(args: argparse.Namespace, progress) -> int:
-    from hf_tpu._torch_tpu import installed_version
+    from hf_tpu.tpu_compile.plan import EXIT_COULD_NOT_PLAN, EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_USAGE, require_packages
     from hf_tpu.tpu_compile.train_plan import plan_train
 
     if args.pipeline or args.quantization:
         print(
             "hf-tpu plan: --train plans a causal LM's training step; drop --pipeline/--quantization", file=sys.stderr
         )
-        return 2
+        return EXIT_USAGE
     if min(args.seq_len, args.layers or 1, args.shards or 1) < 1:
         print("hf-tpu plan: --seq-len, --layers and --shards must be positive", file=sys.stderr)
-        return 2
-    if installed_version() is None:
-        print(
-            "hf-tpu plan --train: compiling for a TPU needs torch-tpu, libtpu and jax, which are not installed here: "
-            "pip install 'hf-tpu[tpu]' (torch==2.13.0 first). Nothing was planned.",
-            file=sys.stderr,
-        )
-        return 2
+        return EXIT_USAGE
+    require_packages()
     progress(f"tracing {args.model}'s training step on the meta device, lowering it through torch_tpu (no chip)")
     plan = plan_train(
         args.model, args.target, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype, layers=args.layers,
         shards=args.shards, compute_dtype=args.compute_dtype, progress=progress,
     )  # fmt: skip
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
-    return 0 if plan.error is None else 1
+    if plan.error is not None:
+        return EXIT_COULD_NOT_PLAN
+    return EXIT_DOES_NOT_FIT if plan.fits()["fsdp"] is False else EXIT_FITS

@@ -5,7 +5,8 @@ batching).
 unless ``--host`` says otherwise, listens as soon as the model is loaded, warms up every step shape (printing its
 progress; ``/health`` answers 503 until it is done), and serves the model under ``--served-model-name`` (default:
 the model directory's name). Endpoints are transformers' (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-``/health``, streaming with ``"stream": true``) plus ``/metrics`` (Prometheus). SIGINT/SIGTERM stop it.
+``/health``, streaming with ``"stream": true``) plus ``GET /v1/models/{id}`` and ``/metrics`` (Prometheus).
+SIGINT/SIGTERM stop it. A ``--port`` already taken is refused in one line (exit status 2) before anything loads.
 
 Example:
     $ hf-tpu serve --simulate
@@ -18,8 +19,12 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 
-__all__ = ["register", "run"]
+__all__ = ["EXIT_PORT_TAKEN", "register", "run"]
+
+#: Exit status when ``--host``/``--port`` cannot be listened on (a port taken): said before the model loads.
+EXIT_PORT_TAKEN = 2
 
 
 def _positive_int(text: str) -> int:
@@ -46,7 +51,8 @@ def register(subparsers) -> argparse.ArgumentParser:
         "model", nargs="?", default=None, help="model directory (default: the model shipped with hf_tpu)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="port to listen on (default: 8000); a port already taken: exit status 2 at once")
     parser.add_argument("--kv-cache-gib", type=_positive_float, default=None,
                         help="cap on the paged KV cache, GiB (default: sized for --slots full-length requests, at "
                         "most half the chip's free HBM; also HF_TPU_KV_CACHE_GIB)")  # fmt: skip
@@ -78,6 +84,22 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--enable-cors", action="store_true", help="(transformers serve's --enable-cors)")
     parser.add_argument("--default-seed", type=int, default=None, help="(transformers serve's --default-seed)")
     return parser
+
+
+def refuse_early(args: argparse.Namespace) -> int | None:
+    """Refuse a ``--host``/``--port`` that cannot be listened on (a port taken), in one line, before torch, the
+    simulator or the model load (uvicorn would only log it once the model is warm); None when it is free."""
+    import os
+
+    from hf_tpu.serving.server import port_taken
+    from hf_tpu.serving.tensor_parallel import TP_ENV
+
+    follower = os.environ.get(TP_ENV) and os.environ.get("RANK") not in (None, "0")
+    taken = None if follower else port_taken(args.host, args.port)
+    if taken is None:
+        return None
+    print(f"hf-tpu serve: {taken}", file=sys.stderr)
+    return EXIT_PORT_TAKEN
 
 
 def run(args: argparse.Namespace) -> int:

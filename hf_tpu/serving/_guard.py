@@ -6,13 +6,15 @@ bound. In front of it, for ``POST /v1/...``:
 * a body that is not a JSON object -> 400 naming the problem;
 * ``max_tokens``/``max_completion_tokens``/``max_output_tokens`` that is not a positive integer -> 400;
 * a ``model`` other than the one served -> 404 listing the served name;
-* for chat and completions, every field (:func:`hf_tpu.serving._openai.check`): a wrong one -> 400 naming it;
+* for chat and completions, every field (:func:`hf_tpu.serving._openai.check`), for responses
+  (:func:`~hf_tpu.serving._openai.check_responses`) likewise: a wrong one -> 400 naming it;
 * more than ``max_pending`` requests in flight (counted from their arrival, body not yet read included) -> 429 with
   ``Retry-After`` (the queue is bounded);
 * any request while the server warms up -> 503 with ``Retry-After`` (and ``GET /health`` -> 503 ``"warming up"``
   with the warm-up's progress, :class:`Readiness`);
 
-and ``GET /metrics`` answers with the Prometheus exposition of :class:`~hf_tpu.serving.metrics.ServerMetrics`. Each
+``GET /v1/models/{id}`` answers the served model's object (any name it is served under; else 404), and
+``GET /metrics`` answers with the Prometheus exposition of :class:`~hf_tpu.serving.metrics.ServerMetrics`. Each
 request's arrival time is in :data:`ARRIVAL` for the handlers (time to first token from the arrival), and its
 end-to-end latency goes to the metrics.
 A prompt longer than the model allows is refused where it is tokenized (:class:`PromptTooLongError`, -> 400).
@@ -20,18 +22,22 @@ A prompt longer than the model allows is refused where it is tokenized (:class:`
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import threading
 import time
 
 from hf_tpu.errors import UserError
-from hf_tpu.serving._openai import CHAT, COMPLETIONS, Limits, RequestError, check
+from hf_tpu.serving._openai import CHAT, COMPLETIONS, RESPONSES, Limits, RequestError, check, check_responses
 
 __all__ = ["ARRIVAL", "Guard", "PromptTooLongError", "Readiness"]
 
 _TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 RETRY_AFTER_S = 1
+MODELS = "/v1/models/"
+#: The status counted for a request whose client went away before its answer ended (nginx's 499).
+CLIENT_CLOSED = 499
 #: ``time.perf_counter()`` at the arrival of the request being answered (set by :class:`Guard`).
 ARRIVAL: contextvars.ContextVar[float] = contextvars.ContextVar("hf_tpu_arrival")
 
@@ -71,9 +77,10 @@ class Guard:
     404), ``canonical`` the one transformers' handlers are given."""
 
     def __init__(self, app, *, served: set[str], canonical: str, max_pending: int, metrics,
-                 limits: Limits = Limits(), listed: str | None = None, readiness: Readiness | None = None
-                 ) -> None:  # fmt: skip
+                 limits: Limits = Limits(), listed: str | None = None, readiness: Readiness | None = None,
+                 card=None) -> None:  # fmt: skip
         self.app, self.served, self.canonical, self.limits = app, served, canonical, limits
+        self.card = card  # () -> the served model's object in /v1/models (GET /v1/models/{id} answers it)
         self.listed = listed or canonical
         self.max_pending, self.metrics = max_pending, metrics
         self.readiness = readiness
@@ -90,6 +97,8 @@ class Guard:
             status = "warm-up failed" if self.readiness.failure else "warming up"
             payload = json.dumps({"status": status, "detail": self.readiness.describe()}).encode()
             return await self._reply(send, 503, payload, "application/json", [(b"retry-after", b"1")])
+        if method == "GET" and path.startswith(MODELS) and self.card is not None:
+            return await self._model(send, path[len(MODELS) :])
         if method != "POST" or not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
         retry = [(b"retry-after", str(RETRY_AFTER_S).encode())]
@@ -129,27 +138,55 @@ class Guard:
             self.metrics.answered(path, status)
             return await self._reply(send, status, payload, "application/json")
 
-        sent = False
+        sent = started = False
+        status, ended = [500], [None]
+
+        async def send_status(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started, status[0] = True, message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended[0] = time.perf_counter()
+            await send(message)
+
+        # The client going away ends the request, streamed or not: a watcher reads the connection while the app
+        # runs, and cancels the app when the client disconnects before the answer ended (the handler's ``finally``
+        # then cancels its choices in the continuous batch, freeing their slots and KV blocks). The app's own reads
+        # (a stream listening for the disconnect) are answered from the watcher.
+        gone = asyncio.Event()
 
         async def replay():
             nonlocal sent
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            await gone.wait()
+            return {"type": "http.disconnect"}
 
-        status, ended = [500], [None]
+        answering = asyncio.ensure_future(self.app(scope, replay, send_status))
 
-        async def send_status(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                ended[0] = time.perf_counter()
-            await send(message)
+        async def watch():
+            while True:
+                try:
+                    message = await receive()
+                except Exception:  # noqa: BLE001 - a broken connection: the app's own send will say so
+                    return
+                if message["type"] == "http.disconnect":
+                    gone.set()
+                    if ended[0] is None and not answering.done():
+                        answering.cancel()
+                    return
 
+        watcher = asyncio.ensure_future(watch())
         try:
-            await self.app(scope, replay, send_status)
+            await answering
+        except asyncio.CancelledError:
+            if not gone.is_set():
+                raise  # cancelled from outside (the server stopping), not by the client leaving
+            if not started:
+                status[0] = CLIENT_CLOSED  # nothing was answered (a stream that began keeps its status)
         finally:
+            watcher.cancel()
             seconds = ended[0] - ARRIVAL.get() if ended[0] is not None else None
             self.metrics.answered(path, status[0], seconds)
 
@@ -169,15 +206,25 @@ class Guard:
         if model is not None and model not in self.served:
             message = f"model {model!r} is not served here; this server serves {self.listed!r}"
             return _error(404, message, "not_found_error", "model"), body
-        if path in (CHAT, COMPLETIONS):
+        if path in (CHAT, COMPLETIONS, RESPONSES):
             try:
-                check(path, data, self.limits)
+                check_responses(data, self.limits) if path == RESPONSES else check(path, data, self.limits)
             except RequestError as exc:
                 return _error(exc.status, exc.message, exc.kind, exc.param), body
         if model is not None and model != self.canonical:
             data["model"] = self.canonical
             body = json.dumps(data).encode()
         return None, body
+
+    async def _model(self, send, name: str) -> None:
+        """``GET /v1/models/{name}``: the served model's object for any name it is served under, else 404."""
+        if name in self.served:
+            status, payload = 200, json.dumps(self.card()).encode()
+        else:
+            message = f"model {name!r} does not exist here; this server serves {self.listed!r}"
+            status, payload = _error(404, message, "invalid_request_error", "model")
+        self.metrics.answered(MODELS + "{id}", status)
+        await self._reply(send, status, payload, "application/json")
 
     @staticmethod
     async def _reply(send, status: int, payload: bytes, content_type: str, headers=()) -> None:

@@ -1,4 +1,5 @@
-"""``/v1/chat/completions`` and ``/v1/completions`` of ``hf-tpu serve``: transformers' handlers, answering per request.
+"""``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses`` of ``hf-tpu serve``: transformers' handlers,
+answering per request.
 
 :class:`ChatHandler` and :class:`TextHandler` subclass transformers' ``ChatCompletionHandler`` and
 ``CompletionHandler`` (same model resolution, chat template, tool-call parsing) and replace how one request is run on
@@ -7,9 +8,11 @@ forked children, the prompt's prefill shared), with the request's own sampling s
 (:func:`hf_tpu.serving._openai.resolve`); ``stop`` strings are looked for on the host in the decoded text of each
 choice (the choice is cancelled when one is found); ``finish_reason`` is ``"stop"`` for an end of sequence or a
 stop string and ``"length"`` when ``max_tokens`` or the model's context ended the choice; log-probabilities come
-from the step's outputs (:mod:`hf_tpu.serving._sampling`).
+from the step's outputs (:mod:`hf_tpu.serving._sampling`). ``ResponsesHandler`` (``/v1/responses``) runs its
+request as the chat request it amounts to and answers in the Responses API's shape.
 
-The bodies reaching these handlers have been checked by :func:`hf_tpu.serving._openai.check` (in the guard).
+The bodies reaching these handlers have been checked by :func:`hf_tpu.serving._openai.check` or
+:func:`~hf_tpu.serving._openai.check_responses` (in the guard).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 import uuid
 from typing import Any
 
-from hf_tpu.serving._openai import CHAT, COMPLETIONS, RequestError, Sampling, resolve
+from hf_tpu.serving._openai import CHAT, COMPLETIONS, RequestError, Sampling, check_vocab, resolve
 
 __all__ = ["child_ids", "handler_classes"]
 
@@ -47,6 +50,8 @@ def _request_kwargs(cb, sampling: Sampling) -> dict[str, Any]:
                                           "batching; send temperature 0")  # fmt: skip
     if sampling.logprobs:
         raise RequestError("logprobs", "logprobs need hf_tpu's row sampling, off with async batching")
+    for name in sampling.extra.get("penalties", ()):  # (the model's own defaults stay dropped, as upstream does)
+        raise RequestError(name, f"{name} needs hf_tpu's row sampling, off with async batching; leave it out")
     return {}
 
 
@@ -259,6 +264,9 @@ class _Answer:
         self.model_id, self.model, self.processor = model_id, model, processor
         input_ids = self._prompt_ids(processor)
         sampling = resolve(self.path, self.body, model.generation_config)
+        from hf_tpu.serving._penalties import vocab_of
+
+        check_vocab(self.body, vocab_of(model))
         self.parser = self._parser(processor, model, input_ids) if self.chat else None
         run = _Run(cb, input_ids, sampling, processor, h.metrics, skip_special=self.parser is None,
                    stream=bool(self.body.get("stream")))
@@ -415,18 +423,121 @@ class _Answer:
                     suffix = self.body.get("suffix") or ""
                     ends.append({"index": c.index, "text": suffix, "logprobs": None, "finish_reason": finish})
             yield self._chunk(ends)
-            yield self._chunk([], usage=run.usage())
+            if s.include_usage:  # as OpenAI: the usage chunk (empty choices) only when the request asked for it
+                yield self._chunk([], usage=run.usage())
             yield "data: [DONE]\n\n"
         finally:
             run.close()
 
 
+#: ``/v1/responses`` fields that carry over to the chat request it is run as (``max_output_tokens``: ``max_tokens``).
+_RESPONSES_TO_CHAT = {"max_output_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+                      "top_k": "top_k", "min_p": "min_p", "seed": "seed", "ignore_eos": "ignore_eos",
+                      "generation_config": "generation_config",
+                      "chat_template_kwargs": "chat_template_kwargs"}  # fmt: skip
+
+
+class _ResponsesAnswer(_Answer):
+    """A checked ``/v1/responses`` request (:func:`hf_tpu.serving._openai.check_responses`), run as the chat request
+    it amounts to (transformers' own conversion of ``input`` and ``instructions`` to messages, its tool format), so
+    with the same per-request sampling; answered in the Responses API's shape: one JSON ``response`` object unless
+    ``stream`` is true (OpenAI's default is false), else transformers' stream of ``response.*`` events."""
+
+    def __init__(self, handler, body: dict, request_id: str) -> None:
+        chat: dict[str, Any] = {"messages": handler._normalize_input(body), "stream": bool(body.get("stream"))}
+        chat.update({to: body[name] for name, to in _RESPONSES_TO_CHAT.items() if body.get(name) is not None})
+        tools = handler._normalize_tools(body.get("tools"))
+        if tools:
+            chat["tools"] = tools
+        super().__init__(handler, CHAT, chat, request_id)
+        self.request = body
+
+    def _defaults(self) -> dict:
+        return {"id": f"resp_{self.request_id}", "created_at": float(self.created), "model": self.model_id,
+                "object": "response", "tools": [], "parallel_tool_calls": bool(self.request.get("parallel_tool_calls")),
+                "tool_choice": "auto"}  # fmt: skip
+
+    def _whole(self, run: _Run) -> dict:
+        from openai.types.responses import (
+            Response, ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText, ResponseReasoningItem,
+        )  # fmt: skip
+        from transformers.cli.serving.response import compute_usage
+
+        choice = self._whole_choice(run, run.choices[0])
+        message, items = choice["message"], []
+        if message.get("reasoning_content"):
+            reasoning = [{"type": "reasoning_text", "text": message["reasoning_content"]}]
+            items.append(ResponseReasoningItem(id=f"rs_{self.request_id}", type="reasoning", summary=[],
+                                               content=reasoning, status="completed"))  # fmt: skip
+        text = ResponseOutputText(type="output_text", text=message.get("content") or "", annotations=[])
+        items.append(ResponseOutputMessage(id=f"msg_{self.request_id}", type="message", status="completed",
+                                           role="assistant", content=[text]))  # fmt: skip
+        for call in message.get("tool_calls") or []:
+            function = call["function"]
+            items.append(ResponseFunctionToolCall(id=call["id"], call_id=call["id"], type="function_call",
+                                                  name=function["name"], arguments=function["arguments"],
+                                                  status="completed"))  # fmt: skip
+        usage = compute_usage(len(run.input_ids), len(run.choices[0].tokens))
+        response = Response(**self._defaults(), status="completed", output=items, usage=usage)
+        return response.model_dump(exclude_none=True)
+
+    async def _stream(self, run: _Run):
+        from transformers.cli.serving.response import _ResponseStreamBuilder, compute_usage
+        from transformers.cli.serving.utils import ReasoningText, ToolCall, response_events_to_chunks
+
+        s, c = run.sampling, run.choices[0]
+        parser = self._parser(self.processor, self.model, run.input_ids)  # None: no tool calls nor reasoning to find
+        builder = _ResponseStreamBuilder(request_id=self.request_id, response_defaults=self._defaults())
+        calls = 0
+        try:
+            yield "".join(builder.start_response())
+            while True:
+                if not run.done:
+                    await run.step()
+                parts: list[str] = []
+                for _k, piece in c.pieces(s):
+                    items = [piece] if parser is None else response_events_to_chunks(parser.feed(piece))
+                    for item in items if piece else ():
+                        if isinstance(item, ToolCall):
+                            if builder.reasoning_open:
+                                parts += builder.finish_reasoning()
+                            if builder.message_open:
+                                parts += builder.finish_message()
+                            call_id = f"{self.request_id}_tool_call_{calls}"
+                            parts += builder.tool_call(call_id, item.name, item.arguments)
+                            calls += 1
+                        elif isinstance(item, ReasoningText):
+                            parts += [] if builder.reasoning_open else builder.start_reasoning()
+                            parts += builder.reasoning_delta(item)
+                        else:
+                            parts += builder.finish_reasoning() if builder.reasoning_open else []
+                            parts += [] if builder.message_open else builder.start_message()
+                            parts += builder.text_delta(item)
+                if parts:
+                    yield "".join(parts)
+                if run.done:
+                    break
+            failure = run.error()
+            if failure is not None:
+                yield "".join(builder.error(f"generation failed: {failure}"))
+                return
+            if builder.reasoning_open:
+                yield "".join(builder.finish_reasoning())
+            if not builder.message_open:
+                yield "".join(builder.start_message())
+            yield "".join(builder.finish_message())
+            yield "".join(builder.completed(compute_usage(len(run.input_ids), len(c.tokens))))
+        finally:
+            run.close()
+
+
 @functools.cache
-def handler_classes() -> tuple[type, type]:
-    """``(ChatHandler, TextHandler)``: transformers' chat and completions handlers answering per request (made on
-    first use: transformers' serving modules import fastapi and openai)."""
+def handler_classes() -> tuple[type, type, type]:
+    """``(ChatHandler, TextHandler, ResponsesHandler)``: transformers' chat, completions and responses handlers
+    answering per request (made on first use: transformers' serving modules import fastapi and openai)."""
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.response import ResponseHandler
 
     class ChatHandler(ChatCompletionHandler):
         """transformers' chat handler answering with :class:`_Answer` (see the module docstring)."""
@@ -444,5 +555,13 @@ def handler_classes() -> tuple[type, type]:
         async def handle_request(self, body: dict, request_id: str):
             return await _Answer(self, COMPLETIONS, body, request_id)()
 
-    return ChatHandler, TextHandler
+    class ResponsesHandler(ResponseHandler):
+        """transformers' ``/v1/responses`` handler answering with :class:`_ResponsesAnswer` (run as chat)."""
+
+        metrics = None
+
+        async def handle_request(self, body: dict, request_id: str):
+            return await _ResponsesAnswer(self, body, request_id)()
+
+    return ChatHandler, TextHandler, ResponsesHandler
 

@@ -14,7 +14,9 @@ each one calls upstream unchanged when the model is not on a ``tpu`` device:
   (:mod:`~hf_tpu.serving._sampling`; the manager's logits processing becomes its ``RowSampling``, unless async
   batching is on);
 * ``PagedAttentionCache.update``: traced by dynamo on a ``tpu`` cache (one graph per step shape, not pieces between
-  the layers' cache updates).
+  the layers' cache updates);
+* ``Scheduler._get_waiting_candidates``: with ``RowSampling``, admits a waiting request only when the per-request
+  table of penalties has rows for it and its choices (:func:`~._penalties.admit`).
 """
 
 from __future__ import annotations
@@ -35,9 +37,15 @@ def _unwrap(owner, name):
 
 
 def apply() -> None:
-    from transformers.generation.continuous_batching import cache, continuous_api, input_outputs, model_runner
+    from transformers.generation.continuous_batching import (
+        cache,
+        continuous_api,
+        input_outputs,
+        model_runner,
+        scheduler,
+    )
 
-    from hf_tpu.serving import _runner, _sampling, _step_graphs
+    from hf_tpu.serving import _penalties, _runner, _sampling, _step_graphs
 
     manager_cls = continuous_api.ContinuousBatchingManager
     runner_cls = model_runner.ModelRunner
@@ -51,6 +59,8 @@ def apply() -> None:
     setup = _unwrap(io_cls, "_setup_static_tensors")
     batch_update = _unwrap(io_cls, "prepare_batch_update")
     process_and_sample = _unwrap(runner_cls, "_forward_process_and_sample")
+    scheduler_cls = scheduler.Scheduler
+    candidates = _unwrap(scheduler_cls, "_get_waiting_candidates")
 
     @functools.wraps(init)
     def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None):
@@ -60,7 +70,9 @@ def apply() -> None:
         init(self, model, generation_config, continuous_batching_config, workload_hints)
         if tpu and not self.continuous_batching_config.use_async_batching:
             top_n = _runner.SETTINGS.max_logprobs
-            self.logit_processor = _sampling.RowSampling(self.logit_processor, generation_config, top_n)
+            capacity = _runner.SETTINGS.max_active or 4 * self.continuous_batching_config.max_requests_per_batch
+            table = _penalties.RequestTable(capacity, _penalties.vocab_of(model), model.device)
+            self.logit_processor = _sampling.RowSampling(self.logit_processor, generation_config, top_n, table)
 
     @functools.wraps(setup)
     def _setup_static_tensors(self, logit_processor):
@@ -71,6 +83,7 @@ def apply() -> None:
             shape = (logit_processor.output_rows, self.output_ids.shape[1])
             self.output_ids = torch.zeros(shape, dtype=torch.int32, device=self.output_ids.device)
             self._hf_tpu_row_sampling = True
+            self.cache._hf_tpu_table = logit_processor.table  # (the scheduler admits by its free rows)
 
     @functools.wraps(batch_update)
     def prepare_batch_update(self):
@@ -108,6 +121,12 @@ def apply() -> None:
                 return _runner.warm_all_shapes(self, model)
         return warm(self, model)
 
+    @functools.wraps(candidates)
+    def _get_waiting_candidates(self):
+        ordered = candidates(self)
+        table = getattr(self.cache, "_hf_tpu_table", None)
+        return ordered if table is None else _penalties.admit(self, ordered, table)
+
     update = _step_graphs.update(cache_update)
     for owner, name, fn, original in (
         (cache_cls, "update", update, cache_update),
@@ -118,6 +137,7 @@ def apply() -> None:
         (runner_cls, "_forward_process_and_sample", _forward_process_and_sample, process_and_sample),
         (io_cls, "_setup_static_tensors", _setup_static_tensors, setup),
         (io_cls, "prepare_batch_update", prepare_batch_update, batch_update),
+        (scheduler_cls, "_get_waiting_candidates", _get_waiting_candidates, candidates),
     ):
         fn.__hf_tpu_upstream__ = original
         patch(owner, name, fn, feature=FEATURE, package="transformers", versions=_VERSIONS)

@@ -5,21 +5,24 @@ does, and names the first field that is wrong (:class:`RequestError`: HTTP 400 i
 the field). What passes it cannot fail the continuous batch: every value is of its type and in its range.
 :func:`resolve` then turns a checked body into the :class:`Sampling` of the request: the request's values, else the
 model's generation config (or the body's ``generation_config``, transformers' own extension), as transformers'
-server would.
+server would. :func:`check_responses` does the same for ``POST /v1/responses`` (run as the chat request it amounts
+to: ``input`` and ``instructions`` as messages, ``max_output_tokens`` as ``max_tokens``, the sampling fields as chat's).
 
 Fields a request may send (OpenAI's, plus ``top_k``, ``min_p``, ``ignore_eos``, ``generation_config`` and, for chat,
 ``chat_template_kwargs``):
 
 * honoured: ``messages``/``prompt``, ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``,
   ``min_p``, ``seed``, ``n``, ``stop``, ``logprobs``/``top_logprobs``, ``stream``/``stream_options``,
-  ``ignore_eos``, ``tools`` (rendered by the chat template, parsed by transformers), ``suffix`` (completions);
+  ``ignore_eos``, ``tools`` (rendered by the chat template, parsed by transformers), ``suffix`` (completions),
+  ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, and vLLM's ``repetition_penalty`` and ``min_tokens``
+  (per request, in the compiled step: :mod:`hf_tpu.serving._penalties`);
 * accepted, no effect on the text: ``model`` (checked), ``user``, ``metadata``, ``store``, ``service_tier``,
   ``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``, ``prompt_cache_options``,
   ``parallel_tool_calls``;
-* refused with a 400 naming the field unless at their neutral value: ``presence_penalty``, ``frequency_penalty``,
-  ``logit_bias``, ``response_format`` (other than text), ``tool_choice`` (other than auto), ``best_of`` (other than
-  ``n``), ``echo``, ``reasoning_effort``, ``verbosity``, ``audio``, ``modalities``, ``prediction``,
-  ``web_search_options``, ``functions``, ``function_call``, ``moderation``; any other field is refused as unknown.
+* refused with a 400 naming the field unless at their neutral value: ``response_format`` (other than text),
+  ``tool_choice`` (other than auto), ``best_of`` (other than ``n``), ``echo``, ``reasoning_effort``, ``verbosity``,
+  ``audio``, ``modalities``, ``prediction``, ``web_search_options``, ``functions``, ``function_call``,
+  ``moderation``; any other field is refused as unknown.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from typing import Any
 
 from hf_tpu.errors import UserError
 
-__all__ = ["CHAT", "COMPLETIONS", "Limits", "RequestError", "ROLES", "Sampling", "check", "resolve"]
+__all__ = ["CHAT", "COMPLETIONS", "Limits", "PENALTIES", "RESPONSES", "RequestError", "ROLES", "Sampling", "check",
+           "check_responses", "check_vocab", "resolve"]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 _TEXT_PARTS = ("text", "input_text", "output_text")
@@ -46,6 +51,7 @@ _NO_EFFECT = {
 _COMMON = {
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop", "logprobs", "stream",
     "stream_options", "ignore_eos", "generation_config", "presence_penalty", "frequency_penalty", "logit_bias",
+    "repetition_penalty", "min_tokens",
 }  # fmt: skip
 _CHAT_ONLY = {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
@@ -53,6 +59,7 @@ _CHAT_ONLY = {
     "functions", "function_call", "moderation",
 }  # fmt: skip
 _TEXT_ONLY = {"prompt", "suffix", "best_of", "echo"}
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
 _UNSUPPORTED_UNLESS_NONE = ("reasoning_effort", "verbosity", "audio", "modalities", "prediction", "web_search_options",
                             "functions", "function_call", "moderation")  # fmt: skip
 
@@ -121,29 +128,36 @@ def _check_messages(messages) -> None:
         raise RequestError("messages", f"messages must be a non-empty list of {{role, content}} objects, got "
                                        f"{json.dumps(messages)[:60]}")  # fmt: skip
     for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise RequestError(where, f"{where} must be an object with role and content, got {message!r:.60}")
-        role = message.get("role")
-        if role not in ROLES:
-            raise RequestError(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}; got {role!r:.40}")
-        content = message.get("content")
-        if content is None:
-            if role == "assistant" and message.get("tool_calls"):
-                continue
-            raise RequestError(f"{where}.content", f"{where}.content is required (a string or a list of text parts)")
-        if isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise RequestError(f"{where}.content", f"{where}.content must be a string or a list of text parts")
-        for j, part in enumerate(content):
-            here = f"{where}.content[{j}]"
-            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(here, f"{here} must be a text part ({{\"type\": \"text\", \"text\": ...}}); "
-                                         f"this server takes text only, got {kind!r:.40}")  # fmt: skip
-            if not isinstance(part.get("text"), str):
-                raise RequestError(f"{here}.text", f"{here}.text must be a string")
+        _check_message(message, f"messages[{i}]")
+
+
+def _check_message(message, where: str) -> None:
+    if not isinstance(message, dict):
+        raise RequestError(where, f"{where} must be an object with role and content, got {message!r:.60}")
+    role = message.get("role")
+    if role not in ROLES:
+        raise RequestError(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}; got {role!r:.40}")
+    content = message.get("content")
+    if content is None:
+        if role == "assistant" and message.get("tool_calls"):
+            return
+        raise RequestError(f"{where}.content", f"{where}.content is required (a string or a list of text parts)")
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise RequestError(f"{where}.content", f"{where}.content must be a string or a list of text parts")
+    _check_text_parts(content, f"{where}.content")
+
+
+def _check_text_parts(content: list, where: str) -> None:
+    for j, part in enumerate(content):
+        here = f"{where}[{j}]"
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(here, f"{here} must be a text part ({{\"type\": \"text\", \"text\": ...}}); "
+                                     f"this server takes text only, got {kind!r:.40}")  # fmt: skip
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"{here}.text", f"{here}.text must be a string")
 
 
 def _check_stop(stop) -> None:
@@ -226,13 +240,128 @@ def check(path: str, body: dict, limits: Limits = Limits()) -> None:
     _check_unsupported(body, chat)
 
 
-def _check_unsupported(body: dict, chat: bool) -> None:
+_RESPONSES_FIELDS = {
+    "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
+    "stream", "stream_options", "tools", "tool_choice", "generation_config", "chat_template_kwargs", "text",
+    "truncation", "previous_response_id",
+    "background", "include", "reasoning", "max_tool_calls", "prompt", "top_logprobs", "conversation",
+}  # fmt: skip
+_RESPONSES_UNSUPPORTED = ("previous_response_id", "reasoning", "max_tool_calls", "prompt", "conversation")
+
+
+def _check_input(value) -> None:
+    """``/v1/responses``'s ``input``: a non-empty string, a list of text parts, or a list of items (messages with a
+    role, ``function_call``, ``function_call_output``, ``reasoning``), as transformers' handler reads them."""
+    if value is None:
+        raise RequestError("input", "input is required: a string, or a list of messages ({role, content})")
+    if isinstance(value, str):
+        if not value:
+            raise RequestError("input", "input must not be empty")
+        return
+    if not isinstance(value, list) or not value:
+        raise RequestError("input", f"input must be a non-empty string or a non-empty list of messages, got "
+                                    f"{json.dumps(value)[:60]}")  # fmt: skip
+    if isinstance(value[0], dict) and "role" not in value[0] and value[0].get("type") in _TEXT_PARTS:
+        _check_text_parts(value, "input")  # one user message's content parts
+        return
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" or (isinstance(item, dict) and "role" in item):
+            _check_message(item, where)
+        elif kind == "function_call":
+            for name in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(name), str):
+                    raise RequestError(f"{where}.{name}", f"{where}.{name} must be a string (a function_call item)")
+        elif kind == "function_call_output":
+            for name in ("call_id", "output"):
+                if not isinstance(item.get(name), str):
+                    raise RequestError(f"{where}.{name}", f"{where}.{name} must be a string (a "
+                                                          "function_call_output item)")  # fmt: skip
+        elif kind == "reasoning":
+            parts = item.get("content") or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                      for p in parts):  # fmt: skip
+                raise RequestError(f"{where}.content", f"{where}.content must be a list of {{\"text\": ...}} parts")
+        else:
+            raise RequestError(where, f"{where} must be a message ({{role, content}}), a function_call, a "
+                                      f"function_call_output or a reasoning item; got {item!r:.60}")  # fmt: skip
+
+
+def check_responses(body: dict, limits: Limits = Limits()) -> None:
+    """Raise :class:`RequestError` naming the first wrong field of a ``POST /v1/responses`` body (OpenAI's Responses
+    API: ``input`` and ``instructions``, ``max_output_tokens``, the sampling fields as chat takes them, ``stream``,
+    ``tools``); return None when the request can be answered as chat answers it."""
+    known = _NO_EFFECT | _RESPONSES_FIELDS
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        raise RequestError(unknown[0], f"unrecognized request argument: {unknown[0]} (not a field of {RESPONSES} "
+                                       "here)")  # fmt: skip
+    _check_input(body.get("input"))
+    if body.get("instructions") is not None and not isinstance(body["instructions"], str):
+        raise RequestError("instructions", "instructions must be a string")
+    _integer(body, "max_output_tokens", 1, what="a positive integer")
+    _number(body, "temperature", 0.0, math.inf, what="a number >= 0 (0 is greedy)")
+    _number(body, "top_p", 0.0, 1.0, lo_open=True)
+    _integer(body, "top_k", -1, what="an integer >= 1 (-1 or 0: no top-k)")
+    _number(body, "min_p", 0.0, 1.0)
+    if body.get("seed") is not None and not _is_int(body["seed"]):
+        raise RequestError("seed", f"seed must be an integer, got {body['seed']!r}")
+    for name in ("stream", "background", "ignore_eos"):
+        _boolean(body, name)
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise RequestError("stream_options", "stream_options must be an object")
+    _check_generation_config(body.get("generation_config"))
+    if body.get("tools") is not None and not isinstance(body["tools"], list):
+        raise RequestError("tools", "tools must be a list of tool definitions")
+    if body.get("chat_template_kwargs") is not None and not isinstance(body["chat_template_kwargs"], dict):
+        raise RequestError("chat_template_kwargs", "chat_template_kwargs must be an object")
+    if body.get("tool_choice") not in (None, "auto"):
+        raise _unsupported("tool_choice", " (only \"auto\")")
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else body.get("text")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise _unsupported("text", " (only {\"format\": {\"type\": \"text\"}})")
+    if body.get("truncation") not in (None, "disabled"):
+        raise _unsupported("truncation", " (only \"disabled\")")
+    if body.get("background"):
+        raise _unsupported("background", ": answers are streamed or returned whole")
+    if body.get("include"):
+        raise _unsupported("include")
+    _integer(body, "top_logprobs", 0, 0, what="0 (log-probabilities are not returned by /v1/responses here)")
+    for name in _RESPONSES_UNSUPPORTED:
+        if body.get(name) is not None:
+            raise _unsupported(name)
+
+
+def _check_penalties(body: dict) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         _number(body, name, -2.0, 2.0)
-        if body.get(name):
-            raise _unsupported(name, " yet (penalties are not applied per request in the continuous batch); send 0")
-    if body.get("logit_bias"):
-        raise _unsupported("logit_bias", " yet")
+    _number(body, "repetition_penalty", 0.0, 2.0, lo_open=True)
+    _integer(body, "min_tokens", 0)
+    wanted = body.get("max_completion_tokens") or body.get("max_tokens")
+    if body.get("min_tokens") is not None and wanted is not None and body["min_tokens"] > wanted:
+        raise RequestError("min_tokens", f"min_tokens ({body['min_tokens']}) must not exceed max_tokens ({wanted})")
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias", "logit_bias must be an object mapping token ids to biases from -100 to 100")
+    for token, value in bias.items():
+        if not (isinstance(token, str) and token.isdigit()):
+            raise RequestError("logit_bias", f"logit_bias keys must be token ids (digit strings), got {token!r:.40}")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise RequestError("logit_bias", f"logit_bias[{token}] must be a number from -100 to 100, got {value!r}")
+
+
+def check_vocab(body: dict, vocab: int) -> None:
+    """Raise :class:`RequestError` when ``logit_bias`` names a token past the model's ``vocab``."""
+    past = sorted(int(t) for t in body.get("logit_bias") or {} if int(t) >= vocab)
+    if past:
+        raise RequestError("logit_bias", f"logit_bias names token {past[0]}, past the model's vocabulary of {vocab}")
+
+
+def _check_unsupported(body: dict, chat: bool) -> None:
+    _check_penalties(body)
     if chat:
         fmt = body.get("response_format")
         if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
@@ -258,6 +387,8 @@ class Sampling:
     seed per request. ``max_tokens``: the request's, else the base config's ``max_new_tokens``; None: up to the
     model's context. ``eos_token_id`` None: no end of sequence.
     ``logprobs``: return the chosen token's log-probability; ``top_logprobs``: and that many alternatives.
+    ``repetition_penalty`` (the base config's when the request has none), ``presence_penalty``,
+    ``frequency_penalty``, ``logit_bias`` (token id -> bias), ``min_tokens``: neutral at 1, 0, 0, ``{}``, 0.
     """
 
     temperature: float = 0.0
@@ -272,11 +403,22 @@ class Sampling:
     max_tokens: int | None = None
     eos_token_id: Any = None
     include_usage: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)
+    min_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _asked_penalties(body: dict) -> tuple[str, ...]:
+    """The penalty fields a request sets to other than their neutral value (the model's defaults are not asked)."""
+    neutral = {"repetition_penalty": 1}
+    return tuple(n for n in PENALTIES if body.get(n) not in (None, {}, neutral.get(n, 0)))
 
 
 def _positive(value, default):
@@ -321,4 +463,10 @@ def resolve(path: str, body: dict, model_config) -> Sampling:
         max_tokens=max_tokens,
         eos_token_id=None if body.get("ignore_eos") else base.eos_token_id,
         include_usage=bool(options.get("include_usage")),
+        repetition_penalty=float(_positive(body.get("repetition_penalty"), _positive(base.repetition_penalty, 1.0))),
+        presence_penalty=float(body.get("presence_penalty") or 0.0),
+        frequency_penalty=float(body.get("frequency_penalty") or 0.0),
+        logit_bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()},
+        min_tokens=int(body.get("min_tokens") or _positive(base.min_new_tokens, 0)),
+        extra={"penalties": _asked_penalties(body)},
     )

@@ -44,6 +44,8 @@ class ServingSettings:
             :class:`~hf_tpu.compile_cache.CompileCache`; None: ``HF_TPU_COMPILE_CACHE``, else none; False: none).
         max_logprobs: how many most likely tokens (with their log-probabilities) each step returns per row, the
             most a request may ask for (:mod:`hf_tpu.serving._sampling`).
+        max_active: requests active at once, each with a row of the per-request penalty table on the device
+            (:mod:`hf_tpu.serving._penalties`: 8 bytes per vocabulary entry); more wait. None: 4 x ``slots``.
     """
 
     max_batch_tokens: int = 256
@@ -55,6 +57,7 @@ class ServingSettings:
     kv_factor: int = 4
     compile_cache: Any = None
     max_logprobs: int = 5
+    max_active: int | None = None
 
 
 def configure(**values) -> ServingSettings:

@@ -16,6 +16,9 @@ manager's logits-processor list with :class:`RowSampling` and the step's process
   token, not on which other requests share the step or on a device generator: a seed repeats an answer exactly;
 * the filters are transformers' warpers' rules (temperature, then top-k, top-p and min-p on the softmax of what is
   left, the most likely token always kept), computed once on one sort of each row;
+* the penalties and biases of each request (``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+  ``logit_bias``, ``min_tokens``; the model's generation config gives the defaults, its repetition penalty included)
+  run before the filters, from a row per request kept on the device (:mod:`hf_tpu.serving._penalties`);
 * the log-softmax of the raw logits is written with the token: the chosen token's log-probability and the
   :data:`hf_tpu.serving._runner.SETTINGS` ``max_logprobs`` most likely tokens with theirs, into extra rows of the
   step's output tensor; the host reads those rows only when a request of the step asked for log-probabilities
@@ -42,11 +45,17 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from hf_tpu.serving import _penalties
+
 __all__ = ["ROWS", "RowSampling", "batch_update", "gumbel", "noise_key", "request_kwargs", "row_sampling_of",
            "sample", "step"]  # fmt: skip
 
-#: The per-row arguments, one int32 row each: temperature (float), top-k, top-p (float), min-p (float), noise key.
-ROWS = ("temperature", "top_k", "top_p", "min_p", "key")
+#: The per-row arguments, one int32 row each: temperature (float), top-k, top-p (float), min-p (float), noise key,
+#: the three penalties (floats), the request's row of :class:`~hf_tpu.serving._penalties.RequestTable`, and 1 while
+#: the request is under its ``min_tokens``.
+ROWS = ("temperature", "top_k", "top_p", "min_p", "key", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "row", "block_eos")  # fmt: skip
+_FLOAT_ROWS = (0, 2, 3, 5, 6, 7)
 _CHILD = "__child#"
 _M64 = (1 << 64) - 1
 # transformers' warpers that the rows carry (their values per request), and its per-request CB processors
@@ -123,9 +132,20 @@ def sample(scores: torch.Tensor, args: torch.Tensor) -> torch.Tensor:
     return torch.where(temperature[:, None] > 0, noisy, scores).argmax(dim=-1)
 
 
+def penalized(scores: torch.Tensor, args: torch.Tensor, table) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores`` (``[rows, vocab]``) after each row's penalties and biases
+    (:func:`hf_tpu.serving._penalties.penalize`), and each row's table row."""
+    rows = scores.shape[0]
+    args = args[:, :rows]
+    repetition, presence, frequency = (args[i].contiguous().view(torch.float32) for i in (5, 6, 7))
+    table_rows = args[8].long()
+    return _penalties.penalize(scores, table, table_rows, repetition, presence, frequency, args[9]), table_rows
+
+
 def step(runner, model, batch_data: dict, carry_over_ids, prev_output_ids, output_ids) -> None:
     """The continuous-batching step of a manager with :class:`RowSampling` (upstream's ``_forward_process_and_sample``
-    with per-row sampling): forward, the model's other logits processors, per-row sampling, log-probabilities.
+    with per-row sampling): forward, the model's other logits processors, per-row penalties and biases, per-row
+    sampling (each token counted in its request's row), log-probabilities.
     ``output_ids`` rows: tokens, the chosen tokens' log-probabilities, then ``top_n`` token ids and ``top_n``
     log-probabilities (floats viewed as int32)."""
     sampler = runner.logit_processor
@@ -138,7 +158,10 @@ def step(runner, model, batch_data: dict, carry_over_ids, prev_output_ids, outpu
     scores = logits
     if sampler.others:
         scores = sampler.others(batch_data["input_ids"][0, indices], logits)
-    tokens = sample(scores, batch_data["logits_processor_args"])
+    args = batch_data["logits_processor_args"]
+    scores, table_rows = penalized(scores, args, sampler.table)
+    tokens = sample(scores, args)
+    _penalties.record(sampler.table, table_rows, tokens)
     rows = tokens.shape[0]
     log_probs = torch.log_softmax(logits, dim=-1)
     chosen = log_probs.gather(1, tokens[:, None])[:, 0]
@@ -168,13 +191,15 @@ class RowSampling(ContinuousBatchingLogitsProcessorList):
     docstring); ``others``: the model's other processors, run first on every row alike."""
 
     supported_kwargs = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
-                        "logprobs": int}  # fmt: skip
+                        "logprobs": int, "repetition_penalty": float, "presence_penalty": float,
+                        "frequency_penalty": float, "logit_bias": dict, "min_tokens": int}  # fmt: skip
 
-    def __init__(self, upstream, generation_config, top_n: int) -> None:
+    def __init__(self, upstream, generation_config, top_n: int, table) -> None:
         kept = [p for p in upstream.logits_processor if not isinstance(p, _PER_ROW)]
         self.others = LogitsProcessorList(kept) if kept else None
         self.logits_processor = LogitsProcessorList(kept)
         self.top_n = int(top_n)
+        self.table = table  # the per-request rows of the penalties (hf_tpu.serving._penalties.RequestTable)
         self.output_rows = 2 + 2 * self.top_n
         self.tensors_required = len(ROWS)
         self.supported_keys = dict(self.supported_kwargs)
@@ -187,6 +212,11 @@ class RowSampling(ContinuousBatchingLogitsProcessorList):
             "top_k": int(g.top_k or 0) if sampled else 0,
             "top_p": float(g.top_p if g.top_p is not None else 1.0),
             "min_p": float(g.min_p or 0.0),
+            # upstream's continuous batching drops these processors of the config: they run per row here
+            "repetition_penalty": float(g.repetition_penalty if g.repetition_penalty is not None else 1.0),
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "min_tokens": int(g.min_new_tokens or 0),
         }
         self._base_seed: int | None = None
 
@@ -198,15 +228,23 @@ class RowSampling(ContinuousBatchingLogitsProcessorList):
         self.others, self.tensors_required = None, len(ROWS)
         self.supported_keys, self.do_processing = dict(self.supported_kwargs), True
 
-    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+    def _padding(self) -> tuple:
+        """The arguments of a padding row: the defaults, no penalty, the table's spare row."""
         d = self.defaults
-        values = self._column(d["temperature"], d["top_k"], d["top_p"], d["min_p"], 0)
-        int32_tensor.copy_(values.view(len(ROWS), 1).to(int32_tensor.device))
+        return (d["temperature"], d["top_k"], d["top_p"], d["min_p"], 0, 1.0, 0.0, 0.0, self.table.spare, 0)
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.copy_(self._columns([self._padding()]).to(int32_tensor.device))
 
     @staticmethod
-    def _column(temperature, top_k, top_p, min_p, key) -> torch.Tensor:
-        floats = torch.tensor([temperature, top_p, min_p], dtype=torch.float32).view(torch.int32).tolist()
-        return torch.tensor([floats[0], top_k, floats[1], floats[2], key], dtype=torch.int32)
+    def _columns(rows: list[tuple]) -> torch.Tensor:
+        """``[len(ROWS), len(rows)]`` int32 from per-row tuples in :data:`ROWS` order (floats viewed as int32)."""
+        columns = list(zip(*rows))
+        out = torch.tensor([columns[i] if i not in _FLOAT_ROWS else [0] * len(rows) for i in range(len(ROWS))],
+                           dtype=torch.int32)  # fmt: skip
+        floats = torch.tensor([columns[i] for i in _FLOAT_ROWS], dtype=torch.float32).view(torch.int32)
+        out[list(_FLOAT_ROWS)] = floats
+        return out
 
     def _seed(self, state) -> int:
         seed = state.logit_processor_kwargs.get("seed")
@@ -226,14 +264,13 @@ class RowSampling(ContinuousBatchingLogitsProcessorList):
             state = future.state
             kw = state.logit_processor_kwargs
             key = noise_key(self._seed(state), _choice(state.request_id), state.position_offset)
+            repetition, presence, frequency, block_eos = _penalties.host_values(state, d)
             rows.append((float(kw.get("temperature", d["temperature"])), int(kw.get("top_k", d["top_k"])),
-                         float(kw.get("top_p", d["top_p"])), float(kw.get("min_p", d["min_p"])), key))  # fmt: skip
-        if rows:
-            columns = list(zip(*rows))
-            floats = torch.tensor([columns[0], columns[2], columns[3]], dtype=torch.float32).view(torch.int32)
-            host = torch.stack([floats[0], torch.tensor(columns[1], dtype=torch.int32), floats[1], floats[2],
-                                torch.tensor(columns[4], dtype=torch.int32)])  # fmt: skip
-            arg_storage[:, : len(rows)] = host.to(arg_storage.device)  # one copy for every row and argument
+                         float(kw.get("top_p", d["top_p"])), float(kw.get("min_p", d["min_p"])), key,
+                         repetition, presence, frequency, self.table.row_of(state), block_eos))  # fmt: skip
+        # every column: the padding rows count their tokens into the spare row, never into a request's
+        rows += [self._padding()] * (arg_storage.shape[1] - len(rows))
+        arg_storage.copy_(self._columns(rows).to(arg_storage.device))  # one copy for every row and argument
         return arg_storage
 
     def __call__(self, input_ids, scores, logits_processor_args):
@@ -274,7 +311,11 @@ def request_kwargs(sampling) -> dict:
         "temperature": float(sampling.temperature), "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
         "min_p": float(sampling.min_p),
         "seed": int(sampling.seed) if sampling.seed is not None else secrets.randbits(63),
+        "repetition_penalty": float(sampling.repetition_penalty), "presence_penalty": float(sampling.presence_penalty),
+        "frequency_penalty": float(sampling.frequency_penalty), "min_tokens": int(sampling.min_tokens),
     }  # fmt: skip
+    if sampling.logit_bias:
+        kwargs["logit_bias"] = dict(sampling.logit_bias)
     if sampling.logprobs:
         kwargs["logprobs"] = int(sampling.top_logprobs)
     return kwargs

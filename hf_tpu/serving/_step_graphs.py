@@ -56,12 +56,12 @@ def _namespace(cache, runner, model):
     """Everything a step graph depends on besides its shape and the weights."""
     from transformers.generation.continuous_batching import input_outputs, model_runner
 
-    from hf_tpu.serving import _runner, _sampling
+    from hf_tpu.serving import _penalties, _runner, _sampling
     from hf_tpu.transformers._graphs import model_identity
 
     cb = runner.cb_config
     compile_config = cb.varlen_compile_config
-    modules = (inspect.getmodule(step), _runner, _sampling, model_runner, input_outputs)
+    modules = (inspect.getmodule(step), _runner, _sampling, _penalties, model_runner, input_outputs)
     source = "".join(inspect.getsource(m) for m in modules)
     parts = {
         **model_identity(model),

@@ -8,7 +8,8 @@ serves, hf_tpu (through a reversible patch of ``transformers.cli.serving.server.
   :mod:`hf_tpu.serving.ladder`), then starts it; prints when warm-up is done and where it listens;
 * puts :class:`~hf_tpu.serving._guard.Guard` in front of the app (bad input -> 400 naming the field, unknown model
   -> 404, a bounded number of requests in flight -> 429 with ``Retry-After``, ``/metrics``);
-* answers chat and completions with :mod:`hf_tpu.serving._handlers` (per request: ``n``, ``stop``, finish reasons);
+* answers chat, completions and responses with :mod:`hf_tpu.serving._handlers` (per request: sampling, ``n``,
+  ``stop``, finish reasons; responses run as chat and answered in the Responses API's shape);
 * checks every request's length where it is tokenized: a prompt that leaves no room to generate within the model's
   ``max_position_embeddings`` -> 400; ``max_tokens`` past that length is cut to it.
 """
@@ -21,7 +22,7 @@ import time
 
 from hf_tpu._patch import patch, revert
 
-__all__ = ["run_server", "say_once"]
+__all__ = ["port_taken", "run_server", "say_once"]
 
 FEATURE = "serve"
 _VERSIONS = ">=5.24,<5.25"
@@ -29,6 +30,27 @@ _VERSIONS = ">=5.24,<5.25"
 
 # How often the main thread wakes from waiting on the server thread to take a signal (a poll, not a deadline).
 _SIGNAL_POLL_S = 0.5
+_STARTED_POLL_S = 0.05
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (the port taken, the address not this host's), else None: bound and
+    released here as uvicorn binds it (``SO_REUSEADDR``), so that the server refuses before loading anything."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return f"cannot listen on {host}:{port} ({exc.strerror or exc}): pass another --host"
+    family, kind, proto, _name, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return (f"port {port} on {host} is taken ({exc.strerror or exc}): pass another --port, or stop what "
+                    "listens there")  # fmt: skip
+    return None
+
 
 def _max_len(model) -> int:
     config = model.config.get_text_config()
@@ -99,9 +121,10 @@ def _metrics_hook(cb, metrics):
     patch(router, "deliver_batch", batch, feature=FEATURE)
 
 
-def _served_name(model_manager, served: str) -> None:
+def _served_name(model_manager, served: str):
     """Name the model ``served`` in ``/v1/models`` and in every answer (transformers' handlers take the model id from
-    ``BaseHandler._resolve_model``; the model is still loaded from its path)."""
+    ``BaseHandler._resolve_model``; the model is still loaded from its path); return the model's object's maker (for
+    ``GET /v1/models/{id}``)."""
     from transformers.cli.serving.utils import BaseHandler
 
     resolve = BaseHandler._resolve_model
@@ -118,6 +141,7 @@ def _served_name(model_manager, served: str) -> None:
 
     patch(BaseHandler, "_resolve_model", _resolve_model, feature=FEATURE, package="transformers", versions=_VERSIONS)
     patch(model_manager, "list_models", list_models, feature=FEATURE)
+    return lambda: list_models()[0]
 
 
 def _warm_up(cb, *, warmup: bool, readiness, out) -> None:
@@ -152,7 +176,7 @@ def _warm_up(cb, *, warmup: bool, readiness, out) -> None:
 
 
 def _prepare(app, model_manager, generation_state, handlers, *, served: str, aliases: set[str], max_pending: int,
-             pending: dict, limits, tp: int = 1):  # fmt: skip
+             pending: dict, limits, tp: int = 1, card=None):  # fmt: skip
     """Create the model's continuous-batching manager (left in ``pending`` with its :class:`Readiness`, for
     :func:`_warm_up`), return the guarded app. With ``tp > 1`` (rank 0 of ``hf-tpu serve --tp``) the model is loaded
     sharded (:mod:`hf_tpu.serving.tensor_parallel`)."""
@@ -209,7 +233,7 @@ def _prepare(app, model_manager, generation_state, handlers, *, served: str, ali
         return JSONResponse(exc.body(), exc.status)
 
     return Guard(app, served={served, forced, *aliases}, canonical=forced, max_pending=max_pending, metrics=metrics,
-                 limits=limits, listed=served, readiness=readiness)  # fmt: skip
+                 limits=limits, listed=served, readiness=readiness, card=card)  # fmt: skip
 
 
 def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bool = True, served_name=None,
@@ -243,13 +267,16 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
     def build_server(model_manager, chat_handler, *args, **kwargs):
         state = kwargs["generation_state"]
         # chat and completions answered per request (hf_tpu.serving._handlers), the other endpoints upstream's
-        ChatHandler, TextHandler = handler_classes()
+        ChatHandler, TextHandler, ResponsesHandler = handler_classes()
         chat = ChatHandler(model_manager, state, chat_template_kwargs=chat_handler.chat_template_kwargs)
         text = kwargs["completion_handler"] = TextHandler(model_manager, state)
+        responses = kwargs["response_handler"] = ResponsesHandler(
+            model_manager, state, chat_template_kwargs=chat_handler.chat_template_kwargs
+        )
         app = upstream(model_manager, chat, *args, **kwargs)
-        _served_name(model_manager, served)
-        return _prepare(app, model_manager, state, (chat, text), served=served, aliases=set(aliases),
-                        max_pending=max_pending, pending=pending, tp=tp, limits=limits)  # fmt: skip
+        card = _served_name(model_manager, served)
+        return _prepare(app, model_manager, state, (chat, text, responses), served=served, aliases=set(aliases),
+                        max_pending=max_pending, pending=pending, tp=tp, limits=limits, card=card)  # fmt: skip
 
     patch(server_module, "build_server", build_server, feature=FEATURE, package="transformers", versions=_VERSIONS)
     quiet = say_once()
@@ -278,6 +305,13 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
 
         for sig in saved:
             signal.signal(sig, stop_serving)
+        while not server.started and serve._thread.is_alive():  # uvicorn binds in its thread: wait for it
+            serve._thread.join(_STARTED_POLL_S)
+        if not server.started:  # it could not listen (taken since port_taken looked): say so, do not warm up
+            from hf_tpu.errors import UserError
+
+            raise UserError(port_taken(host, port) or f"the server could not listen on {host}:{port} (its log "
+                            "above says why): pass another --port")  # fmt: skip
         ranks = f", tensor parallel over {tp} ranks" if tp > 1 else ""
         print(f"hf-tpu serve: listening on http://{host}:{port} as model {served!r} (OpenAI API under /v1, metrics "
               f"at /metrics{ranks})", file=out, flush=True)  # fmt: skip

@@ -170,6 +170,7 @@ def lower_generate(
         "parameters": sum(p.numel() for p in built.parameters()),
         "dtype": str(torch_dtype).removeprefix("torch."),
         "prompt_bucket": bucket,
+        "prompt_buckets": list(ladder.rungs),
         "kv_cache_estimate": _kv_estimate(built.config, batch, bucket + max_new_tokens, torch_dtype),
     }
     if quantization == "fp8":
@@ -181,6 +182,8 @@ def lower_generate(
             info["skipped"] = "the weights and KV cache alone exceed the chip's HBM: nothing was lowered"
             return info
     info["gathered_embedding_bytes"] = _gathered_embedding_bytes(built)
+    embed = getattr(built.get_input_embeddings(), "weight", None)
+    info["gathered_embedding_parameters"] = embed.numel() if info["gathered_embedding_bytes"] and embed is not None else 0
     enable()
     built = built.to_empty(device="tpu").eval()
     with session.mode, torch.no_grad():

@@ -6,7 +6,9 @@ with the numbers and compiles nothing), then lowers the prefill and decode progr
 them for the target (:func:`hf_tpu.tpu_compile.lower_and_compile`). The :class:`Plan` says whether it fits (weights,
 KV cache, the largest program's temporaries and outputs not aliased to an input), the compile time per program,
 the decode step's projected time and tokens/s, and how close the step is to its floor (the weights and KV cache
-read once).
+read once). It fits only when every program compiled within the HBM; a program libtpu refused for HBM makes it
+``"does not fit"`` (named, with the bytes it needed, and what would fit), any other failure ``"could not plan"``
+(:attr:`Plan.verdict`, :attr:`Plan.exit_status`: ``hf-tpu plan``'s 0, 3 or 1).
 
 Every projected time is an estimate: XLA's ``bytes accessed`` over the chip's published HBM bandwidth, or its
 FLOPs over the published peak, whichever is longer (XLA's own ``optimal_seconds`` where it gives one). They are
@@ -21,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,10 +32,57 @@ from hf_tpu.errors import UserError
 from hf_tpu.tpu_compile.programs import LoweringResult, ProgramRecord, lower_and_compile
 from hf_tpu.tpu_compile.targets import Target, target as find_target
 
-__all__ = ["Plan", "plan_generate", "plan_pipeline"]
+__all__ = ["EXIT_COULD_NOT_PLAN", "EXIT_DOES_NOT_FIT", "EXIT_FITS", "EXIT_USAGE", "MissingPackageError", "Plan",
+           "out_of_memory", "plan_generate", "plan_pipeline", "require_packages"]
 
 GENERATE_ENTRY = "hf_tpu.tpu_compile._generate:lower_generate"
 GB = 1e9
+
+#: ``hf-tpu plan``'s exit statuses: every program the run needs compiled within the target's HBM; it could not be
+#: planned (a program failed to lower or compile for a reason other than memory, a package missing); bad command
+#: line or input (argparse's and hf-tpu's usual 2); it does not fit (weights and KV cache, or a program's HBM).
+EXIT_FITS, EXIT_COULD_NOT_PLAN, EXIT_USAGE, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
+
+# libtpu's refusal of a program that needs more HBM than the device has (libtpu 0.0.52, the 8B shape's prefill on
+# v5e-1): "JaxRuntimeError: RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory
+# required for HLO temporaries (16.63G) exceeds available HBM (15.75G). ..." (G: GiB)
+_OOM = re.compile(r"CompileTimeHbmOom|RESOURCE_EXHAUSTED|[Rr]an out of memory")
+_USED = re.compile(r"\((?P<used>[\d.]+)(?P<u1>[KMGT]?)\) exceeds available HBM \((?P<cap>[\d.]+)(?P<u2>[KMGT]?)\)")
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+class MissingPackageError(UserError, ImportError):
+    """A package the plan needs is not installed (torch-tpu for any plan, torchao for int8/int4 weights): the
+    message names the extra to install; nothing was planned."""
+
+
+def require_packages(quantization: str | None = None) -> None:
+    """Raise :class:`MissingPackageError` naming the extra to install when torch-tpu (with libtpu and jax) or, for
+    ``quantization`` int8/int4, torchao is missing: found here, before any process is started."""
+    import importlib.util
+
+    missing = [name for name in ("torch_tpu", "libtpu", "jax") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingPackageError(
+            f"compiling for a TPU needs torch-tpu, libtpu and jax ({', '.join(missing)} not installed here): pip "
+            "install 'hf-tpu[tpu]' (torch==2.13.0 first). Nothing was planned."
+        )
+    if quantization in ("int8", "int4") and importlib.util.find_spec("torchao") is None:
+        raise MissingPackageError(
+            f"--quantization {quantization} quantizes the weights with torchao, which is not installed here: pip "
+            "install 'hf-tpu[quant]' (torchao 0.18). Nothing was planned."
+        )
+
+
+def out_of_memory(program: ProgramRecord) -> dict[str, float] | None:
+    """Whether libtpu refused ``program`` for HBM: ``{"needed": bytes, "available": bytes}`` (0 where its message
+    gave no figures), else None."""
+    if program.compiled or not program.error or not _OOM.search(program.error):
+        return None
+    used = _USED.search(program.error)
+    if used is None:
+        return {"needed": 0.0, "available": 0.0}
+    return {"needed": float(used["used"]) * _UNITS[used["u1"]], "available": float(used["cap"]) * _UNITS[used["u2"]]}
 
 
 def human(n: float) -> str:
@@ -50,7 +100,12 @@ class Plan:
     Attributes:
         target: the :class:`~hf_tpu.tpu_compile.Target` planned for.
         model: the model (or pipeline) directory or config file planned.
-        fits: whether everything compiled and weights, KV cache and temporaries fit the device's HBM.
+        fits: whether every program compiled and weights, KV cache and each program's HBM fit the device's (False
+            when it does not fit and when it could not be planned: :attr:`verdict` tells them apart).
+        does_not_fit: known not to fit: the weights and KV cache exceed the device's HBM, libtpu refused a program
+            for HBM, or the total exceeds it.
+        out_of_memory: the programs libtpu refused for HBM: name -> ``{"needed", "available"}`` bytes (its figures).
+        suggestions: what would fit, estimated from the bytes (a smaller prompt bucket or batch, int8, more chips).
         hbm: the HBM budget in bytes: ``capacity``, ``weights``, ``kv_cache`` (0 for a pipeline),
             ``temporaries``, ``total``.
         programs: one :class:`~hf_tpu.tpu_compile.ProgramRecord` per program.
@@ -69,6 +124,23 @@ class Plan:
     note: str | None = None
     error: str | None = None
     kind: str = "generate"  # or "pipeline": a diffusers pipeline's denoiser step (plan_pipeline)
+    does_not_fit: bool = False
+    out_of_memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        """``"fits"``, ``"does not fit"`` (known: the weights and KV cache, or a program's HBM, exceed the device's)
+        or ``"could not plan"`` (a program failed for another reason, or the entry did; ``error`` says why)."""
+        if self.does_not_fit:
+            return "does not fit"
+        return "fits" if self.fits else "could not plan"
+
+    @property
+    def exit_status(self) -> int:
+        """``hf-tpu plan``'s exit status: :data:`EXIT_FITS`, :data:`EXIT_DOES_NOT_FIT` or
+        :data:`EXIT_COULD_NOT_PLAN`."""
+        return {"fits": EXIT_FITS, "does not fit": EXIT_DOES_NOT_FIT}.get(self.verdict, EXIT_COULD_NOT_PLAN)
 
     def _decode(self) -> ProgramRecord | None:
         if self.kind != "generate":
@@ -97,8 +169,9 @@ class Plan:
 
         Returns:
             A dict (``program``, ``projected_ms``, ``projected_tokens_per_second``, ``bytes_accessed``,
-            ``floor_bytes``, ``bytes_over_floor``, and the HBM figures with ``dump_hlo``) for the largest compiled
-            decode program; None for a pipeline plan or when no decode program compiled.
+            ``floor_bytes``, ``bytes_over_floor``; ``flops`` (XLA's), ``matmul_flops`` (2 x the parameters
+            multiplied x batch) and ``flops_over_matmul``; and the HBM figures with ``dump_hlo``) for the largest
+            compiled decode program; None for a pipeline plan or when no decode program compiled.
         """
         decode = self._decode()
         if decode is None:
@@ -114,6 +187,15 @@ class Plan:
             "floor_bytes": floor,
             "bytes_over_floor": decode.bytes_accessed / floor if floor else None,
         }
+        # A token's matrix products: 2 x the parameters it multiplies (the input embedding is a gather) x the batch.
+        # XLA's own count is about 2.5x that at batch 1: libtpu rewrites a product with one row (a matrix-vector
+        # product) as elementwise converts and a multiply then a reduction, and counts each of those 5 elementwise
+        # ops per weight (docs/planning.md); from 2 rows on it is a matrix product again, counted 2 per weight.
+        params = int(self.info.get("parameters", 0)) - int(self.info.get("gathered_embedding_parameters", 0))
+        if params > 0:
+            summary["matmul_flops"] = 2.0 * params * batch
+            summary["flops"] = decode.flops
+            summary["flops_over_matmul"] = decode.flops / summary["matmul_flops"]
         if decode.hbm_bytes is not None:  # --dump-hlo: the part of bytes_accessed that is HBM traffic
             hbm_seconds = max(decode.hbm_bytes / self.target.hbm_bandwidth, decode.flops / self.target.peak_flops)
             summary.update(
@@ -159,6 +241,10 @@ class Plan:
             "target": self.target.name,
             "model": self.model,
             "fits": self.fits,
+            "verdict": self.verdict,
+            "exit_status": self.exit_status,
+            "out_of_memory": self.out_of_memory,
+            "suggestions": self.suggestions,
             "hbm_bytes": dict(self.hbm),
             "programs": [p.to_dict() for p in self.programs],
             "decode": self.decode_summary(),
@@ -196,11 +282,17 @@ class Plan:
             f"  weights      {gb(self.hbm['weights'])}" + ("  (every component)" if self.kind == "pipeline" else ""),
             *([] if self.kind == "pipeline" else [f"  KV cache     {gb(self.hbm['kv_cache'])}"]),
             f"  temporaries  {gb(self.hbm['temporaries'])}  (largest program's temps and outputs not aliased)",
-            f"  total        {gb(self.hbm['total'])}  -> {'FITS' if self.fits else 'DOES NOT FIT'} "
+            f"  total        {gb(self.hbm['total'])}  -> {self.verdict.upper()} "
             f"(headroom {gb(self.hbm['capacity'] - self.hbm['total'])})",
         ]
+        for name, oom in self.out_of_memory.items():
+            figures = f": needs {gb(oom['needed'])} of {gb(oom['available'])}" if oom["needed"] else ""
+            lines.append(f"  {name} is out of HBM{figures} (libtpu refused to compile it)")
         if self.note:
             lines += ["", self.note]
+        if self.suggestions:
+            lines += ["", "what would fit (estimates from these bytes: plan again to check):"]
+            lines += [f"  - {s}" for s in self.suggestions]
         if self.programs:
             lines += ["", f"{'program':<16}{'lowered':>9}{'compiled':>10}{'lower s':>9}{'compile s':>11}"
                           f"{'GFLOP':>13}{'GB moved':>11}{'temp MB':>10}{'est. ms':>10}"]  # fmt: skip
@@ -229,6 +321,12 @@ class Plan:
                 f"{human(summary['floor_bytes'])}: {summary['bytes_over_floor']:.2f}x the floor (XLA's bytes accessed: "
                 f"on-chip copies counted too)",
             ]
+            if "matmul_flops" in summary:
+                lines.append(
+                    f"  {summary['flops'] / 1e9:.1f} GFLOP by XLA's count, {summary['flops_over_matmul']:.2f}x the "
+                    f"token's matrix products ({summary['matmul_flops'] / 1e9:.1f} GFLOP: 2 x parameters x batch; at batch 1 "
+                    "libtpu computes a matrix-vector product as elementwise ops and counts 5 per weight, not 2)"
+                )
             if "hbm_bytes" in summary:
                 lines.append(
                     f"  of which HBM traffic (libtpu's placement, --dump-hlo) {human(summary['hbm_bytes'])}: "
@@ -286,6 +384,7 @@ def plan_generate(
     Raises:
         UserError: ``model`` is not a directory with a config.json, nor a config.json; or a bad option.
         hf_tpu.tpu_compile.UnknownTargetError: ``target`` is not a known target.
+        MissingPackageError: torch-tpu (or, for int8/int4, torchao) is not installed; the message names the extra.
     """
     path = os.fspath(model)
     config_file = path if path.endswith(".json") else os.path.join(path, "config.json")
@@ -296,6 +395,7 @@ def plan_generate(
     if quantization not in (None, "int8", "int4", "fp8"):
         raise UserError(f"quantization={quantization!r}: use int8 or int4 (weight-only, torchao) or fp8 (fine-grained)")
     chosen = find_target(target)
+    require_packages(quantization)
     kwargs = {
         "model": path, "dtype": dtype, "batch": batch, "max_prompt_len": max_prompt_len,
         "max_new_tokens": max_new_tokens, "buckets": buckets, "quantization": quantization,
@@ -341,11 +441,13 @@ def plan_pipeline(
     Raises:
         UserError: ``pipeline`` is not a directory with a model_index.json.
         hf_tpu.tpu_compile.UnknownTargetError: ``target`` is not a known target.
+        MissingPackageError: torch-tpu is not installed; the message names the extra.
     """
     path = os.fspath(pipeline)
     if not os.path.isfile(os.path.join(path, "model_index.json")):
         raise UserError(f"{path}: no model_index.json there; pass a diffusers pipeline directory (save_pretrained)")
     chosen = find_target(target)
+    require_packages()
     kwargs = {
         "pipeline": path, "height": height, "width": width, "batch": batch, "guidance_scale": guidance_scale,
         "dtype": dtype, "capacity": chosen.hbm_bytes,
@@ -354,12 +456,15 @@ def plan_pipeline(
     result = lower_and_compile(PIPELINE_ENTRY, kwargs, chosen, progress=progress, dump_hlo=dump)
     plan = _plan_from(result, path, batch, None, None, None)
     plan.kind = "pipeline"
-    if plan.note:
-        plan.note = plan.note.split("; use ")[0] + "; use a larger chip or tensor parallelism over more chips"
+    # a pipeline's plan has no prompt, batch bucket or --quantization to change: the chip is what changes
+    plan.suggestions = [s for s in plan.suggestions if s.startswith(("more chips", "a device with more HBM"))]
     return plan
 
 
 def _plan_from(result: LoweringResult, path: str, batch, prompt, new, quantization) -> Plan:
+    """The plan of ``result``: it fits only when every program compiled and weights, KV cache and the largest
+    program's own bytes are within the device's HBM; a program libtpu refused for HBM makes it not fit (with the
+    bytes it needed), any other failure makes it unplanned (``error``)."""
     info = dict(result.info)
     info.update(batch=batch, max_prompt_len=prompt, max_new_tokens=new, quantization=quantization)
     weights = int(info.get("weights_bytes", 0))
@@ -367,14 +472,72 @@ def _plan_from(result: LoweringResult, path: str, batch, prompt, new, quantizati
     compiled = [p for p in result.programs if p.compiled]
     extra = max((p.temp_bytes + p.output_bytes - p.alias_bytes for p in compiled), default=0)
     peak = max((p.peak_bytes for p in compiled), default=0)
-    total = max(weights + kv + extra, peak)
+    ooms = {p.name: oom for p in result.programs if (oom := out_of_memory(p)) is not None}
+    needed = max((oom["needed"] for oom in ooms.values()), default=0)
+    total = int(max(weights + kv + extra, peak, needed))
     capacity = result.target.hbm_bytes
     hbm = {"capacity": capacity, "weights": weights, "kv_cache": kv, "temporaries": extra, "total": total}
     note = info.pop("skipped", None)
     if note:
-        note = f"{note} ({(weights + kv) / GB:.1f} GB > {capacity / GB:.1f} GB); use a larger chip, tensor parallelism over more chips, or --quantization"
+        note = f"{note} ({(weights + kv) / GB:.1f} GB > {capacity / GB:.1f} GB)"
     error = result.error if result.error else None
-    if error is None and not note and not compiled:
+    failed = [p for p in result.programs if not p.compiled and p.name not in ooms]
+    if error is None and failed:
+        error = "; ".join(f"{p.name} did not {'compile' if p.lowered else 'lower'}: "
+                          f"{(p.error or '?').splitlines()[0][:300]}" for p in failed)  # fmt: skip
+    if error is None and not note and not compiled and not ooms:
         error = "no program compiled"
-    fits = total <= capacity and error is None and (bool(compiled) or note is not None) and note is None
-    return Plan(result.target, path, fits, hbm, result.programs, info, note, error)
+    too_big = note is not None or bool(ooms) or total > capacity
+    fits = not too_big and error is None and bool(compiled)
+    plan = Plan(result.target, path, fits, hbm, result.programs, info, note, error)
+    plan.out_of_memory = ooms
+    plan.does_not_fit = too_big
+    if too_big:
+        plan.suggestions = _suggestions(plan, ooms)
+    return plan
+
+
+def _suggestions(plan: Plan, ooms: dict[str, dict[str, float]]) -> list[str]:
+    """What would fit, estimated from the plan's bytes (each to re-plan to be sure): a smaller prompt bucket or batch
+    (a prefill's own bytes grow with its tokens), int8 weights (about half the bytes of 16-bit linear weights; the
+    input embedding stays), more chips."""
+    cap, info = plan.hbm["capacity"], plan.info
+    resident = plan.hbm["weights"] + plan.hbm["kv_cache"]
+    out: list[str] = []
+    for name, oom in ooms.items():
+        needed, available = oom["needed"] or plan.hbm["total"], oom["available"] or cap
+        if name.startswith("prefill-") and needed > resident and available > resident:
+            share = (available - resident) / (needed - resident)  # of the prefill's own bytes that would fit
+            bucket = int(name.split("-", 1)[1])
+            if int(info.get("batch") or 1) > 1:
+                out.append(f"a smaller batch: --batch {max(int(int(info['batch']) * share), 1)} or less ({name} "
+                           f"needs {human(needed)} of {human(available)})")  # fmt: skip
+            tokens = int(bucket * share)
+            # a prompt is padded up to its bucket: the largest bucket within those tokens is what would fit
+            rungs = [r for r in info.get("prompt_buckets") or [tokens] if r <= tokens]
+            if rungs:
+                out.append(f"a smaller prompt bucket: --max-prompt-len {max(rungs)} ({name}'s own bytes, "
+                           f"{human(needed - resident)}, grow with its tokens: about {tokens} would fit in the "
+                           f"{human(available - resident)} left beside the weights and KV cache)")  # fmt: skip
+    weights = plan.hbm["weights"]
+    if not info.get("quantization") and info.get("dtype") in ("bfloat16", "float16", "float32") and weights:
+        linear = weights - int(info.get("gathered_embedding_bytes", 0))  # the input embedding is not quantized
+        saved = linear * (0.75 if info["dtype"] == "float32" else 0.5)
+        if plan.hbm["total"] - saved <= cap:
+            out.append(f"--quantization int8: weight-only int8 weights take about {human(weights - saved)} instead "
+                       f"of {human(weights)}, for a total near {human(plan.hbm['total'] - saved)}")  # fmt: skip
+    chips = -(-plan.hbm["total"] // cap)
+    family = plan.target.name.split("-")[0]
+    from hf_tpu.tpu_compile.targets import TARGETS
+
+    larger = sorted((t for t in TARGETS.values() if t.name.split("-")[0] == family and t.chips >= max(chips, 2)),
+                    key=lambda t: t.chips)  # fmt: skip
+    roomier = sorted((t for t in TARGETS.values() if t.hbm_bytes >= plan.hbm["total"] > cap),
+                     key=lambda t: (t.hbm_bytes, t.chips))  # fmt: skip
+    if roomier:
+        out.append(f"a device with more HBM: --target {roomier[0].name} ({human(roomier[0].hbm_bytes)} per device)")
+    if larger and larger[0].chips > plan.target.chips:
+        out.append(f"more chips: about {human(plan.hbm['total'])} over {chips} or more devices with tensor parallelism "
+                   f"(--target {larger[0].name}; hf-tpu plan does not compile tensor-parallel programs yet, so this is "
+                   "arithmetic on the bytes)")  # fmt: skip
+    return out

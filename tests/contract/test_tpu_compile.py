@@ -278,6 +278,65 @@ def test_plan_command_prints_one_json_object(tmp_path):
         assert {"name", "lowered", "compiled", "error", "compile_seconds", "flops", "bytes_accessed",
                 "optimal_seconds", "argument_bytes", "temp_bytes"} <= set(p)  # fmt: skip
     assert "compiled program" in proc.stderr  # progress on stderr, the object alone on stdout
+    assert plan["verdict"] == "fits" and plan["exit_status"] == 0 and plan["out_of_memory"] == {}
+    decode = plan["decode"]
+    assert decode["matmul_flops"] == 2 * (plan["info"]["parameters"] - plan["info"]["gathered_embedding_parameters"])
+    assert decode["flops_over_matmul"] == pytest.approx(decode["flops"] / decode["matmul_flops"])
+
+
+@pytest.mark.slow
+def test_plan_command_says_a_program_out_of_hbm_does_not_fit(tmp_path):
+    """A model whose weights fit one v5e chip but whose prefill does not (a 1M-wide MLP over 8192 tokens: a 17 GB
+    activation): libtpu refuses that program for HBM, and ``hf-tpu plan`` exits 3 naming it, the bytes it needed,
+    and a prompt bucket that would fit; the decode alone compiled (before, such a plan printed FITS and exited 0)."""
+    path = _saved(tmp_path, "llama", hidden_size=64, intermediate_size=1 << 20, num_hidden_layers=1,
+                  max_position_embeddings=16384)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_tpu.cli", "plan", path, "--target", "v5e-1", "--max-prompt-len", "8192",
+         "--max-new-tokens", "8", "--json"], capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)
+    assert plan["fits"] is False and plan["verdict"] == "does not fit" and plan["error"] is None
+    assert [(p["name"], p["compiled"]) for p in plan["programs"]] == [("prefill-8192", False), ("decode", True)]
+    assert "CompileTimeHbmOom" in plan["programs"][0]["error"]
+    oom = plan["out_of_memory"]["prefill-8192"]
+    assert oom["needed"] > oom["available"] > 15 * 2**30 and plan["hbm_bytes"]["total"] == int(oom["needed"])
+    assert any("--max-prompt-len" in tip for tip in plan["suggestions"]), plan["suggestions"]
+
+
+_ONE_ROW_PRODUCT = """
+import json, jax, jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+device = topologies.get_topology_desc("v5e:1x1", "tpu").devices[0]
+out = {}
+for rows in (1, 2, 8, 128):
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=SingleDeviceSharding(device))
+            for s in ((rows, 4096), (4096, 14336))]
+    compiled = jax.jit(lambda x, w: x @ w).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    out[rows] = [cost["flops"] / (2 * rows * 4096 * 14336), " convolution(" in compiled.as_text()]
+print(json.dumps(out))
+"""
+
+
+def test_libtpu_counts_a_one_row_product_five_times_per_weight():
+    """Why a batch-1 decode's FLOPs are ~2.4x 2 x parameters in ``hf-tpu plan`` (docs/planning.md): libtpu compiles
+    a bf16 product with one row as elementwise converts, a multiply and a reduction over the weight matrix, and its
+    cost analysis counts 5 per weight (2.5x ``2MNK``); with 2 rows or more it is a convolution, counted 2 per weight."""
+    from _timeouts import SAFETY_TIMEOUT_S
+
+    from hf_tpu.tpu_compile.programs import child_environment
+
+    proc = subprocess.run([sys.executable, "-c", _ONE_ROW_PRODUCT], capture_output=True, text=True,
+                          env=child_environment(), timeout=SAFETY_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ratios = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ratios["1"] == [pytest.approx(2.5, rel=1e-3), False], ratios  # the reduction adds K - 1 per column
+    for rows in ("2", "8", "128"):
+        assert ratios[rows] == [pytest.approx(1.0), True], ratios
 
 
 def test_dumped_hlo_splits_bytes_accessed_into_hbm_and_on_chip(tmp_path):

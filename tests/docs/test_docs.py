@@ -108,5 +108,27 @@ def test_run_the_tests_quotes_the_suite_settings_and_names_files_that_exist():
     assert not missing, f"docs/first_hour.md names test files that do not exist: {missing}"
     readme = (ROOT / "README.md").read_text()
     typed = re.findall(r"(?<!-n )\b\d+ (?:minutes|tests|passed)\b",
-                       section + readme.split("Run the whole test suite", 1)[1][:300])  # `-n 2 tests` is a flag
+                       section + readme.split("Run the test suite", 1)[1][:300])  # `-n 2 tests` is a flag
     assert not typed, f"a duration or test count typed by hand: {typed}; say `--durations` or `--collect-only`"
+
+
+def test_the_readmes_first_python_block_runs_as_pasted():
+    """The README's first python block defines every name it uses (issue 48: it used ``path``, set only by the
+    hidden set-up before it, so that pasted it raised NameError); its hidden set-up does only what the text before
+    it tells the reader to do (enable the simulated device: ``HF_TPU_SIMULATE=1``)."""
+    import ast
+    import builtins
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    before, block = re.search(r"\A(.*?)```python\n(.*?)```", readme, re.S).groups()
+    tree = ast.parse(block)
+    bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    bound |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+              for a in n.names}  # fmt: skip
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    assert not used - bound - set(dir(builtins)), f"the README's first block uses names it never sets: {used - bound}"
+    hidden = re.findall(r"<!-- invisible-code-block: python\n(.*?)-->", before, re.S)
+    code = [line.split("#")[0].strip() for setup in hidden for line in setup.splitlines()]
+    assert [c for c in code if c] in ([], ["import hf_tpu.sim", "hf_tpu.sim.enable()"]), hidden
+    assert "HF_TPU_SIMULATE=1" in before.split("-->")[-2 if hidden else -1]

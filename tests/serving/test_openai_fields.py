@@ -7,7 +7,16 @@ import json
 import pytest
 from transformers import GenerationConfig
 
-from hf_tpu.serving._openai import CHAT, COMPLETIONS, Limits, RequestError, check, resolve
+from hf_tpu.serving._openai import (
+    CHAT,
+    COMPLETIONS,
+    Limits,
+    RequestError,
+    check,
+    check_responses,
+    check_vocab,
+    resolve,
+)
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -44,8 +53,14 @@ def refused(path: str, body: dict, limits: Limits = Limits()) -> RequestError:
         ({"messages": HI, "max_completion_tokens": True}, "max_completion_tokens"),
         ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": HI, "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
-        ({"messages": HI, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": HI, "presence_penalty": 2.5}, "presence_penalty"),
         ({"messages": HI, "frequency_penalty": 3}, "frequency_penalty"),
+        ({"messages": HI, "repetition_penalty": 0}, "repetition_penalty"),
+        ({"messages": HI, "min_tokens": -1}, "min_tokens"),
+        ({"messages": HI, "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"messages": HI, "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"messages": HI, "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"messages": HI, "logit_bias": [1]}, "logit_bias"),
         ({"messages": HI, "response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": HI, "tool_choice": "required"}, "tool_choice"),
         ({"messages": HI, "stream": "yes"}, "stream"),
@@ -87,7 +102,9 @@ def test_valid_bodies_pass():
     check(CHAT, {"messages": HI + [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
                  "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 3, "n": 2, "stop": ["\n"],
                  "logprobs": True, "top_logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
-                 "max_completion_tokens": 8, "presence_penalty": 0, "user": "u", "model": "m"})  # fmt: skip
+                 "max_completion_tokens": 8, "presence_penalty": 0.5, "frequency_penalty": -1, "user": "u",
+                 "model": "m", "repetition_penalty": 1.2, "logit_bias": {"5": -100, "7": 2.5},
+                 "min_tokens": 8})  # fmt: skip
     check(COMPLETIONS, {"prompt": "x", "logprobs": 0, "stop": "\n", "best_of": 1, "echo": False, "suffix": "!"})
     check(COMPLETIONS, {"prompt": "x", "generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})})
 
@@ -103,3 +120,59 @@ def test_resolve_takes_the_request_else_the_model():
     assert (s.temperature, s.top_p, s.logprobs, s.top_logprobs, s.eos_token_id) == (0.8, 0.95, True, 2, None)
     s = resolve(COMPLETIONS, {"prompt": "x", "top_k": -1}, GenerationConfig(do_sample=True))
     assert (s.temperature, s.top_k, s.max_tokens) == (1.0, 0, None)
+
+
+def test_penalties_resolve_from_the_request_else_the_model():
+    model = GenerationConfig(do_sample=False, repetition_penalty=1.3, min_new_tokens=2)
+    s = resolve(CHAT, {"messages": HI}, model)
+    assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty, s.logit_bias, s.min_tokens) == (
+        1.3, 0.0, 0.0, {}, 2)  # fmt: skip
+    assert s.extra["penalties"] == ()  # (the model's defaults are not the request's asking)
+    body = {"prompt": "x", "repetition_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {"9": -5}, "min_tokens": 1}
+    s = resolve(COMPLETIONS, body, model)
+    assert (s.repetition_penalty, s.presence_penalty, s.logit_bias, s.min_tokens) == (1.0, 0.5, {9: -5.0}, 1)
+    assert s.extra["penalties"] == ("presence_penalty", "logit_bias", "min_tokens")
+    error = pytest.raises(RequestError, check_vocab, {"logit_bias": {"5": 1, "96": 1}}, 96).value
+    assert error.param == "logit_bias" and "96" in error.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": 3}, "input"),
+        ({"input": [{"type": "input_text", "text": 3}]}, "input[0].text"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+        ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "name": "f"}]}, "input[1].call_id"),
+        ({"input": "x", "instructions": 1}, "instructions"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "temperature": -1}, "temperature"),
+        ({"input": "x", "top_p": 1.5}, "top_p"),
+        ({"input": "x", "seed": "s"}, "seed"),
+        ({"input": "x", "stream": "yes"}, "stream"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text"),
+        ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "messages": HI}, "messages"),
+    ],
+)
+def test_a_wrong_responses_field_is_named(body, param):
+    with pytest.raises(RequestError) as info:
+        check_responses(body)
+    assert info.value.param == param and info.value.status == 400
+
+
+def test_valid_responses_bodies_pass():
+    check_responses({"input": "x", "instructions": "be brief", "max_output_tokens": 4, "temperature": 0.5, "top_p": 0.9,
+                     "seed": 1, "stream": False, "store": False, "text": {"format": {"type": "text"}},
+                     "truncation": "disabled", "tool_choice": "auto", "tools": [], "top_logprobs": 0})  # fmt: skip
+    check_responses({"input": [{"type": "input_text", "text": "x"}]})
+    check_responses({"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "sunny"},
+    ]})  # fmt: skip

@@ -47,15 +47,16 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def cpu():
-    """The shipped model on CPU, greedy without the repetition penalty (continuous batching drops it upstream)."""
+    """The shipped model on CPU, greedy with its generation config (its repetition penalty of 1.3 included: the
+    server honours it, where upstream's continuous batching drops it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
 
-    def complete(ids: list[int], new_tokens: int) -> str:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, repetition_penalty=1.0)
+    def complete(ids: list[int], new_tokens: int, **kwargs) -> str:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, **kwargs)
         return tok.decode(out[0, len(ids) :], skip_special_tokens=True)
 
     def text(prompt: str, new_tokens: int) -> str:
@@ -66,7 +67,7 @@ def cpu():
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
         return complete(list(ids["input_ids"]), new_tokens)
 
-    text.chat = chat
+    text.chat, text.complete = chat, complete
     text.tok, text.model = tok, model
     return text
 
@@ -77,10 +78,18 @@ def cpu_logits(cpu, ids: list[int]) -> torch.Tensor:
         return cpu.model(torch.tensor([ids])).logits[0].float()
 
 
+def cpu_scores(cpu, ids: list[int]) -> torch.Tensor:
+    """CPU's last logits row after the model's repetition penalty (the server's default for every request)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    penalty = RepetitionPenaltyLogitsProcessor(float(cpu.model.generation_config.repetition_penalty))
+    return penalty(torch.tensor([ids]), cpu_logits(cpu, ids)[-1:])
+
+
 def cpu_sampled(cpu, prompt_ids: list[int], new_tokens: int, *, temperature: float, seed: int, choice: int = 0,
                 top_k: int = 0, top_p: float = 1.0) -> list[int]:  # fmt: skip
     """The tokens a request draws, replayed on CPU: the same keys (seed, choice, position) through hf_tpu's sampler
-    on CPU's logits (no end of sequence)."""
+    on CPU's logits after the model's repetition penalty (no end of sequence)."""
     from hf_tpu.serving._sampling import noise_key, sample
 
     ids = list(prompt_ids)
@@ -89,7 +98,7 @@ def cpu_sampled(cpu, prompt_ids: list[int], new_tokens: int, *, temperature: flo
         floats = torch.tensor([temperature, top_p, 0.0], dtype=torch.float32).view(torch.int32)
         args = torch.stack([floats[0:1], torch.tensor([top_k], dtype=torch.int32), floats[1:2], floats[2:3],
                             torch.tensor([key], dtype=torch.int32)])  # fmt: skip
-        ids.append(int(sample(cpu_logits(cpu, ids)[-1:], args)[0]))
+        ids.append(int(sample(cpu_scores(cpu, ids), args)[0]))
     return ids[len(prompt_ids) :]
 
 
@@ -271,6 +280,83 @@ def test_a_client_disconnecting_mid_stream_frees_its_slot(server):
     assert server.metric("hf_tpu_generated_tokens_total") - generated < 240
 
 
+def test_an_abandoned_non_streamed_request_frees_its_slot(server):
+    """A client that sends a long non-streamed request and goes away: the request is cancelled in the batch (its
+    slot and KV blocks freed), not run to its max_tokens."""
+    generated = server.metric("hf_tpu_generated_tokens_total")
+    body = json.dumps({"model": MODEL, "prompt": "The king said", "max_tokens": 240, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=SAFETY_TIMEOUT_S)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    try:
+        _wait_for(lambda: server.metric("hf_tpu_kv_blocks_in_use") > 0, "the request never reached the batch")
+    finally:
+        sock.close()  # the client goes away before its answer
+    _wait_for(lambda: server.metric("hf_tpu_requests_in_flight") == 0, "an abandoned request stays in flight")
+    _wait_for(lambda: server.metric("hf_tpu_kv_blocks_in_use") == 0, "an abandoned request keeps its KV blocks")
+    assert server.metric("hf_tpu_generated_tokens_total") - generated < 240  # cancelled, not run to its end
+    assert 'status="499"' in server.get("/metrics")[1].decode()  # counted as the client closing it
+
+
+def test_models_retrieve_names_the_served_model(client):
+    for name in (SERVED, MODEL, str(default_model_path())):  # any name the model is served under
+        model = client.models.retrieve(name)
+        assert model.id == SERVED and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-9")
+    assert "gpt-9" in info.value.body["message"] and info.value.body["param"] == "model"
+
+
+def test_usage_chunk_only_when_stream_options_ask_for_it(client):
+    hi = [{"role": "user", "content": "hi"}]
+    for create, kwargs in ((client.completions.create, {"prompt": "He that"}),
+                           (client.chat.completions.create, {"messages": hi})):  # fmt: skip
+        plain = list(create(model=MODEL, max_tokens=3, stream=True, **kwargs))
+        assert plain and all(c.choices for c in plain)  # the usual chunk.choices[0] loop never meets an empty one
+        assert all(c.usage is None for c in plain)
+        asked = list(create(model=MODEL, max_tokens=3, stream=True, stream_options={"include_usage": True}, **kwargs))
+        assert asked[-1].choices == [] and 0 < asked[-1].usage.completion_tokens <= 3
+        assert all(c.choices for c in asked[:-1])
+
+
+def test_responses_answer_as_chat_does(server, client, cpu):
+    """``/v1/responses`` with the openai client: a JSON ``response`` unless streamed (OpenAI's default), the text
+    CPU's greedy chat answer, streamed deltas joining to it, the sampling fields honoured per request."""
+    reply = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=8, temperature=0)
+    assert reply.object == "response" and reply.status == "completed" and reply.model == SERVED
+    assert reply.output_text == cpu.chat("Hello there", 8)
+    assert reply.usage.output_tokens <= 8 and reply.usage.input_tokens > 0
+    events = list(client.responses.create(model=MODEL, input="Hello there", max_output_tokens=8, temperature=0,
+                                          stream=True))  # fmt: skip
+    assert events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Speak"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=5,
+                                          extra_body=NO_EOS)  # fmt: skip
+    sampled = client.responses.create(model=MODEL, instructions="Be brief.", input="Speak", max_output_tokens=6,
+                                      temperature=1.0, extra_body={"seed": 5, **NO_EOS})  # fmt: skip
+    assert sampled.output_text == chat.choices[0].message.content  # the same seeded draw as chat's
+
+
+def test_responses_are_checked_at_the_door(server, client):
+    def refused(**body):
+        status, answer, _ = server.post("/v1/responses", {"model": MODEL, **body})
+        assert status == 400 and set(answer) == {"error"}, (status, answer)  # OpenAI's error shape, never 5xx
+        return answer["error"]["param"]
+
+    assert refused(max_output_tokens=4) == "input"
+    assert refused(input="hi", temperature=-1) == "temperature"
+    assert refused(input="hi", top_p=0) == "top_p"
+    assert refused(input=5) == "input"
+    assert refused(input=[{"role": "wizard", "content": "x"}]) == "input[0].role"
+    assert refused(input=[{"type": "image", "url": "x"}]) == "input[0]"
+    assert refused(input="hi", previous_response_id="resp_1") == "previous_response_id"
+    assert refused(input="hi", frobnicate=1) == "frobnicate"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="hi", temperature=-1)
+    assert info.value.param == "temperature"
+
+
 def test_after_warmup_a_mixed_load_compiles_nothing_and_loses_nothing(server, client, cpu):
     before = server.metric("hf_tpu_compiles_total")
     finished = server.metric("hf_tpu_generated_tokens_total")
@@ -322,6 +408,42 @@ def test_greedy_and_sampled_requests_in_one_batch(server, client, cpu):
     other = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=99,
                                       extra_body=NO_EOS)  # fmt: skip
     assert other.choices[0].text != sampled  # another seed, another answer
+    assert server.metric("hf_tpu_compiles_total") == before
+
+
+def test_penalties_and_biases_per_request_equal_cpu_processors(server, client, cpu):
+    """presence/frequency/repetition penalties, logit_bias and min_tokens, mixed in one batch, each equal to CPU
+    greedy generate with transformers' processors (presence and frequency: OpenAI's formula over the new tokens)."""
+    from test_penalties import OpenAIPenalties
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    before = server.metric("hf_tpu_compiles_total")
+    prompt = "The king said"
+    ids = cpu.tok(prompt)["input_ids"]
+    eos = int(cpu.model.generation_config.eos_token_id)
+    cases = [
+        ({"frequency_penalty": 1.5, "presence_penalty": 0.5}, [RepetitionPenaltyLogitsProcessor(1.3),
+                                                              OpenAIPenalties(len(ids), 0.5, 1.5)]),
+        ({"repetition_penalty": 1.05, "logit_bias": {"100": 8.0}}, [SequenceBiasLogitsProcessor({(100,): 8.0}),
+                                                                    RepetitionPenaltyLogitsProcessor(1.05)]),
+        ({"min_tokens": 3, "logit_bias": {str(eos): 100}, "repetition_penalty": 1.0},
+         [SequenceBiasLogitsProcessor({(eos,): 100.0}), MinNewTokensLengthLogitsProcessor(len(ids), 3, eos)]),
+    ]  # fmt: skip
+
+    def one(body):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, extra_body=body)
+
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(one, [body for body, _ in cases]))
+    for reply, (body, procs) in zip(replies, cases, strict=True):
+        want = cpu.complete(ids, 10, repetition_penalty=1.0, logits_processor=LogitsProcessorList(procs))
+        assert reply.choices[0].text == want, body
+    assert replies[2].choices[0].finish_reason == "stop"  # min_tokens held the end of sequence back 3 tokens
     assert server.metric("hf_tpu_compiles_total") == before
 
 
@@ -391,7 +513,7 @@ def test_first_token_distribution_matches_cpu_warpers(server, client, cpu):
     before = server.metric("hf_tpu_compiles_total")
     prompt = "What is the"
     temperature, top_k, top_p = 1.3, 6, 0.95
-    logits = cpu_logits(cpu, cpu.tok(prompt)["input_ids"])[-1:]
+    logits = cpu_scores(cpu, cpu.tok(prompt)["input_ids"])
     for warper in (TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)):
         logits = warper(None, logits)
     probs = torch.softmax(logits[0], dim=-1).double()

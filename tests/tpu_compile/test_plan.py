@@ -10,7 +10,7 @@ import pytest
 from hf_tpu.cli.main import main
 from hf_tpu.errors import UserError
 from hf_tpu.tpu_compile import TARGETS, UnknownTargetError, target
-from hf_tpu.tpu_compile.plan import _plan_from, human, plan_generate
+from hf_tpu.tpu_compile.plan import EXIT_COULD_NOT_PLAN, EXIT_DOES_NOT_FIT, _plan_from, human, plan_generate
 from hf_tpu.tpu_compile.programs import LoweringResult, ProgramRecord
 
 GB = 10**9
@@ -101,8 +101,104 @@ def test_too_big_is_reported_without_programs():
 def test_a_failed_program_is_a_plan_error():
     broken = ProgramRecord("prefill-16", lowered=True, compiled=False, error="XlaRuntimeError: refused")
     plan = _plan_from(_result([broken]), "m", 1, 16, 8, None)
-    assert not plan.fits and plan.error == "no program compiled"
-    assert "refused" in plan.table()
+    assert not plan.fits and "prefill-16 did not compile: XlaRuntimeError: refused" in plan.error
+    assert plan.verdict == "could not plan" and plan.exit_status == EXIT_COULD_NOT_PLAN
+    assert "refused" in plan.table() and "COULD NOT PLAN" in plan.table()
+
+
+def test_one_failed_program_of_two_is_not_a_fit():
+    """The decode compiled, the prefill did not (not for memory): the run cannot be planned, whatever the decode's
+    bytes say."""
+    decode = _program("decode", args=int(16.5 * GB), out=GB // 2, temp=GB // 4, flops=4e10, moved=2e10)
+    broken = ProgramRecord("prefill-2048", lowered=True, compiled=False, error="JaxRuntimeError: INTERNAL: boom")
+    plan = _plan_from(_result([broken, decode]), "m", 1, 2048, 256, None)
+    assert not plan.fits and plan.verdict == "could not plan" and plan.exit_status == EXIT_COULD_NOT_PLAN
+    assert "prefill-2048" in plan.error and "boom" in plan.error
+    assert json.loads(json.dumps(plan.to_dict()))["fits"] is False
+
+
+# libtpu 0.0.52's words for the Llama-3-8B shape's prefill-2048 on v5e-1 (`hf-tpu plan llama-3-8b-shape --target v5e-1`)
+OOM = ("JaxRuntimeError: RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory "
+       "required for HLO temporaries (16.63G) exceeds available HBM (15.75G). HLO module: "
+       "tt_jit__graphs_L43C0__last_logits_argmax.\nSee https://openxla.org/xla/errors/error_1000 for more details.")
+
+
+def _eight_b_on_v5e(batch=1):
+    """The 8B shape's plan for v5e-1 as recorded: the decode compiled, the prefill refused for HBM."""
+    decode = _program("decode", args=16_362_513_152, out=301_990_144, alias=0, temp=13_637_888, flops=35.52e9,
+                      moved=29.54e9)  # fmt: skip
+    prefill = ProgramRecord("prefill-2048", lowered=True, compiled=False, error=OOM)
+    info = {"weights_bytes": 16_060_523_008, "kv_cache_bytes": 301_990_144, "gathered_embedding_bytes": 1_050_673_152,
+            "gathered_embedding_parameters": 525_336_576, "parameters": 8_030_261_248,
+            "prompt_buckets": [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]}  # fmt: skip
+    result = LoweringResult(target("v5e-1"), [prefill, decode], {**_result([]).info, **info}, {})
+    return _plan_from(result, "llama-3-8b-shape", batch, 2048, 256, None)
+
+
+def test_a_program_out_of_hbm_does_not_fit_and_says_what_would():
+    plan = _eight_b_on_v5e()
+    assert not plan.fits and plan.verdict == "does not fit" and plan.exit_status == EXIT_DOES_NOT_FIT == 3
+    assert plan.error is None  # known, not unplanned
+    needed, available = 16.63 * 2**30, 15.75 * 2**30
+    assert plan.out_of_memory == {"prefill-2048": {"needed": pytest.approx(needed), "available": available}}
+    assert plan.hbm["total"] == int(needed) > plan.hbm["capacity"]
+    text = plan.table()
+    assert "DOES NOT FIT" in text and "prefill-2048 is out of HBM: needs 17.86 GB of 16.91 GB" in text
+    tips = "\n".join(plan.suggestions)
+    # 16.91 - 16.36 GB left for a prefill whose own bytes are 17.86 - 16.36 GB: 0.367 of 2048 tokens, 752; its bucket
+    assert "--max-prompt-len 512 (" in tips and "about 752 would fit" in tips, tips
+    assert "--quantization int8" in tips and "about 8.56 GB instead of 16.06 GB" in tips  # the embedding stays bf16
+    assert "--target v6e-1" in tips and "--target v5e-4" in tips
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["fits"] is False and data["verdict"] == "does not fit" and data["exit_status"] == 3
+    assert data["out_of_memory"]["prefill-2048"]["needed"] == pytest.approx(needed)
+
+
+def test_the_decode_flops_are_compared_with_the_matrix_products():
+    """XLA's count of the 8B decode at batch 1 is 2.37x 2 x parameters: libtpu rewrites each one-row product as
+    elementwise ops and counts 5 per weight (tests/contract checks the 2.5x on a plain product)."""
+    summary = _eight_b_on_v5e().decode_summary()
+    assert summary["matmul_flops"] == 2 * (8_030_261_248 - 525_336_576)
+    assert summary["flops_over_matmul"] == pytest.approx(35.52e9 / summary["matmul_flops"])
+    assert "2.37x the token's matrix products" in _eight_b_on_v5e().table()
+
+
+def test_plan_exit_statuses(tmp_path, monkeypatch, capsys):
+    from hf_tpu.tpu_compile import plan as plan_module
+
+    (tmp_path / "config.json").write_text("{}")
+    fitting = _plan_from(_result([_program("decode", args=GB, out=0, temp=0, flops=1.0, moved=1.0)]), "m", 1, 16, 8,
+                         None)  # fmt: skip
+    broken = _plan_from(_result([ProgramRecord("decode", lowered=False, error="TypeError: x")]), "m", 1, 16, 8, None)
+    monkeypatch.setattr(plan_module, "require_packages", lambda *a: None)  # the recorded plans need no torch-tpu
+    for plan, status in ((fitting, 0), (_eight_b_on_v5e(), 3), (broken, 1)):
+        monkeypatch.setattr(plan_module, "plan_generate", lambda *a, plan=plan, **k: plan)
+        assert main(["plan", str(tmp_path), "--json"]) == status
+        assert json.loads(capsys.readouterr().out)["exit_status"] == status
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    helped = " ".join(capsys.readouterr().out.split())
+    assert "0 fits" in helped and "3 does not fit" in helped and "1 could not plan" in helped
+
+
+def test_a_missing_package_names_its_extra_and_plans_nothing(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    (tmp_path / "config.json").write_text("{}")
+    real = importlib.util.find_spec
+    for absent, extra, flags in (("torchao", "hf-tpu[quant]", ["--quantization", "int8"]),
+                                 ("torch_tpu", "hf-tpu[tpu]", [])):  # fmt: skip
+        def find_spec(name, *args, absent=absent):
+            if name == absent:
+                return None
+            return object() if name in ("torch_tpu", "libtpu", "jax", "torchao") else real(name, *args)
+
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+        assert main(["plan", str(tmp_path), *flags]) == EXIT_COULD_NOT_PLAN
+        out = capsys.readouterr()
+        assert out.out == ""  # no plan of 0 bytes
+        [line] = out.err.strip().splitlines()
+        assert extra in line and "Nothing was planned" in line
 
 
 def test_targets_and_units():

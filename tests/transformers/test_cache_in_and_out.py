@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import hf_tpu.sim
-from hf_tpu.transformers import generation
+from hf_tpu.transformers import explain, generation
 from hf_tpu.transformers._signatures import cache_name, output_cache_field
 
 KW = {"do_sample": False, "return_dict_in_generate": True, "output_scores": True, "eos_token_id": None}
@@ -80,6 +80,59 @@ def test_a_cache_the_caller_built_is_copied_in(llama, prompts):
     assert cache.get_seq_length() == ids.shape[1] - 1  # (the caller's cache is read, not changed)
 
 
+def _assert_same_cache(ours, theirs):
+    assert type(ours) is type(theirs) and len(ours.layers) == len(theirs.layers)
+    assert int(ours.get_seq_length()) == int(theirs.get_seq_length())
+    for mine, up in zip(ours.layers, theirs.layers):
+        assert type(mine) is type(up)
+        assert int(mine.get_seq_length()) == int(up.get_seq_length())
+        torch.testing.assert_close(mine.keys.cpu(), up.keys)
+        torch.testing.assert_close(mine.values.cpu(), up.values)
+
+
+# mistral: every layer a window of 6; gemma3: a window of 6 then a full-attention layer. Prompts of 7 and 9 tokens:
+# the window is full before the first new token, so the bucketed layers are rings.
+@pytest.mark.parametrize("family", ["mistral", pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_sliding_window_caches_come_back_as_upstreams_and_continue(family, pair, prompts):
+    cpu, tpu = pair(family)
+    ids, mask = prompts([7, 9], seed=7)
+    three = tpu.generate(ids, attention_mask=mask, max_new_tokens=3, **KW)
+    ref = cpu.generate(ids, attention_mask=mask, max_new_tokens=3, **KW)
+    assert torch.equal(three.sequences.cpu(), ref.sequences)
+    _assert_same_cache(_cache_of(three), _cache_of(ref))  # DynamicSlidingWindowLayer: the last window - 1 tokens
+    four = cpu.generate(ids, attention_mask=mask, max_new_tokens=4, **KW)
+    assert torch.equal(tpu.generate(ids, attention_mask=mask, max_new_tokens=4, **KW).sequences.cpu(), four.sequences)
+    more = {"attention_mask": _ones(mask, 3), "max_new_tokens": 1, cache_name(): _cache_of(three), **KW}
+    assert explain(tpu, input_ids=three.sequences, **more).loop == "cached"
+    with hf_tpu.sim.stats() as s:
+        one = tpu.generate(three.sequences, **more)
+    assert s.compiles == 0  # the decode graph of the longer call
+    assert torch.equal(one.sequences.cpu(), four.sequences)
+    torch.testing.assert_close(one.scores[0].cpu(), four.scores[3])
+    # the same with the static cache upstream returns for cache_implementation="static"
+    kw = {"attention_mask": mask, "max_new_tokens": 3, "cache_implementation": "static", **KW}
+    static, ref = tpu.generate(ids, **kw), cpu.generate(ids, **kw)
+    assert isinstance(_cache_of(static), transformers.StaticCache)
+    _assert_same_cache(_cache_of(static), _cache_of(ref))
+    got = tpu.generate(static.sequences, attention_mask=_ones(mask, 3), max_new_tokens=1,
+                       **{cache_name(): _cache_of(static)}, **KW)  # fmt: skip
+    assert torch.equal(got.sequences.cpu(), four.sequences)
+
+
+def test_a_short_call_keeps_one_slot_per_token_and_continues_past_the_window(pair, prompts):
+    # prompts of 2 and 3 tokens, 2 new: the window (6) is not full, the bucketed layer is not a ring; the next call
+    # goes past the window
+    cpu, tpu = pair("mistral")
+    ids, mask = prompts([2, 3], seed=8)
+    out, ref = (m.generate(ids, attention_mask=mask, max_new_tokens=2, **KW) for m in (tpu, cpu))
+    _assert_same_cache(_cache_of(out), _cache_of(ref))
+    more = {"attention_mask": _ones(mask, 2), "max_new_tokens": 6, **KW}
+    got = tpu.generate(out.sequences, **{cache_name(): _cache_of(out)}, **more)
+    expected = cpu.generate(ref.sequences, **{cache_name(): _cache_of(ref)}, **more)
+    assert torch.equal(got.sequences.cpu(), expected.sequences)
+    _assert_same_cache(_cache_of(got), _cache_of(expected))
+
+
 def test_a_cache_with_other_layer_kinds_runs_upstream_with_the_reason(llama, prompts):
     from transformers import MistralConfig
 
@@ -88,7 +141,7 @@ def test_a_cache_with_other_layer_kinds_runs_upstream_with_the_reason(llama, pro
     config = MistralConfig(**{**cpu.config.to_dict(), "sliding_window": 4096})
 
     def filled(device):
-        cache = transformers.DynamicCache(config=config)  # sliding-window layers: not copied into the bucketed one
+        cache = transformers.DynamicCache(config=config)  # sliding-window layers where the model has full ones
         model = cpu if device == "cpu" else tpu
         with torch.no_grad():
             model(input_ids=ids[:, :-1].to(device), attention_mask=mask[:, :-1].to(device), **{cache_name(): cache})
