@@ -25,7 +25,7 @@ def explain(model, **generate_kwargs) -> Route:
 
     Returns:
         A :class:`Route`: ``loop`` (``"cached"``, ``"host_length"``, ``"cacheless"`` or ``"upstream"``),
-        ``reason``, ``warn``, ``host_sampling``.
+        ``reason``, ``warn``, ``host_sampling``, ``step_by_step``.
 
     Raises:
         Nothing of its own: arguments upstream rejects give an ``"upstream"`` route (``generate`` raises there).

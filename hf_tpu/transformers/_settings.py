@@ -20,6 +20,9 @@ __all__ = [
     "STRICT_EAGER", "STRICT_ENV", "GenerationSettings", "RecompileError", "Route", "compiled_graphs", "configure",
 ]
 
+# How many decode steps the loops run between two read-backs of the new tokens (hf_tpu.transformers._loops.readback).
+READ_BACK_EVERY = 8
+
 # Device types the hf_tpu loop takes over. Tests may widen it to exercise the loop on CPU.
 DEVICE_TYPES: set[str] = {"tpu"}
 
@@ -63,6 +66,8 @@ class Route:
         without_cache_checked: whether ``without_cache`` has been decided.
         host_sampling: (from :func:`~hf_tpu.transformers.explain` only) why the call's logits processors and
             sampling run on the host, one logits row copied back per step (None: in the graph).
+        step_by_step: (from :func:`~hf_tpu.transformers.explain` only) why the call's new tokens come back each
+            decode step (None: every ``read_back_every`` steps, :mod:`hf_tpu.transformers._loops.readback`).
     """
 
     loop: str
@@ -71,6 +76,7 @@ class Route:
     without_cache: str | None = None
     without_cache_checked: bool = False
     host_sampling: str | None = None
+    step_by_step: str | None = None
 
     @property
     def fast(self) -> bool:
@@ -98,6 +104,8 @@ class GenerationSettings:
     ``HF_TPU_COMPILE_CACHE`` environment variable). ``device_sampling``: run the logits processors and the sampler
     in the compiled graph (:mod:`hf_tpu.transformers.sampling`; default); False keeps them on the host, copying the
     last logits row back each step (the earlier behaviour, kept for comparison: ``hf-tpu bench sampling``).
+    ``read_back_every``: the decode steps run between two read-backs of the new tokens, which stay on the device in
+    between (:mod:`hf_tpu.transformers._loops.readback`; default :data:`READ_BACK_EVERY`); 1 reads them back each step.
     """
 
     buckets: BucketLadder | None = None
@@ -108,6 +116,7 @@ class GenerationSettings:
     compile: bool = True
     compile_cache: Any = _UNSET
     device_sampling: bool = True
+    read_back_every: int = READ_BACK_EVERY
 
 
 @dataclass
@@ -175,6 +184,7 @@ def configure(
     compile: bool | None = None,
     compile_cache: Any = _UNSET,
     device_sampling: bool | None = None,
+    read_back_every: int | None = None,
 ) -> GenerationSettings:
     """Set how hf_tpu generates with ``model``; arguments left out (or None) keep their current value.
 
@@ -191,13 +201,15 @@ def configure(
         backend, fullgraph, compile: what ``torch.compile`` gets (``compile=False`` runs the loop eagerly).
         compile_cache: the persistent compile cache (a directory, a ``CompileCache``, or False for none).
         device_sampling: run the logits processors and sampler in the graph (default True).
+        read_back_every: decode steps between two read-backs of the new tokens (default :data:`READ_BACK_EVERY`;
+            1: each step).
 
     Returns:
         The model's :class:`GenerationSettings` after the change.
 
     Raises:
-        ValueError: a ``cache_multiple`` that is not a positive int, a ``strict`` other than True, False or
-            ``"eager"``, or a ladder that is not increasing positive lengths.
+        ValueError: a ``cache_multiple`` or ``read_back_every`` that is not a positive int, a ``strict`` other than
+            True, False or ``"eager"``, or a ladder that is not increasing positive lengths.
 
     Example:
         >>> from hf_tpu.transformers import configure                   # doctest: +SKIP
@@ -222,6 +234,10 @@ def configure(
         state.settings.compile = compile
     if device_sampling is not None:
         state.settings.device_sampling = bool(device_sampling)
+    if read_back_every is not None:
+        if isinstance(read_back_every, bool) or not isinstance(read_back_every, int) or read_back_every < 1:
+            raise ValueError(f"read_back_every must be a positive integer (1: each step), got {read_back_every!r}")
+        state.settings.read_back_every = read_back_every
     if compile_cache is not _UNSET:
         from hf_tpu.compile_cache import CompileCache
 

@@ -15,11 +15,12 @@ classes) and plugs its own decoding loop in through upstream's ``custom_generate
   tokens, rounded to a multiple of 128 (:mod:`hf_tpu.transformers.shapes`), so compiles are bounded by the rungs
   touched;
 * runs prefill and decode as ``torch.compile`` graphs (backend ``"tpu"``, static shapes, full graph);
-* keeps the growing tensors (the sequence, the 2D mask, the positions) on the host; the padded mask goes to the
-  device once per call, and each decode step sends one ``(batch, 2)`` tensor (next tokens and their positions) and
-  reads back one ``(batch,)`` tensor of next tokens: the logits processors, warpers and the sampler run in the
-  graph (:mod:`hf_tpu.transformers.sampling`); only a processor without a device form, or ``output_scores``, brings
-  the last logits row back instead;
+* keeps the growing tensors (the sequence, the 2D mask) on the host; the padded mask goes to the device once per
+  call, each decode step's input (next tokens and their positions) is built on the device from the last step's
+  tokens, and the new tokens come back every K decode steps in one copy (:mod:`hf_tpu.transformers._loops.readback`,
+  K = ``read_back_every``, 8): the logits processors, warpers and the sampler run in the graph
+  (:mod:`hf_tpu.transformers.sampling`); only a processor without a device form, or ``output_scores``, brings the
+  last logits row back instead, each step;
 * returns the output on the device the inputs came from.
 
 Generation without a cache runs a loop of its own (:mod:`hf_tpu.transformers._loops.cacheless`). Anything neither loop
@@ -71,6 +72,7 @@ from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._graphs import PENALTY, run_graph
 from hf_tpu.transformers._loops import beam, cacheless
 from hf_tpu.transformers._loops.cached import decode_loop, warm_plan
+from hf_tpu.transformers._loops.readback import ReadBacks, read_backs
 from hf_tpu.transformers._loops.skeleton import default_variant
 from hf_tpu.transformers._notes import WARNED, warn_once
 from hf_tpu.transformers._pad_id import fill_id
@@ -101,6 +103,7 @@ __all__ = [
     "BucketOverflowError",
     "GenerationSettings",
     "NotCompilableError",
+    "ReadBacks",
     "RecompileError",
     "Route",
     "ShapePlan",
@@ -113,6 +116,7 @@ __all__ = [
     "generate",
     "ladder_figures",
     "plan_shapes",
+    "read_backs",
     "timed_host_steps",
 ]
 

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from hf_tpu.transformers import _images, _upstream
 from hf_tpu.transformers._cache import pool
-from hf_tpu.transformers._loops import beam, cacheless
+from hf_tpu.transformers._loops import beam, cacheless, readback
 from hf_tpu.transformers._settings import (
     CACHED,
     CACHELESS,
@@ -64,7 +64,8 @@ def explain(model, **generate_kwargs) -> Route:
     Returns:
         A :class:`Route`: ``route.loop`` is ``"cached"``, ``"host_length"``, ``"cacheless"`` or ``"upstream"``,
         ``route.reason`` says why it is not the cached loop, ``route.host_sampling`` why the logits processors
-        and sampling of one of hf_tpu's loops would run on the host (None: in the graph).
+        and sampling of one of hf_tpu's loops would run on the host (None: in the graph), ``route.step_by_step``
+        why its new tokens would come back each decode step (None: every ``read_back_every`` steps).
 
     Example:
         >>> from hf_tpu.transformers import explain                     # doctest: +SKIP
@@ -82,6 +83,7 @@ def explain(model, **generate_kwargs) -> Route:
         from hf_tpu.transformers._loops.skeleton import host_sampling
 
         found = replace(found, host_sampling=host_sampling(model, **generate_kwargs))
+        found = replace(found, step_by_step=readback.explain(model, found.host_sampling, args, generate_kwargs))
     return found
 
 

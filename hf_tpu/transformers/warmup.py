@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from hf_tpu import _torch_tpu
 from hf_tpu.transformers import _mm_warmup, _settings, _upstream, route
-from hf_tpu.transformers._loops import beam, cacheless
+from hf_tpu.transformers._loops import beam, cacheless, readback
 from hf_tpu.transformers._settings import CACHELESS, LOOPS, UPSTREAM
 from hf_tpu.transformers.buckets import BucketLadder
 
@@ -299,7 +299,9 @@ def _warm_one(model, plan, variant: str) -> list[tuple] | None:
             return None
         warm = cacheless.warm if loop == CACHELESS else generation.warm_plan
         try:
-            return warm(model, plan, variant)
+            keys = warm(model, plan, variant)
+            readback.warm(model, plan.batch)  # (the eager ops that keep the tokens on the device between read-backs)
+            return keys
         except generation.NotCompilableError as exc:
             if getattr(exc, "loop", None) is None:  # (not a trace's verdict on the model's loop)
                 raise

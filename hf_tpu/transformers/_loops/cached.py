@@ -1,12 +1,14 @@
 """The decoding loop plugged into upstream ``generate`` as ``custom_generate``, and warm-up of one shape plan.
 
 The loop pads the prompt on the left to its bucket, runs the prefill graph, then one decode graph per new token;
-the growing tensors (sequence, mask, positions) stay on the host, each decode step sends one ``(batch, 2)`` tensor
-(``(batch, 4)`` for a model numbering its positions in three rows: Qwen2-VL's) and reads back the next tokens: the
-logits processors and the sampler run in the graph (:mod:`hf_tpu.transformers.sampling`), unless one of them has
-no device form or the scores are wanted on the host (``output_scores``): then the last logits row comes back and
-upstream's processors run on the host. What the loop does around its graphs (the sampling plan, each step's host
-side, the output) is the shared :class:`~hf_tpu.transformers._loops.skeleton.LoopCall`'s.
+the growing tensors (sequence, mask) stay on the host, each decode step's input (``(batch, 2)``: the next tokens and
+their positions; ``(batch, 4)`` for a model numbering its positions in three rows: Qwen2-VL's) is built on the device
+(:func:`decode_input`) from the last step's tokens, which come back to the host every K steps
+(:mod:`~hf_tpu.transformers._loops.readback`): the logits processors and the sampler run in the graph
+(:mod:`hf_tpu.transformers.sampling`), unless one of them has no device form or the scores are wanted on the host
+(``output_scores``): then the last logits row comes back each step and upstream's processors run on the host. What
+the loop does around its graphs (the sampling plan, each step's host side, the output) is the shared
+:class:`~hf_tpu.transformers._loops.skeleton.LoopCall`'s.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
             nonlocal length
             set_length(cache, length)
             length += 1
-            ids = next_tokens[:, None].to(device)
+            ids = next_tokens.to(device)[:, None]
             return run_graph(model, state, decode_key, ids, encoder_hidden, enc_mask_dev, cache, sampling)
 
         def returned():
@@ -173,14 +175,14 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
     if not seen:
         first = call.take(first, slice(pad, pad + prompt_len), slice(start, start + prompt_len))
     set_decoding(cache, True)
-    positions = positions[..., -1].T  # (batch, rows): each row goes on by one per token, as upstream's loop does
+    # (batch, rows), on the device: each row goes on by one per token, as upstream's loop does
+    positions = positions[..., -1].T.contiguous().to(device)
 
     def step(next_tokens):
         nonlocal length, positions
         set_length(cache, length)
         length += 1
-        positions = positions + 1
-        packed_step = torch.cat([next_tokens[:, None], positions], dim=1).to(device)  # (batch, 1 + rows)
+        packed_step, positions = decode_input(next_tokens, positions)
         result = run_graph(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
         return call.take(result, slice(0, 1), slice(start, length))
 
@@ -192,6 +194,17 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
 
 # ``custom_generate`` callable: greedy/sampling decode with bucketed static shapes and compiled graphs.
 decode_loop = loop(cached_steps)
+
+
+def decode_input(next_tokens, positions) -> tuple:
+    """A decode step's ``(batch, 1 + rows)`` input on the device, from the next tokens (on the device, where the loop
+    keeps them between read-backs, or on the host) and the last positions ``(batch, rows)`` on the device; returns it
+    with the step's positions. Nothing comes back to the host."""
+    import torch
+
+    positions = positions + 1
+    return torch.cat([next_tokens.to(positions.device)[:, None], positions], dim=1), positions
+
 
 
 def extra_inputs(model) -> dict:
@@ -230,7 +243,7 @@ def warm_plan(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
             set_length(cache, 0)
             run_graph(model, state, prefill_key, step.to(device), hidden, mask_dev, cache, sampling)
             set_decoding(cache, True)
-            step = torch.full((batch, 1), start, dtype=torch.long).to(device)
+            step = torch.full((batch,), start, dtype=torch.long).to(device)[:, None]  # (as the loop's: _loops.cached)
             set_length(cache, plan.prompt_len)
             run_graph(model, state, decode_key, step, hidden, mask_dev, cache, sampling)
             cache.reset()  # the next call resets it too: meet the eager ops of the reset here
@@ -250,7 +263,8 @@ def warm_plan(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
         set_length(cache, 0)
         run_graph(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
         set_decoding(cache, True)
-        step = torch.tensor([[0, *[p] * rows]], dtype=torch.long).expand(batch, 1 + rows).contiguous().to(device)
+        tokens = torch.zeros(batch, dtype=torch.long).to(device)
+        step, _ = decode_input(tokens, torch.full((batch, rows), p - 1, dtype=torch.long).to(device))
         set_length(cache, p)
         run_graph(model, state, decode_key, step, mask_dev, cache, extra, sampling)
         cache.reset()

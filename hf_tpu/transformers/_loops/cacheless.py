@@ -241,7 +241,7 @@ def cacheless_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
 
     def step(next_tokens):
         nonlocal next_slot
-        packed = torch.stack([next_tokens, torch.full_like(next_tokens, next_slot)], dim=1).to(device)
+        packed = decode_input(next_tokens, next_slot, device)
         next_slot += 1
         result = run_graph(model, state, decode_key, ids_dev, packed, *args)
         return call.take(result, slice(0, next_slot), slice(0, next_slot))
@@ -251,6 +251,16 @@ def cacheless_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
 
 # ``custom_generate`` callable of a call without a cache (see the module docstring).
 cacheless_loop = loop(cacheless_steps)
+
+
+def decode_input(next_tokens, slot: int, device):
+    """A decode step's ``(batch, 2)`` input on the device: the next tokens (on the device, where the loop keeps them
+    between read-backs, or on the host) and the slot they go to."""
+    import torch
+
+    tokens = next_tokens.to(device)
+    return torch.stack([tokens, torch.full_like(tokens, slot)], dim=1)
+
 
 
 def warm(model, plan, variant: str = "") -> list[tuple]:
@@ -275,6 +285,6 @@ def warm(model, plan, variant: str = "") -> list[tuple]:
         decode_key = ("cacheless_decode" + variant, batch, length)
         slot = torch.tensor([plan.prompt_len - 1]).to(device)
         run_graph(model, state, prefill_key, buffer, slot, mask, positions, extra, sampling)
-        step = torch.tensor([[0, min(plan.prompt_len, length - 1)]], dtype=torch.long).expand(batch, 2)
-        run_graph(model, state, decode_key, buffer, step.contiguous().to(device), mask, positions, extra, sampling)
+        step = decode_input(torch.zeros(batch, dtype=torch.long), min(plan.prompt_len, length - 1), device)
+        run_graph(model, state, decode_key, buffer, step, mask, positions, extra, sampling)
     return [prefill_key, decode_key]

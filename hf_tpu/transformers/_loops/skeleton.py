@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_tpu.transformers import _step_outputs as step_outputs
+from hf_tpu.transformers._loops import readback
 from hf_tpu.transformers._notes import warn_once
 from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import model_state
@@ -36,6 +37,13 @@ __all__ = ["default_variant"]
 # The running totals of the open generation.timed_host_steps() blocks: seconds spent getting each step's next tokens
 # to the host (the copy back, and on the host path the processors and the sampler).
 HOST_TIMERS: list[list[float]] = []
+
+
+def _add_time(start: float | None) -> None:
+    if start is not None:
+        for total in HOST_TIMERS:
+            total[0] += time.perf_counter() - start
+
 
 def _select(
     logits_processor, input_ids, tokens_dev, logits_dev, do_sample: bool, host_path: bool
@@ -118,6 +126,11 @@ class LoopCall:
         self.outputs = None
         if self.output_flags:
             self.outputs = step_outputs.StepOutputs(self.output_flags)
+        # how often the new tokens come back (readback): every `every` decode steps, or each step for a reason
+        every = self.state.settings.read_back_every
+        reason = readback.step_by_step_reason(every, self.host_path, self.output_flags, stopping_criteria)
+        self.every = 1 if reason else every
+        self.record = readback.ReadBacks(self.every, reason)
 
     def take(self, result: tuple, rows: slice, keys: slice) -> tuple:
         """A graph's ``(tokens, logits)``, keeping the attentions and hidden states it returned after them (cut to
@@ -133,33 +146,81 @@ class LoopCall:
 
     def run(self, tokens_dev, logits_dev, steps_left: int, step: Callable) -> None:
         """From the prefill's outputs: each step's host side, then ``step(next_tokens)`` (the next graph, which
-        returns its outputs), until every row has stopped or ``steps_left`` more steps ran."""
-        import torch
-
+        returns its outputs), until every row has stopped or ``steps_left`` more steps ran. The tokens come back
+        every :attr:`every` steps (:mod:`.readback`), or each step."""
+        for records in readback.RECORDS:
+            records.append(self.record)
+        if self.every > 1:
+            self._run_chunked(tokens_dev, steps_left, step)
+            return
         while True:
             start = time.perf_counter() if HOST_TIMERS else None
             next_tokens, step_scores, step_logits = _select(
                 self.logits_processor, self.input_ids, tokens_dev, logits_dev, self.do_sample, self.host_path
             )
-            if start is not None:
-                for total in HOST_TIMERS:
-                    total[0] += time.perf_counter() - start
-            if self.scores is not None:
-                self.scores += (step_scores,)
-            if self.raw_logits is not None:
-                self.raw_logits += (step_logits,)
-            fed = next_tokens
-            if self.has_eos:
-                fed = next_tokens * self.unfinished + self.fill_id * (1 - self.unfinished)
-                next_tokens = next_tokens * self.unfinished + self.pad_token * (1 - self.unfinished)
-            self.input_ids = torch.cat([self.input_ids, next_tokens[:, None]], dim=-1)
-            if self.streamer is not None:
-                self.streamer.put(next_tokens)
-            self.unfinished = self.unfinished & ~self.stopping_criteria(self.input_ids, self.scores)
+            _add_time(start)
+            self.record.read_backs += 1
+            fed = self._take(next_tokens, step_scores, step_logits)
             if self.unfinished.max() == 0 or steps_left <= 0:
                 break
             steps_left -= 1
+            self.record.decode_steps += 1
             tokens_dev, logits_dev = step(fed)
+
+    def _take(self, next_tokens, step_scores=None, step_logits=None):
+        """One new token per row on the host, as upstream's ``_sample`` takes it (scores and logits kept, a finished
+        row padded, the streamer fed, the stopping criteria asked); returns what the next step is fed."""
+        import torch
+
+        if self.scores is not None:
+            self.scores += (step_scores,)
+        if self.raw_logits is not None:
+            self.raw_logits += (step_logits,)
+        fed = next_tokens
+        if self.has_eos:
+            fed = next_tokens * self.unfinished + self.fill_id * (1 - self.unfinished)
+            next_tokens = next_tokens * self.unfinished + self.pad_token * (1 - self.unfinished)
+        self.input_ids = torch.cat([self.input_ids, next_tokens[:, None]], dim=-1)
+        if self.streamer is not None:
+            self.streamer.put(next_tokens)
+        self.unfinished = self.unfinished & ~self.stopping_criteria(self.input_ids, self.scores)
+        return fed
+
+    def _run_chunked(self, tokens_dev, steps_left: int, step: Callable) -> None:
+        """:meth:`run` with the tokens kept on the device: up to :attr:`every` steps dispatched back to back, one
+        read-back, then the host side of each token read, cut at the first where every row has stopped."""
+        record = self.record
+        pad = None if self.pad_token is None else int(self.pad_token)
+        eos = readback.eos_ids(self.stopping_criteria) if self.has_eos else None
+        rows = readback.DeviceRows(tokens_dev.device, self.batch, self.every, pad, self.fill_id, eos)
+        rows.add(tokens_dev)
+        size = 1 if self.streamer is not None else self._chunk()  # (a streamer gets the first token at once)
+        while True:
+            while len(rows.kept) < size and steps_left > 0:
+                steps_left -= 1
+                record.decode_steps += 1
+                tokens_dev, _ = step(rows.fed)
+                rows.add(tokens_dev)
+            start = time.perf_counter() if HOST_TIMERS else None
+            block = rows.read()
+            _add_time(start)
+            record.read_backs += 1
+            for index, next_tokens in enumerate(block):
+                self._take(next_tokens)
+                if self.unfinished.max() == 0 or (steps_left <= 0 and index == len(block) - 1):
+                    record.extra_steps = len(block) - 1 - index
+                    return
+            rows.sync(self.unfinished)
+            size = self._chunk()
+            steps_left -= 1
+            record.decode_steps += 1
+            tokens_dev, _ = step(rows.fed)
+            rows.add(tokens_dev)
+
+    def _chunk(self) -> int:
+        """The tokens the next read-back holds: :attr:`every`, fewer where ``max_length`` ends the call sooner."""
+        left = self.new_tokens - (self.input_ids.shape[1] - self.prompt_len)
+        return max(1, min(self.every, left))
 
     def output(self, seq2seq: bool = False, cache=None):
         """What upstream's ``generate`` returns for the call (``cache``: the transformers cache it returns)."""
