@@ -4,9 +4,9 @@ Here the cluster is local: 2 simulated TPU VMs on this host (hf_tpu.ray.local), 
 device, all sharing one compile-cache directory. On a real cluster, drop ``simulated_cluster`` and call
 ``ray.init()`` (see docs/ray.md for a v6e pod). Needs ``pip install 'hf-tpu[ray]'``.
 
-    python examples/ray_batch.py                       # 1,000 prompts over 2 simulated VMs
-    python examples/ray_batch.py --prompts 256 --check-cpu   # and compare every row with the CPU's greedy generate
-    python examples/ray_batch.py --prompts 64 --nodes 1
+    HF_TPU_SIMULATE=1 python examples/ray_batch.py                 # 1,000 prompts over 2 simulated VMs
+    HF_TPU_SIMULATE=1 python examples/ray_batch.py --prompts 256 --check-cpu   # each row against CPU greedy
+    HF_TPU_SIMULATE=1 python examples/ray_batch.py --prompts 64 --nodes 1
 """
 
 import argparse

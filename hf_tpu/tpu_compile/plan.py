@@ -179,7 +179,11 @@ class Plan:
     def decode_floor_bytes(self) -> int:
         """Bytes a decode step must read from HBM: the weights (the input embedding's table left out when it is
         gathered, not the head), for a MoE only the experts ``batch`` random tokens are expected to route to
-        (``E x (1 - (1 - k/E)^batch)`` of each layer's E), and the KV cache."""
+        (``E x (1 - (1 - k/E)^batch)`` of each layer's E), and the KV cache.
+
+        Returns:
+            The floor in bytes, an int.
+        """
         info = self.info
         floor = self.hbm["weights"] - int(info.get("gathered_embedding_bytes", 0)) + self.hbm["kv_cache"]
         experts, top_k, experts_bytes = info.get("num_experts"), info.get("top_k"), int(info.get("experts_bytes", 0))
