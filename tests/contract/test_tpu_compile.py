@@ -130,7 +130,8 @@ def test_generate_beam_search_graphs(lowered):
     _all_compiled(result)
     kinds = [p.name.split("+", 1)[0] for p in result.programs]
     assert {"beam_prefill", "beam_decode"} <= set(kinds), kinds
-    assert result.eager["device_to_host"] == 0
+    # the warm-up's one copy back: the read-back of the tokens kept on the device (readback.warm), nothing else
+    assert result.eager["device_to_host"] == 1, result.eager
 
 
 def test_generate_greedy_prefill_and_decode(lowered):
@@ -141,7 +142,8 @@ def test_generate_greedy_prefill_and_decode(lowered):
     # the decode step reads what the prefill wrote: same weights and cache arguments
     prefill, decode = result.programs
     assert decode.argument_bytes == prefill.argument_bytes
-    assert result.eager["device_to_host"] == 0
+    # the warm-up's one copy back: the read-back of the tokens kept on the device (readback.warm), nothing else
+    assert result.eager["device_to_host"] == 1, result.eager
 
 
 def test_generate_with_logits_processors_on_the_device(lowered):

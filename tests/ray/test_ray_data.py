@@ -98,4 +98,4 @@ def test_killing_an_actor_mid_run_loses_no_row(cluster, cache_dir, expected, tmp
     _check_rows(rows, expected)
     # every actor that started (the killed one's restart too, when it came up before the job ended) loaded its graphs
     reports = _reports(tmp_path)
-    assert len(reports) >= 2 and all(r["sim_compiles"] == 0 for r in reports)
+    assert len(reports) >= 2 and all(r["sim_compiles"] == 0 for r in reports), reports
