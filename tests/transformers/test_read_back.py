@@ -83,6 +83,7 @@ def test_generate_reads_back_once_per_k_steps_and_equals_cpu(llama, prompts, bat
     CPU's, and at most one read-back per 4 decode steps (K = 8), the extra steps after the last row stopped fewer
     than K."""
     cpu, tpu = llama
+    generation.configure(tpu, buckets=[16, 32, 64, 128])  # prompt + 64 new tokens past the model's 64 positions
     ids, mask = prompts([5 + 3 * row for row in range(batch)], seed=batch)
     kwargs = {"attention_mask": mask, "max_new_tokens": NEW, "pad_token_id": 0, **(SAMPLE if do_sample else {})}
     kwargs["do_sample"] = do_sample
