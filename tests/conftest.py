@@ -49,4 +49,5 @@ def pytest_collection_modifyitems(config, items):
     deselects (pyproject.toml's addopts) and ``.ci/run`` runs as a step of its own."""
     from _tiers import mark_slow
 
-    mark_slow(items)
+    # a stale entry is checked when whole files are collected, not when tests are picked by node id (path::test)
+    mark_slow(items, check_stale=not any("::" in str(arg) for arg in config.args))

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import json
 import subprocess
 import sys
@@ -272,7 +274,10 @@ def test_beam_graphs_come_from_the_persistent_compile_cache_in_a_new_process(lla
     import transformers as T
 
     root = Path(__file__).resolve().parents[2]
-    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           # this process's intra-op thread count (tests/conftest.py sets 1): with another count, the second process
+           # found none of the cached graphs usable and compiled all of them again
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cache = tmp_path / "cache"
 
     # The first process is this one (a test worker that built other models first, as a server may have): a fresh

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import math
 import subprocess
 import sys
@@ -268,7 +270,10 @@ def test_seeded_sampling_is_the_same_in_another_process(llama, model_root):
     torch.manual_seed(1234)
     here = tpu.generate(ids, max_new_tokens=6, **QWEN3)[:, 5:].tolist()
     root = Path(__file__).resolve().parents[2]
-    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           # this process's intra-op thread count (tests/conftest.py sets 1): with another count, the second process
+           # found none of the cached graphs usable and compiled all of them again
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(
         [sys.executable, "-c", _SEEDED, str(model_root / "llama")], capture_output=True, text=True, env=env,
         timeout=SAFETY_TIMEOUT_S, cwd=root,
