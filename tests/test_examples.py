@@ -84,10 +84,11 @@ def test_example_runs_on_the_simulator(script, tmp_path, tmp_path_factory, reque
     if script in SLOW_EXAMPLES:
         pytest.importorskip("ray")
     args, expected = {**EXAMPLES, **SLOW_EXAMPLES}[script]
-    tmpdir = tmp_path_factory.mktemp("tmpdir")
     if script in SLOW_EXAMPLES:  # Ray puts its sockets under $TMPDIR/ray/session_<date>/sockets: 107 bytes at most
         tmpdir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
         request.addfinalizer(lambda: shutil.rmtree(tmpdir, ignore_errors=True))
+    else:
+        tmpdir = tmp_path_factory.mktemp("tmpdir")
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / script), *args],
         cwd=tmp_path, env={**_env(), "TMPDIR": str(tmpdir)}, capture_output=True, text=True,
