@@ -445,6 +445,12 @@ _slow(
     "test_penalties_per_request_in_one_batch_match_cpu_with_no_compile_after_warmup",  # 11 s
 )
 _slow(
+    "serving/test_server.py",
+    "a decode to the model's whole context, twice, plain and streamed (core: finish_reason \"length\" at max_tokens, "
+    "the first part of the test this was)",
+    "test_finish_reason_is_length_at_the_context",  # 14 s with the max_tokens part
+)
+_slow(
     "transformers/test_beam_search.py",
     "a second beam setting, early stopping True (core: 3 beams returning 2 sequences, early stopping False, and the "
     "beam loop's other checks; early stopping \"never\" is in the slow tier too)",
