@@ -65,7 +65,7 @@ _slow(
 )
 _slow(
     "transformers/test_vision_generate.py",
-    "per-family warm-up of image counts (core: llava)",
+    "per-family warm-up of image counts (core: the same warm-up in the gemma4 and idefics2 path tests)",
     "test_warmup_of_image_counts_leaves_nothing_to_compile[gemma3]",
     "test_warmup_of_image_counts_leaves_nothing_to_compile[idefics3]",
     "test_warmup_of_image_counts_leaves_nothing_to_compile[lfm3_vl]",
@@ -275,7 +275,8 @@ _slow(
 )
 _slow(
     "transformers/test_moe.py",
-    "the MoE bucket warm-up a second time, with the ragged-dot kernel (core: grouped_mm; the kernel in tests/kernels)",
+    "the MoE bucket warm-up a second time, with the ragged-dot kernel (core: grouped_mm in one process; the kernel in "
+    "tests/kernels)",
     "test_moe_fast_path_bucket_warmup_and_compile_cache[ragged_dot_tpu]",  # 42 s
 )
 _slow(
@@ -303,8 +304,8 @@ _slow(
 )
 _slow(
     "transformers/test_vision_generate.py",
-    "per-family image tests beyond llava (core: llava for each check; qwen2_vl, gemma4, idefics2, llava_next for "
-    "their paths)",
+    "per-family image tests beyond llava (core: llava for each check but the image-count warm-up; qwen2_vl, gemma4 "
+    "and idefics2 for their paths)",
     "test_another_image_compiles_nothing_and_another_count_compiles_only_its_own_graphs[lfm3_vl]",  # 16 s
     "test_another_image_compiles_nothing_and_another_count_compiles_only_its_own_graphs[idefics3]",  # 12 s
     "test_another_image_compiles_nothing_and_another_count_compiles_only_its_own_graphs[qwen2_vl]",  # 7 s
@@ -324,7 +325,7 @@ _slow(
 )
 _slow(
     "transformers/test_beam_search.py",
-    "beam settings and variants beyond the representatives (core: two beam settings, the cached form of each check)",
+    "beam settings and variants beyond the representatives (core: one beam setting, the cached form of each check)",
     "test_beam_search_matches_cpu[4-3-never-0.5]",  # 12 s
     "test_beam_search_matches_cpu[3-3-False--1.5]",  # 9 s
     "test_token_type_ids_take_the_beam_loop[no-cache]",  # 7 s
@@ -399,7 +400,7 @@ _slow(
 )
 _slow(
     "transformers/test_compile_cache.py",
-    "an entry from another version, in another process (core: the second process, corrupt and damaged entries)",
+    "an entry from another version, in another process (core: the second process, the corrupt entry)",
     "test_an_entry_from_another_version_is_never_used",  # 15 s
 )
 _slow(
