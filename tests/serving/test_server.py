@@ -215,14 +215,20 @@ def test_every_field_is_checked_at_the_door(server, client):
     assert reply.choices[0].message.content is not None  # alive
 
 
-def test_finish_reason_is_length_at_max_tokens_and_at_the_context(client):
-    body = {"model": MODEL, "prompt": "The king said", "temperature": 0, "extra_body": {"ignore_eos": True}}
-    short = client.completions.create(max_tokens=5, **body)
+_UNTIL_LENGTH = {"model": MODEL, "prompt": "The king said", "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def test_finish_reason_is_length_at_max_tokens(client):
+    short = client.completions.create(max_tokens=5, **_UNTIL_LENGTH)
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 5
-    whole = client.completions.create(max_tokens=100000, **body)  # cut at the model's 256 positions
+
+
+def test_finish_reason_is_length_at_the_context(client):
+    """(A decode to the model's whole context, twice: in the slow tier, tests/_tiers.py.)"""
+    whole = client.completions.create(max_tokens=100000, **_UNTIL_LENGTH)  # cut at the model's 256 positions
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage.prompt_tokens + whole.usage.completion_tokens == 256
-    chunks = list(client.completions.create(max_tokens=100000, stream=True, **body))
+    chunks = list(client.completions.create(max_tokens=100000, stream=True, **_UNTIL_LENGTH))
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 

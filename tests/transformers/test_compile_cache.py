@@ -71,7 +71,13 @@ def test_a_second_process_compiles_nothing_and_matches_cpu(llama_dir, tmp_path):
     assert warm["warm_hits"] == warm["from_cache"] == warm["graphs"] == cold["graphs"]
     assert warm["generate_compiles"] == 0 and warm["generate_hits"] == 0  # warm-up loaded everything
 
-    # Another checkpoint of the same architecture shares the entries: weights are graph inputs, not constants.
+
+def test_another_checkpoint_of_the_same_architecture_shares_the_entries(llama_dir, tmp_path):
+    """Weights are graph inputs, not constants: a process with another checkpoint of the architecture loads the
+    entries the first one stored. (The third process of the test above, a test of its own in the slow tier.)"""
+    cache = tmp_path / "cache"
+    cold = _worker(llama_dir, cache)
+    assert cold["equal"] and not cold["problems"] and cold["warm_compiles"] == cold["graphs"] > 0
     other = _worker(_save_llama(tmp_path / "other", seed=1), cache)
     assert other["equal"] and other["warm_compiles"] == 0 and other["warm_hits"] == cold["graphs"]
 

@@ -76,14 +76,14 @@ def _prompt(length: int, batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, t
     return ids, mask
 
 
-@pytest.mark.parametrize("experts", ["grouped_mm", "ragged_dot_tpu"])
-def test_moe_fast_path_bucket_warmup_and_compile_cache(experts, moe_dir, expected, tmp_path):
+def _fast_path_in_one_process(experts: str, moe_dir: Path, expected, cache: Path) -> tuple[str, object]:
+    """The in-process part of the fast-path test, its graphs stored in ``cache``: (the experts implementation, the
+    warm-up's report)."""
     from transformers import AutoModelForCausalLM
 
     impl = _implementation(experts)
     tpu = AutoModelForCausalLM.from_pretrained(moe_dir, experts_implementation=impl, device_map="tpu").eval()
     kw = KW
-    cache = tmp_path / "cache"
     with hf_tpu.enabled("generation"):
         generation.configure(tpu, compile_cache=cache)  # every graph compiled below is stored there
         # Two prompt lengths in one bucket (16): the second compiles nothing, whatever the routing.
@@ -108,6 +108,19 @@ def test_moe_fast_path_bucket_warmup_and_compile_cache(experts, moe_dir, expecte
                 got = tpu.generate(ids, attention_mask=mask, max_new_tokens=6, **kw)
                 assert torch.equal(got, expected(length, seed=length)), length
         assert s.compiles == 0
+    return impl, report
+
+
+def test_moe_fast_path_bucket_warmup_in_one_process(moe_dir, expected, tmp_path):
+    """The fast-path test below without its second process (that test is in the slow tier; the second process on the
+    compile cache is in the core tier through tests/transformers/test_compile_cache.py)."""
+    _fast_path_in_one_process("grouped_mm", moe_dir, expected, tmp_path / "cache")
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "ragged_dot_tpu"])
+def test_moe_fast_path_bucket_warmup_and_compile_cache(experts, moe_dir, expected, tmp_path):
+    cache = tmp_path / "cache"
+    impl, report = _fast_path_in_one_process(experts, moe_dir, expected, cache)
 
     # A second process loads every graph from the cache and compiles none.
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TPU_SIMULATE", compile_cache.ENV)}
