@@ -28,6 +28,7 @@ def apply() -> None:
     from transformers.generation.utils import GenerationMixin
 
     from hf_tpu.transformers import (
+        _decode_attention,
         _numpy_fold,
         _rope_on_device,
         _sdpa_gqa,
@@ -49,6 +50,7 @@ def apply() -> None:
     patch(GenerationMixin, "generate", generate, feature=FEATURE, package="transformers", versions=">=5.23,<6")
     _rope_on_device.apply(FEATURE)  # one copy each way per decode step for models that rebuild rotary frequencies
     _sdpa_gqa.apply(FEATURE)  # KV heads reach sdpa unrepeated on tpu (no repeat_kv expansion in the graphs)
+    _decode_attention.apply(FEATURE)  # one-token attention as grouped products, not the flash kernel's grid
     _whisper_door.apply(FEATURE)  # Whisper's language detection takes host input_features
     _numpy_fold.apply(FEATURE)  # np.prod of a static shape stays an int in a graph (LLaVA-NeXT's image encoder)
     _tolist_fold.apply(FEATURE)  # tolist()/item() of a tensor of constants: numbers, not host reads (vision splits)

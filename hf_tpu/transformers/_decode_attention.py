@@ -1,0 +1,125 @@
+"""One-token attention on a ``tpu`` device as two grouped matrix products, not torch_tpu's flash kernel.
+
+transformers' ``sdpa`` attention calls ``scaled_dot_product_attention``, which torch_tpu 0.2.0 answers with its
+flash-attention kernel (``aten::_scaled_dot_product_cudnn_attention``, a Mosaic call). Read from the decode program
+hf_tpu lowers for a Llama-3.2-1B shape at batch 64 (32 query heads, 8 KV heads, a 640-slot cache): the kernel's
+grid is (batch, query heads) = 64 x 32 steps per layer, each step pads its one query row to 128 and loads its KV
+head's whole cache (768 slots: the cache is padded from 640 by a copy in every layer), so every KV head is read four
+times and the cache is copied once more per step. On a v5e chip that program ran 39.5 ms where a lean JAX step of
+the same model (the same attention as einsums over the KV heads) runs 9.1 ms (docs/planning.md, "Measured on a
+chip").
+
+For a query of one token (a decode step) the replacement groups the query heads by their KV head, computes
+``q @ k^T`` per KV head (the cache read once), the softmax in float32 and ``p @ v``: XLA fuses these over the batch
+and KV heads with no padding and no grid. Everything else (prefill, masks per head, position biases, dropout,
+softcapping, attention sinks, tensors on other devices) goes to upstream's ``sdpa_attention_forward`` unchanged.
+
+``HF_TPU_DECODE_ATTENTION`` picks the form: ``grouped`` (the default), ``sdpa`` (upstream's call, torch_tpu's flash
+kernel with ``enable_gqa``) or ``packed`` (upstream's own one-token trick, ``pack_gqa``: the query heads of one KV head
+as the kernel's rows, which upstream skips while Dynamo compiles). The chip benchmark lowers each form
+(scripts/chip_bench.py); docs/planning.md has the figures.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["FORMS", "apply", "decode_attention_form", "grouped_decode_attention"]
+
+FORMS = ("grouped", "sdpa", "packed")
+ENV = "HF_TPU_DECODE_ATTENTION"
+
+
+def decode_attention_form() -> str:
+    """The one-token attention form in force (``HF_TPU_DECODE_ATTENTION``, ``grouped`` when unset)."""
+    form = os.environ.get(ENV, "grouped").strip().lower() or "grouped"
+    if form not in FORMS:
+        raise ValueError(f"{ENV}={form!r} is not a decode attention form; use one of {', '.join(FORMS)}.")
+    return form
+
+
+def grouped_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of a one-token query over a cache, query heads grouped by their KV head.
+
+    Args:
+        query: ``(batch, heads, 1, head_dim)``.
+        key, value: ``(batch, kv_heads, slots, head_dim)`` (``value``'s last dim may differ), ``heads`` a multiple of
+            ``kv_heads``.
+        attention_mask: None, or ``(batch or 1, 1, 1, slots)``: boolean (True attends) or additive.
+        scaling: the scores' factor (``head_dim ** -0.5`` when None).
+
+    Returns:
+        ``(batch, heads, 1, value's head_dim)`` in the query's dtype, as sdpa returns it.
+    """
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    scale = dim**-0.5 if scaling is None else scaling
+    q = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # the query heads of KV head j are rows of group j
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # (batch, kv_heads, group, slots)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask.float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value)  # (batch, kv_heads, group, value dim)
+    return out.reshape(batch, heads, 1, value.shape[-1])
+
+
+def _takes_grouped(module, query, key, value, attention_mask, dropout, kwargs) -> bool:
+    if query.device.type != "tpu" or query.dim() != 4 or query.shape[2] != 1 or key.shape[2] < 1:
+        return False
+    if dropout or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return False
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None or kwargs.get("output_attentions"):
+        return False
+    if key.dim() != 4 or value.dim() != 4 or query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1]:
+        return False
+    return attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
+
+
+def apply(feature: str) -> None:
+    from transformers.modeling_utils import AttentionInterface
+
+    from hf_tpu._patch import _check_version, on_revert
+
+    upstream = AttentionInterface._global_mapping.get("sdpa")
+    if upstream is None:  # pragma: no cover - every supported transformers has sdpa
+        return
+    upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
+    _check_version(feature, "transformers", ">=5.23,<6")
+
+    @functools.wraps(upstream)
+    def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                               is_causal=None, **kwargs):  # fmt: skip
+        if _takes_grouped(module, query, key, value, attention_mask, dropout, kwargs):
+            form = decode_attention_form()
+            if form == "grouped":
+                out = grouped_decode_attention(query, key, value, attention_mask, scaling)
+                return out.transpose(1, 2).contiguous(), None
+            if form == "packed":
+                return _packed(upstream, module, query, key, value, attention_mask, scaling, kwargs)
+        return upstream(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, **kwargs)  # fmt: skip
+
+    sdpa_attention_forward.__hf_tpu_upstream__ = upstream
+    AttentionInterface.register("sdpa", sdpa_attention_forward)
+    on_revert(feature, lambda: AttentionInterface.register("sdpa", upstream))
+
+
+def _packed(upstream, module, query, key, value, attention_mask, scaling, kwargs):
+    """Upstream's ``pack_gqa`` one-token form through sdpa (the query heads of one KV head as the kernel's rows)."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    q = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
