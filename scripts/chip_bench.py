@@ -67,6 +67,11 @@ PROMPT, NEW_TOKENS = 512, 128
 # lower: they are measured in the lean step and the experts part instead)
 LOWERED_FORMS = {1: ["grouped_mm", "hf_tpu_dense", "hf_tpu_slots"], 8: ["grouped_mm", "hf_tpu_dense", "hf_tpu_slots"],
                  64: ["grouped_mm", "hf_tpu_dense"]}  # fmt: skip
+# the one-token attention forms lowered beside hf_tpu's own (grouped products): torch_tpu's flash kernel through
+# upstream's sdpa call, as hf_tpu's decode programs were before (hf_tpu/transformers/_decode_attention.py)
+OTHER_ATTENTION = ["sdpa"]
+REPORTED_ATTENTION = ["sdpa", "packed"]  # packed (upstream's pack_gqa through sdpa): measured once, in the records
+DECODE_ATTENTION_ENV = "HF_TPU_DECODE_ATTENTION"
 # part -> seconds it may take (process start and TPU init included)
 TIMEOUTS = {"floor": 60, "experts": 290, "lean": 220, "programs": 420}
 
@@ -118,12 +123,16 @@ def lower(args: argparse.Namespace) -> int:
     models = write_configs(folder / "configs", args.moe_layers)
     jobs = []
     for batch in args.batches:
-        jobs.append(("llama-1b", batch, None))
+        moe = f"qwen3-moe-{args.moe_layers}l"
+        jobs.append(("llama-1b", batch, None, None))
+        for attention in OTHER_ATTENTION:  # the one-token attention forms hf_tpu does not pick, beside its own
+            jobs.append(("llama-1b", batch, None, attention))
+            jobs.append((moe, batch, DEFAULT_DECODE_PROGRAM[batch], attention))
         for form in LOWERED_FORMS.get(batch, ["grouped_mm", "hf_tpu_dense"]):
-            jobs.append((f"qwen3-moe-{args.moe_layers}l", batch, form))
+            jobs.append((moe, batch, form, None))
     failed = 0
-    for model, batch, form in jobs:
-        tag = f"{model}-b{batch}" + (f"-{form}" if form else "")
+    for model, batch, form, attention in jobs:
+        tag = f"{model}-b{batch}" + (f"-{form}" if form else "") + (f"-attn_{attention}" if attention else "")
         path = folder / "programs" / f"{tag}.json"
         if path.exists() and not args.again:
             print(f"{tag}: kept {path}", file=sys.stderr)
@@ -131,16 +140,25 @@ def lower(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         kwargs = {"model": str(models[model]), "batch": batch, "max_prompt_len": PROMPT, "max_new_tokens": NEW_TOKENS,
                   "dtype": "bfloat16", "experts_implementation": form}  # fmt: skip
-        result = lower_and_compile("hf_tpu.tpu_compile._generate:lower_generate", kwargs, args.target, compile=False,
-                                   timeout=600)  # fmt: skip
+        # the lowering child reads the form from its environment (hf_tpu/transformers/_decode_attention.py)
+        os.environ.pop(DECODE_ATTENTION_ENV, None)
+        if attention:
+            os.environ[DECODE_ATTENTION_ENV] = attention
+        try:
+            result = lower_and_compile("hf_tpu.tpu_compile._generate:lower_generate", kwargs, args.target,
+                                       compile=False, timeout=600)  # fmt: skip
+        finally:
+            os.environ.pop(DECODE_ATTENTION_ENV, None)
         if result.error or not result.programs:
             failed += 1
             print(f"{tag}: lowering failed: {result.error} (at {result.where})", file=sys.stderr)
             continue
         facts = {k: result.info.get(k) for k in ("model_type", "parameters", "weights_bytes", "kv_cache_bytes",
                                                  "gathered_embedding_bytes")}  # fmt: skip
-        programs = [{"name": p.name, "text": p.text, "arguments": p.arguments} for p in result.programs if p.lowered]
-        path.write_text(json.dumps({"tag": tag, "model": model, "batch": batch, "form": form or "default",
+        programs = [{"name": p.name, "text": p.text, "arguments": p.arguments} for p in result.programs
+                    if p.lowered and (p.name == "decode" or not attention)]  # fmt: skip
+        label = (form or "default") + (f"+attn_{attention}" if attention else "")
+        path.write_text(json.dumps({"tag": tag, "model": model, "batch": batch, "form": label,
                                     "facts": facts, "programs": programs}))  # fmt: skip
         print(f"{tag}: {len(programs)} program(s) in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     return 1 if failed else 0
@@ -761,6 +779,17 @@ def report(args: argparse.Namespace) -> int:
                          "ratio_to_floor": measured / floor if measured else None,
                          "measured_synced_s": prog and prog["synced_s"],
                          "reference_synced_s": ref and ref["synced_s"]})  # fmt: skip
+        for attention in REPORTED_ATTENTION:
+            other = programs.get((f"llama-1b-b{batch}-attn_{attention}", "decode"))
+            if other and ref:
+                ratio = other["back_to_back_s"] / ref["back_to_back_s"]
+                rows.append({"name": f"llama-3.2-1b-shape decode (hf_tpu program, one-token attention {attention})",
+                             "batch": batch, "measured_s": other["back_to_back_s"],
+                             "reference_s": ref["back_to_back_s"],
+                             "floor_s": floor, "target": "within 1.1x of the lean JAX step (both back to back)",
+                             "met": _met(ratio, 1.1), "ratio_to_reference": ratio,
+                             "ratio_to_floor": other["back_to_back_s"] / floor, "measured_synced_s": other["synced_s"],
+                             "reference_synced_s": ref["synced_s"]})  # fmt: skip
         pre = programs.get((f"llama-1b-b{batch}", f"prefill-{PROMPT}"))
         if pre:
             rows.append({"name": f"llama-3.2-1b-shape prefill-{PROMPT} (hf_tpu program)", "batch": batch,
@@ -778,7 +807,9 @@ def report(args: argparse.Namespace) -> int:
             default = prog["form"] == DEFAULT_DECODE_PROGRAM.get(batch)
             measured = prog["back_to_back_s"]
             ratio = measured / floors[floor_key]
-            rows.append({"name": f"qwen3-30b-a3b-shape {layers} layers decode (hf_tpu program, experts {prog['form']}"
+            experts, _, attention = prog["form"].partition("+attn_")
+            what = f"experts {experts}" + (f", one-token attention {attention}" if attention else "")
+            rows.append({"name": f"qwen3-30b-a3b-shape {layers} layers decode (hf_tpu program, {what}"
                                  f"{', the default choice' if default else ''})", "batch": batch,
                          "measured_s": measured, "reference_s": best_lean and best_lean["back_to_back_s"],
                          "reference_form": best_lean and best_lean["form"], "floor_s": floors[floor_key],

@@ -17,10 +17,11 @@ step's: the bytes the step must read from HBM (its floor: the weights, for a MoE
 batch of random tokens routes to, and the KV cache) at the streaming rate a chip reaches (:data:`STREAMING`, measured
 on a v5e), or its FLOPs over the peak, whichever is longer. Checked on a TPU v5e (docs/planning.md, "Measured on a
 chip"): XLA's bytes accessed projected a Llama-3.2-1B-shaped decode at 2.5x its measured time (the count includes
-on-chip copies); the floor at the measured rate came within 10% of it, and within 20% of a Qwen3-30B-A3B-shaped MoE
-decode's (batch 1). At batch 8 and 64 hf_tpu's decode programs ran 1.7x to 8x that projection (not for their
-experts; see there): the projection is what the step costs at the chip's streaming rate, not what those programs
-reach yet.
+on-chip copies); the floor at the measured rate came within 7% of it, and within 15% of a Qwen3-30B-A3B-shaped MoE
+decode's (batch 1). At batch 8 and 64 hf_tpu's decode programs ran 1.25x to 2.8x that projection (each step copies
+the KV caches: torch_tpu 0.2.0 donates no buffers to its compiled graphs; see there). With ``dump_hlo`` the step's
+HBM traffic in libtpu's placement is known, and the projection streams it where it exceeds the floor: the batch-64
+Llama decode then projects 11.0 ms of a measured 14.1 (-22%; the floor: 5.09 ms), batch 1 3.39 of 3.58 ms.
 
 Example:
     >>> from hf_tpu.tpu_compile.plan import plan_generate                             # doctest: +SKIP
@@ -206,10 +207,14 @@ class Plan:
         if decode is None:
             return None
         floor = self.decode_floor_bytes()
-        seconds = max(floor / (self.target.hbm_bandwidth * STREAMING), decode.flops / self.target.peak_flops)
+        # With libtpu's placement (dump_hlo) the step's HBM traffic is known: the cache's copy in every step (no
+        # donated buffers) and the rest of what the floor leaves out; the projection streams the larger of the two.
+        streamed = max(floor, decode.hbm_bytes or 0)
+        seconds = max(streamed / (self.target.hbm_bandwidth * STREAMING), decode.flops / self.target.peak_flops)
         batch = int(self.info.get("batch", 1))
         summary = {
             "program": decode.name,
+            "projected_from": "hbm_bytes" if decode.hbm_bytes and decode.hbm_bytes > floor else "floor_bytes",
             "projected_ms": seconds * 1e3,
             "projected_tokens_per_second": batch / seconds if seconds else None,
             "projected_ms_from_bytes_accessed": self.step_seconds(decode) * 1e3,
@@ -227,7 +232,8 @@ class Plan:
             summary["flops"] = decode.flops
             summary["flops_over_matmul"] = decode.flops / summary["matmul_flops"]
         if decode.hbm_bytes is not None:  # --dump-hlo: the part of bytes_accessed that is HBM traffic
-            hbm_seconds = max(decode.hbm_bytes / self.target.hbm_bandwidth, decode.flops / self.target.peak_flops)
+            hbm_seconds = max(decode.hbm_bytes / (self.target.hbm_bandwidth * STREAMING),
+                              decode.flops / self.target.peak_flops)  # fmt: skip
             summary.update(
                 hbm_bytes=decode.hbm_bytes, hbm_over_floor=decode.hbm_bytes / floor if floor else None,
                 projected_ms_from_hbm=hbm_seconds * 1e3,
@@ -342,7 +348,9 @@ class Plan:
         if summary:
             lines += [
                 "",
-                f"decode step (an estimate, not a measurement: its floor at the chip's streaming rate): "
+                f"decode step (an estimate, not a measurement: its "
+                f"{'HBM traffic' if summary['projected_from'] == 'hbm_bytes' else 'floor'} at the chip's streaming "
+                f"rate): "
                 f"{summary['projected_ms']:.3f} ms, {summary['projected_tokens_per_second']:.0f} tokens/s at batch "
                 f"{info.get('batch')}",
                 f"  its floor (the weights but the input embeddings, a MoE's routed experts only, and the KV cache, "
@@ -361,7 +369,12 @@ class Plan:
                 lines.append(
                     f"  of which HBM traffic (libtpu's placement, --dump-hlo) {human(summary['hbm_bytes'])}: "
                     f"{summary['hbm_over_floor']:.2f}x the floor, {summary['projected_ms_from_hbm']:.3f} ms at the "
-                    f"chip's HBM bandwidth"
+                    f"chip's streaming rate"
+                )
+            elif int(info.get("batch", 1) or 1) > 1:
+                lines.append(
+                    "  at batch > 1 a step also copies its KV caches (no donated buffers in torch_tpu 0.2.0), which "
+                    "the floor leaves out: --dump-hlo projects from libtpu's HBM traffic instead"
                 )
         step = self.step_summary()
         if step:
@@ -406,7 +419,8 @@ def plan_generate(
         generation: generation_config fields to set first (``{"do_sample": True, "top_k": 50}``).
         progress: called with a line of progress as programs lower and compile.
         dump_hlo: a folder to keep libtpu's scheduled HLO of each program in (``<name>.hlo.txt``); the decode
-            summary then also says how much of its bytes accessed is HBM traffic (compiles take about 3x longer).
+            summary then also says how much of its bytes accessed is HBM traffic, and projects the step from it
+            where it exceeds the floor (compiles take about 3x longer).
 
     Returns:
         A :class:`Plan`.

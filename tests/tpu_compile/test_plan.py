@@ -56,10 +56,24 @@ def test_with_the_dumped_hlo_the_step_also_says_its_hbm_traffic():
     decode.hbm_bytes = 1.6e10  # what hf_tpu.tpu_compile.hlo_bytes found in libtpu's placement
     plan = _plan_from(_result([decode]), "m", 1, 2048, 256, None)
     summary = plan.decode_summary()
-    assert summary["projected_ms"] == plain["projected_ms"]  # the headline stays the floor's
+    # the HBM traffic exceeds the floor (15.5 GB): the headline streams it at the chip's rate instead
+    rate = target("v6e-1").hbm_bandwidth * STREAMING
+    assert plain["projected_from"] == "floor_bytes" and summary["projected_from"] == "hbm_bytes"
+    assert summary["projected_ms"] == pytest.approx(1.6e10 / rate * 1e3)
+    assert summary["projected_ms"] > plain["projected_ms"]
     assert summary["hbm_over_floor"] == pytest.approx(1.6e10 / (15.5 * GB))
-    assert summary["projected_ms_from_hbm"] == pytest.approx(1.6e10 / target("v6e-1").hbm_bandwidth * 1e3)
-    assert "of which HBM traffic" in plan.table()
+    assert summary["projected_ms_from_hbm"] == pytest.approx(summary["projected_ms"])
+    assert "of which HBM traffic" in plan.table() and "its HBM traffic at the chip's streaming rate" in plan.table()
+    decode.hbm_bytes = 1.0e10  # less than the floor (the chip cannot read less than the weights): the floor stays
+    again = _plan_from(_result([decode]), "m", 1, 2048, 256, None).decode_summary()
+    assert again["projected_from"] == "floor_bytes" and again["projected_ms"] == plain["projected_ms"]
+
+
+def test_without_the_hlo_a_batched_plan_says_the_floor_leaves_out_the_cache_copy():
+    decode = _program("decode", args=int(16.5 * GB), out=GB // 2, temp=GB // 4, flops=4e10, moved=2e10)
+    one = _plan_from(_result([decode]), "m", 1, 2048, 256, None).table()
+    eight = _plan_from(_result([decode], batch=8), "m", 8, 2048, 256, None).table()
+    assert "--dump-hlo projects" not in one and "copies its KV caches" in eight and "--dump-hlo projects" in eight
 
 
 def test_a_moe_decode_floor_reads_the_routed_experts_only():
