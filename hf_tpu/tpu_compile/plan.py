@@ -21,7 +21,8 @@ on-chip copies); the floor at the measured rate came within 7% of it, and within
 decode's (batch 1). At batch 8 and 64 hf_tpu's decode programs ran 1.25x to 2.8x that projection (each step copies
 the KV caches: torch_tpu 0.2.0 donates no buffers to its compiled graphs; see there). With ``dump_hlo`` the step's
 HBM traffic in libtpu's placement is known, and the projection streams it where it exceeds the floor: the batch-64
-Llama decode then projects 11.0 ms of a measured 14.1 (-22%; the floor: 5.09 ms), batch 1 3.39 of 3.58 ms.
+Llama decode then projects 11.0 ms of a measured 14.1 (-22%; the floor: 5.09 ms), batch 8 4.80 of 4.40 ms, batch 1
+3.39 of 3.58 ms.
 
 Example:
     >>> from hf_tpu.tpu_compile.plan import plan_generate                             # doctest: +SKIP
