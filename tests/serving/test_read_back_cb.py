@@ -114,3 +114,27 @@ def test_read_back_every_1_is_upstreams_loop(pair):
         cpu_config = T.GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=NEVER, pad_token_id=0)
         want = cpu.generate(torch.tensor([prompt]), generation_config=cpu_config)[0, len(prompt) :].tolist()
         assert results[request_id].generated_tokens == want
+
+
+def test_a_request_arriving_mid_run_and_one_asking_logprobs_take_the_per_step_path(pair):
+    """A streamed request decoding in chunks, then a request that arrives after its 10th token (admitted at the end
+    of a chunk, prefilled in a step of its own path), then one asking for log-probabilities (all its steps one at a
+    time): every token stream equals CPU's, delivered in order, and every read-back is counted."""
+    cpu, tpu = pair
+    prompts = random_prompts([7, 10, 5], seed=8)
+    config = T.GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=NEVER, pad_token_id=0)
+    with tpu.continuous_batching_context_manager(generation_config=config, timeout=SAFETY_TIMEOUT_S) as m:
+        with hf_tpu.sim.stats() as s:
+            first = m.add_request(prompts[0], max_new_tokens=40, streaming=True)
+            streamed = []
+            for out in m.request_id_iter(first):
+                streamed.append(list(out.generated_tokens))
+                if len(out.generated_tokens) == 10:
+                    second = m.add_request(prompts[1], max_new_tokens=40)
+            third = m.add_request(prompts[2], max_new_tokens=12, logprobs=2)
+            results = finished(m, [second, third])
+        record = serving.read_backs(m)
+    want = [_cpu(cpu, p, {}, None)[:n] for p, n in zip(prompts, (40, 40, 12), strict=True)]
+    assert streamed[-1] == want[0] and [len(t) for t in streamed] == list(range(1, 41))
+    assert results[second].generated_tokens == want[1] and results[third].generated_tokens == want[2]
+    assert record.chunks > 0 and record.reasons.get("logprobs", 0) >= 11 and record.read_backs == s.d2h_copies
