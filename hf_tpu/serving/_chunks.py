@@ -20,8 +20,8 @@ admitted, none to fork) it runs a chunk of up to K steps (:func:`run_chunk`):
 
 K is ``hf_tpu.serving.configure(read_back_every=K)`` (default 8; 1: a read-back each step, upstream's loop), read
 when a manager is created. A chunk is also cut short, never wrong: at the largest number of new tokens any of its
-requests may still produce, when a request needs a KV block the cache cannot give, or when the KV tokens read would
-pass the cache's step budget. Chunks are not run for a request that asked for log-probabilities, one still under its
+requests may still produce, when a request arrives or a cancellation comes in (the manager's queues), when a request
+needs a KV block the cache cannot give, or when the KV tokens read would pass the cache's step budget. Chunks are not run for a request that asked for log-probabilities, one still under its
 ``min_tokens`` (its end-of-sequence mask changes with each token), with async batching, or under tensor
 parallelism: those steps take upstream's per-step path.
 """
@@ -191,6 +191,13 @@ def _prepare_next(processor, futures) -> list | None:
     return following
 
 
+def _news(processor) -> bool:
+    """A request arrived or a cancellation came in (the chunk then ends after the step running: the scheduler
+    admits or cancels at the next step, not K - 1 steps later)."""
+    queues = (processor.input_queue, processor.cancel_queue)
+    return any(q is not None and not q.empty() for q in queues)
+
+
 def _dispatch(processor, model) -> None:
     """Upstream's ``ContinuousBatchProcessor._generation_step`` without its ``retrieve_device_outputs`` (a wait for
     the compute stream where the device has one): the step is queued on the device, nothing is waited for."""
@@ -216,7 +223,7 @@ def run_chunk(manager, processor, record: ReadBacks) -> None:
         _dispatch(processor, manager.model)
         manager.current_batch += 1
         outputs.append(io.output_ids[0, :rows].clone())  # stays on the device
-        if len(outputs) == length:
+        if len(outputs) == length or _news(processor):
             break
         following = _prepare_next(processor, futures)
         if following is None:
