@@ -20,10 +20,11 @@ admitted, none to fork) it runs a chunk of up to K steps (:func:`run_chunk`):
 
 K is ``hf_tpu.serving.configure(read_back_every=K)`` (default 8; 1: a read-back each step, upstream's loop), read
 when a manager is created. A chunk is also cut short, never wrong: at the largest number of new tokens any of its
-requests may still produce, when a request arrives or a cancellation comes in (the manager's queues), when a request
-needs a KV block the cache cannot give, or when the KV tokens read would pass the cache's step budget. Chunks are not run for a request that asked for log-probabilities, one still under its
-``min_tokens`` (its end-of-sequence mask changes with each token), with async batching, or under tensor
-parallelism: those steps take upstream's per-step path.
+requests may still produce, where a request under its ``min_tokens`` reaches it (its end-of-sequence mask changes
+there), when a request arrives or a cancellation comes in (the manager's queues), when a request needs a KV block
+the cache cannot give, or when the KV tokens read would pass the cache's step budget. Chunks are not run while a
+request asked for log-probabilities, with async batching, or under tensor parallelism: those steps take upstream's
+per-step path.
 """
 
 from __future__ import annotations
@@ -98,38 +99,43 @@ def _every(manager) -> int:
     return int(manager.__dict__.get("_hf_tpu_read_back_every", 1) or 1)
 
 
-def _why_per_step(manager, processor) -> str | None:
-    """None when the step just prepared can start a chunk; else why not (a short reason)."""
+def _plan(manager, processor) -> tuple[str | None, int]:
+    """``(None, most steps)`` when the step just prepared can start a chunk of at most that many steps, else
+    ``(why not, 1)``. A request under its ``min_tokens`` caps the chunk where its end-of-sequence mask would change
+    (the mask is prepared per step from the request's count on the host, which the chunk does not advance)."""
     from transformers.generation.continuous_batching.requests import RequestStatus
 
     from hf_tpu.serving import _penalties, _sampling
 
-    if _every(manager) <= 1:
-        return "read_back_every=1"
+    every = _every(manager)
+    if every <= 1:
+        return "read_back_every=1", 1
     sampler = processor.logit_processor
     if not isinstance(sampler, _sampling.RowSampling) or processor.use_async_batching:
-        return "async batching"
+        return "async batching", 1
     if getattr(manager.model, "_device_mesh", None) is not None:
-        return "tensor parallel"
+        return "tensor parallel", 1
     if processor.return_logprobs:
-        return "logprobs"
+        return "logprobs", 1
     scheduler = processor.scheduler
     futures = processor.inputs_and_outputs.requests_in_batch
     if scheduler.waiting_requests or (processor.input_queue is not None and not processor.input_queue.empty()):
-        return "requests waiting"
+        return "requests waiting", 1
     if scheduler._requests_to_fork or scheduler.starved_requests or len(futures) != len(scheduler.active_requests):
-        return "not every request in the step"
+        return "not every request in the step", 1
+    most = every
     for future in futures:
         state = future.state
         if not future.has_new_token or future.query_length != 1 or state.generated_len() == 0:
-            return "prefill"
+            return "prefill", 1
         if state.status != RequestStatus.DECODING:
-            return "prefill"
+            return "prefill", 1
         if state.logit_processor_kwargs.get("logprobs") is not None:
-            return "logprobs"
-        if _penalties.host_values(state, sampler.defaults)[3]:
-            return "min_tokens"
-    return None
+            return "logprobs", 1
+        if _penalties.host_values(state, sampler.defaults)[3]:  # under min_tokens: so many more steps keep the mask
+            minimum = int(state.logit_processor_kwargs.get("min_tokens", sampler.defaults["min_tokens"]))
+            most = min(most, max(1, minimum - _penalties.generated_count(state)))
+    return None, most
 
 
 def loop_body(manager, processor, bootstrapping: bool, upstream) -> bool:
@@ -141,9 +147,9 @@ def loop_body(manager, processor, bootstrapping: bool, upstream) -> bool:
 
     if processor.prepare_next_batch():
         record = _record(manager)
-        why = _why_per_step(manager, processor)
+        why, most = _plan(manager, processor)
         if why is None:
-            run_chunk(manager, processor, record)
+            run_chunk(manager, processor, record, most)
         else:
             manager._generation_step()
             manager.current_batch += 1
@@ -208,7 +214,7 @@ def _dispatch(processor, model) -> None:
         runner.compute_batch(model, io.get_model_kwargs(use_padding=runner.pad_inputs))
 
 
-def run_chunk(manager, processor, record: ReadBacks) -> None:
+def run_chunk(manager, processor, record: ReadBacks, most: int | None = None) -> None:
     """Run the decode step the scheduler prepared and up to K - 1 more of the same requests, read their tokens back
     in one copy, and replay upstream's per-token update (module docstring)."""
     import torch
@@ -217,7 +223,7 @@ def run_chunk(manager, processor, record: ReadBacks) -> None:
     io = processor.inputs_and_outputs
     futures = list(io.requests_in_batch)
     rows = len(futures)
-    length = _chunk_length(futures, record.every)
+    length = _chunk_length(futures, record.every if most is None else min(most, record.every))
     steps, outputs = [futures], []
     while True:
         _dispatch(processor, manager.model)

@@ -138,3 +138,27 @@ def test_a_request_arriving_mid_run_and_one_asking_logprobs_take_the_per_step_pa
     assert streamed[-1] == want[0] and [len(t) for t in streamed] == list(range(1, 41))
     assert results[second].generated_tokens == want[1] and results[third].generated_tokens == want[2]
     assert record.chunks > 0 and record.reasons.get("logprobs", 0) >= 11 and record.read_backs == s.d2h_copies
+
+
+def test_min_tokens_caps_a_chunk_where_the_end_of_sequence_mask_changes(pair):
+    """A request under ``min_tokens`` (its end-of-sequence id biased up, so it ends the first step it may) runs in
+    chunks cut where its mask changes: it ends exactly after ``min_tokens``, as CPU's processors say."""
+    from test_penalties import EOS, cpu_processors
+
+    cpu, tpu = pair
+    prompts = random_prompts([6, 8], seed=9)
+    kws = [{"min_tokens": 20, "logit_bias": {EOS: 100.0}}, {"min_tokens": 13}]
+    config = T.GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    want = []
+    for prompt, kw in zip(prompts, kws, strict=True):
+        procs = LogitsProcessorList(cpu_processors(len(prompt), kw))
+        out = cpu.generate(torch.tensor([prompt]), generation_config=config, logits_processor=procs)
+        want.append(out[0, len(prompt) :].tolist())
+    assert len(want[0]) == 21 and want[0][-1] == EOS
+    with tpu.continuous_batching_context_manager(generation_config=config, timeout=SAFETY_TIMEOUT_S) as m:
+        ids = [m.add_request(p, max_new_tokens=40, **kw) for p, kw in zip(prompts, kws, strict=True)]
+        results = finished(m, ids)
+        record = serving.read_backs(m)
+    for request_id, tokens in zip(ids, want, strict=True):
+        assert results[request_id].generated_tokens == tokens
+    assert record.chunks > 0 and "min_tokens" not in record.reasons
