@@ -22,9 +22,10 @@ K is ``hf_tpu.serving.configure(read_back_every=K)`` (default 8; 1: a read-back 
 when a manager is created. A chunk is also cut short, never wrong: at the largest number of new tokens any of its
 requests may still produce, where a request under its ``min_tokens`` reaches it (its end-of-sequence mask changes
 there), when a request arrives or a cancellation comes in (the manager's queues), when a request needs a KV block
-the cache cannot give, or when the KV tokens read would pass the cache's step budget. Chunks are not run while a
-request asked for log-probabilities, with async batching, or under tensor parallelism: those steps take upstream's
-per-step path.
+the cache cannot give, or when the KV tokens read would pass the cache's step budget. Chunks are not run with the
+manager's ``return_logprobs``, async batching, or under tensor parallelism: those steps take upstream's per-step
+path. A request's own ``logprobs`` are kept: the chunk then keeps every output row of each step (tokens,
+log-probabilities, alternatives) and reads them back in the same one copy.
 """
 
 from __future__ import annotations
@@ -130,8 +131,6 @@ def _plan(manager, processor) -> tuple[str | None, int]:
             return "prefill", 1
         if state.status != RequestStatus.DECODING:
             return "prefill", 1
-        if state.logit_processor_kwargs.get("logprobs") is not None:
-            return "logprobs", 1
         if _penalties.host_values(state, sampler.defaults)[3]:  # under min_tokens: so many more steps keep the mask
             minimum = int(state.logit_processor_kwargs.get("min_tokens", sampler.defaults["min_tokens"]))
             most = min(most, max(1, minimum - _penalties.generated_count(state)))
@@ -220,21 +219,25 @@ def run_chunk(manager, processor, record: ReadBacks, most: int | None = None) ->
     import torch
     from transformers.generation.continuous_batching.requests import RequestStatus
 
+    from hf_tpu.serving._sampling import logprob_records
+
     io = processor.inputs_and_outputs
     futures = list(io.requests_in_batch)
     rows = len(futures)
+    wanted = [f.state.logit_processor_kwargs.get("logprobs") for f in futures]
+    every_row = any(w is not None for w in wanted)  # the log-probability rows come back too
     length = _chunk_length(futures, record.every if most is None else min(most, record.every))
     steps, outputs = [futures], []
     while True:
         _dispatch(processor, manager.model)
         manager.current_batch += 1
-        outputs.append(io.output_ids[0, :rows].clone())  # stays on the device
+        outputs.append((io.output_ids[:, :rows] if every_row else io.output_ids[0, :rows]).clone())  # on the device
         if len(outputs) == length or _news(processor):
             break
         following = _prepare_next(processor, futures)
         if following is None:
             break
-        io.input_ids[:rows].copy_(outputs[-1])  # the next input ids: this step's tokens, on the device
+        io.input_ids[:rows].copy_(outputs[-1][0] if every_row else outputs[-1])  # this step's tokens, on the device
         steps.append(following)
     io.retrieve_device_outputs()  # (upstream's wait for its compute stream, once a chunk; none on one stream)
     tokens = torch.stack(outputs).tolist()  # the chunk's one device->host copy
@@ -245,12 +248,13 @@ def run_chunk(manager, processor, record: ReadBacks, most: int | None = None) ->
     scheduler, cache, router = processor.scheduler, processor.cache, processor.output_router
     for step, row in zip(steps, tokens):
         pending = []
-        for future, token in zip(step, row):
+        records = logprob_records(row, wanted) if every_row else [None] * rows
+        for future, token, logprob in zip(step, row[0] if every_row else row, records):
             state = future.state
             if state.status == RequestStatus.FINISHED:  # ended earlier in this chunk: its later tokens are dropped
                 record.extra_tokens += 1
                 continue
-            finished = state.update_and_check_completion(token, None)
+            finished = state.update_and_check_completion(token, logprob)
             cache.mark_complete_blocks(state, future.complete_blocks)
             if finished:
                 scheduler.finish_request(state.request_id)

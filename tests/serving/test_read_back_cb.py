@@ -116,10 +116,11 @@ def test_read_back_every_1_is_upstreams_loop(pair):
         assert results[request_id].generated_tokens == want
 
 
-def test_a_request_arriving_mid_run_and_one_asking_logprobs_take_the_per_step_path(pair):
+def test_a_request_arriving_mid_run_and_one_asking_logprobs(pair):
     """A streamed request decoding in chunks, then a request that arrives after its 10th token (admitted at the end
-    of a chunk, prefilled in a step of its own path), then one asking for log-probabilities (all its steps one at a
-    time): every token stream equals CPU's, delivered in order, and every read-back is counted."""
+    of a chunk, prefilled in a step of its own path), then one asking for log-probabilities (its rows come back in
+    the chunk's one copy): every token stream equals CPU's, delivered in order, the log-probabilities and top
+    alternatives are CPU's log-softmax, and every read-back is counted."""
     cpu, tpu = pair
     prompts = random_prompts([7, 10, 5], seed=8)
     config = T.GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=NEVER, pad_token_id=0)
@@ -131,13 +132,22 @@ def test_a_request_arriving_mid_run_and_one_asking_logprobs_take_the_per_step_pa
                 streamed.append(list(out.generated_tokens))
                 if len(out.generated_tokens) == 10:
                     second = m.add_request(prompts[1], max_new_tokens=40)
-            third = m.add_request(prompts[2], max_new_tokens=12, logprobs=2)
+            third = m.add_request(prompts[2], max_new_tokens=20, logprobs=2)
             results = finished(m, [second, third])
         record = serving.read_backs(m)
-    want = [_cpu(cpu, p, {}, None)[:n] for p, n in zip(prompts, (40, 40, 12), strict=True)]
+    want = [_cpu(cpu, p, {}, None)[:n] for p, n in zip(prompts, (40, 40, 20), strict=True)]
     assert streamed[-1] == want[0] and [len(t) for t in streamed] == list(range(1, 41))
     assert results[second].generated_tokens == want[1] and results[third].generated_tokens == want[2]
-    assert record.chunks > 0 and record.reasons.get("logprobs", 0) >= 11 and record.read_backs == s.d2h_copies
+    assert record.chunks >= 4 and record.read_backs == s.d2h_copies and s.d2h_copies * 4 <= record.steps
+    with torch.no_grad():
+        logits = cpu(torch.tensor([prompts[2] + want[2]])).logits[0, len(prompts[2]) - 1 : -1].float()
+    log_probs = logits.log_softmax(-1)
+    assert len(results[third].logprobs) == 20
+    for j, (chosen, alternatives) in enumerate(results[third].logprobs):
+        assert abs(chosen - log_probs[j, want[2][j]].item()) < 1e-4, j
+        top = log_probs[j].topk(2)
+        assert [a for a, _ in alternatives] == top.indices.tolist(), j
+        assert all(abs(v - t) < 1e-4 for (_, v), t in zip(alternatives, top.values.tolist(), strict=True)), j
 
 
 def test_min_tokens_caps_a_chunk_where_the_end_of_sequence_mask_changes(pair):
