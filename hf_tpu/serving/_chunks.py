@@ -4,8 +4,10 @@ Upstream's loop (transformers 5.24, ``ContinuousBatchingManager._generation_loop
 schedule on the host, copy the step's inputs to the device, run the step graph, read the step's tokens back
 (``prepare_batch_update``: one device->host copy and one host wait per step), update the requests. On a ``tpu``
 model hf_tpu's loop body (:func:`loop_body`) does the same for every step that admits a request or prefills, and
-for the *decode-only* steps (every active request in the step, one token each, already decoding, none waiting to be
-admitted, none to fork) it runs a chunk of up to K steps (:func:`run_chunk`):
+for the *decode-only* steps (every active request in the step, one token each, already decoding, none to fork, none
+arriving in the manager's input queue) it runs a chunk of up to K steps (:func:`run_chunk`). Requests waiting that
+this step's scheduling could not admit (no slot, no room in the cache) do not stop a chunk: it then ends at the first
+request to reach its ``max_new_tokens``, the step where upstream's loop would free its slot.
 
 * step 1 is the step upstream's scheduler just prepared; before each of steps 2..K the host allocates each
   request's KV block for its next token (``PagedAttentionCache.can_store_request_tokens``) and prepares the step's
@@ -120,11 +122,15 @@ def _plan(manager, processor) -> tuple[str | None, int]:
         return "logprobs", 1
     scheduler = processor.scheduler
     futures = processor.inputs_and_outputs.requests_in_batch
-    if scheduler.waiting_requests or (processor.input_queue is not None and not processor.input_queue.empty()):
-        return "requests waiting", 1
+    if processor.input_queue is not None and not processor.input_queue.empty():
+        return "requests arriving", 1
     if scheduler._requests_to_fork or scheduler.starved_requests or len(futures) != len(scheduler.active_requests):
         return "not every request in the step", 1
     most = every
+    if scheduler.waiting_requests:  # ones this step's scheduling could not admit: the chunk ends at the first
+        # request to reach its max_new_tokens (its slot and blocks are free for them at the same step as without
+        # chunks); one ending on its end-of-sequence id frees them at the chunk's end, up to K - 1 steps later
+        most = max(1, min(f.state._new_tokens_limit - f.state.generated_len() for f in futures))
     for future in futures:
         state = future.state
         if not future.has_new_token or future.query_length != 1 or state.generated_len() == 0:

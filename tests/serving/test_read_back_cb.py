@@ -172,3 +172,20 @@ def test_min_tokens_caps_a_chunk_where_the_end_of_sequence_mask_changes(pair):
     for request_id, tokens in zip(ids, want, strict=True):
         assert results[request_id].generated_tokens == tokens
     assert record.chunks > 0 and "min_tokens" not in record.reasons
+
+
+def test_requests_waiting_for_a_slot_do_not_stop_chunks(pair):
+    """Six requests on four slots (two wait for a slot): the chunks run while they wait, each ending where a request
+    reaches its max_new_tokens and frees a slot; every request equals CPU's."""
+    cpu, tpu = pair
+    prompts = random_prompts([5, 9, 6, 7, 8, 4], seed=10)
+    lengths = [20, 30, 44, 50, 25, 35]
+    config = T.GenerationConfig(max_new_tokens=50, do_sample=False, eos_token_id=NEVER, pad_token_id=0)
+    with tpu.continuous_batching_context_manager(generation_config=config, timeout=SAFETY_TIMEOUT_S) as m:
+        with hf_tpu.sim.stats() as s:
+            ids = [m.add_request(p, max_new_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+            results = finished(m, ids)
+        record = serving.read_backs(m)
+    for request_id, prompt, n in zip(ids, prompts, lengths, strict=True):
+        assert results[request_id].generated_tokens == _cpu(cpu, prompt, {}, None)[:n]
+    assert record.chunks > 0 and record.read_backs == s.d2h_copies and s.d2h_copies * 4 <= record.steps, record
