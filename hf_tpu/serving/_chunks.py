@@ -13,8 +13,8 @@ request to reach its ``max_new_tokens``, the step where upstream's loop would fr
   request's KV block for its next token (``PagedAttentionCache.can_store_request_tokens``) and prepares the step's
   positions, read/write indices and sampling rows with upstream's ``prepare_batch_tensors`` (host->device copies,
   no wait), and the step's input ids are the previous step's output ids, copied on the device;
-* each step's tokens are kept on the device (a copy of row 0 of ``output_ids``) and come back after the chunk in
-  one device->host copy;
+* each step's tokens are kept on the device (a copy of row 0 of ``output_ids`` into a buffer of one shape per
+  manager, :func:`_buffer`) and come back after the chunk in one device->host copy;
 * the host then replays upstream's update (``update_batch``) step by step, request by request:
   ``update_and_check_completion``, ``mark_complete_blocks``, ``finish_request`` (which frees the request's blocks)
   and the delivery of the step's outputs; a request that ended mid-chunk drops the tokens of its later steps
@@ -209,6 +209,20 @@ def _news(processor) -> bool:
     return any(q is not None and not q.empty() for q in queues)
 
 
+def _buffer(io, every_row: bool, every: int):
+    """The device buffer a chunk keeps its steps' outputs in: ``[K, rows of output_ids (all of them, or the tokens'
+    only), columns of output_ids]``, one per IO object, so that the chunk's copies have one shape whatever its
+    length and number of requests (no new eager signature)."""
+    import torch
+
+    key = "_hf_tpu_chunk_outputs" if every_row else "_hf_tpu_chunk_tokens"
+    buffer = io.__dict__.get(key)
+    if buffer is None or buffer.shape[0] < every:
+        shape = (every, io.output_ids.shape[0] if every_row else 1, io.output_ids.shape[1])
+        buffer = io.__dict__[key] = torch.zeros(shape, dtype=io.output_ids.dtype, device=io.output_ids.device)
+    return buffer
+
+
 def _dispatch(processor, model) -> None:
     """Upstream's ``ContinuousBatchProcessor._generation_step`` without its ``retrieve_device_outputs`` (a wait for
     the compute stream where the device has one): the step is queued on the device, nothing is waited for."""
@@ -222,7 +236,6 @@ def _dispatch(processor, model) -> None:
 def run_chunk(manager, processor, record: ReadBacks, most: int | None = None) -> None:
     """Run the decode step the scheduler prepared and up to K - 1 more of the same requests, read their tokens back
     in one copy, and replay upstream's per-token update (module docstring)."""
-    import torch
     from transformers.generation.continuous_batching.requests import RequestStatus
 
     from hf_tpu.serving._sampling import logprob_records
@@ -233,29 +246,34 @@ def run_chunk(manager, processor, record: ReadBacks, most: int | None = None) ->
     wanted = [f.state.logit_processor_kwargs.get("logprobs") for f in futures]
     every_row = any(w is not None for w in wanted)  # the log-probability rows come back too
     length = _chunk_length(futures, record.every if most is None else min(most, record.every))
-    steps, outputs = [futures], []
+    kept = _buffer(io, every_row, record.every)
+    steps, done = [futures], 0
     while True:
         _dispatch(processor, manager.model)
         manager.current_batch += 1
-        outputs.append((io.output_ids[:, :rows] if every_row else io.output_ids[0, :rows]).clone())  # on the device
-        if len(outputs) == length or _news(processor):
+        kept[done].copy_(io.output_ids if every_row else io.output_ids[:1])  # the step's outputs, on the device
+        done += 1
+        if done == length or _news(processor):
             break
         following = _prepare_next(processor, futures)
         if following is None:
             break
-        io.input_ids[:rows].copy_(outputs[-1][0] if every_row else outputs[-1])  # this step's tokens, on the device
+        # the next input ids: this step's tokens, on the device (every column: past the requests' rows are the
+        # padding rows, whose ids only feed padding rows)
+        io.input_ids.copy_(kept[done - 1, 0, : io.input_ids.shape[0]])
         steps.append(following)
     io.retrieve_device_outputs()  # (upstream's wait for its compute stream, once a chunk; none on one stream)
-    tokens = torch.stack(outputs).tolist()  # the chunk's one device->host copy
-    record.steps += len(outputs)
-    record.chunked_steps += len(outputs)
+    read = kept[:done].tolist()  # the chunk's one device->host copy
+    record.steps += done
+    record.chunked_steps += done
     record.chunks += 1
 
     scheduler, cache, router = processor.scheduler, processor.cache, processor.output_router
-    for step, row in zip(steps, tokens):
+    for step, table in zip(steps, read):
+        table = [r[:rows] for r in table]
         pending = []
-        records = logprob_records(row, wanted) if every_row else [None] * rows
-        for future, token, logprob in zip(step, row[0] if every_row else row, records):
+        records = logprob_records(table, wanted) if every_row else [None] * rows
+        for future, token, logprob in zip(step, table[0], records):
             state = future.state
             if state.status == RequestStatus.FINISHED:  # ended earlier in this chunk: its later tokens are dropped
                 record.extra_tokens += 1
