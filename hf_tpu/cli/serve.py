@@ -61,6 +61,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                         help="largest step in tokens; longer prompts prefill in chunks (default: 256)")  # fmt: skip
     parser.add_argument("--min-step-tokens", type=_positive_int, default=None,
                         help="smallest step rung in tokens (default: 16; the rungs go up x4 to --max-batch-tokens)")
+    parser.add_argument("--read-back-every", type=_positive_int, default=None, metavar="K",
+                        help="decode-only steps run between two read-backs of their tokens; a stream gets its tokens "
+                        "up to K at a time (default: 8; 1: a read-back each step)")  # fmt: skip
     parser.add_argument("--max-pending", type=_positive_int, default=None,
                         help="requests in flight before new ones get 429 (default: 4 x --slots)")  # fmt: skip
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -140,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {
         "kv_cache_gib": args.kv_cache_gib, "slots": args.slots, "max_batch_tokens": args.max_batch_tokens,
         "q_min": args.min_step_tokens, "compile_cache": args.compile_cache, "max_logprobs": args.max_logprobs,
+        "read_back_every": args.read_back_every,
     }  # fmt: skip
     serving.configure(**{k: v for k, v in settings.items() if v is not None})
     hf_tpu.enable()

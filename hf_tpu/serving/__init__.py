@@ -9,6 +9,7 @@ over N chips, :mod:`~hf_tpu.serving.tensor_parallel`). See docs/serving.md.
 
 from __future__ import annotations
 
+from hf_tpu.serving._chunks import ReadBacks, read_backs
 from hf_tpu.serving._runner import SETTINGS, ServingSettings, compiled_shapes, configure
 
-__all__ = ["SETTINGS", "ServingSettings", "compiled_shapes", "configure"]
+__all__ = ["SETTINGS", "ReadBacks", "ServingSettings", "compiled_shapes", "configure", "read_backs"]

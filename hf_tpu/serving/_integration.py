@@ -16,7 +16,9 @@ each one calls upstream unchanged when the model is not on a ``tpu`` device:
 * ``PagedAttentionCache.update``: traced by dynamo on a ``tpu`` cache (one graph per step shape, not pieces between
   the layers' cache updates);
 * ``Scheduler._get_waiting_candidates``: with ``RowSampling``, admits a waiting request only when the per-request
-  table of penalties has rows for it and its choices (:func:`~._penalties.admit`).
+  table of penalties has rows for it and its choices (:func:`~._penalties.admit`);
+* ``ContinuousBatchingManager._generation_loop_body``: decode-only steps run in chunks of ``read_back_every`` steps
+  with one read-back each (:mod:`~hf_tpu.serving._chunks`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def apply() -> None:
         scheduler,
     )
 
-    from hf_tpu.serving import _penalties, _runner, _sampling, _step_graphs
+    from hf_tpu.serving import _chunks, _penalties, _runner, _sampling, _step_graphs
 
     manager_cls = continuous_api.ContinuousBatchingManager
     runner_cls = model_runner.ModelRunner
@@ -61,6 +63,7 @@ def apply() -> None:
     process_and_sample = _unwrap(runner_cls, "_forward_process_and_sample")
     scheduler_cls = scheduler.Scheduler
     candidates = _unwrap(scheduler_cls, "_get_waiting_candidates")
+    loop_body = _unwrap(manager_cls, "_generation_loop_body")
 
     @functools.wraps(init)
     def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None):
@@ -73,6 +76,8 @@ def apply() -> None:
             capacity = _runner.SETTINGS.max_active or 4 * self.continuous_batching_config.max_requests_per_batch
             table = _penalties.RequestTable(capacity, _penalties.vocab_of(model), model.device)
             self.logit_processor = _sampling.RowSampling(self.logit_processor, generation_config, top_n, table)
+        if tpu:
+            self._hf_tpu_read_back_every = max(1, int(_runner.SETTINGS.read_back_every))
 
     @functools.wraps(setup)
     def _setup_static_tensors(self, logit_processor):
@@ -127,6 +132,12 @@ def apply() -> None:
         table = getattr(self.cache, "_hf_tpu_table", None)
         return ordered if table is None else _penalties.admit(self, ordered, table)
 
+    @functools.wraps(loop_body)
+    def _generation_loop_body(self, batch_processor, bootstrapping):
+        if "_hf_tpu_read_back_every" in self.__dict__:
+            return _chunks.loop_body(self, batch_processor, bootstrapping, loop_body)
+        return loop_body(self, batch_processor, bootstrapping)
+
     update = _step_graphs.update(cache_update)
     for owner, name, fn, original in (
         (cache_cls, "update", update, cache_update),
@@ -138,6 +149,7 @@ def apply() -> None:
         (io_cls, "_setup_static_tensors", _setup_static_tensors, setup),
         (io_cls, "prepare_batch_update", prepare_batch_update, batch_update),
         (scheduler_cls, "_get_waiting_candidates", _get_waiting_candidates, candidates),
+        (manager_cls, "_generation_loop_body", _generation_loop_body, loop_body),
     ):
         fn.__hf_tpu_upstream__ = original
         patch(owner, name, fn, feature=FEATURE, package="transformers", versions=_VERSIONS)

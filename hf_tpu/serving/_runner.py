@@ -46,6 +46,8 @@ class ServingSettings:
             most a request may ask for (:mod:`hf_tpu.serving._sampling`).
         max_active: requests active at once, each with a row of the per-request penalty table on the device
             (:mod:`hf_tpu.serving._penalties`: 8 bytes per vocabulary entry); more wait. None: 4 x ``slots``.
+        read_back_every: the decode-only steps run back to back between two read-backs of their tokens
+            (:mod:`hf_tpu.serving._chunks`); 1: a read-back each step (upstream's loop).
     """
 
     max_batch_tokens: int = 256
@@ -58,6 +60,7 @@ class ServingSettings:
     compile_cache: Any = None
     max_logprobs: int = 5
     max_active: int | None = None
+    read_back_every: int = 8
 
 
 def configure(**values) -> ServingSettings:

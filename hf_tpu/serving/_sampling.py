@@ -47,8 +47,8 @@ from transformers.generation.logits_process import (
 
 from hf_tpu.serving import _penalties
 
-__all__ = ["ROWS", "RowSampling", "batch_update", "gumbel", "noise_key", "request_kwargs", "row_sampling_of",
-           "sample", "step"]  # fmt: skip
+__all__ = ["ROWS", "RowSampling", "batch_update", "gumbel", "logprob_records", "noise_key", "request_kwargs",
+           "row_sampling_of", "sample", "step"]  # fmt: skip
 
 #: The per-row arguments, one int32 row each: temperature (float), top-k, top-p (float), min-p (float), noise key,
 #: the three penalties (floats), the request's row of :class:`~hf_tpu.serving._penalties.RequestTable`, and 1 while
@@ -287,20 +287,24 @@ def batch_update(io, upstream):
         return upstream(io)
     n = io.num_request_in_batch
     table = io.output_ids[:, :n].tolist()
-    top = (io.output_ids.shape[0] - 2) // 2
+    return requests, table[0], logprob_records(table, [w for f, w in zip(requests, wanted) if f.has_new_token])
+
+
+def logprob_records(table: list[list[int]], wanted: list) -> list:
+    """The per-row records of :func:`batch_update` from a step's output rows read back (``table``: the rows of
+    ``output_ids`` as lists, one column per row of the step), ``wanted``: per row, how many alternatives its request
+    asked for, or None."""
+    top = (len(table) - 2) // 2
     as_float = torch.tensor(table[1:2] + table[2 + top :], dtype=torch.int32).view(torch.float32).tolist()
-    records, row = [], 0
-    for f, want in zip(requests, wanted):
-        if not f.has_new_token:
-            continue
+    records = []
+    for row, want in enumerate(wanted):
         if want is not None:
             k = min(int(want), top)
             alternatives = tuple((table[2 + j][row], as_float[1 + j][row]) for j in range(k))
             records.append((as_float[0][row], alternatives))
         else:
             records.append(None)
-        row += 1
-    return requests, table[0], records
+    return records
 
 
 def request_kwargs(sampling) -> dict:

@@ -6,7 +6,10 @@ generated tokens, and their throughput over the last :data:`WINDOW_S` seconds; t
 request's arrival) and time per output token (histograms, from the per-token timestamps of transformers' continuous
 batching); queue depth and requests in flight; KV blocks in use; ``hf_tpu_compiles_total`` /
 ``hf_tpu_compile_cache_hits_total`` (graphs compiled by dynamo in this process, graphs loaded from hf_tpu's
-persistent compile cache), read when scraped; and prometheus_client's process metrics (``process_*``: resident
+persistent compile cache), read when scraped; the step loop's ``hf_tpu_steps_total``, ``hf_tpu_step_read_backs_total``
+(device->host reads of step tokens: one per chunk of decode steps, one per step run alone) and
+``hf_tpu_dropped_tokens_total`` (tokens a request computed after it ended in the same chunk), read when scraped
+(:mod:`hf_tpu.serving._chunks`); and prometheus_client's process metrics (``process_*``: resident
 memory, CPU seconds, open files...).
 """
 
@@ -16,6 +19,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["HANDLED", "WINDOW_S", "ServerMetrics", "compiles_so_far"]
 
@@ -41,7 +45,7 @@ class ServerMetrics:
     scrape time."""
 
     def __init__(self, queue_depth: Callable[[], int], kv_blocks: Callable[[], tuple[int, int]], model: str = "",
-                 process: bool = True) -> None:  # fmt: skip
+                 process: bool = True, steps: Callable[[], Any] | None = None) -> None:  # fmt: skip
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
         self.model = model
@@ -78,6 +82,8 @@ class ServerMetrics:
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, m, registry=r).labels(model).set_function(lambda read=read: float(read()))
         r.register(_CompileCollector(model))
+        if steps is not None:
+            r.register(_StepCollector(model, steps))
         if process:
             ProcessCollector(registry=r)
         self._lock = threading.Lock()
@@ -187,3 +193,26 @@ class _CompileCollector:
         )
         hits.add_metric([self.model], compile_cache.HITS[0])
         yield hits
+
+
+class _StepCollector:
+    """``hf_tpu_steps_total``, ``hf_tpu_step_read_backs_total`` and ``hf_tpu_dropped_tokens_total``, read from the
+    manager's :class:`~hf_tpu.serving._chunks.ReadBacks` (``steps``: a callable returning it)."""
+
+    def __init__(self, model: str, steps: Callable[[], Any]) -> None:
+        self.model, self.steps = model, steps
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        record = self.steps()
+        for name, doc, value in (
+            ("hf_tpu_steps", "Continuous-batching steps run", record.steps),
+            ("hf_tpu_step_read_backs", "Device->host reads of step tokens (one per chunk, one per step run alone)",
+             record.read_backs),
+            ("hf_tpu_dropped_tokens", "Tokens computed for a request after it ended in the same chunk",
+             record.extra_tokens),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            family.add_metric([self.model], value)
+            yield family

@@ -215,7 +215,9 @@ def _prepare(app, model_manager, generation_state, handlers, *, served: str, ali
         free = cache.compute_free_capacity(relative=True)
         return total - int(round(free * total)), total
 
-    metrics = ServerMetrics(queue_depth, kv_blocks, model=served)
+    from hf_tpu.serving._chunks import read_backs
+
+    metrics = ServerMetrics(queue_depth, kv_blocks, model=served, steps=lambda: read_backs(cb))
     for handler in handlers:
         handler.metrics = metrics
     patch(cb, "add_request", _checked_add_request(cb, _max_len(model), metrics), feature=FEATURE)

@@ -166,6 +166,22 @@ def test_streaming_joins_to_the_non_streamed_text(client):
     assert "".join((c.choices[0].delta.content or "") for c in chunks if c.choices) == whole
 
 
+def test_decode_steps_read_back_once_per_chunk(server, client, cpu):
+    """A 64-token answer, plain and streamed, equals CPU's; the step loop read the tokens back at most once per 4
+    steps (``hf_tpu_step_read_backs_total`` against ``hf_tpu_steps_total``: chunks of 8 decode steps)."""
+    ids = cpu.tok("The king said")["input_ids"]
+    want = cpu.complete(ids, 64, eos_token_id=None)
+    body = {"model": MODEL, "prompt": "The king said", "max_tokens": 64, "temperature": 0,
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    steps, reads = server.metric("hf_tpu_steps_total"), server.metric("hf_tpu_step_read_backs_total")
+    assert client.completions.create(**body).choices[0].text == want
+    chunks = client.completions.create(stream=True, **body)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    steps = server.metric("hf_tpu_steps_total") - steps
+    reads = server.metric("hf_tpu_step_read_backs_total") - reads
+    assert steps >= 2 * 64 and reads * 4 <= steps, (steps, reads)
+
+
 def test_eight_concurrent_greedy_requests_each_equal_cpu_generate(client, cpu):
     def one(i):
         prompt = PROMPTS[i]
