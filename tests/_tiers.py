@@ -508,6 +508,15 @@ _slow(
     "test_experts_forward_matches_float64[half_empty-8-1-dtype1]",  # 4 s together
 )
 _slow("ray/test_serve_arguments.py", "needs Ray (the [ray] extra), which .ci/run installs for the slow tier")
+_slow(
+    "serving/test_read_back_cb.py",
+    "continuous batching's chunks beyond the representatives (core: the manager's greedy chunks, generate_batch's "
+    "and min_tokens' cap, each against CPU; the server's 64-token answer in tests/serving/test_server.py)",
+    "test_manager_reads_back_once_per_chunk_and_equals_cpu[sampled]",
+    "test_read_back_every_1_is_upstreams_loop",
+    "test_a_request_arriving_mid_run_and_one_asking_logprobs",
+    "test_requests_waiting_for_a_slot_do_not_stop_chunks",  # about 20 s together
+)
 
 
 def slow_prefix(nodeid: str) -> str | None:

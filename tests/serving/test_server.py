@@ -278,6 +278,9 @@ def _wait_for(predicate, what: str) -> None:
 
 
 def test_full_queue_gets_429_with_retry_after(server, client):
+    # an earlier test's request still leaving would make MAX_PENDING half-sent ones count one too many, then free
+    # a place when it goes (a 200 where the test wants the 429): start from an empty server
+    _wait_for(lambda: server.metric("hf_tpu_requests_in_flight") == 0, "an earlier request stays in flight")
     clients = [_half_sent(server) for _ in range(MAX_PENDING)]
     try:
         _wait_for(lambda: server.metric("hf_tpu_requests_in_flight") == MAX_PENDING, "half-sent requests not counted")
