@@ -12,7 +12,8 @@ chip").
 For a query of one token (a decode step) the replacement groups the query heads by their KV head, computes
 ``q @ k^T`` per KV head (the cache read once), the softmax in float32 and ``p @ v``: XLA fuses these over the batch
 and KV heads with no padding and no grid. Everything else (prefill, masks per head, position biases, dropout,
-softcapping, attention sinks, tensors on other devices) goes to upstream's ``sdpa_attention_forward`` unchanged.
+softcapping, attention sinks, a paged cache handed to the call (transformers 5.23 updates it there), tensors on
+other devices) goes to upstream's ``sdpa_attention_forward`` unchanged.
 
 ``HF_TPU_DECODE_ATTENTION`` picks the form: ``grouped`` (the default), ``sdpa`` (upstream's call, torch_tpu's flash
 kernel with ``enable_gqa``) or ``packed`` (upstream's own one-token trick, ``pack_gqa``: the query heads of one KV head
@@ -81,6 +82,8 @@ def _takes_grouped(module, query, key, value, attention_mask, dropout, kwargs) -
     if dropout or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
         return False
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None or kwargs.get("output_attentions"):
+        return False
+    if kwargs.get("cache") is not None:  # transformers 5.23 updates a paged cache inside its sdpa call
         return False
     if key.dim() != 4 or value.dim() != 4 or query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1]:
         return False

@@ -90,6 +90,23 @@ def test_the_sdpa_form_and_a_bad_name(pair, monkeypatch):
         _decode_attention.decode_attention_form()
 
 
+def test_a_paged_cache_handed_to_the_call_keeps_upstreams_sdpa(monkeypatch):
+    """transformers 5.23's sdpa call updates a continuous-batching paged cache passed as ``cache``: a one-token
+    query with one must reach upstream (which 5.24 ignores the argument in), not the grouped form."""
+    seen = _spy_on_sdpa(monkeypatch)
+    wrapper = AttentionInterface._global_mapping["sdpa"]
+    q, k, v, keep = (t.to("tpu") for t in _inputs())
+
+    class Module(torch.nn.Module):
+        num_key_value_groups = 4
+        is_causal = True
+
+    wrapper(Module(), q, k, v, keep)
+    assert seen == []  # no cache: the grouped products
+    wrapper(Module(), q, k, v, keep, cache=object())
+    assert seen == [1]
+
+
 def test_other_devices_reach_upstream_and_disable_restores_it():
     import hf_tpu
 
