@@ -66,6 +66,9 @@ class ReadBacks:
         return self.chunks + self.per_step_reads
 
 
+# how long an idle loop sleeps before it looks for new requests again: upstream's poll interval, not a limit on work
+_IDLE_POLL_S = 0.1
+
 _LOCK = threading.Lock()
 
 
@@ -169,7 +172,7 @@ def loop_body(manager, processor, bootstrapping: bool, upstream) -> bool:
         return False
     if status.tp_status == BackgroundThreadStatus.FLUSH_AND_STOP and not processor.has_pending_requests():
         return False
-    manager._wake_up_loop.wait(timeout=0.1)
+    manager._wake_up_loop.wait(timeout=_IDLE_POLL_S)
     manager._wake_up_loop.clear()
     return True
 

@@ -65,14 +65,21 @@ def grouped_decode_attention(
     kv_heads = key.shape[1]
     scale = dim**-0.5 if scaling is None else scaling
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # the query heads of KV head j are rows of group j
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # (batch, kv_heads, group, slots)
+    # The scores in float32 from the operands as they are (bf16 products summed in float32, as the MXU and the CPU's
+    # sdpa kernel do), the softmax's numerator cast to the value dtype for the second product, summed in float32 and
+    # divided by the softmax's sum last: the order of flash attention's arithmetic (and of the CPU's sdpa kernel, the
+    # simulator's reference), so a bf16 model's greedy tokens part from the CPU's only at ties. Normalising first and
+    # rounding the product to bf16 parted from them by two bf16 steps of a logit (tests/quantization).
+    scores = torch.matmul(q.float(), key.float().transpose(-1, -2)) * scale  # (batch, kv_heads, group, slots)
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         else:
             scores = scores + attention_mask.float()
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # (batch, kv_heads, group, value dim)
+    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    total = weights.sum(dim=-1, keepdim=True)
+    out = torch.matmul(weights.to(value.dtype).float(), value.float()) / total  # (batch, kv_heads, group, value dim)
+    out = out.to(query.dtype)
     return out.reshape(batch, heads, 1, value.shape[-1])
 
 
