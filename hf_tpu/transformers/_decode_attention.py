@@ -65,20 +65,22 @@ def grouped_decode_attention(
     kv_heads = key.shape[1]
     scale = dim**-0.5 if scaling is None else scaling
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # the query heads of KV head j are rows of group j
-    # The scores in float32 from the operands as they are (bf16 products summed in float32, as the MXU and the CPU's
-    # sdpa kernel do), the softmax's numerator cast to the value dtype for the second product, summed in float32 and
-    # divided by the softmax's sum last: the order of flash attention's arithmetic (and of the CPU's sdpa kernel, the
-    # simulator's reference), so a bf16 model's greedy tokens part from the CPU's only at ties. Normalising first and
-    # rounding the product to bf16 parted from them by two bf16 steps of a logit (tests/quantization).
+    # Flash attention's order of arithmetic (and the CPU's sdpa kernel's, the simulator's reference): the scores summed
+    # in float32 from the operands as they are (bf16 products summed in float32, as the MXU does), the softmax's
+    # numerator exp(s - max) rounded to the value dtype for the second product, summed in float32, the normalisation
+    # last. The numerator is taken as p / max(p) (max(p) = 1 / the softmax's sum): torch's softmax sums a row alike
+    # wherever the bucket's padding sits, so a step's output does not depend on the left padding (a sum of its own
+    # did: tests/transformers/test_cache_in_and_out.py). Normalising first, the product rounded to bf16, parted from
+    # the CPU's greedy tokens by two bf16 steps of a logit (tests/quantization).
     scores = torch.matmul(q.float(), key.float().transpose(-1, -2)) * scale  # (batch, kv_heads, group, slots)
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         else:
             scores = scores + attention_mask.float()
-    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-    total = weights.sum(dim=-1, keepdim=True)
-    out = torch.matmul(weights.to(value.dtype).float(), value.float()) / total  # (batch, kv_heads, group, value dim)
+    probs = torch.softmax(scores, dim=-1)
+    top = probs.amax(dim=-1, keepdim=True)
+    out = torch.matmul((probs / top).to(value.dtype).float(), value.float()) * top  # (batch, kv_heads, group, v dim)
     out = out.to(query.dtype)
     return out.reshape(batch, heads, 1, value.shape[-1])
 
