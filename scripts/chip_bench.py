@@ -25,7 +25,9 @@ part) and appends each measurement to ``records.jsonl`` the moment it is taken. 
   Qwen3-30B-A3B shape (8 layers: as many as fit beside a lean copy's temporaries) at batch 1, 8, 64, the MoE in
   each experts form, each step synced and 30 steps dispatched back to back.
 - ``programs``: each program ``lower`` wrote (prefill at batch 1, decode at 1, 8, 64; the MoE with each experts form
-  torch_tpu lowers), compiled by JAX's TPU client and run on random inputs, synced and back to back.
+  torch_tpu lowers), compiled by JAX's TPU client and run on random inputs, synced and back to back; each decode
+  program also with its KV caches donated (:func:`donated`: what the step would cost if torch_tpu's runtime
+  updated the caches in place; ``CHIP_BENCH_DONATE=0`` leaves that out).
 
 Environment (narrowing a run): ``CHIP_BENCH_TOKENS`` (experts part: token counts), ``CHIP_BENCH_BATCHES``,
 ``CHIP_BENCH_LEAN`` (lean part: batches; models, "llama moe"), ``CHIP_BENCH_LEAN_FORMS`` (its experts forms),
@@ -582,6 +584,48 @@ def part_lean(out: Path, folder: Path, quick: bool) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _signature(text: str) -> tuple[int, int, list[str], list[str]]:
+    """The span of ``@main``'s argument list in ``text``, its argument types and its result types."""
+    import re
+
+    start = text.index("func.func @main(") if "func.func @main(" in text else text.index("func.func public @main(")
+    head = text.index("(", start) + 1
+    depth, i = 1, head
+    while depth:  # the argument list's closing parenthesis (types hold no parentheses; attributes may)
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        i += 1
+    args = re.findall(r"%arg\d+: (tensor<[^>]*>)", text[head : i - 1])
+    results = text[i : text.index("{\n", i)]
+    return head, i - 1, args, re.findall(r"tensor<[^>]*>", results)
+
+
+def donated(text: str) -> tuple[str, list[tuple[int, int]]]:
+    """The decode program with its KV caches donated, as a runtime that donates them would compile it.
+
+    hf_tpu's decode program takes each layer's K and V cache (rank-4 arguments: batch, heads, slots, dim) and returns
+    the updated ones first among its results, in argument order (AOTAutograd's outputs for mutated inputs). The k-th
+    rank-4 result of a type is aliased to the k-th rank-4 argument of that type (``tf.aliasing_output``), so XLA
+    updates the cache in place instead of writing a new one. Returns the text and the (argument, result) pairs.
+    """
+    head, end, args, results = _signature(text)
+    rank4 = lambda t: t.count("x") == 4  # noqa: E731 - four dims and the element type
+    by_type: dict[str, list[int]] = {}
+    for j, t in enumerate(results):
+        if rank4(t):
+            by_type.setdefault(t, []).append(j)
+    pairs, seen = [], {}
+    for a, t in enumerate(args):
+        if rank4(t) and seen.get(t, 0) < len(by_type.get(t, [])):
+            pairs.append((a, by_type[t][seen.get(t, 0)]))
+            seen[t] = seen.get(t, 0) + 1
+    signature = text[head:end]
+    for a, j in pairs:
+        old = f"%arg{a}: {args[a]}"
+        assert signature.count(old + ",") + signature.endswith(old) == 1, old
+        signature = signature.replace(old, f"{old} {{tf.aliasing_output = {j} : i32}}", 1)
+    return text[:head] + signature + text[end:], pairs
+
+
 def part_programs(out: Path, folder: Path, quick: bool) -> None:
     import importlib.util
 
@@ -617,15 +661,19 @@ def part_programs(out: Path, folder: Path, quick: bool) -> None:
                 continue
             if not wanted and program["name"].startswith("prefill") and data["batch"] != 1:
                 continue  # prefill is timed at batch 1; the larger batches' programs here are their decodes
-            jobs.append((order.get(name, 0), data, program))
+            jobs.append((order.get(name, 0), data, program, False))
+            if program["name"] == "decode" and os.environ.get("CHIP_BENCH_DONATE", "1") != "0":
+                jobs.append((order.get(name, 0), data, program, True))  # and with its caches donated
     jobs.sort(key=lambda j: j[0])
-    for _, data, program in jobs:
-        base = {"part": "programs", "tag": data["tag"], "model": data["model"], "batch": data["batch"],
-                "form": data["form"], "program": program["name"], "facts": data["facts"]}  # fmt: skip
+    for _, data, program, donate in jobs:
+        base = {"part": "programs", "tag": data["tag"] + ("-donated" if donate else ""), "model": data["model"],
+                "batch": data["batch"], "form": data["form"] + ("+donated" if donate else ""),
+                "program": program["name"], "facts": data["facts"]}  # fmt: skip
+        text, pairs = donated(program["text"]) if donate else (program["text"], [])
         try:
             t0 = time.perf_counter()
             with jax_mlir.make_ir_context():
-                module = ir.Module.parse(xla.normalize(program["text"]))
+                module = ir.Module.parse(xla.normalize(text))
                 executable = backend.compile_and_load(module, xla_client.DeviceList((device,)),
                                                       xla_client.CompileOptions())  # fmt: skip
             compile_s = time.perf_counter() - t0
@@ -641,8 +689,11 @@ def part_programs(out: Path, folder: Path, quick: bool) -> None:
                     a = jax.random.randint(jax.random.fold_in(key, i), shape, 0, 128).astype(dt)
                 arrays.append(jax.device_put(a, device))
 
-            def call(arrays=arrays, executable=executable):
-                return executable.execute(arrays)
+            def call(arrays=arrays, executable=executable, pairs=pairs):
+                outs = executable.execute(arrays)
+                for a, j in pairs:  # a donated cache is gone: the next step takes the updated one, as a runtime does
+                    arrays[a] = outs[j]
+                return outs
 
             outs = call()
             for o in outs:
@@ -779,11 +830,12 @@ def report(args: argparse.Namespace) -> int:
                          "ratio_to_floor": measured / floor if measured else None,
                          "measured_synced_s": prog and prog["synced_s"],
                          "reference_synced_s": ref and ref["synced_s"]})  # fmt: skip
-        for attention in REPORTED_ATTENTION:
-            other = programs.get((f"llama-1b-b{batch}-attn_{attention}", "decode"))
+        for suffix, what in [(f"-attn_{a}", f"one-token attention {a}") for a in REPORTED_ATTENTION] + [
+                ("-donated", "KV caches donated")]:  # fmt: skip
+            other = programs.get((f"llama-1b-b{batch}{suffix}", "decode"))
             if other and ref:
                 ratio = other["back_to_back_s"] / ref["back_to_back_s"]
-                rows.append({"name": f"llama-3.2-1b-shape decode (hf_tpu program, one-token attention {attention})",
+                rows.append({"name": f"llama-3.2-1b-shape decode (hf_tpu program, {what})",
                              "batch": batch, "measured_s": other["back_to_back_s"],
                              "reference_s": ref["back_to_back_s"],
                              "floor_s": floor, "target": "within 1.1x of the lean JAX step (both back to back)",
@@ -807,8 +859,10 @@ def report(args: argparse.Namespace) -> int:
             default = prog["form"] == DEFAULT_DECODE_PROGRAM.get(batch)
             measured = prog["back_to_back_s"]
             ratio = measured / floors[floor_key]
-            experts, _, attention = prog["form"].partition("+attn_")
-            what = f"experts {experts}" + (f", one-token attention {attention}" if attention else "")
+            form, donated_caches = prog["form"].removesuffix("+donated"), prog["form"].endswith("+donated")
+            experts, _, attention = form.partition("+attn_")
+            what = f"experts {experts}" + (f", one-token attention {attention}" if attention else "") + (
+                ", KV caches donated" if donated_caches else "")  # fmt: skip
             rows.append({"name": f"qwen3-30b-a3b-shape {layers} layers decode (hf_tpu program, {what}"
                                  f"{', the default choice' if default else ''})", "batch": batch,
                          "measured_s": measured, "reference_s": best_lean and best_lean["back_to_back_s"],

@@ -50,3 +50,53 @@ def test_chip_parts_run_on_a_cpu(tmp_path):
     assert all(r["difference"] < 2e-2 for r in records if r.get("part") == "experts" and "difference" in r)
     assert {(r["form"], r["batch"]) for r in records if r.get("part") == "lean" and "synced_s" in r} == {
         ("kernel_decode", 1), ("slots", 1)}
+
+
+def test_donated_aliases_each_kv_cache_to_its_updated_result_and_computes_the_same(monkeypatch):
+    """``donated`` marks the k-th rank-4 argument of a type as the k-th rank-4 result of that type (the order in which
+    hf_tpu's decode program returns its updated caches), XLA then takes those buffers (they are gone after a call),
+    and two steps with the updated caches fed back equal the program as lowered. On JAX's CPU client."""
+    import jax
+    import jax.extend.backend
+    import jax.numpy as jnp
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib import xla_client
+    from jax._src.lib.mlir import ir
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import chip_bench
+
+    def step(position, k0, weight, v0, k1, v1):  # two layers' K and V caches (batch, heads, slots, dim) and a weight
+        row = jnp.tanh(k0[:, :, position - 1] @ weight)[:, :, None]
+        caches = [jax.lax.dynamic_update_slice(c, row + i, (0, 0, position, 0))
+                  for i, c in enumerate((k0, v0, k1, v1))]  # fmt: skip
+        return (*caches, caches[-1].sum(axis=(1, 2)))
+
+    shapes = [(), (2, 2, 8, 4), (4, 4), (2, 2, 8, 4), (2, 2, 8, 4), (2, 2, 8, 4)]
+    specs = [jax.ShapeDtypeStruct(s, jnp.float32 if s else jnp.int32) for s in shapes]
+    text = jax.jit(step).lower(*specs).as_text()
+    aliased, pairs = chip_bench.donated(text)
+    assert pairs == [(1, 0), (3, 1), (4, 2), (5, 3)]
+    assert aliased.count("tf.aliasing_output") == 4 and "tf.aliasing_output" not in text
+
+    backend, device = jax.extend.backend.get_backend("cpu"), jax.devices("cpu")[0]
+    results = []
+    for program, links in ((text, []), (aliased, pairs)):
+        with jax_mlir.make_ir_context():
+            executable = backend.compile_and_load(ir.Module.parse(program), xla_client.DeviceList((device,)),
+                                                  xla_client.CompileOptions())  # fmt: skip
+        key = jax.random.PRNGKey(0)
+        arrays = [jax.device_put(jnp.int32(3), device)] + [
+            jax.device_put(jax.random.normal(jax.random.fold_in(key, i), s), device) for i, s in enumerate(shapes[1:])]
+        for position in (3, 4):
+            arrays[0] = jax.device_put(jnp.int32(position), device)
+            given = list(arrays)
+            outs = executable.execute(arrays)
+            for a, j in links:
+                assert given[a].is_deleted()  # donated: XLA wrote the update into this buffer
+                arrays[a] = outs[j]
+            if not links:
+                arrays[1], arrays[3], arrays[4], arrays[5] = outs[:4]
+        results.append([jax.device_get(o) for o in outs])
+    for got, want in zip(results[1], results[0], strict=True):
+        assert (got == want).all()
