@@ -89,10 +89,11 @@ def plan_shapes(
                 f"the largest bucket ({ladder.max}): lower max_new_tokens or give a larger ladder "
                 "(hf_tpu.transformers.configure(model, buckets=[...]))."
             )
+        prefill = GraphKind("seq2seq_prefill", variant)
         compiled = sorted(
             k[4]
             for k in state.compiled
-            if k[0] == GraphKind("seq2seq_prefill", variant) and k[1:4] == (batch, encoder_bucket, prompt_len) and k[4] >= need
+            if k[0] == prefill and k[1:4] == (batch, encoder_bucket, prompt_len) and k[4] >= need
         )
         cache_bucket = compiled[0] if compiled else _cache_size(state, ladder, need)
         return ShapePlan(batch, prompt_len, prompt_len, cache_bucket, encoder_bucket)
