@@ -29,7 +29,13 @@ the module that defines a name; ``hf_tpu.sim`` is the bottom room. The rules:
    module (a dotted component starting with ``_``) and no underscore name of another room;
 5. every attribute hf_tpu sets on another library's object goes through ``hf_tpu._patch`` (``patch``, or ``assign``
    with its reason): outside it, no ``setattr(x, ...)`` and no ``x.attr = ...`` where ``x`` is a name imported from
-   a third-party package (``torch``, ``transformers``, ...). An object reached through a variable is not seen.
+   a third-party package (``torch``, ``transformers``, ...). An object reached through a variable is not seen;
+6. a graph kind is a value (``hf_tpu.transformers._graph_key.GraphKind``), never text joined or split on ``"+"``
+   (issue #49): outside ``_graph_key`` (whose ``parse`` reads the text that comes from outside, a compile-cache
+   manifest), no ``.split("+")`` / ``.rsplit`` / ``.partition`` / ``.rpartition`` on ``"+"``, no ``"+".join``, no
+   ``... + "+" + ...`` and no string that starts a kind's suffix (``"+token_type_ids"``, an f-string's
+   ``f"+beams{n}..."``; docstrings aside). A function that parses other text on ``"+"`` is named in
+   :data:`NOT_GRAPH_KEYS` with what it reads.
 """
 
 from __future__ import annotations
@@ -267,6 +273,47 @@ def third_party_sets(source: str) -> list[tuple[int, str]]:
     return found
 
 
+GRAPH_KEY_MODULE = "hf_tpu/transformers/_graph_key.py"
+# (file, function) that split other text on "+": what each reads
+NOT_GRAPH_KEYS = {
+    ("hf_tpu/benchmarks/arch_sweep.py", "_copies_per_step"): 'the docs table\'s copies cell, "h2d + d2h"',
+}
+
+
+def graph_text_uses(source: str) -> list[tuple[int, str | None, str]]:
+    """(line, enclosing function, code) of every place in ``source`` that joins or splits text on ``"+"`` the way
+    graph kinds were built and read before they were typed (rule 6)."""
+    tree = ast.parse(source)
+    docstrings: set[int] = set()
+    where: dict[int, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                where.setdefault(id(inner), node.name)  # (ast.walk is breadth first: the outermost function wins)
+
+    def plus(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and node.value == "+"
+
+    found = []
+    for node in ast.walk(tree):
+        hit = False
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            splits = node.func.attr in ("split", "rsplit", "partition", "rpartition")
+            joins = node.func.attr == "join" and plus(node.func.value)
+            hit = bool(splits and node.args and plus(node.args[0])) or joins
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            hit = plus(node.left) or plus(node.right)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            hit = len(node.value) > 1 and node.value[0] == "+" and (node.value[1].isalpha() or node.value[1] == "_")
+        if hit:
+            found.append((node.lineno, where.get(id(node)), ast.unparse(node)))
+    return found
+
+
 def test_the_graph_sees_the_whole_package():
     assert "hf_tpu" in MODULES and "hf_tpu.sim._ops" in MODULES and "hf_tpu.cli.main" in MODULES
     assert not any("hub" in module.split(".") for module in MODULES)  # a kernel repository, not hf_tpu's code
@@ -355,3 +402,39 @@ def test_the_rules_catch_what_they_name():
     assert third_party_sets("import torch.backends\ntorch.backends.tpu = None")
     assert third_party_sets("import os\nos.sep = '/'\nclass A: pass\nA.x = 1") == []
     assert private_part("hf_tpu.__version__") is None and private_part("hf_tpu.runtime") is None
+
+
+def test_no_graph_kind_is_joined_or_split_as_text():
+    wrong, allowed = [], set()
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        name = path.relative_to(PACKAGE_DIR.parent).as_posix()
+        if name == GRAPH_KEY_MODULE:
+            continue
+        for line, function, code in graph_text_uses(path.read_text()):
+            if (name, function) in NOT_GRAPH_KEYS:
+                allowed.add((name, function))
+            else:
+                wrong.append(f"  {name}:{line} (in {function}): {code}")
+    assert not wrong, (
+        "graph kinds joined or split on '+' (build a GraphKind: hf_tpu.transformers._graph_key; text from outside "
+        "goes through GraphKind.parse):\n" + "\n".join(wrong)
+    )
+    assert allowed == set(NOT_GRAPH_KEYS), f"NOT_GRAPH_KEYS names what no longer splits on '+': {NOT_GRAPH_KEYS}"
+
+
+def test_the_graph_kind_rule_catches_what_it_names():
+    def caught(source: str) -> list[str]:
+        return [code for _, _, code in graph_text_uses(source)]
+
+    assert caught('base = kind.split("+", 1)[0]')  # (how _graphs.py read kinds)
+    assert caught('features = frozenset(kind.split("+")[1:])')  # (how _graphs.py read the outputs asked)
+    assert caught('base, plus, rest = kind.partition("+")')  # (how warm-up read its manifest)
+    assert caught('variant = "+" + "+".join(labels)')  # (how the sampling plan named itself)
+    assert caught('variant += "+token_type_ids" if types is not None else ""')
+    assert caught('def f(n):\n    return f"+beams{n}x2e1" + "+beam_sample"')
+    assert caught('key = ("decode" + variant, 1, 32)') == []  # (not seen: concatenating a variable)
+    assert caught('def f():\n    """``"+mrope"`` graphs."""\n    return 1') == []  # a docstring names the text
+    assert caught('text = f"copies/step={a}+{b} "') == []  # (a "+" between numbers)
+    assert caught('x = "a,+b".split(",")') == []
+    (found,) = graph_text_uses('def _copies_per_step(cell):\n    return cell.partition("+")')
+    assert found[1] == "_copies_per_step"

@@ -405,8 +405,7 @@ def rows_from_docs(path: Path | str = DOCS_PAGE) -> dict[str, dict]:
         if signatures:
             row["signatures_2nd"] = _number(signatures)
         if copies:
-            h2d, d2h = (part.strip() for part in copies.split("+"))
-            row["h2d_per_step"], row["d2h_per_step"] = _number(h2d), _number(d2h)
+            row["h2d_per_step"], row["d2h_per_step"] = _copies_per_step(copies)
         if reason:
             row["reason"] = reason.replace("\\|", "|")
         rows[arch] = row
@@ -477,6 +476,12 @@ def summarize(rows: list[dict]) -> dict:
         "not_measured": sum(r["status"] == "not measured" for r in rows),
         "identical": sum(bool(r.get("identical")) for r in rows),
     }
+
+
+def _copies_per_step(cell: str) -> tuple:
+    """The table's copies cell, ``"h2d + d2h"`` (host->device and device->host copies per decode step), as numbers."""
+    h2d, _, d2h = cell.partition("+")
+    return _number(h2d.strip()), _number(d2h.strip())
 
 
 def _one_line(row: dict) -> str:

@@ -11,11 +11,12 @@ __all__ = ["build_deferred", "label", "lower_generate", "weight_bytes"]
 
 
 def label(key: tuple, decodes: int = 1) -> str:
-    """A program's name from its graph key: ``prefill-2048``, ``decode`` (``decode-2304`` when there are several)."""
-    kind = key[0].split("+", 1)[0]
-    if kind == "prefill":
+    """A program's name from its graph key (its kind a :class:`~hf_tpu.transformers._graph_key.GraphKind`):
+    ``prefill-2048``, ``decode`` (``decode-2304`` when there are several)."""
+    base = key[0].base
+    if base == "prefill":
         return f"prefill-{key[2]}"
-    if kind == "decode":
+    if base == "decode":
         return "decode" if decodes == 1 else f"decode-{key[2]}"
     return "-".join(str(k) for k in key)
 
@@ -176,6 +177,7 @@ def lower_generate(
 
     from hf_tpu._patch import enable
     from hf_tpu.transformers import generation as gen
+    from hf_tpu.transformers._graph_key import public_key
     from hf_tpu.transformers.buckets import default_ladder
     from hf_tpu.transformers.warmup import warmup
 
@@ -228,10 +230,10 @@ def lower_generate(
             built, max_prompt_len=max_prompt_len, batch_sizes=[batch], max_new_tokens=max_new_tokens, progress=False,
             num_beams=num_beams, **extra,
         )  # fmt: skip
-    keys = gen.compiled_graphs(built)
-    decodes = sum(1 for k in keys if k[0].split("+", 1)[0] == "decode")
+    keys = gen.model_state(built).compile_log  # (the keys as built: compiled_graphs gives them as text)
+    decodes = sum(1 for k in keys if k[0].base == "decode")
     info["labels"] = [label(k, decodes) for k in keys]
-    info["graph_keys"] = [list(k) for k in keys]
+    info["graph_keys"] = [list(public_key(k)) for k in keys]
     sizes = gen.cache_bytes(built)
     info["kv_cache_bytes"] = max(sizes.values()) if sizes else 0
     info["warmup_seconds"] = report.seconds

@@ -17,6 +17,7 @@ from typing import Any
 from hf_tpu._torch_tpu import HOST_READ_REFUSED
 from hf_tpu.compile_cache import model_identity
 from hf_tpu.transformers import _beam_graphs
+from hf_tpu.transformers._graph_key import GraphKind, Variant, public_key
 from hf_tpu.transformers._settings import (
     CACHED,
     CACHELESS,
@@ -29,6 +30,7 @@ from hf_tpu.transformers._settings import (
     compile_cache_of,
 )
 from hf_tpu.transformers._signatures import cache_name
+from hf_tpu.transformers._step_outputs import FEATURES as OUTPUT_FEATURES
 from hf_tpu.transformers._step_outputs import is_variant, prepare, with_outputs
 
 logger = logging.getLogger("hf_tpu.generation")
@@ -60,7 +62,7 @@ def _mark(sampling, tokens) -> None:
 # position (the padding is causal future to the prompt, and decode overwrites it). ``extra`` carries the flag.
 ALIGNED = "hf_tpu_prompt_first"
 # A model numbering its positions in several rows (Qwen2-VL's multimodal rotary positions: temporal, height, width)
-# gets them packed after the ids, row after row; ``extra`` carries the number of rows (the graphs' "+mrope" kinds).
+# gets them packed after the ids, row after row; ``extra`` carries the number of rows (the graphs' "mrope" feature).
 MROPE = "hf_tpu_position_rows"
 
 
@@ -327,13 +329,16 @@ GRAPHS: dict[str, Callable] = {
 }
 # The image encoders' graph kinds (run before the prefill, keyed by the images)
 VISION_KINDS = ("vision", "grid_vision", "positioned_vision", "padded_vision")
-# Graph kinds carry the device plan's variant after a "+" ("decode+temperature+top_k+sample"): the processors
-# (and sampler) the graph runs on the device. The variant of greedy search with a lone repetition penalty:
-PENALTY = "+repetition_penalty"
+# Graph kinds carry the device plan's variant (hf_tpu.transformers._graph_key: "decode+temperature+top_k+sample"):
+# the processors (and sampler) the graph runs on the device. The variant of greedy search with a lone repetition
+# penalty:
+PENALTY = Variant(("repetition_penalty",))
 
 
-def _graph(kind: str) -> Callable:
-    return GRAPHS[kind.split("+", 1)[0]]
+def _graph(kind: GraphKind) -> Callable:
+    return GRAPHS[kind.base]
+
+
 _COMPILED: dict[tuple, Callable] = {}
 
 
@@ -343,7 +348,7 @@ def _backend_for(settings: GenerationSettings, device) -> str | Callable:
     return "tpu" if device.type == "tpu" else "aot_eager"
 
 
-def _compiled(kind: str, backend, fullgraph: bool) -> Callable:
+def _compiled(kind: GraphKind, backend, fullgraph: bool) -> Callable:
     key = (kind, backend, fullgraph)
     fn = _COMPILED.get(key)
     if fn is None:
@@ -375,15 +380,16 @@ def _describe(key: tuple) -> str:
         "beam_decode": ("cache bucket",),
         "beam_cacheless_prefill": ("cache bucket",),
         "beam_cacheless_decode": ("cache bucket",),
-    }[kind.split("+", 1)[0]]
+    }[kind.base]
     return f"{kind} graph for batch={batch}, " + ", ".join(f"{n}={v}" for n, v in zip(names, rest))
 
 
 def _graph_id(key: tuple, args: tuple) -> str:
-    """The compile-cache name of a graph: its shape key (whose kind names the device plan's processors) plus the
-    Python float constants the trace bakes in (none today: the plan's values are graph inputs)."""
+    """The compile-cache name of a graph: its shape key (whose kind names the device plan's processors; as text, as
+    hf_tpu has always named it) plus the Python float constants the trace bakes in (none today: the plan's values
+    are graph inputs)."""
     constants = [a[1] for a in args if isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], float)]
-    return repr((key, constants))
+    return repr((public_key(key), constants))
 
 
 def cache_namespace(cache, model, state: ModelState):
@@ -436,7 +442,7 @@ def _from_cache(model, state: ModelState, key: tuple, args: tuple) -> Callable |
     graph_id = _graph_id(key, args)
     fn = space.load_or_compile(graph_id, _graph(key[0]), backend, (model, *args), describe=_describe(key))
     if fn is not None:
-        space.record([list(key)])
+        space.record([list(public_key(key))])
     return fn
 
 
@@ -519,15 +525,15 @@ def _first_trace(model, state: ModelState, key: tuple, compiled: Callable, args:
                 f"output_attentions/output_hidden_states: {type(model).__name__}'s forward returning them cannot be "
                 f"compiled as one static-shape graph ({what})"
             )
-            state.outputs_problems[frozenset(key[0].split("+")[1:]) & {"attentions", "hidden_states"}] = reason
+            state.outputs_problems[key[0].features & OUTPUT_FEATURES] = reason
             error = NotCompilableError(f"{reason}; found tracing the {_describe(key)}")
             error.reason, error.loop = reason, None
             raise error from exc
-        kind = key[0].split("+", 1)[0]
+        kind = key[0].base
         # the image encoder, or the forward merging the images where the text's prefill traced: the images' own
         # code, so calls with images run upstream's loop and the others keep the model's route
-        merge = kind == "mm_prefill" and any(k[0].split("+", 1)[0] == "prefill" for k in state.compiled)
-        if key[0] in VISION_KINDS or merge:
+        merge = kind == "mm_prefill" and any(k[0].base == "prefill" for k in state.compiled)
+        if kind in VISION_KINDS or merge:
             part = "forward merging them" if merge else "image encoder (get_image_features)"
             reason = (
                 f"images: {type(model).__name__}'s {part} cannot be compiled as one static-shape graph ({what})"
@@ -551,7 +557,8 @@ def _first_trace(model, state: ModelState, key: tuple, compiled: Callable, args:
 
 
 def run_graph(model, state: ModelState, key: tuple, *args):
-    """Run the graph ``key[0]`` for the shape ``key``; strict mode refuses a shape warm-up did not compile."""
+    """Run the graph of kind ``key[0]`` (a :class:`~hf_tpu.transformers._graph_key.GraphKind`) for the shape ``key``;
+    strict mode refuses a shape warm-up did not compile."""
     import torch
 
     first = key not in state.compiled
@@ -565,31 +572,32 @@ def run_graph(model, state: ModelState, key: tuple, *args):
         )
     from hf_tpu.transformers import _module_state
 
-    if key[0].split("+", 1)[0] in ("prefill", "embeds_prefill", "mm_prefill", "beam_prefill"):
+    kind = key[0]
+    if kind.base in ("prefill", "embeds_prefill", "mm_prefill", "beam_prefill"):
         _module_state.reset(model, state, key[1])  # a new sequence: module-held state as upstream resets it
-    if first and key[0].split("+", 1)[0] == "mm_prefill":
+    if first and kind.base == "mm_prefill":
         from hf_tpu.transformers import _deepstack
 
         _deepstack.apply_to(model)  # early vision features added at the image tokens with static shapes (Qwen3-VL)
     # (a vision tower's forward asks for hidden states)
-    if first and (is_variant(key[0]) or key[0] in VISION_KINDS):
+    if first and (is_variant(kind) or kind.base in VISION_KINDS):
         prepare(model)
     settings = state.settings
     if not settings.compile:
-        result = _graph(key[0])(model, *args)
+        result = _graph(kind)(model, *args)
     else:
         limits = {"recompile_limit": max(torch._dynamo.config.recompile_limit, 1024)}
         if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
             limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
         if not first and state.strict and state.warmed:
             limits["error_on_recompile"] = True
-        if key[0].split("+", 1)[0] == "mm_prefill":
+        if kind.base == "mm_prefill":
             # the merge's check of image tokens against features (upstream's torch_compilable_check on a tensor) is
             # a host read inside the graph, which torch_tpu refuses to lower: checked on the host instead
             # (hf_tpu.transformers._images.check_image_tokens)
             limits["do_not_emit_runtime_asserts"] = True
         sources = {}
-        if state.host_length and key[0].split("+", 1)[0] in ("decode", "seq2seq_decode"):
+        if state.host_length and kind.base in ("decode", "seq2seq_decode"):
             sources["dynamic_sources"] = _HOST_LENGTH_SOURCES
         with torch._dynamo.config.patch(**limits), torch.compiler.config.patch(**sources):
             fn = state.loaded.get(key)
@@ -607,7 +615,7 @@ def run_graph(model, state: ModelState, key: tuple, *args):
                     state.loaded.pop(key, None)
                     fn = None
             if fn is None:
-                compiled = _compiled(key[0], _backend_for(settings, model.device), settings.fullgraph)
+                compiled = _compiled(kind, _backend_for(settings, model.device), settings.fullgraph)
                 result = _first_trace(model, state, key, compiled, args) if first else compiled(model, *args)
     _module_state.settle(state)
     if first:

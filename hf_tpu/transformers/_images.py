@@ -49,6 +49,7 @@ from __future__ import annotations
 import inspect
 
 from hf_tpu.errors import UserError
+from hf_tpu.transformers._graph_key import GraphKind
 
 __all__ = [
     "Bounds",
@@ -334,10 +335,11 @@ def encode_images(model, state, model_kwargs: dict, run) -> dict:
     shapes = tuple(
         (name, tuple(v.shape)) if isinstance(v, torch.Tensor) else (name, repr(v)) for name, v in inputs.items()
     )
-    key = ("vision", int(next(v for k, v in inputs.items() if k in _PIXEL_NAMES).shape[0]), shapes)
+    key = (GraphKind("vision"), int(next(v for k, v in inputs.items() if k in _PIXEL_NAMES).shape[0]), shapes)
     if grid is not None:  # the grid's values: constants of the graph (keyed by them), with what upstream reads of them
         constants = grid_constants(model, grid)
-        key = ("vision", len(constants["image_grid_thw"]), shapes, constants["image_grid_thw"])  # (per image count)
+        # (per image count)
+        key = (GraphKind("vision"), len(constants["image_grid_thw"]), shapes, constants["image_grid_thw"])
         tower = next((m for m in model.base_model.children() if hasattr(m, "window_size")), None)
         args = (inputs, constants, {**_window_inputs(tower, grid, model.device), **_position_inputs(model, grid)})
     else:
@@ -543,7 +545,8 @@ def _encode_grid_images(model, state, model_kwargs: dict, run) -> dict:
     kwargs["image_grid_thw"] = grid
     if kwargs.get("mm_token_type_ids") is not None:
         kwargs["mm_token_type_ids"] = kwargs["mm_token_type_ids"].to("cpu")
-    key = ("grid_vision", int(grid.shape[0]), tuple(pixels.shape), tuple(tuple(row) for row in grid.tolist()))
+    rows = tuple(tuple(row) for row in grid.tolist())
+    key = (GraphKind("grid_vision"), int(grid.shape[0]), tuple(pixels.shape), rows)
     with torch.no_grad():
         merged = run(model, state, key, pixels.to(model.device), grid_inputs(model, grid))
     # (the forward concatenates the images' features before merging them: one tensor holds them all)
@@ -568,7 +571,7 @@ def _encode_positioned_images(model, state, model_kwargs: dict, run) -> dict:
     kwargs = dict(model_kwargs)
     pixels, positions = kwargs.pop("pixel_values"), kwargs.pop("image_position_ids")
     counts = positioned_counts(model, positions)
-    key = ("positioned_vision", int(pixels.shape[0]), tuple(pixels.shape), counts)
+    key = (GraphKind("positioned_vision"), int(pixels.shape[0]), tuple(pixels.shape), counts)
     with torch.no_grad():
         features = run(model, state, key, pixels.to(model.device), positions.to(model.device), counts)
     # (the forward concatenates the images' features before merging them: one tensor holds them all)
@@ -597,7 +600,8 @@ def _encode_padded_images(model, state, model_kwargs: dict, run) -> dict:
             "it then has no image to encode (upstream's get_image_features fails on it as well): leave pixel_values "
             "out of a call without images"
         )
-    key = ("padded_vision", int(pixels.shape[0]), tuple(pixels.shape), str(mask.dtype).removeprefix("torch."))
+    dtype = str(mask.dtype).removeprefix("torch.")
+    key = (GraphKind("padded_vision"), int(pixels.shape[0]), tuple(pixels.shape), dtype)
     with torch.no_grad():
         rules = (rule["full"], rule["connector_mask"])  # (constants of the graph: the model's own)
         features = run(model, state, key, pixels.to(model.device), mask.to(model.device), rules)

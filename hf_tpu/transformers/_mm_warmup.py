@@ -23,6 +23,7 @@ import math
 from hf_tpu.transformers import _images
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
+from hf_tpu.transformers._graph_key import GraphKind, Variant
 from hf_tpu.transformers._graphs import VISION_KINDS, run_graph
 from hf_tpu.transformers._loops.cached import extra_inputs
 from hf_tpu.transformers._loops.skeleton import warm_sampling
@@ -52,7 +53,7 @@ def _image_token_id(model) -> int:
 
 
 def warm_images(
-    model, batch: int, size: tuple[int, int], count: int, prompt_buckets, max_new_tokens: int, variant: str
+    model, batch: int, size: tuple[int, int], count: int, prompt_buckets, max_new_tokens: int, variant: Variant
 ) -> list[tuple]:
     """Compile the vision graph for ``batch * count`` images of ``size`` (height, width) and the image prefill and
     decode graphs of every bucket in ``prompt_buckets`` holding their tokens; returns the keys."""
@@ -81,7 +82,7 @@ def warm_images(
     before = list(state.compile_log)
     with torch.no_grad():
         encoded = _images.encode_images(model, state, kwargs, run_graph)["mm_encoder_outputs"]
-    kinds = VISION_KINDS
+    kinds = tuple(GraphKind(base) for base in VISION_KINDS)
     keys = [k for k in state.compile_log if k not in before and k[0] in kinds]
     keys = keys or [k for k in state.compiled if k[0] in kinds and k[1] == batch * count]
     tokens, rest = divmod(_images.feature_tokens(model, encoded["image"]), batch)
@@ -95,9 +96,9 @@ def warm_images(
     image_id = _image_token_id(model)
     extra = extra_inputs(model)
     rows = _images.mrope_rows(model)
-    kind_variant = variant + ("+token_type_ids" if types else "") + ("+mrope" if rows > 1 else "")
     mm_types = _images.positioned(model)  # (Gemma 4's processor marks the image tokens: mm_token_type_ids)
-    kind_variant += "+mm_token_type_ids" if mm_types else ""
+    named = {"token_type_ids": types, "mrope": rows > 1, "mm_token_type_ids": mm_types}
+    kind_variant = variant.with_features(*(feature for feature, on in named.items() if on))
     with torch.no_grad():
         for p in fitting:
             plan = plan_shapes(model, batch, p, max_new_tokens, variant=kind_variant)
@@ -114,8 +115,8 @@ def warm_images(
             if mm_types:
                 prefill_extra["mm_token_type_ids"] = (ids == image_id).long().to(device)
             prefill_extra["mm_encoder_outputs"] = encoded
-            prefill_key = ("mm_prefill" + kind_variant, batch, p, c, _images.features_shape(encoded))
-            decode_key = ("decode" + kind_variant, batch, c)
+            prefill_key = (GraphKind("mm_prefill", kind_variant), batch, p, c, _images.features_shape(encoded))
+            decode_key = (GraphKind("decode", kind_variant), batch, c)
             set_length(cache, 0)
             run_graph(model, state, prefill_key, torch.cat([ids, *[pos] * rows], dim=1).to(device), mask_dev, cache,
                  prefill_extra, sampling)  # fmt: skip
@@ -247,7 +248,7 @@ def warm_features(model, batch: int, max_new_tokens: int, generate_kwargs: dict)
         model.generate(features, max_new_tokens=max_new_tokens, **generate_kwargs)
     keys = list(state.compile_log[before:])
     # the graphs a call of this batch size and window ran before (a second warm-up of the same shapes)
-    keys += [k for k in seen if k[1] == batch and k[0].split("+", 1)[0] in _FEATURE_KINDS and k not in keys]
+    keys += [k for k in seen if k[1] == batch and k[0].base in _FEATURE_KINDS and k not in keys]
     return keys
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from hf_tpu._shared.buckets import DEFAULT_CACHE_MULTIPLE, BucketLadder, default_ladder
 from hf_tpu._shared.state import STRICT_EAGER, STRICT_ENV, attached, strict_from_env
 from hf_tpu.errors import HfTpuError
+from hf_tpu.transformers._graph_key import public_key
 
 __all__ = [
     "STRICT_EAGER", "STRICT_ENV", "GenerationSettings", "RecompileError", "Route", "compiled_graphs", "configure",
@@ -122,7 +123,9 @@ class GenerationSettings:
 @dataclass
 class ModelState:
     settings: GenerationSettings = field(default_factory=GenerationSettings)
-    compiled: set[tuple] = field(default_factory=set)  # graph keys already compiled (or loaded) for this model
+    # graph keys ((GraphKind, batch, *shapes): hf_tpu.transformers._graph_key) already compiled (or loaded) for this
+    # model, as a set and in order
+    compiled: set[tuple] = field(default_factory=set)
     compile_log: list[tuple] = field(default_factory=list)
     loaded: dict = field(default_factory=dict)  # graph key -> callable served by the persistent compile cache
     warmed: bool = False
@@ -249,14 +252,15 @@ def configure(
 def compiled_graphs(model) -> list[tuple]:
     """The graphs hf_tpu compiled (or loaded from the compile cache) for ``model``, in order:
     ``("prefill", batch, prompt_bucket, cache_bucket)``, ``("decode", batch, cache_bucket)``, and for
-    encoder-decoders ``("encoder", batch, encoder_bucket)`` etc.
+    encoder-decoders ``("encoder", batch, encoder_bucket)`` etc.; each kind as its text, a call's variant after a
+    ``"+"`` (``"decode+top_k+sample"``: :class:`~hf_tpu.transformers._graph_key.GraphKind`).
 
     Example:
         >>> model.generate(ids, max_new_tokens=8)             # doctest: +SKIP
         >>> compiled_graphs(model)                            # doctest: +SKIP
         [('prefill', 1, 16, 32), ('decode', 1, 32)]
     """
-    return list(model_state(model).compile_log)
+    return [public_key(key) for key in model_state(model).compile_log]
 
 
 def cache_bytes(model) -> dict[tuple, int]:

@@ -1,7 +1,8 @@
 """``output_attentions`` / ``output_hidden_states`` on hf_tpu's loops: every layer's attention weights and hidden
 states of each forward, as upstream's loop returns them.
 
-The graphs run the forward with the flags (a variant of each graph kind: ``"decode+attentions+hidden_states"``) and
+The graphs run the forward with the flags (a variant of each graph kind: ``"decode+attentions+hidden_states"``, the
+features ``"attentions"`` and ``"hidden_states"`` of its :class:`~hf_tpu.transformers._graph_key.GraphKind`) and
 return what it gives next to the next tokens; each forward's outputs are copied to the host whole (one copy per
 step: slicing them on the device would be a new op shape, so a new eager program, at every step) and cut there to
 the shapes upstream's loop returns. The bucket's padding is cut out: the rows of the prompt's padding, and the key
@@ -20,6 +21,11 @@ Attentions come back only where the model's attention computes them (``attn_impl
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hf_tpu.transformers._graph_key import GraphKind
+
 __all__: list[str] = []
 
 FLAGS = ("output_attentions", "output_hidden_states")
@@ -30,14 +36,18 @@ def asked(generation_config) -> dict[str, bool]:
     return {flag: True for flag in FLAGS if getattr(generation_config, flag, False)}
 
 
-def variant(flags: dict[str, bool]) -> str:
-    """The graph-kind suffix of a call asking for ``flags`` (``"+attentions+hidden_states"``)."""
-    return "".join("+" + flag.removeprefix("output_") for flag in FLAGS if flags.get(flag))
+# The graph features of the flags (:class:`~hf_tpu.transformers._graph_key.GraphKind`'s ``"attentions"``, ...)
+FEATURES = frozenset(flag.removeprefix("output_") for flag in FLAGS)
 
 
-def is_variant(kind: str) -> bool:
+def features(flags: dict[str, bool]) -> tuple[str, ...]:
+    """The graph features of a call asking for ``flags`` (``("attentions", "hidden_states")``)."""
+    return tuple(flag.removeprefix("output_") for flag in FLAGS if flags.get(flag))
+
+
+def is_variant(kind: GraphKind) -> bool:
     """Whether the graph kind ``kind`` returns attentions or hidden states."""
-    return any(part in ("attentions", "hidden_states") for part in kind.split("+")[1:])
+    return bool(kind.features & FEATURES)
 
 
 def prepare(model) -> None:

@@ -69,6 +69,7 @@ from collections.abc import Callable, Iterator
 from hf_tpu import _torch_tpu
 from hf_tpu.transformers import _images
 from hf_tpu.transformers._compile_config import check_compile_config
+from hf_tpu.transformers._graph_key import GraphKind
 from hf_tpu.transformers._graphs import PENALTY, run_graph
 from hf_tpu.transformers._loops import beam, cacheless
 from hf_tpu.transformers._loops.cached import decode_loop, warm_plan
@@ -329,7 +330,8 @@ def _encode(model, input_ids, model_kwargs: dict):
     ids = _pad_right(input_ids, bucket, pad_id)
     mask = _pad_right(mask.long(), bucket, 0)
     with torch.no_grad():
-        hidden = run_graph(model, state, ("encoder", batch, bucket), ids.to(model.device), mask.to(model.device))
+        key = (GraphKind("encoder"), batch, bucket)
+        hidden = run_graph(model, state, key, ids.to(model.device), mask.to(model.device))
     model_kwargs = dict(model_kwargs)
     model_kwargs["attention_mask"] = mask
     model_kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden)
@@ -349,7 +351,7 @@ def _encode_features(model, features, model_kwargs: dict):
     # what upstream's generate gets as its inputs: it reads their batch size and device only, the encoder having run
     host = features if features.device.type == "cpu" else torch.empty(features.shape, dtype=features.dtype)
     mask = model_kwargs.get("attention_mask")  # (over the frames, as upstream hands it to the encoder)
-    key = ("features_encoder", int(host.shape[0]), *(int(n) for n in host.shape[1:]), mask is not None)
+    key = (GraphKind("features_encoder"), int(host.shape[0]), *(int(n) for n in host.shape[1:]), mask is not None)
     with torch.no_grad():
         args = (on_device,) if mask is None else (on_device, mask.to(model.device))
         hidden = run_graph(model, state, key, *args)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._settings import model_state
 from hf_tpu.transformers._upstream import encoder_input_name
 from hf_tpu.transformers.buckets import BucketLadder, BucketOverflowError, cache_length
@@ -56,11 +57,13 @@ def _cache_size(state, ladder: BucketLadder, need: int) -> int:
 
 
 def plan_shapes(
-    model, batch: int, prompt_len: int, max_new_tokens: int, *, encoder_len: int | None = None, variant: str = "",
-    kind: str = "prefill",
+    model, batch: int, prompt_len: int, max_new_tokens: int, *, encoder_len: int | None = None,
+    variant: Variant | str = NO_VARIANT, kind: str = "prefill",
 ) -> ShapePlan:
     """The buckets a ``generate`` call of this size runs in (prefers shapes already compiled for the model: its
-    ``kind + variant`` prefill graphs; beam search's are ``"beam_prefill"``).
+    prefill graphs of base ``kind`` and ``variant``; beam search's are ``"beam_prefill"``). ``variant``: a
+    :class:`~hf_tpu.transformers._graph_key.Variant`, or its text (``"+top_k+sample"``, as
+    :func:`~hf_tpu.transformers.generation.default_variant` gives it).
 
     Raises :class:`BucketOverflowError` for a prompt past the largest bucket, or a prompt plus ``max_new_tokens``
     longer than the largest bucket.
@@ -72,6 +75,8 @@ def plan_shapes(
     state = model_state(model)
     ladder = state.ladder(model.config)
     new = max(int(max_new_tokens), 1)
+    if isinstance(variant, str):  # (a caller's text: read at this boundary)
+        variant = Variant.parse(variant)
     if encoder_len is not None:
         # Encoder-decoder: the encoder input is bucketed, the decoder prompt (usually the start token) is not.
         # (an encoder of features runs at the length its input fixes: its output's length is the model's own)
@@ -84,10 +89,11 @@ def plan_shapes(
                 f"the largest bucket ({ladder.max}): lower max_new_tokens or give a larger ladder "
                 "(hf_tpu.transformers.configure(model, buckets=[...]))."
             )
+        prefill = GraphKind("seq2seq_prefill", variant)
         compiled = sorted(
             k[4]
             for k in state.compiled
-            if k[0] == "seq2seq_prefill" + variant and k[1:4] == (batch, encoder_bucket, prompt_len) and k[4] >= need
+            if k[0] == prefill and k[1:4] == (batch, encoder_bucket, prompt_len) and k[4] >= need
         )
         cache_bucket = compiled[0] if compiled else _cache_size(state, ladder, need)
         return ShapePlan(batch, prompt_len, prompt_len, cache_bucket, encoder_bucket)
@@ -100,9 +106,9 @@ def plan_shapes(
             "shorten the prompt, or give a larger ladder (hf_tpu.transformers.configure(model, buckets=[...]))."
         )
     need = prompt_bucket + new - 1
-    kinds = (kind + variant,)
+    kinds = (GraphKind(kind, variant),)
     if kind == "prefill":
-        kinds += ("mm_prefill" + variant,)  # (an image call's prefill: the same cache shapes)
+        kinds += (GraphKind("mm_prefill", variant),)  # (an image call's prefill: the same cache shapes)
     compiled = sorted(
         k[3] for k in state.compiled if k[0] in kinds and k[1:3] == (batch, prompt_bucket) and k[3] >= need
     )

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 
 from hf_tpu import _torch_tpu
 from hf_tpu.transformers import _mm_warmup, _settings, _upstream, route
+from hf_tpu.transformers._graph_key import GraphKind, Variant, public_key
 from hf_tpu.transformers._loops import beam, cacheless, readback
+from hf_tpu.transformers._loops.skeleton import own_variant
 from hf_tpu.transformers._settings import CACHELESS, LOOPS, UPSTREAM
 from hf_tpu.transformers.buckets import BucketLadder
 
@@ -34,7 +36,8 @@ __all__ = ["WarmupReport", "warmup"]
 
 @dataclass
 class WarmupReport:
-    """What :func:`warmup` did: the graph keys it covered, how many of them were new, and how long it took."""
+    """What :func:`warmup` did: the graph keys it covered (each kind as its text, as
+    :func:`~hf_tpu.transformers.compiled_graphs` gives them), how many of them were new, and how long it took."""
 
     graphs: list[tuple] = field(default_factory=list)
     new_compiles: int = 0
@@ -174,7 +177,7 @@ def warmup(
 
     notes: list[str] = []
     beam_counts = _beam_counts(model, num_beams, notes)
-    variant = generation.default_variant(model)
+    variant = own_variant(model)
     plans = []
     for batch in batch_sizes:
         for bucket in prompt_buckets:
@@ -207,9 +210,7 @@ def warmup(
                 break
             for beams in beam_counts if not seq2seq else ():
                 keys = keys + beam.warm(model, plan, beams)
-            for key in keys:
-                if key not in report.graphs:
-                    report.graphs.append(key)
+            _add_keys(report, keys)
         for batch, size, count in image_plans:
             bar.set_postfix_str(f"batch {batch}, {count} image(s) of {size[0]}x{size[1]}")
             loop = route.model_route(model).loop
@@ -217,11 +218,9 @@ def warmup(
             if keys is None:  # image calls run upstream's loop (said in notes): no image graph to compile
                 if route.model_route(model).loop not in (loop, UPSTREAM):  # (the image prefill demoted the model)
                     for plan in plans:  # its text calls' graphs are the new route's
-                        report.graphs += [k for k in _warm_one(model, plan, variant) or () if k not in report.graphs]
+                        _add_keys(report, _warm_one(model, plan, variant) or ())
                 break
-            for key in keys:
-                if key not in report.graphs:
-                    report.graphs.append(key)
+            _add_keys(report, keys)
     except BaseException:
         state.warmed = was_warmed
         raise
@@ -269,7 +268,7 @@ def _warm_calls(model, state, batch_sizes, progress: bool, warm) -> WarmupReport
     was_warmed, state.warmed = state.warmed, False
     try:
         for batch in tqdm(batch_sizes, desc="hf_tpu warm-up", unit="batch size", disable=not progress):
-            report.graphs += [k for k in warm(batch) if k not in report.graphs]
+            _add_keys(report, warm(batch))
     except BaseException:
         state.warmed = was_warmed
         raise
@@ -286,7 +285,15 @@ def _warm_calls(model, state, batch_sizes, progress: bool, warm) -> WarmupReport
     return report
 
 
-def _warm_one(model, plan, variant: str) -> list[tuple] | None:
+def _add_keys(report: WarmupReport, keys) -> None:
+    """Add the graph keys ``keys`` to ``report.graphs`` (as hf_tpu shows them: kinds as text), each once."""
+    for key in keys:
+        shown = public_key(key)
+        if shown not in report.graphs:
+            report.graphs.append(shown)
+
+
+def _warm_one(model, plan, variant: Variant) -> list[tuple] | None:
     """Warm ``plan`` with the loop of the route a call with the model's own ``generation_config`` takes; where a
     graph does not trace, the model moves to its next route (:func:`hf_tpu.transformers.route.demote`), as
     ``generate`` would, and that loop's graphs are warmed. Returns the keys, None where the model's route became
@@ -380,13 +387,17 @@ def _manifest_plans(model, state) -> list:
     if space is None:
         return []
     plans = []
-    default = generation.default_variant(model)
+    default = own_variant(model)
     for entry in space.manifest():
         if not (isinstance(entry, list) and entry and isinstance(entry[0], str)):
             continue
-        kind, *dims = entry
-        base, plus, rest = kind.partition("+")
-        if plus + rest != default or not all(isinstance(d, int) for d in dims):
+        text, *dims = entry
+        try:  # (the manifest holds kinds as text, written by this or an earlier process: read back here only)
+            kind = GraphKind.parse(text)
+        except ValueError:
+            continue
+        base = kind.base
+        if kind.variant != default or not all(isinstance(d, int) for d in dims):
             continue
         if base == "prefill" and len(dims) == 3:
             batch, prompt, cache_len = dims

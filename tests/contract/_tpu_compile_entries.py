@@ -255,7 +255,8 @@ def lower_vision_warmup(session, family: str, image_size: tuple[int, int] = (16,
     from pathlib import Path
 
     from hf_tpu._patch import enable
-    from hf_tpu.transformers import _graphs, _mm_warmup, generation
+    from hf_tpu.transformers import _graphs, _mm_warmup
+    from hf_tpu.transformers._loops.skeleton import own_variant
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transformers"))
     import test_vision_generate as vlm
@@ -273,13 +274,13 @@ def lower_vision_warmup(session, family: str, image_size: tuple[int, int] = (16,
         try:
             return run_graph(model, state, key, *args)
         finally:
-            labels.extend([key[0]] * (len(session.programs) - first))
+            labels.extend([str(key[0])] * (len(session.programs) - first))  # (a GraphKind: its text)
 
     _mm_warmup.run_graph = recording  # (the image graphs' runner, as warm_images calls it)
     try:
         with session.mode, torch.no_grad():
             keys = _mm_warmup.warm_images(model, 1, tuple(image_size), 1, [prompt_bucket], max_new_tokens,
-                                          generation.default_variant(model))  # fmt: skip
+                                          own_variant(model))  # fmt: skip
     finally:
         _mm_warmup.run_graph = run_graph
     return {"labels": labels, "graph_keys": [[str(k) for k in key] for key in keys]}

@@ -23,7 +23,7 @@ def test_greedy_matches_cpu_for_batched_prompts_of_different_lengths(family, pai
     ran, run = [], cached.run_graph
 
     def spy(model, state, key, *args):
-        ran.append(key[0])
+        ran.append(str(key[0]))  # (a GraphKind: its text)
         return run(model, state, key, *args)
 
     monkeypatch.setattr(cached, "run_graph", spy)

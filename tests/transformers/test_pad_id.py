@@ -16,7 +16,7 @@ def _spy(monkeypatch) -> list[str]:
     ran, run = [], _graphs.run_graph
 
     def spy(model, state, key, *args):
-        ran.append(key[0])
+        ran.append(str(key[0]))  # (a GraphKind: its text)
         return run(model, state, key, *args)
 
     for module in ("_loops.cached", "_loops.cacheless"):

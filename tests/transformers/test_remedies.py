@@ -14,6 +14,7 @@ import pytest
 
 import hf_tpu
 from hf_tpu.transformers import _graphs, _settings, configure
+from hf_tpu.transformers._graph_key import GraphKind
 from hf_tpu.transformers.buckets import BucketLadder, BucketOverflowError
 from hf_tpu.transformers.generation import RecompileError, plan_shapes
 
@@ -62,7 +63,7 @@ def _messages() -> list[str]:
     state = _settings.ModelState(warmed=True)
     state.settings.strict = True
     with pytest.raises(RecompileError) as info:
-        _graphs.run_graph(None, state, ("decode", 1, 32))
+        _graphs.run_graph(None, state, (GraphKind("decode"), 1, 32))
     found.append(str(info.value))
     return found
 

@@ -38,7 +38,7 @@ def eager_pair():
 
 
 def _kinds(model) -> set[str]:
-    return {key[0] for key in model_state(model).compiled}
+    return {str(key[0]) for key in model_state(model).compiled}
 
 
 def _same(ours: tuple, theirs: tuple, mask: torch.Tensor, attention: bool) -> None:

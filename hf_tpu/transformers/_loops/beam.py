@@ -22,6 +22,7 @@ from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._cache.handoff import full_attention_only, returned_cache
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
+from hf_tpu.transformers._graph_key import GraphKind
 from hf_tpu.transformers._graphs import ALIGNED
 from hf_tpu.transformers._graphs import run_graph as _run_graph
 from hf_tpu.transformers._images import mrope_rows
@@ -33,7 +34,7 @@ from hf_tpu.transformers._signatures import output_cache_field
 from hf_tpu.transformers._upstream import numbers_by_cache_length
 from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
 
-__all__ = ["beam_problem", "beam_variant"]
+__all__ = ["beam_features", "beam_problem"]
 
 _STOPPING_FORMS = ("MaxLengthCriteria", "EosTokenCriteria")
 
@@ -114,11 +115,12 @@ def _problem(model, args: dict, config, model_kwargs: dict, route) -> str | None
     return None
 
 
-def beam_variant(num_beams: int, keep: int, n_eos: int, early_stopping, do_sample: bool) -> str:
-    """The part of a beam graph's kind that says what it was traced for: the beams, the continuations kept per
-    step (upstream's ``beams_to_keep``), the number of end-of-sequence ids checked, ``early_stopping``, sampling."""
-    stop = {True: "+early", "never": "+never"}.get(early_stopping, "")
-    return f"+beams{num_beams}x{keep}e{n_eos}{stop}" + ("+beam_sample" if do_sample else "")
+def beam_features(num_beams: int, keep: int, n_eos: int, early_stopping, do_sample: bool) -> tuple[str, ...]:
+    """The features of a beam graph's kind that say what it was traced for (:mod:`hf_tpu.transformers._graph_key`):
+    the beams, the continuations kept per step (upstream's ``beams_to_keep``) and the number of end-of-sequence ids
+    checked (``"beams4x8e1"``), ``early_stopping`` (``"early"``, ``"never"``), sampling (``"beam_sample"``)."""
+    stop = {True: ("early",), "never": ("never",)}.get(early_stopping, ())
+    return (f"beams{num_beams}x{keep}e{n_eos}", *stop, *(("beam_sample",) if do_sample else ()))
 
 
 def _stopping(stopping_criteria, prompt_len: int) -> tuple[int | None, object]:
@@ -241,12 +243,12 @@ def beam_loop(
         error.reason = str(error)
         raise error
     flags = step_outputs.asked(config)  # output_attentions / output_hidden_states: graphs of their own
-    variant = plan.variant + beam_variant(num_beams, keep, checked, config.early_stopping, do_sample)
-    variant += step_outputs.variant(flags)
+    variant = plan.variant.with_features(*beam_features(num_beams, keep, checked, config.early_stopping, do_sample))
+    variant = variant.with_features(*step_outputs.features(flags))
     types = model_kwargs.get("token_type_ids")  # (GPT-2's; the beams of a prompt share its types)
     if types is not None:
         types = types.to("cpu").long()
-        variant += "+token_type_ids"  # (graphs taking them: their own kind)
+        variant = variant.with_features("token_type_ids")  # (graphs taking them: their own kind)
     if (hf_tpu_plan or {}).get("route") is not None and hf_tpu_plan["route"].loop == CACHELESS:
         return _cacheless_beam(
             model, input_ids, config, model_kwargs, plan, variant, flags, max_new, keep, checked, eos, do_sample
@@ -286,8 +288,8 @@ def beam_loop(
         batch, num_beams, width, _output_fill(config), max_new, positions[:, -1].clone(), eos,
         _divisors(config, width, max_new), device,
     )  # fmt: skip
-    prefill_key = ("beam_prefill" + variant, rows, shapes.prompt_bucket, shapes.cache_bucket)
-    decode_key = ("beam_decode" + variant, rows, shapes.cache_bucket)
+    prefill_key = (GraphKind("beam_prefill", variant), rows, shapes.prompt_bucket, shapes.cache_bucket)
+    decode_key = (GraphKind("beam_decode", variant), rows, shapes.cache_bucket)
     want_scores = bool(config.return_dict_in_generate and config.output_scores)
     want_logits = bool(config.return_dict_in_generate and config.output_logits)
     scores, raw_logits = (), ()
@@ -366,7 +368,9 @@ def _cacheless_beam(model, input_ids, config, model_kwargs, plan, variant, flags
     rows, prompt_len = input_ids.shape
     num_beams = int(config.num_beams)
     batch = rows // num_beams
-    length = cacheless.length_for(model, state, rows, prompt_len, max_new, "beam" + variant)
+    # (length_for prefers the buffers of compiled "cacheless_prefill" graphs of this variant: a beam variant has none,
+    # so the call's shape plan sizes the buffer, as it did when kinds were strings and this passed "beam" + variant)
+    length = cacheless.length_for(model, state, rows, prompt_len, max_new, variant)
     pad_id = fill_id(model, config._pad_token_tensor, config._eos_token_tensor)
     ids, mask, positions = cacheless.cacheless_layout(model, input_ids, model_kwargs, length, max_new, pad_id)
     ids_dev, mask_dev = ids.to(device), mask.to(device)
@@ -383,8 +387,8 @@ def _cacheless_beam(model, input_ids, config, model_kwargs, plan, variant, flags
     beam = _beam_state(batch, num_beams, width, _output_fill(config), max_new, last, eos,
                        _divisors(config, width, max_new), device)  # fmt: skip
     beam["slot"] = torch.tensor([prompt_len - 1]).to(device)  # the prompt's last slot; each step one more
-    prefill_key = ("beam_cacheless_prefill" + variant, rows, length)
-    decode_key = ("beam_cacheless_decode" + variant, rows, length)
+    prefill_key = (GraphKind("beam_cacheless_prefill", variant), rows, length)
+    decode_key = (GraphKind("beam_cacheless_decode", variant), rows, length)
     want_scores = bool(config.return_dict_in_generate and config.output_scores)
     want_logits = bool(config.return_dict_in_generate and config.output_logits)
     scores, raw_logits = (), ()
@@ -427,7 +431,7 @@ def warm(model, plan: ShapePlan, num_beams: int) -> list[tuple]:
     dplan = device_plan(_processors(model, ids, num_beams), ids, vocab=output_vocab(model), do_sample=False)
     if isinstance(dplan, str):
         raise NotCompilableError(f"beam search: {dplan}: its processors run in the graph only, so warm-up has none")
-    variant = dplan.variant + beam_variant(num_beams, keep, len(eos), early, do_sample)
+    variant = dplan.variant.with_features(*beam_features(num_beams, keep, len(eos), early, do_sample))
     extra = extra_inputs(model)
     cache = cache_for(model, state, rows, c, None)
     with torch.no_grad():
@@ -439,8 +443,8 @@ def warm(model, plan: ShapePlan, num_beams: int) -> list[tuple]:
         beam = _beam_state(
             plan.batch, num_beams, c, 0, c - p + 1, pos[:, -1].clone(), eos_t, _divisors(config, c, c - p + 1), device
         )
-        prefill_key = ("beam_prefill" + variant, rows, p, c)
-        decode_key = ("beam_decode" + variant, rows, c)
+        prefill_key = (GraphKind("beam_prefill", variant), rows, p, c)
+        decode_key = (GraphKind("beam_decode", variant), rows, c)
         set_length(cache, 0)
         packed = torch.cat([ids, pos], dim=1).to(device)
         _run(model, state, prefill_key, packed, mask_dev, cache, extra, spec, beam, sampling)

@@ -18,6 +18,7 @@ from dataclasses import replace
 from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_cache
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
+from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._graphs import ALIGNED, MROPE, run_graph
 from hf_tpu.transformers._images import check_image_tokens, features_shape, mrope_rows, positioned
 from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
@@ -50,8 +51,9 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
         cache = cache_for(model, state, batch, plan.cache_bucket, encoder_hidden.shape[1])
         enc_mask_dev = enc_mask.to(device)
         sampling = call.sampling(device, plan.cache_bucket + 1, 0)
-        prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
-        decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
+        prefill_kind = GraphKind("seq2seq_prefill", variant)
+        prefill_key = (prefill_kind, batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
+        decode_key = (GraphKind("seq2seq_decode", variant), batch, plan.encoder_bucket, plan.cache_bucket)
         set_length(cache, 0)
         first = run_graph(model, state, prefill_key, input_ids.to(device), encoder_hidden, enc_mask_dev, cache, sampling)
         set_decoding(cache, True)
@@ -71,14 +73,17 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
 
     embeds = model_kwargs.get("inputs_embeds")  # the prompt as embeddings: input_ids holds the ids given, if any
     types = model_kwargs.get("token_type_ids")
-    variant += "+token_type_ids" if types is not None else ""  # (graphs taking them: their own kind)
-    variant += "+mrope" if mrope_rows(model) > 1 else ""  # (positions in rows, packed after the ids)
+    if types is not None:  # (graphs taking them: their own kind)
+        variant = variant.with_features("token_type_ids")
+    if mrope_rows(model) > 1:  # (positions in rows, packed after the ids)
+        variant = variant.with_features("mrope")
     # Gemma 4's processor marks its image tokens (mm_token_type_ids): its prefill's forward reads them (a mask over
     # each image), upstream passes them to the first forward only
     # (Qwen-VL's stay with upstream, which numbers the positions from them: not the forward's)
     mm_types = model_kwargs.get("mm_token_type_ids") if model_kwargs.get("mm_encoder_outputs") else None
     mm_types = mm_types if positioned(model) else None
-    variant += "+mm_token_type_ids" if mm_types is not None else ""
+    if mm_types is not None:
+        variant = variant.with_features("mm_token_type_ids")
     ids_len = prompt_len
     if embeds is not None:
         prompt_len = embeds.shape[1]
@@ -142,12 +147,13 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
     if mm_types is not None:  # (left-padded as the ids: the padding is text)
         extra = {**extra, "mm_token_type_ids": F.pad(mm_types.to("cpu").long(), (pad, 0), value=0).to(device)}
     kind = "prefill" if embeds is None else "embeds_prefill"
-    prefill_key = (kind + variant, batch, plan.prompt_bucket, plan.cache_bucket)
+    prefill_key = (GraphKind(kind, variant), batch, plan.prompt_bucket, plan.cache_bucket)
     if images:
         check_image_tokens(model, input_ids, images)  # (upstream's check in the forward: here, on the host ids)
         extra = {**extra, "mm_encoder_outputs": images}
-        prefill_key = ("mm_prefill" + variant, batch, plan.prompt_bucket, plan.cache_bucket, features_shape(images))
-    decode_key = ("decode" + variant, batch, plan.cache_bucket)
+        prefill_key = (GraphKind("mm_prefill", variant), batch, plan.prompt_bucket, plan.cache_bucket,
+                       features_shape(images))  # fmt: skip
+    decode_key = (GraphKind("decode", variant), batch, plan.cache_bucket)
     set_length(cache, 0)
     given = model_kwargs.get(cache_name())  # the caller's cache (upstream's empty one when none was given)
     seen = cached_length(given) if given is not None else 0
@@ -219,7 +225,7 @@ def extra_inputs(model) -> dict:
     return extra
 
 
-def warm_plan(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
+def warm_plan(model, plan: ShapePlan, variant: Variant = NO_VARIANT) -> list[tuple]:
     """Compile (or find compiled) every graph a call with ``plan`` runs, on dummy inputs; returns their keys."""
     import torch
 
@@ -228,7 +234,7 @@ def warm_plan(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
     batch = plan.batch
     with torch.no_grad():
         if plan.encoder_bucket is not None:
-            enc_key = ("encoder", batch, plan.encoder_bucket)
+            enc_key = (GraphKind("encoder"), batch, plan.encoder_bucket)
             ids = torch.zeros(batch, plan.encoder_bucket, dtype=torch.long)
             mask = torch.ones(batch, plan.encoder_bucket, dtype=torch.long)
             mask_dev = mask.to(device)
@@ -236,8 +242,9 @@ def warm_plan(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
             start = model.generation_config.decoder_start_token_id
             start = 0 if start is None else int(start)
             cache = cache_for(model, state, batch, plan.cache_bucket, plan.encoder_bucket)
-            prefill_key = ("seq2seq_prefill" + variant, batch, plan.encoder_bucket, plan.prompt_len, plan.cache_bucket)
-            decode_key = ("seq2seq_decode" + variant, batch, plan.encoder_bucket, plan.cache_bucket)
+            prefill_key = (GraphKind("seq2seq_prefill", variant), batch, plan.encoder_bucket, plan.prompt_len,
+                           plan.cache_bucket)  # fmt: skip
+            decode_key = (GraphKind("seq2seq_decode", variant), batch, plan.encoder_bucket, plan.cache_bucket)
             step = torch.full((batch, plan.prompt_len), start, dtype=torch.long)
             sampling = warm_sampling(model, step, variant, plan.cache_bucket + 1, 0)
             set_length(cache, 0)
@@ -257,9 +264,9 @@ def warm_plan(model, plan: ShapePlan, variant: str = "") -> list[tuple]:
         ids = torch.zeros(batch, p, dtype=torch.long)
         sampling = warm_sampling(model, ids, variant, c + 1, 0)
         packed = torch.cat([ids, *[pos] * rows], dim=1).to(device)
-        kind_variant = variant + ("+mrope" if rows > 1 else "")
-        prefill_key = ("prefill" + kind_variant, batch, p, c)
-        decode_key = ("decode" + kind_variant, batch, c)
+        kind_variant = variant.with_features("mrope") if rows > 1 else variant
+        prefill_key = (GraphKind("prefill", kind_variant), batch, p, c)
+        decode_key = (GraphKind("decode", kind_variant), batch, c)
         set_length(cache, 0)
         run_graph(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
         set_decoding(cache, True)

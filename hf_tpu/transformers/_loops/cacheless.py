@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 
+from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._images import mrope_rows
 from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
 from hf_tpu.transformers._pad_id import fill_id
@@ -173,14 +174,14 @@ def buffer_length(model, cache_bucket: int, need: int) -> int:
     return cache_bucket if limit is None else max(min(cache_bucket, limit), need)
 
 
-def length_for(model, state, batch: int, prompt_len: int, new_tokens: int, variant: str) -> int:
+def length_for(model, state, batch: int, prompt_len: int, new_tokens: int, variant: Variant) -> int:
     """The buffer's length for a call: the shortest one compiled that holds the call (what warm-up compiled), else
     the cache bucket of the call's shape plan (which also refuses a call past the model's ladder)."""
     from hf_tpu.transformers.shapes import plan_shapes
 
     plan = plan_shapes(model, batch, prompt_len, new_tokens, variant=variant)
     need = prompt_len + max(new_tokens, 1) - 1
-    kind = "cacheless_prefill" + variant
+    kind = GraphKind("cacheless_prefill", variant)
     compiled = sorted(k[2] for k in state.compiled if k[0] == kind and k[1] == batch and k[2] >= need)
     return compiled[0] if compiled else buffer_length(model, plan.cache_bucket, need)
 
@@ -230,10 +231,10 @@ def cacheless_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
     if types is not None:  # the prompt's, then its last one for every new token, as upstream's loop extends them
         types = types.to("cpu").long()
         extra["token_type_ids"] = torch.cat([types, types[:, -1:].expand(batch, length - prompt_len)], 1).to(device)
-        variant += "+token_type_ids"
+        variant = variant.with_features("token_type_ids")
     args = (mask_dev, positions_dev, extra, call.sampling(device, length + 1, 0))
-    prefill_key = ("cacheless_prefill" + variant, batch, length)
-    decode_key = ("cacheless_decode" + variant, batch, length)
+    prefill_key = (GraphKind("cacheless_prefill", variant), batch, length)
+    decode_key = (GraphKind("cacheless_decode", variant), batch, length)
     slot = torch.tensor([prompt_len - 1]).to(device)
     first = run_graph(model, state, prefill_key, ids_dev, slot, *args)
     first = call.take(first, slice(0, prompt_len), slice(0, prompt_len))  # (upstream: the whole sequence each step)
@@ -263,7 +264,7 @@ def decode_input(next_tokens, slot: int, device):
 
 
 
-def warm(model, plan, variant: str = "") -> list[tuple]:
+def warm(model, plan, variant: Variant = NO_VARIANT) -> list[tuple]:
     """Compile (or find compiled) the two graphs a call with ``plan`` runs, on dummy inputs; returns their keys."""
     import torch
 
@@ -281,8 +282,8 @@ def warm(model, plan, variant: str = "") -> list[tuple]:
         positions = None if positions is None else positions.to(device)
         extra = cacheless_extra(model)
         sampling = warm_sampling(model, ids, variant, length + 1, 0)
-        prefill_key = ("cacheless_prefill" + variant, batch, length)
-        decode_key = ("cacheless_decode" + variant, batch, length)
+        prefill_key = (GraphKind("cacheless_prefill", variant), batch, length)
+        decode_key = (GraphKind("cacheless_decode", variant), batch, length)
         slot = torch.tensor([plan.prompt_len - 1]).to(device)
         run_graph(model, state, prefill_key, buffer, slot, mask, positions, extra, sampling)
         step = decode_input(torch.zeros(batch, dtype=torch.long), min(plan.prompt_len, length - 1), device)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_tpu.transformers import _step_outputs as step_outputs
+from hf_tpu.transformers._graph_key import Variant
 from hf_tpu.transformers._loops import readback
 from hf_tpu.transformers._notes import warn_once
 from hf_tpu.transformers._pad_id import fill_id
@@ -116,13 +117,13 @@ class LoopCall:
             host_only = "device sampling is off (configure(model, device_sampling=False))"
         self.sampler = _plan(model, logits_processor, self.input_ids, self.do_sample, host_only)
         self.host_path = self.sampler is None
-        self.variant = "" if self.sampler is None else self.sampler.variant
+        self.variant = Variant() if self.sampler is None else self.sampler.variant
         self.scores = () if want_scores else None
         self.raw_logits = () if want_logits else None
         self.unfinished = torch.ones(self.batch, dtype=torch.long)
         # output_attentions / output_hidden_states: the graphs' variant and model arguments, and what they return
         self.output_flags = step_outputs.asked(generation_config)
-        self.variant += step_outputs.variant(self.output_flags)
+        self.variant = self.variant.with_features(*step_outputs.features(self.output_flags))
         self.outputs = None
         if self.output_flags:
             self.outputs = step_outputs.StepOutputs(self.output_flags)
@@ -317,17 +318,28 @@ def host_sampling(model, **generate_kwargs) -> str | None:
     return plan if isinstance(plan, str) else None
 
 
-def default_variant(model) -> str:
-    """The graph variant the model's own ``generation_config`` leads to (``"+temperature+top_k+top_p+sample"`` for
-    Qwen3's, ``"+repetition_penalty"`` for greedy search with a repetition penalty, ``""`` for plain greedy search
-    or the host path); :func:`hf_tpu.warmup` compiles that one."""
+def own_variant(model) -> Variant:
+    """The graph variant the model's own ``generation_config`` leads to (its sampling program; none for plain greedy
+    search or the host path); :func:`hf_tpu.warmup` compiles that one."""
     import torch
 
     plan = _default_plan(model, torch.zeros(1, 1, dtype=torch.long))
-    return "" if isinstance(plan, str) else plan.variant
+    return Variant() if isinstance(plan, str) else plan.variant
 
 
-def warm_sampling(model, ids, variant: str, width: int, offset: int):
+def default_variant(model) -> str:
+    """The graph variant the model's own ``generation_config`` leads to, as the text its graphs' kinds end with
+    (``"+temperature+top_k+top_p+sample"`` for Qwen3's, ``"+repetition_penalty"`` for greedy search with a
+    repetition penalty, ``""`` for plain greedy search or the host path); :func:`hf_tpu.warmup` compiles that one.
+
+    Example:
+        >>> default_variant(model)                                      # doctest: +SKIP
+        '+temperature+top_k+top_p+sample'
+    """
+    return str(own_variant(model))
+
+
+def warm_sampling(model, ids, variant: Variant, width: int, offset: int):
     """Dummy device sampling state for warming ``variant`` (the model's default one) on prompt ``ids``."""
     if not variant:
         return None
@@ -335,7 +347,7 @@ def warm_sampling(model, ids, variant: str, width: int, offset: int):
     if isinstance(plan, str) or plan.variant != variant:
         found = plan if isinstance(plan, str) else plan.variant
         raise ValueError(
-            f"warm-up can compile the variant of the model's own generation_config only; asked for {variant!r}, "
-            f"the generation_config leads to {found!r}"
+            f"warm-up can compile the variant of the model's own generation_config only; asked for {str(variant)!r}, "
+            f"the generation_config leads to {str(found)!r}"
         )
     return plan.to_device(model.device, width, offset)

@@ -16,7 +16,7 @@ A processor without a device form (a user's own, say) keeps the host path (see :
 Example:
     >>> from hf_tpu.transformers.sampling import device_plan                 # doctest: +SKIP
     >>> plan = device_plan(processors, input_ids, vocab=151936, do_sample=True)   # doctest: +SKIP
-    >>> plan.variant                                                           # doctest: +SKIP
+    >>> str(plan.variant)                                                      # doctest: +SKIP
     '+temperature+top_k+top_p+sample'
 """
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # The built-in device forms register themselves in the registry (processors first, then warpers).
+from hf_tpu.transformers._graph_key import Variant
 from hf_tpu.transformers.sampling import _processors, _warpers  # noqa: F401
 from hf_tpu.transformers.sampling._registry import DeviceForm, Unsupported, form_for, forms, register
 
@@ -50,10 +51,11 @@ class _HostContext:
 
 @dataclass
 class DevicePlan:
-    """What one call runs on the device: ``variant`` (appended to the graph kinds, e.g. ``"+top_k+sample"``), and
-    the host values :meth:`to_device` sends once per call."""
+    """What one call runs on the device: ``variant`` (the graph kinds' sampling program, a
+    :class:`~hf_tpu.transformers._graph_key.Variant`: ``str()`` gives ``"+top_k+sample"``), and the host values
+    :meth:`to_device` sends once per call."""
 
-    variant: str
+    variant: Variant
     program: tuple = ()
     do_sample: bool = False
     scalars: tuple = ()
@@ -103,7 +105,7 @@ def device_plan(logits_processor, input_ids, *, vocab: int, do_sample: bool) -> 
     procs = list(logits_processor or [])
     input_ids = input_ids.to("cpu")
     if not procs and not do_sample:
-        return DevicePlan("", input_ids=input_ids)
+        return DevicePlan(Variant(), input_ids=input_ids)
     if do_sample:
         procs = _with_identity_warpers(procs, int(vocab))
     ctx = _HostContext(input_ids, int(vocab))
@@ -126,7 +128,7 @@ def device_plan(logits_processor, input_ids, *, vocab: int, do_sample: bool) -> 
     if do_sample:
         labels.append("sample")
     return DevicePlan(
-        "+" + "+".join(labels), tuple(program), bool(do_sample), tuple(scalars), tuple(tensors), needs_history,
+        Variant(tuple(labels)), tuple(program), bool(do_sample), tuple(scalars), tuple(tensors), needs_history,
         input_ids,
     )
 
