@@ -1,0 +1,33 @@
+"""How many of hf_tpu's files a text-only greedy ``generate`` passes through before its first compiled graph (issue
+#49: the engine as one shape). Traced in a process of its own (tests/transformers/_engine_path.py), so lazy imports
+and earlier tests change nothing.
+
+Today's path: 28 files (measured 2026-12-05). Issue #49's target is 12; until the route and loops are reshaped the
+ceiling below keeps the path from growing: a change that adds a file to it lowers nothing here and fails, one that
+removes files lowers the ceiling in the same commit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from _timeouts import SAFETY_TIMEOUT_S
+
+CEILING = 28
+TARGET = 12  # issue #49
+
+
+def test_a_greedy_generate_reaches_its_first_graph_through_at_most_the_ceiling_of_files():
+    script = Path(__file__).with_name("_engine_path.py")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert path["reached_a_graph"], "the traced generate ran no compiled graph"
+    files = path["files"]
+    listing = "\n".join(f"  {name}: {', '.join(functions)}" for name, functions in files.items())
+    assert len(files) <= CEILING, f"{len(files)} files on the path (ceiling {CEILING}, target {TARGET}):\n{listing}"
+    # the path starts at the integration's entry and the route is decided in route.py
+    assert "transformers/_integration.py" in files and "transformers/route.py" in files, listing
