@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -27,6 +28,7 @@ def read_junit(path: Path) -> dict[str, float]:
     out: dict[str, float] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         classname, name = case.get("classname", ""), case.get("name", "")
+        name = re.sub(r"@[^\[\]@]*$", "", name)  # (under --dist loadgroup xdist appends "@<group>" to the name)
         module = classname.replace(".", "/")
         # pytest writes classname "tests.pkg.test_mod" (or "...test_mod.TestClass"); keep it readable and stable.
         out[f"{module}::{name}"] = out.get(f"{module}::{name}", 0.0) + float(case.get("time", 0.0) or 0.0)

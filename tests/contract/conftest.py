@@ -37,6 +37,40 @@ def pytest_ignore_collect(collection_path, config):
     return collection_path.name.startswith("test_") or None
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``--dist loadgroup`` (``.ci/run``'s contract step) tests that share a module-scoped fixture (one lowering
+    process, one set of plans) go to one worker as an ``xdist_group``, so the fixture is built once; every other test
+    of the tier is handed out on its own. The groups are the connected sets of a module's tests linked by a shared
+    module-scoped fixture. Runs before xdist's own hook, which reads the marker (pytest < 9.2: pyproject.toml)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    parent: dict[str, str] = {}
+
+    def find(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    linked: list[tuple[pytest.Item, list[str]]] = []
+    for item in items:
+        if not str(item.path).startswith(here + os.sep) or item.get_closest_marker("xdist_group"):
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        keys = [
+            f"{item.module.__name__}::{name}"
+            for name in info.names_closure
+            if any(d.scope == "module" for d in info.name2fixturedefs.get(name, ()))
+        ]
+        for a, b in zip(keys, keys[1:]):
+            parent[find(a)] = find(b)
+        if keys:
+            linked.append((item, keys))
+    for item, keys in linked:
+        item.add_marker(pytest.mark.xdist_group(find(keys[0])))
+
+
 @pytest.fixture(scope="session")
 def torch_tpu_version() -> str:
     """The installed torch-tpu version (the tier is written for 0.2.0)."""

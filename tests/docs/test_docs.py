@@ -1,7 +1,7 @@
 """README.md and docs/*.md, run: python blocks, the commands a page tells a user to run, their outputs compared.
 
 The conventions a page follows are in tests/docs/pages.py. Command blocks marked heavy on their page run in the
-``docs_heavy`` group (``python -m pytest -m docs_heavy tests/docs``, a step of .ci/run); the README's test command
+``docs_heavy`` group (``python -m pytest -m docs_heavy tests/docs``; .ci/run runs it in its slow step); the README's test command
 deselects them (``addopts`` in pyproject.toml).
 """
 
