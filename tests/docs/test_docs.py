@@ -7,6 +7,8 @@ deselects them (``addopts`` in pyproject.toml).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from sybil import Document
 
@@ -110,6 +112,21 @@ def test_run_the_tests_quotes_the_suite_settings_and_names_files_that_exist():
     typed = re.findall(r"(?<!-n )\b\d+ (?:minutes|tests|passed)\b",
                        section + readme.split("Run the test suite", 1)[1][:300])  # `-n 2 tests` is a flag
     assert not typed, f"a duration or test count typed by hand: {typed}; say `--durations` or `--collect-only`"
+
+
+def test_the_readme_quotes_the_ci_time_budgets_as_set():
+    """README.md's "How long" quotes .ci/run's budgets (settings, read here from where they are set; the measured
+    figures live in tests/durations.json, written by CI, not typed into a page)."""
+    import re
+
+    script = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for name in ("CORE_BUDGET_S", "TOTAL_BUDGET_S"):
+        value = re.search(rf"^{name}=(\d+)$", script, re.M)
+        assert value, f".ci/run no longer sets {name}: update README.md's 'How long' and this test"
+        assert f"`{name}={value.group(1)}` seconds" in readme, f"README.md should quote `{name}={value.group(1)}`"
+    tiers = json.loads((ROOT / "tests" / "durations.json").read_text())["tiers"]
+    assert {"core", "slow", "contract"} <= set(tiers), sorted(tiers)
 
 
 def test_the_readmes_first_python_block_runs_as_pasted():
