@@ -80,7 +80,6 @@ from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import (
     CACHELESS,
     DEVICE_TYPES,
-    LOOPS,
     STRICT_EAGER,
     STRICT_ENV,
     GenerationSettings,
@@ -95,7 +94,7 @@ from hf_tpu.transformers._settings import (
 )
 from hf_tpu.transformers._upstream import encoder_input_name, inputs_on_model_device, running, upstream_generate
 from hf_tpu.transformers.buckets import BucketOverflowError
-from hf_tpu.transformers.route import UPSTREAM, call_route, demote, explain
+from hf_tpu.transformers.route import UPSTREAM, attempt, call_route, explain
 from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, ladder_figures, plan_shapes
 
 __all__ = [
@@ -217,18 +216,14 @@ def generate(self, *args, **kwargs):
 
     arguments.pop("self", None)
     streamer = arguments.get("streamer")
-    for _ in range(len(LOOPS)):  # each failure moves the model down the routes' order (route.demote)
-        arguments["custom_generate"] = functools.partial(run_loop, hf_tpu_plan={"streamer": streamer, "route": route})
-        try:
-            result = upstream(self, input_ids, **arguments, **extra_kwargs)
-            break
-        except NotCompilableError as exc:  # found at the first trace of a graph
-            demote(self, exc)
-            route = call_route(self, *asked)  # the call asks again, with what the trace found
-            if exc.loop is None and route.loop != UPSTREAM:  # pragma: no cover - the inputs cannot take it
-                route = Route(UPSTREAM, exc.reason or str(exc), warn=True)
-            if route.loop == UPSTREAM:
-                return _run_upstream(self, route, upstream, args, kwargs)
+
+    def run(found: Route):
+        arguments["custom_generate"] = functools.partial(run_loop, hf_tpu_plan={"streamer": streamer, "route": found})
+        return upstream(self, input_ids, **arguments, **extra_kwargs)
+
+    result, route = attempt(self, run, *asked, route=route)  # (demoted where a graph fails its first trace)
+    if route.loop == UPSTREAM:
+        return _run_upstream(self, route, upstream, args, kwargs)
     if before is not None:
         _refuse_eager_compiles(before)
     return _output_to(result, out_device)

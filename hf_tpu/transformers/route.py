@@ -15,8 +15,10 @@ A model's route (what a call with a cache takes) is decided once, from what can 
 (:func:`model_route`), kept in the model's state as one :class:`Route`, and demoted in one place when a graph
 fails its first trace (:func:`demote`: cached -> host length where it fits -> without a cache where that loop
 serves -> upstream). A call's route (:func:`call_route`) is the model's, unless the call asks for something only
-upstream's loop does or has no cache. ``generate``, :func:`hf_tpu.warmup`, the architecture sweep and the docs
-read it; :func:`explain` is the public question.
+upstream's loop does or has no cache. ``generate`` and :func:`hf_tpu.warmup` run their steps through
+:func:`attempt`, the one demote-and-retry: a step on the call's route, and where a graph fails its first trace, the
+step again on the route the call takes after :func:`demote`. The architecture sweep and the docs read the route;
+:func:`explain` is the public question.
 
 Adding a fallback: a loop name here, its place in :func:`demote`'s order, the loop's ``custom_generate`` in
 :func:`hf_tpu.transformers.generation.run_loop`, its warm function in :mod:`hf_tpu.transformers.warmup`.
@@ -24,7 +26,9 @@ Adding a fallback: a loop name here, its place in :func:`demote`'s order, the lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
 from hf_tpu.transformers import _images, _upstream
 from hf_tpu.transformers._cache import pool
@@ -44,7 +48,7 @@ from hf_tpu.transformers._signatures import model_cache_problem
 from hf_tpu.transformers._upstream import own_generate
 
 __all__ = [
-    "CACHED", "CACHELESS", "HOST_LENGTH", "LOOPS", "UPSTREAM", "Route", "call_route", "demote", "explain",
+    "CACHED", "CACHELESS", "HOST_LENGTH", "LOOPS", "UPSTREAM", "Route", "attempt", "call_route", "demote", "explain",
     "own_generate",
 ]  # fmt: skip
 
@@ -287,3 +291,36 @@ def demote(model, error: NotCompilableError) -> Route:
         state.route = _after_cached(model, reason)
         state.caches.clear()
     return state.route
+
+
+T = TypeVar("T")
+
+
+def attempt(model, run: Callable[[Route], T], args: dict | None = None, kwargs: dict | None = None,
+            route: Route | None = None) -> tuple[T | None, Route]:  # fmt: skip
+    """Run one step of hf_tpu's loops (``generate``'s loop, or warm-up's graphs of one shape) on the route of the call
+    whose named arguments are ``args`` and other arguments ``kwargs`` (:func:`call_route`; ``route``: that route, when
+    the caller asked already), demoting the model where a graph fails its first trace: the one demote-and-retry.
+
+    ``run(route)`` runs the step for ``route``'s loop. Where it raises :class:`NotCompilableError` naming the loop
+    whose graph failed, the model moves down its routes (:func:`demote`) and ``run`` runs again on the route the call
+    takes then; where the error names no loop (the call's own inputs cannot take it), the model's route stays and
+    this call takes upstream's loop.
+
+    Returns:
+        ``(result, route)``: what ``run`` returned and the route it ran on; ``(None, route)`` where the call's route
+        is (or became) upstream's loop, ``route.reason`` saying why: no step of hf_tpu ran to the end.
+    """
+    args, kwargs = args or {}, kwargs or {}
+    found = route if route is not None else call_route(model, args, kwargs)
+    for _ in range(len(LOOPS)):  # each failure moves the model down the routes' order, upstream's loop at its end
+        if found.loop == UPSTREAM:
+            break
+        try:
+            return run(found), found
+        except NotCompilableError as exc:  # found at the first trace of a graph
+            demote(model, exc)
+            found = call_route(model, args, kwargs)  # the call asks again, with what the trace found
+            if exc.loop is None and found.loop != UPSTREAM:  # pragma: no cover - the inputs cannot take it
+                found = Route(UPSTREAM, exc.reason or str(exc), warn=True)
+    return None, found
