@@ -265,11 +265,12 @@ def _float_inputs_on_device(model, args: tuple, kwargs: dict) -> tuple[tuple, di
 
 def run_loop(model, *args, hf_tpu_plan: dict, **kwargs):
     """The ``custom_generate`` callable hf_tpu hands upstream's ``generate``: the loop of the call's route
-    (``hf_tpu_plan["route"]``): :func:`~hf_tpu.transformers._loops.cached.decode_loop` for the cached and
-    host-length routes, :func:`~hf_tpu.transformers._loops.cacheless.cacheless_loop` for the loop without a cache (whose
-    reason, where the cached loop cannot serve the model, is said once its graphs ran)."""
+    (``hf_tpu_plan["route"]``): :func:`~hf_tpu.transformers._loops.beam.beam_loop` for a beam call (``route.beams``),
+    :func:`~hf_tpu.transformers._loops.cached.decode_loop` for the cached and host-length routes,
+    :func:`~hf_tpu.transformers._loops.cacheless.cacheless_loop` for the loop without a cache (whose reason, where the
+    cached loop cannot serve the model, is said once its graphs ran)."""
     route = hf_tpu_plan["route"]
-    if kwargs.get("generation_config") is not None and beam.is_beam_call(kwargs["generation_config"]):
+    if route.beams:
         return beam.beam_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
     if route.loop != CACHELESS:
         return decode_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)

@@ -83,7 +83,7 @@ def explain(model, **generate_kwargs) -> Route:
         return Route(UPSTREAM, own, warn=False)
     args = {k: generate_kwargs.pop(k) for k in _GENERATE_ARGUMENTS if k in generate_kwargs}
     found = call_route(model, args, dict(generate_kwargs))
-    if found.fast and not model.config.is_encoder_decoder and not beam.asks_beams(model, args, generate_kwargs):
+    if found.fast and not model.config.is_encoder_decoder and not found.beams:  # (a beam call: never the host path)
         from hf_tpu.transformers._loops.skeleton import host_sampling
 
         found = replace(found, host_sampling=host_sampling(model, **generate_kwargs))
@@ -117,7 +117,8 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
         reason, warn = asked
         return Route(UPSTREAM, reason, warn=warn)
     found = _call_route(model, config, model_kwargs)
-    if found.loop != UPSTREAM and beam.is_beam_call(config):
+    beams = found.loop != UPSTREAM and is_beam_call(config)
+    if beams:
         problem = beam.beam_problem(model, args, config, model_kwargs, found)
         if problem is not None:
             reason, warn = problem
@@ -136,7 +137,14 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
                 "whose attention weights hf_tpu's loop does not cut to upstream's shapes",
                 warn=True,
             )
-    return found
+    return replace(found, beams=True) if beams else found
+
+
+def is_beam_call(config) -> bool:
+    """Whether a call with generation config ``config`` is beam search or beam sampling (upstream's modes)."""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    return config.get_generation_mode() in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 
 
 def _call_route(model, config, model_kwargs: dict) -> Route:
@@ -186,7 +194,7 @@ def _decide(model) -> Route:
     if model.config.is_encoder_decoder:
         problem = static_cache_problem(model)
         return Route(CACHED) if problem is None else Route(UPSTREAM, problem, warn=True)
-    if cacheless.writes_no_cache(model):
+    if writes_no_cache(model):
         reason = f"{name}'s forward writes nothing into the cache it is given"
         without = _without_cache(model)
         if without is not None:
@@ -196,6 +204,20 @@ def _decide(model) -> Route:
     if problem is None:
         return Route(CACHED)
     return _after_cached(model, problem)
+
+
+def writes_no_cache(model) -> bool:
+    """True for a decoder-only model whose forward writes nothing into the cache it is given (measured by
+    :func:`hf_tpu.transformers._cache.probe.cache_shapes`): its calls take the loop without a cache."""
+    from hf_tpu.transformers._cache.probe import CacheProbeError, cache_shapes
+
+    if model.config.is_encoder_decoder or model_cache_problem(model):
+        return False  # (a forward that names its cache otherwise ignores the probe's: the cached loop says why)
+    try:
+        self_shapes, _ = cache_shapes(model)
+    except CacheProbeError:
+        return False
+    return bool(self_shapes) and not any(self_shapes)
 
 
 def _after_cached(model, reason: str) -> Route:

@@ -39,23 +39,6 @@ __all__ = ["beam_features", "beam_problem"]
 _STOPPING_FORMS = ("MaxLengthCriteria", "EosTokenCriteria")
 
 
-def is_beam_call(config) -> bool:
-    """Whether a call with generation config ``config`` is beam search or beam sampling (upstream's modes)."""
-    from transformers.generation.configuration_utils import GenerationMode
-
-    return config.get_generation_mode() in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
-
-
-def asks_beams(model, args: dict, kwargs: dict) -> bool:
-    """Whether a ``generate`` call with named arguments ``args`` and the rest ``kwargs`` is a beam call (its
-    processors then run in the beam graphs, or the call runs upstream's loop: never the host path)."""
-    try:
-        config, _ = model._prepare_generation_config(args.get("generation_config"), **kwargs)
-    except (ValueError, TypeError, AttributeError):
-        return False
-    return is_beam_call(config)
-
-
 def beam_problem(model, args: dict, config, model_kwargs: dict, route) -> tuple[str, bool] | None:
     """Why hf_tpu's beam loop cannot serve this beam call, and whether generate warns (not where upstream raises its
     own error for the call); None when it can. ``args``: generate's named arguments, ``config``/``model_kwargs``
