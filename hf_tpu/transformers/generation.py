@@ -68,7 +68,6 @@ from collections.abc import Callable, Iterator
 
 from hf_tpu import _torch_tpu
 from hf_tpu.transformers import _images
-from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._graph_key import GraphKind
 from hf_tpu.transformers._graphs import PENALTY, run_graph
 from hf_tpu.transformers._loops import beam, cacheless
@@ -76,7 +75,6 @@ from hf_tpu.transformers._loops.cached import decode_loop, warm_plan
 from hf_tpu.transformers._loops.readback import ReadBacks, read_backs
 from hf_tpu.transformers._loops.skeleton import default_variant
 from hf_tpu.transformers._notes import WARNED, warn_once
-from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import (
     CACHELESS,
     DEVICE_TYPES,
@@ -95,7 +93,7 @@ from hf_tpu.transformers._settings import (
 from hf_tpu.transformers._upstream import encoder_input_name, inputs_on_model_device, running, upstream_generate
 from hf_tpu.transformers.buckets import BucketOverflowError
 from hf_tpu.transformers.route import UPSTREAM, attempt, call_route, explain
-from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, ladder_figures, plan_shapes
+from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, fill_id, ladder_figures, plan_shapes
 
 __all__ = [
     "STRICT_EAGER",
@@ -160,7 +158,7 @@ def generate(self, *args, **kwargs):
     bound = inspect.signature(upstream).bind(self, *args, **kwargs)
     arguments = dict(bound.arguments)
     extra_kwargs = dict(arguments.pop("kwargs", {}))
-    check_compile_config(self, arguments, extra_kwargs)
+    _check_compile_config(self, arguments, extra_kwargs)
     asked = (dict(arguments), dict(extra_kwargs))
     route = call_route(self, *asked)
     if route.loop == UPSTREAM:
@@ -227,6 +225,39 @@ def generate(self, *args, **kwargs):
     if before is not None:
         _refuse_eager_compiles(before)
     return _output_to(result, out_device)
+
+
+def _check_compile_config(model, arguments: dict, extra_kwargs: dict) -> None:
+    """Raise ValueError when ``generate`` on a tpu model is given an Inductor ``CompileConfig``, before any work.
+
+    ``CompileConfig()``'s defaults are CUDA's: ``backend="inductor"``, ``mode="reduce-overhead"`` (CUDA graphs). On a
+    chip, torch_tpu's ``torch.compile`` refuses ``backend="inductor"`` for tpu inputs at the first compiled step, after
+    the prefill already ran; transformers itself compiles with torch_tpu's ``"tpu"`` backend when no
+    ``compile_config`` is given (``PreTrainedModel._default_compile_config``). hf_tpu does not reroute such a config to
+    ``"tpu"``: that would honour neither its backend nor its mode, and the same code would then behave differently with
+    and without hf_tpu (torch_tpu raises). It raises at the start of ``generate`` instead, naming the one-line fix. A
+    config with ``options={"tpu_backend": ...}`` (torch_tpu's own switch for running Inductor on TPU) or any other
+    backend passes."""
+    device = getattr(model, "device", None)
+    if device is None or device.type != "tpu":
+        return
+    generation_config = arguments.get("generation_config") or getattr(model, "generation_config", None)
+    config = extra_kwargs.get("compile_config")
+    if config is None:
+        config = getattr(generation_config, "compile_config", None)
+    if config is None or getattr(config, "backend", None) != "inductor":
+        return
+    if extra_kwargs.get("disable_compile", getattr(generation_config, "disable_compile", False)):
+        return
+    if (getattr(config, "options", None) or {}).get("tpu_backend"):
+        return
+    raise ValueError(
+        f"generate(compile_config={config!r}) on a model on the tpu device: torch_tpu's torch.compile refuses "
+        "backend='inductor' for tpu tensors (it would fail at the first compiled step), and mode='reduce-overhead' "
+        "(CUDA graphs) has no TPU meaning. Pass CompileConfig(backend='tpu', dynamic=False, mode='default'), or leave "
+        "compile_config out: transformers then compiles with torch_tpu's 'tpu' backend. (torch_tpu runs Inductor on "
+        "TPU only when asked explicitly: options={'tpu_backend': 'pallas'}.)"
+    )
 
 
 def _run_upstream(model, route: Route, upstream, args, kwargs):

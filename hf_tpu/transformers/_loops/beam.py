@@ -28,11 +28,10 @@ from hf_tpu.transformers._graphs import run_graph as _run_graph
 from hf_tpu.transformers._images import mrope_rows
 from hf_tpu.transformers._loops.cached import extra_inputs
 from hf_tpu.transformers._loops.skeleton import output_vocab
-from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import CACHED, CACHELESS, NotCompilableError, model_state
 from hf_tpu.transformers._signatures import output_cache_field
 from hf_tpu.transformers._upstream import numbers_by_cache_length
-from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
+from hf_tpu.transformers.shapes import ShapePlan, fill_id, plan_shapes
 
 __all__ = ["beam_features", "beam_problem"]
 

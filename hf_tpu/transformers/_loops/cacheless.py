@@ -35,7 +35,7 @@ import inspect
 from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._images import mrope_rows
 from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
-from hf_tpu.transformers._pad_id import fill_id
+from hf_tpu.transformers.shapes import fill_id
 
 __all__: list[str] = []
 

@@ -29,9 +29,9 @@ from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._graph_key import Variant
 from hf_tpu.transformers._loops import readback
 from hf_tpu.transformers._notes import warn_once
-from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import model_state
 from hf_tpu.transformers._signatures import output_cache_field
+from hf_tpu.transformers.shapes import fill_id
 
 __all__ = ["default_variant"]
 
