@@ -69,6 +69,8 @@ class Route:
             sampling run on the host, one logits row copied back per step (None: in the graph).
         step_by_step: (from :func:`~hf_tpu.transformers.explain` only) why the call's new tokens come back each
             decode step (None: every ``read_back_every`` steps, :mod:`hf_tpu.transformers._loops.readback`).
+        beams: (a call's route only) whether the call is beam search or beam sampling, which the loop runs with
+            beam's graphs (:mod:`hf_tpu.transformers._loops.beam`).
     """
 
     loop: str
@@ -78,6 +80,7 @@ class Route:
     without_cache_checked: bool = False
     host_sampling: str | None = None
     step_by_step: str | None = None
+    beams: bool = False
 
     @property
     def fast(self) -> bool:

@@ -68,7 +68,6 @@ from collections.abc import Callable, Iterator
 
 from hf_tpu import _torch_tpu
 from hf_tpu.transformers import _images
-from hf_tpu.transformers._compile_config import check_compile_config
 from hf_tpu.transformers._graph_key import GraphKind
 from hf_tpu.transformers._graphs import PENALTY, run_graph
 from hf_tpu.transformers._loops import beam, cacheless
@@ -76,11 +75,9 @@ from hf_tpu.transformers._loops.cached import decode_loop, warm_plan
 from hf_tpu.transformers._loops.readback import ReadBacks, read_backs
 from hf_tpu.transformers._loops.skeleton import default_variant
 from hf_tpu.transformers._notes import WARNED, warn_once
-from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import (
     CACHELESS,
     DEVICE_TYPES,
-    LOOPS,
     STRICT_EAGER,
     STRICT_ENV,
     GenerationSettings,
@@ -95,8 +92,8 @@ from hf_tpu.transformers._settings import (
 )
 from hf_tpu.transformers._upstream import encoder_input_name, inputs_on_model_device, running, upstream_generate
 from hf_tpu.transformers.buckets import BucketOverflowError
-from hf_tpu.transformers.route import UPSTREAM, call_route, demote, explain
-from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, ladder_figures, plan_shapes
+from hf_tpu.transformers.route import UPSTREAM, attempt, call_route, explain
+from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, fill_id, ladder_figures, plan_shapes
 
 __all__ = [
     "STRICT_EAGER",
@@ -161,7 +158,7 @@ def generate(self, *args, **kwargs):
     bound = inspect.signature(upstream).bind(self, *args, **kwargs)
     arguments = dict(bound.arguments)
     extra_kwargs = dict(arguments.pop("kwargs", {}))
-    check_compile_config(self, arguments, extra_kwargs)
+    _check_compile_config(self, arguments, extra_kwargs)
     asked = (dict(arguments), dict(extra_kwargs))
     route = call_route(self, *asked)
     if route.loop == UPSTREAM:
@@ -217,21 +214,50 @@ def generate(self, *args, **kwargs):
 
     arguments.pop("self", None)
     streamer = arguments.get("streamer")
-    for _ in range(len(LOOPS)):  # each failure moves the model down the routes' order (route.demote)
-        arguments["custom_generate"] = functools.partial(run_loop, hf_tpu_plan={"streamer": streamer, "route": route})
-        try:
-            result = upstream(self, input_ids, **arguments, **extra_kwargs)
-            break
-        except NotCompilableError as exc:  # found at the first trace of a graph
-            demote(self, exc)
-            route = call_route(self, *asked)  # the call asks again, with what the trace found
-            if exc.loop is None and route.loop != UPSTREAM:  # pragma: no cover - the inputs cannot take it
-                route = Route(UPSTREAM, exc.reason or str(exc), warn=True)
-            if route.loop == UPSTREAM:
-                return _run_upstream(self, route, upstream, args, kwargs)
+
+    def run(found: Route):
+        arguments["custom_generate"] = functools.partial(run_loop, hf_tpu_plan={"streamer": streamer, "route": found})
+        return upstream(self, input_ids, **arguments, **extra_kwargs)
+
+    result, route = attempt(self, run, *asked, route=route)  # (demoted where a graph fails its first trace)
+    if route.loop == UPSTREAM:
+        return _run_upstream(self, route, upstream, args, kwargs)
     if before is not None:
         _refuse_eager_compiles(before)
     return _output_to(result, out_device)
+
+
+def _check_compile_config(model, arguments: dict, extra_kwargs: dict) -> None:
+    """Raise ValueError when ``generate`` on a tpu model is given an Inductor ``CompileConfig``, before any work.
+
+    ``CompileConfig()``'s defaults are CUDA's: ``backend="inductor"``, ``mode="reduce-overhead"`` (CUDA graphs). On a
+    chip, torch_tpu's ``torch.compile`` refuses ``backend="inductor"`` for tpu inputs at the first compiled step, after
+    the prefill already ran; transformers itself compiles with torch_tpu's ``"tpu"`` backend when no
+    ``compile_config`` is given (``PreTrainedModel._default_compile_config``). hf_tpu does not reroute such a config to
+    ``"tpu"``: that would honour neither its backend nor its mode, and the same code would then behave differently with
+    and without hf_tpu (torch_tpu raises). It raises at the start of ``generate`` instead, naming the one-line fix. A
+    config with ``options={"tpu_backend": ...}`` (torch_tpu's own switch for running Inductor on TPU) or any other
+    backend passes."""
+    device = getattr(model, "device", None)
+    if device is None or device.type != "tpu":
+        return
+    generation_config = arguments.get("generation_config") or getattr(model, "generation_config", None)
+    config = extra_kwargs.get("compile_config")
+    if config is None:
+        config = getattr(generation_config, "compile_config", None)
+    if config is None or getattr(config, "backend", None) != "inductor":
+        return
+    if extra_kwargs.get("disable_compile", getattr(generation_config, "disable_compile", False)):
+        return
+    if (getattr(config, "options", None) or {}).get("tpu_backend"):
+        return
+    raise ValueError(
+        f"generate(compile_config={config!r}) on a model on the tpu device: torch_tpu's torch.compile refuses "
+        "backend='inductor' for tpu tensors (it would fail at the first compiled step), and mode='reduce-overhead' "
+        "(CUDA graphs) has no TPU meaning. Pass CompileConfig(backend='tpu', dynamic=False, mode='default'), or leave "
+        "compile_config out: transformers then compiles with torch_tpu's 'tpu' backend. (torch_tpu runs Inductor on "
+        "TPU only when asked explicitly: options={'tpu_backend': 'pallas'}.)"
+    )
 
 
 def _run_upstream(model, route: Route, upstream, args, kwargs):
@@ -270,11 +296,12 @@ def _float_inputs_on_device(model, args: tuple, kwargs: dict) -> tuple[tuple, di
 
 def run_loop(model, *args, hf_tpu_plan: dict, **kwargs):
     """The ``custom_generate`` callable hf_tpu hands upstream's ``generate``: the loop of the call's route
-    (``hf_tpu_plan["route"]``): :func:`~hf_tpu.transformers._loops.cached.decode_loop` for the cached and
-    host-length routes, :func:`~hf_tpu.transformers._loops.cacheless.cacheless_loop` for the loop without a cache (whose
-    reason, where the cached loop cannot serve the model, is said once its graphs ran)."""
+    (``hf_tpu_plan["route"]``): :func:`~hf_tpu.transformers._loops.beam.beam_loop` for a beam call (``route.beams``),
+    :func:`~hf_tpu.transformers._loops.cached.decode_loop` for the cached and host-length routes,
+    :func:`~hf_tpu.transformers._loops.cacheless.cacheless_loop` for the loop without a cache (whose reason, where the
+    cached loop cannot serve the model, is said once its graphs ran)."""
     route = hf_tpu_plan["route"]
-    if kwargs.get("generation_config") is not None and beam.is_beam_call(kwargs["generation_config"]):
+    if route.beams:
         return beam.beam_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
     if route.loop != CACHELESS:
         return decode_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)

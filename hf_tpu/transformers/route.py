@@ -15,8 +15,10 @@ A model's route (what a call with a cache takes) is decided once, from what can 
 (:func:`model_route`), kept in the model's state as one :class:`Route`, and demoted in one place when a graph
 fails its first trace (:func:`demote`: cached -> host length where it fits -> without a cache where that loop
 serves -> upstream). A call's route (:func:`call_route`) is the model's, unless the call asks for something only
-upstream's loop does or has no cache. ``generate``, :func:`hf_tpu.warmup`, the architecture sweep and the docs
-read it; :func:`explain` is the public question.
+upstream's loop does or has no cache. ``generate`` and :func:`hf_tpu.warmup` run their steps through
+:func:`attempt`, the one demote-and-retry: a step on the call's route, and where a graph fails its first trace, the
+step again on the route the call takes after :func:`demote`. The architecture sweep and the docs read the route;
+:func:`explain` is the public question.
 
 Adding a fallback: a loop name here, its place in :func:`demote`'s order, the loop's ``custom_generate`` in
 :func:`hf_tpu.transformers.generation.run_loop`, its warm function in :mod:`hf_tpu.transformers.warmup`.
@@ -24,7 +26,9 @@ Adding a fallback: a loop name here, its place in :func:`demote`'s order, the lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
 from hf_tpu.transformers import _images, _upstream
 from hf_tpu.transformers._cache import pool
@@ -44,7 +48,7 @@ from hf_tpu.transformers._signatures import model_cache_problem
 from hf_tpu.transformers._upstream import own_generate
 
 __all__ = [
-    "CACHED", "CACHELESS", "HOST_LENGTH", "LOOPS", "UPSTREAM", "Route", "call_route", "demote", "explain",
+    "CACHED", "CACHELESS", "HOST_LENGTH", "LOOPS", "UPSTREAM", "Route", "attempt", "call_route", "demote", "explain",
     "own_generate",
 ]  # fmt: skip
 
@@ -79,7 +83,7 @@ def explain(model, **generate_kwargs) -> Route:
         return Route(UPSTREAM, own, warn=False)
     args = {k: generate_kwargs.pop(k) for k in _GENERATE_ARGUMENTS if k in generate_kwargs}
     found = call_route(model, args, dict(generate_kwargs))
-    if found.fast and not model.config.is_encoder_decoder and not beam.asks_beams(model, args, generate_kwargs):
+    if found.fast and not model.config.is_encoder_decoder and not found.beams:  # (a beam call: never the host path)
         from hf_tpu.transformers._loops.skeleton import host_sampling
 
         found = replace(found, host_sampling=host_sampling(model, **generate_kwargs))
@@ -113,7 +117,8 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
         reason, warn = asked
         return Route(UPSTREAM, reason, warn=warn)
     found = _call_route(model, config, model_kwargs)
-    if found.loop != UPSTREAM and beam.is_beam_call(config):
+    beams = found.loop != UPSTREAM and is_beam_call(config)
+    if beams:
         problem = beam.beam_problem(model, args, config, model_kwargs, found)
         if problem is not None:
             reason, warn = problem
@@ -132,7 +137,14 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
                 "whose attention weights hf_tpu's loop does not cut to upstream's shapes",
                 warn=True,
             )
-    return found
+    return replace(found, beams=True) if beams else found
+
+
+def is_beam_call(config) -> bool:
+    """Whether a call with generation config ``config`` is beam search or beam sampling (upstream's modes)."""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    return config.get_generation_mode() in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 
 
 def _call_route(model, config, model_kwargs: dict) -> Route:
@@ -182,7 +194,7 @@ def _decide(model) -> Route:
     if model.config.is_encoder_decoder:
         problem = static_cache_problem(model)
         return Route(CACHED) if problem is None else Route(UPSTREAM, problem, warn=True)
-    if cacheless.writes_no_cache(model):
+    if writes_no_cache(model):
         reason = f"{name}'s forward writes nothing into the cache it is given"
         without = _without_cache(model)
         if without is not None:
@@ -192,6 +204,20 @@ def _decide(model) -> Route:
     if problem is None:
         return Route(CACHED)
     return _after_cached(model, problem)
+
+
+def writes_no_cache(model) -> bool:
+    """True for a decoder-only model whose forward writes nothing into the cache it is given (measured by
+    :func:`hf_tpu.transformers._cache.probe.cache_shapes`): its calls take the loop without a cache."""
+    from hf_tpu.transformers._cache.probe import CacheProbeError, cache_shapes
+
+    if model.config.is_encoder_decoder or model_cache_problem(model):
+        return False  # (a forward that names its cache otherwise ignores the probe's: the cached loop says why)
+    try:
+        self_shapes, _ = cache_shapes(model)
+    except CacheProbeError:
+        return False
+    return bool(self_shapes) and not any(self_shapes)
 
 
 def _after_cached(model, reason: str) -> Route:
@@ -287,3 +313,36 @@ def demote(model, error: NotCompilableError) -> Route:
         state.route = _after_cached(model, reason)
         state.caches.clear()
     return state.route
+
+
+T = TypeVar("T")
+
+
+def attempt(model, run: Callable[[Route], T], args: dict | None = None, kwargs: dict | None = None,
+            route: Route | None = None) -> tuple[T | None, Route]:  # fmt: skip
+    """Run one step of hf_tpu's loops (``generate``'s loop, or warm-up's graphs of one shape) on the route of the call
+    whose named arguments are ``args`` and other arguments ``kwargs`` (:func:`call_route`; ``route``: that route, when
+    the caller asked already), demoting the model where a graph fails its first trace: the one demote-and-retry.
+
+    ``run(route)`` runs the step for ``route``'s loop. Where it raises :class:`NotCompilableError` naming the loop
+    whose graph failed, the model moves down its routes (:func:`demote`) and ``run`` runs again on the route the call
+    takes then; where the error names no loop (the call's own inputs cannot take it), the model's route stays and
+    this call takes upstream's loop.
+
+    Returns:
+        ``(result, route)``: what ``run`` returned and the route it ran on; ``(None, route)`` where the call's route
+        is (or became) upstream's loop, ``route.reason`` saying why: no step of hf_tpu ran to the end.
+    """
+    args, kwargs = args or {}, kwargs or {}
+    found = route if route is not None else call_route(model, args, kwargs)
+    for _ in range(len(LOOPS)):  # each failure moves the model down the routes' order, upstream's loop at its end
+        if found.loop == UPSTREAM:
+            break
+        try:
+            return run(found), found
+        except NotCompilableError as exc:  # found at the first trace of a graph
+            demote(model, exc)
+            found = call_route(model, args, kwargs)  # the call asks again, with what the trace found
+            if exc.loop is None and found.loop != UPSTREAM:  # pragma: no cover - the inputs cannot take it
+                found = Route(UPSTREAM, exc.reason or str(exc), warn=True)
+    return None, found

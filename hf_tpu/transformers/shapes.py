@@ -7,6 +7,12 @@ default). A cache already compiled for the same prompt bucket that is large enou
 smaller one. :func:`plan_shapes` is the public way to ask which shapes a call will use, and :func:`ladder_figures`
 measures a ladder (padding, unused cache slots, graphs) through it.
 
+The padding's token id (:func:`fill_id`): upstream's ``generate`` writes the call's ``pad_token_id`` into the
+returned sequences only; it never embeds it where a row is not finished. ``pad_token_id=-1`` (transformers' own
+tests pass it) or an id past the vocabulary is fine there, but it cannot be embedded: the padding hf_tpu adds to
+reach a bucket, and a finished row's input to the next decode step, take :func:`fill_id` instead (masked out, or
+never read back), and the sequences keep the caller's pad id.
+
 Example:
     >>> plan_shapes(model, batch=1, prompt_len=500, max_new_tokens=8)      # doctest: +SKIP
     ShapePlan(batch=1, prompt_len=500, prompt_bucket=512, cache_bucket=640, encoder_bucket=None)
@@ -22,7 +28,7 @@ from hf_tpu.transformers._settings import model_state
 from hf_tpu.transformers._upstream import encoder_input_name
 from hf_tpu.transformers.buckets import BucketLadder, BucketOverflowError, cache_length
 
-__all__ = ["ShapePlan", "ladder_figures", "plan_shapes"]
+__all__ = ["ShapePlan", "fill_id", "ladder_figures", "plan_shapes"]
 
 # The remedy every length error names (it must exist: tests/transformers/test_remedies.py resolves it).
 LADDER_FIX = (
@@ -145,3 +151,41 @@ def ladder_figures(model, prompt_lens: Iterable[int], max_new_tokens: int, batch
         "prompt_buckets": sorted({p for p, _ in prefills}),
         "cache_buckets": sorted(caches),
     }
+
+
+def _input_vocab(model) -> int | None:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is None:
+        weight = getattr(embeddings, "weight", None)
+        rows = None if weight is None else int(weight.shape[0])
+    if rows is None:
+        rows = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+    return rows
+
+
+def fill_id(model, pad_token_id, eos_token_id=None) -> int:
+    """An id ``model`` can embed, for positions the caller gave no token: ``pad_token_id`` when it is one, else the
+    first end-of-sequence id that is, else 0.
+
+    Example:
+        >>> fill_id(model, -1, eos_token_id=2)          # doctest: +SKIP
+        2
+    """
+    vocab = _input_vocab(model)
+
+    def valid(token) -> bool:
+        return token is not None and 0 <= int(token) and (vocab is None or int(token) < vocab)
+
+    for token in (pad_token_id, *_ids(eos_token_id)):
+        if valid(token):
+            return int(token)
+    return 0
+
+
+def _ids(value) -> list:
+    if value is None:
+        return []
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return list(value) if isinstance(value, (list, tuple)) else [value]

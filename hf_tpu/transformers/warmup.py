@@ -28,7 +28,7 @@ from hf_tpu.transformers import _mm_warmup, _settings, _upstream, route
 from hf_tpu.transformers._graph_key import GraphKind, Variant, public_key
 from hf_tpu.transformers._loops import beam, cacheless, readback
 from hf_tpu.transformers._loops.skeleton import own_variant
-from hf_tpu.transformers._settings import CACHELESS, LOOPS, UPSTREAM
+from hf_tpu.transformers._settings import CACHELESS, UPSTREAM
 from hf_tpu.transformers.buckets import BucketLadder
 
 __all__ = ["WarmupReport", "warmup"]
@@ -294,26 +294,20 @@ def _add_keys(report: WarmupReport, keys) -> None:
 
 
 def _warm_one(model, plan, variant: Variant) -> list[tuple] | None:
-    """Warm ``plan`` with the loop of the route a call with the model's own ``generation_config`` takes; where a
-    graph does not trace, the model moves to its next route (:func:`hf_tpu.transformers.route.demote`), as
-    ``generate`` would, and that loop's graphs are warmed. Returns the keys, None where the model's route became
+    """Warm ``plan`` with the loop of the route a call with the model's own ``generation_config`` takes, through
+    :func:`hf_tpu.transformers.route.attempt` as ``generate`` runs its loop: where a graph does not trace, the model
+    moves to its next route and that loop's graphs are warmed. Returns the keys, None where the model's route became
     upstream's loop (no graph to compile)."""
     from hf_tpu.transformers import generation
 
-    for _ in range(len(LOOPS)):
-        loop = route.explain(model).loop
-        if loop == UPSTREAM:
-            return None
-        warm = cacheless.warm if loop == CACHELESS else generation.warm_plan
-        try:
-            keys = warm(model, plan, variant)
-            readback.warm(model, plan.batch)  # (the eager ops that keep the tokens on the device between read-backs)
-            return keys
-        except generation.NotCompilableError as exc:
-            if getattr(exc, "loop", None) is None:  # (not a trace's verdict on the model's loop)
-                raise
-            route.demote(model, exc)
-    return None  # pragma: no cover - (every demotion moves down a finite order, upstream's loop at its end)
+    def run(found) -> list[tuple]:
+        warm = cacheless.warm if found.loop == CACHELESS else generation.warm_plan
+        keys = warm(model, plan, variant)
+        readback.warm(model, plan.batch)  # (the eager ops that keep the tokens on the device between read-backs)
+        return keys
+
+    keys, found = route.attempt(model, run)
+    return None if found.loop == UPSTREAM else keys
 
 
 def _warm_images(model, state, notes: list[str], batch, size, count, prompt_buckets, max_new_tokens, variant):

@@ -1,6 +1,6 @@
 """``generate(compile_config=CompileConfig())`` on a tpu model fails early, naming the fix.
 
-(hf_tpu/transformers/_compile_config.py)
+(``_check_compile_config`` in hf_tpu/transformers/generation.py)
 """
 
 import pytest

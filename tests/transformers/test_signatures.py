@@ -12,7 +12,7 @@ import transformers
 from packaging.version import Version
 
 from hf_tpu.transformers import _signatures, explain, generation
-from hf_tpu.transformers._loops.cacheless import writes_no_cache
+from hf_tpu.transformers.route import writes_no_cache
 
 
 def test_the_cache_name_is_the_one_the_installed_forward_takes():

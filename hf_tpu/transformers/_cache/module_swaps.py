@@ -24,16 +24,6 @@ logger = logging.getLogger("hf_tpu.generation")
 Replaced = list[tuple[str, type, type]]  # (module name, class before, class after)
 
 
-def replaced_classes(before: dict, module) -> Replaced:
-    """The modules of ``module`` whose class is no longer the one in ``before`` (``dict(module.named_modules())``)."""
-    now = dict(module.named_modules())
-    return [
-        (name, type(old), type(now[name]))
-        for name, old in before.items()
-        if name in now and type(now[name]) is not type(old)
-    ]
-
-
 def _kept_every_module(before: dict, module) -> bool:
     now = dict(module.named_modules())
     return now.keys() == before.keys() and all(now[name] is old for name, old in before.items())

@@ -75,13 +75,25 @@ def _run_probe(model, probe, device: str) -> tuple[list[dict], list[dict] | None
     text_config = model.config.get_text_config(decoder=True)
     built = dict(probe.named_modules())
     shapes = _forward(model, probe, device, text_config)
-    replaced = _module_swaps.replaced_classes(built, probe)
+    replaced = _replaced_classes(built, probe)
     if replaced:
         shapes = _module_swaps.second_forward_keeps_modules(
             model, probe, replaced, lambda: _forward(model, probe, device, text_config)
         )
         _module_swaps.settle(model, replaced, lambda: _forward(model, model, model.device, text_config))
     return shapes
+
+
+def _replaced_classes(before: dict, module) -> list[tuple[str, type, type]]:
+    """The modules of ``module`` whose class is no longer the one in ``before`` (``dict(module.named_modules())``), as
+    ``(name, class before, class after)``: none, unless the forward swapped some
+    (:mod:`~hf_tpu.transformers._cache.module_swaps` then settles them)."""
+    now = dict(module.named_modules())
+    return [
+        (name, type(old), type(now[name]))
+        for name, old in before.items()
+        if name in now and type(now[name]) is not type(old)
+    ]
 
 
 def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[dict] | None]:

@@ -12,8 +12,8 @@ the loop of the call's route (decided once, in :mod:`hf_tpu.transformers.route`)
   the warm-up of one shape plan;
 * :mod:`.cacheless`: the route ``"cacheless"`` (no cache: each step runs the model over the whole sequence, padded
   to the bucket, in one graph), and the checks a model passes to take it;
-* :mod:`.beam`: a beam call (``num_beams > 1``) on either route above (its graphs run upstream's own beam step on
-  the device), and what it cannot serve.
+* :mod:`.beam`: a beam call (``num_beams > 1``: the route says so, ``route.beams``) on either route above (its
+  graphs run upstream's own beam step on the device), and what it cannot serve.
 
 The route ``"upstream"`` has no loop here: upstream's own runs (:mod:`hf_tpu.transformers._upstream` says why).
 

@@ -28,32 +28,14 @@ from hf_tpu.transformers._graphs import run_graph as _run_graph
 from hf_tpu.transformers._images import mrope_rows
 from hf_tpu.transformers._loops.cached import extra_inputs
 from hf_tpu.transformers._loops.skeleton import output_vocab
-from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import CACHED, CACHELESS, NotCompilableError, model_state
 from hf_tpu.transformers._signatures import output_cache_field
 from hf_tpu.transformers._upstream import numbers_by_cache_length
-from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
+from hf_tpu.transformers.shapes import ShapePlan, fill_id, plan_shapes
 
 __all__ = ["beam_features", "beam_problem"]
 
 _STOPPING_FORMS = ("MaxLengthCriteria", "EosTokenCriteria")
-
-
-def is_beam_call(config) -> bool:
-    """Whether a call with generation config ``config`` is beam search or beam sampling (upstream's modes)."""
-    from transformers.generation.configuration_utils import GenerationMode
-
-    return config.get_generation_mode() in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
-
-
-def asks_beams(model, args: dict, kwargs: dict) -> bool:
-    """Whether a ``generate`` call with named arguments ``args`` and the rest ``kwargs`` is a beam call (its
-    processors then run in the beam graphs, or the call runs upstream's loop: never the host path)."""
-    try:
-        config, _ = model._prepare_generation_config(args.get("generation_config"), **kwargs)
-    except (ValueError, TypeError, AttributeError):
-        return False
-    return is_beam_call(config)
 
 
 def beam_problem(model, args: dict, config, model_kwargs: dict, route) -> tuple[str, bool] | None:

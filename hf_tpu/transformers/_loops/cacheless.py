@@ -35,30 +35,9 @@ import inspect
 from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._images import mrope_rows
 from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
-from hf_tpu.transformers._pad_id import fill_id
+from hf_tpu.transformers.shapes import fill_id
 
 __all__: list[str] = []
-
-
-def writes_no_cache(model) -> bool:
-    """True for a decoder-only model whose forward writes nothing into the cache it is given (measured by
-    :func:`hf_tpu.transformers._cache.probe.cache_shapes`)."""
-    from hf_tpu.transformers._cache.probe import CacheProbeError, cache_shapes
-    from hf_tpu.transformers._signatures import model_cache_problem
-
-    if model.config.is_encoder_decoder or model_cache_problem(model):
-        return False  # (a forward that names its cache otherwise ignores the probe's: the cached loop says why)
-    try:
-        self_shapes, _ = cache_shapes(model)
-    except CacheProbeError:
-        return False
-    return bool(self_shapes) and not any(self_shapes)
-
-
-def recomputes(model, use_cache: bool) -> bool:
-    """Whether a call has no cache: a decoder-only model generating with ``use_cache=False``, or one that keeps
-    none."""
-    return not model.config.is_encoder_decoder and (not use_cache or writes_no_cache(model))
 
 
 # What generate says (once per reason) when the cached loop cannot serve a model and this one does instead.

@@ -10,7 +10,7 @@ stopped. So the output is upstream's exactly:
 
 * what each row gets: a row that ended keeps its padding on the device, as upstream's ``unfinished_sequences`` does
   on the host: a flag per row lives on the device, the end-of-sequence ids (``EosTokenCriteria``) clear it, and it
-  gates the token returned (the pad id) and the token fed to the next step (:func:`~hf_tpu.transformers._pad_id.
+  gates the token returned (the pad id) and the token fed to the next step (:func:`~hf_tpu.transformers.shapes.
   fill_id`);
 * the other stopping criteria (``max_length``, ``stop_strings``, a caller's own ``StoppingCriteria``) run on the host
   at the read-back, once per token in order, as they run in upstream's loop; a row they stop is padded in the
@@ -190,8 +190,8 @@ def warm(model, batch: int) -> None:
     a strict warm-up (``strict="eager"``) covers them."""
     import torch
 
-    from hf_tpu.transformers._pad_id import fill_id
     from hf_tpu.transformers._settings import model_state
+    from hf_tpu.transformers.shapes import fill_id
 
     every = model_state(model).settings.read_back_every
     if every <= 1:

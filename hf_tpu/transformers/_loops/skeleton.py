@@ -29,9 +29,9 @@ from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._graph_key import Variant
 from hf_tpu.transformers._loops import readback
 from hf_tpu.transformers._notes import warn_once
-from hf_tpu.transformers._pad_id import fill_id
 from hf_tpu.transformers._settings import model_state
 from hf_tpu.transformers._signatures import output_cache_field
+from hf_tpu.transformers.shapes import fill_id
 
 __all__ = ["default_variant"]
 
@@ -72,19 +72,35 @@ def output_vocab(model) -> int:
     return int(model.config.get_text_config(decoder=True).vocab_size)
 
 
-def _plan(model, logits_processor, input_ids, do_sample: bool, host_only: str | None):
+def sampling_plan(model, config, logits_processor, input_ids):
+    """The sampling plan of a call with generation config ``config`` and processors ``logits_processor``: a
+    :class:`~hf_tpu.transformers.sampling.DevicePlan` (the processors and the sampler run in the graph), or why they
+    run on the host, as text: device sampling is off (``configure(model, device_sampling=False)``) and the call samples
+    or has processors; the scores or logits are wanted on the host (``output_scores``/``output_logits``); or a
+    processor has no device form. The one decision, for a call (:class:`LoopCall`) and without one
+    (:func:`host_sampling`, which :func:`hf_tpu.transformers.explain` asks)."""
+    from hf_tpu.transformers.sampling import device_plan
+
+    do_sample = bool(config.do_sample)
+    if not model_state(model).settings.device_sampling and (do_sample or len(logits_processor) > 0):
+        return "device sampling is off (configure(model, device_sampling=False))"
+    if config.return_dict_in_generate and (config.output_scores or config.output_logits):
+        return "output_scores/output_logits need the scores on the host"
+    return device_plan(logits_processor, input_ids, vocab=output_vocab(model), do_sample=do_sample)
+
+
+def _plan(model, config, logits_processor, input_ids):
     """The call's device sampling plan, or None for the host path (warned once per model class and reason, with
     its cost per step)."""
-    from hf_tpu.transformers.sampling import device_plan, host_path_cost
+    from hf_tpu.transformers.sampling import host_path_cost
 
-    vocab = output_vocab(model)
-    reason = host_only or device_plan(logits_processor, input_ids, vocab=vocab, do_sample=do_sample)
+    reason = sampling_plan(model, config, logits_processor, input_ids)
     if not isinstance(reason, str):
         return reason
     warn_once(
         f"host-path:{type(model).__name__}:{reason}",
         f"hf_tpu: {reason}, so {type(model).__name__}.generate keeps the logits processors and sampling on the host: "
-        f"{host_path_cost(input_ids.shape[0], vocab)}.",
+        f"{host_path_cost(input_ids.shape[0], output_vocab(model))}.",
     )
     return None
 
@@ -112,10 +128,7 @@ class LoopCall:
         self.do_sample = bool(generation_config.do_sample)
         want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-        host_only = "output_scores/output_logits need the scores on the host" if want_scores or want_logits else None
-        if not self.state.settings.device_sampling and (self.do_sample or len(logits_processor) > 0):
-            host_only = "device sampling is off (configure(model, device_sampling=False))"
-        self.sampler = _plan(model, logits_processor, self.input_ids, self.do_sample, host_only)
+        self.sampler = _plan(model, generation_config, logits_processor, self.input_ids)
         self.host_path = self.sampler is None
         self.variant = Variant() if self.sampler is None else self.sampler.variant
         self.scores = () if want_scores else None
@@ -279,13 +292,10 @@ def loop(steps: Callable[[LoopCall, Any, dict], Steps]) -> Callable:
     return custom_generate
 
 
-def _default_plan(model, input_ids, **generate_kwargs):
-    """The device plan (or the host-path reason) of a call with the model's own ``generation_config`` (updated by
-    ``generate_kwargs``, as a call's keyword arguments update it), built from the processors upstream's
-    ``generate`` would build for it."""
+def _default_processors(model, input_ids, **generate_kwargs):
+    """The generation config of a call with the model's own ``generation_config`` (updated by ``generate_kwargs``, as
+    a call's keyword arguments update it) and the processors upstream's ``generate`` would build for it."""
     from transformers.generation.logits_process import LogitsProcessorList
-
-    from hf_tpu.transformers.sampling import device_plan
 
     config, _ = model._prepare_generation_config(None, **generate_kwargs)
     model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
@@ -299,22 +309,30 @@ def _default_plan(model, input_ids, **generate_kwargs):
         generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
         logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={},
     )  # fmt: skip
+    return config, processors
+
+
+def _default_plan(model, input_ids, **generate_kwargs):
+    """The device plan (or the host-path reason) of the processors of a call with the model's own
+    ``generation_config`` updated by ``generate_kwargs`` (:func:`_default_processors`)."""
+    from hf_tpu.transformers.sampling import device_plan
+
+    config, processors = _default_processors(model, input_ids, **generate_kwargs)
     return device_plan(processors, input_ids, vocab=output_vocab(model), do_sample=bool(config.do_sample))
 
 
 def host_sampling(model, **generate_kwargs) -> str | None:
     """Why a call with ``generate_kwargs`` keeps its logits processors and sampling on the host (one logits row
-    back per step), None when they run in the graph: what :class:`LoopCall` finds, without a call."""
+    back per step), None when they run in the graph: what :class:`LoopCall` finds (:func:`sampling_plan`), without
+    a call."""
     import torch
 
     config, _ = model._prepare_generation_config(None, **generate_kwargs)
-    if config.return_dict_in_generate and (config.output_scores or config.output_logits):
-        return "output_scores/output_logits need the scores on the host"
     ids = generate_kwargs.pop("input_ids", None)
     ids = torch.zeros(1, 1, dtype=torch.long) if ids is None else ids.to("cpu")
-    plan = _default_plan(model, ids, **{k: v for k, v in generate_kwargs.items() if not hasattr(v, "device")})
-    if not model_state(model).settings.device_sampling and (config.do_sample or not isinstance(plan, str) and plan.variant):
-        return "device sampling is off (configure(model, device_sampling=False))"
+    fields = {k: v for k, v in generate_kwargs.items() if not hasattr(v, "device")}
+    _, processors = _default_processors(model, ids, **fields)
+    plan = sampling_plan(model, config, processors, ids)
     return plan if isinstance(plan, str) else None
 
 
