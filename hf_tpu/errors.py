@@ -14,13 +14,14 @@ A module raises its own specific class where it has one; otherwise one of the ge
 the built-in type the site raised before. The caller's mistakes: :class:`InvalidArgumentError` (``ValueError``: an
 argument, a setting or an environment variable with a value hf_tpu cannot use), :class:`InvalidTypeError`
 (``TypeError``), :class:`UnknownNameError` (``KeyError``: a name not among the known ones),
-:class:`MissingFileError` (``FileNotFoundError``) and :class:`UnsupportedArgumentError` (``NotImplementedError``).
-Everything else: :class:`HfTpuRuntimeError` (``RuntimeError``: a process hf_tpu started died, a set-up that
-cannot run), :class:`HfTpuValueError` and :class:`HfTpuTypeError` (a value or type hf_tpu made itself, not the
-caller: a bug to report), :class:`UnsupportedError` (``NotImplementedError``: what hf_tpu cannot do yet) and
+:class:`MissingFileError` (``FileNotFoundError``), :class:`UnsupportedArgumentError` (``NotImplementedError``) and
+:class:`SetupError` (``RuntimeError``: a set-up of the caller's that cannot run as asked). Everything else:
+:class:`HfTpuRuntimeError` (``RuntimeError``: a process hf_tpu started died, a server exited),
+:class:`HfTpuValueError` and :class:`HfTpuTypeError` (a value or an object hf_tpu made itself, not the caller's: a
+bug to report), :class:`UnsupportedError` (``NotImplementedError``: what hf_tpu cannot do yet) and
 :class:`InternalError` (``AssertionError``: an invariant of hf_tpu's own broke). A module that lets a built-in
 exception pass through on purpose (the simulator raises what torch_tpu raises) says which in its docstring;
-``tests/test_errors.py`` keeps that list.
+``tests/test_errors.py`` keeps the list of those modules.
 
 Importing this module imports nothing heavy.
 
@@ -47,6 +48,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidTypeError",
     "MissingFileError",
+    "SetupError",
     "UnknownNameError",
     "UnsupportedArgumentError",
     "UnsupportedError",
@@ -100,6 +102,11 @@ class UnsupportedError(HfTpuError, NotImplementedError):
 
 class UnsupportedArgumentError(UserError, UnsupportedError):
     """An argument the caller passed that hf_tpu does not support on TPU: the message says what to pass instead."""
+
+
+class SetupError(UserError, RuntimeError):
+    """What the caller set up (a pipeline's offloading hooks, a process's environment) cannot run as asked: the
+    message says what to change."""
 
 
 class HfTpuRuntimeError(HfTpuError, RuntimeError):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__ = ["check_compile_config"]
 
 
@@ -36,7 +38,7 @@ def check_compile_config(model: Any, arguments: dict, extra_kwargs: dict) -> Non
         return
     if (getattr(config, "options", None) or {}).get("tpu_backend"):
         return
-    raise ValueError(
+    raise InvalidArgumentError(
         f"generate(compile_config={config!r}) on a model on the tpu device: torch_tpu's torch.compile refuses "
         "backend='inductor' for tpu tensors (it would fail at the first compiled step), and mode='reduce-overhead' "
         "(CUDA graphs) has no TPU meaning. Pass CompileConfig(backend='tpu', dynamic=False, mode='default'), or leave "
