@@ -124,6 +124,15 @@ def _user_errors():
     from hf_tpu.device_map.preflight import DeviceMapFitError
     from hf_tpu.distributed.launch import LaunchError
     from hf_tpu.distributed.tp_plan import TensorParallelConfigError
+    from hf_tpu.errors import (
+        InvalidArgumentError,
+        InvalidTypeError,
+        MissingFileError,
+        SetupError,
+        UnknownNameError,
+        UnsupportedArgumentError,
+    )
+    from hf_tpu.kernels.registry import KernelModuleError
     from hf_tpu.serving._guard import PromptTooLongError
     from hf_tpu.serving._openai import RequestError
     from hf_tpu.tpu_compile.targets import UnknownTargetError
@@ -134,29 +143,44 @@ def _user_errors():
         BucketOverflowError: ValueError,
         CheckpointFileError: OSError,
         DeviceMapFitError: ValueError,
+        InvalidArgumentError: ValueError,
+        InvalidTypeError: TypeError,
+        KernelModuleError: AttributeError,
         LaunchError: RuntimeError,
         LoweringUnavailableError: RuntimeError,
+        MissingFileError: FileNotFoundError,
         PromptTooLongError: ValueError,
         RequestError: ValueError,
+        SetupError: RuntimeError,
         TensorParallelConfigError: ValueError,
         TPUTrainingError: RuntimeError,
         runtime.TPUNotAvailableError: RuntimeError,
+        UnknownNameError: KeyError,
         UnknownTargetError: ValueError,
+        UnsupportedArgumentError: NotImplementedError,
         UnsupportedTopologyError: ValueError,
     }
 
 
 def _other_errors():
     from hf_tpu.compile_cache import StaleGraphError
+    from hf_tpu.errors import HfTpuRuntimeError, HfTpuTypeError, HfTpuValueError, InternalError, UnsupportedError
+    from hf_tpu.selftest import CheckFailed
     from hf_tpu.sim import SimStrictError
     from hf_tpu.transformers._settings import NotCompilableError, RecompileError
     from hf_tpu.transformers._signatures import UpstreamSignatureError
 
     return {
+        CheckFailed: AssertionError,
+        HfTpuRuntimeError: RuntimeError,
+        HfTpuTypeError: TypeError,
+        HfTpuValueError: ValueError,
+        InternalError: AssertionError,
         NotCompilableError: RuntimeError,
         RecompileError: RuntimeError,
         SimStrictError: RuntimeError,
         StaleGraphError: RuntimeError,
+        UnsupportedError: NotImplementedError,
         UpstreamSignatureError: TypeError,
     }
 
@@ -169,6 +193,12 @@ def test_user_errors_are_user_errors_and_keep_their_builtin_base():
         from hf_tpu.transformers.buckets import BucketLadder
 
         BucketLadder((16, 32)).bucket(100)
+    from hf_tpu.errors import UnknownNameError
+
+    # A KeyError's text is its argument quoted, as a key; an UnknownNameError's is the message as written (the CLI
+    # prints it), and args[0] is the message for both.
+    assert str(UnknownNameError("unknown check 'x'; known: a, b")) == "unknown check 'x'; known: a, b"
+    assert UnknownNameError("unknown check").args[0] == "unknown check"
 
 
 def test_runtime_conditions_are_not_user_errors():
