@@ -6,8 +6,9 @@ torch's usual same-device error; transfers, host syncs, compiles and new eager s
 
 The simulator raises the built-in exceptions torch_tpu's wheel raises, type for type (``RuntimeError``,
 ``ValueError``, ``TypeError``, ``NotImplementedError``, ``AttributeError``, ``ImportError``), not hf_tpu's classes,
-so code tested here catches on a TPU what it caught on the simulator; :class:`SimStrictError` (strict mode) is the
-simulator's own.
+so code tested here catches on a TPU what it caught on the simulator; its own checks (:func:`enable`'s arguments,
+:func:`host_view`, the native core) raise built-ins too, like the device around them. :class:`SimStrictError`
+(strict mode) is its one class of its own.
 
 Example:
     >>> import torch, hf_tpu.sim
