@@ -4,6 +4,9 @@
 needs them. Set ``HF_TPU_SIMULATE=1`` (or call :func:`hf_tpu.sim.enable`) to get a ``tpu`` device backed by
 CPU memory on a machine without TPU chips.
 
+An unknown attribute raises the built-in ``AttributeError`` from the module's ``__getattr__`` (the protocol
+``hasattr`` and ``getattr`` with a default rely on), not an hf_tpu error.
+
 Example:
     >>> import hf_tpu
     >>> hf_tpu.enable()          # teach accelerate/transformers/diffusers about the TPU   # doctest: +SKIP

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_tpu.errors import HfTpuValueError, InvalidArgumentError
+
 logger = logging.getLogger("hf_tpu.patch")
 
 __all__ = [
@@ -148,7 +150,7 @@ def patch(
         record = _STATE.patches.get(key)
         if record is not None and record.feature != feature:
             # Two integrations wrapping one attribute would silently drop one of them (each wraps upstream).
-            raise ValueError(
+            raise HfTpuValueError(
                 f"hf_tpu integrations {record.feature!r} and {feature!r} both patch {record.target}; only one may. "
                 "Chain them in one integration, or use an upstream extension point."
             )
@@ -277,7 +279,7 @@ def _load(name: str) -> Callable[[], None]:
     try:
         target = INTEGRATIONS[name]
     except KeyError:
-        raise ValueError(f"unknown hf_tpu integration {name!r}; known: {', '.join(INTEGRATIONS)}") from None
+        raise InvalidArgumentError(f"unknown hf_tpu integration {name!r}; known: {', '.join(INTEGRATIONS)}") from None
     module_name, _, func = target.partition(":")
     return getattr(importlib.import_module(module_name), func or "apply")
 

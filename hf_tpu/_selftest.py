@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_tpu.selftest import CheckContext, SkipCheck, register_check
+from hf_tpu.errors import HfTpuRuntimeError
+from hf_tpu.selftest import CheckContext, CheckFailed, SkipCheck, register_check
 
 
 @register_check("runtime", description="a tpu device is present: mode, generation, chips, HBM", order=0)
@@ -20,12 +21,12 @@ def _runtime(ctx: CheckContext) -> dict[str, Any]:
 
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None or accelerator.type != "tpu":
-        raise RuntimeError(f"runtime mode is {info.mode!r} but torch.accelerator reports {accelerator}")
+        raise HfTpuRuntimeError(f"runtime mode is {info.mode!r} but torch.accelerator reports {accelerator}")
     count = torch.accelerator.device_count()
     if count < 1:
-        raise RuntimeError(f"runtime mode is {info.mode!r} but torch.accelerator.device_count() is {count}")
+        raise HfTpuRuntimeError(f"runtime mode is {info.mode!r} but torch.accelerator.device_count() is {count}")
     if info.hbm_bytes <= 0:
-        raise RuntimeError(f"HBM per device is unknown for generation {info.generation!r}")
+        raise HfTpuRuntimeError(f"HBM per device is unknown for generation {info.generation!r}")
     return {
         "mode": info.mode,
         "generation": info.generation,
@@ -47,7 +48,7 @@ def _torch_tpu_api(ctx: CheckContext) -> dict[str, Any]:
         raise SkipCheck("the simulated device does not use torch_tpu (tests/contract checks these names against it)")
     missing = _torch_tpu.missing_names()
     if missing:
-        raise RuntimeError(
+        raise HfTpuRuntimeError(
             f"torch-tpu {_torch_tpu.installed_version()} lacks {len(missing)} name(s) hf_tpu was written against "
             f"(torch-tpu {_torch_tpu.WRITTEN_FOR}): {', '.join(missing)}"
         )
@@ -68,9 +69,9 @@ def _device(ctx: CheckContext) -> dict[str, Any]:
         xd = ctx.to_device(x)
         back = xd.cpu()
     if xd.device.type != "tpu":
-        raise RuntimeError(f"x.to('tpu') landed on {xd.device}")
+        raise HfTpuRuntimeError(f"x.to('tpu') landed on {xd.device}")
     if not torch.equal(back, x):
-        raise AssertionError("a tensor copied to the device and back changed")
+        raise CheckFailed("a tensor copied to the device and back changed")
 
     wd = ctx.to_device(w)
     with ctx.measure(figures, "matmul_cold"):
@@ -129,5 +130,5 @@ def _compile(ctx: CheckContext) -> dict[str, Any]:
     with ctx.measure(figures, "warm"):
         ctx.assert_close(compiled(ad, bd), expected, rtol=1e-4, atol=1e-5)
     if ctx.simulated and figures["warm_compiles"] != 0:
-        raise AssertionError(f"the second call with the same shapes compiled again ({figures['warm_compiles']})")
+        raise CheckFailed(f"the second call with the same shapes compiled again ({figures['warm_compiles']})")
     return figures

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from hf_tpu.errors import UserError
+from hf_tpu.errors import UnsupportedError, UserError
 
 __all__ = [
     "EXPECTED_NAMES",
@@ -610,7 +610,7 @@ def start_lowering(announce=None) -> LoweringSession:
             try:
                 result = func(*meta_args, **meta_kwargs)
             except NotImplementedError as exc:
-                raise NotImplementedError(
+                raise UnsupportedError(
                     f"{func} on a tpu tensor outside a graph has no meta kernel, so the lowering stand-in cannot "
                     "answer it without a chip"
                 ) from exc

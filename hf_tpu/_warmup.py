@@ -16,6 +16,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from hf_tpu.errors import InvalidTypeError
+
 __all__ = ["warmup"]
 
 # The generation warm-up's options beyond those both warm-ups take.
@@ -54,14 +56,14 @@ def warmup(
 
     Raises:
         hf_tpu.errors.UserError: ``cache_dir`` given for an encoder (the compile cache holds no encoder graphs yet).
-        TypeError: a keyword argument neither warm-up takes.
+        TypeError (InvalidTypeError): a keyword argument neither warm-up takes.
         Whatever the chosen warm-up raises (a model not on the TPU, bad batch sizes, ...).
     """
     from hf_tpu.encoders import serves
 
     unknown = set(generation) - _GENERATION_OPTIONS
     if unknown:  # (as a call of the generation warm-up would, for an encoder too)
-        raise TypeError(f"hf_tpu.warmup() got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
+        raise InvalidTypeError(f"hf_tpu.warmup() got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
     if serves(model):  # an encoder (BERT-like): its graphs are the bucketed forward's
         return _warm_encoder(model, max_prompt_len, batch_sizes, buckets, strict, progress, cache_dir)
 

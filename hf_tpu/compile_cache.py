@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_tpu import _torch_tpu
-from hf_tpu.errors import HfTpuError
+from hf_tpu.errors import HfTpuError, HfTpuValueError, InvalidTypeError
 
 logger = logging.getLogger("hf_tpu.compile_cache")
 
@@ -220,7 +220,7 @@ class CompileCache:
             The :class:`CompileCache`, or None for None / False.
 
         Raises:
-            TypeError: ``value`` is none of the above.
+            TypeError (InvalidTypeError): ``value`` is none of the above.
         """
         if value is None or value is False:
             return None
@@ -228,7 +228,7 @@ class CompileCache:
             return value
         if isinstance(value, (str, os.PathLike)):
             return cls(value)
-        raise TypeError(f"cache_dir must be a directory path, a CompileCache, None or False; got {value!r}")
+        raise InvalidTypeError(f"cache_dir must be a directory path, a CompileCache, None or False; got {value!r}")
 
     @property
     def base(self) -> Path:
@@ -359,10 +359,10 @@ class Namespace:
         try:
             data = path.read_bytes()
             if not data.startswith(_MAGIC):
-                raise ValueError("not an hf_tpu graph file")
+                raise HfTpuValueError("not an hf_tpu graph file")
             header, _, payload = data[len(_MAGIC) :].partition(b"\n")
             meta = json.loads(header)
-        except (OSError, ValueError) as exc:
+        except (OSError, HfTpuValueError, ValueError) as exc:  # (HfTpuValueError: not ours; ValueError: bad JSON)
             self.cache.report(f"{path} is corrupt ({exc}); compiling the {describe} again")
             return None
         if meta.get("key") != self._key_text or meta.get("graph") != graph_id:

@@ -3,6 +3,9 @@
 The decision is made once per process and never falls back silently: asking for ``tpu`` with neither real
 chips nor the simulator raises :class:`TPUNotAvailableError`, which says how to get one or the other.
 
+An unknown attribute raises the built-in ``AttributeError`` from the module's ``__getattr__`` (the protocol
+``hasattr`` and ``getattr`` with a default rely on), not an hf_tpu error.
+
 Example:
     >>> from hf_tpu import runtime
     >>> info = runtime.detect()

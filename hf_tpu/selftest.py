@@ -33,10 +33,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from hf_tpu.errors import HfTpuError
+from hf_tpu.errors import HfTpuError, HfTpuValueError, UnknownNameError
 
 __all__ = [
     "CheckContext",
+    "CheckFailed",
     "CheckResult",
     "SkipCheck",
     "checks",
@@ -50,6 +51,10 @@ Status = Literal["passed", "failed", "skipped"]
 
 class SkipCheck(HfTpuError):
     """Raised by a check that cannot run on this host; the message is the reason shown in the report."""
+
+
+class CheckFailed(HfTpuError, AssertionError):
+    """Raised by a check whose device result differs from what it expects (the CPU result, no new compile)."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ def register_check(
     def decorator(fn: Callable) -> Callable:
         existing = _REGISTRY.get(name)
         if existing is not None and (existing.module, existing.fn.__qualname__) != (fn.__module__, fn.__qualname__):
-            raise ValueError(
+            raise HfTpuValueError(
                 f"self-test check {name!r} is registered twice: by {existing.module}.{existing.fn.__qualname__} "
                 f"and by {fn.__module__}.{fn.__qualname__}; give one of them another name"
             )
@@ -205,7 +210,7 @@ def run_checks(
     if only:
         unknown = [n for n in only if n not in registered]
         if unknown:
-            raise KeyError(f"unknown self-test check(s) {', '.join(unknown)}; known: {', '.join(registered)}")
+            raise UnknownNameError(f"unknown self-test check(s) {', '.join(unknown)}; known: {', '.join(registered)}")
     selected = [c for c in registered.values() if (not only or c.name in only) and (not quick or c.quick or only)]
     ctx = CheckContext(quick=quick)
     results: list[CheckResult] = []

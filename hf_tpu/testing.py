@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__ = [
     "ENCODER_FAMILIES", "ENCODER_WORDS", "FAMILIES", "tiny_config", "tiny_encoder", "tiny_model", "tiny_tokenizer",
 ]
@@ -208,7 +210,9 @@ def _family(family: str) -> tuple[str, str, dict[str, Any]]:
     try:
         return FAMILIES[family]
     except KeyError:
-        raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}") from None
+        raise InvalidArgumentError(
+            f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}"
+        ) from None
 
 
 def tiny_config(family: str = "llama", **overrides: Any) -> Any:
@@ -252,7 +256,7 @@ def tiny_model(
         The model (the family's ``...ForCausalLM`` class), in eval mode on the CPU.
 
     Raises:
-        ValueError: an unknown family, or ``config=`` together with config fields.
+        ValueError (InvalidArgumentError): an unknown family, or ``config=`` together with config fields.
 
     Example:
         >>> model = tiny_model("qwen3", tie_word_embeddings=True)
@@ -265,7 +269,9 @@ def tiny_model(
     _, model_class, _ = _family(family)
     config = overrides.pop("config", None)
     if config is not None and overrides:
-        raise ValueError(f"tiny_model: pass either config= or config fields ({', '.join(overrides)}), not both")
+        raise InvalidArgumentError(
+            f"tiny_model: pass either config= or config fields ({', '.join(overrides)}), not both"
+        )
     config = config if config is not None else tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
@@ -324,7 +330,7 @@ def tiny_encoder(
         The model, in eval mode on the CPU.
 
     Raises:
-        ValueError: an unknown family (the message lists them).
+        ValueError (InvalidArgumentError): an unknown family (the message lists them).
 
     Example:
         >>> tiny_encoder("bert", head="AutoModelForSequenceClassification").config.num_labels
@@ -337,7 +343,7 @@ def tiny_encoder(
         config_class, defaults = ENCODER_FAMILIES[family]
     except KeyError:
         known = ", ".join(ENCODER_FAMILIES)
-        raise ValueError(f"unknown tiny encoder family {family!r}; choose one of {known}") from None
+        raise InvalidArgumentError(f"unknown tiny encoder family {family!r}; choose one of {known}") from None
     config = getattr(transformers, config_class)(**{**defaults, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, head).from_config(config).eval()

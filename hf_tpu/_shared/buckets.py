@@ -33,7 +33,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hf_tpu.errors import UserError
+from hf_tpu.errors import InvalidArgumentError, UserError
 
 __all__ = [
     "DEFAULT_CACHE_MULTIPLE",
@@ -68,7 +68,7 @@ class BucketLadder:
     def __post_init__(self) -> None:
         rungs = tuple(sorted({int(r) for r in self.rungs}))
         if not rungs or rungs[0] < 1:
-            raise ValueError(f"a bucket ladder needs at least one positive length, got {self.rungs!r}")
+            raise InvalidArgumentError(f"a bucket ladder needs at least one positive length, got {self.rungs!r}")
         object.__setattr__(self, "rungs", rungs)
 
     @classmethod
@@ -80,7 +80,7 @@ class BucketLadder:
             (16, 32, 64, 100)
         """
         if start < 1 or stop < start:
-            raise ValueError(f"powers_of_two needs 1 <= start <= stop, got start={start}, stop={stop}")
+            raise InvalidArgumentError(f"powers_of_two needs 1 <= start <= stop, got start={start}, stop={stop}")
         rungs, n = [], start
         while n < stop:
             rungs.append(n)
@@ -103,7 +103,7 @@ class BucketLadder:
             (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2304, 2560, 2816, 3000)
         """
         if start < 1 or linear_from < start or stop < start:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"tiered needs 1 <= start <= linear_from and start <= stop, got {start}, {linear_from}, {stop}"
             )
         rungs, n = [], start

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hf_tpu.errors import MissingFileError
+
 __all__ = ["DEFAULT_MODEL_NAME", "default_model_path"]
 
 #: Folder name of the default model under ``hf_tpu/assets``.
@@ -39,7 +41,7 @@ def default_model_path() -> Path:
     path = Path(__file__).resolve().parent / DEFAULT_MODEL_NAME
     missing = [name for name in ("config.json", "model.safetensors", "tokenizer.json") if not (path / name).is_file()]
     if missing:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"hf_tpu's default model is incomplete: {', '.join(missing)} not found in {path}. "
             "Reinstall hf-tpu (its wheel ships these files), or regenerate them with "
             "`python scripts/train_tiny_lm.py --out hf_tpu/assets/tiny-lm` from a source checkout."

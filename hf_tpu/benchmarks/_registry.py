@@ -8,6 +8,8 @@ import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
+from hf_tpu.errors import UnknownNameError
+
 __all__ = ["BENCHMARKS", "Benchmark", "load", "missing_requirements"]
 
 
@@ -108,5 +110,5 @@ def missing_requirements(name: str) -> list[str]:
 def load(name: str) -> ModuleType:
     """Import benchmark ``name`` (a key of :data:`BENCHMARKS`); raises ``KeyError`` naming the known ones."""
     if name not in BENCHMARKS:
-        raise KeyError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+        raise UnknownNameError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
     return importlib.import_module(f"{__package__}.{name}")

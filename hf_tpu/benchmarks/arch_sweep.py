@@ -23,6 +23,9 @@ table to docs/architectures.md. Run::
     hf-tpu bench arch_sweep --archs llama qwen3_moe      # some of them
     python benchmarks/arch_sweep.py --write-docs         # from a checkout: regenerate docs/architectures.md
     python benchmarks/arch_sweep.py --rows /tmp/rows.jsonl --resume --write-docs   # stopped? run it again
+
+A command line it cannot run (an unknown architecture, ``--resume`` without ``--rows``) ends it with ``SystemExit``
+and the message, as argparse does.
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ from pathlib import Path
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
+from hf_tpu.errors import HfTpuRuntimeError
+
 __all__ = ["QUICK", "add_arguments", "print_table", "run", "verdict"]
 
 QUICK = {"max_prompt": 64, "samples": 4}
@@ -90,7 +92,7 @@ def _spawn(model_dir: Path, cache_dir: Path, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-c", code, str(model_dir), str(cache_dir), str(args.max_prompt), str(args.max_new_tokens)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"the warm-up process failed:\n{proc.stderr[-4000:]}")
+        raise HfTpuRuntimeError(f"the warm-up process failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -42,6 +42,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from hf_tpu.errors import HfTpuRuntimeError
+
 __all__ = ["QUICK", "SOAK_BASELINE", "TARGET_RSS_DRIFT", "TARGET_SPEEDUP", "add_arguments", "print_table", "run",
            "soak", "soak_requests"]
 
@@ -139,7 +141,7 @@ def _start_server(a: argparse.Namespace, log: Path, max_pending: int) -> tuple[s
         deadline = time.monotonic() + _WAIT_S
         while not _ready(url):  # /health: 503 while the server warms up, 200 once it is ready
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"hf-tpu serve did not start:\n{log.read_text(errors='replace')[-3000:]}")
+                raise HfTpuRuntimeError(f"hf-tpu serve did not start:\n{log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.5)
     except BaseException:
         _stop(proc)

@@ -22,6 +22,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 import torch
 
 import hf_tpu.sim
+from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.training import BucketingCollator
 
 __all__ = ["QUICK", "add_arguments", "print_table", "run"]
@@ -100,7 +101,9 @@ def run(a: argparse.Namespace) -> dict:
         >>> run(argparse.Namespace(steps=4, warmup=2, hidden=64, layers=2, batch=2, threads=1))  # doctest: +SKIP
     """
     if a.steps <= a.warmup:
-        raise ValueError(f"--steps ({a.steps}) must be larger than --warmup ({a.warmup}): no step left to measure")
+        raise InvalidArgumentError(
+            f"--steps ({a.steps}) must be larger than --warmup ({a.warmup}): no step left to measure"
+        )
     hf_tpu.sim.enable()
     torch.set_num_threads(a.threads)
 

@@ -36,6 +36,11 @@ Workers, timeouts and ``--rows``/``--resume`` are the causal-LM sweep's (:mod:`h
     hf-tpu bench vlm_sweep                              # every architecture
     hf-tpu bench vlm_sweep --archs llava gemma3         # some of them
     python benchmarks/vlm_sweep.py --rows /tmp/vlm.jsonl --resume --write-docs
+
+An unknown architecture on its command line ends it with ``SystemExit`` and the message, as argparse does. A model
+the generic inputs do not fit raises the built-in ``LookupError``, caught in the same function: its verdict row
+names the exception's type (``LookupError: its vision config names no image_size`` in docs/architectures.md), so the
+type is part of the rows.
 """
 
 from __future__ import annotations

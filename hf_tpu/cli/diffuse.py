@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from hf_tpu.errors import UserError
+from hf_tpu.errors import MissingFileError, UserError
 
 __all__ = ["register", "run"]
 
@@ -103,7 +103,7 @@ def _load(model_dir: str | None, dtype_name: str) -> Any:
             f"{model_dir}: no such directory. Pass a directory that DiffusionPipeline.save_pretrained wrote."
         )
     if not os.path.isfile(os.path.join(model_dir, "model_index.json")):
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{model_dir!r} is not a saved diffusers pipeline (no model_index.json there): pass the directory that "
             f"DiffusionPipeline.save_pretrained wrote, or download one with `hf download <repo> --local-dir DIR`."
         )

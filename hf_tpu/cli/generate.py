@@ -8,6 +8,9 @@ The prompt and the KV cache are padded to the rungs of a bucket ladder (powers o
 ``max_position_embeddings``): ``--buckets 32,128,512`` sets the ladder, ``--max-prompt-len N`` keeps only the last
 ``N`` tokens of the prompt. A prompt or ``--max-new-tokens`` past the largest rung is refused with the flag to use.
 
+Without a model directory and without the shipped default model, the command ends with ``SystemExit`` and the
+message (exit status 1).
+
 Example:
     $ hf-tpu generate --simulate --prompt "The king said"
     $ hf-tpu generate --model ./my-model --prompt "Once upon a time" --max-new-tokens 64 --do-sample --seed 0

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from hf_tpu.errors import UserError
+from hf_tpu.errors import HfTpuTypeError, UserError
 
 __all__ = ["COMMANDS", "DEBUG_ENV", "available_commands", "build_parser", "main"]
 
@@ -168,7 +168,9 @@ def _load(name: str) -> ModuleType:
     module = importlib.import_module(f"{__package__}.{name}")
     for attr in ("register", "run"):
         if not callable(getattr(module, attr, None)):
-            raise TypeError(f"hf_tpu.cli.{name} must define register(subparsers) and run(args); {attr} is missing")
+            raise HfTpuTypeError(
+                f"hf_tpu.cli.{name} must define register(subparsers) and run(args); {attr} is missing"
+            )
     return module
 
 

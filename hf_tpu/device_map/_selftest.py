@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from hf_tpu.selftest import CheckContext, register_check
+from hf_tpu.selftest import CheckContext, CheckFailed, register_check
 
 
 @register_check("device_map", description="device_map='tpu'/'auto' place a tiny Llama; outputs match CPU", order=60)
@@ -35,9 +35,9 @@ def _device_map(ctx: CheckContext) -> dict[str, Any]:
                 model = AutoModelForCausalLM.from_pretrained(path, device_map="tpu", dtype=torch.float32)
             devices = {str(p.device) for p in model.parameters()}
             if devices != {"tpu:0"}:
-                raise AssertionError(f"device_map='tpu' left parameters on {devices}")
+                raise CheckFailed(f"device_map='tpu' left parameters on {devices}")
             if model.lm_head.weight is not model.model.embed_tokens.weight:
-                raise AssertionError("the tied LM head and embedding are separate tensors after device_map='tpu'")
+                raise CheckFailed("the tied LM head and embedding are separate tensors after device_map='tpu'")
             with ctx.measure(figures, "forward_tpu"), torch.no_grad():
                 ctx.assert_close(model(ids.to(ctx.device)).logits, expected)
             del model
@@ -49,7 +49,7 @@ def _device_map(ctx: CheckContext) -> dict[str, Any]:
                 )
             plan = set(model.hf_device_map.values())
             if plan != {"tpu:0", "cpu"}:
-                raise AssertionError(f"device_map='auto' with a 60 KiB TPU cap planned {model.hf_device_map}")
+                raise CheckFailed(f"device_map='auto' with a 60 KiB TPU cap planned {model.hf_device_map}")
             figures["auto_tpu_kib"] = round(placement_bytes(model, model.hf_device_map)["tpu:0"] / 1024, 1)
             with ctx.measure(figures, "forward_offload"), torch.no_grad():
                 ctx.assert_close(model(ids.to(ctx.device)).logits, expected)
@@ -62,5 +62,5 @@ def _device_map(ctx: CheckContext) -> dict[str, Any]:
             except DeviceMapFitError:
                 figures["fit_check"] = "refused"
             else:
-                raise AssertionError("a model that needs disk offload without offload_folder was not refused")
+                raise CheckFailed("a model that needs disk offload without offload_folder was not refused")
     return figures

@@ -24,6 +24,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__ = [
     "TPUMemory",
     "is_tpu_device",
@@ -134,7 +136,7 @@ def tpu_memory(index: int = 0) -> TPUMemory:
 
     Raises:
         TPUNotAvailableError: this process has no TPU.
-        ValueError: ``index`` is not a device this process addresses.
+        ValueError (InvalidArgumentError): ``index`` is not a device this process addresses.
 
     Example:
         >>> import hf_tpu.sim; hf_tpu.sim.enable()          # doctest: +SKIP
@@ -147,7 +149,7 @@ def tpu_memory(index: int = 0) -> TPUMemory:
 
         runtime.require_tpu(f"tpu:{index}")
     if not 0 <= index < count:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"tpu:{index} was asked for, but this process addresses {count} TPU device(s) "
             f"({', '.join(f'tpu:{i}' for i in range(count))}); torch_tpu gives each process one chip, seen as "
             "tpu:0. Use 'tpu' (or 'tpu:0'), and `hf-tpu launch` for one process per chip."

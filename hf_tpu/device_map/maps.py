@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_tpu.device_map.devices import is_tpu_device, tpu_available, tpu_device_count
+from hf_tpu.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["int_means_tpu", "names_tpu", "normalize_device", "normalize_device_map"]
 
@@ -40,7 +41,9 @@ def tpu_index(value: Any) -> int:
         try:
             return int(index)
         except ValueError:
-            raise ValueError(f"{value!r} is not a device: write 'tpu' or 'tpu:N' with N an integer") from None
+            raise InvalidArgumentError(
+                f"{value!r} is not a device: write 'tpu' or 'tpu:N' with N an integer"
+            ) from None
     return 0 if value.index is None else int(value.index)
 
 
@@ -51,7 +54,7 @@ def check_index(index: int, asked: Any) -> None:
     count = tpu_device_count()
     if not 0 <= index < count:
         visible = ", ".join(f"tpu:{i}" for i in range(count)) or "none"
-        raise ValueError(
+        raise InvalidArgumentError(
             f"device {asked!r} was asked for, but this process sees {count} TPU device(s) ({visible}). torch_tpu "
             "gives each process one chip, seen as tpu:0: use 'tpu' (or 'tpu:0'), and `hf-tpu launch` to run one "
             "process per chip."
@@ -70,7 +73,7 @@ def normalize_device(value: Any) -> Any:
         of any other ``torch.device``, and other values unchanged.
 
     Raises:
-        TypeError: ``value`` is a bool.
+        TypeError (InvalidTypeError): ``value`` is a bool.
         ValueError: a TPU index this process does not address, or a malformed ``"tpu:..."`` string.
         TPUNotAvailableError: ``value`` names a TPU and this process has none.
 
@@ -79,7 +82,7 @@ def normalize_device(value: Any) -> Any:
         'disk'
     """
     if isinstance(value, bool):  # bool is an int; never a device
-        raise TypeError(f"{value!r} is not a device")
+        raise InvalidTypeError(f"{value!r} is not a device")
     if isinstance(value, int):
         if value < 0:
             return "cpu" if value == -1 else value

@@ -24,6 +24,7 @@ from typing import Any
 
 from hf_tpu.device_map.devices import is_tpu_device, tpu_device_count, tpu_memory
 from hf_tpu.device_map.maps import check_index, int_means_tpu, names_tpu, tpu_index
+from hf_tpu.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["get_max_memory", "normalize_max_memory"]
 
@@ -40,7 +41,7 @@ def _size(value: Any) -> int:
 
 def _keys_for(key: Any) -> list[Any]:
     if isinstance(key, bool):
-        raise TypeError(f"max_memory key {key!r} is not a device")
+        raise InvalidTypeError(f"max_memory key {key!r} is not a device")
     if key == "tpu" or (hasattr(key, "type") and key.type == "tpu" and key.index is None):
         from hf_tpu import runtime
 
@@ -69,7 +70,8 @@ def normalize_max_memory(max_memory: dict[Any, Any]) -> dict[Any, int]:
 
     Raises:
         TypeError: a key is a bool.
-        ValueError: a key is no device hf_tpu or accelerate knows, or names a TPU index this process lacks.
+        ValueError (InvalidArgumentError): a key is no device hf_tpu or accelerate knows, or names a TPU index this
+            process lacks.
         TPUNotAvailableError: a key names a TPU and this process has none.
 
     Example:
@@ -83,7 +85,7 @@ def normalize_max_memory(max_memory: dict[Any, Any]) -> dict[Any, int]:
     ints = sorted(k for k in flat if isinstance(k, int))
     unknown = [k for k in flat if not isinstance(k, int) and k not in _ORDER]
     if unknown:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"max_memory has entries for {unknown}, which are not devices hf_tpu or accelerate know. Use 'tpu' (every "
             "TPU device), 'tpu:N' or N for one TPU device, 'cpu' and 'disk'; for example "
             "max_memory={'tpu': '14GiB', 'cpu': '64GiB'}."

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__ = ["audio_latent_count", "check_audio_latents", "check_chunked_frames", "chunked_frames", "valid_frame_counts"]
 
 
@@ -102,7 +104,7 @@ def check_chunked_frames(pipe: Any, num_frames: Any, *, strict: bool = True) -> 
         return
     per_chunk, latents = chunked_frames(pipe)
     counts = valid_frame_counts(pipe)
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{type(pipe).__name__} cannot make {num_frames!r} frames: {problem}. Its video VAE encodes "
         f"{per_chunk}*n + {latents} frames and it generates {counts[0]} to {counts[-1]} frames; nearest valid counts: "
         f"{_nearest(counts, num_frames)}."
@@ -144,8 +146,8 @@ def check_audio_latents(pipe: Any, audio_latents: Any, num_frames: Any) -> None:
         num_frames: the clip's frame count (a non-int passes unchecked: :func:`check_frames` names it).
 
     Raises:
-        ValueError: ``audio_latents`` is not a tensor of shape ``(audio_channels, audio_latent_channels, n)`` for
-            this clip.
+        ValueError (InvalidArgumentError): ``audio_latents`` is not a tensor of shape ``(audio_channels,
+            audio_latent_channels, n)`` for this clip.
     """
     import torch
 
@@ -159,7 +161,7 @@ def check_audio_latents(pipe: Any, audio_latents: Any, num_frames: Any) -> None:
     fits = [f for f in valid_frame_counts(pipe) if got and len(got) == 3 and audio_latent_count(pipe, f) == got[-1]]
     hint = f"; a tensor of {got[-1]} latents fits num_frames={fits[0]}" if fits else ""
     described = f"shape {got}" if got is not None else f"a {type(audio_latents).__name__}"
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{type(pipe).__name__} cannot take audio_latents of {described} for {num_frames} frames: the soundtrack of "
         f"{num_frames} frames is {want[2]} audio latents per channel (40 per second at {_get(pipe, 'fps')} fps), so "
         f"pass noise of shape {want} ({channels} channels x {width} latent channels x {want[2]}){hint}."

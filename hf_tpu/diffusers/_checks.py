@@ -18,6 +18,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError, InvalidTypeError, SetupError
+
 __all__ = [
     "check_components_on",
     "check_frames",
@@ -76,7 +78,7 @@ def denoiser(pipe: Any) -> tuple[str, Any]:
         ``(name, module)`` of the first denoiser attribute that holds a module.
 
     Raises:
-        ValueError: no denoiser module; the message lists the model components there are.
+        ValueError (InvalidArgumentError): no denoiser module; the message lists the model components there are.
 
     Example:
         >>> name, module = denoiser(pipe)  # doctest: +SKIP
@@ -90,7 +92,7 @@ def denoiser(pipe: Any) -> tuple[str, Any]:
         if isinstance(module, torch.nn.Module):
             return name, module
     components = ", ".join(k for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)) or "none"
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{type(pipe).__name__} has no denoiser to compile: looked for a module named one of {', '.join(DENOISERS)} "
         f"and found these model components: {components}. Compile the module yourself with "
         f"module.compile(backend='tpu', fullgraph=True, dynamic=False)."
@@ -189,8 +191,8 @@ def check_frames(pipe: Any, num_frames: Any) -> None:
         num_frames: the frame count the call asks for.
 
     Raises:
-        ValueError: ``num_frames`` is not a positive int, or not ``k * t + 1`` (or, for a chunked VAE, not a
-            count it takes); the message names the nearest valid counts.
+        ValueError (InvalidArgumentError): ``num_frames`` is not a positive int, or not ``k * t + 1`` (or, for a
+            chunked VAE, not a count it takes); the message names the nearest valid counts.
 
     Example:
         >>> check_frames(wan_pipe, 10)  # doctest: +SKIP
@@ -205,11 +207,13 @@ def check_frames(pipe: Any, num_frames: Any) -> None:
     if t is None or num_frames is None:
         return
     if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1:
-        raise ValueError(f"{type(pipe).__name__}: num_frames={num_frames!r} must be a positive int (k*{t} + 1).")
+        raise InvalidArgumentError(
+            f"{type(pipe).__name__}: num_frames={num_frames!r} must be a positive int (k*{t} + 1)."
+        )
     if (num_frames - 1) % t == 0:
         return
     down = (num_frames - 1) // t * t + 1
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{type(pipe).__name__} cannot make {num_frames} frames: its VAE compresses time by {t} after the first "
         f"frame, so a clip has k*{t} + 1 frames; nearest valid counts: {down}, {down + t}."
     )
@@ -226,8 +230,9 @@ def check_resolution(pipe: Any, height: int, width: int) -> None:
         width: the image width asked for, in pixels.
 
     Raises:
-        ValueError: a side is not an int, not a multiple of :func:`resolution_limits`' ``multiple``, or outside
-            its bounds (the message names the nearest valid sizes); or the pipeline has no denoiser.
+        ValueError (InvalidArgumentError): a side is not an int, not a multiple of :func:`resolution_limits`'
+            ``multiple``, or outside its bounds (the message names the nearest valid sizes); or the pipeline has no
+            denoiser.
 
     Example:
         >>> check_resolution(pipe, 30, 30)  # doctest: +SKIP
@@ -260,7 +265,7 @@ def check_resolution(pipe: Any, height: int, width: int) -> None:
     hs, ws = nearest(height), nearest(width)
     suggestions = ", ".join(f"{w}x{h}" for w in ws for h in hs)
     bound = f" and at most {largest}" if largest is not None else ""
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{type(pipe).__name__} cannot make a {width}x{height} (width x height) image: {'; '.join(problems)}. Image "
         f"sides must be multiples of {multiple} (the VAE scale times the denoiser's patch size){bound}; "
         f"nearest valid sizes (width x height): {suggestions}."
@@ -286,9 +291,9 @@ def check_generator(pipe: Any, generator: Any, batch_size: int | None = None) ->
         batch_size: the number of images of the call; None (the default) skips the list-length check.
 
     Raises:
-        TypeError: an element is not a ``torch.Generator``.
-        ValueError: a generator on another device than the CPU or the pipeline's, generators on mixed devices,
-            or a list whose length is neither 1 nor ``batch_size``.
+        TypeError (InvalidTypeError): an element is not a ``torch.Generator``.
+        ValueError (InvalidArgumentError): a generator on another device than the CPU or the pipeline's, generators on
+            mixed devices, or a list whose length is neither 1 nor ``batch_size``.
 
     Example:
         >>> check_generator(pipe, torch.Generator("cpu").manual_seed(0))  # doctest: +SKIP
@@ -300,7 +305,7 @@ def check_generator(pipe: Any, generator: Any, batch_size: int | None = None) ->
         return
     for g in gens:
         if not isinstance(g, torch.Generator):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"generator must be a torch.Generator or a list of them, got {type(g).__name__}: pass "
                 f"torch.Generator('cpu').manual_seed(seed)."
             )
@@ -309,14 +314,14 @@ def check_generator(pipe: Any, generator: Any, batch_size: int | None = None) ->
     found = sorted({g.device.type for g in gens})
     bad = [d for d in found if d not in allowed]
     if bad or len(found) > 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{type(pipe).__name__} runs on {device} but got a generator on {', '.join(str(g.device) for g in gens)}"
             f": use torch.Generator('cpu').manual_seed(seed) (the latents are drawn on the host and copied, so the "
             f"image equals the CPU run with that seed){'' if device.type == 'cpu' else f' or a generator on {device}'}"
             f", and the same device for every generator in a list."
         )
     if batch_size is not None and isinstance(generator, (list, tuple)) and len(gens) not in (1, batch_size):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"got a list of {len(gens)} generators for a batch of {batch_size} images: pass one generator, or one "
             f"per image (batch size = number of prompts x num_images_per_prompt)."
         )
@@ -335,8 +340,8 @@ def check_components_on(pipe: Any, device: Any) -> None:
         device: the device every parameter and buffer should be on (``"tpu"``, ``"tpu:0"``, a ``torch.device``).
 
     Raises:
-        RuntimeError: some component has tensors elsewhere (the message names up to three per component and how
-            to fix it: remove offloading hooks, use a TPU-supported quantization, or move them yourself).
+        RuntimeError (SetupError): some component has tensors elsewhere (the message names up to three per component
+            and how to fix it: remove offloading hooks, use a TPU-supported quantization, or move them yourself).
 
     Example:
         >>> pipe.to("tpu"); check_components_on(pipe, "tpu")  # doctest: +SKIP
@@ -357,7 +362,7 @@ def check_components_on(pipe: Any, device: Any) -> None:
             more = f" and {len(off) - 3} more" if len(off) > 3 else ""
             stray.append(f"{name} ({type(component).__name__}): {', '.join(off[:3])}{more}")
     if stray:
-        raise RuntimeError(
+        raise SetupError(
             f"{type(pipe).__name__}.to({str(want)!r}) left tensors off {want}: " + "; ".join(stray) + ". "
             "These components cannot be moved as they are: remove offloading hooks "
             "(pipe.remove_all_hooks(), module.disable_group_offload()), load quantized models in a TPU-supported "

@@ -14,7 +14,7 @@ import importlib.util
 import tempfile
 from typing import Any
 
-from hf_tpu.selftest import CheckContext, SkipCheck, register_check
+from hf_tpu.selftest import CheckContext, CheckFailed, SkipCheck, register_check
 
 _PROMPT = "a squirrel"  # within the tiny CLIP's 16 tokens
 _SIZE = 32  # the tiny SD VAE divides by 8: 4x4 latents
@@ -62,7 +62,7 @@ def _diffusers(ctx: CheckContext) -> dict[str, Any]:
         diff = float(np.abs(image - expected).max())
         figures[f"{label}_max_abs_diff"] = diff
         if not diff <= _ATOL:
-            raise AssertionError(
+            raise CheckFailed(
                 f"{label}_max_abs_diff={diff:.3g}: the {label} image on the tpu device differs from the CPU image "
                 f"by more than {_ATOL}"
             )
@@ -91,7 +91,7 @@ def _diffusers(ctx: CheckContext) -> dict[str, Any]:
                 figures[f"{label}_graphs"] = _graphs_compiled() - before
                 compare(label, image, expected)
     if ctx.simulated and figures["warm_compiles"]:
-        raise AssertionError(
+        raise CheckFailed(
             f"warm_compiles={figures['warm_compiles']}: the second compiled call at {_SIZE}x{_SIZE} compiled again "
             "(expected 0)"
         )

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__ = ["qwen_tokenizer", "tiny_qwen_image_pipeline"]
 
 
@@ -99,7 +101,7 @@ def tiny_qwen_image_pipeline(path: str | os.PathLike | None = None, *, seed: int
     tok = qwen_tokenizer()
     processor = _qwen_vl_processor(tok)
     if path is not None and processor.video_processor is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             "tiny_qwen_image_pipeline(path=...) saves the pipeline, but its Qwen3VLProcessor has no video processor "
             "without torchvision (transformers' Qwen3VLVideoProcessor needs it): install torchvision, or build the "
             "pipeline in-process with tiny_qwen_image_pipeline() and save single components."

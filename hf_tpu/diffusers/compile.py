@@ -35,6 +35,7 @@ from typing import Any
 
 from hf_tpu.diffusers._call_checks import install_call_checks
 from hf_tpu.diffusers._checks import check_resolution, denoisers
+from hf_tpu.errors import HfTpuRuntimeError, InvalidArgumentError
 
 __all__ = ["WarmupResult", "compile_pipeline", "compiled_modules", "uncompile_pipeline", "warmup"]
 
@@ -102,7 +103,8 @@ def compile_pipeline(
 
     Raises:
         hf_tpu.runtime.TPUNotAvailableError: ``backend="tpu"`` without a TPU (or the simulator).
-        ValueError: a later call's resolution or generator the compiled graphs cannot take (named, with the fix).
+        ValueError (InvalidArgumentError): a later call's resolution or generator the compiled graphs cannot take
+            (named, with the fix).
 
     Example:
         >>> pipe.to("tpu")                 # doctest: +SKIP
@@ -132,7 +134,7 @@ def compile_pipeline(
         for name, module in targets:
             device = _module_device(module)
             if device.type != "tpu":
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"compile_pipeline(backend='tpu') needs {type(pipe).__name__}.{name} on the TPU, but it is on "
                     f"{device}: call pipe.to('tpu') first."
                 )
@@ -223,7 +225,9 @@ def _sizes(resolutions: Iterable[int | Sequence[int]]) -> list[tuple[int, int]]:
         elif isinstance(r, (tuple, list)) and len(r) == 2:
             sizes.append((r[0], r[1]))
         else:
-            raise ValueError(f"warmup: a resolution is an int (square) or a (height, width) pair, got {r!r}.")
+            raise InvalidArgumentError(
+                f"warmup: a resolution is an int (square) or a (height, width) pair, got {r!r}."
+            )
     return list(dict.fromkeys(sizes))
 
 
@@ -263,8 +267,8 @@ def warmup(
         One :class:`WarmupResult` per distinct size, in order.
 
     Raises:
-        ValueError: no resolutions, a resolution that is neither an int nor a pair, a size the pipeline cannot
-            make (:func:`check_resolution`), or ``cache_dir`` given while a denoiser is not compiled.
+        ValueError (InvalidArgumentError): no resolutions, a resolution that is neither an int nor a pair, a size the
+            pipeline cannot make (:func:`check_resolution`), or ``cache_dir`` given while a denoiser is not compiled.
 
     Example:
         >>> compile_pipeline(pipe)                                        # doctest: +SKIP
@@ -278,12 +282,12 @@ def warmup(
 
     sizes = _sizes(resolutions)
     if not sizes:
-        raise ValueError("warmup: no resolutions given; pass e.g. resolutions=[512, (768, 1024)].")
+        raise InvalidArgumentError("warmup: no resolutions given; pass e.g. resolutions=[512, (768, 1024)].")
     if cache_dir is not _UNSET and cache_dir is not None:
         cache = compile_cache.CompileCache.coerce(cache_dir)
         for name, module in denoisers(pipe):
             if getattr(module, _MARK, None) is None or module._compiled_call_impl is None:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"warmup(pipe, cache_dir=...) caches compiled graphs, but the denoiser {name} is not compiled: "
                     "call hf_tpu.diffusers.compile_pipeline(pipe) first (or pass cache_dir to it)."
                 )
@@ -343,7 +347,7 @@ class _GraphBreaks:
             lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [type(err).__name__]
             first = next((line for line in lines if line.startswith("Caused by:")), lines[0])
             if self.strict:
-                raise RuntimeError(
+                raise HfTpuRuntimeError(
                     f"compile_pipeline(strict=True): {self.label} cannot be compiled as one graph: {first}. Each "
                     f"graph break makes every step wait for the host; rewrite the data-dependent code, or pass "
                     f"strict=False to compile it with breaks."

@@ -29,6 +29,7 @@ import functools
 from typing import Any
 
 from hf_tpu._patch import patch
+from hf_tpu.errors import InvalidArgumentError
 
 __all__ = ["apply", "is_tpu_target"]
 
@@ -100,7 +101,7 @@ def _to(original: Any) -> Any:
         require_tpu(f"{type(self).__name__}.to({str(target)!r})")
         problems = _component_problems(self)
         if problems:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{type(self).__name__}.to({str(target)!r}) cannot place every component on the TPU: "
                 + "; ".join(problems)
                 + "."

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_tpu._patch import original, patch
+from hf_tpu.errors import InvalidArgumentError
 
 __all__ = ["JointLayout", "apply", "joint_layout"]
 
@@ -174,11 +175,15 @@ def _static_forward(
     layout = img_mask
     batch_size = hidden_states.shape[0]
     if kv_cache is not None and not self.config.causal_condition:
-        raise ValueError("kv_cache requires `causal_condition=True` (upstream's rule).")
+        raise InvalidArgumentError("kv_cache requires `causal_condition=True` (upstream's rule).")
     if kv_cache is not None and kv_cache_mode not in ("extract", "cached"):
-        raise ValueError(f"kv_cache_mode must be 'extract' or 'cached' when kv_cache is given, got {kv_cache_mode!r}.")
+        raise InvalidArgumentError(
+            f"kv_cache_mode must be 'extract' or 'cached' when kv_cache is given, got {kv_cache_mode!r}."
+        )
     if kv_cache is None and kv_cache_mode is not None:
-        raise ValueError(f"kv_cache_mode is {kv_cache_mode!r} but no kv_cache was passed to hold the prefix.")
+        raise InvalidArgumentError(
+            f"kv_cache_mode is {kv_cache_mode!r} but no kv_cache was passed to hold the prefix."
+        )
 
     hidden_states = self.img_in(hidden_states)
     encoder_hidden_states = self.txt_in(encoder_hidden_states)

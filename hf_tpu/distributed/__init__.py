@@ -10,6 +10,9 @@ reaches it through :func:`hf_tpu.runtime.simulated_distributed` and imports noth
 
 Importing this package imports nothing heavy; each submodule is imported on first use.
 
+An unknown attribute raises the built-in ``AttributeError`` from the module's ``__getattr__`` (the protocol
+``hasattr`` and ``getattr`` with a default rely on), not an hf_tpu error.
+
 Example:
     >>> from hf_tpu.distributed import fix_plan                      # doctest: +SKIP
 """

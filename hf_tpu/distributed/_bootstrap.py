@@ -5,6 +5,8 @@ simulator's side of ``torch.distributed``, reached through :func:`hf_tpu.runtime
 the generation asked for and registers the simulated ``tpu_dist`` process-group backend), then runs the user's script or module as ``__main__`` with the
 arguments it was given. An exception is recorded for torchrun (``TORCHELASTIC_ERROR_FILE``), so the launcher
 can show which rank failed and its traceback.
+
+A command line without ``--script`` or ``--module`` ends it with ``SystemExit`` and the usage line.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hf_tpu.selftest import CheckContext, SkipCheck, register_check
+from hf_tpu.errors import HfTpuRuntimeError, InvalidArgumentError
+from hf_tpu.selftest import CheckContext, CheckFailed, SkipCheck, register_check
 
 # No fixed limit around the launch (a slow or busy host must not fail it): the launcher itself stops every rank once
 # one fails. HF_TPU_SELFTEST_TIMEOUT_S=<seconds> bounds it when a hang must end the check.
@@ -31,7 +32,7 @@ def _timeout() -> float | None:
     except ValueError:
         seconds = 0.0
     if seconds <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r}: give a positive number of seconds, or unset it to wait")
+        raise InvalidArgumentError(f"{TIMEOUT_ENV}={value!r}: give a positive number of seconds, or unset it to wait")
     return seconds
 
 
@@ -86,22 +87,22 @@ def _tensor_parallel(ctx: CheckContext) -> dict[str, Any]:
         except subprocess.TimeoutExpired as err:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            raise RuntimeError(f"the {ranks}-rank launch did not finish within {TIMEOUT_ENV}={limit:g}s") from err
+            raise HfTpuRuntimeError(f"the {ranks}-rank launch did not finish within {TIMEOUT_ENV}={limit:g}s") from err
         results = []
         for rank in range(ranks):
             path = Path(tmp) / f"rank{rank}.json"
             if not path.is_file():
-                raise RuntimeError(f"rank {rank} wrote no result; launcher output:\n{output[-3000:]}")
+                raise HfTpuRuntimeError(f"rank {rank} wrote no result; launcher output:\n{output[-3000:]}")
             results.append(json.loads(path.read_text()))
     for r in results:
         if "error" in r:
-            raise RuntimeError(f"rank {r['rank']} failed:\n{r['error']}")
+            raise HfTpuRuntimeError(f"rank {r['rank']} failed:\n{r['error']}")
         if not r["tokens_equal"]:
-            raise AssertionError(f"rank {r['rank']}: greedy tokens at TP={ranks} differ from TP=1")
+            raise CheckFailed(f"rank {r['rank']}: greedy tokens at TP={ranks} differ from TP=1")
         if r["max_abs_diff"] > 1e-3:
-            raise AssertionError(f"rank {r['rank']}: logits differ from TP=1 by {r['max_abs_diff']:.2e}")
+            raise CheckFailed(f"rank {r['rank']}: logits differ from TP=1 by {r['max_abs_diff']:.2e}")
     if proc.returncode != 0:
-        raise RuntimeError(f"the launcher exited with {proc.returncode}:\n{output[-3000:]}")
+        raise HfTpuRuntimeError(f"the launcher exited with {proc.returncode}:\n{output[-3000:]}")
     return {
         "ranks": ranks,
         "max_abs_diff": max(r["max_abs_diff"] for r in results),

@@ -42,6 +42,7 @@ from hf_tpu._launch_env import (  # the simulated launch environment, shared wit
     set_simulated_launch_env,
     simulated_topology,
 )
+from hf_tpu.errors import InternalError
 
 __all__ = [
     "BOOTSTRAP_MODULE",
@@ -276,7 +277,7 @@ def _sim_generation(args: argparse.Namespace, nproc: int | None) -> str:
                 )
             return generation
     simulated_topology(count, SIM_DEFAULT_GENERATION)  # raises, naming the counts of every generation
-    raise AssertionError("unreachable")
+    raise InternalError("unreachable")
 
 
 def _wrap_entrypoint(args: argparse.Namespace) -> None:

@@ -248,7 +248,9 @@ def fix_plan(
     if tp_size < 1:
         raise TensorParallelConfigError(f"tp_size must be >= 1, got {tp_size}.")
     if kv_heads_strategy not in KV_HEADS_STRATEGIES:
-        raise ValueError(f"kv_heads_strategy must be one of {KV_HEADS_STRATEGIES}, got {kv_heads_strategy!r}")
+        raise TensorParallelConfigError(
+            f"kv_heads_strategy must be one of {KV_HEADS_STRATEGIES}, got {kv_heads_strategy!r}"
+        )
     fixed = dict(plan)
     report = PlanReport(fixed)
     if tp_size == 1 or not fixed:
@@ -427,7 +429,7 @@ def set_kv_heads_strategy(strategy: str) -> str:
         The strategy in force before the call.
 
     Raises:
-        ValueError: an unknown strategy.
+        ValueError (TensorParallelConfigError): an unknown strategy.
 
     Example:
         >>> previous = set_kv_heads_strategy("repeat")
@@ -435,7 +437,7 @@ def set_kv_heads_strategy(strategy: str) -> str:
         'repeat'
     """
     if strategy not in KV_HEADS_STRATEGIES:
-        raise ValueError(f"kv heads strategy must be one of {KV_HEADS_STRATEGIES}, got {strategy!r}")
+        raise TensorParallelConfigError(f"kv heads strategy must be one of {KV_HEADS_STRATEGIES}, got {strategy!r}")
     previous, _SETTINGS["kv_heads"] = _SETTINGS["kv_heads"], strategy
     return previous
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from hf_tpu.selftest import CheckContext, register_check
+from hf_tpu.selftest import CheckContext, CheckFailed, register_check
 
 
 @register_check(
@@ -45,5 +45,5 @@ def _encoders(ctx: CheckContext) -> dict[str, Any]:
             ctx.assert_close(hidden, want.last_hidden_state, atol=1e-4, rtol=1e-3)
             ctx.assert_close(pooled, want.pooler_output, atol=1e-4, rtol=1e-3)
         if ctx.simulated and figures["forward_compiles"]:
-            raise AssertionError(f"{figures['forward_compiles']} compile(s) after warm-up (expected none)")
+            raise CheckFailed(f"{figures['forward_compiles']} compile(s) after warm-up (expected none)")
     return figures

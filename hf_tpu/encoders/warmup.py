@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from hf_tpu.encoders._integration import MODEL_TYPES, serves
 from hf_tpu.encoders._state import configure, state
 from hf_tpu._shared.buckets import BucketLadder
+from hf_tpu.errors import InvalidArgumentError
 
 __all__ = ["EncoderWarmupReport", "warmup"]
 
@@ -78,8 +79,8 @@ def warmup(
         An :class:`EncoderWarmupReport`.
 
     Raises:
-        hf_tpu.runtime.TPUNotAvailableError, ValueError: the model is not on the TPU (the message says how to place
-            it), or ``batch_sizes`` holds no positive integer.
+        hf_tpu.runtime.TPUNotAvailableError, ValueError (InvalidArgumentError): the model is not on the TPU (the
+            message says how to place it), or ``batch_sizes`` holds no positive integer.
         hf_tpu.errors.UserError: the model's calls cannot take the bucketed path (the reason
             :func:`hf_tpu.encoders.explain` gives), so there is no graph to compile.
         hf_tpu._shared.buckets.BucketOverflowError: ``max_length`` or a batch size past the ladders.
@@ -97,7 +98,7 @@ def warmup(
         from hf_tpu.runtime import require_tpu
 
         require_tpu("hf_tpu.encoders.warmup(model)")
-        raise ValueError(
+        raise InvalidArgumentError(
             f"hf_tpu.encoders.warmup needs a model placed on the TPU, but it is on {device}: load it with "
             "device_map='tpu' or call model.to('tpu') first."
         )
@@ -113,7 +114,7 @@ def warmup(
     found = state(model)
     sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
     if not sizes or min(sizes) < 1:
-        raise ValueError(f"batch_sizes must hold positive integers, got {batch_sizes!r}")
+        raise InvalidArgumentError(f"batch_sizes must hold positive integers, got {batch_sizes!r}")
     batch_buckets = tuple(dict.fromkeys(found.batch_sizes.bucket(b, "a warm-up batch size") for b in sizes))
     length_buckets = found.length_ladder(model.config).up_to(max_length)
     upstream = type(model).forward

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from hf_tpu.selftest import CheckContext, SkipCheck, register_check
+from hf_tpu.selftest import CheckContext, CheckFailed, SkipCheck, register_check
 
 _VARIANT = "build/torch-tpu/ragged_dot_tpu/__init__.py"
 
@@ -43,13 +43,13 @@ def check_variant_selection() -> str:
         try:
             module = get_local_kernel(RAGGED_DOT_REPO)
         except Exception as exc:  # reworded below with kernels' backend
-            raise AssertionError(
+            raise CheckFailed(
                 "variant: with hf_tpu.enable(), kernels.get_local_kernel did not select the torch-tpu build variant "
                 f"(kernels sees backend {_kernels_backend()!r}): {type(exc).__name__}: {exc}"
             ) from exc
     path = str(module.__file__).replace("\\", "/")
     if not path.endswith(_VARIANT):
-        raise AssertionError(f"variant: kernels loaded {path}, expected the torch-tpu variant ({_VARIANT})")
+        raise CheckFailed(f"variant: kernels loaded {path}, expected the torch-tpu variant ({_VARIANT})")
     return "torch-tpu"
 
 
@@ -61,7 +61,7 @@ def check_jax_op(kernel) -> list[str]:
     try:
         registered = ops.torch_tpu_ops()
     except RuntimeError as exc:
-        raise AssertionError(f"jax_op: {exc}") from exc
+        raise CheckFailed(f"jax_op: {exc}") from exc
     return sorted(op._qualname for op in registered.values())
 
 
@@ -71,7 +71,7 @@ def check_jax_op(kernel) -> list[str]:
 def _ragged_dot_experts(ctx: CheckContext) -> dict[str, Any]:
     if importlib.util.find_spec("jax") is None:
         if not ctx.simulated:
-            raise AssertionError(
+            raise CheckFailed(
                 "jax: not installed, but the kernel runs in JAX and TorchTPU's jax_op needs it: "
                 "pip install 'hf-tpu[tpu]' (brings jax; not 'jax[tpu]', whose libtpu pin conflicts with torch-tpu)"
             )

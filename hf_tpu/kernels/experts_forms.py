@@ -35,6 +35,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__ = [
     "FORMS",
     "DEFAULT_FORMS",
@@ -202,7 +204,7 @@ def choose(
     candidates = [r for r in rows if usable(r)]
     if not candidates:
         measured = sorted({f for r in rows for f in r["seconds"]})
-        raise ValueError(f"no measured experts form among {forms}; the table has {measured}")
+        raise InvalidArgumentError(f"no measured experts form among {forms}; the table has {measured}")
     nearest_shape = min(shape_distance(r) for r in candidates)
     same_shape = [r for r in candidates if shape_distance(r) == nearest_shape]
     row = min(same_shape, key=lambda r: abs(math.log(r["tokens"] / max(tokens, 1))))

@@ -28,6 +28,7 @@ from pathlib import Path
 from types import ModuleType
 
 from hf_tpu import _patch
+from hf_tpu.errors import MissingFileError
 
 __all__ = [
     "HUB_DIR",
@@ -117,7 +118,7 @@ def load_local_kernel(repo_path: str | Path, *, trust_remote_code: bool | list[s
         The kernel's Python module.
 
     Raises:
-        FileNotFoundError: ``repo_path`` has no ``build/`` folder.
+        FileNotFoundError (MissingFileError): ``repo_path`` has no ``build/`` folder.
 
     Example:
         >>> from hf_tpu.kernels.loader import RAGGED_DOT_REPO, load_local_kernel
@@ -127,7 +128,7 @@ def load_local_kernel(repo_path: str | Path, *, trust_remote_code: bool | list[s
 
     repo_path = Path(repo_path)
     if not (repo_path / "build").is_dir():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"load_local_kernel({str(repo_path)!r}): no build/ folder there; a kernel repository in the Hub layout "
             "has build/<variant>/<package>/__init__.py and build/<variant>/metadata.json."
         )

@@ -15,9 +15,11 @@ from types import ModuleType
 from typing import Any
 
 from hf_tpu import _patch
+from hf_tpu.errors import InvalidArgumentError, InvalidTypeError, UserError
 
 __all__ = [
     "FEATURE",
+    "KernelModuleError",
     "apply",
     "register_experts",
     "registered_experts",
@@ -29,6 +31,12 @@ FEATURE = "kernels"
 RAGGED_DOT_NAME = "ragged_dot_tpu"
 
 _MISSING = object()
+
+
+class KernelModuleError(UserError, AttributeError):
+    """A kernel module given to :func:`register_experts` that defines no ``experts_forward``."""
+
+
 _LOCK = threading.RLock()
 # name -> (function we registered, what the mapping held before)
 _OURS: dict[str, tuple[Callable, Any]] = {}
@@ -44,14 +52,14 @@ def _resolve(kernel: ModuleType | Callable) -> Callable:
     if isinstance(kernel, ModuleType):
         fn = getattr(kernel, "experts_forward", None)
         if fn is None:
-            raise AttributeError(
+            raise KernelModuleError(
                 f"register_experts: kernel module {kernel.__name__!r} has no experts_forward; pass a module that "
                 "defines experts_forward(self, hidden_states, top_k_index, top_k_weights) or the function itself."
             )
         return fn
     if callable(kernel):
         return kernel
-    raise TypeError(f"register_experts: expected a kernel module or a callable, got {type(kernel).__name__}")
+    raise InvalidTypeError(f"register_experts: expected a kernel module or a callable, got {type(kernel).__name__}")
 
 
 def register_experts(name: str, kernel: ModuleType | Callable, *, replace: bool = False) -> str:
@@ -73,8 +81,8 @@ def register_experts(name: str, kernel: ModuleType | Callable, *, replace: bool 
         ``name``, to pass as ``experts_implementation``.
 
     Raises:
-        ValueError: an empty name or ``"eager"``, or a name already registered to something else without
-            ``replace=True``.
+        ValueError (InvalidArgumentError): an empty name or ``"eager"``, or a name already registered to something else
+            without ``replace=True``.
         AttributeError: a kernel module without ``experts_forward``.
         TypeError: ``kernel`` is neither a module nor a callable.
 
@@ -84,7 +92,9 @@ def register_experts(name: str, kernel: ModuleType | Callable, *, replace: bool 
         >>> model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=name)  # doctest: +SKIP
     """
     if not name or name == "eager":
-        raise ValueError("register_experts: the name must be non-empty and not 'eager' (transformers' own loop)")
+        raise InvalidArgumentError(
+            "register_experts: the name must be non-empty and not 'eager' (transformers' own loop)"
+        )
     fn = _resolve(kernel)
     interface = _interface()
     mapping = interface._global_mapping
@@ -93,7 +103,7 @@ def register_experts(name: str, kernel: ModuleType | Callable, *, replace: bool 
         if current is fn:
             return name
         if current is not _MISSING and not replace:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"register_experts({name!r}): that experts implementation is already registered ({current!r}); "
                 "pick another name, or pass replace=True to override it until hf_tpu.disable()."
             )

@@ -17,7 +17,7 @@ import tempfile
 import time
 from typing import Any
 
-from hf_tpu.selftest import CheckContext, SkipCheck, register_check
+from hf_tpu.selftest import CheckContext, CheckFailed, SkipCheck, register_check
 
 
 @register_check(
@@ -77,6 +77,6 @@ def _quantization(ctx: CheckContext) -> dict[str, Any]:
             figures[f"{kind}_ms_per_token"] = round(1000 * (time.perf_counter() - t0) / new, 3)
             expected = reference.generate(ids, max_new_tokens=new, do_sample=False)
             if not torch.equal(got.cpu(), expected):
-                raise AssertionError(f"{kind}: tokens on the device {got.tolist()}, on the CPU {expected.tolist()}")
+                raise CheckFailed(f"{kind}: tokens on the device {got.tolist()}, on the CPU {expected.tolist()}")
             del model, reference
     return figures

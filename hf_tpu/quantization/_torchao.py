@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from hf_tpu.errors import UnsupportedArgumentError
+
 logger = logging.getLogger("hf_tpu.quantization")
 
 __all__ = ["quantize_module_int4"]
@@ -27,7 +29,7 @@ def quantize_module_int4(module: torch.nn.Module, config: Any, parameter_name: s
 
     algorithm = getattr(config, "int4_choose_qparams_algorithm", None)
     if algorithm is not None and algorithm != Int4ChooseQParamsAlgorithm.TINYGEMM:
-        raise NotImplementedError(
+        raise UnsupportedArgumentError(
             f"Int4WeightOnlyConfig(int4_choose_qparams_algorithm={algorithm}) is not supported on TPU: hf_tpu's TPU "
             "int4 layout chooses min/max parameters per group (torchao's default, TINYGEMM). Drop that argument."
         )

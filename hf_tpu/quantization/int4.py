@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torchao.utils import TorchAOBaseTensor
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__ = ["TpuInt4Tensor", "quantize_int4"]
 
 aten = torch.ops.aten
@@ -84,10 +86,12 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> TpuInt4Tensor:
     the caller (:func:`hf_tpu.quantization._torchao.quantize_module_int4`) does the same.
     """
     if weight.dim() != 2:
-        raise ValueError(f"int4 on TPU quantizes 2-D Linear weights; got a weight of shape {tuple(weight.shape)}")
+        raise InvalidArgumentError(
+            f"int4 on TPU quantizes 2-D Linear weights; got a weight of shape {tuple(weight.shape)}"
+        )
     n, k = weight.shape
     if group_size % 2 or k % group_size:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"int4 on TPU needs in_features ({k}) to be a multiple of an even group_size ({group_size}); "
             "pick a group_size that divides it (torchao's choices: 32, 64, 128, 256)"
         )

@@ -8,6 +8,9 @@
 
 Nothing here imports Ray (or torch) until a name is used: ``import hf_tpu.ray`` is as light as ``import hf_tpu``.
 
+An unknown attribute raises the built-in ``AttributeError`` from the module's ``__getattr__`` (the protocol
+``hasattr`` and ``getattr`` with a default rely on), not an hf_tpu error.
+
 Example:
     >>> import ray                                                                                  # doctest: +SKIP
     >>> from hf_tpu.ray import HfTpuGenerate                                                        # doctest: +SKIP

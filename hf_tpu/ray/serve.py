@@ -38,7 +38,7 @@ from typing import Any
 
 from ray import serve
 
-from hf_tpu.errors import UserError
+from hf_tpu.errors import HfTpuRuntimeError, UserError
 from hf_tpu.ray.local import free_port
 
 __all__ = ["REPLICA_HEADER", "HfTpuServer", "app", "build_app"]
@@ -111,13 +111,13 @@ class HfTpuServer:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"hf-tpu serve exited ({self.process.returncode}):\n{self._output()}")
+                raise HfTpuRuntimeError(f"hf-tpu serve exited ({self.process.returncode}):\n{self._output()}")
             with contextlib.suppress(OSError, urllib.error.URLError):
                 with urllib.request.urlopen(self.url + "/health", timeout=_PROBE_S) as r:
                     if r.status == 200:
                         return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"hf-tpu serve was not ready within {timeout_s:.0f} s:\n{self._output()}")
+                raise HfTpuRuntimeError(f"hf-tpu serve was not ready within {timeout_s:.0f} s:\n{self._output()}")
             time.sleep(_POLL_S)
 
     async def __call__(self, request) -> Any:
@@ -164,7 +164,7 @@ class HfTpuServer:
             RuntimeError: the server process has exited.
         """
         if self.process.poll() is not None:
-            raise RuntimeError(f"hf-tpu serve exited ({self.process.returncode}):\n{self._output()}")
+            raise HfTpuRuntimeError(f"hf-tpu serve exited ({self.process.returncode}):\n{self._output()}")
 
     def _stop(self) -> None:
         if not hasattr(self, "log"):  # the constructor failed before starting the server

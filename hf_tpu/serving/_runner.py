@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from hf_tpu.errors import InvalidTypeError
 from hf_tpu.serving.ladder import StepLadder
 
 logger = logging.getLogger("hf_tpu.serving")
@@ -74,7 +75,7 @@ def configure(**values) -> ServingSettings:
         :data:`SETTINGS`, the one settings object, changed.
 
     Raises:
-        TypeError: a name that is not a :class:`ServingSettings` field (the message lists them).
+        TypeError (InvalidTypeError): a name that is not a :class:`ServingSettings` field (the message lists them).
 
     Example:
         >>> import hf_tpu.serving                                                   # doctest: +SKIP
@@ -83,7 +84,7 @@ def configure(**values) -> ServingSettings:
     for name, value in values.items():
         if not hasattr(SETTINGS, name):
             known = ", ".join(ServingSettings.__dataclass_fields__)
-            raise TypeError(f"hf_tpu.serving.configure got an unknown setting {name!r}; known: {known}")
+            raise InvalidTypeError(f"hf_tpu.serving.configure got an unknown setting {name!r}; known: {known}")
         setattr(SETTINGS, name, value)
     return SETTINGS
 

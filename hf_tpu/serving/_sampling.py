@@ -45,6 +45,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from hf_tpu.errors import HfTpuRuntimeError
 from hf_tpu.serving import _penalties
 
 __all__ = ["ROWS", "RowSampling", "batch_update", "gumbel", "logprob_records", "noise_key", "request_kwargs",
@@ -274,7 +275,7 @@ class RowSampling(ContinuousBatchingLogitsProcessorList):
         return arg_storage
 
     def __call__(self, input_ids, scores, logits_processor_args):
-        raise RuntimeError("RowSampling runs inside hf_tpu.serving._sampling.step, not as a processor list")
+        raise HfTpuRuntimeError("RowSampling runs inside hf_tpu.serving._sampling.step, not as a processor list")
 
 
 def batch_update(io, upstream):

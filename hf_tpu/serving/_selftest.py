@@ -17,7 +17,7 @@ import tempfile
 import time
 from typing import Any
 
-from hf_tpu.selftest import CheckContext, SkipCheck, register_check
+from hf_tpu.selftest import CheckContext, CheckFailed, SkipCheck, register_check
 
 _EXTRAS = ("fastapi", "uvicorn", "openai", "prometheus_client")
 # One query rung (16 tokens), KV rungs 0/32/256: 3 step shapes.
@@ -73,12 +73,12 @@ def _serving(ctx: CheckContext) -> dict[str, Any]:
                 expected = reference.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=None,
                                               pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
                 if result.generated_tokens != expected:
-                    raise AssertionError(
+                    raise CheckFailed(
                         f"continuous batching on the device gave {result.generated_tokens} for a prompt of "
                         f"{len(prompt)} tokens, CPU generate gave {expected}"
                     )
             if ctx.simulated and figures["second_compiles"]:
-                raise AssertionError(f"{figures['second_compiles']} compile(s) after warm-up (expected none)")
+                raise CheckFailed(f"{figures['second_compiles']} compile(s) after warm-up (expected none)")
     finally:
         configure(**saved)
     return figures

@@ -24,6 +24,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__ = ["HBM_FRACTION", "KV_CACHE_GIB_ENV", "MAX_LEN_CAP", "KVCachePlan", "kv_cache_plan", "plan_for_model"]
 
 #: Largest share of the chip's free HBM the cache may take.
@@ -70,7 +72,7 @@ def kv_cache_plan(
         want = budget // per_token
         why = f"{limit}"
     if want < max_len:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the KV cache cannot hold one request of {max_len} tokens ({max_len * per_token / 2**20:.1f} MiB) within "
             f"{limit}: raise the cap ({KV_CACHE_GIB_ENV} / --kv-cache-gib), or serve on a chip with more HBM."
         )
@@ -85,9 +87,11 @@ def _cap_bytes(kv_cache_gib: float | None) -> int | None:
         try:
             kv_cache_gib = float(raw)
         except ValueError:
-            raise ValueError(f"{KV_CACHE_GIB_ENV}={raw!r} is not a number of GiB (for example 2 or 0.5)") from None
+            raise InvalidArgumentError(
+                f"{KV_CACHE_GIB_ENV}={raw!r} is not a number of GiB (for example 2 or 0.5)"
+            ) from None
     if kv_cache_gib <= 0:
-        raise ValueError(f"the KV cache cap must be a positive number of GiB, got {kv_cache_gib}")
+        raise InvalidArgumentError(f"the KV cache cap must be a positive number of GiB, got {kv_cache_gib}")
     return int(kv_cache_gib * 2**30)
 
 

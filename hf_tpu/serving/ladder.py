@@ -25,6 +25,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from hf_tpu.errors import HfTpuValueError
+
 __all__ = ["StepLadder"]
 
 
@@ -67,7 +69,7 @@ class StepLadder:
 def _up(rungs: tuple[int, ...], value: int, what: str) -> int:
     i = bisect.bisect_left(rungs, value)
     if i == len(rungs):
-        raise ValueError(
+        raise HfTpuValueError(
             f"a continuous-batching step has {value} {what}, past the largest rung ({rungs[-1]}, ladder "
             f"{list(rungs)}); "
             "this is a bug in hf_tpu's ladder (the scheduler never exceeds the cache's limits): please report it."

@@ -12,6 +12,9 @@ serves, hf_tpu (through a reversible patch of ``transformers.cli.serving.server.
   ``stop``, finish reasons; responses run as chat and answered in the Responses API's shape);
 * checks every request's length where it is tokenized: a prompt that leaves no room to generate within the model's
   ``max_position_embeddings`` -> 400; ``max_tokens`` past that length is cut to it.
+
+A SIGINT or SIGTERM while the model loads or warms up raises the built-in ``KeyboardInterrupt`` from the signal
+handler, as Python's own SIGINT handler does, so both stop the command the same way.
 """
 
 from __future__ import annotations

@@ -4,6 +4,12 @@ Importing this module enables the simulator (so ``TRANSFORMERS_TEST_BACKEND=hf_t
 ``HF_TPU_SIMULATE=1`` at ``import hf_tpu``. Tensors live in ``tpu:0``; mixing them with CPU tensors raises
 torch's usual same-device error; transfers, host syncs, compiles and new eager shape signatures are counted.
 
+The simulator raises the built-in exceptions torch_tpu's wheel raises, type for type (``RuntimeError``,
+``ValueError``, ``TypeError``, ``NotImplementedError``, ``AttributeError``, ``ImportError``), not hf_tpu's classes,
+so code tested here catches on a TPU what it caught on the simulator; its own checks (:func:`enable`'s arguments,
+:func:`host_view`, the native core) raise built-ins too, like the device around them. :class:`SimStrictError`
+(strict mode) is its one class of its own.
+
 Example:
     >>> import torch, hf_tpu.sim
     >>> hf_tpu.sim.enable(generation="v6e")

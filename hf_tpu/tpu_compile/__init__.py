@@ -12,6 +12,9 @@ compiler's counts and the chip's published bandwidth, never a measurement. See d
 Needs torch-tpu 0.2.0 with libtpu and jax (``pip install 'hf-tpu[tpu]'``); nothing here is imported by
 ``import hf_tpu``.
 
+An unknown attribute raises the built-in ``AttributeError`` from the module's ``__getattr__`` (the protocol
+``hasattr`` and ``getattr`` with a default rely on), not an hf_tpu error.
+
 Example:
     >>> from hf_tpu.tpu_compile import plan_generate                                     # doctest: +SKIP
     >>> plan = plan_generate("path/to/config-dir", target="v6e-1", max_prompt_len=2048)    # doctest: +SKIP

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__ = ["build_deferred", "label", "lower_generate", "weight_bytes"]
 
 
@@ -114,7 +116,7 @@ def _quantize(model, quantization: str) -> None:
         _integration.install_torchao_handlers()
         quantize_(model, Int4WeightOnlyConfig(group_size=128))
         return
-    raise ValueError(f"quantization {quantization!r}: use int8, int4 or fp8")
+    raise InvalidArgumentError(f"quantization {quantization!r}: use int8, int4 or fp8")
 
 
 def _fp8_layout(model) -> None:

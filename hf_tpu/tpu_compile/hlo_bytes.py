@@ -45,6 +45,8 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from hf_tpu.errors import HfTpuValueError
+
 __all__ = ["Instruction", "Split", "find_dumps", "split"]
 
 _ELEMENT_BYTES = {
@@ -83,7 +85,7 @@ class Shape:
             return
         m = re.match(r"(\w+)\[([^\]]*)\](\{[^}]*\})?", text)
         if m is None:
-            raise ValueError(f"not an HLO shape: {text!r}")
+            raise HfTpuValueError(f"not an HLO shape: {text!r}")
         self.dtype = m.group(1)
         self.dims = [int(d) for d in m.group(2).split(",") if d.strip()]
         layout = m.group(3) or ""
@@ -189,7 +191,7 @@ def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
         elif current is not None and " = " in line:
             current.append(_parse_instruction(line))
     if entry is None:
-        raise ValueError("no ENTRY computation in this HLO text")
+        raise HfTpuValueError("no ENTRY computation in this HLO text")
     return computations, entry
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hf_tpu.errors import HfTpuRuntimeError
 from hf_tpu.tpu_compile.targets import Target, target as find_target
 
 __all__ = ["LoweringResult", "ProgramRecord", "child_environment", "lower_and_compile"]
@@ -213,7 +214,8 @@ def lower_and_compile(
 
     Raises:
         hf_tpu.tpu_compile.targets.UnknownTargetError: ``target`` is not a known target name.
-        RuntimeError: a child process died without writing its result (the message holds the end of its output).
+        RuntimeError (HfTpuRuntimeError): a child process died without writing its result (the message holds the end of
+            its output).
     """
     chosen = find_target(target) if isinstance(target, str) else target
     with tempfile.TemporaryDirectory(prefix="hf_tpu_tpu_compile_") as tmp:
@@ -222,7 +224,7 @@ def lower_and_compile(
             json.dump({"entry": entry, "kwargs": kwargs}, f)
         tail = _run_child(["hf_tpu.tpu_compile._child", spec, lowered], progress, timeout)
         if not os.path.exists(lowered):
-            raise RuntimeError(f"the lowering process died before writing its result; its last output:\n{tail}")
+            raise HfTpuRuntimeError(f"the lowering process died before writing its result; its last output:\n{tail}")
         with open(lowered) as f:
             raw = json.load(f)
         labels = raw.get("labels") or []
@@ -250,7 +252,7 @@ def lower_and_compile(
         dump = [os.path.abspath(dump_hlo)] if dump_hlo is not None else []
         tail = _run_child(["hf_tpu.tpu_compile._xla", texts, chosen.topology, compiled, *dump], progress, timeout)
         if not os.path.exists(compiled):
-            raise RuntimeError(f"the compiling process died before writing its result; its last output:\n{tail}")
+            raise HfTpuRuntimeError(f"the compiling process died before writing its result; its last output:\n{tail}")
         with open(compiled) as f:
             records = json.load(f)
         for program, record in zip(programs, records):

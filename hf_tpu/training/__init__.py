@@ -4,6 +4,9 @@
 what cannot train there; the helpers here need no integration. Importing this package imports neither torch nor
 transformers.
 
+An unknown attribute raises the built-in ``AttributeError`` from the module's ``__getattr__`` (the protocol
+``hasattr`` and ``getattr`` with a default rely on), not an hf_tpu error.
+
 Example:
     >>> import hf_tpu; hf_tpu.enable()
     >>> from hf_tpu.training import BucketingCollator

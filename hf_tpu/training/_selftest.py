@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from hf_tpu.selftest import CheckContext, SkipCheck, register_check
+from hf_tpu.selftest import CheckContext, CheckFailed, SkipCheck, register_check
 
 _STEPS = 4
 
@@ -69,7 +69,7 @@ def _training(ctx: CheckContext) -> dict[str, Any]:
         tol = 1e-4 if ctx.simulated else 2e-2
         diff = max(abs(a - b) for a, b in zip(got, expected, strict=True))
         if diff > tol:
-            raise AssertionError(f"losses on the device {got} differ from CPU {expected} by {diff:.2e} (> {tol})")
+            raise CheckFailed(f"losses on the device {got} differ from CPU {expected} by {diff:.2e} (> {tol})")
         figures: dict[str, Any] = {"steps": _STEPS, "max_loss_diff": diff, "cold_step_s": raw["step0_s"]}
         figures["warm_step_s"] = round(sum(raw[f"step{i}_s"] for i in range(1, _STEPS)) / (_STEPS - 1), 6)
         if ctx.simulated:
@@ -77,7 +77,7 @@ def _training(ctx: CheckContext) -> dict[str, Any]:
                 figures[f"cold_{key}"] = raw[f"step0_{key}"]
                 figures[f"warm_{key}_per_step"] = sum(raw[f"step{i}_{key}"] for i in range(1, _STEPS)) / (_STEPS - 1)
             if figures["warm_compiles_per_step"] or figures["warm_shape_signatures_per_step"]:
-                raise AssertionError(f"steps after the first compiled something new: {raw}")
+                raise CheckFailed(f"steps after the first compiled something new: {raw}")
 
         from transformers import Trainer, TrainingArguments
 
@@ -96,6 +96,6 @@ def _training(ctx: CheckContext) -> dict[str, Any]:
             trainer.train()
             where = next(trainer.model.parameters()).device
             if where.type != "tpu":
-                raise AssertionError(f"Trainer moved the model to {where}")
+                raise CheckFailed(f"Trainer moved the model to {where}")
             figures["trainer_device"] = str(where)
     return figures

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError, InvalidTypeError, MissingFileError
+
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 MODEL_FILE = "model.safetensors"
@@ -33,7 +35,7 @@ def _split_state(prefix: str, obj: Any, tensors: dict, meta: Any = None) -> Any:
                 "tuple": isinstance(obj, tuple)}  # fmt: skip
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
-    raise TypeError(f"cannot store a {type(obj).__name__} in a safetensors checkpoint (at {prefix})")
+    raise InvalidTypeError(f"cannot store a {type(obj).__name__} in a safetensors checkpoint (at {prefix})")
 
 
 def _join_state(obj: Any, tensors: dict) -> Any:
@@ -107,8 +109,8 @@ def load_checkpoint(
         ``{"step": ..., **extra}`` as saved.
 
     Raises:
-        FileNotFoundError: ``path`` lacks the training state or ``model.safetensors`` file.
-        ValueError: an optimizer is given but the checkpoint was saved without one.
+        FileNotFoundError (MissingFileError): ``path`` lacks the training state or ``model.safetensors`` file.
+        ValueError (InvalidArgumentError): an optimizer is given but the checkpoint was saved without one.
 
     Example:
         >>> info = load_checkpoint("ckpt/step-100", model, optimizer, scheduler)   # doctest: +SKIP
@@ -121,18 +123,18 @@ def load_checkpoint(
     src = Path(path)
     state_file = src / STATE_FILE
     if not state_file.is_file():
-        raise FileNotFoundError(f"{state_file} does not exist: {src} is not a checkpoint written by save_checkpoint")
+        raise MissingFileError(f"{state_file} does not exist: {src} is not a checkpoint written by save_checkpoint")
     if (src / MODEL_FILE).is_file():
         # Read on the host (safetensors does not open files on tpu), then copy into the parameters in place.
         load_model(model, str(src / MODEL_FILE), strict=strict, device="cpu")
     else:
-        raise FileNotFoundError(f"no {MODEL_FILE} in {src}")
+        raise MissingFileError(f"no {MODEL_FILE} in {src}")
     with safe_open(str(state_file), framework="pt") as f:
         layout = json.loads(f.metadata()["layout"])
     state = _join_state(layout, load_file(str(state_file), device="cpu"))
     if optimizer is not None:
         if state["optimizer"] is None:
-            raise ValueError(f"{src} holds no optimizer state (it was saved without an optimizer)")
+            raise InvalidArgumentError(f"{src} holds no optimizer state (it was saved without an optimizer)")
         optimizer.load_state_dict(state["optimizer"])  # torch moves the state to each parameter's device
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__ = ["BucketingCollator"]
 
 IGNORE_INDEX = -100
@@ -51,9 +53,9 @@ class BucketingCollator:
         return_attention_mask: bool = True,
     ) -> None:
         if not buckets or any(int(b) <= 0 for b in buckets):
-            raise ValueError(f"buckets must be positive sequence lengths, got {buckets!r}")
+            raise InvalidArgumentError(f"buckets must be positive sequence lengths, got {buckets!r}")
         if batch_size is not None and batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size!r}")
+            raise InvalidArgumentError(f"batch_size must be positive, got {batch_size!r}")
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         self.pad_token_id = int(pad_token_id)
         self.batch_size = batch_size
@@ -70,14 +72,14 @@ class BucketingCollator:
             The smallest bucket that holds it (the largest bucket when ``truncate`` and none does).
 
         Raises:
-            ValueError: ``length`` exceeds the largest bucket and ``truncate`` is off.
+            ValueError (InvalidArgumentError): ``length`` exceeds the largest bucket and ``truncate`` is off.
         """
         for b in self.buckets:
             if length <= b:
                 return b
         if self.truncate:
             return self.buckets[-1]
-        raise ValueError(
+        raise InvalidArgumentError(
             f"an example has {length} tokens, longer than the largest bucket {self.buckets[-1]}; add a larger "
             "bucket, shorten the data, or pass truncate=True"
         )
@@ -86,11 +88,11 @@ class BucketingCollator:
         import torch
 
         if not features:
-            raise ValueError("BucketingCollator got an empty batch")
+            raise InvalidArgumentError("BucketingCollator got an empty batch")
         rows = len(features)
         if self.batch_size is not None:
             if rows > self.batch_size:
-                raise ValueError(f"a batch of {rows} examples is larger than batch_size={self.batch_size}")
+                raise InvalidArgumentError(f"a batch of {rows} examples is larger than batch_size={self.batch_size}")
             rows = self.batch_size
         ids = [list(map(int, f["input_ids"])) for f in features]
         width = self.bucket_for(max(len(x) for x in ids))

@@ -20,6 +20,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__ = ["all_reduce_gradients", "all_reduce_mean", "init", "shard_batch", "wrap"]
 
 
@@ -129,7 +131,7 @@ def shard_batch(batch: Mapping[str, Any], rank: int, world_size: int) -> dict[st
     for key, value in batch.items():
         rows = value.shape[0]
         if rows % world_size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"a global batch of {rows} rows ({key!r}) does not split evenly over {world_size} ranks; use a "
                 f"global batch size divisible by {world_size} (e.g. BucketingCollator(batch_size=...))"
             )

@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__ = ["FORMS", "apply", "decode_attention_form", "grouped_decode_attention"]
 
 FORMS = ("grouped", "sdpa", "packed")
@@ -38,7 +40,7 @@ def decode_attention_form() -> str:
     """The one-token attention form in force (``HF_TPU_DECODE_ATTENTION``, ``grouped`` when unset)."""
     form = os.environ.get(ENV, "grouped").strip().lower() or "grouped"
     if form not in FORMS:
-        raise ValueError(f"{ENV}={form!r} is not a decode attention form; use one of {', '.join(FORMS)}.")
+        raise InvalidArgumentError(f"{ENV}={form!r} is not a decode attention form; use one of {', '.join(FORMS)}.")
     return form
 
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from hf_tpu.errors import HfTpuTypeError, InvalidArgumentError, InvalidTypeError
+
 __all__ = ["FEATURE_ORDER", "NO_VARIANT", "GraphKind", "Variant", "public_key"]
 
 # The features a graph kind can carry, in the order its text lists them: beam search's shape (beams, continuations
@@ -57,7 +59,7 @@ def _rank(feature: str) -> int | None:
 
 def _check_part(part: object, what: str) -> None:
     if not isinstance(part, str) or not part or SEPARATOR in part:
-        raise ValueError(f"a graph kind's {what} is a non-empty string without {SEPARATOR!r}, got {part!r}")
+        raise InvalidArgumentError(f"a graph kind's {what} is a non-empty string without {SEPARATOR!r}, got {part!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +89,9 @@ class Variant:
         for feature in self.features:
             _check_part(feature, "feature")
             if _rank(feature) is None:
-                raise ValueError(f"{feature!r} is not a graph feature hf_tpu knows (FEATURE_ORDER in {__name__})")
+                raise InvalidArgumentError(
+                    f"{feature!r} is not a graph feature hf_tpu knows (FEATURE_ORDER in {__name__})"
+                )
 
     def with_features(self, *features: str) -> Variant:
         """This variant with ``features`` added."""
@@ -119,18 +123,20 @@ class Variant:
             TypeError: ``text`` is not a string.
         """
         if not isinstance(text, str):
-            raise TypeError(f"a graph variant's text is a string, got {text!r}")
+            raise InvalidTypeError(f"a graph variant's text is a string, got {text!r}")
         if not text:
             return cls()
         if not text.startswith(SEPARATOR):
-            raise ValueError(f"a graph variant's text starts with {SEPARATOR!r}, got {text!r}")
+            raise InvalidArgumentError(f"a graph variant's text starts with {SEPARATOR!r}, got {text!r}")
         sampling: list[str] = []
         features: list[str] = []
         for part in text[len(SEPARATOR) :].split(SEPARATOR):
             if _rank(part) is not None:
                 features.append(part)
             elif features:
-                raise ValueError(f"{text!r}: the sampling label {part!r} follows a feature (hf_tpu writes them first)")
+                raise InvalidArgumentError(
+                    f"{text!r}: the sampling label {part!r} follows a feature (hf_tpu writes them first)"
+                )
             else:
                 sampling.append(part)
         return cls(tuple(sampling), frozenset(features))
@@ -160,7 +166,7 @@ class GraphKind:
     def __post_init__(self) -> None:
         _check_part(self.base, "base")
         if not isinstance(self.variant, Variant):
-            raise TypeError(f"a graph kind's variant is a Variant, got {self.variant!r}")
+            raise HfTpuTypeError(f"a graph kind's variant is a Variant, got {self.variant!r}")
 
     @property
     def features(self) -> frozenset[str]:
@@ -197,7 +203,7 @@ class GraphKind:
             TypeError: ``text`` is not a string.
         """
         if not isinstance(text, str):
-            raise TypeError(f"a graph kind's text is a string, got {text!r}")
+            raise InvalidTypeError(f"a graph kind's text is a string, got {text!r}")
         base, sep, rest = text.partition(SEPARATOR)
         _check_part(base, "base")
         return cls(base, Variant.parse(sep + rest))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import math
 
+from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _images
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
@@ -88,7 +89,7 @@ def warm_images(
     tokens, rest = divmod(_images.feature_tokens(model, encoded["image"]), batch)
     fitting = [p for p in prompt_buckets if p >= tokens]
     if rest or not fitting:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"warm-up for {count} image(s) of {height}x{width}: they fill {tokens} prompt tokens per row, more than "
             f"the largest warmed prompt bucket ({max(prompt_buckets)}): raise max_prompt_len"
         )
@@ -168,7 +169,7 @@ def _grid_pixels(model, images: int, height: int, width: int) -> dict:
     vision = model.config.vision_config
     patch, merge = int(vision.patch_size), int(vision.spatial_merge_size)
     if height % (patch * merge) or width % (patch * merge):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"image_sizes: {type(model).__name__} takes images whose sides are multiples of patch_size x "
             f"spatial_merge_size ({patch * merge} pixels; its image processor resizes them so), got {height}x{width}"
         )
@@ -197,7 +198,7 @@ def _positioned_pixels(model, images: int, height: int, width: int) -> dict:
     if hasattr(vision, "model_patch_size"):  # (Gemma 4 Unified: one row per merged kernel of patches)
         patch, kernel = int(vision.model_patch_size), 1
     if height % (patch * kernel) or width % (patch * kernel):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"image_sizes: {type(model).__name__} takes images whose sides are multiples of its pooling kernel "
             f"({patch * kernel} pixels; its image processor resizes them so), got {height}x{width}"
         )
@@ -205,7 +206,7 @@ def _positioned_pixels(model, images: int, height: int, width: int) -> dict:
     tokens = cols * rows // (kernel * kernel)
     budget = next((b for b in _SOFT_TOKEN_BUDGETS if b >= tokens), None)
     if budget is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"image_sizes: {height}x{width} fills {tokens} image tokens, more than {type(model).__name__}'s image "
             f"processor gives an image ({_SOFT_TOKEN_BUDGETS[-1]})"
         )

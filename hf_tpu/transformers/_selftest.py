@@ -13,7 +13,7 @@ import tempfile
 import time
 from typing import Any
 
-from hf_tpu.selftest import CheckContext, register_check
+from hf_tpu.selftest import CheckContext, CheckFailed, register_check
 
 
 @register_check(
@@ -50,12 +50,12 @@ def _generation(ctx: CheckContext) -> dict[str, Any]:
             with ctx.measure(figures, "generate"):
                 got = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None)
             if not torch.equal(got.cpu(), expected):
-                raise AssertionError(f"generate on the tpu device gave {got.tolist()}, CPU gave {expected.tolist()}")
+                raise CheckFailed(f"generate on the tpu device gave {got.tolist()}, CPU gave {expected.tolist()}")
             if ctx.simulated and figures["generate_compiles"]:
-                raise AssertionError(f"{figures['generate_compiles']} compile(s) after warm-up (expected none)")
+                raise CheckFailed(f"{figures['generate_compiles']} compile(s) after warm-up (expected none)")
             if ctx.simulated and figures.get("generate_tpu_cache_misses"):  # on a chip: reported, a recompile each
                 misses = figures["generate_tpu_cache_misses"]
-                raise AssertionError(f"{misses} torch_tpu cache miss(es) (recompiles) after warm-up (expected none)")
+                raise CheckFailed(f"{misses} torch_tpu cache miss(es) (recompiles) after warm-up (expected none)")
             t0 = time.perf_counter()
             model.generate(ids, attention_mask=mask, max_new_tokens=2 * new, do_sample=False, eos_token_id=None)
             figures["ms_per_token"] = round(1000 * (time.perf_counter() - t0) / (2 * new), 3)

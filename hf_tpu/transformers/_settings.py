@@ -14,7 +14,7 @@ from typing import Any
 
 from hf_tpu._shared.buckets import DEFAULT_CACHE_MULTIPLE, BucketLadder, default_ladder
 from hf_tpu._shared.state import STRICT_EAGER, STRICT_ENV, attached, strict_from_env
-from hf_tpu.errors import HfTpuError
+from hf_tpu.errors import HfTpuError, InvalidArgumentError
 from hf_tpu.transformers._graph_key import public_key
 
 __all__ = [
@@ -214,8 +214,8 @@ def configure(
         The model's :class:`GenerationSettings` after the change.
 
     Raises:
-        ValueError: a ``cache_multiple`` or ``read_back_every`` that is not a positive int, a ``strict`` other than
-            True, False or ``"eager"``, or a ladder that is not increasing positive lengths.
+        ValueError (InvalidArgumentError): a ``cache_multiple`` or ``read_back_every`` that is not a positive int, a
+            ``strict`` other than True, False or ``"eager"``, or a ladder that is not increasing positive lengths.
 
     Example:
         >>> from hf_tpu.transformers import configure                   # doctest: +SKIP
@@ -226,11 +226,13 @@ def configure(
         state.settings.buckets = BucketLadder.coerce(buckets)
     if cache_multiple is not _UNSET:
         if cache_multiple is not None and (not isinstance(cache_multiple, int) or cache_multiple < 1):
-            raise ValueError(f"cache_multiple must be a positive integer or None, got {cache_multiple!r}")
+            raise InvalidArgumentError(f"cache_multiple must be a positive integer or None, got {cache_multiple!r}")
         state.settings.cache_multiple = cache_multiple
     if strict is not None:
         if not isinstance(strict, bool) and strict != STRICT_EAGER:
-            raise ValueError(f"strict must be True, False or {STRICT_EAGER!r} (eager op compiles too), got {strict!r}")
+            raise InvalidArgumentError(
+                f"strict must be True, False or {STRICT_EAGER!r} (eager op compiles too), got {strict!r}"
+            )
         state.settings.strict = strict
     if backend is not None:
         state.settings.backend = backend
@@ -242,7 +244,9 @@ def configure(
         state.settings.device_sampling = bool(device_sampling)
     if read_back_every is not None:
         if isinstance(read_back_every, bool) or not isinstance(read_back_every, int) or read_back_every < 1:
-            raise ValueError(f"read_back_every must be a positive integer (1: each step), got {read_back_every!r}")
+            raise InvalidArgumentError(
+                f"read_back_every must be a positive integer (1: each step), got {read_back_every!r}"
+            )
         state.settings.read_back_every = read_back_every
     if compile_cache is not _UNSET:
         from hf_tpu.compile_cache import CompileCache

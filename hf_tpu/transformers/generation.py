@@ -67,6 +67,7 @@ import inspect
 from collections.abc import Callable, Iterator
 
 from hf_tpu import _torch_tpu
+from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _images
 from hf_tpu.transformers._graph_key import GraphKind
 from hf_tpu.transformers._graphs import PENALTY, run_graph
@@ -251,7 +252,7 @@ def _check_compile_config(model, arguments: dict, extra_kwargs: dict) -> None:
         return
     if (getattr(config, "options", None) or {}).get("tpu_backend"):
         return
-    raise ValueError(
+    raise InvalidArgumentError(
         f"generate(compile_config={config!r}) on a model on the tpu device: torch_tpu's torch.compile refuses "
         "backend='inductor' for tpu tensors (it would fail at the first compiled step), and mode='reduce-overhead' "
         "(CUDA graphs) has no TPU meaning. Pass CompileConfig(backend='tpu', dynamic=False, mode='default'), or leave "

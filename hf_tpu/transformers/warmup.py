@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hf_tpu import _torch_tpu
+from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _mm_warmup, _settings, _upstream, route
 from hf_tpu.transformers._graph_key import GraphKind, Variant, public_key
 from hf_tpu.transformers._loops import beam, cacheless, readback
@@ -150,7 +151,7 @@ def warmup(
         from hf_tpu.runtime import require_tpu
 
         require_tpu("hf_tpu.warmup(model)")
-        raise ValueError(
+        raise InvalidArgumentError(
             f"hf_tpu.warmup needs a model placed on the TPU, but it is on {device}: "
             "load it with device_map='tpu' or call model.to('tpu') first."
         )
@@ -167,7 +168,7 @@ def warmup(
     ladder = state.ladder(model.config)
     batch_sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
     if not batch_sizes or min(batch_sizes) < 1:
-        raise ValueError(f"batch_sizes must hold positive integers, got {batch_sizes!r}")
+        raise InvalidArgumentError(f"batch_sizes must hold positive integers, got {batch_sizes!r}")
     images = _image_plan(image_sizes, num_images)
     if _upstream.encoder_input_name(model):  # (Whisper's: its own generate on silent features of its window)
         return _warm_calls(model, state, batch_sizes, progress, lambda b: _mm_warmup.warm_features(
@@ -250,7 +251,7 @@ def _image_plan(image_sizes, num_images) -> list[tuple[tuple[int, int], int]]:
     except (TypeError, ValueError):
         sizes, counts = [], ()
     if not sizes or any(len(s) != 2 or min(s) < 1 for s in sizes) or not counts or min(counts) < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"image_sizes must hold (height, width) pairs of positive integers and num_images positive integers, "
             f"got {image_sizes!r} and {num_images!r}"
         )
@@ -340,7 +341,7 @@ def _beam_counts(model, num_beams, notes: list[str]) -> tuple[int, ...]:
     counts = (num_beams,) if isinstance(num_beams, int) else tuple(num_beams)
     counts = tuple(dict.fromkeys(int(n) for n in counts))
     if not counts or min(counts) < 2:
-        raise ValueError(f"num_beams must hold integers of at least 2 (beam search), got {num_beams!r}")
+        raise InvalidArgumentError(f"num_beams must hold integers of at least 2 (beam search), got {num_beams!r}")
     served = []
     for count in counts:
         found = route.explain(model, num_beams=count)

@@ -25,6 +25,8 @@ model's bucketed cache has. Anything else is routed upstream with a one-time war
 
 from __future__ import annotations
 
+from hf_tpu.errors import InvalidArgumentError
+
 __all__: list[str] = []
 
 
@@ -69,7 +71,7 @@ def cached_length(cache) -> int:
     except ValueError:
         layers = getattr(cache, "layers", None) or []
         if any(any(getattr(layer, "has_previous_state", {}).values()) for layer in layers):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"hf_tpu: the {type(cache).__name__} passed holds recurrent state, which the bucketed loop does not "
                 "continue from; pass cache_implementation='dynamic' to run upstream's loop with it"
             ) from None
@@ -157,9 +159,11 @@ def copy_in(given, cache, start: int) -> int:
             keys, values = keys[:, :, -held:], values[:, :, -held:]
         else:
             if keys.shape[-2] != seen:  # (a window of a shorter cache than the bucket: cannot happen for upstream's)
-                raise ValueError(f"hf_tpu: a {type(source).__name__} holding {keys.shape[-2]} of {seen} tokens cannot "
-                                 "fill a bucketed layer that keeps one slot per token; pass cache_implementation="
-                                 "'dynamic' to run upstream's loop with it")  # fmt: skip
+                raise InvalidArgumentError(
+                    f"hf_tpu: a {type(source).__name__} holding {keys.shape[-2]} of {seen} tokens cannot "
+                    "fill a bucketed layer that keeps one slot per token; pass cache_implementation="
+                    "'dynamic' to run upstream's loop with it"
+                )
             dest = slice(start, start + seen)
         layer.keys[:, :, dest].copy_(keys.to(layer.keys.device, layer.keys.dtype))
         layer.values[:, :, dest].copy_(values.to(layer.values.device, layer.values.dtype))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import weakref
 
+from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers._cache.probe_error import CacheProbeError
 from hf_tpu.transformers._signatures import cache_name
 
@@ -212,7 +213,9 @@ def _per_rank(model, shapes: list[dict] | None) -> list[dict] | None:
         if kv is not None:
             heads = generation_utils.get_kv_heads_per_rank(plan, kv[0], tp_size)
             if heads is None:
-                raise ValueError(f"{kv[0]} KV heads cannot be evenly sharded over {tp_size} tensor-parallel ranks")
+                raise InvalidArgumentError(
+                    f"{kv[0]} KV heads cannot be evenly sharded over {tp_size} tensor-parallel ranks"
+                )
             shape = {**shape, "kv": (int(heads), *kv[1:])}
         per_rank.append(shape)
     return per_rank

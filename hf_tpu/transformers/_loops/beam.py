@@ -18,6 +18,7 @@ runs upstream's loop with the reason.
 
 from __future__ import annotations
 
+from hf_tpu.errors import InternalError
 from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._cache.handoff import full_attention_only, returned_cache
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
@@ -238,7 +239,7 @@ def beam_loop(
     shapes = plan_shapes(model, rows, prompt_len, max_new, variant=variant, kind="beam_prefill")
     extra = {**extra_inputs(model), **flags}
     if extra.get(ALIGNED):  # pragma: no cover - route.beam_problem refuses these models
-        raise AssertionError("the beam loop does not place a prompt-first model's prompt")
+        raise InternalError("the beam loop does not place a prompt-first model's prompt")
 
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones(rows, prompt_len, dtype=torch.long) if mask is None else mask.to("cpu")

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._graph_key import Variant
 from hf_tpu.transformers._loops import readback
@@ -364,7 +365,7 @@ def warm_sampling(model, ids, variant: Variant, width: int, offset: int):
     plan = _default_plan(model, ids)
     if isinstance(plan, str) or plan.variant != variant:
         found = plan if isinstance(plan, str) else plan.variant
-        raise ValueError(
+        raise InvalidArgumentError(
             f"warm-up can compile the variant of the model's own generation_config only; asked for {str(variant)!r}, "
             f"the generation_config leads to {str(found)!r}"
         )

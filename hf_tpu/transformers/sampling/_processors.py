@@ -10,6 +10,7 @@ n-grams or prefixes (``ctx.history``: ``(batch, width)``, the prompt as the call
 
 from __future__ import annotations
 
+from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers.sampling._registry import DeviceForm, Unsupported, register
 
 __all__: list[str] = []
@@ -116,7 +117,7 @@ def _bias_host(proc, ctx):
 
     invalid = [t for seq in proc.sequence_bias for t in seq if t >= ctx.vocab]
     if invalid:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"The model vocabulary size is {ctx.vocab}, but the following tokens were being biased: {invalid}"
         )
     single = torch.zeros(ctx.vocab, dtype=torch.float32)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hf_tpu.errors import HfTpuError
+from hf_tpu.errors import HfTpuError, HfTpuValueError
 
 __all__ = ["DeviceForm", "Unsupported", "form_for", "forms", "register"]
 
@@ -53,12 +53,12 @@ def _class_key(cls: type) -> str:
 def register(class_names: list[str], form: DeviceForm) -> DeviceForm:
     """Register ``form`` for the upstream classes named (``transformers.generation.logits_process`` names)."""
     if form.name in _BY_NAME:
-        raise ValueError(f"a device form named {form.name!r} is registered already")
+        raise HfTpuValueError(f"a device form named {form.name!r} is registered already")
     _BY_NAME[form.name] = form
     for name in class_names:
         key = f"transformers.generation.logits_process.{name}"
         if key in _BY_CLASS:
-            raise ValueError(f"{name} has a device form already ({_BY_CLASS[key].name!r})")
+            raise HfTpuValueError(f"{name} has a device form already ({_BY_CLASS[key].name!r})")
         _BY_CLASS[key] = form
     return form
 

@@ -13,6 +13,9 @@
 Unlike the default per-expert loop, whose shapes depend on how many tokens each expert receives (one device
 compile per routing on TPU), every shape here depends only on the number of tokens, ``top_k`` and the expert
 weights, whatever the routing.
+
+It raises built-in exceptions (``ValueError``, ``RuntimeError``, ``NotImplementedError``, ``ImportError``): it is a
+package of its own, loaded by ``kernels`` from the Hub, and imports nothing of hf_tpu.
 """
 
 from __future__ import annotations
