@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
         if info is None:
             continue
         keys = [
-            f"{item.module.__name__}::{name}"
+            f"{item.module.__name__}.{name}"  # (no "::": JUnit would read the group as the test's name)
             for name in info.names_closure
             if any(d.scope == "module" for d in info.name2fixturedefs.get(name, ()))
         ]
