@@ -47,7 +47,8 @@ def test_an_xdist_group_runs_on_one_worker(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2", "--dist", "loadgroup",
          "test_grouped.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S, env={**os.environ, "GROUPED_OUT": str(out)},
+        cwd=tmp_path, capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S,
+        env={**os.environ, "GROUPED_OUT": str(out)},
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     workers = {(out / f"grouped-{i}").read_text() for i in range(6)}
