@@ -11,7 +11,15 @@ and hands upstream the encoded images as ``mm_encoder_outputs``; its cached loop
 tokens included (they count toward the prompt bucket), and the forward merges them; the decode steps are the text
 loop's. Pixel inputs left on the host are moved to the device here.
 
-Qwen2-VL and Qwen2.5-VL (:func:`grid_model`) take their images as patch rows with a grid per image
+How a model takes its images is one value, its :class:`ImageLayout` (decided once per model by
+:func:`image_layout`): the vision graph its images take and in how many rows its prompt's positions are numbered;
+every question the loop, the route and warm-up ask of a model's images (:func:`grid_model`, :func:`grid_tower`,
+:func:`takes_grid`, :func:`positioned`, :func:`padded`, :func:`mrope_rows`) reads it. Most layouts are read from the
+model (its ``get_image_features``' parameters and source, its modules); the families introspection cannot tell
+apart are the entries of :data:`LAYOUTS`, the one table of families, so a new family of an existing layout is one
+entry there (no other module of hf_tpu asks for a family by its name).
+
+Qwen2-VL and Qwen2.5-VL (:attr:`ImageLayout.GRID`) take their images as patch rows with a grid per image
 (``image_grid_thw``) and number their positions from that grid (multimodal rotary positions, three rows: temporal,
 height, width). What depends on the grid's values runs on the host, where upstream computes it: the vision tower's
 patch positions, its attention's segment bounds and Qwen2.5's window order (``transformers.vision_utils``, handed to
@@ -24,23 +32,26 @@ decode graphs take the three rows packed with the ids (``"+mrope"`` graphs), so 
 Omni, Qwen4-Exp) numbers its positions the same way; its towers also resample learned position embeddings to each
 grid (the gather indices and weights computed on the host: more precomputed inputs) and Qwen3-VL's hands features of
 early blocks to the first decoder layers (``deepstack_features``: the ``"grid_vision"`` graph returns them, and the
-model's forward adds them at the image tokens in the prefill graph). EXAONE 4.5 (:func:`grid_tower`) has Qwen2.5-VL's tower before a
-text of one row of positions: its images take the ``"grid_vision"`` graph, the rest is the plain image loop.
+model's forward adds them at the image tokens in the prefill graph). EXAONE 4.5 (:attr:`ImageLayout.GRID_TOWER`)
+has Qwen2.5-VL's tower before a text of one row of positions: its images take the ``"grid_vision"`` graph, the rest is
+the plain image loop. LFM3-VL, MiniMax-M3-VL and HyperCLOVA X Vision V2 (:attr:`ImageLayout.GRID_CONSTANTS`) take
+patch rows and a grid per image too, to a ``get_image_features`` taking ``image_grid_thw``: the ``"vision"`` graph
+with the grid's values as its constants (:func:`grid_constants`), positions in one row.
 
-Gemma 4 and Gemma 4 Unified (:func:`positioned`) take each image as patch rows padded to their processor's length,
-with each row's (x, y) position (``image_position_ids``, (-1, -1) for padding); upstream's encoder drops the padding
-by the positions' values (a boolean mask, then per-image split sizes read back with ``tolist()``), shapes no compiled
-graph can know. The rows' real counts are read on the host from the positions (the processor's output, which stays
-on the host) and the ``"positioned_vision"`` graph, keyed by them, runs the encoder's own modules up to the padded
-features and keeps each image's first ones (the processor puts an image's rows first, so its pooled features come
-first too): the features upstream's encoder returns, in one tensor.
+Gemma 4 and Gemma 4 Unified (:attr:`ImageLayout.POSITIONED`) take each image as patch rows padded to their processor's
+length, with each row's (x, y) position (``image_position_ids``, (-1, -1) for padding); upstream's encoder drops the
+padding by the positions' values (a boolean mask, then per-image split sizes read back with ``tolist()``), shapes no
+compiled graph can know. The rows' real counts are read on the host from the positions (the processor's output, which
+stays on the host) and the ``"positioned_vision"`` graph, keyed by them, runs the encoder's own modules up to the padded
+features and keeps each image's first ones (the processor puts an image's rows first, so its pooled features come first
+too): the features upstream's encoder returns, in one tensor.
 
-Idefics2, Idefics3 and SmolVLM (:func:`padded`) take each text row's images padded to the most images of a row, with
-a mask of each image's real pixels (``pixel_attention_mask``); upstream's encoder drops the padding images by their
-pixel values (all zero: a boolean-mask index, a shape no compiled graph can know) and splits the features per row with
-``tolist()``. The real images are found on the host (the processor's output, which stays there), exactly by upstream's
-rule (:func:`padded_images`), and the ``"padded_vision"`` graph, keyed by their shape, runs the model's own vision
-model and connector on them only: the features upstream's encoder returns per row, in one tensor (the forward
+Idefics2, Idefics3 and SmolVLM (:attr:`ImageLayout.PADDED`) take each text row's images padded to the most images of a
+row, with a mask of each image's real pixels (``pixel_attention_mask``); upstream's encoder drops the padding images by
+their pixel values (all zero: a boolean-mask index, a shape no compiled graph can know) and splits the features per row
+with ``tolist()``. The real images are found on the host (the processor's output, which stays there), exactly by
+upstream's rule (:func:`padded_images`), and the ``"padded_vision"`` graph, keyed by their shape, runs the model's own
+vision model and connector on them only: the features upstream's encoder returns per row, in one tensor (the forward
 concatenates them anyway).
 """
 
@@ -57,6 +68,7 @@ __all__ = [
     "Bounds",
     "ImageLayout",
     "ImageTokensError",
+    "LAYOUTS",
     "NoImagesError",
     "check_image_tokens",
     "encode_images",
@@ -100,8 +112,8 @@ def image_inputs(model, model_kwargs: dict) -> list[str]:
 
 class ImageLayout(enum.Enum):
     """How a vision-language model takes its images, which decides how hf_tpu's loop encodes them (the vision graph
-    it runs: :attr:`vision_graph`) and in how many rows it numbers the prompt's positions (:attr:`position_rows`).
-    One per model, decided once (:func:`image_layout`)."""
+    it runs, named below) and in how many rows it numbers the prompt's positions (:attr:`position_rows`). One per
+    model, decided once (:func:`image_layout`)."""
 
     #: patch rows with a grid per image (``image_grid_thw``) to a vision tower (the base model's ``visual``) taking
     #: the grid's precomputed inputs (:func:`grid_inputs`, the ``"grid_vision"`` graph), and the prompt's positions
@@ -124,11 +136,6 @@ class ImageLayout(enum.Enum):
     PLAIN = "plain"
 
     @property
-    def vision_graph(self) -> str:
-        """The graph kind that encodes this layout's images (one of ``_graphs.VISION_KINDS``)."""
-        return _VISION_GRAPHS[self]
-
-    @property
     def grid(self) -> bool:
         """Whether the images come as patch rows with a grid per image (``image_grid_thw``)."""
         return self in (ImageLayout.GRID, ImageLayout.GRID_TOWER, ImageLayout.GRID_CONSTANTS)
@@ -140,29 +147,36 @@ class ImageLayout(enum.Enum):
         return 3 if self is ImageLayout.GRID else 1
 
 
-_VISION_GRAPHS = {
-    ImageLayout.GRID: "grid_vision", ImageLayout.GRID_TOWER: "grid_vision", ImageLayout.GRID_CONSTANTS: "vision",
-    ImageLayout.POSITIONED: "positioned_vision", ImageLayout.PADDED: "padded_vision", ImageLayout.PLAIN: "vision",
-}  # fmt: skip
-
-# The families whose layout introspection cannot tell (by ``model_type``; a listed family's base model has ``visual``,
-# the tower the grid layouts run): the grid models, whose towers accept the grid's precomputed inputs and whose
-# ``get_rope_index`` numbers text and images from the ids, the token types and the grids on the host (other models
-# with a ``get_rope_index``, GLM-4V's or ERNIE 4.5 VL's, take the grid too, and their images run upstream's loop), and
-# the towers of theirs before another text. Every other layout is read from the model (:func:`image_layout`).
-_GRID_MODELS = (
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "cosmos3_omni",
-)  # fmt: skip
-_GRID_TOWERS = (*_GRID_MODELS, "exaone4_5")
-
-
-_LISTED = {family: ImageLayout.GRID if family in _GRID_MODELS else ImageLayout.GRID_TOWER for family in _GRID_TOWERS}
+#: The one table of vision-language families: ``model_type`` -> layout, for the families whose layout introspection
+#: cannot tell (:func:`image_layout` reads every other one from the model). A new family of one of these layouts is
+#: its entry here, and nothing else: the warm-up (``_mm_warmup``), the vision graphs (``_graphs``), the prompt's
+#: positions (the loops, ``_upstream``) and Qwen3-VL's deepstack (``_deepstack``) read the layout or the model, never
+#: the family. The grid layouts run the base model's ``visual`` (an entry's family without one is read as unlisted).
+#: The :attr:`~ImageLayout.GRID` families' towers accept the grid's precomputed inputs and their ``get_rope_index``
+#: numbers text and images from the ids, the token types and the grids on the host: introspection cannot tell them
+#: from other models with a ``get_rope_index`` taking the grid (GLM-4V's, ERNIE 4.5 VL's), whose images run upstream's
+#: loop (:func:`images_problem`).
+LAYOUTS: dict[str, ImageLayout] = {
+    # Qwen2-VL and Qwen2.5-VL
+    "qwen2_vl": ImageLayout.GRID,
+    "qwen2_5_vl": ImageLayout.GRID,
+    # Qwen3-VL's family (towers resampling learned position embeddings to each grid; Qwen3-VL's hands features of
+    # early blocks to the text: deepstack): Qwen3-VL and its MoE, Qwen3.5 and its MoE, Qwen4-Exp, Cosmos 3 Omni
+    "qwen3_vl": ImageLayout.GRID,
+    "qwen3_vl_moe": ImageLayout.GRID,
+    "qwen3_5": ImageLayout.GRID,
+    "qwen3_5_moe": ImageLayout.GRID,
+    "qwen4_exp": ImageLayout.GRID,
+    "cosmos3_omni": ImageLayout.GRID,
+    # EXAONE 4.5: Qwen2.5-VL's tower (axial rotary positions) before a text of one row of positions
+    "exaone4_5": ImageLayout.GRID_TOWER,
+}
 
 
 def image_layout(model) -> ImageLayout | None:
     """How ``model`` takes its images (None: its base model has no image encoder, ``get_image_features``, and its
     family is not listed), decided at the first ask and kept in the model's state: a listed family's layout
-    (:data:`_GRID_MODELS`); else read from its image encoder: ``image_position_ids`` taken by modules the
+    (:data:`LAYOUTS`); else read from its image encoder: ``image_position_ids`` taken by modules the
     ``"positioned_vision"`` graph runs (:attr:`ImageLayout.POSITIONED`), padding images dropped by their pixel values
     (:attr:`ImageLayout.PADDED`), ``image_grid_thw`` taken (:attr:`ImageLayout.GRID_CONSTANTS`), else
     :attr:`ImageLayout.PLAIN`."""
@@ -173,7 +187,7 @@ def image_layout(model) -> ImageLayout | None:
 
 
 def _read_layout(model) -> ImageLayout | None:
-    listed = _LISTED.get(getattr(model.config, "model_type", None))
+    listed = LAYOUTS.get(getattr(model.config, "model_type", None))
     if listed is not None and hasattr(model.base_model, "visual"):
         return listed
     fn = _encoder_fn(model)
@@ -356,7 +370,7 @@ def images_problem(model, model_kwargs: dict) -> str | None:
     if layout is ImageLayout.GRID and model_kwargs.get("image_grid_thw") is None:
         return f"images: {name} takes its images' grid (image_grid_thw) with them, and the call gave none"
     if layout is not ImageLayout.GRID and numbers_from_images(model):
-        numbered = ", ".join(family for family, listed in _LISTED.items() if listed is ImageLayout.GRID)
+        numbered = ", ".join(family for family, listed in LAYOUTS.items() if listed is ImageLayout.GRID)
         return (
             f"images: {name} numbers its positions from the images (multimodal rotary positions, get_rope_index over "
             f"the image grid), which the bucketed loop builds for {numbered} only"
