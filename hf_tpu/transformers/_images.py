@@ -11,7 +11,15 @@ and hands upstream the encoded images as ``mm_encoder_outputs``; its cached loop
 tokens included (they count toward the prompt bucket), and the forward merges them; the decode steps are the text
 loop's. Pixel inputs left on the host are moved to the device here.
 
-Qwen2-VL and Qwen2.5-VL (:func:`grid_model`) take their images as patch rows with a grid per image
+How a model takes its images is one value, its :class:`ImageLayout` (decided once per model by
+:func:`image_layout`): the vision graph its images take and in how many rows its prompt's positions are numbered;
+every question the loop, the route and warm-up ask of a model's images (:func:`grid_model`, :func:`grid_tower`,
+:func:`takes_grid`, :func:`positioned`, :func:`padded`, :func:`mrope_rows`) reads it. Most layouts are read from the
+model (its ``get_image_features``' parameters and source, its modules); the families introspection cannot tell
+apart are the entries of :data:`LAYOUTS`, the one table of families, so a new family of an existing layout is one
+entry there (no other module of hf_tpu asks for a family by its name).
+
+Qwen2-VL and Qwen2.5-VL (:attr:`ImageLayout.GRID`) take their images as patch rows with a grid per image
 (``image_grid_thw``) and number their positions from that grid (multimodal rotary positions, three rows: temporal,
 height, width). What depends on the grid's values runs on the host, where upstream computes it: the vision tower's
 patch positions, its attention's segment bounds and Qwen2.5's window order (``transformers.vision_utils``, handed to
@@ -24,36 +32,43 @@ decode graphs take the three rows packed with the ids (``"+mrope"`` graphs), so 
 Omni, Qwen4-Exp) numbers its positions the same way; its towers also resample learned position embeddings to each
 grid (the gather indices and weights computed on the host: more precomputed inputs) and Qwen3-VL's hands features of
 early blocks to the first decoder layers (``deepstack_features``: the ``"grid_vision"`` graph returns them, and the
-model's forward adds them at the image tokens in the prefill graph). EXAONE 4.5 (:func:`grid_tower`) has Qwen2.5-VL's tower before a
-text of one row of positions: its images take the ``"grid_vision"`` graph, the rest is the plain image loop.
+model's forward adds them at the image tokens in the prefill graph). EXAONE 4.5 (:attr:`ImageLayout.GRID_TOWER`)
+has Qwen2.5-VL's tower before a text of one row of positions: its images take the ``"grid_vision"`` graph, the rest is
+the plain image loop. LFM3-VL, MiniMax-M3-VL and HyperCLOVA X Vision V2 (:attr:`ImageLayout.GRID_CONSTANTS`) take
+patch rows and a grid per image too, to a ``get_image_features`` taking ``image_grid_thw``: the ``"vision"`` graph
+with the grid's values as its constants (:func:`grid_constants`), positions in one row.
 
-Gemma 4 and Gemma 4 Unified (:func:`positioned`) take each image as patch rows padded to their processor's length,
-with each row's (x, y) position (``image_position_ids``, (-1, -1) for padding); upstream's encoder drops the padding
-by the positions' values (a boolean mask, then per-image split sizes read back with ``tolist()``), shapes no compiled
-graph can know. The rows' real counts are read on the host from the positions (the processor's output, which stays
-on the host) and the ``"positioned_vision"`` graph, keyed by them, runs the encoder's own modules up to the padded
-features and keeps each image's first ones (the processor puts an image's rows first, so its pooled features come
-first too): the features upstream's encoder returns, in one tensor.
+Gemma 4 and Gemma 4 Unified (:attr:`ImageLayout.POSITIONED`) take each image as patch rows padded to their processor's
+length, with each row's (x, y) position (``image_position_ids``, (-1, -1) for padding); upstream's encoder drops the
+padding by the positions' values (a boolean mask, then per-image split sizes read back with ``tolist()``), shapes no
+compiled graph can know. The rows' real counts are read on the host from the positions (the processor's output, which
+stays on the host) and the ``"positioned_vision"`` graph, keyed by them, runs the encoder's own modules up to the padded
+features and keeps each image's first ones (the processor puts an image's rows first, so its pooled features come first
+too): the features upstream's encoder returns, in one tensor.
 
-Idefics2, Idefics3 and SmolVLM (:func:`padded`) take each text row's images padded to the most images of a row, with
-a mask of each image's real pixels (``pixel_attention_mask``); upstream's encoder drops the padding images by their
-pixel values (all zero: a boolean-mask index, a shape no compiled graph can know) and splits the features per row with
-``tolist()``. The real images are found on the host (the processor's output, which stays there), exactly by upstream's
-rule (:func:`padded_images`), and the ``"padded_vision"`` graph, keyed by their shape, runs the model's own vision
-model and connector on them only: the features upstream's encoder returns per row, in one tensor (the forward
+Idefics2, Idefics3 and SmolVLM (:attr:`ImageLayout.PADDED`) take each text row's images padded to the most images of a
+row, with a mask of each image's real pixels (``pixel_attention_mask``); upstream's encoder drops the padding images by
+their pixel values (all zero: a boolean-mask index, a shape no compiled graph can know) and splits the features per row
+with ``tolist()``. The real images are found on the host (the processor's output, which stays there), exactly by
+upstream's rule (:func:`padded_images`), and the ``"padded_vision"`` graph, keyed by their shape, runs the model's own
+vision model and connector on them only: the features upstream's encoder returns per row, in one tensor (the forward
 concatenates them anyway).
 """
 
 from __future__ import annotations
 
+import enum
 import inspect
 
 from hf_tpu.errors import UserError
 from hf_tpu.transformers._graph_key import GraphKind
+from hf_tpu.transformers._settings import NotCompilableError, model_state
 
 __all__ = [
     "Bounds",
+    "ImageLayout",
     "ImageTokensError",
+    "LAYOUTS",
     "NoImagesError",
     "check_image_tokens",
     "encode_images",
@@ -61,6 +76,7 @@ __all__ = [
     "grid_model",
     "grid_tower",
     "image_inputs",
+    "image_layout",
     "images_problem",
     "mrope_rows",
     "numbers_from_images",
@@ -94,57 +110,130 @@ def image_inputs(model, model_kwargs: dict) -> list[str]:
     return names if any(k in _PIXEL_NAMES for k in names) else []
 
 
-# The models whose grid-numbered images the loop builds (their vision towers accept the grid's precomputed inputs and
-# their get_rope_index numbers text and images from the ids, the token types and the grids, on the host): Qwen2-VL,
-# Qwen2.5-VL, and Qwen3-VL's family (Qwen3-VL and its MoE, Qwen3.5 and its MoE, Qwen4-Exp, Cosmos 3 Omni), whose
-# towers also interpolate learned position embeddings to each grid and may hand features of early layers to the
-# text (deepstack): see :func:`grid_inputs` and :func:`hf_tpu.transformers._graphs._grid_vision`.
-_GRID_MODELS = (
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "cosmos3_omni",
-)  # fmt: skip
-# The models whose vision towers take grid-numbered images with the precomputed inputs (the "grid_vision" graph),
-# positions numbered from the grids or not: Qwen2-VL's and Qwen2.5-VL's, and EXAONE 4.5's (Qwen2.5-VL's tower with
-# axial rotary positions in front of a text with one row of positions).
-_GRID_TOWERS = (*_GRID_MODELS, "exaone4_5")
+class ImageLayout(enum.Enum):
+    """How a vision-language model takes its images, which decides how hf_tpu's loop encodes them (the vision graph
+    it runs, named below) and in how many rows it numbers the prompt's positions (:attr:`position_rows`). One per
+    model, decided once (:func:`image_layout`)."""
+
+    #: patch rows with a grid per image (``image_grid_thw``) to a vision tower (the base model's ``visual``) taking
+    #: the grid's precomputed inputs (:func:`grid_inputs`, the ``"grid_vision"`` graph), and the prompt's positions
+    #: numbered from the grids in three rows on the host (upstream's ``get_rope_index``): Qwen2-VL's to Qwen3-VL's
+    GRID = "grid"
+    #: the same tower and graph before a text numbering its positions in one row from the ids: EXAONE 4.5's
+    GRID_TOWER = "grid_tower"
+    #: patch rows with a grid per image to a ``get_image_features`` taking ``image_grid_thw``, positions in one row:
+    #: the ``"vision"`` graph with the grid's values as its constants (:func:`grid_constants`): LFM3-VL's,
+    #: MiniMax-M3-VL's, HyperCLOVA X Vision V2's
+    GRID_CONSTANTS = "grid_constants"
+    #: patch rows padded to the processor's length with each row's position (``image_position_ids``), the
+    #: ``"positioned_vision"`` graph: Gemma 4's and Gemma 4 Unified's
+    POSITIONED = "positioned"
+    #: each text row's images padded with all-zero images, dropped on the host (:func:`padded_images`), the
+    #: ``"padded_vision"`` graph: Idefics2's, Idefics3's, SmolVLM's
+    PADDED = "padded"
+    #: ``get_image_features`` on the processor's tensors as they come, the ``"vision"`` graph: LLaVA's, Gemma 3's,
+    #: PaliGemma's, Mistral 3's (with ``image_sizes`` as host integers), ...
+    PLAIN = "plain"
+
+    @property
+    def grid(self) -> bool:
+        """Whether the images come as patch rows with a grid per image (``image_grid_thw``)."""
+        return self in (ImageLayout.GRID, ImageLayout.GRID_TOWER, ImageLayout.GRID_CONSTANTS)
+
+    @property
+    def position_rows(self) -> int:
+        """How many rows of positions the model's rotary embedding reads: 3 (multimodal rotary positions) for
+        :attr:`GRID`, whose ``generate`` numbers every call's prompt in three rows, with or without images; else 1."""
+        return 3 if self is ImageLayout.GRID else 1
+
+
+#: The one table of vision-language families: ``model_type`` -> layout, for the families whose layout introspection
+#: cannot tell (:func:`image_layout` reads every other one from the model). A new family of one of these layouts is
+#: its entry here, and nothing else: the warm-up (``_mm_warmup``), the vision graphs (``_graphs``), the prompt's
+#: positions (the loops, ``_upstream``) and Qwen3-VL's deepstack (``_deepstack``) read the layout or the model, never
+#: the family. The grid layouts run the base model's ``visual`` (an entry's family without one is read as unlisted).
+#: The :attr:`~ImageLayout.GRID` families' towers accept the grid's precomputed inputs and their ``get_rope_index``
+#: numbers text and images from the ids, the token types and the grids on the host: introspection cannot tell them
+#: from other models with a ``get_rope_index`` taking the grid (GLM-4V's, ERNIE 4.5 VL's), whose images run upstream's
+#: loop (:func:`images_problem`).
+LAYOUTS: dict[str, ImageLayout] = {
+    # Qwen2-VL and Qwen2.5-VL
+    "qwen2_vl": ImageLayout.GRID,
+    "qwen2_5_vl": ImageLayout.GRID,
+    # Qwen3-VL's family (towers resampling learned position embeddings to each grid; Qwen3-VL's hands features of
+    # early blocks to the text: deepstack): Qwen3-VL and its MoE, Qwen3.5 and its MoE, Qwen4-Exp, Cosmos 3 Omni
+    "qwen3_vl": ImageLayout.GRID,
+    "qwen3_vl_moe": ImageLayout.GRID,
+    "qwen3_5": ImageLayout.GRID,
+    "qwen3_5_moe": ImageLayout.GRID,
+    "qwen4_exp": ImageLayout.GRID,
+    "cosmos3_omni": ImageLayout.GRID,
+    # EXAONE 4.5: Qwen2.5-VL's tower (axial rotary positions) before a text of one row of positions
+    "exaone4_5": ImageLayout.GRID_TOWER,
+}
+
+
+def image_layout(model) -> ImageLayout | None:
+    """How ``model`` takes its images (None: its base model has no image encoder, ``get_image_features``, and its
+    family is not listed), decided at the first ask and kept in the model's state: a listed family's layout
+    (:data:`LAYOUTS`); else read from its image encoder: ``image_position_ids`` taken by modules the
+    ``"positioned_vision"`` graph runs (:attr:`ImageLayout.POSITIONED`), padding images dropped by their pixel values
+    (:attr:`ImageLayout.PADDED`), ``image_grid_thw`` taken (:attr:`ImageLayout.GRID_CONSTANTS`), else
+    :attr:`ImageLayout.PLAIN`."""
+    state = model_state(model)
+    if not state.image_layout:
+        state.image_layout = (_read_layout(model),)
+    return state.image_layout[0]
+
+
+def _read_layout(model) -> ImageLayout | None:
+    listed = LAYOUTS.get(getattr(model.config, "model_type", None))
+    if listed is not None and hasattr(model.base_model, "visual"):
+        return listed
+    fn = _encoder_fn(model)
+    if fn is None:
+        return None
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return ImageLayout.PLAIN
+    if "image_position_ids" in params and _positioned_modules(model):
+        return ImageLayout.POSITIONED
+    if "pixel_attention_mask" in params and _PADDED_DROP in _encoder_source(model):
+        return ImageLayout.PADDED
+    return ImageLayout.GRID_CONSTANTS if "image_grid_thw" in params else ImageLayout.PLAIN
 
 
 def grid_model(model) -> bool:
-    """Whether ``model`` is a vision-language model whose images come as patch rows with a grid per image and whose
-    positions are numbered from those grids (Qwen2-VL, Qwen2.5-VL, Qwen3-VL's family), which the loop serves."""
-    return getattr(model.config, "model_type", None) in _GRID_MODELS and hasattr(model.base_model, "visual")
+    """Whether ``model``'s images come as patch rows with a grid per image and its positions are numbered from those
+    grids (:attr:`ImageLayout.GRID`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL's family), which the loop serves."""
+    return image_layout(model) is ImageLayout.GRID
 
 
 def grid_tower(model) -> bool:
     """Whether ``model``'s images come as patch rows with a grid per image to a vision tower that takes the grid's
-    precomputed inputs (:func:`grid_inputs`): the grid models' and EXAONE 4.5's."""
-    return getattr(model.config, "model_type", None) in _GRID_TOWERS and hasattr(model.base_model, "visual")
+    precomputed inputs (:func:`grid_inputs`): :attr:`ImageLayout.GRID` and :attr:`ImageLayout.GRID_TOWER`."""
+    return image_layout(model) in (ImageLayout.GRID, ImageLayout.GRID_TOWER)
 
 
 def takes_grid(model) -> bool:
     """Whether the model's image encoder takes its images as patch rows with a grid per image (``get_image_features``
     takes ``image_grid_thw``: LFM3-VL, MiniMax-M3-VL, HyperCLOVA X Vision V2 as well as Qwen2-VL) and numbers the
     prompt's positions in one row (not :func:`grid_tower`'s, whose towers take the grid's precomputed inputs): its
-    vision graph takes the grid as constants (:func:`encode_images`)."""
-    fn = _encoder_fn(model)
-    try:
-        params = inspect.signature(fn).parameters if fn is not None else {}
-    except (TypeError, ValueError):
-        return False
-    return "image_grid_thw" in params and not grid_tower(model)
+    vision graph takes the grid as constants (:func:`encode_images`); :attr:`ImageLayout.GRID_CONSTANTS`."""
+    return image_layout(model) is ImageLayout.GRID_CONSTANTS
 
 
 def positioned(model) -> bool:
     """Whether the model's image encoder takes its images as patch rows with each row's position
-    (``image_position_ids``) and is one the ``"positioned_vision"`` graph runs: Gemma 4's (a vision tower with a patch
-    embedder, an encoder and a pooler, then ``embed_vision``) or Gemma 4 Unified's (an encoder-free ``embed_vision``
-    taking the rows and positions)."""
-    fn = _encoder_fn(model)
-    try:
-        params = inspect.signature(fn).parameters if fn is not None else {}
-    except (TypeError, ValueError):
-        return False
-    if "image_position_ids" not in params:
-        return False
+    (``image_position_ids``) and is one the ``"positioned_vision"`` graph runs (:attr:`ImageLayout.POSITIONED`)."""
+    return image_layout(model) is ImageLayout.POSITIONED
+
+
+def _positioned_modules(model) -> bool:
+    """Whether the base model has the modules the ``"positioned_vision"`` graph runs: Gemma 4's (a vision tower with
+    a patch embedder, an encoder and a pooler, then ``embed_vision``) or Gemma 4 Unified's (an encoder-free
+    ``embed_vision`` taking the rows and positions)."""
     base = model.base_model
     tower = getattr(base, "vision_tower", None)
     if tower is not None:
@@ -183,14 +272,10 @@ def _encoder_source(model) -> str:
 
 def padded(model) -> bool:
     """Whether the model's image encoder takes each text row's images padded with all-zero images and a mask of their
-    real pixels (``pixel_attention_mask``) and drops the padding images by their pixel values: Idefics2's, Idefics3's
-    and SmolVLM's family (:func:`padded_rule` says whether the ``"padded_vision"`` graph knows its rules)."""
-    fn = _encoder_fn(model)
-    try:
-        params = inspect.signature(fn).parameters if fn is not None else {}
-    except (TypeError, ValueError):
-        return False
-    return "pixel_attention_mask" in params and _PADDED_DROP in _encoder_source(model)
+    real pixels (``pixel_attention_mask``) and drops the padding images by their pixel values
+    (:attr:`ImageLayout.PADDED`: Idefics2's, Idefics3's and SmolVLM's family; :func:`padded_rule` says whether the
+    ``"padded_vision"`` graph knows its rules)."""
+    return image_layout(model) is ImageLayout.PADDED
 
 
 def padded_rule(model) -> dict | None:
@@ -258,10 +343,11 @@ def numbers_from_images(model) -> bool:
 
 
 def mrope_rows(model) -> int:
-    """How many rows of positions the model's rotary embedding reads (3 for the multimodal rotary positions of
-    :func:`grid_model`'s, whose ``generate`` numbers every call's prompt, with or without images, in three rows);
-    1 for every other model."""
-    return 3 if grid_model(model) else 1
+    """How many rows of positions the model's rotary embedding reads (:attr:`ImageLayout.position_rows`: 3 for the
+    multimodal rotary positions of :attr:`ImageLayout.GRID`'s, whose ``generate`` numbers every call's prompt, with
+    or without images, in three rows); 1 for every other model."""
+    layout = image_layout(model)
+    return 1 if layout is None else layout.position_rows
 
 
 def video_inputs(model, model_kwargs: dict) -> list[str]:
@@ -280,17 +366,18 @@ def images_problem(model, model_kwargs: dict) -> str | None:
     name = type(model).__name__
     if "image" not in getattr(model, "input_modalities", ()) or not model._supports_mm_encoder_outputs():
         return f"images: {name}'s forward takes no pre-encoded images (mm_encoder_outputs)"
-    grid = grid_model(model)
-    if grid and model_kwargs.get("image_grid_thw") is None:
+    layout = image_layout(model)
+    if layout is ImageLayout.GRID and model_kwargs.get("image_grid_thw") is None:
         return f"images: {name} takes its images' grid (image_grid_thw) with them, and the call gave none"
-    if not grid and numbers_from_images(model):
+    if layout is not ImageLayout.GRID and numbers_from_images(model):
+        numbered = ", ".join(family for family, listed in LAYOUTS.items() if listed is ImageLayout.GRID)
         return (
             f"images: {name} numbers its positions from the images (multimodal rotary positions, get_rope_index over "
-            f"the image grid), which the bucketed loop builds for {', '.join(_GRID_MODELS)} only"
+            f"the image grid), which the bucketed loop builds for {numbered} only"
         )
-    if takes_grid(model) and model_kwargs.get("image_grid_thw") is None:
+    if layout is ImageLayout.GRID_CONSTANTS and model_kwargs.get("image_grid_thw") is None:
         return f"images: {name} takes its images' grid (image_grid_thw) with them, and the call gave none"
-    if padded(model) and padded_rule(model) is None:
+    if layout is ImageLayout.PADDED and padded_rule(model) is None:
         return (
             f"images: {name}'s image encoder drops padding images by their pixel values with rules hf_tpu does not "
             "know (a patch's mask neither 'every pixel real' as Idefics2's nor 'any pixel real' as Idefics3's, or "
@@ -315,16 +402,17 @@ def encode_images(model, state, model_kwargs: dict, run) -> dict:
     inputs moved to the model's device, keyed by the shapes of its tensor inputs."""
     import torch
 
-    if grid_tower(model):
+    layout = image_layout(model)
+    if layout in (ImageLayout.GRID, ImageLayout.GRID_TOWER):
         return _encode_grid_images(model, state, model_kwargs, run)
-    if positioned(model):
+    if layout is ImageLayout.POSITIONED:
         return _encode_positioned_images(model, state, model_kwargs, run)
-    if padded(model):
+    if layout is ImageLayout.PADDED:
         return _encode_padded_images(model, state, model_kwargs, run)
     names = image_inputs(model, model_kwargs)
     kwargs = dict(model_kwargs)
     inputs = {}
-    grid = kwargs.pop("image_grid_thw", None) if takes_grid(model) else None
+    grid = kwargs.pop("image_grid_thw", None) if layout is ImageLayout.GRID_CONSTANTS else None
     for name in names:
         if name == "image_grid_thw" and grid is not None:  # (popped above: the graph's constants)
             continue
@@ -557,7 +645,7 @@ def _encode_grid_images(model, state, model_kwargs: dict, run) -> dict:
     else:
         encoded = BaseModelOutputWithPooling(pooler_output=(merged,))
     kwargs["mm_encoder_outputs"] = {"image": encoded}
-    if not grid_model(model):  # (one row of positions, numbered from the ids: the grids served the tower only)
+    if image_layout(model) is not ImageLayout.GRID:  # (one row of positions, from the ids: the grids served the tower)
         kwargs.pop("image_grid_thw")
     return kwargs
 
@@ -588,8 +676,6 @@ def _encode_padded_images(model, state, model_kwargs: dict, run) -> dict:
 
     rule = padded_rule(model)
     if rule is None:  # (images_problem sends such calls to upstream's loop first, and warm-up refuses them)
-        from hf_tpu.transformers._settings import NotCompilableError
-
         state.images_problem = images_problem(model, model_kwargs)
         raise NotCompilableError(state.images_problem)
     kwargs = dict(model_kwargs)

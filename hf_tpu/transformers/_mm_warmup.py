@@ -22,6 +22,7 @@ import math
 
 from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _images
+from hf_tpu.transformers._images import ImageLayout
 from hf_tpu.transformers._cache.layers import set_decoding, set_length
 from hf_tpu.transformers._cache.pool import cache_for
 from hf_tpu.transformers._graph_key import GraphKind, Variant
@@ -65,10 +66,11 @@ def warm_images(
     vision_config = getattr(model.config, "vision_config", None)
     channels = int(getattr(vision_config, "num_channels", 3) or 3)
     height, width = (int(n) for n in size)
+    layout = _images.image_layout(model)
     # float32: what image processors return (the vision towers cast them to their own dtype)
-    if _images.grid_tower(model) or _images.takes_grid(model):
+    if layout is not None and layout.grid:
         kwargs = _grid_pixels(model, batch * count, height, width)
-    elif _images.positioned(model):
+    elif layout is ImageLayout.POSITIONED:
         kwargs = _positioned_pixels(model, batch * count, height, width)
     else:
         kwargs = _processor_pixels(model, batch, count, channels, height, width)
@@ -96,8 +98,8 @@ def warm_images(
     types = takes_token_types(model)
     image_id = _image_token_id(model)
     extra = extra_inputs(model)
-    rows = _images.mrope_rows(model)
-    mm_types = _images.positioned(model)  # (Gemma 4's processor marks the image tokens: mm_token_type_ids)
+    rows = 1 if layout is None else layout.position_rows
+    mm_types = layout is ImageLayout.POSITIONED  # (Gemma 4's processor marks the image tokens: mm_token_type_ids)
     named = {"token_type_ids": types, "mrope": rows > 1, "mm_token_type_ids": mm_types}
     kind_variant = variant.with_features(*(feature for feature, on in named.items() if on))
     with torch.no_grad():

@@ -143,6 +143,8 @@ class ModelState:
     # why its image encoder cannot be one graph (found at the vision graph's first trace): calls with images then
     # run upstream's loop, calls without keep the model's route
     images_problem: str | None = None
+    # (its image layout,) once hf_tpu.transformers._images.image_layout decided it (the layout None: no image encoder)
+    image_layout: tuple = ()
 
     def outputs_problem(self, attentions: bool, hidden_states: bool) -> str | None:
         """Why a call asking for these outputs cannot return them from a graph: a failure found with a subset of
