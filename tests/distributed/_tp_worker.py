@@ -1,9 +1,9 @@
 """Run by ``hf-tpu launch --simulate`` from tests/distributed: one rank of a tensor-parallel check.
 
-``python _tp_worker.py OUT_DIR TP_SIZE MODEL_DIR...``. Each rank loads every model twice on its own simulated
-``tpu:0``: as the TP=1 reference (no distributed config; once per model, shared by the checks that load it sharded
-again) and sharded with ``DistributedConfig(tp_size=TP_SIZE)``, runs a forward and a greedy static-cache generation
-with both, and writes what it saw to
+``python _tp_worker.py OUT_DIR TP_SIZE MODEL_DIR...``. Each rank loads every model sharded with
+``DistributedConfig(tp_size=TP_SIZE)`` on its own simulated ``tpu:0``, runs a forward and a greedy static-cache
+generation, compares them with the TP=1 model's (computed once by the test on the simulated device, read from
+``tp1_reference.pt`` in the models' folder), and writes what it saw to
 ``OUT_DIR/rank{RANK}.json``; the test asserts on those files. Extra checks named in ``HF_TPU_TP_CHECKS``
 (comma-separated) exercise collectives, user plan overrides and the errors for impossible requests.
 """
@@ -42,20 +42,14 @@ ids = torch.tensor([[1, 5, 9, 23, 77, 3, 41]])
 
 
 gen_kwargs = {"max_new_tokens": 6, "do_sample": False, "cache_implementation": "static"}
-# model dir -> the TP=1 reference's logits, greedy tokens and input embedding (on this rank's tpu:0): the same for
-# every sharded load of that model, computed once (a reference model's generate compiles its own graphs)
-references: dict[str, tuple] = {}
+# model dir -> the TP=1 model's logits, greedy tokens and input embedding on a simulated tpu device, computed once by
+# the test (tests/distributed/test_tensor_parallel.py: _tpu_reference) and saved next to the models
+references: dict[str, dict] = torch.load(os.path.join(os.path.dirname(model_dirs[0]), "tp1_reference.pt"))
 
 
 def reference(path: str) -> tuple:
-    if path not in references:
-        ref = AutoModelForCausalLM.from_pretrained(path).to("tpu")
-        x = ids.to("tpu")
-        with torch.no_grad():
-            ref_logits = ref(x).logits.cpu()
-        ref_tokens = ref.generate(x, **gen_kwargs).cpu()
-        references[path] = ref_logits, ref_tokens, ref.get_input_embeddings().weight.cpu()
-    return references[path]
+    found = references[path]
+    return found["logits"], found["tokens"], found["embedding"]
 
 
 def run_model(path: str, **load_kwargs) -> dict:

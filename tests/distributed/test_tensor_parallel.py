@@ -1,7 +1,9 @@
 """Tensor parallelism on the simulated device, spawned with ``hf-tpu launch --simulate`` (2 and 4 ranks).
 
-Each rank compares the sharded model with the TP=1 model on its own ``tpu:0``: logits within tolerance and
-token-identical greedy generation with a static cache. The models are built here and saved to ``tmp_path``:
+Each rank compares the sharded model with the TP=1 model on a ``tpu`` device: logits within tolerance and
+token-identical greedy generation with a static cache. The TP=1 model runs once, here in the test's process on the
+simulated device (every rank's would be the same computation on the same simulator), and the ranks read its logits
+and tokens from ``tp1_reference.pt`` next to the models. The models are built here and saved to ``tmp_path``:
 a Llama with 8 heads / 2 KV heads (2 KV heads do not divide by 4: attention is replicated at TP=4) and a Qwen3 with
 tied embeddings and a vocabulary of 1001 (uneven at TP=2 and TP=4). At TP=4 both KV-head strategies are checked.
 """
@@ -26,6 +28,21 @@ IDS = [[1, 5, 9, 23, 77, 3, 41]]  # the worker's prompt
 CPU: dict[str, tuple] = {}
 
 
+def _tpu_reference(path: str) -> dict:
+    """The TP=1 model on the simulated ``tpu`` device with hf_tpu's generation, as each rank would run it."""
+    import hf_tpu
+    import hf_tpu.sim
+    from transformers import AutoModelForCausalLM
+
+    hf_tpu.sim.enable()
+    with hf_tpu.enabled("generation"), torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path).to("tpu")
+        ids = torch.tensor(IDS).to("tpu")
+        logits = ref(ids).logits.cpu()
+        tokens = ref.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static").cpu()
+        return {"logits": logits, "tokens": tokens, "embedding": ref.get_input_embeddings().weight.cpu()}
+
+
 def _cpu_reference(path: str) -> tuple:
     from transformers import AutoModelForCausalLM
 
@@ -47,6 +64,7 @@ def models(tmp_path_factory):
     assert qwen.lm_head.weight is qwen.model.embed_tokens.weight
     paths = [str(root / "llama_kv2"), str(root / "qwen3_tied")]
     CPU.update({Path(p).name: _cpu_reference(p) for p in paths})
+    torch.save({p: _tpu_reference(p) for p in paths}, root / "tp1_reference.pt")
     return paths
 
 
