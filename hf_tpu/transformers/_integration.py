@@ -15,8 +15,6 @@ encoders sizing their splits from the grids and image sizes, no read of a device
 
 from __future__ import annotations
 
-import functools
-
 from hf_tpu._patch import patch
 
 __all__ = ["FEATURE", "apply"]
@@ -41,12 +39,7 @@ def apply() -> None:
     upstream = GenerationMixin.__dict__["generate"]
     upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
     _upstream._UPSTREAM_GENERATE = upstream
-
-    @functools.wraps(upstream)
-    def generate(self, *args, **kwargs):
-        return generation.generate(self, *args, **kwargs)
-
-    generate.__hf_tpu_upstream__ = upstream
+    generate = generation.entry(upstream)  # generation's own function, under upstream's name and signature
     patch(GenerationMixin, "generate", generate, feature=FEATURE, package="transformers", versions=">=5.23,<6")
     _rope_on_device.apply(FEATURE)  # one copy each way per decode step for models that rebuild rotary frequencies
     _sdpa_gqa.apply(FEATURE)  # KV heads reach sdpa unrepeated on tpu (no repeat_kv expansion in the graphs)

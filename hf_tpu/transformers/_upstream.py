@@ -15,8 +15,8 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 
-from hf_tpu.transformers._images import grid_model, image_inputs, numbers_from_images, positioned
-from hf_tpu.transformers._settings import DEVICE_TYPES
+from hf_tpu.transformers._images import grid_model, numbers_from_images, positioned
+from hf_tpu.transformers._settings import DEVICE_TYPES, Layout
 from hf_tpu.transformers._signatures import CACHE_NAMES
 
 __all__: list[str] = []
@@ -36,10 +36,11 @@ def upstream_generate() -> Callable:
     return getattr(fn, "__hf_tpu_upstream__", fn)
 
 
-def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bool] | None:
+def call_problem(model, args: dict, config, model_kwargs: dict, layout: Layout) -> tuple[str, bool] | None:
     """Why this call runs upstream's loop whatever the model's route (what it asks for only upstream's loop does),
     and whether ``generate`` warns (a cost on a TPU); None when one of hf_tpu's loops may serve it. ``config`` and
-    ``model_kwargs``: the call's generation config and model inputs as upstream prepares them."""
+    ``model_kwargs``: the call's generation config and model inputs as upstream prepares them; ``layout``: the call's
+    :class:`~hf_tpu.transformers._settings.Layout` (its image inputs, whether the model has an image encoder)."""
     from transformers.generation.configuration_utils import GenerationMode
 
     if args.get("custom_generate") is not None:
@@ -94,12 +95,12 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
     extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS - set(PROMPT_INPUTS) - set(_OUTPUT_FLAGS)
     if model.config.is_encoder_decoder:
         extra -= {"decoder_input_ids", encoder_input_name(model)}
-    images = image_inputs(model, model_kwargs)
+    images = layout.images
     extra -= set(images)  # (route.py says whether the cached loop takes them)
     if images and positioned(model):
         # (Gemma 4's processor marks the image tokens: the prefill's forward reads them, for its mask over each image)
         extra -= {"mm_token_type_ids"}
-    if grid_model(model) or (images and numbers_from_images(model)):
+    if layout.vision and (grid_model(model) or (images and numbers_from_images(model))):
         # (upstream's generate numbers the prompt's positions from them, on the host; for a model whose images the
         # loop does not number, route.py says why with the images)
         extra -= {"mm_token_type_ids", "image_grid_thw"}

@@ -79,6 +79,7 @@ from hf_tpu.transformers._notes import WARNED, warn_once
 from hf_tpu.transformers._settings import (
     CACHELESS,
     DEVICE_TYPES,
+    IMAGES,
     STRICT_EAGER,
     STRICT_ENV,
     GenerationSettings,
@@ -91,7 +92,7 @@ from hf_tpu.transformers._settings import (
     device_types,
     model_state,
 )
-from hf_tpu.transformers._upstream import encoder_input_name, inputs_on_model_device, running, upstream_generate
+from hf_tpu.transformers._upstream import inputs_on_model_device, running, upstream_generate
 from hf_tpu.transformers.buckets import BucketOverflowError
 from hf_tpu.transformers.route import UPSTREAM, attempt, call_route, explain
 from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, fill_id, ladder_figures, plan_shapes
@@ -143,6 +144,19 @@ def _output_to(result, device):
     return result
 
 
+def entry(upstream: Callable) -> Callable:
+    """The function ``hf_tpu.enable()`` installs as ``GenerationMixin.generate`` (:mod:`~hf_tpu.transformers.
+    _integration`): :func:`generate`, under upstream's name, docstring and signature (``functools.wraps``), keeping
+    upstream's own in ``__hf_tpu_upstream__`` (what enabling again wraps)."""
+
+    @functools.wraps(upstream)
+    def generate_on_tpu(self, *args, **kwargs):
+        return generate(self, *args, **kwargs)
+
+    generate_on_tpu.__hf_tpu_upstream__ = upstream
+    return generate_on_tpu
+
+
 def generate(self, *args, **kwargs):
     """``GenerationMixin.generate`` with the hf_tpu loop on TPU-placed models (installed by ``hf_tpu.enable()``).
 
@@ -164,12 +178,14 @@ def generate(self, *args, **kwargs):
     route = call_route(self, *asked)
     if route.loop == UPSTREAM:
         return _run_upstream(self, route, upstream, args, kwargs)
-    from hf_tpu.kernels.experts_forms import prefer_measured
+    if getattr(self.config, "_experts_implementation", None) == "grouped_mm":  # a MoE left at transformers' default
+        from hf_tpu.kernels.experts_forms import prefer_measured
 
-    prefer_measured(self)  # a MoE on torch_tpu: each bucket's measured-fastest experts form
+        prefer_measured(self)  # on torch_tpu: each bucket's measured-fastest experts form
 
     inputs = arguments.pop("inputs", None)
-    features = encoder_input_name(self)  # an encoder taking features (Whisper's input_features), not ids
+    layout = route.layout  # (what the call's inputs are, decided with its route)
+    features = layout.features  # an encoder taking features (Whisper's input_features), not ids
     name = features or "input_ids"
     if inputs is None:
         inputs = extra_kwargs.pop(name, None)
@@ -196,12 +212,12 @@ def generate(self, *args, **kwargs):
     # prompt's device, and hf_tpu's loop keeps the sequence and runs those on the host (embeddings on the tpu are
     # read back once per call; the loop sends them to the device again for the prefill)
     # (and a grid model's image grids and token types: upstream's generate numbers the positions from them)
-    host = ("image_grid_thw", "mm_token_type_ids") if _images.grid_tower(self) else ()
+    host = ("image_grid_thw", "mm_token_type_ids") if layout.vision and _images.grid_tower(self) else ()
     for key in ("attention_mask", "position_ids", "decoder_input_ids", "token_type_ids", "inputs_embeds", *host):
         if extra_kwargs.get(key) is not None:
             extra_kwargs[key] = _to_host(extra_kwargs[key])
 
-    if _images.image_inputs(self, extra_kwargs):  # the vision tower's graph; the prefill's forward merges them
+    if layout.kind == IMAGES:  # the vision tower's graph; the prefill's forward merges them
         try:
             extra_kwargs = _images.encode_images(self, state, extra_kwargs, run_graph)
         except NotCompilableError:  # its image encoder is not one graph (recorded): this call runs upstream's loop

@@ -32,14 +32,19 @@ from typing import TypeVar
 
 from hf_tpu.transformers import _images, _upstream
 from hf_tpu.transformers._cache import pool
-from hf_tpu.transformers._loops import beam, cacheless, readback
+from hf_tpu.transformers._loops import beam, cacheless
 from hf_tpu.transformers._settings import (
     CACHED,
     CACHELESS,
     DEVICE_TYPES,
+    FEATURES,
     HOST_LENGTH,
+    IMAGES,
     LOOPS,
+    SEQ2SEQ,
+    TEXT,
     UPSTREAM,
+    Layout,
     NotCompilableError,
     Route,
     model_state,
@@ -84,10 +89,11 @@ def explain(model, **generate_kwargs) -> Route:
     args = {k: generate_kwargs.pop(k) for k in _GENERATE_ARGUMENTS if k in generate_kwargs}
     found = call_route(model, args, dict(generate_kwargs))
     if found.fast and not model.config.is_encoder_decoder and not found.beams:  # (a beam call: never the host path)
-        from hf_tpu.transformers._loops.skeleton import host_sampling
+        from hf_tpu.transformers._loops.skeleton import host_sampling, read_back
 
-        found = replace(found, host_sampling=host_sampling(model, **generate_kwargs))
-        found = replace(found, step_by_step=readback.explain(model, found.host_sampling, args, generate_kwargs))
+        host = host_sampling(model, **generate_kwargs)
+        every = model_state(model).settings.read_back_every
+        found = replace(found, host_sampling=host, step_by_step=read_back(found, host is not None, every))
     return found
 
 
@@ -112,11 +118,12 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
         config, model_kwargs = model._prepare_generation_config(args.get("generation_config"), **kwargs)
     except (ValueError, TypeError, AttributeError):
         return Route(UPSTREAM, "upstream rejects the arguments")  # let upstream raise its own error
-    asked = _upstream.call_problem(model, args, config, model_kwargs)
+    layout = _layout(model, config, model_kwargs)
+    asked = _upstream.call_problem(model, args, config, model_kwargs, layout)
     if asked is not None:
         reason, warn = asked
         return Route(UPSTREAM, reason, warn=warn)
-    found = _call_route(model, config, model_kwargs)
+    found = replace(_call_route(model, config, model_kwargs, layout), layout=layout)
     beams = found.loop != UPSTREAM and is_beam_call(config)
     if beams:
         problem = beam.beam_problem(model, args, config, model_kwargs, found)
@@ -137,7 +144,58 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
                 "whose attention weights hf_tpu's loop does not cut to upstream's shapes",
                 warn=True,
             )
-    return replace(found, beams=True) if beams else found
+    if beams:
+        return replace(found, beams=True)
+    return replace(found, read_back=_read_back(model, args, config, layout)) if found.fast else found
+
+
+def _vision(model) -> bool:
+    """Whether ``model`` has an image encoder (upstream's ``get_image_features``, or a vision tower ``visual``): only
+    its calls ask :mod:`hf_tpu.transformers._images` about images, positions in rows, image token types; a text
+    model's never do (its answers there would all be no)."""
+    base = model.base_model
+    return getattr(base, "get_image_features", None) is not None or hasattr(base, "visual")
+
+
+def _layout(model, config, model_kwargs: dict) -> Layout:
+    """The :class:`Layout` of a call with generation config ``config`` and model inputs ``model_kwargs``: asked once
+    per call, here, and read by ``generate`` and the loops."""
+    vision = _vision(model)
+    images = tuple(_images.image_inputs(model, model_kwargs)) if vision else ()
+    features = _upstream.encoder_input_name(model)
+    if features is not None:
+        kind = FEATURES
+    elif model.config.is_encoder_decoder:
+        kind = SEQ2SEQ
+    else:
+        kind = IMAGES if images else TEXT
+    return Layout(
+        kind=kind,
+        features=features,
+        vision=vision,
+        images=images,
+        rows=_images.mrope_rows(model) if vision else 1,
+        outputs=tuple(name for name in ("attentions", "hidden_states") if getattr(config, f"output_{name}", False)),
+        continues=any(model_kwargs.get(name) is not None for name in _upstream.CACHE_NAMES),
+    )
+
+
+def _read_back(model, args: dict, config, layout: Layout) -> str | None:
+    """Why the loop's new tokens come back each decode step rather than every ``read_back_every`` steps, as far as
+    the call tells before its sampling plan (:mod:`hf_tpu.transformers._loops.readback`): the setting, the outputs
+    asked (they come back each step), ``max_time`` (its criterion reads the clock after each token). None: every
+    ``read_back_every`` steps, unless the sampling plan takes the host path
+    (:func:`hf_tpu.transformers._loops.skeleton.read_back`)."""
+    from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+    if model_state(model).settings.read_back_every <= 1:
+        return "read_back_every=1 (hf_tpu.transformers.configure)"
+    if layout.outputs:
+        return "output_attentions/output_hidden_states come back to the host each step"
+    criteria = args.get("stopping_criteria") or ()
+    if config.max_time is not None or any(isinstance(c, MaxTimeCriteria) for c in criteria):
+        return "max_time: its stopping criterion reads the clock after each token"
+    return None
 
 
 def is_beam_call(config) -> bool:
@@ -147,7 +205,7 @@ def is_beam_call(config) -> bool:
     return config.get_generation_mode() in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 
 
-def _call_route(model, config, model_kwargs: dict) -> Route:
+def _call_route(model, config, model_kwargs: dict, layout: Layout) -> Route:
     """:func:`call_route` once the call asks for nothing only upstream's loop does."""
     use_cache = bool(config.use_cache)
     given = [k for k in _upstream.PROMPT_INPUTS if model_kwargs.get(k) is not None]
@@ -156,7 +214,7 @@ def _call_route(model, config, model_kwargs: dict) -> Route:
         if problem is not None:
             reason, warn = problem
             return Route(UPSTREAM, reason, warn=warn)
-    if _images.image_inputs(model, model_kwargs):  # encoded by a graph of their own, merged by the prefill's forward
+    if layout.images:  # encoded by a graph of their own, merged by the prefill's forward
         problem = _images.images_problem(model, model_kwargs) or model_state(model).images_problem
         if problem is None and model_kwargs.get("inputs_embeds") is not None:
             problem = "images with inputs_embeds are not supported by the bucketed loop (it merges them into ids)"

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_tpu.errors import InvalidArgumentError
-from hf_tpu.transformers import _step_outputs as step_outputs
-from hf_tpu.transformers._graph_key import Variant
+from hf_tpu.transformers._graph_key import NO_VARIANT, Variant
 from hf_tpu.transformers._loops import readback
 from hf_tpu.transformers._notes import warn_once
 from hf_tpu.transformers._settings import model_state
@@ -75,35 +74,50 @@ def output_vocab(model) -> int:
 
 def sampling_plan(model, config, logits_processor, input_ids):
     """The sampling plan of a call with generation config ``config`` and processors ``logits_processor``: a
-    :class:`~hf_tpu.transformers.sampling.DevicePlan` (the processors and the sampler run in the graph), or why they
+    :class:`~hf_tpu.transformers.sampling.DevicePlan` (the processors and the sampler run in the graph), None for
+    plain greedy search (no processor, no sampler: the graph's argmax, :mod:`hf_tpu.transformers.sampling` not
+    asked), or why they
     run on the host, as text: device sampling is off (``configure(model, device_sampling=False)``) and the call samples
     or has processors; the scores or logits are wanted on the host (``output_scores``/``output_logits``); or a
     processor has no device form. The one decision, for a call (:class:`LoopCall`) and without one
     (:func:`host_sampling`, which :func:`hf_tpu.transformers.explain` asks)."""
-    from hf_tpu.transformers.sampling import device_plan
-
     do_sample = bool(config.do_sample)
     if not model_state(model).settings.device_sampling and (do_sample or len(logits_processor) > 0):
         return "device sampling is off (configure(model, device_sampling=False))"
     if config.return_dict_in_generate and (config.output_scores or config.output_logits):
         return "output_scores/output_logits need the scores on the host"
+    if not do_sample and len(logits_processor) == 0:
+        return None  # plain greedy search: the graph's argmax, no sampling program
+    from hf_tpu.transformers.sampling import device_plan
+
     return device_plan(logits_processor, input_ids, vocab=output_vocab(model), do_sample=do_sample)
 
 
 def _plan(model, config, logits_processor, input_ids):
-    """The call's device sampling plan, or None for the host path (warned once per model class and reason, with
-    its cost per step)."""
-    from hf_tpu.transformers.sampling import host_path_cost
-
+    """The call's device sampling plan (None: plain greedy search), or the reason it takes the host path, as text
+    (warned once per model class and reason, with its cost per step)."""
     reason = sampling_plan(model, config, logits_processor, input_ids)
     if not isinstance(reason, str):
         return reason
+    from hf_tpu.transformers.sampling import host_path_cost
+
     warn_once(
         f"host-path:{type(model).__name__}:{reason}",
         f"hf_tpu: {reason}, so {type(model).__name__}.generate keeps the logits processors and sampling on the host: "
         f"{host_path_cost(input_ids.shape[0], output_vocab(model))}.",
     )
-    return None
+    return reason
+
+
+# Why a call whose sampling plan takes the host path reads its tokens back each step (:mod:`.readback`).
+HOST_PATH_READ_BACK = "the logits processors and sampling run on the host, so each step's logits come back"
+
+
+def read_back(route, host_path: bool, every: int) -> str | None:
+    """Why a call on ``route`` reads its new tokens back each decode step (None: every ``every`` steps): the reason
+    its route says (:attr:`~hf_tpu.transformers._settings.Route.read_back`, decided with it), else the host path of
+    its sampling plan (each step's logits come back)."""
+    return HOST_PATH_READ_BACK if host_path and every > 1 else route.read_back
 
 
 class LoopCall:
@@ -115,7 +129,8 @@ class LoopCall:
     def __init__(self, model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, plan):
         import torch
 
-        self.streamer = (plan or {}).get("streamer", streamer)
+        self.streamer = plan.get("streamer", streamer)
+        self.route = plan["route"]  # (its layout and read-back reason, decided by hf_tpu.transformers.route)
         self.state = model_state(model)
         self.input_ids = input_ids.to("cpu")
         self.batch, self.prompt_len = self.input_ids.shape
@@ -129,21 +144,26 @@ class LoopCall:
         self.do_sample = bool(generation_config.do_sample)
         want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-        self.sampler = _plan(model, generation_config, logits_processor, self.input_ids)
-        self.host_path = self.sampler is None
-        self.variant = Variant() if self.sampler is None else self.sampler.variant
+        plan = _plan(model, generation_config, logits_processor, self.input_ids)
+        self.host_path = isinstance(plan, str)
+        self.sampler = None if self.host_path else plan  # (None: plain greedy search or the host path)
+        self.variant = NO_VARIANT if self.sampler is None else self.sampler.variant
         self.scores = () if want_scores else None
         self.raw_logits = () if want_logits else None
         self.unfinished = torch.ones(self.batch, dtype=torch.long)
-        # output_attentions / output_hidden_states: the graphs' variant and model arguments, and what they return
-        self.output_flags = step_outputs.asked(generation_config)
-        self.variant = self.variant.with_features(*step_outputs.features(self.output_flags))
+        # output_attentions / output_hidden_states (the route's layout): the graphs' variant and model arguments,
+        # and what they return
+        outputs = self.route.layout.outputs
+        self.output_flags = {f"output_{name}": True for name in outputs}
         self.outputs = None
-        if self.output_flags:
-            self.outputs = step_outputs.StepOutputs(self.output_flags)
+        if outputs:
+            from hf_tpu.transformers._step_outputs import StepOutputs
+
+            self.variant = self.variant.with_features(*outputs)
+            self.outputs = StepOutputs(self.output_flags)
         # how often the new tokens come back (readback): every `every` decode steps, or each step for a reason
         every = self.state.settings.read_back_every
-        reason = readback.step_by_step_reason(every, self.host_path, self.output_flags, stopping_criteria)
+        reason = read_back(self.route, self.host_path, every)
         self.every = 1 if reason else every
         self.record = readback.ReadBacks(self.every, reason)
 
@@ -156,8 +176,8 @@ class LoopCall:
         return result
 
     def sampling(self, device, width: int, offset: int):
-        """The device state of the sampling plan (None on the host path)."""
-        return None if self.host_path else self.sampler.to_device(device, width, offset)
+        """The device state of the sampling plan (None on the host path and for plain greedy search)."""
+        return None if self.sampler is None else self.sampler.to_device(device, width, offset)
 
     def run(self, tokens_dev, logits_dev, steps_left: int, step: Callable) -> None:
         """From the prefill's outputs: each step's host side, then ``step(next_tokens)`` (the next graph, which
