@@ -4,7 +4,7 @@ Upstream's ``generate`` keeps doing all the argument handling; the replacement o
 loop (upstream's own extension point) when the model sits on a ``tpu`` device and the call is greedy search or
 sampling. On every other device it calls upstream unchanged. Tested with transformers 5.23.0 and 5.25.0 (the names
 that changed in between, ``past_key_values`` -> ``cache``, are read from the installed version:
-:mod:`hf_tpu.transformers._signatures`); :func:`hf_tpu.disable` puts the original back. Three smaller patches ride
+:mod:`hf_tpu.transformers._upstream`); :func:`hf_tpu.disable` puts the original back. Three smaller patches ride
 with it: rotary frequencies answered from the device (:mod:`~hf_tpu.transformers._rope_on_device`) and sdpa's
 grouped-query attention on tpu tensors (:mod:`~hf_tpu.transformers._sdpa_gqa`); Whisper's language detection
 takes features left on the host (:mod:`~hf_tpu.transformers._whisper_door`); ``np.prod`` of a static shape is an

@@ -12,7 +12,7 @@ hf_tpu keeps upstream's ``generate`` (argument handling, logits processors, stop
 classes) and plugs its own decoding loop in through upstream's ``custom_generate`` hook. The loop:
 
 * pads the prompt on the left to a *prompt bucket* and sizes the static cache to the padded prompt plus the new
-  tokens, rounded to a multiple of 128 (:mod:`hf_tpu.transformers.shapes`), so compiles are bounded by the rungs
+  tokens, rounded to a multiple of 128 (:func:`plan_shapes`), so compiles are bounded by the rungs
   touched;
 * runs prefill and decode as ``torch.compile`` graphs (backend ``"tpu"``, static shapes, full graph);
 * keeps the growing tensors (the sequence, the 2D mask) on the host; the padded mask goes to the device once per
@@ -31,11 +31,13 @@ with a warning that names the cost on a TPU.
 
 Where a change belongs (this module is the public entry point and re-exports the public names):
 
+* :mod:`hf_tpu.transformers.route`: the call's route, decided once (its loop, its
+  :class:`~hf_tpu.transformers._settings.Layout`), which the loops read;
 * :mod:`hf_tpu.transformers._settings`: per-model state and :func:`configure`;
-* :mod:`hf_tpu.transformers.shapes`: shape planning (:func:`plan_shapes`), :mod:`~hf_tpu.transformers.buckets`
-  the ladders;
-* :mod:`hf_tpu.transformers._cache.pool`: the static caches, built per layer kind by
-  :mod:`~hf_tpu.transformers._cache.layers` with the shapes :mod:`~hf_tpu.transformers._cache.probe` measures;
+* :mod:`hf_tpu.transformers._loops.skeleton`: shape planning (:func:`plan_shapes`, public as
+  :mod:`hf_tpu.transformers.shapes`), :mod:`~hf_tpu.transformers.buckets` the ladders;
+* :mod:`hf_tpu.transformers._cache.static`: the static caches, built per layer kind with the shapes
+  :mod:`~hf_tpu.transformers._cache.probe` measures;
 * :mod:`hf_tpu.transformers._graphs`: the compiled graphs and :func:`run_graph` (strict mode, the persistent compile
   cache of :mod:`hf_tpu.compile_cache`);
 * :mod:`hf_tpu.transformers._loops`: the loops, one module each (its docstring says which serves which route and
@@ -49,7 +51,8 @@ Where a change belongs (this module is the public entry point and re-exports the
   upstream's shapes;
 * :mod:`hf_tpu.transformers._images`: a vision-language call's images (the vision graph; the prefill's forward merges
   them); an encoder taking features (Whisper's) is :func:`_encode_features` here;
-* :mod:`hf_tpu.transformers._upstream`: when upstream's ``generate`` runs instead, and why.
+* :mod:`hf_tpu.transformers._upstream`: what upstream's ``generate`` and forward take (the names it passes a cache
+  by), when upstream's ``generate`` runs instead, and why.
 
 Example:
     >>> import hf_tpu, torch                                                    # doctest: +SKIP
@@ -73,8 +76,9 @@ from hf_tpu.transformers._graph_key import GraphKind
 from hf_tpu.transformers._graphs import PENALTY, run_graph
 from hf_tpu.transformers._loops import beam, cacheless
 from hf_tpu.transformers._loops.cached import decode_loop, warm_plan
+from hf_tpu.transformers._loops.defaults import default_variant
 from hf_tpu.transformers._loops.readback import ReadBacks, read_backs
-from hf_tpu.transformers._loops.skeleton import default_variant
+from hf_tpu.transformers._loops.skeleton import LADDER_FIX, ShapePlan, fill_id, ladder_figures, plan_shapes
 from hf_tpu.transformers._notes import WARNED, warn_once
 from hf_tpu.transformers._settings import (
     CACHELESS,
@@ -95,7 +99,6 @@ from hf_tpu.transformers._settings import (
 from hf_tpu.transformers._upstream import inputs_on_model_device, running, upstream_generate
 from hf_tpu.transformers.buckets import BucketOverflowError
 from hf_tpu.transformers.route import UPSTREAM, attempt, call_route, explain
-from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, fill_id, ladder_figures, plan_shapes
 
 __all__ = [
     "STRICT_EAGER",
@@ -442,7 +445,7 @@ def eager_decode_step(model, cache_len: int) -> Callable[[], object]:
     """
     import torch
 
-    from hf_tpu.transformers._cache.pool import cache_for
+    from hf_tpu.transformers._cache.static import cache_for
     from hf_tpu.transformers._graphs import GRAPHS
 
     cache = cache_for(model, model_state(model), 1, cache_len, None)

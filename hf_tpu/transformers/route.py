@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 from hf_tpu.transformers import _images, _upstream
-from hf_tpu.transformers._cache import pool
+from hf_tpu.transformers._cache import static
 from hf_tpu.transformers._loops import beam, cacheless
 from hf_tpu.transformers._settings import (
     CACHED,
@@ -49,8 +49,7 @@ from hf_tpu.transformers._settings import (
     Route,
     model_state,
 )
-from hf_tpu.transformers._signatures import model_cache_problem
-from hf_tpu.transformers._upstream import own_generate
+from hf_tpu.transformers._upstream import model_cache_problem, own_generate
 
 __all__ = [
     "CACHED", "CACHELESS", "HOST_LENGTH", "LOOPS", "UPSTREAM", "Route", "attempt", "call_route", "demote", "explain",
@@ -89,7 +88,8 @@ def explain(model, **generate_kwargs) -> Route:
     args = {k: generate_kwargs.pop(k) for k in _GENERATE_ARGUMENTS if k in generate_kwargs}
     found = call_route(model, args, dict(generate_kwargs))
     if found.fast and not model.config.is_encoder_decoder and not found.beams:  # (a beam call: never the host path)
-        from hf_tpu.transformers._loops.skeleton import host_sampling, read_back
+        from hf_tpu.transformers._loops.defaults import host_sampling
+        from hf_tpu.transformers._loops.skeleton import read_back
 
         host = host_sampling(model, **generate_kwargs)
         every = model_state(model).settings.read_back_every
@@ -119,7 +119,11 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
     except (ValueError, TypeError, AttributeError):
         return Route(UPSTREAM, "upstream rejects the arguments")  # let upstream raise its own error
     layout = _layout(model, config, model_kwargs)
-    asked = _upstream.call_problem(model, args, config, model_kwargs, layout)
+    asked = (  # what the call asks only upstream's loop does: its arguments, a cache it gives, its model inputs
+        _upstream.call_problem(model, args, config)
+        or _given_cache_problem(model, args, model_kwargs)
+        or _upstream.inputs_problem(model, model_kwargs, layout)
+    )
     if asked is not None:
         reason, warn = asked
         return Route(UPSTREAM, reason, warn=warn)
@@ -147,6 +151,27 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
     if beams:
         return replace(found, beams=True)
     return replace(found, read_back=_read_back(model, args, config, layout)) if found.fast else found
+
+
+def _given_cache_problem(model, args: dict, model_kwargs: dict) -> tuple[str, bool] | None:
+    """Why a cache the call gives (``past_key_values=`` / ``cache=``) is not copied into the bucketed cache
+    (:mod:`hf_tpu.transformers._cache.handoff`), so that upstream's loop runs the call, with a warning; None when the
+    call gives none or it is copied in."""
+    given = next((model_kwargs[n] for n in _upstream.CACHE_NAMES if model_kwargs.get(n) is not None), None)
+    if given is None:
+        return None
+    from hf_tpu.transformers._cache.handoff import given_cache_problem
+
+    ids = args.get("inputs") if args.get("inputs") is not None else model_kwargs.get("input_ids")
+    mask = model_kwargs.get("attention_mask")
+    problem = given_cache_problem(
+        model, given, None if ids is None else int(ids.shape[-1]), None if mask is None else int(mask.shape[-1])
+    )
+    if problem is None and model_kwargs.get("inputs_embeds") is not None:
+        problem = "a cache passed in with inputs_embeds is not copied into the bucketed cache yet"
+    if problem is None and _upstream.numbers_by_cache_length(model):
+        problem = f"a cache passed in is not copied into the cache of {type(model).__name__} (prompt first) yet"
+    return None if problem is None else (problem, True)
 
 
 def _vision(model) -> bool:
@@ -308,14 +333,14 @@ def _without_cache(model) -> str | None:
 def static_cache_problem(model) -> str | None:
     """Why the cached loop cannot serve ``model``, from what can be checked before tracing (None when it can)."""
     if _upstream.numbers_by_cache_length(model):
-        other = _upstream.layers_besides_full_attention(model)
+        other = static.layers_besides_full_attention(model)
         if other:
             return (
                 f"{type(model).__name__} takes no position_ids and places tokens by its cache length (absolute "
                 f"position embeddings): the bucketed loop puts such a prompt first and its padding after it, which its "
                 f"{', '.join(other)} layers cannot hold (a padded tail would enter their window or state)"
             )
-    problem = model_cache_problem(model) or pool.static_cache_problem(model)
+    problem = model_cache_problem(model) or static.static_cache_problem(model)
     return f"{type(model).__name__}: {problem}" if problem else None
 
 
@@ -361,7 +386,7 @@ def demote(model, error: NotCompilableError) -> Route:
             state.route = _with_verdict(current, reason)
         return state.route
     if loop == CACHED and current.loop == CACHED:
-        from hf_tpu.transformers._cache.layers import host_length_fits
+        from hf_tpu.transformers._cache.static import host_length_fits
 
         if host_length_fits(model.config):
             state.route = replace(current, loop=HOST_LENGTH, reason=reason, warn=False)

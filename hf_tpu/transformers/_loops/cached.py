@@ -16,16 +16,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_cache
-from hf_tpu.transformers._cache.layers import set_decoding, set_length
-from hf_tpu.transformers._cache.pool import cache_for
+from hf_tpu.transformers._cache.static import cache_for, set_decoding, set_length
 from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._graphs import ALIGNED, MROPE, run_graph
 from hf_tpu.transformers._images import check_image_tokens, features_shape, mrope_rows, positioned
-from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
+from hf_tpu.transformers._loops.defaults import warm_sampling
+from hf_tpu.transformers._loops.skeleton import LoopCall, ShapePlan, Steps, loop, plan_shapes
 from hf_tpu.transformers._settings import model_state
-from hf_tpu.transformers._signatures import cache_name
-from hf_tpu.transformers._upstream import numbers_by_cache_length, prompt_first_inputs
-from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
+from hf_tpu.transformers._upstream import cache_name, numbers_by_cache_length, prompt_first_inputs
 
 __all__: list[str] = []
 

@@ -37,7 +37,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["DeviceRows", "ReadBacks", "read_backs", "warm"]
+__all__ = ["DeviceRows", "ReadBacks", "read_backs"]
 
 
 @dataclass
@@ -153,29 +153,3 @@ class DeviceRows:
         if not torch.equal(want, self.mirror):
             self.mirror = want.clone()
             self.unfinished = want.to(self.device)
-
-
-def warm(model, batch: int) -> None:
-    """Run the eager ops of :class:`DeviceRows` for ``batch`` rows and the model's own ``generation_config``, so that
-    a strict warm-up (``strict="eager"``) covers them."""
-    import torch
-
-    from hf_tpu.transformers._settings import model_state
-    from hf_tpu.transformers.shapes import fill_id
-
-    every = model_state(model).settings.read_back_every
-    if every <= 1:
-        return
-    config = model.generation_config
-    eos = config.eos_token_id
-    eos = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
-    pad = config.pad_token_id
-    if pad is None and eos is not None:
-        pad = int(eos[0])  # (upstream's generate pads with the first eos id when no pad id is set)
-    rows = DeviceRows(model.device, batch, every, pad, fill_id(model, pad, eos), eos)
-    with torch.no_grad():
-        tokens = torch.zeros(batch, dtype=torch.long, device=model.device)
-        rows.add(tokens)
-        rows.add(tokens)
-        rows.read()
-        rows.sync(torch.zeros(batch, dtype=torch.long))
