@@ -15,9 +15,12 @@ A model's route (what a call with a cache takes) is decided once, from what can 
 (:func:`model_route`), kept in the model's state as one :class:`Route`, and demoted in one place when a graph
 fails its first trace (:func:`demote`: cached -> host length where it fits -> without a cache where that loop
 serves -> upstream). A call's route (:func:`call_route`) is the model's, unless the call asks for something only
-upstream's loop does or has no cache. ``generate`` and :func:`hf_tpu.warmup` run their steps through
-:func:`attempt`, the one demote-and-retry: a step on the call's route, and where a graph fails its first trace, the
-step again on the route the call takes after :func:`demote`. The architecture sweep and the docs read the route;
+upstream's loop does or has no cache; it also carries what the call's path depends on, asked here once so that
+``generate`` and the loops read it instead of asking again: the call's :class:`~hf_tpu.transformers._settings.Layout`
+(:func:`_layout`: a text model, one without an image encoder, never asks :mod:`hf_tpu.transformers._images`) and why
+its tokens would come back each step (:func:`_read_back`). ``generate`` and :func:`hf_tpu.warmup` run their steps
+through :func:`attempt`, the one demote-and-retry: a step on the call's route, and where a graph fails its first trace,
+the step again on the route the call takes after :func:`demote`. The architecture sweep and the docs read the route;
 :func:`explain` is the public question.
 
 Adding a fallback: a loop name here, its place in :func:`demote`'s order, the loop's ``custom_generate`` in

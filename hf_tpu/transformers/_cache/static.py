@@ -4,11 +4,12 @@ most ``CACHE_POOL_SIZE`` kept allocated per model), the check that a model's cac
 all (:func:`static_cache_problem`), and what the loops and graphs tell its layers (the host length, prefill or
 decode, the masks).
 
-The bucketed forms are a registry keyed by upstream's layer class. hf_tpu's loop runs one compiled prefill graph per (prompt bucket, cache bucket) and one decode graph per cache
-bucket, so a cache layer may change only tensors inside a graph, never the Python state dynamo guards on (an int
-that grows per step would compile a new graph per step). Upstream's ``StaticCache`` (transformers 5.24) builds its
-layers from ``config.layer_types`` with ``STATIC_LAYER_TYPE_MAPPING``; ``BUCKETED_LAYERS`` (in
-:mod:`~hf_tpu.transformers._cache.layer_classes`) maps each of those classes to its bucketed form:
+The bucketed forms are a registry keyed by upstream's layer class. hf_tpu's loop runs one compiled prefill graph per
+(prompt bucket, cache bucket) and one decode graph per cache bucket, so a cache layer may change only tensors inside a
+graph, never the Python state dynamo guards on (an int that grows per step would compile a new graph per step).
+Upstream's ``StaticCache`` (transformers 5.24) builds its layers from ``config.layer_types`` with
+``STATIC_LAYER_TYPE_MAPPING``; ``BUCKETED_LAYERS`` (in :mod:`~hf_tpu.transformers._cache.layer_classes`) maps each of
+those classes to its bucketed form:
 
 * full attention (``StaticLayer``): upstream's own class, ``cache bucket`` slots written at a device-side counter;
 * sliding window (``StaticSlidingWindowLayer``, chunked attention too): upstream's layer tracks the window with a

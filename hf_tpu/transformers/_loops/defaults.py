@@ -50,8 +50,8 @@ def _default_plan(model, input_ids, **generate_kwargs):
 
 def host_sampling(model, **generate_kwargs) -> str | None:
     """Why a call with ``generate_kwargs`` keeps its logits processors and sampling on the host (one logits row
-    back per step), None when they run in the graph: what :class:`~.skeleton.LoopCall` finds (:func:`~.skeleton.sampling_plan`), without
-    a call."""
+    back per step), None when they run in the graph: what :class:`~.skeleton.LoopCall` finds
+    (:func:`~.skeleton.sampling_plan`), without a call."""
     import torch
 
     config, _ = model._prepare_generation_config(None, **generate_kwargs)
