@@ -168,7 +168,7 @@ def _other_errors():
     from hf_tpu.selftest import CheckFailed
     from hf_tpu.sim import SimStrictError
     from hf_tpu.transformers._settings import NotCompilableError, RecompileError
-    from hf_tpu.transformers._signatures import UpstreamSignatureError
+    from hf_tpu.transformers._upstream import UpstreamSignatureError
 
     return {
         CheckFailed: AssertionError,

@@ -38,7 +38,7 @@ Spec = tuple
 
 def _forward(model, ids, positions, mask, cache, extra):
     """The forward's outputs (with the attentions and hidden states ``extra`` asks for)."""
-    from hf_tpu.transformers._signatures import cache_name
+    from hf_tpu.transformers._upstream import cache_name
 
     return model(
         input_ids=ids, position_ids=positions, attention_mask=mask, **{cache_name(): cache}, use_cache=True,
@@ -49,7 +49,7 @@ def _forward(model, ids, positions, mask, cache, extra):
 def beam_prefill_body(model, packed, mask, cache, extra, spec: Spec, beam: dict, sampling=None):
     """The prompt (``packed``: ids then positions, left-padded to the prompt bucket) through the model, then the
     first beam step."""
-    from hf_tpu.transformers._cache.layers import prefill_mask
+    from hf_tpu.transformers._cache.static import prefill_mask
 
     q = packed.shape[1] // 2
     out = _forward(model, packed[:, :q], packed[:, q:], prefill_mask(cache, mask, q), cache, extra)
@@ -59,7 +59,7 @@ def beam_prefill_body(model, packed, mask, cache, extra, spec: Spec, beam: dict,
 def beam_decode_body(model, mask, cache, extra, spec: Spec, beam: dict, sampling=None):
     """The running beams' last tokens through the model (their positions: the prompt's last plus the tokens
     generated), then a beam step. Nothing comes from the host."""
-    from hf_tpu.transformers._cache.layers import decode_mask
+    from hf_tpu.transformers._cache.static import decode_mask
     from hf_tpu.transformers.sampling import advance
 
     batch, num_beams = spec[0], spec[1]

@@ -29,9 +29,9 @@ from hf_tpu.transformers._settings import (
     RecompileError,
     compile_cache_of,
 )
-from hf_tpu.transformers._signatures import cache_name
 from hf_tpu.transformers._step_outputs import FEATURES as OUTPUT_FEATURES
 from hf_tpu.transformers._step_outputs import is_variant, prepare, with_outputs
+from hf_tpu.transformers._upstream import cache_name
 
 logger = logging.getLogger("hf_tpu.generation")
 
@@ -85,7 +85,7 @@ def _model_kwargs(extra: dict) -> dict:
 
 
 def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
-    from hf_tpu.transformers._cache.layers import prefill_mask
+    from hf_tpu.transformers._cache.static import prefill_mask
 
     ids, positions = _split(packed, extra)
     q = ids.shape[1]
@@ -100,7 +100,7 @@ def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
 
 def _embeds_prefill(model, embeds, positions, mask, cache, extra, sampling=None):
     """The prefill of a prompt given as embeddings (``generate(inputs_embeds=...)``), left-padded with zeros."""
-    from hf_tpu.transformers._cache.layers import prefill_mask
+    from hf_tpu.transformers._cache.static import prefill_mask
 
     out = model(
         inputs_embeds=embeds, position_ids=positions, attention_mask=prefill_mask(cache, mask, embeds.shape[1]),
@@ -113,7 +113,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
     """The prefill of a right-aligned prompt: ``slots`` holds each token's cache slot, -1 for the padding after it."""
     import torch
 
-    from hf_tpu.transformers._cache.layers import prefill_mask
+    from hf_tpu.transformers._cache.static import prefill_mask
 
     length = (slots >= 0).sum(dim=-1)[:1]  # the prompt's length (one per call: every row has it)
     kwargs = _model_kwargs(extra)  # (a copy: ALIGNED is set)
@@ -133,7 +133,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
 
 
 def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
-    from hf_tpu.transformers._cache.layers import decode_mask
+    from hf_tpu.transformers._cache.static import decode_mask
 
     ids, positions = _split(packed, extra)
     _mark(sampling, ids)
@@ -401,13 +401,13 @@ def cache_namespace(cache, model, state: ModelState):
     backend = _backend_for(settings, model.device)
     from hf_tpu.transformers import _step_outputs, sampling
     from hf_tpu.transformers._cache import layer_classes as _cache_layer_classes
-    from hf_tpu.transformers._cache import layers as _cache_layers
+    from hf_tpu.transformers._cache import static as _cache_static
     from hf_tpu.transformers.sampling import _processors, _registry, _warpers
 
     # the graphs' own code: this module, the device sampling, the outputs they return, and the cache layers and
     # masks they trace
     modules = (
-        inspect.getmodule(run_graph), sampling, _registry, _processors, _warpers, _cache_layers, _cache_layer_classes,
+        inspect.getmodule(run_graph), sampling, _registry, _processors, _warpers, _cache_static, _cache_layer_classes,
         _step_outputs, _beam_graphs,
     )  # fmt: skip
     source = "".join(inspect.getsource(m) for m in modules)

@@ -4,7 +4,7 @@ Upstream's ``generate`` keeps doing all the argument handling; the replacement o
 loop (upstream's own extension point) when the model sits on a ``tpu`` device and the call is greedy search or
 sampling. On every other device it calls upstream unchanged. Tested with transformers 5.23.0 and 5.25.0 (the names
 that changed in between, ``past_key_values`` -> ``cache``, are read from the installed version:
-:mod:`hf_tpu.transformers._signatures`); :func:`hf_tpu.disable` puts the original back. Three smaller patches ride
+:mod:`hf_tpu.transformers._upstream`); :func:`hf_tpu.disable` puts the original back. Three smaller patches ride
 with it: rotary frequencies answered from the device (:mod:`~hf_tpu.transformers._rope_on_device`) and sdpa's
 grouped-query attention on tpu tensors (:mod:`~hf_tpu.transformers._sdpa_gqa`); Whisper's language detection
 takes features left on the host (:mod:`~hf_tpu.transformers._whisper_door`); ``np.prod`` of a static shape is an
@@ -14,8 +14,6 @@ encoders sizing their splits from the grids and image sizes, no read of a device
 """
 
 from __future__ import annotations
-
-import functools
 
 from hf_tpu._patch import patch
 
@@ -41,12 +39,7 @@ def apply() -> None:
     upstream = GenerationMixin.__dict__["generate"]
     upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
     _upstream._UPSTREAM_GENERATE = upstream
-
-    @functools.wraps(upstream)
-    def generate(self, *args, **kwargs):
-        return generation.generate(self, *args, **kwargs)
-
-    generate.__hf_tpu_upstream__ = upstream
+    generate = generation.entry(upstream)  # generation's own function, under upstream's name and signature
     patch(GenerationMixin, "generate", generate, feature=FEATURE, package="transformers", versions=">=5.23,<6")
     _rope_on_device.apply(FEATURE)  # one copy each way per decode step for models that rebuild rotary frequencies
     _sdpa_gqa.apply(FEATURE)  # KV heads reach sdpa unrepeated on tpu (no repeat_kv expansion in the graphs)

@@ -22,15 +22,14 @@ import math
 
 from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _images
-from hf_tpu.transformers._images import ImageLayout
-from hf_tpu.transformers._cache.layers import set_decoding, set_length
-from hf_tpu.transformers._cache.pool import cache_for
+from hf_tpu.transformers._cache.static import cache_for, set_decoding, set_length
 from hf_tpu.transformers._graph_key import GraphKind, Variant
 from hf_tpu.transformers._graphs import VISION_KINDS, run_graph
+from hf_tpu.transformers._images import ImageLayout
 from hf_tpu.transformers._loops.cached import extra_inputs
-from hf_tpu.transformers._loops.skeleton import warm_sampling
+from hf_tpu.transformers._loops.defaults import warm_sampling
 from hf_tpu.transformers._settings import NotCompilableError, model_state
-from hf_tpu.transformers.shapes import plan_shapes
+from hf_tpu.transformers._loops.skeleton import plan_shapes
 
 __all__ = ["feature_window", "warm_features", "warm_images"]
 

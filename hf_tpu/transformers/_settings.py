@@ -54,6 +54,39 @@ CACHED, HOST_LENGTH, CACHELESS, UPSTREAM = "cached", "host_length", "cacheless",
 LOOPS = (CACHED, HOST_LENGTH, CACHELESS, UPSTREAM)
 
 
+# A call's inputs as the loops lay them out (:class:`Layout`): token ids, ids with images (a vision graph first), an
+# encoder-decoder's ids, an encoder taking features (Whisper's).
+TEXT, IMAGES, SEQ2SEQ, FEATURES = "text", "images", "seq2seq", "features"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a ``generate`` call's inputs and outputs look like to hf_tpu's loops, decided with the call's route
+    (:func:`hf_tpu.transformers.route.call_route`), so that ``generate`` and the loops read it instead of asking the
+    model and the call again.
+
+    Attributes:
+        kind: ``"text"``, ``"images"`` (the call has image inputs: a vision graph, merged by the prefill),
+            ``"seq2seq"`` (an encoder-decoder's ids) or ``"features"`` (an encoder taking features).
+        features: the name of the features input (Whisper's ``"input_features"``; None: token ids).
+        vision: whether the model has an image encoder (only then do the loops ask
+            :mod:`hf_tpu.transformers._images` anything: a text model's calls never do).
+        images: the call's inputs that upstream hands the image encoder (``()``: none).
+        rows: the rows of positions the model's rotary embedding reads (3: multimodal rotary positions).
+        outputs: the graph features of the outputs asked (``"attentions"``, ``"hidden_states"``).
+        continues: whether the call hands a cache of its own to continue from (:mod:`hf_tpu.transformers._cache.
+            handoff` copies it in).
+    """
+
+    kind: str = TEXT
+    features: str | None = None
+    vision: bool = False
+    images: tuple[str, ...] = ()
+    rows: int = 1
+    outputs: tuple[str, ...] = ()
+    continues: bool = False
+
+
 @dataclass(frozen=True)
 class Route:
     """How ``generate`` runs (:func:`hf_tpu.transformers.explain`), decided once per model and demoted in one place.
@@ -71,6 +104,13 @@ class Route:
             decode step (None: every ``read_back_every`` steps, :mod:`hf_tpu.transformers._loops.readback`).
         beams: (a call's route only) whether the call is beam search or beam sampling, which the loop runs with
             beam's graphs (:mod:`hf_tpu.transformers._loops.beam`).
+        layout: (a call's route only) the call's :class:`Layout`.
+        read_back: (a call's route only) why the loop's new tokens come back each decode step, as far as the call
+            tells before its sampling plan (None: every ``read_back_every`` steps); the loop adds the host path's
+            reason (:func:`hf_tpu.transformers._loops.skeleton.read_back`), which ``step_by_step`` says.
+
+    ``layout`` and ``read_back`` are what the loops read, not part of the answer :func:`~hf_tpu.transformers.explain`
+    shows (left out of the route's repr and comparisons).
     """
 
     loop: str
@@ -81,6 +121,8 @@ class Route:
     host_sampling: str | None = None
     step_by_step: str | None = None
     beams: bool = False
+    layout: Layout = field(default_factory=Layout, repr=False, compare=False)
+    read_back: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def fast(self) -> bool:

@@ -1,11 +1,25 @@
-"""Upstream's loop: what a call asks for that only it does (:func:`call_problem`), and running it on a TPU.
+"""What upstream transformers takes and does, read from the installed version: the names it passes a model's cache
+by, what a call asks for that only upstream's loop does (:func:`call_problem`), and running that loop on a TPU.
 
-Anything hf_tpu's loops do not cover (assisted decoding, beam search the beam loop cannot serve, a user cache it cannot copy in, extra model
-inputs, non-static ``cache_implementation``, ...) runs upstream's code unchanged, its inputs moved to the TPU as
-upstream's own ``prepare_inputs_for_generation`` moves them (:func:`inputs_on_model_device`). The route of a call
-(which loop, and why) is decided in :mod:`hf_tpu.transformers.route`, which asks this module about the call's
-arguments and the model's class (:func:`own_generate`, :func:`numbers_by_cache_length`).
-``_UPSTREAM_GENERATE`` is the original ``GenerationMixin.generate``, set by
+**Upstream's names.** transformers 5.24 renamed the cache a model's forward takes, the field of its output that
+returns it, and the field of ``generate``'s output, from ``past_key_values`` (5.23) to ``cache``. A forward that also
+takes ``**kwargs`` swallows the name it does not know without a word: given ``cache=`` under 5.23, a Llama runs
+without a cache, and the probe that measures what a forward writes would find nothing written and send every call to
+the slower loop without a cache. So every call and probe that hands a forward its cache takes the name from here:
+:func:`cache_name` reads it from upstream's own ``GenerationMixin.prepare_inputs_for_generation`` (the method that
+builds the forward's inputs in ``generate``), and raises :class:`UpstreamSignatureError` when that signature does not
+tell (neither name, or both); :func:`model_cache_problem` names a model whose forward takes the other name,
+:func:`output_cache_field` the field of an output class that holds the cache. Tested with transformers 5.23.0
+(``past_key_values``) and 5.25.0 (``cache``): ``.ci/run`` runs the generation tier on the oldest version
+``pyproject.toml`` declares, the README's command on the newest.
+
+**Upstream's loop.** Anything hf_tpu's loops do not cover (assisted decoding, beam search the beam loop cannot
+serve, a user cache it cannot copy in, extra model inputs, non-static ``cache_implementation``, ...) runs upstream's
+code unchanged, its inputs moved to the TPU as upstream's own ``prepare_inputs_for_generation`` moves them
+(:func:`inputs_on_model_device`). The route of a call (which loop, and why) is decided in
+:mod:`hf_tpu.transformers.route`, which asks this module about the call's arguments and the model's class
+(:func:`call_problem`, :func:`inputs_problem`, :func:`own_generate`, :func:`numbers_by_cache_length`,
+:func:`model_cache_problem`). ``_UPSTREAM_GENERATE`` is the original ``GenerationMixin.generate``, set by
 :mod:`hf_tpu.transformers._integration`.
 """
 
@@ -13,13 +27,94 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from collections.abc import Callable, Iterator
 
-from hf_tpu.transformers._images import grid_model, image_inputs, numbers_from_images, positioned
-from hf_tpu.transformers._settings import DEVICE_TYPES
-from hf_tpu.transformers._signatures import CACHE_NAMES
+from hf_tpu.errors import HfTpuError
+from hf_tpu.transformers._images import grid_model, numbers_from_images, positioned
+from hf_tpu.transformers._settings import DEVICE_TYPES, Layout
 
-__all__: list[str] = []
+__all__ = ["CACHE_NAMES", "UpstreamSignatureError", "cache_name", "model_cache_problem", "output_cache_field"]
+
+# The cache's name, newest first: 5.24 and later, then 5.23.
+CACHE_NAMES = ("cache", "past_key_values")
+
+_NAME: str | None = None  # (read once by cache_name)
+
+
+class UpstreamSignatureError(HfTpuError, TypeError):
+    """The installed transformers' signatures do not say a name hf_tpu needs (the message names which, and where)."""
+
+
+def _named(params, where: str) -> str | None:
+    found = [name for name in CACHE_NAMES if name in params]
+    if len(found) > 1:
+        raise UpstreamSignatureError(
+            f"{where} takes both {found[0]!r} and {found[1]!r}: hf_tpu cannot tell which one is the cache. Install a "
+            "transformers release hf_tpu supports (pyproject.toml's range) or report the version to hf_tpu."
+        )
+    return found[0] if found else None
+
+
+def cache_name() -> str:
+    """The name the installed transformers passes a model's cache by (``"cache"`` on 5.24+, ``"past_key_values"``
+    on 5.23), read once from ``GenerationMixin.prepare_inputs_for_generation``.
+
+    Raises:
+        UpstreamSignatureError: that signature names neither or both.
+    """
+    global _NAME
+    if _NAME is None:
+        from transformers.generation.utils import GenerationMixin
+
+        where = "transformers' GenerationMixin.prepare_inputs_for_generation"
+        params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+        name = _named(params, where)
+        if name is None:
+            import transformers
+
+            raise UpstreamSignatureError(
+                f"{where} (transformers {transformers.__version__}) takes neither 'cache' nor 'past_key_values': "
+                "hf_tpu cannot tell how to hand a forward its cache. Install a transformers release hf_tpu supports "
+                "(pyproject.toml's range)."
+            )
+        _NAME = name
+    return _NAME
+
+
+def model_cache_problem(model) -> str | None:
+    """Why hf_tpu's cached loop cannot hand ``model``'s forward its cache (a forward that names the cache otherwise
+    than the installed transformers does: a model class from another version's code); None when it can."""
+    try:
+        params = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return None
+    own = _named(params, f"{type(model).__name__}.forward")
+    expected = cache_name()
+    if own is not None and own != expected:
+        return (
+            f"{type(model).__name__}.forward takes its cache as {own!r} where the installed transformers passes "
+            f"{expected!r} (a model class written for another transformers version)"
+        )
+    return None
+
+
+def output_cache_field(output_class) -> str:
+    """The field of ``output_class`` (a ``ModelOutput`` dataclass: a forward's or ``generate``'s output) that holds
+    the cache.
+
+    Raises:
+        UpstreamSignatureError: the class has neither field.
+    """
+    fields = getattr(output_class, "__dataclass_fields__", {})
+    for name in CACHE_NAMES:
+        if name in fields:
+            return name
+    raise UpstreamSignatureError(
+        f"{output_class.__name__} has no field named {' or '.join(map(repr, CACHE_NAMES))}: hf_tpu cannot return the "
+        "cache in it. Install a transformers release hf_tpu supports (pyproject.toml's range)."
+    )
+
 
 _UPSTREAM_GENERATE: Callable | None = None
 _SUPPORTED_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "input_ids", *CACHE_NAMES}
@@ -36,10 +131,12 @@ def upstream_generate() -> Callable:
     return getattr(fn, "__hf_tpu_upstream__", fn)
 
 
-def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bool] | None:
-    """Why this call runs upstream's loop whatever the model's route (what it asks for only upstream's loop does),
-    and whether ``generate`` warns (a cost on a TPU); None when one of hf_tpu's loops may serve it. ``config`` and
-    ``model_kwargs``: the call's generation config and model inputs as upstream prepares them."""
+def call_problem(model, args: dict, config) -> tuple[str, bool] | None:
+    """Why this call runs upstream's loop whatever the model's route (what its arguments and generation config
+    ``config``, as upstream prepares it, ask for that only upstream's loop does), and whether ``generate`` warns (a
+    cost on a TPU); None when one of hf_tpu's loops may serve it. :mod:`hf_tpu.transformers.route` asks it first, then
+    whether a cache the call gives can be copied in (:mod:`hf_tpu.transformers._cache.handoff`), then
+    :func:`inputs_problem`."""
     from transformers.generation.configuration_utils import GenerationMode
 
     if args.get("custom_generate") is not None:
@@ -76,30 +173,22 @@ def call_problem(model, args: dict, config, model_kwargs: dict) -> tuple[str, bo
         ), True
     if config.token_healing:
         return "token_healing is not supported by the bucketed loop", True
-    given = next((model_kwargs[n] for n in CACHE_NAMES if model_kwargs.get(n) is not None), None)
-    if given is not None:  # the caller's cache: copied into the bucketed one (_cache.handoff), or the reason it is not
-        from hf_tpu.transformers._cache.handoff import given_cache_problem
+    return None
 
-        ids = args.get("inputs") if args.get("inputs") is not None else model_kwargs.get("input_ids")
-        mask = model_kwargs.get("attention_mask")
-        problem = given_cache_problem(
-            model, given, None if ids is None else int(ids.shape[-1]), None if mask is None else int(mask.shape[-1])
-        )
-        if problem is None and model_kwargs.get("inputs_embeds") is not None:
-            problem = "a cache passed in with inputs_embeds is not copied into the bucketed cache yet"
-        if problem is None and numbers_by_cache_length(model):
-            problem = f"a cache passed in is not copied into the cache of {type(model).__name__} (prompt first) yet"
-        if problem is not None:
-            return problem, True
+
+def inputs_problem(model, model_kwargs: dict, layout: Layout) -> tuple[str, bool] | None:
+    """Why upstream's loop runs a call whose model inputs ``model_kwargs`` include some hf_tpu's loops do not take
+    (and that ``generate`` warns); None when they take them all. ``layout``: the call's
+    :class:`~hf_tpu.transformers._settings.Layout` (its image inputs, whether the model has an image encoder)."""
     extra = set(model_kwargs) - _SUPPORTED_MODEL_KWARGS - set(PROMPT_INPUTS) - set(_OUTPUT_FLAGS)
     if model.config.is_encoder_decoder:
         extra -= {"decoder_input_ids", encoder_input_name(model)}
-    images = image_inputs(model, model_kwargs)
+    images = layout.images
     extra -= set(images)  # (route.py says whether the cached loop takes them)
     if images and positioned(model):
         # (Gemma 4's processor marks the image tokens: the prefill's forward reads them, for its mask over each image)
         extra -= {"mm_token_type_ids"}
-    if grid_model(model) or (images and numbers_from_images(model)):
+    if layout.vision and (grid_model(model) or (images and numbers_from_images(model))):
         # (upstream's generate numbers the prompt's positions from them, on the host; for a model whose images the
         # loop does not number, route.py says why with the images)
         extra -= {"mm_token_type_ids", "image_grid_thw"}
@@ -115,7 +204,6 @@ def unread_inputs(model, names) -> set[str]:
     over for nothing, so the bucketed loop may leave them out. Read from the forward's bytecode (decorators unwrapped):
     a parameter no instruction loads, in a function that neither calls ``locals()`` nor hands it to a closure."""
     import dis
-    import inspect
 
     forward = inspect.unwrap(getattr(type(model), "forward", None) or (lambda: None))
     code = getattr(forward, "__code__", None)
@@ -219,8 +307,6 @@ def numbers_by_cache_length(model) -> bool:
     would move every real token's position. The loop puts its prompt first instead, the bucket's padding after it
     (:func:`hf_tpu.transformers._graphs._aligned_prefill`). (Encoder-decoder models are not affected: their decoder
     prompt is never padded.)"""
-    import inspect
-
     if model.config.is_encoder_decoder:
         return False
     try:
@@ -234,20 +320,6 @@ def numbers_by_cache_length(model) -> bool:
     return any(isinstance(n, int) and n > 0 for n in sizes)  # XLNet's -1: no position table
 
 
-def layers_besides_full_attention(model) -> list[str]:
-    """The cache layer classes of ``model`` other than full attention (a sliding window keeps the last tokens, a
-    linear-attention/SSM state folds in every token: a padded tail after the prompt would change both)."""
-    from transformers.cache_utils import DummyLayer, StaticLayer
-
-    from hf_tpu.transformers._cache.layers import layer_plan
-
-    try:
-        plan = layer_plan(model.config)
-    except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError):
-        return []  # the static-cache check names the problem
-    return sorted({cls.__name__ for cls, _ in plan if cls not in (StaticLayer, DummyLayer)})
-
-
 def own_generate(model) -> str | None:
     """Why hf_tpu's loop does not serve ``model.generate``, where its class defines a ``generate`` of its own that
     never hands over to ``GenerationMixin.generate`` (MusicGen's decoders: their own loop over codebooks, calling the
@@ -255,8 +327,6 @@ def own_generate(model) -> str | None:
     TPU, with its inputs on the model's device as on any accelerator. None for a class that inherits
     ``GenerationMixin.generate``, or whose class code calls ``super().generate(...)`` somewhere (Whisper's, from a
     helper of its own generate): read from the class's source, as nothing else tells."""
-    import inspect
-
     from transformers.generation.utils import GenerationMixin
 
     cls = type(model)

@@ -12,7 +12,7 @@ hf_tpu keeps upstream's ``generate`` (argument handling, logits processors, stop
 classes) and plugs its own decoding loop in through upstream's ``custom_generate`` hook. The loop:
 
 * pads the prompt on the left to a *prompt bucket* and sizes the static cache to the padded prompt plus the new
-  tokens, rounded to a multiple of 128 (:mod:`hf_tpu.transformers.shapes`), so compiles are bounded by the rungs
+  tokens, rounded to a multiple of 128 (:func:`plan_shapes`), so compiles are bounded by the rungs
   touched;
 * runs prefill and decode as ``torch.compile`` graphs (backend ``"tpu"``, static shapes, full graph);
 * keeps the growing tensors (the sequence, the 2D mask) on the host; the padded mask goes to the device once per
@@ -31,11 +31,13 @@ with a warning that names the cost on a TPU.
 
 Where a change belongs (this module is the public entry point and re-exports the public names):
 
+* :mod:`hf_tpu.transformers.route`: the call's route, decided once (its loop, its
+  :class:`~hf_tpu.transformers._settings.Layout`), which the loops read;
 * :mod:`hf_tpu.transformers._settings`: per-model state and :func:`configure`;
-* :mod:`hf_tpu.transformers.shapes`: shape planning (:func:`plan_shapes`), :mod:`~hf_tpu.transformers.buckets`
-  the ladders;
-* :mod:`hf_tpu.transformers._cache.pool`: the static caches, built per layer kind by
-  :mod:`~hf_tpu.transformers._cache.layers` with the shapes :mod:`~hf_tpu.transformers._cache.probe` measures;
+* :mod:`hf_tpu.transformers._loops.skeleton`: shape planning (:func:`plan_shapes`, public as
+  :mod:`hf_tpu.transformers.shapes`), :mod:`~hf_tpu.transformers.buckets` the ladders;
+* :mod:`hf_tpu.transformers._cache.static`: the static caches, built per layer kind with the shapes
+  :mod:`~hf_tpu.transformers._cache.probe` measures;
 * :mod:`hf_tpu.transformers._graphs`: the compiled graphs and :func:`run_graph` (strict mode, the persistent compile
   cache of :mod:`hf_tpu.compile_cache`);
 * :mod:`hf_tpu.transformers._loops`: the loops, one module each (its docstring says which serves which route and
@@ -49,7 +51,8 @@ Where a change belongs (this module is the public entry point and re-exports the
   upstream's shapes;
 * :mod:`hf_tpu.transformers._images`: a vision-language call's images (the vision graph; the prefill's forward merges
   them); an encoder taking features (Whisper's) is :func:`_encode_features` here;
-* :mod:`hf_tpu.transformers._upstream`: when upstream's ``generate`` runs instead, and why.
+* :mod:`hf_tpu.transformers._upstream`: what upstream's ``generate`` and forward take (the names it passes a cache
+  by), when upstream's ``generate`` runs instead, and why.
 
 Example:
     >>> import hf_tpu, torch                                                    # doctest: +SKIP
@@ -73,12 +76,14 @@ from hf_tpu.transformers._graph_key import GraphKind
 from hf_tpu.transformers._graphs import PENALTY, run_graph
 from hf_tpu.transformers._loops import beam, cacheless
 from hf_tpu.transformers._loops.cached import decode_loop, warm_plan
+from hf_tpu.transformers._loops.defaults import default_variant
 from hf_tpu.transformers._loops.readback import ReadBacks, read_backs
-from hf_tpu.transformers._loops.skeleton import default_variant
+from hf_tpu.transformers._loops.skeleton import LADDER_FIX, ShapePlan, fill_id, ladder_figures, plan_shapes
 from hf_tpu.transformers._notes import WARNED, warn_once
 from hf_tpu.transformers._settings import (
     CACHELESS,
     DEVICE_TYPES,
+    IMAGES,
     STRICT_EAGER,
     STRICT_ENV,
     GenerationSettings,
@@ -91,10 +96,9 @@ from hf_tpu.transformers._settings import (
     device_types,
     model_state,
 )
-from hf_tpu.transformers._upstream import encoder_input_name, inputs_on_model_device, running, upstream_generate
+from hf_tpu.transformers._upstream import inputs_on_model_device, running, upstream_generate
 from hf_tpu.transformers.buckets import BucketOverflowError
 from hf_tpu.transformers.route import UPSTREAM, attempt, call_route, explain
-from hf_tpu.transformers.shapes import LADDER_FIX, ShapePlan, fill_id, ladder_figures, plan_shapes
 
 __all__ = [
     "STRICT_EAGER",
@@ -143,6 +147,19 @@ def _output_to(result, device):
     return result
 
 
+def entry(upstream: Callable) -> Callable:
+    """The function ``hf_tpu.enable()`` installs as ``GenerationMixin.generate`` (:mod:`~hf_tpu.transformers.
+    _integration`): :func:`generate`, under upstream's name, docstring and signature (``functools.wraps``), keeping
+    upstream's own in ``__hf_tpu_upstream__`` (what enabling again wraps)."""
+
+    @functools.wraps(upstream)
+    def generate_on_tpu(self, *args, **kwargs):
+        return generate(self, *args, **kwargs)
+
+    generate_on_tpu.__hf_tpu_upstream__ = upstream
+    return generate_on_tpu
+
+
 def generate(self, *args, **kwargs):
     """``GenerationMixin.generate`` with the hf_tpu loop on TPU-placed models (installed by ``hf_tpu.enable()``).
 
@@ -164,12 +181,14 @@ def generate(self, *args, **kwargs):
     route = call_route(self, *asked)
     if route.loop == UPSTREAM:
         return _run_upstream(self, route, upstream, args, kwargs)
-    from hf_tpu.kernels.experts_forms import prefer_measured
+    if getattr(self.config, "_experts_implementation", None) == "grouped_mm":  # a MoE left at transformers' default
+        from hf_tpu.kernels.experts_forms import prefer_measured
 
-    prefer_measured(self)  # a MoE on torch_tpu: each bucket's measured-fastest experts form
+        prefer_measured(self)  # on torch_tpu: each bucket's measured-fastest experts form
 
     inputs = arguments.pop("inputs", None)
-    features = encoder_input_name(self)  # an encoder taking features (Whisper's input_features), not ids
+    layout = route.layout  # (what the call's inputs are, decided with its route)
+    features = layout.features  # an encoder taking features (Whisper's input_features), not ids
     name = features or "input_ids"
     if inputs is None:
         inputs = extra_kwargs.pop(name, None)
@@ -196,12 +215,12 @@ def generate(self, *args, **kwargs):
     # prompt's device, and hf_tpu's loop keeps the sequence and runs those on the host (embeddings on the tpu are
     # read back once per call; the loop sends them to the device again for the prefill)
     # (and a grid model's image grids and token types: upstream's generate numbers the positions from them)
-    host = ("image_grid_thw", "mm_token_type_ids") if _images.grid_tower(self) else ()
+    host = ("image_grid_thw", "mm_token_type_ids") if layout.vision and _images.grid_tower(self) else ()
     for key in ("attention_mask", "position_ids", "decoder_input_ids", "token_type_ids", "inputs_embeds", *host):
         if extra_kwargs.get(key) is not None:
             extra_kwargs[key] = _to_host(extra_kwargs[key])
 
-    if _images.image_inputs(self, extra_kwargs):  # the vision tower's graph; the prefill's forward merges them
+    if layout.kind == IMAGES:  # the vision tower's graph; the prefill's forward merges them
         try:
             extra_kwargs = _images.encode_images(self, state, extra_kwargs, run_graph)
         except NotCompilableError:  # its image encoder is not one graph (recorded): this call runs upstream's loop
@@ -426,7 +445,7 @@ def eager_decode_step(model, cache_len: int) -> Callable[[], object]:
     """
     import torch
 
-    from hf_tpu.transformers._cache.pool import cache_for
+    from hf_tpu.transformers._cache.static import cache_for
     from hf_tpu.transformers._graphs import GRAPHS
 
     cache = cache_for(model, model_state(model), 1, cache_len, None)

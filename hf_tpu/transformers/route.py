@@ -15,9 +15,12 @@ A model's route (what a call with a cache takes) is decided once, from what can 
 (:func:`model_route`), kept in the model's state as one :class:`Route`, and demoted in one place when a graph
 fails its first trace (:func:`demote`: cached -> host length where it fits -> without a cache where that loop
 serves -> upstream). A call's route (:func:`call_route`) is the model's, unless the call asks for something only
-upstream's loop does or has no cache. ``generate`` and :func:`hf_tpu.warmup` run their steps through
-:func:`attempt`, the one demote-and-retry: a step on the call's route, and where a graph fails its first trace, the
-step again on the route the call takes after :func:`demote`. The architecture sweep and the docs read the route;
+upstream's loop does or has no cache; it also carries what the call's path depends on, asked here once so that
+``generate`` and the loops read it instead of asking again: the call's :class:`~hf_tpu.transformers._settings.Layout`
+(:func:`_layout`: a text model, one without an image encoder, never asks :mod:`hf_tpu.transformers._images`) and why
+its tokens would come back each step (:func:`_read_back`). ``generate`` and :func:`hf_tpu.warmup` run their steps
+through :func:`attempt`, the one demote-and-retry: a step on the call's route, and where a graph fails its first trace,
+the step again on the route the call takes after :func:`demote`. The architecture sweep and the docs read the route;
 :func:`explain` is the public question.
 
 Adding a fallback: a loop name here, its place in :func:`demote`'s order, the loop's ``custom_generate`` in
@@ -31,21 +34,25 @@ from dataclasses import replace
 from typing import TypeVar
 
 from hf_tpu.transformers import _images, _upstream
-from hf_tpu.transformers._cache import pool
-from hf_tpu.transformers._loops import beam, cacheless, readback
+from hf_tpu.transformers._cache import static
+from hf_tpu.transformers._loops import beam, cacheless
 from hf_tpu.transformers._settings import (
     CACHED,
     CACHELESS,
     DEVICE_TYPES,
+    FEATURES,
     HOST_LENGTH,
+    IMAGES,
     LOOPS,
+    SEQ2SEQ,
+    TEXT,
     UPSTREAM,
+    Layout,
     NotCompilableError,
     Route,
     model_state,
 )
-from hf_tpu.transformers._signatures import model_cache_problem
-from hf_tpu.transformers._upstream import own_generate
+from hf_tpu.transformers._upstream import model_cache_problem, own_generate
 
 __all__ = [
     "CACHED", "CACHELESS", "HOST_LENGTH", "LOOPS", "UPSTREAM", "Route", "attempt", "call_route", "demote", "explain",
@@ -84,10 +91,12 @@ def explain(model, **generate_kwargs) -> Route:
     args = {k: generate_kwargs.pop(k) for k in _GENERATE_ARGUMENTS if k in generate_kwargs}
     found = call_route(model, args, dict(generate_kwargs))
     if found.fast and not model.config.is_encoder_decoder and not found.beams:  # (a beam call: never the host path)
-        from hf_tpu.transformers._loops.skeleton import host_sampling
+        from hf_tpu.transformers._loops.defaults import host_sampling
+        from hf_tpu.transformers._loops.skeleton import read_back
 
-        found = replace(found, host_sampling=host_sampling(model, **generate_kwargs))
-        found = replace(found, step_by_step=readback.explain(model, found.host_sampling, args, generate_kwargs))
+        host = host_sampling(model, **generate_kwargs)
+        every = model_state(model).settings.read_back_every
+        found = replace(found, host_sampling=host, step_by_step=read_back(found, host is not None, every))
     return found
 
 
@@ -112,11 +121,16 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
         config, model_kwargs = model._prepare_generation_config(args.get("generation_config"), **kwargs)
     except (ValueError, TypeError, AttributeError):
         return Route(UPSTREAM, "upstream rejects the arguments")  # let upstream raise its own error
-    asked = _upstream.call_problem(model, args, config, model_kwargs)
+    layout = _layout(model, config, model_kwargs)
+    asked = (  # what the call asks only upstream's loop does: its arguments, a cache it gives, its model inputs
+        _upstream.call_problem(model, args, config)
+        or _given_cache_problem(model, args, model_kwargs)
+        or _upstream.inputs_problem(model, model_kwargs, layout)
+    )
     if asked is not None:
         reason, warn = asked
         return Route(UPSTREAM, reason, warn=warn)
-    found = _call_route(model, config, model_kwargs)
+    found = replace(_call_route(model, config, model_kwargs, layout), layout=layout)
     beams = found.loop != UPSTREAM and is_beam_call(config)
     if beams:
         problem = beam.beam_problem(model, args, config, model_kwargs, found)
@@ -137,7 +151,79 @@ def call_route(model, args: dict, kwargs: dict) -> Route:
                 "whose attention weights hf_tpu's loop does not cut to upstream's shapes",
                 warn=True,
             )
-    return replace(found, beams=True) if beams else found
+    if beams:
+        return replace(found, beams=True)
+    return replace(found, read_back=_read_back(model, args, config, layout)) if found.fast else found
+
+
+def _given_cache_problem(model, args: dict, model_kwargs: dict) -> tuple[str, bool] | None:
+    """Why a cache the call gives (``past_key_values=`` / ``cache=``) is not copied into the bucketed cache
+    (:mod:`hf_tpu.transformers._cache.handoff`), so that upstream's loop runs the call, with a warning; None when the
+    call gives none or it is copied in."""
+    given = next((model_kwargs[n] for n in _upstream.CACHE_NAMES if model_kwargs.get(n) is not None), None)
+    if given is None:
+        return None
+    from hf_tpu.transformers._cache.handoff import given_cache_problem
+
+    ids = args.get("inputs") if args.get("inputs") is not None else model_kwargs.get("input_ids")
+    mask = model_kwargs.get("attention_mask")
+    problem = given_cache_problem(
+        model, given, None if ids is None else int(ids.shape[-1]), None if mask is None else int(mask.shape[-1])
+    )
+    if problem is None and model_kwargs.get("inputs_embeds") is not None:
+        problem = "a cache passed in with inputs_embeds is not copied into the bucketed cache yet"
+    if problem is None and _upstream.numbers_by_cache_length(model):
+        problem = f"a cache passed in is not copied into the cache of {type(model).__name__} (prompt first) yet"
+    return None if problem is None else (problem, True)
+
+
+def _vision(model) -> bool:
+    """Whether ``model`` has an image encoder (upstream's ``get_image_features``, or a vision tower ``visual``): only
+    its calls ask :mod:`hf_tpu.transformers._images` about images, positions in rows, image token types; a text
+    model's never do (its answers there would all be no)."""
+    base = model.base_model
+    return getattr(base, "get_image_features", None) is not None or hasattr(base, "visual")
+
+
+def _layout(model, config, model_kwargs: dict) -> Layout:
+    """The :class:`Layout` of a call with generation config ``config`` and model inputs ``model_kwargs``: asked once
+    per call, here, and read by ``generate`` and the loops."""
+    vision = _vision(model)
+    images = tuple(_images.image_inputs(model, model_kwargs)) if vision else ()
+    features = _upstream.encoder_input_name(model)
+    if features is not None:
+        kind = FEATURES
+    elif model.config.is_encoder_decoder:
+        kind = SEQ2SEQ
+    else:
+        kind = IMAGES if images else TEXT
+    return Layout(
+        kind=kind,
+        features=features,
+        vision=vision,
+        images=images,
+        rows=_images.mrope_rows(model) if vision else 1,
+        outputs=tuple(name for name in ("attentions", "hidden_states") if getattr(config, f"output_{name}", False)),
+        continues=any(model_kwargs.get(name) is not None for name in _upstream.CACHE_NAMES),
+    )
+
+
+def _read_back(model, args: dict, config, layout: Layout) -> str | None:
+    """Why the loop's new tokens come back each decode step rather than every ``read_back_every`` steps, as far as
+    the call tells before its sampling plan (:mod:`hf_tpu.transformers._loops.readback`): the setting, the outputs
+    asked (they come back each step), ``max_time`` (its criterion reads the clock after each token). None: every
+    ``read_back_every`` steps, unless the sampling plan takes the host path
+    (:func:`hf_tpu.transformers._loops.skeleton.read_back`)."""
+    from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+    if model_state(model).settings.read_back_every <= 1:
+        return "read_back_every=1 (hf_tpu.transformers.configure)"
+    if layout.outputs:
+        return "output_attentions/output_hidden_states come back to the host each step"
+    criteria = args.get("stopping_criteria") or ()
+    if config.max_time is not None or any(isinstance(c, MaxTimeCriteria) for c in criteria):
+        return "max_time: its stopping criterion reads the clock after each token"
+    return None
 
 
 def is_beam_call(config) -> bool:
@@ -147,7 +233,7 @@ def is_beam_call(config) -> bool:
     return config.get_generation_mode() in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 
 
-def _call_route(model, config, model_kwargs: dict) -> Route:
+def _call_route(model, config, model_kwargs: dict, layout: Layout) -> Route:
     """:func:`call_route` once the call asks for nothing only upstream's loop does."""
     use_cache = bool(config.use_cache)
     given = [k for k in _upstream.PROMPT_INPUTS if model_kwargs.get(k) is not None]
@@ -156,7 +242,7 @@ def _call_route(model, config, model_kwargs: dict) -> Route:
         if problem is not None:
             reason, warn = problem
             return Route(UPSTREAM, reason, warn=warn)
-    if _images.image_inputs(model, model_kwargs):  # encoded by a graph of their own, merged by the prefill's forward
+    if layout.images:  # encoded by a graph of their own, merged by the prefill's forward
         problem = _images.images_problem(model, model_kwargs) or model_state(model).images_problem
         if problem is None and model_kwargs.get("inputs_embeds") is not None:
             problem = "images with inputs_embeds are not supported by the bucketed loop (it merges them into ids)"
@@ -250,14 +336,14 @@ def _without_cache(model) -> str | None:
 def static_cache_problem(model) -> str | None:
     """Why the cached loop cannot serve ``model``, from what can be checked before tracing (None when it can)."""
     if _upstream.numbers_by_cache_length(model):
-        other = _upstream.layers_besides_full_attention(model)
+        other = static.layers_besides_full_attention(model)
         if other:
             return (
                 f"{type(model).__name__} takes no position_ids and places tokens by its cache length (absolute "
                 f"position embeddings): the bucketed loop puts such a prompt first and its padding after it, which its "
                 f"{', '.join(other)} layers cannot hold (a padded tail would enter their window or state)"
             )
-    problem = model_cache_problem(model) or pool.static_cache_problem(model)
+    problem = model_cache_problem(model) or static.static_cache_problem(model)
     return f"{type(model).__name__}: {problem}" if problem else None
 
 
@@ -303,7 +389,7 @@ def demote(model, error: NotCompilableError) -> Route:
             state.route = _with_verdict(current, reason)
         return state.route
     if loop == CACHED and current.loop == CACHED:
-        from hf_tpu.transformers._cache.layers import host_length_fits
+        from hf_tpu.transformers._cache.static import host_length_fits
 
         if host_length_fits(model.config):
             state.route = replace(current, loop=HOST_LENGTH, reason=reason, warn=False)

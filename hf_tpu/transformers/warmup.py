@@ -27,8 +27,8 @@ from hf_tpu import _torch_tpu
 from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _mm_warmup, _settings, _upstream, route
 from hf_tpu.transformers._graph_key import GraphKind, Variant, public_key
-from hf_tpu.transformers._loops import beam, cacheless, readback
-from hf_tpu.transformers._loops.skeleton import own_variant
+from hf_tpu.transformers._loops import beam, cacheless
+from hf_tpu.transformers._loops.defaults import own_variant, warm_read_back
 from hf_tpu.transformers._settings import CACHELESS, UPSTREAM
 from hf_tpu.transformers.buckets import BucketLadder
 
@@ -304,7 +304,7 @@ def _warm_one(model, plan, variant: Variant) -> list[tuple] | None:
     def run(found) -> list[tuple]:
         warm = cacheless.warm if found.loop == CACHELESS else generation.warm_plan
         keys = warm(model, plan, variant)
-        readback.warm(model, plan.batch)  # (the eager ops that keep the tokens on the device between read-backs)
+        warm_read_back(model, plan.batch)  # (the eager ops that keep the tokens on the device between read-backs)
         return keys
 
     keys, found = route.attempt(model, run)

@@ -256,7 +256,7 @@ def lower_vision_warmup(session, family: str, image_size: tuple[int, int] = (16,
 
     from hf_tpu._patch import enable
     from hf_tpu.transformers import _graphs, _mm_warmup
-    from hf_tpu.transformers._loops.skeleton import own_variant
+    from hf_tpu.transformers._loops.defaults import own_variant
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transformers"))
     import test_vision_generate as vlm

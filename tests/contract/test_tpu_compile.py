@@ -130,7 +130,8 @@ def test_generate_beam_search_graphs(lowered):
     _all_compiled(result)
     kinds = [p.name.split("+", 1)[0] for p in result.programs]
     assert {"beam_prefill", "beam_decode"} <= set(kinds), kinds
-    # the warm-up's one copy back: the read-back of the tokens kept on the device (readback.warm), nothing else
+    # the warm-up's one copy back: the read-back of the tokens kept on the device (defaults.warm_read_back),
+    # nothing else
     assert result.eager["device_to_host"] == 1, result.eager
 
 
@@ -143,7 +144,8 @@ def test_generate_greedy_prefill_and_decode(lowered):
     assert (prefill.custom_calls, decode.custom_calls) == (2, 0)
     # the decode step reads what the prefill wrote: same weights and cache arguments
     assert decode.argument_bytes == prefill.argument_bytes
-    # the warm-up's one copy back: the read-back of the tokens kept on the device (readback.warm), nothing else
+    # the warm-up's one copy back: the read-back of the tokens kept on the device (defaults.warm_read_back),
+    # nothing else
     assert result.eager["device_to_host"] == 1, result.eager
 
 

@@ -12,7 +12,7 @@ import transformers
 
 import hf_tpu.sim
 from hf_tpu.transformers import explain, generation
-from hf_tpu.transformers._signatures import cache_name, output_cache_field
+from hf_tpu.transformers._upstream import cache_name, output_cache_field
 
 KW = {"do_sample": False, "return_dict_in_generate": True, "output_scores": True, "eos_token_id": None}
 

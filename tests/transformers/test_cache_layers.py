@@ -10,7 +10,7 @@ import torch
 import hf_tpu
 import hf_tpu.sim
 from hf_tpu.transformers import generation
-from hf_tpu.transformers._cache.pool import bucketed_cache, static_cache_problem
+from hf_tpu.transformers._cache.static import bucketed_cache, static_cache_problem
 
 # Eight prompt lengths in one bucket (16): each is padded on the left to it on the device; the CPU reference runs
 # the prompt unpadded, so equality also proves that the padding leaves every layer's state as the prompt would.

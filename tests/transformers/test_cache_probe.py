@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from hf_tpu.transformers import explain
-from hf_tpu.transformers._cache.pool import static_cache_problem
+from hf_tpu.transformers._cache.static import static_cache_problem
 from hf_tpu.transformers._cache.probe import CacheProbeError, _probe_config, _run_probe, cache_shapes
 from hf_tpu.transformers._cache.probe_cpu import ZeroWeightProducts, cpu_probe
-from hf_tpu.transformers._signatures import cache_name
+from hf_tpu.transformers._upstream import cache_name
 
 _TOKENS = {"vocab_size": 96, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}

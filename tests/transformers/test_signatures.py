@@ -11,7 +11,7 @@ import torch
 import transformers
 from packaging.version import Version
 
-from hf_tpu.transformers import _signatures, explain, generation
+from hf_tpu.transformers import _upstream, explain, generation
 from hf_tpu.transformers.route import writes_no_cache
 
 
@@ -19,9 +19,9 @@ def test_the_cache_name_is_the_one_the_installed_forward_takes():
     forward = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
     expected = "cache" if Version(transformers.__version__) >= Version("5.24.0.dev0") else "past_key_values"
     assert expected in forward
-    assert _signatures.cache_name() == expected
-    assert _signatures.output_cache_field(transformers.generation.utils.GenerateDecoderOnlyOutput) == expected
-    assert _signatures.output_cache_field(transformers.modeling_outputs.CausalLMOutputWithPast) == expected
+    assert _upstream.cache_name() == expected
+    assert _upstream.output_cache_field(transformers.generation.utils.GenerateDecoderOnlyOutput) == expected
+    assert _upstream.output_cache_field(transformers.modeling_outputs.CausalLMOutputWithPast) == expected
 
 
 def test_a_tiny_llama_runs_the_static_cache_loop_like_cpu(prompts, from_config):
@@ -41,29 +41,29 @@ def test_a_signature_that_does_not_tell_fails_loudly(monkeypatch):
     def neither(self, input_ids, attention_mask=None, **kwargs):
         return {}
 
-    monkeypatch.setattr(_signatures, "_NAME", None)
+    monkeypatch.setattr(_upstream, "_NAME", None)
     monkeypatch.setattr(GenerationMixin, "prepare_inputs_for_generation", neither)
-    with pytest.raises(_signatures.UpstreamSignatureError, match="neither 'cache' nor 'past_key_values'"):
-        _signatures.cache_name()
+    with pytest.raises(_upstream.UpstreamSignatureError, match="neither 'cache' nor 'past_key_values'"):
+        _upstream.cache_name()
 
     def both(self, input_ids, cache=None, past_key_values=None, **kwargs):
         return {}
 
     monkeypatch.setattr(GenerationMixin, "prepare_inputs_for_generation", both)
-    with pytest.raises(_signatures.UpstreamSignatureError, match="takes both"):
-        _signatures.cache_name()
-    with pytest.raises(_signatures.UpstreamSignatureError, match="no field named"):
-        _signatures.output_cache_field(transformers.modeling_outputs.BaseModelOutput)
+    with pytest.raises(_upstream.UpstreamSignatureError, match="takes both"):
+        _upstream.cache_name()
+    with pytest.raises(_upstream.UpstreamSignatureError, match="no field named"):
+        _upstream.output_cache_field(transformers.modeling_outputs.BaseModelOutput)
 
 
 def test_a_forward_naming_its_cache_otherwise_is_named_not_run_without_a_cache(from_config):
     # A model class written for the other transformers version: its forward swallows the installed name in
     # **kwargs, so the probe would find "writes no cache"; the cached loop names the mismatch instead.
-    other = [n for n in _signatures.CACHE_NAMES if n != _signatures.cache_name()][0]
+    other = [n for n in _upstream.CACHE_NAMES if n != _upstream.cache_name()][0]
     base = transformers.LlamaForCausalLM
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
-        kwargs.pop(_signatures.cache_name(), None)
+        kwargs.pop(_upstream.cache_name(), None)
         return base.forward(self, input_ids, attention_mask, position_ids, inputs_embeds=inputs_embeds, **kwargs)
 
     forward.__signature__ = inspect.Signature(

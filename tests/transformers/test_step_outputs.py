@@ -15,7 +15,7 @@ import transformers
 from hf_tpu.testing import tiny_config, tiny_model
 from hf_tpu.transformers import explain, generation
 from hf_tpu.transformers._settings import model_state
-from hf_tpu.transformers._signatures import cache_name, output_cache_field
+from hf_tpu.transformers._upstream import cache_name, output_cache_field
 
 VOCAB = 96  # (as the shared models': make_prompts draws ids below it)
 FLAGS = {"output_attentions": True, "output_hidden_states": True, "return_dict_in_generate": True}

@@ -2,13 +2,13 @@
 
 What lives where, and where a new piece goes:
 
-* :mod:`.pool`: the model's static caches, one per (batch, cache length, encoder length, dtype) shape, reset and
-  reused across calls, and the check that a model's cache can be bucketed at all.
-* :mod:`.layers`: the registry from upstream's static cache layer class to its bucketed form, and
-  ``NO_STATIC_FORM`` for the layer kinds that have none. **A new layer kind** of upstream's (a new
-  ``transformers.cache_utils`` layer class) gets its bucketed class in :mod:`.layer_classes` and one entry in the
-  registry here; **a layer kind with no static form** gets an entry in ``NO_STATIC_FORM`` with the reason generate
-  names when it runs upstream's loop instead.
+* :mod:`.static`: the static cache: the registry from upstream's static cache layer class to its bucketed form,
+  and ``NO_STATIC_FORM`` for the layer kinds that have none; the model's caches built from them, one per (batch,
+  cache length, encoder length, dtype) shape, reset and reused across calls; the check that a model's cache can be
+  bucketed at all; what the loops and graphs tell its layers (the host length, prefill or decode, the masks).
+  **A new layer kind** of upstream's (a new ``transformers.cache_utils`` layer class) gets its bucketed class in
+  :mod:`.layer_classes` and one entry in the registry; **a layer kind with no static form** gets an entry in
+  ``NO_STATIC_FORM`` with the reason generate names when it runs upstream's loop instead.
 * :mod:`.layer_classes`: the bucketed layer classes themselves (module level: the persistent compile cache refers to
   them by name).
 * :mod:`.model_classes`: bucketed forms of **a model's own cache class** (a model that does not take upstream's

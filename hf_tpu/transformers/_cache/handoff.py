@@ -1,6 +1,6 @@
 """The cache in and out of hf_tpu's loop: ``return_dict_in_generate=True`` returns the call's cache as a transformers
 ``DynamicCache``, and a cache the caller passes back (``past_key_values=`` on 5.23, ``cache=`` on 5.24+: the name of
-:func:`hf_tpu.transformers._signatures.cache_name`) is copied into the bucketed cache.
+:func:`hf_tpu.transformers._upstream.cache_name`) is copied into the bucketed cache.
 
 The bucketed cache is the model's pooled, left-padded static cache (reset by the next call), so it is never handed
 out: :func:`returned_cache` copies the slots the call wrote, the bucket's padding left out, into a
@@ -9,7 +9,7 @@ out: :func:`returned_cache` copies the slots the call wrote, the bucket's paddin
 returns (the prompt and every new token but the last), and which the caller can pass to the next ``generate`` or to
 ``model(...)``. Sliding-window layers (Mistral, Gemma 2/3, ...) come back as upstream's own layers hold them: a
 ``DynamicSlidingWindowLayer`` with the last ``window - 1`` tokens, a ``StaticSlidingWindowLayer`` with the last
-``min(window, length)``, each counting every token seen; the bucketed ring (:mod:`~hf_tpu.transformers._cache.layers`)
+``min(window, length)``, each counting every token seen; the bucketed ring (:mod:`~hf_tpu.transformers._cache.static`)
 holds the last ``window`` tokens, more than either keeps.
 
 Continuing (:func:`copy_in`): the call's ``input_ids`` hold the whole sequence (as upstream's continuation takes
@@ -39,7 +39,7 @@ def _served_kinds():
 def attention_kinds_only(model) -> bool:
     """Whether every layer of ``model``'s bucketed cache is full attention or a sliding window (the kinds whose
     tokens :func:`returned_cache` copies out and :func:`copy_in` copies in)."""
-    from hf_tpu.transformers._cache.layers import layer_plan
+    from hf_tpu.transformers._cache.static import layer_plan
 
     try:
         plan = layer_plan(model.config)
@@ -52,7 +52,7 @@ def full_attention_only(model) -> bool:
     """Whether every layer of ``model``'s bucketed cache is full attention (a ``StaticLayer``)."""
     from transformers.cache_utils import StaticLayer
 
-    from hf_tpu.transformers._cache.layers import layer_plan
+    from hf_tpu.transformers._cache.static import layer_plan
 
     try:
         plan = layer_plan(model.config)
@@ -88,7 +88,7 @@ def _plain_layers(cache, model) -> bool:
         StaticSlidingWindowLayer,
     )
 
-    from hf_tpu.transformers._cache.layers import layer_plan
+    from hf_tpu.transformers._cache.static import layer_plan
 
     layers = getattr(cache, "layers", None)
     plan = layer_plan(model.config)

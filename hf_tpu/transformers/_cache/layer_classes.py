@@ -1,4 +1,4 @@
-"""The bucketed layer classes of :mod:`hf_tpu.transformers._cache.layers` (defined at module level: the persistent
+"""The bucketed layer classes of :mod:`hf_tpu.transformers._cache.static` (defined at module level: the persistent
 compile cache saves graphs that refer to them by name). Imported on first use, so ``import hf_tpu`` stays light."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import weakref
 
 from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers._cache.probe_error import CacheProbeError
-from hf_tpu.transformers._signatures import cache_name
+from hf_tpu.transformers._upstream import cache_name
 
 __all__: list[str] = []
 

@@ -6,7 +6,12 @@ the loop of the call's route (decided once, in :mod:`hf_tpu.transformers.route`)
 
 * :mod:`.skeleton`: what the cached loop and the loop without a cache share, written once
   (:class:`~.skeleton.LoopCall`: the sampling plan, each step's host side, the stopping criteria and the streamer,
-  the output); each of the two supplies only its layout and its graphs;
+  the output; the call's shapes, :func:`~.skeleton.plan_shapes`, beam's too); each of the two supplies only its
+  layout and its graphs, and reads what its route decided (``route.layout``, ``route.read_back``) instead of asking
+  again;
+* :mod:`.defaults`: the plan of a call not made yet (the model's own ``generation_config``), for warm-up and
+  :func:`hf_tpu.transformers.explain`;
+* :mod:`.readback`: the new tokens kept on the device between read-backs;
 * :mod:`.cached`: the route ``"cached"`` (the bucketed static cache: a prefill graph, then one decode graph per new
   token) and ``"host_length"`` (the same loop, its decode graph taking the cache length as a host number); also
   the warm-up of one shape plan;

@@ -21,18 +21,15 @@ from __future__ import annotations
 from hf_tpu.errors import InternalError
 from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._cache.handoff import full_attention_only, returned_cache
-from hf_tpu.transformers._cache.layers import set_decoding, set_length
-from hf_tpu.transformers._cache.pool import cache_for
+from hf_tpu.transformers._cache.static import cache_for, set_decoding, set_length
 from hf_tpu.transformers._graph_key import GraphKind
 from hf_tpu.transformers._graphs import ALIGNED
 from hf_tpu.transformers._graphs import run_graph as _run_graph
 from hf_tpu.transformers._images import mrope_rows
 from hf_tpu.transformers._loops.cached import extra_inputs
-from hf_tpu.transformers._loops.skeleton import output_vocab
+from hf_tpu.transformers._loops.skeleton import ShapePlan, fill_id, output_vocab, plan_shapes
 from hf_tpu.transformers._settings import CACHED, CACHELESS, NotCompilableError, model_state
-from hf_tpu.transformers._signatures import output_cache_field
-from hf_tpu.transformers._upstream import numbers_by_cache_length
-from hf_tpu.transformers.shapes import ShapePlan, fill_id, plan_shapes
+from hf_tpu.transformers._upstream import numbers_by_cache_length, output_cache_field
 
 __all__ = ["beam_features", "beam_problem"]
 
@@ -78,7 +75,7 @@ def _problem(model, args: dict, config, model_kwargs: dict, route) -> str | None
     given = [k for k in PROMPT_INPUTS if k != "token_type_ids" and model_kwargs.get(k) is not None]
     if given:
         return f"beam search with {', '.join(given)}: the beam loop takes input_ids (and token_type_ids) only"
-    from hf_tpu.transformers._signatures import CACHE_NAMES
+    from hf_tpu.transformers._upstream import CACHE_NAMES
 
     if any(model_kwargs.get(k) is not None for k in CACHE_NAMES):
         return "beam search from a cache passed in: the beam loop starts from the prompt"

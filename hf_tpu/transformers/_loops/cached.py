@@ -16,16 +16,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_cache
-from hf_tpu.transformers._cache.layers import set_decoding, set_length
-from hf_tpu.transformers._cache.pool import cache_for
+from hf_tpu.transformers._cache.static import cache_for, set_decoding, set_length
 from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._graphs import ALIGNED, MROPE, run_graph
 from hf_tpu.transformers._images import check_image_tokens, features_shape, mrope_rows, positioned
-from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
+from hf_tpu.transformers._loops.defaults import warm_sampling
+from hf_tpu.transformers._loops.skeleton import LoopCall, ShapePlan, Steps, loop, plan_shapes
 from hf_tpu.transformers._settings import model_state
-from hf_tpu.transformers._signatures import cache_name
-from hf_tpu.transformers._upstream import numbers_by_cache_length, prompt_first_inputs
-from hf_tpu.transformers.shapes import ShapePlan, plan_shapes
+from hf_tpu.transformers._upstream import cache_name, numbers_by_cache_length, prompt_first_inputs
 
 __all__: list[str] = []
 
@@ -71,17 +69,19 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
 
         return Steps(first, plan.cache_bucket - prompt_len, step, returned, seq2seq=True)
 
+    layout = call.route.layout  # (what the call's inputs are, decided with its route)
     embeds = model_kwargs.get("inputs_embeds")  # the prompt as embeddings: input_ids holds the ids given, if any
     types = model_kwargs.get("token_type_ids")
     if types is not None:  # (graphs taking them: their own kind)
         variant = variant.with_features("token_type_ids")
-    if mrope_rows(model) > 1:  # (positions in rows, packed after the ids)
+    rows = layout.rows
+    if rows > 1:  # (positions in rows, packed after the ids)
         variant = variant.with_features("mrope")
     # Gemma 4's processor marks its image tokens (mm_token_type_ids): its prefill's forward reads them (a mask over
     # each image), upstream passes them to the first forward only
     # (Qwen-VL's stay with upstream, which numbers the positions from them: not the forward's)
     mm_types = model_kwargs.get("mm_token_type_ids") if model_kwargs.get("mm_encoder_outputs") else None
-    mm_types = mm_types if positioned(model) else None
+    mm_types = mm_types if mm_types is not None and positioned(model) else None
     if mm_types is not None:
         variant = variant.with_features("mm_token_type_ids")
     ids_len = prompt_len
@@ -95,7 +95,6 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
     positions = model_kwargs.get("position_ids")
     if positions is None:
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    rows = mrope_rows(model)
     if rows > 1:  # (rows, batch, prompt): upstream's rows (Qwen2-VL's: the text row first, for masks, then 3)
         positions = positions.to("cpu").long()
         positions = positions[-rows:] if positions.ndim == 3 else positions.expand(rows, batch, prompt_len)
@@ -103,7 +102,7 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
         positions = positions.to("cpu").long().expand(batch, prompt_len)[None]
     pad = plan.prompt_bucket - prompt_len
     pad_id = call.fill_id
-    extra = {**extra_inputs(model), **call.output_flags}
+    extra = {**extra_inputs(model, rows), **call.output_flags}
     if extra.get(ALIGNED) and (embeds is not None or types is not None):  # (its cache length found at a trace)
         from hf_tpu.transformers._settings import NotCompilableError
 
@@ -155,7 +154,7 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
                        features_shape(images))  # fmt: skip
     decode_key = (GraphKind("decode", variant), batch, plan.cache_bucket)
     set_length(cache, 0)
-    given = model_kwargs.get(cache_name())  # the caller's cache (upstream's empty one when none was given)
+    given = model_kwargs.get(cache_name()) if layout.continues else None  # the caller's cache, if it gave one
     seen = cached_length(given) if given is not None else 0
     if seen:  # continuing: the cached tokens copied in, the others through the decode graph (_cache.handoff)
         if sampling is not None:  # its history: the cached tokens; each decode step adds its own
@@ -213,12 +212,14 @@ def decode_input(next_tokens, positions) -> tuple:
 
 
 
-def extra_inputs(model) -> dict:
-    """The prefill/decode graphs' extra model arguments: ``logits_to_keep`` where the model takes it, and the flag of
-    a model whose prompt goes first (:data:`hf_tpu.transformers._graphs.ALIGNED`)."""
+def extra_inputs(model, rows: int | None = None) -> dict:
+    """The prefill/decode graphs' extra model arguments: ``logits_to_keep`` where the model takes it, the rows of
+    positions (``rows``, as a call's layout says; None: asked of the model) and the flag of a model whose prompt goes
+    first (:data:`hf_tpu.transformers._graphs.ALIGNED`)."""
     extra: dict = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
-    if mrope_rows(model) > 1:  # its positions in rows, packed after the ids
-        extra[MROPE] = mrope_rows(model)
+    rows = mrope_rows(model) if rows is None else rows
+    if rows > 1:  # its positions in rows, packed after the ids
+        extra[MROPE] = rows
     # a cache reporting its host length goes prompt-first too: the length it reports is the real token count
     if numbers_by_cache_length(model) or model_state(model).host_length:
         extra[ALIGNED] = True

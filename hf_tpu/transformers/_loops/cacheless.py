@@ -34,8 +34,8 @@ import inspect
 
 from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._images import mrope_rows
-from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, loop, warm_sampling
-from hf_tpu.transformers.shapes import fill_id
+from hf_tpu.transformers._loops.defaults import warm_sampling
+from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, fill_id, loop
 
 __all__: list[str] = []
 
@@ -156,7 +156,7 @@ def buffer_length(model, cache_bucket: int, need: int) -> int:
 def length_for(model, state, batch: int, prompt_len: int, new_tokens: int, variant: Variant) -> int:
     """The buffer's length for a call: the shortest one compiled that holds the call (what warm-up compiled), else
     the cache bucket of the call's shape plan (which also refuses a call past the model's ladder)."""
-    from hf_tpu.transformers.shapes import plan_shapes
+    from hf_tpu.transformers._loops.skeleton import plan_shapes
 
     plan = plan_shapes(model, batch, prompt_len, new_tokens, variant=variant)
     need = prompt_len + max(new_tokens, 1) - 1

@@ -22,12 +22,13 @@ stopped. So the output is upstream's exactly:
 
 K is the model's ``read_back_every`` setting (:func:`hf_tpu.transformers.configure`, default
 :data:`~hf_tpu.transformers._settings.READ_BACK_EVERY`). A call reads back each step (K = 1) where the host needs each
-step's values anyway, and :func:`step_by_step_reason` says why (also in :func:`hf_tpu.transformers.explain`): the host
-path of the logits processors (the logits row comes back each step), ``output_attentions``/``output_hidden_states``
-(they come back each step), and ``max_time`` (its criterion reads the clock, which a read-back K steps later would
-read too late). A streamer (``streamer=``) gets every token through its own ``put`` call, as upstream's, at the
-read-back: the first token right after the prefill (the first read-back holds that token alone, so the time to the
-first token does not grow), then K at a time.
+step's values anyway, and its route says why (``Route.read_back``, decided with the route by
+:mod:`hf_tpu.transformers.route`; the loop adds the host path, :func:`~.skeleton.read_back`; both in
+:func:`hf_tpu.transformers.explain`'s ``step_by_step``): the host path of the logits processors (the logits row comes
+back each step), ``output_attentions``/``output_hidden_states`` (they come back each step), and ``max_time`` (its
+criterion reads the clock, which a read-back K steps later would read too late). A streamer (``streamer=``) gets
+every token through its own ``put`` call, as upstream's, at the read-back: the first token right after the prefill
+(the first read-back holds that token alone, so the time to the first token does not grow), then K at a time.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["DeviceRows", "ReadBacks", "explain", "read_backs", "step_by_step_reason", "warm"]
+__all__ = ["DeviceRows", "ReadBacks", "read_backs"]
 
 
 @dataclass
@@ -83,37 +84,6 @@ def read_backs() -> Iterator[list[ReadBacks]]:
         yield records
     finally:
         RECORDS.remove(records)
-
-
-def step_by_step_reason(every: int, host_path: bool, output_flags: dict, stopping_criteria) -> str | None:
-    """Why a call reads its tokens back each step (None: every ``every`` steps); see the module docstring."""
-    from transformers.generation.stopping_criteria import MaxTimeCriteria
-
-    if every <= 1:
-        return "read_back_every=1 (hf_tpu.transformers.configure)"
-    if host_path:
-        return "the logits processors and sampling run on the host, so each step's logits come back"
-    if output_flags:
-        return "output_attentions/output_hidden_states come back to the host each step"
-    if any(isinstance(c, MaxTimeCriteria) for c in stopping_criteria):
-        return "max_time: its stopping criterion reads the clock after each token"
-    return None
-
-
-def explain(model, host_sampling: str | None, args: dict, kwargs: dict) -> str | None:
-    """:func:`step_by_step_reason` of a ``generate`` call (``args`` its named arguments, ``kwargs`` the rest), for
-    :func:`hf_tpu.transformers.explain`."""
-    from transformers.generation.stopping_criteria import MaxTimeCriteria
-
-    from hf_tpu.transformers._settings import model_state
-    from hf_tpu.transformers._step_outputs import asked
-
-    config, _ = model._prepare_generation_config(args.get("generation_config"), **kwargs)
-    criteria = list(args.get("stopping_criteria") or ())
-    if config.max_time is not None:
-        criteria.append(MaxTimeCriteria(config.max_time))
-    every = model_state(model).settings.read_back_every
-    return step_by_step_reason(every, host_sampling is not None, asked(config), criteria)
 
 
 def eos_ids(stopping_criteria):
@@ -183,29 +153,3 @@ class DeviceRows:
         if not torch.equal(want, self.mirror):
             self.mirror = want.clone()
             self.unfinished = want.to(self.device)
-
-
-def warm(model, batch: int) -> None:
-    """Run the eager ops of :class:`DeviceRows` for ``batch`` rows and the model's own ``generation_config``, so that
-    a strict warm-up (``strict="eager"``) covers them."""
-    import torch
-
-    from hf_tpu.transformers._settings import model_state
-    from hf_tpu.transformers.shapes import fill_id
-
-    every = model_state(model).settings.read_back_every
-    if every <= 1:
-        return
-    config = model.generation_config
-    eos = config.eos_token_id
-    eos = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
-    pad = config.pad_token_id
-    if pad is None and eos is not None:
-        pad = int(eos[0])  # (upstream's generate pads with the first eos id when no pad id is set)
-    rows = DeviceRows(model.device, batch, every, pad, fill_id(model, pad, eos), eos)
-    with torch.no_grad():
-        tokens = torch.zeros(batch, dtype=torch.long, device=model.device)
-        rows.add(tokens)
-        rows.add(tokens)
-        rows.read()
-        rows.sync(torch.zeros(batch, dtype=torch.long))

@@ -4,37 +4,214 @@ The cached loop (:mod:`.cached`) and the loop without a cache (:mod:`.cacheless`
 ``loop(its_steps)`` and supplies in ``its_steps(call, model, model_kwargs)`` only what differs, its inputs' layout
 and its two graphs. A call then runs:
 
-1. ``call = LoopCall(...)``: the call's sampling plan (the logits processors and the sampler in the graph, or the host
-   path, warned once with its cost per step) and the graph variant it leads to, the outputs asked
-   (``output_attentions`` / ``output_hidden_states``), the sequences kept on the host;
+1. ``call = LoopCall(...)``: the call's sampling plan (plain greedy search's argmax, the logits processors and the
+   sampler in the graph, or the host path, warned once with its cost per step) and the graph variant it leads to, the
+   outputs asked and how often the tokens come back (read from the call's route: its
+   :class:`~hf_tpu.transformers._settings.Layout` and read-back reason), the sequences kept on the host;
 2. the loop's steps: its layout and its prefill graph (through :func:`hf_tpu.transformers._graphs.run_graph`), whose
    outputs :meth:`LoopCall.take` keeps, returned as :class:`Steps` with its decode step;
 3. :meth:`LoopCall.run`: each step's host side (the next tokens back, scores and logits kept, finished rows padded,
    the streamer fed, the stopping criteria asked), then the loop's ``step(next_tokens)``, its decode graph;
 4. :meth:`LoopCall.output`: what upstream's ``generate`` returns (with the cache the loop hands back, if any).
 
-Also here: the sampling plan a call with the model's own ``generation_config`` leads to (:func:`default_variant`,
-:func:`host_sampling`, :func:`warm_sampling`), which warm-up and :func:`hf_tpu.transformers.explain` ask without a
-call. Beam search (:mod:`.beam`) keeps its search state on the device and has a host side of its own.
+**The call's shapes** (:func:`plan_shapes`, every loop's, beam's too): a decoder-only call pads its prompt on the
+left to the prompt bucket (the first rung of the model's ladder that holds it, :mod:`hf_tpu.transformers.buckets`)
+and sizes its static cache to hold the padded prompt plus ``max_new_tokens``, rounded up with
+:func:`~hf_tpu.transformers.buckets.cache_length` (a multiple of 128 by default). A cache already compiled for the
+same prompt bucket that is large enough is preferred to compiling a smaller one. :func:`plan_shapes` is the public way
+to ask which shapes a call will use (``hf_tpu.transformers.shapes``, ``hf_tpu.transformers.generation``), and
+:func:`ladder_figures` measures a ladder (padding, unused cache slots, graphs) through it. The padding's token id
+(:func:`fill_id`): upstream's ``generate`` writes the call's ``pad_token_id`` into the returned sequences only; it
+never embeds it where a row is not finished. ``pad_token_id=-1`` (transformers' own tests pass it) or an id past the
+vocabulary is fine there, but it cannot be embedded: the padding hf_tpu adds to reach a bucket, and a finished row's
+input to the next decode step, take :func:`fill_id` instead (masked out, or never read back), and the sequences keep
+the caller's pad id.
+
+The sampling plan of a call (:func:`sampling_plan`, the one decision) is asked here by the loop; without a call,
+for warm-up and :func:`hf_tpu.transformers.explain`, by :mod:`.defaults`. Beam search (:mod:`.beam`) keeps its search
+state on the device and has a host side of its own.
+
+Example:
+    >>> plan_shapes(model, batch=1, prompt_len=500, max_new_tokens=8)      # doctest: +SKIP
+    ShapePlan(batch=1, prompt_len=500, prompt_bucket=512, cache_bucket=640, encoder_bucket=None)
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hf_tpu.errors import InvalidArgumentError
-from hf_tpu.transformers import _step_outputs as step_outputs
-from hf_tpu.transformers._graph_key import Variant
+from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._loops import readback
 from hf_tpu.transformers._notes import warn_once
 from hf_tpu.transformers._settings import model_state
-from hf_tpu.transformers._signatures import output_cache_field
-from hf_tpu.transformers.shapes import fill_id
+from hf_tpu.transformers._upstream import encoder_input_name, output_cache_field
+from hf_tpu.transformers.buckets import BucketLadder, BucketOverflowError, cache_length
 
-__all__ = ["default_variant"]
+__all__ = ["LADDER_FIX", "ShapePlan", "fill_id", "ladder_figures", "plan_shapes"]
+
+# The remedy every length error names (it must exist: tests/transformers/test_remedies.py resolves it).
+LADDER_FIX = (
+    "truncate the prompt (tokenizer(..., truncation=True, max_length=...)) or give a larger ladder "
+    "(hf_tpu.transformers.configure(model, buckets=[...]))"
+)
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    """The shapes of one call: its batch, its prompt length and bucket, its cache length (and encoder bucket)."""
+
+    batch: int
+    prompt_len: int
+    prompt_bucket: int
+    cache_bucket: int
+    encoder_bucket: int | None = None
+
+
+def _cache_rungs(ladder: BucketLadder) -> BucketLadder:
+    # The ladder-sized cache (cache_multiple=None): a padded prompt plus the new tokens may pass the model's length
+    # limit while the real sequence does not; the extra slots are storage only (padding keeps position 0), so the
+    # cache ladder has one rung above the top.
+    return BucketLadder((*ladder.rungs, 2 * ladder.max))
+
+
+def _cache_size(state, ladder: BucketLadder, need: int) -> int:
+    multiple = state.settings.cache_multiple
+    if multiple is None:
+        return _cache_rungs(ladder).bucket(need)
+    return cache_length(need, multiple)
+
+
+def plan_shapes(
+    model, batch: int, prompt_len: int, max_new_tokens: int, *, encoder_len: int | None = None,
+    variant: Variant | str = NO_VARIANT, kind: str = "prefill",
+) -> ShapePlan:
+    """The buckets a ``generate`` call of this size runs in (prefers shapes already compiled for the model: its
+    prefill graphs of base ``kind`` and ``variant``; beam search's are ``"beam_prefill"``). ``variant``: a
+    :class:`~hf_tpu.transformers._graph_key.Variant`, or its text (``"+top_k+sample"``, as
+    :func:`~hf_tpu.transformers.generation.default_variant` gives it).
+
+    Raises :class:`BucketOverflowError` for a prompt past the largest bucket, or a prompt plus ``max_new_tokens``
+    longer than the largest bucket.
+
+    Example:
+        >>> plan_shapes(model, batch=1, prompt_len=20, max_new_tokens=32)      # doctest: +SKIP
+        ShapePlan(batch=1, prompt_len=20, prompt_bucket=32, cache_bucket=64, encoder_bucket=None)
+    """
+    state = model_state(model)
+    ladder = state.ladder(model.config)
+    new = max(int(max_new_tokens), 1)
+    if isinstance(variant, str):  # (a caller's text: read at this boundary)
+        variant = Variant.parse(variant)
+    if encoder_len is not None:
+        # Encoder-decoder: the encoder input is bucketed, the decoder prompt (usually the start token) is not.
+        # (an encoder of features runs at the length its input fixes: its output's length is the model's own)
+        exact = encoder_input_name(model) is not None
+        encoder_bucket = encoder_len if exact else ladder.bucket(encoder_len, "the encoder input", LADDER_FIX)
+        need = prompt_len + new - 1
+        if need > ladder.max:
+            raise BucketOverflowError(
+                f"the decoder prompt ({prompt_len}) plus max_new_tokens ({new}) needs a cache of {need} tokens, past "
+                f"the largest bucket ({ladder.max}): lower max_new_tokens or give a larger ladder "
+                "(hf_tpu.transformers.configure(model, buckets=[...]))."
+            )
+        prefill = GraphKind("seq2seq_prefill", variant)
+        compiled = sorted(
+            k[4]
+            for k in state.compiled
+            if k[0] == prefill and k[1:4] == (batch, encoder_bucket, prompt_len) and k[4] >= need
+        )
+        cache_bucket = compiled[0] if compiled else _cache_size(state, ladder, need)
+        return ShapePlan(batch, prompt_len, prompt_len, cache_bucket, encoder_bucket)
+
+    prompt_bucket = ladder.bucket(prompt_len, "the prompt", LADDER_FIX)
+    if prompt_len + new - 1 > ladder.max:
+        raise BucketOverflowError(
+            f"the prompt ({prompt_len} tokens) plus max_new_tokens ({new}) is {prompt_len + new} tokens, past the "
+            f"largest bucket ({ladder.max}, the model's length limit unless configured): lower max_new_tokens, "
+            "shorten the prompt, or give a larger ladder (hf_tpu.transformers.configure(model, buckets=[...]))."
+        )
+    need = prompt_bucket + new - 1
+    kinds = (GraphKind(kind, variant),)
+    if kind == "prefill":
+        kinds += (GraphKind("mm_prefill", variant),)  # (an image call's prefill: the same cache shapes)
+    compiled = sorted(
+        k[3] for k in state.compiled if k[0] in kinds and k[1:3] == (batch, prompt_bucket) and k[3] >= need
+    )
+    cache_bucket = compiled[0] if compiled else _cache_size(state, ladder, need)
+    return ShapePlan(batch, prompt_len, prompt_bucket, cache_bucket)
+
+
+def ladder_figures(model, prompt_lens: Iterable[int], max_new_tokens: int, batch: int = 1) -> dict:
+    """What the model's ladder costs for calls with these prompt lengths, measured through :func:`plan_shapes`.
+
+    Returns ``{"padding": fraction of prefill tokens that are padding, "unused_cache": fraction of static-cache
+    slots no token ever occupies (the cache holds ``prompt + max_new_tokens - 1`` real tokens at most),
+    "graphs": prefill graphs + decode graphs the calls need, "prompt_buckets", "cache_buckets"}``. Compiled
+    shapes the model already has are preferred by :func:`plan_shapes`, as in a real call.
+
+    Example:
+        >>> ladder_figures(model, range(1, 2049), max_new_tokens=16)["padding"]     # doctest: +SKIP
+        0.102...
+    """
+    padding = prefill = unused = slots = 0
+    prefills, caches = set(), set()
+    for n in prompt_lens:
+        plan = plan_shapes(model, batch, int(n), max_new_tokens)
+        padding += plan.prompt_bucket - plan.prompt_len
+        prefill += plan.prompt_bucket
+        unused += plan.cache_bucket - (plan.prompt_len + max_new_tokens - 1)
+        slots += plan.cache_bucket
+        prefills.add((plan.prompt_bucket, plan.cache_bucket))
+        caches.add(plan.cache_bucket)
+    return {
+        "padding": padding / prefill if prefill else 0.0,
+        "unused_cache": unused / slots if slots else 0.0,
+        "graphs": len(prefills) + len(caches),
+        "prompt_buckets": sorted({p for p, _ in prefills}),
+        "cache_buckets": sorted(caches),
+    }
+
+
+def _input_vocab(model) -> int | None:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is None:
+        weight = getattr(embeddings, "weight", None)
+        rows = None if weight is None else int(weight.shape[0])
+    if rows is None:
+        rows = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+    return rows
+
+
+def fill_id(model, pad_token_id, eos_token_id=None) -> int:
+    """An id ``model`` can embed, for positions the caller gave no token: ``pad_token_id`` when it is one, else the
+    first end-of-sequence id that is, else 0.
+
+    Example:
+        >>> fill_id(model, -1, eos_token_id=2)          # doctest: +SKIP
+        2
+    """
+    vocab = _input_vocab(model)
+
+    def valid(token) -> bool:
+        return token is not None and 0 <= int(token) and (vocab is None or int(token) < vocab)
+
+    for token in (pad_token_id, *_ids(eos_token_id)):
+        if valid(token):
+            return int(token)
+    return 0
+
+
+def _ids(value) -> list:
+    if value is None:
+        return []
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
 
 # The running totals of the open generation.timed_host_steps() blocks: seconds spent getting each step's next tokens
 # to the host (the copy back, and on the host path the processors and the sampler).
@@ -75,35 +252,50 @@ def output_vocab(model) -> int:
 
 def sampling_plan(model, config, logits_processor, input_ids):
     """The sampling plan of a call with generation config ``config`` and processors ``logits_processor``: a
-    :class:`~hf_tpu.transformers.sampling.DevicePlan` (the processors and the sampler run in the graph), or why they
+    :class:`~hf_tpu.transformers.sampling.DevicePlan` (the processors and the sampler run in the graph), None for
+    plain greedy search (no processor, no sampler: the graph's argmax, :mod:`hf_tpu.transformers.sampling` not
+    asked), or why they
     run on the host, as text: device sampling is off (``configure(model, device_sampling=False)``) and the call samples
     or has processors; the scores or logits are wanted on the host (``output_scores``/``output_logits``); or a
     processor has no device form. The one decision, for a call (:class:`LoopCall`) and without one
     (:func:`host_sampling`, which :func:`hf_tpu.transformers.explain` asks)."""
-    from hf_tpu.transformers.sampling import device_plan
-
     do_sample = bool(config.do_sample)
     if not model_state(model).settings.device_sampling and (do_sample or len(logits_processor) > 0):
         return "device sampling is off (configure(model, device_sampling=False))"
     if config.return_dict_in_generate and (config.output_scores or config.output_logits):
         return "output_scores/output_logits need the scores on the host"
+    if not do_sample and len(logits_processor) == 0:
+        return None  # plain greedy search: the graph's argmax, no sampling program
+    from hf_tpu.transformers.sampling import device_plan
+
     return device_plan(logits_processor, input_ids, vocab=output_vocab(model), do_sample=do_sample)
 
 
 def _plan(model, config, logits_processor, input_ids):
-    """The call's device sampling plan, or None for the host path (warned once per model class and reason, with
-    its cost per step)."""
-    from hf_tpu.transformers.sampling import host_path_cost
-
+    """The call's device sampling plan (None: plain greedy search), or the reason it takes the host path, as text
+    (warned once per model class and reason, with its cost per step)."""
     reason = sampling_plan(model, config, logits_processor, input_ids)
     if not isinstance(reason, str):
         return reason
+    from hf_tpu.transformers.sampling import host_path_cost
+
     warn_once(
         f"host-path:{type(model).__name__}:{reason}",
         f"hf_tpu: {reason}, so {type(model).__name__}.generate keeps the logits processors and sampling on the host: "
         f"{host_path_cost(input_ids.shape[0], output_vocab(model))}.",
     )
-    return None
+    return reason
+
+
+# Why a call whose sampling plan takes the host path reads its tokens back each step (:mod:`.readback`).
+HOST_PATH_READ_BACK = "the logits processors and sampling run on the host, so each step's logits come back"
+
+
+def read_back(route, host_path: bool, every: int) -> str | None:
+    """Why a call on ``route`` reads its new tokens back each decode step (None: every ``every`` steps): the reason
+    its route says (:attr:`~hf_tpu.transformers._settings.Route.read_back`, decided with it), else the host path of
+    its sampling plan (each step's logits come back)."""
+    return HOST_PATH_READ_BACK if host_path and every > 1 else route.read_back
 
 
 class LoopCall:
@@ -115,7 +307,8 @@ class LoopCall:
     def __init__(self, model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, plan):
         import torch
 
-        self.streamer = (plan or {}).get("streamer", streamer)
+        self.streamer = plan.get("streamer", streamer)
+        self.route = plan["route"]  # (its layout and read-back reason, decided by hf_tpu.transformers.route)
         self.state = model_state(model)
         self.input_ids = input_ids.to("cpu")
         self.batch, self.prompt_len = self.input_ids.shape
@@ -129,21 +322,26 @@ class LoopCall:
         self.do_sample = bool(generation_config.do_sample)
         want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-        self.sampler = _plan(model, generation_config, logits_processor, self.input_ids)
-        self.host_path = self.sampler is None
-        self.variant = Variant() if self.sampler is None else self.sampler.variant
+        plan = _plan(model, generation_config, logits_processor, self.input_ids)
+        self.host_path = isinstance(plan, str)
+        self.sampler = None if self.host_path else plan  # (None: plain greedy search or the host path)
+        self.variant = NO_VARIANT if self.sampler is None else self.sampler.variant
         self.scores = () if want_scores else None
         self.raw_logits = () if want_logits else None
         self.unfinished = torch.ones(self.batch, dtype=torch.long)
-        # output_attentions / output_hidden_states: the graphs' variant and model arguments, and what they return
-        self.output_flags = step_outputs.asked(generation_config)
-        self.variant = self.variant.with_features(*step_outputs.features(self.output_flags))
+        # output_attentions / output_hidden_states (the route's layout): the graphs' variant and model arguments,
+        # and what they return
+        outputs = self.route.layout.outputs
+        self.output_flags = {f"output_{name}": True for name in outputs}
         self.outputs = None
-        if self.output_flags:
-            self.outputs = step_outputs.StepOutputs(self.output_flags)
+        if outputs:
+            from hf_tpu.transformers._step_outputs import StepOutputs
+
+            self.variant = self.variant.with_features(*outputs)
+            self.outputs = StepOutputs(self.output_flags)
         # how often the new tokens come back (readback): every `every` decode steps, or each step for a reason
         every = self.state.settings.read_back_every
-        reason = readback.step_by_step_reason(every, self.host_path, self.output_flags, stopping_criteria)
+        reason = read_back(self.route, self.host_path, every)
         self.every = 1 if reason else every
         self.record = readback.ReadBacks(self.every, reason)
 
@@ -156,8 +354,8 @@ class LoopCall:
         return result
 
     def sampling(self, device, width: int, offset: int):
-        """The device state of the sampling plan (None on the host path)."""
-        return None if self.host_path else self.sampler.to_device(device, width, offset)
+        """The device state of the sampling plan (None on the host path and for plain greedy search)."""
+        return None if self.sampler is None else self.sampler.to_device(device, width, offset)
 
     def run(self, tokens_dev, logits_dev, steps_left: int, step: Callable) -> None:
         """From the prefill's outputs: each step's host side, then ``step(next_tokens)`` (the next graph, which
@@ -291,82 +489,3 @@ def loop(steps: Callable[[LoopCall, Any, dict], Steps]) -> Callable:
 
     custom_generate.__doc__ = f"``custom_generate`` callable of hf_tpu's loop on :func:`{steps.__name__}`."
     return custom_generate
-
-
-def _default_processors(model, input_ids, **generate_kwargs):
-    """The generation config of a call with the model's own ``generation_config`` (updated by ``generate_kwargs``, as
-    a call's keyword arguments update it) and the processors upstream's ``generate`` would build for it."""
-    from transformers.generation.logits_process import LogitsProcessorList
-
-    config, _ = model._prepare_generation_config(None, **generate_kwargs)
-    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
-    # As upstream's generate does before building the processors: min_new_tokens also sets min_length (prompt +
-    # min_new_tokens), which adds a MinLengthLogitsProcessor, so the call runs "+min_length+min_new_tokens".
-    model._prepare_generated_length(
-        config, has_default_max_length=True, has_default_min_length=True, model_input_name="input_ids",
-        input_ids_length=input_ids.shape[1], inputs_tensor=input_ids,
-    )  # fmt: skip
-    processors = model._get_logits_processor(
-        generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
-        logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={},
-    )  # fmt: skip
-    return config, processors
-
-
-def _default_plan(model, input_ids, **generate_kwargs):
-    """The device plan (or the host-path reason) of the processors of a call with the model's own
-    ``generation_config`` updated by ``generate_kwargs`` (:func:`_default_processors`)."""
-    from hf_tpu.transformers.sampling import device_plan
-
-    config, processors = _default_processors(model, input_ids, **generate_kwargs)
-    return device_plan(processors, input_ids, vocab=output_vocab(model), do_sample=bool(config.do_sample))
-
-
-def host_sampling(model, **generate_kwargs) -> str | None:
-    """Why a call with ``generate_kwargs`` keeps its logits processors and sampling on the host (one logits row
-    back per step), None when they run in the graph: what :class:`LoopCall` finds (:func:`sampling_plan`), without
-    a call."""
-    import torch
-
-    config, _ = model._prepare_generation_config(None, **generate_kwargs)
-    ids = generate_kwargs.pop("input_ids", None)
-    ids = torch.zeros(1, 1, dtype=torch.long) if ids is None else ids.to("cpu")
-    fields = {k: v for k, v in generate_kwargs.items() if not hasattr(v, "device")}
-    _, processors = _default_processors(model, ids, **fields)
-    plan = sampling_plan(model, config, processors, ids)
-    return plan if isinstance(plan, str) else None
-
-
-def own_variant(model) -> Variant:
-    """The graph variant the model's own ``generation_config`` leads to (its sampling program; none for plain greedy
-    search or the host path); :func:`hf_tpu.warmup` compiles that one."""
-    import torch
-
-    plan = _default_plan(model, torch.zeros(1, 1, dtype=torch.long))
-    return Variant() if isinstance(plan, str) else plan.variant
-
-
-def default_variant(model) -> str:
-    """The graph variant the model's own ``generation_config`` leads to, as the text its graphs' kinds end with
-    (``"+temperature+top_k+top_p+sample"`` for Qwen3's, ``"+repetition_penalty"`` for greedy search with a
-    repetition penalty, ``""`` for plain greedy search or the host path); :func:`hf_tpu.warmup` compiles that one.
-
-    Example:
-        >>> default_variant(model)                                      # doctest: +SKIP
-        '+temperature+top_k+top_p+sample'
-    """
-    return str(own_variant(model))
-
-
-def warm_sampling(model, ids, variant: Variant, width: int, offset: int):
-    """Dummy device sampling state for warming ``variant`` (the model's default one) on prompt ``ids``."""
-    if not variant:
-        return None
-    plan = _default_plan(model, ids)
-    if isinstance(plan, str) or plan.variant != variant:
-        found = plan if isinstance(plan, str) else plan.variant
-        raise InvalidArgumentError(
-            f"warm-up can compile the variant of the model's own generation_config only; asked for {str(variant)!r}, "
-            f"the generation_config leads to {str(found)!r}"
-        )
-    return plan.to_device(model.device, width, offset)

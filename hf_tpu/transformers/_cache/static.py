@@ -1,10 +1,15 @@
-"""The bucketed static form of each of upstream's cache layer kinds, as a registry keyed by upstream's layer class.
+"""The static cache of hf_tpu's generation loop: the bucketed form of each of upstream's cache layer kinds, the
+caches built from them (one per (batch, cache length, encoder length, dtype) shape, reset and reused across calls, at
+most ``CACHE_POOL_SIZE`` kept allocated per model), the check that a model's cache can be a bucketed static cache at
+all (:func:`static_cache_problem`), and what the loops and graphs tell its layers (the host length, prefill or
+decode, the masks).
 
-hf_tpu's loop runs one compiled prefill graph per (prompt bucket, cache bucket) and one decode graph per cache
-bucket, so a cache layer may change only tensors inside a graph, never the Python state dynamo guards on (an int
-that grows per step would compile a new graph per step). Upstream's ``StaticCache`` (transformers 5.24) builds its
-layers from ``config.layer_types`` with ``STATIC_LAYER_TYPE_MAPPING``; ``BUCKETED_LAYERS`` (in
-:mod:`~hf_tpu.transformers._cache.layer_classes`) maps each of those classes to its bucketed form:
+The bucketed forms are a registry keyed by upstream's layer class. hf_tpu's loop runs one compiled prefill graph per
+(prompt bucket, cache bucket) and one decode graph per cache bucket, so a cache layer may change only tensors inside a
+graph, never the Python state dynamo guards on (an int that grows per step would compile a new graph per step).
+Upstream's ``StaticCache`` (transformers 5.24) builds its layers from ``config.layer_types`` with
+``STATIC_LAYER_TYPE_MAPPING``; ``BUCKETED_LAYERS`` (in :mod:`~hf_tpu.transformers._cache.layer_classes`) maps each of
+those classes to its bucketed form:
 
 * full attention (``StaticLayer``): upstream's own class, ``cache bucket`` slots written at a device-side counter;
 * sliding window (``StaticSlidingWindowLayer``, chunked attention too): upstream's layer tracks the window with a
@@ -42,6 +47,8 @@ are all of these kinds needs no change here.
 from __future__ import annotations
 
 from typing import Any
+
+from hf_tpu.transformers._settings import CACHE_POOL_SIZE, ModelState
 
 __all__: list[str] = []
 
@@ -144,6 +151,82 @@ def build_layers(
             layer.lazy_initialization_indexer(torch.zeros((batch, 0, index_dim), dtype=index_dtype, device=device))
         layers.append(layer)
     return layers
+
+
+def bucketed_cache(model, shapes: list[dict], batch: int, cache_len: int, host_length: bool = False):
+    """A bucketed static cache of ``cache_len`` slots for ``batch`` rows, its layers allocated with the probed
+    ``shapes`` (a ``StaticCache`` to upstream, or the bucketed form of the model's own cache class)."""
+    from transformers.cache_utils import Cache, StaticCache
+
+    layers = build_layers(model.config, cache_len, shapes, batch, model.dtype, model.device, host_length)
+    own = shapes[0].get("own") if shapes else None
+    if own is not None:  # the model's own cache class, in its bucketed form
+        from hf_tpu.transformers._cache.model_classes import OWN_CACHES
+
+        return OWN_CACHES[own][1](layers, shapes, batch, model.dtype, model.device)
+    cache = StaticCache.__new__(StaticCache)  # a StaticCache to upstream's isinstance checks, with bucketed layers
+    Cache.__init__(cache, layers=layers)
+    return cache
+
+
+def cache_for(model, state: ModelState, batch: int, cache_len: int, encoder_len: int | None):
+    """A reset static cache for this shape, reused across calls (at most ``CACHE_POOL_SIZE`` kept allocated)."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    from hf_tpu.transformers._cache.probe import cache_shapes
+
+    key = (batch, cache_len, encoder_len, model.dtype, bool(state.host_length))
+    cache = state.caches.pop(key, None)
+    if cache is None:
+        while len(state.caches) >= CACHE_POOL_SIZE:
+            state.caches.popitem(last=False)
+        self_shapes, cross_shapes = cache_shapes(model)
+        cache = bucketed_cache(model, self_shapes, batch, cache_len, bool(state.host_length))
+        if encoder_len is not None:
+            cache = EncoderDecoderCache(cache, bucketed_cache(model, cross_shapes, batch, encoder_len))
+    else:
+        cache.reset()
+    state.caches[key] = cache
+    return cache
+
+
+def static_cache_problem(model) -> str | None:
+    """Why a bucketed static cache does not fit this model (None when it does)."""
+    from hf_tpu.transformers._cache.probe import CacheProbeError, cache_shapes
+
+    if not model._supports_default_dynamic_cache():
+        try:
+            cache_shapes(model)  # measures the model's own cache: known classes have a bucketed form
+        except CacheProbeError:
+            return "it keeps its own cache type, which upstream's StaticCache does not replace"
+    try:
+        unknown = layer_problem(model.config)
+    except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as exc:  # pragma: no cover
+        return f"upstream's StaticCache cannot be built for it ({exc})"
+    if unknown:
+        return unknown
+    try:
+        self_shapes, _ = cache_shapes(model)
+    except CacheProbeError as exc:
+        return f"its static cache cannot be sized ahead of time: {exc}"
+    if self_shapes and not any(self_shapes):
+        return (
+            "its forward writes nothing into the cache it is given (it recomputes the whole sequence each step): "
+            "a static cache cannot serve it"
+        )
+    return None
+
+
+def layers_besides_full_attention(model) -> list[str]:
+    """The cache layer classes of ``model`` other than full attention (a sliding window keeps the last tokens, a
+    linear-attention/SSM state folds in every token: a padded tail after the prompt would change both)."""
+    from transformers.cache_utils import DummyLayer, StaticLayer
+
+    try:
+        plan = layer_plan(model.config)
+    except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError):
+        return []  # the static-cache check names the problem
+    return sorted({cls.__name__ for cls, _ in plan if cls not in (StaticLayer, DummyLayer)})
 
 
 def host_length_fits(config) -> bool:
