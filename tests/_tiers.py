@@ -198,13 +198,14 @@ _slow(
 )
 _slow(
     "test_examples.py",
-    "a launch of 2 ranks running the example (core: tests/distributed/test_tensor_parallel.py::test_tp2_matches_tp1)",
-    "test_tensor_parallel_example_runs_on_two_simulated_chips",  # 57 s
+    "a launch of 2 ranks running the example, docs/first_hour.md's command (core: "
+    "tests/distributed/test_tensor_parallel.py::test_tp2_matches_tp1)",
+    "test_tensor_parallel_example_runs_on_two_simulated_chips",  # 27 s
 )
 _slow(
     "distributed/test_tensor_parallel.py",
-    "a second launch of 2 ranks, on a 2-D mesh (core: test_tp2_matches_tp1)",
-    "test_tp_over_the_tp_dimension_of_a_2d_mesh",  # 30 s
+    "a 2-D mesh of 4 ranks, read from the launch of 4 ranks above (core: test_tp2_matches_tp1)",
+    "test_tp_over_the_tp_dimension_of_a_2d_mesh",
 )
 _slow(
     "distributed/test_multihost.py",

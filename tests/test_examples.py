@@ -136,12 +136,18 @@ def test_the_moe_example_without_jax_names_the_extra_to_install(tmp_path):
 
 
 def test_tensor_parallel_example_runs_on_two_simulated_chips():
+    """docs/first_hour.md's launch of this example (the page's block is not run again by tests/docs: this test runs
+    the command, from the checkout's root as the page does, and compares what it printed with the page's output)."""
     sys.path.insert(0, str(REPO / "tests" / "distributed"))
     from _launch_util import launch, processes_mentioning
 
-    script = str(REPO / "examples" / "tp_generate.py")
-    code, out, _ = launch(["--simulate", "--nproc_per_node=2", script, "--compare"], timeout=SAFETY_TIMEOUT_S)
+    from docs import pages
+
+    command = "hf-tpu launch --simulate --nproc_per_node=2 examples/tp_generate.py --compare"
+    code, out, _ = launch(command.split()[2:], timeout=SAFETY_TIMEOUT_S)
     assert code == 0, out[-4000:]
     for rank in (0, 1):
         assert f"[rank {rank}] TP=2 greedy output equals the unsharded model's: True" in out, out[-4000:]
-    assert not processes_mentioning(script), "ranks left running after the launcher exited"
+    shown = pages.shown_output("docs/first_hour.md", command)
+    assert pages.match_output(shown, out) is None, pages.match_output(shown, out)
+    assert not processes_mentioning("tp_generate.py"), "ranks left running after the launcher exited"

@@ -5,7 +5,11 @@
 generation, compares them with the TP=1 model's (computed once by the test on the simulated device, read from
 ``tp1_reference.pt`` in the models' folder), and writes what it saw to
 ``OUT_DIR/rank{RANK}.json``; the test asserts on those files. Extra checks named in ``HF_TPU_TP_CHECKS``
-(comma-separated) exercise collectives, user plan overrides and the errors for impossible requests.
+(comma-separated) exercise collectives, user plan overrides, the errors for impossible requests and (``mesh2d``, on
+4 ranks) tensor parallelism over one dimension of a 2-D mesh: the ``(dp_shard=2, tp=2)`` mesh a FSDP x TP training
+script builds, the first model loaded with ``from_pretrained(..., tp_plan="auto", device_mesh=mesh["tp"])``, and the
+errors for a ``tp_size`` that disagrees with the mesh, a 2-D mesh without a ``tp`` dimension and
+``DistributedConfig(tp_size=2)`` alone on 4 ranks.
 """
 
 from __future__ import annotations
@@ -83,6 +87,38 @@ def run_model(path: str, **load_kwargs) -> dict:
     }
 
 
+def mesh2d(path: str) -> dict:
+    """The first model over the ``tp`` dimension of a ``(dp_shard=2, tp=2)`` mesh of the 4 ranks, and the errors of
+    three requests that do not fit that mesh."""
+    mesh = torch.distributed.init_device_mesh("tpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", device_mesh=mesh["tp"])
+    gate = model.model.layers[0].mlp.gate_proj.weight
+    with torch.no_grad():
+        logits = model(ids.to("tpu")).logits
+    flat = torch.distributed.init_device_mesh("tpu", (2, 2), mesh_dim_names=("a", "b"))
+    return {
+        "tp_ranks": mesh["tp"].mesh.tolist(),
+        "weight_mesh_ranks": gate.device_mesh.mesh.tolist(),
+        "gate_local_shape": list(gate.to_local().shape),
+        "gate_shape": list(gate.shape),
+        "tp_size": model.config.distributed_config.tp_size,
+        "fixes": [f.reason for f in getattr(model, "_hf_tpu_tp_fixes", [])],
+        "logits": logits.cpu().tolist(),
+        "logits_device": str(logits.device),
+        "errors": {
+            "tp_size_mismatch": expect_error(
+                lambda: AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", tp_size=4, device_mesh=mesh["tp"])
+            ),
+            "no_tp_dim": expect_error(
+                lambda: AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", device_mesh=flat)
+            ),
+            "config_alone": expect_error(
+                lambda: AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))
+            ),
+        },
+    }
+
+
 def expect_error(fn) -> str:
     try:
         fn()
@@ -134,6 +170,8 @@ try:
                 path, distributed_config=DistributedConfig(tp_size=2 * tp_size)
             )
         )
+    if "mesh2d" in checks:  # after the models above: the process group is the one transformers initialised
+        result["checks"]["mesh2d"] = mesh2d(model_dirs[0])
 except Exception:  # noqa: BLE001 (any failure is reported to the test)
     result["error"] = traceback.format_exc()
 finally:

@@ -123,9 +123,16 @@ def test_tp2_matches_tp1(tmp_path, models):
         assert "needs 4 processes" in r["checks"]["too_big"] and "WORLD_SIZE=2" in r["checks"]["too_big"]
 
 
-def test_tp4_matches_tp1_with_plan_fixes(tmp_path, models):
-    results = _run(tmp_path, 4, models, "bad_override,repeat")
-    for r in results:
+@pytest.fixture(scope="module")
+def tp4(tmp_path_factory, models):
+    """The one launch of 4 ranks: the models, both KV-head strategies, a bad override and the 2-D mesh (the tests
+    that read it share an xdist group, so that one worker runs it once)."""
+    return _run(tmp_path_factory.mktemp("launch"), 4, models, "bad_override,repeat,mesh2d")
+
+
+@pytest.mark.xdist_group("tp4")
+def test_tp4_matches_tp1_with_plan_fixes(tp4):
+    for r in tp4:
         llama = r["models"]["llama_kv2"]
         _check_model(llama, expect_fixes={"replicate_attention"})
         assert "model.layers.0.self_attn.k_proj.weight" not in llama["placements"]  # replicated: plain tensor
@@ -163,23 +170,15 @@ def test_not_launched_is_a_clear_error(models):
         AutoModelForCausalLM.from_pretrained(models[0], distributed_config=DistributedConfig(tp_size=2))
 
 
-def test_tp_over_the_tp_dimension_of_a_2d_mesh(tmp_path, models):
+@pytest.mark.xdist_group("tp4")
+def test_tp_over_the_tp_dimension_of_a_2d_mesh(tp4):
     # A FSDP x TP script builds a (dp_shard=2, tp=2) mesh on 4 ranks and loads with device_mesh=mesh["tp"].
     # transformers 5.24 drops device_mesh and takes tp_size from WORLD_SIZE: the model was sharded 4 ways, and
     # hf_tpu's plan check reported "tp_size=4" (2 KV heads: attention replicated). It must shard 2 ways, over the
-    # ranks of this rank's tp row, with the upstream plan as is.
-    out = tmp_path / "mesh2d"
-    out.mkdir()
-    code, log, _ = launch(
-        ["--simulate", "--nproc_per_node=4", "tests/distributed/_tp_mesh_worker.py", str(out), models[0]],
-        timeout=SAFETY_TIMEOUT_S,
-    )
-    assert code == 0, log[-6000:]
-    assert not processes_mentioning(str(out)), "ranks left running after the launcher exited"
+    # ranks of this rank's tp row, with the upstream plan as is. (Checked in the 4-rank launch, after its models.)
     cpu_logits, _ = CPU["llama_kv2"]
-    for rank in range(4):
-        r = json.loads((out / f"rank{rank}.json").read_text())
-        assert "error" not in r, r["error"]
+    for rank, result in enumerate(tp4):
+        r = result["checks"]["mesh2d"]
         assert r["tp_size"] == 2 and r["fixes"] == [], (r["tp_size"], r["fixes"])
         assert r["weight_mesh_ranks"] == r["tp_ranks"] == ([0, 1] if rank < 2 else [2, 3])
         assert r["gate_shape"] == [128, 64] and r["gate_local_shape"] == [64, 64]
