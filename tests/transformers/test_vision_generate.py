@@ -170,7 +170,14 @@ _TAKES_GRID = ("lfm3_vl", "hyperclovax_vision_v2")
 _PAIRS: dict[str, tuple] = {}
 
 
-@pytest.fixture(params=sorted(_BUILDERS))
+def _families(names) -> list:
+    """``names`` as parameters, each family's tests in one xdist group (``.ci/run``'s slow tier: ``--dist loadgroup``):
+    a family's model pair and the graphs compiled for it (:data:`_PAIRS`, one per process) then serve all its tests
+    on one worker, in the file's order, instead of each worker building the pair and compiling the graphs again."""
+    return [pytest.param(name, marks=pytest.mark.xdist_group(f"vlm-{name}")) for name in names]
+
+
+@pytest.fixture(params=_families(sorted(_BUILDERS)))
 def vlm(request):
     return _pair(request.param)
 
@@ -289,7 +296,7 @@ def test_one_small_copy_each_way_per_decode_step_with_images(vlm):
     assert (long.host_syncs - short.host_syncs) / steps <= 1
 
 
-@pytest.mark.parametrize("family", _GRID)
+@pytest.mark.parametrize("family", _families(_GRID))
 def test_grid_model_text_and_untyped_calls_equal_cpu_on_the_cached_loop(family):
     """Qwen-VL numbers every prompt in three rows (upstream's generate computes them on the host, with or without
     images): a text-only call and an image call without ``mm_token_type_ids`` (upstream then numbers the image tokens
@@ -355,7 +362,7 @@ def test_qwen3_vl_images_on_the_cached_loop_equal_cpu_and_warmed_sizes_compile_n
 _WARMED = sorted(set(_BUILDERS) - {"exaone4_5", "hyperclovax_vision_v2"})
 
 
-@pytest.mark.parametrize("family", _WARMED)
+@pytest.mark.parametrize("family", _families(_WARMED))
 def test_warmup_of_image_counts_leaves_nothing_to_compile(family):
     """``hf_tpu.warmup(image_sizes=..., num_images=...)``: the vision graph per image count and pixel shape, and the
     image prefill and decode graphs of every warmed bucket holding the images' tokens; afterwards (strict mode: a
@@ -741,7 +748,7 @@ def test_gemma4_images_run_the_cached_loop_equal_cpu_and_another_count_and_size_
     torch.testing.assert_close(torch.stack(got.logits).cpu(), torch.stack(want.logits), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_vl"])
+@pytest.mark.parametrize("family", _families(["llava", "gemma3", "qwen2_vl"]))
 def test_image_prefill_reads_nothing_on_the_host_and_the_image_tokens_are_checked_there(family):
     """Upstream's forward checks that the prompt holds one image token per feature row (``torch_compilable_check`` on
     a tensor): in a compiled graph that is a read of a device value on the host, which torch_tpu refuses to lower
