@@ -528,24 +528,6 @@ def slow_prefix(nodeid: str) -> str | None:
     return None
 
 
-#: Modules whose tests share work kept in one process (module-scoped fixtures, the tiny models and their compiled graphs
-#: cached per process by tests/transformers/conftest.py or the module itself): each one's tests form one xdist group,
-#: so that under ``--dist loadgroup`` (``.ci/run``'s slow and contract steps) one worker does that work once, instead
-#: of each worker doing it for the tests it was handed. Measured on an idle 2-core host, these modules' slow tests
-#: with ``-n 2 --dist loadgroup``: see the commit that added each. (The README's command runs ``--dist load``, where
-#: groups do not apply.)
-SHARED_WORK = (
-    "tests/transformers/test_moe.py",  # moe_dir, expected (module fixtures)
-    "tests/transformers/test_compile_cache.py",  # llama_dir, filled (a compile cache filled by a process)
-    "tests/transformers/test_cacheless.py",  # openai_gpt, mpt (module fixtures)
-    "tests/encoders/test_encoders.py",  # the encoders and their bucketed graphs, per process
-    "tests/transformers/test_beam_search.py",  # the tiny models and their beam graphs, per process
-    "tests/transformers/test_read_back.py",  # the tiny models and their graphs, per process
-    "tests/transformers/test_step_outputs.py",  # eager_pair (module fixture)
-    "tests/transformers/test_sampling.py",  # the tiny models and their graphs, per process
-)
-
-
 def mark_slow(items, check_stale: bool = True) -> None:
     """Add the ``slow`` marker to the items :data:`SLOW` names. With ``check_stale``, an entry whose module was
     collected but which names none of its tests (a test renamed or removed) is an error, so that the table cannot go
@@ -558,9 +540,6 @@ def mark_slow(items, check_stale: bool = True) -> None:
         if prefix is not None:
             item.add_marker(pytest.mark.slow)
             used.add(prefix)
-        module = item.nodeid.split("::", 1)[0]
-        if module in SHARED_WORK and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(module.removeprefix("tests/").removesuffix(".py")))
     modules = {item.nodeid.split("::", 1)[0] for item in items}
     stale = [p for p, _ in SLOW if check_stale and p not in used and p.split("::", 1)[0] in modules]
     if stale:

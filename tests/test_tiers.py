@@ -3,8 +3,7 @@
 ``.ci/run`` runs those tiers with ``-n 2 --dist loadgroup``: tests marked ``xdist_group`` (the Ray examples, one
 cluster at a time; the contract tests that share a module-scoped lowering) must run on one worker. pytest-xdist 3.8
 under pytest 9.2 silently stops grouping (pytest-xdist issue #1386), so pyproject.toml keeps pytest below 9.2; this
-module checks that the groups hold in the installed pair, that the durations file keeps one name per test, and that
-the modules grouped for their shared work (``tests/_tiers.SHARED_WORK``) are grouped.
+module checks that the groups hold in the installed pair, and that the durations file keeps one name per test.
 """
 
 from __future__ import annotations
@@ -75,30 +74,3 @@ def test_durations_keep_one_name_per_test_under_loadgroup(tmp_path):
         "tests/contract/test_x::test_b[v5e-1]": 1.0,
         "tests/contract/test_x::test_c[a@b]": 0.5,
     }
-
-
-def test_the_shared_work_modules_exist_and_their_tests_are_grouped():
-    """``tests/_tiers.py``'s SHARED_WORK names modules that exist; each of their tests gets the module's xdist group
-    (one worker does the module's shared work under ``--dist loadgroup``) unless it carries a group of its own."""
-    import pytest
-
-    from _tiers import SHARED_WORK, mark_slow
-
-    assert [m for m in SHARED_WORK if not (REPO / m).is_file()] == []
-
-    class Item:
-        def __init__(self, nodeid, group=None):
-            self.nodeid, self.markers = nodeid, [pytest.mark.xdist_group(group).mark] if group else []
-
-        def get_closest_marker(self, name):
-            return next((m for m in self.markers if m.name == name), None)
-
-        def add_marker(self, mark):
-            self.markers.append(mark.mark if hasattr(mark, "mark") else mark)
-
-    module = SHARED_WORK[0]
-    items = [Item(f"{module}::test_a"), Item(f"{module}::test_b", group="own"), Item("tests/x.py::test_c")]
-    mark_slow(items, check_stale=False)
-    groups = [i.get_closest_marker("xdist_group") for i in items]
-    assert groups[0].args == (module.removeprefix("tests/").removesuffix(".py"),)
-    assert groups[1].args == ("own",) and groups[2] is None
