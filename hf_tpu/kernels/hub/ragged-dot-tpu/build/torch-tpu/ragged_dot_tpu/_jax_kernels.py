@@ -340,8 +340,13 @@ def decode_tile_seconds(m: int, n: int, k: int, slots: int, tn: int, tk: int, it
 def decode_tile_sizes(m: int, n: int, k: int, dtype, num_groups: int) -> tuple[int, int, int]:
     """``(rows, tn, tk)`` of the decode form for ``m`` rows (chosen per token count): all the rows in one block
     (``m`` rounded up to the sublane, no padding to 128), and of the (tn, tk) tiles whose blocks fit
-    :data:`VMEM_BUDGET` the one :func:`decode_tile_seconds` estimates fastest (fewest grid steps for the same
-    weight bytes). Raises ValueError where nothing fits (rows too many for one block: use the visit form)."""
+    :data:`VMEM_BUDGET`, those with the longest contraction block first, then the one :func:`decode_tile_seconds`
+    estimates fastest (fewest grid steps for the same weight bytes). The longest contraction first: on the v5e
+    (2026-12-06, an experts layer at 1 and 8 tokens) a block of the whole K was faster than any split of it, whatever
+    tn (Qwen3-30B-A3B's gate_up at 8 tokens: 675 us with (512, 2048), 784 us with the (1536, 1024) the estimate alone
+    chose; Mixtral-8x7B's at 1 token: 984 us with (512, 4096), 1,084 us with (4096, 512)): the rows' block stays put
+    across a group's steps, and a transposed weight's block of whole rows is one contiguous copy. Raises ValueError
+    where nothing fits (rows too many for one block: use the visit form)."""
     itemsize = jnp.dtype(dtype).itemsize
     mp = _round_up(max(m, 1), 16 if itemsize < 4 else 8)
     slots = max(1, min(num_groups, m))
@@ -358,7 +363,7 @@ def decode_tile_sizes(m: int, n: int, k: int, dtype, num_groups: int) -> tuple[i
             f"ragged_dot_pallas_decode: {m} rows of K={k} do not fit one block in the {VMEM_BUDGET / 2**20:.0f} MiB "
             "VMEM budget; use implementation='pallas' (the visit form) for this many rows."
         )
-    tn, tk = min(fitting, key=lambda t: (decode_tile_seconds(mp, n, k, slots, *t, itemsize), -t[0], -t[1]))
+    tn, tk = min(fitting, key=lambda t: (-t[1], decode_tile_seconds(mp, n, k, slots, *t, itemsize), -t[0]))
     return mp, tn, tk
 
 
