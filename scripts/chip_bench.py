@@ -216,10 +216,7 @@ def _timed(fn, repeats: int) -> dict:
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    outs = [fn() for _ in range(repeats)]
-    jax.block_until_ready(outs)
-    back_to_back = (time.perf_counter() - t0) / repeats
+    back_to_back = _back_to_back(fn, repeats)
     return {"seconds": back_to_back, "synced_seconds": statistics.median(times), "min_seconds": min(times),
             "first_call_seconds": first}  # fmt: skip
 

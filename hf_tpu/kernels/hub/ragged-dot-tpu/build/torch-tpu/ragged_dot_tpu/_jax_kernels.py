@@ -342,11 +342,12 @@ def decode_tile_sizes(m: int, n: int, k: int, dtype, num_groups: int) -> tuple[i
     (``m`` rounded up to the sublane, no padding to 128), and of the (tn, tk) tiles whose blocks fit
     :data:`VMEM_BUDGET`, those with the longest contraction block first, then the one :func:`decode_tile_seconds`
     estimates fastest (fewest grid steps for the same weight bytes). The longest contraction first: on the v5e
-    (2026-12-06, an experts layer at 1 and 8 tokens) a block of the whole K was faster than any split of it, whatever
-    tn (Qwen3-30B-A3B's gate_up at 8 tokens: 675 us with (512, 2048), 784 us with the (1536, 1024) the estimate alone
-    chose; Mixtral-8x7B's at 1 token: 984 us with (512, 4096), 1,084 us with (4096, 512)): the rows' block stays put
-    across a group's steps, and a transposed weight's block of whole rows is one contiguous copy. Raises ValueError
-    where nothing fits (rows too many for one block: use the visit form)."""
+    (2026-12-06, an experts layer at 1 and 8 tokens, weights in transformers' (E, N, K) layout, the only one swept) a
+    block of the whole K was faster than any split of it, whatever tn (Qwen3-30B-A3B's gate_up at 8 tokens: 675 us
+    with (512, 2048), 784 us with the (1536, 1024) the estimate alone chose; Mixtral-8x7B's at 1 token: 984 us with
+    (512, 4096), 1,084 us with (4096, 512)). Why is not measured; likely the rows' block then stays put across a
+    group's steps, and a block of whole weight rows is one contiguous copy. Raises ValueError where nothing fits
+    (rows too many for one block: use the visit form)."""
     itemsize = jnp.dtype(dtype).itemsize
     mp = _round_up(max(m, 1), 16 if itemsize < 4 else 8)
     slots = max(1, min(num_groups, m))
@@ -423,20 +424,32 @@ def ragged_dot_pallas_decode(
     return out[:m].astype(lhs.dtype)
 
 
+def _megablox_rows(m: int, dtype) -> tuple[int, int]:
+    """``(tm, mp)``: megablox ``gmm``'s row tile for ``m`` rows and the rows padded to it (its kernel needs M
+    divisible by the row tile)."""
+    tm = min(128, _round_up(max(m, 1), 16 if jnp.dtype(dtype).itemsize < 4 else 8))
+    return tm, _round_up(max(m, 1), tm)
+
+
+def _megablox_gmm(lhs, rhs, group_sizes, tm: int, rhs_transposed: bool, interpret: bool):
+    """``gmm`` of rows already padded to a multiple of ``tm``, float32 out; the rows past the groups unwritten."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    k = lhs.shape[1]
+    n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
+    tiling = (tm, min(k, 1024), min(n, 512))  # the better of two tilings in most of the v5e's measurements
+    return gmm(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32, tiling=tiling,
+               transpose_rhs=rhs_transposed, interpret=interpret)  # fmt: skip
+
+
 @functools.partial(jax.jit, static_argnames=("rhs_transposed", "interpret"))
 def ragged_dot_megablox(lhs, rhs, group_sizes, *, rhs_transposed: bool = False, interpret: bool = False):
     """JAX's own Pallas grouped matmul (``jax.experimental.pallas.ops.tpu.megablox.gmm``) with tiles for this M:
     rows padded to the row tile (its kernel needs M divisible by it), the padding's rows zero."""
-    from jax.experimental.pallas.ops.tpu.megablox import gmm
-
-    m, k = lhs.shape
-    n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
-    tm = min(128, _round_up(max(m, 1), 16 if lhs.dtype.itemsize < 4 else 8))
-    mp = _round_up(max(m, 1), tm)
+    m = lhs.shape[0]
+    tm, mp = _megablox_rows(m, lhs.dtype)
     lhs_p = jnp.pad(lhs, ((0, mp - m), (0, 0))) if mp != m else lhs
-    tiling = (tm, min(k, 1024), min(n, 512))  # the better of two tilings in most of the v5e's measurements
-    out = gmm(lhs_p, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32, tiling=tiling,
-              transpose_rhs=rhs_transposed, interpret=interpret)  # fmt: skip
+    out = _megablox_gmm(lhs_p, rhs, group_sizes, tm, rhs_transposed, interpret)
     rows = jnp.arange(mp)[:, None] < jnp.sum(group_sizes)
     return jnp.where(rows, out, 0.0)[:m].astype(lhs.dtype)
 
@@ -614,23 +627,13 @@ def _gated_mlp_megablox(x, gate_up, down, group_sizes, rhs_transposed, interpret
     sentinels) are left as ``gmm`` leaves them, unwritten: :func:`moe_experts` selects them away where it weighs the
     rows. The same values as :func:`_gated_mlp` with :func:`ragged_dot_megablox`, with two pads, two slices and two
     masks fewer (on the v5e at decode sizes those small ops were a few percent of the layer)."""
-    from jax.experimental.pallas.ops.tpu.megablox import gmm
-
     m = x.shape[0]
-    tm = min(128, _round_up(max(m, 1), 16 if x.dtype.itemsize < 4 else 8))
-    mp = _round_up(max(m, 1), tm)
+    tm, mp = _megablox_rows(m, x.dtype)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
-
-    def product(lhs, rhs):
-        k = lhs.shape[1]
-        n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
-        return gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32, tiling=(tm, min(k, 1024), min(n, 512)),
-                   transpose_rhs=rhs_transposed, interpret=interpret)  # fmt: skip
-
-    h = product(xp, gate_up).astype(x.dtype)
+    h = _megablox_gmm(xp, gate_up, group_sizes, tm, rhs_transposed, interpret).astype(x.dtype)
     gate, up = jnp.split(h, 2, axis=-1)
     h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-    return product(h, down)[:m].astype(x.dtype)
+    return _megablox_gmm(h, down, group_sizes, tm, rhs_transposed, interpret)[:m].astype(x.dtype)
 
 
 def _moe_experts_dense(hidden, top_k_index, top_k_weights, gate_up, down, rhs_transposed):
