@@ -145,8 +145,8 @@ def test_generate_greedy_prefill_and_decode(lowered):
     # the decode step reads what the prefill wrote: same weights and cache arguments
     assert decode.argument_bytes == prefill.argument_bytes
     # the padding mask reaches the attention as a slice of the 2D mask, not as a gather of one element per (row,
-    # slot) (hf_tpu/transformers/_padding_mask.py; 431 us of a batch-64 step on a v5e): the decode step's one gather
-    # is the embedding's rows
+    # slot) (hf_tpu.transformers._cache.static.apply_padding_mask; 431 us of a batch-64 step on a v5e): the decode
+    # step's one gather is the embedding's rows
     assert decode.text.count('"stablehlo.gather"') == 1, decode.text.count('"stablehlo.gather"')
     # the warm-up's one copy back: the read-back of the tokens kept on the device (defaults.warm_read_back),
     # nothing else

@@ -1,5 +1,5 @@
-"""hf_tpu.transformers._padding_mask: transformers' sdpa mask with a 2D padding mask on a tpu device, built as a
-broadcast slice instead of a gather, equals upstream's mask on the CPU element for element."""
+"""hf_tpu.transformers._cache.static.apply_padding_mask: transformers' sdpa mask with a 2D padding mask on a tpu
+device, built as a broadcast slice instead of a gather, equals upstream's mask on the CPU element for element."""
 
 from __future__ import annotations
 
