@@ -391,7 +391,6 @@ def apply_padding_mask(feature: str) -> None:
     sdpa_mask.__hf_tpu_upstream__ = upstream
     patch(masking_utils, "sdpa_mask", sdpa_mask, feature=feature, package="transformers", versions=">=5.23,<6")
     interface = masking_utils.AttentionMaskInterface
-    registered = interface._global_mapping.get("sdpa")
-    if registered is upstream:
-        interface._global_mapping["sdpa"] = sdpa_mask
-        on_revert(feature, lambda: interface._global_mapping.__setitem__("sdpa", upstream))
+    if interface._global_mapping.get("sdpa") is upstream:  # (a mask function a user registered stays theirs)
+        interface.register("sdpa", sdpa_mask)  # upstream's own registry call, as _decode_attention does
+        on_revert(feature, lambda: interface.register("sdpa", upstream))
