@@ -100,3 +100,18 @@ def test_donated_aliases_each_kv_cache_to_its_updated_result_and_computes_the_sa
         results.append([jax.device_get(o) for o in outs])
     for got, want in zip(results[1], results[0], strict=True):
         assert (got == want).all()
+
+
+def test_kv_write_forms_compute_the_lean_steps_tokens_on_a_cpu(tmp_path, monkeypatch):
+    """scripts/chip_kv_write.py (tiny shapes, JAX's CPU client): the step that reads its caches without writing them,
+    with the new rows written by one donated program or one per cache, feeds the same caches forward as the lean
+    step: every form's greedy tokens after five steps are the lean step's, and each form's record is written."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import chip_kv_write
+
+    records = chip_kv_write.measure(tmp_path, [3], chip_kv_write.FORMS, quick=True)
+    assert [r["form"] for r in records] == chip_kv_write.FORMS and not [r for r in records if "error" in r]
+    assert all(r["last_ids"] == records[0]["last_ids"] for r in records)
+    written = [json.loads(line) for line in (tmp_path / "kv_write.jsonl").read_text().splitlines()]
+    assert [r["form"] for r in written] == chip_kv_write.FORMS
