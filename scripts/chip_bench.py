@@ -659,6 +659,34 @@ def donated(text: str) -> tuple[str, list[tuple[int, int]]]:
     return text[:head] + signature + text[end:], pairs
 
 
+def rows_after(text: str) -> list[tuple[int, int, int]]:
+    """The writes a decode program that leaves its KV cache unwritten asks for after it runs
+    (``HF_TPU_KV_WRITE``: hf_tpu's loop writes each layer's new K and V row with an in-place ``index_copy_``).
+
+    Such a program returns, per layer, its K row, its V row (rank-4, one slot: batch, heads, 1, dim) and their slot
+    (``tensor<1xi64>``), in layer order, and takes the caches (rank-4, the same batch, heads and dim, many slots) as
+    arguments in that order. Returns (cache argument, row result, slot result) per cache tensor; none for a program
+    that writes its cache itself."""
+    _, _, args, results = _signature(text)
+
+    def dims(t):
+        parts = t[len("tensor<") : -1].split("x")
+        return [int(p) for p in parts[:-1]] if len(parts) == 5 else None
+
+    is_row = lambda t: dims(t) is not None and dims(t)[2] == 1  # noqa: E731
+    triples = [(j, j + 1, j + 2) for j in range(len(results) - 2)
+               if is_row(results[j]) and is_row(results[j + 1]) and results[j + 2] == "tensor<1xi64>"]  # fmt: skip
+    rows = [(r, slot) for k, v, slot in triples for r in (k, v)]
+    if not rows:
+        return []
+    caches = [a for a, t in enumerate(args)
+              if dims(t) and dims(t)[2] > 1 and any(dims(t)[:2] + dims(t)[3:] == dims(results[j])[:2] + dims(results[j])[3:]
+                                                    for j, _ in rows)]  # fmt: skip
+    if len(caches) != len(rows):
+        return []
+    return [(a, j, slot) for a, (j, slot) in zip(caches, rows)]
+
+
 def part_programs(out: Path, folder: Path, quick: bool) -> None:
     import importlib.util
 
@@ -695,7 +723,8 @@ def part_programs(out: Path, folder: Path, quick: bool) -> None:
             if not wanted and program["name"].startswith("prefill") and data["batch"] != 1:
                 continue  # prefill is timed at batch 1; the larger batches' programs here are their decodes
             jobs.append((order.get(name, 0), data, program, False))
-            if program["name"] == "decode" and os.environ.get("CHIP_BENCH_DONATE", "1") != "0":
+            if program["name"] == "decode" and os.environ.get("CHIP_BENCH_DONATE", "1") != "0" and not rows_after(
+                    program["text"]):  # fmt: skip
                 jobs.append((order.get(name, 0), data, program, True))  # and with its caches donated
     jobs.sort(key=lambda j: j[0])
     for _, data, program, donate in jobs:
@@ -703,6 +732,9 @@ def part_programs(out: Path, folder: Path, quick: bool) -> None:
                 "batch": data["batch"], "form": data["form"] + ("+donated" if donate else ""),
                 "program": program["name"], "facts": data["facts"]}  # fmt: skip
         text, pairs = donated(program["text"]) if donate else (program["text"], [])
+        writes = rows_after(text)
+        if writes:
+            base["kv_write"] = "after the program: one donated write per cache tensor, as hf_tpu's in-place index_copy_"
         try:
             t0 = time.perf_counter()
             with jax_mlir.make_ir_context():
@@ -722,11 +754,16 @@ def part_programs(out: Path, folder: Path, quick: bool) -> None:
                     a = jax.random.randint(jax.random.fold_in(key, i), shape, 0, 128).astype(dt)
                 arrays.append(jax.device_put(a, device))
 
-            def call(arrays=arrays, executable=executable, pairs=pairs):
+            write = jax.jit(lambda cache, row, slot: jax.lax.dynamic_update_slice(cache, row, (0, 0, slot[0], 0)),
+                            donate_argnums=(0,))  # fmt: skip
+
+            def call(arrays=arrays, executable=executable, pairs=pairs, writes=writes):
                 outs = executable.execute(arrays)
                 for a, j in pairs:  # a donated cache is gone: the next step takes the updated one, as a runtime does
                     arrays[a] = outs[j]
-                return outs
+                for a, j, p in writes:  # the rows the program left: written in place, one program per cache tensor
+                    arrays[a] = write(arrays[a], outs[j], outs[p])
+                return [*outs, *(arrays[a] for a, _, _ in writes)]
 
             outs = call()
             for o in outs:
@@ -863,6 +900,8 @@ def report(args: argparse.Namespace) -> int:
                          "ratio_to_floor": measured / floor if measured else None,
                          "measured_synced_s": prog and prog["synced_s"],
                          "reference_synced_s": ref and ref["synced_s"]})  # fmt: skip
+            if prog and "kv_write" in prog:  # (the program leaves its caches to writes after it: HF_TPU_KV_WRITE)
+                rows[-1]["kv_write"] = prog["kv_write"]
         for suffix, what in [(f"-attn_{a}", f"one-token attention {a}") for a in REPORTED_ATTENTION] + [
                 ("-donated", "KV caches donated")]:  # fmt: skip
             other = programs.get((f"llama-1b-b{batch}{suffix}", "decode"))

@@ -617,6 +617,13 @@ def run_graph(model, state: ModelState, key: tuple, *args):
             if fn is None:
                 compiled = _compiled(kind, _backend_for(settings, model.device), settings.fullgraph)
                 result = _first_trace(model, state, key, compiled, args) if first else compiled(model, *args)
+    from transformers.cache_utils import Cache
+
+    from hf_tpu.transformers._cache.static import write_rows
+
+    for arg in args:  # the rows a decode graph left unwritten (_cache.static.kv_rows_after), written in place now
+        if isinstance(arg, Cache):
+            write_rows(arg)
     _module_state.settle(state)
     if first:
         state.compiled.add(key)

@@ -153,6 +153,28 @@ def test_generate_greedy_prefill_and_decode(lowered):
     assert result.eager["device_to_host"] == 1, result.eager
 
 
+def test_a_decode_step_that_leaves_its_rows_to_the_loop_writes_no_cache(tmp_path, monkeypatch):
+    """``HF_TPU_KV_WRITE=after`` (``auto`` picks it for caches of 1 GiB and more, hf_tpu/transformers/_cache/static.py):
+    through torch_tpu's front end the decode program holds no scatter into a cache and returns no updated cache (the
+    copy torch_tpu's undonated compile makes of one), but each layer's K and V row and their slot, which
+    scripts/chip_bench.py's ``rows_after`` pairs with the cache arguments; libtpu compiles it."""
+    import sys
+
+    sys.path.insert(0, str(HERE.parents[1] / "scripts"))
+    import chip_bench
+
+    monkeypatch.setenv("HF_TPU_KV_WRITE", "after")
+    result = lower_and_compile(GENERATE, {"model": _saved(tmp_path, "llama"), "max_prompt_len": 16,
+                                          "max_new_tokens": 8, "dtype": "float32"}, "v6e-1")  # fmt: skip
+    _all_compiled(result, ["prefill-16", "decode"])
+    prefill, decode = result.programs
+    assert '"stablehlo.scatter"' in prefill.text and '"stablehlo.scatter"' not in decode.text
+    layers = tiny_config("llama").num_hidden_layers
+    writes = chip_bench.rows_after(decode.text)
+    assert len(writes) == 2 * layers and len({slot for _, _, slot in writes}) == layers, writes
+    assert chip_bench.rows_after(prefill.text) == []
+
+
 def test_generate_with_logits_processors_on_the_device(lowered):
     result = lowered["processors"]
     _all_compiled(result, ["prefill-16", "decode"])

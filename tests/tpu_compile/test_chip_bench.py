@@ -115,3 +115,31 @@ def test_kv_write_forms_compute_the_lean_steps_tokens_on_a_cpu(tmp_path, monkeyp
     assert all(r["last_ids"] == records[0]["last_ids"] for r in records)
     written = [json.loads(line) for line in (tmp_path / "kv_write.jsonl").read_text().splitlines()]
     assert [r["form"] for r in written] == chip_kv_write.FORMS
+
+
+def test_rows_after_pairs_each_cache_with_its_row_and_slot(monkeypatch):
+    """``rows_after`` reads a decode program that leaves its caches unwritten (HF_TPU_KV_WRITE=after): per layer a K
+    row, a V row (one slot) and their slot among the results, the caches among the arguments in layer order; a
+    program that writes its caches itself asks for no writes."""
+    import jax
+    import jax.numpy as jnp
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import chip_bench
+
+    def read_only(position, k0, weight, v0, k1, v1):  # two layers' caches (batch, heads, slots, dim), read only
+        row = jnp.tanh(k0[:, :, 0] @ weight)[:, :, None] + (v0 + k1 + v1)[:, :, :1]
+        slot = (position + 0).reshape(1)
+        tokens = (position + 1).reshape(1)  # (a batch of one's next tokens: the type of a slot)
+        return tokens, row.sum(axis=(1, 2, 3)), row, row + 1, slot, row + 2, row + 3, slot
+
+    def writes(position, k0, weight, v0, k1, v1):
+        row = jnp.tanh(k0[:, :, 0] @ weight)[:, :, None] + (v0 + k1 + v1)[:, :, :1]
+        return *(jax.lax.dynamic_update_slice(c, row, (0, 0, position, 0)) for c in (k0, v0, k1, v1)), row.sum()
+
+    specs = [jax.ShapeDtypeStruct((), jnp.int64)] + [
+        jax.ShapeDtypeStruct(s, jnp.float32) for s in [(2, 2, 8, 4), (4, 4), (2, 2, 8, 4), (2, 2, 8, 4), (2, 2, 8, 4)]]
+    with jax.enable_x64(True):
+        text = jax.jit(read_only).lower(*specs).as_text()
+        assert chip_bench.rows_after(text) == [(1, 2, 4), (3, 3, 4), (4, 5, 7), (5, 6, 7)]
+        assert chip_bench.rows_after(jax.jit(writes).lower(*specs).as_text()) == []

@@ -72,6 +72,19 @@ def test_a_second_process_compiles_nothing_and_matches_cpu(llama_dir, tmp_path):
     assert warm["generate_compiles"] == 0 and warm["generate_hits"] == 0  # warm-up loaded everything
 
 
+@pytest.mark.slow
+def test_graphs_that_leave_their_rows_to_the_loop_are_stored_and_loaded(llama_dir, tmp_path, monkeypatch):
+    """``HF_TPU_KV_WRITE=after``: a decode graph whose rows the loop writes after it (its cache layers keep them as
+    attributes, which dynamo sets after the graph) is stored by one process and loaded by the next, which compiles
+    nothing and equals the CPU (hf_tpu/transformers/_cache/static.py)."""
+    monkeypatch.setenv("HF_TPU_KV_WRITE", "after")
+    cold = _worker(llama_dir, tmp_path / "cache")
+    assert cold["equal"] and not cold["problems"] and cold["new_compiles"] == cold["graphs"] > 0
+    warm = _worker(llama_dir, tmp_path / "cache")
+    assert warm["equal"] and not warm["problems"]
+    assert warm["new_compiles"] == 0 and warm["from_cache"] == warm["graphs"] == cold["graphs"]
+
+
 def test_another_checkpoint_of_the_same_architecture_shares_the_entries(llama_dir, tmp_path):
     """Weights are graph inputs, not constants: a process with another checkpoint of the architecture loads the
     entries the first one stored. (The third process of the test above, a test of its own in the slow tier.)"""

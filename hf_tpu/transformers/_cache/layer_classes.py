@@ -71,6 +71,40 @@ def _host_conv_update(self, conv_states, state_idx: int = 0, conv_kernel_size: i
     return full
 
 
+class BucketedStaticLayer(cu.StaticLayer):
+    """A full-attention layer of a bucketed cache: upstream's ``StaticLayer``, whose decode step can leave the cache
+    unwritten (``hf_tpu_rows_after``, set by :func:`~hf_tpu.transformers._cache.static.set_decoding`).
+
+    Then a one-token update attends over the cache with the new row selected in at its slot
+    (``where(slot == position, row, cache)``, which XLA fuses into the attention's reads) and keeps the row and its
+    position in ``hf_tpu_rows``; the loop writes them in place after the graph
+    (:func:`~hf_tpu.transformers._cache.static.write_rows`). A graph that does not write its cache returns no updated
+    cache: torch_tpu 0.2.0's ``torch.compile`` donates no buffers, so a cache the graph updates is copied whole every
+    step (docs/planning.md, "Measured on a chip")."""
+
+    # (build_layers sets both on each instance too: dynamo guards on the flag alike before and after the loop sets it)
+    hf_tpu_rows_after = False
+    hf_tpu_rows = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not (self.hf_tpu_rows_after and key_states.shape[-2] == 1):
+            return super().update(key_states, value_states, *args, **kwargs)
+        import torch
+
+        position = self.cumulative_length + 0  # (this step's slot, before the counter moves on)
+        self.cumulative_length.add_(1)
+        here = (torch.arange(self.max_cache_len, device=self.device) == position).view(1, 1, -1, 1)
+        # (in the cache's dtype, as upstream's index_copy_ stores them)
+        key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.values.dtype)
+        self.hf_tpu_rows = (key_states, value_states, position.view(1))
+        return torch.where(here, key_states, self.keys), torch.where(here, value_states, self.values)
+
+    def reset(self) -> None:
+        super().reset()
+        self.hf_tpu_rows_after = False
+        self.hf_tpu_rows = None
+
+
 class BucketedSlidingWindowLayer(cu.StaticSlidingWindowLayer):
     """A sliding-window layer of a bucketed cache: a ring of ``sliding_window`` slots when the cache bucket is
     longer than the window, else one slot per cache position (the sliding mask applies the window)."""
@@ -149,7 +183,7 @@ class BucketedHybridSlidingLayer(cu.LinearAttentionAndStaticSlidingWindowAttenti
 
 
 BUCKETED_LAYERS: dict[type, type] = {
-    cu.StaticLayer: cu.StaticLayer,
+    cu.StaticLayer: BucketedStaticLayer,
     cu.StaticSlidingWindowLayer: BucketedSlidingWindowLayer,
     cu.StaticIndexedLayer: cu.StaticIndexedLayer,
     cu.LinearAttentionLayer: BucketedLinearAttentionLayer,

@@ -11,7 +11,10 @@ Upstream's ``StaticCache`` (transformers 5.24) builds its layers from ``config.l
 ``STATIC_LAYER_TYPE_MAPPING``; ``BUCKETED_LAYERS`` (in :mod:`~hf_tpu.transformers._cache.layer_classes`) maps each of
 those classes to its bucketed form:
 
-* full attention (``StaticLayer``): upstream's own class, ``cache bucket`` slots written at a device-side counter;
+* full attention (``StaticLayer``): upstream's class (``BucketedStaticLayer``: its own update but for a decode step
+  on a ``tpu`` device with large caches, :func:`kv_rows_after`, whose graph reads the cache with the new row selected
+  in and leaves the row to :func:`write_rows`, written in place after the graph), ``cache bucket`` slots written at
+  a device-side counter;
 * sliding window (``StaticSlidingWindowLayer``, chunked attention too): upstream's layer tracks the window with a
   Python int (a new graph per step until the window fills). The bucketed layer is a ring of ``sliding_window``
   slots when the cache bucket is longer than the window: the prefill attends to the prompt's own states and keeps
@@ -46,8 +49,10 @@ are all of these kinds needs no change here.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers._settings import CACHE_POOL_SIZE, ModelState
 
 __all__: list[str] = []
@@ -131,6 +136,8 @@ def build_layers(
     layers = []
     for (cls, kwargs), shape in zip(plan, shapes):
         layer = registry[cls](max_cache_len=cache_len, **kwargs)
+        if hasattr(layer, "hf_tpu_rows_after"):  # (a BucketedStaticLayer: its flags in the instance, see set_decoding)
+            layer.hf_tpu_rows_after, layer.hf_tpu_rows = False, None
         kv = shape.get("kv")
         if kv is not None:
             heads, k_dim, v_dim, kv_dtype = kv
@@ -250,19 +257,75 @@ def set_length(cache, length: int) -> None:
             layer.hf_tpu_length = length
 
 
-def set_decoding(cache, decoding: bool) -> None:
-    """Tell the layers of ``cache`` whether the next graph decodes (continues from their states) or prefills."""
+def set_decoding(cache, decoding: bool, rows_after: bool = True) -> None:
+    """Tell the layers of ``cache`` whether the next graph decodes (continues from their states) or prefills; a
+    decode step of its full-attention layers leaves their cache to :func:`write_rows` when :func:`kv_rows_after`
+    says so (``rows_after=False``: never, for a loop that reorders the cache in its graphs: beam search)."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    from hf_tpu.transformers._cache.layer_classes import BucketedStaticLayer
 
     self_cache = getattr(cache, "self_attention_cache", cache)
     if hasattr(self_cache, "decoding"):  # a model's own cache class (hf_tpu.transformers._cache.model_classes)
         self_cache.decoding = decoding
+    after = decoding and rows_after and kv_rows_after(self_cache)
     for layer in self_cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             for idx in layer.has_previous_state:
                 layer.has_previous_state[idx] = decoding
         if getattr(layer, "ring", False):
             layer.decoding = decoding
+        if isinstance(layer, BucketedStaticLayer):
+            layer.hf_tpu_rows_after = after
+
+
+# HF_TPU_KV_WRITE: where a decode step's new K/V rows are written into a full-attention cache on a ``tpu`` device.
+KV_WRITE_ENV = "HF_TPU_KV_WRITE"
+KV_WRITES = ("auto", "graph", "after")
+# auto: after the graph once the full-attention caches hold this many bytes. Measured on a v5e (docs/planning.md, run
+# 12, the Llama-3.2-1B shape, caches of 21 MB / 168 MB / 1.34 GB at batch 1 / 8 / 64): hf_tpu's decode program with
+# the write in its graph costs 1.05x / 1.13x / 1.51x a lean JAX step; a step that reads its cache without writing
+# it, with one write per layer's K and V after it (each a program of its own, ~50 us to launch), 1.61x / 1.46x / 1.00x
+# in JAX, and hf_tpu's at batch 64 1.045x.
+KV_ROWS_AFTER_BYTES = 1 << 30
+
+
+def kv_write_mode() -> str:
+    """``HF_TPU_KV_WRITE`` (``auto`` when unset): ``graph`` (the graph writes the cache, upstream's ``index_copy_``),
+    ``after`` (the rows are written after each decode graph, :func:`write_rows`) or ``auto``."""
+    mode = os.environ.get(KV_WRITE_ENV, "auto").strip().lower() or "auto"
+    if mode not in KV_WRITES:
+        raise InvalidArgumentError(f"{KV_WRITE_ENV}={mode!r} is not a KV write mode; use one of {', '.join(KV_WRITES)}.")
+    return mode
+
+
+def kv_rows_after(cache) -> bool:
+    """Whether the decode steps of ``cache``'s full-attention layers leave their rows to :func:`write_rows`: on a
+    ``tpu`` device, per :func:`kv_write_mode` (``auto``: when those layers' caches hold ``KV_ROWS_AFTER_BYTES``)."""
+    from hf_tpu.transformers._cache.layer_classes import BucketedStaticLayer
+
+    layers = [layer for layer in cache.layers if isinstance(layer, BucketedStaticLayer) and layer.is_initialized]
+    if not layers or layers[0].keys.device.type != "tpu":
+        return False
+    mode = kv_write_mode()
+    if mode != "auto":
+        return mode == "after"
+    held = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+    return held >= KV_ROWS_AFTER_BYTES
+
+
+def write_rows(cache) -> None:
+    """Write the rows a decode graph left in ``cache``'s layers (``hf_tpu_rows``) at their slots, in place: one
+    ``index_copy_`` per layer's keys and values (on torch_tpu an eager in-place op, which updates its buffer in
+    place: ``torch_tpu._internal.execution_mode.disable_inplace_buffer_donation`` is False by default)."""
+    self_cache = getattr(cache, "self_attention_cache", cache)
+    for layer in getattr(self_cache, "layers", ()):
+        rows = getattr(layer, "hf_tpu_rows", None)
+        if rows is not None:
+            keys, values, position = rows
+            layer.keys.index_copy_(2, position, keys)
+            layer.values.index_copy_(2, position, values)
+            layer.hf_tpu_rows = None
 
 
 def _written(cache, mask, q: int):

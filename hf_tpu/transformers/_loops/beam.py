@@ -279,7 +279,7 @@ def beam_loop(
     set_length(cache, 0)
     packed = torch.cat([ids, pos], dim=1).to(device)
     result = _run(model, state, prefill_key, packed, mask_dev, cache, extra, spec, beam, sampling)
-    set_decoding(cache, True)
+    set_decoding(cache, True, rows_after=False)
     steps = 0
     while True:
         finished, step_scores, step_logits = result[:3]
@@ -428,7 +428,7 @@ def warm(model, plan: ShapePlan, num_beams: int) -> list[tuple]:
         set_length(cache, 0)
         packed = torch.cat([ids, pos], dim=1).to(device)
         _run(model, state, prefill_key, packed, mask_dev, cache, extra, spec, beam, sampling)
-        set_decoding(cache, True)
+        set_decoding(cache, True, rows_after=False)
         _run(model, state, decode_key, mask_dev, cache, extra, spec, beam, sampling)
         cache.reset()
     return [prefill_key, decode_key]

@@ -1,0 +1,115 @@
+"""Where a decode step writes its new K/V rows (``HF_TPU_KV_WRITE``, hf_tpu/transformers/_cache/static.py): in the
+graph (upstream's ``index_copy_``), or after it (the graph reads the cache with the row selected in and leaves the
+row to ``write_rows``, an in-place write after the graph). Both against upstream's ``generate`` on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tpu
+import hf_tpu.sim
+from hf_tpu.errors import InvalidArgumentError
+from hf_tpu.transformers._cache import static
+from hf_tpu.transformers._cache.layer_classes import BucketedStaticLayer
+from hf_tpu.transformers._settings import model_state
+
+NEW = 12
+
+
+def _cache_of(tpu, batch):
+    """The model's pooled caches of ``batch`` rows."""
+    return [c for key, c in model_state(tpu).caches.items() if key[0] == batch]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_rows_written_after_the_graph_equal_cpu_and_the_graph_holds_no_cache_write(llama, prompts, monkeypatch,
+                                                                                    sampled):  # fmt: skip
+    """``HF_TPU_KV_WRITE=after``: greedy and seeded sampled tokens of a left-padded batch equal the CPU's (and the
+    in-graph write's); the decode graph's cache layers leave their rows unwritten, and after the call every row
+    is in the cache; warmed, a second call compiles nothing."""
+    cpu, tpu = llama
+    ids, mask = prompts([5, 3, 7], seed=4)
+    kwargs = dict(max_new_tokens=NEW, do_sample=sampled, **({"top_k": 20} if sampled else {}))
+    monkeypatch.setenv(static.KV_WRITE_ENV, "graph")
+    torch.manual_seed(1)
+    in_graph = tpu.generate(ids, attention_mask=mask, **kwargs)
+    monkeypatch.setenv(static.KV_WRITE_ENV, "after")
+    torch.manual_seed(1)
+    after = tpu.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(after, in_graph)
+    if not sampled:
+        assert torch.equal(after, cpu.generate(ids, attention_mask=mask, **kwargs))
+    cache = _cache_of(tpu, 3)[0]
+    layers = [layer for layer in cache.layers if isinstance(layer, BucketedStaticLayer)]
+    assert layers and all(layer.hf_tpu_rows_after and layer.hf_tpu_rows is None for layer in layers)
+    # every slot from the longest prompt's first token on holds a key: the prompt's, then one per decode step (the
+    # last token is never fed back); the bucket's left padding before it (the pad id's embedding row is zeros) and
+    # the slots after it none
+    written = int(layers[0].cumulative_length)
+    bucket = written - (NEW - 1)
+    for layer in layers:
+        held = layer.keys.abs().sum(-1).gt(0).any(0).any(0).cpu()
+        assert held[bucket - ids.shape[1] : written].all() and not held[written:].any()
+    with hf_tpu.sim.stats() as s:
+        torch.manual_seed(1)
+        again = tpu.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(again, after) and s.compiles == 0
+
+
+def test_the_decode_step_after_the_graph_writes_the_row_the_graph_would(llama):
+    """One decode update of a layer with its rows left for after the graph: the keys and values the attention reads
+    equal upstream's in-place update's, the cache is unchanged until ``write_rows``, then equals it."""
+    layer = BucketedStaticLayer(max_cache_len=8)
+    keys = torch.randn(2, 3, 0, 4, device="tpu")
+    layer.lazy_initialization(keys, keys)
+    reference = BucketedStaticLayer(max_cache_len=8)
+    reference.lazy_initialization(keys, keys)
+    prompt = torch.randn(2, 3, 5, 4)
+    layer.update(prompt.to("tpu"), prompt.to("tpu") * 2)
+    reference.update(prompt.to("tpu"), prompt.to("tpu") * 2)
+    layer.hf_tpu_rows_after = True
+    row = torch.randn(2, 3, 1, 4)
+    before = layer.keys.cpu().clone()
+    k, v = layer.update(row.to("tpu"), row.to("tpu") * 3)
+    k_ref, v_ref = reference.update(row.to("tpu"), row.to("tpu") * 3)
+    assert torch.equal(k.cpu(), k_ref.cpu()) and torch.equal(v.cpu(), v_ref.cpu())
+    assert torch.equal(layer.keys.cpu(), before) and int(layer.cumulative_length) == 6
+    cache = type("C", (), {"layers": [layer]})()
+    static.write_rows(cache)
+    assert torch.equal(layer.keys.cpu(), reference.keys.cpu()) and torch.equal(layer.values.cpu(), reference.values.cpu())
+    assert layer.hf_tpu_rows is None
+
+
+def test_auto_writes_after_the_graph_only_for_large_caches_on_a_tpu(monkeypatch):
+    """``auto`` (the default): rows after the graph once the full-attention caches hold ``KV_ROWS_AFTER_BYTES``, on
+    a ``tpu`` device only; ``graph`` never, ``after`` always on a tpu; another value is an error naming the choices."""
+    def cache(device, slots):
+        layer = BucketedStaticLayer(max_cache_len=slots)
+        empty = torch.zeros(1, 1, 0, 8, device=device)
+        layer.lazy_initialization(empty, empty)
+        return type("C", (), {"layers": [layer]})()
+
+    monkeypatch.delenv(static.KV_WRITE_ENV, raising=False)
+    monkeypatch.setattr(static, "KV_ROWS_AFTER_BYTES", 2 * 16 * 8 * 4)  # two float32 caches of 16 slots x 8
+    assert static.kv_rows_after(cache("tpu", 16)) and not static.kv_rows_after(cache("tpu", 15))
+    assert not static.kv_rows_after(cache("cpu", 64))
+    monkeypatch.setenv(static.KV_WRITE_ENV, "graph")
+    assert not static.kv_rows_after(cache("tpu", 64))
+    monkeypatch.setenv(static.KV_WRITE_ENV, "after")
+    assert static.kv_rows_after(cache("tpu", 2)) and not static.kv_rows_after(cache("cpu", 2))
+    monkeypatch.setenv(static.KV_WRITE_ENV, "later")
+    with pytest.raises(InvalidArgumentError, match="auto, graph, after"):
+        static.kv_rows_after(cache("tpu", 2))
+
+
+def test_beam_search_keeps_the_write_in_its_graph(llama, prompts, monkeypatch):
+    """Beam search reorders the cache in its graphs: its decode steps write in the graph even with ``after``, and
+    its beams equal the CPU's."""
+    cpu, tpu = llama
+    ids, mask = prompts([4, 6], seed=2)
+    monkeypatch.setenv(static.KV_WRITE_ENV, "after")
+    kwargs = dict(max_new_tokens=6, num_beams=2, do_sample=False)
+    assert torch.equal(tpu.generate(ids, attention_mask=mask, **kwargs), cpu.generate(ids, attention_mask=mask, **kwargs))
+    cache = _cache_of(tpu, 4)
+    assert cache and not any(getattr(layer, "hf_tpu_rows_after", False) for layer in cache[0].layers)
