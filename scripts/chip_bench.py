@@ -846,6 +846,7 @@ def _round_spread(ref: dict | None) -> float | None:
 def report(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT))
     from hf_tpu.kernels import experts_forms
+    from hf_tpu.transformers._cache.static import KV_ROWS_AFTER_LAYER_BYTES
 
     records = _load(args.records)
     bw = max((r["bytes_per_second"] for r in records if r.get("part") == "floor" and "bytes_per_second" in r),
@@ -943,13 +944,18 @@ def report(args: argparse.Namespace) -> int:
         for (tag, name), prog in sorted(programs.items()):
             if not tag.startswith("qwen3-moe") or prog["batch"] != batch or name != "decode":
                 continue
-            default = prog["form"] == DEFAULT_DECODE_PROGRAM.get(batch)
             measured = prog["back_to_back_s"]
             ratio = measured / floors[floor_key]
             form, donated_caches = prog["form"].removesuffix("+donated"), prog["form"].endswith("+donated")
+            form, kv_after = form.removesuffix("+kv_after"), form.endswith("+kv_after") or "kv_write" in prog
+            # hf_tpu's choice: its experts form for the batch, its rows written after the program where auto does so
+            per_layer = (prog.get("facts") or {}).get("kv_cache_bytes", 0) / layers
+            default = form == DEFAULT_DECODE_PROGRAM.get(batch) and not donated_caches and kv_after == (
+                per_layer >= KV_ROWS_AFTER_LAYER_BYTES)  # fmt: skip
             experts, _, attention = form.partition("+attn_")
             what = f"experts {experts}" + (f", one-token attention {attention}" if attention else "") + (
-                ", KV caches donated" if donated_caches else "")  # fmt: skip
+                ", KV caches donated" if donated_caches else "") + (
+                ", KV rows written after the program" if kv_after else "")  # fmt: skip
             rows.append({"name": f"qwen3-30b-a3b-shape {layers} layers decode (hf_tpu program, {what}"
                                  f"{', the default choice' if default else ''})", "batch": batch,
                          "measured_s": measured, "reference_s": best_lean and best_lean["back_to_back_s"],

@@ -82,17 +82,22 @@ def test_the_decode_step_after_the_graph_writes_the_row_the_graph_would(llama):
 
 
 def test_auto_writes_after_the_graph_only_for_large_caches_on_a_tpu(monkeypatch):
-    """``auto`` (the default): rows after the graph once the full-attention caches hold ``KV_ROWS_AFTER_BYTES``, on
-    a ``tpu`` device only; ``graph`` never, ``after`` always on a tpu; another value is an error naming the choices."""
-    def cache(device, slots):
-        layer = BucketedStaticLayer(max_cache_len=slots)
-        empty = torch.zeros(1, 1, 0, 8, device=device)
-        layer.lazy_initialization(empty, empty)
-        return type("C", (), {"layers": [layer]})()
+    """``auto`` (the default): rows after the graph once each full-attention layer's keys and values hold
+    ``KV_ROWS_AFTER_LAYER_BYTES``, on a ``tpu`` device only; ``graph`` never, ``after`` always on a tpu; another
+    value is an error naming the choices."""
+    def cache(device, slots, layers=1):
+        built = []
+        for _ in range(layers):
+            layer = BucketedStaticLayer(max_cache_len=slots)
+            empty = torch.zeros(1, 1, 0, 8, device=device)
+            layer.lazy_initialization(empty, empty)
+            built.append(layer)
+        return type("C", (), {"layers": built})()
 
     monkeypatch.delenv(static.KV_WRITE_ENV, raising=False)
-    monkeypatch.setattr(static, "KV_ROWS_AFTER_BYTES", 2 * 16 * 8 * 4)  # two float32 caches of 16 slots x 8
+    monkeypatch.setattr(static, "KV_ROWS_AFTER_LAYER_BYTES", 2 * 16 * 8 * 4)  # float32 K and V of 16 slots x 8
     assert static.kv_rows_after(cache("tpu", 16)) and not static.kv_rows_after(cache("tpu", 15))
+    assert static.kv_rows_after(cache("tpu", 16, layers=3)) and not static.kv_rows_after(cache("tpu", 15, layers=3))
     assert not static.kv_rows_after(cache("cpu", 64))
     monkeypatch.setenv(static.KV_WRITE_ENV, "graph")
     assert not static.kv_rows_after(cache("tpu", 64))

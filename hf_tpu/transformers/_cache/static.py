@@ -282,12 +282,13 @@ def set_decoding(cache, decoding: bool, rows_after: bool = True) -> None:
 # HF_TPU_KV_WRITE: where a decode step's new K/V rows are written into a full-attention cache on a ``tpu`` device.
 KV_WRITE_ENV = "HF_TPU_KV_WRITE"
 KV_WRITES = ("auto", "graph", "after")
-# auto: after the graph once the full-attention caches hold this many bytes. Measured on a v5e (docs/planning.md, run
-# 12, the Llama-3.2-1B shape, caches of 21 MB / 168 MB / 1.34 GB at batch 1 / 8 / 64): hf_tpu's decode program with
-# the write in its graph costs 1.05x / 1.13x / 1.51x a lean JAX step; a step that reads its cache without writing
-# it, with one write per layer's K and V after it (each a program of its own, ~50 us to launch), 1.61x / 1.46x / 1.00x
-# in JAX, and hf_tpu's at batch 64 1.045x.
-KV_ROWS_AFTER_BYTES = 1 << 30
+# auto: after the graph once each full-attention layer's K and V hold this many bytes: then the copy an undonated
+# graph makes of them (~3.2 ms per GB on a v5e) costs more than the layer's two writes after the graph (each a
+# program of its own, ~45-60 us to launch). Measured on a v5e (docs/planning.md, runs 12 and 13), hf_tpu's decode
+# program with the write in its graph against the rows written after it: the Llama-3.2-1B shape at batch 64 (84 MB
+# per layer) 13.78 -> 9.54 ms, the 8-layer Qwen3-30B-A3B shape at batch 64 (84 MB per layer) 18.82 -> 16.01 ms; at
+# batch 8 (10.5 MB per layer) a lean step written that way ran 1.46x one that writes in its graph.
+KV_ROWS_AFTER_LAYER_BYTES = 32 << 20
 
 
 def kv_write_mode() -> str:
@@ -301,7 +302,8 @@ def kv_write_mode() -> str:
 
 def kv_rows_after(cache) -> bool:
     """Whether the decode steps of ``cache``'s full-attention layers leave their rows to :func:`write_rows`: on a
-    ``tpu`` device, per :func:`kv_write_mode` (``auto``: when those layers' caches hold ``KV_ROWS_AFTER_BYTES``)."""
+    ``tpu`` device, per :func:`kv_write_mode` (``auto``: when those layers' keys and values hold
+    ``KV_ROWS_AFTER_LAYER_BYTES`` per layer)."""
     from hf_tpu.transformers._cache.layer_classes import BucketedStaticLayer
 
     layers = [layer for layer in cache.layers if isinstance(layer, BucketedStaticLayer) and layer.is_initialized]
@@ -311,7 +313,7 @@ def kv_rows_after(cache) -> bool:
     if mode != "auto":
         return mode == "after"
     held = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
-    return held >= KV_ROWS_AFTER_BYTES
+    return held >= KV_ROWS_AFTER_LAYER_BYTES * len(layers)
 
 
 def write_rows(cache) -> None:
