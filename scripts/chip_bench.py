@@ -881,8 +881,10 @@ def report(args: argparse.Namespace) -> int:
         table = {"rows": [dict(table_rows[-1])]}
         ref_s = ref["measured_s"] if ref else None
         spread = _round_spread(ref)
-        for label, choice_forms in (("measured choice", experts_forms.FORMS),
-                                    ("hf_tpu default", experts_forms.DEFAULT_FORMS)):  # fmt: skip
+        # on a TPU VM hf_tpu chooses among every form (experts_forms.measured_name); without the kernel (what
+        # hf-tpu plan lowers, or HF_TPU_MEASURED_EXPERTS=torch) among the forms written in torch
+        for label, choice_forms in (("hf_tpu default on a TPU VM", experts_forms.FORMS),
+                                    ("torch forms only", experts_forms.DEFAULT_FORMS)):  # fmt: skip
             try:
                 form = experts_forms.choose(**{k: shape[k] for k in ("hidden", "intermediate", "experts", "top_k")},
                                             tokens=tokens, forms=choice_forms, table=table)  # fmt: skip

@@ -23,7 +23,9 @@ fastest there. The experts implementation ``"hf_tpu_measured"`` (:data:`measured
 a bucket's graph, so each bucket (prefill, decode at each batch) runs its own measured-fastest form. It chooses
 among :data:`DEFAULT_FORMS` (what torch_tpu lowers with the graph, so ``hf-tpu plan`` compiles exactly that);
 ``"hf_tpu_measured_kernels"`` among every form. :func:`prefer_measured` (called by warm-up and ``generate``) gives a
-MoE on torch_tpu left at transformers' default the former.
+MoE on torch_tpu left at transformers' default the latter on a TPU VM (the kernel's forms run inside torch_tpu's
+compiled graphs there: checked on a v5e with torch_tpu itself, docs/planning.md) and the former where the kernel cannot
+run (a process lowering for ``hf-tpu plan`` without a chip: ``jax_op`` asks for the chip's client while lowering).
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ __all__ = [
     "MARGIN",
     "MAX_SLOTS",
     "MEASURED_KERNELS_NAME",
+    "MEASURED_ENV",
     "MEASURED_NAME",
     "TORCH_FORMS",
     "choose",
     "dense_experts_forward",
     "measured_experts_forward",
     "measured_kernels_experts_forward",
+    "measured_name",
     "measured_table",
     "prefer_measured",
     "register_named",
@@ -67,10 +71,9 @@ TORCH_FORMS = ("slots", "dense")
 KERNEL_FORMS = {"kernel_decode": "pallas_decode", "kernel": "pallas", "megablox": "megablox", "ragged_dot": "xla"}
 #: Every form :func:`choose` may answer, in the order ties are broken (see :data:`MARGIN`).
 FORMS = (*TORCH_FORMS, "grouped_mm", "batched_mm", *KERNEL_FORMS)
-#: The forms ``"hf_tpu_measured"`` chooses from: those torch_tpu lowers with the rest of the graph, so that
-#: ``hf-tpu plan`` compiles ahead exactly what a chip runs. The kernel's forms (``"hf_tpu_measured_kernels"``) cross
-#: into JAX through ``torch.tpu.pallas.jax_op``, which needs a chip to lower and has not been run inside torch_tpu's
-#: compiled graphs on a chip yet (the chip machine measured here has JAX but no torch).
+#: The forms ``"hf_tpu_measured"`` chooses from: those torch_tpu lowers with the rest of the graph without a chip,
+#: so that ``hf-tpu plan`` compiles ahead what it lowers. The kernel's forms (``"hf_tpu_measured_kernels"``, the
+#: default on a TPU VM) cross into JAX through ``torch.tpu.pallas.jax_op``, which needs the chip's client to lower.
 DEFAULT_FORMS = ("slots", "dense", "grouped_mm")
 #: The most (token, slot) pairs the slots form unrolls.
 MAX_SLOTS = 64
@@ -311,16 +314,50 @@ def register_named(name: str) -> None:
         use_ragged_dot_experts()
 
 
+#: ``HF_TPU_MEASURED_EXPERTS``: ``auto`` (unset, or ``1``): every form on a TPU VM, the torch forms elsewhere;
+#: ``torch``: the torch forms only (:data:`DEFAULT_FORMS`); ``0``: keep transformers' default.
+MEASURED_ENV = "HF_TPU_MEASURED_EXPERTS"
+
+
+def measured_name() -> str:
+    """The measured implementation :func:`prefer_measured` gives a model here: ``"hf_tpu_measured_kernels"`` (every
+    form, the Hub kernel's included) in a process running on TPU chips with what the kernel needs (``jax`` and
+    ``kernels`` importable), ``"hf_tpu_measured"`` (the torch forms) otherwise, or when ``HF_TPU_MEASURED_EXPERTS``
+    is ``torch``.
+
+    Raises:
+        ValueError (InvalidArgumentError): ``HF_TPU_MEASURED_EXPERTS`` is not ``auto``, ``1``, ``torch`` or ``0``.
+    """
+    import importlib.util
+    import os
+
+    value = os.environ.get(MEASURED_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "1", "torch", "0"):
+        raise InvalidArgumentError(
+            f"{MEASURED_ENV}={value!r}: use auto (every measured form on a TPU VM), torch (the forms written in torch "
+            "only) or 0 (keep transformers' experts implementation)"
+        )
+    if value == "torch":
+        return MEASURED_NAME
+    from hf_tpu import runtime
+
+    if runtime.detect().mode != "real":
+        return MEASURED_NAME  # no chip: jax_op cannot lower the kernel (hf-tpu plan), and nothing runs it
+    if importlib.util.find_spec("jax") is None or importlib.util.find_spec("kernels") is None:
+        return MEASURED_NAME  # the kernel's forms need both (pip install 'hf-tpu[tpu]')
+    return MEASURED_KERNELS_NAME
+
+
 def prefer_measured(model) -> bool:
     """Give a TPU-placed MoE model hf_tpu's measured experts choice: a model whose experts run transformers' default
-    (``grouped_mm``) switches to ``"hf_tpu_measured"``, so that each bucket's graph runs the form measured fastest
-    for its token count. Returns whether it switched. ``HF_TPU_MEASURED_EXPERTS=0``, or
-    ``model._hf_tpu_keep_experts = True``, keeps what the model has (transformers cannot tell a default
-    ``grouped_mm`` from one asked for)."""
+    (``grouped_mm``) switches to :func:`measured_name`'s implementation (on a TPU VM ``"hf_tpu_measured_kernels"``),
+    so that each bucket's graph runs the form measured fastest for its token count. Returns whether it switched.
+    ``HF_TPU_MEASURED_EXPERTS=0``, or ``model._hf_tpu_keep_experts = True``, keeps what the model has (transformers
+    cannot tell a default ``grouped_mm`` from one asked for)."""
     import os
 
     config = getattr(model, "config", None)
-    if os.environ.get("HF_TPU_MEASURED_EXPERTS", "1") == "0" or config is None or model.__dict__.get(KEEP, False):
+    if os.environ.get(MEASURED_ENV, "1") == "0" or config is None or model.__dict__.get(KEEP, False):
         return False
     if getattr(config, "_experts_implementation", None) != "grouped_mm":
         return False
@@ -331,5 +368,7 @@ def prefer_measured(model) -> bool:
     weight = next(iter(model.parameters()), None)
     if weight is None or weight.device.type != "tpu" or (sim is not None and sim.is_sim_tensor(weight)):
         return False  # measured on a chip: for torch_tpu's device (the simulator keeps transformers' default)
-    model.set_experts_implementation(use_measured_experts())
+    name = measured_name()
+    use_measured_experts()
+    model.set_experts_implementation(name)
     return True

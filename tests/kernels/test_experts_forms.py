@@ -112,6 +112,34 @@ def test_prefer_measured_only_on_torch_tpu_and_not_when_kept(monkeypatch):
     assert model.config._experts_implementation == "grouped_mm"
 
 
+def test_measured_name_takes_the_kernel_forms_only_on_a_tpu_vm(monkeypatch):
+    """On TPU chips (runtime mode "real") with jax and kernels importable, every form, the kernel's included (they
+    ran inside torch_tpu's compiled graphs on a v5e); without a chip (the lowering of hf-tpu plan, the CPU, the
+    simulator) the torch forms; HF_TPU_MEASURED_EXPERTS=torch asks for the torch forms, a wrong value is refused."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from hf_tpu import runtime
+    from hf_tpu.errors import InvalidArgumentError
+
+    monkeypatch.delenv(experts_forms.MEASURED_ENV, raising=False)
+    assert runtime.detect().mode != "real"
+    assert experts_forms.measured_name() == experts_forms.MEASURED_NAME  # this host: no chip
+    monkeypatch.setattr(runtime, "detect", lambda: SimpleNamespace(mode="real"))
+    real_find = importlib.util.find_spec
+    present = {"jax": object(), "kernels": object()}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: present.get(name) or real_find(name, *a))
+    assert experts_forms.measured_name() == experts_forms.MEASURED_KERNELS_NAME
+    monkeypatch.setenv(experts_forms.MEASURED_ENV, "torch")
+    assert experts_forms.measured_name() == experts_forms.MEASURED_NAME
+    monkeypatch.setenv(experts_forms.MEASURED_ENV, "kernel")
+    with pytest.raises(InvalidArgumentError, match="HF_TPU_MEASURED_EXPERTS='kernel'"):
+        experts_forms.measured_name()
+    monkeypatch.delenv(experts_forms.MEASURED_ENV)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "kernels" else present["jax"])
+    assert experts_forms.measured_name() == experts_forms.MEASURED_NAME  # the kernel's loader is missing
+
+
 def test_measured_choice_compiles_into_one_graph():
     """The choice is a constant of the traced graph (shapes are static there): ``torch.compile(fullgraph=True)``
     takes the model whole, as hf_tpu compiles its buckets, and computes what eager computes."""

@@ -1,0 +1,599 @@
+"""hf_tpu on a TPU chip with torch_tpu itself: its runtime, its compiled graphs, its JAX bridge, its eager ops.
+
+``scripts/chip_bench.py`` runs the programs hf_tpu lowers through JAX's TPU client; this script runs hf_tpu as a
+user does, ``model.generate`` on a ``tpu`` device of torch-tpu 0.2.0, and times what only torch_tpu's runtime
+decides: how long an eager op or a read-back takes, whether ``index_copy_`` updates a buffer in place, what the
+Hub kernel's forms cost inside torch_tpu's compiled graphs, and the whole decode loop of a Llama-3.2-1B shape::
+
+    python scripts/chip_torch_tpu.py run --out results/            # on a TPU VM with hf-tpu[tpu] installed
+    python scripts/chip_torch_tpu.py run --out results/ --stages experts llama_decode
+
+Each stage runs in a process of its own with its own timeout and appends its records to ``results.jsonl`` as they
+come (``name[:seconds[:ENV=V,ENV=V]]`` narrows a stage: ``experts:200:SHAPE=mixtral,TOKENS=1_8_512``).
+
+This project's lent chip machine has JAX, libtpu 0.0.42 and no torch: ``pack`` makes, from a local venv with
+torch-tpu 0.2.0 and libtpu 0.0.52, the folders that travel there (each under the tool's 64 MiB per call: torch_tpu
+for torch 2.13 with its small dependencies and a transformers wheel; libtpu 0.0.52 in two halves), and ``install``
+(on the chip, once per warm machine, one folder per call) puts them under /tmp/hf_tpu_chip with torch 2.13.0 from
+the machine's own wheels::
+
+    python scripts/chip_torch_tpu.py pack .chip_carry --venv .venv-tpu     # here: .chip_carry/{tt,lt1,lt2}
+    python scripts/chip_torch_tpu.py install .chip_carry/tt                # on the chip, one call each, in order
+    python scripts/chip_torch_tpu.py install .chip_carry/lt1
+    python scripts/chip_torch_tpu.py install .chip_carry/lt2
+    python scripts/chip_torch_tpu.py run --out $OUT                        # then as on a TPU VM
+
+Figures from a run: docs/chip_v5e_torch_tpu.jsonl and docs/planning.md ("Measured with torch_tpu itself").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_BUILD = ROOT / "hf_tpu/kernels/hub/ragged-dot-tpu/build/torch-tpu"
+CHIP_HOME = Path("/tmp/hf_tpu_chip")  # on the lent chip: site (torch, torch_tpu), libtpu, transformers
+TORCH_VERSION = "2.13.0"
+TORCH_TAG = "2_13_0"  # torch_tpu ships a build per torch version; only torch 2.13's travels
+OTHER_TAGS = ("2_11_0", "2_12_0", "2_14_0", "2_15_0")
+SMALL_WHEELS = ("frozendict", "immutabledict", "portpicker", "pyzmq")
+DEFAULT_STAGES = ("basics:90", "dispatch:120", "kv_write:120", "jaxop:150", "generate:180",
+                  "generate:180:CASE=moe_kernel", "experts:200:SHAPE=qwen3,TOKENS=1_8_512",
+                  "experts:200:SHAPE=mixtral,TOKENS=1_8_512", "llama_decode:470")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Records and timing (inside a stage process)
+# ---------------------------------------------------------------------------------------------------------------
+
+_OUT: Path | None = None
+_STAGE = ""
+
+
+def rec(**fields) -> None:
+    """Append one record to ``results.jsonl`` (and print it)."""
+    fields = {"stage": _STAGE, **fields, "t": time.time()}
+    line = json.dumps(fields, default=str)
+    print(line, flush=True)
+    if _OUT is not None:
+        with open(_OUT / "results.jsonl", "a") as f:
+            f.write(line + "\n")
+
+
+def sync() -> None:
+    import torch
+
+    torch.accelerator.synchronize()  # torch.tpu.synchronize is internal to torch_tpu (it says so when called)
+
+
+def per_call(fn, n: int) -> float:
+    """Seconds per call of ``fn``, ``n`` calls dispatched back to back after one warm call."""
+    fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / n
+
+
+def _numbers(text: str) -> list[int]:
+    return [int(t) for t in text.replace("_", " ").split()]
+
+
+def _kernel():
+    """The ragged-dot Hub kernel shipped with hf_tpu, imported from its build folder (no ``kernels`` needed)."""
+    if str(KERNEL_BUILD) not in sys.path:
+        sys.path.insert(0, str(KERNEL_BUILD))
+    import ragged_dot_tpu
+
+    return ragged_dot_tpu
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def stage_basics() -> None:
+    """torch_tpu loads, sees the chip, and a product on it equals the CPU's."""
+    import torch
+    import torch_tpu  # noqa: F401
+
+    rec(step="loaded", torch=torch.__version__, devices=torch.accelerator.device_count())
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    got = (a.to("tpu") @ b.to("tpu")).cpu()
+    want = a @ b
+    rec(step="matmul", rel_err=float((got - want).abs().max() / want.abs().max()))
+
+
+def stage_dispatch() -> None:
+    """A small compiled step: synced each call vs back to back, the host's time to enqueue a call, and a read-back
+    (``.item()``) every 1, 8 or 64 steps; one eager op's cost."""
+    import torch
+    import torch_tpu  # noqa: F401
+
+    torch.set_grad_enabled(False)
+    weights = [torch.randn(2048, 2048, dtype=torch.bfloat16, device="tpu") for _ in range(16)]
+
+    def step(x):
+        for w in weights:
+            x = torch.tanh(x @ w)
+        return x
+
+    f = torch.compile(step, backend="tpu", fullgraph=True, dynamic=False)
+    x = torch.randn(8, 2048, dtype=torch.bfloat16, device="tpu")
+    f(x)
+    sync()
+
+    def synced():
+        f(x)
+        sync()
+
+    rec(step="compiled_step", synced_s=per_call(synced, 100), back_to_back_s=per_call(lambda: f(x), 100))
+    start = time.perf_counter()
+    y = x
+    for _ in range(100):
+        y = f(y)
+    enqueue = (time.perf_counter() - start) / 100
+    sync()
+    rec(step="enqueue", host_s_per_call=enqueue, total_s_per_call=(time.perf_counter() - start) / 100)
+
+    def chain(every):
+        z = x
+        start = time.perf_counter()
+        for i in range(64):
+            z = f(z)
+            if (i + 1) % every == 0:
+                z.sum().item()
+        sync()
+        return (time.perf_counter() - start) / 64
+
+    rec(step="read_back", every_1_s=chain(1), every_8_s=chain(8), every_64_s=chain(64))
+    tiny = torch.zeros(8, device="tpu")
+    rec(step="eager_op", add_s=per_call(lambda: tiny.add_(1), 200))
+
+
+def stage_kv_write() -> None:
+    """``index_copy_`` on a cache of 9 GiB (a copy would not fit beside it on a 15.75 GiB chip), then 32 one-slot
+    writes into batch-64 Llama-3.2-1B-shaped caches, eager (one op each) and as one compiled graph."""
+    import torch
+    import torch_tpu  # noqa: F401
+
+    torch.set_grad_enabled(False)
+    gib = float(os.environ.get("GIB", "9"))
+    slots = int(gib * 2**30 / (64 * 8 * 64 * 2))
+    cache = torch.zeros(64, 8, slots, 64, dtype=torch.bfloat16, device="tpu")
+    row = torch.ones(64, 8, 1, 64, dtype=torch.bfloat16, device="tpu")
+    try:
+        for slot in (5, 10, 11):
+            cache.index_copy_(2, torch.tensor([slot], device="tpu"), row)
+        sync()
+        rec(step="index_copy_in_place", cache_gib=gib, ok=True)
+    except Exception as exc:  # noqa: BLE001 - the record says what happened
+        rec(step="index_copy_in_place", cache_gib=gib, ok=False, error=repr(exc)[:1500])
+    del cache
+    caches = [torch.zeros(64, 8, 640, 64, dtype=torch.bfloat16, device="tpu") for _ in range(32)]
+    rows = [torch.full((64, 8, 1, 64), float(i + 1), dtype=torch.bfloat16, device="tpu") for i in range(32)]
+    pos = torch.tensor([5], device="tpu")
+
+    def eager():
+        for c, r in zip(caches, rows, strict=True):
+            c.index_copy_(2, pos, r)
+
+    def write_all(cs, rs, p):
+        for c, r in zip(cs, rs, strict=True):
+            c.index_copy_(2, p, r)
+
+    compiled = torch.compile(write_all, backend="tpu", fullgraph=True, dynamic=False)
+    rec(step="write_32_rows", eager_s=per_call(eager, 20),
+        compiled_s=per_call(lambda: compiled(caches, rows, pos), 20))  # fmt: skip
+    compiled(caches, rows, torch.tensor([7], device="tpu"))
+    got = caches[3].index_select(2, torch.tensor([6, 7], device="tpu"))[0, 0, :, 0].float().cpu().tolist()
+    rec(step="compiled_write_value", slots_6_7=got, want=[0.0, 4.0])
+
+
+def _reference_ragged_dot(lhs, rhs, sizes):
+    import torch
+
+    out = torch.zeros(lhs.shape[0], rhs.shape[1])
+    start = 0
+    for group, n in enumerate(sizes.tolist()):
+        out[start : start + n] = lhs[start : start + n].float() @ rhs[group].float().T
+        start += n
+    return out
+
+
+def stage_jaxop() -> None:
+    """The Hub kernel through torch_tpu's JAX bridge (``torch.tpu.pallas.jax_op``): eager and inside a compiled
+    graph, each implementation against a CPU reference."""
+    import torch
+    import torch_tpu  # noqa: F401
+
+    kernel = _kernel()
+    torch.manual_seed(0)
+    lhs = torch.randn(64, 256, dtype=torch.bfloat16)
+    rhs = torch.randn(8, 512, 256, dtype=torch.bfloat16)
+    sizes = torch.tensor([10, 0, 7, 20, 3, 0, 16, 8], dtype=torch.int32)
+    want = _reference_ragged_dot(lhs, rhs, sizes)
+    scale = float(want.abs().max())
+    args = (lhs.to("tpu"), rhs.to("tpu"), sizes.to("tpu"))
+    for impl in ("pallas", "pallas_decode", "megablox"):
+        for where in ("eager", "graph"):
+            try:
+
+                def call(a, b, c, impl=impl):
+                    return kernel.ragged_dot(a, b, c, rhs_transposed=True, implementation=impl)
+
+                fn = call if where == "eager" else torch.compile(call, backend="tpu", fullgraph=True, dynamic=False)
+                got = fn(*args).cpu().float()
+                rec(step=where, impl=impl, rel_err=float((got - want).abs().max()) / scale,
+                    per_call_s=per_call(lambda fn=fn: fn(*args), 50))  # fmt: skip
+            except Exception as exc:  # noqa: BLE001
+                rec(step=where, impl=impl, error=repr(exc)[:1500])
+
+
+def _tiny_model(kind: str, path: str) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, max_position_embeddings=512)  # fmt: skip
+    if kind == "llama":
+        config = LlamaConfig(intermediate_size=512, **common)
+    else:
+        config = Qwen3MoeConfig(intermediate_size=512, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+                                decoder_sparse_step=1, **common)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)  # sharper logits: greedy tokens far from ties
+    model.save_pretrained(path)
+    return path
+
+
+def stage_generate() -> None:
+    """hf_tpu's ``generate`` on torch_tpu (tiny random models, float32 at torch_tpu's 'highest' matmul precision):
+    the tokens against the CPU's, batch 1 and 4, 32 new tokens. ``CASE``: ``llama``, ``moe`` (hf_tpu's default
+    experts choice) or ``moe_kernel`` (the Hub kernel's ``KERNEL_IMPL`` form in every graph)."""
+    import torch
+
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    import hf_tpu
+
+    rec(step="runtime", mode=hf_tpu.runtime.detect().mode)
+    torch.set_float32_matmul_precision("highest")
+    hf_tpu.enable("generation")
+    from transformers import AutoModelForCausalLM
+
+    case = os.environ.get("CASE", "llama")
+    kind = "llama" if case == "llama" else "moe"
+    path = _tiny_model(kind, f"/tmp/hf_tpu_chip_tiny_{kind}")
+    kwargs = {}
+    if case == "moe_kernel":
+        from hf_tpu.kernels.registry import register_experts, registered_experts
+
+        impl = os.environ.get("KERNEL_IMPL", "pallas_decode")
+        if "chip_kernel" not in registered_experts():
+            register_experts("chip_kernel", _kernel().make_experts_forward(impl))
+        kwargs["experts_implementation"] = "chip_kernel"
+    torch.manual_seed(1)
+    for batch in (1, 4):
+        ids = torch.randint(3, 1000, (batch, 12))
+        mask = torch.ones_like(ids)
+        cpu = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            want = cpu.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).to("tpu")
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False).cpu()
+        rec(step="generate", case=case, batch=batch, equal=bool(got.shape == want.shape and (got == want).all()),
+            first_s=first, second_s=time.perf_counter() - start,
+            experts=getattr(model.config, "_experts_implementation", None),
+            kv_write=os.environ.get("HF_TPU_KV_WRITE", "auto"))  # fmt: skip
+
+
+EXPERTS_SHAPES = {
+    "qwen3": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
+    "mixtral": dict(hidden=4096, intermediate=14336, experts=8, top_k=2),
+}
+
+
+def stage_experts() -> None:
+    """One experts layer (transformers' module, random bf16 weights) in each of hf_tpu's forms, each compiled by
+    torch_tpu as its own graph, back to back; outputs against the first form's."""
+    import torch
+    import torch_tpu  # noqa: F401
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from hf_tpu.kernels import experts_forms
+
+    kernel = _kernel()
+    experts_forms._kernel_forward = lambda form: kernel.make_experts_forward(experts_forms.KERNEL_FORMS[form])
+    torch.set_grad_enabled(False)
+    name = os.environ.get("SHAPE", "qwen3")
+    shape = EXPERTS_SHAPES[name]
+    if name == "qwen3":
+        config = Qwen3MoeConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["intermediate"],
+                                num_experts=shape["experts"], num_experts_per_tok=shape["top_k"])  # fmt: skip
+        cls = Qwen3MoeExperts
+    else:
+        config = MixtralConfig(hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                               num_local_experts=shape["experts"], num_experts_per_tok=shape["top_k"])  # fmt: skip
+        cls = MixtralExperts
+    with torch.device("meta"):
+        module = cls(config)
+    module = module.to_empty(device="tpu").to(torch.bfloat16).requires_grad_(False)
+    for p in module.parameters():
+        p.copy_(torch.randn(p.shape, dtype=torch.bfloat16, device="tpu") * 0.02)
+    generator = torch.Generator().manual_seed(0)
+    forms = os.environ.get("FORMS", "slots dense grouped_mm kernel_decode kernel megablox").replace("+", " ").split()
+    for tokens in _numbers(os.environ.get("TOKENS", "1 8 512")):
+        x = (torch.randn(tokens, shape["hidden"], generator=generator) * 0.5).to(torch.bfloat16).to("tpu")
+        index = torch.stack([torch.randperm(shape["experts"], generator=generator)[: shape["top_k"]]
+                             for _ in range(tokens)]).to("tpu")  # fmt: skip
+        weights = torch.softmax(torch.randn(tokens, shape["top_k"], generator=generator), -1).to(torch.bfloat16)
+        weights = weights.to("tpu")
+        first = None
+        for form in forms:
+            if form == "slots" and tokens * shape["top_k"] > experts_forms.MAX_SLOTS:
+                continue
+            forward = experts_forms._form_forward(form)
+            torch._dynamo.reset()  # one graph per form (the same lambda's code would hit Dynamo's recompile limit)
+            fn = torch.compile(lambda a, b, c, fw=forward: fw(module, a, b, c), backend="tpu", fullgraph=True,
+                               dynamic=False)  # fmt: skip
+            try:
+                out = fn(x, index, weights).float().cpu()
+                first = out if first is None else first
+                rounds = [per_call(lambda fn=fn: fn(x, index, weights), 20) for _ in range(3)]
+                rec(step="form", shape=name, tokens=tokens, form=form, seconds=min(rounds), rounds=rounds,
+                    rel_err_vs_first=float((out - first).abs().max() / (first.abs().max() + 1e-9)))  # fmt: skip
+            except Exception as exc:  # noqa: BLE001
+                rec(step="form", shape=name, tokens=tokens, form=form, error=repr(exc)[:1200])
+
+
+def stage_llama_decode() -> None:
+    """hf_tpu's ``generate`` of a Llama-3.2-1B-shaped model (random bf16 weights built on the chip), prompt 512:
+    the decode step from two calls that share graphs and a 640-slot cache (112 and 16 new tokens), per batch and
+    per ``HF_TPU_KV_WRITE`` mode."""
+    import torch
+
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    import hf_tpu
+
+    hf_tpu.enable("generation")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+                         tie_word_embeddings=True, rope_theta=500000.0)  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="tpu").to(torch.bfloat16).requires_grad_(False).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, dtype=torch.bfloat16, device="tpu") * 0.02)
+        for name, buffer in LlamaRotaryEmbedding(config).named_buffers():
+            getattr(model.model.rotary_emb, name).copy_(buffer.to("tpu"))
+    model.tie_weights()
+    model.generation_config.eos_token_id = None  # every call runs its max_new_tokens
+    model.generation_config.pad_token_id = 0
+    generator = torch.Generator().manual_seed(0)
+    for batch in _numbers(os.environ.get("BATCHES", "1 64")):
+        ids = torch.randint(3, 120000, (batch, 512), generator=generator)
+        for mode in os.environ.get("MODES", "graph after").replace("+", " ").split():
+            os.environ["HF_TPU_KV_WRITE"] = mode
+
+            def timed(n):
+                start = time.perf_counter()
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                     do_sample=False)  # fmt: skip
+                return time.perf_counter() - start, out
+
+            first, _ = timed(16)
+            short = min(timed(16)[0], timed(16)[0])
+            long, out = timed(112)
+            rec(step="decode", batch=batch, kv_write=mode, first_s=first, short_s=short, long_s=long,
+                step_s=(long - short) / 96, new_tokens=int(out.shape[1] - 512))  # fmt: skip
+
+
+STAGES = {
+    "basics": stage_basics,
+    "dispatch": stage_dispatch,
+    "kv_write": stage_kv_write,
+    "jaxop": stage_jaxop,
+    "generate": stage_generate,
+    "experts": stage_experts,
+    "llama_decode": stage_llama_decode,
+}
+
+
+def parse_stage(spec: str) -> tuple[str, int, dict[str, str]]:
+    """``name[:seconds[:ENV=V,ENV=V]]`` -> (name, seconds, env).
+
+    Raises:
+        ValueError: an unknown stage or a malformed spec.
+    """
+    name, _, rest = spec.partition(":")
+    seconds, _, envs = rest.partition(":")
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r} in {spec!r}; the stages: {', '.join(STAGES)}")
+    env = {}
+    for item in filter(None, envs.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{spec!r}: {item!r} is not ENV=VALUE")
+        env[key] = value
+    return name, int(seconds or 120), env
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The lent chip: pack here, install there
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def torch_tpu_members(site: Path) -> list[str]:
+    """The paths of torch_tpu (and its dist-info) under ``site`` that torch 2.13 needs: the builds for other torch
+    versions and the byte-code caches stay behind."""
+    names = []
+    for top in ("torch_tpu", "torch_tpu-0.2.0.dist-info"):
+        for path in sorted((site / top).rglob("*")):
+            rel = path.relative_to(site).as_posix()
+            if path.is_dir() or "__pycache__" in rel or any(tag in rel for tag in OTHER_TAGS):
+                continue
+            names.append(rel)
+    return names
+
+
+def pack(dest: Path, venv: Path) -> None:
+    """Write ``dest/tt`` (torch_tpu, small wheels, transformers) and ``dest/lt1``, ``dest/lt2`` (libtpu halves)."""
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    for sub in ("tt", "lt1", "lt2"):
+        (dest / sub).mkdir(parents=True, exist_ok=True)
+    members = torch_tpu_members(site)
+    listing = dest / "tt" / "members.txt"
+    listing.write_text("\n".join(members) + "\n")
+    subprocess.run(f"tar cf - -C {site} -T {listing} | xz -T2 -9 > {dest / 'tt' / 'torch_tpu.tar.xz'}", shell=True,
+                   check=True)  # fmt: skip
+    wheels = [f"{n}=={_installed_version(site, n)}" for n in (*SMALL_WHEELS, "transformers")]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+                    "--platform", "manylinux_2_26_x86_64", "--platform", "manylinux2014_x86_64",
+                    "-d", str(dest / "tt"), *wheels], check=True)  # fmt: skip
+    libtpu = dest / "libtpu.tar.xz"
+    subprocess.run(f"tar cf - -C {site} libtpu $(cd {site} && ls -d libtpu-*.dist-info) | xz -T2 -7 > {libtpu}",
+                   shell=True, check=True)  # fmt: skip
+    data = libtpu.read_bytes()
+    half = len(data) // 2
+    (dest / "lt1" / "libtpu.part0").write_bytes(data[:half])
+    (dest / "lt2" / "libtpu.part1").write_bytes(data[half:])
+    libtpu.unlink()
+
+
+def _installed_version(site: Path, name: str) -> str:
+    key = name.replace("-", "_").lower()
+    for info in site.glob("*.dist-info"):
+        dist, _, version = info.name[: -len(".dist-info")].partition("-")
+        if dist.lower() == key:
+            return version
+    raise FileNotFoundError(f"{name} is not installed in {site}: install it there first")
+
+
+def _pip(*args: str) -> None:
+    env = {**os.environ, "PIP_CONFIG_FILE": "/dev/null"}
+    subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "-q", "--no-cache-dir", "--no-compile",
+                    *args], check=True, env=env)  # fmt: skip
+
+
+def install(folder: Path) -> None:
+    """On the lent chip: install what ``pack`` wrote, one folder per call (``tt``, then ``lt1``, then ``lt2``)."""
+    site, tf, lib = CHIP_HOME / "site", CHIP_HOME / "transformers", CHIP_HOME / "libtpu"
+    for d in (site, tf, lib):
+        d.mkdir(parents=True, exist_ok=True)
+    if (folder / "torch_tpu.tar.xz").exists():
+        _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--find-links", "/opt/wheels",
+             "--target", str(site), f"torch=={TORCH_VERSION}")  # fmt: skip
+        subprocess.run(["tar", "xJf", str(folder / "torch_tpu.tar.xz"), "-C", str(site)], check=True)
+        small = [str(p) for n in SMALL_WHEELS for p in folder.glob(f"{n}-*.whl")]
+        _pip("--no-index", "--no-deps", "--target", str(site), *small)
+        _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--find-links", str(folder),
+             "--target", str(tf), "transformers")  # fmt: skip
+    for part in sorted(folder.glob("libtpu.part*")):
+        (lib / part.name).write_bytes(part.read_bytes())
+    parts = sorted(lib.glob("libtpu.part*"))
+    if len(parts) == 2:
+        subprocess.run(f"cat {parts[0]} {parts[1]} | tar xJf - -C {lib}", shell=True, check=True)
+        for part in parts:
+            part.unlink()
+    print(json.dumps({"site": len(list(site.iterdir())), "libtpu": sorted(p.name for p in lib.iterdir())}))
+
+
+def stage_env() -> dict[str, str]:
+    """The environment a stage process runs in: on the lent chip, libtpu 0.0.52 first, torch and torch_tpu after the
+    machine's own folders, JAX kept off the chip (torch_tpu holds it); on a TPU VM, unchanged."""
+    env = dict(os.environ)
+    paths = [str(ROOT)]
+    if (CHIP_HOME / "site").is_dir():
+        current = [p for p in env.get("PYTHONPATH", "").split(":") if p]
+        paths = [str(CHIP_HOME / "libtpu"), *current, str(CHIP_HOME / "site"), str(CHIP_HOME / "transformers"),
+                 str(ROOT)]  # fmt: skip
+        env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ":".join(paths)
+    return env
+
+
+def run(out: Path, stages: list[str], deadline: float) -> int:
+    """Each stage in a process of its own, with its own timeout and the time left; the records in out/."""
+    out.mkdir(parents=True, exist_ok=True)
+    parsed = [parse_stage(s) for s in stages]
+    start = time.monotonic()
+    failures = 0
+    for i, (name, seconds, extra) in enumerate(parsed):
+        left = deadline - (time.monotonic() - start)
+        if left < 20:
+            print(f"skipped {stages[i]}: no time left", flush=True)
+            continue
+        env = {**stage_env(), **extra}
+        log = out / f"{i:02d}-{name}.log"
+        with open(log, "w") as f:
+            try:
+                code = subprocess.run([sys.executable, __file__, "_stage", name, str(out)], env=env, stdout=f,
+                                      stderr=subprocess.STDOUT, timeout=min(seconds, left)).returncode  # fmt: skip
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        failures += code != 0
+        print(f"{stages[i]}: {code} ({time.monotonic() - start:.0f} s)", flush=True)
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run stages on this machine's chip")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--stages", nargs="+", default=list(DEFAULT_STAGES))
+    p.add_argument("--deadline", type=float, default=580.0, help="seconds for all stages together")
+    p = sub.add_parser("pack", help="write the folders that carry torch_tpu and libtpu to the lent chip")
+    p.add_argument("dest", type=Path)
+    p.add_argument("--venv", type=Path, required=True)
+    p = sub.add_parser("install", help="on the lent chip: install one folder pack wrote")
+    p.add_argument("folder", type=Path)
+    p = sub.add_parser("_stage")
+    p.add_argument("name")
+    p.add_argument("out", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return run(args.out, args.stages, args.deadline)
+    if args.command == "pack":
+        pack(args.dest, args.venv)
+        return 0
+    if args.command == "install":
+        install(args.folder)
+        return 0
+    global _OUT, _STAGE
+    _OUT, _STAGE = args.out, args.name
+    try:
+        STAGES[args.name]()
+    except Exception as exc:  # noqa: BLE001 - recorded, with where
+        rec(step="failed", error=repr(exc)[:2000], traceback=traceback.format_exc()[-4000:])
+        return 1
+    rec(step="done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""scripts/chip_torch_tpu.py: hf_tpu with torch_tpu itself on a chip. Its stage specs, what ``pack`` takes of
+torch_tpu, and the ``generate`` stage on the simulated device (the stages that need torch_tpu's runtime run on a chip
+only: docs/chip_v5e_torch_tpu.jsonl holds their records)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _timeouts import SAFETY_TIMEOUT_S
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "chip_torch_tpu.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("chip_torch_tpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stage_specs():
+    s = _script()
+    assert s.parse_stage("experts:200:SHAPE=mixtral,TOKENS=1_8_512") == (
+        "experts", 200, {"SHAPE": "mixtral", "TOKENS": "1_8_512"})
+    assert s.parse_stage("basics") == ("basics", 120, {})
+    assert all(s.parse_stage(spec)[0] in s.STAGES for spec in s.DEFAULT_STAGES)
+    with pytest.raises(ValueError, match="unknown stage 'expert'"):
+        s.parse_stage("expert:10")
+    with pytest.raises(ValueError, match="is not ENV=VALUE"):
+        s.parse_stage("experts:10:SHAPE")
+
+
+def test_pack_takes_torch_tpu_for_torch_2_13_only(tmp_path):
+    s = _script()
+    for rel in ("torch_tpu/__init__.py", "torch_tpu/_internal/compile/tpu_torch_compile_2_13_0.so",
+                "torch_tpu/_internal/compile/tpu_torch_compile_2_14_0.so", "torch_tpu/csrc/common/libxla_base.so",
+                "torch_tpu/csrc/common/glue_2_11_0/libpywrap_2_11_0_common.so", "torch_tpu/__pycache__/x.pyc",
+                "torch_tpu-0.2.0.dist-info/METADATA", "torch-2.13.0.dist-info/METADATA"):  # fmt: skip
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    assert s.torch_tpu_members(tmp_path) == [
+        "torch_tpu/__init__.py", "torch_tpu/_internal/compile/tpu_torch_compile_2_13_0.so",
+        "torch_tpu/csrc/common/libxla_base.so", "torch_tpu-0.2.0.dist-info/METADATA"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_generate_stage_on_the_simulator(tmp_path):
+    """The generate stage as a chip runs it, on the simulated device: its records say the tokens equal the CPU's, for
+    the tiny Llama and for the MoE with the Hub kernel in every graph (its XLA form: the Pallas ones need a chip)."""
+    env = dict(os.environ, HF_TPU_SIMULATE="1")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--out", str(tmp_path), "--stages", "generate:900",
+                           "generate:900:CASE=moe_kernel,KERNEL_IMPL=xla"], env=env, capture_output=True, text=True,
+                          timeout=SAFETY_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    runs = [r for r in records if r["step"] == "generate"]
+    assert [(r["case"], r["batch"]) for r in runs] == [("llama", 1), ("llama", 4), ("moe_kernel", 1), ("moe_kernel", 4)]
+    assert all(r["equal"] for r in runs)
+    assert {r["experts"] for r in runs if r["case"] == "moe_kernel"} == {"chip_kernel"}
