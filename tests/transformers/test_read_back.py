@@ -19,6 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_tpu.sim
 from hf_tpu.transformers import explain, generation
+from hf_tpu.transformers._loops.readback import READ_AHEAD
 
 NEW = 64
 SAMPLE = {"do_sample": True, "temperature": 0.9, "top_k": 40}
@@ -81,7 +82,7 @@ def test_generate_reads_back_once_per_k_steps_and_equals_cpu(llama, prompts, bat
     """64 new tokens, greedy and sampled, batch 1 and 4, with no end-of-sequence id, one that ends a row early
     while others go on ("some"), and ids that end every row early ("all", "early" at batch 1): token for token the
     CPU's, and at most one read-back per 4 decode steps (K = 8), the extra steps after the last row stopped fewer
-    than K."""
+    than K + READ_AHEAD (the steps dispatched before a read-back waits)."""
     cpu, tpu = llama
     generation.configure(tpu, buckets=[16, 32, 64, 128])  # prompt + 64 new tokens past the model's 64 positions
     ids, mask = prompts([5 + 3 * row for row in range(batch)], seed=batch)
@@ -107,7 +108,7 @@ def test_generate_reads_back_once_per_k_steps_and_equals_cpu(llama, prompts, bat
     assert s.d2h_copies * 4 <= steps and s.host_syncs * 4 <= steps, (s.d2h_copies, s.host_syncs, steps)
     (call,) = calls
     assert call.every == 8 and call.reason is None and call.read_backs == s.d2h_copies
-    assert call.decode_steps == steps + call.extra_steps and 0 <= call.extra_steps < call.every
+    assert call.decode_steps == steps + call.extra_steps and 0 <= call.extra_steps < call.every + READ_AHEAD
 
 
 class _Collect(BaseStreamer):
@@ -148,7 +149,8 @@ def test_streamer_and_a_criterion_of_the_callers_own_between_read_backs(llama, p
     with generation.read_backs() as calls:
         got = tpu.generate(ids, stopping_criteria=stop, **kwargs)
     assert torch.equal(got, expected) and got.shape[1] == ids.shape[1] + 11
-    assert calls[0].read_backs == 2 and calls[0].extra_steps == 16 - 11
+    # 16 tokens dispatched for the second read-back, and the next window's first READ_AHEAD before it waited
+    assert calls[0].read_backs == 2 and calls[0].extra_steps == 16 - 11 + READ_AHEAD
 
 
 def test_calls_that_need_the_host_each_step_read_back_each_step_and_explain_says_why(llama, prompts):

@@ -16,9 +16,11 @@ stopped. So the output is upstream's exactly:
   at the read-back, once per token in order, as they run in upstream's loop; a row they stop is padded in the
   sequences at once, and its flag on the device is cleared at that read-back (until then its own tokens feed the
   next steps: rows do not see each other, so no other row's tokens change);
-* the steps after the token where every row stopped are the price: at most K - 1 decode steps whose tokens are
-  thrown away (:class:`ReadBacks` counts them), and the device generator of a sampling call advances by their draws
-  too (a call seeded with ``torch.manual_seed`` draws as before: the extra steps come after its last token).
+* the steps after the token where every row stopped are the price: at most K - 1 + :data:`READ_AHEAD` decode steps
+  whose tokens are thrown away (:class:`ReadBacks` counts them; ``READ_AHEAD`` steps of the next window are
+  dispatched before each read-back waits, so the chip is not idle while the host reads), and the device generator
+  of a sampling call advances by their draws too (a call seeded with ``torch.manual_seed`` draws as before: the
+  extra steps come after its last token). ``max_new_tokens`` costs none: no step is dispatched past it.
 
 K is the model's ``read_back_every`` setting (:func:`hf_tpu.transformers.configure`, default
 :data:`~hf_tpu.transformers._settings.READ_BACK_EVERY`). A call reads back each step (K = 1) where the host needs each
@@ -37,7 +39,12 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["DeviceRows", "ReadBacks", "read_backs"]
+__all__ = ["READ_AHEAD", "DeviceRows", "ReadBacks", "read_backs"]
+
+#: Decode steps of the next window dispatched before a read-back waits (the window's tokens are stacked on the device
+#: first): the chip runs them while the host reads and turns the tokens over, instead of idling until the host
+#: dispatches again. They count among the extra steps when every row stops in the window read.
+READ_AHEAD = 2
 
 
 @dataclass
@@ -50,7 +57,7 @@ class ReadBacks:
         decode_steps: decode graphs run.
         read_backs: copies of new tokens back to the host.
         extra_steps: decode steps run after the token where every row stopped (their tokens are not returned);
-            at most ``every - 1``.
+            at most ``every - 1 + READ_AHEAD``.
     """
 
     every: int
@@ -130,13 +137,24 @@ class DeviceRows:
         self.unfinished = self.unfinished & ~torch.isin(kept, self.eos_dev)
         self.kept.append(kept)
 
-    def read(self):
-        """The kept tokens on the host, ``(n, batch)`` (one copy back), and the device's flags followed."""
+    def stage(self) -> tuple:
+        """The kept tokens stacked on the device (one op, ``(every, batch)``), and a new window begun: the steps
+        dispatched after this one are queued behind the stack, so :meth:`read` of it waits for them only as long as
+        the device needs to reach it."""
         import torch
 
         n = len(self.kept)
-        block = torch.stack(self.kept + [self.kept[-1]] * (self.every - n)).to("cpu")[:n]
+        block = torch.stack(self.kept + [self.kept[-1]] * (self.every - n))
         self.kept = []
+        return block, n
+
+    def read(self, staged: tuple | None = None):
+        """The kept tokens on the host, ``(n, batch)`` (one copy back; of ``staged``, what :meth:`stage` returned, or
+        of the tokens kept now), and the device's flags followed."""
+        import torch
+
+        block, n = staged if staged is not None else self.stage()
+        block = block.to("cpu")[:n]
         if self.unfinished is not None:
             for row in block:
                 self.mirror &= ~torch.isin(row, self.eos)
@@ -152,4 +170,5 @@ class DeviceRows:
         want = unfinished.bool()
         if not torch.equal(want, self.mirror):
             self.mirror = want.clone()
-            self.unfinished = want.to(self.device)
+            # cleared, never set: steps dispatched ahead of the read-back may have ended rows on the device since
+            self.unfinished = self.unfinished & want.to(self.device)

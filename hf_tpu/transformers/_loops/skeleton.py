@@ -414,26 +414,41 @@ class LoopCall:
                 record.decode_steps += 1
                 tokens_dev, _ = step(rows.fed)
                 rows.add(tokens_dev)
+            staged = rows.stage()
+            # the next window's first steps, queued before the read-back waits: never past max_new_tokens, and not
+            # before a streamer's first token (its time to the first token does not grow)
+            ahead = min(readback.READ_AHEAD, steps_left, self._left() - staged[1])
+            if self.streamer is not None and record.read_backs == 0:
+                ahead = 0
+            for _ in range(max(ahead, 0)):
+                steps_left -= 1
+                record.decode_steps += 1
+                tokens_dev, _ = step(rows.fed)
+                rows.add(tokens_dev)
             start = time.perf_counter() if HOST_TIMERS else None
-            block = rows.read()
+            block = rows.read(staged)
             _add_time(start)
             record.read_backs += 1
             for index, next_tokens in enumerate(block):
                 self._take(next_tokens)
-                if self.unfinished.max() == 0 or (steps_left <= 0 and index == len(block) - 1):
-                    record.extra_steps = len(block) - 1 - index
+                if self.unfinished.max() == 0 or (steps_left <= 0 and not rows.kept and index == len(block) - 1):
+                    record.extra_steps = len(block) - 1 - index + len(rows.kept)
                     return
             rows.sync(self.unfinished)
             size = self._chunk()
-            steps_left -= 1
-            record.decode_steps += 1
-            tokens_dev, _ = step(rows.fed)
-            rows.add(tokens_dev)
+            if not rows.kept:
+                steps_left -= 1
+                record.decode_steps += 1
+                tokens_dev, _ = step(rows.fed)
+                rows.add(tokens_dev)
+
+    def _left(self) -> int:
+        """The tokens the call may still return (``max_length`` ends it there)."""
+        return self.new_tokens - (self.input_ids.shape[1] - self.prompt_len)
 
     def _chunk(self) -> int:
         """The tokens the next read-back holds: :attr:`every`, fewer where ``max_length`` ends the call sooner."""
-        left = self.new_tokens - (self.input_ids.shape[1] - self.prompt_len)
-        return max(1, min(self.every, left))
+        return max(1, min(self.every, self._left()))
 
     def output(self, seq2seq: bool = False, cache=None):
         """What upstream's ``generate`` returns for the call (``cache``: the transformers cache it returns)."""
