@@ -367,8 +367,8 @@ def stage_experts() -> None:
 
 def stage_llama_decode() -> None:
     """hf_tpu's ``generate`` of a Llama-3.2-1B-shaped model (random bf16 weights built on the chip), prompt 512:
-    the decode step from two calls that share graphs and a 640-slot cache (112 and 16 new tokens), per batch and
-    per ``HF_TPU_KV_WRITE`` mode."""
+    the decode step from two calls that share graphs and a 640-slot cache (112 and 16 new tokens), per batch, per
+    ``HF_TPU_KV_WRITE`` mode (``MODES``) and per number of steps dispatched ahead of a read-back (``READ_AHEAD``)."""
     import torch
 
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -376,6 +376,8 @@ def stage_llama_decode() -> None:
 
     hf_tpu.enable("generation")
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_tpu.transformers._loops import readback
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -405,10 +407,12 @@ def stage_llama_decode() -> None:
                 return time.perf_counter() - start, out
 
             first, _ = timed(16)
-            short = min(timed(16)[0], timed(16)[0])
-            long, out = timed(112)
-            rec(step="decode", batch=batch, kv_write=mode, first_s=first, short_s=short, long_s=long,
-                step_s=(long - short) / 96, new_tokens=int(out.shape[1] - 512))  # fmt: skip
+            for ahead in _numbers(os.environ.get("READ_AHEAD", str(readback.READ_AHEAD))):
+                readback.READ_AHEAD = ahead  # steps dispatched before a read-back waits (0: none, the earlier loop)
+                short = min(timed(16)[0], timed(16)[0])
+                long, out = timed(112)
+                rec(step="decode", batch=batch, kv_write=mode, read_ahead=ahead, first_s=first, short_s=short,
+                    long_s=long, step_s=(long - short) / 96, new_tokens=int(out.shape[1] - 512))  # fmt: skip
 
 
 STAGES = {
@@ -510,8 +514,10 @@ def install(folder: Path) -> None:
         subprocess.run(["tar", "xJf", str(folder / "torch_tpu.tar.xz"), "-C", str(site)], check=True)
         small = [str(p) for n in SMALL_WHEELS for p in folder.glob(f"{n}-*.whl")]
         _pip("--no-index", "--no-deps", "--target", str(site), *small)
-        _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--find-links", str(folder),
-             "--target", str(tf), "transformers")  # fmt: skip
+        _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--no-deps", "--target", str(site),
+             "absl-py")  # torch_tpu's logging; on the machine's index  # fmt: skip
+        wheel = next(folder.glob("transformers-*.whl"))  # the version hf_tpu was tested with; its needs from the index
+        _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--target", str(tf), str(wheel))
     for part in sorted(folder.glob("libtpu.part*")):
         (lib / part.name).write_bytes(part.read_bytes())
     parts = sorted(lib.glob("libtpu.part*"))
