@@ -241,18 +241,15 @@ def stage_jaxop() -> None:
 
 
 def _tiny_model(kind: str, path: str) -> str:
+    """hf_tpu.testing's tiny Llama or Qwen3-MoE at lane-friendly sizes (the Pallas kernels tile by 128), saved."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
-    torch.manual_seed(0)
-    common = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=64, max_position_embeddings=512)  # fmt: skip
-    if kind == "llama":
-        config = LlamaConfig(intermediate_size=512, **common)
-    else:
-        config = Qwen3MoeConfig(intermediate_size=512, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
-                                decoder_sparse_step=1, **common)  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config)
+    from hf_tpu.testing import tiny_model
+
+    sizes = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, head_dim=64, max_position_embeddings=512)
+    if kind != "llama":
+        sizes.update(moe_intermediate_size=256)
+    model = tiny_model("llama" if kind == "llama" else "qwen3_moe", **sizes)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(4.0)  # sharper logits: greedy tokens far from ties

@@ -62,6 +62,7 @@ def test_generate_stage_on_the_simulator(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     runs = [r for r in records if r["step"] == "generate"]
-    assert [(r["case"], r["batch"]) for r in runs] == [("llama", 1), ("llama", 4), ("moe_kernel", 1), ("moe_kernel", 4)]
+    cases = [(r["case"], r["batch"]) for r in runs]
+    assert cases == [("llama", 1), ("llama", 4), ("moe_kernel", 1), ("moe_kernel", 4)]
     assert all(r["equal"] for r in runs)
     assert {r["experts"] for r in runs if r["case"] == "moe_kernel"} == {"chip_kernel"}

@@ -109,6 +109,8 @@ def test_generate_reads_back_once_per_k_steps_and_equals_cpu(llama, prompts, bat
     (call,) = calls
     assert call.every == 8 and call.reason is None and call.read_backs == s.d2h_copies
     assert call.decode_steps == steps + call.extra_steps and 0 <= call.extra_steps < call.every + READ_AHEAD
+    if ending == "none":  # max_new_tokens ends the call: no step is dispatched past it, read ahead or not
+        assert call.extra_steps == 0
 
 
 class _Collect(BaseStreamer):

@@ -138,9 +138,9 @@ class DeviceRows:
         self.kept.append(kept)
 
     def stage(self) -> tuple:
-        """The kept tokens stacked on the device (one op, ``(every, batch)``), and a new window begun: the steps
-        dispatched after this one are queued behind the stack, so :meth:`read` of it waits for them only as long as
-        the device needs to reach it."""
+        """The kept tokens stacked on the device (one op, ``(every, batch)``), and a new window begun. :meth:`read`
+        of the stack waits for its value only: steps dispatched after it can run while the host reads (on a v5e
+        through torch_tpu, docs/generation.md "Host waits")."""
         import torch
 
         n = len(self.kept)
