@@ -50,6 +50,7 @@ __all__ = [
     "TORCH_FORMS",
     "choose",
     "dense_experts_forward",
+    "load_kernel_forms",
     "measured_experts_forward",
     "measured_kernels_experts_forward",
     "measured_name",
@@ -219,10 +220,27 @@ def choose(
     return near[0] if near else min(times, key=times.get)
 
 
-def _kernel_forward(form: str):
-    from hf_tpu.kernels.loader import load_ragged_dot_kernel
+#: The Hub kernel's experts forward per kernel form, made by :func:`load_kernel_forms` before any trace.
+_KERNEL_FORWARDS: dict[str, Any] = {}
 
-    return load_ragged_dot_kernel().make_experts_forward(KERNEL_FORMS[form])
+
+def load_kernel_forms() -> dict[str, Any]:
+    """Load the ragged-dot Hub kernel and make its experts forward for each form in :data:`KERNEL_FORMS`, once.
+
+    Called outside any trace (by :func:`use_measured_experts` for ``"hf_tpu_measured_kernels"``, and so by
+    :func:`prefer_measured` on a TPU VM): loading the kernel reads files (``os.stat``), which Dynamo cannot trace, so
+    loading it inside a compiled bucket's trace broke the graph and ``generate`` fell back to upstream's eager loop
+    (391 ms per decode step of the Qwen3-MoE shape on a v5e)."""
+    if not _KERNEL_FORWARDS:
+        from hf_tpu.kernels.loader import load_ragged_dot_kernel
+
+        kernel = load_ragged_dot_kernel()
+        _KERNEL_FORWARDS.update({form: kernel.make_experts_forward(impl) for form, impl in KERNEL_FORMS.items()})
+    return _KERNEL_FORWARDS
+
+
+def _kernel_forward(form: str):
+    return (_KERNEL_FORWARDS or load_kernel_forms())[form]
 
 
 def _form_forward(form: str):
@@ -289,15 +307,26 @@ measured_kernels_experts_forward = _measured_forward(FORMS)
 
 
 def use_measured_experts(name: str = MEASURED_NAME) -> str:
-    """Register :data:`measured_experts_forward` (and ``"hf_tpu_measured_kernels"``, the torch forms as
-    ``"hf_tpu_dense"`` / ``"hf_tpu_slots"``) in transformers' experts interface; returns ``name``, to pass as
-    ``experts_implementation``."""
+    """Register :data:`measured_experts_forward` as ``"hf_tpu_measured"`` (with ``"hf_tpu_measured_kernels"`` and the
+    torch forms as ``"hf_tpu_dense"`` / ``"hf_tpu_slots"``) in transformers' experts interface; returns ``name``, to
+    pass as ``experts_implementation``. ``name`` ``"hf_tpu_measured_kernels"`` also loads the Hub kernel's forms
+    (:func:`load_kernel_forms`), here, before any graph that runs them is traced.
+
+    Raises:
+        ValueError (InvalidArgumentError): ``name`` is neither of the two measured implementations.
+    """
     from hf_tpu.kernels.registry import register_experts, registered_experts
 
+    if name not in (MEASURED_NAME, MEASURED_KERNELS_NAME):
+        raise InvalidArgumentError(f"{name!r} is not a measured experts implementation; use {MEASURED_NAME!r} or "
+                                   f"{MEASURED_KERNELS_NAME!r}")  # fmt: skip
     _constant_choice_wrapper()
+    if name == MEASURED_KERNELS_NAME:
+        load_kernel_forms()
     ours = registered_experts()
-    for key, fn in ((name, measured_experts_forward), (MEASURED_KERNELS_NAME, measured_kernels_experts_forward),
-                    ("hf_tpu_dense", dense_experts_forward), ("hf_tpu_slots", slots_experts_forward)):  # fmt: skip
+    named = ((MEASURED_NAME, measured_experts_forward), (MEASURED_KERNELS_NAME, measured_kernels_experts_forward),
+             ("hf_tpu_dense", dense_experts_forward), ("hf_tpu_slots", slots_experts_forward))  # fmt: skip
+    for key, fn in named:
         if ours.get(key) is not fn:
             register_experts(key, fn, replace=key in ours)
     return name
@@ -307,7 +336,7 @@ def register_named(name: str) -> None:
     """Register what an ``experts_implementation`` name of hf_tpu's needs (the measured choice, its torch forms, the
     ragged-dot Hub kernel); other names (transformers' own) need nothing."""
     if name in (MEASURED_NAME, MEASURED_KERNELS_NAME, "hf_tpu_dense", "hf_tpu_slots"):
-        use_measured_experts()
+        use_measured_experts(name if name == MEASURED_KERNELS_NAME else MEASURED_NAME)
     elif name == "ragged_dot_tpu":
         from hf_tpu.kernels.registry import use_ragged_dot_experts
 
@@ -369,6 +398,6 @@ def prefer_measured(model) -> bool:
     if weight is None or weight.device.type != "tpu" or (sim is not None and sim.is_sim_tensor(weight)):
         return False  # measured on a chip: for torch_tpu's device (the simulator keeps transformers' default)
     name = measured_name()
-    use_measured_experts()
+    use_measured_experts(name)
     model.set_experts_implementation(name)
     return True

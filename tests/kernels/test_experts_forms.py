@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.kernels import experts_forms
 from ragged_helpers import experts_reference, make_experts, routing
 
@@ -120,7 +121,6 @@ def test_measured_name_takes_the_kernel_forms_only_on_a_tpu_vm(monkeypatch):
     from types import SimpleNamespace
 
     from hf_tpu import runtime
-    from hf_tpu.errors import InvalidArgumentError
 
     monkeypatch.delenv(experts_forms.MEASURED_ENV, raising=False)
     assert runtime.detect().mode != "real"
@@ -153,3 +153,27 @@ def test_measured_choice_compiles_into_one_graph():
     compiled = torch.compile(lambda x: model(x).logits, backend="eager", fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids), model(ids).logits)
+
+
+def test_kernel_forms_are_loaded_before_the_trace(monkeypatch):
+    """``"hf_tpu_measured_kernels"`` loads the Hub kernel when it is registered, outside any trace: loading it reads
+    files (``os.stat``), which Dynamo cannot trace, and on a v5e that graph break sent ``generate`` to upstream's eager
+    loop. A compiled graph that picks a kernel form then traces whole, and loads nothing more."""
+    from hf_tpu.kernels import loader
+
+    loads = []
+    real_load = loader.load_ragged_dot_kernel
+    monkeypatch.setattr(loader, "load_ragged_dot_kernel", lambda: loads.append(1) or real_load())
+    monkeypatch.setattr(experts_forms, "_KERNEL_FORWARDS", {})
+    assert experts_forms.use_measured_experts(experts_forms.MEASURED_KERNELS_NAME) == "hf_tpu_measured_kernels"
+    assert loads == [1] and set(experts_forms._KERNEL_FORWARDS) == set(experts_forms.KERNEL_FORMS)
+
+    def pick(x):
+        forward = experts_forms._form_forward("kernel_decode")
+        return x * 2 if forward is experts_forms._KERNEL_FORWARDS["kernel_decode"] else x
+
+    torch._dynamo.reset()
+    assert torch.compile(pick, backend="eager", fullgraph=True)(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert loads == [1]
+    with pytest.raises(InvalidArgumentError, match="not a measured experts implementation"):
+        experts_forms.use_measured_experts("hf_tpu_dense")
