@@ -13,7 +13,7 @@ come (``name[:seconds[:ENV=V,ENV=V]]`` narrows a stage: ``experts:200:SHAPE=mixt
 
 This project's lent chip machine has JAX, libtpu 0.0.42 and no torch: ``pack`` makes, from a local venv with
 torch-tpu 0.2.0 and libtpu 0.0.52, the folders that travel there (each under the tool's 64 MiB per call: torch_tpu
-for torch 2.13 with its small dependencies and a transformers wheel; libtpu 0.0.52 in two halves), and ``install``
+for torch 2.13 with its small dependencies and the transformers and kernels wheels; libtpu 0.0.52 in two halves), and ``install``
 (on the chip, once per warm machine, one folder per call) puts them under /tmp/hf_tpu_chip with torch 2.13.0 from
 the machine's own wheels::
 
@@ -362,54 +362,102 @@ def stage_experts() -> None:
                 rec(step="form", shape=name, tokens=tokens, form=form, error=repr(exc)[:1200])
 
 
+DECODE_MODELS = {
+    # the Llama-3.2-1B shape, and the Qwen3-30B-A3B shape with 8 of its 48 layers (as many as fit the v5e's 15.75 GiB
+    # with a batch-64 cache: 9.7 GB of experts), as chip_bench.py's lean steps
+    "llama": ("LlamaConfig", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                  num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                  max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=500000.0)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, moe_intermediate_size=768,
+                                         intermediate_size=6144, num_hidden_layers=8, num_attention_heads=32,
+                                         num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                         max_position_embeddings=4096, tie_word_embeddings=False,
+                                         rope_theta=1000000.0)),
+}  # fmt: skip
+
+
+def _decode_model(name: str):
+    """A ``DECODE_MODELS`` shape with random bf16 weights built on the chip (no checkpoint, no host copy)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config_class, fields = DECODE_MODELS[name]
+    config = getattr(transformers, config_class)(**fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.to_empty(device="tpu").to(torch.bfloat16).requires_grad_(False).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, dtype=torch.bfloat16, device="tpu") * 0.02)
+        rotary = model.model.rotary_emb
+        for buffer_name, buffer in type(rotary)(config).named_buffers():
+            getattr(rotary, buffer_name).copy_(buffer.to("tpu"))
+    model.tie_weights()
+    model.generation_config.eos_token_id = None  # every call runs its max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
 def stage_llama_decode() -> None:
-    """hf_tpu's ``generate`` of a Llama-3.2-1B-shaped model (random bf16 weights built on the chip), prompt 512:
-    the decode step from two calls that share graphs and a 640-slot cache (112 and 16 new tokens), per batch, per
-    ``HF_TPU_KV_WRITE`` mode (``MODES``) and per number of steps dispatched ahead of a read-back (``READ_AHEAD``)."""
+    """hf_tpu's ``generate`` of a Llama-3.2-1B-shaped model (``MODEL=qwen3_moe``: the 8-layer Qwen3-30B-A3B shape,
+    with the experts form hf_tpu picks on a TPU VM), prompt 512: the decode step from two calls that share graphs and
+    a 640-slot cache (112 and 16 new tokens), per batch, per ``HF_TPU_KV_WRITE`` mode (``MODES``), per KV rows writer
+    (``WRITERS``, ``HF_TPU_KV_ROWS_WRITER``: the tokens of each against the first's) and per number of steps
+    dispatched ahead of a read-back (``READ_AHEAD``)."""
     import torch
 
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     import hf_tpu
 
     hf_tpu.enable("generation")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from hf_tpu.transformers._loops import readback
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
-                         tie_word_embeddings=True, rope_theta=500000.0)  # fmt: skip
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model = model.to_empty(device="tpu").to(torch.bfloat16).requires_grad_(False).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, dtype=torch.bfloat16, device="tpu") * 0.02)
-        for name, buffer in LlamaRotaryEmbedding(config).named_buffers():
-            getattr(model.model.rotary_emb, name).copy_(buffer.to("tpu"))
-    model.tie_weights()
-    model.generation_config.eos_token_id = None  # every call runs its max_new_tokens
-    model.generation_config.pad_token_id = 0
+    name = os.environ.get("MODEL", "llama")
+    model = _decode_model(name)
+    vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     for batch in _numbers(os.environ.get("BATCHES", "1 64")):
-        ids = torch.randint(3, 120000, (batch, 512), generator=generator)
+        ids = torch.randint(3, vocab - 8, (batch, 512), generator=generator)
         for mode in os.environ.get("MODES", "graph after").replace("+", " ").split():
             os.environ["HF_TPU_KV_WRITE"] = mode
+            first_tokens = None
+            for writer in os.environ.get("WRITERS", "auto").replace("+", " ").split():
+                os.environ["HF_TPU_KV_ROWS_WRITER"] = writer
 
-            def timed(n):
-                start = time.perf_counter()
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                     do_sample=False)  # fmt: skip
-                return time.perf_counter() - start, out
+                def timed(n):
+                    start = time.perf_counter()
+                    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                         do_sample=False)  # fmt: skip
+                    return time.perf_counter() - start, out
 
-            first, _ = timed(16)
-            for ahead in _numbers(os.environ.get("READ_AHEAD", str(readback.READ_AHEAD))):
-                readback.READ_AHEAD = ahead  # steps dispatched before a read-back waits (0: none, the earlier loop)
-                short = min(timed(16)[0], timed(16)[0])
-                long, out = timed(112)
-                rec(step="decode", batch=batch, kv_write=mode, read_ahead=ahead, first_s=first, short_s=short,
-                    long_s=long, step_s=(long - short) / 96, new_tokens=int(out.shape[1] - 512))  # fmt: skip
+                first, _ = timed(16)
+                for ahead in _numbers(os.environ.get("READ_AHEAD", str(readback.READ_AHEAD))):
+                    readback.READ_AHEAD = ahead  # steps dispatched before a read-back waits (0: none)
+                    short = min(timed(16)[0], timed(16)[0])
+                    long, out = timed(112)
+                    first_tokens = out if first_tokens is None else first_tokens
+                    rec(step="decode", model=name, batch=batch, kv_write=mode, rows_writer=writer, read_ahead=ahead,
+                        experts=getattr(model.config, "_experts_implementation", None), first_s=first,
+                        short_s=short, long_s=long, step_s=(long - short) / 96, new_tokens=int(out.shape[1] - 512),
+                        tokens_equal_first=bool(torch.equal(out, first_tokens)))  # fmt: skip
+
+
+def stage_lean() -> None:
+    """The references of the decode rows, measured in the same command: ``scripts/chip_bench.py``'s floor (the
+    chip's streaming rate) and its lean JAX decode steps (``BATCHES``; ``MODELS``: ``llama``, ``moe``; ``FORMS``: the
+    MoE step's experts forms, ``+``-separated), in the machine's own JAX, before a torch_tpu stage opens the chip
+    (:func:`stage_env`); their records go to ``records.jsonl`` in chip_bench's own format (``chip_bench.py report``
+    reads them)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import chip_bench
+
+    os.environ["CHIP_BENCH_BATCHES"] = " ".join(str(b) for b in _numbers(os.environ.get("BATCHES", "1 64")))
+    os.environ["CHIP_BENCH_LEAN"] = os.environ.get("MODELS", "llama moe").replace("+", " ").replace("_", " ")
+    if "FORMS" in os.environ:
+        os.environ["CHIP_BENCH_LEAN_FORMS"] = os.environ["FORMS"].replace("+", " ")
+    chip_bench.part_floor(_OUT, quick=False)
+    chip_bench.part_lean(_OUT, _OUT, quick=False)
 
 
 STAGES = {
@@ -420,6 +468,7 @@ STAGES = {
     "generate": stage_generate,
     "experts": stage_experts,
     "llama_decode": stage_llama_decode,
+    "lean": stage_lean,
 }
 
 
@@ -470,7 +519,7 @@ def pack(dest: Path, venv: Path) -> None:
     listing.write_text("\n".join(members) + "\n")
     subprocess.run(f"tar cf - -C {site} -T {listing} | xz -T2 -9 > {dest / 'tt' / 'torch_tpu.tar.xz'}", shell=True,
                    check=True)  # fmt: skip
-    wheels = [f"{n}=={_installed_version(site, n)}" for n in (*SMALL_WHEELS, "transformers")]
+    wheels = [f"{n}=={_installed_version(site, n)}" for n in (*SMALL_WHEELS, "transformers", "kernels")]
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
                     "--platform", "manylinux_2_26_x86_64", "--platform", "manylinux2014_x86_64",
@@ -515,6 +564,9 @@ def install(folder: Path) -> None:
              "absl-py")  # torch_tpu's logging; on the machine's index  # fmt: skip
         wheel = next(folder.glob("transformers-*.whl"))  # the version hf_tpu was tested with; its needs from the index
         _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--target", str(tf), str(wheel))
+        # kernels (hf_tpu's measured experts choice takes the Hub kernel's forms only where it is importable, as on a
+        # TPU VM with hf-tpu[tpu]); not on the machine's index, its needs are transformers' (huggingface_hub, pyyaml)
+        _pip("--no-index", "--no-deps", "--target", str(tf), str(next(folder.glob("kernels-*.whl"))))
     for part in sorted(folder.glob("libtpu.part*")):
         (lib / part.name).write_bytes(part.read_bytes())
     parts = sorted(lib.glob("libtpu.part*"))
@@ -525,12 +577,13 @@ def install(folder: Path) -> None:
     print(json.dumps({"site": len(list(site.iterdir())), "libtpu": sorted(p.name for p in lib.iterdir())}))
 
 
-def stage_env() -> dict[str, str]:
+def stage_env(name: str = "") -> dict[str, str]:
     """The environment a stage process runs in: on the lent chip, libtpu 0.0.52 first, torch and torch_tpu after the
-    machine's own folders, JAX kept off the chip (torch_tpu holds it); on a TPU VM, unchanged."""
+    machine's own folders, JAX kept off the chip (torch_tpu holds it); on a TPU VM, unchanged. The ``lean`` stage
+    runs JAX alone on the chip, with the machine's own libtpu."""
     env = dict(os.environ)
     paths = [str(ROOT)]
-    if (CHIP_HOME / "site").is_dir():
+    if (CHIP_HOME / "site").is_dir() and name != "lean":
         current = [p for p in env.get("PYTHONPATH", "").split(":") if p]
         paths = [str(CHIP_HOME / "libtpu"), *current, str(CHIP_HOME / "site"), str(CHIP_HOME / "transformers"),
                  str(ROOT)]  # fmt: skip
@@ -550,7 +603,7 @@ def run(out: Path, stages: list[str], deadline: float) -> int:
         if left < 20:
             print(f"skipped {stages[i]}: no time left", flush=True)
             continue
-        env = {**stage_env(), **extra}
+        env = {**stage_env(name), **extra}
         log = out / f"{i:02d}-{name}.log"
         with open(log, "w") as f:
             try:

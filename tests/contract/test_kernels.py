@@ -207,3 +207,23 @@ def test_enable_on_a_host_with_chips_selects_the_torch_tpu_variant(host_with_chi
     assert _backend().name == "cpu" and hf_tpu._patch.applied("kernels") == []
     with pytest.raises(FileNotFoundError, match="torch-tpu"):
         get_local_kernel(RAGGED_DOT_REPO)
+
+
+def test_the_kv_rows_writer_registers_through_the_real_jax_op_with_its_caches_donated():
+    """hf_tpu's one-program KV rows writer (``HF_TPU_KV_ROWS_WRITER``, the default on torch_tpu's device) through
+    torch-tpu's own ``jax_op``: a list-of-tensors schema, the caches (argument 0) donated, and the real fake
+    implementation (JAX's export of the program) answers each cache's shape and dtype for a Llama-3.2-1B-shaped
+    batch-64 cache."""
+    from torch_tpu._internal.pallas import pallas as tt_pallas
+
+    from hf_tpu.transformers._cache import static
+
+    op = static._jax_rows_writer()
+    assert op is static._jax_rows_writer() and isinstance(op, tt_pallas._JaxCustomOpDef)
+    assert "Tensor[] caches, Tensor[] rows, Tensor slot" in str(op._opoverload._schema)
+    assert tuple(op._init_fn.donate_argnums) == (0,)  # the JaxCallable jax_op wraps: what it hands the runtime
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    caches = [torch.empty(64, 8, 640, 64, **meta) for _ in range(4)]
+    rows = [torch.empty(64, 8, 1, 64, **meta) for _ in range(4)]
+    out = op(caches, rows, torch.empty(1, device="meta", dtype=torch.int32))
+    assert [(tuple(o.shape), o.dtype) for o in out] == [((64, 8, 640, 64), torch.bfloat16)] * 4

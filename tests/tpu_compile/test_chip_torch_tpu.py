@@ -66,3 +66,34 @@ def test_generate_stage_on_the_simulator(tmp_path):
     assert cases == [("llama", 1), ("llama", 4), ("moe_kernel", 1), ("moe_kernel", 4)]
     assert all(r["equal"] for r in runs)
     assert {r["experts"] for r in runs if r["case"] == "moe_kernel"} == {"chip_kernel"}
+
+
+def test_decode_models_are_the_lean_steps_shapes_and_the_lean_stage_runs_jax_alone(tmp_path, monkeypatch):
+    """The decode stage's models are the shapes of chip_bench.py's lean JAX steps (the rows' references, measured in
+    the same command by the ``lean`` stage); that stage runs in the machine's own JAX (its libtpu, the chip not kept
+    from JAX), the torch_tpu stages with libtpu 0.0.52 first and JAX on the CPU."""
+    import transformers
+
+    s = _script()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import chip_bench
+
+    for name, lean in (("llama", chip_bench.LLAMA_1B), ("qwen3_moe", chip_bench.QWEN3_MOE)):
+        config_class, fields = s.DECODE_MODELS[name]
+        c = getattr(transformers, config_class)(**fields)
+        got = {"vocab": c.vocab_size, "hidden": c.hidden_size, "layers": c.num_hidden_layers,
+               "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+               "tied": c.tie_word_embeddings}  # fmt: skip
+        if name == "llama":
+            got["intermediate"] = c.intermediate_size
+        else:
+            got.update(intermediate=c.moe_intermediate_size, experts=c.num_experts, top_k=c.num_experts_per_tok)
+        assert got == lean, name
+    monkeypatch.setattr(s, "CHIP_HOME", tmp_path)
+    (tmp_path / "site").mkdir()
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    torch_tpu_env, lean_env = s.stage_env("llama_decode"), s.stage_env("lean")
+    assert torch_tpu_env["JAX_PLATFORMS"] == "cpu" and torch_tpu_env["PYTHONPATH"].startswith(str(tmp_path / "libtpu"))
+    assert "JAX_PLATFORMS" not in lean_env and lean_env["PYTHONPATH"] == str(ROOT)
+    assert s.parse_stage("lean:200:BATCHES=1_64,MODELS=llama+moe") == ("lean", 200, {"BATCHES": "1_64",
+                                                                                   "MODELS": "llama+moe"})

@@ -118,3 +118,65 @@ def test_beam_search_keeps_the_write_in_its_graph(llama, prompts, monkeypatch):
     assert torch.equal(tpu.generate(ids, attention_mask=mask, **kwargs), cpu.generate(ids, attention_mask=mask, **kwargs))
     cache = _cache_of(tpu, 4)
     assert cache and not any(getattr(layer, "hf_tpu_rows_after", False) for layer in cache[0].layers)
+
+
+def test_the_jax_writer_writes_what_index_copy_writes(monkeypatch):
+    """``HF_TPU_KV_ROWS_WRITER``: the JAX program that writes every layer's row in one call (run on the JAX CPU
+    backend here) writes what upstream's ``index_copy_`` writes, in float32 and bfloat16; ``write_rows`` with it
+    (its torch_tpu bridge, the one part that needs a chip, stood in by a call of the same JAX function) ``set_``s each
+    cache to the written buffer, equal to the ``index_copy_`` writer's. ``auto`` takes ``index_copy`` on the
+    simulator; ``jax`` there, or an unknown value, is an error that names the fix."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    def to_jax(t):
+        return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16 if t.dtype == torch.bfloat16 else jnp.float32)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        caches = [torch.randn(2, 3, 8, 4).to(dtype) for _ in range(4)]
+        rows = [torch.randn(2, 3, 1, 4).to(dtype) for _ in range(4)]
+        want = [c.clone().index_copy_(2, torch.tensor([5]), r) for c, r in zip(caches, rows)]
+        got = static.jax_write_rows([to_jax(c) for c in caches], [to_jax(r) for r in rows], jnp.array([5], jnp.int32))
+        for g, w in zip(got, want):
+            assert np.array_equal(np.asarray(g.astype(jnp.float32)), w.float().numpy())
+
+    def layers_with_rows():
+        built = []
+        for _ in range(2):
+            layer = BucketedStaticLayer(max_cache_len=8)
+            prompt = torch.randn(2, 3, 5, 4)
+            layer.lazy_initialization(prompt.to("tpu"), prompt.to("tpu"))
+            layer.update(prompt.to("tpu"), prompt.to("tpu") * 2)
+            layer.hf_tpu_rows_after = True
+            layer.update(torch.randn(2, 3, 1, 4).to("tpu"), torch.randn(2, 3, 1, 4).to("tpu"))
+            built.append(layer)
+        return type("C", (), {"layers": built})()
+
+    monkeypatch.delenv(static.KV_ROWS_WRITER_ENV, raising=False)
+    torch.manual_seed(3)
+    by_index_copy = layers_with_rows()
+    assert static.kv_rows_writer(by_index_copy.layers[0].keys) == "index_copy"  # the simulator's tpu
+    static.write_rows(by_index_copy)
+
+    def bridge(caches, rows, slot):  # what torch.tpu.pallas.jax_op runs on a chip: the JAX function on the buffers
+        out = static.jax_write_rows([to_jax(c.cpu()) for c in caches], [to_jax(r.cpu()) for r in rows],
+                                    jnp.asarray(slot.cpu().numpy()))  # fmt: skip
+        return [torch.from_numpy(np.asarray(o)).to("tpu") for o in out]
+
+    monkeypatch.setattr(static, "_torch_tpu_tensor", lambda tensor: True)
+    monkeypatch.setattr(static, "_jax_rows_writer", lambda: bridge)
+    torch.manual_seed(3)
+    by_jax = layers_with_rows()
+    assert static.kv_rows_writer(by_jax.layers[0].keys) == "jax"
+    before = [layer.keys for layer in by_jax.layers]
+    static.write_rows(by_jax)
+    for layer, ref, tensor in zip(by_jax.layers, by_index_copy.layers, before):
+        assert layer.keys is tensor and layer.hf_tpu_rows is None  # the same tensor, set_ to the written buffer
+        assert torch.equal(layer.keys.cpu(), ref.keys.cpu()) and torch.equal(layer.values.cpu(), ref.values.cpu())
+    monkeypatch.undo()
+    monkeypatch.setenv(static.KV_ROWS_WRITER_ENV, "jax")
+    with pytest.raises(InvalidArgumentError, match="needs torch_tpu's tpu device"):
+        static.kv_rows_writer(torch.zeros(1, device="tpu"))
+    monkeypatch.setenv(static.KV_ROWS_WRITER_ENV, "scatter")
+    with pytest.raises(InvalidArgumentError, match="auto, index_copy, jax"):
+        static.kv_rows_writer(torch.zeros(1, device="tpu"))

@@ -96,7 +96,9 @@ class BucketedStaticLayer(cu.StaticLayer):
         here = (torch.arange(self.max_cache_len, device=self.device) == position).view(1, 1, -1, 1)
         # (in the cache's dtype, as upstream's index_copy_ stores them)
         key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.values.dtype)
-        self.hf_tpu_rows = (key_states, value_states, position.view(1))
+        # (the slot twice: int64 for index_copy_, int32 for the JAX writer; a cast after the graph would be an eager
+        # op of its own every step on torch_tpu)
+        self.hf_tpu_rows = (key_states, value_states, position.view(1), position.view(1).to(torch.int32))
         return torch.where(here, key_states, self.keys), torch.where(here, value_states, self.values)
 
     def reset(self) -> None:
