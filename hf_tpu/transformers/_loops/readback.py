@@ -44,7 +44,7 @@ __all__ = ["READ_AHEAD", "DeviceRows", "ReadBacks", "read_backs"]
 #: Decode steps of the next window dispatched before a read-back waits (the window's tokens are stacked on the device
 #: first): the chip runs them while the host reads and turns the tokens over, instead of idling until the host
 #: dispatches again. They count among the extra steps when every row stops in the window read.
-READ_AHEAD = 2
+READ_AHEAD = 4
 
 
 @dataclass
