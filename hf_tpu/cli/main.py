@@ -17,6 +17,9 @@ directory, bucket overflow, device-map fit, tensor-parallel plan, training refus
 ``--debug`` (any command) or ``HF_TPU_DEBUG=1`` re-raises them with the full traceback. Other exceptions are bugs
 and keep their traceback.
 
+The hf_tpu integrations a command enables (``hf_tpu.enable``) are reverted when it ends, so that :func:`main` called
+in a process leaves it patched as it found it.
+
 ``COMMANDS`` lists them with a one-line summary. A command shows up only when its module exists, and only the
 module of the command being run is imported, so ``hf-tpu --help`` stays fast (no torch import).
 
@@ -29,13 +32,15 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 
+from hf_tpu import _patch
 from hf_tpu.errors import HfTpuTypeError, UserError
 
 __all__ = ["COMMANDS", "DEBUG_ENV", "available_commands", "build_parser", "main"]
@@ -189,6 +194,19 @@ def _enable_simulator(args: argparse.Namespace) -> None:
     hf_tpu.sim.enable(**kwargs)
 
 
+@contextlib.contextmanager
+def _integrations_restored() -> Iterator[None]:
+    """Revert the hf_tpu integrations a command enabled (``generate``, ``warmup`` and ``serve`` enable theirs) when it
+    ends, so that :func:`main` called in a process leaves that process as it found it; those enabled before stay."""
+    before = {name for name in _patch.INTEGRATIONS if _patch.is_enabled(name)}
+    try:
+        yield
+    finally:
+        added = [name for name in _patch.INTEGRATIONS if _patch.is_enabled(name) and name not in before]
+        if added:  # (disable() with no names would revert every integration)
+            _patch.disable(*reversed(added))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``hf-tpu`` with ``argv`` (default: the process arguments) and return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -211,7 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"hf-tpu {args.command}: cannot enable the simulated tpu device: {err}", file=sys.stderr)
             return 2
     try:
-        return int(args._module.run(args) or 0)
+        with _integrations_restored():
+            return int(args._module.run(args) or 0)
     except TPUNotAvailableError as err:
         if _debug(args):
             raise

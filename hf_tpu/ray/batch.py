@@ -36,6 +36,7 @@ import json
 import os
 import socket
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,34 @@ def _node_id() -> str | None:
         return None
 
 
+# The integrations the live generators enabled, and how many live: the first one enables what was off, the last one
+# to be collected disables that again (a count, not a scope: an actor's calls keep them on between batches, and
+# turning them on and off around each call would cost every batch ~0.1 s of host time).
+_HELD: dict[str, Any] = {"live": 0, "added": []}
+
+
+def _hold_integrations(owner: object) -> weakref.finalize:
+    from hf_tpu import _patch
+
+    if _HELD["live"] == 0:
+        before = {name for name in _patch.INTEGRATIONS if _patch.is_enabled(name)}
+        _patch.enable()
+        _HELD["added"] = [name for name in _patch.INTEGRATIONS if _patch.is_enabled(name) and name not in before]
+    _HELD["live"] += 1
+    return weakref.finalize(owner, _release_integrations)  # (called once: by close(), or when owner is collected)
+
+
+def _release_integrations() -> None:
+    from hf_tpu import _patch
+
+    _HELD["live"] -= 1
+    if _HELD["live"] == 0 and _HELD["added"]:
+        still = [name for name in reversed(_HELD["added"]) if _patch.is_enabled(name)]
+        _HELD["added"] = []
+        if still:  # (disable() with no names would revert every integration)
+            _patch.disable(*still)
+
+
 class HfTpuGenerate:
     """Generate text for a batch of prompts on this actor's TPU (a callable class for ``Dataset.map_batches``).
 
@@ -100,6 +129,10 @@ class HfTpuGenerate:
 
     Greedy by default (``do_sample=False``): the rows equal the CPU's ``generate`` on the same prompts.
     Pass the same ``batch_size`` here and to ``map_batches``.
+
+    hf_tpu's integrations (:func:`hf_tpu.enable`) are in force while a generator lives (in a Ray actor: the actor's
+    life); when the last one is closed (:meth:`close`) or garbage-collected, those it enabled are disabled again,
+    those the caller had enabled before stay (out of Ray, in a notebook or a test, the process is left as it was).
 
     Args:
         model: a model directory (``save_pretrained`` layout) or Hub id, loaded with ``device_map="tpu"``.
@@ -165,11 +198,10 @@ class HfTpuGenerate:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from hf_tpu import runtime
-        from hf_tpu._patch import enable
         from hf_tpu.compile_cache import CompileCache
 
         info = runtime.require_tpu("HfTpuGenerate")
-        enable()
+        self._release = _hold_integrations(self)
         self.batch_size, self.max_new_tokens, self.max_prompt_len = batch_size, max_new_tokens, max_prompt_len
         self.prompt_column = prompt_column
         self.generate_kwargs = {"do_sample": False, **(generate_kwargs or {})}
@@ -190,6 +222,11 @@ class HfTpuGenerate:
             folder.mkdir(parents=True, exist_ok=True)
             name = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}.json"
             (folder / name).write_text(json.dumps(asdict(self.start_report)))
+
+    def close(self) -> None:
+        """Let go of hf_tpu's integrations now rather than when this generator is collected (a second call does
+        nothing); the generator can still be called, with the integrations another live one holds, or none."""
+        self._release()
 
     def _warm_up(self, cache, simulated: bool, load_s: float) -> StartReport:
         """Warm up the one batch shape, holding the cache directory's lock so that only the first actor compiles."""

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from _timeouts import SAFETY_TIMEOUT_S
 
+import hf_tpu
+from hf_tpu._patch import INTEGRATIONS
 from hf_tpu.assets import default_model_path
 from hf_tpu.cli import _model_path
 from hf_tpu.errors import CheckpointFileError, UserError
@@ -226,3 +228,37 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def enabled_integrations() -> set[str]:
+    return {name for name in INTEGRATIONS if hf_tpu.is_enabled(name)}
+
+
+def test_generate_called_in_a_process_leaves_its_integrations_as_they_were(truncated_model, capsys):
+    """``generate`` enables the ``generation`` integration (before it reads the weights): main() reverts it."""
+    before = enabled_integrations()
+    assert cli_main.main(["generate", "--simulate", str(truncated_model), "--max-new-tokens", "2"]) == 2
+    assert enabled_integrations() == before
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["returns", "raises"])
+def test_main_reverts_what_a_command_enabled_and_keeps_what_the_caller_had(fails, monkeypatch, capsys):
+    during = set()
+
+    class Fake:
+        register = staticmethod(lambda subparsers: subparsers.add_parser("serve"))
+
+        @staticmethod
+        def run(args):
+            hf_tpu.enable()  # as `serve` does: every integration
+            during.update(enabled_integrations())
+            if fails:
+                raise UserError("a mistake of the user's")
+            return 0
+
+    monkeypatch.setattr(cli_main, "_load", lambda name: Fake)
+    with hf_tpu.enabled("kernels"):  # the caller's own
+        before = enabled_integrations()
+        assert cli_main.main(["serve"]) == (2 if fails else 0)
+        assert before < during, "nothing for main() to revert: another test left every integration enabled"
+        assert enabled_integrations() == before

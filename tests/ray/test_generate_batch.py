@@ -21,7 +21,8 @@ def generator(tmp_path_factory):
     reports = tmp_path_factory.mktemp("reports")
     gen = HfTpuGenerate(MODEL, batch_size=2, max_new_tokens=NEW_TOKENS, max_prompt_len=16, simulate=True,
                         start_reports=reports)  # fmt: skip
-    return gen, reports
+    yield gen, reports
+    gen.close()  # the integrations it enabled go now, not whenever the collector finds it
 
 
 def test_rows_equal_cpu_greedy_and_a_short_batch_is_padded_not_recompiled(generator):
