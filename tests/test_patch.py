@@ -166,3 +166,60 @@ def test_a_torch_config_flag_set_by_the_simulator_is_restored_by_its_uninstall()
         assert config.functionalize_rng_ops == before["functionalize_rng_ops"]
     finally:
         _rng.install()
+
+
+def test_a_deferred_integration_applies_when_its_package_is_imported(monkeypatch, tmp_path):
+    """An integration of DEFERRED (diffusers) whose package is not imported yet is enabled at once and applied the
+    moment the package is imported; disabled first, it never applies; one that fails to apply fails the import and is
+    reverted; with the package imported already, enable applies it at once. No finder is left behind."""
+    import sys
+
+    package = "hf_tpu_deferred_fixture"
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("class Pipe:\n    def to(self):\n        return 'upstream'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    failing = []
+
+    def apply():
+        module = sys.modules[package]
+        if failing:
+            raise ValueError("written for another release")
+        _patch.patch(module.Pipe, "to", lambda self: "patched", feature="late")
+
+    real_load = _patch._load
+    monkeypatch.setattr(_patch, "_load", lambda name: apply if name == "late" else real_load(name))
+    monkeypatch.setitem(_patch.DEFERRED, "late", package)
+
+    def waiting():
+        return [f for f in sys.meta_path if isinstance(f, _patch._AfterImport)]
+
+    def fresh():
+        sys.modules.pop(package, None)
+        return __import__(package)
+
+    sys.modules.pop(package, None)
+    assert "late" in _patch.enable("late") and package not in sys.modules
+    assert _patch.is_enabled("late") and _patch.applied("late") == [] and len(waiting()) == 1
+    module = __import__(package)
+    assert module.Pipe().to() == "patched" and len(_patch.applied("late")) == 1 and waiting() == []
+    _patch.disable("late")
+    assert module.Pipe().to() == "upstream" and not _patch.is_enabled("late")
+
+    sys.modules.pop(package, None)
+    _patch.enable("late")
+    _patch.disable("late")  # before the import: nothing applies, the finder goes
+    assert waiting() == [] and fresh().Pipe().to() == "upstream"
+
+    sys.modules.pop(package, None)
+    _patch.enable("late")
+    failing.append(True)
+    with pytest.raises(ValueError, match="another release"):
+        __import__(package)
+    assert not _patch.is_enabled("late") and package not in sys.modules and waiting() == []
+    failing.clear()
+
+    module = fresh()
+    _patch.enable("late")  # imported already: applied at once
+    assert module.Pipe().to() == "patched" and waiting() == []
+    _patch.disable("late")
+    sys.modules.pop(package, None)
