@@ -294,7 +294,7 @@ def _load(name: str) -> Callable[[], None]:
 class _AfterImport(importlib.abc.MetaPathFinder):
     """First on ``sys.meta_path`` while an enabled integration waits for ``package``: when the package is imported, it
     lets the other finders find it, and once the package's module has run, applies the integration (under the
-    patches' lock). An integration that fails to apply is reverted and its error propagates, as :func:`enable`'s
+    patches' lock) and leaves ``sys.meta_path``. An integration that fails to apply is reverted and its error propagates, as :func:`enable`'s
     would: the import fails with it. :func:`revert` takes the finder away (registered with :func:`on_revert`)."""
 
     def __init__(self, feature: str, package: str, apply: Callable[[], None]) -> None:
@@ -311,17 +311,23 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != self.package:
             return None
-        self.remove()  # (before finding it: find_spec below asks the other finders)
-        import importlib.util
-
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        # The other finders find it; this one stays until the package's module runs: a look-up without an import
+        # (``importlib.util.find_spec``, as availability checks such as transformers' do) must not disarm it.
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        loader, hook = spec.loader, self
+        loader, hook = spec.loader, self  # (a loader made for this look-up: the wrapper below is its own)
         run = loader.exec_module
 
         def exec_module(module: Any) -> None:
             del loader.exec_module  # (the loader's own method again: this runs once)
+            hook.remove()
             run(module)
             hook.applied()
 

@@ -171,7 +171,9 @@ def test_a_torch_config_flag_set_by_the_simulator_is_restored_by_its_uninstall()
 def test_a_deferred_integration_applies_when_its_package_is_imported(monkeypatch, tmp_path):
     """An integration of DEFERRED (diffusers) whose package is not imported yet is enabled at once and applied the
     moment the package is imported; disabled first, it never applies; one that fails to apply fails the import and is
-    reverted; with the package imported already, enable applies it at once. No finder is left behind."""
+    reverted; with the package imported already, enable applies it at once. A look-up of the package without an
+    import leaves the integration waiting. No finder is left behind."""
+    import importlib.util
     import sys
 
     package = "hf_tpu_deferred_fixture"
@@ -200,6 +202,8 @@ def test_a_deferred_integration_applies_when_its_package_is_imported(monkeypatch
     sys.modules.pop(package, None)
     assert "late" in _patch.enable("late") and package not in sys.modules
     assert _patch.is_enabled("late") and _patch.applied("late") == [] and len(waiting()) == 1
+    assert importlib.util.find_spec(package) is not None  # a look-up alone (an availability check) disarms nothing
+    assert package not in sys.modules and len(waiting()) == 1
     module = __import__(package)
     assert module.Pipe().to() == "patched" and len(_patch.applied("late")) == 1 and waiting() == []
     _patch.disable("late")
