@@ -294,8 +294,9 @@ def _load(name: str) -> Callable[[], None]:
 class _AfterImport(importlib.abc.MetaPathFinder):
     """First on ``sys.meta_path`` while an enabled integration waits for ``package``: when the package is imported, it
     lets the other finders find it, and once the package's module has run, applies the integration (under the
-    patches' lock) and leaves ``sys.meta_path``. An integration that fails to apply is reverted and its error propagates, as :func:`enable`'s
-    would: the import fails with it. :func:`revert` takes the finder away (registered with :func:`on_revert`)."""
+    patches' lock) and leaves ``sys.meta_path``. An integration that fails to apply is reverted and its error
+    propagates, as :func:`enable`'s would: the import fails with it. :func:`revert` takes the finder away (registered
+    with :func:`on_revert`)."""
 
     def __init__(self, feature: str, package: str, apply: Callable[[], None]) -> None:
         self.feature, self.package, self.apply = feature, package, apply

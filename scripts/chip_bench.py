@@ -664,9 +664,9 @@ def rows_after(text: str) -> list[tuple[int, int, int]]:
     (``HF_TPU_KV_WRITE``: hf_tpu's loop writes each layer's new K and V row with an in-place ``index_copy_``).
 
     Such a program returns, per layer, its K row, its V row (rank-4, one slot: batch, heads, 1, dim) and their slot
-    (``tensor<1xi64>``, then the same slot as ``tensor<1xi32>`` for hf_tpu's JAX rows writer), in layer order, and takes the caches (rank-4, the same batch, heads and dim, many slots) as
-    arguments in that order. Returns (cache argument, row result, slot result) per cache tensor; none for a program
-    that writes its cache itself."""
+    (``tensor<1xi64>``, then the same slot as ``tensor<1xi32>`` for hf_tpu's JAX rows writer), in layer order, and
+    takes the caches (rank-4, the same batch, heads and dim, many slots) as arguments in that order. Returns (cache
+    argument, row result, slot result) per cache tensor; none for a program that writes its cache itself."""
     _, _, args, results = _signature(text)
 
     def dims(t):

@@ -13,9 +13,9 @@ come (``name[:seconds[:ENV=V,ENV=V]]`` narrows a stage: ``experts:200:SHAPE=mixt
 
 This project's lent chip machine has JAX, libtpu 0.0.42 and no torch: ``pack`` makes, from a local venv with
 torch-tpu 0.2.0 and libtpu 0.0.52, the folders that travel there (each under the tool's 64 MiB per call: torch_tpu
-for torch 2.13 with its small dependencies and the transformers and kernels wheels; libtpu 0.0.52 in two halves), and ``install``
-(on the chip, once per warm machine, one folder per call) puts them under /tmp/hf_tpu_chip with torch 2.13.0 from
-the machine's own wheels::
+for torch 2.13 with its small dependencies and the transformers and kernels wheels; libtpu 0.0.52 in two halves), and
+``install`` (on the chip, once per warm machine, one folder per call) puts them under /tmp/hf_tpu_chip with torch
+2.13.0 from the machine's own wheels::
 
     python scripts/chip_torch_tpu.py pack .chip_carry --venv .venv-tpu     # here: .chip_carry/{tt,lt1,lt2}
     python scripts/chip_torch_tpu.py install .chip_carry/tt                # on the chip, one call each, in order
