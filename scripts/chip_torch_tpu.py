@@ -510,7 +510,8 @@ def torch_tpu_members(site: Path) -> list[str]:
 
 
 def pack(dest: Path, venv: Path) -> None:
-    """Write ``dest/tt`` (torch_tpu, small wheels, transformers) and ``dest/lt1``, ``dest/lt2`` (libtpu halves)."""
+    """Write ``dest/tt`` (torch_tpu, small wheels, transformers), ``dest/lt1`` (libtpu's first half, the kernels
+    wheel) and ``dest/lt2`` (libtpu's second half)."""
     site = next((venv / "lib").glob("python3*/site-packages"))
     for sub in ("tt", "lt1", "lt2"):
         (dest / sub).mkdir(parents=True, exist_ok=True)
@@ -519,11 +520,14 @@ def pack(dest: Path, venv: Path) -> None:
     listing.write_text("\n".join(members) + "\n")
     subprocess.run(f"tar cf - -C {site} -T {listing} | xz -T2 -9 > {dest / 'tt' / 'torch_tpu.tar.xz'}", shell=True,
                    check=True)  # fmt: skip
-    wheels = [f"{n}=={_installed_version(site, n)}" for n in (*SMALL_WHEELS, "transformers", "kernels")]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
-                    "--platform", "manylinux_2_26_x86_64", "--platform", "manylinux2014_x86_64",
-                    "-d", str(dest / "tt"), *wheels], check=True)  # fmt: skip
+    # The kernels wheel travels beside libtpu's first half: with transformers' wheel, torch_tpu and the working tree
+    # (10 MB) the tt call would pass the tool's 64 MiB.
+    for sub, names in (("tt", (*SMALL_WHEELS, "transformers")), ("lt1", ("kernels",))):
+        wheels = [f"{n}=={_installed_version(site, n)}" for n in names]
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+                        "--platform", "manylinux_2_26_x86_64", "--platform", "manylinux2014_x86_64",
+                        "-d", str(dest / sub), *wheels], check=True)  # fmt: skip
     libtpu = dest / "libtpu.tar.xz"
     subprocess.run(f"tar cf - -C {site} libtpu $(cd {site} && ls -d libtpu-*.dist-info) | xz -T2 -7 > {libtpu}",
                    shell=True, check=True)  # fmt: skip
@@ -564,9 +568,10 @@ def install(folder: Path) -> None:
              "absl-py")  # torch_tpu's logging; on the machine's index  # fmt: skip
         wheel = next(folder.glob("transformers-*.whl"))  # the version hf_tpu was tested with; its needs from the index
         _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--target", str(tf), str(wheel))
+    for wheel in folder.glob("kernels-*.whl"):
         # kernels (hf_tpu's measured experts choice takes the Hub kernel's forms only where it is importable, as on a
         # TPU VM with hf-tpu[tpu]); not on the machine's index, its needs are transformers' (huggingface_hub, pyyaml)
-        _pip("--no-index", "--no-deps", "--target", str(tf), str(next(folder.glob("kernels-*.whl"))))
+        _pip("--no-index", "--no-deps", "--target", str(tf), str(wheel))
     for part in sorted(folder.glob("libtpu.part*")):
         (lib / part.name).write_bytes(part.read_bytes())
     parts = sorted(lib.glob("libtpu.part*"))
@@ -582,9 +587,9 @@ def stage_env(name: str = "") -> dict[str, str]:
     machine's own folders, JAX kept off the chip (torch_tpu holds it); on a TPU VM, unchanged. The ``lean`` stage
     runs JAX alone on the chip, with the machine's own libtpu."""
     env = dict(os.environ)
-    paths = [str(ROOT)]
+    current = [p for p in env.get("PYTHONPATH", "").split(":") if p]  # the lent chip's JAX comes through it
+    paths = [*current, str(ROOT)]
     if (CHIP_HOME / "site").is_dir() and name != "lean":
-        current = [p for p in env.get("PYTHONPATH", "").split(":") if p]
         paths = [str(CHIP_HOME / "libtpu"), *current, str(CHIP_HOME / "site"), str(CHIP_HOME / "transformers"),
                  str(ROOT)]  # fmt: skip
         env["JAX_PLATFORMS"] = "cpu"

@@ -321,8 +321,8 @@ def kv_rows_after(cache) -> bool:
 #: ``index_copy`` (one eager in-place ``index_copy_`` per layer's keys and values), ``jax`` (one program for every
 #: layer, its caches donated: :func:`_jax_rows_writer`, torch_tpu's device and ``jax`` needed) or ``auto`` (``jax``
 #: where it can run, else ``index_copy``). On a v5e with torch_tpu 0.2.0 the 32 eager writes of a batch-64
-#: Llama-3.2-1B-shaped cache cost 6.5 ms a step (each a program of its own, run 14); with this writer run 16 measured
-#: that batch-64 step 12.24 -> 10.00 ms (docs/planning.md: figures of session 60's note, its records were not kept).
+#: Llama-3.2-1B-shaped cache cost 6.5 ms a step (each a program of its own, run 14); with this writer run 17 measured
+#: that batch-64 ``generate`` step 13.09 -> 8.65 ms, the same tokens (docs/chip_v5e_torch_tpu.jsonl).
 KV_ROWS_WRITER_ENV = "HF_TPU_KV_ROWS_WRITER"
 KV_ROWS_WRITERS = ("auto", "index_copy", "jax")
 _JAX_WRITER: list = []  # the jax_op, made once per process (registering it twice under one name fails)
