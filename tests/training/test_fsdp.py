@@ -4,7 +4,8 @@ A tiny Llama and a tiny Mixtral (MoE) trained with ``Trainer(fsdp="full_shard", 
 on N ranks give the losses, step by step, of one process training the same model on the whole global batch on the
 CPU without hf_tpu (rtol = atol = 1e-5: the ranks' gradients are averaged in a different order), compile nothing after
 the first step, and each rank holds 1/N of the single chip's parameters, gradients and optimizer state (plus the
-stated constant). Launches have a timeout and leave no process.
+stated constant). Launches have a timeout and leave no process. The slow tier's tests share three launches (each rank
+runs several jobs one after the other, see :data:`LAUNCHES`): starting a rank costs more CPU than these runs.
 """
 
 from __future__ import annotations
@@ -46,25 +47,76 @@ def family_dir(tmp_path_factory):
     return make
 
 
-def _launch(out: Path, ranks: int, *args: str) -> list[dict]:
-    out.mkdir()
+def _launch(out: Path, ranks: int, jobs: list[tuple[Path, int, str]]) -> dict[tuple[str, str], list[dict]]:
+    """One launch of ``ranks`` ranks running ``jobs`` (model folder, steps, mode) in order in each rank (see
+    _fsdp_worker.py); the ranks' results of each job, by (mode, model folder name)."""
+    out.mkdir(exist_ok=True)
+    args = [str(a) for path, steps, mode in jobs for a in (path, steps, mode)]
     code, log, _ = launch(
         ["--simulate", f"--nproc_per_node={ranks}", WORKER, str(out), *args], timeout=SAFETY_TIMEOUT_S
     )
     assert code == 0, log[-6000:]
     assert not processes_mentioning(str(out)), "ranks left running after the launcher exited"
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
-    for r in results:
-        assert "error" not in r, r["error"]
-    return results
+    found = {}
+    for path, _, mode in jobs:
+        results = [json.loads((out / f"{mode}-{path.name}" / f"rank{r}.json").read_text()) for r in range(ranks)]
+        for r in results:
+            assert "error" not in r, r["error"]
+        found[mode, path.name] = results
+    return found
 
 
-@pytest.mark.parametrize(("family", "ranks"), [("llama", 2), ("mixtral", 2), ("llama", 4)])
-def test_trainer_fsdp2_equals_one_process_on_the_whole_batch(family_dir, tmp_path, family, ranks):
+# The slow tier's launches, each of several jobs run one after the other in each rank: a rank's start (torch,
+# transformers, accelerate, hf_tpu) costs more CPU than these tiny models' few steps. name -> (ranks, jobs as (family,
+# steps, mode), the launch that must run first). A job that checks that nothing compiles after its first step goes
+# first in its launch (a process's earlier jobs could have seen a shape that is new to it); "resume" resumes the
+# checkpoint of "four"'s "save". The tests that read a launch share an xdist group, so that one worker runs it once.
+# The core tier's test (llama on 2 ranks) keeps a launch of its own.
+LAUNCHES = {
+    "four": (4, [("llama", STEPS, "trainer"), ("llama", 4, "save")], None),
+    "two": (2, [("mixtral", STEPS, "trainer"), ("llama", STEPS, "accelerate"), ("llama", 1, "offload")], None),
+    "two-after-four": (2, [("llama", STEPS, "bf16"), ("llama", 4, "resume")], "four"),
+}
+FOUR, TWO = pytest.mark.xdist_group("fsdp-four"), pytest.mark.xdist_group("fsdp-two")  # "two-after-four": FOUR
+
+
+class _Launches:
+    """``launched(name, mode, family)``: the ranks' results of that job of the launch ``name`` of :data:`LAUNCHES`,
+    each launch run once, into one folder (``launched.out``), the first time a test asks for it."""
+
+    def __init__(self, out: Path, family_dir) -> None:
+        self.out, self._family_dir, self._done = out, family_dir, {}
+
+    def __call__(self, name: str, mode: str, family: str = "llama") -> list[dict]:
+        return self._run(name)[mode, family]
+
+    def _run(self, name: str) -> dict:
+        if name not in self._done:
+            ranks, jobs, after = LAUNCHES[name]
+            if after:
+                self._run(after)
+            jobs = [(self._family_dir(family), steps, mode) for family, steps, mode in jobs]
+            self._done[name] = _launch(self.out, ranks, jobs)
+        return self._done[name]
+
+
+@pytest.fixture(scope="module")
+def launched(family_dir, tmp_path_factory) -> _Launches:
+    return _Launches(tmp_path_factory.mktemp("fsdp-launches"), family_dir)
+
+
+@pytest.mark.parametrize(
+    ("family", "ranks"),
+    [("llama", 2), pytest.param("mixtral", 2, marks=TWO), pytest.param("llama", 4, marks=FOUR)],
+)
+def test_trainer_fsdp2_equals_one_process_on_the_whole_batch(family_dir, launched, tmp_path, family, ranks):
     from transformers import AutoModelForCausalLM
 
     path = family_dir(family)
-    results = _launch(tmp_path / "fsdp", ranks, str(path), str(STEPS), "trainer")
+    if (family, ranks) == ("llama", 2):  # the core tier's: a launch of its own
+        results = _launch(tmp_path / "fsdp", ranks, [(path, STEPS, "trainer")])["trainer", family]
+    else:
+        results = launched("two" if ranks == 2 else "four", "trainer", family)
 
     with without_hf_tpu():  # one process, the whole batch, on the CPU, upstream code only
         _, cpu = run_trainer(AutoModelForCausalLM.from_pretrained(path), STEPS, 1, str(tmp_path / "cpu"), use_cpu=True)
@@ -86,7 +138,8 @@ def test_trainer_fsdp2_equals_one_process_on_the_whole_batch(family_dir, tmp_pat
     torch.testing.assert_close(one["losses"], cpu["losses"], rtol=1e-5, atol=1e-5)
 
 
-def test_sharded_checkpoint_of_4_ranks_resumes_on_2_and_exports_a_plain_model(family_dir, tmp_path):
+@FOUR
+def test_sharded_checkpoint_of_4_ranks_resumes_on_2_and_exports_a_plain_model(family_dir, launched):
     """``state_dict_type="SHARDED_STATE_DICT"``: the Trainer's checkpoint is ``torch.distributed.checkpoint``, one file
     per rank (no rank writes the whole model); 2 ranks resume the 4 ranks' checkpoint of step 2 (DCP reshards it) and
     train steps 3 and 4 with the losses of the uninterrupted 4-rank run; ``accelerator.get_state_dict`` +
@@ -94,10 +147,10 @@ def test_sharded_checkpoint_of_4_ranks_resumes_on_2_and_exports_a_plain_model(fa
     from transformers import AutoModelForCausalLM
 
     path, steps = family_dir("llama"), 4
-    saved = _launch(tmp_path / "save", 4, str(path), str(steps), "save")
+    saved = launched("four", "save")
     import torch.distributed.checkpoint as dcp
 
-    checkpoint = tmp_path / "save" / "run" / "checkpoint-2" / "pytorch_model_fsdp_0"
+    checkpoint = launched.out / "save-llama" / "run" / "checkpoint-2" / "pytorch_model_fsdp_0"
     assert len(list(checkpoint.glob("*.distcp"))) == 4  # one file per rank
     metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
     initial = dict(AutoModelForCausalLM.from_pretrained(path).named_parameters())
@@ -105,14 +158,14 @@ def test_sharded_checkpoint_of_4_ranks_resumes_on_2_and_exports_a_plain_model(fa
         chunks = metadata.state_dict_metadata[f"model.{name}"].chunks
         assert [c.sizes[0] for c in chunks] == [weight.shape[0] // 4] * 4, (name, chunks)
 
-    resumed = _launch(tmp_path / "resume", 2, str(path), str(steps), "resume")
+    resumed = launched("two-after-four", "resume")
     assert len(saved[0]["losses"]) == steps and len(resumed[0]["losses"]) == steps - 2
     for r in resumed:
         torch.testing.assert_close(r["losses"], saved[0]["losses"][2:], rtol=1e-5, atol=1e-5)
 
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "resume" / "export")
-    trained = torch.load(tmp_path / "resume" / "weights.pt")
-    uninterrupted = torch.load(tmp_path / "save" / "weights.pt")
+    exported = AutoModelForCausalLM.from_pretrained(launched.out / "resume-llama" / "export")
+    trained = torch.load(launched.out / "resume-llama" / "weights.pt")
+    uninterrupted = torch.load(launched.out / "save-llama" / "weights.pt")
     loaded = dict(exported.named_parameters())
     assert set(loaded) == set(trained)
     for name, weight in trained.items():
@@ -122,7 +175,8 @@ def test_sharded_checkpoint_of_4_ranks_resumes_on_2_and_exports_a_plain_model(fa
     assert any(not torch.allclose(initial[n].detach(), w, atol=1e-4) for n, w in trained.items())
 
 
-def test_accelerator_loop_with_the_fsdp2_plugin_equals_one_process(family_dir, tmp_path):
+@TWO
+def test_accelerator_loop_with_the_fsdp2_plugin_equals_one_process(family_dir, launched):
     """``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=
     "transformer_based_wrap"))`` in a plain loop on 2 ranks: the losses of one CPU process on the whole batches.
     The model comes from the host and is wrapped unit by unit: during ``prepare`` a chip holds at most its shards and
@@ -131,7 +185,7 @@ def test_accelerator_loop_with_the_fsdp2_plugin_equals_one_process(family_dir, t
     from transformers import AutoModelForCausalLM
 
     path = family_dir("llama")
-    results = _launch(tmp_path / "fsdp", 2, str(path), str(STEPS), "accelerate")
+    results = launched("two", "accelerate")
     AcceleratorState._reset_state(True)
     try:
         with without_hf_tpu():
@@ -149,7 +203,8 @@ def test_accelerator_loop_with_the_fsdp2_plugin_equals_one_process(family_dir, t
         torch.testing.assert_close(r["losses"], cpu, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_and_activation_checkpointing(family_dir, tmp_path):
+@FOUR
+def test_bf16_and_activation_checkpointing(family_dir, launched, tmp_path):
     """``bf16=True``: FSDP gathers bf16 weights for the forward and the optimizer updates fp32 shards; with
     ``fsdp_config={"activation_checkpointing": True}`` the layers are checkpointed. The logged loss is FSDP's bf16
     output (its spacing near 4.9 is 1/32, the mean of two ranks' half of it), so it matches the fp32 CPU run within
@@ -157,7 +212,7 @@ def test_bf16_and_activation_checkpointing(family_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     path = family_dir("llama")
-    results = _launch(tmp_path / "fsdp", 2, str(path), str(STEPS), "bf16")
+    results = launched("two-after-four", "bf16")
     with without_hf_tpu():
         _, cpu = run_trainer(AutoModelForCausalLM.from_pretrained(path), STEPS, 1, str(tmp_path / "cpu"), use_cpu=True)
     for r in results:
@@ -167,8 +222,9 @@ def test_bf16_and_activation_checkpointing(family_dir, tmp_path):
         torch.testing.assert_close(r["losses"], cpu["losses"], rtol=0, atol=0.05)
 
 
-def test_cpu_offload_is_refused_with_the_fix(family_dir, tmp_path):
-    results = _launch(tmp_path / "fsdp", 2, str(family_dir("llama")), "1", "offload")
+@TWO
+def test_cpu_offload_is_refused_with_the_fix(launched):
+    results = launched("two", "offload")
     for r in results:
         assert r.get("refused", "").startswith("TPUTrainingError: FSDP CPU offload"), r
         assert "--nproc_per_node" in r["refused"]
