@@ -4,7 +4,8 @@ test_qwen_image_tp.
 ``python _qwen_image_tp_worker.py OUT_DIR TP_SIZE TRANSFORMER_DIR [--compile]``. Each rank builds the tiny
 pipeline's other components (``tiny_qwen_image_pipeline()``, the same seed as the test), loads the transformer from
 TRANSFORMER_DIR sharded through diffusers' own ``TensorParallelConfig(tp_degree=TP_SIZE)`` and makes an image on its
-own ``tpu:0``, and the same image with the whole pipeline on that chip (TP=1). With ``--compile`` it then compiles
+own ``tpu:0``; rank 0 also makes the same image with the whole pipeline on that chip (TP=1: one run is enough,
+the test checks every rank's sharded image against it). With ``--compile`` it then compiles
 the pipeline (``compile_pipeline(strict=True)``: one graph per step, no break) and makes it twice more, counting
 compiles (about 40 s more for 4 ranks on a 2-core host, so the test runs without it). It writes the images and
 what it saw to ``OUT_DIR/rank{RANK}.npz`` / ``.json``.
@@ -46,7 +47,8 @@ def image(pipe) -> np.ndarray:
 
 images, compiles = {}, []
 with hf_tpu.enabled("diffusers"):
-    images["tp1"] = image(tiny_qwen_image_pipeline().to("tpu"))
+    if rank == 0:
+        images["tp1"] = image(tiny_qwen_image_pipeline().to("tpu"))
     transformer = QwenImage21Transformer2DModel.from_pretrained(
         path, parallel_config=TensorParallelConfig(tp_degree=tp_size)
     )
