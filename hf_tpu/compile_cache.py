@@ -22,13 +22,14 @@ graphs and the eager ops are kept next to them, and its per-host tier 2 (``TORCH
 torch_tpu reads both once, before its first compile; a cache created after that is reported (tier 3 then needs
 ``HF_TPU_COMPILE_CACHE`` set before ``import hf_tpu``, or the variables set by hand).
 
-A graph's key never lets a stale entry in: the namespace covers the hf_tpu, torch, torch-tpu, libtpu, transformers
-and Python versions, the runtime mode, the model class, its config, dtype and attention implementation, the
-ladder, the cache sizing, the backend and the source of the graph functions; the graph file repeats the key and the
-graph's own id (its shape key and baked-in constants) and is checked on load; the saved guards are checked on each
-call. Weights are graph inputs, never constants, so two checkpoints of one architecture share entries. A corrupt
-entry, an entry from another version, a failed guard or an unwritable directory is reported
-(:class:`CompileCacheWarning`, and ``CompileCache.problems``) and bypassed: the graph is compiled as usual.
+A graph's key never lets a stale entry in: the namespace covers the hf_tpu, torch, torch-tpu, libtpu, transformers and
+Python versions, the runtime mode, the model class, its config, dtype and attention implementation, a tensor-parallel
+model's layout (TP size, rank, plan, KV-heads strategy, shard shapes), the ladder, the cache sizing, the backend and
+the source of the graph functions; the graph file repeats the key and the graph's own id (its shape key and baked-in
+constants) and is checked on load; the saved guards are checked on each call. Weights are graph inputs, never
+constants, so two checkpoints of one architecture share entries. A corrupt entry, an entry from another version, a
+failed guard or an unwritable directory is reported (:class:`CompileCacheWarning`, and ``CompileCache.problems``) and
+bypassed: the graph is compiled as usual.
 
 Example:
     >>> import hf_tpu                                                                          # doctest: +SKIP
@@ -152,14 +153,18 @@ def versions() -> dict[str, Any]:
 def model_identity(model) -> dict[str, Any]:
     """What a compiled graph of ``model`` depends on besides its shapes and weights: transformers' version, the
     model class, a hash of its config (paths and versions left out), attention implementation, dtype and device
-    type. Generation's and serving's compile-cache namespaces start from it.
+    type, and for a tensor-parallel model its layout (:func:`_parallel_layout`). Generation's and serving's
+    compile-cache namespaces start from it.
 
     Args:
-        model: a transformers model (its ``config``, ``dtype`` and ``device`` are read).
+        model: a transformers model (its ``config``, ``dtype`` and ``device`` are read; for the layout, its
+            parallel attributes and parameters).
 
     Returns:
         A JSON-able dict: ``transformers``, ``model_class``, ``config`` (a sha256), ``attn_implementation``,
-        ``dtype`` and ``device``.
+        ``dtype`` and ``device``; for a tensor-parallel model (or one with DTensor parameters) also
+        ``parallel``, the dict of :func:`_parallel_layout`. A model without one has no ``parallel`` key, so its
+        identity is the one it had before the layout joined the key (existing caches stay valid).
     """
     import transformers
 
@@ -167,7 +172,7 @@ def model_identity(model) -> dict[str, Any]:
     for volatile in ("_name_or_path", "transformers_version", "name_or_path"):
         config.pop(volatile, None)
     cls = type(model)
-    return {
+    identity = {
         "transformers": transformers.__version__,
         "model_class": f"{cls.__module__}.{cls.__qualname__}",
         "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
@@ -175,6 +180,78 @@ def model_identity(model) -> dict[str, Any]:
         "dtype": str(model.dtype),
         "device": model.device.type,
     }
+    layout = _parallel_layout(model)
+    if layout is not None:
+        identity["parallel"] = layout
+    return identity
+
+
+def _json_sha(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _parallel_layout(model) -> dict[str, Any] | None:
+    """How ``model``'s weights are laid out over a tensor-parallel group, as far as this process's graphs depend
+    on it; None for a model that is not split (``_tp_size`` unset or 1, and no DTensor parameter).
+
+    A graph traced on one rank of one layout computes with that rank's shard shapes, plan and rank-dependent
+    constants: the config is the same for every layout and rank, so without this part a cache shared by the
+    ranks of a launch, or by launches with another KV-heads strategy, served one layout's graphs to another
+    (wrong tokens where the shard shapes happened to pass the graph's guards).
+
+    Args:
+        model: a transformers model, loaded with ``DistributedConfig(tp_size=...)`` (``_tp_size``, ``_tp_plan``,
+            ``_mesh_manager``) or holding DTensor parameters otherwise.
+
+    Returns:
+        None, or a JSON-able dict: ``tp_size``; ``rank`` (this process's rank in the TP group); ``meshes`` (per
+        device mesh of the DTensor parameters: dimension names, global ranks and this process's coordinate, since
+        a graph names the process group its collectives run over, ``all_reduce(x, 'sum', '0')``); ``plan`` (a
+        sha256 of the fixed plan, ``_tp_plan``); ``kv_heads`` (the KV-heads strategy hf_tpu's plan fix loaded it
+        with, None when it did not run) and ``local_shapes`` (a sha256 of each parameter's name, local shape and
+        placements).
+    """
+    tp_size = getattr(model, "_tp_size", None) or 1
+    shapes, meshes = [], {}
+    for name, param in model.named_parameters():
+        local = getattr(param, "_local_tensor", None)  # a DTensor's shard on this rank (``to_local()``)
+        if local is None:
+            shapes.append([name, list(param.shape)])
+            continue
+        shapes.append([name, list(local.shape), [str(p) for p in param.placements]])
+        mesh = param.device_mesh
+        coordinate = mesh.get_coordinate()  # None where this rank is not in the mesh
+        described = {
+            "dims": list(mesh.mesh_dim_names or ()),
+            "ranks": mesh.mesh.tolist(),
+            "coordinate": None if coordinate is None else list(coordinate),
+        }
+        meshes[json.dumps(described, default=str)] = described
+    if tp_size <= 1 and not meshes:
+        return None
+    return {
+        "tp_size": tp_size,
+        "rank": _tp_rank(model),
+        "meshes": [meshes[k] for k in sorted(meshes)],
+        "plan": _json_sha(getattr(model, "_tp_plan", None)),
+        # set on the model by hf_tpu.distributed.tp_plan when it fixed the plan: the process-wide setting may have
+        # changed since the model was loaded
+        "kv_heads": getattr(model, "_hf_tpu_kv_heads_strategy", None),
+        "local_shapes": _json_sha(shapes),
+    }
+
+
+def _tp_rank(model) -> int | None:
+    """This process's rank in ``model``'s TP group: its ``tp`` mesh's local rank, else the global rank."""
+    manager = getattr(model, "_mesh_manager", None)
+    if manager is not None:
+        try:
+            return manager.get_mesh("tp").get_local_rank()
+        except Exception:  # noqa: BLE001 - a manager without a tp mesh: fall back to the global rank
+            logger.debug("no tp mesh on %r", manager, exc_info=True)
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
 class CompileCache:

@@ -543,8 +543,9 @@ def _resolve_with_fixes(original):
 
     Upstream merges the user's ``tp_plan`` over the model's and shards by it whatever the config says; the
     wrapper first runs :func:`fix_plan` on the merged plan and stores the fixed plan on the model
-    (``model._tp_plan``, which generation also reads to size the static cache), then lets upstream proceed.
-    Needed as long as upstream does not check heads against ``tp_size`` (still the case in 5.24).
+    (``model._tp_plan``, which generation also reads to size the static cache), its fixes (``_hf_tpu_tp_fixes``) and
+    the KV-heads strategy (``_hf_tpu_kv_heads_strategy``), then lets upstream proceed. Needed as long as upstream
+    does not check heads against ``tp_size`` (still the case in 5.24).
     """
 
     def _resolve_parallel_plans(self, distributed_config):
@@ -580,6 +581,9 @@ def _resolve_with_fixes(original):
                         level = logging.INFO if fix.kind == "uneven_vocab" else logging.WARNING
                         logger.log(level, "hf_tpu tensor parallel: %s", fix.reason)
             self._hf_tpu_tp_fixes = list(report.fixes)
+            # The strategy this model was loaded with (the setting is process-wide and may change later): the
+            # compile cache keys the model's graphs by it (hf_tpu.compile_cache._parallel_layout).
+            self._hf_tpu_kv_heads_strategy = _SETTINGS["kv_heads"]
         return original(self, distributed_config)
 
     _resolve_parallel_plans.__wrapped__ = original

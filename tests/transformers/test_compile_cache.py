@@ -95,6 +95,74 @@ def test_another_checkpoint_of_the_same_architecture_shares_the_entries(llama_di
     assert other["equal"] and other["warm_compiles"] == 0 and other["warm_hits"] == cold["graphs"]
 
 
+PLAIN_IDENTITY = {"transformers", "model_class", "config", "attn_implementation", "dtype", "device"}
+
+
+@pytest.fixture(scope="module")
+def kv2_dir(tmp_path_factory):
+    """8 heads over 2 KV heads and a vocabulary of 1001: at tp_size=4 the attention needs a KV-heads strategy and
+    the vocabulary shards unevenly (the last rank's embedding rows differ), as in tests/distributed."""
+    from hf_tpu.testing import tiny_model
+
+    path = tmp_path_factory.mktemp("cache-tp") / "llama_kv2"
+    tiny_model("llama", path, vocab_size=1001, num_attention_heads=8, hidden_size=64, intermediate_size=128)
+    return path
+
+
+def _tp_identity(path: Path, monkeypatch, *, rank: int, strategy: str) -> dict:
+    """``model_identity`` of ``path`` loaded as rank ``rank`` of 4 with ``DistributedConfig(tp_size=4)`` and the
+    given KV-heads strategy, as a launched rank would load it. A fake process group (torch's ``fake`` backend: no
+    peers, collectives do nothing) stands in for the launch; loading reads only this rank's shards."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from hf_tpu.distributed.tp_plan import set_kv_heads_strategy
+
+    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 4)):
+        monkeypatch.setenv(name, str(value))
+    dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
+    previous = set_kv_heads_strategy(strategy)
+    try:
+        with hf_tpu.enabled("tensor_parallel"):
+            model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=4))
+        return compile_cache.model_identity(model)
+    finally:
+        set_kv_heads_strategy(previous)
+        dist.destroy_process_group()
+
+
+def test_a_tensor_parallel_layout_rank_and_strategy_each_get_their_own_identity(kv2_dir, monkeypatch):
+    """Launches sharing one cache: the config is the same for every layout and rank, so the namespace had nothing
+    to tell them apart, and a second launch of 4 ranks ran another layout's (or rank's) graphs: wrong tokens with
+    the "replicate" strategy. Each rank and layout now gets a namespace of its own; a model that is not split keeps
+    the identity it always had (existing caches stay valid)."""
+    from transformers import AutoModelForCausalLM
+
+    rank0 = _tp_identity(kv2_dir, monkeypatch, rank=0, strategy="replicate")
+    rank1 = _tp_identity(kv2_dir, monkeypatch, rank=1, strategy="replicate")
+    rank3 = _tp_identity(kv2_dir, monkeypatch, rank=3, strategy="replicate")
+    repeat = _tp_identity(kv2_dir, monkeypatch, rank=0, strategy="repeat")
+    # (on the device the sharded loads chose: the simulated tpu when an earlier test enabled the simulator)
+    plain = compile_cache.model_identity(AutoModelForCausalLM.from_pretrained(kv2_dir).to(rank0["device"]))
+    assert set(plain) == PLAIN_IDENTITY  # no "parallel" part
+    for tp in (rank0, rank1, rank3, repeat):
+        assert {k: v for k, v in tp.items() if k != "parallel"} == plain  # the same model but for its layout
+        assert tp["parallel"]["tp_size"] == 4
+    layouts = [rank0["parallel"], rank1["parallel"], rank3["parallel"], repeat["parallel"]]
+    assert [p["rank"] for p in layouts] == [0, 1, 3, 0]
+    assert [p["kv_heads"] for p in layouts] == ["replicate"] * 3 + ["repeat"]
+    assert all(p["meshes"] and p["meshes"][0]["ranks"] == [0, 1, 2, 3] for p in layouts)
+    # ranks 0 and 1 hold shards of one shape (rank-dependent constants still differ: the rank tells them apart);
+    # the last rank holds fewer vocabulary rows (1001 = 3 * 251 + 248); "repeat" keeps q/o sharded, k/v whole
+    assert rank0["parallel"]["local_shapes"] == rank1["parallel"]["local_shapes"] != rank3["parallel"]["local_shapes"]
+    assert repeat["parallel"]["local_shapes"] != rank0["parallel"]["local_shapes"]
+    assert repeat["parallel"]["plan"] != rank0["parallel"]["plan"] == rank3["parallel"]["plan"]
+    names = {json.dumps(tp, sort_keys=True) for tp in (plain, rank0, rank1, rank3, repeat)}
+    assert len(names) == 5
+
+
 def test_a_models_output_capture_classes_keep_their_positions_while_its_graph_compiles_or_loads():
     # transformers' registry of output-capturing classes is read by position in a saved graph (see
     # hf_tpu._capture_registry): while hf_tpu compiles or loads one, the model's classes come first, whatever the
