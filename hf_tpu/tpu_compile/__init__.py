@@ -21,7 +21,13 @@ Example:
     >>> plan.fits, plan.hbm["weights"]                                                   # doctest: +SKIP
 """
 
-from hf_tpu.tpu_compile.programs import LoweringResult, ProgramRecord, lower_and_compile
+from hf_tpu.tpu_compile.programs import (
+    LoweringResult,
+    ProgramRecord,
+    compile_lowered,
+    lower_and_compile,
+    lower_and_compile_each,
+)
 from hf_tpu.tpu_compile.targets import TARGETS, Target, UnknownTargetError, target
 
 __all__ = [
@@ -31,7 +37,9 @@ __all__ = [
     "ProgramRecord",
     "Target",
     "UnknownTargetError",
+    "compile_lowered",
     "lower_and_compile",
+    "lower_and_compile_each",
     "lower_generate",
     "plan_generate",
     "plan_pipeline",

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hf_tpu.errors import UserError
-from hf_tpu.tpu_compile.programs import LoweringResult, ProgramRecord, lower_and_compile
+from hf_tpu.tpu_compile.programs import LoweringResult, ProgramRecord, lower_and_compile, lower_and_compile_each
 from hf_tpu.tpu_compile.targets import Target, target as find_target
 
 #: The share of its published HBM bandwidth a TPU streams a decode step's bytes at: on a v5e a bf16 reduction and a
@@ -47,7 +47,7 @@ from hf_tpu.tpu_compile.targets import Target, target as find_target
 STREAMING = 749 / 819
 
 __all__ = ["EXIT_COULD_NOT_PLAN", "EXIT_DOES_NOT_FIT", "EXIT_FITS", "EXIT_USAGE", "MissingPackageError", "Plan",
-           "out_of_memory", "plan_generate", "plan_pipeline", "require_packages"]
+           "out_of_memory", "plan_generate", "plan_generate_each", "plan_pipeline", "require_packages"]
 
 GENERATE_ENTRY = "hf_tpu.tpu_compile._generate:lower_generate"
 GB = 1e9
@@ -432,6 +432,64 @@ def plan_generate(
         MissingPackageError: torch-tpu (or, for int8/int4, torchao) is not installed; the message names the extra.
     """
     path = os.fspath(model)
+    chosen, kwargs = _generate_kwargs(path, target, batch=batch, max_prompt_len=max_prompt_len,
+                              max_new_tokens=max_new_tokens, dtype=dtype, quantization=quantization, buckets=buckets,
+                              generation=generation)  # fmt: skip
+    dump = os.fspath(dump_hlo) if dump_hlo is not None else None
+    result = lower_and_compile(GENERATE_ENTRY, kwargs, chosen, progress=progress, dump_hlo=dump)
+    return _plan_from(result, path, batch, max_prompt_len, max_new_tokens, quantization)
+
+
+def plan_generate_each(
+    model: str | os.PathLike,
+    target: str,
+    calls: dict[str, dict[str, Any]],
+    *,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Plan]:
+    """:func:`plan_generate` of one model and target for several calls (``calls``: a name -> the call's keyword
+    arguments as :func:`plan_generate` takes them: ``batch``, ``max_prompt_len``, ``max_new_tokens``, ``dtype``,
+    ``quantization``, ``buckets``, ``generation``), lowered in one process and compiled in one
+    (:func:`hf_tpu.tpu_compile.lower_and_compile_each`) instead of two processes per plan: several quantizations or
+    call sizes of a model side by side.
+
+    Args:
+        model, target, progress: as for :func:`plan_generate`.
+        calls: name -> keyword arguments of :func:`plan_generate` (its defaults for what a call leaves out).
+
+    Returns:
+        name -> the :class:`Plan` of that call.
+
+    Raises:
+        As :func:`plan_generate`, before anything is lowered, for any call.
+    """
+    path = os.fspath(model)
+    defaults = {"batch": 1, "max_prompt_len": 2048, "max_new_tokens": 256, "quantization": None}
+    calls = {name: {**defaults, **call} for name, call in calls.items()}
+    checked = {name: _generate_kwargs(path, target, **call) for name, call in calls.items()}
+    entries = {name: (GENERATE_ENTRY, kwargs) for name, (_, kwargs) in checked.items()}
+    results = lower_and_compile_each(entries, find_target(target), progress=progress)
+    return {
+        name: _plan_from(results[name], path, call["batch"], call["max_prompt_len"], call["max_new_tokens"],
+                         call["quantization"])  # fmt: skip
+        for name, call in calls.items()
+    }
+
+
+def _generate_kwargs(
+    path: str,
+    target: str,
+    *,
+    batch: int = 1,
+    max_prompt_len: int = 2048,
+    max_new_tokens: int = 256,
+    dtype: str | None = "bfloat16",
+    quantization: str | None = None,
+    buckets: str = "largest",
+    generation: dict | None = None,
+) -> tuple[Target, dict[str, Any]]:
+    """The target and the lowering entry's keyword arguments of one :func:`plan_generate` call, its arguments
+    checked first."""
     config_file = path if path.endswith(".json") else os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise UserError(f"{path}: no config.json there; pass a model directory (save_pretrained) or its config.json")
@@ -441,14 +499,11 @@ def plan_generate(
         raise UserError(f"quantization={quantization!r}: use int8 or int4 (weight-only, torchao) or fp8 (fine-grained)")
     chosen = find_target(target)
     require_packages(quantization)
-    kwargs = {
+    return chosen, {
         "model": path, "dtype": dtype, "batch": batch, "max_prompt_len": max_prompt_len,
         "max_new_tokens": max_new_tokens, "buckets": buckets, "quantization": quantization,
         "capacity": chosen.hbm_bytes, "generation": generation,
     }  # fmt: skip
-    dump = os.fspath(dump_hlo) if dump_hlo is not None else None
-    result = lower_and_compile(GENERATE_ENTRY, kwargs, chosen, progress=progress, dump_hlo=dump)
-    return _plan_from(result, path, batch, max_prompt_len, max_new_tokens, quantization)
 
 
 PIPELINE_ENTRY = "hf_tpu.tpu_compile._pipeline:lower_pipeline"

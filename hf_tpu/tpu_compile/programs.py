@@ -6,7 +6,10 @@ process) calls an entry that runs hf_tpu code on deferred ``tpu`` tensors and re
 lowers; the compiling process (:mod:`hf_tpu.tpu_compile._xla`) compiles each for the target with libtpu's
 compile-only client. Each program's :class:`ProgramRecord` says whether it lowered (else the error and the source
 line), whether it compiled (else the compiler's message), and what the compiler reports: seconds, HBM by kind,
-FLOPs, bytes accessed, ``optimal_seconds``.
+FLOPs, bytes accessed, ``optimal_seconds``. :func:`lower_and_compile_each` lowers several entries in one lowering
+process and compiles them in one compiling process (each process pays torch_tpu's device start, or libtpu's, and
+the lowering process several seconds of imports); :func:`compile_lowered` compiles one lowering (``compile=False``)
+for another target.
 
 Example:
     >>> from hf_tpu.tpu_compile import lower_and_compile                                   # doctest: +SKIP
@@ -24,13 +27,14 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from hf_tpu.errors import HfTpuRuntimeError
 from hf_tpu.tpu_compile.targets import Target, target as find_target
 
-__all__ = ["LoweringResult", "ProgramRecord", "child_environment", "lower_and_compile"]
+__all__ = ["LoweringResult", "ProgramRecord", "child_environment", "compile_lowered", "lower_and_compile",
+           "lower_and_compile_each"]
 
 PROGRESS_PREFIX = "hf_tpu.tpu_compile:"
 
@@ -203,7 +207,8 @@ def lower_and_compile(
             torch_tpu (never the simulator).
         kwargs: JSON-serializable keyword arguments of ``entry``.
         target: a :class:`Target` or its name in :data:`TARGETS`; ``"v6e-1"`` by default.
-        compile: also compile each lowered program for ``target`` (True, the default) or lower only.
+        compile: also compile each lowered program for ``target`` (True, the default) or lower only (then
+            :func:`compile_lowered` compiles the result, for one target or several).
         progress: called with each progress line the child processes print; None: not reported.
         timeout: seconds each child process may take to exit once its output has ended; None (the default): no
             limit.
@@ -218,6 +223,89 @@ def lower_and_compile(
             its output).
     """
     chosen = find_target(target) if isinstance(target, str) else target
+    raw = _lower(entry, kwargs, progress, timeout)
+    result = _result(chosen, raw.get("labels") or [], raw["programs"], raw.get("info") or {}, raw.get("eager") or {},
+                     raw.get("error"), raw.get("where"))  # fmt: skip
+    result.lower_seconds = raw.get("seconds", 0.0)
+    if compile:
+        _compile([result], chosen, progress, timeout, dump_hlo)
+    return result
+
+
+def lower_and_compile_each(
+    entries: dict[str, tuple[str, dict[str, Any]]],
+    target: str | Target = "v6e-1",
+    *,
+    compile: bool = True,
+    progress: Callable[[str], None] | None = None,
+    timeout: float | None = None,
+) -> dict[str, LoweringResult]:
+    """:func:`lower_and_compile` of several entries in one lowering process and one compiling process, instead of
+    two processes each (each pays torch_tpu's device start, or libtpu's, again). ``entries`` maps a name to
+    ``(entry, kwargs)``; they run in their order, each after ``torch._dynamo.reset()`` so that no compiled code or
+    guard of an earlier entry is reused (:func:`hf_tpu.tpu_compile._child.lower_each`), and an entry that raises is
+    recorded and the next one runs. What the entries leave in the process besides (a patch enabled, a kernel
+    registered) the next ones see: an entry that must start clean runs alone.
+
+    Args:
+        entries: name -> ``("module:function", kwargs)``, as :func:`lower_and_compile` takes them.
+        target, compile, progress, timeout: as for :func:`lower_and_compile`.
+
+    Returns:
+        name -> the :class:`LoweringResult` of that entry: its own programs, labels, info, error (with where it came
+        from) and the eager traffic it alone caused, as :func:`lower_and_compile` returns it for the entry alone.
+        ``lower_seconds`` is the seconds of its own programs.
+
+    Raises:
+        hf_tpu.tpu_compile.targets.UnknownTargetError: ``target`` is not a known target name.
+        RuntimeError (HfTpuRuntimeError): a child process died without writing its result; or the lowering process
+            failed outside the entries.
+    """
+    chosen = find_target(target) if isinstance(target, str) else target
+    spec = {name: {"entry": entry, "kwargs": kwargs} for name, (entry, kwargs) in entries.items()}
+    raw = _lower("hf_tpu.tpu_compile._child:lower_each", {"entries": spec}, progress, timeout)
+    groups = (raw.get("info") or {}).get("groups")
+    if raw.get("error") or groups is None or [g["name"] for g in groups] != list(entries):
+        raise HfTpuRuntimeError(f"the lowering process failed outside its entries: {raw.get('error')}\n at "
+                                f"{raw.get('where')}")  # fmt: skip
+    results = {}
+    for g in groups:
+        own = raw["programs"][g["first"] : g["first"] + g["count"]]
+        results[g["name"]] = _result(chosen, g["labels"], own, g["info"], g["eager"], g["error"], g.get("where"))
+        results[g["name"]].lower_seconds = sum(p["seconds"] for p in own)
+    if compile:
+        _compile(list(results.values()), chosen, progress, timeout, None)
+    return results
+
+
+def compile_lowered(
+    result: LoweringResult,
+    target: str | Target,
+    *,
+    progress: Callable[[str], None] | None = None,
+    timeout: float | None = None,
+    dump_hlo: str | None = None,
+) -> LoweringResult:
+    """``result``'s programs (``lower_and_compile(..., compile=False)``) compiled for ``target``: what
+    :func:`lower_and_compile` with that target returns, in a new :class:`LoweringResult` (``result`` is left as it
+    is, so one lowering compiles for several targets; the lowering does not depend on the target).
+
+    Args:
+        result: a lowering not compiled yet.
+        target, progress, timeout, dump_hlo: as for :func:`lower_and_compile`.
+
+    Returns:
+        A new :class:`LoweringResult` for ``target``, its records copies of ``result``'s with the compiler's figures.
+    """
+    chosen = find_target(target) if isinstance(target, str) else target
+    copied = replace(result, target=chosen, programs=[replace(p) for p in result.programs], info=dict(result.info),
+                     eager=dict(result.eager))  # fmt: skip
+    _compile([copied], chosen, progress, timeout, dump_hlo)
+    return copied
+
+
+def _lower(entry: str, kwargs: dict[str, Any], progress, timeout) -> dict:
+    """Run the lowering process on ``entry``; its raw result (programs as dicts, labels, info, eager, error)."""
     with tempfile.TemporaryDirectory(prefix="hf_tpu_tpu_compile_") as tmp:
         spec, lowered = os.path.join(tmp, "spec.json"), os.path.join(tmp, "lowered.json")
         with open(spec, "w") as f:
@@ -226,24 +314,33 @@ def lower_and_compile(
         if not os.path.exists(lowered):
             raise HfTpuRuntimeError(f"the lowering process died before writing its result; its last output:\n{tail}")
         with open(lowered) as f:
-            raw = json.load(f)
-        labels = raw.get("labels") or []
-        programs = []
-        for i, p in enumerate(raw["programs"]):
-            name = labels[i] if i < len(labels) and len(labels) == len(raw["programs"]) else f"graph-{i}"
-            programs.append(ProgramRecord(
-                name=name, lowered=True, lower_seconds=p["seconds"], donated=p["donated"],
-                custom_calls=p["text"].count("tpu_custom_call"), arguments=p["arguments"], outputs=p["outputs"],
-                text=p["text"],
-            ))  # fmt: skip
-        result = LoweringResult(
-            target=chosen, programs=programs, info=raw.get("info") or {}, eager=raw.get("eager") or {},
-            error=raw.get("error"), where=raw.get("where"), lower_seconds=raw.get("seconds", 0.0),
-        )  # fmt: skip
-        if result.error and not programs:
-            result.programs.append(ProgramRecord(name="graph-0", error=result.error, where=result.where))
-        if not compile or not any(p.lowered for p in programs):
-            return result
+            return json.load(f)
+
+
+def _result(chosen: Target, labels: list, raw_programs: list[dict], info: dict, eager: dict, error, where):
+    """The :class:`LoweringResult` of one entry's raw programs (``labels``: one name per program, else none)."""
+    programs = []
+    for i, p in enumerate(raw_programs):
+        name = labels[i] if i < len(labels) and len(labels) == len(raw_programs) else f"graph-{i}"
+        programs.append(ProgramRecord(
+            name=name, lowered=True, lower_seconds=p["seconds"], donated=p["donated"],
+            custom_calls=p["text"].count("tpu_custom_call"), arguments=p["arguments"], outputs=p["outputs"],
+            text=p["text"],
+        ))  # fmt: skip
+    result = LoweringResult(target=chosen, programs=programs, info=info, eager=eager, error=error, where=where)
+    if result.error and not programs:
+        result.programs.append(ProgramRecord(name="graph-0", error=result.error, where=result.where))
+    return result
+
+
+def _compile(results: list[LoweringResult], chosen: Target, progress, timeout, dump_hlo: str | None) -> None:
+    """Compile the programs of ``results`` for ``chosen`` in one compiling process (none when nothing lowered) and
+    fill in each record; a result none of whose programs lowered is left as it is."""
+    results = [r for r in results if any(p.lowered for p in r.programs)]
+    programs = [p for r in results for p in r.programs]
+    if not programs:
+        return
+    with tempfile.TemporaryDirectory(prefix="hf_tpu_tpu_compile_") as tmp:
         texts, compiled = os.path.join(tmp, "texts.json"), os.path.join(tmp, "compiled.json")
         with open(texts, "w") as f:
             json.dump([p.text for p in programs], f)
@@ -255,12 +352,12 @@ def lower_and_compile(
             raise HfTpuRuntimeError(f"the compiling process died before writing its result; its last output:\n{tail}")
         with open(compiled) as f:
             records = json.load(f)
-        for program, record in zip(programs, records):
-            for key, value in record.items():
-                setattr(program, key, value)
-            if program.hlo_path:
-                named = os.path.join(os.path.dirname(program.hlo_path), f"{_file_name(program.name)}.hlo.txt")
-                os.replace(program.hlo_path, named)
-                program.hlo_path = named
-        result.compile_seconds = sum(p.compile_seconds or 0.0 for p in programs)
-        return result
+    for program, record in zip(programs, records):
+        for key, value in record.items():
+            setattr(program, key, value)
+        if program.hlo_path:
+            named = os.path.join(os.path.dirname(program.hlo_path), f"{_file_name(program.name)}.hlo.txt")
+            os.replace(program.hlo_path, named)
+            program.hlo_path = named
+    for result in results:
+        result.compile_seconds = sum(p.compile_seconds or 0.0 for p in result.programs)

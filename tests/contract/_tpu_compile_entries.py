@@ -72,6 +72,26 @@ def lower_moe_generate(session, model: str, experts_implementation: str | None =
                                     experts_implementation=experts_implementation)  # fmt: skip
 
 
+def lower_with_env(session, env: dict[str, str], entry: str, kwargs: dict):
+    """``entry`` (``"module:function"``) run with ``env`` set in this process's environment, restored after: a
+    setting hf_tpu reads when it runs (``HF_TPU_KV_WRITE``) for one entry of a shared lowering process."""
+    import importlib
+    import os
+
+    module_name, func_name = entry.split(":")
+    function = getattr(importlib.import_module(module_name), func_name)
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return function(session, **kwargs)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def routing_offsets(counts, scale, mask):
     """The MoE routing's offsets (transformers' grouped_mm path: cumsum of tokens per expert), a use of them, and
     positions from an attention mask along its last dimension (BLOOM's ALiBi)."""
@@ -207,39 +227,6 @@ def lower_host_reads(session):
         except Exception as exc:  # noqa: BLE001 - the refusal is what this entry reports
             found[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "reason": _not_one_graph(exc)}
     return {"labels": labels, "refusals": found}
-
-
-def lower_each(session, entries: dict[str, dict]):
-    """Several entries in one lowering process (one torch_tpu device start instead of one each): ``entries`` maps a
-    name to ``{"entry": "module:function", "kwargs": {...}}``. Each runs as :mod:`hf_tpu.tpu_compile._child` runs one
-    (``session.mark()`` first), after ``torch._dynamo.reset()`` so that no compiled code or guard of an earlier entry
-    is reused; an entry that raises is recorded and the next one runs. Returns one label per program (the entry's
-    own, else ``<name>/graph-<i>``) and ``groups``: per entry, its programs' slice (``first``, ``count``), its
-    labels, info, error and the eager traffic it alone caused."""
-    import importlib
-
-    labels: list[str] = []
-    groups = []
-    for name, spec in entries.items():
-        module_name, func_name = spec["entry"].split(":")
-        entry = getattr(importlib.import_module(module_name), func_name)
-        torch._dynamo.reset()
-        first, before = len(session.programs), dict(session.counts)
-        group = {"name": name, "first": first, "labels": [], "info": {}, "error": None}
-        session.mark()
-        try:
-            info = dict(entry(session, **spec.get("kwargs", {})) or {})
-            group["labels"] = list(info.pop("labels", []))
-            group["info"] = info
-        except Exception as exc:  # noqa: BLE001 - recorded for that entry's test; the next entry still runs
-            group["error"] = f"{type(exc).__name__}: {exc}"
-        group["count"] = len(session.programs) - first
-        group["eager"] = {k: v - before.get(k, 0) for k, v in session.counts.items()}
-        own = group["labels"] if len(group["labels"]) == group["count"] else []
-        labels += own or [f"{name}/graph-{i}" for i in range(group["count"])]
-        groups.append(group)
-    return {"labels": labels, "groups": groups}
-
 
 
 def lower_vision_warmup(session, family: str, image_size: tuple[int, int] = (16, 16), prompt_bucket: int = 16,

@@ -2,8 +2,9 @@
 
 Each test lowers one kind of graph hf_tpu compiles (built from a tiny config on deferred tpu tensors) in a child
 process with torch_tpu's device (hf_tpu.tpu_compile), and compiles it with libtpu for a described v6e chip. The
-kinds whose lowering succeeds share one lowering and one compiling process (the ``lowered`` fixture); the ones
-expected to fail, the plan commands and the HLO dump run their own. A test fails when its graph does not lower or
+kinds of graph share one lowering and one compiling process (the ``lowered`` fixture; the two expected to fail run
+last in it), the quantized plans another pair (``quantized_plans``), the 30B-shaped MoE one lowering compiled for
+two targets; the plan commands and the HLO dump run their own. A test fails when its graph does not lower or
 does not compile. Where a program has no custom call, its XLA:CPU result is compared with torch on the CPU in the
 same test.
 """
@@ -21,8 +22,8 @@ import pytest
 import torch
 
 from hf_tpu.testing import tiny_config
-from hf_tpu.tpu_compile import LoweringResult, lower_and_compile
-from hf_tpu.tpu_compile.plan import plan_generate
+from hf_tpu.tpu_compile import compile_lowered, lower_and_compile, lower_and_compile_each
+from hf_tpu.tpu_compile.plan import plan_generate, plan_generate_each
 
 HERE = Path(__file__).resolve().parent
 GENERATE = "hf_tpu.tpu_compile._generate:lower_generate"
@@ -51,7 +52,8 @@ def _roformer(root) -> str:
 
 
 def _grouped_entries(root) -> dict[str, dict]:
-    """The entries whose lowering succeeds, by test: lowered in one process and compiled in one (``lowered``)."""
+    """The entries of the tests of one generate call or graph, by test: lowered in one process and compiled in one
+    (``lowered``); the two whose lowering is expected to fail come last."""
     llama = _saved(root, "llama")
     qwen3_moe = _saved(root, "qwen3_moe")
     plain = {"model": llama, "max_prompt_len": 16, "max_new_tokens": 8, "dtype": "float32"}
@@ -83,6 +85,19 @@ def _grouped_entries(root) -> dict[str, dict]:
             f"vision-{family}": {"entry": "_tpu_compile_entries:lower_vision_warmup", "kwargs": {"family": family}}
             for family in ("qwen2_vl", "gemma3", "qwen3_vl", "idefics3", "lfm3_vl", "mistral3")
         },
+        "kv_write_after": {
+            "entry": "_tpu_compile_entries:lower_with_env",
+            "kwargs": {"env": {"HF_TPU_KV_WRITE": "after"}, "entry": GENERATE, "kwargs": plain},
+        },
+        # expected to fail (the lowering asks for the PjRt client): last, so that no entry runs after a failure
+        "sampling": {
+            "entry": GENERATE,
+            "kwargs": {**plain, "generation": {"do_sample": True, "top_k": 5, "temperature": 0.7}},
+        },
+        "moe_ragged_dot": {  # (and hf_tpu's Hub kernel, registered here, is seen by no later entry)
+            "entry": "_tpu_compile_entries:lower_moe_generate",
+            "kwargs": {"model": qwen3_moe, "experts_implementation": "ragged_dot_tpu"},
+        },
     }
 
 
@@ -90,27 +105,15 @@ def _grouped_entries(root) -> dict[str, dict]:
 def lowered(tmp_path_factory):
     """``lowered[name]``: the :class:`LoweringResult` of one entry of :func:`_grouped_entries`, as
     ``lower_and_compile(entry, kwargs, "v6e-1")`` returns it alone. The entries share one lowering process (torch_tpu's
-    device started once; ``torch._dynamo.reset()`` before each, see ``_tpu_compile_entries.lower_each``) and one
-    libtpu compiling process: two processes in all instead of two per test. Each entry's programs, labels, info,
-    error and eager traffic are its own."""
+    device started once; ``torch._dynamo.reset()`` before each, see ``hf_tpu.tpu_compile._child.lower_each``) and one
+    libtpu compiling process (``lower_and_compile_each``): two processes in all instead of two per test. Each entry's
+    programs, labels, info, error and eager traffic are its own."""
     entries = _grouped_entries(tmp_path_factory.mktemp("models"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-        whole = lower_and_compile("_tpu_compile_entries:lower_each", {"entries": entries}, "v6e-1")
-    assert whole.error is None, f"{whole.error}\n at {whole.where}"
-    groups = whole.info["groups"]
-    assert [g["name"] for g in groups] == list(entries)
-    assert sum(g["count"] for g in groups) == len(whole.programs)
-    return {
-        g["name"]: LoweringResult(
-            target=whole.target,
-            programs=whole.programs[g["first"] : g["first"] + g["count"]],
-            info=g["info"],
-            eager=g["eager"],
-            error=g["error"],
-        )
-        for g in groups
-    }
+        results = lower_and_compile_each({n: (e["entry"], e["kwargs"]) for n, e in entries.items()}, "v6e-1")
+    assert list(results) == list(entries)
+    return results
 
 
 def _all_compiled(result, names: list[str] | None = None):
@@ -153,19 +156,18 @@ def test_generate_greedy_prefill_and_decode(lowered):
     assert result.eager["device_to_host"] == 1, result.eager
 
 
-def test_a_decode_step_that_leaves_its_rows_to_the_loop_writes_no_cache(tmp_path, monkeypatch):
-    """``HF_TPU_KV_WRITE=after`` (``auto`` picks it from 32 MiB of K and V per layer, _cache/static.py):
-    through torch_tpu's front end the decode program holds no scatter into a cache and returns no updated cache (the
-    copy torch_tpu's undonated compile makes of one), but each layer's K and V row and their slot, which
-    scripts/chip_bench.py's ``rows_after`` pairs with the cache arguments; libtpu compiles it."""
+def test_a_decode_step_that_leaves_its_rows_to_the_loop_writes_no_cache(lowered):
+    """``HF_TPU_KV_WRITE=after`` (``auto`` picks it from 32 MiB of K and V per layer, _cache/static.py; set in the
+    lowering process for this entry alone, ``_tpu_compile_entries.lower_with_env``): through torch_tpu's front end
+    the decode program holds no scatter into a cache and returns no updated cache (the copy torch_tpu's undonated
+    compile makes of one), but each layer's K and V row and their slot, which scripts/chip_bench.py's
+    ``rows_after`` pairs with the cache arguments; libtpu compiles it."""
     import sys
 
     sys.path.insert(0, str(HERE.parents[1] / "scripts"))
     import chip_bench
 
-    monkeypatch.setenv("HF_TPU_KV_WRITE", "after")
-    result = lower_and_compile(GENERATE, {"model": _saved(tmp_path, "llama"), "max_prompt_len": 16,
-                                          "max_new_tokens": 8, "dtype": "float32"}, "v6e-1")  # fmt: skip
+    result = lowered["kv_write_after"]
     _all_compiled(result, ["prefill-16", "decode"])
     prefill, decode = result.programs
     assert '"stablehlo.scatter"' in prefill.text and '"stablehlo.scatter"' not in decode.text
@@ -181,13 +183,10 @@ def test_generate_with_logits_processors_on_the_device(lowered):
     assert result.info["graph_keys"][1][0].startswith("decode+")  # the processors' variant of the graph
 
 
-def test_sampling_draws_need_the_device_generator_to_lower(tmp_path):
+def test_sampling_draws_need_the_device_generator_to_lower(lowered):
     """Sampling's random draw (``rand_like`` from the device generator, graph-safe RNG) lowers only with a PjRt
     client: the chipless stand-in has no device generator, so this graph is reported as not lowered, with why."""
-    result = lower_and_compile(GENERATE, {
-        "model": _saved(tmp_path, "llama"), "max_prompt_len": 16, "max_new_tokens": 8, "dtype": "float32",
-        "generation": {"do_sample": True, "top_k": 5, "temperature": 0.7},
-    }, "v6e-1")  # fmt: skip
+    result = lowered["sampling"]
     assert result.error is not None and "PjRt client" in result.error
     assert not any(p.compiled for p in result.programs)
 
@@ -224,19 +223,29 @@ def test_routing_cumsum_rewrite_equals_torch_on_xla_cpu(lowered):
     np.testing.assert_array_equal(out[2], expected[2].numpy())
 
 
-def test_moe_ragged_dot_kernel_needs_a_chip_to_lower(tmp_path):
+def test_moe_ragged_dot_kernel_needs_a_chip_to_lower(lowered):
     """hf_tpu's ragged-dot Hub kernel runs its Pallas kernel through torch.tpu.pallas.jax_op, which asks for the PjRt
     client while lowering: reported as not lowered, with that reason."""
-    result = lower_and_compile("_tpu_compile_entries:lower_moe_generate",
-                               {"model": _saved(tmp_path, "qwen3_moe"), "experts_implementation": "ragged_dot_tpu"},
-                               "v6e-1")  # fmt: skip
+    result = lowered["moe_ragged_dot"]
     assert result.error is not None and "PjRt client" in result.error
     assert not any(p.compiled for p in result.programs)
 
 
+@pytest.fixture(scope="module")
+def moe_30b_shaped_lowered(tmp_path_factory):
+    """The lowering (not compiled) of generate's warm-up for the Qwen3-30B-A3B-shaped model of the test below, in
+    bfloat16, with no experts implementation asked for: done once, compiled for each target by the test (the
+    lowering does not depend on the target)."""
+    path = _saved(tmp_path_factory.mktemp("moe"), "qwen3_moe", hidden_size=2048, moe_intermediate_size=768,
+                  num_experts=128, num_experts_per_tok=8, num_hidden_layers=1, num_attention_heads=32,
+                  num_key_value_heads=4, head_dim=128, vocab_size=1024)  # fmt: skip
+    return lower_and_compile(GENERATE, {"model": path, "max_prompt_len": 16, "max_new_tokens": 8,
+                                        "dtype": "bfloat16"}, compile=False)  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["v5e-1", "v6e-1"])
-def test_moe_decode_with_the_measured_experts_choice_compiles(tmp_path, target):
+def test_moe_decode_with_the_measured_experts_choice_compiles(moe_30b_shaped_lowered, target):
     """The MoE decode program hf_tpu runs on a TPU by default: a Qwen3-30B-A3B-shaped model (one layer of its 128
     experts, top-8, hidden 2048, expert width 768; a small vocabulary) with no experts implementation asked for.
     Warm-up gives it hf_tpu's measured choice (``hf_tpu_measured``), whose one-token form for this shape is the slots
@@ -245,11 +254,9 @@ def test_moe_decode_with_the_measured_experts_choice_compiles(tmp_path, target):
     from hf_tpu.kernels import experts_forms
 
     assert experts_forms.choose(2048, 768, 128, 8, 1, forms=experts_forms.DEFAULT_FORMS) == "slots"
-    path = _saved(tmp_path, "qwen3_moe", hidden_size=2048, moe_intermediate_size=768, num_experts=128,
-                  num_experts_per_tok=8, num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=4,
-                  head_dim=128, vocab_size=1024)  # fmt: skip
-    result = lower_and_compile(GENERATE, {"model": path, "max_prompt_len": 16, "max_new_tokens": 8,
-                                          "dtype": "bfloat16"}, target)  # fmt: skip
+    assert not any(p.compiled for p in moe_30b_shaped_lowered.programs)  # (the fixture's: lowered, not compiled)
+    result = compile_lowered(moe_30b_shaped_lowered, target)
+    assert result.target.name == target
     _all_compiled(result, ["prefill-16", "decode"])
     assert result.info["experts_implementation"] == experts_forms.MEASURED_NAME
     decode = result.programs[-1]
@@ -259,12 +266,15 @@ def test_moe_decode_with_the_measured_experts_choice_compiles(tmp_path, target):
 @pytest.fixture(scope="module")
 def quantized_plans(tmp_path_factory):
     """``plan_generate`` of one bfloat16 Llama (256 wide) for v6e-1 with each weight quantization (None: plain
-    bfloat16), planned once for the two tests below."""
+    bfloat16), planned once for the two tests below: ``plan_generate_each``, the four lowered in one process and
+    compiled in one."""
     path = _saved(tmp_path_factory.mktemp("quantized"), "llama", hidden_size=256, intermediate_size=512, head_dim=64)
-    return {
-        q: plan_generate(path, "v6e-1", max_prompt_len=16, max_new_tokens=8, dtype="bfloat16", quantization=q)
-        for q in (None, "int8", "int4", "fp8")
-    }
+    quantizations = (None, "int8", "int4", "fp8")
+    plans = plan_generate_each(path, "v6e-1", {
+        str(q): {"max_prompt_len": 16, "max_new_tokens": 8, "dtype": "bfloat16", "quantization": q}
+        for q in quantizations
+    })  # fmt: skip
+    return {q: plans[str(q)] for q in quantizations}
 
 
 def test_generate_bfloat16_and_int8_weights(quantized_plans):
@@ -301,6 +311,10 @@ def test_every_private_name_the_lowering_stand_in_replaces_exists_in_the_wheel()
     dynamic = importlib.import_module("torch_tpu._internal.compile.dynamic.dynamic_executable")
     source = inspect.getsource(dynamic.DynamicTpuCompiledExecutable)
     assert [n for n in _torch_tpu.DYNAMIC_NAMES if f"self.{n}" not in source] == []
+    # the PCI scan the lowering process answers once (hf_tpu.tpu_compile._child._scan_pci_once), and the count that
+    # reads it through the module's global
+    hardware = importlib.import_module("torch_tpu._internal.utils.hardware")
+    assert "_scan_pci_tpus()" in inspect.getsource(hardware.get_tpu_device_count)
 
 
 def test_host_length_model_lowers_its_dynamic_decode_through_torch_tpu(lowered):
