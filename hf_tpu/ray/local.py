@@ -5,8 +5,11 @@ examples without a TPU.
 reads and writes) and ``nodes`` worker nodes, each with ``cpus_per_node`` CPUs and ``{"TPU": chips_per_node}``, the
 resource Ray's TPU detection gives a VM with that many chips, so that ``resources={"TPU": 1}`` places actors as on a
 pod. Every worker process of the job gets the simulated ``tpu`` device (``HF_TPU_SIMULATE=1`` in the job's
-``runtime_env``). Object stores are small (for a 2-core, shared host), Ray's usage reports are off, and the cluster
-is shut down when the block ends, whatever happened.
+``runtime_env``). Object stores are small (for a 2-core, shared host), Ray's usage reports are off, and so is what
+only costs CPU on such a host (:data:`LEAN_HEAD`): the autoscaler's monitor (the cluster is fixed), the log monitor
+(worker logs are not sent to the driver), metrics export, and workers started ahead of demand (they would start
+without the job's ``runtime_env`` and so could not run its tasks). The cluster is shut down when the block ends,
+whatever happened.
 
 Example:
     >>> from hf_tpu.ray.local import simulated_cluster                                              # doctest: +SKIP
@@ -23,13 +26,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NO_USAGE_REPORTS", "WORKER_ENV", "cpu_greedy_rows", "free_port", "heldout_prompts", "simulated_cluster"]
+__all__ = ["LEAN_HEAD", "NO_USAGE_REPORTS", "WORKER_ENV", "cpu_greedy_rows", "free_port", "heldout_prompts",
+           "simulated_cluster"]
 
 #: Ray's usage statistics (sent off the host) and Ray Data's usage queries (a Prometheus on localhost:9090): off.
 NO_USAGE_REPORTS = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DATA_USAGE_DISABLED": "1"}
 #: The environment of every worker process of the job: the simulated device, torch_tpu's autoload off, no hub.
 WORKER_ENV = {"HF_TPU_SIMULATE": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "HF_HUB_OFFLINE": "1",
               "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}  # fmt: skip
+#: The head node's settings besides its resources (Ray passes ``_system_config`` on to every node). On a 2-core host
+#: these processes and threads cost ~2 s of CPU per cluster start and a few percent of a core while it runs; none of
+#: them does anything for a fixed local cluster whose driver does not collect worker logs:
+#: the dashboard (its web UI), the autoscaler's monitor, the log monitor, metrics collection and export (the
+#: dashboard agents' main work), the timeline, and workers prestarted at start-up and for the first driver (started
+#: before the job's ``runtime_env`` is known, or more than the actors need: idle processes importing Ray).
+LEAN_HEAD: dict[str, Any] = {
+    "include_dashboard": False, "no_monitor": True, "include_log_monitor": False,
+    "_system_config": {"enable_metrics_collection": False, "enable_timeline": False,
+                       "enable_worker_prestart": False, "prestart_worker_first_driver": False},
+}  # fmt: skip
 _MIB = 1024**2
 
 
@@ -69,12 +84,13 @@ def simulated_cluster(nodes: int = 2, *, chips_per_node: int = 1, cpus_per_node:
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": head_cpus, "object_store_memory": 2 * object_store_mib * _MIB,
-                        "include_dashboard": False, "dashboard_agent_listen_port": free_port()},
+                        "dashboard_agent_listen_port": free_port(), **LEAN_HEAD},
     )  # fmt: skip  (the agent's fixed default port would clash with another local cluster, a parallel test's)
     try:
-        for _ in range(nodes):
-            cluster.add_node(num_cpus=cpus_per_node, resources={"TPU": chips_per_node},
+        for _ in range(nodes):  # started one after the other, then awaited together (not each in turn)
+            cluster.add_node(wait=False, num_cpus=cpus_per_node, resources={"TPU": chips_per_node},
                              object_store_memory=object_store_mib * _MIB)  # fmt: skip
+        cluster.wait_for_nodes()
         here = str(Path(__file__).resolve().parents[2])  # this hf_tpu, first on the workers' path (a checkout too)
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
         job_env = {**WORKER_ENV, "PYTHONPATH": path, **(env or {})}

@@ -9,6 +9,12 @@ and the replica count (``num_replicas``, or ``autoscaling_config``: Ray's to dec
 the replica, which fails when its server has exited, so Ray replaces it. A replica's child is stopped with the
 replica (SIGTERM, and the kernel's parent-death signal if the replica dies first).
 
+Replicas given one compile-cache directory (``compile_cache=``, ``--compile-cache`` among ``serve_args`` or
+``HF_TPU_COMPILE_CACHE``; on a filesystem every node mounts) start one after the other, as
+:class:`hf_tpu.ray.HfTpuGenerate`'s actors warm up: each holds the directory's warm-up lock from starting its server
+until the server is ready, so the first compiles and stores the step graphs and the later ones load them (0
+compiles), instead of all compiling the same graphs at once. Not with ``tp > 1``, whose step graphs are not cached.
+
 Ray Serve is imported by this module: import it where Ray is installed (``pip install 'hf-tpu[ray]'``).
 
 Example (Python, on a Ray cluster whose nodes each have TPU chips)::
@@ -34,6 +40,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -56,6 +63,31 @@ _PROBE_S = 5
 _STOP_GRACE_S = 60
 
 
+def _compile_cache_dir(serve_args: Sequence[str]) -> str | None:
+    """The compile-cache directory the server will use: its ``--compile-cache`` flag (the last one, as argparse
+    takes it), else ``HF_TPU_COMPILE_CACHE``, else None."""
+    found = None
+    for i, arg in enumerate(serve_args):
+        if arg == "--compile-cache" and i + 1 < len(serve_args):
+            found = serve_args[i + 1]
+        elif arg.startswith("--compile-cache="):
+            found = arg.partition("=")[2]
+    if found is None:
+        from hf_tpu.compile_cache import ENV
+
+        found = os.environ.get(ENV, "").strip() or None
+    return found or None
+
+
+def _warmup_lock(cache_dir: str):
+    """The compile cache's warm-up lock, the one :class:`hf_tpu.ray.HfTpuGenerate`'s actors take (released by the OS
+    if the replica dies holding it)."""
+    from hf_tpu.compile_cache import exclusive
+    from hf_tpu.ray.batch import WARMUP_LOCK
+
+    return exclusive(Path(cache_dir).expanduser() / WARMUP_LOCK)
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Linux: the child gets SIGTERM when the replica's process dies (prctl PR_SET_PDEATHSIG), so that a killed
     replica leaves no server holding its chips."""
@@ -73,7 +105,8 @@ class HfTpuServer:
         serve_args: more ``hf-tpu serve`` flags (``["--slots", "16", "--compile-cache", "/mnt/cache"]``).
         tp: chips per model (``hf-tpu serve --tp``); at most the replica's chips.
         simulate: run the server on the simulated ``tpu`` device (``--simulate``).
-        startup_timeout_s: how long loading and warm-up may take before the replica gives up.
+        startup_timeout_s: how long loading and warm-up may take before the replica gives up (not counting the wait
+            for another replica's warm-up on the same compile cache).
 
     Raises:
         RuntimeError: the server exited or was not ready in ``startup_timeout_s`` (the end of its log is quoted).
@@ -81,6 +114,17 @@ class HfTpuServer:
 
     def __init__(self, model: str | None = None, serve_args: Sequence[str] = (), tp: int = 1, simulate: bool = False,
                  startup_timeout_s: float = 1800.0) -> None:  # fmt: skip
+        cache = _compile_cache_dir(serve_args) if tp == 1 else None  # (under tp the step graphs are not cached)
+        with contextlib.nullcontext() if cache is None else _warmup_lock(cache):
+            self._start(model, serve_args, tp, simulate, startup_timeout_s)
+        self.session = None  # an aiohttp session, made on the replica's event loop at its first request
+        try:
+            self.replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside a Serve replica (a direct test): name it by its port
+            self.replica = f"port-{self.port}"
+
+    def _start(self, model: str | None, serve_args: Sequence[str], tp: int, simulate: bool, timeout_s: float) -> None:
+        """Start the server and return once it is ready (stopped again if it is not)."""
         self.port = free_port()
         command = [sys.executable, "-m", "hf_tpu.cli", "serve", *([model] if model else []), "--host", "127.0.0.1",
                    "--port", str(self.port), *(["--tp", str(tp)] if tp > 1 else []),
@@ -93,15 +137,10 @@ class HfTpuServer:
         self.log = log
         self.url = f"http://127.0.0.1:{self.port}"
         try:
-            self._wait_ready(startup_timeout_s)
+            self._wait_ready(timeout_s)
         except BaseException:
             self._stop()
             raise
-        self.session = None  # an aiohttp session, made on the replica's event loop at its first request
-        try:
-            self.replica = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # noqa: BLE001 - outside a Serve replica (a direct test): name it by its port
-            self.replica = f"port-{self.port}"
 
     def _output(self) -> str:
         with open(self.log.name, errors="replace") as f:
@@ -185,8 +224,8 @@ class HfTpuServer:
 
 
 def build_app(model: str | None = None, *, num_replicas: int | str = 1, chips_per_replica: int = 1, tp: int = 1,
-              serve_args: Sequence[str] = (), simulate: bool = False, startup_timeout_s: float = 1800.0,
-              **deployment_options: Any):  # fmt: skip
+              serve_args: Sequence[str] = (), compile_cache: str | os.PathLike | None = None, simulate: bool = False,
+              startup_timeout_s: float = 1800.0, **deployment_options: Any):  # fmt: skip
     """A Ray Serve application of ``hf-tpu serve`` replicas, each holding ``chips_per_replica`` of Ray's ``"TPU"``.
 
     Args:
@@ -196,6 +235,9 @@ def build_app(model: str | None = None, *, num_replicas: int | str = 1, chips_pe
             v6e-16 host's 4 chips), 1 for one per chip. One of 1, 2, 4, 8 (what Ray accepts).
         tp: chips one model spans (``hf-tpu serve --tp``); at most ``chips_per_replica``.
         serve_args: more ``hf-tpu serve`` flags, the same for every replica.
+        compile_cache: the compile-cache directory of every replica (``hf-tpu serve --compile-cache``), the same path
+            on every node (a filesystem they all mount): replicas warm up one after the other, the first compiles
+            the step graphs and the others load them. ``--compile-cache`` in ``serve_args`` does the same.
         simulate: the replicas' servers run on the simulated ``tpu`` device.
         startup_timeout_s: how long a replica's loading and warm-up may take.
         deployment_options: more of ``serve.deployment``'s options (``autoscaling_config``, ``max_ongoing_requests``,
@@ -220,8 +262,9 @@ def build_app(model: str | None = None, *, num_replicas: int | str = 1, chips_pe
     actor.setdefault("num_cpus", 0)
     if "autoscaling_config" not in deployment_options:
         deployment_options["num_replicas"] = num_replicas
+    serve_args = [*serve_args, *(["--compile-cache", os.fspath(compile_cache)] if compile_cache is not None else [])]
     deployment = serve.deployment(HfTpuServer, name="hf_tpu_serve", ray_actor_options=actor, **deployment_options)
-    return deployment.bind(model, list(serve_args), tp, simulate, startup_timeout_s)
+    return deployment.bind(model, serve_args, tp, simulate, startup_timeout_s)
 
 
 def app(args: dict[str, str]):
@@ -229,7 +272,8 @@ def app(args: dict[str, str]):
 
     Args:
         args: ``key=value`` pairs of the command line: ``model``, ``num_replicas``, ``chips_per_replica``, ``tp``,
-            ``serve_args`` (one string, split like a shell), ``simulate`` (``true``/``false``).
+            ``serve_args`` (one string, split like a shell: ``serve_args="--compile-cache /mnt/c"``), ``simulate``
+            (``true``/``false``).
 
     Returns:
         The application of :func:`build_app`.

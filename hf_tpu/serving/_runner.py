@@ -207,7 +207,10 @@ def warm_all_shapes(runner, model) -> None:
 
     start = time.perf_counter()
     ladder = ladder_of(runner)
-    progress = runner.__dict__.get("_hf_tpu_progress")  # (done, total, (q, kv), seconds), e.g. hf-tpu serve's
+    # (done, total, (q, kv), seconds), e.g. hf-tpu serve's; taken off the runner, an input of every step graph, whose
+    # compile-cache entry serializes what the runner reaches: a callback holding a stream cannot be (hf-tpu serve
+    # --compile-cache stored no step graph: "cannot pickle '_io.TextIOWrapper' object", then compiled each again)
+    progress = runner.__dict__.pop("_hf_tpu_progress", None)
     for i, (q, kv) in enumerate(ladder.shapes):
         began = time.perf_counter()
         runner.run_one_warmup(model=model, num_q_tokens=q, max_kv_read=kv)

@@ -1,12 +1,14 @@
 """``hf-tpu serve`` replicas behind one Ray Serve endpoint (hf_tpu.ray.serve) on a local 2-node cluster of simulated
 TPU VMs: one replica per node, the openai client against the one endpoint, greedy answers equal to the CPU's
 ``generate`` (as one ``hf-tpu serve`` answers, tests/serving/test_server.py), streamed and plain, from both replicas.
-Slow: two servers warming up on a 2-core host.
+The replicas share a compile-cache directory, as on a pod: they warm up one after the other, the second loading the
+step graphs the first compiled. Slow: two servers warming up on a 2-core host.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 
 import pytest
 from _timeouts import SAFETY_TIMEOUT_S
@@ -25,16 +27,18 @@ SMALL_FLAGS = ["--slots", "4", "--max-batch-tokens", "32", "--min-step-tokens", 
 
 
 @pytest.fixture(scope="module")
-def endpoint():
+def endpoint(tmp_path_factory):
     from ray import serve
 
     from hf_tpu.ray.serve import build_app
 
+    cache = tmp_path_factory.mktemp("compile-cache")
     with simulated_cluster(nodes=2):
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         try:
-            app = build_app(num_replicas=2, simulate=True, serve_args=SMALL_FLAGS, startup_timeout_s=SAFETY_TIMEOUT_S)
+            app = build_app(num_replicas=2, simulate=True, serve_args=SMALL_FLAGS, compile_cache=cache,
+                            startup_timeout_s=SAFETY_TIMEOUT_S)  # fmt: skip
             serve.run(app, route_prefix="/")
             yield f"http://127.0.0.1:{port}"
         finally:
@@ -50,6 +54,7 @@ def cpu():
     tok = AutoTokenizer.from_pretrained(MODEL)
     model = AutoModelForCausalLM.from_pretrained(MODEL).eval()
 
+    @functools.cache  # (the streamed answer's prompt is asked twice)
     def text(prompt: str, new_tokens: int) -> str:
         ids = tok(prompt)["input_ids"]
         out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)

@@ -29,3 +29,16 @@ def test_the_builder_takes_serve_runs_arguments_and_names_unknown_ones():
     assert deployment.num_replicas == 2
     assert deployment.ray_actor_options["resources"] == {"TPU": 4}
     assert app._bound_deployment.init_args == ("/m", ["--slots", "8", "--compile-cache", "/mnt/c"], 4, True, 1800.0)
+
+
+def test_replicas_find_the_compile_cache_they_share_from_the_flag_or_the_environment(monkeypatch):
+    from hf_tpu.compile_cache import ENV
+
+    app = ray_serve.build_app(serve_args=["--slots", "8"], compile_cache="/mnt/c")
+    assert app._bound_deployment.init_args[1] == ["--slots", "8", "--compile-cache", "/mnt/c"]
+    monkeypatch.delenv(ENV, raising=False)
+    assert ray_serve._compile_cache_dir(["--slots", "8"]) is None  # no cache: replicas start at once, no lock
+    assert ray_serve._compile_cache_dir(["--compile-cache", "/a", "--compile-cache=/b"]) == "/b"  # argparse's: last
+    monkeypatch.setenv(ENV, "/env")
+    assert ray_serve._compile_cache_dir(["--slots", "8"]) == "/env"
+    assert ray_serve._compile_cache_dir(["--compile-cache", "/a"]) == "/a"
