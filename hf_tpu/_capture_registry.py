@@ -26,7 +26,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["stable_positions"]
+__all__ = ["stable_positions", "without_registry_guards"]
 
 
 def _registry() -> dict | None:
@@ -71,3 +71,14 @@ def stable_positions(roots: Iterable[Any]) -> Iterator[None]:
         current = dict(dict.items(registry))
         order = [k for k, _ in before if k in current] + [k for k in current if k not in dict(before)]
         _refill(registry, [(k, current[k]) for k in order])
+
+
+def without_registry_guards(entries) -> list[bool]:
+    """Every guard of a graph but those on transformers' output-capture registry (``_CAN_RECORD_REGISTRY``), the
+    ``guard_filter_fn`` of hf_tpu's compiled generation and encoder graphs. The registry holds every model class the
+    process built; each model's forward reads it and dynamo guards it by its length and key order. Kept, they failed
+    whenever the process built a model of another class after a graph was compiled (a second model loaded, another
+    family's test): every graph then compiled again on its next call, and after a strict warm-up raised dynamo's
+    RecompileError. What the graph reads there, the ``_can_record_outputs`` of the model's own classes, is fixed by
+    their class, which the graph's guards check."""
+    return ["_CAN_RECORD_REGISTRY" not in entry.name for entry in entries]

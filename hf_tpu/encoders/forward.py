@@ -145,7 +145,10 @@ def _graph(model, upstream, packed, names: tuple[str, ...], hidden_states: bool)
 def _compiled(backend: str):
     import torch
 
-    return torch.compile(_graph, backend=backend, fullgraph=True, dynamic=False)
+    from hf_tpu._capture_registry import without_registry_guards
+
+    return torch.compile(_graph, backend=backend, fullgraph=True, dynamic=False,
+                         options={"guard_filter_fn": without_registry_guards})  # fmt: skip
 
 
 def _pack(model, found: _route.EncoderRoute, names: tuple[str, ...]):

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from hf_tpu import _capture_registry
 from hf_tpu._torch_tpu import HOST_READ_REFUSED
 from hf_tpu.compile_cache import model_identity
 from hf_tpu.transformers import _beam_graphs
@@ -354,7 +355,10 @@ def _compiled(kind: GraphKind, backend, fullgraph: bool) -> Callable:
     if fn is None:
         import torch
 
-        fn = torch.compile(_graph(kind), backend=backend, fullgraph=fullgraph, dynamic=False)
+        fn = torch.compile(
+            _graph(kind), backend=backend, fullgraph=fullgraph, dynamic=False,
+            options={"guard_filter_fn": _capture_registry.without_registry_guards},
+        )  # fmt: skip
         _COMPILED[key] = fn
     return fn
 
