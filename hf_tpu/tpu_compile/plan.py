@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections.abc import Callable
@@ -464,7 +465,9 @@ def plan_generate_each(
         As :func:`plan_generate`, before anything is lowered, for any call.
     """
     path = os.fspath(model)
-    defaults = {"batch": 1, "max_prompt_len": 2048, "max_new_tokens": 256, "quantization": None}
+    signature = inspect.signature(plan_generate).parameters  # its defaults, not a copy of them
+    defaults = {name: signature[name].default for name in ("batch", "max_prompt_len", "max_new_tokens",
+                                                           "quantization")}  # fmt: skip
     calls = {name: {**defaults, **call} for name, call in calls.items()}
     checked = {name: _generate_kwargs(path, target, **call) for name, call in calls.items()}
     entries = {name: (GENERATE_ENTRY, kwargs) for name, (_, kwargs) in checked.items()}
