@@ -9,6 +9,9 @@ images of that size; Gemma 4's patch rows and positions, padded as its processor
 prompt bucket that holds the images' tokens, the ``mm_prefill`` graph (the model's forward merging those features,
 keyed by their shape) and the decode graph of that cache, on dummy ids whose image tokens match the features, as
 :func:`hf_tpu.transformers._loops.cached.decode_loop` runs them (with three rows of positions for Qwen-VL's).
+:func:`hf_tpu.warmup` runs the first part of each request (:func:`check_images`: its inputs, the vision graph, the
+fit of its tokens) before any text graph, so that one it cannot warm fails at once, and the second
+(:func:`warm_image_prefills`) after them.
 
 Audio: the model's own ``generate`` once per batch size on silent features of its input window (Whisper's feature
 extractor pads every clip to that window, so every audio length shares it), with the keyword arguments the served
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 
 from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _images
@@ -31,7 +35,7 @@ from hf_tpu.transformers._loops.defaults import warm_sampling
 from hf_tpu.transformers._settings import NotCompilableError, model_state
 from hf_tpu.transformers._loops.skeleton import plan_shapes
 
-__all__ = ["feature_window", "warm_features", "warm_images"]
+__all__ = ["ImageWarmup", "check_images", "feature_window", "warm_features", "warm_image_prefills", "warm_images"]
 
 
 def takes_token_types(model) -> bool:
@@ -53,26 +57,47 @@ def _image_token_id(model) -> int:
     return token
 
 
+@dataclass
+class ImageWarmup:
+    """What :func:`check_images` found for ``batch`` rows of ``count`` images of ``size``: the vision graph's keys,
+    the prompt tokens the images fill per row and the warmed prompt buckets holding them (the buckets
+    :func:`warm_image_prefills` warms)."""
+
+    batch: int
+    size: tuple[int, int]
+    count: int
+    vision_keys: list[tuple]
+    tokens: int
+    fitting: list[int]
+
+
 def warm_images(
     model, batch: int, size: tuple[int, int], count: int, prompt_buckets, max_new_tokens: int, variant: Variant
 ) -> list[tuple]:
     """Compile the vision graph for ``batch * count`` images of ``size`` (height, width) and the image prefill and
-    decode graphs of every bucket in ``prompt_buckets`` holding their tokens; returns the keys."""
+    decode graphs of every bucket in ``prompt_buckets`` holding their tokens; returns the keys (the vision graph's
+    first). :func:`check_images`, then :func:`warm_image_prefills` on the features it encoded."""
+    images, encoded = _check_images(model, batch, size, count, prompt_buckets)
+    return images.vision_keys + warm_image_prefills(model, images, max_new_tokens, variant, encoded)
+
+
+def check_images(model, batch: int, size: tuple[int, int], count: int, prompt_buckets) -> ImageWarmup:
+    """The first half of :func:`warm_images`, which :func:`hf_tpu.warmup` runs for every image request before it
+    compiles any text graph, so that one it cannot warm fails at once: builds the pixel inputs (sizes the processor
+    never returns raise :class:`~hf_tpu.errors.InvalidArgumentError`), checks the model takes them and names an image
+    token (:class:`~hf_tpu.transformers._settings.NotCompilableError` otherwise; the image encoder not one graph:
+    that error with ``state.images_problem`` recorded), compiles and runs the vision graph, and checks the images'
+    tokens fit a bucket of ``prompt_buckets`` (InvalidArgumentError naming ``max_prompt_len`` otherwise)."""
+    return _check_images(model, batch, size, count, prompt_buckets)[0]
+
+
+def _check_images(model, batch: int, size: tuple[int, int], count: int, prompt_buckets) -> tuple[ImageWarmup, dict]:
+    """:func:`check_images`, and the vision graph's output (the ``mm_encoder_outputs`` the image prefill takes)."""
     import torch
 
     state = model_state(model)
-    device = model.device
-    vision_config = getattr(model.config, "vision_config", None)
-    channels = int(getattr(vision_config, "num_channels", 3) or 3)
     height, width = (int(n) for n in size)
-    layout = _images.image_layout(model)
-    # float32: what image processors return (the vision towers cast them to their own dtype)
-    if layout is not None and layout.grid:
-        kwargs = _grid_pixels(model, batch * count, height, width)
-    elif layout is ImageLayout.POSITIONED:
-        kwargs = _positioned_pixels(model, batch * count, height, width)
-    else:
-        kwargs = _processor_pixels(model, batch, count, channels, height, width)
+    kwargs = _pixel_inputs(model, batch, count, height, width)
     if not _images.image_inputs(model, kwargs):
         raise NotCompilableError(
             f"hf_tpu.warmup cannot warm the images of {type(model).__name__}: its image encoder takes no pixel_values "
@@ -81,6 +106,7 @@ def warm_images(
     problem = _images.images_problem(model, kwargs)
     if problem is not None:
         raise NotCompilableError(f"{problem}; generate runs upstream's loop for such calls, so warm-up has no graph")
+    _image_token_id(model)  # (a config naming none: refused before the vision graph compiles)
     before = list(state.compile_log)
     with torch.no_grad():
         encoded = _images.encode_images(model, state, kwargs, run_graph)["mm_encoder_outputs"]
@@ -94,6 +120,26 @@ def warm_images(
             f"warm-up for {count} image(s) of {height}x{width}: they fill {tokens} prompt tokens per row, more than "
             f"the largest warmed prompt bucket ({max(prompt_buckets)}): raise max_prompt_len"
         )
+    return ImageWarmup(batch, (height, width), count, keys, tokens, fitting), encoded
+
+
+def warm_image_prefills(
+    model, images: ImageWarmup, max_new_tokens: int, variant: Variant, encoded: dict | None = None
+) -> list[tuple]:
+    """The second half of :func:`warm_images`: compile the image prefill and decode graphs of every bucket of
+    ``images.fitting`` on the vision graph's features ``encoded``; returns their keys. Without ``encoded`` the vision
+    graph :func:`check_images` compiled runs again (nothing compiled): :func:`hf_tpu.warmup` keeps no request's
+    features on the device while it warms the text and the other requests' graphs."""
+    import torch
+
+    state = model_state(model)
+    device = model.device
+    batch, tokens = images.batch, images.tokens
+    layout = _images.image_layout(model)
+    if encoded is None:
+        kwargs = _pixel_inputs(model, batch, images.count, *images.size)
+        with torch.no_grad():
+            encoded = _images.encode_images(model, state, kwargs, run_graph)["mm_encoder_outputs"]
     types = takes_token_types(model)
     image_id = _image_token_id(model)
     extra = extra_inputs(model)
@@ -101,8 +147,9 @@ def warm_images(
     mm_types = layout is ImageLayout.POSITIONED  # (Gemma 4's processor marks the image tokens: mm_token_type_ids)
     named = {"token_type_ids": types, "mrope": rows > 1, "mm_token_type_ids": mm_types}
     kind_variant = variant.with_features(*(feature for feature, on in named.items() if on))
+    keys = []
     with torch.no_grad():
-        for p in fitting:
+        for p in images.fitting:
             plan = plan_shapes(model, batch, p, max_new_tokens, variant=kind_variant)
             c = plan.cache_bucket
             cache = cache_for(model, state, batch, c, None)
@@ -129,6 +176,19 @@ def warm_images(
             cache.reset()
             keys += [prefill_key, decode_key]
     return keys
+
+
+def _pixel_inputs(model, batch: int, count: int, height: int, width: int) -> dict:
+    """What the model's processor returns for ``batch`` rows of ``count`` images of ``height`` x ``width`` pixels, in
+    the layout of its image path (float32: what image processors return; the vision towers cast them to their own
+    dtype)."""
+    layout = _images.image_layout(model)
+    if layout is not None and layout.grid:
+        return _grid_pixels(model, batch * count, height, width)
+    if layout is ImageLayout.POSITIONED:
+        return _positioned_pixels(model, batch * count, height, width)
+    channels = int(getattr(getattr(model.config, "vision_config", None), "num_channels", 3) or 3)
+    return _processor_pixels(model, batch, count, channels, height, width)
 
 
 def _processor_pixels(model, batch: int, count: int, channels: int, height: int, width: int) -> dict:

@@ -132,7 +132,10 @@ def warmup(
         NotCompilableError: the model's class has a ``generate`` of its own (hf_tpu's loops never run for it); or
             the images or features asked for cannot be warmed (no image token in the config, no pixel input, images
             the loop does not take: the reason says why). Not for a forward or image encoder that does not trace
-            (above: warned once, in ``report.not_warmed``).
+            (above: warned once, in ``report.not_warmed``). Image requests are checked (their vision graphs
+            compiled) before any text graph, so these errors, and the ValueError of a size the model's processor
+            never returns or of images filling more tokens than ``max_prompt_len``'s bucket, come before the text
+            graphs' compiling.
 
     Example:
         >>> hf_tpu.warmup(model, max_prompt_len=64, batch_sizes=[1], max_new_tokens=16)   # doctest: +SKIP
@@ -201,27 +204,34 @@ def warmup(
     # refuses new graphs only outside warm-up. A warm-up that fails leaves the model as it found it.
     was_warmed, state.warmed = state.warmed, False
     try:
+        # every image request is checked (its vision graph compiled) before any text graph: a request warm-up cannot
+        # serve (a size the processor never returns, more tokens than the largest bucket holds) fails at once, not
+        # after the text graphs' minutes of compiling
+        image_plans, images_note = _check_images(model, state, image_plans, prompt_buckets, bar)
         for plan in bar:
             shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
             bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
             keys = _warm_one(model, plan, variant)
             if keys is None:  # a trace demoted the model to upstream's loop: no graph of it to compile
                 notes.append(_upstream_note(route.model_route(model).reason))
-                image_plans = []
+                image_plans, images_note = [], None
                 break
             for beams in beam_counts if not seq2seq else ():
                 keys = keys + beam.warm(model, plan, beams)
             _add_keys(report, keys)
-        for batch, size, count in image_plans:
-            bar.set_postfix_str(f"batch {batch}, {count} image(s) of {size[0]}x{size[1]}")
+        for images in image_plans:
+            bar.set_postfix_str(f"batch {images.batch}, {images.count} image(s) of {images.size[0]}x{images.size[1]}")
             loop = route.model_route(model).loop
-            keys = _warm_images(model, state, notes, batch, size, count, prompt_buckets, max_new_tokens, variant)
+            keys = _warm_images(model, state, notes, images, max_new_tokens, variant)
             if keys is None:  # image calls run upstream's loop (said in notes): no image graph to compile
                 if route.model_route(model).loop not in (loop, UPSTREAM):  # (the image prefill demoted the model)
                     for plan in plans:  # its text calls' graphs are the new route's
                         _add_keys(report, _warm_one(model, plan, variant) or ())
                 break
             _add_keys(report, keys)
+        else:  # every checked request warmed: where the next one found image calls run upstream's loop (its image
+            if images_note is not None:  # encoder not one graph), said now, after their graphs, as it always was
+                notes.append(_upstream_note(images_note, images=True))
     except BaseException:
         state.warmed = was_warmed
         raise
@@ -311,23 +321,45 @@ def _warm_one(model, plan, variant: Variant) -> list[tuple] | None:
     return None if found.loop == UPSTREAM else keys
 
 
-def _warm_images(model, state, notes: list[str], batch, size, count, prompt_buckets, max_new_tokens, variant):
-    """:func:`hf_tpu.transformers._mm_warmup.warm_images`, or None (the reason added to ``notes``, said once) where
-    image calls run upstream's loop: the image encoder is not one graph, or a trace of the image prefill demoted the
-    model (:func:`warmup` then warms the text plans again for its new route)."""
+def _check_images(model, state, image_plans, prompt_buckets, bar) -> tuple[list, str | None]:
+    """:func:`hf_tpu.transformers._mm_warmup.check_images` for each ``(batch, size, count)`` of ``image_plans`` in
+    turn (a request that cannot be warmed raises) until image calls are found to run upstream's loop (the image
+    encoder is not one graph, found now or before warm-up): the
+    :class:`~hf_tpu.transformers._mm_warmup.ImageWarmup` of the requests checked before, and that reason (None
+    where none was found), which :func:`warmup` notes once after warming them, where warming each request in turn
+    found it."""
     from hf_tpu.transformers._settings import NotCompilableError
 
-    if state.images_problem is None:
+    checked = []
+    for batch, size, count in image_plans:
+        if state.images_problem is not None:
+            return checked, state.images_problem
+        bar.set_postfix_str(f"batch {batch}, {count} image(s) of {size[0]}x{size[1]}: vision")
         try:
-            return _mm_warmup.warm_images(model, batch, size, count, prompt_buckets, max_new_tokens, variant)
-        except NotCompilableError as exc:
-            if getattr(exc, "loop", None) is not None:  # the image prefill's trace: the model's route moves down
-                route.demote(model, exc)
-                notes.append(_upstream_note(f"{exc.reason} (the image prefill); its route is now "
-                                            f"{route.model_route(model).loop!r}", images=True))  # fmt: skip
-                return None
+            checked.append(_mm_warmup.check_images(model, batch, size, count, prompt_buckets))
+        except NotCompilableError:
             if state.images_problem is None:  # (the images asked for cannot be warmed: the reason says why)
                 raise
+    return checked, state.images_problem
+
+
+def _warm_images(model, state, notes: list[str], images, max_new_tokens, variant):
+    """The vision graph's keys (:func:`_check_images` compiled it) and
+    :func:`hf_tpu.transformers._mm_warmup.warm_image_prefills`'s, or None (the reason added to ``notes``, said once)
+    where image calls run upstream's loop: the forward merging the images is not one graph, or a trace of the image
+    prefill demoted the model (:func:`warmup` then warms the text plans again for its new route)."""
+    from hf_tpu.transformers._settings import NotCompilableError
+
+    try:
+        return images.vision_keys + _mm_warmup.warm_image_prefills(model, images, max_new_tokens, variant)
+    except NotCompilableError as exc:
+        if getattr(exc, "loop", None) is not None:  # the image prefill's trace: the model's route moves down
+            route.demote(model, exc)
+            notes.append(_upstream_note(f"{exc.reason} (the image prefill); its route is now "
+                                        f"{route.model_route(model).loop!r}", images=True))  # fmt: skip
+            return None
+        if state.images_problem is None:  # (the images asked for cannot be warmed: the reason says why)
+            raise
     notes.append(_upstream_note(state.images_problem, images=True))
     return None
 

@@ -406,14 +406,21 @@ def _warmed_calls_compile_nothing(family, cpu, tpu, per_image, calls):
 
 
 def test_warmup_of_images_says_what_it_cannot_warm(vlm):
+    """Image requests warm-up cannot serve raise before it compiles any text graph (the images' checks and their
+    vision graph run first): images filling more tokens than the largest prompt bucket (their vision graph compiled,
+    which counted them), malformed sizes, and a grid model's sizes its processor never returns (nothing compiled)."""
     family, _, tpu, _ = vlm
+    compiled = len(generation.compiled_graphs(tpu))
     with pytest.raises(ValueError, match="raise max_prompt_len"):
         hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[(16, 16)], num_images=[8], progress=False)
+    assert _kinds(generation.compiled_graphs(tpu)[compiled:]) <= {"vision"}
+    compiled = len(generation.compiled_graphs(tpu))
     with pytest.raises(ValueError, match=r"\(height, width\) pairs"):
         hf_tpu.warmup(tpu, max_prompt_len=8, max_new_tokens=4, image_sizes=[16], progress=False)
     if family in _GRID_IMAGES + _TAKES_GRID:  # its processor resizes images to whole merged patches (8 pixels here)
         with pytest.raises(ValueError, match="multiples of patch_size x spatial_merge_size"):
             hf_tpu.warmup(tpu, max_prompt_len=32, max_new_tokens=4, image_sizes=[(12, 16)], progress=False)
+    assert len(generation.compiled_graphs(tpu)) == compiled
 
 
 def test_an_image_encoder_that_is_not_one_graph_sends_image_calls_upstream_and_warmup_says_so():
