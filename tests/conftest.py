@@ -40,7 +40,27 @@ def pytest_sessionstart(session):
         )
 
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402  (after the environment above, which must precede torch)
+
+
+# The garbage collector in a test process: the suite's time goes mostly to dynamo tracing graphs, which allocates
+# millions of objects, so the default thresholds ran thousands of young collections and a dozen full ones (each walking
+# the ~430,000 objects torch, transformers and hf_tpu leave: 0.2-0.7 s) per test file: about 10% of its CPU
+# (tests/transformers/test_generation.py alone: 42.0 -> 38.0 CPU-s). Here the young generation is collected every
+# 50,000 allocations instead of 700, and what the imports and collection left is frozen (never walked again) once
+# collection ends, and everything at the session's end (the interpreter's exit would walk it all once more). Tests that
+# need their garbage gone call gc.collect() as before; only when the collector runs changes, never what it frees.
+gc.set_threshold(50_000, 20, 10)
+
+
+def pytest_collection_finish(session):
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    gc.freeze()
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker
