@@ -262,6 +262,7 @@ _slow(
     "a second process on the compile cache, for the step graphs (core: "
     "tests/transformers/test_compile_cache.py's second process)",
     "test_a_second_process_loads_every_step_graph_and_compiles_nothing",  # 34 s
+    "test_hf_tpu_serve_stores_its_step_graphs_and_a_second_server_compiles_none",  # two servers
 )
 _slow(
     "transformers/test_beam_search.py",

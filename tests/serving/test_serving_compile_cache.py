@@ -54,3 +54,31 @@ def test_a_second_process_loads_every_step_graph_and_compiles_nothing(tmp_path):
     warm = _second_process(tmp_path / "model", cache, prompts)
     assert warm["tokens"] == expected and not warm["problems"]
     assert warm["compiles"] == 0 and warm["hits"] == shapes
+
+
+def test_hf_tpu_serve_stores_its_step_graphs_and_a_second_server_compiles_none(tmp_path):
+    """``hf-tpu serve --compile-cache DIR`` twice on one directory: the first server compiles its step graphs and
+    stores them, the second loads them all (its warm-up says 0 graphs compiled) and answers the same greedy text.
+    (The server's warm-up hands the continuous batch a progress callback, which the stored graphs must not take as an
+    input: a server stored nothing, "cannot pickle '_io.TextIOWrapper'", until hf_tpu/serving/_runner.py left it
+    out.)"""
+    import re
+
+    from _server import running_server
+
+    cache = tmp_path / "cache"
+    body = {"prompt": "The king said", "max_tokens": 8, "temperature": 0}
+    answers, warmups = [], []
+    for _ in range(2):
+        with running_server(tmp_path, "--compile-cache", str(cache)) as server:
+            status, answer, _ = server.post("/v1/completions", body)
+            assert status == 200, answer
+            answers.append(answer["choices"][0]["text"])
+            output = server.output()
+        assert "cannot pickle" not in output and "CompileCacheWarning" not in output, output[-4000:]
+        warmups.append(re.search(r"warm-up done in [\d.]+ s \((\d+) step shapes, (\d+) graphs compiled\)", output))
+    assert all(warmups), warmups
+    (shapes, first), (shapes_again, second) = (tuple(int(n) for n in w.groups()) for w in warmups)
+    assert shapes == shapes_again > 0 and first >= shapes, (shapes, first)
+    assert second == 0, second
+    assert answers[0] == answers[1]
