@@ -7,12 +7,14 @@ progress; ``/health`` answers 503 until it is done), and serves the model under 
 the model directory's name). Endpoints are transformers' (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
 ``/health``, streaming with ``"stream": true``) plus ``GET /v1/models/{id}`` and ``/metrics`` (Prometheus).
 SIGINT/SIGTERM stop it. A ``--port`` already taken is refused in one line (exit status 2) before anything loads.
+``--uds PATH`` serves on a unix domain socket instead (no TCP socket at all).
 
 Example:
     $ hf-tpu serve --simulate
     $ hf-tpu serve ./my-model --port 8080 --kv-cache-gib 4
     $ hf-tpu serve ./my-model --compile-cache ~/.cache/hf_tpu/compile
     $ hf-tpu serve ./my-model --tp 4
+    $ hf-tpu serve --uds /tmp/hf-tpu.sock       # a unix domain socket instead of host:port
     $ curl http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' -d '{"prompt": "The king said", "max_tokens": 16}'
 """
 
@@ -53,6 +55,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000,
                         help="port to listen on (default: 8000); a port already taken: exit status 2 at once")
+    parser.add_argument("--uds", default=None, metavar="PATH",
+                        help="listen on this unix domain socket instead of --host/--port (no TCP socket is opened); "
+                        "a server already there: exit status 2 at once")  # fmt: skip
     parser.add_argument("--kv-cache-gib", type=_positive_float, default=None,
                         help="cap on the paged KV cache, GiB (default: sized for --slots full-length requests, at "
                         "most half the chip's free HBM; also HF_TPU_KV_CACHE_GIB)")  # fmt: skip
@@ -94,11 +99,16 @@ def refuse_early(args: argparse.Namespace) -> int | None:
     simulator or the model load (uvicorn would only log it once the model is warm); None when it is free."""
     import os
 
-    from hf_tpu.serving.server import port_taken
+    from hf_tpu.serving.server import port_taken, uds_unusable
     from hf_tpu.serving.tensor_parallel import TP_ENV
 
     follower = os.environ.get(TP_ENV) and os.environ.get("RANK") not in (None, "0")
-    taken = None if follower else port_taken(args.host, args.port)
+    if follower:
+        taken = None
+    elif args.uds is not None:
+        taken = uds_unusable(args.uds)
+    else:
+        taken = port_taken(args.host, args.port)
     if taken is None:
         return None
     print(f"hf-tpu serve: {taken}", file=sys.stderr)
@@ -160,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         model, host=args.host, port=args.port, max_pending=max_pending, warmup=not args.no_warmup, aliases=aliases,
         served_name=args.served_model_name,
         dtype=args.dtype, attn_implementation=args.attn_implementation, log_level=args.log_level,
-        enable_cors=args.enable_cors, default_seed=args.default_seed, tp=args.tp,
+        enable_cors=args.enable_cors, default_seed=args.default_seed, tp=args.tp, uds=args.uds,
         limits=Limits(max_n=args.max_n, max_logprobs=args.max_logprobs),
     )  # fmt: skip
     return 0

@@ -25,7 +25,7 @@ import time
 
 from hf_tpu._patch import patch, revert
 
-__all__ = ["port_taken", "run_server", "say_once"]
+__all__ = ["port_taken", "run_server", "say_once", "uds_unusable"]
 
 FEATURE = "serve"
 _VERSIONS = ">=5.24,<5.25"
@@ -53,6 +53,38 @@ def port_taken(host: str, port: int) -> str | None:
             return (f"port {port} on {host} is taken ({exc.strerror or exc}): pass another --port, or stop what "
                     "listens there")  # fmt: skip
     return None
+
+
+#: The longest path a unix domain socket may have (``sun_path`` is 108 bytes on Linux, the terminating NUL included).
+UDS_MAX_BYTES = 107
+
+
+def uds_unusable(path: str) -> str | None:
+    """Why a unix domain socket cannot be made at ``path`` (its directory missing, the path too long, a file that is
+    not a socket there, a server already answering on it), else None. Nothing is bound: asyncio removes a socket
+    file left at ``path`` before it binds, which is right for a stale one and wrong for one a live server holds,
+    so that case is told by connecting to it."""
+    import os
+    import socket
+    import stat
+
+    where = os.path.dirname(os.path.abspath(path))
+    if len(os.fsencode(path)) > UDS_MAX_BYTES:
+        return f"--uds {path}: a unix socket path may have at most {UDS_MAX_BYTES} bytes; pass a shorter path"
+    if not os.path.isdir(where):
+        return f"--uds {path}: the directory {where} does not exist; create it or pass another path"
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISSOCK(mode):
+        return f"--uds {path}: a file that is not a socket is there; remove it or pass another path"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(path)
+        except OSError:
+            return None  # a socket file nobody listens on: replaced when the server binds
+    return f"--uds {path}: a server already listens on this socket; stop it or pass another path"
 
 
 def _max_len(model) -> int:
@@ -242,10 +274,12 @@ def _prepare(app, model_manager, generation_state, handlers, *, served: str, ali
 
 
 def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bool = True, served_name=None,
-               aliases=(), out=None, tp: int = 1, limits=None, **serve_flags) -> None:  # fmt: skip
+               aliases=(), out=None, tp: int = 1, limits=None, uds: str | None = None,
+               **serve_flags) -> None:  # fmt: skip
     """Run transformers' server for ``model`` on the TPU until it is stopped (SIGINT/SIGTERM), under the name
     ``served_name`` (default: the model directory's name); ``tp > 1``: as rank 0 of ``hf-tpu serve --tp``
-    (:mod:`hf_tpu.serving.tensor_parallel`).
+    (:mod:`hf_tpu.serving.tensor_parallel`). With ``uds``, on that unix domain socket instead of ``host:port`` (no
+    TCP socket is opened; the socket file is removed when the server stops).
 
     uvicorn serves from a thread (transformers' ``Serve(non_blocking=True)``) as soon as the model is loaded, while
     this thread warms up the continuous batch (``/health``: 503 until it is done). The warm-up and the manager stay
@@ -284,6 +318,17 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
                         max_pending=max_pending, pending=pending, tp=tp, limits=limits, card=card)  # fmt: skip
 
     patch(server_module, "build_server", build_server, feature=FEATURE, package="transformers", versions=_VERSIONS)
+    if uds is not None:  # transformers' Serve takes host and port only: its uvicorn config is given the socket
+        start_server = serve_cli.Serve.start_server
+
+        @functools.wraps(start_server)
+        def start_on_socket(self):
+            self.server.config.uds = uds
+            return start_server(self)
+
+        patch(serve_cli.Serve, "start_server", start_on_socket, feature=FEATURE, package="transformers",
+              versions=_VERSIONS)  # fmt: skip
+    where = f"unix socket {uds}" if uds is not None else f"http://{host}:{port}"
     quiet = say_once()
     stopping: list[int] = []
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -315,11 +360,14 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
         if not server.started:  # it could not listen (taken since port_taken looked): say so, do not warm up
             from hf_tpu.errors import UserError
 
+            if uds is not None:
+                raise UserError(uds_unusable(uds) or f"the server could not listen on unix socket {uds} (its log "
+                                "above says why): pass another --uds")  # fmt: skip
             raise UserError(port_taken(host, port) or f"the server could not listen on {host}:{port} (its log "
                             "above says why): pass another --port")  # fmt: skip
         ranks = f", tensor parallel over {tp} ranks" if tp > 1 else ""
-        print(f"hf-tpu serve: listening on http://{host}:{port} as model {served!r} (OpenAI API under /v1, metrics "
-              f"at /metrics{ranks})", file=out, flush=True)  # fmt: skip
+        print(f"hf-tpu serve: listening on {where} as model {served!r} (OpenAI API under /v1, metrics at /metrics"
+              f"{ranks})", file=out, flush=True)  # fmt: skip
         try:
             _warm_up(cb, warmup=warmup, readiness=readiness, out=out)
         except Exception as exc:
@@ -338,6 +386,11 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
             stopping.extend(serve.server._captured_signals)
         if cb is not None and cb.is_running():  # uvicorn has stopped: stop the generation thread, so that we exit
             cb.stop(block=True, hard_stop=True)  # nothing is left to serve: fail what is pending
+        if uds is not None and serve is not None and serve.server.started:
+            import contextlib
+
+            with contextlib.suppress(OSError):
+                os.remove(uds)  # as uvicorn's own runner does
         for sig, handler in saved.items():
             signal.signal(sig, handler)
         quiet()

@@ -1,13 +1,16 @@
-"""Start ``hf-tpu serve --simulate`` on 127.0.0.1 (a free port) for a test, and always stop it."""
+"""Start ``hf-tpu serve --simulate`` on 127.0.0.1 (a free port), or on a unix domain socket, for a test, and always
+stop it."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -26,16 +29,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    """An HTTP connection over a unix domain socket (``hf-tpu serve --uds``)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
 class Server:
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
-        self.proc, self.port, self.log = proc, port, log
-        self.url = f"http://127.0.0.1:{port}"
+    def __init__(self, proc: subprocess.Popen, port: int | None, log: Path, uds: str | None = None) -> None:
+        self.proc, self.port, self.log, self.uds = proc, port, log, uds
+        # over a unix socket the host part is a placeholder (clients connect through a uds transport)
+        self.url = "http://localhost" if uds is not None else f"http://127.0.0.1:{port}"
         self.health_before_ready: list[tuple[int, dict]] = []  # /health's answers while the server warmed up
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def _over_uds(self, method: str, path: str, data: bytes | None = None) -> tuple[int, bytes, dict]:
+        conn = _UnixConnection(self.uds, SAFETY_TIMEOUT_S)
+        try:
+            conn.request(method, path, body=data, headers={"content-type": "application/json"} if data else {})
+            r = conn.getresponse()
+            return r.status, r.read(), dict(r.headers)
+        finally:
+            conn.close()
+
     def get(self, path: str) -> tuple[int, bytes]:
+        if self.uds is not None:
+            return self._over_uds("GET", path)[:2]
         try:
             with urllib.request.urlopen(self.url + path, timeout=SAFETY_TIMEOUT_S) as r:
                 return r.status, r.read()
@@ -44,6 +72,9 @@ class Server:
 
     def post(self, path: str, body, raw: bool = False) -> tuple[int, dict, dict]:
         data = body if raw else json.dumps(body).encode()
+        if self.uds is not None:
+            status, payload, headers = self._over_uds("POST", path, data)
+            return status, json.loads(payload or b"null"), headers
         request = urllib.request.Request(self.url + path, data=data, headers={"content-type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=SAFETY_TIMEOUT_S) as r:
@@ -61,17 +92,26 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(tmp_path: Path, *flags: str):
-    """A server started with ``flags``, ready (warm) when the block starts, stopped (SIGTERM, then kill) after."""
-    port = free_port()
-    log = tmp_path / f"serve-{port}.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+def running_server(tmp_path: Path, *flags: str, uds: bool = False, env: dict | None = None):
+    """A server started with ``flags``, ready (warm) when the block starts, stopped (SIGTERM, then kill) after.
+    ``uds``: on a unix domain socket (in a short temporary directory: a socket path has at most 107 bytes) instead
+    of a TCP port; ``env``: variables added to the server's environment."""
+    if uds:
+        sock_dir = tempfile.mkdtemp(prefix="hf-tpu-", dir="/tmp")
+        port, path = None, os.path.join(sock_dir, "serve.sock")
+        where = ["--uds", path]
+        log = tmp_path / "serve-uds.log"
+    else:
+        port, path = free_port(), None
+        where = ["--port", str(port)]
+        log = tmp_path / f"serve-{port}.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env or {}))
     with open(log, "wb") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "hf_tpu.cli", "serve", "--simulate", "--port", str(port), *SMALL_FLAGS, *flags],
+            [sys.executable, "-m", "hf_tpu.cli", "serve", "--simulate", *where, *SMALL_FLAGS, *flags],
             stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True,
         )  # fmt: skip
-    server = Server(proc, port, log)
+    server = Server(proc, port, log, uds=path)
     try:
         deadline = time.monotonic() + SAFETY_TIMEOUT_S
         while True:
@@ -93,3 +133,8 @@ def running_server(tmp_path: Path, *flags: str):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
                 proc.wait()
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(path))

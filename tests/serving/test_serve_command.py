@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 from _server import ROOT
 from _timeouts import SAFETY_TIMEOUT_S
@@ -26,3 +28,25 @@ def test_a_taken_port_is_refused_in_one_line_before_loading():
     [line] = proc.stderr.strip().splitlines()
     assert f"port {port}" in line and "--port" in line and "taken" in line
     assert proc.stdout == ""  # nothing loaded, nothing warmed up, never "listening"
+
+
+def test_a_unix_socket_path_that_cannot_serve_is_named(tmp_path):
+    from hf_tpu.serving.server import uds_unusable
+
+    short = tempfile.mkdtemp(prefix="hf-tpu-", dir="/tmp")  # a pytest tmp_path may pass 107 bytes with a name
+    try:
+        path = os.path.join(short, "s.sock")
+        assert uds_unusable(path) is None  # nothing there: the server makes it
+        assert "does not exist" in uds_unusable(os.path.join(short, "no", "s.sock"))
+        assert "at most 107 bytes" in uds_unusable(os.path.join(short, "x" * 120))
+        with open(path, "w"):
+            pass
+        assert "not a socket" in uds_unusable(path)
+        os.remove(path)
+        with socket.socket(socket.AF_UNIX) as live:
+            live.bind(path)
+            live.listen()
+            assert "already listens" in uds_unusable(path)
+        assert uds_unusable(path) is None  # a stale socket file: replaced when the server binds
+    finally:
+        shutil.rmtree(short)
