@@ -15,6 +15,7 @@ and handed to the kernel as scalar-prefetch operands.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -432,14 +433,23 @@ def _megablox_rows(m: int, dtype) -> tuple[int, int]:
 
 
 def _megablox_gmm(lhs, rhs, group_sizes, tm: int, rhs_transposed: bool, interpret: bool):
-    """``gmm`` of rows already padded to a multiple of ``tm``, float32 out; the rows past the groups unwritten."""
+    """``gmm`` of rows already padded to a multiple of ``tm``, float32 out; the rows past the groups unwritten.
+
+    float32 operands are multiplied at float32 precision, as in this kernel's own forms: ``gmm`` passes no precision
+    to its ``dot_general``, and Mosaic's default for float32 is one bfloat16 pass (2e-3 off on a v5e), so it is
+    traced under ``jax.default_matmul_precision("highest")``, which its dot then takes (Mosaic's
+    ``contract_precision<fp32>``).
+    Without it a float32 Qwen3-MoE's greedy tokens at batch 4 (whose decode graph ran this form) differed from the
+    CPU's on a v5e at torch's "highest" precision (issue #67)."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
     k = lhs.shape[1]
     n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
     tiling = (tm, min(k, 1024), min(n, 512))  # the better of two tilings in most of the v5e's measurements
-    return gmm(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32, tiling=tiling,
-               transpose_rhs=rhs_transposed, interpret=interpret)  # fmt: skip
+    float32 = lhs.dtype == jnp.float32  # as _gmm_kernel's and _decode_kernel's dots; other dtypes left as they are
+    with jax.default_matmul_precision("highest") if float32 else contextlib.nullcontext():
+        return gmm(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32, tiling=tiling,
+                   transpose_rhs=rhs_transposed, interpret=interpret)  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("rhs_transposed", "interpret"))
