@@ -3,7 +3,8 @@
 A Mosaic matmul of float32 operands without a precision runs one bfloat16 pass (2e-3 off on a v5e). The visit and
 decode forms ask for ``Precision.HIGHEST`` in their own ``dot_general``; JAX's megablox ``gmm`` passes none, and a
 float32 Qwen3-MoE whose batch-4 decode graph ran that form (hf_tpu's measured choice at 4 tokens of a Mixtral-like
-layer) gave other greedy tokens than the CPU on a v5e. On a CPU, interpret mode computes in float32 whatever the
+layer) gave other greedy tokens than the CPU on a v5e; the kernel's ``"dense"`` implementation (XLA einsums) had the
+same default. On a CPU, interpret mode computes in float32 whatever the
 precision, so the tests read what the chip compiles: the Mosaic kernels of the program exported for the TPU
 platform (as TorchTPU's ``jax_op`` exports it), each ``tpu.matmul`` and its ``contract_precision``.
 """
@@ -66,6 +67,28 @@ def test_float32_experts_matmuls_ask_for_float32_precision(kernel, implementatio
         assert "contract_precision<fp32>" in line, f"{implementation}: a float32 Mosaic matmul at its default: {line}"
 
 
+def _xla_dots(exported_text: str) -> list[str]:
+    return [line for line in exported_text.splitlines() if "stablehlo.dot_general" in line]
+
+
+def test_float32_dense_experts_dots_ask_for_float32_precision(kernel):
+    """The kernel's ``"dense"`` implementation is XLA einsums, whose float32 default on a TPU is one bfloat16 pass
+    too (4.8e-3 off on a v5e): each of its dots asks for ``HIGHEST``."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    jk = jax_kernels(kernel)
+    dots = _xla_dots(_export_experts(jk, "dense", jnp.float32))
+    assert len(dots) >= 4  # gate-up, down, the routing weights, the combine
+    for line in dots:
+        assert "HIGHEST" in line, f"dense: a float32 XLA dot at its default precision: {line.strip()}"
+    args = (jnp.ones((8, 256)), jnp.ones((8, 512, 256)), jnp.array([2, 0, 3, 0, 0, 3, 0, 0], jnp.int32))
+    text = export.export(jax.jit(lambda a, b, c: jk.ragged_dot_dense(a, b, c, rhs_transposed=True)),
+                         platforms=["tpu"])(*args).mlir_module()  # fmt: skip
+    assert _xla_dots(text) and all("HIGHEST" in line for line in _xla_dots(text))
+
+
 def test_float32_megablox_ragged_dot_asks_for_float32_precision(kernel):
     """``implementation="megablox"`` of the plain grouped matmul too (``ragged_dot_megablox``)."""
     import jax
@@ -80,12 +103,15 @@ def test_float32_megablox_ragged_dot_asks_for_float32_precision(kernel):
     assert matmuls and all("contract_precision<fp32>" in line for line in matmuls)
 
 
-def test_bfloat16_megablox_keeps_its_default(kernel):
-    """bfloat16 operands are exact in one pass: the megablox form leaves their matmuls as JAX's gmm writes them."""
+def test_bfloat16_keeps_the_default_precision(kernel):
+    """bfloat16 operands are exact in one pass: the megablox and dense forms leave their products at the default."""
     import jax.numpy as jnp
 
-    matmuls = _mosaic_matmuls(_export_experts(jax_kernels(kernel), "megablox", jnp.bfloat16))
+    text = _export_experts(jax_kernels(kernel), "megablox", jnp.bfloat16)
+    matmuls = _mosaic_matmuls(text)
     assert matmuls and not any("contract_precision" in line for line in matmuls)
+    dense = _export_experts(jax_kernels(kernel), "dense", jnp.bfloat16)
+    assert not any("HIGHEST" in line for line in _xla_dots(dense))
 
 
 def test_megablox_form_at_the_chip_batch4_shapes_equals_the_cpu(kernel):
