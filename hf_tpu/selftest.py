@@ -162,6 +162,42 @@ class CheckContext:
         actual = actual.cpu() if isinstance(actual, torch.Tensor) else actual
         torch.testing.assert_close(actual, expected, **kwargs)
 
+    def compare(
+        self, actual, expected, figures: dict[str, Any], *, layers: int = 1, what: str = "the result"
+    ) -> float:
+        """Check a float32 ``tpu`` result against the CPU's at the tolerance of the float32 matmul precision in force
+        (:func:`hf_tpu.numerics.float32_tolerance`: measured on a chip; a TPU's default, ``'medium'``, is one
+        bfloat16 pass); add ``precision``, ``tolerance`` and the largest ``max_err`` so far to ``figures``.
+
+        Raises:
+            CheckFailed: the error passes the tolerance (the message names both and the precision).
+        """
+        from hf_tpu import numerics
+
+        precision = numerics.matmul_precision()
+        try:
+            err = numerics.assert_close_to_cpu(actual, expected, precision=precision, layers=layers, what=what)
+        except numerics.ToleranceError as exc:
+            raise CheckFailed(str(exc)) from None
+        figures["precision"] = precision
+        figures["tolerance"] = max(figures.get("tolerance", 0.0), numerics.float32_tolerance(precision, layers=layers))
+        figures["max_err"] = max(figures.get("max_err", 0.0), float(f"{err:.3g}"))
+        return err
+
+    @staticmethod
+    @contextlib.contextmanager
+    def exact_float32() -> Iterator[None]:
+        """Run the block at float32 matmul precision ``'highest'`` (a check that compares greedy tokens with the
+        CPU's needs float32 products: at a TPU's default one bfloat16 pass, near-ties flip), then restore it."""
+        import torch
+
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before)
+
     @contextlib.contextmanager
     def measure(self, figures: dict[str, Any], prefix: str) -> Iterator[None]:
         """Add ``<prefix>_s`` (wall time), ``<prefix>_tpu_cache_requests``/``_misses`` (torch_tpu's cache; a miss

@@ -19,8 +19,10 @@ from hf_tpu.selftest import CheckContext, CheckFailed, SkipCheck, register_check
 _PROMPT = "a squirrel"  # within the tiny CLIP's 16 tokens
 _SIZE = 32  # the tiny SD VAE divides by 8: 4x4 latents
 _STEPS = 2
-# float32 on both sides, images in [0, 1]: the simulator differs by ~1e-7, and one 8-bit level is ~4e-3.
-_ATOL = 1e-3
+# float32 on both sides, images in [0, 1] (one 8-bit level is ~4e-3): the tolerance is the float32 matmul
+# precision's (hf_tpu.numerics) for a stack of this depth (text encoder, UNet steps, VAE decoder). At a TPU's default,
+# 'medium' (one bfloat16 pass), the simulator's image differs by up to 1.3e-2 (of 3.2e-2 allowed), at 'highest' by ~1e-7.
+_LAYERS = 8
 
 
 def _graphs_compiled() -> int:
@@ -59,13 +61,9 @@ def _diffusers(ctx: CheckContext) -> dict[str, Any]:
         return np.asarray(out.images)  # on the host: the timing includes the device's work
 
     def compare(label: str, image: np.ndarray, expected: np.ndarray) -> None:
-        diff = float(np.abs(image - expected).max())
-        figures[f"{label}_max_abs_diff"] = diff
-        if not diff <= _ATOL:
-            raise CheckFailed(
-                f"{label}_max_abs_diff={diff:.3g}: the {label} image on the tpu device differs from the CPU image "
-                f"by more than {_ATOL}"
-            )
+        figures[f"{label}_max_abs_diff"] = float(np.abs(image - expected).max())
+        ctx.compare(torch.from_numpy(image), torch.from_numpy(expected), figures, layers=_LAYERS,
+                    what=f"the {label} image")  # fmt: skip
 
     figures: dict[str, Any] = {"size": f"{_SIZE}x{_SIZE}", "steps": _STEPS}
     with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_") as path:

@@ -42,8 +42,8 @@ def _encoders(ctx: CheckContext) -> dict[str, Any]:
             outputs = [(out.last_hidden_state.cpu(), out.pooler_output.cpu()) for out in outputs]  # the device's work
         for ids, (hidden, pooled) in zip(batches, outputs, strict=True):
             want = reference(ids)
-            ctx.assert_close(hidden, want.last_hidden_state, atol=1e-4, rtol=1e-3)
-            ctx.assert_close(pooled, want.pooler_output, atol=1e-4, rtol=1e-3)
+            ctx.compare(hidden, want.last_hidden_state, figures, layers=4, what="the last hidden state")
+            ctx.compare(pooled, want.pooler_output, figures, layers=5, what="the pooler output")
         if ctx.simulated and figures["forward_compiles"]:
             raise CheckFailed(f"{figures['forward_compiles']} compile(s) after warm-up (expected none)")
     return figures

@@ -105,5 +105,5 @@ def _ragged_dot_experts(ctx: CheckContext) -> dict[str, Any]:
             expected = cpu(x, index, weights)
             with ctx.measure(figures, label):
                 out = kernel.experts_forward(dev, x_dev, ctx.to_device(index), ctx.to_device(weights))
-                ctx.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+                ctx.compare(out, expected, figures, layers=2, what="the experts' output")
     return figures

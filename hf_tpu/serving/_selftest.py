@@ -50,7 +50,8 @@ def _serving(ctx: CheckContext) -> dict[str, Any]:
     saved = dataclasses.asdict(SETTINGS)
     configure(**_SETTINGS)
     try:
-        with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_") as path, enabled("serving"):
+        # greedy tokens against the CPU's: float32 products ('medium', a TPU's default, flips near-ties)
+        with tempfile.TemporaryDirectory(prefix="hf_tpu_selftest_") as path, enabled("serving"), ctx.exact_float32():
             tiny_model("llama", path, max_position_embeddings=128)
             reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             model = ctx.to_device(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())

@@ -43,7 +43,8 @@ def _generation(ctx: CheckContext) -> dict[str, Any]:
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         expected = reference.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None)
         model = ctx.to_device(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
-        with enabled("generation"):
+        # greedy tokens against the CPU's: float32 products ('medium', a TPU's default, flips near-ties)
+        with enabled("generation"), ctx.exact_float32():
             with ctx.measure(figures, "warmup"):
                 report = warmup(model, max_prompt_len=16, batch_sizes=[2], max_new_tokens=new, progress=False)
             figures["warmup_graphs"] = len(report.graphs)
