@@ -3,6 +3,14 @@
 torch_tpu must not autoload on a host without chips (libtpu would look for the cloud metadata server), so
 autoload is turned off before torch is imported.
 
+The simulated device computes float32 matmuls as a chip does, at torch_tpu's default precision, ``'medium'`` (one
+bfloat16 pass). Most tests compare a ``tpu`` result with the CPU's exactly (greedy tokens, logits equal, losses step by
+step): the suite runs them at ``'highest'`` (float32, what a user sets with ``torch.set_float32_matmul_precision`` for
+exact results on a chip), through ``HF_TPU_SIM_MATMUL_PRECISION``, which every process a test starts (CLI runs,
+launched ranks, Ray workers, docs commands) inherits. A test of the chip's numerics marks itself
+``@pytest.mark.tpu_precision("medium")`` and compares with :mod:`hf_tpu.numerics`' tolerances. Run the suite with
+``HF_TPU_SIM_MATMUL_PRECISION=medium`` to see which comparisons the default precision breaks.
+
 One intra-op thread per test process (``OMP_NUM_THREADS=1`` unless set, inherited by the processes tests start): the
 README's command runs two workers on a 2-core host, and the tiny models' ops gain nothing from a second thread that
 the other worker is using (a generation file ran 14% faster so). The CPU references run in the same setting.
@@ -15,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_TPU_SIM_MATMUL_PRECISION", "highest")  # see above; read once per process by hf_tpu.sim
 
 
 def pytest_sessionstart(session):
@@ -71,3 +80,24 @@ def pytest_collection_modifyitems(config, items):
 
     # a stale entry is checked when whole files are collected, not when tests are picked by node id (path::test)
     mark_slow(items, check_stale=not any("::" in str(arg) for arg in config.args))
+
+
+@pytest.fixture(autouse=True)
+def _tpu_precision(request):
+    """``@pytest.mark.tpu_precision("medium")``: the simulated device at that float32 matmul precision (emulation on)
+    for the test; the suite's precision (``HF_TPU_SIM_MATMUL_PRECISION``) restored after it."""
+    marker = request.node.get_closest_marker("tpu_precision")
+    if marker is None:
+        yield
+        return
+    import torch
+
+    import hf_tpu.sim
+
+    hf_tpu.sim.enable()
+    torch.set_float32_matmul_precision(marker.args[0])
+    try:
+        yield
+    finally:
+        hf_tpu.sim.enable()
+        torch.set_float32_matmul_precision(os.environ.get("HF_TPU_SIM_MATMUL_PRECISION") or "medium")

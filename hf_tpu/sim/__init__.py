@@ -58,21 +58,22 @@ def _version(name: str) -> str | None:
         return None
 
 
-def enable(generation: str = "v6e", hbm: int | None = None, emulate_precision: bool = False) -> None:
+def enable(generation: str = "v6e", hbm: int | None = None, emulate_precision: bool = True) -> None:
     """Register the simulated ``tpu`` device in this process (idempotent; a new call reconfigures it).
 
     Args:
         generation: a TPU generation preset of :data:`hf_tpu.runtime.GENERATIONS` (``"v5e"``, ``"v5p"``,
             ``"v6e"``, ``"v7"``, ...): sets the device name and its HBM.
         hbm: HBM of the device in bytes, overriding the preset (tests use small values to provoke OOM).
-        emulate_precision: run float32 matmuls and convolutions at the TPU precision that
-            ``torch.set_float32_matmul_precision`` / ``torch.tpu.precision`` select (``'medium'``, torch_tpu's
-            default: one bfloat16 pass; ``'high'``: bf16x3; ``'highest'``: float32), to see how far outputs drift
-            on a chip. Off: they compute in float32 like the CPU.
+        emulate_precision: compute as a chip does (the default): float32 matmuls, convolutions and attention run
+            at the TPU precision that ``torch.set_float32_matmul_precision`` / ``torch.tpu.precision`` select
+            (``'medium'``, torch_tpu's default: one bfloat16 pass; ``'high'``: bf16x3; ``'highest'``: float32), so
+            outputs drift from the CPU's as on a chip. False: they compute in float32 like the CPU at every setting.
+            The initial precision is ``'medium'``, or ``HF_TPU_SIM_MATMUL_PRECISION`` when set (docs/simulator.md).
 
     Raises:
         RuntimeError: this host has real TPU chips (use torch_tpu), or PrivateUse1 belongs to another backend.
-        ValueError: unknown generation.
+        ValueError: unknown generation, or a bad ``HF_TPU_SIM_MATMUL_PRECISION``.
 
     Example:
         >>> import hf_tpu.sim

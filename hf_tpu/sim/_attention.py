@@ -17,14 +17,24 @@ registers sdpa for AutogradPrivateUse1 and takes the same decision: the two fuse
 views, so the numbers equal the CPU's; the math path decomposes on the device. Known difference: with dropout and
 FLASH enabled a chip runs its flash kernel with dropout, the simulator the math path (which draws from the device
 generator).
+
+A chip's attention kernels run their two float32 contractions (``q @ k.T`` and ``softmax @ v``) at the float32 matmul
+precision in force, like every matmul (:mod:`hf_tpu.sim._precision`). While the simulator emulates a precision below
+``'highest'`` (its default: ``'medium'``), the fused kernels' float32 forward is computed on the host views by the
+math formulation with those two products at that precision (:func:`hf_tpu.sim._precision.matmul`; the softmax in
+float32, a fully masked row 0 as the CPU's kernel gives), and its backward by autograd through it; at ``'highest'``,
+or with emulation off, by the CPU's kernel as above. The math path's matmuls are device ops, emulated anyway.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import math
+
 import torch
 
+from hf_tpu.sim import _precision
 from hf_tpu.sim._counters import STATE
 from hf_tpu.sim._tensors import host_view, is_sim_tensor, to_device
 
@@ -51,6 +61,31 @@ def _count(op: str, *tensors: torch.Tensor | None, params: tuple = ()) -> None:
         STATE.shape_signatures += 1
 
 
+def _reduced_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """sdpa of host tensors with its two contractions at the emulated float32 matmul precision (torch's math
+    formulation; a row with every key masked gives 0, as the CPU's fused kernel does)."""
+    length, keys = q.size(-2), k.size(-2)
+    if enable_gqa and k.size(-3) != q.size(-3):
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    scores = _precision.matmul(q, k.transpose(-2, -1)) * scale  # scaled after the product, as Pallas' flash kernel
+    if is_causal:
+        causal = torch.ones(length, keys, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return _precision.matmul(torch.ops.aten._safe_softmax(scores, -1), v)
+
+
 class _CpuSdpa(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -74,7 +109,10 @@ class _CpuSdpa(torch.autograd.Function):
         if hmask is not None and hmask.is_floating_point():
             hmask.requires_grad_(needs[4])
         with torch.enable_grad():
-            out = _SDPA(*inputs, hmask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+            if inputs[0].dtype == torch.float32 and _precision.reduced():
+                out = _reduced_sdpa(*inputs, hmask, is_causal, scale, enable_gqa)
+            else:
+                out = _SDPA(*inputs, hmask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
         ctx.cpu_graph = (out, inputs, hmask)
         return to_device(out.detach())
 

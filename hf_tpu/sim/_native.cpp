@@ -8,7 +8,8 @@
 //     run the CPU kernel, give each result the device storage it aliases or a fresh one, and count the op and
 //     its shape signature exactly as hf_tpu/sim/_signature.py defines it;
 //   - metadata-only view ops, redispatched to their CPU kernel.
-// Anything the fast path does not cover (a CPU tensor argument, emulated precision, a foreign storage, ...)
+// Anything the fast path does not cover (a CPU tensor argument, a float32 contraction at an emulated precision
+// below 'highest', a foreign storage, ...)
 // goes to the op's Python kernel unchanged, which raises the simulator's usual errors.
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
@@ -411,7 +412,8 @@ struct FastKernel final : c10::OperatorKernel {
   std::vector<int8_t> kinds;
   uint64_t seed;
   std::string display;  // the op as Python prints it (aten.add.Tensor), for error messages
-  bool precision_op;  // a float32 contraction: the Python kernel runs it while precision emulation is on
+  bool precision_op;  // a contraction: with float32 operands the Python kernel runs it while a reduced precision is
+                      // emulated (g_emulate: emulation on and the precision in force below 'highest')
   bool mutable_op;    // writes an argument: its device tensor follows what the CPU kernel did to it
   PyObject* python;   // the op's Python kernel (a leaked reference: lives with the process)
 
@@ -420,7 +422,14 @@ struct FastKernel final : c10::OperatorKernel {
     const size_t n = schema.arguments().size();
     const size_t base = stack->size() - n;
     uint64_t h = seed;
-    bool ok = !(precision_op && g_emulate.load(std::memory_order_relaxed)) && kinds.size() == n;
+    bool ok = kinds.size() == n;
+    if (ok && precision_op && g_emulate.load(std::memory_order_relaxed)) {
+      // reduced precision emulated (set only below 'highest'): a float32 contraction goes to its Python kernel
+      for (size_t i = 0; ok && i < n; ++i) {
+        const c10::IValue& a = (*stack)[base + i];
+        ok = !(a.isTensor() && a.toTensor().defined() && a.toTensor().scalar_type() == at::kFloat);
+      }
+    }
     for (size_t i = 0; ok && i < n; ++i) {
       const c10::IValue& a = (*stack)[base + i];
       switch (kinds[i]) {

@@ -601,7 +601,7 @@ def install() -> None:
             native.set_check_oom(_tensors.check_oom)
             native.set_hbm(STATE._hbm)
             native.set_in_graph(STATE._in_graph)
-            native.set_emulate(_precision.emulation_enabled())
+            native.set_emulate(_precision.reduced())
             STATE.native = native
             _register_native(native, aten_lib, ops)
         for name in _METADATA_VIEWS:

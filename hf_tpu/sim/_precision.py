@@ -9,17 +9,24 @@ chips), so ``torch.get_float32_matmul_precision()`` answers ``'medium'`` on a TP
 (experimental) overrides it locally, as a stack. The wheel documents (``_internal/precision/precision.py``) that
 float32 matmuls run natively in bfloat16 on TPU and that the lowering of HIGH/HIGHEST is device-specific.
 
-The simulator mirrors the API always. With :func:`set_emulation` on, float32 matmuls and convolutions on the
-device run at the precision selected, as StableHLO's ``dot_general`` precision configs are commonly lowered on
+The simulator mirrors the API always, and by default (:func:`set_emulation`, ``hf_tpu.sim.enable(emulate_precision=
+True)``) computes as a chip does: float32 matmuls, convolutions and attention on the device run at the precision
+selected, as StableHLO's ``dot_general`` precision configs are commonly lowered on
 TPU: ``DEFAULT`` one bfloat16 pass (inputs rounded to bfloat16, products accumulated in float32), ``HIGH`` three
 bfloat16 passes (bf16x3: ``hi*hi + hi*lo + lo*hi``), ``HIGHEST`` float32. Which exact pass counts a given chip uses
 is not stated in the wheel; the emulation shows the size of the drift, not the chip's bits.
+
+``HF_TPU_SIM_MATMUL_PRECISION`` (``medium``, ``high`` or ``highest``; read once per process, here) sets the simulated
+device's initial global precision instead of torch_tpu's ``'medium'``: a process started by a test or a script that
+compares float32 results with the CPU's bit for bit (the test suite sets ``highest`` for its child processes) starts
+there without code of its own. At ``'highest'`` the emulation costs nothing: the native core runs every contraction.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,7 +38,9 @@ __all__ = [
     "emulation_enabled",
     "get_float32_matmul_precision",
     "install",
+    "matmul",
     "precision",
+    "reduced",
     "set_emulation",
     "set_float32_matmul_precision",
 ]
@@ -51,6 +60,8 @@ _NAMES = {"medium": Precision.DEFAULT, "high": Precision.HIGH, "highest": Precis
 _GLOBAL = [Precision.DEFAULT]
 _STACK: list[Precision] = []
 _EMULATE = [False]
+_ENV = "HF_TPU_SIM_MATMUL_PRECISION"
+_READ_ENV = [False]
 
 
 def current() -> Precision:
@@ -63,6 +74,7 @@ def set_float32_matmul_precision(precision: str) -> None:
     if precision not in _NAMES:
         raise ValueError(f"expected to be one of 'highest', 'high', or 'medium', got '{precision}'")
     _GLOBAL[0] = _NAMES[precision]
+    _sync_native()
 
 
 def get_float32_matmul_precision() -> str:
@@ -94,24 +106,37 @@ def precision(mode: Precision) -> Iterator[None]:
             f"got '{mode}'"
         )
     _STACK.append(mode)
+    _sync_native()
     try:
         yield
     finally:
         _STACK.pop()
+        _sync_native()
 
 
 def set_emulation(enabled: bool) -> None:
-    """Run float32 matmuls and convolutions on the simulated device at the selected TPU precision (or not)."""
+    """Run float32 matmuls, convolutions and attention on the simulated device at the selected TPU precision (or
+    in float32, as the CPU does)."""
     _EMULATE[0] = bool(enabled)
-    from hf_tpu.sim._counters import STATE
-
-    if STATE.native is not None:
-        STATE.native.set_emulate(bool(enabled))
+    _sync_native()
 
 
 def emulation_enabled() -> bool:
     """Whether :func:`set_emulation` is on."""
     return _EMULATE[0]
+
+
+def reduced() -> bool:
+    """Whether float32 contractions on the device run below float32 now (emulation on, precision not HIGHEST)."""
+    return _EMULATE[0] and current() is not Precision.HIGHEST
+
+
+def _sync_native() -> None:
+    """Tell the native core whether float32 contractions must go to their Python kernels (only while reduced)."""
+    from hf_tpu.sim._counters import STATE
+
+    if STATE.native is not None:
+        STATE.native.set_emulate(reduced())
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -122,7 +147,7 @@ def _passes(a: torch.Tensor, b: torch.Tensor) -> list[tuple[torch.Tensor, torch.
     """The bfloat16 operand pairs whose products sum to ``a @ b`` at the current precision (None: full float32)."""
     if not _EMULATE[0] or a.dtype != torch.float32 or b.dtype != torch.float32:
         return None
-    mode = current()
+    mode = _STACK[-1] if _STACK else _GLOBAL[0]
     if mode is Precision.HIGHEST:
         return None
     a_hi, b_hi = _bf16(a), _bf16(b)
@@ -130,6 +155,17 @@ def _passes(a: torch.Tensor, b: torch.Tensor) -> list[tuple[torch.Tensor, torch.
         return [(a_hi, b_hi)]
     a_lo, b_lo = _bf16(a - a_hi), _bf16(b - b_hi)
     return [(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)]
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul(a, b)`` at the emulated precision (host tensors too: the simulator's fused attention uses it)."""
+    pairs = _passes(a, b)
+    if pairs is None:
+        return torch.matmul(a, b)
+    out = torch.matmul(*pairs[0])
+    for x, y in pairs[1:]:
+        out = out + torch.matmul(x, y)
+    return out
 
 
 def _bilinear(op: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -194,9 +230,28 @@ IMPLS: dict[str, Callable[..., Any]] = {
 }
 
 
+def _initial_from_environment() -> None:
+    """The device's initial global precision: ``HF_TPU_SIM_MATMUL_PRECISION`` if set (read once per process), else
+    torch_tpu's ``'medium'``."""
+    if _READ_ENV[0]:
+        return
+    value = os.environ.get(_ENV, "").strip().lower()
+    if value and value not in _NAMES:
+        raise ValueError(f"{_ENV}={value!r}: expected one of 'highest', 'high' or 'medium'")
+    _READ_ENV[0] = True
+    if value:
+        _GLOBAL[0] = _NAMES[value]
+
+
 def install() -> None:
-    """Replace ``torch.set/get_float32_matmul_precision`` with torch_tpu's behaviour (reverted by hf_tpu.disable())."""
+    """Replace ``torch.set/get_float32_matmul_precision`` with torch_tpu's behaviour (reverted by hf_tpu.disable()).
+
+    Raises:
+        ValueError: ``HF_TPU_SIM_MATMUL_PRECISION`` holds something other than ``medium``, ``high``, ``highest``.
+    """
     from hf_tpu._patch import patch
+
+    _initial_from_environment()
 
     for name, fn in (
         ("set_float32_matmul_precision", set_float32_matmul_precision),

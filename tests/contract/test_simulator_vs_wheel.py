@@ -101,6 +101,7 @@ SIM_SCRIPT = textwrap.dedent(
 def sim() -> dict:
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "HF_TPU_SIMULATE": "1"}
     env.pop("HF_TPU_EXPECT_TORCH_TPU", None)
+    env.pop("HF_TPU_SIM_MATMUL_PRECISION", None)  # the simulator's own initial precision, as a user gets it
     proc = subprocess.run(
         [sys.executable, "-c", SIM_SCRIPT, json.dumps(PRECISION_VALUES), json.dumps(COMPILE_CASES)],
         env=env,

@@ -105,16 +105,41 @@ def test_native_declines_to_python_for_what_it_does_not_cover():
         torch.zeros(2, device="tpu:1")
     a = torch.randn(64, 64)
     b = torch.randn(64, 64)
-    exact = (a.to("tpu") @ b.to("tpu")).cpu()
-    hf_tpu.sim.enable(emulate_precision=True)  # torch_tpu's default precision, 'medium': one bfloat16 pass
-    try:
+    with torch.tpu.precision(torch.tpu.Precision.HIGHEST):
+        exact = (a.to("tpu") @ b.to("tpu")).cpu()
+    with torch.tpu.precision(torch.tpu.Precision.DEFAULT):  # torch_tpu's default precision, 'medium': one bf16 pass
         reduced = (a.to("tpu") @ b.to("tpu")).cpu()
-    finally:
-        hf_tpu.sim.enable()
     assert torch.equal(exact, a @ b)
     bf16 = a.bfloat16().float() @ b.bfloat16().float()
     torch.testing.assert_close(reduced, bf16)  # the Python kernel ran the contraction at the emulated precision
     assert not torch.equal(reduced, exact)
+
+
+@pytest.mark.tpu_precision("medium")
+def test_only_reduced_float32_contractions_leave_the_native_core(monkeypatch):
+    """Emulation is on by default; it costs a Python kernel only for a float32 contraction below 'highest': at
+    'highest', and for bfloat16 operands at any precision, the native core runs the contraction."""
+    if STATE.native is None:
+        pytest.skip("native core off: every op runs its Python kernel")
+    from hf_tpu.sim import _precision
+
+    calls = []
+    passes = _precision._passes
+    monkeypatch.setattr(_precision, "_passes", lambda a, b: calls.append(a.dtype) or passes(a, b))
+    a, b = torch.randn(16, 16, device="tpu"), torch.randn(16, 16, device="tpu")
+    a @ b
+    assert calls == [torch.float32]
+    a.bfloat16() @ b.bfloat16()
+    torch.nn.functional.linear(a.bfloat16(), b.bfloat16())
+    with torch.tpu.precision(torch.tpu.Precision.HIGHEST):
+        a @ b
+        torch.nn.functional.linear(a, b)
+    torch.set_float32_matmul_precision("highest")
+    torch.bmm(a[None], b[None])
+    assert calls == [torch.float32]
+    torch.set_float32_matmul_precision("high")
+    a @ b
+    assert calls == [torch.float32, torch.float32]
 
 
 def test_native_counts_memory_and_frees_it():
