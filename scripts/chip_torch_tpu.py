@@ -13,14 +13,17 @@ come (``name[:seconds[:ENV=V,ENV=V]]`` narrows a stage: ``experts:200:SHAPE=mixt
 
 This project's lent chip machine has JAX, libtpu 0.0.42 and no torch: ``pack`` makes, from a local venv with
 torch-tpu 0.2.0 and libtpu 0.0.52, the folders that travel there (each under the tool's 64 MiB per call: torch_tpu
-for torch 2.13 with its small dependencies and the transformers and kernels wheels; libtpu 0.0.52 in two halves), and
+for torch 2.13 with its small dependencies and the transformers and kernels wheels; libtpu 0.0.52's wheel in three parts; the
+extras the chip tier and the self-test need, EXTRA_WHEELS), and
 ``install`` (on the chip, once per warm machine, one folder per call) puts them under /tmp/hf_tpu_chip with torch
 2.13.0 from the machine's own wheels::
 
-    python scripts/chip_torch_tpu.py pack .chip_carry --venv .venv-tpu     # here: .chip_carry/{tt,lt1,lt2}
+    python scripts/chip_torch_tpu.py pack .chip_carry --venv .venv-tpu     # here: .chip_carry/{tt,lt1,lt2,lt3,ex}
     python scripts/chip_torch_tpu.py install .chip_carry/tt                # on the chip, one call each, in order
     python scripts/chip_torch_tpu.py install .chip_carry/lt1
     python scripts/chip_torch_tpu.py install .chip_carry/lt2
+    python scripts/chip_torch_tpu.py install .chip_carry/lt3
+    python scripts/chip_torch_tpu.py install .chip_carry/ex                 # the extras (EXTRA_WHEELS), if needed
     python scripts/chip_torch_tpu.py run --out $OUT                        # then as on a TPU VM
 
 Figures from a run: docs/chip_v5e_torch_tpu.jsonl and docs/planning.md ("Measured with torch_tpu itself").
@@ -44,6 +47,17 @@ TORCH_VERSION = "2.13.0"
 TORCH_TAG = "2_13_0"  # torch_tpu ships a build per torch version; only torch 2.13's travels
 OTHER_TAGS = ("2_11_0", "2_12_0", "2_14_0", "2_15_0")
 SMALL_WHEELS = ("frozendict", "immutabledict", "portpicker", "pyzmq")
+LIBTPU_PARTS = 3  # libtpu 0.0.52's wheel is 137 MB: three calls of about 46 MB
+# What the chip tier and `hf-tpu selftest` need beyond transformers (device_map, training, LoRA, diffusers, torchao and
+# compressed-tensors, the server and its openai client) and the lent machine's own index may lack: the versions
+# installed in the packing venv travel as wheels in dest/ex and install without dependencies (the machine's own
+# packages come first on its PYTHONPATH, so a wheel it already has is shadowed, not replaced).
+EXTRA_WHEELS = ("accelerate", "peft", "diffusers", "torchao", "compressed-tensors", "fastapi", "starlette",
+                "annotated-doc", "annotated-types", "pydantic", "pydantic-core", "typing-inspection",
+                "opentelemetry-api", "uvicorn", "click", "h11", "anyio", "sniffio", "openai", "httpx2", "httpcore2",
+                "idna", "truststore", "jiter", "prometheus-client", "psutil", "loguru", "pillow", "importlib-metadata",
+                "zipp", "rich", "pygments", "markdown-it-py", "mdurl", "typing-extensions", "requests", "certifi",
+                "charset-normalizer", "urllib3", "typer", "shellingham", "filelock")  # fmt: skip
 DEFAULT_STAGES = ("basics:90", "dispatch:120", "kv_write:120", "jaxop:150", "generate:180",
                   "generate:180:CASE=moe_kernel", "experts:200:SHAPE=qwen3,TOKENS=1_8_512",
                   "experts:200:SHAPE=mixtral,TOKENS=1_8_512", "llama_decode:470")  # fmt: skip
@@ -301,6 +315,240 @@ def stage_generate() -> None:
             kv_write=os.environ.get("HF_TPU_KV_WRITE", "auto"))  # fmt: skip
 
 
+def _errors(got, want) -> dict:
+    """``max|got - want| / max|want|`` (scaled) and the largest elementwise relative error, in float64."""
+    import torch
+
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
+    diff = (got - want).abs()
+    big = want.abs() > 1e-30
+    rel = float((diff[big] / want.abs()[big]).max()) if bool(big.any()) else 0.0
+    return {"scaled_err": float(diff.max() / want.abs().max().clamp_min(1e-300)), "max_rel_err": rel}
+
+
+def stage_numerics() -> None:
+    """What a chip computes that a test can see, each against float64 (and the CPU's float32 where it says so):
+    float32 matmuls at each precision and contraction length (and whether 'medium' is exactly one bfloat16 pass),
+    linear/bmm/conv/sdpa at each precision, elementwise functions eager and compiled, reductions, bfloat16
+    accumulation, denormals, integers, ties, and the RNG. Every group is recorded on its own (a failure too).
+    With ``HF_TPU_SIMULATE=1`` the same code measures the simulated device (docs/simulator.md sets both side by
+    side)."""
+    import torch
+
+    if os.environ.get("HF_TPU_SIMULATE") == "1":
+        import hf_tpu.sim
+
+        hf_tpu.sim.enable(emulate_precision=True)
+    else:
+        import torch_tpu  # noqa: F401
+
+    torch.set_grad_enabled(False)
+    g = torch.Generator().manual_seed(0)
+    rec(step="default_precision", precision=torch.get_float32_matmul_precision())
+
+    def group(name, fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - recorded, the next group runs
+            rec(step=name, error=repr(exc)[:600])
+
+    def matmuls():
+        for precision in ("medium", "high", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            for k in (32, 256, 1024, 4096):
+                a, b = torch.randn(256, k, generator=g), torch.randn(k, 256, generator=g)
+                got = (a.to("tpu") @ b.to("tpu")).cpu()
+                one_pass = a.bfloat16().double() @ b.bfloat16().double()
+                rec(step="matmul", precision=precision, k=k, **_errors(got, a.double() @ b.double()),
+                    vs_one_bf16_pass=_errors(got, one_pass)["scaled_err"],
+                    cpu_f32=_errors(a @ b, a.double() @ b.double())["scaled_err"])  # fmt: skip
+        torch.set_float32_matmul_precision("medium")
+
+    def layers():
+        x = torch.randn(4, 64, 128, generator=g)
+        w, bias = torch.randn(96, 128, generator=g), torch.randn(96, generator=g)
+        img, ker = torch.randn(2, 8, 16, 16, generator=g), torch.randn(12, 8, 3, 3, generator=g)
+        q, k, v = (torch.randn(2, 4, 32, 64, generator=g) for _ in range(3))
+        cases = {
+            "linear": (lambda d: torch.nn.functional.linear(d(x), d(w), d(bias)),),
+            "bmm": (lambda d: d(x) @ d(x).transpose(1, 2),),
+            "conv2d": (lambda d: torch.nn.functional.conv2d(d(img), d(ker), padding=1),),
+            "sdpa_causal": (lambda d: torch.nn.functional.scaled_dot_product_attention(d(q), d(k), d(v), is_causal=True),),
+        }  # fmt: skip
+        for precision in ("medium", "high", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            for name, (fn,) in cases.items():
+                want = fn(lambda t: t.double())
+                got = fn(lambda t: t.to("tpu"))
+                rec(step="layer", op=name, precision=precision, **_errors(got, want),
+                    cpu_f32=_errors(fn(lambda t: t), want)["scaled_err"])  # fmt: skip
+        torch.set_float32_matmul_precision("medium")
+
+    def compiled_precision():
+        # Is the precision read when a graph compiles (and kept by a later call at another setting) or when it runs?
+        a, b = torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g)
+        want = a.double() @ b.double()
+        torch._dynamo.reset()
+        f = torch.compile(lambda x, y: x @ y, backend="tpu", fullgraph=True, dynamic=False)
+        ad, bd = a.to("tpu"), b.to("tpu")
+        errs = {}
+        for precision in ("medium", "highest", "medium"):
+            torch.set_float32_matmul_precision(precision)
+            errs.setdefault(precision, []).append(_errors(f(ad, bd), want)["scaled_err"])
+        torch._dynamo.reset()
+        torch.set_float32_matmul_precision("highest")
+        fresh = _errors(torch.compile(lambda x, y: x @ y, backend="tpu", fullgraph=True)(ad, bd), want)["scaled_err"]
+        # a shape no graph of this process has had: is the precision read when a new program compiles?
+        c, d = torch.randn(192, 320, generator=g), torch.randn(320, 160, generator=g)
+        torch._dynamo.reset()
+        new_shape = torch.compile(lambda x, y: x @ y, backend="tpu", fullgraph=True)(c.to("tpu"), d.to("tpu"))
+        new_shape_err = _errors(new_shape, c.double() @ d.double())["scaled_err"]
+        with torch.tpu.precision(torch.tpu.Precision.HIGHEST):
+            scoped = _errors(f(ad, bd), want)["scaled_err"]
+        torch.set_float32_matmul_precision("medium")
+        rec(step="compiled_precision", calls=errs, compiled_at_highest=fresh, new_shape_at_highest=new_shape_err,
+            first_graph_under_tpu_precision_highest=scoped)  # fmt: skip
+
+    def elementwise():
+        x = torch.randn(1 << 16, generator=g) * 4
+        pos = x.abs() + 0.1
+        ops = {
+            "exp": (torch.exp, x), "log": (torch.log, pos), "tanh": (torch.tanh, x), "erf": (torch.erf, x),
+            "sigmoid": (torch.sigmoid, x), "rsqrt": (torch.rsqrt, pos), "sqrt": (torch.sqrt, pos),
+            "sin": (torch.sin, x), "gelu": (torch.nn.functional.gelu, x),
+            "gelu_tanh": (lambda t: torch.nn.functional.gelu(t, approximate="tanh"), x),
+            "silu": (torch.nn.functional.silu, x), "softmax": (lambda t: torch.softmax(t.view(64, -1), -1), x),
+            "log_softmax": (lambda t: torch.log_softmax(t.view(64, -1), -1), x), "pow_2.5": (lambda t: t**2.5, pos),
+            "div": (lambda t: t / 3.0, x),
+        }  # fmt: skip
+        for name, (fn, inp) in ops.items():
+            want = fn(inp.double())
+            eager = fn(inp.to("tpu"))
+            torch._dynamo.reset()  # one graph per op (the same wrapper would hit the recompile limit)
+            compiled = torch.compile(fn, backend="tpu", fullgraph=True)(inp.to("tpu"))
+            rec(step="elementwise", op=name, eager=_errors(eager, want), compiled=_errors(compiled, want),
+                cpu_f32=_errors(fn(inp), want), eager_equals_cpu=bool(torch.equal(eager.cpu(), fn(inp))))  # fmt: skip
+
+    def reductions():
+        x = torch.randn(1 << 20, generator=g)
+        m = torch.randn(1024, 1024, generator=g)
+        for name, fn in {"sum": lambda t: t.sum(), "mean": lambda t: t.mean(), "var": lambda t: t.var(),
+                         "cumsum_last": lambda t: t.cumsum(0)[-1], "norm": lambda t: t.norm()}.items():  # fmt: skip
+            want = fn(x.double())
+            rec(step="reduction", op=name, tpu=_errors(fn(x.to("tpu")), want), cpu_f32=_errors(fn(x), want))
+        want = m.double().sum(1)
+        rec(step="reduction", op="row_sum_1024", tpu=_errors(m.to("tpu").sum(1), want), cpu_f32=_errors(m.sum(1), want))
+
+    def bfloat16():
+        a, b = torch.randn(64, 4096, generator=g).bfloat16(), torch.randn(4096, 64, generator=g).bfloat16()
+        got, cpu = (a.to("tpu") @ b.to("tpu")).cpu(), a @ b
+        want = a.double() @ b.double()
+        rec(step="bf16_matmul", tpu=_errors(got, want), cpu=_errors(cpu, want),
+            equal_to_cpu_fraction=float((got == cpu).float().mean()))  # fmt: skip
+        s = torch.randn(4096, generator=g).bfloat16()
+        rec(step="bf16_sum", tpu=float(s.to("tpu").sum().float()), cpu=float(s.sum().float()),
+            f64=float(s.double().sum()))  # fmt: skip
+        x = torch.randn(1000, generator=g)
+        rec(step="f32_to_bf16_rounding_equal_cpu", equal=bool(torch.equal(x.to("tpu").bfloat16().cpu(), x.bfloat16())))
+
+    def special():
+        tiny = torch.tensor([1e-38, 1e-40, 1e-45, -1e-40], dtype=torch.float32)
+        rec(step="denormals", copied=tiny.to("tpu").cpu().tolist(), times_one=(tiny.to("tpu") * 1.0).cpu().tolist(),
+            cpu=(tiny * 1.0).tolist(), one_over_1e38=(1.0 / tiny.to("tpu")).cpu().tolist())  # fmt: skip
+        z = torch.tensor([1.0, -1.0, 0.0])
+        rec(step="div_by_zero", tpu=(z.to("tpu") / 0.0).cpu().tolist(), cpu=(z / 0.0).tolist())
+        n = torch.tensor([1.0, float("nan"), 3.0])
+        rec(step="nan", max_tpu=float(n.to("tpu").max()), argmax_tpu=int(n.to("tpu").argmax()),
+            max_cpu=float(n.max()), argmax_cpu=int(n.argmax()))  # fmt: skip
+        t = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
+        rec(step="ties", argmax_tpu=int(t.to("tpu").argmax()), argmax_cpu=int(t.argmax()),
+            topk_tpu=t.to("tpu").topk(3).indices.cpu().tolist(), topk_cpu=t.topk(3).indices.tolist(),
+            sort_stable_tpu=t.to("tpu").sort(stable=True, descending=True).indices.cpu().tolist(),
+            sort_stable_cpu=t.sort(stable=True, descending=True).indices.tolist())  # fmt: skip
+        temp = torch.tensor([1e-38, 1e-30, 1e-10], dtype=torch.float32)
+        logits = torch.randn(3, 16, generator=g)
+        scaled = (logits.to("tpu") / temp.to("tpu")[:, None]).cpu()
+        rec(step="logits_over_tiny_temperature", tpu_finite=torch.isfinite(scaled).all(1).tolist(),
+            cpu_finite=torch.isfinite(logits / temp[:, None]).all(1).tolist())  # fmt: skip
+
+    def integers():
+        i32 = torch.tensor([2**31 - 1, -(2**31)], dtype=torch.int32)
+        big = torch.tensor([2**40 + 1, -(2**40) - 3, 2**62], dtype=torch.int64)
+        q = torch.tensor([-7, 7, -7], dtype=torch.int64)
+        d = torch.tensor([2, -2, -2], dtype=torch.int64)
+        rec(step="integers", int32_wrap_tpu=(i32.to("tpu") + 1).cpu().tolist(), int32_wrap_cpu=(i32 + 1).tolist(),
+            int64_roundtrip=big.to("tpu").cpu().tolist(), int64_add_tpu=(big.to("tpu") + 1).cpu().tolist(),
+            int64_add_cpu=(big + 1).tolist(), floordiv_tpu=(q.to("tpu") // d.to("tpu")).cpu().tolist(),
+            floordiv_cpu=(q // d).tolist(), remainder_tpu=torch.remainder(q.to("tpu"), d.to("tpu")).cpu().tolist(),
+            remainder_cpu=torch.remainder(q, d).tolist())  # fmt: skip
+        try:
+            f64 = torch.tensor([1.0 + 2**-40], dtype=torch.float64).to("tpu")
+            rec(step="float64", dtype=str(f64.dtype), exact=bool(float(f64.cpu()) == 1.0 + 2**-40),
+                add=float((f64 + f64).cpu()))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            rec(step="float64", error=repr(exc)[:400])
+
+    def rng():
+        torch.manual_seed(0)
+        cpu = torch.randn(6)
+        torch.manual_seed(0)
+        tpu = torch.randn(6, device="tpu").cpu()
+        torch.manual_seed(0)
+        tpu2 = torch.randn(6, device="tpu").cpu()
+        gen = torch.Generator("tpu").manual_seed(3)
+        a = torch.rand(4, device="tpu", generator=gen).cpu()
+        gen.manual_seed(3)
+        b = torch.rand(4, device="tpu", generator=gen).cpu()
+        torch.manual_seed(0)
+        m = torch.multinomial(torch.ones(4, 50, device="tpu"), 1).cpu().flatten().tolist()
+        rec(step="rng", randn_equals_cpu=bool(torch.equal(cpu, tpu)), reseeded_equal=bool(torch.equal(tpu, tpu2)),
+            generator_reseeded_equal=bool(torch.equal(a, b)), tpu_randn=tpu.tolist(), cpu_randn=cpu.tolist(),
+            multinomial=m)  # fmt: skip
+
+    for name, fn in (("matmul", matmuls), ("layer", layers), ("compiled_precision", compiled_precision),
+                     ("elementwise", elementwise),
+                     ("reduction", reductions), ("bf16", bfloat16), ("special", special), ("integers", integers),
+                     ("rng", rng)):  # fmt: skip
+        group(name, fn)
+
+
+def stage_selftest() -> None:
+    """``hf-tpu selftest`` (every check, in this process) as a TPU VM user runs it; the report in out/."""
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")
+    from hf_tpu.cli.main import main as hf_tpu_main
+
+    code = hf_tpu_main(["selftest", "--report", str(_OUT / "selftest.json")])
+    report = json.loads((_OUT / "selftest.json").read_text())
+    for check in report.get("checks", []):
+        rec(step="check", name=check["name"], status=check["status"], error=check.get("error"),
+            reason=check.get("reason"), seconds=check.get("seconds"),
+            figures={k: v for k, v in (check.get("figures") or {}).items() if "err" in k or k in ("precision", "tolerance", "default")})  # fmt: skip
+    rec(step="selftest", exit=code)
+
+
+def stage_moe_diag() -> None:
+    """The tiny Qwen3-MoE's batch-4 tokens against the CPU's: the first differing step per row, both sides' top-2
+    margins there, and each experts form forced (``scripts/chip_moe_diag.py``)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    if os.environ.get("HF_TPU_SIMULATE") != "1":
+        # torch_tpu loaded first, as its autoload does on a TPU VM (run 18: without it ``.to("tpu")`` found no such
+        # device in this stage)
+        import torch  # noqa: F401
+        import torch_tpu  # noqa: F401
+    import chip_moe_diag
+
+    chip_moe_diag.stage_moe_diag(rec)
+
+
+def stage_tier() -> None:
+    """The chip tier of the suite (``pytest -m chip tests/chip``) in this process's child, its rows in out/."""
+    env = {**os.environ, "HF_TPU_CHIP_RECORD": str(_OUT / "chip_tier.json")}
+    cmd = [sys.executable, "-m", "pytest", "-m", "chip", "tests/chip", "-p", "no:xdist", "-p", "no:cacheprovider",
+           "-q", "-rs", "--timeout", "400"]  # fmt: skip
+    code = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    rec(step="tier", exit=code)
+
+
 EXPERTS_SHAPES = {
     "qwen3": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
     "mixtral": dict(hidden=4096, intermediate=14336, experts=8, top_k=2),
@@ -469,6 +717,10 @@ STAGES = {
     "experts": stage_experts,
     "llama_decode": stage_llama_decode,
     "lean": stage_lean,
+    "numerics": stage_numerics,
+    "selftest": stage_selftest,
+    "moe_diag": stage_moe_diag,
+    "tier": stage_tier,
 }
 
 
@@ -510,10 +762,10 @@ def torch_tpu_members(site: Path) -> list[str]:
 
 
 def pack(dest: Path, venv: Path) -> None:
-    """Write ``dest/tt`` (torch_tpu, small wheels, transformers), ``dest/lt1`` (libtpu's first half, the kernels
-    wheel) and ``dest/lt2`` (libtpu's second half)."""
+    """Write ``dest/tt`` (torch_tpu, small wheels, transformers), ``dest/lt1`` .. ``lt3`` (libtpu's wheel in three
+    parts; the kernels wheel beside the first) and ``dest/ex`` (EXTRA_WHEELS)."""
     site = next((venv / "lib").glob("python3*/site-packages"))
-    for sub in ("tt", "lt1", "lt2"):
+    for sub in ("tt", "lt1", "ex"):
         (dest / sub).mkdir(parents=True, exist_ok=True)
     members = torch_tpu_members(site)
     listing = dest / "tt" / "members.txt"
@@ -522,28 +774,37 @@ def pack(dest: Path, venv: Path) -> None:
                    check=True)  # fmt: skip
     # The kernels wheel travels beside libtpu's first half: with transformers' wheel, torch_tpu and the working tree
     # (10 MB) the tt call would pass the tool's 64 MiB.
-    for sub, names in (("tt", (*SMALL_WHEELS, "transformers")), ("lt1", ("kernels",))):
+    extras = [n for n in EXTRA_WHEELS if _installed_version(site, n, missing_ok=True)]
+    for sub, names in (("tt", (*SMALL_WHEELS, "transformers")), ("lt1", ("kernels",)), ("ex", extras)):
         wheels = [f"{n}=={_installed_version(site, n)}" for n in names]
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                         "--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
                         "--platform", "manylinux_2_26_x86_64", "--platform", "manylinux2014_x86_64",
                         "-d", str(dest / sub), *wheels], check=True)  # fmt: skip
-    libtpu = dest / "libtpu.tar.xz"
-    subprocess.run(f"tar cf - -C {site} libtpu $(cd {site} && ls -d libtpu-*.dist-info) | xz -T2 -7 > {libtpu}",
-                   shell=True, check=True)  # fmt: skip
-    data = libtpu.read_bytes()
-    half = len(data) // 2
-    (dest / "lt1" / "libtpu.part0").write_bytes(data[:half])
-    (dest / "lt2" / "libtpu.part1").write_bytes(data[half:])
-    libtpu.unlink()
+    # libtpu travels as its PyPI wheel (zip-compressed already: no xz pass over its 484 MB, which took many minutes on a
+    # loaded 2-core host) in three parts of about 46 MB, one per call (lt1, lt2, lt3)
+    version = _installed_version(site, "libtpu")
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_31_x86_64",
+                    "-d", str(dest), f"libtpu=={version}"], check=True)  # fmt: skip
+    wheel = next(dest.glob(f"libtpu-{version}-*.whl"))
+    data = wheel.read_bytes()
+    size = -(-len(data) // LIBTPU_PARTS)
+    for i in range(LIBTPU_PARTS):
+        sub = dest / f"lt{i + 1}"
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"{wheel.name}.part{i}").write_bytes(data[i * size : (i + 1) * size])
+    wheel.unlink()
 
 
-def _installed_version(site: Path, name: str) -> str:
+def _installed_version(site: Path, name: str, missing_ok: bool = False) -> str:
     key = name.replace("-", "_").lower()
     for info in site.glob("*.dist-info"):
         dist, _, version = info.name[: -len(".dist-info")].partition("-")
         if dist.lower() == key:
             return version
+    if missing_ok:
+        return ""
     raise FileNotFoundError(f"{name} is not installed in {site}: install it there first")
 
 
@@ -554,7 +815,8 @@ def _pip(*args: str) -> None:
 
 
 def install(folder: Path) -> None:
-    """On the lent chip: install what ``pack`` wrote, one folder per call (``tt``, then ``lt1``, then ``lt2``)."""
+    """On the lent chip: install what ``pack`` wrote, one folder per call (``tt``, then ``lt1``, ``lt2``, ``lt3``, and
+    ``ex`` where needed)."""
     site, tf, lib = CHIP_HOME / "site", CHIP_HOME / "transformers", CHIP_HOME / "libtpu"
     for d in (site, tf, lib):
         d.mkdir(parents=True, exist_ok=True)
@@ -568,17 +830,26 @@ def install(folder: Path) -> None:
              "absl-py")  # torch_tpu's logging; on the machine's index  # fmt: skip
         wheel = next(folder.glob("transformers-*.whl"))  # the version hf_tpu was tested with; its needs from the index
         _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--target", str(tf), str(wheel))
+    if folder.name == "ex":
+        _pip("--no-index", "--no-deps", "--target", str(tf), *map(str, sorted(folder.glob("*.whl"))))
     for wheel in folder.glob("kernels-*.whl"):
         # kernels (hf_tpu's measured experts choice takes the Hub kernel's forms only where it is importable, as on a
         # TPU VM with hf-tpu[tpu]); not on the machine's index, its needs are transformers' (huggingface_hub, pyyaml)
         _pip("--no-index", "--no-deps", "--target", str(tf), str(wheel))
-    for part in sorted(folder.glob("libtpu.part*")):
+    for part in sorted(folder.glob("libtpu-*.whl.part*")):
         (lib / part.name).write_bytes(part.read_bytes())
-    parts = sorted(lib.glob("libtpu.part*"))
-    if len(parts) == 2:
-        subprocess.run(f"cat {parts[0]} {parts[1]} | tar xJf - -C {lib}", shell=True, check=True)
-        for part in parts:
-            part.unlink()
+    parts = sorted(lib.glob("libtpu-*.whl.part*"), key=lambda p: int(p.name.rsplit("part", 1)[1]))
+    if len(parts) == LIBTPU_PARTS:
+        wheel = lib / parts[0].name.rsplit(".part", 1)[0]
+        with open(wheel, "wb") as f:
+            for part in parts:
+                f.write(part.read_bytes())
+                part.unlink()
+        import zipfile
+
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(lib)
+        wheel.unlink()
     print(json.dumps({"site": len(list(site.iterdir())), "libtpu": sorted(p.name for p in lib.iterdir())}))
 
 
