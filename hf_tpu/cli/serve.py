@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["EXIT_PORT_TAKEN", "register", "run"]
+__all__ = ["EXIT_PORT_TAKEN", "EXIT_WORKER_DIED", "register", "run"]
 
 #: Exit status when ``--host``/``--port`` cannot be listened on (a port taken): said before the model loads.
 EXIT_PORT_TAKEN = 2
+#: Exit status when the continuous-batching worker died: the server stopped so that a supervisor restarts it.
+EXIT_WORKER_DIED = 3
 
 
 def _positive_int(text: str) -> int:
@@ -105,6 +107,8 @@ def refuse_early(args: argparse.Namespace) -> int | None:
     follower = os.environ.get(TP_ENV) and os.environ.get("RANK") not in (None, "0")
     if follower:
         taken = None
+    elif not 0 <= args.port <= 65535:
+        taken = f"--port {args.port} is not a port: pass one from 1 to 65535 (0: any free port)"
     elif args.uds is not None:
         taken = uds_unusable(args.uds)
     else:
@@ -162,17 +166,25 @@ def run(args: argparse.Namespace) -> int:
                                attn_implementation=args.attn_implementation)  # fmt: skip
         return 0
     from hf_tpu.serving._openai import Limits
-    from hf_tpu.serving.server import run_server
+    from hf_tpu.serving.server import WorkerDiedError, run_server
 
     max_pending = args.max_pending or 4 * serving.SETTINGS.slots
     aliases = {os.path.basename(model.rstrip("/"))}
-    run_server(
-        model, host=args.host, port=args.port, max_pending=max_pending, warmup=not args.no_warmup, aliases=aliases,
-        served_name=args.served_model_name,
-        dtype=args.dtype, attn_implementation=args.attn_implementation, log_level=args.log_level,
-        enable_cors=args.enable_cors, default_seed=args.default_seed, tp=args.tp, uds=args.uds,
-        limits=Limits(max_n=args.max_n, max_logprobs=args.max_logprobs),
-    )  # fmt: skip
+    try:
+        run_server(
+            model, host=args.host, port=args.port, max_pending=max_pending, warmup=not args.no_warmup,
+            aliases=aliases, served_name=args.served_model_name,
+            dtype=args.dtype, attn_implementation=args.attn_implementation, log_level=args.log_level,
+            enable_cors=args.enable_cors, default_seed=args.default_seed, tp=args.tp, uds=args.uds,
+            limits=Limits(max_n=args.max_n, max_logprobs=args.max_logprobs),
+        )  # fmt: skip
+    except WorkerDiedError as err:
+        print(f"hf-tpu serve: {err}; exiting with status {EXIT_WORKER_DIED} so that a supervisor restarts it",
+              file=sys.stderr, flush=True)  # fmt: skip
+        sys.stdout.flush()
+        # at once: the interpreter's teardown (the model, dynamo's caches, the uvicorn loop left unclosed) took 3 to
+        # 12 s on a loaded host, and a supervisor waits on it to restart the server
+        os._exit(EXIT_WORKER_DIED)
     return 0
 
 

@@ -3,11 +3,12 @@
 transformers' server answers a malformed body with 422 (or 500), an unknown model with 400, and queues without
 bound. In front of it, for ``POST /v1/...``:
 
-* a body that is not a JSON object -> 400 naming the problem;
+* a body that is not a JSON object (or nested more than :data:`~hf_tpu.serving.protocol.MAX_DEPTH` levels) -> 400
+  naming the problem;
 * ``max_tokens``/``max_completion_tokens``/``max_output_tokens`` that is not a positive integer -> 400;
 * a ``model`` other than the one served -> 404 listing the served name;
-* for chat and completions, every field (:func:`hf_tpu.serving._openai.check`), for responses
-  (:func:`~hf_tpu.serving._openai.check_responses`) likewise: a wrong one -> 400 naming it;
+* for chat, completions, responses and embeddings, every field, by the request models of
+  :mod:`hf_tpu.serving.protocol`: a wrong one -> 400 naming it (embeddings, once checked: 404, not served here);
 * more than ``max_pending`` requests in flight (counted from their arrival, body not yet read included) -> 429 with
   ``Retry-After`` (the queue is bounded);
 * any request while the server warms up -> 503 with ``Retry-After`` (and ``GET /health`` -> 503 ``"warming up"``
@@ -29,7 +30,7 @@ import threading
 import time
 
 from hf_tpu.errors import UserError
-from hf_tpu.serving._openai import CHAT, COMPLETIONS, RESPONSES, Limits, RequestError, check, check_responses
+from hf_tpu.serving._openai import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, Limits, RequestError
 
 __all__ = ["ARRIVAL", "Guard", "PromptTooLongError", "Readiness"]
 
@@ -58,6 +59,8 @@ class Readiness:
     def __init__(self) -> None:
         self.done, self.total, self.failure = 0, 0, None
         self._ready = threading.Event()
+        #: () -> why the continuous-batching worker died, or None while it lives (set by the server)
+        self.worker_failure = lambda: None
 
     @property
     def ready(self) -> bool:
@@ -93,6 +96,11 @@ class Guard:
         if path == "/metrics" and method == "GET":
             return await self._reply(send, 200, self.metrics.exposition(), "text/plain; version=0.0.4")
         warming = self.readiness is not None and not self.readiness.ready
+        died = self.readiness.worker_failure() if self.readiness is not None and not warming else None
+        if died is not None and path == "/health":  # the process is exiting (hf-tpu serve stops on it)
+            detail = f"the continuous-batching worker died ({died}); the server is exiting for a restart"
+            payload = json.dumps({"status": "unhealthy", "reason": "cb_worker_dead", "detail": detail}).encode()
+            return await self._reply(send, 503, payload, "application/json")
         if warming and path == "/health":
             status = "warm-up failed" if self.readiness.failure else "warming up"
             payload = json.dumps({"status": status, "detail": self.readiness.describe()}).encode()
@@ -196,21 +204,31 @@ class Guard:
             data = json.loads(body or b"null")
         except (ValueError, UnicodeDecodeError) as exc:
             return _error(400, f"the request body is not valid JSON ({exc}); send a JSON object"), body
+        except RecursionError:
+            return _error(400, "the request body is nested too deeply to read; send a flatter JSON object"), body
         if not isinstance(data, dict):
             return _error(400, f"the request body must be a JSON object, got {type(data).__name__}"), body
-        for field in _TOKEN_FIELDS:
-            value = data.get(field)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                return _error(400, f"{field} must be a positive integer, got {value!r}", param=field), body
         model = data.get("model")
-        if model is not None and model not in self.served:
-            message = f"model {model!r} is not served here; this server serves {self.listed!r}"
+        if isinstance(model, str) and model not in self.served:  # (a model that is not a string: a 400 below)
+            message = f"model {model!r:.80} is not served here; this server serves {self.listed!r}"
             return _error(404, message, "not_found_error", "model"), body
-        if path in (CHAT, COMPLETIONS, RESPONSES):
+        if path in (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS):
+            from hf_tpu.serving.protocol import validate
+
             try:
-                check_responses(data, self.limits) if path == RESPONSES else check(path, data, self.limits)
+                validate(path, data, self.limits)
             except RequestError as exc:
                 return _error(exc.status, exc.message, exc.kind, exc.param), body
+        else:  # transformers' other endpoints: the token counts at least
+            for field in _TOKEN_FIELDS:
+                value = data.get(field)
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                    return _error(400, f"{field} must be a positive integer, got {value!r}", param=field), body
+        if model is not None and not isinstance(model, str):
+            return _error(400, f"model must be a string, got {json.dumps(model)[:60]}", param="model"), body
+        if path == EMBEDDINGS:
+            message = f"{EMBEDDINGS} is not served here: hf-tpu serve serves {self.listed!r}, a causal LM"
+            return _error(404, message, "not_found_error"), body
         if model is not None and model != self.canonical:
             data["model"] = self.canonical
             body = json.dumps(data).encode()

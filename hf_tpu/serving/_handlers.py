@@ -11,8 +11,8 @@ stop string and ``"length"`` when ``max_tokens`` or the model's context ended th
 from the step's outputs (:mod:`hf_tpu.serving._sampling`). ``ResponsesHandler`` (``/v1/responses``) runs its
 request as the chat request it amounts to and answers in the Responses API's shape.
 
-The bodies reaching these handlers have been checked by :func:`hf_tpu.serving._openai.check` or
-:func:`~hf_tpu.serving._openai.check_responses` (in the guard).
+The bodies reaching these handlers have been checked by the request models of :mod:`hf_tpu.serving.protocol` (in the
+guard).
 """
 
 from __future__ import annotations
@@ -438,7 +438,7 @@ _RESPONSES_TO_CHAT = {"max_output_tokens": "max_tokens", "temperature": "tempera
 
 
 class _ResponsesAnswer(_Answer):
-    """A checked ``/v1/responses`` request (:func:`hf_tpu.serving._openai.check_responses`), run as the chat request
+    """A checked ``/v1/responses`` request (:class:`hf_tpu.serving.protocol.ResponsesRequest`), run as the chat request
     it amounts to (transformers' own conversion of ``input`` and ``instructions`` to messages, its tool format), so
     with the same per-request sampling; answered in the Responses API's shape: one JSON ``response`` object unless
     ``stream`` is true (OpenAI's default is false), else transformers' stream of ``response.*`` events."""

@@ -5,6 +5,8 @@ Patches (all through :func:`hf_tpu._patch.patch`, written for transformers 5.24,
 each one calls upstream unchanged when the model is not on a ``tpu`` device:
 
 * ``ContinuousBatchingManager.__init__``: completes the continuous-batching config (:func:`~._runner.tpu_config`);
+  holds back upstream's "RepetitionPenaltyLogitsProcessor isn't supported by CB. Dropping it." (and the same for
+  ``min_new_tokens``), false when the row sampling applies them (said after all with async batching);
 * ``ModelRunner.maybe_pad_inputs``: pads every step to the step ladder (:mod:`hf_tpu.serving.ladder`);
 * ``ModelRunner.compute_batch``: hands the forward shape-determined integers only, and serves the step graphs from
   the persistent compile cache when there is one (:mod:`~hf_tpu.serving._step_graphs`);
@@ -24,6 +26,7 @@ each one calls upstream unchanged when the model is not on a ``tpu`` device:
 from __future__ import annotations
 
 import functools
+import logging
 
 from hf_tpu._patch import patch
 
@@ -36,6 +39,40 @@ _VERSIONS = ">=5.24,<5.25"
 def _unwrap(owner, name):
     fn = owner.__dict__[name]
     return getattr(fn, "__hf_tpu_upstream__", fn)
+
+
+#: Processors upstream's continuous batching drops ("isn't supported by CB. Dropping it.") that hf_tpu's row
+#: sampling applies per request (:mod:`hf_tpu.serving._penalties`): the warning would be false, so it is held back.
+_APPLIED_PER_ROW = ("RepetitionPenaltyLogitsProcessor", "MinNewTokensLengthLogitsProcessor")
+
+
+class _held_back(logging.Filter):
+    """Hold back upstream's "Processor X isn't supported by CB. Dropping it." for the processors ``names`` while the
+    block runs; :meth:`release` logs them after all (when hf_tpu does not apply them)."""
+
+    def __init__(self, names) -> None:
+        super().__init__()
+        self.names, self.records = tuple(names), []
+        self.logger = logging.getLogger("ContinuousBatchingLogger")  # transformers' continuous_batching/utils.py
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.endswith("isn't supported by CB. Dropping it.") and any(f" {n} " in message for n in self.names):
+            self.records.append(record)
+            return False
+        return True
+
+    def __enter__(self):
+        self.logger.addFilter(self)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.logger.removeFilter(self)
+
+    def release(self) -> None:
+        for record in self.records:
+            self.logger.handle(record)
+        self.records.clear()
 
 
 def apply() -> None:
@@ -70,12 +107,15 @@ def apply() -> None:
         tpu = _runner._is_tpu(getattr(model, "device", None))
         if tpu:
             continuous_batching_config = _runner.tpu_config(model, continuous_batching_config)
-        init(self, model, generation_config, continuous_batching_config, workload_hints)
+        with _held_back(_APPLIED_PER_ROW if tpu else ()) as held:
+            init(self, model, generation_config, continuous_batching_config, workload_hints)
         if tpu and not self.continuous_batching_config.use_async_batching:
             top_n = _runner.SETTINGS.max_logprobs
             capacity = _runner.SETTINGS.max_active or 4 * self.continuous_batching_config.max_requests_per_batch
             table = _penalties.RequestTable(capacity, _penalties.vocab_of(model), model.device)
             self.logit_processor = _sampling.RowSampling(self.logit_processor, generation_config, top_n, table)
+        else:
+            held.release()  # async batching: upstream's drop stands, and so does its warning
         if tpu:
             self._hf_tpu_read_back_every = max(1, int(_runner.SETTINGS.read_back_every))
 

@@ -45,8 +45,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from hf_tpu.errors import HfTpuRuntimeError
+from hf_tpu.errors import HfTpuRuntimeError, InvalidArgumentError
 from hf_tpu.serving import _penalties
+from hf_tpu.serving._openai import GREEDY_BELOW
 
 __all__ = ["ROWS", "RowSampling", "batch_update", "gumbel", "logprob_records", "noise_key", "request_kwargs",
            "row_sampling_of", "sample", "step"]  # fmt: skip
@@ -62,6 +63,18 @@ _M64 = (1 << 64) - 1
 # transformers' warpers that the rows carry (their values per request), and its per-request CB processors
 _PER_ROW = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
             ContinuousBatchingLogitsProcessor)  # fmt: skip
+
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 def _splitmix(z: int) -> int:
@@ -118,6 +131,7 @@ def filtered(scores: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Te
     keep = keep & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
     probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
     keep = keep & (probs >= min_p[:, None] * probs[:, :1])
+    keep = keep | (rank == 0)  # the most likely token always stays (a top-p that is 0 in float32 keeps it alone)
     mask = torch.zeros_like(keep).scatter(1, order, keep)
     return scaled.masked_fill(~mask, float("-inf"))
 
@@ -208,6 +222,8 @@ class RowSampling(ContinuousBatchingLogitsProcessorList):
         self.do_processing = True
         g = generation_config
         sampled = bool(getattr(g, "do_sample", False))
+        if sampled and g.temperature is not None and g.temperature < GREEDY_BELOW:
+            sampled = False  # as a request's temperature: greedy below vLLM's epsilon
         self.defaults = {
             "temperature": float(g.temperature if g.temperature is not None else 1.0) if sampled else 0.0,
             "top_k": int(g.top_k or 0) if sampled else 0,
@@ -273,6 +289,25 @@ class RowSampling(ContinuousBatchingLogitsProcessorList):
         rows += [self._padding()] * (arg_storage.shape[1] - len(rows))
         arg_storage.copy_(self._columns(rows).to(arg_storage.device))  # one copy for every row and argument
         return arg_storage
+
+    def check_kwargs(self, kwargs: dict) -> None:
+        """Refuse a request whose settings the step cannot hold (upstream calls this as the request joins the batch
+        and fails that request alone): each int32 row's value in int32, each float row's finite in float32, the
+        seed an integer, ``logprobs`` within the step's top-n, ``logit_bias`` token ids in the vocabulary."""
+        super().check_kwargs(kwargs)
+        for name, value in kwargs.items():
+            kind = self.supported_kwargs.get(name)
+            if kind is float and not (_is_real(value) and -_FLOAT32_MAX <= value <= _FLOAT32_MAX):
+                raise InvalidArgumentError(f"{name}={value!r} is not a finite float32")
+            if kind is int and name != "seed" and not (_is_integer(value) and _INT32_MIN <= value <= _INT32_MAX):
+                raise InvalidArgumentError(f"{name}={value!r} does not fit in int32")
+        if not 0 <= int(kwargs.get("logprobs", 0)) <= self.top_n:
+            raise InvalidArgumentError(f"logprobs={kwargs['logprobs']} past the step's {self.top_n} top tokens")
+        vocab = self.table.vocab
+        for token, bias in (kwargs.get("logit_bias") or {}).items():
+            if not (_is_integer(token) and 0 <= token < vocab and _is_real(bias) and -1e30 < bias < 1e30):
+                raise InvalidArgumentError(f"logit_bias {token!r}: {bias!r} is not a token id of the vocabulary "
+                                           f"({vocab}) and a finite bias")  # fmt: skip
 
     def __call__(self, input_ids, scores, logits_processor_args):
         raise HfTpuRuntimeError("RowSampling runs inside hf_tpu.serving._sampling.step, not as a processor list")

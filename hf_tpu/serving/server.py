@@ -24,8 +24,9 @@ import functools
 import time
 
 from hf_tpu._patch import patch, revert
+from hf_tpu.errors import HfTpuRuntimeError
 
-__all__ = ["port_taken", "run_server", "say_once", "uds_unusable"]
+__all__ = ["WorkerDiedError", "port_taken", "run_server", "say_once", "uds_unusable", "worker_failure"]
 
 FEATURE = "serve"
 _VERSIONS = ">=5.24,<5.25"
@@ -38,18 +39,22 @@ _STARTED_POLL_S = 0.05
 def port_taken(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be listened on (the port taken, the address not this host's), else None: bound and
     released here as uvicorn binds it (``SO_REUSEADDR``), so that the server refuses before loading anything."""
+    import errno
     import socket
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as exc:
-        return f"cannot listen on {host}:{port} ({exc.strerror or exc}): pass another --host"
+    except (OSError, OverflowError) as exc:
+        return f"cannot listen on {host}:{port} ({getattr(exc, 'strerror', None) or exc}): pass another --host"
     family, kind, proto, _name, address = infos[0]
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(address)
         except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return (f"--host {host} is not an address of this machine ({exc.strerror}): pass 127.0.0.1, "
+                        "0.0.0.0 (every interface) or one of this machine's addresses")  # fmt: skip
             return (f"port {port} on {host} is taken ({exc.strerror or exc}): pass another --port, or stop what "
                     "listens there")  # fmt: skip
     return None
@@ -85,6 +90,22 @@ def uds_unusable(path: str) -> str | None:
         except OSError:
             return None  # a socket file nobody listens on: replaced when the server binds
     return f"--uds {path}: a server already listens on this socket; stop it or pass another path"
+
+
+class WorkerDiedError(HfTpuRuntimeError):
+    """The continuous-batching worker of ``hf-tpu serve`` died: the server stopped so that its supervisor restarts
+    it (``hf-tpu serve`` exits with status 3)."""
+
+
+def worker_failure(cb) -> str | None:
+    """Why the continuous-batching manager ``cb``'s generation thread died (its fatal error, or that it ended), or
+    None while it runs."""
+    error = cb.background_thread_status.fatal_error
+    if error is not None:
+        return f"{type(error).__name__}: {error}"
+    if not cb.is_running():
+        return "its generation thread ended"
+    return None
 
 
 def _max_len(model) -> int:
@@ -339,7 +360,7 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
 
     for sig in saved:
         signal.signal(sig, stop_loading)
-    serve = cb = None
+    serve = cb = died = None
     try:
         print(f"hf-tpu serve: loading {model}", file=out, flush=True)
         serve = serve_cli.Serve(
@@ -374,8 +395,15 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
             readiness.failure = f"{type(exc).__name__}: {exc}"
             print(f"hf-tpu serve: {readiness.describe()}; stopping", file=out, flush=True)
             raise
+        readiness.worker_failure = lambda: worker_failure(cb)
         while serve._thread.is_alive():  # joined in short polls, so that this thread takes the signals meanwhile
             serve._thread.join(_SIGNAL_POLL_S)
+            died = worker_failure(cb)
+            if died is not None:  # never a live process answering 503 forever: stop, a supervisor restarts it
+                print(f"hf-tpu serve: the continuous-batching worker died ({died}); stopping the server",
+                      file=out, flush=True)  # fmt: skip
+                server.should_exit = server.force_exit = True  # in-flight requests were failed with the worker
+                break
     except KeyboardInterrupt:
         if not stopping and not (serve is not None and serve.server._captured_signals):
             raise
@@ -397,6 +425,8 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
         revert(FEATURE)
     for sig in reversed(stopping):
         signal.raise_signal(sig)
+    if died is not None:
+        raise WorkerDiedError(f"the continuous-batching worker died ({died})")
 
 
 class _Once:

@@ -92,10 +92,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(tmp_path: Path, *flags: str, uds: bool = False, env: dict | None = None):
+def running_server(tmp_path: Path, *flags: str, uds: bool = False, env: dict | None = None, killable: bool = False):
     """A server started with ``flags``, ready (warm) when the block starts, stopped (SIGTERM, then kill) after.
     ``uds``: on a unix domain socket (in a short temporary directory: a socket path has at most 107 bytes) instead
-    of a TCP port; ``env``: variables added to the server's environment."""
+    of a TCP port; ``env``: variables added to the server's environment; ``killable``: started through
+    ``_killable_serve.py`` (SIGUSR1 kills its continuous-batching worker)."""
     if uds:
         sock_dir = tempfile.mkdtemp(prefix="hf-tpu-", dir="/tmp")
         port, path = None, os.path.join(sock_dir, "serve.sock")
@@ -106,9 +107,10 @@ def running_server(tmp_path: Path, *flags: str, uds: bool = False, env: dict | N
         where = ["--port", str(port)]
         log = tmp_path / f"serve-{port}.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env or {}))
+    command = [str(Path(__file__).with_name("_killable_serve.py"))] if killable else ["-m", "hf_tpu.cli"]
     with open(log, "wb") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "hf_tpu.cli", "serve", "--simulate", *where, *SMALL_FLAGS, *flags],
+            [sys.executable, *command, "serve", "--simulate", *where, *SMALL_FLAGS, *flags],
             stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True,
         )  # fmt: skip
     server = Server(proc, port, log, uds=path)

@@ -1,4 +1,5 @@
-"""The request fields ``hf-tpu serve`` checks at the door (hf_tpu/serving/_openai.py), and what they resolve to."""
+"""The request fields ``hf-tpu serve`` checks at the door (the request models of hf_tpu/serving/protocol.py), and what
+they resolve to (hf_tpu/serving/_openai.py)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,16 @@ import json
 import pytest
 from transformers import GenerationConfig
 
-from hf_tpu.serving._openai import (
-    CHAT,
-    COMPLETIONS,
-    Limits,
-    RequestError,
-    check,
-    check_responses,
-    check_vocab,
-    resolve,
-)
+from hf_tpu.serving._openai import CHAT, COMPLETIONS, RESPONSES, Limits, RequestError, check_vocab, resolve
+from hf_tpu.serving.protocol import validate
+
+
+def check(path: str, body: dict, limits: Limits = Limits()) -> None:
+    validate(path, body, limits)
+
+
+def check_responses(body: dict, limits: Limits = Limits()) -> None:
+    validate(RESPONSES, body, limits)
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -37,7 +38,7 @@ def refused(path: str, body: dict, limits: Limits = Limits()) -> RequestError:
         ({"messages": [{"content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-         "messages[0].content[0]"),
+         "messages[0].content[0].type"),
         ({"messages": HI, "temperature": -1}, "temperature"),
         ({"messages": HI, "temperature": "hot"}, "temperature"),
         ({"messages": HI, "top_p": 0}, "top_p"),
@@ -99,7 +100,7 @@ def test_limits_are_the_servers():
 
 
 def test_valid_bodies_pass():
-    check(CHAT, {"messages": HI + [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
+    check(CHAT, {"messages": HI + [{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}],
                  "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 3, "n": 2, "stop": ["\n"],
                  "logprobs": True, "top_logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
                  "max_completion_tokens": 8, "presence_penalty": 0.5, "frequency_penalty": -1, "user": "u",
@@ -144,7 +145,7 @@ def test_penalties_resolve_from_the_request_else_the_model():
         ({"input": []}, "input"),
         ({"input": 3}, "input"),
         ({"input": [{"type": "input_text", "text": 3}]}, "input[0].text"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
         ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "name": "f"}]}, "input[1].call_id"),
         ({"input": "x", "instructions": 1}, "instructions"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),

@@ -85,3 +85,36 @@ def test_rows_and_keys():
     assert ROWS[:5] == ("temperature", "top_k", "top_p", "min_p", "key")  # (sample reads these; penalties the rest)
     keys = {noise_key(s, c, p) for s in range(4) for c in range(3) for p in range(5)}
     assert len(keys) == 60 and all(-(2**31) <= k < 2**31 for k in keys)
+
+
+def test_a_top_p_that_is_zero_in_float32_keeps_the_most_likely_token():
+    """top_p 1e-300 is 0 in float32: the filters kept no token and the step drew token 0 (a pad) every time."""
+    torch.manual_seed(2)
+    logits = torch.randn(8, VOCAB) * 3
+    rows = [(t, k, float(torch.tensor(1e-300, dtype=torch.float32)), 0.0, noise_key(s, 0, 0))
+            for s, (t, k) in enumerate([(1.0, 0), (1.5, 5), (0.7, 0), (2.0, 64)] * 2)]  # fmt: skip
+    assert (sample(logits, args_of(rows)) == logits.argmax(dim=-1)).all()
+
+
+def test_the_row_sampler_fails_a_request_whose_settings_the_step_cannot_hold():
+    """Upstream calls ``check_kwargs`` as a request joins the batch and fails that request alone on an error."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessorList,
+    )
+
+    from hf_tpu.errors import InvalidArgumentError
+    from hf_tpu.serving._penalties import RequestTable
+    from hf_tpu.serving._sampling import RowSampling
+
+    upstream = ContinuousBatchingLogitsProcessorList(LogitsProcessorList())
+    rows = RowSampling(upstream, GenerationConfig(), top_n=5, table=RequestTable(2, VOCAB, "cpu"))
+    rows.check_kwargs({"temperature": 0.5, "top_k": 2**31 - 1, "seed": 2**70, "logprobs": 5, "logit_bias": {3: 1.0}})
+    for bad in ({"top_k": 2**31}, {"min_tokens": -(2**31) - 1}, {"temperature": float("inf")},
+                {"top_p": float("nan")}, {"repetition_penalty": 1e39}, {"logprobs": 6}, {"logit_bias": {VOCAB: 1.0}},
+                {"logit_bias": {1: float("inf")}}):  # fmt: skip
+        with pytest.raises(InvalidArgumentError):
+            rows.check_kwargs(bad)
+    # below vLLM's epsilon a sampling config is greedy (a temperature of 1e-39 is 0 in float32: pad tokens before)
+    assert RowSampling(upstream, GenerationConfig(do_sample=True, temperature=1e-39), 5,
+                       RequestTable(2, VOCAB, "cpu")).defaults["temperature"] == 0.0  # fmt: skip

@@ -50,3 +50,29 @@ def test_a_unix_socket_path_that_cannot_serve_is_named(tmp_path):
         assert uds_unusable(path) is None  # a stale socket file: replaced when the server binds
     finally:
         shutil.rmtree(short)
+
+
+def test_health_says_the_worker_died():
+    """(No server: the guard alone.) Once the continuous-batching worker died, /health answers 503 saying so, not
+    transformers' answer, while ``hf-tpu serve`` exits (tests/serving/test_serve_hardening.py: the exit)."""
+    import asyncio
+    import json
+
+    from hf_tpu.serving._guard import Guard, Readiness
+
+    readiness = Readiness()
+    readiness.set_ready()
+    guard = Guard(None, served={"m"}, canonical="m", max_pending=1, metrics=None, readiness=readiness)
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def ask():
+        await guard({"type": "http", "path": "/health", "method": "GET"}, None, send)
+
+    readiness.worker_failure = lambda: "RuntimeError: boom"
+    asyncio.run(ask())
+    assert sent[0]["status"] == 503
+    answer = json.loads(sent[1]["body"])
+    assert answer["reason"] == "cb_worker_dead" and "RuntimeError: boom" in answer["detail"]
