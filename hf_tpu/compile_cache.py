@@ -162,10 +162,11 @@ def model_identity(model) -> dict[str, Any]:
 
     Returns:
         A JSON-able dict: ``transformers``, ``model_class``, ``config`` (a sha256), ``attn_implementation``,
-        ``dtype`` and ``device``; for a tensor-parallel model (or one with DTensor parameters) also
+        ``dtype`` and ``device``; for a float32 model also ``float32_matmul_precision``; for a tensor-parallel model (or one with DTensor parameters) also
         ``parallel``, the dict of :func:`_parallel_layout`. A model without one has no ``parallel`` key, so its
         identity is the one it had before the layout joined the key (existing caches stay valid).
     """
+    import torch
     import transformers
 
     config = model.config.to_dict()
@@ -180,6 +181,13 @@ def model_identity(model) -> dict[str, Any]:
         "dtype": str(model.dtype),
         "device": model.device.type,
     }
+    if model.dtype == torch.float32:
+        # torch_tpu compiles a float32 matmul at the precision in force and a compiled program keeps it (on a v5e a
+        # graph first compiled at 'medium' stayed at 'medium' after set_float32_matmul_precision('highest'), run 18):
+        # a graph stored at one precision must not be loaded at another
+        from hf_tpu.numerics import matmul_precision
+
+        identity["float32_matmul_precision"] = matmul_precision()
     layout = _parallel_layout(model)
     if layout is not None:
         identity["parallel"] = layout

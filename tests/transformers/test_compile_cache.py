@@ -95,7 +95,30 @@ def test_another_checkpoint_of_the_same_architecture_shares_the_entries(llama_di
     assert other["equal"] and other["warm_compiles"] == 0 and other["warm_hits"] == cold["graphs"]
 
 
-PLAIN_IDENTITY = {"transformers", "model_class", "config", "attn_implementation", "dtype", "device"}
+PLAIN_IDENTITY = {
+    "transformers", "model_class", "config", "attn_implementation", "dtype", "device", "float32_matmul_precision",
+}
+
+
+def test_a_float32_models_identity_holds_the_matmul_precision(llama_dir):
+    """torch_tpu compiles float32 matmuls at the precision in force and the program keeps it (a v5e, run 18): a
+    graph stored at 'medium' must not be loaded at 'highest'. A bfloat16 model's identity does not hold it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        medium = compile_cache.model_identity(model)
+        torch.set_float32_matmul_precision("highest")
+        highest = compile_cache.model_identity(model)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert (medium["float32_matmul_precision"], highest["float32_matmul_precision"]) == ("medium", "highest")
+    assert {k: v for k, v in medium.items() if k != "float32_matmul_precision"} == {
+        k: v for k, v in highest.items() if k != "float32_matmul_precision"
+    }
+    assert "float32_matmul_precision" not in compile_cache.model_identity(model.to(torch.bfloat16))
 
 
 @pytest.fixture(scope="module")
