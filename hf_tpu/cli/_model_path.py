@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -88,6 +89,28 @@ def _check_model_dir(path: Path, tokenizer: bool = True) -> None:
         )
 
 
+def check_config(file: Path, transformers_reads: bool = True) -> None:
+    """Refuse a ``config.json`` that is not a JSON object or (``transformers_reads``) that transformers cannot read,
+    in one :class:`UserError` naming the file and the fix (instead of transformers' chained traceback)."""
+    fix = "fix the file, or save the model again with model.save_pretrained(DIR)"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise UserError(f"{file} is not valid JSON ({str(exc)[:120]}): {fix}.") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{file} must hold a JSON object of the model's configuration, not a {type(data).__name__}: "
+                        f"{fix}.")  # fmt: skip
+    if not transformers_reads:
+        return
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(file.parent) if file.name == "config.json" else str(file))
+    except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, KeyError, TypeError... on a bad config
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"{file}: transformers cannot read it ({type(exc).__name__}: {first}): {fix}.") from None
+
+
 def _cached(repo_id: str) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
@@ -102,6 +125,7 @@ def resolve_model_dir(arg: str, tokenizer: bool = True) -> ModelSource:
     path = Path(arg).expanduser()
     if path.is_dir():
         _check_model_dir(path, tokenizer)
+        check_config(path / "config.json")
         return ModelSource(str(path))
     if path.exists():
         raise UserError(f"{arg} is a file, not a model directory: pass the directory that holds config.json.")

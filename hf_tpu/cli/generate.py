@@ -84,9 +84,17 @@ def _overflow(prompt_len: int, new_tokens: int, rungs: tuple[int, ...], limit: i
     need = prompt_len + new_tokens - 1  # the cache holds the prompt and every generated token but the last
     if prompt_len <= biggest and need <= biggest:
         return None
-    larger = [r for r in rungs if r < need] + [1 << (need - 1).bit_length()]
-    beyond = f" (past the model's max_position_embeddings, {limit})" if limit and larger[-1] > limit else ""
-    ladder = f"--buckets {','.join(map(str, larger))}{beyond}"
+    if limit and need > limit:  # no ladder helps: past the model's trained positions the text degenerates
+        room = limit - new_tokens + 1
+        keep = f"keep the prompt's end with --max-prompt-len {room}, or " if 1 <= room < prompt_len else ""
+        return (
+            f"the prompt ({prompt_len} tokens) plus --max-new-tokens {new_tokens} needs {need} positions, past the "
+            f"model's max_position_embeddings ({limit}), which no --buckets ladder can pass: {keep}lower "
+            "--max-new-tokens."
+        )
+    top = 1 << (need - 1).bit_length()
+    larger = [r for r in rungs if r < need] + [min(top, limit) if limit else top]
+    ladder = f"--buckets {','.join(map(str, larger))}"
     if prompt_len > biggest:
         # The warm-up compiles a prompt's bucket at its full length: advise the longest prompt whose bucket plus the
         # new tokens fits (a rung), and say how much more fits when the first token may compile instead.

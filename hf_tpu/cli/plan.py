@@ -119,6 +119,20 @@ def _run(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
+    if not args.pipeline:  # a config.json that is not JSON: said in one line, before anything is lowered
+        from pathlib import Path
+
+        from hf_tpu.cli._model_path import check_config
+        from hf_tpu.errors import UserError
+
+        given = Path(args.model).expanduser()
+        config = given / "config.json" if given.is_dir() else given
+        if config.is_file():
+            try:
+                check_config(config, transformers_reads=False)  # (what transformers refuses: "could not plan")
+            except UserError as exc:
+                print(f"hf-tpu plan: {exc}", file=sys.stderr)
+                return EXIT_USAGE
     if args.train:
         return _run_train(args, progress)
     require_packages(None if args.pipeline else args.quantization)  # before any progress line

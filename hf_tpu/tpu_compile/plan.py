@@ -294,6 +294,18 @@ class Plan:
             "error": self.error,
         }
 
+    def _beyond_parts(self) -> list[str]:
+        """The line that makes ``total`` the sum of the lines above it when it is not (a program libtpu refused
+        needs more than weights, KV cache and the compiled programs' temporaries; or a program's peak does)."""
+        hbm = self.hbm
+        rest = hbm["total"] - hbm["weights"] - hbm.get("kv_cache", 0) - hbm["temporaries"]
+        if rest <= 0:
+            return []
+        refused = ", ".join(self.out_of_memory) if getattr(self, "out_of_memory", None) else ""
+        why = (f"{refused}: libtpu's figure for what it needed, past the parts above" if refused
+               else "a program's peak, past the parts above")  # fmt: skip
+        return [f"  more needed  {human(rest)}  ({why})"]
+
     def table(self) -> str:
         """The plan as a few lines of text (what ``hf-tpu plan`` prints).
 
@@ -320,6 +332,7 @@ class Plan:
             f"  weights      {gb(self.hbm['weights'])}" + ("  (every component)" if self.kind == "pipeline" else ""),
             *([] if self.kind == "pipeline" else [f"  KV cache     {gb(self.hbm['kv_cache'])}"]),
             f"  temporaries  {gb(self.hbm['temporaries'])}  (largest program's temps and outputs not aliased)",
+            *self._beyond_parts(),
             f"  total        {gb(self.hbm['total'])}  -> {self.verdict.upper()} "
             f"(headroom {gb(self.hbm['capacity'] - self.hbm['total'])})",
         ]

@@ -68,20 +68,20 @@ def test_rejects_a_prompt_past_the_largest_bucket_naming_the_flags(tmp_path, cap
     args = _args(argv=[str(tmp_path), "--prompt", " ".join(["king"] * 130), "--max-new-tokens", "2"])
     assert command.run(args) == 2
     err = capsys.readouterr().err
-    assert "the prompt is 130 tokens, past the largest bucket (128" in err
-    # flags this command has, with values that work: keep the last 127 tokens, or a ladder reaching 256
-    assert "--max-prompt-len 127" in err and "--buckets 16,32,64,128,256" in err
-    assert "max_position_embeddings, 128" in err  # 256 is past the model's trained positions: said so
+    # past the model's 128 positions no ladder helps (one reaching 256 gave degenerate text): keep the last 127 tokens
+    assert "needs 131 positions, past the model's max_position_embeddings (128)" in err
+    assert "--max-prompt-len 127" in err and "--buckets 16" not in err
     assert "configure(" not in err  # no Python API advice to a command-line user
 
 
-def test_rejects_a_cache_past_the_largest_bucket_naming_the_flags(tmp_path, capsys):
+def test_rejects_a_cache_past_the_models_context_naming_the_flags(tmp_path, capsys):
     _tiny_model_dir(tmp_path)
     args = _args(argv=[str(tmp_path), "--prompt", " ".join(["king"] * 100), "--max-new-tokens", "40"])
     assert command.run(args) == 2
     err = capsys.readouterr().err
-    assert "needs a cache of 139 tokens, past the largest bucket (128" in err
-    assert "lower --max-new-tokens" in err and "--max-prompt-len" in err and "--buckets" in err
+    # 139 positions pass the model's 128: no ladder is suggested, the flags that fit are
+    assert "needs 139 positions, past the model's max_position_embeddings (128)" in err
+    assert "lower --max-new-tokens" in err and "--max-prompt-len 89" in err and "--buckets 16" not in err
 
 
 def test_buckets_flag_lets_a_long_prompt_through_with_the_cpu_text(tmp_path, capsys):
@@ -149,3 +149,13 @@ def test_the_max_prompt_len_advised_for_a_long_prompt_warms_up_and_equals_cpu(tm
         out, err = capsys.readouterr()
         assert ("no warm-up" not in err) is warmed, err
         assert out.strip() == _cpu_text(tmp_path, tok, ids[-keep:], 8)
+
+
+def test_a_suggested_ladder_stays_within_the_models_context():
+    from hf_tpu.cli.generate import _overflow
+
+    # a cache of 139 positions fits a 512-position model: the ladder offered reaches 256, not past 512
+    assert "--buckets 16,32,64,128,256." in _overflow(100, 40, (16, 32, 64, 128), 512)
+    # a model of 200 positions: the ladder's last rung is its context, never the next power of two
+    assert "--buckets 16,32,64,128,200." in _overflow(150, 10, (16, 32, 64, 128), 200)
+    assert _overflow(100, 29, (16, 32, 64, 128), 128) is None

@@ -246,3 +246,19 @@ def test_bad_input_is_a_user_error(tmp_path):
         plan_generate(tmp_path, quantization="int3")
     with pytest.raises(SystemExit):
         main(["plan", str(tmp_path), "--target", "v9"])  # argparse names the choices
+
+
+def test_the_total_is_the_sum_of_the_lines_above_it_when_libtpu_refused_a_program():
+    """The 8B shape on v5e-1: libtpu's 17.86 GB for the refused prefill is more than weights + KV cache + the
+    decode's temporaries; a 'more needed' line carries the difference, so that the lines add up to the total."""
+    import re
+
+    text = _eight_b_on_v5e().table()
+    figures = {}
+    for line in text.splitlines():
+        found = re.match(r"  (weights|KV cache|temporaries|more needed|total) +([0-9.]+) (GB|MB)", line)
+        if found:
+            figures[found[1]] = float(found[2]) / (1000 if found[3] == "MB" else 1)
+    assert "more needed" in figures and "prefill-2048" in text.split("more needed")[1].splitlines()[0]
+    parts = sum(v for k, v in figures.items() if k != "total")
+    assert parts == pytest.approx(figures["total"], abs=0.011)  # each figure rounded to 0.01 GB
