@@ -542,9 +542,10 @@ def stage_moe_diag() -> None:
 
 def stage_tier() -> None:
     """The chip tier of the suite (``pytest -m chip tests/chip``) in this process's child, its rows in out/."""
-    env = {**os.environ, "HF_TPU_CHIP_RECORD": str(_OUT / "chip_tier.json")}
+    # the lent machine's python has pytest but not pytest-timeout: each child process of a case has its own timeout
+    env = {"HF_TPU_CHIP_SUBPROCESS_S": "150", **os.environ, "HF_TPU_CHIP_RECORD": str(_OUT / "chip_tier.json")}
     cmd = [sys.executable, "-m", "pytest", "-m", "chip", "tests/chip", "-p", "no:xdist", "-p", "no:cacheprovider",
-           "-q", "-rs", "--timeout", "400"]  # fmt: skip
+           "-q", "-rs", *os.environ.get("TIER_ARGS", "").split()]  # fmt: skip
     code = subprocess.run(cmd, cwd=ROOT, env=env).returncode
     rec(step="tier", exit=code)
 
