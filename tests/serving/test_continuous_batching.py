@@ -74,3 +74,30 @@ def test_step_ladder_pads_up_and_names_an_overflow():
         assert "257 query tokens" in str(exc)
     else:
         raise AssertionError("a step past the largest rung must be refused")
+
+
+def test_a_request_the_step_cannot_hold_fails_alone_and_the_batch_goes_on(pair):
+    """A request whose settings do not fit the step's int32/float32 rows (here: top_k 2**31, past the door's check)
+    fails as it joins the batch; the requests around it get CPU's tokens and the worker lives (issue 64: such a
+    request used to kill the continuous-batching loop for good)."""
+    cpu, tpu = pair
+    prompts = random_prompts([7, 19, 4], seed=3)
+    cb = tpu.init_continuous_batching(generation_config=_config())
+    cb.start()
+    try:
+        cb.add_request(prompts[0], request_id="good_0", max_new_tokens=NEW)
+        cb.add_request(prompts[1], request_id="bad", max_new_tokens=NEW, top_k=2**31, temperature=1.0)
+        cb.add_request(prompts[2], request_id="good_1", max_new_tokens=NEW)
+        got = {}
+        while len(got) < 3:
+            out = cb.get_result(timeout=600)
+            assert out is not None, "the manager stopped answering"
+            if out.is_finished():
+                got[out.request_id] = out
+        assert got["bad"].error is not None and "int32" in str(got["bad"].error)
+        assert got["good_0"].generated_tokens == cpu_greedy(cpu, prompts[0], NEW)
+        assert got["good_1"].generated_tokens == cpu_greedy(cpu, prompts[2], NEW)
+        assert cb.is_running() and cb.background_thread_status.fatal_error is None
+    finally:
+        cb.stop(block=True)
+        tpu.destroy_cached_continuous_batching_manager()
