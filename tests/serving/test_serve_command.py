@@ -1,4 +1,4 @@
-"""``hf-tpu serve``'s refusals before it loads anything (no server started)."""
+"""``hf-tpu serve``'s refusals before it loads anything, and its guard on its own (no server started)."""
 
 from __future__ import annotations
 
@@ -76,3 +76,25 @@ def test_health_says_the_worker_died():
     assert sent[0]["status"] == 503
     answer = json.loads(sent[1]["body"])
     assert answer["reason"] == "cb_worker_dead" and "RuntimeError: boom" in answer["detail"]
+
+
+def test_embeddings_bodies_are_checked_then_not_served():
+    """(The guard alone.) ``/v1/embeddings`` bodies go through their request model (a wrong one: 400 naming the
+    field); a valid one is answered 404: ``hf-tpu serve`` serves a causal LM."""
+    import json
+
+    from hf_tpu.serving._guard import Guard
+    from hf_tpu.serving._openai import EMBEDDINGS
+
+    guard = Guard(None, served={"m"}, canonical="m", max_pending=1, metrics=None)
+
+    def answer(body) -> tuple[int, dict]:
+        refusal, _ = guard._check(EMBEDDINGS, json.dumps(body).encode())
+        return refusal[0], json.loads(refusal[1])["error"]
+
+    status, error = answer({"input": []})
+    assert status == 400 and error["param"] == "input"
+    assert answer({"input": "x", "dimensions": 2**31})[1]["param"] == "dimensions"
+    assert answer({"input": "x", "encoding_format": "hex"})[1]["param"] == "encoding_format"
+    status, error = answer({"input": ["a", "b"], "model": "m"})
+    assert status == 404 and "causal LM" in error["message"]
