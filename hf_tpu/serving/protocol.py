@@ -276,6 +276,13 @@ class _Text(_Sampling):
             raise _Unsupported("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({wanted})")
 
 
+def _only(name: str, value: Any, neutral: str) -> None:
+    """Refuse ``name`` unless absent or at ``neutral`` (the one value this server implements)."""
+    if value is not None and value != neutral:
+        raise _Unsupported(name, f"{name} is not supported by hf-tpu serve (only {json.dumps(neutral)}); leave it "
+                                 "out")  # fmt: skip
+
+
 def _limits(info: ValidationInfo) -> Limits:
     return (info.context or {}).get("limits") or Limits()
 
@@ -288,7 +295,7 @@ class ChatRequest(_Text):
     logprobs: bool | None = None
     top_logprobs: Count | None = None
     tools: list[ChatTool] | None = None
-    tool_choice: Literal["auto"] | None = None
+    tool_choice: Any = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # refused unless neutral (below)
@@ -311,6 +318,7 @@ class ChatRequest(_Text):
     def _consistent(self):
         if self.top_logprobs is not None and self.logprobs is not True:
             raise _Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
+        _only("tool_choice", self.tool_choice, "auto")
         if self.response_format is not None and self.response_format.type != "text":
             raise _Unsupported("response_format", "response_format is not supported by hf-tpu serve (only "
                                                   "{\"type\": \"text\"}); leave it out")  # fmt: skip
@@ -431,12 +439,12 @@ class ResponsesRequest(_Sampling):
     instructions: str | None = None
     max_output_tokens: Positive | None = None
     tools: list[ResponsesTool | ChatTool] | None = None
-    tool_choice: Literal["auto"] | None = None
+    tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
-    truncation: Literal["disabled"] | None = None
-    background: Literal[False] | None = None
-    include: Annotated[list[Any], Field(max_length=0)] | None = None
+    truncation: Any = None
+    background: bool | None = None
+    include: list[Any] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
     # refused unless absent (below)
     previous_response_id: Any = None
@@ -460,6 +468,13 @@ class ResponsesRequest(_Sampling):
         if fmt is not None and fmt != {"type": "text"}:
             raise _Unsupported("text", "text is not supported by hf-tpu serve (only {\"format\": {\"type\": "
                                        "\"text\"}}); leave it out")  # fmt: skip
+        _only("tool_choice", self.tool_choice, "auto")
+        _only("truncation", self.truncation, "disabled")
+        if self.background:
+            raise _Unsupported("background", "background is not supported by hf-tpu serve: answers are streamed or "
+                                             "returned whole; leave it out")  # fmt: skip
+        if self.include:
+            raise _Unsupported("include", "include is not supported by hf-tpu serve; leave it out")
         for name in ("previous_response_id", "reasoning", "max_tool_calls", "prompt", "conversation"):
             if getattr(self, name) is not None:
                 raise _Unsupported(name, f"{name} is not supported by hf-tpu serve; leave it out")
