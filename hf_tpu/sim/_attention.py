@@ -83,7 +83,10 @@ def _reduced_sdpa(
         scores = scores.masked_fill(~causal, float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return _precision.matmul(torch.ops.aten._safe_softmax(scores, -1), v)
+    out = _precision.matmul(torch.ops.aten._safe_softmax(scores, -1), v)
+    # in the CPU's fused kernel's layout (batch, query, head, dim) as at 'highest', so that a model's transpose after
+    # attention costs the same device ops at every precision
+    return out.transpose(1, 2).contiguous().transpose(1, 2) if out.dim() == 4 else out
 
 
 class _CpuSdpa(torch.autograd.Function):

@@ -8,8 +8,8 @@
 //     run the CPU kernel, give each result the device storage it aliases or a fresh one, and count the op and
 //     its shape signature exactly as hf_tpu/sim/_signature.py defines it;
 //   - metadata-only view ops, redispatched to their CPU kernel.
-// Anything the fast path does not cover (a CPU tensor argument, a float32 contraction at an emulated precision
-// below 'highest', a foreign storage, ...)
+// Anything the fast path does not cover (a CPU tensor argument, a float32 contraction at the emulated 'high'
+// precision, a foreign storage, ...)
 // goes to the op's Python kernel unchanged, which raises the simulator's usual errors.
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
@@ -36,7 +36,7 @@ enum Kind : int8_t { CONV = 0, BAKE = 1, SCALAR = 2, SKIP = 3, SCALARS = 4 };
 
 std::atomic<int64_t> g_live{0}, g_peak{0}, g_window{0}, g_ops{0}, g_sigs{0}, g_hbm{0};
 std::atomic<int64_t> g_in_graph{0};
-std::atomic<bool> g_emulate{false};
+std::atomic<int> g_emulate{0};  // float32 contractions: 0 the CPU's, 1 one bf16 pass here ('medium'), 2 in Python
 std::mutex g_seen_mu;
 std::unordered_set<uint64_t> g_seen;
 PyObject* g_check_oom = nullptr;  // hf_tpu.sim._tensors.check_oom (a leaked reference: lives with the process)
@@ -412,8 +412,8 @@ struct FastKernel final : c10::OperatorKernel {
   std::vector<int8_t> kinds;
   uint64_t seed;
   std::string display;  // the op as Python prints it (aten.add.Tensor), for error messages
-  bool precision_op;  // a contraction: with float32 operands the Python kernel runs it while a reduced precision is
-                      // emulated (g_emulate: emulation on and the precision in force below 'highest')
+  bool precision_op;     // a contraction: with float32 operands it runs at the emulated precision (g_emulate)
+  int8_t first_operand;  // its two operands: arguments first_operand and first_operand + 1 (addmm's are 1 and 2)
   bool mutable_op;    // writes an argument: its device tensor follows what the CPU kernel did to it
   PyObject* python;   // the op's Python kernel (a leaked reference: lives with the process)
 
@@ -423,11 +423,17 @@ struct FastKernel final : c10::OperatorKernel {
     const size_t base = stack->size() - n;
     uint64_t h = seed;
     bool ok = kinds.size() == n;
-    if (ok && precision_op && g_emulate.load(std::memory_order_relaxed)) {
-      // reduced precision emulated (set only below 'highest'): a float32 contraction goes to its Python kernel
-      for (size_t i = 0; ok && i < n; ++i) {
-        const c10::IValue& a = (*stack)[base + i];
-        ok = !(a.isTensor() && a.toTensor().defined() && a.toTensor().scalar_type() == at::kFloat);
+    // A reduced precision emulated (hf_tpu/sim/_precision.py): a float32 contraction's operands are rounded to
+    // bfloat16 here for one pass ('medium'), or the Python kernel runs its passes ('high').
+    const int emulate = precision_op && ok ? g_emulate.load(std::memory_order_relaxed) : 0;
+    bool round_operands = false;
+    if (emulate != 0) {
+      const c10::IValue& a = (*stack)[base + first_operand];
+      const c10::IValue& b = (*stack)[base + first_operand + 1];
+      if (a.isTensor() && b.isTensor() && a.toTensor().scalar_type() == at::kFloat &&
+          b.toTensor().scalar_type() == at::kFloat) {
+        round_operands = emulate == 1;
+        ok = emulate == 1;
       }
     }
     for (size_t i = 0; ok && i < n; ++i) {
@@ -481,6 +487,11 @@ struct FastKernel final : c10::OperatorKernel {
         a = c10::IValue(std::move(converted));
       } else if (a.isDevice()) {
         a = c10::IValue(c10::Device(c10::DeviceType::CPU));
+      }
+    }
+    if (round_operands) {  // as _precision._passes: each float32 operand through bfloat16, the product in float32
+      for (size_t i = base + first_operand; i < base + first_operand + 2; ++i) {
+        (*stack)[i] = (*stack)[i].toTensor().to(at::kBFloat16).to(at::kFloat);
       }
     }
     try {
@@ -680,6 +691,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     k->seed = std::hash<std::string>{}(name);
     k->display = display;
     k->precision_op = precision_op;
+    k->first_operand = name.rfind("add", 0) == 0 || name.rfind("baddbmm", 0) == 0 ? 1 : 0;  // addmm(self, a, b)
     k->mutable_op = mutable_op;
     k->python = python.release().ptr();
     lib().impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(k)));
@@ -699,5 +711,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("signatures", []() { return g_sigs.load(); });
   m.def("set_in_graph", [](int64_t v) { g_in_graph.store(v); });
   m.def("set_hbm", [](int64_t v) { g_hbm.store(v); });
-  m.def("set_emulate", [](bool v) { g_emulate.store(v); });
+  m.def("set_emulate", [](int v) { g_emulate.store(v); });
 }

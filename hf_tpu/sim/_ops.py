@@ -44,7 +44,8 @@ _INPLACE_METADATA = ("as_strided_",)
 # Ops whose composite kernel only raises for a new backend, or that torch_tpu runs as one kernel where torch has a
 # composite (``_grouped_mm``: torch's checks CUDA's rules, then loops over the groups reading the offsets on the
 # host): registered for PrivateUse1 directly.
-_DIRECT = ("convolution_overrideable", "convolution_backward_overrideable", "copy_", "_grouped_mm")
+# (mv: its CompositeExplicitAutograd kernel would reach addmv.out, past the precision emulation of _precision.IMPLS)
+_DIRECT = ("convolution_overrideable", "convolution_backward_overrideable", "copy_", "_grouped_mm", "mv")
 _TLS = threading.local()
 
 # Ops whose output shape depends on the data: a real TPU must bring a value back to the host to run them.
@@ -601,7 +602,7 @@ def install() -> None:
             native.set_check_oom(_tensors.check_oom)
             native.set_hbm(STATE._hbm)
             native.set_in_graph(STATE._in_graph)
-            native.set_emulate(_precision.reduced())
+            native.set_emulate(_precision.native_mode())
             STATE.native = native
             _register_native(native, aten_lib, ops)
         for name in _METADATA_VIEWS:

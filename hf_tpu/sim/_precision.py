@@ -19,7 +19,9 @@ is not stated in the wheel; the emulation shows the size of the drift, not the c
 ``HF_TPU_SIM_MATMUL_PRECISION`` (``medium``, ``high`` or ``highest``; read once per process, here) sets the simulated
 device's initial global precision instead of torch_tpu's ``'medium'``: a process started by a test or a script that
 compares float32 results with the CPU's bit for bit (the test suite sets ``highest`` for its child processes) starts
-there without code of its own. At ``'highest'`` the emulation costs nothing: the native core runs every contraction.
+there without code of its own. At ``'highest'`` the emulation costs nothing: the native core runs every contraction;
+at ``'medium'`` it rounds the operands itself (mm, bmm, addmm and the other contractions it serves); ``'high'``'s
+passes and convolutions run here.
 """
 
 from __future__ import annotations
@@ -131,12 +133,19 @@ def reduced() -> bool:
     return _EMULATE[0] and current() is not Precision.HIGHEST
 
 
+def native_mode() -> int:
+    """What the native core does with a float32 contraction now: 0 the CPU's float32 (emulation off, or
+    ``'highest'``), 1 one bfloat16 pass itself (``'medium'``, as :func:`_passes`), 2 hand it to its Python kernel."""
+    if not reduced():
+        return 0
+    return 1 if current() is Precision.DEFAULT else 2
+
+
 def _sync_native() -> None:
-    """Tell the native core whether float32 contractions must go to their Python kernels (only while reduced)."""
     from hf_tpu.sim._counters import STATE
 
     if STATE.native is not None:
-        STATE.native.set_emulate(reduced())
+        STATE.native.set_emulate(native_mode())
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:

@@ -116,9 +116,10 @@ def test_native_declines_to_python_for_what_it_does_not_cover():
 
 
 @pytest.mark.tpu_precision("medium")
-def test_only_reduced_float32_contractions_leave_the_native_core(monkeypatch):
-    """Emulation is on by default; it costs a Python kernel only for a float32 contraction below 'highest': at
-    'highest', and for bfloat16 operands at any precision, the native core runs the contraction."""
+def test_the_native_core_runs_contractions_at_medium_and_highest_itself(monkeypatch):
+    """Emulation is on by default and costs little: the native core rounds a float32 contraction's operands to
+    bfloat16 itself at 'medium' (the same bits as the Python kernel's pass) and runs it unchanged at 'highest' and
+    for bfloat16 operands; only 'high' (three passes) runs the Python kernel."""
     if STATE.native is None:
         pytest.skip("native core off: every op runs its Python kernel")
     from hf_tpu.sim import _precision
@@ -126,20 +127,24 @@ def test_only_reduced_float32_contractions_leave_the_native_core(monkeypatch):
     calls = []
     passes = _precision._passes
     monkeypatch.setattr(_precision, "_passes", lambda a, b: calls.append(a.dtype) or passes(a, b))
-    a, b = torch.randn(16, 16, device="tpu"), torch.randn(16, 16, device="tpu")
-    a @ b
-    assert calls == [torch.float32]
-    a.bfloat16() @ b.bfloat16()
-    torch.nn.functional.linear(a.bfloat16(), b.bfloat16())
-    with torch.tpu.precision(torch.tpu.Precision.HIGHEST):
-        a @ b
-        torch.nn.functional.linear(a, b)
-    torch.set_float32_matmul_precision("highest")
-    torch.bmm(a[None], b[None])
-    assert calls == [torch.float32]
+    g = torch.Generator().manual_seed(0)
+    m, v, c = torch.randn(8, 8, generator=g), torch.randn(8, generator=g), torch.randn(8, 8, generator=g)
+    r = lambda t: t.bfloat16().float()  # noqa: E731
+    cases = [
+        (torch.mm, (m, m.T), (0, 1)), (torch.bmm, (m[None], m.T[None]), (0, 1)), (torch.mv, (m, v), (0, 1)),
+        (torch.dot, (v, v * 3), (0, 1)), (torch.addmm, (c, m, m.T), (1, 2)), (torch.addmv, (v, m, v), (1, 2)),
+        (torch.baddbmm, (c[None], m[None], m.T[None]), (1, 2)),
+    ]  # fmt: skip
+    for fn, args, operands in cases:
+        rounded = [r(a) if i in operands else a for i, a in enumerate(args)]
+        assert torch.equal(fn(*(a.to("tpu") for a in args)).cpu(), fn(*rounded)), fn
+        assert torch.equal(fn(*(a.bfloat16().to("tpu") for a in args)).cpu(), fn(*(a.bfloat16() for a in args)))
+        with torch.tpu.precision(torch.tpu.Precision.HIGHEST):
+            assert torch.equal(fn(*(a.to("tpu") for a in args)).cpu(), fn(*args)), fn
+    assert calls == []
     torch.set_float32_matmul_precision("high")
-    a @ b
-    assert calls == [torch.float32, torch.float32]
+    m.to("tpu") @ m.to("tpu")
+    assert calls == [torch.float32]
 
 
 def test_native_counts_memory_and_frees_it():
