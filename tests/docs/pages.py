@@ -275,7 +275,8 @@ def command_env(scratch: Path) -> dict[str, str]:
     env["HOME"] = str(scratch)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-    for name in ("HF_TPU_SIMULATE", "HF_TPU_DEBUG", "PYTEST_CURRENT_TEST", "COLUMNS"):
+    # a page's commands compute as a user's do: at torch_tpu's default float32 matmul precision, not the suite's
+    for name in ("HF_TPU_SIMULATE", "HF_TPU_DEBUG", "PYTEST_CURRENT_TEST", "COLUMNS", "HF_TPU_SIM_MATMUL_PRECISION"):
         env.pop(name, None)
     return env
 

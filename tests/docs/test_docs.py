@@ -49,10 +49,11 @@ def test_every_block_is_run_or_says_why_not(page):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.tpu_precision("medium")
 @pytest.mark.parametrize("page", _python_pages())
 def test_python_blocks_run(page):
     """The page's python blocks, in order, in one namespace (each page's hf_tpu.enable() undone after, the
-    simulated device back at its defaults)."""
+    simulated device back at its defaults), at torch_tpu's default float32 matmul precision, as a reader runs them."""
     import hf_tpu
     import hf_tpu.sim
 
