@@ -165,10 +165,14 @@ class ChipCase:
         self._record(Comparison(what, precision, numerics.float32_tolerance(precision, layers=layers), err))
         return numerics.assert_close_to_cpu(actual, expected, precision=precision, layers=layers, what=what)
 
-    def bf16_close(self, actual, expected, *, tolerance: float = 1e-2, what: str = "the result") -> float:
-        """bfloat16 results: ``max|tpu - cpu| / max|cpu|`` at most ``tolerance`` (a few bf16 steps by default)."""
+    def bf16_close(
+        self, actual, expected, *, tolerance: float | None = None, layers: int = 4, what: str = "the result"
+    ) -> float:
+        """bfloat16 results: ``max|tpu - cpu| / max|cpu|`` at most ``tolerance`` (default: one bf16 unit per layer,
+        :func:`hf_tpu.numerics.bfloat16_tolerance`; 4 layers as the float32 checks count a 2-layer model)."""
         from hf_tpu import numerics
 
+        tolerance = numerics.bfloat16_tolerance(layers) if tolerance is None else tolerance
         err = numerics.max_error(actual.float(), expected.float())
         self._record(Comparison(what, "bfloat16", tolerance, err))
         assert err <= tolerance, f"{what}: max|tpu - cpu| / max|cpu| = {err:.3g} > {tolerance:.3g} (bfloat16)"
