@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from hf_tpu._torch_tpu import HOST_READ_REFUSED
+from hf_tpu.sim import _precision
 from hf_tpu.sim._counters import STATE, SimStrictError, graph_run
 
 __all__ = ["note_cache_hit", "register", "tpu_backend"]
@@ -24,8 +25,11 @@ _LOG = logging.getLogger("hf_tpu.sim")
 
 
 def _in_graph(fn: Any) -> Any:
+    # the float32 matmul precision the graph was compiled at is the one it runs at (hf_tpu.sim._precision.compiled_at)
+    precision = _precision.current()
+
     def run(args: list) -> Any:
-        with graph_run():
+        with graph_run(), _precision.compiled_at(precision):
             return fn(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]

@@ -116,6 +116,28 @@ def precision(mode: Precision) -> Iterator[None]:
         _sync_native()
 
 
+@contextlib.contextmanager
+def compiled_at(mode: Precision) -> Iterator[None]:
+    """Run a compiled graph at ``mode``, the precision in force when it was compiled, whatever is in force now.
+
+    A TPU does so (run 20 on a v5e, torch_tpu 0.2.0): torch_tpu compiles a program's float32 matmuls at the
+    precision in force and the program keeps it, so a graph compiled at ``'medium'`` still computes one bfloat16
+    pass after ``torch.set_float32_matmul_precision('highest')`` or inside ``torch.tpu.precision(HIGHEST)``; a graph
+    first compiled at ``'highest'`` stays exact. (On the chip the program outlives even ``torch._dynamo.reset()``: a
+    recompile of the same graph reuses it. The simulator keeps the precision per compiled graph only.)
+    """
+    if current() is mode:
+        yield
+        return
+    _STACK.append(mode)
+    _sync_native()
+    try:
+        yield
+    finally:
+        _STACK.pop()
+        _sync_native()
+
+
 def set_emulation(enabled: bool) -> None:
     """Run float32 matmuls, convolutions and attention on the simulated device at the selected TPU precision (or
     in float32, as the CPU does)."""

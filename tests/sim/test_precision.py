@@ -132,6 +132,8 @@ CASES = {
 def _error(case, seed=0):
     """max|tpu - float64| / max|float64| of ``case`` on standard normals (float32 on the device)."""
     fn, args = CASES[case](torch.Generator().manual_seed(seed))
+    if case == "compiled":
+        torch._dynamo.reset()  # a graph keeps the precision it was compiled at, as on a chip: compile at this one
     with torch.no_grad():
         exact = fn(*(a.double() for a in args))
         return max_error(fn(*(a.to("tpu") for a in args)), exact)
@@ -181,6 +183,8 @@ def test_attention_runs_its_matmuls_at_the_precision(path):
     backends = [SDPBackend.MATH] if path == "math" else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
     def on_tpu():
+        if path == "compiled":
+            torch._dynamo.reset()  # a graph keeps the precision it was compiled at, as on a chip: compile at this one
         with sdpa_kernel(backends):
             return sdpa(q.to("tpu"), k.to("tpu"), v.to("tpu"), is_causal=True).cpu()
 
@@ -246,3 +250,30 @@ def test_a_fresh_process_computes_as_a_chip_unless_told(setting):
         assert CHIP_MATMUL_ERROR["medium"] / 2 <= err <= CHIP_MATMUL_ERROR["medium"] * 2
     else:
         assert err <= 1e-6
+
+
+@pytest.mark.tpu_precision("medium")
+def test_a_compiled_graph_keeps_the_precision_it_was_compiled_at():
+    """As on a v5e (run 20): a graph compiled at 'medium' computes one bfloat16 pass after
+    set_float32_matmul_precision('highest') and inside torch.tpu.precision(HIGHEST); a graph of a new shape compiled
+    at 'highest' is exact, and stays so back at 'medium'. Eager matmuls follow the setting of the moment."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 96, generator=g), torch.randn(96, 32, generator=g)
+    c, d = torch.randn(48, 80, generator=g), torch.randn(80, 24, generator=g)
+    one_pass, exact = _bf16(a) @ _bf16(b), a @ b
+    f = torch.compile(lambda x, y: x @ y, backend="tpu", fullgraph=True, dynamic=False)
+    ad, bd, cd, dd = (t.to("tpu") for t in (a, b, c, d))
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        torch.testing.assert_close(f(ad, bd).cpu(), one_pass)
+        torch.set_float32_matmul_precision("highest")
+        torch.testing.assert_close(f(ad, bd).cpu(), one_pass)  # compiled at 'medium': stays there
+        with torch.tpu.precision(torch.tpu.Precision.HIGHEST):
+            torch.testing.assert_close(f(ad, bd).cpu(), one_pass)
+        torch.testing.assert_close((ad @ bd).cpu(), exact)  # eager: the setting of the moment
+        torch.testing.assert_close(f(cd, dd).cpu(), c @ d)  # a new graph, compiled at 'highest'
+        torch.set_float32_matmul_precision("medium")
+        torch.testing.assert_close(f(cd, dd).cpu(), c @ d)
+    finally:
+        torch.set_float32_matmul_precision(before)
