@@ -390,6 +390,11 @@ _slow(
     "test_the_max_prompt_len_advised_for_a_long_prompt_warms_up_and_equals_cpu",  # 10 s
 )
 _slow(
+    "cli/test_generate_command.py",
+    "two whole sampled runs (core: the greedy run's test; the warm-up of sampling graphs: tests/transformers)",
+    "test_a_sampled_run_finds_its_graphs_warm_and_repeats_with_its_seed",  # 2 runs, ~35 s each on a loaded host
+)
+_slow(
     "cli/test_env.py",
     "`hf-tpu env` in simulated mode, the flag's other places (core: the environment variable)",
     "test_env_reports_simulated_mode[flag-before]",

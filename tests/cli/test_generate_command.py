@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -51,6 +52,23 @@ def test_streams_the_same_text_as_cpu_generate(tmp_path, capsys):
     assert out.strip() == tok.decode(expected[0], skip_special_tokens=True).strip()
     assert "6 tokens in" in err and "loading" in err and "warm-up" in err
     assert "compiles" in err  # --stats printed the counters
+
+
+def test_a_sampled_run_finds_its_graphs_warm_and_repeats_with_its_seed(tmp_path, capsys):
+    """--do-sample: warm-up compiles the sampling graphs (before, it warmed the greedy ones and the run compiled its
+    own mid-generation, as a v5e showed); the same seed gives the same text."""
+    _tiny_model_dir(tmp_path)
+    texts = []
+    for _ in range(2):
+        args = _args(argv=[str(tmp_path), "--prompt", "the king said", "--max-new-tokens", "6", "--do-sample",
+                           "--temperature", "1.5", "--top-k", "8", "--seed", "3", "--stats"])  # fmt: skip
+        with hf_tpu.enabled("generation"):
+            assert command.run(args) == 0
+        out, err = capsys.readouterr()
+        compiles = re.search(r"compiles \(torch\.compile[^)]*\):\s*(\d+)", err)
+        assert compiles and compiles.group(1) == "0", err  # --stats: nothing compiled after warm-up
+        texts.append(out.strip())
+    assert texts[0] == texts[1]
 
 
 def _cpu_text(path, tok, ids, new_tokens: int) -> str:
