@@ -107,6 +107,12 @@ def precision(mode: Precision) -> Iterator[None]:
             "expected to be one of 'PrecisionConfig.DEFAULT', 'PrecisionConfig.HIGH', or 'PrecisionConfig.HIGHEST', "
             f"got '{mode}'"
         )
+    with _pushed(mode):
+        yield
+
+
+@contextlib.contextmanager
+def _pushed(mode: Precision) -> Iterator[None]:
     _STACK.append(mode)
     _sync_native()
     try:
@@ -129,13 +135,8 @@ def compiled_at(mode: Precision) -> Iterator[None]:
     if current() is mode:
         yield
         return
-    _STACK.append(mode)
-    _sync_native()
-    try:
+    with _pushed(mode):
         yield
-    finally:
-        _STACK.pop()
-        _sync_native()
 
 
 def set_emulation(enabled: bool) -> None:
