@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -463,12 +464,14 @@ def _ensure_styles(plan: Mapping[str, str]) -> None:
             original = module.forward
             if isinstance(module, nn.Linear):
 
+                @functools.wraps(original)
                 def forward(x, *args, **kwargs):
                     bias = module.bias[lo:hi] if module.bias is not None else None
                     return F.linear(x, module.weight[lo:hi], bias)
 
             else:
 
+                @functools.wraps(original)
                 def forward(*args, **kwargs):
                     return original(*args, **kwargs)[..., lo:hi]
 
@@ -511,12 +514,12 @@ def _kv_heads_with_repeat(original):
     """Wrap ``transformers.generation.utils.get_kv_heads_per_rank`` (transformers >=5.24,<6): with the "repeat"
     strategy each rank holds one KV head, which the static cache must be sized for."""
 
+    @functools.wraps(original)
     def get_kv_heads_per_rank(tp_plan, num_heads, tp_size):
         if tp_plan and any(str(style).startswith("hf_tpu_kv_head_select_") for style in tp_plan.values()):
             return 1 if isinstance(num_heads, int) else [1] * len(num_heads)
         return original(tp_plan, num_heads, tp_size)
 
-    get_kv_heads_per_rank.__wrapped__ = original
     return get_kv_heads_per_rank
 
 
@@ -548,6 +551,7 @@ def _resolve_with_fixes(original):
     does not check heads against ``tp_size`` (still the case in 5.24).
     """
 
+    @functools.wraps(original)
     def _resolve_parallel_plans(self, distributed_config):
         tp_size = getattr(distributed_config, "tp_size", 1) or 1
         if tp_size > 1:
@@ -586,7 +590,6 @@ def _resolve_with_fixes(original):
             self._hf_tpu_kv_heads_strategy = _SETTINGS["kv_heads"]
         return original(self, distributed_config)
 
-    _resolve_parallel_plans.__wrapped__ = original
     return _resolve_parallel_plans
 
 
@@ -698,6 +701,7 @@ def _mesh_with_checks(original):
     for the ``tpu`` device.
     """
 
+    @functools.wraps(original)
     def initialize_distributed_mesh(distributed_config):
         import torch
         import torch.distributed as dist
@@ -733,7 +737,6 @@ def _mesh_with_checks(original):
                 side.register()
         return original(distributed_config)
 
-    initialize_distributed_mesh.__wrapped__ = original
     return initialize_distributed_mesh
 
 
@@ -742,15 +745,12 @@ def apply() -> None:
     from transformers.distributed import mixin
     from transformers.generation import utils as generation_utils
 
-    from hf_tpu._patch import on_revert, patch
-
-    def upstream(fn):
-        return getattr(fn, "__wrapped__", fn) if getattr(fn, "__module__", "") == __name__ else fn
+    from hf_tpu._patch import on_revert, original, patch
 
     patch(
         mixin.DistributedMixin,
         "_resolve_parallel_plans",
-        _resolve_with_fixes(upstream(mixin.DistributedMixin._resolve_parallel_plans)),
+        _resolve_with_fixes(original(mixin.DistributedMixin, "_resolve_parallel_plans")),
         feature=FEATURE,
         package="transformers",
         versions=TRANSFORMERS_VERSIONS,
@@ -758,7 +758,7 @@ def apply() -> None:
     patch(
         mixin,
         "initialize_distributed_mesh",
-        _mesh_with_checks(upstream(mixin.initialize_distributed_mesh)),
+        _mesh_with_checks(original(mixin, "initialize_distributed_mesh")),
         feature=FEATURE,
         package="transformers",
         versions=TRANSFORMERS_VERSIONS,
@@ -766,7 +766,7 @@ def apply() -> None:
     patch(
         generation_utils,
         "get_kv_heads_per_rank",
-        _kv_heads_with_repeat(upstream(generation_utils.get_kv_heads_per_rank)),
+        _kv_heads_with_repeat(original(generation_utils, "get_kv_heads_per_rank")),
         feature=FEATURE,
         package="transformers",
         versions=TRANSFORMERS_VERSIONS,

@@ -73,6 +73,7 @@ def _patch_default_device() -> None:
 
     upstream = _patch.original(PartialState, "default_device")
 
+    @functools.wraps(upstream.fget)
     def default_device(self) -> torch.device:
         if not _tpu_is_current():
             return upstream.fget(self)
@@ -94,11 +95,13 @@ def _patch_distributed_state() -> None:
     upstream_backend = _patch.original(PartialState, "_prepare_backend")
     upstream_set_device = _patch.original(PartialState, "set_device")
 
+    @functools.wraps(upstream_backend)
     def _prepare_backend(self, cpu: bool = False, sagemaker_dp=False, backend: str | None = None):
         if cpu or sagemaker_dp or _launched_ranks() < 2 or not _tpu_is_current():
             return upstream_backend(self, cpu, sagemaker_dp, backend)
         return backend or DISTRIBUTED_BACKEND, DistributedType.MULTI_CPU
 
+    @functools.wraps(upstream_set_device)
     def set_device(self):
         # Upstream's MULTI_CPU needs cpu=True; without it, the state is the TPU ranks' run set up above.
         tpu_ranks = self.distributed_type == DistributedType.MULTI_CPU and not self._cpu and _tpu_is_current()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 
@@ -266,7 +267,9 @@ def inputs_on_model_device(model) -> Iterator[None]:
     the forward's inputs onto the model's device, as upstream's own one does (upstream keeps the growing sequence
     on the caller's device, the host here, and moves only what the forward consumes). Upstream's method does
     that as its last step; a model class that overrides it without calling it (XLM, XLNet) would hand the
-    forward host tensors. Done on the instance for the call, taken off after."""
+    forward host tensors. Done on the instance for the call, taken off after; the wrapper keeps the bound method's
+    signature (``functools.wraps``), which upstream reads (``generate`` accepts ``inputs_embeds`` only from a class
+    whose ``prepare_inputs_for_generation`` names it)."""
     from transformers.generation.utils import GenerationMixin
     from transformers.pytorch_utils import move_to_device
 
@@ -281,8 +284,11 @@ def inputs_on_model_device(model) -> Iterator[None]:
         yield
         return
 
+    bound = own.__get__(model, type(model))
+
+    @functools.wraps(bound)
     def prepare_inputs_for_generation(*args, **kwargs):
-        return move_to_device(own(model, *args, **kwargs), model.device)
+        return move_to_device(bound(*args, **kwargs), model.device)
 
     vars(model)["prepare_inputs_for_generation"] = prepare_inputs_for_generation
     try:

@@ -153,3 +153,78 @@ def test_the_assistants_generate_inside_upstreams_assisted_decoding_runs_upstrea
     assert torch.equal(got.sequences.cpu(), expected.sequences)
     torch.testing.assert_close(torch.stack(got.scores).cpu(), torch.stack(expected.scores))
     assert any(reason and "inside upstream's generate" in reason for reason in inner), inner
+
+
+def _phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    return Phi3ForCausalLM, config
+
+
+def _phimoe():
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    config = PhimoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    return PhimoeForCausalLM, config
+
+
+def _mamba():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    return MambaForCausalLM, MambaConfig(vocab_size=96, hidden_size=32, state_size=4, num_hidden_layers=2)
+
+
+@pytest.mark.parametrize("family", [_phi3, _phimoe, _mamba], ids=["phi3", "phimoe", "mamba"])
+def test_the_call_s_prepare_inputs_wrapper_keeps_the_class_s_signature(family):
+    # upstream's generate takes inputs_embeds only where inspect.signature(model.prepare_inputs_for_generation)
+    # names them: the wrapper upstream's loop runs with must show the class's own method's signature
+    import inspect
+
+    from hf_tpu.transformers._upstream import inputs_on_model_device
+
+    model_class, config = family()
+    tpu = model_class(config).eval().to("tpu")
+    own = inspect.signature(tpu.prepare_inputs_for_generation)
+    assert "prepare_inputs_for_generation" in model_class.__dict__
+    with inputs_on_model_device(tpu):
+        assert "prepare_inputs_for_generation" in vars(tpu)  # the call's wrapper is in place
+        assert inspect.signature(tpu.prepare_inputs_for_generation) == own
+        assert tpu.prepare_inputs_for_generation.__name__ == "prepare_inputs_for_generation"
+        assert tpu.prepare_inputs_for_generation.__doc__ == model_class.prepare_inputs_for_generation.__doc__
+    assert "prepare_inputs_for_generation" not in vars(tpu)
+    assert "inputs_embeds" in own.parameters
+
+
+def test_phi3_generates_from_inputs_embeds_on_upstreams_loop_like_cpu(prompts, from_config):
+    # transformers' test_generate_from_inputs_embeds_1_beam_search and test_generate_continue_from_inputs_embeds
+    # on Phi3 (whose class overrides prepare_inputs_for_generation): both run upstream's loop on the TPU
+    from hf_tpu.transformers._upstream import cache_name
+
+    cpu, tpu = from_config(*_phi3())
+    ids = prompts([5], seed=3)[0]
+    embeds = cpu.get_input_embeddings()(ids).detach()
+    kw = {"do_sample": False, "pad_token_id": 0}
+    generation.WARNED.clear()
+    with pytest.warns(UserWarning, match="beam search with inputs_embeds"):
+        got = tpu.generate(inputs_embeds=embeds, num_beams=2, max_new_tokens=3, **kw)
+    assert torch.equal(got.cpu(), cpu.generate(inputs_embeds=embeds, num_beams=2, max_new_tokens=3, **kw))
+
+    # continue: the first call's cache and the embeddings of the whole sequence so far
+    whole = cpu.generate(inputs_embeds=embeds, max_new_tokens=4, **kw)
+    first = tpu.generate(inputs_embeds=embeds, max_new_tokens=2, return_dict_in_generate=True, **kw)
+    assert torch.equal(first.sequences.cpu(), whole[:, :2])
+    more = torch.cat([embeds, cpu.get_input_embeddings()(first.sequences.cpu()).detach()], dim=1)
+    ids_so_far = torch.cat([ids, first.sequences.cpu()], dim=1)
+    cache = getattr(first, cache_name())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (why this call runs upstream's loop is said by the route)
+        rest = tpu.generate(ids_so_far, inputs_embeds=more, max_new_tokens=2, **{cache_name(): cache}, **kw)
+    assert torch.equal(rest[:, ids.shape[1] :].cpu(), whole)
