@@ -69,7 +69,7 @@ BEGIN = ("<!-- plan-records: begin (python scripts/plan_record.py docs writes th
 END = "<!-- plan-records: end -->"
 #: The runs whose whole output (the table ``hf-tpu plan`` prints without ``--json``, for the recorded figures) the
 #: page shows, each between its own markers.
-DOC_OUTPUTS: list[str] = []
+DOC_OUTPUTS = ["llama-3-8b-v5e-1"]
 OUTPUT_NOTE = ("<!-- docs-test: not checked: hf-tpu plan's output, recorded in docs/plan_records.json (the suite has "
                "no torch-tpu); tests/tpu_compile/test_plan_record.py checks it is the record's -->")
 HEADER = ("| model shape | target | weights | KV cache | HBM total | fits | prefill lower + compile | decode lower + "
