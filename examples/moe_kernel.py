@@ -37,6 +37,9 @@ from hf_tpu.testing import tiny_model
 
 def main() -> None:
     hf_tpu.sim.enable()  # a `tpu` device over CPU memory; on a TPU VM leave this out
+    # greedy tokens are compared with the CPU's below: float32 products ('medium', a TPU's default and the
+    # simulator's, is one bfloat16 pass, which can flip a near-tie)
+    torch.set_float32_matmul_precision("highest")
 
     # 1. The kernel, from its Hub-layout folder. From the Hub it would be
     #    get_kernel("<org>/ragged-dot-tpu", version=1, trust_remote_code=["<org>/ragged-dot-tpu"]).

@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+# --check-cpu compares greedy tokens with the CPU's: the simulated actors multiply float32 exactly (at 'medium', a
+# TPU's default and the simulator's, one bfloat16 pass can flip a near-tie; on a TPU set the precision in the actors)
+os.environ.setdefault("HF_TPU_SIM_MATMUL_PRECISION", "highest")
 
 import ray
 

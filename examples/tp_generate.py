@@ -55,6 +55,8 @@ def main() -> None:
 def run(args: argparse.Namespace, path: str) -> None:
     """Load the model sharded over the launched ranks, generate greedily with a static cache, print on rank 0."""
     hf_tpu.enable()  # among others, the tensor-parallel plan checks
+    if args.compare:  # greedy tokens compared with the unsharded model's: float32 products, as on a chip
+        torch.set_float32_matmul_precision("highest")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.distributed import DistributedConfig
 

@@ -70,6 +70,9 @@ VLM_SECTION = "## Image-text-to-text architectures"
 
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
+# its targets compare float32 results with the CPU's exactly: run at float32 matmul precision 'highest'
+EXACT_FLOAT32 = True
+
 
 def architectures() -> list[str]:
     """The model types with a causal-LM class in the installed transformers, sorted."""

@@ -40,6 +40,9 @@ ATOL = 1e-4  # float32 on both sides; images and frames are in [0, 1]
 PROMPT = "a watercolor fox"
 QUICK = {"families": ["sd3", "wan22", "sd3_modular"]}  # --quick: a classic, a two-expert video and a modular one
 
+# its targets compare float32 results with the CPU's exactly: run at float32 matmul precision 'highest'
+EXACT_FLOAT32 = True
+
 
 def _image(seed: int = 1, size: int = 32) -> torch.Tensor:
     return torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(seed))

@@ -41,6 +41,9 @@ __all__ = ["QUICK", "add_arguments", "print_table", "run"]
 QUICK = {"texts": 64, "batch": 4, "hidden": 32, "longest": 60}
 TOLERANCE = 1e-5
 
+# its targets compare float32 results with the CPU's exactly: run at float32 matmul precision 'highest'
+EXACT_FLOAT32 = True
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options."""

@@ -57,6 +57,9 @@ SHAPES = {
 }
 QUICK = {"shape": "tiny"}
 
+# its targets compare float32 results with the CPU's exactly: run at float32 matmul precision 'highest'
+EXACT_FLOAT32 = True
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(

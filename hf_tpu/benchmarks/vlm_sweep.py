@@ -66,6 +66,9 @@ TARGET_SHARE = arch_sweep.TARGET_SHARE
 _NO_INPUTS = "no generic inputs"
 _UNBUILT = ("not buildable", "fails on CPU", "not measured", _NO_INPUTS)
 
+# its targets compare float32 results with the CPU's exactly: run at float32 matmul precision 'highest'
+EXACT_FLOAT32 = True
+
 
 def architectures() -> list[str]:
     """The model types with an image-text-to-text class in the installed transformers, sorted."""

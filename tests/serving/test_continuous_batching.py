@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import transformers as T
+from _timeouts import SAFETY_TIMEOUT_S
 from conftest import cpu_greedy, random_prompts
 
 import hf_tpu.sim
@@ -90,7 +91,7 @@ def test_a_request_the_step_cannot_hold_fails_alone_and_the_batch_goes_on(pair):
         cb.add_request(prompts[2], request_id="good_1", max_new_tokens=NEW)
         got = {}
         while len(got) < 3:
-            out = cb.get_result(timeout=600)
+            out = cb.get_result(timeout=SAFETY_TIMEOUT_S)
             assert out is not None, "the manager stopped answering"
             if out.is_finished():
                 got[out.request_id] = out
