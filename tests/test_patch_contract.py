@@ -55,12 +55,23 @@ def differences(record: _patch.PatchRecord) -> list[str]:
     return found
 
 
+def _device_machinery(record: _patch.PatchRecord) -> bool:
+    """The simulated device's stand-ins for torch's C-level machinery (a storage's constructor and resize, the
+    Generator class): torch_tpu registers those in C++, where Python sees no change, while a Python backend can only
+    replace the builtin or class with Python of its own, whose kind cannot be a builtin's. Left out of the check."""
+    import types
+
+    original = _replaced(record)
+    native = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+    return record.feature == "sim" and (isinstance(original, type) or isinstance(original, native))
+
+
 def test_every_patch_keeps_the_signature_and_attributes_of_what_it_replaced():
     with hf_tpu.enabled():
         if importlib.util.find_spec("diffusers") is not None:
             import diffusers  # noqa: F401  (its integration applies on import)
         records = _patch.applied()
-        found = {r.target: differences(r) for r in records}
+        found = {r.target: differences(r) for r in records if not _device_machinery(r)}
     assert len(records) > 50  # every integration's patches, not a few
     assert {r.feature for r in records} >= {"device_map", "generation", "tensor_parallel", "training", "serving"}
     assert {target: d for target, d in found.items() if d} == {}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -275,13 +276,22 @@ def _initial_from_environment() -> None:
         _GLOBAL[0] = _NAMES[value]
 
 
+def _keeping(upstream: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under ``upstream``'s name, signature and docstring."""
+
+    def replacement(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return functools.update_wrapper(replacement, upstream)
+
+
 def install() -> None:
     """Replace ``torch.set/get_float32_matmul_precision`` with torch_tpu's behaviour (reverted by hf_tpu.disable()).
 
     Raises:
         ValueError: ``HF_TPU_SIM_MATMUL_PRECISION`` holds something other than ``medium``, ``high``, ``highest``.
     """
-    from hf_tpu._patch import patch
+    from hf_tpu._patch import original, patch
 
     _initial_from_environment()
 
@@ -289,4 +299,7 @@ def install() -> None:
         ("set_float32_matmul_precision", set_float32_matmul_precision),
         ("get_float32_matmul_precision", get_float32_matmul_precision),
     ):
-        patch(torch, name, fn, feature="sim", package="torch", versions=">=2.11,<=2.15")
+        # torch's name, signature and docstring kept (torch_tpu's replacements are plain functions of its own;
+        # what a caller can inspect stays torch's: tests/test_patch_contract.py)
+        patch(torch, name, _keeping(original(torch, name), fn), feature="sim", package="torch",
+              versions=">=2.11,<=2.15")  # fmt: skip
