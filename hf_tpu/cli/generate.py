@@ -87,6 +87,10 @@ def _overflow(prompt_len: int, new_tokens: int, rungs: tuple[int, ...], limit: i
     if limit and need > limit:  # no ladder helps: past the model's trained positions the text degenerates
         room = limit - new_tokens + 1
         keep = f"keep the prompt's end with --max-prompt-len {room}, or " if 1 <= room < prompt_len else ""
+        warmed = [r for r in rungs if r + new_tokens - 1 <= min(biggest, limit)]
+        if keep and warmed and warmed[-1] < room:  # the longest prompt warm-up serves, then what fits without it
+            keep = (f"keep the prompt's end with --max-prompt-len {warmed[-1]} (up to --max-prompt-len {room} fits, "
+                    "without a warm-up: its first token then compiles), or ")  # fmt: skip
         return (
             f"the prompt ({prompt_len} tokens) plus --max-new-tokens {new_tokens} needs {need} positions, past the "
             f"model's max_position_embeddings ({limit}), which no --buckets ladder can pass: {keep}lower "

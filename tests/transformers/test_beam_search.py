@@ -277,7 +277,9 @@ def test_beam_graphs_come_from_the_persistent_compile_cache_in_a_new_process(lla
     env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            # this process's intra-op thread count (tests/conftest.py sets 1): with another count, the second process
            # found none of the cached graphs usable and compiled all of them again
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           # this process's float32 matmul precision: a float32 model's graphs are stored per precision
+           "HF_TPU_SIM_MATMUL_PRECISION": torch.get_float32_matmul_precision()}
     cache = tmp_path / "cache"
 
     # The first process is this one (a test worker that built other models first, as a server may have): a fresh
