@@ -103,49 +103,6 @@ def _not_causal(model) -> str | None:
     return None
 
 
-def cache_changes_outputs(model) -> str | None:
-    """Why a forward with a cache computes what this loop, without one, would not (None when both agree): one eager
-    forward on the device of an 8-token sequence without a cache, and the same sequence as a 7-token forward into
-    upstream's ``DynamicCache`` then its last token; the last position's logits must agree to rounding. A model whose
-    forward reads its cache past the layers' ``update`` (Dory's ``recurrent_kv_cache_mode="last_loop"``: earlier
-    loops read the last loop's keys through ``shared_kv_states``) computes other outputs with a cache, which is what
-    upstream's loop runs with."""
-    import torch
-    from transformers.cache_utils import DynamicCache
-
-    from hf_tpu.transformers._upstream import cache_name
-
-    vocab = int(getattr(model.config.get_text_config(decoder=True), "vocab_size", 0) or 0)
-    if vocab < 8:
-        return None  # pragma: no cover - no room for distinct tokens
-    ids = torch.randint(1, vocab, (1, 8), generator=torch.Generator().manual_seed(1))
-    positions = _takes(model, "position_ids")
-
-    def forward(part, start, **cache):
-        kwargs = {**cacheless_extra(model), "attention_mask": torch.ones(1, start + part.shape[1], dtype=torch.long)}
-        if positions:
-            kwargs["position_ids"] = torch.arange(start, start + part.shape[1])[None]
-        kwargs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in {**kwargs, **cache}.items()}
-        out = model(input_ids=part.to(model.device), return_dict=True, **kwargs)
-        return out.logits[:, -1].float().to("cpu")
-
-    try:
-        with torch.no_grad():
-            without = forward(ids, 0)
-            cache = {cache_name(): DynamicCache(config=model.config.get_text_config(decoder=True)), "use_cache": True}
-            forward(ids[:, :-1], 0, **cache)
-            with_cache = forward(ids[:, -1:], ids.shape[1] - 1, **cache)
-    except Exception:  # noqa: BLE001 - a plain call fails: the other checks say so, this one has nothing to add
-        return None
-    scale = 1.0 + float(without.abs().max())
-    if float((without - with_cache).abs().max()) > 64 * torch.finfo(model.dtype).eps * scale:
-        return (
-            f"{type(model).__name__}'s outputs with a cache differ from its outputs without one (its forward reads "
-            "its cache past the layers' update), and upstream's loop runs it with a cache"
-        )
-    return None
-
-
 def _inputs_as_given(model) -> bool:
     """Whether the model's ``prepare_inputs_for_generation`` hands its forward, without a cache, the ids, mask and
     positions it is given and nothing else (upstream's own does; OpenAI GPT's too; XLM's appends a mask token),
