@@ -286,7 +286,7 @@ _slow(
     "a page's command that runs a whole CLI process (core: the commands' own tests in tests/cli and tests/diffusers)",
     "test_commands_print_what_the_page_shows[docs/first_hour.md:39]",  # hf-tpu generate, 22 s
     "test_commands_print_what_the_page_shows[docs/first_hour.md:82]",  # hf-tpu diffuse, 19 s
-    "test_commands_print_what_the_page_shows[docs/first_hour.md:159]",  # hf-tpu bench sim_forward, 11 s
+    "test_commands_print_what_the_page_shows[docs/first_hour.md:160]",  # hf-tpu bench sim_forward, 11 s
 )
 _slow(
     "encoders/test_encoders.py",
