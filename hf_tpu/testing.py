@@ -22,7 +22,8 @@ from typing import Any
 from hf_tpu.errors import InvalidArgumentError
 
 __all__ = [
-    "ENCODER_FAMILIES", "ENCODER_WORDS", "FAMILIES", "tiny_config", "tiny_encoder", "tiny_model", "tiny_tokenizer",
+    "ENCODER_FAMILIES", "ENCODER_WORDS", "FAMILIES", "left_padded_prompts", "tiny_config", "tiny_encoder", "tiny_model",
+    "tiny_tokenizer",
 ]
 
 # Shared by the decoder families: 2 layers, hidden 32, 4 heads (head_dim 8), 2 KV heads.
@@ -382,3 +383,32 @@ def tiny_tokenizer(path: str | os.PathLike | None = None) -> Any:
     if path is not None:
         tok.save_pretrained(path)
     return tok
+
+
+def left_padded_prompts(lengths: list[int], *, vocab: int = 128, seed: int = 0) -> tuple[Any, Any]:
+    """A left-padded batch of random prompts of the given lengths, token ids in ``[3, vocab)`` (0 pads):
+    ``(input_ids, attention_mask)`` on the host.
+
+    Args:
+        lengths: each prompt's length (the batch is as wide as the longest).
+        vocab: token ids are drawn below it.
+        seed: the CPU generator's seed (the same seed, the same prompts).
+
+    Returns:
+        ``(input_ids, attention_mask)``, int64 tensors of shape ``(len(lengths), max(lengths))``.
+
+    Example:
+        >>> ids, mask = left_padded_prompts([3, 5], vocab=96)
+        >>> ids.shape, mask.tolist()
+        (torch.Size([2, 5]), [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, vocab, (n,), generator=g)
+        mask[row, width - n :] = 1
+    return ids, mask

@@ -34,14 +34,6 @@ def saved_decoder(family: str, path: Path, scale: float = SCALE, **overrides: An
 
 def prompts(batch: int, lengths: list[int] | None = None, *, vocab: int = 96, seed: int = 0):
     """A left-padded batch of random prompts (``lengths``, default 12 down by 3 per row): (input_ids, attention_mask)."""
-    import torch
+    from hf_tpu.testing import left_padded_prompts
 
-    lengths = lengths or [max(12 - 3 * row, 4) for row in range(batch)]
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(3, vocab, (n,), generator=g)
-        mask[row, width - n :] = 1
-    return ids, mask
+    return left_padded_prompts(lengths or [max(12 - 3 * row, 4) for row in range(batch)], vocab=vocab, seed=seed)

@@ -86,11 +86,6 @@ def prompts():
 
 def make_prompts(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A left-padded batch of random prompts of the given lengths: (input_ids, attention_mask) on the host."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[row, width - n :] = 1
-    return ids, mask
+    from hf_tpu.testing import left_padded_prompts
+
+    return left_padded_prompts(lengths, vocab=VOCAB, seed=seed)
