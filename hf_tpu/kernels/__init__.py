@@ -4,8 +4,9 @@
   transformers' experts interface; pass the returned name as ``experts_implementation``.
 - :func:`register_experts` registers any kernel's ``experts_forward`` (say one from ``kernels.get_kernel``).
 - :func:`load_local_kernel` / :func:`load_ragged_dot_kernel` load a Hub-layout kernel folder with ``kernels``.
-- ``hf_tpu.enable()`` on a TPU VM also lets plain ``kernels.get_kernel`` find ``torch-tpu`` build variants
-  (:func:`expose_tpu_backend`; torch-tpu 0.2.0 does not set the ``torch.backends.tpu`` that ``kernels`` looks for).
+- ``hf_tpu.enable()`` on a TPU VM also lets plain ``kernels.get_kernel`` find ``torch-tpu`` build variants where
+  ``kernels`` does not detect the ``tpu`` backend by itself (:func:`expose_tpu_backend`; kernels 0.17 looks for a
+  ``torch.backends.tpu`` that torch-tpu 0.2.0 does not set); :func:`kernels_backend` is ``kernels``' own answer.
 
 Example:
     >>> import hf_tpu.kernels
@@ -18,7 +19,9 @@ from __future__ import annotations
 from hf_tpu.kernels.loader import (
     HUB_DIR,
     RAGGED_DOT_REPO,
+    KernelsDetectionError,
     expose_tpu_backend,
+    kernels_backend,
     load_local_kernel,
     load_ragged_dot_kernel,
     tpu_variant_selection,
@@ -36,8 +39,10 @@ __all__ = [
     "HUB_DIR",
     "RAGGED_DOT_NAME",
     "RAGGED_DOT_REPO",
+    "KernelsDetectionError",
     "apply",
     "expose_tpu_backend",
+    "kernels_backend",
     "load_local_kernel",
     "load_ragged_dot_kernel",
     "register_experts",

@@ -22,11 +22,12 @@ _VARIANT = "build/torch-tpu/ragged_dot_tpu/__init__.py"
 
 
 def _kernels_backend() -> str:
-    """kernels' own answer to "which backend is this" (private API; used only to word an error)."""
-    try:
-        from kernels.backends import _backend
+    """kernels' own answer to "which backend is this" (:func:`hf_tpu.kernels.kernels_backend`; only to word an
+    error)."""
+    from hf_tpu.kernels.loader import kernels_backend
 
-        return _backend().name
+    try:
+        return kernels_backend()
     except Exception as exc:  # noqa: BLE001 - only for the message
         return f"unknown ({type(exc).__name__}: {exc})"
 

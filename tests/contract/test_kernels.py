@@ -6,8 +6,9 @@
   export the kernel for the TPU platform (Mosaic lowering) and give the output shapes, for real models' shapes,
   including N and K that are not multiples of 128, each with tiles inside the VMEM budget.
 - With ``hf_tpu.enable()`` on a host reported as having chips (only runtime's answer is stood in), plain
-  ``kernels.get_local_kernel`` on the shipped repository picks the ``torch-tpu`` variant; ``hf_tpu.disable()``
-  puts everything back.
+  ``kernels.get_local_kernel`` on the shipped repository picks the ``torch-tpu`` variant where kernels reads
+  ``torch.backends.tpu`` (0.17); kernels 0.18+ reads the accelerator, which torch-tpu sets only with chips (a warning
+  says so); hf_tpu's loader picks it either way; ``hf_tpu.disable()`` puts everything back.
 
 What only a chip can show (the device implementation of a jax_op op: TorchTPU registering and running the
 exported program, and Mosaic compiling it in libtpu) is listed in docs/kernels.md.
@@ -188,23 +189,43 @@ def host_with_chips(monkeypatch):
 
 
 def test_enable_on_a_host_with_chips_selects_the_torch_tpu_variant(host_with_chips):
-    from kernels import get_local_kernel
-    from kernels.backends import _backend
+    """kernels 0.17 reads torch.backends.tpu, which torch-tpu 0.2.0 does not set: hf_tpu's placeholder makes plain
+    get_local_kernel find torch-tpu. kernels 0.18+ reads torch.accelerator, which torch-tpu makes its tpu device only
+    where its autoload finds chips (none here): enable() says that plain kernels still sees cpu and sets nothing.
+    hf_tpu's own loader finds the variant either way, and disable() leaves torch.backends as it was."""
+    import warnings
 
+    from kernels import __version__ as kernels_version
+    from kernels import get_local_kernel
+    from packaging.version import Version
+
+    from hf_tpu.kernels import kernels_backend, load_local_kernel
+
+    reads_torch_backends_tpu = Version(Version(kernels_version).base_version) < Version("0.18")
     assert "torch_tpu" in sys.modules and not hasattr(torch.backends, "tpu")
+    assert torch.accelerator.current_accelerator() is None  # without chips torch-tpu does not rename PrivateUse1
     backends_before = dict(vars(torch.backends))
-    assert _backend().name == "cpu"  # what kernels 0.17 sees under torch-tpu 0.2.0 alone
+    assert kernels_backend() == "cpu"  # what kernels sees under torch-tpu 0.2.0 alone
     with pytest.raises(FileNotFoundError, match="torch-tpu"):
         get_local_kernel(RAGGED_DOT_REPO)
 
-    hf_tpu.enable("kernels")
-    assert _backend().name == "tpu"
-    module = get_local_kernel(RAGGED_DOT_REPO)
-    assert module.__file__.endswith("build/torch-tpu/ragged_dot_tpu/__init__.py")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_tpu.enable("kernels")
+    said = [str(w.message) for w in caught if "on this TPU VM" in str(w.message)]
+    if reads_torch_backends_tpu:
+        assert kernels_backend() == "tpu" and not said
+        module = get_local_kernel(RAGGED_DOT_REPO)
+        assert module.__file__.endswith("build/torch-tpu/ragged_dot_tpu/__init__.py")
+    else:
+        assert kernels_backend() == "cpu" and not hasattr(torch.backends, "tpu")
+        assert len(said) == 1 and "detects the backend 'cpu'" in said[0], said
+    assert load_local_kernel(RAGGED_DOT_REPO).__file__.endswith("build/torch-tpu/ragged_dot_tpu/__init__.py")
 
     hf_tpu.disable("kernels")
     assert dict(vars(torch.backends)) == backends_before
-    assert _backend().name == "cpu" and hf_tpu._patch.applied("kernels") == []
+    assert kernels_backend() == "cpu" and hf_tpu._patch.applied("kernels") == []
+    assert torch.accelerator.current_accelerator() is None
     with pytest.raises(FileNotFoundError, match="torch-tpu"):
         get_local_kernel(RAGGED_DOT_REPO)
 

@@ -35,72 +35,142 @@ def test_repo_has_the_hub_layout_and_valid_metadata():
     assert json.loads((variant / "metadata.json").read_text())["python-depends"] == []
 
 
-def test_kernels_picks_torch_tpu_only_when_torch_backends_tpu_exists(monkeypatch):
-    """kernels 0.17's detection (kernels/backends.py, _backend): the tpu backend iff torch.backends.tpu exists,
-    which torch-tpu 0.2.0 does not set (tests/contract/test_kernels.py shows it with the wheel)."""
-    from kernels import get_local_kernel
+def _kernels_reads_torch_backends_tpu() -> bool:
+    """Which signal the installed kernels reads, as the release notes of hf_tpu's stand-ins say (a test's oracle, not
+    hf_tpu's: hf_tpu asks kernels): 0.17 reads torch.backends.tpu, 0.18 and later torch.accelerator."""
+    from packaging.version import Version
 
-    monkeypatch.delattr(torch.backends, "tpu", raising=False)
-    with pytest.raises(FileNotFoundError, match="torch-tpu"):
-        get_local_kernel(RAGGED_DOT_REPO)
-    monkeypatch.setattr(torch.backends, "tpu", types.ModuleType("torch.backends.tpu"), raising=False)
-    module = get_local_kernel(RAGGED_DOT_REPO)  # kernels' own selection, once the attribute is there
-    assert callable(module.experts_forward) and callable(module.ragged_dot)
+    from kernels import __version__
+
+    return Version(Version(__version__).base_version) < Version("0.18")
 
 
 @pytest.fixture
-def host_with_chips(monkeypatch):
-    """hf_tpu.runtime's answer "this host has TPU chips and torch-tpu" (the only stand-in), kernels integration off."""
+def cpu_host(monkeypatch):
+    """What kernels reads on a CPU host without torch-tpu or the simulator: no torch.backends.tpu, no accelerator
+    (the simulator, when an earlier test registered it, answers both otherwise)."""
+    monkeypatch.delattr(torch.backends, "tpu", raising=False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+    return torch.accelerator.current_accelerator
+
+
+@pytest.fixture
+def tpu_vm(monkeypatch):
+    """What a TPU VM with torch-tpu 0.2.0 shows (the stand-ins): hf_tpu.runtime finds chips, torch-tpu's device is the
+    current accelerator (its autoload renamed PrivateUse1 'tpu'), torch.backends.tpu does not exist; the kernels
+    integration off."""
     from hf_tpu import runtime
 
     monkeypatch.setattr(runtime, "is_real", lambda: True)
     monkeypatch.delattr(torch.backends, "tpu", raising=False)
+    tpu = types.SimpleNamespace(type="tpu", index=0)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: tpu)
     hf_tpu.disable("kernels")
     yield
     hf_tpu.disable("kernels")
 
 
-def test_enable_on_a_host_with_chips_lets_plain_kernels_find_the_variant_until_disable(host_with_chips):
+def test_kernels_detects_tpu_from_the_signal_hf_tpu_stands_in_for(cpu_host, monkeypatch):
+    """kernels' own detection (kernels_backend: its _backend()): on a CPU host 'cpu', and plain get_local_kernel
+    rejects torch-tpu; 'tpu' under exactly one of hf_tpu's stand-ins, the one this release reads (kernels 0.17:
+    torch.backends.tpu, which torch-tpu 0.2.0 does not set (tests/contract/test_kernels.py shows it with the wheel);
+    0.18+: torch.accelerator.current_accelerator().type)."""
     from kernels import get_local_kernel
 
+    from hf_tpu.kernels import kernels_backend
+
+    assert kernels_backend() == "cpu"
+    with pytest.raises(FileNotFoundError, match="torch-tpu"):
+        get_local_kernel(RAGGED_DOT_REPO)
+    answers, modules = {}, []
+    for signal, owner, name, value in (
+        ("torch.backends.tpu", torch.backends, "tpu", types.ModuleType("torch.backends.tpu")),
+        ("accelerator", torch.accelerator, "current_accelerator",
+         lambda check_available=False: types.SimpleNamespace(type="tpu")),
+    ):  # fmt: skip
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, value, raising=False)
+            answers[signal] = kernels_backend()
+            if answers[signal] == "tpu":
+                modules.append(get_local_kernel(RAGGED_DOT_REPO))  # kernels' own selection, once it answers tpu
+    old = _kernels_reads_torch_backends_tpu()
+    assert answers == {"torch.backends.tpu": "tpu" if old else "cpu", "accelerator": "cpu" if old else "tpu"}
+    assert len(modules) == 1 and callable(modules[0].experts_forward) and callable(modules[0].ragged_dot)
+
+
+def test_enable_on_a_tpu_vm_lets_plain_kernels_find_the_variant_until_disable(tpu_vm):
+    """Where kernels does not detect tpu by itself (0.17) hf_tpu sets the placeholder until disable(); where it does
+    (0.18+: torch-tpu's device is the accelerator) hf_tpu sets nothing. Either way plain kernels finds torch-tpu."""
+    from kernels import get_local_kernel
+
+    from hf_tpu.kernels import kernels_backend
+
+    before = kernels_backend()
+    assert before == ("cpu" if _kernels_reads_torch_backends_tpu() else "tpu")
     hf_tpu.enable("kernels")
-    placeholder = torch.backends.tpu
-    assert [r.target for r in hf_tpu._patch.applied("kernels")] == ["torch.backends.tpu"]
+    placeholder = getattr(torch.backends, "tpu", None)
+    targets = [r.target for r in hf_tpu._patch.applied("kernels")]
+    assert targets == (["torch.backends.tpu"] if before != "tpu" else [])
     module = get_local_kernel(RAGGED_DOT_REPO)  # plain kernels, no hf_tpu helper
     assert module.__file__.endswith("build/torch-tpu/ragged_dot_tpu/__init__.py")
     hf_tpu.enable("kernels")  # idempotent
-    assert torch.backends.tpu is placeholder
+    assert getattr(torch.backends, "tpu", None) is placeholder
     hf_tpu.disable("kernels")
     assert not hasattr(torch.backends, "tpu")
-    with pytest.raises(FileNotFoundError, match="torch-tpu"):
-        get_local_kernel(RAGGED_DOT_REPO)
+    assert kernels_backend() == before
+    if before != "tpu":
+        with pytest.raises(FileNotFoundError, match="torch-tpu"):
+            get_local_kernel(RAGGED_DOT_REPO)
 
 
-def test_selfcheck_names_a_wrong_variant(monkeypatch):
+def test_a_tpu_vm_where_kernels_still_sees_cpu_is_warned_about_and_nothing_is_set(tpu_vm, monkeypatch):
+    """A TPU VM where kernels answers 'cpu' even with the placeholder (kernels 0.18+ where torch-tpu's device is not
+    the accelerator; kernels' detection stood in by one that reads the accelerator only, on any release): one warning
+    naming kernels' answer, and nothing set."""
+    from hf_tpu.kernels import kernels_backend, loader
+
+    def reads_the_accelerator_only():
+        device = torch.accelerator.current_accelerator()
+        return types.SimpleNamespace(name="tpu" if getattr(device, "type", None) == "tpu" else "cpu")
+
+    monkeypatch.setattr(loader, "_detection", lambda: ("kernels._backend (stood in)", reads_the_accelerator_only))
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+    assert kernels_backend() == "cpu"
+    with pytest.warns(UserWarning, match=r"detects the backend 'cpu' on this TPU VM .*also with a placeholder"):
+        assert loader.expose_tpu_backend("kernels") is False
+    assert hf_tpu._patch.applied("kernels") == [] and not hasattr(torch.backends, "tpu")
+
+
+def test_selfcheck_names_a_wrong_variant(cpu_host, monkeypatch):
     """What hf-tpu selftest reports on a TPU VM where kernels does not pick torch-tpu (runtime finds no chips)."""
     from hf_tpu import runtime
     from hf_tpu.kernels._selftest import check_variant_selection
 
     monkeypatch.setattr(runtime, "is_real", lambda: False)
-    monkeypatch.delattr(torch.backends, "tpu", raising=False)
     hf_tpu.disable("kernels")
     with pytest.raises(AssertionError, match=r"^variant: .*did not select the torch-tpu build variant.*'cpu'"):
         check_variant_selection()
-    monkeypatch.setattr(runtime, "is_real", lambda: True)
+    monkeypatch.setattr(runtime, "is_real", lambda: True)  # a TPU VM: torch-tpu's device is the accelerator
+    tpu = types.SimpleNamespace(type="tpu", index=0)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: tpu)
     assert check_variant_selection() == "torch-tpu"
     assert not hasattr(torch.backends, "tpu")
 
 
-def test_enable_without_chips_leaves_kernels_detection_alone(host_with_chips, monkeypatch):
+def test_enable_without_chips_leaves_kernels_detection_alone(cpu_host, monkeypatch):
     from hf_tpu import runtime
+    from hf_tpu.kernels import kernels_backend
 
     monkeypatch.setattr(runtime, "is_real", lambda: False)
-    with hf_tpu.enabled("kernels"):
+    hf_tpu.disable("kernels")
+    with hf_tpu.enabled("kernels"):  # (its experts registration loads the shipped kernel: stand-ins for one load)
         assert not hasattr(torch.backends, "tpu")
+        assert torch.accelerator.current_accelerator is cpu_host
         assert hf_tpu._patch.applied("kernels") == []
+        assert kernels_backend() == "cpu"
 
 
-def test_enable_keeps_an_existing_torch_backends_tpu(host_with_chips, monkeypatch):
+def test_enable_keeps_an_existing_torch_backends_tpu(tpu_vm, monkeypatch):
     """A torch.backends.tpu set by someone else (the simulator, a later torch-tpu) is left alone, also by disable."""
     existing = types.ModuleType("torch.backends.tpu")
     monkeypatch.setattr(torch.backends, "tpu", existing, raising=False)
@@ -109,16 +179,39 @@ def test_enable_keeps_an_existing_torch_backends_tpu(host_with_chips, monkeypatc
     assert torch.backends.tpu is existing
 
 
-def test_hf_tpu_loader_selects_the_variant_and_leaves_torch_as_it_was(monkeypatch):
-    monkeypatch.delattr(torch.backends, "tpu", raising=False)
+def test_hf_tpu_loader_selects_the_variant_and_leaves_torch_as_it_was(cpu_host):
+    from hf_tpu.kernels import kernels_backend
+
     module = load_local_kernel(RAGGED_DOT_REPO)
-    assert not hasattr(torch.backends, "tpu")
+    assert not hasattr(torch.backends, "tpu") and torch.accelerator.current_accelerator is cpu_host
     assert module.__file__.endswith("build/torch-tpu/ragged_dot_tpu/__init__.py")
     with tpu_variant_selection():
-        assert hasattr(torch.backends, "tpu")
-    assert not hasattr(torch.backends, "tpu")
+        assert kernels_backend() == "tpu"
+        with tpu_variant_selection():  # nested: kernels answers tpu already, nothing more is set
+            assert kernels_backend() == "tpu"
+        assert kernels_backend() == "tpu"
+        # the one stand-in this kernels reads, not both
+        assert hasattr(torch.backends, "tpu") == _kernels_reads_torch_backends_tpu()
+        assert (torch.accelerator.current_accelerator is cpu_host) == _kernels_reads_torch_backends_tpu()
+    assert not hasattr(torch.backends, "tpu") and torch.accelerator.current_accelerator is cpu_host
+    assert kernels_backend() == "cpu"
     with pytest.raises(FileNotFoundError, match="no build/ folder"):
         load_local_kernel(RAGGED_DOT_REPO / "build")
+
+
+def test_a_kernels_that_reads_something_else_is_named(cpu_host, monkeypatch):
+    """A kernels whose detection no stand-in moves, or whose detection is not where hf_tpu looks: an error naming
+    kernels' answer (or where hf_tpu looked), and torch left as it was."""
+    from hf_tpu.kernels import KernelsDetectionError, kernels_backend, loader
+
+    monkeypatch.setattr(loader, "_STAND_INS", loader._STAND_INS[:0])
+    with pytest.raises(KernelsDetectionError, match=r"does not select the torch-tpu build variant.*answers 'cpu'"):
+        load_local_kernel(RAGGED_DOT_REPO)
+    monkeypatch.setattr(loader, "_DETECTION", (("kernels.no_such_module", "_backend"),))
+    with pytest.raises(KernelsDetectionError, match=r"expected kernels' backend detection at "
+                                                    r"kernels\.no_such_module\._backend\(\).*found neither"):  # fmt: skip
+        kernels_backend()
+    assert not hasattr(torch.backends, "tpu") and torch.accelerator.current_accelerator is cpu_host
 
 
 def _fake_hub_cache(root, repo_id: str, version: int) -> None:
@@ -133,28 +226,48 @@ def _fake_hub_cache(root, repo_id: str, version: int) -> None:
     shutil.copytree(RAGGED_DOT_REPO, snapshot, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
 
+def _point_kernels_at_the_cache(monkeypatch, root) -> None:
+    """kernels' Hub cache at ``root``: kernels 0.19 reads KERNELS_CACHE on every call; 0.17 read it once, at import,
+    into ``CACHE_DIR`` (bound by name in its resolver, install and locking modules)."""
+    import importlib
+    import importlib.util
+
+    monkeypatch.setenv("KERNELS_CACHE", str(root))
+    for name in ("kernels.resolver", "kernels.install", "kernels.locking"):
+        if importlib.util.find_spec(name) is not None and hasattr(importlib.import_module(name), "CACHE_DIR"):
+            monkeypatch.setattr(importlib.import_module(name), "CACHE_DIR", str(root))
+
+
 @pytest.mark.parametrize("backend", ["real", "simulated"])
 def test_get_kernel_offline_from_the_local_hub_cache(tmp_path, monkeypatch, backend):
     import huggingface_hub.constants
-    import kernels.resolver
     from kernels import get_kernel
 
     _fake_hub_cache(tmp_path, REPO_ID, version=1)
-    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernels.resolver, "CACHE_DIR", str(tmp_path))
+    _point_kernels_at_the_cache(monkeypatch, tmp_path)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.delattr(torch.backends, "tpu", raising=False)
     if backend == "real":  # the seed's plain get_kernel on a TPU VM, with hf_tpu.enable() (runtime: chips found)
         from hf_tpu import runtime
 
         monkeypatch.setattr(runtime, "is_real", lambda: True)
+        tpu = types.SimpleNamespace(type="tpu", index=0)  # torch-tpu's device, the accelerator on a TPU VM
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: tpu)
         with hf_tpu.enabled("kernels"):
             module = get_kernel(REPO_ID, version=1, trust_remote_code=[REPO_ID])
         assert not hasattr(torch.backends, "tpu")
     else:
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
         with tpu_variant_selection():
             module = get_kernel(REPO_ID, version=1, trust_remote_code=[REPO_ID])
-    assert module.__file__.startswith(str(tmp_path / "kernels--hf-tpu-test--ragged-dot-tpu" / "snapshots" / COMMIT))
+    # resolved from the cache's snapshot: kernels 0.17 imports it from there; 0.19 reuses a build of the same kernel id
+    # already imported ("Kernel ids are unique per build": the shipped copy, when an earlier test loaded it) and
+    # records where it resolved it
+    from kernels import get_loaded_kernels
+
+    if not module.__file__.startswith(str(tmp_path / "kernels--hf-tpu-test--ragged-dot-tpu" / "snapshots" / COMMIT)):
+        loaded = [k for k in get_loaded_kernels() if k.repo_info is not None and k.repo_info.repo_id == REPO_ID]
+        assert loaded and str(loaded[-1].repo_info.revision) == COMMIT and loaded[-1].module is module  # (the newest)
     with pytest.raises(ValueError, match="Version 2 not found"), tpu_variant_selection():
         get_kernel(REPO_ID, version=2, trust_remote_code=True)
     # the same build loaded from two places registers its op once and shares it
@@ -167,7 +280,10 @@ def test_kernel_is_standalone_and_loads_without_importing_jax():
     """The Hub kernel must not need hf_tpu, and loading it must not import jax (only running it does)."""
     code = (
         "import sys, types, torch, kernels\n"
-        "torch.backends.tpu = types.ModuleType('torch.backends.tpu')  # docs/kernels.md's line without hf_tpu\n"
+        "# what kernels reads on a TPU VM, stood in: torch.backends.tpu (kernels 0.17: docs/kernels.md's line without\n"
+        "# hf_tpu), torch-tpu's device as the accelerator (kernels 0.18+)\n"
+        "torch.backends.tpu = types.ModuleType('torch.backends.tpu')\n"
+        "torch.accelerator.current_accelerator = lambda check_available=False: types.SimpleNamespace(type='tpu')\n"
         f"m = kernels.get_local_kernel(__import__('pathlib').Path({str(RAGGED_DOT_REPO)!r}))\n"
         "assert callable(m.experts_forward)\n"
         "bad = [n for n in ('hf_tpu', 'jax') if n in sys.modules]\n"
