@@ -277,6 +277,9 @@ def model_route(model) -> Route:
 
 def _decide(model) -> Route:
     name = type(model).__name__
+    layout = _layout_problem(model)
+    if layout is not None:  # neither hf_tpu loop computes what upstream's does: never other tokens
+        return _with_verdict(Route(UPSTREAM, layout, warn=True), layout)
     if model.config.is_encoder_decoder:
         problem = static_cache_problem(model)
         return Route(CACHED) if problem is None else Route(UPSTREAM, problem, warn=True)
@@ -290,6 +293,16 @@ def _decide(model) -> Route:
     if problem is None:
         return Route(CACHED)
     return _after_cached(model, problem)
+
+
+def _layout_problem(model) -> str | None:
+    """Why hf_tpu's loops do not model the cache layout of a decoder-only ``model`` (None when they do): see
+    :func:`hf_tpu.transformers._cache.probe.layout_problem`."""
+    from hf_tpu.transformers._cache.probe import layout_problem
+
+    if model.config.is_encoder_decoder or model_cache_problem(model):
+        return None
+    return layout_problem(model)
 
 
 def writes_no_cache(model) -> bool:
@@ -311,7 +324,7 @@ def _after_cached(model, reason: str) -> Route:
     serves, else upstream's."""
     if model.config.is_encoder_decoder:  # (no loop without a cache for those)
         return Route(UPSTREAM, reason, warn=True)
-    without = _without_cache(model)
+    without = _without_cache(model) or cacheless.cache_changes_outputs(model)
     if without is not None:
         return _with_verdict(Route(UPSTREAM, f"{reason}; and without a cache: {without}", warn=True), without)
     return _with_verdict(Route(CACHELESS, reason, warn=True), None)

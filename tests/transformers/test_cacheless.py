@@ -135,6 +135,26 @@ def test_a_model_with_a_cache_of_its_own_runs_without_one(prompts, from_config):
     assert {k[0] for k in report.graphs} == {"cacheless_prefill", "cacheless_decode"}
 
 
+@pytest.mark.tpu_precision("medium")
+def test_whether_a_cache_changes_the_outputs_is_asked_in_float32_at_any_precision(from_config):
+    # the check that keeps a model whose forward reads its cache past the layers' update off the loop without a cache
+    # asks upstream's loop (with the model's own cache) and a forward without one: at a TPU's default precision (one
+    # bfloat16 pass) a tiny Llama's one-token step and full forward differ by ~1e-3 of the logits, which read as a
+    # model that computes otherwise with a cache; the check runs at 'highest' and puts the setting back
+    from transformers import DoryForCausalLM, LlamaForCausalLM, RwkvForCausalLM
+
+    from hf_tpu.testing import tiny_config
+    from hf_tpu.transformers._loops.cacheless import cache_changes_outputs
+
+    _, llama = from_config(LlamaForCausalLM, tiny_config("llama"))
+    assert cache_changes_outputs(llama) is None
+    assert torch.get_float32_matmul_precision() == "medium"
+    _, rwkv = from_config(RwkvForCausalLM, tiny_rwkv_config())
+    assert cache_changes_outputs(rwkv) is None  # its own cache (``state``), as upstream's loop runs it
+    _, dory = from_config(DoryForCausalLM, tiny_config("dory", vocab_size=96, recurrent_kv_cache_mode="last_loop"))
+    assert "outputs with a cache differ from its outputs without one" in cache_changes_outputs(dory)
+
+
 def test_the_buffer_keeps_within_the_position_table_of_a_model_numbering_its_tokens(prompts, from_config):
     # TrOCR numbers its tokens itself (no position_ids): past its 24 positions a bucket's padding would have none
     from transformers import TrOCRConfig, TrOCRForCausalLM

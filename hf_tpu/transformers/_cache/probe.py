@@ -10,7 +10,9 @@ with two tokens' embeddings (no ids, no mask: nothing on meta may read a value) 
 with eager attention, and reads back what each layer cached: per layer ``{"kv": (heads, key dim, value dim, dtype),
 "conv": {state: (shape, dtype)}, "recurrent": {...}, "indexer": (key dim, dtype)}`` without the batch dimension (a
 dtype of None is the model's own). A layer the forward appended to the cache as a copy of one of its own (Dory's
-looped layers) also says which: ``"copy_of": index``.
+looped layers) also says which: ``"copy_of": index``. The probe also counts the forward's cache writes
+(:func:`layout_problem`): a forward that writes more often than it has layers, or at a layer index outside its
+layers, keeps a layout the bucketed cache does not model.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from hf_tpu.transformers._upstream import cache_name
 __all__: list[str] = []
 
 _SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: model -> (the layer index of each ``cache.update`` of the probe's forward, in order; the layers it was given)
+_WRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _layer_shapes(layer, model_dtype) -> dict:
@@ -133,13 +137,68 @@ def _forward(model, probe, device: str, text_config) -> tuple[list[dict], list[d
             shapes, extra = shapes + [{}] * (count - len(shapes)), extra + [{}] * (count - len(extra))
             return [{**a, **b, "own": type(cache)} for a, b in zip(shapes, extra)], None
         try:
-            cache = _sourced(DynamicCache(config=text_config))
+            cache = _counted(model, _sourced(DynamicCache(config=text_config)))
             probe(inputs_embeds=embeds, position_ids=positions, **{name: cache}, use_cache=True)
         except Exception:  # noqa: BLE001 - some models need ids (Gemma 4 derives per-layer inputs from them)
-            cache = _sourced(DynamicCache(config=text_config))
+            cache = _counted(model, _sourced(DynamicCache(config=text_config)))
             ids = torch.ones(1, 2, dtype=torch.long, device=device)
             probe(input_ids=ids, position_ids=positions, **{name: cache}, use_cache=True)
         return _with_copies(cache, model.dtype), None
+
+
+#: The cache methods that write a layer's state, each taking the layer's index as ``layer_idx``.
+_WRITERS = ("update", "update_conv_state", "update_recurrent_state", "update_indexer")
+
+
+def _counted(model, cache):
+    """``cache`` whose writing methods record ``(method, layer index)`` of each call, for :func:`layout_problem`."""
+    import inspect
+
+    writes: list[tuple[str, int]] = []
+    _WRITES[model] = (writes, len(cache.layers))
+    for name in _WRITERS:
+        method = getattr(cache, name, None)
+        try:
+            signature = inspect.signature(method) if method is not None else None
+        except (TypeError, ValueError):  # pragma: no cover - an odd method
+            signature = None
+        if signature is None or "layer_idx" not in signature.parameters:
+            continue
+
+        def counted(*args, _name=name, _method=method, _signature=signature, **kwargs):
+            index = _signature.bind_partial(*args, **kwargs).arguments.get("layer_idx")
+            if isinstance(index, int):
+                writes.append((_name, index))
+            return _method(*args, **kwargs)
+
+        setattr(cache, name, counted)
+    return cache
+
+
+def layout_problem(model) -> str | None:
+    """Why the bucketed cache does not model the cache layout ``model``'s forward keeps (None when it does), from what
+    the probe's forward did: at most one key/value write per layer, and every write (key/value, conv or recurrent
+    state, indexer keys) at an index of the layers the cache was given. A forward that writes more often or elsewhere
+    (looped layers writing again at ``layer_idx + offset`` into layers it appends: Dory's ``cache_offset``, Inkling-2
+    Loop's) computes on what the bucketed cache would hold differently from upstream's growing cache."""
+    try:
+        cache_shapes(model)
+    except CacheProbeError:
+        return None  # (the static-cache check names that problem)
+    writes, layers = _WRITES.get(model, ((), 0))
+    if not writes or not layers:
+        return None
+    kv = sum(name == "update" for name, _ in writes)
+    outside = sorted({i for _, i in writes if not 0 <= i < layers})
+    if kv <= layers and not outside:
+        return None
+    what = f"its forward writes its cache at {len(writes)} places for {layers} layers ({kv} key/value writes)"
+    if outside:
+        what += f", at layer indices outside them ({', '.join(map(str, outside))})"
+    return (
+        f"{type(model).__name__}: {what} (looped layers): hf_tpu's bucketed cache holds each layer's state at the "
+        "layer's index and does not model that layout"
+    )
 
 
 _SOURCE = "hf_tpu_probe_source"  # the index of a layer of the probe's cache: a copy of the layer keeps it

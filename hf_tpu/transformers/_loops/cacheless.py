@@ -103,6 +103,67 @@ def _not_causal(model) -> str | None:
     return None
 
 
+def cache_changes_outputs(model) -> str | None:
+    """Why a forward with a cache computes what this loop, without one, would not (None when both agree): upstream's
+    own loop (the original ``GenerationMixin.generate``, greedy, eager on the device, with whatever cache the model
+    keeps: upstream's ``Cache`` classes, RWKV's ``state``, ...) generates 2 tokens after a 7-token prompt, and this
+    loop's forward without a cache runs over the prompt and over the prompt and the first token; the logits of each
+    step must agree to float32 rounding, both computed at float32 matmul precision ``'highest'`` whatever the setting
+    (at a TPU's default, one bfloat16 pass, a full forward and a one-token step differ by about 1e-3 of the logits'
+    scale: a tiny Llama's did, and the check is about what the model computes, not the device's rounding). A model
+    whose forward reads its cache past the layers' ``update`` (Dory's ``recurrent_kv_cache_mode="last_loop"``: earlier
+    loops read the last loop's keys through ``shared_kv_states``) computes other outputs with a cache, which is what
+    upstream's loop runs with. Asking upstream's loop, not a forward handed a ``DynamicCache``, keeps a model whose
+    cache is not upstream's (it takes it under another name and would ignore one) from reading as one whose outputs
+    change."""
+    import warnings
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from hf_tpu.transformers._upstream import inputs_on_model_device, running, upstream_generate
+
+    vocab = int(getattr(model.config.get_text_config(decoder=True), "vocab_size", 0) or 0)
+    if vocab < 8:
+        return None  # pragma: no cover - no room for distinct tokens
+    prompt = torch.randint(1, vocab, (1, 7), generator=torch.Generator().manual_seed(1))
+    positions = _takes(model, "position_ids")
+
+    def forward(ids):
+        kwargs = {**cacheless_extra(model), "attention_mask": torch.ones_like(ids)}
+        if positions:
+            kwargs["position_ids"] = torch.arange(ids.shape[1])[None]
+        kwargs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        out = model(input_ids=ids.to(model.device), return_dict=True, **kwargs)
+        return out.logits[:, -1].float().to("cpu")
+
+    verbosity, precision = hf_logging.get_verbosity(), torch.get_float32_matmul_precision()
+    try:
+        hf_logging.set_verbosity_error()  # (upstream's notes on the generation config: this check's own business)
+        torch.set_float32_matmul_precision("highest")
+        with torch.no_grad(), warnings.catch_warnings(), inputs_on_model_device(model), running():
+            warnings.simplefilter("ignore")
+            out = upstream_generate()(
+                model, prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2, min_new_tokens=2,
+                do_sample=False, num_beams=1, use_cache=True, output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+            with_cache = [step.float().to("cpu") for step in out.logits]
+            sequence = out.sequences.to("cpu")
+            without = [forward(sequence[:, : prompt.shape[1] + i]) for i in range(len(with_cache))]
+    except Exception:  # noqa: BLE001 - upstream's loop or a plain call fails: the other checks say so
+        return None
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        hf_logging.set_verbosity(verbosity)
+    for a, b in zip(without, with_cache, strict=True):
+        if float((a - b).abs().max()) > 64 * torch.finfo(model.dtype).eps * (1.0 + float(a.abs().max())):
+            return (
+                f"{type(model).__name__}'s outputs with a cache differ from its outputs without one (its forward "
+                "reads its cache past the layers' update), and upstream's loop runs it with a cache"
+            )
+    return None
+
+
 def _inputs_as_given(model) -> bool:
     """Whether the model's ``prepare_inputs_for_generation`` hands its forward, without a cache, the ids, mask and
     positions it is given and nothing else (upstream's own does; OpenAI GPT's too; XLM's appends a mask token),
