@@ -129,6 +129,39 @@ def test_a_missed_target_is_never_called_ok(capsys):
     assert bench._status(1, {}) == "error"
 
 
+# a benchmark marked EXACT_FLOAT32 (arch_sweep's is), run as python -m hf_tpu.benchmarks runs it, with a fake body:
+# the simulated device it enables, and the one of a process it starts (the sweep's workers), report their precision
+_EXACT_FLOAT32_RUN = """
+import subprocess, sys, types
+from hf_tpu.benchmarks import __main__ as bench_main, _registry
+WORKER = "import torch, hf_tpu.sim; hf_tpu.sim.enable(); print(torch.get_float32_matmul_precision())"
+def run(args):
+    import torch, hf_tpu.sim
+    hf_tpu.sim.enable()
+    worker = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, check=True)
+    return {"here": torch.get_float32_matmul_precision(), "worker": worker.stdout.split()[-1]}
+fake = types.SimpleNamespace(EXACT_FLOAT32=True, QUICK={}, add_arguments=lambda parser: None, run=run,
+                             print_table=lambda figures: print("PRECISIONS", figures["here"], figures["worker"]))
+_registry.load = lambda name: fake
+sys.exit(bench_main.main(["arch_sweep"]))
+"""
+
+
+def test_an_exact_float32_benchmark_runs_the_simulator_at_highest_in_its_workers_too():
+    """``EXACT_FLOAT32``: the simulated device runs at 'highest' in the benchmark's process and in the worker processes
+    it starts. Setting torch's precision alone left both at the simulator's 'medium' (it starts from
+    HF_TPU_SIM_MATMUL_PRECISION): the architecture sweep's workers flipped a near-tie of inkling2_text and
+    inkling2_loop_text (top-2 logits 5e-4 apart, one bfloat16 pass off by ~2e-3) and reported them not identical."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TPU_SIM_MATMUL_PRECISION", "HF_TPU_SIMULATE")}
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXACT_FLOAT32_RUN], env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=SAFETY_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "PRECISIONS highest highest" in proc.stdout, proc.stdout[-2000:]
+
+
 def test_a_wrapper_runs_its_own_benchmark():
     """``python benchmarks/<name>.py`` passes its file name on as the benchmark to run."""
     proc = subprocess.run(
