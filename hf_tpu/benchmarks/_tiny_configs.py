@@ -203,11 +203,30 @@ def tiny_config(model_type: str) -> Any:
         kinds = list(dict.fromkeys(layer_types))
         config.layer_types = layer_types = (kinds * layers)[:layers]
         config.num_kv_shared_layers = max(0, layers - len(kinds))
+    _keep_a_loop(config, layers, defaults.get("num_hidden_layers"))
     rope = getattr(config, "rope_parameters", None)
     if isinstance(layer_types, list) and isinstance(rope, dict) and not rope:
         # RoPE parameters keyed per layer kind left empty by the defaults (a checkpoint lists them): the default RoPE
         config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in set(layer_types)}
     return config
+
+
+def _keep_a_loop(config: Any, layers: Any, full: Any) -> None:
+    """A looped architecture (Inkling-2 Loop: layers 6-17 of 24 run ``loop_num_passes`` times, its attention residuals
+    in blocks of 6 layers) whose shrunk depth holds none of its looped layers: the loop's bounds and the block size
+    scaled with the depth (1-3 of 4, blocks of 1), so that the tiny model loops, with a layer before and after the
+    loop as the defaults have (its config wants the bounds to be multiples of the block size)."""
+    start, end = getattr(config, "loop_layer_index_start", None), getattr(config, "loop_layer_index_end", None)
+    if not all(isinstance(n, int) and n > 0 for n in (start, end, layers, full)) or start < layers:
+        return
+    scale = layers / full
+    block = max(1, round(getattr(config, "n_layers_per_attn_res_block", 1) * scale))
+    start = max(block, round(start * scale) // block * block)
+    end = min(layers - 1, round(end * scale)) // block * block
+    if start < end:
+        if hasattr(config, "n_layers_per_attn_res_block"):
+            config.n_layers_per_attn_res_block = block
+        config.loop_layer_index_start, config.loop_layer_index_end = start, end
 
 
 def _has_attention(config: Any) -> bool:

@@ -90,6 +90,9 @@ def test_tiny_configs_keep_what_the_architecture_is():
     # find a producer of their kind (the config raises otherwise)
     assert "full_attention" in arch_sweep.tiny_config("granitemoehybrid").layer_types
     assert {"store", "reuse"} <= set(arch_sweep.tiny_config("gemma3n_text").kv_sharing_modes)
+    # a looped architecture loops in the shrunk depth (Inkling-2 Loop's defaults loop layers 6-17 of 24: none of 4)
+    loop = arch_sweep.tiny_config("inkling2_loop_text")
+    assert 0 < loop.loop_layer_index_start < loop.loop_layer_index_end < loop.num_hidden_layers
 
 
 def test_the_table_states_the_share_target_and_groups_what_misses():
