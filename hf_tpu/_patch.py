@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_tpu.errors import HfTpuValueError, InvalidArgumentError
+from hf_tpu.errors import HfTpuError, HfTpuValueError, InvalidArgumentError
 
 logger = logging.getLogger("hf_tpu.patch")
 
@@ -39,8 +39,10 @@ __all__ = [
     "INTEGRATIONS",
     "PatchRecord",
     "applied",
+    "UpstreamChangedError",
     "assign",
     "assigned",
+    "check_parameters",
     "disable",
     "enable",
     "enabled",
@@ -172,6 +174,69 @@ def patch(
         _STATE.patches[key] = record
         logger.debug("hf_tpu[%s]: patched %s", feature, record.target)
         return record
+
+
+class UpstreamChangedError(HfTpuError, TypeError):
+    """An upstream function hf_tpu wraps no longer takes the parameters its wrapper was written for: the message
+    names the function, the parameters found and the ones expected."""
+
+
+def check_parameters(owner: Any, name: str, replacement: Any, *, feature: str, package: str | None = None,
+                     versions: str | None = None) -> None:  # fmt: skip
+    """Raise :class:`UpstreamChangedError` when ``owner.name`` (upstream's, before any patch) takes other parameters
+    than the wrapper ``replacement`` spells out (its own, not the ones ``functools.wraps`` copies): a wrapper that
+    calls upstream with a fixed parameter list would otherwise fail later, mid-request, or pass a value to the wrong
+    parameter. A wrapper taking ``*args``/``**kwargs`` passes anything through and is not checked.
+
+    Args:
+        owner: the class or module patched.
+        name: the attribute.
+        replacement: the wrapper.
+        feature: the integration (named in the message).
+        package: the upstream package (its installed version is named in the message).
+        versions: the release range the wrapper was written for (named in the message).
+
+    Raises:
+        UpstreamChangedError: upstream's parameters are not the wrapper's.
+
+    Example:
+        >>> from hf_tpu._patch import check_parameters
+        >>> class Upstream:
+        ...     def step(self, a, b):
+        ...         return a + b
+        >>> check_parameters(Upstream, "step", lambda self, a, b: 0, feature="example")  # the same: nothing said
+        >>> check_parameters(Upstream, "step", lambda self, a: 0, feature="example")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hf_tpu._patch.UpstreamChangedError: ... written for (self, a), but ...Upstream.step takes (self, a, b): ...
+    """
+    import inspect
+
+    def params(fn, own: bool) -> list[tuple[str, Any]] | None:
+        fn = fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn
+        try:  # upstream's as its callers see it (through a decorator such as torch.compiler.disable); the wrapper's own
+            found = inspect.signature(fn, follow_wrapped=not own).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        return [(p.name, p.kind) for p in found]
+
+    own = params(replacement, own=True)
+    upstream = params(original(owner, name), own=False)
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    if own is None or upstream is None or any(kind in variadic for _, kind in own):
+        return
+    if own == upstream:
+        return
+    target = PatchRecord(owner, name, None, replacement, feature, package, versions).target
+    installed = version_matches(package, versions or ">=0")[1] if package else None
+    release = f" ({package} {installed})" if installed else ""
+    written = f" written for {package}{versions}" if package and versions else ""
+    raise UpstreamChangedError(
+        f"hf_tpu's {feature!r} integration wraps {target} written for ({', '.join(n for n, _ in own)}), but "
+        f"{target}{release} takes ({', '.join(n for n, _ in upstream)}): upstream changed it. hf_tpu's wrapper was"
+        f"{written or ' written for another release'}; install a release in that range or report the version at "
+        "the hf_tpu issue tracker."
+    )
 
 
 def assign(owner: Any, name: str, value: Any, *, feature: str, reason: str) -> None:

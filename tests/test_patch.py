@@ -227,3 +227,51 @@ def test_a_deferred_integration_applies_when_its_package_is_imported(monkeypatch
     assert module.Pipe().to() == "patched" and waiting() == []
     _patch.disable("late")
     sys.modules.pop(package, None)
+
+
+class _Upstream:
+    def step(self, model, batch):
+        return batch
+
+    @staticmethod
+    def _decorated(fn):
+        import functools
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):  # what torch.compiler.disable and the like look like to inspect without following
+            return fn(*args, **kwargs)
+
+        return run
+
+
+_Upstream.update = _Upstream._decorated(lambda self, key, value, layer: key)
+
+
+def test_check_parameters_passes_a_wrapper_spelled_as_upstream_and_names_a_change():
+    _patch.check_parameters(_Upstream, "step", lambda self, model, batch: 0, feature="example")
+    _patch.check_parameters(_Upstream, "step", lambda *args, **kwargs: 0, feature="example")  # passes anything on
+    # upstream's parameters as its callers see them, through a decorator that takes (*args, **kwargs)
+    _patch.check_parameters(_Upstream, "update", lambda self, key, value, layer: 0, feature="example")
+    with pytest.raises(_patch.UpstreamChangedError) as caught:
+        _patch.check_parameters(_Upstream, "step", lambda self, batch: 0, feature="example", package="pytest",
+                                versions=">=8,<9.2")  # fmt: skip
+    message = str(caught.value)
+    assert "'example' integration wraps" in message and "_Upstream.step written for (self, batch)" in message
+    assert "takes (self, model, batch)" in message and "(pytest " in message and "pytest>=8,<9.2" in message
+    assert isinstance(caught.value, TypeError)
+
+
+def test_check_parameters_reads_upstream_under_a_patch_in_force(target):
+    """Asked again while hf_tpu's own wrapper is in force, it compares with upstream's original, not the wrapper."""
+
+    class Owner:
+        def f(self, a, b):
+            return a + b
+
+    _patch.patch(Owner, "f", lambda self, *args: 0, feature="test-feature")
+    try:
+        _patch.check_parameters(Owner, "f", lambda self, a, b: 0, feature="test-feature")
+        with pytest.raises(_patch.UpstreamChangedError, match=r"takes \(self, a, b\)"):
+            _patch.check_parameters(Owner, "f", lambda self, a: 0, feature="test-feature")
+    finally:
+        _patch.revert("test-feature")

@@ -1,8 +1,11 @@
 """The ``serving`` integration: transformers' continuous batching (``generate_batch``, ``init_continuous_batching``,
 ``transformers serve --continuous-batching``) on TPU-placed models with static step shapes.
 
-Patches (all through :func:`hf_tpu._patch.patch`, written for transformers 5.24, reverted by :func:`hf_tpu.disable`);
-each one calls upstream unchanged when the model is not on a ``tpu`` device:
+Patches (all through :func:`hf_tpu._patch.patch`, written for transformers 5.24 and 5.25, whose continuous-batching
+functions below take the same parameters; reverted by :func:`hf_tpu.disable`); each one calls upstream unchanged when
+the model is not on a ``tpu`` device, and each wrapper is checked against upstream's parameters when it is applied
+(:func:`hf_tpu._patch.check_parameters`: a release that changed one is named, with the parameters found, before
+anything is patched):
 
 * ``ContinuousBatchingManager.__init__``: completes the continuous-batching config (:func:`~._runner.tpu_config`);
   holds back upstream's "RepetitionPenaltyLogitsProcessor isn't supported by CB. Dropping it." (and the same for
@@ -28,12 +31,12 @@ from __future__ import annotations
 import functools
 import logging
 
-from hf_tpu._patch import patch
+from hf_tpu._patch import check_parameters, patch
 
 __all__ = ["FEATURE", "apply"]
 
 FEATURE = "serving"
-_VERSIONS = ">=5.24,<5.25"
+_VERSIONS = ">=5.24,<5.26"
 
 
 def _unwrap(owner, name):
@@ -179,7 +182,7 @@ def apply() -> None:
         return loop_body(self, batch_processor, bootstrapping)
 
     update = _step_graphs.update(cache_update)
-    for owner, name, fn, original in (
+    wrappers = (
         (cache_cls, "update", update, cache_update),
         (manager_cls, "__init__", __init__, init),
         (runner_cls, "maybe_pad_inputs", maybe_pad_inputs, pad),
@@ -190,6 +193,9 @@ def apply() -> None:
         (io_cls, "prepare_batch_update", prepare_batch_update, batch_update),
         (scheduler_cls, "_get_waiting_candidates", _get_waiting_candidates, candidates),
         (manager_cls, "_generation_loop_body", _generation_loop_body, loop_body),
-    ):
+    )
+    for owner, name, fn, _original in wrappers:  # all checked before any is patched
+        check_parameters(owner, name, fn, feature=FEATURE, package="transformers", versions=_VERSIONS)
+    for owner, name, fn, original in wrappers:
         fn.__hf_tpu_upstream__ = original
         patch(owner, name, fn, feature=FEATURE, package="transformers", versions=_VERSIONS)
