@@ -187,11 +187,14 @@ class Guard:
 
         watcher = asyncio.ensure_future(watch())
         try:
-            await answering
-        except asyncio.CancelledError:
-            if not gone.is_set():
-                raise  # cancelled from outside (the server stopping), not by the client leaving
-            if not started:
+            try:
+                await answering
+            except asyncio.CancelledError:
+                if not gone.is_set():
+                    raise  # cancelled from outside (the server stopping), not by the client leaving
+            # The client left: the app was cancelled here, or cancelled itself and returned (transformers 5.25's app
+            # has a CancelOnDisconnect middleware of its own, which ends the request without an answer).
+            if gone.is_set() and not started:
                 status[0] = CLIENT_CLOSED  # nothing was answered (a stream that began keeps its status)
         finally:
             watcher.cancel()

@@ -2,9 +2,11 @@
 answering per request.
 
 :class:`ChatHandler` and :class:`TextHandler` subclass transformers' ``ChatCompletionHandler`` and
-``CompletionHandler`` (same model resolution, chat template, tool-call parsing) and replace how one request is run on
-the continuous batch: every choice of the request (``n``) is a request of upstream's manager (``n > 1``: upstream's
-forked children, the prompt's prefill shared), with the request's own sampling settings
+``CompletionHandler`` (same chat template and message conversion, transformers' response templates for tool calls and
+reasoning) and replace how one request is run on the continuous batch of the model this process serves (the
+handler's ``served``, a :class:`hf_tpu.serving._app.ServedModel`, in place of transformers' model resolution): every
+choice of the request (``n``) is a request of upstream's manager (``n > 1``: upstream's forked children, the
+prompt's prefill shared), with the request's own sampling settings
 (:func:`hf_tpu.serving._openai.resolve`); ``stop`` strings are looked for on the host in the decoded text of each
 choice (the choice is cancelled when one is found); ``finish_reason`` is ``"stop"`` for an end of sequence or a
 stop string and ``"length"`` when ``max_tokens`` or the model's context ended the choice; log-probabilities come
@@ -28,7 +30,7 @@ from hf_tpu.serving._openai import CHAT, COMPLETIONS, RequestError, Sampling, ch
 
 __all__ = ["child_ids", "handler_classes"]
 
-#: How transformers 5.24's continuous batching names the forked children of a request with ``num_children``
+#: How transformers' continuous batching (5.24, 5.25) names the forked children of a request with ``num_children``
 #: (``ContinuousBatchProcessor.update_batch``): ``f"{request_id}__child#{i}"``.
 CHILD = "__child#"
 
@@ -252,15 +254,14 @@ class _Answer:
 
     async def __call__(self):
         from fastapi.responses import JSONResponse, StreamingResponse
-        from transformers.cli.serving.utils import CBWorkerDeadError
 
+        from hf_tpu.serving._app import BatchDiedError
         from hf_tpu.serving._guard import PromptTooLongError
 
         h = self.handler
-        model_id, model, processor = h._resolve_model(self.body)
-        gen_manager = h.generation_state.get_manager(model_id, use_cb=True)
-        gen_manager._check_alive(self.request_id)
-        cb = gen_manager._cb
+        served = h.served  # (hf_tpu.serving._app.ServedModel: the model of this process, not upstream's manager)
+        served.check_alive(self.request_id)
+        model_id, model, processor, cb = served.name, served.model, served.processor, served.cb
         self.model_id, self.model, self.processor = model_id, model, processor
         input_ids = self._prompt_ids(processor)
         sampling = resolve(self.path, self.body, model.generation_config)
@@ -285,7 +286,7 @@ class _Answer:
         failure = run.error()
         if failure is not None:
             if cb.background_thread_status.fatal_error is not None:
-                raise CBWorkerDeadError(f"the continuous batch died during request {self.request_id}: {failure}")
+                raise BatchDiedError(f"the continuous batch died during request {self.request_id}: {failure}")
             return JSONResponse({"error": {"message": f"generation failed: {failure}", "type": "server_error",
                                            "param": None, "code": 500}}, status_code=500)  # fmt: skip
         return JSONResponse(self._whole(run))
@@ -306,9 +307,9 @@ class _Answer:
         return list(inputs["input_ids"])
 
     def _parser(self, processor, model, input_ids):
-        from transformers.cli.serving.utils import build_response_parser
+        from hf_tpu.serving._app import response_parser
 
-        return build_response_parser(processor, model, input_ids, tools=self.body.get("tools"))
+        return response_parser(processor, model, input_ids, tools=self.body.get("tools"))
 
     # ----- whole answers -----
 
@@ -333,12 +334,10 @@ class _Answer:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = c.finish_reason
         if self.parser is not None:
-            from transformers.cli.serving.utils import parse_assistant_message
+            from hf_tpu.serving._app import parse_message
 
-            content, reasoning, calls = parse_assistant_message(
-                self.processor, self.model, c.tokens, input_ids=run.input_ids, cleaned_content=text,
-                tools=self.body.get("tools"),
-            )  # fmt: skip
+            content, reasoning, calls = parse_message(self.processor, self.model, c.tokens, run.input_ids, text,
+                                                      tools=self.body.get("tools"))  # fmt: skip
             message["content"] = content
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
@@ -542,7 +541,7 @@ def handler_classes() -> tuple[type, type, type]:
     class ChatHandler(ChatCompletionHandler):
         """transformers' chat handler answering with :class:`_Answer` (see the module docstring)."""
 
-        metrics = None
+        metrics = served = None  # (set by hf_tpu.serving.server: its metrics, its ServedModel)
 
         async def handle_request(self, body: dict, request_id: str):
             return await _Answer(self, CHAT, body, request_id)()
@@ -550,7 +549,7 @@ def handler_classes() -> tuple[type, type, type]:
     class TextHandler(CompletionHandler):
         """transformers' completions handler answering with :class:`_Answer` (see the module docstring)."""
 
-        metrics = None
+        metrics = served = None
 
         async def handle_request(self, body: dict, request_id: str):
             return await _Answer(self, COMPLETIONS, body, request_id)()
@@ -558,7 +557,7 @@ def handler_classes() -> tuple[type, type, type]:
     class ResponsesHandler(ResponseHandler):
         """transformers' ``/v1/responses`` handler answering with :class:`_ResponsesAnswer` (run as chat)."""
 
-        metrics = None
+        metrics = served = None
 
         async def handle_request(self, body: dict, request_id: str):
             return await _ResponsesAnswer(self, body, request_id)()

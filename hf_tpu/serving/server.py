@@ -1,8 +1,10 @@
 """``hf-tpu serve``: transformers' OpenAI-compatible server (``transformers serve --continuous-batching``) on a TPU.
 
-:func:`run_server` starts transformers' own ``Serve`` command, unchanged in its API, with the model forced to the
-one given, ``device="tpu"``, continuous batching on, and the host 127.0.0.1 unless told otherwise. Before the app
-serves, hf_tpu (through a reversible patch of ``transformers.cli.serving.server.build_server``):
+:func:`run_server` serves transformers' own app (its FastAPI factory ``build_server``: its routes, middleware and
+error handling, unchanged in its API) for the one model given, on the ``tpu`` device, with continuous batching, on
+127.0.0.1 unless told otherwise, through uvicorn. The model, its continuous batch and its warm-up stay in this
+process (on transformers 5.25 ``transformers serve`` runs each model in a process of its own: see
+:mod:`hf_tpu.serving._app`, which holds every call into transformers' serving code). Before the app serves, hf_tpu:
 
 * loads the model, creates its continuous-batching manager and warms it up (every step shape of the ladder,
   :mod:`hf_tpu.serving.ladder`), then starts it; prints when warm-up is done and where it listens;
@@ -24,12 +26,12 @@ import functools
 import time
 
 from hf_tpu._patch import patch, revert
-from hf_tpu.errors import HfTpuRuntimeError
+from hf_tpu.errors import HfTpuRuntimeError, InvalidArgumentError
+from hf_tpu.serving._app import worker_failure
 
 __all__ = ["WorkerDiedError", "port_taken", "run_server", "say_once", "uds_unusable", "worker_failure"]
 
 FEATURE = "serve"
-_VERSIONS = ">=5.24,<5.25"
 
 
 # How often the main thread wakes from waiting on the server thread to take a signal (a poll, not a deadline).
@@ -95,17 +97,6 @@ def uds_unusable(path: str) -> str | None:
 class WorkerDiedError(HfTpuRuntimeError):
     """The continuous-batching worker of ``hf-tpu serve`` died: the server stopped so that its supervisor restarts
     it (``hf-tpu serve`` exits with status 3)."""
-
-
-def worker_failure(cb) -> str | None:
-    """Why the continuous-batching manager ``cb``'s generation thread died (its fatal error, or that it ended), or
-    None while it runs."""
-    error = cb.background_thread_status.fatal_error
-    if error is not None:
-        return f"{type(error).__name__}: {error}"
-    if not cb.is_running():
-        return "its generation thread ended"
-    return None
 
 
 def _max_len(model) -> int:
@@ -177,29 +168,6 @@ def _metrics_hook(cb, metrics):
     patch(router, "deliver_batch", batch, feature=FEATURE)
 
 
-def _served_name(model_manager, served: str):
-    """Name the model ``served`` in ``/v1/models`` and in every answer (transformers' handlers take the model id from
-    ``BaseHandler._resolve_model``; the model is still loaded from its path); return the model's object's maker (for
-    ``GET /v1/models/{id}``)."""
-    from transformers.cli.serving.utils import BaseHandler
-
-    resolve = BaseHandler._resolve_model
-
-    @functools.wraps(resolve)
-    def _resolve_model(self, body):
-        _model_id, model, processor = resolve(self, body)
-        return served, model, processor
-
-    created = int(time.time())
-
-    def list_models(*_args, **_kwargs):
-        return [{"id": served, "object": "model", "created": created, "owned_by": "hf_tpu"}]
-
-    patch(BaseHandler, "_resolve_model", _resolve_model, feature=FEATURE, package="transformers", versions=_VERSIONS)
-    patch(model_manager, "list_models", list_models, feature=FEATURE)
-    return lambda: list_models()[0]
-
-
 def _warm_up(cb, *, warmup: bool, readiness, out) -> None:
     """Warm up and start the continuous-batching manager, printing the progress (in the main thread, while the
     server answers ``/health`` with 503 from its own)."""
@@ -231,32 +199,47 @@ def _warm_up(cb, *, warmup: bool, readiness, out) -> None:
     )  # fmt: skip
 
 
-def _prepare(app, model_manager, generation_state, handlers, *, served: str, aliases: set[str], max_pending: int,
-             pending: dict, limits, tp: int = 1, card=None):  # fmt: skip
-    """Create the model's continuous-batching manager (left in ``pending`` with its :class:`Readiness`, for
-    :func:`_warm_up`), return the guarded app. With ``tp > 1`` (rank 0 of ``hf-tpu serve --tp``) the model is loaded
-    sharded (:mod:`hf_tpu.serving.tensor_parallel`)."""
-    from fastapi.responses import JSONResponse
+def _load(path: str, *, tp: int, dtype: str | None, attn_implementation: str | None):
+    """The causal LM at ``path`` on the ``tpu`` device (sharded over ``tp`` ranks when ``tp > 1``), and its processor,
+    as transformers' serve loads them (``AutoProcessor``; ``dtype`` "auto" or a torch dtype's name)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoProcessor
 
-    from hf_tpu.serving._guard import Guard, PromptTooLongError, Readiness
-    from hf_tpu.serving._openai import RequestError
-    from hf_tpu.serving.metrics import ServerMetrics
-
-    forced = model_manager.force_model
-    model_id = model_manager.process_model_name(forced)
+    if dtype not in (None, "auto") and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+        raise InvalidArgumentError(f"--dtype {dtype}: pass 'auto' or a torch dtype's name (bfloat16, float32, ...)")
+    resolved = getattr(torch, dtype) if dtype not in (None, "auto") else dtype
+    processor = AutoProcessor.from_pretrained(path)
     if tp > 1:
         from hf_tpu.serving.tensor_parallel import load_sharded
 
-        def _load_model(*_args, **_kwargs):
-            dtype, attn = model_manager.dtype, model_manager.attn_implementation
-            return load_sharded(forced, tp, dtype=dtype, attn_implementation=attn)
+        return load_sharded(path, tp, dtype=resolved, attn_implementation=attn_implementation), processor
+    kwargs = {"dtype": resolved, "device_map": "tpu"}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval(), processor
 
-        patch(model_manager, "_load_model", _load_model, feature=FEATURE)
-    model, _processor = model_manager.load_model_and_processor(model_id)
-    gen_manager = generation_state.get_manager(served, use_cb=True)
+
+def _prepare(served, *, aliases: set[str], max_pending: int, pending: dict, limits, enable_cors: bool):
+    """transformers' app around ``served`` (a :class:`~hf_tpu.serving._app.ServedModel`) with hf_tpu's handlers, and
+    the model's continuous-batching manager (left in ``pending`` with its :class:`Readiness`, for :func:`_warm_up`);
+    returns the guarded app."""
+    from fastapi.responses import JSONResponse
+
+    from hf_tpu.serving._app import BatchDiedError, build_app
+    from hf_tpu.serving._chunks import read_backs
+    from hf_tpu.serving._guard import Guard, PromptTooLongError, Readiness
+    from hf_tpu.serving._handlers import handler_classes
+    from hf_tpu.serving._openai import RequestError
+    from hf_tpu.serving.metrics import ServerMetrics
+
+    model = served.model
+    ChatHandler, TextHandler, ResponsesHandler = handler_classes()
+    # (hf-tpu serve has no --chat-template-kwargs: the template's defaults; a request's own still apply)
+    handlers = (ChatHandler(served, served, chat_template_kwargs={}), TextHandler(served, served),
+                ResponsesHandler(served, served, chat_template_kwargs={}))  # fmt: skip
+    app = build_app(served, *handlers, enable_cors=enable_cors)
     gen_config = copy.deepcopy(model.generation_config)
-    cb_config = gen_manager._cb_config  # transformers serve's --cb-* flags, if any
-    cb = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
+    cb = served.cb = model.init_continuous_batching(generation_config=gen_config)
 
     def queue_depth() -> int:
         processor = cb.batch_processor
@@ -271,14 +254,11 @@ def _prepare(app, model_manager, generation_state, handlers, *, served: str, ali
         free = cache.compute_free_capacity(relative=True)
         return total - int(round(free * total)), total
 
-    from hf_tpu.serving._chunks import read_backs
-
-    metrics = ServerMetrics(queue_depth, kv_blocks, model=served, steps=lambda: read_backs(cb))
+    metrics = ServerMetrics(queue_depth, kv_blocks, model=served.name, steps=lambda: read_backs(cb))
     for handler in handlers:
-        handler.metrics = metrics
+        handler.metrics, handler.served = metrics, served
     patch(cb, "add_request", _checked_add_request(cb, _max_len(model), metrics), feature=FEATURE)
     _metrics_hook(cb, metrics)
-    gen_manager._cb = cb  # upstream's CBGenerateManager.init_cb is a no-op once its manager exists
     readiness = Readiness()
     pending.update(cb=cb, readiness=readiness)
 
@@ -290,65 +270,75 @@ def _prepare(app, model_manager, generation_state, handlers, *, served: str, ali
     async def _refused(_request, exc):
         return JSONResponse(exc.body(), exc.status)
 
-    return Guard(app, served={served, forced, *aliases}, canonical=forced, max_pending=max_pending, metrics=metrics,
-                 limits=limits, listed=served, readiness=readiness, card=card)  # fmt: skip
+    @app.exception_handler(BatchDiedError)
+    async def _batch_died(_request, exc):
+        return JSONResponse(RequestError(None, str(exc), 503, "service_unavailable").body(), 503)
+
+    return Guard(app, served=served.names | aliases, canonical=served.name, max_pending=max_pending, metrics=metrics,
+                 limits=limits, listed=served.name, readiness=readiness, card=served.card)  # fmt: skip
+
+
+def _set_log_level(level: str) -> None:
+    """transformers' log level, as ``transformers serve --log-level`` sets it (its root logger)."""
+    from transformers.utils import logging as hf_logging
+
+    try:
+        hf_logging.get_logger("transformers").setLevel(hf_logging.log_levels[level.lower()])
+    except KeyError:
+        raise InvalidArgumentError(
+            f"--log-level {level}: pass one of {', '.join(hf_logging.log_levels)}"
+        ) from None
+
+
+class _Uvicorn:
+    """uvicorn serving ``app`` from a thread of its own, with its own event loop (as transformers 5.24's
+    ``Serve(non_blocking=True)`` did), so that this thread keeps the warm-up and the signals."""
+
+    def __init__(self, app, *, host: str, port: int, uds: str | None) -> None:
+        import asyncio
+        import threading
+
+        import uvicorn
+
+        # with uds: no TCP socket at all (uvicorn binds the unix socket instead of host:port)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, uds=uds, log_level="info"))
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            loop.run_until_complete(self.server.serve())
+
+        self.thread = threading.Thread(target=run, name="uvicorn-thread", daemon=False)
+        self.thread.start()
 
 
 def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bool = True, served_name=None,
-               aliases=(), out=None, tp: int = 1, limits=None, uds: str | None = None,
-               **serve_flags) -> None:  # fmt: skip
+               aliases=(), out=None, tp: int = 1, limits=None, uds: str | None = None, dtype: str | None = "auto",
+               attn_implementation: str | None = None, log_level: str = "warning", enable_cors: bool = False,
+               default_seed: int | None = None) -> None:  # fmt: skip
     """Run transformers' server for ``model`` on the TPU until it is stopped (SIGINT/SIGTERM), under the name
     ``served_name`` (default: the model directory's name); ``tp > 1``: as rank 0 of ``hf-tpu serve --tp``
     (:mod:`hf_tpu.serving.tensor_parallel`). With ``uds``, on that unix domain socket instead of ``host:port`` (no
-    TCP socket is opened; the socket file is removed when the server stops).
+    TCP socket is opened; the socket file is removed when the server stops). ``dtype``, ``attn_implementation``,
+    ``log_level``, ``enable_cors`` and ``default_seed`` are transformers serve's flags of those names.
 
-    uvicorn serves from a thread (transformers' ``Serve(non_blocking=True)``) as soon as the model is loaded, while
-    this thread warms up the continuous batch (``/health``: 503 until it is done). The warm-up and the manager stay
-    on the main thread: made from another thread, the simulator's steps ran ten times slower. SIGINT/SIGTERM stop
-    uvicorn gracefully (its own handler, installed here since uvicorn only installs it on the main thread); the
-    signal is raised again once it has stopped, as uvicorn does."""
+    uvicorn serves from a thread as soon as the model is loaded, while this thread warms up the continuous batch
+    (``/health``: 503 until it is done). The warm-up and the manager stay on the main thread: made from another
+    thread, the simulator's steps ran ten times slower. SIGINT/SIGTERM stop uvicorn gracefully (its own handler,
+    installed here since uvicorn only installs it on the main thread); the signal is raised again once it has
+    stopped, as uvicorn does."""
     import os
     import signal
     import sys
 
-    from transformers.cli import serve as serve_cli
-    from transformers.cli.serving import server as server_module
-
-    from hf_tpu.serving._handlers import handler_classes
+    from hf_tpu.serving._app import ServedModel
     from hf_tpu.serving._openai import Limits
 
     out = out or sys.stdout
     limits = limits or Limits()
-    served = served_name or os.path.basename(model.rstrip("/"))
-    upstream = server_module.build_server
+    served_as = served_name or os.path.basename(model.rstrip("/"))
+    _set_log_level(log_level)
     pending: dict = {}
-
-    @functools.wraps(upstream)
-    def build_server(model_manager, chat_handler, *args, **kwargs):
-        state = kwargs["generation_state"]
-        # chat and completions answered per request (hf_tpu.serving._handlers), the other endpoints upstream's
-        ChatHandler, TextHandler, ResponsesHandler = handler_classes()
-        chat = ChatHandler(model_manager, state, chat_template_kwargs=chat_handler.chat_template_kwargs)
-        text = kwargs["completion_handler"] = TextHandler(model_manager, state)
-        responses = kwargs["response_handler"] = ResponsesHandler(
-            model_manager, state, chat_template_kwargs=chat_handler.chat_template_kwargs
-        )
-        app = upstream(model_manager, chat, *args, **kwargs)
-        card = _served_name(model_manager, served)
-        return _prepare(app, model_manager, state, (chat, text, responses), served=served, aliases=set(aliases),
-                        max_pending=max_pending, pending=pending, tp=tp, limits=limits, card=card)  # fmt: skip
-
-    patch(server_module, "build_server", build_server, feature=FEATURE, package="transformers", versions=_VERSIONS)
-    if uds is not None:  # transformers' Serve takes host and port only: its uvicorn config is given the socket
-        start_server = serve_cli.Serve.start_server
-
-        @functools.wraps(start_server)
-        def start_on_socket(self):
-            self.server.config.uds = uds
-            return start_server(self)
-
-        patch(serve_cli.Serve, "start_server", start_on_socket, feature=FEATURE, package="transformers",
-              versions=_VERSIONS)  # fmt: skip
     where = f"unix socket {uds}" if uds is not None else f"http://{host}:{port}"
     quiet = say_once()
     stopping: list[int] = []
@@ -363,10 +353,15 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
     serve = cb = died = None
     try:
         print(f"hf-tpu serve: loading {model}", file=out, flush=True)
-        serve = serve_cli.Serve(
-            force_model=model, continuous_batching=True, device="tpu", host=host, port=port, non_blocking=True,
-            **serve_flags,
-        )  # fmt: skip
+        if default_seed is not None:  # as transformers serve's --default-seed (torch.manual_seed)
+            import torch
+
+            torch.manual_seed(default_seed)
+        loaded, processor = _load(model, tp=tp, dtype=dtype, attn_implementation=attn_implementation)
+        served = ServedModel(served_as, {model}, loaded, processor)
+        app = _prepare(served, aliases=set(aliases), max_pending=max_pending, pending=pending, limits=limits,
+                       enable_cors=enable_cors)  # fmt: skip
+        serve = _Uvicorn(app, host=host, port=port, uds=uds)
         server, cb, readiness = serve.server, pending["cb"], pending["readiness"]
 
         def stop_serving(signum, frame):  # uvicorn's own handler: a graceful shutdown, the signal kept to raise again
@@ -376,8 +371,8 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
 
         for sig in saved:
             signal.signal(sig, stop_serving)
-        while not server.started and serve._thread.is_alive():  # uvicorn binds in its thread: wait for it
-            serve._thread.join(_STARTED_POLL_S)
+        while not server.started and serve.thread.is_alive():  # uvicorn binds in its thread: wait for it
+            serve.thread.join(_STARTED_POLL_S)
         if not server.started:  # it could not listen (taken since port_taken looked): say so, do not warm up
             from hf_tpu.errors import UserError
 
@@ -387,7 +382,7 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
             raise UserError(port_taken(host, port) or f"the server could not listen on {host}:{port} (its log "
                             "above says why): pass another --port")  # fmt: skip
         ranks = f", tensor parallel over {tp} ranks" if tp > 1 else ""
-        print(f"hf-tpu serve: listening on {where} as model {served!r} (OpenAI API under /v1, metrics at /metrics"
+        print(f"hf-tpu serve: listening on {where} as model {served_as!r} (OpenAI API under /v1, metrics at /metrics"
               f"{ranks})", file=out, flush=True)  # fmt: skip
         try:
             _warm_up(cb, warmup=warmup, readiness=readiness, out=out)
@@ -396,8 +391,8 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
             print(f"hf-tpu serve: {readiness.describe()}; stopping", file=out, flush=True)
             raise
         readiness.worker_failure = lambda: worker_failure(cb)
-        while serve._thread.is_alive():  # joined in short polls, so that this thread takes the signals meanwhile
-            serve._thread.join(_SIGNAL_POLL_S)
+        while serve.thread.is_alive():  # joined in short polls, so that this thread takes the signals meanwhile
+            serve.thread.join(_SIGNAL_POLL_S)
             died = worker_failure(cb)
             if died is not None:  # never a live process answering 503 forever: stop, a supervisor restarts it
                 print(f"hf-tpu serve: the continuous-batching worker died ({died}); stopping the server",
@@ -410,7 +405,7 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
     finally:
         if serve is not None:
             serve.server.should_exit = True
-            serve._thread.join()
+            serve.thread.join()
             stopping.extend(serve.server._captured_signals)
         if cb is not None and cb.is_running():  # uvicorn has stopped: stop the generation thread, so that we exit
             cb.stop(block=True, hard_stop=True)  # nothing is left to serve: fail what is pending
@@ -458,13 +453,13 @@ def say_once():
 
     from transformers.utils import logging as hf_logging
 
-    once = _Once()
     handlers = [*hf_logging._get_library_root_logger().handlers, *logging.getLogger("ContinuousBatchingLogger").handlers]
-    for handler in handlers:
+    filters = [(handler, _Once()) for handler in handlers]  # one each: a shared one would pass a record to one handler
+    for handler, once in filters:
         handler.addFilter(once)
 
     def undo() -> None:
-        for handler in handlers:
+        for handler, once in filters:
             handler.removeFilter(once)
 
     return undo

@@ -152,8 +152,10 @@ def test_upstream_warnings_are_said_once(server):
                                                         "stream": False})  # fmt: skip
         assert status == 200, body
         assert body["model"] == SERVED
+    # (transformers 5.24's Serve logged "Loading <path>"; hf-tpu serve loads the model itself, and the warnings
+    # upstream's continuous batching gives per manager are held back or said once: tests/serving/test_app.py)
     warnings = [line for line in server.output().splitlines() if line.startswith("[transformers]")]
-    assert warnings and len(warnings) == len(set(warnings)), warnings
+    assert len(warnings) == len(set(warnings)), warnings
 
 
 def test_streaming_joins_to_the_non_streamed_text(client):
