@@ -1,7 +1,9 @@
 """The ``device_map`` integration: what :func:`hf_tpu.enable` changes in accelerate and transformers, and why.
 
 Upstream (accelerate 1.15, transformers 5.24) has no TPU in its device enumeration, so ``device_map="auto"``
-plans for CPU only and a TPU VM silently runs the model on the host. Each patch below wraps one upstream
+plans for CPU only and a TPU VM silently runs the model on the host (accelerate 1.16 asks ``torch.accelerator`` and
+finds the chip; the patches below still map its integer ids to ``"tpu:N"``, read weights on the host and check the
+fit before loading). Each patch below wraps one upstream
 function; the wrapper calls the original and only adds the TPU handling, and when the integration is off (or no
 TPU is present, where noted) it is exactly the upstream call.
 
@@ -16,7 +18,7 @@ accelerate (``package="accelerate"``, written for 1.15, checked on 1.16):
 - ``utils.offload.OffloadedWeightsLoader.__getitem__``: disk-offloaded weights are read on the host and copied to
   the TPU (safetensors refuses to open a file on ``tpu:0``).
 
-transformers (``package="transformers"``, written for 5.24):
+transformers (``package="transformers"``, written for 5.24, checked on 5.25: the same signatures):
 - ``integrations.accelerate.check_and_set_device_map``: ``device_map="tpu"``/``"tpu:N"``/``0`` become
   ``{"": "tpu:N"}``; asking for a TPU with none present raises :class:`hf_tpu.runtime.TPUNotAvailableError`.
 - ``integrations.accelerate._get_device_map``: the inferred map is normalised and weighed against HBM (and disk
@@ -45,7 +47,7 @@ from hf_tpu import _patch
 
 FEATURE = "device_map"
 ACCELERATE = {"package": "accelerate", "versions": ">=1.10,<1.17"}
-TRANSFORMERS = {"package": "transformers", "versions": ">=5.0,<5.25"}
+TRANSFORMERS = {"package": "transformers", "versions": ">=5.0,<5.26"}
 
 logger = logging.getLogger("hf_tpu.device_map")
 

@@ -36,7 +36,7 @@ FEATURE = "training"
 ACCELERATE = {"package": "accelerate", "versions": ">=1.10,<1.17"}
 # accelerate 1.16 finds the TPU through torch.accelerator (PartialState.default_device answers tpu by itself).
 ACCELERATE_WITHOUT_TPU_DEFAULT = {"package": "accelerate", "versions": ">=1.10,<1.16"}
-TRANSFORMERS = {"package": "transformers", "versions": ">=5.0,<5.25"}
+TRANSFORMERS = {"package": "transformers", "versions": ">=5.0,<5.26"}
 # torch's private fully_shard module, whose state move hf_tpu wraps (read on torch 2.13).
 TORCH_FSDP2 = {"package": "torch", "versions": ">=2.11,<2.14"}
 

@@ -93,23 +93,28 @@ def test_init_on_device_creates_parameters_on_the_tpu(device_map_on):
 def test_upstream_auto_places_on_the_cpu_with_a_tpu_device_present(sim, untied_path):
     """The README's "upstream" column (issue 36 asked whether it is right): with a ``tpu`` device registered
     (the simulator, as ``HF_TPU_SIMULATE=1`` gives) and hf_tpu's device_map integration off, upstream's
-    ``device_map="auto"`` places the whole model on the CPU: accelerate 1.15's ``get_max_memory`` asks npu, mlu,
-    sdaa, musa, xpu, hpu and cuda for devices, never a PrivateUse1 device such as ``tpu``, so its budget is
-    ``{"cpu": ...}``. With the integration on, the same call lands on ``tpu:0``."""
+    ``device_map="auto"`` places the whole model on the CPU under accelerate 1.15: its ``get_max_memory`` asks npu,
+    mlu, sdaa, musa, xpu, hpu and cuda for devices, never a PrivateUse1 device such as ``tpu``, so its budget is
+    ``{"cpu": ...}``. accelerate 1.16 asks ``torch.accelerator`` (one device for a TPU process, its free memory from
+    ``get_memory_info``) and places it on ``tpu:0`` itself. With the integration on, the same call lands on
+    ``tpu:0`` either way."""
+    import accelerate
     from accelerate.utils import get_max_memory
+    from packaging.version import Version
     from transformers import AutoModelForCausalLM
 
     import hf_tpu
 
+    asks_torch_accelerator = Version(Version(accelerate.__version__).base_version) >= Version("1.16")
     was_on = hf_tpu.is_enabled("device_map")
     hf_tpu.disable("device_map")
     try:
-        assert set(get_max_memory()) == {"cpu"}
+        assert set(get_max_memory()) == ({0, "cpu"} if asks_torch_accelerator else {"cpu"})
         upstream = AutoModelForCausalLM.from_pretrained(untied_path, device_map="auto")
     finally:
         if was_on:
             hf_tpu.enable("device_map")
-    assert {p.device.type for p in upstream.parameters()} == {"cpu"}
+    assert {str(p.device) for p in upstream.parameters()} == ({"tpu:0"} if asks_torch_accelerator else {"cpu"})
     with hf_tpu.enabled("device_map"):
         ours = AutoModelForCausalLM.from_pretrained(untied_path, device_map="auto")
     assert {str(p.device) for p in ours.parameters()} == {"tpu:0"}

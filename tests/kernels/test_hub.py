@@ -208,8 +208,8 @@ def test_a_kernels_that_reads_something_else_is_named(cpu_host, monkeypatch):
     with pytest.raises(KernelsDetectionError, match=r"does not select the torch-tpu build variant.*answers 'cpu'"):
         load_local_kernel(RAGGED_DOT_REPO)
     monkeypatch.setattr(loader, "_DETECTION", (("kernels.no_such_module", "_backend"),))
-    with pytest.raises(KernelsDetectionError, match=r"expected kernels' backend detection at "
-                                                    r"kernels\.no_such_module\._backend\(\).*found neither"):  # fmt: skip
+    expected = r"expected kernels' backend detection at kernels\.no_such_module\._backend\(\).*found neither"
+    with pytest.raises(KernelsDetectionError, match=expected):
         kernels_backend()
     assert not hasattr(torch.backends, "tpu") and torch.accelerator.current_accelerator is cpu_host
 
@@ -280,8 +280,8 @@ def test_kernel_is_standalone_and_loads_without_importing_jax():
     """The Hub kernel must not need hf_tpu, and loading it must not import jax (only running it does)."""
     code = (
         "import sys, types, torch, kernels\n"
-        "# what kernels reads on a TPU VM, stood in: torch.backends.tpu (kernels 0.17: docs/kernels.md's line without\n"
-        "# hf_tpu), torch-tpu's device as the accelerator (kernels 0.18+)\n"
+        "# what kernels reads on a TPU VM, stood in: torch.backends.tpu (kernels 0.17: docs/kernels.md's line\n"
+        "# without hf_tpu), torch-tpu's device as the accelerator (kernels 0.18+)\n"
         "torch.backends.tpu = types.ModuleType('torch.backends.tpu')\n"
         "torch.accelerator.current_accelerator = lambda check_available=False: types.SimpleNamespace(type='tpu')\n"
         f"m = kernels.get_local_kernel(__import__('pathlib').Path({str(RAGGED_DOT_REPO)!r}))\n"
