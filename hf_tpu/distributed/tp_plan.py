@@ -456,7 +456,9 @@ def _ensure_styles(plan: Mapping[str, str]) -> None:
         def __init__(self, kv_heads: int):
             self.kv_heads = kv_heads
 
-        def install_forward(self, module, mesh):
+        # (transformers 5.25's TensorParallelLayer.install_forward also takes keyword-only config= and
+        # mesh_manager=, which its caller passes; 5.24's takes neither. These styles need neither.)
+        def install_forward(self, module, mesh, **_upstream_keywords):
             tp = mesh.size()
             index = mesh.get_local_rank() // (tp // self.kv_heads)
             width = module.out_features // self.kv_heads
@@ -484,7 +486,7 @@ def _ensure_styles(plan: Mapping[str, str]) -> None:
         def __init__(self, heads: int):
             self.heads = heads
 
-        def install_forward(self, module, mesh):
+        def install_forward(self, module, mesh, **_upstream_keywords):  # (see KVHeadSelect's)
             module.num_key_value_groups = self.heads // mesh.size()
             return module
 

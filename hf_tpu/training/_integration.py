@@ -5,9 +5,10 @@ Upstream state (transformers 5.24, accelerate 1.15 and 1.16), checked on the sim
 - ``TrainingArguments.device`` is already ``tpu:0`` (transformers asks ``torch.accelerator``), and the Trainer
   moves inputs there. accelerate before 1.16: ``PartialState.default_device`` knows no TPU and answers ``cpu``, so
   ``Accelerator.prepare`` moves the model **back to the CPU**: the first step fails with "Expected all tensors to be
-  on the same device" (or, with CPU inputs, trains on the host without a word). There hf_tpu patches
-  ``PartialState.default_device`` to answer ``tpu:0`` when the current accelerator is a TPU and the state is not
-  forced to the CPU. accelerate 1.16 asks ``torch.accelerator`` itself and answers ``tpu``: hf_tpu leaves it alone.
+  on the same device" (or, with CPU inputs, trains on the host without a word). hf_tpu wraps
+  ``PartialState.default_device``: where the current accelerator is a TPU and upstream's answer is not, it answers
+  ``tpu:0``. accelerate 1.16 asks ``torch.accelerator`` itself and answers ``tpu``: its answer is kept as it is
+  (decided by upstream's answer on each call, not by accelerate's version).
 - accelerate has no distributed type for torch_tpu processes: under a launcher with several ranks it treats each
   rank as a separate single-process run (every rank trains alone, on its own data). hf_tpu makes such ranks one
   data-parallel run: accelerate's ``MULTI_CPU`` type, whose model wrapping is a plain ``DistributedDataParallel``,
@@ -34,8 +35,6 @@ from hf_tpu import _patch
 
 FEATURE = "training"
 ACCELERATE = {"package": "accelerate", "versions": ">=1.10,<1.17"}
-# accelerate 1.16 finds the TPU through torch.accelerator (PartialState.default_device answers tpu by itself).
-ACCELERATE_WITHOUT_TPU_DEFAULT = {"package": "accelerate", "versions": ">=1.10,<1.16"}
 TRANSFORMERS = {"package": "transformers", "versions": ">=5.0,<5.26"}
 # torch's private fully_shard module, whose state move hf_tpu wraps (read on torch 2.13).
 TORCH_FSDP2 = {"package": "torch", "versions": ">=2.11,<2.14"}
@@ -59,29 +58,34 @@ def _launched_ranks() -> int:
 DISTRIBUTED_BACKEND = "cpu:gloo,tpu:tpu_dist"
 
 
-def upstream_knows_the_tpu() -> bool:
-    """Whether the installed accelerate answers ``tpu`` for ``PartialState.default_device`` itself (1.16 on)."""
-    return not _patch.version_matches("accelerate", ACCELERATE_WITHOUT_TPU_DEFAULT["versions"])[0]
+def upstream_knows_the_tpu() -> bool | None:
+    """Whether the installed accelerate's own ``PartialState.default_device`` answers ``tpu`` while a TPU is the
+    current accelerator (accelerate 1.16 asks ``torch.accelerator``; 1.15 knows no TPU and answers ``cpu``), asked of
+    upstream's property itself; None where no TPU is current (there is nothing to ask)."""
+    from accelerate.state import PartialState
+
+    if not _tpu_is_current():
+        return None
+    upstream = _patch.original(PartialState, "default_device")
+    return upstream.fget(object.__new__(PartialState)).type == "tpu"  # (it reads no state of the instance)
 
 
 def _patch_default_device() -> None:
+    """``PartialState.default_device``: upstream's answer, unless a TPU is current and upstream does not name it
+    (accelerate before 1.16): then ``tpu:0``. Decided on every call, by upstream's answer, not by its version."""
     import torch
     from accelerate.state import PartialState
-
-    if upstream_knows_the_tpu():
-        return
 
     upstream = _patch.original(PartialState, "default_device")
 
     @functools.wraps(upstream.fget)
     def default_device(self) -> torch.device:
-        if not _tpu_is_current():
-            return upstream.fget(self)
+        device = upstream.fget(self)
+        if device.type == "tpu" or not _tpu_is_current():
+            return device  # upstream knows the TPU (accelerate 1.16), or none is current
         return torch.device("tpu", 0)
 
-    _patch.patch(
-        PartialState, "default_device", property(default_device), feature=FEATURE, **ACCELERATE_WITHOUT_TPU_DEFAULT
-    )
+    _patch.patch(PartialState, "default_device", property(default_device), feature=FEATURE, **ACCELERATE)
 
 
 def _patch_distributed_state() -> None:
