@@ -56,7 +56,8 @@ from hf_tpu.benchmarks._tiny_configs import SHRINK, VOCAB, _shrunk, tiny_config
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-__all__ = ["QUICK", "SECTION", "add_arguments", "architectures", "measure", "print_table", "run", "tiny_vlm_config"]
+__all__ = ["QUICK", "SECTION", "add_arguments", "architectures", "measure", "print_table", "rows_from_docs", "run",
+           "tiny_vlm_config"]  # fmt: skip
 
 QUICK = {"archs": ["llava", "gemma3", "paligemma", "qwen2_vl"], "new_tokens": 6}
 # The docs page's section this sweep writes (from this line to the end of docs/architectures.md; the causal-LM
@@ -532,8 +533,11 @@ def run(args: argparse.Namespace) -> dict:
     if unknown:
         raise SystemExit(f"unknown image-text-to-text architectures {unknown}")
     start = time.monotonic()
-    if args.from_rows:
+    if args.from_rows:  # ("docs": the rows of the section the page holds now, read back by rows_from_docs)
         saved = arch_sweep._saved_rows([p for p in args.from_rows if p != "docs"])
+        if "docs" in args.from_rows:
+            for arch, row in rows_from_docs().items():
+                saved.setdefault(arch, row)
         missing = {"status": "not measured", "reason": "not reached by the run that made this table"}
         rows = [saved.get(a) or {"arch": a, **missing} for a in archs]
     else:
@@ -562,6 +566,47 @@ def run(args: argparse.Namespace) -> dict:
         write_section(markdown(figures))
         print(f"wrote the image-text-to-text section of {arch_sweep.DOCS_PAGE}")
     return figures
+
+
+def rows_from_docs(path=None) -> dict[str, dict]:
+    """The rows the page's image-text-to-text section holds (what :func:`markdown` wrote from them), by architecture:
+    an earlier sweep's rows, when its rows files are gone (``--from-rows NEW.jsonl docs`` adds new rows to the section
+    and keeps every other row as it is). Writing them back with :func:`markdown` gives the same table rows.
+
+    Args:
+        path: the page (default: docs/architectures.md).
+
+    Returns:
+        Architecture -> its row (``status``, ``route``, ``identical``, ``compiles_2nd``, ``signatures_2nd``, the
+        copies per step and ``reason`` as the table gives them).
+    """
+    import re
+    from pathlib import Path
+
+    rows: dict[str, dict] = {}
+    section = Path(path or arch_sweep.DOCS_PAGE).read_text().partition(SECTION)[2]
+    for line in section.splitlines():
+        if not line.startswith("| "):
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if len(cells) != 8 or cells[0] in ("architecture", "") or set(cells[0]) <= {"-"}:
+            continue
+        arch, status, route, identical, compiles, signatures, copies, reason = cells
+        row: dict = {"arch": arch, "status": status}
+        if route:
+            row["route"] = route
+        if identical:
+            row["identical"] = identical == "yes"
+        if compiles:
+            row["compiles_2nd"] = arch_sweep._number(compiles)
+        if signatures:
+            row["signatures_2nd"] = arch_sweep._number(signatures)
+        if copies:
+            row["h2d_per_step"], row["d2h_per_step"] = arch_sweep._copies_per_step(copies)
+        if reason:
+            row["reason"] = reason.replace("\\|", "|")
+        rows[arch] = row
+    return rows
 
 
 def write_section(text: str) -> None:

@@ -184,3 +184,21 @@ def test_stand_in_images_are_shaped_as_the_models_processor_makes_them_and_the_c
         theirs = model(**{**prompt, "pixel_values": processed["pixel_values"]}).logits
     assert ours.shape == theirs.shape == (1, prompt["input_ids"].shape[1], text.vocab_size)
     assert not torch.equal(ours, theirs)  # (the pixels reach the logits: the images were merged, not dropped)
+
+
+def test_rows_read_back_from_the_section_write_the_same_table():
+    """`--from-rows NEW.jsonl docs` keeps every row of the section as it is: the rows read from its table, written
+    again, give the same table and the same summary lines."""
+    rows = sorted(vlm_sweep.rows_from_docs().values(), key=lambda r: r["arch"])
+    figures = {"rows": rows, "summary": vlm_sweep.summarize(rows), "command": "python benchmarks/vlm_sweep.py"}
+    regenerated = vlm_sweep.markdown(figures)
+    section = arch_sweep.DOCS_PAGE.read_text().partition(vlm_sweep.SECTION)[2]
+
+    def table(text):
+        return [line for line in text.splitlines() if line.startswith("| ")]
+
+    def summary(text):
+        return [line for line in text.splitlines() if " architectures; " in line or "buildable architectures" in line]
+
+    assert table(regenerated) == table(section) and len(rows) == len(table(section)) - 1
+    assert summary(regenerated) == summary(section)
