@@ -859,7 +859,9 @@ def stage_env(name: str = "") -> dict[str, str]:
     machine's own folders, JAX kept off the chip (torch_tpu holds it); on a TPU VM, unchanged. The ``lean`` stage
     runs JAX alone on the chip, with the machine's own libtpu."""
     env = dict(os.environ)
-    current = [p for p in env.get("PYTHONPATH", "").split(":") if p]  # the lent chip's JAX comes through it
+    # the lent chip's JAX comes through it (this checkout's root left out: it goes last, once; hf-tpu launch adds it to
+    # its own process's PYTHONPATH for its workers, so a process that launched ranks has it there already)
+    current = [p for p in env.get("PYTHONPATH", "").split(":") if p and p != str(ROOT)]
     paths = [*current, str(ROOT)]
     if (CHIP_HOME / "site").is_dir() and name != "lean":
         paths = [str(CHIP_HOME / "libtpu"), *current, str(CHIP_HOME / "site"), str(CHIP_HOME / "transformers"),
