@@ -5,11 +5,15 @@
     python scripts/test_durations.py record .ci-out/core.xml --tier core --wall 512 --out .ci-out/durations.json
     python scripts/test_durations.py compare .ci-out/durations.json tests/durations.json
 
+    python scripts/test_durations.py failures .ci-out/*.xml
+
 ``record`` adds one tier's tests (node id -> seconds, the call with its set-up and tear-down, as JUnit counts them)
 and the step's wall-clock seconds to a JSON file; ``compare`` prints, against the committed ``tests/durations.json``,
 each tier's wall time then and now, the tests that grew by more than ``--grew`` seconds (and 50%), and new tests
 slower than ``--new`` seconds. It never fails a run on a figure (these hosts are noisy); it exits non-zero only on a
-file it cannot read. To refresh the committed figures after a change, copy the run's file over
+file it cannot read. ``failures`` prints each failed or errored test of the given files with the first lines of its
+message: ``.ci/run`` calls it last, so that the end of CI's output (often all a reader sees) names what failed. To
+refresh the committed figures after a change, copy the run's file over
 ``tests/durations.json`` (CI prints where it wrote it).
 """
 
@@ -33,6 +37,40 @@ def read_junit(path: Path) -> dict[str, float]:
         # pytest writes classname "tests.pkg.test_mod" (or "...test_mod.TestClass"); keep it readable and stable.
         out[f"{module}::{name}"] = out.get(f"{module}::{name}", 0.0) + float(case.get("time", 0.0) or 0.0)
     return out
+
+
+def read_failures(path: Path) -> list[tuple[str, str, str]]:
+    """``(node id, 'failed' or 'error', message)`` of every test case in a JUnit XML file that failed or errored."""
+    out = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        for kind, tag in (("failed", "failure"), ("error", "error")):
+            for bad in case.iter(tag):
+                classname, name = case.get("classname", ""), re.sub(r"@[^\[\]@]*$", "", case.get("name", ""))
+                message = (bad.get("message") or "").strip() or (bad.text or "").strip()
+                out.append((f"{classname.replace('.', '/')}::{name}", kind, message))
+    return out
+
+
+def failures(args: argparse.Namespace) -> int:
+    found = []
+    for name in args.junit:
+        path = Path(name)
+        if not path.exists():
+            print(f"  (no {path}: that step wrote no JUnit file)")
+            continue
+        found += [(path.stem, *row) for row in read_failures(path)]
+    if not found:
+        print("no test failed or errored in " + ", ".join(Path(n).name for n in args.junit))
+        return 0
+    print(f"{len(found)} {'test' if len(found) == 1 else 'tests'} failed or errored:")
+    for tier, node, kind, message in found[: args.limit]:
+        lines = [line for line in message.splitlines() if line.strip()][: args.lines]
+        print(f"  {kind.upper()} {tier}:{node}")
+        for line in lines:
+            print(f"      {line[:300]}")
+    if len(found) > args.limit:
+        print(f"  ... and {len(found) - args.limit} more")
+    return 0
 
 
 def record(args: argparse.Namespace) -> int:
@@ -84,8 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("then")
     c.add_argument("--grew", type=float, default=10.0)
     c.add_argument("--new", type=float, default=20.0)
+    f = sub.add_parser("failures", help="name each failed or errored test of JUnit files, with its message's start")
+    f.add_argument("junit", nargs="+")
+    f.add_argument("--limit", type=int, default=30, help="tests named at most")
+    f.add_argument("--lines", type=int, default=4, help="lines of each message")
     args = parser.parse_args(argv)
-    return {"record": record, "compare": compare}[args.cmd](args)
+    return {"record": record, "compare": compare, "failures": failures}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -74,3 +74,36 @@ def test_durations_keep_one_name_per_test_under_loadgroup(tmp_path):
         "tests/contract/test_x::test_b[v5e-1]": 1.0,
         "tests/contract/test_x::test_c[a@b]": 0.5,
     }
+
+
+def test_failures_name_each_failed_test_with_its_message(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import test_durations
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    (tmp_path / "slow.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.serving.test_x" name="test_ok" time="1"/>'
+        '<testcase classname="tests.serving.test_x" name="test_bad[a]@ray" time="2">'
+        '<failure message="AssertionError: tokens differ&#10;assert [1, 2] == [1, 3]">long traceback</failure>'
+        "</testcase>"
+        '<testcase classname="tests.docs.test_docs" name="test_setup" time="0">'
+        "<error>fixture 'x' not found</error></testcase>"
+        "</testsuite></testsuites>"
+    )
+    (tmp_path / "core.xml").write_text('<testsuites><testsuite name="pytest">'
+                                       '<testcase classname="tests.test_y" name="test_ok" time="1"/>'
+                                       "</testsuite></testsuites>")  # fmt: skip
+    assert test_durations.main(["failures", str(tmp_path / "core.xml"), str(tmp_path / "slow.xml")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == [
+        "2 tests failed or errored:",
+        "  FAILED slow:tests/serving/test_x::test_bad[a]",
+        "      AssertionError: tokens differ",
+        "      assert [1, 2] == [1, 3]",
+        "  ERROR slow:tests/docs/test_docs::test_setup",
+        "      fixture 'x' not found",
+    ]
+    assert test_durations.main(["failures", str(tmp_path / "core.xml")]) == 0
+    assert capsys.readouterr().out.strip() == "no test failed or errored in core.xml"
