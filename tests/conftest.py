@@ -82,6 +82,42 @@ def pytest_collection_modifyitems(config, items):
     mark_slow(items, check_stale=not any("::" in str(arg) for arg in config.args))
 
 
+class EnvironmentLeakWarning(UserWarning):
+    """A test changed ``os.environ`` (or torch's float32 matmul precision) and did not undo it; the change was undone."""
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    """Each test leaves ``os.environ`` and the float32 matmul precision as it found them, whatever it ran in this
+    process: a later test on the same worker (``-n 2`` deals tests out by timing, so which one follows which differs
+    from run to run) must not inherit them, nor the processes it starts. ``hf-tpu launch`` run in process, for one,
+    sets its workers' ``PYTHONPATH`` (and, simulated, the generation and HBM they simulate) in its own environment on
+    purpose: tests/distributed/test_launch.py's bootstrap test left ``PYTHONPATH`` behind, and a later test on that
+    worker saw it (48b7a39). What changed is undone and said as an :class:`EnvironmentLeakWarning` naming the variables
+    (pytest's own ``PYTEST_CURRENT_TEST`` aside)."""
+    import sys
+    import warnings
+
+    environ = dict(os.environ)
+    torch = sys.modules.get("torch")
+    precision = torch.get_float32_matmul_precision() if torch is not None else None
+    yield
+    changed = sorted(k for k in environ.keys() | os.environ.keys()
+                     if environ.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST")  # fmt: skip
+    if changed:
+        for k in changed:
+            if k in environ:
+                os.environ[k] = environ[k]
+            else:
+                del os.environ[k]
+        warnings.warn(EnvironmentLeakWarning(f"os.environ changed, undone: {', '.join(changed)}"), stacklevel=1)
+    if precision is not None:  # (torch imported by the test itself: its first setting is the process's own)
+        now = torch.get_float32_matmul_precision()
+        if now != precision:
+            torch.set_float32_matmul_precision(precision)
+            warnings.warn(EnvironmentLeakWarning(f"float32 matmul precision {now!r}, undone to {precision!r}"))
+
+
 @pytest.fixture(autouse=True)
 def _tpu_precision(request):
     """``@pytest.mark.tpu_precision("medium")``: the simulated device at that float32 matmul precision (emulation on)
