@@ -46,14 +46,16 @@ PACKAGES: list[tuple[str, str | None]] = [
 # What torch-tpu 0.2.0 declares (Requires-Dist); used when torch-tpu is not installed to say whether it could be.
 TORCH_TPU_TORCH_RANGE = ">=2.11.0,<=2.15.0"
 
-# The ranges hf_tpu is written for; must agree with pyproject.toml (a test checks it).
+# The ranges hf_tpu is written for and tested with (the oldest and newest releases tested, docs/compatibility.md),
+# listed by `hf-tpu env` beside each version; outside one, a warning naming it (an error for transformers). Must agree
+# with pyproject.toml (a test checks it).
 REQUIREMENTS: dict[str, str] = {
     "torch": ">=2.11,<=2.15",
-    "transformers": ">=5.23,<5.25",
-    "diffusers": ">=0.35",
-    "accelerate": ">=1.10,<1.16",
-    "kernels": ">=0.10,<0.18",
-    "huggingface_hub": ">=1.0",
+    "transformers": ">=5.23,<5.26",
+    "diffusers": ">=0.42,<0.43",
+    "accelerate": ">=1.15,<1.17",
+    "kernels": ">=0.17,<0.20",
+    "huggingface_hub": ">=2.4,<2.5",
 }
 
 # Environment variables that change what hf_tpu, torch_tpu or libtpu do.
@@ -330,6 +332,7 @@ def collect() -> dict[str, Any]:
     problems = find_problems(versions, info, env, torch_range)
     return {
         "versions": versions,
+        "tested_ranges": dict(REQUIREMENTS),
         "runtime": info,
         "torch_tpu_autoload": _autoload(versions, env),
         "torch_imported": "torch" in sys.modules,
@@ -353,7 +356,9 @@ def format_table(report: dict[str, Any]) -> str:
         lines.extend(f"  {k.ljust(width)}  {v}" for k, v in rows)
         lines.append("")
 
-    section("Versions", [(k, v or "not installed") for k, v in report["versions"].items()])
+    tested = report.get("tested_ranges", {})
+    section("Versions", [(k, (v or "not installed") + (f"  (hf_tpu's range: {tested[k]})" if k in tested else ""))
+                         for k, v in report["versions"].items()])  # fmt: skip
     rt = report["runtime"]
     gen = rt.get("generation")
     section(

@@ -79,7 +79,9 @@ def test_env_table_lists_every_version_and_the_mode():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for label, version in expected_versions().items():
-        assert re.search(rf"^  {re.escape(label)} +{re.escape(version or 'not installed')}$", out, re.MULTILINE), label
+        tested = f"  (hf_tpu's range: {env_cmd.REQUIREMENTS[label]})" if label in env_cmd.REQUIREMENTS else ""
+        found = rf"^  {re.escape(label)} +{re.escape((version or 'not installed') + tested)}$"
+        assert re.search(found, out, re.MULTILINE), label
     assert re.search(rf"^  mode +{expected_plain_mode()}$", out, re.MULTILINE)
     assert "Known problems" in out
     if not installed("jax"):
@@ -117,6 +119,30 @@ def test_requirements_agree_with_pyproject():
         specs[name.lower().replace("-", "_")] = spec.replace(" ", "")
     for name, spec in env_cmd.REQUIREMENTS.items():
         assert specs[name] == spec, f"{name}: pyproject says {specs[name]!r}, hf-tpu env checks {spec!r}"
+
+
+def test_the_compatibility_page_states_the_ranges_hf_tpu_env_checks():
+    """docs/compatibility.md's table gives each package's range as pyproject.toml and hf-tpu env have it, and oldest
+    and newest tested releases inside that range."""
+    from packaging.specifiers import SpecifierSet
+
+    rows = {}
+    for line in (REPO / "docs" / "compatibility.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].startswith("`"):
+            rows[cells[0]] = (cells[1].strip("`"), cells[2], cells[3])
+    assert set(rows) == set(env_cmd.REQUIREMENTS)
+    for name, (spec, oldest, newest) in rows.items():
+        assert spec == env_cmd.REQUIREMENTS[name], name
+        assert oldest in SpecifierSet(spec) and newest in SpecifierSet(spec), (name, spec, oldest, newest)
+
+
+def test_env_lists_each_version_beside_its_range(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    for name, spec in env_cmd.REQUIREMENTS.items():
+        line = next(line for line in out.splitlines() if line.strip().startswith(name + " "))
+        assert line.endswith(f"(hf_tpu's range: {spec})"), line
 
 
 # --- find_problems on made-up environments -----------------------------------------------------------------
@@ -176,7 +202,7 @@ def test_torch_tpu_without_libtpu():
 
 
 def test_transformers_4_is_an_error_and_other_libraries_warn():
-    one(problems({"transformers": "4.57.1"}), "error", "transformers 4.57.1", ">=5.23,<5.25")
+    one(problems({"transformers": "4.57.1"}), "error", "transformers 4.57.1", ">=5.23,<5.26")
     one(problems({"diffusers": "0.30.0"}), "warning", "diffusers 0.30.0")
     one(problems({"transformers": None}), "error", "transformers is not installed")
 
