@@ -359,6 +359,14 @@ def _patch_pipeline_init() -> None:
                 bound.arguments["device"] = torch.device(normalize_device(device))
             elif isinstance(device, int) and not isinstance(device, bool) and device >= 0 and int_means_tpu():
                 bound.arguments["device"] = torch.device(normalize_device(device))
+            elif device is None:
+                # A model placed on one TPU by device_map has no hf_device_map; Pipeline.__init__ then takes device 0
+                # as CUDA-or-CPU and moved it to the CPU (transformers 5.23's pipeline() passes no device; 5.24's
+                # passes the model's). Keep it where it is, as 5.24 does.
+                model = bound.arguments.get("model")
+                on = getattr(model, "device", None)
+                if getattr(model, "hf_device_map", None) is None and isinstance(on, torch.device) and is_tpu_device(on):
+                    bound.arguments["device"] = on
             return upstream(*bound.args, **bound.kwargs)
         return upstream(self, *args, **kwargs)
 
