@@ -135,6 +135,45 @@ def test_the_compatibility_page_states_the_ranges_hf_tpu_env_checks():
     for name, (spec, oldest, newest) in rows.items():
         assert spec == env_cmd.REQUIREMENTS[name], name
         assert oldest in SpecifierSet(spec) and newest in SpecifierSet(spec), (name, spec, oldest, newest)
+    # the two ends are the pins CI installs (.ci/oldest.txt for the oldest tier, .ci/newest.txt for the others)
+    for column, pins in ((1, _pins(".ci/oldest.txt")), (2, _pins(".ci/newest.txt"))):
+        assert set(pins) == set(rows), f"{column}: {sorted(pins)} vs the page's {sorted(rows)}"
+        for name, version in pins.items():
+            assert rows[name][column] == version, (f"docs/compatibility.md says {name} {rows[name][column]}, "
+                                                   f"CI installs {version}: update the page or the pin")  # fmt: skip
+
+
+def _pins(path: str) -> dict[str, str]:
+    """``{package: version}`` of a pins file (``name==version`` lines, ``#`` comments)."""
+    pins = {}
+    for line in (REPO / path).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"{path}: {line!r} is not name==version"
+            pins[name.strip()] = version.strip()
+    return pins
+
+
+def test_the_newest_pins_sit_at_the_top_of_each_range():
+    """A pin bumped in .ci/newest.txt past pyproject.toml's range is named here (pip would refuse the install); a
+    range whose upper end leaves a newer minor release untested than the newest pin is named too."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    for name, version in _pins(".ci/newest.txt").items():
+        spec = SpecifierSet(env_cmd.REQUIREMENTS[name])
+        assert version in spec, f".ci/newest.txt pins {name} {version}, outside pyproject's {spec}: widen the range"
+        v = Version(version)
+        if name != "torch":  # torch: torch-tpu 0.2.0's own range, of which 2.13.0 is tested
+            assert f"{v.major}.{v.minor + 1}.0" not in spec, f"{name} {spec} admits {v.major}.{v.minor + 1}, untested"
+    for name, version in _pins(".ci/oldest.txt").items():
+        spec = SpecifierSet(env_cmd.REQUIREMENTS[name])
+        assert version in spec, f".ci/oldest.txt pins {name} {version}, outside pyproject's {spec}"
+        v = Version(version)
+        if name != "torch" and v.minor:
+            below = f"{v.major}.{v.minor - 1}.99"
+            assert below not in spec, f"{name} {spec} admits {below}, older than the oldest tested: raise the range"
 
 
 def test_env_lists_each_version_beside_its_range(capsys):
