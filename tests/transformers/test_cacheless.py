@@ -82,6 +82,24 @@ def test_use_cache_false_on_a_model_with_a_cache_runs_without_one(prompts, from_
     assert [k[0] for k in generation.compiled_graphs(tpu)] == ["cacheless_prefill", "cacheless_decode"]
 
 
+def test_use_cache_false_on_a_class_with_its_own_prepare_inputs_runs_without_one(prompts, from_config):
+    # Phi3 overrides prepare_inputs_for_generation (it calls upstream's, which moves the inputs onto the model's
+    # device): the check that the override makes no inputs of its own compared tpu tensors with host ones, failed
+    # on a tpu model, and sent every use_cache=False call of such a class to upstream's loop
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(
+        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        intermediate_size=37, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    cpu, tpu = from_config(Phi3ForCausalLM, config)
+    ids, mask = prompts([3, 7])
+    kw = {**GREEDY, "attention_mask": mask, "max_new_tokens": 6, "use_cache": False}
+    assert hf_tpu.transformers.explain(tpu, input_ids=ids, **kw).loop == "cacheless"
+    assert torch.equal(tpu.generate(ids, **kw), cpu.generate(ids, **kw))
+    assert [k[0] for k in generation.compiled_graphs(tpu)] == ["cacheless_prefill", "cacheless_decode"]
+
+
 def test_warmup_compiles_the_graphs_and_strict_mode_then_compiles_nothing(openai_gpt, prompts):
     from transformers import OpenAIGPTLMHeadModel
 

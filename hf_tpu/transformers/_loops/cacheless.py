@@ -182,7 +182,9 @@ def _inputs_as_given(model) -> bool:
         try:
             got = model.prepare_inputs_for_generation(**given, use_cache=False, is_first_iteration=True)
             tensors = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
-            same = set(tensors) <= set(given) and all(torch.equal(v, given[k]) for k, v in tensors.items())
+            # (compared on the host: upstream's own method, which an override may call, moves them onto the
+            # model's device, a tpu one here)
+            same = set(tensors) <= set(given) and all(torch.equal(v.cpu(), given[k]) for k, v in tensors.items())
             _INPUTS_AS_GIVEN[cls] = same and "input_ids" in tensors
         except Exception:  # noqa: BLE001 - any failure: not known to be safe
             _INPUTS_AS_GIVEN[cls] = False
