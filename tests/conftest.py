@@ -82,10 +82,6 @@ def pytest_collection_modifyitems(config, items):
     mark_slow(items, check_stale=not any("::" in str(arg) for arg in config.args))
 
 
-class EnvironmentLeakWarning(UserWarning):
-    """A test changed ``os.environ`` (or torch's float32 matmul precision) and did not undo it; the change was undone."""
-
-
 @pytest.fixture(autouse=True)
 def _process_state_restored():
     """Each test leaves ``os.environ`` and the float32 matmul precision as it found them, whatever it ran in this
@@ -93,8 +89,10 @@ def _process_state_restored():
     from run to run) must not inherit them, nor the processes it starts. ``hf-tpu launch`` run in process, for one,
     sets its workers' ``PYTHONPATH`` (and, simulated, the generation and HBM they simulate) in its own environment on
     purpose: tests/distributed/test_launch.py's bootstrap test left ``PYTHONPATH`` behind, and a later test on that
-    worker saw it (48b7a39). What changed is undone and said as an :class:`EnvironmentLeakWarning` naming the variables
-    (pytest's own ``PYTEST_CURRENT_TEST`` aside)."""
+    worker saw it (48b7a39). What changed is undone and said, naming the variables
+    (pytest's own ``PYTEST_CURRENT_TEST`` aside) in a ``UserWarning`` that starts "environment leak" (a plain class:
+    xdist's controller rebuilds a worker's warning from its class's module by name, and ``conftest`` names
+    tests/contract/conftest.py there when that tier runs, which crashed the contract tier's workers)."""
     import sys
     import warnings
 
@@ -110,12 +108,12 @@ def _process_state_restored():
                 os.environ[k] = environ[k]
             else:
                 del os.environ[k]
-        warnings.warn(EnvironmentLeakWarning(f"os.environ changed, undone: {', '.join(changed)}"), stacklevel=1)
+        warnings.warn(f"environment leak: os.environ changed, undone: {', '.join(changed)}", stacklevel=1)
     if precision is not None:  # (torch imported by the test itself: its first setting is the process's own)
         now = torch.get_float32_matmul_precision()
         if now != precision:
             torch.set_float32_matmul_precision(precision)
-            warnings.warn(EnvironmentLeakWarning(f"float32 matmul precision {now!r}, undone to {precision!r}"))
+            warnings.warn(f"environment leak: float32 matmul precision {now!r}, undone to {precision!r}", stacklevel=1)
 
 
 @pytest.fixture(autouse=True)
