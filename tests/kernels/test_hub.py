@@ -35,6 +35,30 @@ def test_repo_has_the_hub_layout_and_valid_metadata():
     assert json.loads((variant / "metadata.json").read_text())["python-depends"] == []
 
 
+def test_metadata_records_the_digest_of_the_variants_files():
+    """metadata.json's digest (what kernels 0.19 checks on every load, and warns about when it is missing: hf-tpu serve
+    printed that warning above its first line) is the sha256 of each file of the variant, base64; an edited kernel
+    file without a new digest fails here, and kernels' own check agrees where it has one."""
+    import base64
+    import hashlib
+
+    variant = RAGGED_DOT_REPO / "build" / "torch-tpu"
+    digest = json.loads((variant / "metadata.json").read_text())["digest"]
+    files = {f.relative_to(variant).as_posix(): base64.b64encode(hashlib.sha256(f.read_bytes()).digest()).decode()
+             for f in sorted(variant.rglob("*"))
+             if f.is_file() and f.name != "metadata.json" and "__pycache__" not in f.parts}  # fmt: skip
+    assert digest == {"algorithm": "sha256", "files": files}, "metadata.json's digest is stale: recompute it"
+    try:
+        from kernels._internals.digest import DigestVerificationResult, verify_digest
+    except ImportError:  # kernels 0.17 and 0.18 check no digest
+        return
+    from kernels import Metadata
+
+    metadata = Metadata.read_from_file(variant / "metadata.json")
+    result = verify_digest(variant, metadata=metadata, location=None, cache=False)
+    assert isinstance(result, DigestVerificationResult.Success), str(result)
+
+
 def _kernels_reads_torch_backends_tpu() -> bool:
     """Which signal the installed kernels reads, as the release notes of hf_tpu's stand-ins say (a test's oracle, not
     hf_tpu's: hf_tpu asks kernels): 0.17 reads torch.backends.tpu, 0.18 and later torch.accelerator."""
