@@ -9,7 +9,8 @@ anything is patched):
 
 * ``ContinuousBatchingManager.__init__``: completes the continuous-batching config (:func:`~._runner.tpu_config`);
   holds back upstream's "RepetitionPenaltyLogitsProcessor isn't supported by CB. Dropping it." (and the same for
-  ``min_new_tokens``), false when the row sampling applies them (said after all with async batching);
+  ``min_new_tokens``) and 5.25's "penalty only to newly generated tokens" warning, false when the row sampling
+  applies them (said after all with async batching);
 * ``ModelRunner.maybe_pad_inputs``: pads every step to the step ladder (:mod:`hf_tpu.serving.ladder`);
 * ``ModelRunner.compute_batch``: hands the forward shape-determined integers only, and serves the step graphs from
   the persistent compile cache when there is one (:mod:`~hf_tpu.serving._step_graphs`);
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 
 from hf_tpu._patch import check_parameters, patch
 
@@ -50,12 +52,17 @@ _APPLIED_PER_ROW = ("RepetitionPenaltyLogitsProcessor", "MinNewTokensLengthLogit
 
 
 class _held_back(logging.Filter):
-    """Hold back upstream's "Processor X isn't supported by CB. Dropping it." for the processors ``names`` while the
-    block runs; :meth:`release` logs them after all (when hf_tpu does not apply them)."""
+    """Hold back, while the block runs, upstream's "Processor X isn't supported by CB. Dropping it." for the
+    processors ``names`` and, when the repetition penalty is one of them, transformers 5.25's warning that a penalty
+    "with `inputs_embeds` and without `input_ids`" applies to new tokens only (continuous batching builds its
+    processors without a prompt; hf_tpu's row sampling applies the penalty over each request's prompt too).
+    :meth:`release` says them after all (when hf_tpu does not apply them); other warnings pass as they came."""
+
+    _PENALTY_WARNING = "Passing `repetition_penalty` with `inputs_embeds` and without `input_ids`"
 
     def __init__(self, names) -> None:
         super().__init__()
-        self.names, self.records = tuple(names), []
+        self.names, self.records, self.warned = tuple(names), [], []
         self.logger = logging.getLogger("ContinuousBatchingLogger")  # transformers' continuous_batching/utils.py
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -67,15 +74,27 @@ class _held_back(logging.Filter):
 
     def __enter__(self):
         self.logger.addFilter(self)
+        self._catching = warnings.catch_warnings(record=True)
+        self._caught = self._catching.__enter__()
+        warnings.simplefilter("always")
         return self
 
     def __exit__(self, *_exc) -> None:
         self.logger.removeFilter(self)
+        self._catching.__exit__(*_exc)
+        for w in self._caught:
+            if "RepetitionPenaltyLogitsProcessor" in self.names and str(w.message).startswith(self._PENALTY_WARNING):
+                self.warned.append(w)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
     def release(self) -> None:
         for record in self.records:
             self.logger.handle(record)
+        for w in self.warned:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         self.records.clear()
+        self.warned.clear()
 
 
 def apply() -> None:
