@@ -65,12 +65,13 @@ INTEGRATIONS: dict[str, str] = {
     "diffusers": "hf_tpu.diffusers.placement:apply",
     "training": "hf_tpu.training._integration:apply",
     "quantization": "hf_tpu.quantization._integration:apply",
+    "peft": "hf_tpu.training._peft:apply",
 }
 
 #: Integrations whose patches wait for their package's import: :func:`enable` applies one at once where the package is
 #: imported already, else the moment it is (:class:`_AfterImport`), so that a program that never imports diffusers does
 #: not pay for importing it (~0.5 s of CPU in every process that enables everything, measured on a 2-core host).
-DEFERRED: dict[str, str] = {"diffusers": "diffusers"}
+DEFERRED: dict[str, str] = {"diffusers": "diffusers", "peft": "peft"}
 
 _MISSING = object()
 _LOCK = threading.RLock()

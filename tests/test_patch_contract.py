@@ -70,10 +70,13 @@ def test_every_patch_keeps_the_signature_and_attributes_of_what_it_replaced():
     with hf_tpu.enabled():
         if importlib.util.find_spec("diffusers") is not None:
             import diffusers  # noqa: F401  (its integration applies on import)
+        if importlib.util.find_spec("peft") is not None:
+            import peft  # noqa: F401  (the same)
         records = _patch.applied()
         found = {r.target: differences(r) for r in records if not _device_machinery(r)}
     assert len(records) > 50  # every integration's patches, not a few
     assert {r.feature for r in records} >= {"device_map", "generation", "tensor_parallel", "training", "serving"}
+    assert "peft" in {r.feature for r in records} or importlib.util.find_spec("peft") is None
     assert {target: d for target, d in found.items() if d} == {}
 
 

@@ -1,4 +1,6 @@
-"""LoRA fine-tuning with peft on the simulated tpu: adapters on the device, losses equal to CPU, saved as safetensors."""
+"""LoRA fine-tuning with peft on the simulated tpu: adapters on the device, losses equal to CPU, saved as safetensors
+and read back onto a TPU model (the ``peft`` integration: peft 0.22 reads an adapter straight onto ``tpu``, which
+safetensors refuses)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,16 @@ import pytest
 import torch
 from train_helpers import examples
 
+import hf_tpu
 from hf_tpu.training import BucketingCollator
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'hf-tpu[test]' or pip install peft)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _peft_enabled(_training_enabled):
+    with hf_tpu.enabled("peft"):
+        yield
 
 
 def _lora_run(load, device: str, steps: int = 3):
@@ -53,3 +62,32 @@ def test_lora_on_tpu_matches_cpu(load, tmp_path):
     ids = torch.tensor([examples(1)[0]["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids.to("tpu")).logits.cpu(), cpu_model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "pickle"])
+def test_an_adapter_reads_onto_the_tpu_and_upstream_alone_cannot(load, tmp_path, safe):
+    torch.manual_seed(0)
+    saved = peft.get_peft_model(load("cpu"), peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    saved.save_pretrained(tmp_path, safe_serialization=safe)
+    ids = torch.tensor([examples(1)[0]["input_ids"]])
+    with torch.no_grad():
+        expected = saved(ids).logits
+
+    # torch_device="tpu" asks for the TPU on every peft version (0.22 also picks it itself: torch.accelerator).
+    reloaded = peft.PeftModel.from_pretrained(load("tpu"), tmp_path, torch_device="tpu")
+    lora = {n: p for n, p in reloaded.named_parameters() if "lora_" in n}
+    assert lora and all(p.device.type == "tpu" for p in lora.values())
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids.to("tpu")).logits.cpu(), expected, rtol=1e-4, atol=1e-4)
+    # A CPU read goes to upstream as it was.
+    on_cpu = peft.PeftModel.from_pretrained(load("cpu"), tmp_path, torch_device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(on_cpu(ids).logits, expected)
+
+    if safe:
+        hf_tpu.disable("peft")
+        try:
+            with pytest.raises(Exception, match="device tpu is invalid"):
+                peft.PeftModel.from_pretrained(load("tpu"), tmp_path, torch_device="tpu")
+        finally:
+            hf_tpu.enable("peft")
