@@ -10,6 +10,14 @@ still names collected tests.
 Each entry is ``(node id prefix, reason)``: a module (``tests/x.py``), a test with all its parameters
 (``tests/x.py::test_a``), or parameters (``tests/x.py::test_a[p]``; a prefix inside the brackets,
 ``tests/x.py::test_a[p-``, takes every parameter that starts so).
+
+The *sweep* (:data:`SWEEP`, marker ``sweep``) holds the expansions of a check beyond the representatives CI keeps:
+more families of one path, a second process where one already runs in CI, an example whose page already runs. CI's
+whole run (``.ci/run``: the core, oldest, slow and contract tiers) has a 25-minute budget on its 2-core host, and on
+2026-12-07 it took 29; these tests are what left it. ``.ci/run --sweep`` runs them after the other steps
+(``python -m pytest -n 2 --dist loadgroup -m sweep tests`` in ``.venv`` with the [ray] extra does the same), and each
+entry names what checks the same thing inside CI's run, or the benchmark that covers every family
+(``hf-tpu bench vlm_sweep``). A test named in both tables is in the sweep.
 """
 
 from __future__ import annotations
@@ -454,8 +462,8 @@ _slow(
 )
 _slow(
     "serving/test_server.py",
-    "a decode to the model's whole context, twice, plain and streamed (core: finish_reason \"length\" at max_tokens, "
-    "the first part of the test this was)",
+    "a decode to the model's whole context, streamed with its usage chunk (core: finish_reason \"length\" at "
+    "max_tokens, the first part of the test this was)",
     "test_finish_reason_is_length_at_the_context",  # 14 s with the max_tokens part
 )
 _slow(
@@ -526,27 +534,145 @@ _slow(
 )
 
 
-def slow_prefix(nodeid: str) -> str | None:
-    """The entry of :data:`SLOW` that ``nodeid`` falls under, or None."""
-    for prefix, _ in SLOW:
+#: (node id prefix, what checks the same inside CI's run): the sweep, out of CI's run (``.ci/run --sweep`` runs it).
+SWEEP: list[tuple[str, str]] = []
+
+
+def _sweep(module: str, reason: str, *tests: str) -> None:
+    SWEEP.extend((f"tests/{module}::{test}" if test else f"tests/{module}", reason) for test in tests or ("",))
+
+
+_VLM_SWEPT = ("exaone4_5", "hyperclovax_vision_v2", "lfm3_vl", "qwen2_5_vl", "mistral3", "idefics3")
+_sweep(
+    "transformers/test_vision_generate.py",
+    "image-text families beyond the representatives: `hf-tpu bench vlm_sweep` runs every architecture's images "
+    "against the CPU, warms them up and counts compiles, copies and signatures (docs/architectures.md); CI keeps llava "
+    "(plain pixels), gemma3 (token types), qwen2_vl (grid), qwen3_vl, llava_next, smolvlm, idefics2 and gemma4",
+    *(f"{test}[{family}]" for family in _VLM_SWEPT for test in (
+        "test_greedy_with_images_equals_cpu_from_host_pixels",
+        "test_another_image_compiles_nothing_and_another_count_compiles_only_its_own_graphs",
+        "test_one_small_copy_each_way_per_decode_step_with_images",
+        "test_warmup_of_images_says_what_it_cannot_warm",
+    )),
+    *(f"test_warmup_of_image_counts_leaves_nothing_to_compile[{family}]" for family in _VLM_SWEPT
+      if family not in ("exaone4_5", "hyperclovax_vision_v2")),
+    "test_grid_model_text_and_untyped_calls_equal_cpu_on_the_cached_loop[qwen2_5_vl]",
+)  # fmt: skip
+_sweep(
+    "transformers/test_vlm_sweep.py",
+    "the image-text sweep's slices of families CI tests on their own (tests/transformers/test_vision_generate.py); "
+    "CI keeps paligemma's slice",
+    "test_slice_verdicts_match_cpu_and_the_docs[gemma3]",
+    "test_slice_verdicts_match_cpu_and_the_docs[llava]",
+    "test_slice_verdicts_match_cpu_and_the_docs[qwen2_vl]",
+)
+_sweep(
+    "transformers/test_arch_sweep.py",
+    "a second MoE slice of the causal-LM sweep (CI keeps afmoe's slice and the others)",
+    "test_slice_verdicts_match_cpu_and_the_docs[mixtral]",
+)
+_sweep(
+    "diffusers/test_minimax_h3_tp.py",
+    "a third tensor-parallel pipeline (CI: Flux at tp 2 and Qwen-Image 2.1 at tp 4, each equal to tp 1 and the CPU)",
+    "test_minimax_h3_tp4_equals_tp1",
+)
+_sweep(
+    "training/test_fsdp.py",
+    "FSDP2 on a mixture of experts (hf_tpu's FSDP2 path has nothing per architecture; CI: Llama on 2 ranks, and on 4 "
+    "with the sharded checkpoint resumed on 2)",
+    "test_trainer_fsdp2_equals_one_process_on_the_whole_batch[mixtral-2]",
+)
+_sweep(
+    "transformers/test_moe.py",
+    "the MoE fast path's second process with grouped_mm (CI: the same with the ragged-dot kernel, and grouped_mm's "
+    "warm-up in one process)",
+    "test_moe_fast_path_bucket_warmup_and_compile_cache[grouped_mm]",
+)
+_sweep(
+    "transformers/test_compile_cache.py",
+    "two more compile-cache processes (CI: a second process compiles nothing and equals the CPU; a corrupt entry is "
+    "reported and compiled again; an entry of another version is never used)",
+    "test_another_checkpoint_of_the_same_architecture_shares_the_entries",
+    "test_a_damaged_payload_is_reported_and_compiled_again",
+)
+_sweep(
+    "transformers/test_beam_search.py",
+    "beam graphs from the compile cache in a new process (CI: greedy's and the serving steps' second processes; "
+    "the beam graphs' warm-up in one process)",
+    "test_beam_graphs_come_from_the_persistent_compile_cache_in_a_new_process",
+)
+_sweep(
+    "cli/test_bench.py",
+    "the compile-cache benchmark's quick run (CI: the compile cache's second processes in tests/transformers and "
+    "tests/serving, and every benchmark's interface and quick options)",
+    "test_compile_cache_quick_figures_are_consistent",
+)
+_sweep(
+    "ray/test_ray_data.py",
+    "two Ray nodes against the CPU (CI: examples/ray_batch.py --check-cpu, the same two nodes and 64 rows against the "
+    "CPU with the second actor loading the compile cache; the killed actor's run)",
+    "test_two_nodes_equal_cpu_greedy_and_the_second_actor_compiles_nothing",
+)
+_sweep(
+    "encoders/test_encoders.py",
+    "four more encoder families with each head (CI: bert in the core tier, modernbert and deberta-v2 in the slow "
+    "tier, each with every head; mpnet through sentence-transformers)",
+    *(f"test_model_call_equals_cpu_for_each_family_and_head[{head}-{family}]"
+      for head in ("AutoModel", "AutoModelForSequenceClassification", "AutoModelForTokenClassification")
+      for family in ("xlm-roberta", "distilbert", "electra", "mpnet")),
+)  # fmt: skip
+_sweep(
+    "test_examples.py",
+    "examples/encoders.py (CI: docs/encoders.md's blocks, the same pipelines and sentence-transformers calls, and "
+    "tests/encoders)",
+    "test_example_runs_on_the_simulator[encoders.py]",
+)
+_sweep(
+    "serving/test_serving_compile_cache.py",
+    "the batching manager's second process on the compile cache (CI: `hf-tpu serve --compile-cache` twice, the "
+    "second server compiling none)",
+    "test_a_second_process_loads_every_step_graph_and_compiles_nothing",
+)
+_sweep(
+    "transformers/test_transformers_suite_script.py",
+    "transformers' own tests through scripts/run_transformers_tests.py (a whole pytest of upstream's files; its "
+    "figures are in docs/compatibility.md; CI keeps the script's tree assembly)",
+    "test_the_hf_tpu_run_counts_the_tests_its_loop_served",
+)
+
+
+def _prefix(table: list[tuple[str, str]], nodeid: str) -> str | None:
+    for prefix, _ in table:
         if nodeid == prefix or (nodeid.startswith(prefix) and ("[" in prefix or nodeid[len(prefix)] in "[:")):
             return prefix
     return None
 
 
+def slow_prefix(nodeid: str) -> str | None:
+    """The entry of :data:`SLOW` that ``nodeid`` falls under, or None."""
+    return _prefix(SLOW, nodeid)
+
+
+def sweep_prefix(nodeid: str) -> str | None:
+    """The entry of :data:`SWEEP` that ``nodeid`` falls under, or None."""
+    return _prefix(SWEEP, nodeid)
+
+
 def mark_slow(items, check_stale: bool = True) -> None:
-    """Add the ``slow`` marker to the items :data:`SLOW` names. With ``check_stale``, an entry whose module was
-    collected but which names none of its tests (a test renamed or removed) is an error, so that the table cannot go
-    stale."""
+    """Add the ``sweep`` marker to the items :data:`SWEEP` names and the ``slow`` marker to the other items
+    :data:`SLOW` names. With ``check_stale``, an entry whose module was collected but which names none of its tests
+    (a test renamed or removed) is an error, so that the tables cannot go stale."""
     import pytest
 
     used = set()
     for item in items:
-        prefix = slow_prefix(item.nodeid)
-        if prefix is not None:
+        swept, slow = sweep_prefix(item.nodeid), slow_prefix(item.nodeid)
+        if swept is not None:
+            item.add_marker(pytest.mark.sweep)
+        elif slow is not None:
             item.add_marker(pytest.mark.slow)
-            used.add(prefix)
+        used.update(p for p in (swept, slow) if p is not None)
     modules = {item.nodeid.split("::", 1)[0] for item in items}
-    stale = [p for p, _ in SLOW if check_stale and p not in used and p.split("::", 1)[0] in modules]
+    stale = [p for p, _ in SLOW + SWEEP if check_stale and p not in used and p.split("::", 1)[0] in modules]
     if stale:
-        raise pytest.UsageError(f"tests/_tiers.py names tests that were not collected: {stale}; update SLOW")
+        raise pytest.UsageError(f"tests/_tiers.py names tests that were not collected: {stale}; update SLOW or SWEEP")

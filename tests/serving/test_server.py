@@ -242,12 +242,12 @@ def test_finish_reason_is_length_at_max_tokens(client):
 
 
 def test_finish_reason_is_length_at_the_context(client):
-    """(A decode to the model's whole context, twice: in the slow tier, tests/_tiers.py.)"""
-    whole = client.completions.create(max_tokens=100000, **_UNTIL_LENGTH)  # cut at the model's 256 positions
-    assert whole.choices[0].finish_reason == "length"
-    assert whole.usage.prompt_tokens + whole.usage.completion_tokens == 256
-    chunks = list(client.completions.create(max_tokens=100000, stream=True, **_UNTIL_LENGTH))
+    """(A decode to the model's whole context, streamed, with the usage chunk: in the slow tier, tests/_tiers.py.)"""
+    chunks = list(client.completions.create(max_tokens=100000, stream=True, stream_options={"include_usage": True},
+                                            **_UNTIL_LENGTH))  # cut at the model's 256 positions  # fmt: skip
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.prompt_tokens + usage.completion_tokens == 256
 
 
 def _stream(server, prompt: str, tokens: int):
