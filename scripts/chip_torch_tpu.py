@@ -3,7 +3,9 @@
 ``scripts/chip_bench.py`` runs the programs hf_tpu lowers through JAX's TPU client; this script runs hf_tpu as a
 user does, ``model.generate`` on a ``tpu`` device of torch-tpu 0.2.0, and times what only torch_tpu's runtime
 decides: how long an eager op or a read-back takes, whether ``index_copy_`` updates a buffer in place, what the
-Hub kernel's forms cost inside torch_tpu's compiled graphs, and the whole decode loop of a Llama-3.2-1B shape::
+Hub kernel's forms cost inside torch_tpu's compiled graphs, the whole decode loop of a Llama-3.2-1B shape, its
+prefill against the chip's matmul rate (``prefill``) and ``hf-tpu serve`` of it under concurrent streams over a unix
+socket (``serve``; the lent chip opens no TCP socket)::
 
     python scripts/chip_torch_tpu.py run --out results/            # on a TPU VM with hf-tpu[tpu] installed
     python scripts/chip_torch_tpu.py run --out results/ --stages experts llama_decode
@@ -32,6 +34,7 @@ Figures from a run: docs/chip_v5e_torch_tpu.jsonl and docs/planning.md ("Measure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -625,13 +628,23 @@ DECODE_MODELS = {
 }  # fmt: skip
 
 
+# a small Llama for trying the prefill and serve stages on the simulated device (MODEL=smoke), not a chip figure
+SMOKE_MODEL = ("LlamaConfig", dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=4096, tie_word_embeddings=True))  # fmt: skip
+
+
+def _model_shape(name: str) -> tuple[str, dict]:
+    return SMOKE_MODEL if name == "smoke" else DECODE_MODELS[name]
+
+
 def _decode_model(name: str):
     """A ``DECODE_MODELS`` shape with random bf16 weights built on the chip (no checkpoint, no host copy)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
-    config_class, fields = DECODE_MODELS[name]
+    config_class, fields = _model_shape(name)
     config = getattr(transformers, config_class)(**fields)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -709,6 +722,274 @@ def stage_lean() -> None:
     chip_bench.part_lean(_OUT, _OUT, quick=False)
 
 
+def _matmul_rate(n: int = 8192) -> float:
+    """The chip's bf16 matmul rate (FLOP/s) through torch_tpu: an ``n``-cube product compiled by its backend, the
+    best of 3 rounds of 10 calls dispatched back to back (recorded)."""
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="tpu")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="tpu")
+    mm = torch.compile(lambda x, y: x @ y, backend="tpu", dynamic=False)
+    seconds = min(per_call(lambda: mm(a, b), 10) for _ in range(3))
+    rate = 2 * n**3 / seconds
+    rec(step="matmul_rate", n=n, seconds=seconds, flops_per_s=rate)
+    return rate
+
+
+def prefill_flops(config, tokens: int) -> dict[str, int]:
+    """FLOPs of one prefill of ``tokens`` prompt tokens (batch 1): the decoder layers' projections (2 per weight per
+    token), causal attention (QK^T and PV over the lower triangle: 2 x 2 x tokens^2 / 2 x heads x head_dim per layer)
+    and the LM head for the last token only (generate keeps one row of logits)."""
+    d, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    per_layer = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2 + 3 * d * config.intermediate_size
+    linear = 2 * tokens * layers * per_layer
+    attention = layers * 2 * tokens * tokens * heads * head_dim  # (2 products x 2 FLOPs x tokens^2 / 2)
+    head = 2 * d * config.vocab_size
+    return {"linear": linear, "attention": attention, "head": head, "total": linear + attention + head}
+
+
+def stage_prefill() -> None:
+    """Prefill of the Llama-3.2-1B shape (random bf16 weights) through hf_tpu's ``generate`` with one new token, batch
+    1, per prompt length (``LENGTHS``, default 512 and 2048): seconds (the best of 3 after the compiling call), its
+    FLOPs (:func:`prefill_flops`) and their rate against the chip's bf16 matmul rate measured in the same stage."""
+    import torch
+
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    import hf_tpu
+
+    hf_tpu.enable("generation")
+    rate = _matmul_rate(int(os.environ.get("MATMUL_N", "8192")))
+    name = os.environ.get("MODEL", "llama")
+    model = _decode_model(name)
+    generator = torch.Generator().manual_seed(0)
+    for tokens in _numbers(os.environ.get("LENGTHS", "512 2048")):
+        ids = torch.randint(3, model.config.vocab_size - 8, (1, tokens), generator=generator)
+
+        def call(ids=ids):
+            start = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
+                                 do_sample=False)  # fmt: skip
+            int(out[0, -1])  # the token read back: the whole prefill done
+            return time.perf_counter() - start
+
+        first = call()
+        rounds = [call() for _ in range(3)]
+        flops = prefill_flops(model.config, tokens)
+        seconds = min(rounds)
+        rec(step="prefill", model=name, tokens=tokens, first_s=first, seconds=seconds, rounds=rounds,
+            flops=flops, flops_per_s=flops["total"] / seconds, matmul_rate=rate,
+            fraction_of_matmul_rate=flops["total"] / seconds / rate)  # fmt: skip
+
+
+class _UnixHTTPConnection:
+    """``http.client.HTTPConnection`` over a unix socket (the lent chip opens no TCP socket, not even on loopback)."""
+
+    def __new__(cls, path: str, timeout: float):
+        import http.client
+        import socket
+
+        class Connection(http.client.HTTPConnection):
+            def connect(self):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                sock.connect(path)
+                self.sock = sock
+
+        return Connection("localhost", timeout=timeout)
+
+
+def _uds(path: str, method: str, url: str, body: dict | None = None, timeout: float = 600.0):
+    conn = _UnixHTTPConnection(path, timeout)
+    conn.request(method, url, json.dumps(body) if body is not None else None,
+                 {"content-type": "application/json"} if body is not None else {})  # fmt: skip
+    return conn, conn.getresponse()
+
+
+def _served_model(path: str, name: str = "llama") -> str:
+    """The Llama-3.2-1B shape with random bf16 weights, saved with a word-level tokenizer of its whole vocabulary
+    (token ``i`` is the word ``t{i}``), so that a prompt of ``n`` words is ``n`` tokens and any id decodes."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    config_class, fields = _model_shape(name)
+    config = getattr(transformers, config_class)(**fields, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).mul_(0.02))
+        rotary = model.model.rotary_emb
+        for name, buffer in type(rotary)(config).named_buffers():
+            getattr(rotary, name).copy_(buffer)
+    model.tie_weights()
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1", pad_token="t2",
+                            unk_token="t3").save_pretrained(path)  # fmt: skip
+    return path
+
+
+def _stream(sock: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion (greedy, no end of sequence, usage chunk asked): its times and token count."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    start = time.perf_counter()
+    conn, response = _uds(sock, "POST", "/v1/completions", body)
+    first, tokens, status = None, None, response.status
+    try:
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            payload = json.loads(line[6:])
+            if first is None and any(c.get("text") for c in payload.get("choices", [])):
+                first = time.perf_counter()
+            if payload.get("usage"):
+                tokens = payload["usage"]["completion_tokens"]
+    finally:
+        conn.close()
+    end = time.perf_counter()
+    return {"status": status, "start": start, "first": first, "end": end, "tokens": tokens}
+
+
+def _load(sock: str, streams: int, prompt_tokens: int, new_tokens: int, seed: int, vocab: int) -> dict:
+    """``streams`` streamed completions sent at once (one thread each): tokens/s, TTFT and TPOT p50/p99."""
+    import random
+    import threading
+
+    rng = random.Random(seed)
+    prompts = [" ".join(f"t{rng.randint(10, vocab - 1)}" for _ in range(prompt_tokens)) for _ in range(streams)]
+    results: list[dict] = [{}] * streams
+
+    def one(i: int) -> None:
+        try:
+            results[i] = _stream(sock, prompts[i], new_tokens)
+        except Exception as exc:  # noqa: BLE001 - counted as a failed request
+            results[i] = {"error": repr(exc)[:300]}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done = [r for r in results if r.get("status") == 200 and r.get("tokens") and r.get("first")]
+    ttft = sorted(r["first"] - r["start"] for r in done)
+    tpot = sorted((r["end"] - r["first"]) / max(1, r["tokens"] - 1) for r in done)
+
+    def pct(values, q):
+        return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+    wall = (max(r["end"] for r in done) - min(r["start"] for r in done)) if done else None
+    tokens = sum(r["tokens"] for r in done)
+    return {"streams": streams, "answered": len(done), "errors": [r for r in results if r not in done][:3],
+            "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
+            "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99), "tpot_p50_s": pct(tpot, 0.5),
+            "tpot_p99_s": pct(tpot, 0.99)}  # fmt: skip
+
+
+def _metric(sock: str, name: str) -> float | None:
+    conn, response = _uds(sock, "GET", "/metrics")
+    try:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    finally:
+        conn.close()
+    return None
+
+
+def _start_server(path: str, sock: str, flags: list[str], log: Path, limit_s: float):
+    """``hf-tpu serve`` on a unix socket in its own session; returns (process, seconds to ready) once ``/health``
+    says 200, or raises with the log's end."""
+    import signal
+
+    if os.path.exists(sock):
+        os.unlink(sock)
+    env = stage_env()
+    start = time.perf_counter()
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "hf_tpu.cli", "serve", path, "--uds", sock, *flags],
+                                stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+    while True:
+        if proc.poll() is not None or time.perf_counter() - start > limit_s:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError(f"hf-tpu serve did not get ready: {log.read_text(errors='replace')[-3000:]}")
+        with contextlib.suppress(OSError):
+            conn, response = _uds(sock, "GET", "/health", timeout=10)
+            conn.close()
+            if response.status == 200:
+                return proc, time.perf_counter() - start
+        time.sleep(1.0)
+
+
+def _stop_server(proc) -> None:
+    import signal
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _warmup_line(log: Path) -> dict:
+    import re
+
+    found = re.findall(r"warm-up done in ([\d.]+) s \((\d+) step shapes, (\d+) graphs compiled\)", log.read_text(errors="replace"))
+    if not found:
+        return {}
+    seconds, shapes, compiled = found[-1]
+    return {"warmup_s": float(seconds), "step_shapes": int(shapes), "graphs_compiled": int(compiled)}
+
+
+def stage_serve() -> None:
+    """``hf-tpu serve`` of the Llama-3.2-1B shape (random bf16 weights, :func:`_served_model`) on a unix socket,
+    under ``STREAMS`` (default 1 8 32 64) concurrent streamed completions of ``PROMPT`` (128) prompt tokens and ``NEW``
+    (128) new tokens each: tokens/s, TTFT and TPOT p50/p99, compiles after the warm-up (``/metrics``). Then the
+    server again on the same ``--compile-cache`` folder: the graphs it compiled at start (0 expected) and its seconds
+    to ready. ``FLAGS``: the server's options (``+`` for spaces)."""
+    name = os.environ.get("MODEL", "llama")
+    work = Path(os.environ.get("WORK", "/tmp/hf_tpu_chip_serve"))
+    work.mkdir(exist_ok=True, parents=True)
+    path = str(work / f"model-{name}")
+    start = time.perf_counter()
+    if not (Path(path) / "config.json").exists():
+        _served_model(path, name)
+    rec(step="model", path=path, seconds=time.perf_counter() - start)
+    sock, cache = str(work / "serve.sock"), str(work / "compile-cache")
+    flags = os.environ.get("FLAGS", "--slots+64+--max-pending+512+--kv-cache-gib+2+--min-step-tokens+64+"
+                                    "--max-batch-tokens+256").split("+")  # fmt: skip
+    flags += ["--compile-cache", cache]
+    prompt, new = int(os.environ.get("PROMPT", "128")), int(os.environ.get("NEW", "128"))
+    for attempt in ("first", "cached"):
+        log = _OUT / f"serve-{attempt}.log"
+        proc, ready_s = _start_server(path, sock, flags, log, limit_s=float(os.environ.get("READY_S", "420")))
+        try:
+            rec(step="ready", model=name, attempt=attempt, seconds=ready_s, flags=flags, **_warmup_line(log))
+            if attempt == "cached":
+                break
+            before = _metric(sock, "hf_tpu_compiles_total")
+            for i, streams in enumerate(_numbers(os.environ.get("STREAMS", "1 8 32 64"))):
+                figures = _load(sock, streams, prompt, new, seed=i, vocab=_model_shape(name)[1]["vocab_size"])
+                rec(step="load", prompt_tokens=prompt, new_tokens=new, **figures,
+                    compiles_after_warmup=(_metric(sock, "hf_tpu_compiles_total") or 0) - (before or 0))  # fmt: skip
+        finally:
+            _stop_server(proc)
+
+
 STAGES = {
     "basics": stage_basics,
     "dispatch": stage_dispatch,
@@ -722,6 +1003,8 @@ STAGES = {
     "selftest": stage_selftest,
     "moe_diag": stage_moe_diag,
     "tier": stage_tier,
+    "prefill": stage_prefill,
+    "serve": stage_serve,
 }
 
 

@@ -634,6 +634,12 @@ _sweep(
     "test_a_second_process_loads_every_step_graph_and_compiles_nothing",
 )
 _sweep(
+    "tpu_compile/test_chip_torch_tpu.py",
+    "the chip script's serve stage on the simulated device (CI: its generate stage; the server on a unix socket in "
+    "tests/serving/test_serve_hardening.py; the stage's records from a chip in docs/chip_v5e_torch_tpu.jsonl)",
+    "test_the_serve_stage_loads_a_server_over_a_unix_socket_on_the_simulator",
+)
+_sweep(
     "transformers/test_transformers_suite_script.py",
     "transformers' own tests through scripts/run_transformers_tests.py (a whole pytest of upstream's files; its "
     "figures are in docs/compatibility.md; CI keeps the script's tree assembly)",

@@ -97,3 +97,43 @@ def test_decode_models_are_the_lean_steps_shapes_and_the_lean_stage_runs_jax_alo
     assert "JAX_PLATFORMS" not in lean_env and lean_env["PYTHONPATH"] == str(ROOT)
     assert s.parse_stage("lean:200:BATCHES=1_64,MODELS=llama+moe") == ("lean", 200, {"BATCHES": "1_64",
                                                                                    "MODELS": "llama+moe"})
+
+
+def test_the_prefill_flops_are_what_torchs_flop_counter_counts():
+    """The prefill stage's FLOPs (its MFU's numerator): the projections and the last token's LM head equal torch's
+    count of a forward with one row of logits; eager attention (QK^T and PV as whole products) counts the causal
+    triangle twice."""
+    import torch
+    import transformers
+    from torch.utils.flop_counter import FlopCounterMode
+
+    s = _script()
+    config_class, fields = s.SMOKE_MODEL
+    config = getattr(transformers, config_class)(**fields)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    tokens = 48
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (1, tokens)), logits_to_keep=1)
+    flops = s.prefill_flops(config, tokens)
+    assert flops["total"] == flops["linear"] + flops["attention"] + flops["head"]
+    assert counter.get_total_flops() == flops["linear"] + flops["head"] + 2 * flops["attention"]
+
+
+@pytest.mark.slow
+def test_the_serve_stage_loads_a_server_over_a_unix_socket_on_the_simulator(tmp_path):
+    """The serve stage as a chip runs it, on the simulated device with the smoke model: the server on a unix socket
+    answers every stream of each load with its tokens, compiles nothing after its warm-up, and the second server on
+    the same compile cache compiles no graph."""
+    env = dict(os.environ, HF_TPU_SIMULATE="1", MODEL="smoke", WORK=str(tmp_path / "work"), STREAMS="1 3", PROMPT="12",
+               NEW="8", FLAGS="--slots+4+--kv-cache-gib+0.05+--min-step-tokens+64+--max-batch-tokens+64")  # fmt: skip
+    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--out", str(tmp_path / "out"), "--stages", "serve:900"],
+                          env=env, capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    loads = [r for r in records if r["step"] == "load"]
+    assert [(r["streams"], r["answered"], r["tokens"]) for r in loads] == [(1, 1, 8), (3, 3, 24)]
+    assert all(r["compiles_after_warmup"] == 0 and r["tokens_per_s"] > 0 for r in loads)
+    ready = {r["attempt"]: r for r in records if r["step"] == "ready"}
+    assert ready["first"]["graphs_compiled"] == ready["first"]["step_shapes"] > 0
+    assert ready["cached"]["graphs_compiled"] == 0
