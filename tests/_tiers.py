@@ -640,6 +640,50 @@ _sweep(
     "test_the_serve_stage_loads_a_server_over_a_unix_socket_on_the_simulator",
 )
 _sweep(
+    "tpu_compile/test_chip_torch_tpu.py",
+    "the chip script's generate stage on the simulated device (CI: its stage specs, its pack list and its FLOPs "
+    "count; hf_tpu's generate against the CPU in tests/transformers; the stage's records from a chip in "
+    "docs/chip_v5e_torch_tpu.jsonl)",
+    "test_generate_stage_on_the_simulator",
+)
+_sweep(
+    "tpu_compile/test_chip_bench.py",
+    "scripts/chip_bench.py's parts on a CPU (CI: its report of the committed records, its donation and KV-write "
+    "forms against the lean steps)",
+    "test_chip_parts_run_on_a_cpu",
+)
+_sweep(
+    "cli/test_bench.py",
+    "two more benchmarks' quick runs, sim_forward and training (CI: generate's quick run, and every benchmark's "
+    "interface and quick options)",
+    "test_quick_runs_end_to_end_with_consistent_json",
+)
+_sweep(
+    "ray/test_ray_serve.py",
+    "hf-tpu serve replicas behind Ray Serve (CI: Ray Data over two simulated VMs, examples/ray_batch.py and the killed "
+    "actor; the Ray Serve builder's arguments, tests/ray/test_serve_arguments.py; hf-tpu serve itself in "
+    "tests/serving)",
+    "test_replicas_behind_one_endpoint_answer_the_openai_client_greedy_equal_to_cpu",
+)
+_sweep(
+    "sim/test_native.py",
+    "the simulator's Python path through the device tests (CI: the Python and native paths agree op by op, and the "
+    "native path declines to Python where it does not cover an op)",
+    "test_python_path_passes_the_device_tests",
+)
+_sweep(
+    "test_examples.py",
+    "examples/tp_generate.py on two simulated chips (CI: tensor parallel at tp 2 against tp 1 in the core tier, tp 4 "
+    "with the plan fixes, the torch_tpu launch recipe and the tensor-parallel server in the slow tier)",
+    "test_tensor_parallel_example_runs_on_two_simulated_chips",
+)
+_sweep(
+    "docs/test_docs.py",
+    "docs/serving.md's `hf-tpu serve --simulate` session (its 15 step shapes' warm-up; CI: hf-tpu serve's own tests, "
+    "the warm-up line read by tests/serving/test_serving_compile_cache.py, the page's Python blocks)",
+    "test_commands_print_what_the_page_shows[docs/serving.md:",
+)
+_sweep(
     "transformers/test_transformers_suite_script.py",
     "transformers' own tests through scripts/run_transformers_tests.py (a whole pytest of upstream's files; its "
     "figures are in docs/compatibility.md; CI keeps the script's tree assembly)",

@@ -96,6 +96,9 @@ def test_killing_an_actor_mid_run_loses_no_row(cluster, cache_dir, expected, tmp
             killed.append(victim)
     assert killed and len(rows) > 1
     _check_rows(rows, expected)
-    # every actor that started (the killed one's restart too, when it came up before the job ended) loaded its graphs
+    # at most one actor compiled the graphs, the first through the compile cache's lock (none where an earlier job of
+    # this module stored them: the sweep's two-node test); every other, the killed one's restart too when it came up
+    # before the job ended, loaded them
     reports = _reports(tmp_path)
-    assert len(reports) >= 2 and all(r["sim_compiles"] == 0 for r in reports), reports
+    assert len(reports) >= 2 and sum(r["sim_compiles"] > 0 for r in reports) <= 1, reports
+    assert sum(r["from_cache"] == r["graphs"] > 0 for r in reports) >= len(reports) - 1, reports
