@@ -21,11 +21,11 @@ extras the chip tier and the self-test need, EXTRA_WHEELS), and
 2.13.0 from the machine's own wheels::
 
     python scripts/chip_torch_tpu.py pack .chip_carry --venv .venv-tpu     # here: .chip_carry/{tt,lt1,lt2,lt3,ex}
-    python scripts/chip_torch_tpu.py install .chip_carry/tt                # on the chip, one call each, in order
-    python scripts/chip_torch_tpu.py install .chip_carry/lt1
+    python scripts/chip_torch_tpu.py install .chip_carry/ex                 # on the chip, one call each, in order:
+    python scripts/chip_torch_tpu.py install .chip_carry/tt                # the extras first (EXTRA_WHEELS: the
+    python scripts/chip_torch_tpu.py install .chip_carry/lt1               # huggingface_hub transformers needs)
     python scripts/chip_torch_tpu.py install .chip_carry/lt2
     python scripts/chip_torch_tpu.py install .chip_carry/lt3
-    python scripts/chip_torch_tpu.py install .chip_carry/ex                 # the extras (EXTRA_WHEELS), if needed
     python scripts/chip_torch_tpu.py run --out $OUT                        # then as on a TPU VM
 
 Figures from a run: docs/chip_v5e_torch_tpu.jsonl and docs/planning.md ("Measured with torch_tpu itself").
@@ -60,7 +60,10 @@ EXTRA_WHEELS = ("accelerate", "peft", "diffusers", "torchao", "compressed-tensor
                 "opentelemetry-api", "uvicorn", "click", "h11", "anyio", "sniffio", "openai", "httpx2", "httpcore2",
                 "idna", "truststore", "jiter", "prometheus-client", "psutil", "loguru", "pillow", "importlib-metadata",
                 "zipp", "rich", "pygments", "markdown-it-py", "mdurl", "typing-extensions", "requests", "certifi",
-                "charset-normalizer", "urllib3", "typer", "shellingham", "filelock")  # fmt: skip
+                "charset-normalizer", "urllib3", "typer", "shellingham", "filelock",
+                # transformers 5.25 needs huggingface_hub 2.4, which the lent machine's index lacks (it has 2.0);
+                # the tt folder's transformers install finds these in the ex folder's wheels (install ex first)
+                "huggingface-hub", "hf-xet")  # fmt: skip
 DEFAULT_STAGES = ("basics:90", "dispatch:120", "kv_write:120", "jaxop:150", "generate:180",
                   "generate:180:CASE=moe_kernel", "experts:200:SHAPE=qwen3,TOKENS=1_8_512",
                   "experts:200:SHAPE=mixtral,TOKENS=1_8_512", "llama_decode:470")  # fmt: skip
@@ -948,7 +951,8 @@ def _stop_server(proc) -> None:
 def _warmup_line(log: Path) -> dict:
     import re
 
-    found = re.findall(r"warm-up done in ([\d.]+) s \((\d+) step shapes, (\d+) graphs compiled\)", log.read_text(errors="replace"))
+    pattern = r"warm-up done in ([\d.]+) s \((\d+) step shapes, (\d+) graphs compiled\)"
+    found = re.findall(pattern, log.read_text(errors="replace"))
     if not found:
         return {}
     seconds, shapes, compiled = found[-1]
@@ -1113,9 +1117,14 @@ def install(folder: Path) -> None:
         _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--no-deps", "--target", str(site),
              "absl-py")  # torch_tpu's logging; on the machine's index  # fmt: skip
         wheel = next(folder.glob("transformers-*.whl"))  # the version hf_tpu was tested with; its needs from the index
-        _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--target", str(tf), str(wheel))
+        wheels = CHIP_HOME / "wheels"  # and from the ex folder's wheels (huggingface_hub 2.4: the index has 2.0)
+        links = ["--find-links", str(wheels)] if wheels.is_dir() else []
+        _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", *links, "--target", str(tf), str(wheel))
     if folder.name == "ex":
         _pip("--no-index", "--no-deps", "--target", str(tf), *map(str, sorted(folder.glob("*.whl"))))
+        (CHIP_HOME / "wheels").mkdir(parents=True, exist_ok=True)
+        for wheel in folder.glob("*.whl"):
+            (CHIP_HOME / "wheels" / wheel.name).write_bytes(wheel.read_bytes())
     for wheel in folder.glob("kernels-*.whl"):
         # kernels (hf_tpu's measured experts choice takes the Hub kernel's forms only where it is importable, as on a
         # TPU VM with hf-tpu[tpu]); not on the machine's index, its needs are transformers' (huggingface_hub, pyyaml)

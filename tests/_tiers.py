@@ -546,7 +546,7 @@ _VLM_SWEPT = ("exaone4_5", "hyperclovax_vision_v2", "lfm3_vl", "qwen2_5_vl", "mi
 _sweep(
     "transformers/test_vision_generate.py",
     "image-text families beyond the representatives: `hf-tpu bench vlm_sweep` runs every architecture's images "
-    "against the CPU, warms them up and counts compiles, copies and signatures (docs/architectures.md); CI keeps llava "
+    "against the CPU, warms them up, counts compiles, copies and signatures (docs/architectures.md); CI keeps llava "
     "(plain pixels), gemma3 (token types), qwen2_vl (grid), qwen3_vl, llava_next, smolvlm, idefics2 and gemma4",
     *(f"{test}[{family}]" for family in _VLM_SWEPT for test in (
         "test_greedy_with_images_equals_cpu_from_host_pixels",
@@ -660,7 +660,7 @@ _sweep(
 )
 _sweep(
     "ray/test_ray_serve.py",
-    "hf-tpu serve replicas behind Ray Serve (CI: Ray Data over two simulated VMs, examples/ray_batch.py and the killed "
+    "hf-tpu serve replicas behind Ray Serve (CI: Ray Data over two simulated VMs, examples/ray_batch.py, the killed "
     "actor; the Ray Serve builder's arguments, tests/ray/test_serve_arguments.py; hf-tpu serve itself in "
     "tests/serving)",
     "test_replicas_behind_one_endpoint_answer_the_openai_client_greedy_equal_to_cpu",

@@ -177,7 +177,8 @@ def test_the_newest_pins_sit_at_the_top_of_each_range():
     optional = _optional_ranges()
     for name, version in _pins(".ci/newest.txt").items():
         if name in optional:  # an extra's library, pinned so that CI runs the release the suite was run with
-            assert version in SpecifierSet(optional[name]), f".ci/newest.txt pins {name} {version} outside {optional[name]}"
+            spec = optional[name]
+            assert version in SpecifierSet(spec), f".ci/newest.txt pins {name} {version} outside {spec}"
             continue
         spec = SpecifierSet(env_cmd.REQUIREMENTS[name])
         assert version in spec, f".ci/newest.txt pins {name} {version}, outside pyproject's {spec}: widen the range"
