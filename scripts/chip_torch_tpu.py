@@ -22,9 +22,9 @@ extras the chip tier and the self-test need, EXTRA_WHEELS), and
 
     python scripts/chip_torch_tpu.py pack .chip_carry --venv .venv-tpu     # here: .chip_carry/{tt,lt1,lt2,lt3,ex}
     python scripts/chip_torch_tpu.py install .chip_carry/ex                 # on the chip, one call each, in order:
-    python scripts/chip_torch_tpu.py install .chip_carry/tt                # the extras first (EXTRA_WHEELS: the
-    python scripts/chip_torch_tpu.py install .chip_carry/lt1               # huggingface_hub transformers needs)
-    python scripts/chip_torch_tpu.py install .chip_carry/lt2
+    python scripts/chip_torch_tpu.py install .chip_carry/lt1               # ex and lt1 before tt (transformers 5.25
+    python scripts/chip_torch_tpu.py install .chip_carry/tt                # needs huggingface_hub 2.4, which the
+    python scripts/chip_torch_tpu.py install .chip_carry/lt2               # machine's index lacks, and kernels 0.19)
     python scripts/chip_torch_tpu.py install .chip_carry/lt3
     python scripts/chip_torch_tpu.py run --out $OUT                        # then as on a TPU VM
 
@@ -1127,8 +1127,11 @@ def install(folder: Path) -> None:
             (CHIP_HOME / "wheels" / wheel.name).write_bytes(wheel.read_bytes())
     for wheel in folder.glob("kernels-*.whl"):
         # kernels (hf_tpu's measured experts choice takes the Hub kernel's forms only where it is importable, as on a
-        # TPU VM with hf-tpu[tpu]); not on the machine's index, its needs are transformers' (huggingface_hub, pyyaml)
+        # TPU VM with hf-tpu[tpu]); not on the machine's index, its needs are transformers' (huggingface_hub, pyyaml).
+        # transformers 5.25 requires it: the tt folder's install finds it among the wheels (install lt1 before tt)
         _pip("--no-index", "--no-deps", "--target", str(tf), str(wheel))
+        (CHIP_HOME / "wheels").mkdir(parents=True, exist_ok=True)
+        (CHIP_HOME / "wheels" / wheel.name).write_bytes(wheel.read_bytes())
     for part in sorted(folder.glob("libtpu-*.whl.part*")):
         (lib / part.name).write_bytes(part.read_bytes())
     parts = sorted(lib.glob("libtpu-*.whl.part*"), key=lambda p: int(p.name.rsplit("part", 1)[1]))
