@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -786,21 +788,17 @@ def stage_prefill() -> None:
             fraction_of_matmul_rate=flops["total"] / seconds / rate)  # fmt: skip
 
 
-class _UnixHTTPConnection:
+class _UnixHTTPConnection(http.client.HTTPConnection):
     """``http.client.HTTPConnection`` over a unix socket (the lent chip opens no TCP socket, not even on loopback)."""
 
-    def __new__(cls, path: str, timeout: float):
-        import http.client
-        import socket
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
 
-        class Connection(http.client.HTTPConnection):
-            def connect(self):
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(timeout)
-                sock.connect(path)
-                self.sock = sock
-
-        return Connection("localhost", timeout=timeout)
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
 
 
 def _uds(path: str, method: str, url: str, body: dict | None = None, timeout: float = 600.0):

@@ -159,13 +159,8 @@ def run(args: argparse.Namespace) -> int:
         "q_min": args.min_step_tokens, "compile_cache": args.compile_cache, "max_logprobs": args.max_logprobs,
         "read_back_every": args.read_back_every,
     }  # fmt: skip
+    # (configure opens --compile-cache's directory at once: before the model's load, which compiles)
     serving.configure(**{k: v for k, v in settings.items() if v is not None})
-    # The compile cache is opened before anything runs on the chip: torch_tpu reads where its own caches live at its
-    # first compile, and loading the model compiles (a v5e run of the Llama-3.2-1B shape counted 11 cache requests
-    # before the warm-up opened the cache, so the next server compiled every step graph again).
-    from hf_tpu.serving import _runner
-
-    _runner.compile_cache()
     hf_tpu.enable()
     if rank not in (None, "0"):
         tensor_parallel.follow(model, args.tp, warmup=not args.no_warmup, dtype=args.dtype,

@@ -21,22 +21,12 @@ import functools
 from typing import Any
 
 from hf_tpu import _patch
+from hf_tpu.device_map.devices import is_tpu_device
 
 FEATURE = "peft"
 PEFT = {"package": "peft", "versions": ">=0.17,<0.23"}
 
 __all__ = ["apply"]
-
-
-def _is_tpu(device: Any) -> bool:
-    import torch
-
-    if device is None or isinstance(device, int):
-        return False  # (an int is a CUDA ordinal to safetensors and torch.load)
-    try:
-        return torch.device(device).type == "tpu"
-    except (RuntimeError, TypeError):
-        return False  # not a device name: upstream says what is wrong with it
 
 
 def _to(tensors: dict, device: Any) -> dict:
@@ -52,13 +42,13 @@ def apply() -> None:
 
     @functools.wraps(safe_load_file)
     def safe_load_file_for_tpu(filename, device="cpu", *args, **kwargs):
-        if not _is_tpu(device):
+        if not is_tpu_device(device):
             return safe_load_file(filename, device, *args, **kwargs)
         return _to(safe_load_file(filename, "cpu", *args, **kwargs), device)
 
     @functools.wraps(torch_load)
     def torch_load_for_tpu(*args, map_location=None, **kwargs):
-        if not _is_tpu(map_location):
+        if not is_tpu_device(map_location):
             return torch_load(*args, map_location=map_location, **kwargs)
         return _to(torch_load(*args, map_location="cpu", **kwargs), map_location)
 
