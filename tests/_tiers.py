@@ -140,21 +140,6 @@ _slow(
     "test_sharded_checkpoint_of_4_ranks_resumes_on_2_and_exports_a_plain_model",
 )
 _slow(
-    "diffusers/test_minimax_h3_tp.py",
-    "a launch of 4 ranks (core: Flux on 2)",
-    "test_minimax_h3_tp4_equals_tp1",
-)
-_slow(
-    "diffusers/test_qwen_image_tp.py",
-    "a launch of 4 ranks (core: Flux on 2)",
-    "test_qwen_image_21_tp4_equals_tp1",
-)
-_slow(
-    "cli/test_bench.py",
-    "a benchmark's quick run as a process",
-    "test_generate_quick_buckets_compile_no_more_than_upstream",
-)
-_slow(
     "cli/test_bench.py",
     "two benchmarks' quick runs as a process",
     "test_quick_runs_end_to_end_with_consistent_json",
@@ -547,7 +532,7 @@ _sweep(
     "transformers/test_vision_generate.py",
     "image-text families beyond the representatives: `hf-tpu bench vlm_sweep` runs every architecture's images "
     "against the CPU, warms them up, counts compiles, copies and signatures (docs/architectures.md); CI keeps llava "
-    "(plain pixels), gemma3 (token types), qwen2_vl (grid), qwen3_vl, llava_next, smolvlm, idefics2 and gemma4",
+    "(plain pixels), gemma3 (token types), qwen2_vl (grid), llava_next, idefics2 and gemma4",
     *(f"{test}[{family}]" for family in _VLM_SWEPT for test in (
         "test_greedy_with_images_equals_cpu_from_host_pixels",
         "test_another_image_compiles_nothing_and_another_count_compiles_only_its_own_graphs",
@@ -573,7 +558,7 @@ _sweep(
 )
 _sweep(
     "diffusers/test_minimax_h3_tp.py",
-    "a third tensor-parallel pipeline (CI: Flux at tp 2 and Qwen-Image 2.1 at tp 4, each equal to tp 1 and the CPU)",
+    "a third tensor-parallel pipeline (CI: Flux at tp 2, equal to tp 1 and the CPU)",
     "test_minimax_h3_tp4_equals_tp1",
 )
 _sweep(
@@ -609,17 +594,26 @@ _sweep(
 )
 _sweep(
     "ray/test_ray_data.py",
-    "two Ray nodes against the CPU (CI: examples/ray_batch.py --check-cpu, the same two nodes and 64 rows against the "
-    "CPU with the second actor loading the compile cache; the killed actor's run)",
+    "two Ray nodes against the CPU (CI: the killed actor's Ray Data job, every row equal to the CPU's greedy tokens, "
+    "at most one actor compiling and the others loading the compile cache)",
     "test_two_nodes_equal_cpu_greedy_and_the_second_actor_compiles_nothing",
 )
 _sweep(
+    "test_examples.py",
+    "examples/ray_batch.py --check-cpu (two simulated VMs, 64 rows against the CPU; CI: the killed actor's Ray Data "
+    "job through the same actor class, each row equal to the CPU's; the sweep's two-node test)",
+    "test_example_runs_on_the_simulator[ray_batch.py]",
+)
+_sweep(
     "encoders/test_encoders.py",
-    "four more encoder families with each head (CI: bert in the core tier, modernbert and deberta-v2 in the slow "
-    "tier, each with every head; mpnet through sentence-transformers)",
+    "five more encoder families with each head, and deberta-v2 through sentence-transformers and a cross-encoder "
+    "(CI: bert in the core tier, modernbert in the slow tier, each with every head; bert through both pipelines and "
+    "mpnet through sentence-transformers; the mixed corpus's warmed pipelines)",
     *(f"test_model_call_equals_cpu_for_each_family_and_head[{head}-{family}]"
       for head in ("AutoModel", "AutoModelForSequenceClassification", "AutoModelForTokenClassification")
-      for family in ("xlm-roberta", "distilbert", "electra", "mpnet")),
+      for family in ("xlm-roberta", "distilbert", "electra", "mpnet", "deberta-v2")),
+    "test_sentence_transformers_encode_equals_cpu_and_compiles_nothing_after_warmup[deberta-v2]",
+    "test_cross_encoder_reranking_equals_cpu_and_compiles_nothing_after_warmup[deberta-v2]",
 )  # fmt: skip
 _sweep(
     "test_examples.py",
@@ -688,6 +682,54 @@ _sweep(
     "transformers' own tests through scripts/run_transformers_tests.py (a whole pytest of upstream's files; its "
     "figures are in docs/compatibility.md; CI keeps the script's tree assembly)",
     "test_the_hf_tpu_run_counts_the_tests_its_loop_served",
+)
+
+_sweep(
+    "transformers/test_vision_generate.py",
+    "second families of image paths CI keeps one family of: warm-up of image counts (CI: llava's), padded images "
+    "dropped on the host (CI: idefics2's, core), Gemma 4's unified checkpoint (CI: gemma4's, core), another image "
+    "and another count (CI: llava's), Qwen3-VL's images (CI: Qwen2-VL's grid path, core; Qwen3-VL's graphs lowered "
+    "through torch_tpu, contract tier); `hf-tpu bench vlm_sweep` warms every architecture up and counts its compiles",
+    "test_qwen3_vl_images_on_the_cached_loop_equal_cpu_and_warmed_sizes_compile_nothing",
+    "test_warmup_of_image_counts_leaves_nothing_to_compile[gemma3]",
+    "test_warmup_of_image_counts_leaves_nothing_to_compile[qwen2_vl]",
+    "test_padded_images_drop_on_the_host_equal_cpu_read_nothing_and_warmed_calls_compile_nothing[smolvlm]",
+    "test_gemma4_images_run_the_cached_loop_equal_cpu_and_another_count_and_size_compile_nothing[gemma4_unified]",
+    "test_another_image_compiles_nothing_and_another_count_compiles_only_its_own_graphs[gemma3]",
+    "test_another_image_compiles_nothing_and_another_count_compiles_only_its_own_graphs[qwen2_vl]",
+)
+_sweep(
+    "cli/test_bench.py",
+    "the generate benchmark's quick run (CI: the bucketed loop's compiles bounded by the buckets touched and equal to "
+    "the CPU, tests/transformers/test_generation.py; every benchmark's interface and quick options)",
+    "test_generate_quick_buckets_compile_no_more_than_upstream",
+)
+_sweep(
+    "training/test_fsdp.py",
+    "Trainer with FSDP2 on 4 ranks (CI: the same on 2 ranks, core; 4 ranks with the sharded checkpoint resumed on 2; "
+    "accelerate's FSDP2 plugin in a plain loop)",
+    "test_trainer_fsdp2_equals_one_process_on_the_whole_batch[llama-4]",
+)
+_sweep(
+    "diffusers/test_qwen_image_tp.py",
+    "a second tensor-parallel pipeline (CI: Flux at tp 2 through the same launcher and diffusers' own "
+    "TensorParallelConfig, equal to tp 1 and the CPU; causal LMs at tp 4 with the plan fixes)",
+    "test_qwen_image_21_tp4_equals_tp1",
+)
+_sweep(
+    "transformers/test_read_back.py",
+    "more rows of the read-back grid (CI: batch 1 greedy with no end and with an early end, sampled with an early "
+    "end; batch 4 greedy with some rows ending, sampled with some and with every row ending)",
+    "test_generate_reads_back_once_per_k_steps_and_equals_cpu[1-True-none]",
+    "test_generate_reads_back_once_per_k_steps_and_equals_cpu[4-False-none]",
+    "test_generate_reads_back_once_per_k_steps_and_equals_cpu[4-False-all]",
+    "test_generate_reads_back_once_per_k_steps_and_equals_cpu[4-True-none]",
+)
+
+_sweep(
+    "contract/test_tpu_compile.py",
+    "the measured experts choice compiled for a second target (CI: the same on v5e-1, the chip it was measured on)",
+    "test_moe_decode_with_the_measured_experts_choice_compiles[v6e-1]",
 )
 
 
