@@ -23,7 +23,10 @@ part) and appends each measurement to ``records.jsonl`` the moment it is taken. 
   better of two tilings, and the routed-experts floor. ``report --table`` writes hf_tpu's choice table from them.
 - ``lean``: a lean JAX decode step (layers unrolled, donated KV cache, greedy) of a Llama-3.2-1B shape and of a
   Qwen3-30B-A3B shape (8 layers: as many as fit beside a lean copy's temporaries) at batch 1, 8, 64, the MoE in
-  each experts form, each step synced and 30 steps dispatched back to back.
+  each experts form, each step synced and 30 steps dispatched back to back. With ``mmdit`` or ``train`` in
+  ``CHIP_BENCH_LEAN``: an SD3.5-medium MMDiT forward at 1024x1024 (batch 1 and 2) and a training step (forward,
+  backward, AdamW, donated) of the Llama-3.2-1B shape, the references of chip_torch_tpu.py's ``denoiser`` and
+  ``train`` stages (:func:`part_lean_images`).
 - ``programs``: each program ``lower`` wrote (prefill at batch 1, decode at 1, 8, 64; the MoE with each experts form
   torch_tpu lowers), compiled by JAX's TPU client and run on random inputs, synced and back to back; each decode
   program also with its KV caches donated (:func:`donated`: what the step would cost if torch_tpu's runtime
@@ -586,6 +589,8 @@ def part_lean(out: Path, folder: Path, quick: bool) -> None:
         for form in lean_forms.split():
             if _form_applies(form, b, moe["top_k"]):
                 runs.append((f"qwen3-moe-{moe['layers']}l", moe, form, b))
+    if "mmdit" in models or "train" in models:
+        part_lean_images(out, quick)
     params = {}
     for name, cfg, form, batch in runs:
         if name not in params:
@@ -610,6 +615,304 @@ def part_lean(out: Path, folder: Path, quick: bool) -> None:
         except Exception as exc:  # noqa: BLE001 - a failing step is a record; the next one runs
             _record(out, part="lean", model=name, batch=batch, form=form or "dense-mlp",
                     error=f"{type(exc).__name__}: {str(exc)[:500]}")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the lean JAX references of the images and training stages (scripts/chip_torch_tpu.py's denoiser and train):
+# an MMDiT forward step and a Llama training step (forward, backward, AdamW), each one jitted program
+# ----------------------------------------------------------------------------------------------------------------
+
+# SD3.5-medium's transformer in diffusers' field names (chip_torch_tpu.SD35_MEDIUM; the test holds them equal)
+SD35_MEDIUM = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 24, "attention_head_dim": 64,
+               "num_attention_heads": 24, "joint_attention_dim": 4096, "caption_projection_dim": 1536,
+               "pooled_projection_dim": 2048, "out_channels": 16, "pos_embed_max_size": 384,
+               "dual_attention_layers": tuple(range(13)), "qk_norm": "rms_norm"}  # fmt: skip
+TINY_MMDIT = dict(SD35_MEDIUM, num_layers=3, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=64,
+                  caption_projection_dim=32, pooled_projection_dim=32, dual_attention_layers=(0,))  # fmt: skip
+
+
+def _flops_module():
+    """scripts/chip_torch_tpu.py, whose FLOPs counts (plain Python) the lean records use: the same numbers as the
+    torch_tpu stages' records."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chip_torch_tpu", ROOT / "scripts" / "chip_torch_tpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def mmdit_params(cfg: dict, key, text_width: int | None = None):
+    """Random bf16 weights of an SD3 MMDiT ``cfg`` (biases left out: they add no matmul)."""
+    import jax
+    import jax.numpy as jnp
+
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    p, c, layers = cfg["patch_size"], cfg["in_channels"], cfg["num_layers"]
+    keys = iter(jax.random.split(key, 32 * layers + 16))
+
+    def w(*shape):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
+
+    params = {"patch": w(c * p * p, d), "t1": w(256, d), "t2": w(d, d), "y1": w(cfg["pooled_projection_dim"], d),
+              "y2": w(d, d), "ctx": w(text_width or cfg["joint_attention_dim"], cfg["caption_projection_dim"]),
+              "out_mod": w(d, 2 * d), "out": w(d, p * p * cfg["out_channels"]), "blocks": []}  # fmt: skip
+    for i in range(layers):
+        dual, last = i in cfg["dual_attention_layers"], i == layers - 1
+        block = {"mod": w(d, 9 * d if dual else 6 * d), "cmod": w(d, 2 * d if last else 6 * d), "qkv": w(d, 3 * d),
+                 "cqkv": w(d, 3 * d), "o": w(d, d), "ff1": w(d, 4 * d), "ff2": w(4 * d, d)}  # fmt: skip
+        if not last:
+            block.update(co=w(d, d), cff1=w(d, 4 * d), cff2=w(4 * d, d))
+        if dual:
+            block.update(qkv2=w(d, 3 * d), o2=w(d, d))
+        params["blocks"].append(block)
+    return params
+
+
+def _ln(x):
+    import jax.numpy as jnp
+
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
+    return ((x32 - mean) / jnp.sqrt(var + 1e-6)).astype(x.dtype)
+
+
+def _attend(q, k, v, heads: int, causal: bool = False):
+    """Multi-head attention of (B, S, heads x hd) rows (k/v may have fewer heads: grouped), q and k RMS-normed by
+    the caller where the model does; float32 scores."""
+    import jax
+    import jax.numpy as jnp
+
+    b, s, _ = q.shape
+    q = q.reshape(b, s, heads, -1)
+    hd = q.shape[-1]
+    kv_heads = k.shape[-1] // hd
+    k, v = k.reshape(b, -1, kv_heads, hd), v.reshape(b, -1, kv_heads, hd)
+    q = q.reshape(b, s, kv_heads, heads // kv_heads, hd)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(hd)
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((s, k.shape[1]), bool)), scores, -1e30)
+    weights = jax.nn.softmax(scores, -1).astype(v.dtype)
+    return jnp.einsum("bkgqs,bskd->bqkgd", weights, v).reshape(b, s, heads * hd)
+
+
+def mmdit_forward(cfg: dict):
+    """``forward(params, latents (B, C, H, W), text (B, T, joint), pooled (B, P), t (B,)) -> (B, C, H, W)``: SD3's
+    MMDiT (MMDiT-X blocks with a second, image-only attention; RMS-normed q/k) in bf16, every matmul of
+    ``SD3Transformer2DModel`` (the same FLOPs); the position table left out (an addition)."""
+    import jax
+    import jax.numpy as jnp
+
+    heads, p = cfg["num_attention_heads"], cfg["patch_size"]
+    dual_layers = set(cfg["dual_attention_layers"])
+
+    def qk_norm(x):
+        b, s, _ = x.shape
+        x32 = x.reshape(b, s, heads, -1).astype(jnp.float32)
+        return (x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + 1e-6)).astype(x.dtype).reshape(b, s, -1)
+
+    def attention(h, w_qkv, ctx=None, w_cqkv=None):
+        q, k, v = jnp.split(h @ w_qkv, 3, -1)
+        q, k = qk_norm(q), qk_norm(k)
+        if ctx is not None:
+            cq, ck, cv = jnp.split(ctx @ w_cqkv, 3, -1)
+            q, k, v = (jnp.concatenate([q, qk_norm(cq)], 1), jnp.concatenate([k, qk_norm(ck)], 1),
+                       jnp.concatenate([v, cv], 1))
+        return _attend(q, k, v, heads)
+
+    def modulate(x, shift, scale):
+        return _ln(x) * (1 + scale[:, None]) + shift[:, None]
+
+    def forward(params, latents, text, pooled, t):
+        b, c, hh, ww = latents.shape
+        patches = latents.reshape(b, c, hh // p, p, ww // p, p).transpose(0, 2, 4, 1, 3, 5).reshape(b, -1, c * p * p)
+        x = patches @ params["patch"]
+        n = x.shape[1]
+        half = jnp.exp(-jnp.log(10000.0) * jnp.arange(128, dtype=jnp.float32) / 128)
+        freqs = t.astype(jnp.float32)[:, None] * half[None]
+        temb = jnp.concatenate([jnp.cos(freqs), jnp.sin(freqs)], -1).astype(x.dtype)
+        temb = jax.nn.silu(temb @ params["t1"]) @ params["t2"]
+        cond = temb + jax.nn.silu(pooled @ params["y1"]) @ params["y2"]
+        act = jax.nn.silu(cond)
+        ctx = text @ params["ctx"]
+        for i, blk in enumerate(params["blocks"]):
+            mod = jnp.split(act @ blk["mod"], 9 if i in dual_layers else 6, -1)
+            last = "co" not in blk
+            cmod = jnp.split(act @ blk["cmod"], 2 if last else 6, -1)
+            h = modulate(x, mod[0], mod[1])
+            h2 = modulate(x, mod[6], mod[7]) if i in dual_layers else None
+            ch = modulate(ctx, cmod[1], cmod[0]) if last else modulate(ctx, cmod[0], cmod[1])
+            joint = attention(h, blk["qkv"], ch, blk["cqkv"])
+            x = x + mod[2][:, None] * (joint[:, :n] @ blk["o"])
+            if i in dual_layers:
+                x = x + mod[8][:, None] * (attention(h2, blk["qkv2"]) @ blk["o2"])
+            h = modulate(x, mod[3], mod[4])
+            x = x + mod[5][:, None] * (jax.nn.gelu(h @ blk["ff1"], approximate=True) @ blk["ff2"])
+            if not last:
+                ctx = ctx + cmod[2][:, None] * (joint[:, n:] @ blk["co"])
+                ch = modulate(ctx, cmod[3], cmod[4])
+                ctx = ctx + cmod[5][:, None] * (jax.nn.gelu(ch @ blk["cff1"], approximate=True) @ blk["cff2"])
+        scale, shift = jnp.split(act @ params["out_mod"], 2, -1)
+        x = modulate(x, shift, scale) @ params["out"]
+        x = x.reshape(b, hh // p, ww // p, p, p, -1).transpose(0, 5, 1, 3, 2, 4)
+        return x.reshape(b, -1, hh, ww)
+
+    return forward
+
+
+def lean_train_step(cfg: dict, lr: float = 1e-4, clip: float = 1.0):
+    """``step(params, opt_state, ids (B, S)) -> (params, opt_state, loss)``: a Llama ``cfg`` (:func:`lean_params`)
+    forward over every token (causal, grouped attention, rotary positions, the LM head over every token), next-token
+    cross entropy, its gradient, global-norm clipping at ``clip`` and AdamW (``lr``, betas 0.9/0.999, eps 1e-8, no
+    weight decay: the Trainer's defaults) with the moments kept in the weights' dtype, as torch's AdamW does for bf16
+    weights; params and state donated."""
+    import jax
+    import jax.numpy as jnp
+
+    nh, kvh, hd = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+
+    def loss_fn(params, ids):
+        b, s = ids.shape
+        x = params["embed"][ids]
+        position = jnp.arange(s)[:, None, None]
+        for layer in params["layers"]:
+            h = _rms(x, layer["ln1"])
+            q = _rope((h @ layer["wq"]).reshape(b, s, nh, hd), position).reshape(b, s, nh * hd)
+            k = _rope((h @ layer["wk"]).reshape(b, s, kvh, hd), position).reshape(b, s, kvh * hd)
+            x = x + _attend(q, k, h @ layer["wv"], nh, causal=True) @ layer["wo"]
+            g, u = jnp.split(_rms(x, layer["ln2"]) @ layer["gate_up"], 2, -1)
+            x = x + (jax.nn.silu(g) * u) @ layer["down"]
+        x = _rms(x, params["norm"])
+        logits = jnp.einsum("bsh,vh->bsv", x, params.get("head", params["embed"]), preferred_element_type=jnp.float32)
+        logp = jax.nn.log_softmax(logits[:, :-1], -1)
+        return -jnp.take_along_axis(logp, ids[:, 1:, None], -1).mean()
+
+    def step(params, opt_state, ids):
+        loss, grads = jax.value_and_grad(loss_fn)(params, ids)
+        leaves = jax.tree_util.tree_leaves(grads)
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves))
+        factor = jnp.minimum(1.0, clip / (norm + 1e-6))
+        count = opt_state["count"] + 1
+        c1, c2 = 1 - 0.9**count, 1 - 0.999**count
+
+        def update(p, g, m, v):
+            g = g.astype(jnp.float32) * factor
+            m = 0.9 * m.astype(jnp.float32) + 0.1 * g
+            v = 0.999 * v.astype(jnp.float32) + 0.001 * g * g
+            new = p.astype(jnp.float32) - lr * (m / c1) / (jnp.sqrt(v / c2) + 1e-8)
+            return new.astype(p.dtype), m.astype(p.dtype), v.astype(p.dtype)
+
+        out = jax.tree_util.tree_map(update, params, grads, opt_state["m"], opt_state["v"])
+        treedef = jax.tree_util.tree_structure(params)
+        p, m, v = (treedef.unflatten(column) for column in zip(*treedef.flatten_up_to(out), strict=True))
+        return p, {"m": m, "v": v, "count": count}, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _cost_flops(compiled) -> float | None:
+    """XLA's own FLOPs count of a compiled program (``cost_analysis``), where it gives one."""
+    try:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        return float(cost["flops"])
+    except Exception:  # noqa: BLE001 - not every backend answers
+        return None
+
+
+def _ints(name: str, default: str) -> list[int]:
+    return [int(v) for v in os.environ.get(name, default).replace("_", " ").split()]
+
+
+def part_lean_images(out: Path, quick: bool) -> None:
+    """The lean references of chip_torch_tpu.py's ``denoiser`` and ``train`` stages (``CHIP_BENCH_LEAN`` holding
+    ``mmdit`` and/or ``train``): the MMDiT forward of SD3.5-medium's shape at ``LEAN_SIZE`` (1024) pixels, 333 text
+    tokens, per batch (``LEAN_MMDIT_BATCHES``, "1 2"; ``LEAN_MMDIT_LAYERS``), and a training step of the Llama-3.2-1B
+    shape (``LEAN_TRAIN_LAYERS``, 16; ``LEAN_TRAIN_BATCH`` 1, ``LEAN_TRAIN_SEQ`` 1024): seconds per step (3 rounds of
+    back-to-back calls, the best), the FLOPs the torch_tpu stages count for the same shape and XLA's own count."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    flops = _flops_module()
+    models = os.environ.get("CHIP_BENCH_LEAN", "mmdit train").split()
+    rounds, calls = (1, 2) if quick else (3, int(os.environ.get("LEAN_CALLS", "5")))
+
+    def timed(fn, state):
+        state = fn(*state)  # the first (compiling) call apart; each call's outputs feed the next
+        jax.block_until_ready(state)
+        best = None
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                state = fn(*state)
+            jax.block_until_ready(state)
+            best = min(best or 1e9, (time.perf_counter() - t0) / calls)
+        return best
+
+    if "mmdit" in models:
+        cfg = dict(TINY_MMDIT if quick else SD35_MEDIUM)
+        if "LEAN_MMDIT_LAYERS" in os.environ:
+            layers = int(os.environ["LEAN_MMDIT_LAYERS"])
+            dual = tuple(i for i in cfg["dual_attention_layers"] if i < layers)
+            cfg.update(num_layers=layers, dual_attention_layers=dual)
+        size = 32 if quick else int(os.environ.get("LEAN_SIZE", "1024"))
+        text_tokens = 93 if quick else 333
+        params = mmdit_params(cfg, jax.random.PRNGKey(0))
+        forward = mmdit_forward(cfg)
+        for batch in _ints("LEAN_MMDIT_BATCHES", "1 2"):
+            latent = size // 8
+            key = jax.random.split(jax.random.PRNGKey(batch), 3)
+            latents = jax.random.normal(key[0], (batch, cfg["in_channels"], latent, latent), jnp.bfloat16)
+            text = jax.random.normal(key[1], (batch, text_tokens, cfg["joint_attention_dim"]), jnp.bfloat16)
+            pooled = jax.random.normal(key[2], (batch, cfg["pooled_projection_dim"]), jnp.bfloat16)
+            t = jnp.full((batch,), 500.0, jnp.float32)
+            count = flops.mmdit_flops(cfg, latent, latent, text_tokens, batch)
+            try:
+                compiled = jax.jit(forward).lower(params, latents, text, pooled, t).compile()
+                # the step's output is the next step's latents: back-to-back calls depend on each other, as steps do
+                seconds = timed(lambda p, z, c, y, s: (p, compiled(p, z, c, y, s), c, y, s),
+                                (params, latents, text, pooled, t))  # fmt: skip
+                _record(out, part="lean", model="mmdit", shape=cfg, batch=batch, size=size, text_tokens=text_tokens,
+                        seconds=seconds, flops=count, xla_flops=_cost_flops(compiled),
+                        flops_per_s=count["total"] / seconds)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - a failing step is a record; the next one runs
+                _record(out, part="lean", model="mmdit", batch=batch, error=f"{type(exc).__name__}: {str(exc)[:500]}")
+        params = forward = None
+    if "train" in models:
+        quick_cfg = dict(LLAMA_1B, layers=2, vocab=512, hidden=128, intermediate=256, heads=4, kv_heads=2, head_dim=32)
+        cfg = dict(quick_cfg if quick else LLAMA_1B)
+        cfg["layers"] = int(os.environ.get("LEAN_TRAIN_LAYERS", cfg["layers"])) if not quick else cfg["layers"]
+        batch = 2 if quick else int(os.environ.get("LEAN_TRAIN_BATCH", "1"))
+        seq = 32 if quick else int(os.environ.get("LEAN_TRAIN_SEQ", "1024"))
+        config = types.SimpleNamespace(hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
+                                       num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
+                                       head_dim=cfg["head_dim"], intermediate_size=cfg["intermediate"],
+                                       vocab_size=cfg["vocab"])  # fmt: skip
+        count = flops.train_flops(config, batch, seq)
+        try:
+            params = lean_params(cfg, jax.random.PRNGKey(2))
+            zeros = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)  # noqa: E731
+            opt_state = {"m": zeros(params), "v": zeros(params), "count": jnp.int32(0)}
+            ids = jax.random.randint(jax.random.PRNGKey(3), (batch, seq), 3, cfg["vocab"], jnp.int32)
+            step = lean_train_step(cfg)
+            compiled = step.lower(params, opt_state, ids).compile()
+            losses = []
+
+            def call(p, o, i):
+                p, o, loss = compiled(p, o, i)
+                losses.append(loss)
+                return p, o, i
+
+            seconds = timed(call, (params, opt_state, ids))
+            _record(out, part="lean", model="llama-train", layers=cfg["layers"], batch=batch, seq=seq, seconds=seconds,
+                    tokens_per_s=batch * seq / seconds, flops=count, xla_flops=_cost_flops(compiled),
+                    flops_per_s=count["total"] / seconds, first_loss=float(losses[0]),
+                    last_loss=float(losses[-1]))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            _record(out, part="lean", model="llama-train", error=f"{type(exc).__name__}: {str(exc)[:500]}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -4,8 +4,10 @@
 user does, ``model.generate`` on a ``tpu`` device of torch-tpu 0.2.0, and times what only torch_tpu's runtime
 decides: how long an eager op or a read-back takes, whether ``index_copy_`` updates a buffer in place, what the
 Hub kernel's forms cost inside torch_tpu's compiled graphs, the whole decode loop of a Llama-3.2-1B shape, its
-prefill against the chip's matmul rate (``prefill``) and ``hf-tpu serve`` of it under concurrent streams over a unix
-socket (``serve``; the lent chip opens no TCP socket)::
+prefill against the chip's matmul rate (``prefill``), ``hf-tpu serve`` of it under concurrent streams over a unix
+socket (``serve``; the lent chip opens no TCP socket), an SD3.5-medium-shaped pipeline's denoiser step, VAE decode and
+image (``denoiser``) and ``transformers.Trainer`` steps of the 1B shape (``train``), each against the chip's matmul
+rate and a lean JAX step of the same shape (``lean`` with ``MODELS=mmdit+train``)::
 
     python scripts/chip_torch_tpu.py run --out results/            # on a TPU VM with hf-tpu[tpu] installed
     python scripts/chip_torch_tpu.py run --out results/ --stages experts llama_decode
@@ -715,7 +717,8 @@ def stage_lean() -> None:
     chip's streaming rate) and its lean JAX decode steps (``BATCHES``; ``MODELS``: ``llama``, ``moe``; ``FORMS``: the
     MoE step's experts forms, ``+``-separated), in the machine's own JAX, before a torch_tpu stage opens the chip
     (:func:`stage_env`); their records go to ``records.jsonl`` in chip_bench's own format (``chip_bench.py report``
-    reads them)."""
+    reads them). ``MODELS`` may also hold ``mmdit`` and ``train``: the lean references of the ``denoiser`` and
+    ``train`` stages (``chip_bench.part_lean_images``; its ``LEAN_*`` knobs pass through)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import chip_bench
 
@@ -992,6 +995,501 @@ def stage_serve() -> None:
             _stop_server(proc)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Images (issue #68): an SD3.5-medium-shaped denoiser through hf_tpu's diffusers path, and its FLOPs
+# ---------------------------------------------------------------------------------------------------------------
+
+# stabilityai/stable-diffusion-3.5-medium's transformer/config.json (MMDiT-X: 24 joint blocks, the first 13 with a
+# second, image-only attention; RMS-normed q and k); ``SD3Transformer2DModel(**fields)``
+SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                   pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                   dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")  # fmt: skip
+# the same blocks at toy widths, for the simulated device (MODEL=smoke)
+SMOKE_MMDIT = dict(sample_size=8, patch_size=2, in_channels=16, num_layers=3, attention_head_dim=16,
+                   num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=32,
+                   out_channels=16, pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm")  # fmt: skip
+# SD3's VAE (stabilityai/stable-diffusion-3.5-medium vae/config.json): 16 latent channels, 8x down
+SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+               down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+               layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609,
+               use_quant_conv=False, use_post_quant_conv=False)  # fmt: skip
+SMOKE_VAE = dict(SD3_VAE, block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                 up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, norm_num_groups=2, sample_size=32)
+# the text encoders' widths the SD3 pipeline joins: CLIP-L and CLIP-G hidden sizes (their projections concatenated
+# are the pooled projection), T5-XXL's d_model (the joint attention width); 77 CLIP tokens + 256 T5 tokens
+SD3_TEXT = dict(clip=(768, 1280), t5=4096, clip_tokens=77, t5_tokens=256)
+SMOKE_TEXT = dict(clip=(16, 16), t5=64, clip_tokens=77, t5_tokens=16)
+
+
+def mmdit_flops(config: dict, latent_h: int, latent_w: int, text_tokens: int, batch: int = 1) -> dict[str, int]:
+    """Matmul FLOPs (2 per multiply-add) of one ``SD3Transformer2DModel`` forward on ``latent_h`` x ``latent_w``
+    latents (``config``: its fields; SD3's VAE makes a 1024-pixel side 128 latents), ``text_tokens`` (77 + 256 in
+    SD3) and ``batch`` rows: ``linear`` (the patch embedding, the timestep/pooled embedders, the caption projection,
+    each block's modulation, q/k/v/out of both streams, the MLPs, the MMDiT-X blocks' second attention, the output
+    projection) and ``attention`` (QK^T and PV of the joint attention over image + text tokens and of the image-only
+    second attention, whole squares: nothing is causal)."""
+    p, c = config["patch_size"], config["in_channels"]
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    n = (latent_h // p) * (latent_w // p)  # image tokens
+    t = text_tokens
+    layers = config["num_layers"]
+    dual = sum(1 for i in config.get("dual_attention_layers", ()) if i < layers)
+    per_row = 256 * d + d * d + config["pooled_projection_dim"] * d + d * d  # timestep and pooled-text embedders
+    per_row += d * 2 * d + layers * 6 * d * d + dual * 3 * d * d  # norm_out's, norm1's modulation (6 rows; X: 9)
+    per_row += (layers - 1) * 6 * d * d + 2 * d * d  # norm1_context's: 6 rows, the last block's continuous norm 2
+    image = c * p * p * d + layers * (4 * d * d + 8 * d * d) + dual * 4 * d * d + d * p * p * config["out_channels"]
+    text = config["joint_attention_dim"] * config["caption_projection_dim"] + layers * 3 * d * d
+    text += (layers - 1) * (d * d + 8 * d * d)  # the last block drops the text stream's out projection and MLP
+    linear = 2 * batch * (per_row + n * image + t * text)
+    attention = 2 * 2 * batch * d * (layers * (n + t) ** 2 + dual * n * n)
+    return {"linear": linear, "attention": attention, "total": linear + attention}
+
+
+def _compile_counts() -> dict[str, int]:
+    """Graphs dynamo compiled in this process and torch_tpu's compilation-cache misses (eager op signatures and graphs
+    it compiled; ``torch.tpu._get_cache_stats()``, the simulator answers the same): subtract two for what happened
+    in between."""
+    from torch._dynamo.utils import counters
+
+    from hf_tpu._torch_tpu import cache_stats
+
+    stats = cache_stats()
+    return {"graphs": int(counters["stats"]["unique_graphs"]), "tpu_cache_misses": stats.misses if stats else -1}
+
+
+def _since(before: dict[str, int]) -> dict[str, int]:
+    now = _compile_counts()
+    return {k: now[k] - before[k] for k in now}
+
+
+def _random_on_tpu(module, dtype, std: float = 0.02):
+    """``module`` (built on the meta device) on the chip in ``dtype`` with N(0, std) weights drawn there (no host copy
+    of its weights), norm weights 1 and biases 0. Its buffers are left uninitialised: the caller fills them."""
+    import torch
+
+    module = module.to_empty(device="tpu").to(dtype).requires_grad_(False).eval()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, dtype=dtype, device="tpu") * std)
+    return module
+
+
+def _mmdit(config: dict, dtype):
+    """An ``SD3Transformer2DModel`` of ``config`` with random ``dtype`` weights on the chip; its buffers (the 2-D
+    sin-cos position table) from a host copy of the model with one block."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+
+    with torch.device("meta"):
+        model = SD3Transformer2DModel(**config)
+    model = _random_on_tpu(model, dtype)
+    small = SD3Transformer2DModel(**{**config, "num_layers": 1, "dual_attention_layers": ()})
+    own = dict(small.named_buffers())
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(own[name].to(buffer.dtype))  # raises if a block held a buffer: none does
+    return model
+
+
+def _sd3_pipeline(mmdit: dict, vae: dict, text: dict, dtype):
+    """A ``StableDiffusion3Pipeline`` of the given transformer and VAE shapes (random weights) with tiny text encoders
+    of the real widths (one layer each: the text encoders run once per image, the denoiser every step; the real
+    T5-XXL alone is 9.5 GB in bf16): CLIP-L and CLIP-G with projections, a T5 encoder of d_model ``text["t5"]``,
+    hf_tpu's character-level tokenizers (77 CLIP tokens, ``text["t5_tokens"]`` T5 tokens)."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from hf_tpu.diffusers.testing import clip_tokenizer, t5_tokenizer
+
+    torch.manual_seed(0)
+    toks = [clip_tokenizer(text["clip_tokens"]), clip_tokenizer(text["clip_tokens"])]
+    clips = [CLIPTextModelWithProjection(CLIPTextConfig(
+        hidden_size=width, intermediate_size=2 * width, num_attention_heads=max(width // 64, 1), num_hidden_layers=1,
+        max_position_embeddings=text["clip_tokens"], vocab_size=len(toks[0]), projection_dim=width, bos_token_id=0,
+        eos_token_id=1, pad_token_id=1)).to(dtype) for width in text["clip"]]  # fmt: skip
+    tok3 = t5_tokenizer(text["t5_tokens"])
+    t5 = T5EncoderModel(T5Config(vocab_size=len(tok3), d_model=text["t5"], d_kv=64, d_ff=256, num_layers=1,
+                                 num_heads=4, relative_attention_num_buckets=32, pad_token_id=0, eos_token_id=1,
+                                 decoder_start_token_id=0)).to(dtype)  # fmt: skip
+    with torch.device("meta"):
+        vae_model = AutoencoderKL(**vae)
+    return StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), text_encoder=clips[0], tokenizer=toks[0],
+        text_encoder_2=clips[1], tokenizer_2=toks[1], text_encoder_3=t5, tokenizer_3=tok3,
+        transformer=_mmdit(mmdit, dtype), vae=_random_on_tpu(vae_model, dtype))  # fmt: skip
+
+
+def stage_denoiser() -> None:
+    """An SD3.5-medium-shaped MMDiT (random bf16 weights) as a user runs it: a ``StableDiffusion3Pipeline`` of it with
+    an SD3-shaped VAE and tiny text encoders of the real widths (:func:`_sd3_pipeline`), ``pipe.to("tpu")``, hf_tpu's
+    ``compile_pipeline(pipe, vae=True)``, at ``SIZE`` (1024) pixels. Records: the warm-up call's seconds and compiles;
+    a whole pipeline call of ``STEPS`` (28) steps with classifier-free guidance (``GUIDANCE`` 4.5: batch 2 through the
+    denoiser) and its compiles; the denoiser step alone, called as the pipeline calls it, per batch (``BATCHES``,
+    "2 1"; the best of 3 rounds), its FLOPs (:func:`mmdit_flops`) and fraction of the chip's bf16 matmul rate measured
+    here; the VAE decode of one latent; and hf_tpu's tiny SD3 pipeline's image against the CPU's (float32 at 'highest'
+    precision). ``LAYERS`` narrows the transformer (dual-attention blocks kept among the first 13); ``MODEL=smoke``:
+    toy widths for the simulated device."""
+    import torch
+
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    import hf_tpu
+
+    hf_tpu.enable("diffusers")
+    from hf_tpu.diffusers import compile_pipeline
+
+    smoke = os.environ.get("MODEL", "sd35") == "smoke"
+    rate = _matmul_rate(int(os.environ.get("MATMUL_N", "256" if smoke else "8192")))
+    mmdit, vae, text = (SMOKE_MMDIT, SMOKE_VAE, SMOKE_TEXT) if smoke else (SD35_MEDIUM, SD3_VAE, SD3_TEXT)
+    if "LAYERS" in os.environ:
+        layers = int(os.environ["LAYERS"])
+        mmdit = dict(mmdit, num_layers=layers, dual_attention_layers=tuple(i for i in mmdit["dual_attention_layers"]
+                                                                           if i < layers))  # fmt: skip
+    size = int(os.environ.get("SIZE", "32" if smoke else "1024"))
+    steps = int(os.environ.get("STEPS", "4" if smoke else "28"))
+    guidance = float(os.environ.get("GUIDANCE", "4.5"))
+    dtype = torch.bfloat16
+    start = time.perf_counter()
+    pipe = _sd3_pipeline(mmdit, vae, text, dtype)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.to("tpu")
+    params = sum(p.numel() for p in pipe.transformer.parameters())
+    rec(step="pipeline", config=mmdit, params=params, vae_params=sum(p.numel() for p in pipe.vae.parameters()),
+        text=text, size=size, seconds=time.perf_counter() - start)  # fmt: skip
+    compile_pipeline(pipe, vae=True)
+    call = dict(prompt="a watercolor fox in the snow", height=size, width=size, guidance_scale=guidance,
+                max_sequence_length=text["t5_tokens"], output_type="np")  # fmt: skip
+
+    def image(n_steps):
+        started = time.perf_counter()
+        out = pipe(**call, num_inference_steps=n_steps, generator=torch.Generator("cpu").manual_seed(0)).images
+        return time.perf_counter() - started, out
+
+    before = _compile_counts()
+    seconds, _ = image(2)
+    rec(step="warmup_call", steps=2, seconds=seconds, compiles=_since(before))
+    before = _compile_counts()
+    seconds, out = image(steps)
+    rec(step="pipeline_call", steps=steps, guidance=guidance, seconds_per_image=seconds, compiles=_since(before),
+        image_finite=bool(torch.isfinite(torch.as_tensor(out)).all()))  # fmt: skip
+    tokens = text["clip_tokens"] + text["t5_tokens"]
+    latent = size // 2 ** (len(vae["block_out_channels"]) - 1)
+    cfg_batch = 2 if guidance > 1 else 1
+    for batch in _numbers(os.environ.get("BATCHES", f"{cfg_batch} {3 - cfg_batch}")):
+        g = torch.Generator().manual_seed(batch)
+        inputs = dict(
+            hidden_states=torch.randn(batch, mmdit["in_channels"], latent, latent, generator=g).to(dtype).to("tpu"),
+            timestep=torch.full((batch,), 500.0, device="tpu"),
+            encoder_hidden_states=torch.randn(batch, tokens, text["t5"], generator=g).to(dtype).to("tpu"),
+            pooled_projections=torch.randn(batch, sum(text["clip"]), generator=g).to(dtype).to("tpu"),
+            joint_attention_kwargs=None, return_dict=False)  # fmt: skip
+        before = _compile_counts()
+        started = time.perf_counter()
+        with torch.no_grad():
+            pipe.transformer(**inputs)[0].float().sum().item()
+            first = time.perf_counter() - started
+            warm = _since(before)
+            before = _compile_counts()
+            rounds = [per_call(lambda inputs=inputs: pipe.transformer(**inputs), int(os.environ.get("CALLS", "3")))
+                      for _ in range(3)]  # fmt: skip
+        flops = mmdit_flops(mmdit, latent, latent, tokens, batch)
+        best = min(rounds)
+        rec(step="denoiser_step", batch=batch, size=size, text_tokens=tokens, first_s=first, seconds=best,
+            rounds=rounds, flops=flops, flops_per_s=flops["total"] / best, matmul_rate=rate,
+            fraction_of_matmul_rate=flops["total"] / best / rate, compiles_first_call=warm,
+            compiles_after_warmup=_since(before))  # fmt: skip
+    scale, shift = pipe.vae.config.scaling_factor, pipe.vae.config.shift_factor
+    z = (torch.randn(1, 16, latent, latent, generator=torch.Generator().manual_seed(0)) / scale + shift)
+    z = z.to(dtype).to("tpu")
+    with torch.no_grad():
+        before = _compile_counts()
+        started = time.perf_counter()
+        pipe.vae.decode(z, return_dict=False)[0].float().sum().item()
+        first = time.perf_counter() - started
+        warm = _since(before)
+        before = _compile_counts()
+        decode = min(per_call(lambda: pipe.vae.decode(z, return_dict=False), 2) for _ in range(2))
+    rec(step="vae_decode", size=size, first_s=first, seconds=decode, compiles_first_call=warm,
+        compiles_after_warmup=_since(before))  # fmt: skip
+    pipe = None  # the big pipeline's memory back before the tiny one
+    _tiny_pipeline_against_cpu()
+
+
+def _tiny_pipeline_against_cpu() -> None:
+    """hf_tpu's tiny SD3 pipeline (16 latent channels, float32) on the chip, compiled by ``compile_pipeline``, against
+    the same pipeline on the CPU: the image's largest difference (matmuls at 'highest' precision here, then 'medium',
+    torch_tpu's default)."""
+    import copy
+
+    import torch
+
+    from hf_tpu.diffusers import compile_pipeline
+    from hf_tpu.diffusers.testing import tiny_sd3_pipeline
+
+    cpu = tiny_sd3_pipeline(latent_channels=16)
+    cpu.set_progress_bar_config(disable=True)
+    call = dict(prompt="a lighthouse", height=32, width=32, num_inference_steps=4, output_type="np")
+    want = cpu(**call, generator=torch.Generator("cpu").manual_seed(0)).images
+    pipe = copy.deepcopy(cpu).to("tpu")
+    compile_pipeline(pipe)
+    for precision in ("highest", "medium"):
+        torch.set_float32_matmul_precision(precision)
+        got = pipe(**call, generator=torch.Generator("cpu").manual_seed(0)).images
+        rec(step="tiny_pipeline_vs_cpu", precision=precision, max_abs_err=float(abs(got - want).max()),
+            pixels=int(want.size))  # fmt: skip
+    torch.set_float32_matmul_precision("medium")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training (issue #68): transformers.Trainer on a Llama shape through hf_tpu's training integration
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def train_flops(config, batch: int, seq: int, lora: bool = False) -> dict[str, int]:
+    """Matmul FLOPs of one training step on ``batch`` rows of ``seq`` tokens of a Llama ``config``: the forward's
+    projections and LM head over every token (2 per weight per token), and its causal attention (QK^T and PV over
+    the lower triangle); the backward is twice the forward (the input's and the weight's gradient of each product),
+    so the step is 3x, the "6 x params x tokens + attention" count. With ``lora`` the frozen weights get no gradient:
+    2x the forward (the adapters' own products left out: under 1%)."""
+    d, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    tokens = batch * seq
+    weights = layers * (d * heads * head_dim * 2 + d * kv_heads * head_dim * 2 + 3 * d * config.intermediate_size)
+    weights += d * config.vocab_size
+    forward_linear = 2 * tokens * weights
+    forward_attention = layers * 2 * batch * seq * seq * heads * head_dim  # (2 products x 2 FLOPs x seq^2 / 2)
+    factor = 2 if lora else 3
+    return {"matmul_params": weights, "linear": factor * forward_linear, "attention": factor * forward_attention,
+            "total": factor * (forward_linear + forward_attention)}  # fmt: skip
+
+
+def train_state_bytes(config, bytes_per_value: int = 2, lora: bool = False) -> dict[str, int]:
+    """Bytes of the training state of a Llama ``config`` with every weight in one dtype (bf16: 2 bytes): the weights,
+    their gradients and AdamW's two moments (made like the weights); with ``lora`` the frozen weights only."""
+    d, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    per_layer = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2 + 3 * d * config.intermediate_size + 2 * d
+    params = layers * per_layer + d * config.vocab_size * (1 if config.tie_word_embeddings else 2) + d
+    weights = params * bytes_per_value
+    trained = 0 if lora else weights
+    return {"params": params, "weights": weights, "grads": trained, "adamw": 2 * trained,
+            "total": weights + 3 * trained}  # fmt: skip
+
+
+def train_activation_bytes(config, batch: int, seq: int) -> int:
+    """A rough upper estimate of what a bf16 step keeps for the backward: per layer and token the normed inputs, q, k,
+    v, the attention output, the MLP's gate, up and their product (2 bytes each), and the logits (bf16, their float32
+    copy for the loss and its gradient)."""
+    d, inter = config.hidden_size, config.intermediate_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    per_token = 2 * (4 * d + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter)
+    return batch * seq * (config.num_hidden_layers * per_token + config.vocab_size * (2 + 4 + 4))
+
+
+def _hbm_bytes() -> int:
+    import torch
+
+    try:
+        return int(torch.tpu.get_device_properties(0).total_memory)
+    except Exception:  # noqa: BLE001 - a generation torch_tpu does not know, or the simulator without one
+        return int(15.75 * 2**30)
+
+
+def _train_model(name: str, layers: int | None, dtype):
+    """A Llama shape (``_model_shape``) with ``layers`` layers, random ``dtype`` weights drawn on the chip (the
+    rotary buffers from the host), no KV cache in the forward."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config_class, fields = _model_shape(name)
+    depth = layers or fields["num_hidden_layers"]
+    config = getattr(transformers, config_class)(**{**fields, "num_hidden_layers": depth})
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.to_empty(device="tpu").to(dtype)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, dtype=dtype, device="tpu") * 0.02)
+        rotary = model.model.rotary_emb
+        for buffer_name, buffer in type(rotary)(config).named_buffers():
+            getattr(rotary, buffer_name).copy_(buffer.to("tpu"))
+    model.tie_weights()
+    return model.train()
+
+
+def _step_callback():
+    """A ``TrainerCallback`` that waits for the chip at the end of each optimizer step and records its seconds, the
+    compiles in it (:func:`_compile_counts`) and, after step 2, the device memory (where torch_tpu answers)."""
+    from transformers import TrainerCallback
+
+    class Steps(TrainerCallback):
+        def __init__(self):
+            self.steps, self.memory, self._mark = [], {}, None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            sync()
+            self._mark = (time.perf_counter(), _compile_counts())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            sync()
+            started, before = self._mark
+            self.steps.append({"seconds": time.perf_counter() - started, **_since(before)})
+            if len(self.steps) == 2 and not self.memory:
+                import torch
+
+                for key, fn in (("allocated", "memory_allocated"), ("peak", "max_memory_allocated")):
+                    try:
+                        self.memory[key] = int(getattr(torch.accelerator, fn)())
+                    except Exception as exc:  # noqa: BLE001 - recorded: what torch_tpu does not answer
+                        self.memory[key] = repr(exc)[:200]
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs and self.steps:
+                self.steps[-1]["loss"] = float(logs["loss"])
+
+    return Steps()
+
+
+def _trainer(model, rows: list[dict], seq: int, batch: int, steps: int, out: str, ga: int = 1, use_cpu=False,
+             log_every: int = 10**6, callbacks=(), optim: str = "adamw_torch", bf16: bool = True):  # fmt: skip
+    from transformers import Trainer, TrainingArguments
+
+    from hf_tpu.training import BucketingCollator
+
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=ga, max_steps=steps,
+        learning_rate=1e-4, lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=log_every, report_to=[],
+        save_strategy="no", seed=0, use_cpu=use_cpu, bf16=bf16, optim=optim, dataloader_pin_memory=False,
+        disable_tqdm=True)  # fmt: skip
+    collate = BucketingCollator(buckets=(seq,), pad_token_id=0, batch_size=batch, return_attention_mask=False)
+    return Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=list(callbacks))
+
+
+def _rows(n: int, seq: int, vocab: int, seed: int) -> list[dict]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, vocab, (seq,), generator=g).tolist()} for _ in range(n)]
+
+
+def stage_train() -> None:
+    """``transformers.Trainer`` with ``hf_tpu.enable()`` on a Llama-3.2-1B shape (``MODEL``; random bf16 weights
+    drawn on the chip, ``bf16=True``, AdamW (``OPTIM``, Trainer's name, default ``adamw_torch``), max_grad_norm 1) on
+    ``BATCH`` (1) rows of ``SEQ`` (1024) tokens, ``GA`` (1) micro-batches per step, the model compiled in place by
+    ``torch_tpu`` (``COMPILE=0``: eager), ``STEPS`` (8) optimizer steps. Weights + gradients + AdamW states in bf16
+    are 8 bytes a parameter (9.9 GB for the 1B shape): ``LAYERS`` (default: the most that fit with the step's
+    activations in 90% of the chip's HBM, :func:`train_state_bytes`, :func:`train_activation_bytes`) sets the depth,
+    and the record says which and why. ``LORA=1``: peft LoRA (r 16 on every projection) on the frozen weights.
+    Records the median step after the first 2 (each step waited for), tokens/s, the FLOPs (:func:`train_flops`)
+    against the chip's bf16 matmul rate measured here, the compiles in each step (0 expected after step 2) and the
+    device memory after step 2; then (``CURVE_STEPS``, 20; 0: none) a tiny Llama's loss curve under the Trainer on the
+    chip and on the CPU (float32, same weights, data and seed): the largest difference."""
+    import statistics
+
+    import torch
+
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    import hf_tpu
+
+    lora = os.environ.get("LORA", "0") == "1"
+    hf_tpu.enable("training", *(("peft",) if lora else ()))
+    name = os.environ.get("MODEL", "llama")
+    smoke = name == "smoke"
+    rate = _matmul_rate(int(os.environ.get("MATMUL_N", "256" if smoke else "8192")))
+    batch, seq = int(os.environ.get("BATCH", "1")), int(os.environ.get("SEQ", "64" if smoke else "1024"))
+    ga, steps = int(os.environ.get("GA", "1")), int(os.environ.get("STEPS", "8"))
+    import transformers
+
+    config_class, fields = _model_shape(name)
+    full = getattr(transformers, config_class)(**fields)
+    budget = int(0.9 * _hbm_bytes())
+    if "LAYERS" in os.environ:
+        layers = int(os.environ["LAYERS"])
+    else:
+        layers = full.num_hidden_layers
+        while layers > 1:
+            config = getattr(transformers, config_class)(**{**fields, "num_hidden_layers": layers})
+            if train_state_bytes(config, lora=lora)["total"] + train_activation_bytes(config, batch, seq) <= budget:
+                break
+            layers -= 1
+    config = getattr(transformers, config_class)(**{**fields, "num_hidden_layers": layers})
+    state, activations = train_state_bytes(config, lora=lora), train_activation_bytes(config, batch, seq)
+    rec(step="train_shape", model=name, layers=layers, of_layers=full.num_hidden_layers, batch=batch, seq=seq, ga=ga,
+        lora=lora, state_bytes=state, activation_bytes_estimate=activations, budget_bytes=budget,
+        why="LAYERS given" if "LAYERS" in os.environ else
+        "the most layers whose bf16 weights + grads + AdamW states + activations fit 90% of HBM")  # fmt: skip
+    model = _train_model(name, layers, torch.bfloat16)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))  # fmt: skip
+    if os.environ.get("COMPILE", "1") == "1":
+        model.compile(backend="tpu", dynamic=False)
+    rows = _rows((steps + 1) * batch * ga, seq, config.vocab_size - 8, seed=0)
+    steps_cb = _step_callback()
+    trainer = _trainer(model, rows, seq, batch, steps, f"/tmp/hf_tpu_chip_train_{os.getpid()}", ga=ga,
+                       callbacks=[steps_cb], optim=os.environ.get("OPTIM", "adamw_torch"))  # fmt: skip
+    started = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - started
+    warm = steps_cb.steps[2:]
+    step_s = statistics.median(s["seconds"] for s in warm) if warm else None
+    flops = train_flops(config, batch * ga, seq, lora=lora)
+    after = {k: sum(s[k] for s in warm) for k in ("graphs", "tpu_cache_misses")}
+    rec(step="train", model=name, layers=layers, batch=batch, seq=seq, ga=ga, lora=lora,
+        compiled=os.environ.get("COMPILE", "1") == "1", optim=os.environ.get("OPTIM", "adamw_torch"), step_s=step_s,
+        tokens_per_s=batch * ga * seq / step_s if step_s else None, flops=flops, matmul_rate=rate,
+        fraction_of_matmul_rate=flops["total"] / step_s / rate if step_s else None, compiles_after_step_2=after,
+        steps=steps_cb.steps, memory_after_step_2=steps_cb.memory, train_s=total)  # fmt: skip
+    del trainer, model
+    curve = int(os.environ.get("CURVE_STEPS", "20"))
+    if curve:
+        _loss_curve_against_cpu(curve)
+
+
+def _loss_curve_against_cpu(steps: int) -> None:
+    """The smoke Llama (float32) trained ``steps`` Trainer steps on the chip and on the CPU from the same weights on
+    the same batches: both loss curves and their largest difference (matmuls at 'highest' precision on the chip)."""
+    import copy
+
+    import torch
+    import transformers
+
+    config_class, fields = SMOKE_MODEL
+    config = getattr(transformers, config_class)(**fields)
+    config.use_cache = False
+    torch.manual_seed(0)
+    cpu_model = transformers.AutoModelForCausalLM.from_config(config).float()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    rows = _rows(steps * 4, 32, config.vocab_size - 8, seed=1)
+    torch.set_float32_matmul_precision("highest")
+    curves = {}
+    for where, model in (("tpu", tpu_model), ("cpu", cpu_model)):
+        cb = _step_callback()
+        trainer = _trainer(model, rows, 32, 4, steps, f"/tmp/hf_tpu_chip_curve_{where}_{os.getpid()}",
+                           use_cpu=where == "cpu", log_every=1, bf16=False, callbacks=[cb])  # fmt: skip
+        trainer.train()
+        curves[where] = [s.get("loss") for s in cb.steps]
+    torch.set_float32_matmul_precision("medium")
+    diff = max(abs(a - b) for a, b in zip(curves["tpu"], curves["cpu"], strict=True))
+    rec(step="loss_curve_vs_cpu", steps=steps, max_abs_diff=diff, tpu=curves["tpu"], cpu=curves["cpu"])
+
+
 STAGES = {
     "basics": stage_basics,
     "dispatch": stage_dispatch,
@@ -1007,6 +1505,8 @@ STAGES = {
     "tier": stage_tier,
     "prefill": stage_prefill,
     "serve": stage_serve,
+    "denoiser": stage_denoiser,
+    "train": stage_train,
 }
 
 

@@ -641,6 +641,13 @@ _sweep(
     "test_generate_stage_on_the_simulator",
 )
 _sweep(
+    "tpu_compile/test_chip_torch_tpu.py",
+    "the chip script's denoiser and train stages on the simulated device (CI: their FLOPs counts against torch's "
+    "flop counter, their lean JAX references against diffusers' SD3 transformer and the Llama's loss; the SD3 "
+    "pipeline's compile and CPU equality in tests/diffusers, the Trainer on the simulator in tests/training)",
+    "test_the_denoiser_and_train_stages_on_the_simulator",
+)
+_sweep(
     "tpu_compile/test_chip_bench.py",
     "scripts/chip_bench.py's parts on a CPU (CI: its report of the committed records, its donation and KV-write "
     "forms against the lean steps)",

@@ -137,3 +137,161 @@ def test_the_serve_stage_loads_a_server_over_a_unix_socket_on_the_simulator(tmp_
     ready = {r["attempt"]: r for r in records if r["step"] == "ready"}
     assert ready["first"]["graphs_compiled"] == ready["first"]["step_shapes"] > 0
     assert ready["cached"]["graphs_compiled"] == 0
+
+
+def test_the_mmdit_and_training_flops_are_what_torchs_flop_counter_counts():
+    """The denoiser and train stages' FLOPs (their MFU's numerators, and the lean JAX records'): an SD3 MMDiT forward
+    (MMDiT-X blocks, the last block's text stream cut short, attention through sdpa's math path) and a Llama training
+    step (forward and backward, eager attention: whole squares, so the causal triangle counts twice) equal torch's
+    count; SD3.5-medium's shape is one config in both scripts and builds in diffusers."""
+    import torch
+    import transformers
+    from diffusers import SD3Transformer2DModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    s = _script()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import chip_bench
+
+    assert chip_bench.SD35_MEDIUM == s.SD35_MEDIUM
+    with torch.device("meta"):
+        full = SD3Transformer2DModel(**s.SD35_MEDIUM)
+    assert 2.2e9 < sum(p.numel() for p in full.parameters()) < 2.6e9  # SD3.5-medium's 2.5B with the position table
+    for layers in (3, 1):
+        cfg = dict(s.SMOKE_MMDIT, num_layers=layers, dual_attention_layers=(0,) if layers > 1 else ())
+        model = SD3Transformer2DModel(**cfg).eval()
+        batch, height, width, text = 2, 8, 12, 20
+        with FlopCounterMode(display=False) as counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+            model(hidden_states=torch.randn(batch, 16, height, width),
+                  encoder_hidden_states=torch.randn(batch, text, cfg["joint_attention_dim"]),
+                  pooled_projections=torch.randn(batch, cfg["pooled_projection_dim"]),
+                  timestep=torch.full((batch,), 500.0))  # fmt: skip
+        flops = s.mmdit_flops(cfg, height, width, text, batch)
+        assert counter.get_total_flops() == flops["total"] == flops["linear"] + flops["attention"], layers
+    config_class, fields = s.SMOKE_MODEL
+    config = getattr(transformers, config_class)(**fields)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, config.vocab_size, (2, 24))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    flops = s.train_flops(config, 2, 24)
+    assert counter.get_total_flops() == flops["linear"] + 2 * flops["attention"]
+    assert flops["linear"] == 6 * flops["matmul_params"] * 2 * 24
+    state = s.train_state_bytes(getattr(transformers, config_class)(**s.DECODE_MODELS["llama"][1]))
+    assert 1.23e9 < state["params"] < 1.24e9 and state["total"] == 8 * state["params"]  # Llama-3.2-1B: 1.236B
+
+
+def test_the_lean_jax_mmdit_and_training_step_compute_what_diffusers_and_transformers_do():
+    """chip_bench.py's lean references of the denoiser and train stages are the same models: the MMDiT forward
+    (given diffusers' SD3 transformer's weights, its biases and position table zeroed, as the lean step has none)
+    equals ``SD3Transformer2DModel``'s output, and the training step's loss equals the Llama's loss, then falls."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import transformers
+    from diffusers import SD3Transformer2DModel
+
+    s = _script()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import chip_bench
+
+    cfg = dict(s.SMOKE_MMDIT)
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(**cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+        model.pos_embed.pos_embed.zero_()
+
+    def t(linear):
+        return jnp.asarray(linear.weight.detach().numpy().T)
+
+    def qkv(a, b, c):
+        return jnp.concatenate([t(a), t(b), t(c)], 1)
+
+    tte = model.time_text_embed
+    params = {"patch": jnp.asarray(model.pos_embed.proj.weight.detach().reshape(model.inner_dim, -1).numpy().T),
+              "t1": t(tte.timestep_embedder.linear_1), "t2": t(tte.timestep_embedder.linear_2),
+              "y1": t(tte.text_embedder.linear_1), "y2": t(tte.text_embedder.linear_2),
+              "ctx": t(model.context_embedder), "out_mod": t(model.norm_out.linear), "out": t(model.proj_out),
+              "blocks": []}  # fmt: skip
+    for block in model.transformer_blocks:
+        a = block.attn
+        entry = {"mod": t(block.norm1.linear), "cmod": t(block.norm1_context.linear),
+                 "qkv": qkv(a.to_q, a.to_k, a.to_v), "cqkv": qkv(a.add_q_proj, a.add_k_proj, a.add_v_proj),
+                 "o": t(a.to_out[0]), "ff1": t(block.ff.net[0].proj), "ff2": t(block.ff.net[2])}  # fmt: skip
+        if not block.context_pre_only:
+            entry.update(co=t(a.to_add_out), cff1=t(block.ff_context.net[0].proj), cff2=t(block.ff_context.net[2]))
+        if block.attn2 is not None:
+            entry.update(qkv2=qkv(block.attn2.to_q, block.attn2.to_k, block.attn2.to_v), o2=t(block.attn2.to_out[0]))
+        params["blocks"].append(entry)
+    g = torch.Generator().manual_seed(1)
+    latents, text = torch.randn(2, 16, 8, 12, generator=g), torch.randn(2, 20, cfg["joint_attention_dim"], generator=g)
+    pooled, timestep = torch.randn(2, cfg["pooled_projection_dim"], generator=g), torch.tensor([500.0, 20.0])
+    with torch.no_grad():
+        want = model(hidden_states=latents, encoder_hidden_states=text, pooled_projections=pooled, timestep=timestep,
+                     return_dict=False)[0].numpy()  # fmt: skip
+    inputs = [jnp.asarray(x.numpy()) for x in (latents, text, pooled, timestep)]
+    got = np.asarray(jax.jit(chip_bench.mmdit_forward(cfg))(params, *inputs))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-3)
+
+    lean_cfg = dict(chip_bench.LLAMA_1B, layers=2, vocab=256, hidden=64, intermediate=128, heads=4, kv_heads=2,
+                    head_dim=16)  # fmt: skip
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, rope_theta=500000.0,
+        rms_norm_eps=1e-6))  # fmt: skip
+    lean = {"embed": jnp.asarray(llama.model.embed_tokens.weight.detach().numpy()), "layers": [],
+            "norm": jnp.asarray(llama.model.norm.weight.detach().numpy())}  # fmt: skip
+    for layer in llama.model.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        lean["layers"].append({"ln1": jnp.asarray(layer.input_layernorm.weight.detach().numpy()),
+                               "ln2": jnp.asarray(layer.post_attention_layernorm.weight.detach().numpy()),
+                               "wq": t(at.q_proj), "wk": t(at.k_proj), "wv": t(at.v_proj), "wo": t(at.o_proj),
+                               "gate_up": jnp.concatenate([t(mlp.gate_proj), t(mlp.up_proj)], 1),
+                               "down": t(mlp.down_proj)})  # fmt: skip
+    ids = torch.randint(0, 256, (2, 24), generator=g)
+    with torch.no_grad():
+        want_loss = float(llama(input_ids=ids, labels=ids).loss)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, lean)
+    step = chip_bench.lean_train_step(lean_cfg, lr=1e-2)
+    state = {"m": zeros, "v": jax.tree_util.tree_map(jnp.zeros_like, lean), "count": jnp.int32(0)}
+    lean, state, loss = step(lean, state, jnp.asarray(ids.numpy(), jnp.int32))
+    assert abs(float(loss) - want_loss) < 1e-4
+    assert float(step(lean, state, jnp.asarray(ids.numpy(), jnp.int32))[2]) < float(loss)
+
+
+@pytest.mark.slow
+def test_the_denoiser_and_train_stages_on_the_simulator(tmp_path):
+    """The denoiser and train stages as a chip runs them, with MODEL=smoke on the simulated device: every record
+    comes, the SD3 pipeline's second call and the denoiser's timed steps compile nothing, the tiny pipeline's image
+    equals the CPU's, the Trainer's steps after the second compile nothing, and the loss curves agree."""
+    env = dict(os.environ, HF_TPU_SIMULATE="1", MODEL="smoke", STEPS="4", CURVE_STEPS="4", CALLS="1")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--out", str(tmp_path), "--stages", "denoiser:900",
+                           "train:900"], env=env, capture_output=True, text=True,
+                          timeout=SAFETY_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    by_step = {}
+    for r in records:
+        by_step.setdefault((r["stage"], r["step"]), []).append(r)
+    assert by_step[("denoiser", "pipeline_call")][0]["compiles"]["graphs"] == 0
+    steps = by_step[("denoiser", "denoiser_step")]
+    assert [r["batch"] for r in steps] == [2, 1]
+    assert all(r["compiles_after_warmup"] == {"graphs": 0, "tpu_cache_misses": 0} for r in steps)
+    assert steps[0]["compiles_first_call"]["graphs"] == 0  # the pipeline's CFG batch: the graph it compiled
+    assert all(r["flops"]["total"] > 0 and r["fraction_of_matmul_rate"] > 0 for r in steps)
+    assert by_step[("denoiser", "vae_decode")][0]["compiles_after_warmup"]["graphs"] == 0
+    tiny = {r["precision"]: r["max_abs_err"] for r in by_step[("denoiser", "tiny_pipeline_vs_cpu")]}
+    assert tiny["highest"] < 1e-4
+    train = by_step[("train", "train")][0]
+    assert train["compiles_after_step_2"] == {"graphs": 0, "tpu_cache_misses": 0} and len(train["steps"]) == 4
+    assert train["tokens_per_s"] > 0 and train["flops"]["total"] > 0
+    curve = by_step[("train", "loss_curve_vs_cpu")][0]
+    assert len(curve["tpu"]) == len(curve["cpu"]) == 4 and curve["max_abs_diff"] < 1e-2
+    assert curve["tpu"][0] == pytest.approx(curve["cpu"][0], abs=1e-5)
