@@ -873,7 +873,7 @@ def part_lean_images(out: Path, quick: bool) -> None:
             try:
                 compiled = jax.jit(forward).lower(params, latents, text, pooled, t).compile()
                 # the step's output is the next step's latents: back-to-back calls depend on each other, as steps do
-                seconds = timed(lambda p, z, c, y, s: (p, compiled(p, z, c, y, s), c, y, s),
+                seconds = timed(lambda p, z, c, y, s, fn=compiled: (p, fn(p, z, c, y, s), c, y, s),
                                 (params, latents, text, pooled, t))  # fmt: skip
                 _record(out, part="lean", model="mmdit", shape=cfg, batch=batch, size=size, text_tokens=text_tokens,
                         seconds=seconds, flops=count, xla_flops=_cost_flops(compiled),

@@ -1020,6 +1020,17 @@ SMOKE_VAE = dict(SD3_VAE, block_out_channels=(8, 8), down_block_types=("DownEnco
 # are the pooled projection), T5-XXL's d_model (the joint attention width); 77 CLIP tokens + 256 T5 tokens
 SD3_TEXT = dict(clip=(768, 1280), t5=4096, clip_tokens=77, t5_tokens=256)
 SMOKE_TEXT = dict(clip=(16, 16), t5=64, clip_tokens=77, t5_tokens=16)
+# black-forest-labs/FLUX.1-dev's transformer/config.json (``FluxTransformer2DModel(**fields)``): 19 double-stream and
+# 38 single-stream blocks of width 3072, 11.9B parameters (23.8 GB in bf16: more than a v5e's HBM); the stage keeps
+# FLUX_FIT of them by default, 5.0B parameters (10 GB) with room for 1024x1024's activations
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))  # fmt: skip
+FLUX_FIT = (8, 16)  # (double-stream, single-stream) blocks
+SMOKE_FLUX = dict(FLUX_DEV, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                  joint_attention_dim=64, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))  # fmt: skip
+FLUX_TEXT = dict(clip=(768,), t5=4096, clip_tokens=77, t5_tokens=512)  # FLUX.1-dev: CLIP-L pooled, 512 T5 tokens
+SMOKE_FLUX_TEXT = dict(clip=(16,), t5=64, clip_tokens=77, t5_tokens=16)
 
 
 def mmdit_flops(config: dict, latent_h: int, latent_w: int, text_tokens: int, batch: int = 1) -> dict[str, int]:
@@ -1043,6 +1054,27 @@ def mmdit_flops(config: dict, latent_h: int, latent_w: int, text_tokens: int, ba
     text += (layers - 1) * (d * d + 8 * d * d)  # the last block drops the text stream's out projection and MLP
     linear = 2 * batch * (per_row + n * image + t * text)
     attention = 2 * 2 * batch * d * (layers * (n + t) ** 2 + dual * n * n)
+    return {"linear": linear, "attention": attention, "total": linear + attention}
+
+
+def flux_flops(config: dict, image_tokens: int, text_tokens: int, batch: int = 1) -> dict[str, int]:
+    """Matmul FLOPs of one ``FluxTransformer2DModel`` forward on ``image_tokens`` packed latent tokens (a 1024-pixel
+    square: 4096) and ``text_tokens`` T5 tokens, ``batch`` rows: ``linear`` (the latent and text embedders, the
+    timestep, guidance and pooled-text embedders, each block's modulation, the double-stream blocks' q/k/v/out and
+    MLPs of both streams, the single-stream blocks' fused q/k/v + MLP and output projection, the final projection)
+    and ``attention`` (QK^T and PV over image + text tokens in every block, whole squares)."""
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    double, single = config["num_layers"], config["num_single_layers"]
+    n, t = image_tokens, text_tokens
+    embedders = 2 if config.get("guidance_embeds") else 1
+    per_row = embedders * (256 * d + d * d) + config["pooled_projection_dim"] * d + d * d
+    per_row += double * 12 * d * d + single * 3 * d * d + 2 * d * d  # the blocks' and norm_out's modulations
+    out_channels = config.get("out_channels") or config["in_channels"]
+    image = config["in_channels"] * d + double * 12 * d * d + d * config["patch_size"] ** 2 * out_channels
+    text = config["joint_attention_dim"] * d + double * 12 * d * d
+    joint = single * (3 * d * d + 4 * d * d + 5 * d * d)  # q/k/v, the MLP's up, proj_out over [attention, MLP]
+    linear = 2 * batch * (per_row + n * image + t * text + (n + t) * joint)
+    attention = 2 * 2 * batch * d * (double + single) * (n + t) ** 2
     return {"linear": linear, "attention": attention, "total": linear + attention}
 
 
@@ -1097,33 +1129,121 @@ def _mmdit(config: dict, dtype):
     return model
 
 
-def _sd3_pipeline(mmdit: dict, vae: dict, text: dict, dtype):
-    """A ``StableDiffusion3Pipeline`` of the given transformer and VAE shapes (random weights) with tiny text encoders
-    of the real widths (one layer each: the text encoders run once per image, the denoiser every step; the real
-    T5-XXL alone is 9.5 GB in bf16): CLIP-L and CLIP-G with projections, a T5 encoder of d_model ``text["t5"]``,
-    hf_tpu's character-level tokenizers (77 CLIP tokens, ``text["t5_tokens"]`` T5 tokens)."""
+def _text_encoders(text: dict, dtype, projection: bool = True):
+    """Tiny text encoders of the real widths (one layer each: they run once per image, the denoiser every step; the
+    real T5-XXL alone is 9.5 GB in bf16): a CLIP per ``text["clip"]`` width (with a projection of that width where
+    ``projection``), a T5 encoder of d_model ``text["t5"]``, hf_tpu's character-level tokenizers (``clip_tokens`` CLIP
+    tokens, ``t5_tokens`` T5 tokens)."""
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     from hf_tpu.diffusers.testing import clip_tokenizer, t5_tokenizer
 
     torch.manual_seed(0)
-    toks = [clip_tokenizer(text["clip_tokens"]), clip_tokenizer(text["clip_tokens"])]
-    clips = [CLIPTextModelWithProjection(CLIPTextConfig(
+    toks = [clip_tokenizer(text["clip_tokens"]) for _ in text["clip"]]
+    cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+    clips = [cls(CLIPTextConfig(
         hidden_size=width, intermediate_size=2 * width, num_attention_heads=max(width // 64, 1), num_hidden_layers=1,
         max_position_embeddings=text["clip_tokens"], vocab_size=len(toks[0]), projection_dim=width, bos_token_id=0,
         eos_token_id=1, pad_token_id=1)).to(dtype) for width in text["clip"]]  # fmt: skip
-    tok3 = t5_tokenizer(text["t5_tokens"])
-    t5 = T5EncoderModel(T5Config(vocab_size=len(tok3), d_model=text["t5"], d_kv=64, d_ff=256, num_layers=1,
+    tok_t5 = t5_tokenizer(text["t5_tokens"])
+    t5 = T5EncoderModel(T5Config(vocab_size=len(tok_t5), d_model=text["t5"], d_kv=64, d_ff=256, num_layers=1,
                                  num_heads=4, relative_attention_num_buckets=32, pad_token_id=0, eos_token_id=1,
                                  decoder_start_token_id=0)).to(dtype)  # fmt: skip
+    return clips, toks, t5, tok_t5
+
+
+def _sd3_pipeline(mmdit: dict, vae: dict, text: dict, dtype):
+    """A ``StableDiffusion3Pipeline`` of the given transformer and VAE shapes (random weights, built on the chip) with
+    :func:`_text_encoders` (CLIP-L and CLIP-G with projections, T5)."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    clips, toks, t5, tok_t5 = _text_encoders(text, dtype)
     with torch.device("meta"):
         vae_model = AutoencoderKL(**vae)
     return StableDiffusion3Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), text_encoder=clips[0], tokenizer=toks[0],
-        text_encoder_2=clips[1], tokenizer_2=toks[1], text_encoder_3=t5, tokenizer_3=tok3,
+        text_encoder_2=clips[1], tokenizer_2=toks[1], text_encoder_3=t5, tokenizer_3=tok_t5,
         transformer=_mmdit(mmdit, dtype), vae=_random_on_tpu(vae_model, dtype))  # fmt: skip
+
+
+def _flux_pipeline(config: dict, vae: dict, text: dict, dtype):
+    """A ``FluxPipeline`` of the given transformer and VAE shapes (random weights, built on the chip; FLUX.1's VAE
+    scale and shift, its dynamic-shift scheduler) with :func:`_text_encoders` (CLIP-L's pooled output, T5)."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    clips, toks, t5, tok_t5 = _text_encoders(text, dtype, projection=False)
+    with torch.device("meta"):
+        vae_model = AutoencoderKL(**{**vae, "scaling_factor": 0.3611, "shift_factor": 0.1159})
+        transformer = FluxTransformer2DModel(**config)
+    transformer = _random_on_tpu(transformer, dtype)  # (no buffers: the rotary table is computed per call)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)  # fmt: skip
+    return FluxPipeline(scheduler=scheduler, text_encoder=clips[0], tokenizer=toks[0], text_encoder_2=t5,
+                        tokenizer_2=tok_t5, transformer=transformer, vae=_random_on_tpu(vae_model, dtype))  # fmt: skip
+
+
+def _denoiser_case(smoke: bool):
+    """What ``SHAPE`` (``sd35`` or ``flux``) makes the denoiser stage build and call: (pipeline, its transformer's
+    config, text widths, default guidance, ``inputs(batch)`` (the transformer's keywords as the pipeline passes them:
+    the same graph), ``flops(batch)``, latent side, tokens)."""
+    import torch
+
+    shape = os.environ.get("SHAPE", "sd35")
+    size = int(os.environ.get("SIZE", "32" if smoke else "1024"))
+    vae = SMOKE_VAE if smoke else SD3_VAE
+    latent = size // 2 ** (len(vae["block_out_channels"]) - 1)
+    dtype = torch.bfloat16
+
+    def tpu(t):
+        return t.to(dtype).to("tpu")
+
+    if shape == "flux":
+        config, text = (SMOKE_FLUX, SMOKE_FLUX_TEXT) if smoke else (FLUX_DEV, FLUX_TEXT)
+        double = int(os.environ.get("LAYERS", config["num_layers"] if smoke else FLUX_FIT[0]))
+        single = int(os.environ.get("SINGLE_LAYERS", config["num_single_layers"] if smoke else FLUX_FIT[1]))
+        config = dict(config, num_layers=double, num_single_layers=single)
+        pipe = _flux_pipeline(config, vae, text, dtype)
+        image_tokens, tokens = (latent // 2) ** 2, text["t5_tokens"]
+
+        def inputs(batch, g):
+            ids = torch.zeros(image_tokens, 3)
+            ids[:, 1] = torch.arange(latent // 2).repeat_interleave(latent // 2)
+            ids[:, 2] = torch.arange(latent // 2).repeat(latent // 2)
+            return dict(hidden_states=tpu(torch.randn(batch, image_tokens, config["in_channels"], generator=g)),
+                        timestep=tpu(torch.full((batch,), 0.5)),
+                        guidance=torch.full([1], 3.5, device="tpu").expand(batch),
+                        pooled_projections=tpu(torch.randn(batch, text["clip"][0], generator=g)),
+                        encoder_hidden_states=tpu(torch.randn(batch, tokens, text["t5"], generator=g)),
+                        txt_ids=tpu(torch.zeros(tokens, 3)), img_ids=tpu(ids),
+                        joint_attention_kwargs={},  # FluxPipeline passes a dict (None would be another graph)
+                        return_dict=False)  # fmt: skip
+
+        def flops(batch):
+            return flux_flops(config, image_tokens, tokens, batch)
+
+        return pipe, config, text, 3.5, inputs, flops, size, latent, tokens
+    mmdit, text = (SMOKE_MMDIT, SMOKE_TEXT) if smoke else (SD35_MEDIUM, SD3_TEXT)
+    if "LAYERS" in os.environ:
+        layers = int(os.environ["LAYERS"])
+        mmdit = dict(mmdit, num_layers=layers, dual_attention_layers=tuple(i for i in mmdit["dual_attention_layers"]
+                                                                           if i < layers))  # fmt: skip
+    pipe = _sd3_pipeline(mmdit, vae, text, dtype)
+    tokens = text["clip_tokens"] + text["t5_tokens"]
+
+    def inputs(batch, g):
+        return dict(hidden_states=tpu(torch.randn(batch, mmdit["in_channels"], latent, latent, generator=g)),
+                    timestep=torch.full((batch,), 500.0, device="tpu"),
+                    encoder_hidden_states=tpu(torch.randn(batch, tokens, text["t5"], generator=g)),
+                    pooled_projections=tpu(torch.randn(batch, sum(text["clip"]), generator=g)),
+                    joint_attention_kwargs=None, return_dict=False)  # fmt: skip
+
+    def flops(batch):
+        return mmdit_flops(mmdit, latent, latent, tokens, batch)
+
+    return pipe, mmdit, text, 4.5, inputs, flops, size, latent, tokens
 
 
 def stage_denoiser() -> None:
@@ -1132,10 +1252,12 @@ def stage_denoiser() -> None:
     ``compile_pipeline(pipe, vae=True)``, at ``SIZE`` (1024) pixels. Records: the warm-up call's seconds and compiles;
     a whole pipeline call of ``STEPS`` (28) steps with classifier-free guidance (``GUIDANCE`` 4.5: batch 2 through the
     denoiser) and its compiles; the denoiser step alone, called as the pipeline calls it, per batch (``BATCHES``,
-    "2 1"; the best of 3 rounds), its FLOPs (:func:`mmdit_flops`) and fraction of the chip's bf16 matmul rate measured
-    here; the VAE decode of one latent; and hf_tpu's tiny SD3 pipeline's image against the CPU's (float32 at 'highest'
-    precision). ``LAYERS`` narrows the transformer (dual-attention blocks kept among the first 13); ``MODEL=smoke``:
-    toy widths for the simulated device."""
+    "2 1"; the best of 3 rounds of ``CALLS`` (3) calls), its FLOPs (:func:`mmdit_flops`) and fraction of the chip's
+    bf16 matmul rate measured here; the VAE decode of one latent; and hf_tpu's tiny pipeline's image against the
+    CPU's (float32 at 'highest' precision). ``LAYERS`` narrows the transformer (dual-attention blocks kept among the
+    first 13). ``SHAPE=flux``: a FLUX.1-dev-shaped transformer in a ``FluxPipeline`` instead (guidance embedded, no
+    CFG: batch 1; ``LAYERS`` double-stream and ``SINGLE_LAYERS`` single-stream blocks, FLUX_FIT by default: the whole
+    model does not fit the chip; :func:`flux_flops`). ``MODEL=smoke``: toy widths for the simulated device."""
     import torch
 
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -1146,22 +1268,16 @@ def stage_denoiser() -> None:
 
     smoke = os.environ.get("MODEL", "sd35") == "smoke"
     rate = _matmul_rate(int(os.environ.get("MATMUL_N", "256" if smoke else "8192")))
-    mmdit, vae, text = (SMOKE_MMDIT, SMOKE_VAE, SMOKE_TEXT) if smoke else (SD35_MEDIUM, SD3_VAE, SD3_TEXT)
-    if "LAYERS" in os.environ:
-        layers = int(os.environ["LAYERS"])
-        mmdit = dict(mmdit, num_layers=layers, dual_attention_layers=tuple(i for i in mmdit["dual_attention_layers"]
-                                                                           if i < layers))  # fmt: skip
-    size = int(os.environ.get("SIZE", "32" if smoke else "1024"))
     steps = int(os.environ.get("STEPS", "4" if smoke else "28"))
-    guidance = float(os.environ.get("GUIDANCE", "4.5"))
-    dtype = torch.bfloat16
     start = time.perf_counter()
-    pipe = _sd3_pipeline(mmdit, vae, text, dtype)
+    pipe, config, text, guidance, inputs, flops_of, size, latent, tokens = _denoiser_case(smoke)
+    guidance = float(os.environ.get("GUIDANCE", guidance))
     pipe.set_progress_bar_config(disable=True)
     pipe.to("tpu")
     params = sum(p.numel() for p in pipe.transformer.parameters())
-    rec(step="pipeline", config=mmdit, params=params, vae_params=sum(p.numel() for p in pipe.vae.parameters()),
-        text=text, size=size, seconds=time.perf_counter() - start)  # fmt: skip
+    rec(step="pipeline", pipeline=type(pipe).__name__, config=config, params=params,
+        vae_params=sum(p.numel() for p in pipe.vae.parameters()), text=text, size=size,
+        seconds=time.perf_counter() - start)  # fmt: skip
     compile_pipeline(pipe, vae=True)
     call = dict(prompt="a watercolor fox in the snow", height=size, width=size, guidance_scale=guidance,
                 max_sequence_length=text["t5_tokens"], output_type="np")  # fmt: skip
@@ -1178,35 +1294,28 @@ def stage_denoiser() -> None:
     seconds, out = image(steps)
     rec(step="pipeline_call", steps=steps, guidance=guidance, seconds_per_image=seconds, compiles=_since(before),
         image_finite=bool(torch.isfinite(torch.as_tensor(out)).all()))  # fmt: skip
-    tokens = text["clip_tokens"] + text["t5_tokens"]
-    latent = size // 2 ** (len(vae["block_out_channels"]) - 1)
-    cfg_batch = 2 if guidance > 1 else 1
-    for batch in _numbers(os.environ.get("BATCHES", f"{cfg_batch} {3 - cfg_batch}")):
-        g = torch.Generator().manual_seed(batch)
-        inputs = dict(
-            hidden_states=torch.randn(batch, mmdit["in_channels"], latent, latent, generator=g).to(dtype).to("tpu"),
-            timestep=torch.full((batch,), 500.0, device="tpu"),
-            encoder_hidden_states=torch.randn(batch, tokens, text["t5"], generator=g).to(dtype).to("tpu"),
-            pooled_projections=torch.randn(batch, sum(text["clip"]), generator=g).to(dtype).to("tpu"),
-            joint_attention_kwargs=None, return_dict=False)  # fmt: skip
+    cfg_batch = 2 if guidance > 1 and type(pipe).__name__ != "FluxPipeline" else 1
+    default = f"{cfg_batch} {3 - cfg_batch}" if cfg_batch == 2 else "1"
+    for batch in _numbers(os.environ.get("BATCHES", default)):
+        kwargs = inputs(batch, torch.Generator().manual_seed(batch))
         before = _compile_counts()
         started = time.perf_counter()
         with torch.no_grad():
-            pipe.transformer(**inputs)[0].float().sum().item()
+            pipe.transformer(**kwargs)[0].float().sum().item()
             first = time.perf_counter() - started
             warm = _since(before)
             before = _compile_counts()
-            rounds = [per_call(lambda inputs=inputs: pipe.transformer(**inputs), int(os.environ.get("CALLS", "3")))
+            rounds = [per_call(lambda kwargs=kwargs: pipe.transformer(**kwargs), int(os.environ.get("CALLS", "3")))
                       for _ in range(3)]  # fmt: skip
-        flops = mmdit_flops(mmdit, latent, latent, tokens, batch)
+        flops = flops_of(batch)
         best = min(rounds)
         rec(step="denoiser_step", batch=batch, size=size, text_tokens=tokens, first_s=first, seconds=best,
             rounds=rounds, flops=flops, flops_per_s=flops["total"] / best, matmul_rate=rate,
             fraction_of_matmul_rate=flops["total"] / best / rate, compiles_first_call=warm,
             compiles_after_warmup=_since(before))  # fmt: skip
     scale, shift = pipe.vae.config.scaling_factor, pipe.vae.config.shift_factor
-    z = (torch.randn(1, 16, latent, latent, generator=torch.Generator().manual_seed(0)) / scale + shift)
-    z = z.to(dtype).to("tpu")
+    z = torch.randn(1, 16, latent, latent, generator=torch.Generator().manual_seed(0)) / scale + shift
+    z = z.to(torch.bfloat16).to("tpu")
     with torch.no_grad():
         before = _compile_counts()
         started = time.perf_counter()
@@ -1217,22 +1326,23 @@ def stage_denoiser() -> None:
         decode = min(per_call(lambda: pipe.vae.decode(z, return_dict=False), 2) for _ in range(2))
     rec(step="vae_decode", size=size, first_s=first, seconds=decode, compiles_first_call=warm,
         compiles_after_warmup=_since(before))  # fmt: skip
+    flux = type(pipe).__name__ == "FluxPipeline"
     pipe = None  # the big pipeline's memory back before the tiny one
-    _tiny_pipeline_against_cpu()
+    _tiny_pipeline_against_cpu(flux)
 
 
-def _tiny_pipeline_against_cpu() -> None:
-    """hf_tpu's tiny SD3 pipeline (16 latent channels, float32) on the chip, compiled by ``compile_pipeline``, against
-    the same pipeline on the CPU: the image's largest difference (matmuls at 'highest' precision here, then 'medium',
-    torch_tpu's default)."""
+def _tiny_pipeline_against_cpu(flux: bool = False) -> None:
+    """hf_tpu's tiny SD3 pipeline (16 latent channels; ``flux``: its tiny Flux pipeline), float32, on the chip,
+    compiled by ``compile_pipeline``, against the same pipeline on the CPU: the image's largest difference (matmuls at
+    'highest' precision here, then 'medium', torch_tpu's default)."""
     import copy
 
     import torch
 
     from hf_tpu.diffusers import compile_pipeline
-    from hf_tpu.diffusers.testing import tiny_sd3_pipeline
+    from hf_tpu.diffusers.testing import tiny_flux_pipeline, tiny_sd3_pipeline
 
-    cpu = tiny_sd3_pipeline(latent_channels=16)
+    cpu = tiny_flux_pipeline() if flux else tiny_sd3_pipeline(latent_channels=16)
     cpu.set_progress_bar_config(disable=True)
     call = dict(prompt="a lighthouse", height=32, width=32, num_inference_steps=4, output_type="np")
     want = cpu(**call, generator=torch.Generator("cpu").manual_seed(0)).images
@@ -1241,8 +1351,8 @@ def _tiny_pipeline_against_cpu() -> None:
     for precision in ("highest", "medium"):
         torch.set_float32_matmul_precision(precision)
         got = pipe(**call, generator=torch.Generator("cpu").manual_seed(0)).images
-        rec(step="tiny_pipeline_vs_cpu", precision=precision, max_abs_err=float(abs(got - want).max()),
-            pixels=int(want.size))  # fmt: skip
+        rec(step="tiny_pipeline_vs_cpu", pipeline=type(cpu).__name__, precision=precision,
+            max_abs_err=float(abs(got - want).max()), pixels=int(want.size))  # fmt: skip
     torch.set_float32_matmul_precision("medium")
 
 

@@ -146,7 +146,7 @@ def test_the_mmdit_and_training_flops_are_what_torchs_flop_counter_counts():
     count; SD3.5-medium's shape is one config in both scripts and builds in diffusers."""
     import torch
     import transformers
-    from diffusers import SD3Transformer2DModel
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -169,6 +169,23 @@ def test_the_mmdit_and_training_flops_are_what_torchs_flop_counter_counts():
                   timestep=torch.full((batch,), 500.0))  # fmt: skip
         flops = s.mmdit_flops(cfg, height, width, text, batch)
         assert counter.get_total_flops() == flops["total"] == flops["linear"] + flops["attention"], layers
+    for guidance in (True, False):  # the Flux shape (SHAPE=flux): double- and single-stream blocks
+        cfg = dict(s.SMOKE_FLUX, guidance_embeds=guidance)
+        model = FluxTransformer2DModel(**cfg).eval()
+        batch, image, text = 2, 24, 10
+        kwargs = dict(hidden_states=torch.randn(batch, image, cfg["in_channels"]),
+                      encoder_hidden_states=torch.randn(batch, text, cfg["joint_attention_dim"]),
+                      pooled_projections=torch.randn(batch, cfg["pooled_projection_dim"]),
+                      timestep=torch.full((batch,), 0.5), txt_ids=torch.zeros(text, 3), img_ids=torch.randn(image, 3),
+                      guidance=torch.full((batch,), 3.5) if guidance else None)  # fmt: skip
+        with FlopCounterMode(display=False) as counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+            model(**kwargs)
+        assert counter.get_total_flops() == s.flux_flops(cfg, image, text, batch)["total"], guidance
+    with torch.device("meta"):
+        flux = FluxTransformer2DModel(**s.FLUX_DEV)
+        fit = FluxTransformer2DModel(**dict(s.FLUX_DEV, num_layers=s.FLUX_FIT[0], num_single_layers=s.FLUX_FIT[1]))
+    assert 11.8e9 < sum(p.numel() for p in flux.parameters()) < 12e9  # FLUX.1-dev's 12B
+    assert sum(p.numel() for p in fit.parameters()) * 2 < 0.7 * 15.75 * 2**30  # its bf16 weights leave room on a v5e
     config_class, fields = s.SMOKE_MODEL
     config = getattr(transformers, config_class)(**fields)
     config._attn_implementation = "eager"
@@ -268,12 +285,13 @@ def test_the_lean_jax_mmdit_and_training_step_compute_what_diffusers_and_transfo
 
 @pytest.mark.slow
 def test_the_denoiser_and_train_stages_on_the_simulator(tmp_path):
-    """The denoiser and train stages as a chip runs them, with MODEL=smoke on the simulated device: every record
-    comes, the SD3 pipeline's second call and the denoiser's timed steps compile nothing, the tiny pipeline's image
-    equals the CPU's, the Trainer's steps after the second compile nothing, and the loss curves agree."""
+    """The denoiser (SD3 and SHAPE=flux) and train stages as a chip runs them, with MODEL=smoke on the simulated
+    device: every record comes, each pipeline's second call and the denoiser's timed steps compile nothing, the tiny
+    pipelines' images equal the CPU's, the Trainer's steps after the second compile nothing, and the loss curves
+    agree."""
     env = dict(os.environ, HF_TPU_SIMULATE="1", MODEL="smoke", STEPS="4", CURVE_STEPS="4", CALLS="1")
     proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--out", str(tmp_path), "--stages", "denoiser:900",
-                           "train:900"], env=env, capture_output=True, text=True,
+                           "denoiser:900:SHAPE=flux", "train:900"], env=env, capture_output=True, text=True,
                           timeout=SAFETY_TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -282,13 +300,16 @@ def test_the_denoiser_and_train_stages_on_the_simulator(tmp_path):
         by_step.setdefault((r["stage"], r["step"]), []).append(r)
     assert by_step[("denoiser", "pipeline_call")][0]["compiles"]["graphs"] == 0
     steps = by_step[("denoiser", "denoiser_step")]
-    assert [r["batch"] for r in steps] == [2, 1]
+    assert [r["batch"] for r in steps] == [2, 1, 1]  # SD3 with CFG and without, then Flux (guidance embedded)
+    assert [r["pipeline"] for r in by_step[("denoiser", "pipeline")]] == ["StableDiffusion3Pipeline", "FluxPipeline"]
     assert all(r["compiles_after_warmup"] == {"graphs": 0, "tpu_cache_misses": 0} for r in steps)
-    assert steps[0]["compiles_first_call"]["graphs"] == 0  # the pipeline's CFG batch: the graph it compiled
+    # the batch each pipeline called its denoiser with: the graph it compiled
+    assert steps[0]["compiles_first_call"]["graphs"] == steps[2]["compiles_first_call"]["graphs"] == 0
     assert all(r["flops"]["total"] > 0 and r["fraction_of_matmul_rate"] > 0 for r in steps)
-    assert by_step[("denoiser", "vae_decode")][0]["compiles_after_warmup"]["graphs"] == 0
-    tiny = {r["precision"]: r["max_abs_err"] for r in by_step[("denoiser", "tiny_pipeline_vs_cpu")]}
-    assert tiny["highest"] < 1e-4
+    assert all(r["compiles_after_warmup"]["graphs"] == 0 for r in by_step[("denoiser", "vae_decode")])
+    tiny = {(r["pipeline"], r["precision"]): r["max_abs_err"]
+            for r in by_step[("denoiser", "tiny_pipeline_vs_cpu")]}  # fmt: skip
+    assert tiny[("StableDiffusion3Pipeline", "highest")] < 1e-4 and tiny[("FluxPipeline", "highest")] < 1e-4
     train = by_step[("train", "train")][0]
     assert train["compiles_after_step_2"] == {"graphs": 0, "tpu_cache_misses": 0} and len(train["steps"]) == 4
     assert train["tokens_per_s"] > 0 and train["flops"]["total"] > 0
