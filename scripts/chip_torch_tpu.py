@@ -1498,16 +1498,16 @@ def _rows(n: int, seq: int, vocab: int, seed: int) -> list[dict]:
 
 def stage_train() -> None:
     """``transformers.Trainer`` with ``hf_tpu.enable()`` on a Llama-3.2-1B shape (``MODEL``; random bf16 weights
-    drawn on the chip, ``bf16=True``, AdamW (``OPTIM``, Trainer's name, default ``adamw_torch``), max_grad_norm 1) on
-    ``BATCH`` (1) rows of ``SEQ`` (1024) tokens, ``GA`` (1) micro-batches per step, the model compiled in place by
-    ``torch_tpu`` (``COMPILE=0``: eager), ``STEPS`` (8) optimizer steps. Weights + gradients + AdamW states in bf16
-    are 8 bytes a parameter (9.9 GB for the 1B shape): ``LAYERS`` (default: the most that fit with the step's
-    activations in 90% of the chip's HBM, :func:`train_state_bytes`, :func:`train_activation_bytes`) sets the depth,
-    and the record says which and why. ``LORA=1``: peft LoRA (r 16 on every projection) on the frozen weights.
-    Records the median step after the first 2 (each step waited for), tokens/s, the FLOPs (:func:`train_flops`)
-    against the chip's bf16 matmul rate measured here, the compiles in each step (0 expected after step 2) and the
-    device memory after step 2; then (``CURVE_STEPS``, 20; 0: none) a tiny Llama's loss curve under the Trainer on the
-    chip and on the CPU (float32, same weights, data and seed): the largest difference."""
+    drawn on the chip, ``bf16=True`` (``BF16=0``: False), AdamW (``OPTIM``, Trainer's name, default ``adamw_torch``),
+    max_grad_norm 1) on ``BATCH`` (1) rows of ``SEQ`` (1024) tokens, ``GA`` (1) micro-batches per step, the model
+    compiled in place by torch_tpu (``COMPILE=0``: eager), ``STEPS`` (8) optimizer steps. Weights + gradients +
+    AdamW states in bf16 are 8 bytes a parameter (9.9 GB for the 1B shape): ``LAYERS`` (default: the most that fit
+    with the step's activations in 90% of the chip's HBM, :func:`train_state_bytes`, :func:`train_activation_bytes`)
+    sets the depth, and the record says which and why. ``LORA=1``: peft LoRA (r 16 on every projection) on the
+    frozen weights. Records the median step after the first 2 (each step waited for), tokens/s, the FLOPs
+    (:func:`train_flops`) against the chip's bf16 matmul rate measured here, the compiles in each step (0 expected
+    after step 2) and the device memory after step 2; then (``CURVE_STEPS``, 20; 0: none) a tiny Llama's loss curve
+    under the Trainer on the chip and on the CPU (float32, same weights, data and seed): the largest difference."""
     import statistics
 
     import torch
@@ -1552,8 +1552,9 @@ def stage_train() -> None:
         model.compile(backend="tpu", dynamic=False)
     rows = _rows((steps + 1) * batch * ga, seq, config.vocab_size - 8, seed=0)
     steps_cb = _step_callback()
+    autocast = os.environ.get("BF16", "1") == "1"  # 0: no autocast (the weights are bf16 either way)
     trainer = _trainer(model, rows, seq, batch, steps, f"/tmp/hf_tpu_chip_train_{os.getpid()}", ga=ga,
-                       callbacks=[steps_cb], optim=os.environ.get("OPTIM", "adamw_torch"))  # fmt: skip
+                       callbacks=[steps_cb], optim=os.environ.get("OPTIM", "adamw_torch"), bf16=autocast)  # fmt: skip
     started = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - started
@@ -1562,7 +1563,8 @@ def stage_train() -> None:
     flops = train_flops(config, batch * ga, seq, lora=lora)
     after = {k: sum(s[k] for s in warm) for k in ("graphs", "tpu_cache_misses")}
     rec(step="train", model=name, layers=layers, batch=batch, seq=seq, ga=ga, lora=lora,
-        compiled=os.environ.get("COMPILE", "1") == "1", optim=os.environ.get("OPTIM", "adamw_torch"), step_s=step_s,
+        compiled=os.environ.get("COMPILE", "1") == "1", optim=os.environ.get("OPTIM", "adamw_torch"), bf16=autocast,
+        step_s=step_s,
         tokens_per_s=batch * ga * seq / step_s if step_s else None, flops=flops, matmul_rate=rate,
         fraction_of_matmul_rate=flops["total"] / step_s / rate if step_s else None, compiles_after_step_2=after,
         steps=steps_cb.steps, memory_after_step_2=steps_cb.memory, train_s=total)  # fmt: skip
