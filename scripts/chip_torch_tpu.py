@@ -16,9 +16,10 @@ Each stage runs in a process of its own with its own timeout and appends its rec
 come (``name[:seconds[:ENV=V,ENV=V]]`` narrows a stage: ``experts:200:SHAPE=mixtral,TOKENS=1_8_512``).
 
 This project's lent chip machine has JAX, libtpu 0.0.42 and no torch: ``pack`` makes, from a local venv with
-torch-tpu 0.2.0 and libtpu 0.0.52, the folders that travel there (each under the tool's 64 MiB per call: torch_tpu
-for torch 2.13 with its small dependencies and the transformers and kernels wheels; libtpu 0.0.52's wheel in three parts; the
-extras the chip tier and the self-test need, EXTRA_WHEELS), and
+torch-tpu 0.2.0 and libtpu 0.0.52, the folders that travel there (each under the tool's 64 MiB per call with the
+working tree: torch_tpu for torch 2.13 with its small dependencies; libtpu 0.0.52's wheel in three parts, the kernels
+wheel beside the first; the extras the chip tier, the self-test and transformers need, EXTRA_WHEELS, with transformers'
+wheel), and
 ``install`` (on the chip, once per warm machine, one folder per call) puts them under /tmp/hf_tpu_chip with torch
 2.13.0 from the machine's own wheels::
 
@@ -65,9 +66,10 @@ EXTRA_WHEELS = ("accelerate", "peft", "diffusers", "torchao", "compressed-tensor
                 "idna", "truststore", "jiter", "prometheus-client", "psutil", "loguru", "pillow", "importlib-metadata",
                 "zipp", "rich", "pygments", "markdown-it-py", "mdurl", "typing-extensions", "requests", "certifi",
                 "charset-normalizer", "urllib3", "typer", "shellingham", "filelock",
-                # transformers 5.25 needs huggingface_hub 2.4, which the lent machine's index lacks (it has 2.0);
-                # the tt folder's transformers install finds these in the ex folder's wheels (install ex first)
-                "huggingface-hub", "hf-xet")  # fmt: skip
+                # transformers 5.25 needs huggingface_hub 2.4, which the lent machine's index lacks (it has 2.0), and
+                # a tokenizers that admits it (the index's 0.23.2 wants huggingface_hub < 2.0); the tt folder's
+                # transformers install finds these in the ex folder's wheels (install ex first)
+                "huggingface-hub", "hf-xet", "tokenizers")  # fmt: skip
 DEFAULT_STAGES = ("basics:90", "dispatch:120", "kv_write:120", "jaxop:150", "generate:180",
                   "generate:180:CASE=moe_kernel", "experts:200:SHAPE=qwen3,TOKENS=1_8_512",
                   "experts:200:SHAPE=mixtral,TOKENS=1_8_512", "llama_decode:470")  # fmt: skip
@@ -1278,7 +1280,7 @@ def stage_denoiser() -> None:
     rec(step="pipeline", pipeline=type(pipe).__name__, config=config, params=params,
         vae_params=sum(p.numel() for p in pipe.vae.parameters()), text=text, size=size,
         seconds=time.perf_counter() - start)  # fmt: skip
-    compile_pipeline(pipe, vae=True)
+    compile_pipeline(pipe, vae=os.environ.get("VAE", "1") == "1")  # VAE=0: the VAE eager
     call = dict(prompt="a watercolor fox in the snow", height=size, width=size, guidance_scale=guidance,
                 max_sequence_length=text["t5_tokens"], output_type="np")  # fmt: skip
 
@@ -1287,11 +1289,12 @@ def stage_denoiser() -> None:
         out = pipe(**call, num_inference_steps=n_steps, generator=torch.Generator("cpu").manual_seed(0)).images
         return time.perf_counter() - started, out
 
+    whole = os.environ.get("PIPELINE", "1") == "1"  # PIPELINE=0: the denoiser's step alone (and the VAE's decode)
     before = _compile_counts()
-    seconds, _ = image(2)
+    seconds, _ = image(2) if whole else (None, None)
     rec(step="warmup_call", steps=2, seconds=seconds, compiles=_since(before))
     before = _compile_counts()
-    seconds, out = image(steps)
+    seconds, out = image(steps) if whole else (None, torch.zeros(1))
     rec(step="pipeline_call", steps=steps, guidance=guidance, seconds_per_image=seconds, compiles=_since(before),
         image_finite=bool(torch.isfinite(torch.as_tensor(out)).all()))  # fmt: skip
     cfg_batch = 2 if guidance > 1 and type(pipe).__name__ != "FluxPipeline" else 1
@@ -1660,8 +1663,8 @@ def torch_tpu_members(site: Path) -> list[str]:
 
 
 def pack(dest: Path, venv: Path) -> None:
-    """Write ``dest/tt`` (torch_tpu, small wheels, transformers), ``dest/lt1`` .. ``lt3`` (libtpu's wheel in three
-    parts; the kernels wheel beside the first) and ``dest/ex`` (EXTRA_WHEELS)."""
+    """Write ``dest/tt`` (torch_tpu, small wheels), ``dest/lt1`` .. ``lt3`` (libtpu's wheel in three parts; the
+    kernels wheel beside the first) and ``dest/ex`` (EXTRA_WHEELS and transformers' wheel)."""
     site = next((venv / "lib").glob("python3*/site-packages"))
     for sub in ("tt", "lt1", "ex"):
         (dest / sub).mkdir(parents=True, exist_ok=True)
@@ -1670,10 +1673,10 @@ def pack(dest: Path, venv: Path) -> None:
     listing.write_text("\n".join(members) + "\n")
     subprocess.run(f"tar cf - -C {site} -T {listing} | xz -T2 -9 > {dest / 'tt' / 'torch_tpu.tar.xz'}", shell=True,
                    check=True)  # fmt: skip
-    # The kernels wheel travels beside libtpu's first half: with transformers' wheel, torch_tpu and the working tree
-    # (10 MB) the tt call would pass the tool's 64 MiB.
+    # The kernels wheel travels beside libtpu's first half and transformers' wheel with the extras: with torch_tpu
+    # (41 MB) and the working tree (11 MB) either would take the tt call past the tool's 64 MiB (it did on 2026-12-07).
     extras = [n for n in EXTRA_WHEELS if _installed_version(site, n, missing_ok=True)]
-    for sub, names in (("tt", (*SMALL_WHEELS, "transformers")), ("lt1", ("kernels",)), ("ex", extras)):
+    for sub, names in (("tt", SMALL_WHEELS), ("lt1", ("kernels",)), ("ex", (*extras, "transformers"))):
         wheels = [f"{n}=={_installed_version(site, n)}" for n in names]
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                         "--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
@@ -1726,12 +1729,14 @@ def install(folder: Path) -> None:
         _pip("--no-index", "--no-deps", "--target", str(site), *small)
         _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--no-deps", "--target", str(site),
              "absl-py")  # torch_tpu's logging; on the machine's index  # fmt: skip
-        wheel = next(folder.glob("transformers-*.whl"))  # the version hf_tpu was tested with; its needs from the index
-        wheels = CHIP_HOME / "wheels"  # and from the ex folder's wheels (huggingface_hub 2.4: the index has 2.0)
+        wheels = CHIP_HOME / "wheels"  # the ex folder's wheels (huggingface_hub 2.4: the index has 2.0)
+        # the version hf_tpu was tested with (it travels in ex); its needs from the index and the ex folder's wheels
+        wheel = next(folder.glob("transformers-*.whl"), None) or next(wheels.glob("transformers-*.whl"))
         links = ["--find-links", str(wheels)] if wheels.is_dir() else []
         _pip("--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", *links, "--target", str(tf), str(wheel))
-    if folder.name == "ex":
-        _pip("--no-index", "--no-deps", "--target", str(tf), *map(str, sorted(folder.glob("*.whl"))))
+    if folder.name == "ex":  # (transformers' wheel is installed with its needs by the tt folder's call)
+        extras = [str(p) for p in sorted(folder.glob("*.whl")) if not p.name.startswith("transformers-")]
+        _pip("--no-index", "--no-deps", "--target", str(tf), *extras)
         (CHIP_HOME / "wheels").mkdir(parents=True, exist_ok=True)
         for wheel in folder.glob("*.whl"):
             (CHIP_HOME / "wheels" / wheel.name).write_bytes(wheel.read_bytes())

@@ -316,3 +316,35 @@ def test_the_denoiser_and_train_stages_on_the_simulator(tmp_path):
     curve = by_step[("train", "loss_curve_vs_cpu")][0]
     assert len(curve["tpu"]) == len(curve["cpu"]) == 4 and curve["max_abs_diff"] < 1e-2
     assert curve["tpu"][0] == pytest.approx(curve["cpu"][0], abs=1e-5)
+
+
+def test_install_takes_transformers_from_the_ex_folder_into_the_tt_call(tmp_path, monkeypatch):
+    """transformers' wheel travels in ex (with torch_tpu and the working tree the tt call passed the tool's 64 MiB on
+    2026-12-07): ex's call installs the other extras without their needs and keeps transformers' wheel among the
+    wheels, and tt's call installs it from there with its needs from the index and those wheels."""
+    import tarfile
+
+    s = _script()
+    calls = []
+    monkeypatch.setattr(s, "CHIP_HOME", tmp_path / "home")
+    monkeypatch.setattr(s, "_pip", lambda *args: calls.append(args))
+    ex, tt = tmp_path / "ex", tmp_path / "tt"
+    for folder, names in ((ex, ("transformers-5.25.0-py3-none-any.whl", "tokenizers-0.23.3-cp310-abi3-x.whl")),
+                          (tt, ("pyzmq-27.3.0-cp311-x.whl",))):  # fmt: skip
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_bytes(b"wheel")
+    (tmp_path / "torch_tpu").mkdir()
+    (tmp_path / "torch_tpu" / "__init__.py").write_text("")
+    with tarfile.open(tt / "torch_tpu.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "torch_tpu", arcname="torch_tpu")
+    s.install(ex)
+    assert len(calls) == 1 and not any("transformers-" in a for a in calls[0]), calls
+    assert any(a.endswith("tokenizers-0.23.3-cp310-abi3-x.whl") for a in calls[0])
+    assert (tmp_path / "home" / "wheels" / "transformers-5.25.0-py3-none-any.whl").exists()
+    calls.clear()
+    s.install(tt)
+    installed = [c for c in calls if c[-1].endswith("transformers-5.25.0-py3-none-any.whl")]
+    assert len(installed) == 1 and "--no-deps" not in installed[0], calls
+    assert str(tmp_path / "home" / "wheels") in installed[0]  # its needs found among ex's wheels too
+    assert (tmp_path / "home" / "site" / "torch_tpu" / "__init__.py").exists()
