@@ -739,6 +739,19 @@ _sweep(
     "test_moe_decode_with_the_measured_experts_choice_compiles[v6e-1]",
 )
 
+_sweep(
+    "test_examples.py",
+    "examples whose flow a test of the core tier runs against the CPU: moe_kernel.py (tests/kernels/test_experts.py: "
+    "get_kernel, the experts registration, a Qwen3-MoE on the kernel; tests/transformers/test_moe.py), "
+    "diffusers_sd3.py (tests/diffusers/test_pipelines.py: SD3 compiled after warm-up), finetune.py "
+    "(tests/training/test_trainer.py), device_map.py (tests/device_map); CI keeps generate.py and "
+    "simulator_counters.py, and checks that every example has its test (test_every_example_is_covered)",
+    "test_example_runs_on_the_simulator[moe_kernel.py]",
+    "test_example_runs_on_the_simulator[diffusers_sd3.py]",
+    "test_example_runs_on_the_simulator[finetune.py]",
+    "test_example_runs_on_the_simulator[device_map.py]",
+)
+
 
 def _prefix(table: list[tuple[str, str]], nodeid: str) -> str | None:
     for prefix, _ in table:
