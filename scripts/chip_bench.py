@@ -10,7 +10,9 @@ Where the chip has no torch (this project's chip machine), the halves run on two
     python scripts/chip_bench.py lower bench/               # anywhere with torch-tpu: hf_tpu's programs as StableHLO
     python scripts/chip_bench.py run bench/ --out $OUT      # on the chip, jax only: every part, records as they come
     python scripts/chip_bench.py report $OUT/records.jsonl --rows docs/chip_v5e.json \
-        --table hf_tpu/kernels/experts_v5e.json             # anywhere: rows, hf_tpu's choice table, a table
+        --table hf_tpu/kernels/experts_v5e.json \
+        --torch-tpu-records docs/chip_v5e_torch_tpu.jsonl   # anywhere: rows (with chip_torch_tpu.py's images and
+                                                            # training rows), hf_tpu's choice table, a table
 
 ``run`` starts each part in a process of its own with its own timeout (a hung or failing program costs only its
 part) and appends each measurement to ``records.jsonl`` the moment it is taken. The parts:
@@ -1129,6 +1131,58 @@ def _top_k(model: str) -> int:
     return next(shape[4] for shape in EXPERTS_SHAPES if shape[0] == model)
 
 
+def torch_tpu_rows(records: list[dict]) -> list[dict]:
+    """Rows of ``scripts/chip_torch_tpu.py``'s images and training stages (issue #68; its records carry ``stage`` and
+    ``step``, docs/chip_v5e_torch_tpu.jsonl): the denoiser's step per batch against the lean JAX MMDiT forward of the
+    same shape measured in the same command, the VAE's decode, and the Trainer's steps against the lean JAX training
+    step, each with its fraction of the bf16 matmul rate measured in its stage (the floor: its FLOPs at that rate). The
+    latest run that has each row wins."""
+    by_step: dict = {}
+    for r in records:
+        if "stage" in r and "step" in r:
+            by_step.setdefault((r["stage"], r["step"]), []).append(r)
+
+    def latest(stage, step, key):
+        found: dict = {}
+        for r in by_step.get((stage, step), []):
+            found[key(r)] = r  # (records are in run order: a later one replaces an earlier one)
+        return found
+
+    lean = latest("lean", "lean", lambda r: (r["model"], r.get("batch"), r.get("seq"), r.get("layers")))
+    rows = []
+    for (batch,), r in sorted(latest("denoiser", "denoiser_step", lambda r: (r["batch"],)).items()):
+        ref = lean.get(("mmdit", batch, None, None))
+        ratio = r["seconds"] / ref["seconds"] if ref else None
+        fraction = r["fraction_of_matmul_rate"]
+        rows.append({"name": f"sd3.5-medium-shape denoiser step {r['size']}x{r['size']} (hf_tpu through torch_tpu)",
+                     "batch": batch, "measured_s": r["seconds"], "reference_s": ref and ref["seconds"],
+                     "floor_s": r["flops"]["total"] / r["matmul_rate"],
+                     "target": "within 1.2x of the lean JAX step and at >= 50% of the bf16 matmul rate",
+                     "met": None if ratio is None else bool(ratio <= 1.2 and fraction >= 0.5),
+                     "ratio_to_reference": ratio, "fraction_of_matmul_rate": fraction, "run": r["run"],
+                     "compiles_after_warmup": r["compiles_after_warmup"]})  # fmt: skip
+    for _, r in sorted(latest("denoiser", "vae_decode", lambda r: r["size"]).items()):
+        rows.append({"name": f"sd3-vae decode {r['size']}x{r['size']} (eager through torch_tpu)", "batch": 1,
+                     "measured_s": r["seconds"], "reference_s": None, "floor_s": None, "target": None, "met": None,
+                     "run": r["run"], "compiles_after_warmup": r["compiles_after_warmup"]})  # fmt: skip
+    trains = latest("train", "train", lambda r: (r["layers"], r["batch"], r["seq"], r["ga"], r["lora"]))
+    for (layers, batch, seq, ga, lora), r in sorted(trains.items()):
+        what = ", ".join(["LoRA r 16" if lora else "AdamW", "bf16" if r["bf16"] else "bf16 weights, no autocast",
+                          *([f"{ga} micro-batches"] if ga > 1 else [])])  # fmt: skip
+        ref = None if lora or ga > 1 else lean.get(("llama-train", batch, seq, layers))
+        ratio = r["step_s"] / ref["seconds"] if ref else None
+        fraction = r["fraction_of_matmul_rate"]
+        plain = not lora and ga == 1
+        rows.append({"name": f"llama-3.2-1b-shape ({layers} layers) Trainer step, {seq} tokens ({what})",
+                     "batch": batch * ga, "measured_s": r["step_s"], "reference_s": ref and ref["seconds"],
+                     "floor_s": r["flops"]["total"] / r["matmul_rate"],
+                     "target": "within 1.2x of the lean JAX step and at >= 40% of the bf16 matmul rate" if plain
+                     else None, "met": None if ratio is None else bool(ratio <= 1.2 and fraction >= 0.4),
+                     "ratio_to_reference": ratio, "fraction_of_matmul_rate": fraction, "run": r["run"],
+                     "compiles_after_step_2": r["compiles_after_step_2"]})  # fmt: skip
+    return rows
+
+
 def _met(ratio, limit):
     return None if ratio is None else bool(ratio <= limit)
 
@@ -1276,8 +1330,10 @@ def report(args: argparse.Namespace) -> int:
                          "floor_s": floors[floor_key], "floor_kind": floor_key, "target": target,
                          "met": _met(ratio, limit) if limit else None, "ratio_to_floor": ratio,
                          "measured_synced_s": r["synced_s"]})  # fmt: skip
+    rows += torch_tpu_rows(_load(args.torch_tpu_records))
     result = {"device": "TPU v5 lite (one chip), jax 0.10.2", "source": "scripts/chip_bench.py report",
-              "records": [str(p) for p in args.records], "bytes_per_second": bw,
+              "records": [str(p) for p in args.records],
+              "torch_tpu_records": [str(p) for p in args.torch_tpu_records], "bytes_per_second": bw,
               "timing": "measured_s: back to back (a step's result not waited for before the next is dispatched); "
                         "*_synced_s: each call waited for. Experts rows with timing 'synced' come from the first run.",
               "rows": rows}  # fmt: skip
@@ -1328,6 +1384,9 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="rows, hf_tpu's choice table and a markdown table from records")
     rep.add_argument("records", nargs="+", help="records.jsonl files, later ones replacing earlier measurements")
     rep.add_argument("--rows", help="write the rows here (docs/chip_v5e.json)")
+    rep.add_argument("--torch-tpu-records", nargs="*", default=[],
+                     help="scripts/chip_torch_tpu.py's records (docs/chip_v5e_torch_tpu.jsonl): its images and training "
+                     "rows")  # fmt: skip
     rep.add_argument("--table", help="write hf_tpu's experts choice table here (hf_tpu/kernels/experts_v5e.json)")
     one = sub.add_parser("part", help=argparse.SUPPRESS)
     one.add_argument("part", choices=list(TIMEOUTS))

@@ -19,11 +19,14 @@ SCRIPT = ROOT / "scripts" / "chip_bench.py"
 
 def test_report_of_the_committed_records_is_what_the_docs_and_the_table_hold(tmp_path):
     rows, table = tmp_path / "rows.json", tmp_path / "table.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "report", "docs/chip_v5e_records.jsonl", "--rows", str(rows),
-                           "--table", str(table)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=SAFETY_TIMEOUT_S)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
     committed = json.loads((ROOT / "docs" / "chip_v5e.json").read_text())
+    # the JAX client's records, and torch_tpu's for the images and training rows (scripts/chip_torch_tpu.py)
+    assert committed["records"] == ["docs/chip_v5e_records.jsonl"]
+    assert committed["torch_tpu_records"] == ["docs/chip_v5e_torch_tpu.jsonl"]
+    proc = subprocess.run([sys.executable, str(SCRIPT), "report", *committed["records"], "--torch-tpu-records",
+                           *committed["torch_tpu_records"], "--rows", str(rows), "--table", str(table)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=SAFETY_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(rows.read_text())["rows"] == committed["rows"]
     shipped = json.loads((ROOT / "hf_tpu" / "kernels" / "experts_v5e.json").read_text())
     assert json.loads(table.read_text())["rows"] == shipped["rows"]
