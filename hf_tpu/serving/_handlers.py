@@ -10,7 +10,9 @@ prompt's prefill shared), with the request's own sampling settings
 (:func:`hf_tpu.serving._openai.resolve`); ``stop`` strings are looked for on the host in the decoded text of each
 choice (the choice is cancelled when one is found); ``finish_reason`` is ``"stop"`` for an end of sequence or a
 stop string and ``"length"`` when ``max_tokens`` or the model's context ended the choice; log-probabilities come
-from the step's outputs (:mod:`hf_tpu.serving._sampling`). ``ResponsesHandler`` (``/v1/responses``) runs its
+from the step's outputs (:mod:`hf_tpu.serving._sampling`); completions' ``echo`` puts the prompt's text (and, with
+``logprobs``, its tokens' logprobs from one forward over the prompt, :mod:`hf_tpu.serving._prompt_logprobs`) before
+each choice's, and with ``max_tokens`` 0 answers without the batch. ``ResponsesHandler`` (``/v1/responses``) runs its
 request as the chat request it amounts to and answers in the Responses API's shape.
 
 The bodies reaching these handlers have been checked by the request models of :mod:`hf_tpu.serving.protocol` (in the
@@ -269,16 +271,24 @@ class _Answer:
 
         check_vocab(self.body, vocab_of(model))
         self.parser = self._parser(processor, model, input_ids) if self.chat else None
+        self.name, self.created = _Tokens(getattr(processor, "tokenizer", processor)), int(time.time())
+        self.echo = None  # with echo: the prompt's (text, logprobs record per token or None)
+        if not self.chat and self.body.get("echo"):
+            self._check_echo(model, input_ids)
+            if sampling.max_tokens == 0:  # the prompt alone: nothing joins the continuous batch
+                await self._echo(model, input_ids, sampling)
+                return JSONResponse(self._prompt_only(input_ids, sampling))
         run = _Run(cb, input_ids, sampling, processor, h.metrics, skip_special=self.parser is None,
                    stream=bool(self.body.get("stream")))
         try:
             run.submit()
         except PromptTooLongError as exc:
             raise RequestError("messages" if self.chat else "prompt", str(exc)) from None
-        self.name, self.created = _Tokens(run.tokenizer), int(time.time())
         if self.body.get("stream"):
             return StreamingResponse(self._stream(run), media_type="text/event-stream")
         try:
+            if not self.chat and self.body.get("echo"):  # (the prompt's forward while the batch generates)
+                await self._echo(model, input_ids, sampling)
             while not run.done:
                 await run.step()
         finally:
@@ -306,6 +316,63 @@ class _Answer:
         )  # fmt: skip
         return list(inputs["input_ids"])
 
+    # ----- echo -----
+
+    def _check_echo(self, model, input_ids: list[int]) -> None:
+        """Refuse what echo cannot score: a prompt past the model's length, the prompt's logprobs under ``--tp``."""
+        import os
+
+        from hf_tpu.serving.server import _max_len
+        from hf_tpu.serving.tensor_parallel import TP_ENV
+
+        limit = _max_len(model)
+        if len(input_ids) > limit:
+            raise RequestError("prompt", f"the prompt is {len(input_ids)} tokens; this model reads at most {limit} "
+                                         f"(max_position_embeddings {limit}): shorten the prompt")  # fmt: skip
+        if self.body.get("logprobs") is not None and int(os.environ.get(TP_ENV) or 1) > 1:
+            raise RequestError("echo", "echo with logprobs (the prompt's logprobs) is not supported under --tp; "
+                                       "leave echo or logprobs out")  # fmt: skip
+
+    async def _echo(self, model, input_ids: list[int], sampling: Sampling) -> None:
+        """``self.echo``: the prompt's text and, with ``logprobs``, its tokens' records (one forward of the model
+        over the prompt, :func:`hf_tpu.serving._prompt_logprobs.prompt_logprobs`, in a worker thread)."""
+        records = None
+        if sampling.logprobs:
+            from hf_tpu.serving._prompt_logprobs import prompt_logprobs
+
+            records = await asyncio.to_thread(prompt_logprobs, model, input_ids, sampling.top_logprobs)
+        self.echo = (self.body["prompt"], records)
+
+    def _echo_logprobs(self, input_ids: list[int], top: int) -> dict:
+        """The prompt's part of a choice's ``logprobs`` (OpenAI's legacy format): the first token's value and
+        alternatives are null; ``text_offset`` from decoding the prompt's tokens one by one."""
+        from tokenizers.decoders import DecodeStream
+
+        rust = self.name.tokenizer._tokenizer
+        decoder, length = DecodeStream([], skip_special_tokens=True), 0
+        tokens, values, tops, offsets = [], [], [], []
+        for token, record in zip(input_ids, self.echo[1]):
+            tokens.append(self.name(token))
+            offsets.append(length)
+            length += len(decoder.step(rust, token) or "")
+            if record is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(record[0])
+            tops.append({self.name(t): lp for t, lp in record[1][:top]} if top else None)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_only(self, input_ids: list[int], sampling: Sampling) -> dict:
+        """The answer to an echo with ``max_tokens`` 0: each choice the prompt (and its logprobs), ``"length"``."""
+        logprobs = self._echo_logprobs(input_ids, sampling.top_logprobs) if sampling.logprobs else None
+        text = self.echo[0] + (self.body.get("suffix") or "")
+        choices = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": "length"}
+                   for i in range(sampling.n)]  # fmt: skip
+        usage = {"prompt_tokens": len(input_ids), "completion_tokens": 0, "total_tokens": len(input_ids)}
+        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model_id,
+                "choices": choices, "usage": usage}  # fmt: skip
+
     def _parser(self, processor, model, input_ids):
         from hf_tpu.serving._app import response_parser
 
@@ -326,6 +393,14 @@ class _Answer:
         if not self.chat:
             if s.logprobs:
                 logprobs = _text_logprobs(c, 0, len(c.tokens), self.name, s.top_logprobs)
+            if self.echo is not None:  # the prompt's text and logprobs first, the generated offsets after its text
+                prompt = self.echo[0]
+                text = prompt + text
+                if logprobs is not None:
+                    shifted = [len(prompt) + k for k in logprobs["text_offset"]]
+                    before = self._echo_logprobs(run.input_ids, s.top_logprobs)
+                    logprobs = {key: before[key] + logprobs[key] for key in before}
+                    logprobs["text_offset"] = before["text_offset"] + shifted
             suffix = self.body.get("suffix")
             return {"index": c.index, "text": text + (suffix or ""), "logprobs": logprobs,
                     "finish_reason": c.finish_reason}  # fmt: skip

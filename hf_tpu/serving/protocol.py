@@ -8,7 +8,8 @@ What passes cannot fail the compiled step: each numeric field is bounded by what
 ``top_k``, ``n``, the token counts and token ids; float32's normal range for the floats; int64 for ``seed``, as
 vLLM bounds it), strings are strings, lists are lists of what the handler reads. Fields are:
 
-* honoured: OpenAI's sampling fields, ``stop``, ``n``, ``logprobs``, ``tools`` (rendered by the chat template),
+* honoured: OpenAI's sampling fields, ``stop``, ``n``, ``logprobs``, completions' ``echo`` (not streamed; with
+  ``logprobs``, the prompt's too; ``max_tokens`` 0 only with it), ``tools`` (rendered by the chat template),
   the penalties, ``logit_bias``, ``seed``, ``stream``/``stream_options``, and vLLM's ``top_k``, ``min_p``,
   ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``chat_template_kwargs`` (and transformers'
   ``generation_config``);
@@ -342,6 +343,7 @@ class CompletionRequest(_Text):
     """``POST /v1/completions``."""
 
     prompt: Text
+    max_tokens: Annotated[int, Field(le=INT32_MAX)] | None = None  # at least 1; 0 with echo (checked below)
     suffix: str | None = None
     logprobs: Count | None = None
     best_of: Positive | None = None
@@ -368,8 +370,12 @@ class CompletionRequest(_Text):
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise _Unsupported("best_of", "best_of is not supported by hf-tpu serve (only best_of equal to n); "
                                           "leave it out")  # fmt: skip
-        if self.echo:
-            raise _Unsupported("echo", "echo is not supported by hf-tpu serve; leave it out")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
+            raise _Unsupported("max_tokens", f"max_tokens must be at least 1 (0 only with echo: true, which returns "
+                                             f"the prompt and its logprobs alone), got {self.max_tokens}")  # fmt: skip
+        if self.echo and self.stream:
+            raise _Unsupported("echo", "echo is not supported with stream: true by hf-tpu serve; send stream: false "
+                                       "(or leave echo out)")  # fmt: skip
         if self.response_format is not None and self.response_format.type != "text":
             raise _Unsupported("response_format", "response_format is not supported by hf-tpu serve (only "
                                                   "{\"type\": \"text\"}); leave it out")  # fmt: skip

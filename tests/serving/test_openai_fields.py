@@ -85,7 +85,9 @@ def test_a_wrong_chat_field_is_named(body, param):
         ({"prompt": "x", "logprobs": 6}, "logprobs"),
         ({"prompt": "x", "logprobs": True}, "logprobs"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": True, "stream": True}, "echo"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
         ({"prompt": "x", "messages": HI}, "messages"),
     ],
 )
@@ -107,6 +109,7 @@ def test_valid_bodies_pass():
                  "model": "m", "repetition_penalty": 1.2, "logit_bias": {"5": -100, "7": 2.5},
                  "min_tokens": 8})  # fmt: skip
     check(COMPLETIONS, {"prompt": "x", "logprobs": 0, "stop": "\n", "best_of": 1, "echo": False, "suffix": "!"})
+    check(COMPLETIONS, {"prompt": "x", "logprobs": 1, "echo": True, "max_tokens": 0})
     check(COMPLETIONS, {"prompt": "x", "generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})})
 
 

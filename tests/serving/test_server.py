@@ -533,6 +533,64 @@ def test_logprobs_equal_cpu_log_softmax(client, cpu):
     assert all(e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in entries)  # greedy: the chosen is the top one
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_as_cpu_log_softmax(client, cpu):
+    """What lm-evaluation-harness's local-completions sends for a loglikelihood: echo, max_tokens 0, logprobs."""
+    prompt = "My lord, the king is here"
+    ids = cpu.tok(prompt)["input_ids"]
+    log_probs = torch.log_softmax(cpu_logits(cpu, ids), dim=-1)  # row k: the distribution of token k + 1
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=3)
+    choice = reply.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), 0)
+    got = choice.logprobs
+    assert got.tokens == [cpu.tok.decode([t]) for t in ids]
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    assert got.text_offset == [len(cpu.tok.decode(ids[:k], skip_special_tokens=True)) for k in range(len(ids))]
+    for k in range(1, len(ids)):
+        assert got.token_logprobs[k] == pytest.approx(log_probs[k - 1, ids[k]].item(), abs=1e-5), k
+        values, top = log_probs[k - 1].topk(3)
+        assert list(got.top_logprobs[k]) == [cpu.tok.decode([t]) for t in top.tolist()]
+        assert list(got.top_logprobs[k].values()) == pytest.approx(values.tolist(), abs=1e-5)
+        greedy = ids[k] == top[0].item()  # lm-eval's check: the token's value is the largest of its top_logprobs
+        assert (got.token_logprobs[k] == max(got.top_logprobs[k].values())) == greedy, k
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, n=2)
+    assert [c.text for c in plain.choices] == [prompt, prompt] and plain.choices[0].logprobs is None
+
+
+def test_echo_with_generated_tokens_returns_both_logprobs(client, cpu):
+    prompt = "The king said"
+    ids = cpu.tok(prompt)["input_ids"]
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    choice = reply.choices[0]
+    with torch.no_grad():
+        tokens = cpu.model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids) :].tolist()
+    assert choice.text == prompt + cpu.tok.decode(tokens, skip_special_tokens=True)
+    full = ids + tokens
+    log_probs = torch.log_softmax(cpu_logits(cpu, full), dim=-1)
+    got = choice.logprobs
+    assert got.tokens == [cpu.tok.decode([t]) for t in full] and got.token_logprobs[0] is None
+    for k in range(1, len(full)):
+        assert got.token_logprobs[k] == pytest.approx(log_probs[k - 1, full[k]].item(), abs=1e-4), k
+        values, top = log_probs[k - 1].topk(2)
+        assert list(got.top_logprobs[k].values()) == pytest.approx(values.tolist(), abs=1e-4), k
+    assert got.text_offset[len(ids)] == len(prompt) and got.text_offset == sorted(got.text_offset)
+    assert reply.usage.completion_tokens == len(tokens)
+
+
+def test_echo_bad_combinations_name_the_field(server):
+    for body, param in (
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1, "echo": True}, "max_tokens"),
+        ({"echo": True, "stream": True, "max_tokens": 0}, "echo"),
+        ({"echo": True, "max_tokens": 0, "logprobs": 6}, "logprobs"),
+        ({"echo": True, "max_tokens": 0, "best_of": 2}, "best_of"),
+        ({"echo": True, "max_tokens": 0, "logprobs": 1, "prompt": "the king " * 200}, "prompt"),
+    ):  # fmt: skip
+        status, answer, _ = server.post("/v1/completions", {"model": MODEL, "prompt": "x", **body})
+        assert status == 400 and answer["error"]["param"] == param, (body, answer)
+        assert param in answer["error"]["message"], answer
+
+
 def test_first_token_distribution_matches_cpu_warpers(server, client, cpu):
     """Many seeded draws of one first token, counted against transformers' warpers on CPU's logits (chi-square)."""
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
