@@ -87,7 +87,9 @@ def compile_pipeline(
     graph sees them (:func:`check_resolution`, :func:`check_generator`). ``cache_dir``: the persistent compile
     cache (a directory, or None for none; default ``HF_TPU_COMPILE_CACHE``). ``vae=True`` also compiles
     ``pipe.vae.decoder`` (one more graph per resolution; the decoder runs once per call; not served from the
-    persistent cache).
+    persistent cache). Like ``hf_tpu.enable("diffusers")``, it has the tpu backend trace GroupNorm with a contiguous
+    input (:mod:`hf_tpu._group_norm`; the VAE's mid-block does not lower on torch_tpu 0.2.0 otherwise), until
+    ``hf_tpu.disable()``.
 
     Args:
         pipe: a ``DiffusionPipeline`` or ``ModularPipeline`` placed on the TPU.
@@ -124,8 +126,9 @@ def compile_pipeline(
     if "recompile_limit" in inspect.signature(torch.compile).parameters:
         kwargs["recompile_limit"] = recompile_limit
     # The denoiser runs every step; the VAE decoder once per call, so compiling it is opt-in (one more graph per
-    # resolution to warm up). (torch 2.13's aot_eager fails on its GroupNorm + attention mid-block on the CPU; the
-    # simulator's tpu backend runs it, as torch_tpu's compiler does.)
+    # resolution to warm up). Its mid-block attention leaves a channels-last residual that the next GroupNorm gets:
+    # torch_tpu 0.2.0's lowering refuses that (and the simulator, as it does) unless the tpu backend traces GroupNorm
+    # with a contiguous input, hf_tpu._group_norm's decomposition, added here as the diffusers integration adds it.
     targets = denoisers(pipe)
     decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
     if vae and decoder is not None:
@@ -138,6 +141,10 @@ def compile_pipeline(
                     f"compile_pipeline(backend='tpu') needs {type(pipe).__name__}.{name} on the TPU, but it is on "
                     f"{device}: call pipe.to('tpu') first."
                 )
+    from hf_tpu import _group_norm
+    from hf_tpu.diffusers.placement import FEATURE
+
+    _group_norm.apply(FEATURE)  # (the tpu backend's table only: no effect on any other backend)
     from hf_tpu.compile_cache import CompileCache
 
     cache = CompileCache.from_env() if cache_dir is _UNSET else CompileCache.coerce(cache_dir)

@@ -15,7 +15,9 @@ The same holds for a Modular Diffusers ``ModularPipeline`` (its ``to`` moves the
 naming the component and the fix, and after the move it checks that no tensor of any model component was left
 behind, and installs the per-call size and generator checks of :mod:`hf_tpu.diffusers._call_checks` on that
 pipeline (a modular pipeline has no such methods: its blocks check their own inputs). Other targets (``cpu``,
-``cuda``, a dtype) go straight to upstream.
+``cuda``, a dtype) go straight to upstream. It also gives GroupNorm a contiguous input in graphs compiled for the tpu
+device (:mod:`hf_tpu._group_norm`: the channels-last output of diffusers' attention residual, which torch_tpu's
+lowering refuses there).
 
 Example:
     >>> import hf_tpu
@@ -131,7 +133,9 @@ def apply() -> None:
         current = owner.__dict__["to"]
         original = getattr(current, "__hf_tpu_original__", current)
         patch(owner, "to", _to(original), feature=FEATURE, package="diffusers", versions=_WRITTEN_FOR)
+    from hf_tpu import _group_norm
     from hf_tpu.diffusers import minimax_h3_tp, qwen_image_layout
 
     qwen_image_layout.apply()  # Qwen-Image 2.1's joint sequence layout on the host: one graph per step
     minimax_h3_tp.apply()  # a tensor-parallel plan for MiniMax-H3, which diffusers 0.42 shards by context only
+    _group_norm.apply(FEATURE)  # GroupNorm after an attention residual lowers in compiled graphs (VAE, UNet2DModel)

@@ -18,9 +18,13 @@ from hf_tpu._torch_tpu import HOST_READ_REFUSED
 from hf_tpu.sim import _precision
 from hf_tpu.sim._counters import STATE, SimStrictError, graph_run
 
-__all__ = ["note_cache_hit", "register", "tpu_backend"]
+__all__ = ["DECOMPOSITIONS", "note_cache_hit", "register", "tpu_backend"]
 
 TAKEN_OVER: dict[str, Any] = {}
+#: The AOTAutograd decompositions this backend traces with, read at each compile: the counterpart of torch_tpu 0.2.0's
+#: ``torch_tpu._internal.compile._backend._TPU_DECOMPOSITIONS``, where hf_tpu adds its own (``hf_tpu._group_norm``)
+#: as it does to the wheel's. Empty by default (the wheel's masked_fill entries are not mirrored).
+DECOMPOSITIONS: dict[Any, Any] = {}
 _LOG = logging.getLogger("hf_tpu.sim")
 
 
@@ -203,9 +207,10 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: A
         )
     from torch._dynamo.backends.common import aot_autograd
 
-    compiled = aot_autograd(fw_compiler=_compiler, bw_compiler=_compiler, keep_inference_input_mutations=True)(
-        gm, example_inputs, **kwargs
-    )
+    extra = {"decompositions": dict(DECOMPOSITIONS)} if DECOMPOSITIONS else {}
+    compiled = aot_autograd(
+        fw_compiler=_compiler, bw_compiler=_compiler, keep_inference_input_mutations=True, **extra
+    )(gm, example_inputs, **kwargs)
     # Counted once compiled: AOT autograd can raise RestartAnalysis instead (a Python float dynamo traced as a
     # symbol, such as a numpy scalar attribute of NCSN++'s blocks, must be specialized), and dynamo then traces the
     # same frame again and calls this backend a second time for the one graph a chip compiles.

@@ -452,12 +452,28 @@ def _histc_impl(input: Tensor, bins: int = 100, min: float = 0, max: float = 0) 
 
 
 def _group_norm_impl(input: Tensor, *args: Any) -> Any:
-    # The CPU kernel requires its input contiguous in its suggested memory format; a compiled graph can hand it a
-    # strided view (torch 2.13's aot_eager fails the same way on the CPU). On a TPU, layouts are the compiler's
-    # business: give the kernel a contiguous copy of such a host view.
+    # torch_tpu 0.2.0 has no forward kernel: a tpu tensor gets torch's math_group_norm, whose first step is
+    # ``input.view(1, N * groups, -1)``, and torch_tpu's lowering of a compiled graph runs it on tensors with torch's
+    # strides. Inside a graph, an input that view refuses (channels-last, as diffusers' attention residual leaves it)
+    # is refused with torch_tpu's words (hf_tpu._group_norm makes such inputs contiguous in compiled graphs). Eager,
+    # the CPU kernel gets a contiguous copy of a strided input (an SD3 VAE decoded eagerly on a v5e).
     if not input.is_contiguous():
+        if STATE._in_graph:
+            _math_group_norm_view(input, args[2], args[5])
         input = input.contiguous()
     return aten.native_group_norm.default(input, *args)
+
+
+def _math_group_norm_view(input: Tensor, n: int, groups: int) -> None:
+    """Raise torch_tpu's RuntimeError where math_group_norm's ``view(1, N * groups, -1)`` of ``input`` fails."""
+    shape = [1, n * groups, input.numel() // (n * groups) if n else 1]
+    try:
+        torch.empty_strided(input.shape, input.stride(), dtype=input.dtype, device="meta").view(shape)
+    except RuntimeError:
+        raise RuntimeError(
+            f"view(): cannot create a view of shape {shape} from the input tensor of shape {list(input.shape)} and "
+            f"strides {list(input.stride())}; consider creating a new tensor using reshape() instead of taking a view"
+        ) from None
 
 
 def _group_norm_backward_impl(grad_out: Tensor, input: Tensor, *args: Any) -> Any:

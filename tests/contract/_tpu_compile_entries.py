@@ -271,3 +271,41 @@ def lower_vision_warmup(session, family: str, image_size: tuple[int, int] = (16,
     finally:
         _mm_warmup.run_graph = run_graph
     return {"labels": labels, "graph_keys": [[str(k) for k in key] for key in keys]}
+
+
+#: A tiny SD3-shaped AutoencoderKL (stabilityai/stable-diffusion-3.5-medium vae/config.json's kinds of block, 16 latent
+#: channels, no quant convs; two blocks of 32 and 64 channels): its decoder's mid-block has the attention whose
+#: residual is channels-last.
+TINY_SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[32, 64], layers_per_block=1,
+                    down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                    norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305,
+                    shift_factor=0.0609, sample_size=32)  # fmt: skip
+
+
+def lower_vae_decoder(session, latent: int = 16, dtype: str = "bfloat16", fixed: bool = True):
+    """The VAE decode of one ``latent`` x ``latent`` latent of :data:`TINY_SD3_VAE`, its decoder compiled as
+    ``compile_pipeline(pipe, vae=True)`` compiles it (``module.compile(backend="tpu", fullgraph=True,
+    dynamic=False)``).
+    ``fixed``: with hf_tpu's GroupNorm decomposition in torch_tpu's table (:mod:`hf_tpu._group_norm`, which
+    ``compile_pipeline`` and the diffusers integration add), reverted after; else torch_tpu as it is. Returns the
+    table's entries while it lowered."""
+    from diffusers import AutoencoderKL
+
+    from hf_tpu import _group_norm, _patch
+
+    with torch.device("meta"):
+        vae = AutoencoderKL(**TINY_SD3_VAE).to(getattr(torch, dtype))
+    vae = vae.to_empty(device="tpu").eval()
+    vae.decoder.compile(backend="tpu", fullgraph=True, dynamic=False)
+    z = torch.empty(1, 16, latent, latent, dtype=getattr(torch, dtype), device="tpu")
+    if fixed:
+        _group_norm.apply("contract_vae")
+    try:
+        from torch_tpu._internal.compile import _backend
+
+        table = sorted(str(op) for op in _backend._TPU_DECOMPOSITIONS)
+        with session.mode, torch.no_grad():
+            vae.decode(z)
+    finally:
+        _patch.revert("contract_vae")
+    return {"labels": [f"vae-decoder-{latent}x{latent}"], "table": table}

@@ -86,8 +86,9 @@ def test_compiled_unet_matches_cpu_and_compiles_once_per_size(sim, load_pipe, im
 
 
 def test_compiled_vae_decoder_matches_cpu(sim, load_pipe, images, cpu_reference):
-    """The SD VAE's mid-block (GroupNorm + attention) compiles with the tpu backend (torch 2.13's aot_eager fails
-    on it on the CPU: a strided view reaches native_group_norm)."""
+    """The SD VAE's mid-block (GroupNorm after the attention's channels-last residual) compiles with the tpu backend:
+    compile_pipeline adds hf_tpu._group_norm's decomposition, without which torch_tpu 0.2.0's lowering and the
+    simulator refuse it (tests/diffusers/test_group_norm_layout.py)."""
     pipe = load_pipe("sd").to("tpu")
     compile_pipeline(pipe, vae=True)
     assert sorted(compiled_modules(pipe)) == ["unet", "vae.decoder"]
