@@ -322,10 +322,10 @@ class _Answer:
         """Refuse what echo cannot score: a prompt past the model's length, the prompt's logprobs under ``--tp``."""
         import os
 
-        from hf_tpu.serving.server import _max_len
+        from hf_tpu.serving.kv_sizing import model_max_len
         from hf_tpu.serving.tensor_parallel import TP_ENV
 
-        limit = _max_len(model)
+        limit = model_max_len(model)
         if len(input_ids) > limit:
             raise RequestError("prompt", f"the prompt is {len(input_ids)} tokens; this model reads at most {limit} "
                                          f"(max_position_embeddings {limit}): shorten the prompt")  # fmt: skip

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 from hf_tpu.errors import InvalidArgumentError
 
-__all__ = ["HBM_FRACTION", "KV_CACHE_GIB_ENV", "MAX_LEN_CAP", "KVCachePlan", "kv_cache_plan", "plan_for_model"]
+__all__ = [
+    "HBM_FRACTION", "KV_CACHE_GIB_ENV", "MAX_LEN_CAP", "KVCachePlan", "kv_cache_plan", "model_max_len", "plan_for_model",
+]  # fmt: skip
 
 #: Largest share of the chip's free HBM the cache may take.
 HBM_FRACTION = 0.5
@@ -36,6 +38,17 @@ KV_CACHE_GIB_ENV = "HF_TPU_KV_CACHE_GIB"
 MAX_LEN_CAP = 8192
 #: Requests the default cache holds at full length.
 DEFAULT_SLOTS = 32
+
+
+def model_max_len(model) -> int:
+    """The longest sequence ``model`` takes: its text config's position limit, or :data:`MAX_LEN_CAP` when it names
+    none."""
+    config = model.config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return MAX_LEN_CAP
 
 
 @dataclass(frozen=True)

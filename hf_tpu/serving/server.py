@@ -28,6 +28,7 @@ import time
 from hf_tpu._patch import patch, revert
 from hf_tpu.errors import HfTpuRuntimeError, InvalidArgumentError
 from hf_tpu.serving._app import worker_failure
+from hf_tpu.serving.kv_sizing import model_max_len
 
 __all__ = ["WorkerDiedError", "port_taken", "run_server", "say_once", "uds_unusable", "worker_failure"]
 
@@ -97,17 +98,6 @@ def uds_unusable(path: str) -> str | None:
 class WorkerDiedError(HfTpuRuntimeError):
     """The continuous-batching worker of ``hf-tpu serve`` died: the server stopped so that its supervisor restarts
     it (``hf-tpu serve`` exits with status 3)."""
-
-
-def _max_len(model) -> int:
-    config = model.config.get_text_config()
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    from hf_tpu.serving.kv_sizing import MAX_LEN_CAP
-
-    return MAX_LEN_CAP
 
 
 def _checked_add_request(cb, max_len: int, metrics):
@@ -257,7 +247,7 @@ def _prepare(served, *, aliases: set[str], max_pending: int, pending: dict, limi
     metrics = ServerMetrics(queue_depth, kv_blocks, model=served.name, steps=lambda: read_backs(cb))
     for handler in handlers:
         handler.metrics, handler.served = metrics, served
-    patch(cb, "add_request", _checked_add_request(cb, _max_len(model), metrics), feature=FEATURE)
+    patch(cb, "add_request", _checked_add_request(cb, model_max_len(model), metrics), feature=FEATURE)
     _metrics_hook(cb, metrics)
     readiness = Readiness()
     pending.update(cb=cb, readiness=readiness)
