@@ -30,7 +30,7 @@ from hf_tpu import _patch, runtime
 
 logger = logging.getLogger("hf_tpu.patch")
 
-__all__ = ["DECOMPOSITIONS", "TORCH_TPU_TABLE", "apply", "contiguous_group_norm"]
+__all__ = ["TORCH_TPU_TABLE", "apply", "contiguous_group_norm", "decompositions"]
 
 #: (module, attribute) of torch_tpu 0.2.0's decomposition table, read by its backend at each compile.
 TORCH_TPU_TABLE = ("torch_tpu._internal.compile._backend", "_TPU_DECOMPOSITIONS")
@@ -47,20 +47,16 @@ def contiguous_group_norm(input, weight, bias, N, C, HxW, group, eps):  # noqa: 
     return torch.ops.aten.native_group_norm.default(input.contiguous(), weight, bias, N, C, HxW, group, eps)
 
 
-def _decompositions() -> dict:
+def decompositions() -> dict:
+    """The decompositions this module adds: ``{aten.native_group_norm.default: contiguous_group_norm}`` (built on
+    call: importing this module imports no torch)."""
     import torch
 
     return {torch.ops.aten.native_group_norm.default: contiguous_group_norm}
 
 
-def __getattr__(name: str) -> Any:
-    if name == "DECOMPOSITIONS":  # built on first use: importing this module imports no torch
-        return _decompositions()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _add_to(owner: Any, name: str, feature: str, package: str | None, versions: str | None) -> None:
-    added = _decompositions()
+    added = decompositions()
     if all(getattr(owner, name).get(op) is fn for op, fn in added.items()):
         return  # in force already
     table = _patch.original(owner, name)
