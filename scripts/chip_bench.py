@@ -26,9 +26,9 @@ part) and appends each measurement to ``records.jsonl`` the moment it is taken. 
 - ``lean``: a lean JAX decode step (layers unrolled, donated KV cache, greedy) of a Llama-3.2-1B shape and of a
   Qwen3-30B-A3B shape (8 layers: as many as fit beside a lean copy's temporaries) at batch 1, 8, 64, the MoE in
   each experts form, each step synced and 30 steps dispatched back to back. With ``mmdit`` or ``train`` in
-  ``CHIP_BENCH_LEAN``: an SD3.5-medium MMDiT forward at 1024x1024 (batch 1 and 2) and a training step (forward,
-  backward, AdamW, donated) of the Llama-3.2-1B shape, the references of chip_torch_tpu.py's ``denoiser`` and
-  ``train`` stages (:func:`part_lean_images`).
+  ``CHIP_BENCH_LEAN``: an SD3.5-medium MMDiT forward at 1024x1024 (batch 1 and 2; on a TPU its attention the
+  Pallas flash kernel) and a training step (forward, backward, AdamW, donated) of the Llama-3.2-1B shape, the
+  references of chip_torch_tpu.py's ``denoiser`` and ``train`` stages (:func:`part_lean_images`).
 - ``programs``: each program ``lower`` wrote (prefill at batch 1, decode at 1, 8, 64; the MoE with each experts form
   torch_tpu lowers), compiled by JAX's TPU client and run on random inputs, synced and back to back; each decode
   program also with its KV caches donated (:func:`donated`: what the step would cost if torch_tpu's runtime
@@ -699,13 +699,41 @@ def _attend(q, k, v, heads: int, causal: bool = False):
     return jnp.einsum("bkgqs,bskd->bqkgd", weights, v).reshape(b, s, heads * hd)
 
 
-def mmdit_forward(cfg: dict):
+def _flash_attend(q, k, v, heads: int, block: int = 512):
+    """:func:`_attend` (not causal, as many k/v heads as q heads) through the Pallas TPU flash kernel
+    (``jax.experimental.pallas.ops.tpu.flash_attention``, [B, heads, S, hd] blocks of ``block`` rows, of 128 where
+    the sequence is shorter): the sequence padded up to a multiple of the block, the padding a segment of its own
+    (id 1) so that no real query gives a padded key weight, the padded rows dropped after."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    b, s, _ = q.shape
+    blk = min(block, -(-s // 128) * 128)
+    pad = -s % blk
+
+    def heads_first(x):
+        return jnp.pad(x.reshape(b, s, heads, -1), ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    segments = jnp.broadcast_to(jnp.arange(s + pad) >= s, (b, s + pad)).astype(jnp.int32)
+    segments = fa.SegmentIds(segments, segments) if pad else None
+    sizes = fa.BlockSizes(block_q=blk, block_k_major=blk, block_k=blk, block_b=1)
+    out = fa.flash_attention(*map(heads_first, (q, k, v)), segment_ids=segments,
+                             sm_scale=(q.shape[-1] // heads) ** -0.5, block_sizes=sizes)
+    return out.transpose(0, 2, 1, 3)[:, :s].reshape(b, s, -1)
+
+
+def mmdit_forward(cfg: dict, attn: str = "plain", block: int = 512):
     """``forward(params, latents (B, C, H, W), text (B, T, joint), pooled (B, P), t (B,)) -> (B, C, H, W)``: SD3's
     MMDiT (MMDiT-X blocks with a second, image-only attention; RMS-normed q/k) in bf16, every matmul of
-    ``SD3Transformer2DModel`` (the same FLOPs); the position table left out (an addition)."""
+    ``SD3Transformer2DModel`` (the same FLOPs); the position table left out (an addition). ``attn``: "plain"
+    (:func:`_attend`, softmax(QK^T)V in XLA; ``jax.nn.dot_product_attention`` is no better on a TPU: with
+    ``implementation=None`` it lowers to the same XLA attention) or "flash" (:func:`_flash_attend` with ``block``;
+    the TPU kernel, on CPU only under ``pltpu.force_tpu_interpret_mode``)."""
     import jax
     import jax.numpy as jnp
 
+    if attn not in ("plain", "flash"):
+        raise ValueError(f"attention {attn!r}: plain or flash")
     heads, p = cfg["num_attention_heads"], cfg["patch_size"]
     dual_layers = set(cfg["dual_attention_layers"])
 
@@ -721,7 +749,7 @@ def mmdit_forward(cfg: dict):
             cq, ck, cv = jnp.split(ctx @ w_cqkv, 3, -1)
             q, k, v = (jnp.concatenate([q, qk_norm(cq)], 1), jnp.concatenate([k, qk_norm(ck)], 1),
                        jnp.concatenate([v, cv], 1))
-        return _attend(q, k, v, heads)
+        return _flash_attend(q, k, v, heads, block) if attn == "flash" else _attend(q, k, v, heads)
 
     def modulate(x, shift, scale):
         return _ln(x) * (1 + scale[:, None]) + shift[:, None]
@@ -830,9 +858,11 @@ def _ints(name: str, default: str) -> list[int]:
 def part_lean_images(out: Path, quick: bool) -> None:
     """The lean references of chip_torch_tpu.py's ``denoiser`` and ``train`` stages (``CHIP_BENCH_LEAN`` holding
     ``mmdit`` and/or ``train``): the MMDiT forward of SD3.5-medium's shape at ``LEAN_SIZE`` (1024) pixels, 333 text
-    tokens, per batch (``LEAN_MMDIT_BATCHES``, "1 2"; ``LEAN_MMDIT_LAYERS``), and a training step of the Llama-3.2-1B
-    shape (``LEAN_TRAIN_LAYERS``, 16; ``LEAN_TRAIN_BATCH`` 1, ``LEAN_TRAIN_SEQ`` 1024): seconds per step (3 rounds of
-    back-to-back calls, the best), the FLOPs the torch_tpu stages count for the same shape and XLA's own count."""
+    tokens, per batch (``LEAN_MMDIT_BATCHES``, "1 2"; ``LEAN_MMDIT_LAYERS``; ``LEAN_ATTENTION`` plain or flash, flash
+    on a TPU, ``LEAN_FLASH_BLOCK`` 512: :func:`mmdit_forward`, the record's ``attention``), and a training step of the
+    Llama-3.2-1B shape (``LEAN_TRAIN_LAYERS``, 16; ``LEAN_TRAIN_BATCH`` 1, ``LEAN_TRAIN_SEQ`` 1024): seconds per step
+    (3 rounds of back-to-back calls, the best), the FLOPs the torch_tpu stages count for the same shape (the flash
+    kernel's padding not counted) and XLA's own count."""
     import types
 
     import jax
@@ -863,7 +893,10 @@ def part_lean_images(out: Path, quick: bool) -> None:
         size = 32 if quick else int(os.environ.get("LEAN_SIZE", "1024"))
         text_tokens = 93 if quick else 333
         params = mmdit_params(cfg, jax.random.PRNGKey(0))
-        forward = mmdit_forward(cfg)
+        attn = os.environ.get("LEAN_ATTENTION") or ("flash" if jax.devices()[0].platform == "tpu" else "plain")
+        block = int(os.environ.get("LEAN_FLASH_BLOCK", "512"))
+        attention = f"flash (block {block})" if attn == "flash" else attn
+        forward = mmdit_forward(cfg, attn, block)
         for batch in _ints("LEAN_MMDIT_BATCHES", "1 2"):
             latent = size // 8
             key = jax.random.split(jax.random.PRNGKey(batch), 3)
@@ -878,10 +911,11 @@ def part_lean_images(out: Path, quick: bool) -> None:
                 seconds = timed(lambda p, z, c, y, s, fn=compiled: (p, fn(p, z, c, y, s), c, y, s),
                                 (params, latents, text, pooled, t))  # fmt: skip
                 _record(out, part="lean", model="mmdit", shape=cfg, batch=batch, size=size, text_tokens=text_tokens,
-                        seconds=seconds, flops=count, xla_flops=_cost_flops(compiled),
+                        attention=attention, seconds=seconds, flops=count, xla_flops=_cost_flops(compiled),
                         flops_per_s=count["total"] / seconds)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - a failing step is a record; the next one runs
-                _record(out, part="lean", model="mmdit", batch=batch, error=f"{type(exc).__name__}: {str(exc)[:500]}")
+                _record(out, part="lean", model="mmdit", batch=batch, attention=attention,
+                        error=f"{type(exc).__name__}: {str(exc)[:500]}")  # fmt: skip
         params = forward = None
     if "train" in models:
         quick_cfg = dict(LLAMA_1B, layers=2, vocab=512, hidden=128, intermediate=256, heads=4, kv_heads=2, head_dim=32)
@@ -1152,6 +1186,7 @@ def torch_tpu_rows(records: list[dict]) -> list[dict]:
     rows = []
     for (batch,), r in sorted(latest("denoiser", "denoiser_step", lambda r: (r["batch"],)).items()):
         ref = lean.get(("mmdit", batch, None, None))
+        ref = ref if ref and "seconds" in ref else None  # a failed lean step (an error record) is no reference
         ratio = r["seconds"] / ref["seconds"] if ref else None
         fraction = r["fraction_of_matmul_rate"]
         rows.append({"name": f"sd3.5-medium-shape denoiser step {r['size']}x{r['size']} (hf_tpu through torch_tpu)",

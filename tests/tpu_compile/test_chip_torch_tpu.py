@@ -203,13 +203,15 @@ def test_the_mmdit_and_training_flops_are_what_torchs_flop_counter_counts():
 def test_the_lean_jax_mmdit_and_training_step_compute_what_diffusers_and_transformers_do():
     """chip_bench.py's lean references of the denoiser and train stages are the same models: the MMDiT forward
     (given diffusers' SD3 transformer's weights, its biases and position table zeroed, as the lean step has none)
-    equals ``SD3Transformer2DModel``'s output, and the training step's loss equals the Llama's loss, then falls."""
+    equals ``SD3Transformer2DModel``'s output (with its plain attention and with the TPU's flash kernel, run in its
+    interpret mode), and the training step's loss equals the Llama's loss, then falls."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     import torch
     import transformers
     from diffusers import SD3Transformer2DModel
+    from jax.experimental.pallas import tpu as pltpu
 
     s = _script()
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -256,6 +258,9 @@ def test_the_lean_jax_mmdit_and_training_step_compute_what_diffusers_and_transfo
     got = np.asarray(jax.jit(chip_bench.mmdit_forward(cfg))(params, *inputs))
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-3)
+    with pltpu.force_tpu_interpret_mode():  # the TPU's flash kernel (padded, masked: 44 and 24 tokens) on CPU
+        flash = np.asarray(jax.jit(chip_bench.mmdit_forward(cfg, "flash"))(params, *inputs))
+    np.testing.assert_allclose(flash, want, atol=2e-4, rtol=1e-3)
 
     lean_cfg = dict(chip_bench.LLAMA_1B, layers=2, vocab=256, hidden=64, intermediate=128, heads=4, kv_heads=2,
                     head_dim=16)  # fmt: skip
@@ -281,6 +286,26 @@ def test_the_lean_jax_mmdit_and_training_step_compute_what_diffusers_and_transfo
     lean, state, loss = step(lean, state, jnp.asarray(ids.numpy(), jnp.int32))
     assert abs(float(loss) - want_loss) < 1e-4
     assert float(step(lean, state, jnp.asarray(ids.numpy(), jnp.int32))[2]) < float(loss)
+
+
+def test_the_lean_mmdit_flash_attention_pads_and_masks_to_the_plain_attention():
+    """The lean MMDiT's flash attention on a TPU (chip_bench._flash_attend: the Pallas kernel, run here in its
+    interpret mode) over 200 tokens, padded to 256 (one block of 256, two of 128) with the padding masked out, equals
+    the plain softmax attention over the 200."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas import tpu as pltpu
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import chip_bench
+
+    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (2, 200, 2 * 64), jnp.float32) for i in range(3))
+    want = np.asarray(chip_bench._attend(q, k, v, 2))
+    for block in (512, 128):
+        with pltpu.force_tpu_interpret_mode():
+            got = np.asarray(chip_bench._flash_attend(q, k, v, 2, block))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
