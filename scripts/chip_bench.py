@@ -1420,8 +1420,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("records", nargs="+", help="records.jsonl files, later ones replacing earlier measurements")
     rep.add_argument("--rows", help="write the rows here (docs/chip_v5e.json)")
     rep.add_argument("--torch-tpu-records", nargs="*", default=[],
-                     help="scripts/chip_torch_tpu.py's records (docs/chip_v5e_torch_tpu.jsonl): its images and training "
-                     "rows")  # fmt: skip
+                     help="scripts/chip_torch_tpu.py's records (docs/chip_v5e_torch_tpu.jsonl): its images and "
+                     "training rows")  # fmt: skip
     rep.add_argument("--table", help="write hf_tpu's experts choice table here (hf_tpu/kernels/experts_v5e.json)")
     one = sub.add_parser("part", help=argparse.SUPPRESS)
     one.add_argument("part", choices=list(TIMEOUTS))
