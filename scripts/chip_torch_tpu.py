@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -793,21 +791,10 @@ def stage_prefill() -> None:
             fraction_of_matmul_rate=flops["total"] / seconds / rate)  # fmt: skip
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    """``http.client.HTTPConnection`` over a unix socket (the lent chip opens no TCP socket, not even on loopback)."""
-
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.socket_path)
-
-
 def _uds(path: str, method: str, url: str, body: dict | None = None, timeout: float = 600.0):
-    conn = _UnixHTTPConnection(path, timeout)
+    from hf_tpu.serving.uds import UnixHTTPConnection
+
+    conn = UnixHTTPConnection(path, timeout)
     conn.request(method, url, json.dumps(body) if body is not None else None,
                  {"content-type": "application/json"} if body is not None else {})  # fmt: skip
     return conn, conn.getresponse()
@@ -1445,13 +1432,13 @@ def _train_model(name: str, layers: int | None, dtype):
 
 
 def _step_callback():
-    """A ``TrainerCallback`` that waits for the chip at the end of each optimizer step and records its seconds, the
-    compiles in it (:func:`_compile_counts`) and, after step 2, the device memory (where torch_tpu answers)."""
+    """A ``TrainerCallback`` that waits for the chip at the end of each optimizer step and records its seconds and the
+    compiles in it (:func:`_compile_counts`; hf_tpu's ``StepCounters`` counts the simulator's only)."""
     from transformers import TrainerCallback
 
     class Steps(TrainerCallback):
         def __init__(self):
-            self.steps, self.memory, self._mark = [], {}, None
+            self.steps, self._mark = [], None
 
         def on_step_begin(self, args, state, control, **kwargs):
             sync()
@@ -1461,14 +1448,6 @@ def _step_callback():
             sync()
             started, before = self._mark
             self.steps.append({"seconds": time.perf_counter() - started, **_since(before)})
-            if len(self.steps) == 2 and not self.memory:
-                import torch
-
-                for key, fn in (("allocated", "memory_allocated"), ("peak", "max_memory_allocated")):
-                    try:
-                        self.memory[key] = int(getattr(torch.accelerator, fn)())
-                    except Exception as exc:  # noqa: BLE001 - recorded: what torch_tpu does not answer
-                        self.memory[key] = repr(exc)[:200]
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs and self.steps:
@@ -1554,10 +1533,12 @@ def stage_train() -> None:
     if os.environ.get("COMPILE", "1") == "1":
         model.compile(backend="tpu", dynamic=False)
     rows = _rows((steps + 1) * batch * ga, seq, config.vocab_size - 8, seed=0)
-    steps_cb = _step_callback()
+    from hf_tpu.training import MemoryReport
+
+    steps_cb, memory = _step_callback(), MemoryReport(at_step=2)  # (the device bytes right after step 2's update)
     autocast = os.environ.get("BF16", "1") == "1"  # 0: no autocast (the weights are bf16 either way)
     trainer = _trainer(model, rows, seq, batch, steps, f"/tmp/hf_tpu_chip_train_{os.getpid()}", ga=ga,
-                       callbacks=[steps_cb], optim=os.environ.get("OPTIM", "adamw_torch"), bf16=autocast)  # fmt: skip
+                       callbacks=[steps_cb, memory], optim=os.environ.get("OPTIM", "adamw_torch"), bf16=autocast)  # fmt: skip
     started = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - started
@@ -1570,7 +1551,7 @@ def stage_train() -> None:
         step_s=step_s,
         tokens_per_s=batch * ga * seq / step_s if step_s else None, flops=flops, matmul_rate=rate,
         fraction_of_matmul_rate=flops["total"] / step_s / rate if step_s else None, compiles_after_step_2=after,
-        steps=steps_cb.steps, memory_after_step_2=steps_cb.memory, train_s=total)  # fmt: skip
+        steps=steps_cb.steps, memory_after_step_2=memory.values, train_s=total)  # fmt: skip
     del trainer, model
     curve = int(os.environ.get("CURVE_STEPS", "20"))
     if curve:

@@ -4,7 +4,6 @@ stop it."""
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import socket
@@ -18,6 +17,8 @@ from pathlib import Path
 
 from _timeouts import SAFETY_TIMEOUT_S
 
+from hf_tpu.serving.uds import UnixHTTPConnection
+
 ROOT = Path(__file__).resolve().parents[2]
 # The smallest ladder the shipped model allows: one query rung (32 tokens), KV rungs 0/256/1024 (3 step shapes).
 SMALL_FLAGS = ["--slots", "4", "--max-batch-tokens", "32", "--min-step-tokens", "32"]
@@ -27,19 +28,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    """An HTTP connection over a unix domain socket (``hf-tpu serve --uds``)."""
-
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.socket_path)
 
 
 class Server:
@@ -53,7 +41,7 @@ class Server:
         return self.log.read_text(errors="replace")
 
     def _over_uds(self, method: str, path: str, data: bytes | None = None) -> tuple[int, bytes, dict]:
-        conn = _UnixConnection(self.uds, SAFETY_TIMEOUT_S)
+        conn = UnixHTTPConnection(self.uds, SAFETY_TIMEOUT_S)
         try:
             conn.request(method, path, body=data, headers={"content-type": "application/json"} if data else {})
             r = conn.getresponse()
