@@ -2,7 +2,7 @@
 host that opens no TCP socket, as the lent TPU machine, or a server reached by local processes only).
 
 Example:
-    >>> conn = UnixHTTPConnection("/tmp/hf-tpu.sock", timeout=60)     # doctest: +SKIP
+    >>> conn = UnixHTTPConnection("/tmp/hf-tpu.sock", timeout=seconds)  # doctest: +SKIP
     >>> conn.request("GET", "/v1/models"); conn.getresponse().status   # doctest: +SKIP
     200
 """
