@@ -80,6 +80,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                         help="most choices (n) one request may ask for; more gets 400 (default: 16)")  # fmt: skip
     parser.add_argument("--max-logprobs", type=int, default=5, choices=range(0, 21), metavar="K",
                         help="most top log-probabilities per token a request may ask for, 0 to 20 (default: 5)")
+    parser.add_argument("--disable-any-whitespace", action="store_true",
+                        help="structured output's JSON without whitespace between its tokens (vLLM's "
+                        "disable_any_whitespace; default: any whitespace, as vLLM)")  # fmt: skip
     parser.add_argument("--compile-cache", default=None, metavar="DIR",
                         help="store the step graphs in DIR and load them in the next process "
                         "(default: HF_TPU_COMPILE_CACHE, else none)")  # fmt: skip
@@ -157,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {
         "kv_cache_gib": args.kv_cache_gib, "slots": args.slots, "max_batch_tokens": args.max_batch_tokens,
         "q_min": args.min_step_tokens, "compile_cache": args.compile_cache, "max_logprobs": args.max_logprobs,
-        "read_back_every": args.read_back_every,
+        "read_back_every": args.read_back_every, "json_whitespace": False if args.disable_any_whitespace else None,
     }  # fmt: skip
     # (configure opens --compile-cache's directory at once: before the model's load, which compiles)
     serving.configure(**{k: v for k, v in settings.items() if v is not None})

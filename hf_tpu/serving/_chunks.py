@@ -125,6 +125,8 @@ def _plan(manager, processor) -> tuple[str | None, int]:
         return "logprobs", 1
     scheduler = processor.scheduler
     futures = processor.inputs_and_outputs.requests_in_batch
+    if any(f.state.logit_processor_kwargs.get("grammar") is not None for f in futures):
+        return "structured output", 1  # each step's mask needs the step before's tokens on the host
     if processor.input_queue is not None and not processor.input_queue.empty():
         return "requests arriving", 1
     if scheduler._requests_to_fork or scheduler.starved_requests or len(futures) != len(scheduler.active_requests):

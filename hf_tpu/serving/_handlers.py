@@ -278,6 +278,8 @@ class _Answer:
             if sampling.max_tokens == 0:  # the prompt alone: nothing joins the continuous batch
                 await self._echo(model, input_ids, sampling)
                 return JSONResponse(self._prompt_only(input_ids, sampling))
+        if sampling.grammar is not None:
+            self._constrain(cb, processor, model, sampling)
         run = _Run(cb, input_ids, sampling, processor, h.metrics, skip_special=self.parser is None,
                    stream=bool(self.body.get("stream")))
         try:
@@ -300,6 +302,20 @@ class _Answer:
             return JSONResponse({"error": {"message": f"generation failed: {failure}", "type": "server_error",
                                            "param": None, "code": 500}}, status_code=500)  # fmt: skip
         return JSONResponse(self._whole(run))
+
+    def _constrain(self, cb, processor, model, sampling: Sampling) -> None:
+        """Check the request's grammar against the model's tokenizer (a 400 naming its field when llguidance cannot
+        compile it) and give the manager that tokenizer (once)."""
+        from hf_tpu.errors import InvalidArgumentError
+        from hf_tpu.serving import _grammar
+        from hf_tpu.serving._penalties import vocab_of
+
+        field = sampling.extra.get("grammar_field") or "response_format"
+        try:
+            _grammar.attach(cb, getattr(processor, "tokenizer", processor))
+            _grammar.check(sampling.grammar, _grammar.llguidance_tokenizer(processor, vocab_of(model)), field)
+        except InvalidArgumentError as exc:
+            raise RequestError(field, str(exc)) from None
 
     def _prompt_ids(self, processor) -> list[int]:
         if not self.chat:

@@ -106,7 +106,7 @@ def apply() -> None:
         scheduler,
     )
 
-    from hf_tpu.serving import _chunks, _penalties, _runner, _sampling, _step_graphs
+    from hf_tpu.serving import _chunks, _grammar, _penalties, _runner, _sampling, _step_graphs
 
     manager_cls = continuous_api.ContinuousBatchingManager
     runner_cls = model_runner.ModelRunner
@@ -134,8 +134,12 @@ def apply() -> None:
         if tpu and not self.continuous_batching_config.use_async_batching:
             top_n = _runner.SETTINGS.max_logprobs
             capacity = _runner.SETTINGS.max_active or 4 * self.continuous_batching_config.max_requests_per_batch
-            table = _penalties.RequestTable(capacity, _penalties.vocab_of(model), model.device)
-            self.logit_processor = _sampling.RowSampling(self.logit_processor, generation_config, top_n, table)
+            vocab = _penalties.vocab_of(model)
+            table = _penalties.RequestTable(capacity, vocab, model.device)
+            slots = self.continuous_batching_config.max_requests_per_batch
+            grammar = _grammar.GrammarRows(slots, vocab, model.device)
+            self.logit_processor = _sampling.RowSampling(self.logit_processor, generation_config, top_n, table,
+                                                         grammar)  # fmt: skip
         else:
             held.release()  # async batching: upstream's drop stands, and so does its warning
         if tpu:

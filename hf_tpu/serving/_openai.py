@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_tpu.errors import UserError
+from hf_tpu.errors import InvalidArgumentError, UserError
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "GREEDY_BELOW", "Limits", "PENALTIES", "RESPONSES", "RequestError",
            "ROLES", "Sampling", "check_vocab", "resolve"]  # fmt: skip
@@ -84,6 +84,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     logit_bias: dict = field(default_factory=dict)
     min_tokens: int = 0
+    grammar: str | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -95,6 +96,16 @@ def _asked_penalties(body: dict) -> tuple[str, ...]:
     """The penalty fields a request sets to other than their neutral value (the model's defaults are not asked)."""
     neutral = {"repetition_penalty": 1}
     return tuple(n for n in PENALTIES if body.get(n) not in (None, {}, neutral.get(n, 0)))
+
+
+def _grammar_param(body: dict) -> str:
+    """The field a structured-output error names: the first constraint the body gives."""
+    from hf_tpu.serving._grammar import GUIDED
+
+    for name in ("response_format", *GUIDED, "structured_outputs"):
+        if body.get(name) is not None:
+            return name
+    return "response_format"
 
 
 def _positive(value, default):
@@ -128,6 +139,12 @@ def resolve(path: str, body: dict, model_config) -> Sampling:
     stop = body.get("stop")
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
     options = body.get("stream_options") or {}
+    from hf_tpu.serving._grammar import grammar_of
+
+    try:
+        grammar, grammar_field = grammar_of(body)
+    except InvalidArgumentError as exc:
+        raise RequestError(_grammar_param(body), str(exc)) from None
     return Sampling(
         temperature=temperature,
         top_p=float(_positive(body.get("top_p"), _positive(base.top_p, 1.0))),
@@ -146,5 +163,6 @@ def resolve(path: str, body: dict, model_config) -> Sampling:
         frequency_penalty=float(body.get("frequency_penalty") or 0.0),
         logit_bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()},
         min_tokens=int(body.get("min_tokens") or _positive(base.min_new_tokens, 0)),
-        extra={"penalties": _asked_penalties(body)},
+        grammar=grammar,
+        extra={"penalties": _asked_penalties(body), "grammar_field": grammar_field},
     )

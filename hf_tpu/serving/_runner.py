@@ -49,6 +49,8 @@ class ServingSettings:
             (:mod:`hf_tpu.serving._penalties`: 8 bytes per vocabulary entry); more wait. None: 4 x ``slots``.
         read_back_every: the decode-only steps run back to back between two read-backs of their tokens
             (:mod:`hf_tpu.serving._chunks`); 1: a read-back each step (upstream's loop).
+        json_whitespace: structured output's JSON (:mod:`hf_tpu.serving._grammar`) may hold any whitespace
+            between its tokens, vLLM's default; False: none (vLLM's ``disable_any_whitespace``).
     """
 
     max_batch_tokens: int = 256
@@ -62,6 +64,7 @@ class ServingSettings:
     max_logprobs: int = 5
     max_active: int | None = None
     read_back_every: int = 8
+    json_whitespace: bool = True
 
 
 def configure(**values) -> ServingSettings:

@@ -46,17 +46,17 @@ from transformers.generation.logits_process import (
 )
 
 from hf_tpu.errors import HfTpuRuntimeError, InvalidArgumentError
-from hf_tpu.serving import _penalties
+from hf_tpu.serving import _grammar, _penalties
 from hf_tpu.serving._openai import GREEDY_BELOW
 
 __all__ = ["ROWS", "RowSampling", "batch_update", "gumbel", "logprob_records", "noise_key", "request_kwargs",
            "row_sampling_of", "sample", "step"]  # fmt: skip
 
 #: The per-row arguments, one int32 row each: temperature (float), top-k, top-p (float), min-p (float), noise key,
-#: the three penalties (floats), the request's row of :class:`~hf_tpu.serving._penalties.RequestTable`, and 1 while
-#: the request is under its ``min_tokens``.
+#: the three penalties (floats), the request's row of :class:`~hf_tpu.serving._penalties.RequestTable`, 1 while
+#: the request is under its ``min_tokens``, and 1 when its grammar masks the row (:mod:`hf_tpu.serving._grammar`).
 ROWS = ("temperature", "top_k", "top_p", "min_p", "key", "repetition_penalty", "presence_penalty", "frequency_penalty",
-        "row", "block_eos")  # fmt: skip
+        "row", "block_eos", "grammar")  # fmt: skip
 _FLOAT_ROWS = (0, 2, 3, 5, 6, 7)
 _CHILD = "__child#"
 _M64 = (1 << 64) - 1
@@ -175,6 +175,9 @@ def step(runner, model, batch_data: dict, carry_over_ids, prev_output_ids, outpu
         scores = sampler.others(batch_data["input_ids"][0, indices], logits)
     args = batch_data["logits_processor_args"]
     scores, table_rows = penalized(scores, args, sampler.table)
+    if sampler.grammar is not None:  # each constrained row's grammar: the tokens it forbids at -inf
+        ok = _grammar.allowed(sampler.grammar.masks, args[10, : scores.shape[0]], scores.shape[-1])
+        scores = scores.masked_fill(~ok, float("-inf"))
     tokens = sample(scores, args)
     _penalties.record(sampler.table, table_rows, tokens)
     rows = tokens.shape[0]
@@ -207,14 +210,15 @@ class RowSampling(ContinuousBatchingLogitsProcessorList):
 
     supported_kwargs = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
                         "logprobs": int, "repetition_penalty": float, "presence_penalty": float,
-                        "frequency_penalty": float, "logit_bias": dict, "min_tokens": int}  # fmt: skip
+                        "frequency_penalty": float, "logit_bias": dict, "min_tokens": int, "grammar": str}  # fmt: skip
 
-    def __init__(self, upstream, generation_config, top_n: int, table) -> None:
+    def __init__(self, upstream, generation_config, top_n: int, table, grammar=None) -> None:
         kept = [p for p in upstream.logits_processor if not isinstance(p, _PER_ROW)]
         self.others = LogitsProcessorList(kept) if kept else None
         self.logits_processor = LogitsProcessorList(kept)
         self.top_n = int(top_n)
         self.table = table  # the per-request rows of the penalties (hf_tpu.serving._penalties.RequestTable)
+        self.grammar = grammar  # the step's grammar masks (hf_tpu.serving._grammar.GrammarRows), or None
         self.output_rows = 2 + 2 * self.top_n
         self.tensors_required = len(ROWS)
         self.supported_keys = dict(self.supported_kwargs)
@@ -248,7 +252,7 @@ class RowSampling(ContinuousBatchingLogitsProcessorList):
     def _padding(self) -> tuple:
         """The arguments of a padding row: the defaults, no penalty, the table's spare row."""
         d = self.defaults
-        return (d["temperature"], d["top_k"], d["top_p"], d["min_p"], 0, 1.0, 0.0, 0.0, self.table.spare, 0)
+        return (d["temperature"], d["top_k"], d["top_p"], d["min_p"], 0, 1.0, 0.0, 0.0, self.table.spare, 0, 0)
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.copy_(self._columns([self._padding()]).to(int32_tensor.device))
@@ -274,7 +278,7 @@ class RowSampling(ContinuousBatchingLogitsProcessorList):
 
     def prepare_tensor_args(self, requests_in_batch, arg_storage: torch.Tensor) -> torch.Tensor:
         d = self.defaults
-        rows = []
+        rows, constrained = [], []
         for future in requests_in_batch:
             if not future.has_new_token:
                 continue
@@ -282,9 +286,16 @@ class RowSampling(ContinuousBatchingLogitsProcessorList):
             kw = state.logit_processor_kwargs
             key = noise_key(self._seed(state), _choice(state.request_id), state.position_offset)
             repetition, presence, frequency, block_eos = _penalties.host_values(state, d)
+            grammar = kw.get("grammar")
+            if grammar is not None:
+                generated = _penalties._tokens_of(state)[1]
+                constrained.append((len(rows), state.request_id, grammar, generated))
             rows.append((float(kw.get("temperature", d["temperature"])), int(kw.get("top_k", d["top_k"])),
                          float(kw.get("top_p", d["top_p"])), float(kw.get("min_p", d["min_p"])), key,
-                         repetition, presence, frequency, self.table.row_of(state), block_eos))  # fmt: skip
+                         repetition, presence, frequency, self.table.row_of(state), block_eos,
+                         int(grammar is not None)))  # fmt: skip
+        if self.grammar is not None:  # each constrained row's bitmask, on the device before the step runs
+            self.grammar.prepare(constrained, self.table.rows)
         # every column: the padding rows count their tokens into the spare row, never into a request's
         rows += [self._padding()] * (arg_storage.shape[1] - len(rows))
         arg_storage.copy_(self._columns(rows).to(arg_storage.device))  # one copy for every row and argument
@@ -303,6 +314,9 @@ class RowSampling(ContinuousBatchingLogitsProcessorList):
                 raise InvalidArgumentError(f"{name}={value!r} does not fit in int32")
         if not 0 <= int(kwargs.get("logprobs", 0)) <= self.top_n:
             raise InvalidArgumentError(f"logprobs={kwargs['logprobs']} past the step's {self.top_n} top tokens")
+        grammar = kwargs.get("grammar")
+        if grammar is not None and (not isinstance(grammar, str) or self.grammar is None):
+            raise InvalidArgumentError("grammar: an llguidance grammar string, on a manager with grammar rows")
         vocab = self.table.vocab
         for token, bias in (kwargs.get("logit_bias") or {}).items():
             if not (_is_integer(token) and 0 <= token < vocab and _is_real(bias) and -1e30 < bias < 1e30):
@@ -358,4 +372,6 @@ def request_kwargs(sampling) -> dict:
         kwargs["logit_bias"] = dict(sampling.logit_bias)
     if sampling.logprobs:
         kwargs["logprobs"] = int(sampling.top_logprobs)
+    if sampling.grammar is not None:
+        kwargs["grammar"] = sampling.grammar
     return kwargs

@@ -10,13 +10,15 @@ vLLM bounds it), strings are strings, lists are lists of what the handler reads.
 
 * honoured: OpenAI's sampling fields, ``stop``, ``n``, ``logprobs``, completions' ``echo`` (not streamed; with
   ``logprobs``, the prompt's too; ``max_tokens`` 0 only with it), ``tools`` (rendered by the chat template),
+  ``response_format`` and vLLM's ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``/
+  ``structured_outputs`` (structured output, :mod:`hf_tpu.serving._grammar`),
   the penalties, ``logit_bias``, ``seed``, ``stream``/``stream_options``, and vLLM's ``top_k``, ``min_p``,
   ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``chat_template_kwargs`` (and transformers'
   ``generation_config``);
 * accepted with no effect on the text (``user``, ``metadata``, ``store``, ...);
 * refused with a 400 saying so unless at their neutral value: OpenAI's fields this server does not implement
-  (``response_format`` other than text, ``tool_choice`` other than auto, ``audio``, ...) and every other field vLLM
-  accepts (``use_beam_search``, ``stop_token_ids``, ``guided_json``, ``priority``, ...);
+  (``tool_choice`` other than auto, ``audio``, ...) and every other field vLLM accepts (``use_beam_search``,
+  ``stop_token_ids``, ``structural_tag``, ``priority``, ...);
 * anything else: 400 "unrecognized request argument".
 
 Example:
@@ -171,8 +173,16 @@ class StreamOptions(_Model):
 
 
 class ResponseFormat(_Model):
+    """OpenAI's ``response_format``: ``json_schema`` is ``{"name": ..., "schema": {...}, "strict": ...}``."""
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
+            raise InvalidArgumentError("json_schema needs its 'schema', a JSON schema object")
+        return self
 
 
 # ----- the fields every text endpoint shares -----
@@ -182,8 +192,7 @@ VLLM_UNSUPPORTED: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "stop_token_ids": [], "include_stop_str_in_output": False,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
     "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [], "add_special_tokens": None,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structural_tag": None,
-    "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None, "priority": 0,
+    "structural_tag": None, "priority": 0,
     "request_id": None, "logits_processors": None, "return_tokens_as_token_ids": None, "return_token_ids": None,
     "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None, "mm_processor_kwargs": None,
     "prompt_embeds": None, "thinking_token_budget": None,
@@ -250,6 +259,14 @@ class _Text(_Sampling):
     repetition_penalty: Annotated[float, Field(ge=FLOAT32_TINY, le=2.0)] | None = None
     min_tokens: Count | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # vLLM's structured output (hf_tpu.serving._grammar: one constraint per request, compiled by llguidance)
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_decoding_backend: Literal["auto", "guidance", "llguidance"] | None = None
+    guided_whitespace_pattern: Text | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -320,9 +337,6 @@ class ChatRequest(_Text):
         if self.top_logprobs is not None and self.logprobs is not True:
             raise _Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
         _only("tool_choice", self.tool_choice, "auto")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise _Unsupported("response_format", "response_format is not supported by hf-tpu serve (only "
-                                                  "{\"type\": \"text\"}); leave it out")  # fmt: skip
         for name in ("reasoning_effort", "verbosity", "audio", "modalities", "prediction", "web_search_options",
                      "functions", "function_call", "moderation"):  # fmt: skip
             if getattr(self, name) is not None:
@@ -376,9 +390,6 @@ class CompletionRequest(_Text):
         if self.echo and self.stream:
             raise _Unsupported("echo", "echo is not supported with stream: true by hf-tpu serve; send stream: false "
                                        "(or leave echo out)")  # fmt: skip
-        if self.response_format is not None and self.response_format.type != "text":
-            raise _Unsupported("response_format", "response_format is not supported by hf-tpu serve (only "
-                                                  "{\"type\": \"text\"}); leave it out")  # fmt: skip
         self._min_tokens(self.max_tokens)
         return self
 

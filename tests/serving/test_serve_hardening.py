@@ -220,7 +220,7 @@ SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n",
 
 def test_fuzzed_chat_bodies_never_get_a_5xx(server):
     fields = [*SAMPLING, "messages", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format",
-              "chat_template_kwargs", "max_completion_tokens"]  # fmt: skip
+              "chat_template_kwargs", "max_completion_tokens", "guided_choice", "guided_regex"]  # fmt: skip
     _fuzz(server, CHAT, {"messages": M, "max_tokens": 2}, fields, "messages")
 
 

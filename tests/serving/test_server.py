@@ -591,6 +591,54 @@ def test_echo_bad_combinations_name_the_field(server):
         assert param in answer["error"]["message"], answer
 
 
+def _cpu_under(cpu, ids: list[int], grammar: str, new_tokens: int) -> str:
+    """CPU greedy ``generate`` under ``grammar`` (llguidance's mask applied by a logits processor after the model's
+    repetition penalty, the step's order)."""
+    from test_structured_output import CpuGrammar
+    from transformers import LogitsProcessorList
+
+    from hf_tpu.serving import _grammar
+
+    ll_tok = _grammar.llguidance_tokenizer(cpu.tok, cpu.model.config.vocab_size)
+    grammar_mask = CpuGrammar(grammar, ll_tok, len(ids), cpu.model.config.vocab_size)
+    out = cpu.model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                             logits_processor=LogitsProcessorList([grammar_mask]))  # fmt: skip
+    return cpu.tok.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+def test_structured_output_equals_cpu_under_the_same_grammar(server, client, cpu):
+    from hf_tpu.serving._grammar import grammar_of
+
+    before = server.metric("hf_tpu_compiles_total")
+    schema = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}, "loud": {"type": "boolean"}},
+              "required": ["mood", "loud"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}  # fmt: skip  (llguidance's option: compact JSON)
+    fmt = {"type": "json_schema", "json_schema": {"name": "mood", "schema": schema}}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "How art thou?"}],
+                                          max_tokens=40, temperature=0, response_format=fmt)  # fmt: skip
+    ids = list(cpu.tok.apply_chat_template([{"role": "user", "content": "How art thou?"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"])  # fmt: skip
+    text = chat.choices[0].message.content
+    assert text == _cpu_under(cpu, ids, grammar_of({"response_format": fmt})[0], 40)
+    assert set(json.loads(text)) == {"mood", "loud"} and chat.choices[0].finish_reason == "stop"
+    choices = ["Ay", "Nay", "Perchance"]
+    for prompt in PROMPTS[:3]:  # vLLM's extra fields ride in the body (extra_body with the openai client)
+        done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body={"guided_choice": choices})  # fmt: skip
+        expected = _cpu_under(cpu, cpu.tok(prompt)["input_ids"], grammar_of({"guided_choice": choices})[0], 8)
+        assert done.choices[0].text == expected and expected in choices
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, stream=True, temperature=0,
+                                       extra_body={"guided_regex": "[0-9]{2}-[a-z]{3}"})  # fmt: skip
+    streamed = "".join(c.choices[0].text for c in stream if c.choices)
+    assert streamed == _cpu_under(cpu, cpu.tok(PROMPTS[0])["input_ids"], grammar_of({"guided_regex":
+                                  "[0-9]{2}-[a-z]{3}"})[0], 12)  # fmt: skip
+    assert server.metric("hf_tpu_compiles_total") == before
+    for body, param in [({"guided_regex": "(["}, "guided_regex"), ({"guided_grammar": "root ::= ("}, "guided_grammar"),
+                        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex")]:  # fmt: skip
+        status, answer, _ = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, **body})
+        assert status == 400 and answer["error"]["param"] == param, answer
+
+
 def test_first_token_distribution_matches_cpu_warpers(server, client, cpu):
     """Many seeded draws of one first token, counted against transformers' warpers on CPU's logits (chi-square)."""
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
