@@ -116,13 +116,13 @@ class HermesParser(_Parser):
                     out += self._content(self.buffer[: len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     return out
-                out += self._content(self.buffer[:at].rstrip() if at else "")
+                out += self._content(self.buffer[:at])
                 self.buffer, self.inside = self.buffer[at + len(self.OPEN) :], True
             at = self.buffer.find(self.CLOSE)
             if at < 0:
                 return out
             out += self._close(self.buffer[:at])
-            self.buffer, self.inside = self.buffer[at + len(self.CLOSE) :].lstrip(), False
+            self.buffer, self.inside = self.buffer[at + len(self.CLOSE) :], False
 
     def _close(self, body: str) -> list:
         try:
@@ -209,6 +209,11 @@ def _call_schema(tool: dict, arguments_key: str) -> dict:
             "required": ["name", arguments_key], "additionalProperties": False}  # fmt: skip
 
 
+#: A forced call's JSON is written as the chat templates write calls (``tojson``: ", " and ": ", no other
+#: whitespace), so that the model continues in the layout it was trained on and a call's length is bounded.
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def _hermes_lark(schema: dict, parallel: bool) -> str:
     call = 'call: "<tool_call>\\n" %json ' + json.dumps(schema) + ' "\\n</tool_call>"'
     return ('start: call ("\\n" call)*\n' if parallel else "start: call\n") + call + "\n"
@@ -288,7 +293,8 @@ def grammar(name: str, tools: list[dict], tool_choice: Any, parallel: bool) -> s
     fmt = FORMATS[name]
     chosen = [t for t in tools if mode != FUNCTION or t["function"]["name"] == forced]
     schemas = [_call_schema(t, fmt.arguments) for t in chosen]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
+    schema["x-guidance"] = _COMPACT
     text = llguidance.LLMatcher.grammar_from_lark(fmt.lark(schema, parallel and mode == REQUIRED))
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
     if failed:
