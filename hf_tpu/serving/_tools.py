@@ -295,8 +295,11 @@ def grammar(name: str, tools: list[dict], tool_choice: Any, parallel: bool) -> s
     schemas = [_call_schema(t, fmt.arguments) for t in chosen]
     schema = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
     schema["x-guidance"] = _COMPACT
-    text = llguidance.LLMatcher.grammar_from_lark(fmt.lark(schema, parallel and mode == REQUIRED))
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+    try:
+        text = llguidance.LLMatcher.grammar_from_lark(fmt.lark(schema, parallel and mode == REQUIRED))
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+    except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError, RuntimeError... on what it cannot read
+        failed, messages = True, [str(exc)]
     if failed:
         raise RequestError("tools", "a tool's parameters are not a JSON schema hf-tpu serve can decode a forced call "
                                     f"under: {'; '.join(messages)[:300]}")  # fmt: skip

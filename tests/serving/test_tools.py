@@ -1,81 +1,26 @@
 """Tool calls of ``/v1/chat/completions`` (hf_tpu/serving/_tools.py): the chat-template families' parsers on what
 their templates render, the grammar of a forced call under llguidance, the plan of a request, and the 400s.
 
-The templates below are written here in each family's format (the shipped tiny model's template renders no tools);
-a reply is the assistant turn such a template renders from a conversation's calls, so each parser is checked against
-the calls it was rendered from.
+The templates (tests/serving/_tool_models.py) are written in each family's format; a reply is the assistant turn such
+a template renders from a conversation's calls, so each parser is checked against the calls it was rendered from.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
+from _tool_models import HERMES_TEMPLATE, LLAMA3_TEMPLATE, TIME
 
 from hf_tpu.assets import default_model_path
 from hf_tpu.serving import _tools
 from hf_tpu.serving._openai import CHAT, RequestError
 from hf_tpu.serving.protocol import validate
 
-HERMES_TEMPLATE = """
-{%- if tools -%}
-system: call a function as <tool_call>
-{"name": NAME, "arguments": ARGUMENTS}
-</tool_call>
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-{% endif -%}
-{%- for message in messages -%}
-{{ message['role'] }}: {{ message['content'] or '' }}
-{%- for call in message.get('tool_calls') or [] %}
-<tool_call>
-{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}
-</tool_call>
-{%- endfor %}
-{% endfor -%}
-{%- if add_generation_prompt -%}
-assistant:
-{%- endif -%}
-""".strip()
-
-LLAMA3_TEMPLATE = """
-{%- if tools -%}
-<|start_header_id|>system<|end_header_id|>
-
-Answer with a call as {"name": function name, "parameters": dictionary of argument name and its value}.
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}<|eot_id|>
-{%- endif -%}
-{%- for message in messages -%}
-<|start_header_id|>{{ message['role'] }}<|end_header_id|>
-
-{% if message.get('tool_calls') -%}
-<|python_tag|>
-{%- for call in message['tool_calls'] -%}
-{{ {'name': call['function']['name'], 'parameters': call['function']['arguments']} | tojson }}
-{%- if not loop.last %}; {% endif -%}
-{%- endfor -%}
-{%- else -%}
-{{ message['content'] }}
-{%- endif -%}
-<|eot_id|>
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-<|start_header_id|>assistant<|end_header_id|>
-
-{% endif -%}
-""".strip()
-
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
                                                            "days": {"type": "integer"}},
                           "required": ["city"], "additionalProperties": False}}}  # fmt: skip
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 TOOLS = [WEATHER, TIME]
 CALLS = [{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}, {"name": "get_time", "arguments": {}}]
 HI = [{"role": "user", "content": "What is the weather in Rome?"}]
@@ -87,14 +32,6 @@ def _tokenizer(template: str):
     tok = AutoTokenizer.from_pretrained(default_model_path())
     tok.chat_template = template
     return tok
-
-
-def model_dir(tmp_path, template: str):
-    """The shipped tiny model with ``template`` as its chat template (a copy in ``tmp_path``)."""
-    out = tmp_path / "tiny-tools"
-    shutil.copytree(default_model_path(), out)
-    (out / "chat_template.jinja").write_text(template)
-    return out
 
 
 def rendered_reply(tok, calls: list[dict], content: str, before: str, after: str) -> str:
