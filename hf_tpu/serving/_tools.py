@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -65,7 +66,7 @@ def _call(name: Any, arguments: Any) -> Call | None:
     return Call(name, json.dumps(arguments, ensure_ascii=False))
 
 
-class _Parser:
+class _Parser(ABC):
     """A streaming parser of one reply: :meth:`feed` the text as it is decoded, then :meth:`finish`; each returns
     the items ready to send, content text (``str``) and :class:`Call`. ``drop``: strings taken out of the content
     (the tokenizer's special tokens, when the reply is decoded with them)."""
@@ -79,11 +80,13 @@ class _Parser:
             text = text.replace(d, "")
         return [text] if text else []
 
+    @abstractmethod
     def feed(self, text: str) -> list:
-        raise NotImplementedError
+        """The items ready once ``text`` (the next piece of the reply) is read."""
 
+    @abstractmethod
     def finish(self) -> list:
-        raise NotImplementedError
+        """The items left once the reply has ended."""
 
 
 def _held(text: str, marker: str) -> int:
