@@ -3,7 +3,8 @@ answering per request.
 
 :class:`ChatHandler` and :class:`TextHandler` subclass transformers' ``ChatCompletionHandler`` and
 ``CompletionHandler`` (same chat template and message conversion, transformers' response templates for tool calls and
-reasoning) and replace how one request is run on the continuous batch of the model this process serves (the
+reasoning, else hf_tpu's tool-call parsers and a forced call's grammar, :mod:`hf_tpu.serving._tools`) and
+replace how one request is run on the continuous batch of the model this process serves (the
 handler's ``served``, a :class:`hf_tpu.serving._app.ServedModel`, in place of transformers' model resolution): every
 choice of the request (``n``) is a request of upstream's manager (``n > 1``: upstream's forked children, the
 prompt's prefill shared), with the request's own sampling settings
