@@ -15,6 +15,7 @@ Example:
     $ hf-tpu serve ./my-model --compile-cache ~/.cache/hf_tpu/compile
     $ hf-tpu serve ./my-model --tp 4
     $ hf-tpu serve --uds /tmp/hf-tpu.sock       # a unix domain socket instead of host:port
+    $ hf-tpu serve ./my-llama --tool-call-parser llama3_json
     $ curl http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' -d '{"prompt": "The king said", "max_tokens": 16}'
 """
 
@@ -90,6 +91,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                         help="tensor parallel over N chips: one process per chip through hf-tpu launch; rank 0 "
                         "serves HTTP (default: 1)")  # fmt: skip
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up (compiles on first requests)")
+    from hf_tpu.serving._tools import FORMATS
+
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS), metavar="NAME",
+                        help="parse chat replies' tool calls in this format, one of: " + ", ".join(sorted(FORMATS))
+                        + " (default: transformers' response template of the model, else the format its chat "
+                        "template writes calls in)")  # fmt: skip
     # transformers serve's flags that apply here, passed through unchanged.
     parser.add_argument("--dtype", default="auto", help="model dtype (transformers serve's --dtype)")
     parser.add_argument("--attn-implementation", default=None, help="(transformers serve's --attn-implementation)")
@@ -180,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             aliases=aliases, served_name=args.served_model_name,
             dtype=args.dtype, attn_implementation=args.attn_implementation, log_level=args.log_level,
             enable_cors=args.enable_cors, default_seed=args.default_seed, tp=args.tp, uds=args.uds,
-            limits=Limits(max_n=args.max_n, max_logprobs=args.max_logprobs),
+            limits=Limits(max_n=args.max_n, max_logprobs=args.max_logprobs), tool_call_parser=args.tool_call_parser,
         )  # fmt: skip
     except WorkerDiedError as err:
         print(f"hf-tpu serve: {err}; exiting with status {EXIT_WORKER_DIED} so that a supervisor restarts it",

@@ -3,7 +3,8 @@ answering per request.
 
 :class:`ChatHandler` and :class:`TextHandler` subclass transformers' ``ChatCompletionHandler`` and
 ``CompletionHandler`` (same chat template and message conversion, transformers' response templates for tool calls and
-reasoning) and replace how one request is run on the continuous batch of the model this process serves (the
+reasoning, else hf_tpu's tool-call parsers and a forced call's grammar, :mod:`hf_tpu.serving._tools`) and
+replace how one request is run on the continuous batch of the model this process serves (the
 handler's ``served``, a :class:`hf_tpu.serving._app.ServedModel`, in place of transformers' model resolution): every
 choice of the request (``n``) is a request of upstream's manager (``n > 1``: upstream's forked children, the
 prompt's prefill shared), with the request's own sampling settings
@@ -28,6 +29,7 @@ import time
 import uuid
 from typing import Any
 
+from hf_tpu.serving import _tools
 from hf_tpu.serving._openai import CHAT, COMPLETIONS, RequestError, Sampling, check_vocab, resolve
 
 __all__ = ["child_ids", "handler_classes"]
@@ -209,6 +211,22 @@ class _Run:
         return next((c.error for c in self.choices if c.error is not None), None)
 
 
+class _Upstream:
+    """transformers' streaming ``ResponseParser`` of one choice as hf_tpu's parsers are fed: ``feed(piece)`` and
+    ``finish()`` return content (``str``), reasoning (``ReasoningText``) and calls (``ToolCall``)."""
+
+    def __init__(self, parser) -> None:
+        self.parser = parser
+
+    def feed(self, piece: str) -> list:
+        from transformers.cli.serving.utils import response_events_to_chunks
+
+        return response_events_to_chunks(self.parser.feed(piece))
+
+    def finish(self) -> list:
+        return []
+
+
 class _Tokens:
     """Token strings of log-probability entries (cached per id)."""
 
@@ -270,7 +288,10 @@ class _Answer:
         from hf_tpu.serving._penalties import vocab_of
 
         check_vocab(self.body, vocab_of(model))
-        self.parser = self._parser(processor, model, input_ids) if self.chat else None
+        self.plan = self._plan(processor, model) if self.chat else _tools.Plan()
+        if self.plan.grammar is not None:  # a forced tool call (the protocol refused it beside a response_format)
+            sampling.grammar, sampling.extra["grammar_field"] = self.plan.grammar, "tool_choice"
+        self.parser = self._parser(processor, model, input_ids) if self.plan.upstream else None
         self.name, self.created = _Tokens(getattr(processor, "tokenizer", processor)), int(time.time())
         self.echo = None  # with echo: the prompt's (text, logprobs record per token or None)
         if not self.chat and self.body.get("echo"):
@@ -280,7 +301,7 @@ class _Answer:
                 return JSONResponse(self._prompt_only(input_ids, sampling))
         if sampling.grammar is not None:
             self._constrain(cb, processor, model, sampling)
-        run = _Run(cb, input_ids, sampling, processor, h.metrics, skip_special=self.parser is None,
+        run = _Run(cb, input_ids, sampling, processor, h.metrics, skip_special=self.plan.skip_special,
                    stream=bool(self.body.get("stream")))
         try:
             run.submit()
@@ -389,10 +410,34 @@ class _Answer:
         return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model_id,
                 "choices": choices, "usage": usage}  # fmt: skip
 
+    def _plan(self, processor, model) -> _tools.Plan:
+        """How the reply's tool calls are parsed and forced (:func:`hf_tpu.serving._tools.plan`)."""
+        from transformers.cli.serving.utils import get_response_template
+
+        from hf_tpu.serving._app import model_or_config
+
+        upstream = get_response_template(processor, model_or_config(get_response_template, model)) is not None
+        override = getattr(self.handler, "tool_call_parser", None)
+        return _tools.plan(self.body, processor, upstream, override)
+
     def _parser(self, processor, model, input_ids):
         from hf_tpu.serving._app import response_parser
 
         return response_parser(processor, model, input_ids, tools=self.body.get("tools"))
+
+    def _stream_parser(self, input_ids):
+        """A streaming parser of one choice (``feed(piece)``, then ``finish()``: content, reasoning and calls), or
+        None (the text is sent as it is)."""
+        if self.plan.fmt is not None:
+            return _tools.parser(self.plan.fmt, self.plan.drop)
+        if self.plan.upstream:
+            return _Upstream(self._parser(self.processor, self.model, input_ids))
+        return None
+
+    def _tool_calls(self, calls) -> list[dict]:
+        calls = list(calls)[: None if self.plan.parallel else 1]
+        return [{"id": f"{self.request_id}_tool_call_{i}", "type": "function",
+                 "function": {"name": t.name, "arguments": t.arguments}} for i, t in enumerate(calls)]  # fmt: skip
 
     # ----- whole answers -----
 
@@ -404,7 +449,8 @@ class _Answer:
 
     def _whole_choice(self, run: _Run, c: _Choice) -> dict:
         s = run.sampling
-        text = c.text if (s.stop or self.parser is not None) else self._decoded(run, c)
+        parsed = self.parser is not None or self.plan.fmt is not None
+        text = c.text if (s.stop or parsed) else self._decoded(run, c)
         logprobs = None
         if not self.chat:
             if s.logprobs:
@@ -423,8 +469,11 @@ class _Answer:
         if s.logprobs:
             logprobs = _chat_logprobs(c, 0, len(c.tokens), self.name, s.top_logprobs)
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        finish = c.finish_reason
-        if self.parser is not None:
+        finish, calls = c.finish_reason, None
+        if self.plan.fmt is not None:
+            content, calls = _tools.parse(self.plan.fmt, text, self.plan.drop)
+            message["content"] = content if content or not calls else None
+        elif self.parser is not None:
             from hf_tpu.serving._app import parse_message
 
             content, reasoning, calls = parse_message(self.processor, self.model, c.tokens, run.input_ids, text,
@@ -432,13 +481,9 @@ class _Answer:
             message["content"] = content
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
-            if calls:
-                message["tool_calls"] = [
-                    {"id": f"{self.request_id}_tool_call_{i}", "type": "function",
-                     "function": {"name": t.name, "arguments": t.arguments}}
-                    for i, t in enumerate(calls)
-                ]  # fmt: skip
-                finish = "tool_calls"
+        if calls:
+            message["tool_calls"] = self._tool_calls(calls)
+            finish = "tool_calls"
         return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def _decoded(self, run: _Run, c: _Choice) -> str:
@@ -454,12 +499,33 @@ class _Answer:
             payload["usage"] = usage
         return _sse(payload)
 
-    async def _stream(self, run: _Run):
-        from transformers.cli.serving.utils import ToolCall, response_events_to_chunks
+    def _deltas(self, index: int, items: list, calls: dict, lp) -> list[dict]:
+        """The stream's events of a choice's parsed ``items`` (content, reasoning, calls); ``calls`` counts the
+        choice's calls sent (without ``parallel_tool_calls``, those after the first are not sent); ``lp``: the
+        logprobs of the token, on the first event."""
+        from transformers.cli.serving.utils import ToolCall
 
+        events = []
+        for item in items:
+            if isinstance(item, (ToolCall, _tools.Call)):
+                k = calls[index]
+                calls[index] += 1
+                if k and not self.plan.parallel:
+                    continue
+                delta = {"tool_calls": [{"index": k, "type": "function", "id": f"{self.request_id}_tool_call_{k}",
+                                         "function": {"name": item.name, "arguments": item.arguments}}]}  # fmt: skip
+            elif type(item) is not str:
+                delta = {"reasoning_content": str(item)}
+            else:
+                delta = {"content": item}
+            events.append({"index": index, "delta": delta, "logprobs": lp, "finish_reason": None})
+            lp = None
+        return events
+
+    async def _stream(self, run: _Run):
         s = run.sampling
-        parsers = {c.index: self._parser(self.processor, self.model, run.input_ids) for c in run.choices} \
-            if self.parser is not None else {}  # fmt: skip
+        parsers = {c.index: self._stream_parser(run.input_ids) for c in run.choices}
+        parsers = {i: p for i, p in parsers.items() if p is not None}
         calls = dict.fromkeys(parsers, 0)
         try:
             if self.chat:
@@ -482,19 +548,9 @@ class _Answer:
                             events.append({"index": c.index, "delta": {"content": piece}, "logprobs": lp,
                                            "finish_reason": None})  # fmt: skip
                             continue
-                        for item in response_events_to_chunks(parsers[c.index].feed(piece)):
-                            if isinstance(item, ToolCall):
-                                delta = {"tool_calls": [{"index": calls[c.index], "type": "function",
-                                                         "id": f"{self.request_id}_tool_call_{calls[c.index]}",
-                                                         "function": {"name": item.name,
-                                                                      "arguments": item.arguments}}]}
-                                calls[c.index] += 1  # fmt: skip
-                            elif type(item) is not str:
-                                delta = {"reasoning_content": str(item)}
-                            else:
-                                delta = {"content": item}
-                            events.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": None})
-                            lp = None
+                        events += self._deltas(c.index, parsers[c.index].feed(piece), calls, lp)
+                    if c.finish_reason is not None and c.index in parsers and c.sent_tokens == len(c.tokens):
+                        events += self._deltas(c.index, parsers.pop(c.index).finish(), calls, None)
                 if events:
                     yield "".join(self._chunk([e]) for e in events)
                 if run.done:
@@ -573,10 +629,10 @@ class _ResponsesAnswer(_Answer):
 
     async def _stream(self, run: _Run):
         from transformers.cli.serving.response import _ResponseStreamBuilder, compute_usage
-        from transformers.cli.serving.utils import ReasoningText, ToolCall, response_events_to_chunks
+        from transformers.cli.serving.utils import ReasoningText, ToolCall
 
         s, c = run.sampling, run.choices[0]
-        parser = self._parser(self.processor, self.model, run.input_ids)  # None: no tool calls nor reasoning to find
+        parser = self._stream_parser(run.input_ids)  # None: no tool calls nor reasoning to find
         builder = _ResponseStreamBuilder(request_id=self.request_id, response_defaults=self._defaults())
         calls = 0
         try:
@@ -585,24 +641,28 @@ class _ResponsesAnswer(_Answer):
                 if not run.done:
                     await run.step()
                 parts: list[str] = []
-                for _k, piece in c.pieces(s):
-                    items = [piece] if parser is None else response_events_to_chunks(parser.feed(piece))
-                    for item in items if piece else ():
-                        if isinstance(item, ToolCall):
-                            if builder.reasoning_open:
-                                parts += builder.finish_reasoning()
-                            if builder.message_open:
-                                parts += builder.finish_message()
-                            call_id = f"{self.request_id}_tool_call_{calls}"
-                            parts += builder.tool_call(call_id, item.name, item.arguments)
-                            calls += 1
-                        elif isinstance(item, ReasoningText):
-                            parts += [] if builder.reasoning_open else builder.start_reasoning()
-                            parts += builder.reasoning_delta(item)
-                        else:
-                            parts += builder.finish_reasoning() if builder.reasoning_open else []
-                            parts += [] if builder.message_open else builder.start_message()
-                            parts += builder.text_delta(item)
+                pieces = [piece for _k, piece in c.pieces(s)]
+                items = [p for p in pieces if p] if parser is None else \
+                    [i for p in pieces if p for i in parser.feed(p)]  # fmt: skip
+                if parser is not None and c.finish_reason is not None and c.sent_tokens == len(c.tokens):
+                    items += parser.finish()
+                    parser = None
+                for item in items:
+                    if isinstance(item, (ToolCall, _tools.Call)):
+                        if builder.reasoning_open:
+                            parts += builder.finish_reasoning()
+                        if builder.message_open:
+                            parts += builder.finish_message()
+                        call_id = f"{self.request_id}_tool_call_{calls}"
+                        parts += builder.tool_call(call_id, item.name, item.arguments)
+                        calls += 1
+                    elif isinstance(item, ReasoningText):
+                        parts += [] if builder.reasoning_open else builder.start_reasoning()
+                        parts += builder.reasoning_delta(item)
+                    else:
+                        parts += builder.finish_reasoning() if builder.reasoning_open else []
+                        parts += [] if builder.message_open else builder.start_message()
+                        parts += builder.text_delta(item)
                 if parts:
                     yield "".join(parts)
                 if run.done:
@@ -632,7 +692,8 @@ def handler_classes() -> tuple[type, type, type]:
     class ChatHandler(ChatCompletionHandler):
         """transformers' chat handler answering with :class:`_Answer` (see the module docstring)."""
 
-        metrics = served = None  # (set by hf_tpu.serving.server: its metrics, its ServedModel)
+        # (set by hf_tpu.serving.server: its metrics, its ServedModel, its --tool-call-parser)
+        metrics = served = tool_call_parser = None
 
         async def handle_request(self, body: dict, request_id: str):
             return await _Answer(self, CHAT, body, request_id)()
@@ -640,7 +701,7 @@ def handler_classes() -> tuple[type, type, type]:
     class TextHandler(CompletionHandler):
         """transformers' completions handler answering with :class:`_Answer` (see the module docstring)."""
 
-        metrics = served = None
+        metrics = served = tool_call_parser = None
 
         async def handle_request(self, body: dict, request_id: str):
             return await _Answer(self, COMPLETIONS, body, request_id)()
@@ -648,7 +709,7 @@ def handler_classes() -> tuple[type, type, type]:
     class ResponsesHandler(ResponseHandler):
         """transformers' ``/v1/responses`` handler answering with :class:`_ResponsesAnswer` (run as chat)."""
 
-        metrics = served = None
+        metrics = served = tool_call_parser = None
 
         async def handle_request(self, body: dict, request_id: str):
             return await _ResponsesAnswer(self, body, request_id)()

@@ -65,6 +65,9 @@ class Sampling:
     ``logprobs``: return the chosen token's log-probability; ``top_logprobs``: and that many alternatives.
     ``repetition_penalty`` (the base config's when the request has none), ``presence_penalty``,
     ``frequency_penalty``, ``logit_bias`` (token id -> bias), ``min_tokens``: neutral at 1, 0, 0, ``{}``, 0.
+    ``grammar``: an llguidance grammar (``llguidance.LLMatcher.grammar_from_lark``'s or ``grammar_from_json_schema``'s
+    string) the choice is decoded under, or None: structured output's (:mod:`hf_tpu.serving._grammar`) or a forced tool
+    call's (:func:`hf_tpu.serving._tools.grammar`).
     """
 
     temperature: float = 0.0

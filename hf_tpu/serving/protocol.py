@@ -9,16 +9,16 @@ What passes cannot fail the compiled step: each numeric field is bounded by what
 vLLM bounds it), strings are strings, lists are lists of what the handler reads. Fields are:
 
 * honoured: OpenAI's sampling fields, ``stop``, ``n``, ``logprobs``, completions' ``echo`` (not streamed; with
-  ``logprobs``, the prompt's too; ``max_tokens`` 0 only with it), ``tools`` (rendered by the chat template),
-  ``response_format`` and vLLM's ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``/
-  ``structured_outputs`` (structured output, :mod:`hf_tpu.serving._grammar`),
-  the penalties, ``logit_bias``, ``seed``, ``stream``/``stream_options``, and vLLM's ``top_k``, ``min_p``,
-  ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``chat_template_kwargs`` (and transformers'
-  ``generation_config``);
+  ``logprobs``, the prompt's too; ``max_tokens`` 0 only with it), ``tools`` (rendered by the chat template), chat's
+  ``tool_choice`` and ``parallel_tool_calls`` (:mod:`hf_tpu.serving._tools`), ``response_format`` and vLLM's
+  ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``/``structured_outputs`` (structured output,
+  :mod:`hf_tpu.serving._grammar`), the penalties, ``logit_bias``, ``seed``, ``stream``/``stream_options``, and
+  vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``chat_template_kwargs``
+  (and transformers' ``generation_config``);
 * accepted with no effect on the text (``user``, ``metadata``, ``store``, ...);
 * refused with a 400 saying so unless at their neutral value: OpenAI's fields this server does not implement
-  (``tool_choice`` other than auto, ``audio``, ...) and every other field vLLM accepts (``use_beam_search``,
-  ``stop_token_ids``, ``structural_tag``, ``priority``, ...);
+  (``audio``, ...) and every other field vLLM accepts (``use_beam_search``, ``stop_token_ids``, ``structural_tag``,
+  ``priority``, ...);
 * anything else: 400 "unrecognized request argument".
 
 Example:
@@ -166,6 +166,17 @@ class ResponsesTool(_Model):
     strict: bool | None = None
 
 
+class NamedFunction(_Model):
+    name: Text
+
+
+class NamedToolChoice(_Model):
+    """``tool_choice`` naming the function the reply must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class StreamOptions(_Model):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # OpenAI's: no effect here
@@ -229,6 +240,7 @@ class _Sampling(_Model):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     generation_config: str | None = None
+    parallel_tool_calls: bool | None = None  # (chat: at most one call when false; responses: no effect)
     # no effect on the text
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -238,7 +250,6 @@ class _Sampling(_Model):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
 
     @field_validator("generation_config")
     @classmethod
@@ -313,7 +324,7 @@ class ChatRequest(_Text):
     logprobs: bool | None = None
     top_logprobs: Count | None = None
     tools: list[ChatTool] | None = None
-    tool_choice: Any = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # refused unless neutral (below)
@@ -336,13 +347,32 @@ class ChatRequest(_Text):
     def _consistent(self):
         if self.top_logprobs is not None and self.logprobs is not True:
             raise _Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
-        _only("tool_choice", self.tool_choice, "auto")
+        self._tool_choice()
         for name in ("reasoning_effort", "verbosity", "audio", "modalities", "prediction", "web_search_options",
                      "functions", "function_call", "moderation"):  # fmt: skip
             if getattr(self, name) is not None:
                 raise _Unsupported(name, f"{name} is not supported by hf-tpu serve; leave it out")
         self._min_tokens(self.max_completion_tokens or self.max_tokens)
         return self
+
+    def _tool_choice(self) -> None:
+        """A call forced (``required``, a named function) needs tools (the named one among them), and is decoded
+        under the grammar of the call, so not under a ``response_format`` as well."""
+        choice = self.tool_choice
+        if choice is None or choice in ("auto", "none"):
+            return
+        wanted = "required" if choice == "required" else f"the function {choice.function.name!r}"
+        if not self.tools:
+            raise _Unsupported("tool_choice", f"tool_choice {wanted} needs tools: send the functions in tools, or "
+                                              "leave tool_choice out")  # fmt: skip
+        names = [t.function.name for t in self.tools]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _Unsupported("tool_choice", f"tool_choice names {choice.function.name!r}, which is not in tools "
+                                              f"({', '.join(map(repr, names))}): name one of them")  # fmt: skip
+        if self.response_format is not None and self.response_format.type != "text":
+            raise _Unsupported("tool_choice", f"tool_choice {wanted} cannot be combined with response_format "
+                                              f"{self.response_format.type!r} (the reply is a tool call): leave one "
+                                              "of them out")  # fmt: skip
 
     @field_validator("top_logprobs")
     @classmethod

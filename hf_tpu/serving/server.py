@@ -209,10 +209,12 @@ def _load(path: str, *, tp: int, dtype: str | None, attn_implementation: str | N
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval(), processor
 
 
-def _prepare(served, *, aliases: set[str], max_pending: int, pending: dict, limits, enable_cors: bool):
+def _prepare(served, *, aliases: set[str], max_pending: int, pending: dict, limits, enable_cors: bool,
+             tool_call_parser: str | None = None):  # fmt: skip
     """transformers' app around ``served`` (a :class:`~hf_tpu.serving._app.ServedModel`) with hf_tpu's handlers, and
     the model's continuous-batching manager (left in ``pending`` with its :class:`Readiness`, for :func:`_warm_up`);
-    returns the guarded app."""
+    returns the guarded app. ``tool_call_parser``: the tool-call format chat replies are parsed in
+    (:mod:`hf_tpu.serving._tools`; None: the model's own)."""
     from fastapi.responses import JSONResponse
 
     from hf_tpu.serving._app import BatchDiedError, build_app
@@ -246,7 +248,7 @@ def _prepare(served, *, aliases: set[str], max_pending: int, pending: dict, limi
 
     metrics = ServerMetrics(queue_depth, kv_blocks, model=served.name, steps=lambda: read_backs(cb))
     for handler in handlers:
-        handler.metrics, handler.served = metrics, served
+        handler.metrics, handler.served, handler.tool_call_parser = metrics, served, tool_call_parser
     patch(cb, "add_request", _checked_add_request(cb, model_max_len(model), metrics), feature=FEATURE)
     _metrics_hook(cb, metrics)
     readiness = Readiness()
@@ -305,12 +307,13 @@ class _Uvicorn:
 def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bool = True, served_name=None,
                aliases=(), out=None, tp: int = 1, limits=None, uds: str | None = None, dtype: str | None = "auto",
                attn_implementation: str | None = None, log_level: str = "warning", enable_cors: bool = False,
-               default_seed: int | None = None) -> None:  # fmt: skip
+               default_seed: int | None = None, tool_call_parser: str | None = None) -> None:  # fmt: skip
     """Run transformers' server for ``model`` on the TPU until it is stopped (SIGINT/SIGTERM), under the name
     ``served_name`` (default: the model directory's name); ``tp > 1``: as rank 0 of ``hf-tpu serve --tp``
     (:mod:`hf_tpu.serving.tensor_parallel`). With ``uds``, on that unix domain socket instead of ``host:port`` (no
     TCP socket is opened; the socket file is removed when the server stops). ``dtype``, ``attn_implementation``,
-    ``log_level``, ``enable_cors`` and ``default_seed`` are transformers serve's flags of those names.
+    ``log_level``, ``enable_cors`` and ``default_seed`` are transformers serve's flags of those names;
+    ``tool_call_parser``: the tool-call format of chat replies (``--tool-call-parser``, :mod:`hf_tpu.serving._tools`).
 
     uvicorn serves from a thread as soon as the model is loaded, while this thread warms up the continuous batch
     (``/health``: 503 until it is done). The warm-up and the manager stay on the main thread: made from another
@@ -350,7 +353,7 @@ def run_server(model: str, *, host: str, port: int, max_pending: int, warmup: bo
         loaded, processor = _load(model, tp=tp, dtype=dtype, attn_implementation=attn_implementation)
         served = ServedModel(served_as, {model}, loaded, processor)
         app = _prepare(served, aliases=set(aliases), max_pending=max_pending, pending=pending, limits=limits,
-                       enable_cors=enable_cors)  # fmt: skip
+                       enable_cors=enable_cors, tool_call_parser=tool_call_parser)  # fmt: skip
         serve = _Uvicorn(app, host=host, port=port, uds=uds)
         server, cb, readiness = serve.server, pending["cb"], pending["readiness"]
 

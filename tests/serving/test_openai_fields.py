@@ -63,7 +63,7 @@ def refused(path: str, body: dict, limits: Limits = Limits()) -> RequestError:
         ({"messages": HI, "logit_bias": {"5": 101}}, "logit_bias"),
         ({"messages": HI, "logit_bias": [1]}, "logit_bias"),
         ({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-        ({"messages": HI, "response_format": {"type": "yaml"}}, "response_format"),
+        ({"messages": HI, "response_format": {"type": "yaml"}}, "response_format.type"),
         ({"messages": HI, "guided_choice": "yes"}, "guided_choice"),
         ({"messages": HI, "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
         ({"messages": HI, "tool_choice": "required"}, "tool_choice"),
