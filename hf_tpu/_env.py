@@ -7,7 +7,7 @@ does and whether it changes a graph (``graph=True``). The rules that keep it so:
 
 * hf_tpu reads an ``HF_TPU_*`` variable only through this table (``_env.KV_WRITE.get()``); tests/test_house.py
   refuses an ``os.environ`` / ``os.getenv`` read of one anywhere else. Code that *sets* a variable for a child
-  process (``hf-tpu launch`` gives its ranks ``HF_TPU_SIM_GENERATION``) may write it, naming it ``_env.X.name``;
+  process may write it (``hf-tpu launch`` gives its ranks ``os.environ[_env.SIM_GENERATION.name]``);
 * a variable that changes what a traced graph computes (a kernel form, an attention form, where a cache is written)
   has ``graph=True``, and :func:`graph_key` folds its value into every compile-cache namespace's key
   (:meth:`hf_tpu.compile_cache.CompileCache.namespace`): a process with another value never loads the first one's
