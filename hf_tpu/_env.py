@@ -162,7 +162,8 @@ def _gib(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise InvalidArgumentError(f"HF_TPU_KV_CACHE_GIB={text!r} is not a number of GiB (for example 2 or 0.5)") from None
+        message = f"HF_TPU_KV_CACHE_GIB={text!r} is not a number of GiB (for example 2 or 0.5)"
+        raise InvalidArgumentError(message) from None
 
 
 def _tristate(text: str) -> bool | None:
