@@ -20,6 +20,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from hf_tpu import _env
 from hf_tpu._patch import disable, enable, enabled, is_enabled
 from hf_tpu._version import __version__
 
@@ -47,16 +48,12 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-if _env_flag("HF_TPU_SIMULATE"):
+if _env.SIMULATE.get():
     if "torch" not in sys.modules:
         # torch-tpu's autoload (at `import torch`) would claim the PrivateUse1 device the simulator needs.
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     importlib.import_module("hf_tpu.sim").enable()
 
-if os.environ.get("HF_TPU_COMPILE_CACHE", "").strip():
+if _env.COMPILE_CACHE.get():
     # torch_tpu reads its cache settings once, before its first compile: on a chip, point them at the cache now.
     importlib.import_module("hf_tpu.compile_cache").CompileCache.from_env()

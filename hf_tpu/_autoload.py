@@ -17,7 +17,9 @@ __all__ = ["load"]
 
 
 def load() -> None:
-    if os.environ.get("HF_TPU_SIMULATE", "").strip().lower() not in ("1", "true", "yes", "on"):
+    from hf_tpu import _env
+
+    if not _env.SIMULATE.get():
         return
     from hf_tpu.distributed import _bootstrap
 

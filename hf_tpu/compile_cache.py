@@ -24,12 +24,14 @@ torch_tpu reads both once, before its first compile; a cache created after that 
 
 A graph's key never lets a stale entry in: the namespace covers the hf_tpu, torch, torch-tpu, libtpu, transformers and
 Python versions, the runtime mode, the model class, its config, dtype and attention implementation, a tensor-parallel
-model's layout (TP size, rank, plan, KV-heads strategy, shard shapes), the ladder, the cache sizing, the backend and
-the source of the graph functions; the graph file repeats the key and the graph's own id (its shape key and baked-in
-constants) and is checked on load; the saved guards are checked on each call. Weights are graph inputs, never
-constants, so two checkpoints of one architecture share entries. A corrupt entry, an entry from another version, a
-failed guard or an unwritable directory is reported (:class:`CompileCacheWarning`, and ``CompileCache.problems``) and
-bypassed: the graph is compiled as usual.
+model's layout (TP size, rank, plan, KV-heads strategy, shard shapes), the ladder, the cache sizing, the backend,
+the source of the graph functions and the ``HF_TPU_*`` variables that change what a graph computes (those
+``hf_tpu._env`` marks ``graph=True``, such as ``HF_TPU_KV_WRITE``, where not at their default: docs/environment.md);
+the graph file repeats the key and the graph's own id (its shape key and baked-in constants) and is checked on load;
+the saved guards are checked on each call. Weights are graph inputs, never constants, so two checkpoints of one
+architecture share entries. A corrupt entry, an entry from another version, a failed guard or an unwritable
+directory is reported (:class:`CompileCacheWarning`, and ``CompileCache.problems``) and bypassed: the graph is
+compiled as usual.
 
 Example:
     >>> import hf_tpu                                                                          # doctest: +SKIP
@@ -51,7 +53,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hf_tpu import _torch_tpu
+from hf_tpu import _env, _torch_tpu
 from hf_tpu.errors import HfTpuError, HfTpuValueError, InvalidTypeError
 
 logger = logging.getLogger("hf_tpu.compile_cache")
@@ -66,7 +68,7 @@ __all__ = [
     "model_identity",
 ]
 
-ENV = "HF_TPU_COMPILE_CACHE"
+ENV = _env.COMPILE_CACHE.name
 # torch_tpu's C++ runtime reads these (see hf_tpu._torch_tpu: tier 2 is a name, tier 3 a path).
 TORCH_TPU_TIER2_ENV = _torch_tpu.TIER2_ENV
 TORCH_TPU_TIER3_ENV = _torch_tpu.TIER3_ENV
@@ -291,7 +293,7 @@ class CompileCache:
         Returns:
             A :class:`CompileCache` over that directory, or None.
         """
-        value = os.environ.get(ENV, "").strip()
+        value = _env.COMPILE_CACHE.get()
         return cls(value) if value else None
 
     @classmethod
@@ -338,13 +340,18 @@ class CompileCache:
         Args:
             kind: what is cached (``"generate"``, ``"diffusers"``, ...); it starts the namespace's folder name.
             parts: the rest of the key (model config, shapes, dtypes, ...), JSON-serializable; with the versions of
-                :func:`versions` it is hashed into the folder name and stored in ``key.json``.
+                :func:`versions` and the graph-changing ``HF_TPU_*`` variables set to something other than their
+                default (:func:`hf_tpu._env.graph_key`, under ``"environment"``) it is hashed into the folder name
+                and stored in ``key.json``.
 
         Returns:
             The :class:`Namespace` (the same object for the same key within a process), or None when the directory
             cannot be created or written (reported through :meth:`report`).
         """
         key = {**versions(), "kind": kind, **parts}
+        switches = _env.graph_key()  # the HF_TPU_* variables that change what a graph computes, where not default
+        if switches:
+            key["environment"] = switches
         text = json.dumps(key, sort_keys=True, default=str)
         name = f"{kind}-{_sha(text)[:24]}"
         space = self._spaces.get(name)

@@ -26,7 +26,8 @@ the module that defines a name; ``hf_tpu.sim`` is the bottom room. The rules:
    and ``hf_tpu.encoders`` do not import each other at all (what both need is in ``hf_tpu._shared``; the facade
    ``hf_tpu._warmup`` picks one warm-up or the other);
 4. the benchmarks measure hf_tpu through its public seams: a module of ``hf_tpu.benchmarks`` imports no private
-   module (a dotted component starting with ``_``) and no underscore name of another room;
+   module (a dotted component starting with ``_``) and no underscore name of another room, ``hf_tpu._env`` aside
+   (:data:`BENCHMARK_SEAMS`: the environment table, through which a benchmark reads a variable of its own);
 5. every attribute hf_tpu sets on another library's object goes through ``hf_tpu._patch`` (``patch``, or ``assign``
    with its reason): outside it, no ``setattr(x, ...)`` and no ``x.attr = ...`` where ``x`` is a name imported from
    a third-party package (``torch``, ``transformers``, ...). An object reached through a variable is not seen;
@@ -35,7 +36,13 @@ the module that defines a name; ``hf_tpu.sim`` is the bottom room. The rules:
    manifest), no ``.split("+")`` / ``.rsplit`` / ``.partition`` / ``.rpartition`` on ``"+"``, no ``"+".join``, no
    ``... + "+" + ...`` and no string that starts a kind's suffix (``"+token_type_ids"``, an f-string's
    ``f"+beams{n}..."``; docstrings aside). A function that parses other text on ``"+"`` is named in
-   :data:`NOT_GRAPH_KEYS` with what it reads.
+   :data:`NOT_GRAPH_KEYS` with what it reads;
+7. an ``HF_TPU_*`` environment variable is read only through its entry in ``hf_tpu._env`` (issue #66), whose
+   ``graph_key`` puts the graph-changing ones in the compile cache's key: outside ``hf_tpu/_env.py`` no
+   ``os.environ.get(K)``, ``os.environ[K]`` (read), ``K in os.environ`` or ``os.getenv(K)`` where ``K`` is an
+   ``HF_TPU_...`` string or f-string, a variable's ``_env.X.name``, or a name bound anywhere in hf_tpu to one of
+   those (``KV_WRITE_ENV = _env.KV_WRITE.name``, read as ``static.KV_WRITE_ENV``). Writing one for a child process
+   (``os.environ[K] = ...``, ``setdefault``) is allowed. A read through another alias of ``os.environ`` is not seen.
 """
 
 from __future__ import annotations
@@ -227,13 +234,19 @@ def private_part(imported: str) -> str | None:
     return None
 
 
+#: private modules a benchmark may import, and why
+BENCHMARK_SEAMS = {
+    "hf_tpu._env": "the one reader of HF_TPU_* variables (rule 7): a benchmark's own switch is read through it too",
+}
+
+
 def benchmark_seams() -> set[tuple[str, str]]:
     """(benchmark module, private module or name of another room) for every such import in hf_tpu.benchmarks."""
     found = set()
     for imp in ALL_IMPORTS:
         if is_within(imp.importer, BENCHMARKS) and not is_within(imp.imported, BENCHMARKS):
             private = private_part(imp.imported)
-            if private is not None:
+            if private is not None and private not in BENCHMARK_SEAMS:
                 found.add((imp.importer, private))
     return found
 
@@ -438,3 +451,110 @@ def test_the_graph_kind_rule_catches_what_it_names():
     assert caught('x = "a,+b".split(",")') == []
     (found,) = graph_text_uses('def _copies_per_step(cell):\n    return cell.partition("+")')
     assert found[1] == "_copies_per_step"
+
+
+ENV_MODULE = "hf_tpu/_env.py"
+ENV_PREFIX = "HF_TPU_"
+
+
+def _names_an_env_var(node: ast.AST, bound: set[str]) -> bool:
+    """Whether ``node`` names an HF_TPU_* variable: such a string or f-string, an ``_env.X.name``, or a name (or an
+    attribute) that :func:`env_name_bindings` found bound to one."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value.startswith(ENV_PREFIX)
+    if isinstance(node, ast.JoinedStr):
+        first = node.values[0] if node.values else None
+        return isinstance(first, ast.Constant) and str(first.value).startswith(ENV_PREFIX)
+    if isinstance(node, ast.Attribute):
+        if node.attr == "name" and isinstance(node.value, ast.Attribute):
+            root = node.value.value
+            if isinstance(root, ast.Name) and root.id == "_env":
+                return True
+            if isinstance(root, ast.Attribute) and root.attr == "_env":
+                return True
+        return node.attr in bound
+    return isinstance(node, ast.Name) and node.id in bound
+
+
+def env_name_bindings(sources: list[str]) -> set[str]:
+    """The identifiers some assignment in ``sources`` binds to an HF_TPU_* variable's name (``X = "HF_TPU_..."``,
+    ``X = _env.Y.name``, ``X = module.X`` of such an ``X``), to a fixed point."""
+    assigns = []
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Assign):
+                names = [t.id if isinstance(t, ast.Name) else t.attr for t in node.targets
+                         if isinstance(t, (ast.Name, ast.Attribute))]  # fmt: skip
+                assigns.append((names, node.value))
+            elif isinstance(node, ast.AnnAssign) and node.value is not None and isinstance(node.target, ast.Name):
+                assigns.append(([node.target.id], node.value))
+    bound: set[str] = set()
+    while True:
+        more = {n for names, value in assigns if _names_an_env_var(value, bound) for n in names} - bound
+        if not more:
+            return bound
+        bound |= more
+
+
+def _is_environ(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
+        isinstance(node, ast.Name) and node.id == "environ"
+    )
+
+
+def env_reads(source: str, bound: set[str]) -> list[tuple[int, str]]:
+    """(line, code) of every read of an HF_TPU_* variable from ``os.environ`` / ``os.getenv`` in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        key = None
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr == "get" and _is_environ(func.value):
+                key = node.args[0]
+            elif (isinstance(func, ast.Attribute) and func.attr == "getenv") or (
+                isinstance(func, ast.Name) and func.id == "getenv"
+            ):
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            if any(_is_environ(c) for c in node.comparators):
+                key = node.left
+        if key is not None and _names_an_env_var(key, bound):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_hf_tpu_variables_are_read_only_through_the_environment_table():
+    sources = {path.relative_to(PACKAGE_DIR.parent).as_posix(): path.read_text() for path in MODULES.values()}
+    bound = env_name_bindings(list(sources.values()))
+    assert {"KV_WRITE_ENV", "TP_ENV", "DEBUG_ENV"} <= bound  # the names the modules keep for their variables
+    wrong = [
+        f"  {name}:{line}: {code}"
+        for name, source in sorted(sources.items())
+        if name != ENV_MODULE
+        for line, code in env_reads(source, bound)
+    ]
+    assert not wrong, (
+        "HF_TPU_* variables read outside hf_tpu._env (read them as _env.X.get(); a new variable gets its entry in "
+        "the table, with its parser, default, doc and whether it changes a graph):\n" + "\n".join(wrong)
+    )
+
+
+def test_the_environment_rule_catches_what_it_names():
+    def caught(source: str, *more: str) -> list[str]:
+        return [code for _, code in env_reads(source, env_name_bindings([source, *more]))]
+
+    assert caught('import os\nx = os.environ.get("HF_TPU_KV_WRITE", "auto")')
+    assert caught('import os\nx = os.environ["HF_TPU_DEBUG"]')
+    assert caught('import os\nx = os.getenv("HF_TPU_DEBUG")')
+    assert caught('from os import environ\nx = "HF_TPU_DEBUG" in environ')
+    assert caught('import os\ndef f(k):\n    return os.environ.get(f"HF_TPU_{k}")')
+    assert caught('import os\nx = os.environ.get(_env.DEBUG.name)')
+    assert caught('import os\nENV = "HF_TPU_COMPILE_CACHE"\nx = os.environ.get(ENV, "").strip()')
+    # a constant named through the table in one module, read through another module's attribute
+    assert caught("import os\nx = os.environ.get(static.KV_WRITE_ENV)", "KV_WRITE_ENV = _env.KV_WRITE.name")
+    assert caught('import os\nx = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD")') == []
+    assert caught('import os\nos.environ["HF_TPU_SIM_GENERATION"] = "v5p"') == []  # a write for child processes
+    assert caught('import os\nos.environ.setdefault("HF_TPU_SIM_HBM", "1")') == []
+    assert caught('import os\nx = _env.DEBUG.get()') == []

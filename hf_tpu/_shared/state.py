@@ -15,14 +15,15 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TypeVar
+
+from hf_tpu import _env
 
 __all__ = ["STRICT_EAGER", "STRICT_ENV", "attached", "strict_from_env"]
 
 # Turns a compile after warm-up into an error (same as ``warmup(..., strict=True)``; ``=eager``: ``strict="eager"``).
-STRICT_ENV = "HF_TPU_STRICT_COMPILE"
+STRICT_ENV = _env.STRICT_COMPILE.name
 # ``strict="eager"``: an eager op compile after warm-up (a torch_tpu cache miss) is an error too, not only a graph's.
 STRICT_EAGER = "eager"
 
@@ -41,5 +42,4 @@ def attached(model, key: str, make: Callable[[], _State]) -> _State:
 def strict_from_env() -> bool | str:
     """What ``HF_TPU_STRICT_COMPILE`` asks: :data:`STRICT_EAGER` for ``eager``, True for ``1``/``true``/``yes``/``on``,
     else False."""
-    value = os.environ.get(STRICT_ENV, "").strip().lower()
-    return STRICT_EAGER if value == STRICT_EAGER else value in ("1", "true", "yes", "on")
+    return _env.STRICT_COMPILE.get()

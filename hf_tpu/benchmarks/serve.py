@@ -42,6 +42,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from hf_tpu import _env
 from hf_tpu.errors import HfTpuRuntimeError
 
 __all__ = ["QUICK", "SOAK_BASELINE", "TARGET_RSS_DRIFT", "TARGET_SPEEDUP", "add_arguments", "print_table", "run",
@@ -262,7 +263,7 @@ def print_table(f: dict) -> None:
     print(f"without HTTP, generate_batch of the {f['requests']} prompts ({g['max_new_tokens']} new tokens each, "
           "--max-tokens): "
           f"{g['together_s']:.2f} s together, {g['one_at_a_time_s']:.2f} s one at a time ({g['speedup']:.2f}x)")
-    if os.environ.get("HF_TPU_BENCH_DEBUG"):
+    if _env.BENCH_DEBUG.get():
         print(json.dumps(f, indent=1))
 
 
@@ -582,5 +583,5 @@ def print_soak(f: dict) -> None:
         print(f"  429 answers retried: {f['retries_429']}")
     for kind, problems in f["examples"].items():
         print(f"  {kind}, first problems: {problems}")
-    if os.environ.get("HF_TPU_BENCH_DEBUG"):
+    if _env.BENCH_DEBUG.get():
         print(json.dumps(f, indent=1))

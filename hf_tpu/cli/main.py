@@ -40,13 +40,13 @@ import sys
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 
-from hf_tpu import _patch
+from hf_tpu import _env, _patch
 from hf_tpu.errors import HfTpuTypeError, UserError
 
 __all__ = ["COMMANDS", "DEBUG_ENV", "available_commands", "build_parser", "main"]
 
 #: Environment variable that makes ``hf-tpu`` show full tracebacks for user errors (same as ``--debug``).
-DEBUG_ENV = "HF_TPU_DEBUG"
+DEBUG_ENV = _env.DEBUG.name
 
 _PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
@@ -125,8 +125,7 @@ def _add_debug_flag(parser: argparse.ArgumentParser, *, top_level: bool) -> None
 
 
 def _debug(args: argparse.Namespace) -> bool:
-    flag = os.environ.get(DEBUG_ENV, "").strip().lower()
-    return bool(getattr(args, "debug", False)) or flag in ("1", "true", "yes", "on")
+    return bool(getattr(args, "debug", False)) or _env.DEBUG.get()
 
 
 def _is_user_error(err: BaseException) -> bool:

@@ -130,9 +130,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _debug(args: argparse.Namespace) -> bool:
-    from hf_tpu.cli.main import DEBUG_ENV
+    from hf_tpu import _env
 
-    return bool(getattr(args, "debug", False)) or os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true")
+    return bool(getattr(args, "debug", False)) or _env.DEBUG.get()
 
 
 @contextlib.contextmanager

@@ -111,10 +111,10 @@ def refuse_early(args: argparse.Namespace) -> int | None:
     simulator or the model load (uvicorn would only log it once the model is warm); None when it is free."""
     import os
 
+    from hf_tpu import _env
     from hf_tpu.serving.server import port_taken, uds_unusable
-    from hf_tpu.serving.tensor_parallel import TP_ENV
 
-    follower = os.environ.get(TP_ENV) and os.environ.get("RANK") not in (None, "0")
+    follower = _env.SERVE_TP.is_set() and os.environ.get("RANK") not in (None, "0")
     if follower:
         taken = None
     elif not 0 <= args.port <= 65535:
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     import hf_tpu
-    from hf_tpu import runtime, serving
+    from hf_tpu import _env, runtime, serving
     from hf_tpu.cli._model_path import resolve_model_dir
     from hf_tpu.errors import UserError
 
@@ -146,9 +146,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"hf-tpu serve needs {exc.name}: pip install 'hf-tpu[serve]'") from None
     from hf_tpu.serving import tensor_parallel
 
-    rank = os.environ.get("RANK") if os.environ.get(tensor_parallel.TP_ENV) else None
+    rank = os.environ.get("RANK") if _env.SERVE_TP.is_set() else None
     if args.tp > 1 and rank is None:  # the parent: start one rank per chip, each runs this command
-        simulate = bool(args.simulate or os.environ.get("HF_TPU_SIMULATE"))
+        simulate = bool(args.simulate or _env.SIMULATE.get())
         counts = tensor_parallel.valid_tp_sizes(simulate=simulate)
         if counts and args.tp not in counts:  # refused here, in the command's own words, before any rank starts
             nearest = min(counts, key=lambda n: (abs(n - args.tp), n))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 __all__ = ["register", "run"]
@@ -48,11 +47,12 @@ def run(args: argparse.Namespace) -> int:
         import hf_tpu.sim
 
         hf_tpu.sim.enable()
+    from hf_tpu import _env
     from hf_tpu.compile_cache import ENV
     from hf_tpu.runtime import require_tpu
 
     require_tpu("hf-tpu warmup")
-    cache_dir = args.cache_dir or os.environ.get(ENV, "").strip() or None
+    cache_dir = args.cache_dir or _env.COMPILE_CACHE.get()
     if cache_dir is None:
         print(f"hf-tpu warmup: give --cache-dir PATH (or set {ENV}) to keep what is compiled", file=sys.stderr)
         return 2

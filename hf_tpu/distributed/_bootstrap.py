@@ -21,7 +21,9 @@ __all__ = ["main"]
 def _prepare() -> None:
     # hf_tpu's __init__ has run already (this module is part of the package): with HF_TPU_SIMULATE=1 it enabled the
     # simulated device here.
-    if os.environ.get("HF_TPU_SIMULATE", "").strip().lower() in ("1", "true", "yes", "on"):
+    from hf_tpu import _env
+
+    if _env.SIMULATE.get():
         from hf_tpu import runtime
 
         # The launcher passes on the generation / HBM it was asked to simulate (hf-tpu --sim-generation ...).

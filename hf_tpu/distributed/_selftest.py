@@ -15,25 +15,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hf_tpu.errors import HfTpuRuntimeError, InvalidArgumentError
+from hf_tpu import _env
+from hf_tpu.errors import HfTpuRuntimeError
 from hf_tpu.selftest import CheckContext, CheckFailed, SkipCheck, register_check
 
 # No fixed limit around the launch (a slow or busy host must not fail it): the launcher itself stops every rank once
 # one fails. HF_TPU_SELFTEST_TIMEOUT_S=<seconds> bounds it when a hang must end the check.
-TIMEOUT_ENV = "HF_TPU_SELFTEST_TIMEOUT_S"
+TIMEOUT_ENV = _env.SELFTEST_TIMEOUT_S.name
 
 
 def _timeout() -> float | None:
-    value = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = 0.0
-    if seconds <= 0:
-        raise InvalidArgumentError(f"{TIMEOUT_ENV}={value!r}: give a positive number of seconds, or unset it to wait")
-    return seconds
+    return _env.SELFTEST_TIMEOUT_S.get()  # None: wait; a value that is not a positive number raises
 
 
 def _ranks(ctx: CheckContext) -> int:

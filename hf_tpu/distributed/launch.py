@@ -34,6 +34,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hf_tpu import _env
 from hf_tpu._launch_env import (  # the simulated launch environment, shared with the simulator (hf_tpu.sim)
     SIM_DEFAULT_GENERATION,
     LaunchError,
@@ -248,7 +249,7 @@ def _sim_generation(args: argparse.Namespace, nproc: int | None) -> str:
     v6e has none for, the first generation that has one (said on stderr)."""
     from hf_tpu import _torch_tpu, runtime
 
-    asked = getattr(args, "sim_generation", None) or os.environ.get("HF_TPU_SIM_GENERATION")
+    asked = getattr(args, "sim_generation", None) or _env.SIM_GENERATION.get()
     if not asked:
         info = runtime.detect()
         if info.mode == "simulated" and info.generation != SIM_DEFAULT_GENERATION:
@@ -298,7 +299,7 @@ def _wrap_entrypoint(args: argparse.Namespace) -> None:
 def _is_simulated(args: argparse.Namespace) -> bool:
     if getattr(args, "simulate", False):
         return True
-    if os.environ.get("HF_TPU_SIMULATE", "").strip().lower() in ("1", "true", "yes", "on"):
+    if _env.SIMULATE.get():
         return True
     from hf_tpu import runtime
 
@@ -369,11 +370,11 @@ def launch(args: argparse.Namespace) -> int:
         generation = _sim_generation(args, nproc)
         _pin_rendezvous_flags(args, nnodes)
         set_simulated_launch_env(nnodes=nnodes, nproc_per_node=nproc, generation=generation)
-        os.environ["HF_TPU_SIM_GENERATION"] = generation
+        os.environ[_env.SIM_GENERATION.name] = generation
         info = runtime.detect()
         preset = runtime.GENERATIONS[str(info.generation)] if info.mode == "simulated" else None
         if preset and info.hbm_bytes != int(preset["hbm_per_chip"]) // int(preset["devices_per_chip"]):
-            os.environ.setdefault("HF_TPU_SIM_HBM", str(info.hbm_bytes))  # this process was given an HBM size
+            os.environ.setdefault(_env.SIM_HBM.name, str(info.hbm_bytes))  # this process was given an HBM size
     else:
         info = runtime.detect()
         if info.mode != "real":

@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hf_tpu import _env
 from hf_tpu.errors import InvalidArgumentError
 
 __all__ = [
@@ -345,7 +346,7 @@ def register_named(name: str) -> None:
 
 #: ``HF_TPU_MEASURED_EXPERTS``: ``auto`` (unset, or ``1``): every form on a TPU VM, the torch forms elsewhere;
 #: ``torch``: the torch forms only (:data:`DEFAULT_FORMS`); ``0``: keep transformers' default.
-MEASURED_ENV = "HF_TPU_MEASURED_EXPERTS"
+MEASURED_ENV = _env.MEASURED_EXPERTS.name
 
 
 def measured_name() -> str:
@@ -358,14 +359,8 @@ def measured_name() -> str:
         ValueError (InvalidArgumentError): ``HF_TPU_MEASURED_EXPERTS`` is not ``auto``, ``1``, ``torch`` or ``0``.
     """
     import importlib.util
-    import os
 
-    value = os.environ.get(MEASURED_ENV, "auto").strip().lower() or "auto"
-    if value not in ("auto", "1", "torch", "0"):
-        raise InvalidArgumentError(
-            f"{MEASURED_ENV}={value!r}: use auto (every measured form on a TPU VM), torch (the forms written in torch "
-            "only) or 0 (keep transformers' experts implementation)"
-        )
+    value = _env.MEASURED_EXPERTS.get()  # (a value it does not take raises, naming the ones it does)
     if value == "torch":
         return MEASURED_NAME
     from hf_tpu import runtime
@@ -383,10 +378,9 @@ def prefer_measured(model) -> bool:
     so that each bucket's graph runs the form measured fastest for its token count. Returns whether it switched.
     ``HF_TPU_MEASURED_EXPERTS=0``, or ``model._hf_tpu_keep_experts = True``, keeps what the model has (transformers
     cannot tell a default ``grouped_mm`` from one asked for)."""
-    import os
-
     config = getattr(model, "config", None)
-    if os.environ.get(MEASURED_ENV, "1") == "0" or config is None or model.__dict__.get(KEEP, False):
+    # (its text, not its parsed value: a value the table refuses is refused by measured_name, for an MoE model only)
+    if _env.MEASURED_EXPERTS.text() == "0" or config is None or model.__dict__.get(KEEP, False):
         return False
     if getattr(config, "_experts_implementation", None) != "grouped_mm":
         return False

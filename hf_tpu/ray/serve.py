@@ -73,9 +73,9 @@ def _compile_cache_dir(serve_args: Sequence[str]) -> str | None:
         elif arg.startswith("--compile-cache="):
             found = arg.partition("=")[2]
     if found is None:
-        from hf_tpu.compile_cache import ENV
+        from hf_tpu import _env
 
-        found = os.environ.get(ENV, "").strip() or None
+        found = _env.COMPILE_CACHE.get()
     return found or None
 
 

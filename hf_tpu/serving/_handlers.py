@@ -357,16 +357,14 @@ class _Answer:
 
     def _check_echo(self, model, input_ids: list[int]) -> None:
         """Refuse what echo cannot score: a prompt past the model's length, the prompt's logprobs under ``--tp``."""
-        import os
-
+        from hf_tpu import _env
         from hf_tpu.serving.kv_sizing import model_max_len
-        from hf_tpu.serving.tensor_parallel import TP_ENV
 
         limit = model_max_len(model)
         if len(input_ids) > limit:
             raise RequestError("prompt", f"the prompt is {len(input_ids)} tokens; this model reads at most {limit} "
                                          f"(max_position_embeddings {limit}): shorten the prompt")  # fmt: skip
-        if self.body.get("logprobs") is not None and int(os.environ.get(TP_ENV) or 1) > 1:
+        if self.body.get("logprobs") is not None and (_env.SERVE_TP.get() or 1) > 1:
             raise RequestError("echo", "echo with logprobs (the prompt's logprobs) is not supported under --tp; "
                                        "leave echo or logprobs out")  # fmt: skip
 

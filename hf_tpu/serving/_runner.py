@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from hf_tpu import _env
 from hf_tpu.errors import InvalidTypeError
 from hf_tpu.serving.ladder import StepLadder
 
@@ -104,11 +105,11 @@ _CACHES: dict[Any, Any] = {}
 
 def compile_cache():
     """The compile cache of :data:`SETTINGS` (``compile_cache``, else ``HF_TPU_COMPILE_CACHE``), or None."""
-    from hf_tpu.compile_cache import ENV, CompileCache
+    from hf_tpu.compile_cache import CompileCache
 
     value = SETTINGS.compile_cache
     if value is None:
-        value = os.environ.get(ENV, "").strip() or None
+        value = _env.COMPILE_CACHE.get()
     if isinstance(value, (str, os.PathLike)):
         value = os.fspath(value)
         if value not in _CACHES:  # one CompileCache per directory: its problems are reported once
@@ -226,7 +227,7 @@ def warm_all_shapes(runner, model) -> None:
         if progress is not None:
             progress(i + 1, len(ladder.shapes), (q, kv), time.perf_counter() - began)
     runner.cache.reset()
-    if os.environ.get("HF_TPU_QUIET_WARMUP") is None:
+    if not _env.QUIET_WARMUP.get():
         logger.info(
             "hf_tpu: continuous batching warmed up %d step shapes (query rungs %s, KV rungs %s) in %.1f s",
             len(ladder.shapes), list(ladder.q_rungs), list(ladder.kv_rungs), time.perf_counter() - start,

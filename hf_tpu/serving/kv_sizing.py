@@ -21,9 +21,9 @@ Example:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
+from hf_tpu import _env
 from hf_tpu.errors import InvalidArgumentError
 
 __all__ = [
@@ -33,7 +33,7 @@ __all__ = [
 #: Largest share of the chip's free HBM the cache may take.
 HBM_FRACTION = 0.5
 #: Environment variable capping the cache, in GiB.
-KV_CACHE_GIB_ENV = "HF_TPU_KV_CACHE_GIB"
+KV_CACHE_GIB_ENV = _env.KV_CACHE_GIB.name
 #: Longest request length the default sizing plans for (models with longer contexts still fit one such request).
 MAX_LEN_CAP = 8192
 #: Requests the default cache holds at full length.
@@ -94,15 +94,9 @@ def kv_cache_plan(
 
 def _cap_bytes(kv_cache_gib: float | None) -> int | None:
     if kv_cache_gib is None:
-        raw = os.environ.get(KV_CACHE_GIB_ENV, "").strip()
-        if not raw:
+        kv_cache_gib = _env.KV_CACHE_GIB.get()  # (text that is not a number raises, naming the variable)
+        if kv_cache_gib is None:
             return None
-        try:
-            kv_cache_gib = float(raw)
-        except ValueError:
-            raise InvalidArgumentError(
-                f"{KV_CACHE_GIB_ENV}={raw!r} is not a number of GiB (for example 2 or 0.5)"
-            ) from None
     if kv_cache_gib <= 0:
         raise InvalidArgumentError(f"the KV cache cap must be a positive number of GiB, got {kv_cache_gib}")
     return int(kv_cache_gib * 2**30)

@@ -23,10 +23,12 @@ import copy
 import os
 from collections.abc import Sequence
 
+from hf_tpu import _env
+
 __all__ = ["TP_ENV", "follow", "launch", "load_sharded", "valid_tp_sizes"]
 
 #: The tensor-parallel size the launcher hands each rank.
-TP_ENV = "HF_TPU_SERVE_TP"
+TP_ENV = _env.SERVE_TP.name
 
 #: What each rank runs, after these the serve arguments and ``--tp N``: the ``hf-tpu serve`` command
 #: (``python -m hf_tpu.cli``), which with :data:`TP_ENV` set follows rank 0 or, on rank 0, serves HTTP. A command

@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import importlib.metadata
-import os
 
 from hf_tpu.sim import execution_mode  # torch_tpu's CPU-fallback switch, mirrored
 from hf_tpu.sim._after_import import after_import
@@ -160,9 +159,11 @@ class DistributedSide:
         Raises:
             ValueError: an unknown generation or a bad HBM size (see :func:`enable`).
         """
-        generation, hbm = os.environ.get("HF_TPU_SIM_GENERATION"), os.environ.get("HF_TPU_SIM_HBM")
+        from hf_tpu import _env
+
+        generation, hbm = _env.SIM_GENERATION.get(), _env.SIM_HBM.get()
         if generation or hbm:
-            enable(**({"generation": generation} if generation else {}), hbm=int(hbm) if hbm else None)
+            enable(**({"generation": generation} if generation else {}), hbm=hbm)
         DistributedSide.register()
 
 

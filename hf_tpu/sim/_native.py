@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+from hf_tpu import _env
+
 __all__ = ["load", "status"]
 
 _LOG = logging.getLogger("hf_tpu.sim")
@@ -31,7 +33,7 @@ _STATE: dict[str, object] = {}
 
 
 def _cache_dir(tag: str) -> Path:
-    root = os.environ.get("HF_TPU_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_tpu")
+    root = _env.CACHE.get() or os.path.join(os.path.expanduser("~"), ".cache", "hf_tpu")
     return Path(root) / "sim-native" / tag
 
 
@@ -39,16 +41,16 @@ def load() -> ModuleType | None:
     """The compiled native core, building it on first use; None where it is off or cannot be built."""
     if "module" in _STATE:
         return _STATE["module"]  # type: ignore[return-value]
-    setting = os.environ.get("HF_TPU_SIM_NATIVE", "").strip().lower()
+    setting = _env.SIM_NATIVE.get()  # False: off; True: the native core or an error; None: where it builds
     module = None
-    if setting in ("0", "false", "no", "off"):
+    if setting is False:
         _STATE["reason"] = "off (HF_TPU_SIM_NATIVE=0)"
     else:
         try:
             module = _build()
             _STATE["reason"] = "on"
         except Exception as e:  # noqa: BLE001 -- any build failure leaves the Python path, said once
-            if setting in ("1", "true", "yes", "on"):
+            if setting is True:
                 raise RuntimeError(
                     f"HF_TPU_SIM_NATIVE=1 but the simulator's native core could not be built: {e}. Install a C++ "
                     "compiler and ninja (pip install ninja), or unset HF_TPU_SIM_NATIVE to use the Python path."

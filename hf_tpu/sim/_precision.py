@@ -29,11 +29,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from hf_tpu import _env
 
 __all__ = [
     "IMPLS",
@@ -63,7 +64,7 @@ _NAMES = {"medium": Precision.DEFAULT, "high": Precision.HIGH, "highest": Precis
 _GLOBAL = [Precision.DEFAULT]
 _STACK: list[Precision] = []
 _EMULATE = [False]
-_ENV = "HF_TPU_SIM_MATMUL_PRECISION"
+_ENV = _env.SIM_MATMUL_PRECISION.name
 _READ_ENV = [False]
 
 
@@ -268,9 +269,7 @@ def _initial_from_environment() -> None:
     torch_tpu's ``'medium'``."""
     if _READ_ENV[0]:
         return
-    value = os.environ.get(_ENV, "").strip().lower()
-    if value and value not in _NAMES:
-        raise ValueError(f"{_ENV}={value!r}: expected one of 'highest', 'high' or 'medium'")
+    value = _env.SIM_MATMUL_PRECISION.get() if _env.SIM_MATMUL_PRECISION.is_set() else None  # (refused: raises)
     _READ_ENV[0] = True
     if value:
         _GLOBAL[0] = _NAMES[value]

@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 
+from hf_tpu import _env
+
 __all__ = ["EXPORTS", "install"]
 
-SIM_DEVICES_ENV = "HF_TPU_SIM_DEVICES"
+SIM_DEVICES_ENV = _env.SIM_DEVICES.name
 
 
 def _needs_chip(public: str, target: str) -> Callable[..., Any]:
@@ -56,14 +58,7 @@ def _needs_chip(public: str, target: str) -> Callable[..., Any]:
 
 def simulated_host_devices() -> int:
     """Devices on the simulated host (``HF_TPU_SIM_DEVICES``, default 4): what torch_tpu counts on a real one."""
-    value = os.environ.get(SIM_DEVICES_ENV, "4")
-    try:
-        count = int(value)
-    except ValueError:
-        raise ValueError(f"{SIM_DEVICES_ENV}={value!r}: expected a number of simulated TPU devices, e.g. 4") from None
-    if count < 1:
-        raise ValueError(f"{SIM_DEVICES_ENV}={value!r}: expected a positive number of devices")
-    return count
+    return _env.SIM_DEVICES.get()  # (a value that is not a positive number raises, naming the variable)
 
 
 def set_tpu_launch_env(*, nnodes: int | None = None, nproc_per_node: int | None = None) -> None:

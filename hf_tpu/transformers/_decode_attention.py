@@ -24,24 +24,20 @@ as the kernel's rows, which upstream skips while Dynamo compiles). The chip benc
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from hf_tpu.errors import InvalidArgumentError
+from hf_tpu import _env
 
 __all__ = ["FORMS", "apply", "decode_attention_form", "grouped_decode_attention"]
 
-FORMS = ("grouped", "sdpa", "packed")
-ENV = "HF_TPU_DECODE_ATTENTION"
+FORMS = _env.DECODE_ATTENTION.choices
+ENV = _env.DECODE_ATTENTION.name
 
 
 def decode_attention_form() -> str:
     """The one-token attention form in force (``HF_TPU_DECODE_ATTENTION``, ``grouped`` when unset)."""
-    form = os.environ.get(ENV, "grouped").strip().lower() or "grouped"
-    if form not in FORMS:
-        raise InvalidArgumentError(f"{ENV}={form!r} is not a decode attention form; use one of {', '.join(FORMS)}.")
-    return form
+    return _env.DECODE_ATTENTION.get()
 
 
 def grouped_decode_attention(

@@ -85,6 +85,27 @@ def test_graphs_that_leave_their_rows_to_the_loop_are_stored_and_loaded(llama_di
     assert warm["new_compiles"] == 0 and warm["from_cache"] == warm["graphs"] == cold["graphs"]
 
 
+@pytest.mark.slow
+def test_a_graph_switch_set_otherwise_loads_no_stored_graph(llama_dir, tmp_path, monkeypatch):
+    """``HF_TPU_DECODE_ATTENTION`` picks the attention a decode graph computes (a graph switch of hf_tpu._env): a
+    process with another value on the same cache directory compiles its own graphs, loading none of the first's,
+    and both equal the CPU; a process with the first value again loads all of them (tests/test_env.py checks the
+    key of every switch in one process)."""
+    from hf_tpu import _env
+
+    cache = tmp_path / "cache"
+    monkeypatch.delenv(_env.DECODE_ATTENTION.name, raising=False)
+    cold = _worker(llama_dir, cache)
+    assert cold["equal"] and not cold["problems"] and cold["new_compiles"] == cold["graphs"] > 0
+    monkeypatch.setenv(_env.DECODE_ATTENTION.name, _env.DECODE_ATTENTION.choices[1])
+    other = _worker(llama_dir, cache)
+    assert other["equal"] and not other["problems"]
+    assert other["from_cache"] == 0 and other["new_compiles"] == other["graphs"] > 0
+    monkeypatch.delenv(_env.DECODE_ATTENTION.name)
+    again = _worker(llama_dir, cache)
+    assert again["equal"] and again["new_compiles"] == 0 and again["from_cache"] == again["graphs"] == cold["graphs"]
+
+
 def test_another_checkpoint_of_the_same_architecture_shares_the_entries(llama_dir, tmp_path):
     """Weights are graph inputs, not constants: a process with another checkpoint of the architecture loads the
     entries the first one stored. (The third process of the test above, a test of its own in the slow tier.)"""

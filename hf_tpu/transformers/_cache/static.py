@@ -50,9 +50,9 @@ are all of these kinds needs no change here.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from hf_tpu import _env
 from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers._settings import CACHE_POOL_SIZE, ModelState
 
@@ -281,8 +281,8 @@ def set_decoding(cache, decoding: bool, rows_after: bool = True) -> None:
 
 
 # HF_TPU_KV_WRITE: where a decode step's new K/V rows are written into a full-attention cache on a ``tpu`` device.
-KV_WRITE_ENV = "HF_TPU_KV_WRITE"
-KV_WRITES = ("auto", "graph", "after")
+KV_WRITE_ENV = _env.KV_WRITE.name
+KV_WRITES = _env.KV_WRITE.choices
 # auto: after the graph once each full-attention layer's K and V hold this many bytes: then the copy an undonated
 # graph makes of them (~3.2 ms per GB on a v5e) costs more than the layer's two writes after the graph (each a
 # program of its own, ~45-60 us to launch). Measured on a v5e (docs/planning.md, runs 12 and 13), hf_tpu's decode
@@ -295,10 +295,7 @@ KV_ROWS_AFTER_LAYER_BYTES = 32 << 20
 def kv_write_mode() -> str:
     """``HF_TPU_KV_WRITE`` (``auto`` when unset): ``graph`` (the graph writes the cache, upstream's ``index_copy_``),
     ``after`` (the rows are written after each decode graph, :func:`write_rows`) or ``auto``."""
-    mode = os.environ.get(KV_WRITE_ENV, "auto").strip().lower() or "auto"
-    if mode not in KV_WRITES:
-        raise InvalidArgumentError(f"{KV_WRITE_ENV}={mode!r} is not a KV write mode; use one of {', '.join(KV_WRITES)}.")
-    return mode
+    return _env.KV_WRITE.get()
 
 
 def kv_rows_after(cache) -> bool:
@@ -323,8 +320,8 @@ def kv_rows_after(cache) -> bool:
 #: where it can run, else ``index_copy``). On a v5e with torch_tpu 0.2.0 the 32 eager writes of a batch-64
 #: Llama-3.2-1B-shaped cache cost 6.5 ms a step (each a program of its own, run 14); with this writer run 17 measured
 #: that batch-64 ``generate`` step 13.09 -> 8.65 ms, the same tokens (docs/chip_v5e_torch_tpu.jsonl).
-KV_ROWS_WRITER_ENV = "HF_TPU_KV_ROWS_WRITER"
-KV_ROWS_WRITERS = ("auto", "index_copy", "jax")
+KV_ROWS_WRITER_ENV = _env.KV_ROWS_WRITER.name
+KV_ROWS_WRITERS = _env.KV_ROWS_WRITER.choices
 _JAX_WRITER: list = []  # the jax_op, made once per process (registering it twice under one name fails)
 
 
@@ -335,11 +332,7 @@ def kv_rows_writer(tensor) -> str:
         ValueError (InvalidArgumentError): an unknown value, or ``jax`` where it cannot run (not torch_tpu's
             device, or ``jax`` not installed).
     """
-    mode = os.environ.get(KV_ROWS_WRITER_ENV, "auto").strip().lower() or "auto"
-    if mode not in KV_ROWS_WRITERS:
-        raise InvalidArgumentError(
-            f"{KV_ROWS_WRITER_ENV}={mode!r} is not a KV rows writer; use one of {', '.join(KV_ROWS_WRITERS)}."
-        )
+    mode = _env.KV_ROWS_WRITER.get()
     if mode == "index_copy":
         return mode
     can = _torch_tpu_tensor(tensor) and _jax_importable()
