@@ -86,6 +86,10 @@ BENCHMARKS: dict[str, Benchmark] = {
             requires=(("ray", "pip install 'hf-tpu[ray]'"),),
         ),
         Benchmark(
+            "grammar_backends",
+            "structured output: llguidance vs xgrammar: compile, tokenizer prep, mask step at batch 1/32, footprint",
+        ),
+        Benchmark(
             "training",
             "training steps: eager vs compiled, buckets vs pad-to-longest: steps/s and compiles per step",
         ),
