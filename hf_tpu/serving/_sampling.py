@@ -356,6 +356,6 @@ def request_kwargs(sampling) -> dict:
     }  # fmt: skip
     if sampling.logit_bias:
         kwargs["logit_bias"] = dict(sampling.logit_bias)
-    if sampling.logprobs:
+    if sampling.scored:  # (best_of's ranking reads the chosen tokens' log-probabilities alone when not asked)
         kwargs["logprobs"] = int(sampling.top_logprobs)
     return kwargs
