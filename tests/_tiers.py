@@ -251,6 +251,12 @@ _slow(
     "test_a_short_soak_loses_nothing_compiles_nothing_and_keeps_the_queue_bounded",  # 39 s
 )
 _slow(
+    "serving/test_server.py",
+    "lm-eval's hf backend on the tpu device (generate's graphs compiled), beside its CPU run (core: the same "
+    "evaluation through local-completions against the server)",
+    "test_lm_eval_hf_backend_on_the_tpu_device_scores_as_on_cpu",  # 30 s
+)
+_slow(
     "serving/test_serving_compile_cache.py",
     "a second process on the compile cache, for the step graphs (core: "
     "tests/transformers/test_compile_cache.py's second process)",

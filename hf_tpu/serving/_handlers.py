@@ -8,7 +8,10 @@ replace how one request is run on the continuous batch of the model this process
 handler's ``served``, a :class:`hf_tpu.serving._app.ServedModel`, in place of transformers' model resolution): every
 choice of the request (``n``) is a request of upstream's manager (``n > 1``: upstream's forked children, the
 prompt's prefill shared), with the request's own sampling settings
-(:func:`hf_tpu.serving._openai.resolve`); ``stop`` strings are looked for on the host in the decoded text of each
+(:func:`hf_tpu.serving._openai.resolve`); completions' ``best_of`` above ``n`` runs ``best_of`` choices and answers
+the ``n`` with the highest cumulative log-probability; completions' ``prompt`` may be token ids (checked against the
+model's vocabulary) or a list of prompts, each then run as its own request of the batch, its choices numbered after
+the previous prompt's (vLLM's numbering); ``stop`` strings are looked for on the host in the decoded text of each
 choice (the choice is cancelled when one is found); ``finish_reason`` is ``"stop"`` for an end of sequence or a
 stop string and ``"length"`` when ``max_tokens`` or the model's context ended the choice; log-probabilities come
 from the step's outputs (:mod:`hf_tpu.serving._sampling`); completions' ``echo`` puts the prompt's text (and, with
@@ -56,6 +59,8 @@ def _request_kwargs(cb, sampling: Sampling) -> dict[str, Any]:
                                           "batching; send temperature 0")  # fmt: skip
     if sampling.logprobs:
         raise RequestError("logprobs", "logprobs need hf_tpu's row sampling, off with async batching")
+    if sampling.scored:
+        raise RequestError("best_of", "best_of above n needs hf_tpu's row sampling, off with async batching")
     for name in sampling.extra.get("penalties", ()):  # (the model's own defaults stay dropped, as upstream does)
         raise RequestError(name, f"{name} needs hf_tpu's row sampling, off with async batching; leave it out")
     return {}
@@ -93,7 +98,7 @@ class _Choice:
         longest = max((len(s) for s in sampling.stop), default=0)
         for k, token in enumerate(new):
             self.tokens.append(token)
-            if sampling.logprobs and len(output.logprobs) > len(self.logprobs):
+            if sampling.scored and len(output.logprobs) > len(self.logprobs):
                 self.logprobs.append(output.logprobs[len(self.logprobs)])
             piece = self.decoder.step(self.tokenizer, token) or ""
             start = max(len(self.text) - longest + 1, 0)
@@ -136,19 +141,20 @@ class _Run:
                  stream: bool) -> None:  # fmt: skip
         self.cb, self.input_ids, self.sampling, self.metrics = cb, input_ids, sampling, metrics
         # Outputs per token when they are streamed, cut at a stop string or split in choices; else only the last.
-        self.per_token = stream or bool(sampling.stop) or sampling.n > 1
+        self.per_token = stream or bool(sampling.stop) or sampling.best_of > 1
         self.tokenizer = getattr(processor, "tokenizer", processor)
         from hf_tpu.serving._guard import ARRIVAL
         from hf_tpu.serving.metrics import HANDLED
 
         self.base_id = f"{HANDLED}{uuid.uuid4().hex}"
-        self.ids = child_ids(self.base_id, sampling.n)
+        self.ids = child_ids(self.base_id, sampling.best_of)
         rust = self.tokenizer._tokenizer
         self.choices = [_Choice(i, cb_id, rust, skip_special) for i, cb_id in enumerate(self.ids)]
         self.queue: asyncio.Queue = asyncio.Queue()
         eos = sampling.eos_token_id
         self.eos = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
         self.arrival = ARRIVAL.get(time.perf_counter())
+        self.echo = None  # with echo: the prompt's (text, logprobs record per token or None)
 
     def submit(self) -> None:
         """Register a handler per choice, then add the request (``n`` choices) to the manager."""
@@ -160,7 +166,7 @@ class _Run:
             self.metrics.arrived(self.base_id, self.arrival)
         try:
             self.cb.add_request(
-                self.input_ids, request_id=self.base_id, max_new_tokens=s.max_tokens, num_choices=s.n,
+                self.input_ids, request_id=self.base_id, max_new_tokens=s.max_tokens, num_choices=s.best_of,
                 streaming=self.per_token, eos_token_id=-1 if not self.eos else list(self.eos),
                 **kwargs,
             )  # fmt: skip
@@ -203,9 +209,15 @@ class _Run:
             self.metrics.left(self.base_id)
 
     def usage(self) -> dict:
-        completion = sum(len(c.tokens) for c in self.choices)
-        prompt = len(self.input_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return _usage([self])
+
+    def best(self) -> list[_Choice]:
+        """The choices answered: all of them, or with ``best_of`` above ``n`` the ``n`` with the highest cumulative
+        log-probability (of the raw model distribution, as the logprobs returned), highest first."""
+        s = self.sampling
+        if s.best_of <= s.n:
+            return self.choices
+        return sorted(self.choices, key=lambda c: -sum(record[0] for record in c.logprobs))[: s.n]
 
     def error(self) -> str | None:
         return next((c.error for c in self.choices if c.error is not None), None)
@@ -225,6 +237,13 @@ class _Upstream:
 
     def finish(self) -> list:
         return []
+
+
+def _usage(runs: list[_Run]) -> dict:
+    """Usage of one request's runs (one per prompt): every generated token counts, ``best_of``'s unreturned too."""
+    completion = sum(len(c.tokens) for run in runs for c in run.choices)
+    prompt = sum(len(run.input_ids) for run in runs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class _Tokens:
@@ -277,52 +296,62 @@ class _Answer:
 
         from hf_tpu.serving._app import BatchDiedError
         from hf_tpu.serving._guard import PromptTooLongError
+        from hf_tpu.serving._penalties import vocab_of
 
         h = self.handler
         served = h.served  # (hf_tpu.serving._app.ServedModel: the model of this process, not upstream's manager)
         served.check_alive(self.request_id)
         model_id, model, processor, cb = served.name, served.model, served.processor, served.cb
         self.model_id, self.model, self.processor = model_id, model, processor
-        input_ids = self._prompt_ids(processor)
         sampling = resolve(self.path, self.body, model.generation_config)
-        from hf_tpu.serving._penalties import vocab_of
-
-        check_vocab(self.body, vocab_of(model))
+        vocab = vocab_of(model)
+        check_vocab(self.body, vocab)
+        prompts = self._prompts(processor, vocab)  # [(text, token ids)]: one, or completions' list of prompts
         self.plan = self._plan(processor, model) if self.chat else _tools.Plan()
         if self.plan.grammar is not None:  # a forced tool call (the protocol refused it beside a response_format)
             sampling.grammar, sampling.extra["grammar_field"] = self.plan.grammar, "tool_choice"
-        self.parser = self._parser(processor, model, input_ids) if self.plan.upstream else None
+        self.parser = self._parser(processor, model, prompts[0][1]) if self.plan.upstream else None
         self.name, self.created = _Tokens(getattr(processor, "tokenizer", processor)), int(time.time())
-        self.echo = None  # with echo: the prompt's (text, logprobs record per token or None)
-        if not self.chat and self.body.get("echo"):
-            self._check_echo(model, input_ids)
-            if sampling.max_tokens == 0:  # the prompt alone: nothing joins the continuous batch
-                await self._echo(model, input_ids, sampling)
-                return JSONResponse(self._prompt_only(input_ids, sampling))
+        echo = not self.chat and bool(self.body.get("echo"))
+        if echo:
+            for _, ids in prompts:
+                self._check_echo(model, ids)
+            if sampling.max_tokens == 0:  # the prompts alone: nothing joins the continuous batch
+                echoes = [await self._echo(model, text, ids, sampling) for text, ids in prompts]
+                return JSONResponse(self._prompt_only(prompts, echoes, sampling))
         if sampling.grammar is not None:
             self._constrain(cb, processor, model, sampling)
-        run = _Run(cb, input_ids, sampling, processor, h.metrics, skip_special=self.plan.skip_special,
-                   stream=bool(self.body.get("stream")))
+        runs: list[_Run] = []
         try:
-            run.submit()
-        except PromptTooLongError as exc:
-            raise RequestError("messages" if self.chat else "prompt", str(exc)) from None
-        if self.body.get("stream"):
-            return StreamingResponse(self._stream(run), media_type="text/event-stream")
+            for _, ids in prompts:
+                runs.append(_Run(cb, ids, sampling, processor, h.metrics, skip_special=self.plan.skip_special,
+                                 stream=bool(self.body.get("stream"))))  # fmt: skip
+                runs[-1].submit()
+        except BaseException as exc:
+            for run in runs:
+                run.close()
+            if isinstance(exc, PromptTooLongError):
+                raise RequestError("messages" if self.chat else "prompt", str(exc)) from None
+            raise
+        if self.body.get("stream"):  # (one prompt: a list of prompts is not streamed, protocol.CompletionRequest)
+            return StreamingResponse(self._stream(runs[0]), media_type="text/event-stream")
         try:
-            if not self.chat and self.body.get("echo"):  # (the prompt's forward while the batch generates)
-                await self._echo(model, input_ids, sampling)
-            while not run.done:
-                await run.step()
+            if echo:  # (the prompts' forwards while the batch generates)
+                for run, (text, ids) in zip(runs, prompts):
+                    run.echo = await self._echo(model, text, ids, sampling)
+            for run in runs:
+                while not run.done:
+                    await run.step()
         finally:
-            run.close()
-        failure = run.error()
+            for run in runs:
+                run.close()
+        failure = next((f for f in (run.error() for run in runs) if f is not None), None)
         if failure is not None:
             if cb.background_thread_status.fatal_error is not None:
                 raise BatchDiedError(f"the continuous batch died during request {self.request_id}: {failure}")
             return JSONResponse({"error": {"message": f"generation failed: {failure}", "type": "server_error",
                                            "param": None, "code": 500}}, status_code=500)  # fmt: skip
-        return JSONResponse(self._whole(run))
+        return JSONResponse(self._whole(runs[0]) if self.chat else self._whole_texts(runs))
 
     def _constrain(self, cb, processor, model, sampling: Sampling) -> None:
         """Check the request's grammar against the model's tokenizer (a 400 naming its field when llguidance cannot
@@ -338,10 +367,30 @@ class _Answer:
         except InvalidArgumentError as exc:
             raise RequestError(field, str(exc)) from None
 
-    def _prompt_ids(self, processor) -> list[int]:
-        if not self.chat:
-            tokenizer = getattr(processor, "tokenizer", processor)
-            return list(tokenizer(self.body["prompt"])["input_ids"])
+    def _prompts(self, processor, vocab: int) -> list[tuple[str, list[int]]]:
+        """``(text, token ids)`` of each prompt of the request: the chat template's, or completions' ``prompt`` (a
+        text or token ids, or a list of either; token ids are checked against the model's ``vocab`` and their text
+        is their decoding)."""
+        tokenizer = getattr(processor, "tokenizer", processor)
+        if self.chat:
+            return [("", self._chat_ids(processor))]
+        prompt = self.body["prompt"]
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for k, item in enumerate(prompt):
+            if isinstance(item, str):
+                out.append((item, list(tokenizer(item)["input_ids"])))
+                continue
+            past = [t for t in item if t >= vocab]
+            if past:
+                where = "prompt" if len(prompt) == 1 else f"prompt[{k}]"
+                raise RequestError(where, f"{where} has token id {past[0]}, past the model's vocabulary of {vocab} "
+                                          f"(ids 0 to {vocab - 1})")  # fmt: skip
+            out.append((tokenizer.decode(item, skip_special_tokens=True), list(item)))
+        return out
+
+    def _chat_ids(self, processor) -> list[int]:
         from transformers.cli.serving.utils import Modality
 
         h = self.handler
@@ -368,17 +417,17 @@ class _Answer:
             raise RequestError("echo", "echo with logprobs (the prompt's logprobs) is not supported under --tp; "
                                        "leave echo or logprobs out")  # fmt: skip
 
-    async def _echo(self, model, input_ids: list[int], sampling: Sampling) -> None:
-        """``self.echo``: the prompt's text and, with ``logprobs``, its tokens' records (one forward of the model
-        over the prompt, :func:`hf_tpu.serving._prompt_logprobs.prompt_logprobs`, in a worker thread)."""
+    async def _echo(self, model, text: str, input_ids: list[int], sampling: Sampling) -> tuple:
+        """A prompt's echo: its text and, with ``logprobs``, its tokens' records (one forward of the model over the
+        prompt, :func:`hf_tpu.serving._prompt_logprobs.prompt_logprobs`, in a worker thread)."""
         records = None
         if sampling.logprobs:
             from hf_tpu.serving._prompt_logprobs import prompt_logprobs
 
             records = await asyncio.to_thread(prompt_logprobs, model, input_ids, sampling.top_logprobs)
-        self.echo = (self.body["prompt"], records)
+        return text, records
 
-    def _echo_logprobs(self, input_ids: list[int], top: int) -> dict:
+    def _echo_logprobs(self, input_ids: list[int], echo: tuple, top: int) -> dict:
         """The prompt's part of a choice's ``logprobs`` (OpenAI's legacy format): the first token's value and
         alternatives are null; ``text_offset`` from decoding the prompt's tokens one by one."""
         from tokenizers.decoders import DecodeStream
@@ -386,7 +435,7 @@ class _Answer:
         rust = self.name.tokenizer._tokenizer
         decoder, length = DecodeStream([], skip_special_tokens=True), 0
         tokens, values, tops, offsets = [], [], [], []
-        for token, record in zip(input_ids, self.echo[1]):
+        for token, record in zip(input_ids, echo[1]):
             tokens.append(self.name(token))
             offsets.append(length)
             length += len(decoder.step(rust, token) or "")
@@ -398,13 +447,16 @@ class _Answer:
             tops.append({self.name(t): lp for t, lp in record[1][:top]} if top else None)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
-    def _prompt_only(self, input_ids: list[int], sampling: Sampling) -> dict:
-        """The answer to an echo with ``max_tokens`` 0: each choice the prompt (and its logprobs), ``"length"``."""
-        logprobs = self._echo_logprobs(input_ids, sampling.top_logprobs) if sampling.logprobs else None
-        text = self.echo[0] + (self.body.get("suffix") or "")
-        choices = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": "length"}
-                   for i in range(sampling.n)]  # fmt: skip
-        usage = {"prompt_tokens": len(input_ids), "completion_tokens": 0, "total_tokens": len(input_ids)}
+    def _prompt_only(self, prompts: list[tuple[str, list[int]]], echoes: list[tuple], sampling: Sampling) -> dict:
+        """The answer to an echo with ``max_tokens`` 0: each choice its prompt (and its logprobs), ``"length"``."""
+        choices = []
+        for k, ((_, ids), echo) in enumerate(zip(prompts, echoes)):
+            logprobs = self._echo_logprobs(ids, echo, sampling.top_logprobs) if sampling.logprobs else None
+            text = echo[0] + (self.body.get("suffix") or "")
+            choices += [{"index": k * sampling.n + i, "text": text, "logprobs": logprobs, "finish_reason": "length"}
+                        for i in range(sampling.n)]  # fmt: skip
+        prompt = sum(len(ids) for _, ids in prompts)
+        usage = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
         return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model_id,
                 "choices": choices, "usage": usage}  # fmt: skip
 
@@ -441,11 +493,18 @@ class _Answer:
 
     def _whole(self, run: _Run) -> dict:
         choices = [self._whole_choice(run, c) for c in run.choices]
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model_id,
+        return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model_id,
                 "choices": choices, "usage": run.usage()}  # fmt: skip
 
-    def _whole_choice(self, run: _Run, c: _Choice) -> dict:
+    def _whole_texts(self, runs: list[_Run]) -> dict:
+        """A completions answer: each prompt's choices (``best_of``'s best), numbered across the prompts."""
+        n = runs[0].sampling.n
+        choices = [self._whole_choice(run, c, k * n + i) for k, run in enumerate(runs)
+                   for i, c in enumerate(run.best())]  # fmt: skip
+        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model_id,
+                "choices": choices, "usage": _usage(runs)}  # fmt: skip
+
+    def _whole_choice(self, run: _Run, c: _Choice, index: int | None = None) -> dict:
         s = run.sampling
         parsed = self.parser is not None or self.plan.fmt is not None
         text = c.text if (s.stop or parsed) else self._decoded(run, c)
@@ -453,16 +512,16 @@ class _Answer:
         if not self.chat:
             if s.logprobs:
                 logprobs = _text_logprobs(c, 0, len(c.tokens), self.name, s.top_logprobs)
-            if self.echo is not None:  # the prompt's text and logprobs first, the generated offsets after its text
-                prompt = self.echo[0]
+            if run.echo is not None:  # the prompt's text and logprobs first, the generated offsets after its text
+                prompt = run.echo[0]
                 text = prompt + text
                 if logprobs is not None:
                     shifted = [len(prompt) + k for k in logprobs["text_offset"]]
-                    before = self._echo_logprobs(run.input_ids, s.top_logprobs)
+                    before = self._echo_logprobs(run.input_ids, run.echo, s.top_logprobs)
                     logprobs = {key: before[key] + logprobs[key] for key in before}
                     logprobs["text_offset"] = before["text_offset"] + shifted
             suffix = self.body.get("suffix")
-            return {"index": c.index, "text": text + (suffix or ""), "logprobs": logprobs,
+            return {"index": c.index if index is None else index, "text": text + (suffix or ""), "logprobs": logprobs,
                     "finish_reason": c.finish_reason}  # fmt: skip
         if s.logprobs:
             logprobs = _chat_logprobs(c, 0, len(c.tokens), self.name, s.top_logprobs)

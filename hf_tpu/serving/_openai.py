@@ -63,6 +63,8 @@ class Sampling:
     seed per request. ``max_tokens``: the request's, else the base config's ``max_new_tokens``; None: up to the
     model's context. ``eos_token_id`` None: no end of sequence.
     ``logprobs``: return the chosen token's log-probability; ``top_logprobs``: and that many alternatives.
+    ``best_of`` (at least ``n``): how many choices are generated, the ``n`` of them with the highest cumulative
+    log-probability returned (completions' ``best_of``).
     ``repetition_penalty`` (the base config's when the request has none), ``presence_penalty``,
     ``frequency_penalty``, ``logit_bias`` (token id -> bias), ``min_tokens``: neutral at 1, 0, 0, ``{}``, 0.
     ``grammar``: an llguidance grammar (``llguidance.LLMatcher.grammar_from_lark``'s or ``grammar_from_json_schema``'s
@@ -76,6 +78,7 @@ class Sampling:
     min_p: float = 0.0
     seed: int | None = None
     n: int = 1
+    best_of: int = 1
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
@@ -93,6 +96,11 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def scored(self) -> bool:
+        """Whether the generated tokens' log-probabilities are read back: asked for, or ranking ``best_of``."""
+        return self.logprobs or self.best_of > self.n
 
 
 def _asked_penalties(body: dict) -> tuple[str, ...]:
@@ -155,6 +163,7 @@ def resolve(path: str, body: dict, model_config) -> Sampling:
         min_p=float(_positive(body.get("min_p"), _positive(base.min_p, 0.0))),
         seed=body.get("seed"),
         n=int(body.get("n") or 1),
+        best_of=int(body.get("best_of") or body.get("n") or 1),
         stop=stop,
         logprobs=logprobs,
         top_logprobs=top_logprobs,

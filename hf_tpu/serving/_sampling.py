@@ -370,7 +370,7 @@ def request_kwargs(sampling) -> dict:
     }  # fmt: skip
     if sampling.logit_bias:
         kwargs["logit_bias"] = dict(sampling.logit_bias)
-    if sampling.logprobs:
+    if sampling.scored:  # (best_of's ranking reads the chosen tokens' log-probabilities alone when not asked)
         kwargs["logprobs"] = int(sampling.top_logprobs)
     if sampling.grammar is not None:
         kwargs["grammar"] = sampling.grammar

@@ -9,12 +9,13 @@ What passes cannot fail the compiled step: each numeric field is bounded by what
 vLLM bounds it), strings are strings, lists are lists of what the handler reads. Fields are:
 
 * honoured: OpenAI's sampling fields, ``stop``, ``n``, ``logprobs``, completions' ``echo`` (not streamed; with
-  ``logprobs``, the prompt's too; ``max_tokens`` 0 only with it), ``tools`` (rendered by the chat template), chat's
-  ``tool_choice`` and ``parallel_tool_calls`` (:mod:`hf_tpu.serving._tools`), ``response_format`` and vLLM's
-  ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``/``structured_outputs`` (structured output,
-  :mod:`hf_tpu.serving._grammar`), the penalties, ``logit_bias``, ``seed``, ``stream``/``stream_options``, and
-  vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``chat_template_kwargs``
-  (and transformers' ``generation_config``);
+  ``logprobs``, the prompt's too; ``max_tokens`` 0 only with it), completions' ``prompt`` as a text, token ids or
+  a list of either (a list not streamed) and ``best_of`` (not streamed above ``n``), ``tools`` (rendered by the
+  chat template), chat's ``tool_choice`` and ``parallel_tool_calls`` (:mod:`hf_tpu.serving._tools`),
+  ``response_format`` and vLLM's ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``/
+  ``structured_outputs`` (structured output, :mod:`hf_tpu.serving._grammar`), the penalties, ``logit_bias``,
+  ``seed``, ``stream``/``stream_options``, and vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+  ``ignore_eos``, ``chat_template_kwargs`` (and transformers' ``generation_config``);
 * accepted with no effect on the text (``user``, ``metadata``, ``store``, ...);
 * refused with a 400 saying so unless at their neutral value: OpenAI's fields this server does not implement
   (``audio``, ...) and every other field vLLM accepts (``use_beam_search``, ``stop_token_ids``, ``structural_tag``,
@@ -386,7 +387,10 @@ class ChatRequest(_Text):
 class CompletionRequest(_Text):
     """``POST /v1/completions``."""
 
-    prompt: Text
+    # a text, a list of texts, a prompt as token ids, or a list of those (vLLM's four forms; each prompt is run
+    # on its own, its choices numbered after the previous prompt's); ids past the vocabulary: refused by the handler
+    prompt: (Text | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: Annotated[int, Field(le=INT32_MAX)] | None = None  # at least 1; 0 with echo (checked below)
     suffix: str | None = None
     logprobs: Count | None = None
@@ -396,9 +400,21 @@ class CompletionRequest(_Text):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value):
-        if isinstance(value, list):
-            raise InvalidArgumentError("must be a string (lists of prompts and token ids are not supported)")
+    def _prompt_form(cls, value):
+        if isinstance(value, list) and value:
+            kinds = {"token id" if type(v) is int else type(v).__name__ for v in value}
+            if len(kinds) > 1 or kinds - {"str", "token id", "list"}:
+                raise InvalidArgumentError("must be a text, a list of texts, a list of token ids or a list of lists "
+                                           f"of token ids, got a list of {' and '.join(sorted(kinds))}")  # fmt: skip
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value, info: ValidationInfo):
+        top = _limits(info).max_n
+        if value is not None and value > top:
+            raise InvalidArgumentError(f"must be at most {top} (the server's --max-n: best_of sequences are "
+                                       "generated)")  # fmt: skip
         return value
 
     @field_validator("logprobs")
@@ -411,9 +427,14 @@ class CompletionRequest(_Text):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            raise _Unsupported("best_of", "best_of is not supported by hf-tpu serve (only best_of equal to n); "
-                                          "leave it out")  # fmt: skip
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise _Unsupported("best_of", f"best_of ({self.best_of}) must be at least n ({self.n or 1})")
+        if self.best_of is not None and self.best_of > (self.n or 1) and self.stream:
+            raise _Unsupported("best_of", "best_of greater than n is not supported with stream: true (the best "
+                                          "choices are known once all have ended); send stream: false")  # fmt: skip
+        if self.stream and isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            raise _Unsupported("prompt", "a list of prompts is not supported with stream: true by hf-tpu serve; send "
+                                         "one prompt per request, or stream: false")  # fmt: skip
         if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
             raise _Unsupported("max_tokens", f"max_tokens must be at least 1 (0 only with echo: true, which returns "
                                              f"the prompt and its logprobs alone), got {self.max_tokens}")  # fmt: skip

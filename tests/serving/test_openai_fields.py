@@ -84,10 +84,15 @@ def test_a_wrong_chat_field_is_named(body, param):
     [
         ({}, "prompt"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", 1]}, "prompt"),
+        ({"prompt": [[1], []]}, "prompt[1]"),
+        ({"prompt": [5, -1]}, "prompt[1]"),
+        ({"prompt": [True]}, "prompt"),
+        ({"prompt": ["a", "b"], "stream": True}, "prompt"),
         ({"prompt": "x", "logprobs": 6}, "logprobs"),
         ({"prompt": "x", "logprobs": True}, "logprobs"),
-        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
+        ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
         ({"prompt": "x", "echo": True, "stream": True}, "echo"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
@@ -102,6 +107,7 @@ def test_limits_are_the_servers():
     assert refused(CHAT, {"messages": HI, "n": 3}, Limits(max_n=2)).param == "n"
     check(CHAT, {"messages": HI, "n": 3}, Limits(max_n=3))
     assert "--max-logprobs" in refused(COMPLETIONS, {"prompt": "x", "logprobs": 3}, Limits(max_logprobs=2)).message
+    assert "--max-n" in refused(COMPLETIONS, {"prompt": "x", "best_of": 3}, Limits(max_n=2)).message
 
 
 def test_valid_bodies_pass():
@@ -113,6 +119,10 @@ def test_valid_bodies_pass():
                  "min_tokens": 8})  # fmt: skip
     check(COMPLETIONS, {"prompt": "x", "logprobs": 0, "stop": "\n", "best_of": 1, "echo": False, "suffix": "!"})
     check(COMPLETIONS, {"prompt": "x", "logprobs": 1, "echo": True, "max_tokens": 0})
+    for prompt in (["a", "b"], [1, 2, 3], [[1, 2], [3]]):
+        check(COMPLETIONS, {"prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 1})
+    check(COMPLETIONS, {"prompt": [1, 2], "stream": True})
+    check(COMPLETIONS, {"prompt": "x", "best_of": 3, "n": 2, "seed": 1})
     check(COMPLETIONS, {"prompt": "x", "generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})})
 
 
@@ -127,6 +137,10 @@ def test_resolve_takes_the_request_else_the_model():
     assert (s.temperature, s.top_p, s.logprobs, s.top_logprobs, s.eos_token_id) == (0.8, 0.95, True, 2, None)
     s = resolve(COMPLETIONS, {"prompt": "x", "top_k": -1}, GenerationConfig(do_sample=True))
     assert (s.temperature, s.top_k, s.max_tokens) == (1.0, 0, None)
+    s = resolve(COMPLETIONS, {"prompt": "x", "n": 2, "best_of": 3}, model)
+    assert (s.n, s.best_of, s.logprobs, s.scored) == (2, 3, False, True)  # best_of ranks on the chosen logprobs
+    s = resolve(COMPLETIONS, {"prompt": "x", "n": 2}, model)
+    assert (s.n, s.best_of, s.scored) == (2, 2, False)
 
 
 def test_penalties_resolve_from_the_request_else_the_model():

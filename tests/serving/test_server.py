@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import socket
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import openai
 import pytest
@@ -583,7 +585,8 @@ def test_echo_bad_combinations_name_the_field(server):
         ({"max_tokens": -1, "echo": True}, "max_tokens"),
         ({"echo": True, "stream": True, "max_tokens": 0}, "echo"),
         ({"echo": True, "max_tokens": 0, "logprobs": 6}, "logprobs"),
-        ({"echo": True, "max_tokens": 0, "best_of": 2}, "best_of"),
+        ({"echo": True, "max_tokens": 0, "best_of": 2, "n": 3}, "best_of"),
+        ({"best_of": 3, "n": 2, "stream": True}, "best_of"),
         ({"echo": True, "max_tokens": 0, "logprobs": 1, "prompt": "the king " * 200}, "prompt"),
     ):  # fmt: skip
         status, answer, _ = server.post("/v1/completions", {"model": MODEL, "prompt": "x", **body})
@@ -637,6 +640,145 @@ def test_structured_output_equals_cpu_under_the_same_grammar(server, client, cpu
                         ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex")]:  # fmt: skip
         status, answer, _ = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, **body})
         assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_prompts_as_token_ids_and_lists_answer_as_their_texts(server, cpu):
+    """vLLM's prompt forms (what lm-eval's local-completions sends: token ids, several prompts in one request): each
+    prompt is run as its own, its choices numbered after the previous prompt's."""
+    texts = ["The king said", "O Romeo,"]
+    ids = [cpu.tok(t)["input_ids"] for t in texts]
+    greedy = {"model": MODEL, "max_tokens": 5, "temperature": 0, "n": 2}
+    by_text = [server.post("/v1/completions", {**greedy, "prompt": t})[1]["choices"][0]["text"] for t in texts]
+    assert by_text == [cpu(t, 5) for t in texts]
+    for prompt in (ids, texts):
+        status, body, _ = server.post("/v1/completions", {**greedy, "prompt": prompt})
+        assert status == 200, body
+        assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, by_text[0]), (1, by_text[0]),
+                                                                       (2, by_text[1]), (3, by_text[1])]  # fmt: skip
+        assert body["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])
+    status, body, _ = server.post("/v1/completions", {**greedy, "n": 1, "prompt": ids[1]})
+    assert [c["text"] for c in body["choices"]] == [by_text[1]]
+    echo = {"model": MODEL, "max_tokens": 0, "echo": True, "logprobs": 1}
+    by_ids = server.post("/v1/completions", {**echo, "prompt": ids})[1]["choices"]
+    for k, text in enumerate(texts):
+        alone = server.post("/v1/completions", {**echo, "prompt": text})[1]["choices"][0]
+        assert by_ids[k]["text"] == cpu.tok.decode(ids[k], skip_special_tokens=True)
+        assert by_ids[k]["logprobs"]["token_logprobs"] == alone["logprobs"]["token_logprobs"]
+    vocab = cpu.model.config.vocab_size
+    for prompt, param in (([5, vocab], "prompt"), ([[5], [6, vocab + 1]], "prompt[1]"), ([5, "x"], "prompt"),
+                          ([[]], "prompt[0]"), ([-1], "prompt[0]")):  # fmt: skip
+        status, body, _ = server.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+        assert status == 400 and body["error"]["param"] == param, (prompt, body)
+    status, body, _ = server.post("/v1/completions", {"model": MODEL, "prompt": texts, "stream": True})
+    assert status == 400 and body["error"]["param"] == "prompt", body
+
+
+def test_best_of_answers_the_n_most_likely_of_its_choices(server):
+    """A seeded request's choices are the same whether they are answered (n) or ranked (best_of): best_of answers the
+    n of them with the highest sum of the chosen tokens' logprobs, most likely first."""
+    body = {"model": MODEL, "prompt": "The king said", "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    status, every, _ = server.post("/v1/completions", {**body, "n": 4, "logprobs": 0})
+    assert status == 200, every
+    ranked = sorted(every["choices"], key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    assert len({c["text"] for c in ranked}) > 1  # (distinct choices: the ranking is a real choice)
+    for extra in ({}, {"logprobs": 0}):
+        status, best, _ = server.post("/v1/completions", {**body, "n": 2, "best_of": 4, **extra})
+        assert status == 200, best
+        assert [c["text"] for c in best["choices"]] == [c["text"] for c in ranked[:2]]
+        assert [c["index"] for c in best["choices"]] == [0, 1]
+        assert (best["choices"][0]["logprobs"] is None) == (not extra)
+        assert best["usage"]["completion_tokens"] == every["usage"]["completion_tokens"]  # all four were generated
+
+
+def _import_lm_eval() -> None:
+    """Import lm-eval (skip without it), keeping ``os.environ`` as it was (importing lm_eval and scikit-learn set
+    variables of their own)."""
+    with mock.patch.dict(os.environ):
+        pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'hf-tpu[eval]')")
+        import lm_eval.models.huggingface  # noqa: F401
+        import lm_eval.models.openai_completions  # noqa: F401
+        import lm_eval.tasks  # noqa: F401
+
+
+def _lm_eval_tasks(directory) -> list[str]:
+    """A multiple-choice task and a generate_until task of lm-eval over jsonl files in ``directory`` (nothing from
+    the Hub: lm-eval reads them with ``datasets``' json loader, its cache in ``directory`` too)."""
+    mc = [("The king said", [" to", " that", " my lord"], 0), ("O Romeo,", [" Romeo", " the king", " and"], 1),
+          ("My lord, the", [" king", " queen", " duke"], 2)]  # fmt: skip
+    gen = [("The king", "'st"), ("O Romeo", ","), ("Good morrow,", " my lord")]
+    rows = {"mc": [{"question": q, "choices": c, "answer": a} for q, c, a in mc],
+            "gen": [{"prompt": p, "target": t} for p, t in gen]}  # fmt: skip
+    for name, docs in rows.items():
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    common = ("dataset_path: json\ndataset_kwargs:\n  cache_dir: {dir}/cache\n  data_files:\n"
+              "    test: {dir}/{name}.jsonl\ntest_split: test\n")  # fmt: skip
+    (directory / "mc.yaml").write_text(
+        "task: hf_tpu_tiny_mc\n" + common.format(dir=directory, name="mc") + "output_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+    )  # fmt: skip
+    # max_gen_toks 48: the model's generation config sets max_new_tokens 48, which transformers' generate prefers to
+    # the max_length lm-eval's hf backend derives from max_gen_toks (so both backends generate up to 48 tokens)
+    (directory / "gen.yaml").write_text(
+        "task: hf_tpu_tiny_gen\n" + common.format(dir=directory, name="gen") + "output_type: generate_until\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{target}}"\n'
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 48\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )  # fmt: skip
+    return ["hf_tpu_tiny_mc", "hf_tpu_tiny_gen"]
+
+
+def _lm_eval(model, model_args: str, tasks: list[str], directory) -> tuple[dict, dict]:
+    """lm-eval's scores and its per-document answers (log-likelihoods, generated texts) for ``model``."""
+    with mock.patch.dict(os.environ):  # (importing lm_eval and scikit-learn sets variables of their own)
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+
+        out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks, batch_size=1,
+                                      log_samples=True, task_manager=TaskManager(include_path=str(directory)))
+    scores = {t: {k: float(v) for k, v in r.items() if k.endswith(",none")} for t, r in out["results"].items()}
+    answers = {t: [[r[0] for r in s["resps"]] for s in samples] for t, samples in out["samples"].items()}
+    return scores, answers
+
+
+def test_lm_eval_local_completions_scores_equal_its_hf_backend_on_cpu(server, tmp_path):
+    """lm-evaluation-harness 0.4.13's local-completions with its defaults (token-id prompts, echo with logprobs for
+    the log-likelihoods, stop strings and a seed for generate_until) against this server, and its hf backend on CPU:
+    the same scores, the same log-likelihood per choice (float32 on the simulated device at 'highest', as the
+    suite runs it), the same generated texts."""
+    _import_lm_eval()
+    path = default_model_path()
+    tasks = _lm_eval_tasks(tmp_path)
+    # add_bos_token: the hf backend encodes with the tokenizer's BOS, local-completions only when asked
+    api_args = (f"model={MODEL},base_url={server.url}/v1/completions,tokenizer={path},tokenizer_backend=huggingface,"
+                "max_length=256,add_bos_token=True,num_concurrent=1,max_retries=1")  # fmt: skip
+    served, served_answers = _lm_eval("local-completions", api_args, tasks, tmp_path)
+    cpu, cpu_answers = _lm_eval("hf", f"pretrained={path},device=cpu,max_length=256", tasks, tmp_path)
+    assert served == cpu
+    mc, gen = tasks
+    for got, want in zip(served_answers[mc], cpu_answers[mc]):
+        assert [g[1] for g in got] == [w[1] for w in want]  # is_greedy
+        assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-4)
+    assert served_answers[gen] == cpu_answers[gen] and any(a[0] for a in cpu_answers[gen])
+
+
+def test_lm_eval_hf_backend_on_the_tpu_device_scores_as_on_cpu(tmp_path):
+    """lm-eval 0.4.13's hf backend with the model on the (simulated) ``tpu`` device, hf_tpu enabled: its single-device
+    names are cuda, cpu, mps, npu, xpu and hpu (``device=tpu`` alone runs on CPU), so the model args route through
+    ``parallelize=True,device_map=tpu``, which places the model on ``tpu`` and sends the inputs there."""
+    _import_lm_eval()
+    from lm_eval.models.huggingface import HFLM
+
+    path = default_model_path()
+    tasks = _lm_eval_tasks(tmp_path)
+    lm = HFLM(pretrained=str(path), parallelize=True, device_map="tpu", device="tpu", max_length=256, batch_size=1)
+    assert lm.model.device.type == "tpu" and lm.device.type == "tpu"
+    on_tpu, tpu_answers = _lm_eval(lm, None, tasks, tmp_path)
+    cpu, cpu_answers = _lm_eval("hf", f"pretrained={path},device=cpu,max_length=256", tasks, tmp_path)
+    assert on_tpu == cpu
+    for got, want in zip(tpu_answers[tasks[0]], cpu_answers[tasks[0]]):
+        assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-4)
+    assert tpu_answers[tasks[1]] == cpu_answers[tasks[1]]
 
 
 def test_first_token_distribution_matches_cpu_warpers(server, client, cpu):
