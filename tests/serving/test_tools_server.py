@@ -80,6 +80,25 @@ def test_auto_is_the_reply_parsed_by_the_templates_format(served, cpu):
     assert choice.finish_reason == ("tool_calls" if calls else "length")
 
 
+def test_auto_returns_the_call_a_reply_holds(served):
+    """A reply that is a Hermes call (the tiny model made to write one by a grammar of the call's exact text, a vLLM
+    ``guided_regex`` beside ``tool_choice`` auto) comes back as OpenAI's ``tool_calls``, streamed or not."""
+    _, client, _ = served
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    regex = "".join("\\" + ch if ch in "{}[]().*+?|^$\\" else ch for ch in call)
+    forced = {"extra_body": {"guided_regex": regex}, "max_tokens": FORCED_TOKENS}
+    choice = _ask(client, tool_choice="auto", **forced).choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Rome"})]  # fmt: skip
+    calls, finish = [], None
+    for chunk in _ask(client, stream=True, **forced):
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+
+
 def test_auto_streamed_is_the_same_reply(served):
     _, client, _ = served
     whole = _ask(client).choices[0]
