@@ -2,8 +2,8 @@
 call adds to it.
 
 A graph key is ``(kind, batch, *shapes)`` (read by name through :class:`~hf_tpu.transformers._graph_specs.GraphKey`).
-The kind says which graph function runs (its :attr:`GraphKind.base`: ``"prefill"``, ``"decode"``, ``"beam_decode"``, ...) and what the call traced into it besides its shapes (its
-:attr:`GraphKind.variant`): the device sampling program (the logits processors and the sampler, in the order they
+The kind says which graph function runs (its :attr:`GraphKind.base`: ``"prefill"``, ``"decode"``, ``"beam_decode"``,
+...) and what the call traced into it besides its shapes (its :attr:`GraphKind.variant`): the device sampling program (the logits processors and the sampler, in the order they
 run, :mod:`hf_tpu.transformers.sampling`) and the features of the call (``"attentions"``, ``"token_type_ids"``,
 ``"mrope"``, beam search's shape, ...; a set: their order means nothing).
 
@@ -150,7 +150,8 @@ NO_VARIANT = Variant()
 class GraphKind:
     """The kind of a compiled generation graph: ``base``, the graph function (its registered
     :class:`~hf_tpu.transformers._graph_specs.GraphSpec`'s base), and the call's :class:`Variant`. Hashable, equal
-    when base and variant are; ``str()`` (and :attr:`name`) is the name hf_tpu shows and stores (``"decode+top_k+sample"``).
+    when base and variant are; ``str()`` (and :attr:`name`) is the name hf_tpu shows and stores
+    (``"decode+top_k+sample"``).
 
     Args:
         base: the graph function's name.
