@@ -3,9 +3,10 @@ call adds to it.
 
 A graph key is ``(kind, batch, *shapes)`` (read by name through :class:`~hf_tpu.transformers._graph_specs.GraphKey`).
 The kind says which graph function runs (its :attr:`GraphKind.base`: ``"prefill"``, ``"decode"``, ``"beam_decode"``,
-...) and what the call traced into it besides its shapes (its :attr:`GraphKind.variant`): the device sampling program (the logits processors and the sampler, in the order they
-run, :mod:`hf_tpu.transformers.sampling`) and the features of the call (``"attentions"``, ``"token_type_ids"``,
-``"mrope"``, beam search's shape, ...; a set: their order means nothing).
+...) and what the call traced into it besides its shapes (its :attr:`GraphKind.variant`): the device sampling program
+(the logits processors and the sampler, in the order they run, :mod:`hf_tpu.transformers.sampling`) and the features
+of the call (``"attentions"``, ``"token_type_ids"``, ``"mrope"``, beam search's shape, ...; a set: their order means
+nothing).
 
 Its text, ``str(kind)`` (``"decode+temperature+top_k+sample+attentions"``), is what hf_tpu shows and stores: in
 :func:`~hf_tpu.transformers.compiled_graphs`, warm-up reports, the names of graphs in the persistent compile cache and
