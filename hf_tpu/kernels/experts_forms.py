@@ -26,6 +26,11 @@ among :data:`DEFAULT_FORMS` (what torch_tpu lowers with the graph, so ``hf-tpu p
 MoE on torch_tpu left at transformers' default the latter on a TPU VM (the kernel's forms run inside torch_tpu's
 compiled graphs there: checked on a v5e with torch_tpu itself, docs/planning.md) and the former where the kernel cannot
 run (a process lowering for ``hf-tpu plan`` without a chip: ``jax_op`` asks for the chip's client while lowering).
+
+The choice is :data:`KERNEL_FORM` in hf_tpu's kernel forms (:mod:`hf_tpu.kernels.forms`): its forms, those that can
+run here (:func:`available_forms`), the measured table, the override ``HF_TPU_MEASURED_EXPERTS`` (and per model
+``model._hf_tpu_keep_experts`` or an ``experts_implementation`` asked for); each graph's choice goes through
+:func:`hf_tpu.kernels.forms.choose_form`.
 """
 
 from __future__ import annotations
@@ -39,16 +44,19 @@ from typing import Any
 
 from hf_tpu import _env
 from hf_tpu.errors import InvalidArgumentError
+from hf_tpu.kernels.forms import KernelForm, choose_form, kernel_form
 
 __all__ = [
     "FORMS",
     "DEFAULT_FORMS",
+    "KERNEL_FORM",
     "MARGIN",
     "MAX_SLOTS",
     "MEASURED_KERNELS_NAME",
     "MEASURED_ENV",
     "MEASURED_NAME",
     "TORCH_FORMS",
+    "available_forms",
     "choose",
     "dense_experts_forward",
     "load_kernel_forms",
@@ -262,7 +270,8 @@ def _layer_shape(module) -> tuple[int, int, int]:
 
 
 def _choice(hidden: int, intermediate: int, experts: int, top_k: int, tokens: int, forms: tuple[str, ...]) -> str:
-    return choose(hidden, intermediate, experts, top_k, tokens, forms=forms)
+    return choose_form("experts", hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
+                       tokens=tokens, forms=forms)  # fmt: skip
 
 
 def _constant_choice(*args) -> str:
@@ -276,6 +285,7 @@ def _constant_choice_wrapper():
     import torch
 
     global _CONSTANT_CHOICE
+    kernel_form("experts")  # (the registry read here, outside any trace: the first read imports the forms)
     if _CONSTANT_CHOICE is None:
         _CONSTANT_CHOICE = torch.compiler.assume_constant_result(_choice)
     return _CONSTANT_CHOICE
@@ -349,6 +359,35 @@ def register_named(name: str) -> None:
 MEASURED_ENV = _env.MEASURED_EXPERTS.name
 
 
+def available_forms() -> tuple[str, ...]:
+    """The experts forms that can run in this process: every form (:data:`FORMS`) on TPU chips with what the Hub
+    kernel needs (``jax`` and ``kernels`` importable), else :data:`DEFAULT_FORMS` (no chip: ``jax_op`` cannot lower
+    the kernel for ``hf-tpu plan``, and nothing runs it)."""
+    import importlib.util
+
+    from hf_tpu import runtime
+
+    if runtime.detect().mode != "real":
+        return DEFAULT_FORMS
+    if importlib.util.find_spec("jax") is None or importlib.util.find_spec("kernels") is None:
+        return DEFAULT_FORMS  # the kernel's forms need both (pip install 'hf-tpu[tpu]')
+    return FORMS
+
+
+def _pick(override: str, **shape: Any) -> str:
+    """The form for one layer shape and token count (:func:`choose`; the override chose the implementation, and so
+    the ``forms`` in ``shape``, before any graph)."""
+    return choose(**shape)
+
+
+#: The experts' kernel form: the measured-fastest per layer shape and token count, from the shipped table.
+KERNEL_FORM = KernelForm(
+    "experts", FORMS, "a MoE layer's experts", override=_env.MEASURED_EXPERTS, table=measured_table,
+    available=available_forms, pick=_pick,
+    per_model="model._hf_tpu_keep_experts = True, or an experts_implementation asked for, keeps the model's own",
+)  # fmt: skip
+
+
 def measured_name() -> str:
     """The measured implementation :func:`prefer_measured` gives a model here: ``"hf_tpu_measured_kernels"`` (every
     form, the Hub kernel's included) in a process running on TPU chips with what the kernel needs (``jax`` and
@@ -358,18 +397,10 @@ def measured_name() -> str:
     Raises:
         ValueError (InvalidArgumentError): ``HF_TPU_MEASURED_EXPERTS`` is not ``auto``, ``1``, ``torch`` or ``0``.
     """
-    import importlib.util
-
     value = _env.MEASURED_EXPERTS.get()  # (a value it does not take raises, naming the ones it does)
     if value == "torch":
         return MEASURED_NAME
-    from hf_tpu import runtime
-
-    if runtime.detect().mode != "real":
-        return MEASURED_NAME  # no chip: jax_op cannot lower the kernel (hf-tpu plan), and nothing runs it
-    if importlib.util.find_spec("jax") is None or importlib.util.find_spec("kernels") is None:
-        return MEASURED_NAME  # the kernel's forms need both (pip install 'hf-tpu[tpu]')
-    return MEASURED_KERNELS_NAME
+    return MEASURED_KERNELS_NAME if set(KERNEL_FORMS) <= set(KERNEL_FORM.usable()) else MEASURED_NAME
 
 
 def prefer_measured(model) -> bool:

@@ -15,11 +15,14 @@ __all__ = ["build_deferred", "label", "lower_generate", "weight_bytes"]
 def label(key: tuple, decodes: int = 1) -> str:
     """A program's name from its graph key (its kind a :class:`~hf_tpu.transformers._graph_key.GraphKind`):
     ``prefill-2048``, ``decode`` (``decode-2304`` when there are several)."""
-    base = key[0].base
+    from hf_tpu.transformers._graph_specs import GraphKey
+
+    key = GraphKey.of(key)
+    base = key.kind.base
     if base == "prefill":
-        return f"prefill-{key[2]}"
+        return f"prefill-{key.dim('prompt bucket')}"
     if base == "decode":
-        return "decode" if decodes == 1 else f"decode-{key[2]}"
+        return "decode" if decodes == 1 else f"decode-{key.dim('cache bucket')}"
     return "-".join(str(k) for k in key)
 
 
@@ -233,7 +236,7 @@ def lower_generate(
             num_beams=num_beams, **extra,
         )  # fmt: skip
     keys = gen.model_state(built).compile_log  # (the keys as built: compiled_graphs gives them as text)
-    decodes = sum(1 for k in keys if k[0].base == "decode")
+    decodes = sum(1 for k in keys if k.kind.base == "decode")
     info["labels"] = [label(k, decodes) for k in keys]
     info["graph_keys"] = [list(public_key(k)) for k in keys]
     sizes = gen.cache_bytes(built)

@@ -18,7 +18,8 @@ other devices) goes to upstream's ``sdpa_attention_forward`` unchanged.
 ``HF_TPU_DECODE_ATTENTION`` picks the form: ``grouped`` (the default), ``sdpa`` (upstream's call, torch_tpu's flash
 kernel with ``enable_gqa``) or ``packed`` (upstream's own one-token trick, ``pack_gqa``: the query heads of one KV head
 as the kernel's rows, which upstream skips while Dynamo compiles). The chip benchmark lowers each form
-(scripts/chip_bench.py); docs/planning.md has the figures.
+(scripts/chip_bench.py); docs/planning.md has the figures. The choice is :data:`KERNEL_FORM`, registered with
+hf_tpu's kernel forms (:mod:`hf_tpu.kernels.forms`).
 """
 
 from __future__ import annotations
@@ -28,16 +29,24 @@ import functools
 import torch
 
 from hf_tpu import _env
+from hf_tpu.kernels.forms import KernelForm, choose_form, kernel_form
 
-__all__ = ["FORMS", "apply", "decode_attention_form", "grouped_decode_attention"]
+__all__ = ["FORMS", "KERNEL_FORM", "apply", "decode_attention_form", "grouped_decode_attention"]
 
 FORMS = _env.DECODE_ATTENTION.choices
 ENV = _env.DECODE_ATTENTION.name
 
+#: The one-token attention's kernel form: the variable's choice, no measured table (each form is lowered and timed by
+#: scripts/chip_bench.py; the default is the one measured fastest, docs/planning.md).
+KERNEL_FORM = KernelForm(
+    "decode_attention", FORMS, "the one-token attention on a tpu device", override=_env.DECODE_ATTENTION,
+    unmeasured="one form for every shape, set by HF_TPU_DECODE_ATTENTION; scripts/chip_bench.py times each",
+)  # fmt: skip
+
 
 def decode_attention_form() -> str:
     """The one-token attention form in force (``HF_TPU_DECODE_ATTENTION``, ``grouped`` when unset)."""
-    return _env.DECODE_ATTENTION.get()
+    return choose_form("decode_attention")
 
 
 def grouped_decode_attention(
@@ -107,6 +116,7 @@ def apply(feature: str) -> None:
         return
     upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
     _check_version(feature, "transformers", ">=5.23,<6")
+    kernel_form("decode_attention")  # (the registry read here, outside any trace: the first read imports the forms)
 
     @functools.wraps(upstream)
     def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,

@@ -1,11 +1,12 @@
 """The kind of a compiled generation graph as a value: :class:`GraphKind`, its base graph and the :class:`Variant` a
 call adds to it.
 
-A graph key is ``(kind, batch, *shapes)``. The kind says which graph function runs (its :attr:`GraphKind.base`:
-``"prefill"``, ``"decode"``, ``"beam_decode"``, ...) and what the call traced into it besides its shapes (its
-:attr:`GraphKind.variant`): the device sampling program (the logits processors and the sampler, in the order they
-run, :mod:`hf_tpu.transformers.sampling`) and the features of the call (``"attentions"``, ``"token_type_ids"``,
-``"mrope"``, beam search's shape, ...; a set: their order means nothing).
+A graph key is ``(kind, batch, *shapes)`` (read by name through :class:`~hf_tpu.transformers._graph_specs.GraphKey`).
+The kind says which graph function runs (its :attr:`GraphKind.base`: ``"prefill"``, ``"decode"``, ``"beam_decode"``,
+...) and what the call traced into it besides its shapes (its :attr:`GraphKind.variant`): the device sampling program
+(the logits processors and the sampler, in the order they run, :mod:`hf_tpu.transformers.sampling`) and the features
+of the call (``"attentions"``, ``"token_type_ids"``, ``"mrope"``, beam search's shape, ...; a set: their order means
+nothing).
 
 Its text, ``str(kind)`` (``"decode+temperature+top_k+sample+attentions"``), is what hf_tpu shows and stores: in
 :func:`~hf_tpu.transformers.compiled_graphs`, warm-up reports, the names of graphs in the persistent compile cache and
@@ -148,9 +149,10 @@ NO_VARIANT = Variant()
 
 @dataclass(frozen=True, slots=True)
 class GraphKind:
-    """The kind of a compiled generation graph: ``base``, the graph function
-    (:data:`hf_tpu.transformers._graphs.GRAPHS`' key), and the call's :class:`Variant`. Hashable, equal when base
-    and variant are; ``str()`` (and :attr:`name`) is the name hf_tpu shows and stores (``"decode+top_k+sample"``).
+    """The kind of a compiled generation graph: ``base``, the graph function (its registered
+    :class:`~hf_tpu.transformers._graph_specs.GraphSpec`'s base), and the call's :class:`Variant`. Hashable, equal
+    when base and variant are; ``str()`` (and :attr:`name`) is the name hf_tpu shows and stores
+    (``"decode+top_k+sample"``).
 
     Args:
         base: the graph function's name.

@@ -1,10 +1,12 @@
 """The compiled graphs of the generation loop and the one place that runs them (:func:`run_graph`).
 
 Each graph kind (prefill, decode, encoder, seq2seq prefill/decode; with a device sampling plan, a variant of one)
-is its own top-level function, so that dynamo keeps one cache of compiled entries per kind. :func:`run_graph` runs the
-graph for one shape key: from the model's persistent compile cache when it has one (:mod:`hf_tpu.compile_cache`: loaded
-without tracing or compiling, or compiled ahead of time and stored), else through ``torch.compile``; in strict
-mode after warm-up it refuses a shape warm-up did not compile.
+is its own top-level function, so that dynamo keeps one cache of compiled entries per kind, registered here as a
+:class:`~hf_tpu.transformers._graph_specs.GraphSpec` (its body, its key's dims by name, what :func:`run_graph` does
+around it). :func:`run_graph` reads the spec, never the kind's name, and runs the graph for one shape key: from the
+model's persistent compile cache when it has one (:mod:`hf_tpu.compile_cache`: loaded without tracing or compiling,
+or compiled ahead of time and stored), else through ``torch.compile``; in strict mode after warm-up it refuses a shape
+warm-up did not compile.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from hf_tpu._torch_tpu import HOST_READ_REFUSED
 from hf_tpu.compile_cache import model_identity
 from hf_tpu.transformers import _beam_graphs
 from hf_tpu.transformers._graph_key import GraphKind, Variant, public_key
+from hf_tpu.transformers._graph_specs import GraphKey, GraphSpec, graph_spec, graph_specs, register_graph
 from hf_tpu.transformers._settings import (
     CACHED,
     CACHELESS,
@@ -307,29 +310,56 @@ def _cacheless_decode(model, ids, step, mask, positions, extra, sampling=None):
     return _cacheless_forward(model, ids, slot, mask, positions, extra, sampling)
 
 
-GRAPHS: dict[str, Callable] = {
-    "prefill": _decoder_prefill,
-    "embeds_prefill": _embeds_prefill,
-    "mm_prefill": _decoder_prefill,  # (the encoded images among its extra arguments: the forward merges them)
-    "vision": _vision,
-    "grid_vision": _grid_vision,
-    "positioned_vision": _positioned_vision,
-    "padded_vision": _padded_vision,
-    "decode": _decoder_decode,
-    "encoder": _encoder,
-    "features_encoder": _features_encoder,
-    "seq2seq_prefill": _seq2seq_prefill,
-    "seq2seq_decode": _seq2seq_decode,
-    "cacheless_prefill": _cacheless_prefill,
-    "cacheless_decode": _cacheless_decode,
+# The built-in graph kinds (hf_tpu.transformers._graph_specs: a new kind is one GraphSpec, registered once)
+_PREFILL = ("prompt bucket", "cache bucket")
+_CACHE = ("cache bucket",)
+for _spec in (
+    GraphSpec("prefill", _decoder_prefill, _PREFILL, "a decoder's prompt into its cache", starts_sequence=True),
+    GraphSpec("embeds_prefill", _embeds_prefill, _PREFILL, "a prompt given as embeddings", starts_sequence=True),
+    GraphSpec(
+        "mm_prefill", _decoder_prefill, (*_PREFILL, "image features"),
+        "a prompt with its encoded images among the extra arguments: the forward merges them",
+        starts_sequence=True, images="merge", text_base="prefill",
+    ),
+    GraphSpec(
+        "vision", _vision, ("image inputs", "image grids"),  # (the grids: a model taking one per image, not Qwen-VL)
+        "an image encoder (the base model's get_image_features)", images="encoder",
+    ),
+    GraphSpec("grid_vision", _grid_vision, ("pixel rows", "image grids"), "a vision tower over patch rows with grids",
+              images="encoder"),  # fmt: skip
+    GraphSpec("positioned_vision", _positioned_vision, ("patch rows", "real rows per image"),
+              "an image encoder over patch rows with their positions", images="encoder"),  # fmt: skip
+    GraphSpec("padded_vision", _padded_vision, ("real images' pixels", "pixel mask dtype"),
+              "an image encoder over the real images of a padded batch", images="encoder"),  # fmt: skip
+    GraphSpec("decode", _decoder_decode, _CACHE, "a decoder's step of one token", host_length=True),
+    GraphSpec("encoder", _encoder, ("encoder bucket",), "an encoder-decoder's encoder over ids"),
+    GraphSpec("features_encoder", _features_encoder, ("feature size", "frames", "mask"),
+              "an encoder over features (Whisper's input_features)"),  # fmt: skip
+    GraphSpec("seq2seq_prefill", _seq2seq_prefill, ("encoder bucket", "decoder prompt", "cache bucket"),
+              "an encoder-decoder's decoder prompt into its cache"),  # fmt: skip
+    GraphSpec("seq2seq_decode", _seq2seq_decode, ("encoder bucket", "cache bucket"),
+              "an encoder-decoder's decoder step of one token", host_length=True),  # fmt: skip
+    GraphSpec("cacheless_prefill", _cacheless_prefill, _CACHE, "the first step of the loop without a cache",
+              cacheless=True),  # fmt: skip
+    GraphSpec("cacheless_decode", _cacheless_decode, _CACHE, "a later step of the loop without a cache",
+              cacheless=True),  # fmt: skip
     # beam search (hf_tpu.transformers._loops.beam): the forward, then upstream's beam step, in one graph
-    "beam_prefill": _beam_graphs.beam_prefill_body,
-    "beam_decode": _beam_graphs.beam_decode_body,
-    "beam_cacheless_prefill": _beam_graphs.beam_cacheless_prefill_body,
-    "beam_cacheless_decode": _beam_graphs.beam_cacheless_decode_body,
-}
-# The image encoders' graph kinds (run before the prefill, keyed by the images)
-VISION_KINDS = ("vision", "grid_vision", "positioned_vision", "padded_vision")
+    GraphSpec("beam_prefill", _beam_graphs.beam_prefill_body, _PREFILL, "beam search's prompt and first beam step",
+              starts_sequence=True),  # fmt: skip
+    GraphSpec("beam_decode", _beam_graphs.beam_decode_body, _CACHE, "a beam search step"),
+    GraphSpec("beam_cacheless_prefill", _beam_graphs.beam_cacheless_prefill_body, _CACHE,
+              "beam search's first step without a cache"),  # fmt: skip
+    GraphSpec("beam_cacheless_decode", _beam_graphs.beam_cacheless_decode_body, _CACHE,
+              "a beam search step without a cache"),  # fmt: skip
+):
+    register_graph(_spec)
+
+
+def vision_kinds() -> tuple[str, ...]:
+    """The image encoders' graph kinds (run before the prefill, keyed by the images)."""
+    return tuple(spec.base for spec in graph_specs() if spec.images == "encoder")
+
+
 # Graph kinds carry the device plan's variant (hf_tpu.transformers._graph_key: "decode+temperature+top_k+sample"):
 # the processors (and sampler) the graph runs on the device. The variant of greedy search with a lone repetition
 # penalty:
@@ -337,7 +367,7 @@ PENALTY = Variant(("repetition_penalty",))
 
 
 def _graph(kind: GraphKind) -> Callable:
-    return GRAPHS[kind.base]
+    return graph_spec(kind).body
 
 
 _COMPILED: dict[tuple, Callable] = {}
@@ -350,7 +380,7 @@ def _backend_for(settings: GenerationSettings, device) -> str | Callable:
 
 
 def _compiled(kind: GraphKind, backend, fullgraph: bool) -> Callable:
-    key = (kind, backend, fullgraph)
+    key = (kind, _graph(kind), backend, fullgraph)  # (the body: a kind registered again compiles its new one)
     fn = _COMPILED.get(key)
     if fn is None:
         import torch
@@ -363,29 +393,8 @@ def _compiled(kind: GraphKind, backend, fullgraph: bool) -> Callable:
     return fn
 
 
-def _describe(key: tuple) -> str:
-    kind, batch, *rest = key
-    names = {
-        "prefill": ("prompt bucket", "cache bucket"),
-        "embeds_prefill": ("prompt bucket", "cache bucket"),
-        "mm_prefill": ("prompt bucket", "cache bucket", "image features"),
-        "vision": ("image inputs", "image grids"),  # (the grids: a model taking one per image, not Qwen-VL)
-        "grid_vision": ("pixel rows", "image grids"),
-        "positioned_vision": ("patch rows", "real rows per image"),
-        "padded_vision": ("real images' pixels", "pixel mask dtype"),
-        "decode": ("cache bucket",),
-        "encoder": ("encoder bucket",),
-        "features_encoder": ("feature size", "frames", "mask"),
-        "seq2seq_prefill": ("encoder bucket", "decoder prompt", "cache bucket"),
-        "seq2seq_decode": ("encoder bucket", "cache bucket"),
-        "cacheless_prefill": ("cache bucket",),
-        "cacheless_decode": ("cache bucket",),
-        "beam_prefill": ("prompt bucket", "cache bucket"),
-        "beam_decode": ("cache bucket",),
-        "beam_cacheless_prefill": ("cache bucket",),
-        "beam_cacheless_decode": ("cache bucket",),
-    }[kind.base]
-    return f"{kind} graph for batch={batch}, " + ", ".join(f"{n}={v}" for n, v in zip(names, rest))
+def _describe(key: GraphKey) -> str:
+    return graph_spec(key.kind).describe(key)
 
 
 def _graph_id(key: tuple, args: tuple) -> str:
@@ -394,6 +403,16 @@ def _graph_id(key: tuple, args: tuple) -> str:
     are graph inputs)."""
     constants = [a[1] for a in args if isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], float)]
     return repr((public_key(key), constants))
+
+
+def _source(module) -> str:
+    """``module``'s source, or its name where it has none to read (a module built in memory)."""
+    import inspect
+
+    try:
+        return inspect.getsource(module)
+    except (OSError, TypeError):
+        return module.__name__
 
 
 def cache_namespace(cache, model, state: ModelState):
@@ -410,11 +429,15 @@ def cache_namespace(cache, model, state: ModelState):
 
     # the graphs' own code: this module, the device sampling, the outputs they return, and the cache layers and
     # masks they trace
-    modules = (
+    modules = [
         inspect.getmodule(run_graph), sampling, _registry, _processors, _warpers, _cache_static, _cache_layer_classes,
-        _step_outputs, _beam_graphs,
-    )  # fmt: skip
-    source = "".join(inspect.getsource(m) for m in modules)
+        _step_outputs, _beam_graphs, inspect.getmodule(GraphSpec),
+    ]  # fmt: skip
+    for spec in graph_specs():  # (and the module of a kind registered from elsewhere)
+        module = inspect.getmodule(spec.body)
+        if module is not None and module not in modules:
+            modules.append(module)
+    source = "".join(_source(m) for m in modules)
     # and the bucketed forms of models' own caches (read, not imported: importing it imports their modeling files)
     from pathlib import Path
 
@@ -429,7 +452,7 @@ def cache_namespace(cache, model, state: ModelState):
     return cache.namespace("generation", parts)
 
 
-def _from_cache(model, state: ModelState, key: tuple, args: tuple) -> Callable | None:
+def _from_cache(model, state: ModelState, key: GraphKey, args: tuple) -> Callable | None:
     """The graph for ``key`` from the model's persistent compile cache (loaded, or compiled ahead of time and
     stored); None when the model has no cache or the cache cannot serve this graph (reported, not raised)."""
     cache = compile_cache_of(state)
@@ -444,7 +467,7 @@ def _from_cache(model, state: ModelState, key: tuple, args: tuple) -> Callable |
         return None
     backend = _backend_for(settings, model.device)
     graph_id = _graph_id(key, args)
-    fn = space.load_or_compile(graph_id, _graph(key[0]), backend, (model, *args), describe=_describe(key))
+    fn = space.load_or_compile(graph_id, _graph(key.kind), backend, (model, *args), describe=_describe(key))
     if fn is not None:
         space.record([list(public_key(key))])
     return fn
@@ -513,7 +536,7 @@ def _where(exc: BaseException) -> str:
     return ""
 
 
-def _first_trace(model, state: ModelState, key: tuple, compiled: Callable, args: tuple):
+def _first_trace(model, state: ModelState, key: GraphKey, compiled: Callable, args: tuple):
     """The first run of a graph (its trace); a model whose forward cannot be one static-shape graph raises
     :class:`NotCompilableError`, carrying the reason and the loop whose graph failed for
     :func:`hf_tpu.transformers.route.demote` (which moves the model to its next route)."""
@@ -524,20 +547,20 @@ def _first_trace(model, state: ModelState, key: tuple, compiled: Callable, args:
         if what is None:
             raise
         what += _where(exc)
-        if is_variant(key[0]):  # the call's outputs only: this call runs upstream's loop, the model's route stays
+        if is_variant(key.kind):  # the call's outputs only: this call runs upstream's loop, the model's route stays
             reason = (
                 f"output_attentions/output_hidden_states: {type(model).__name__}'s forward returning them cannot be "
                 f"compiled as one static-shape graph ({what})"
             )
-            state.outputs_problems[key[0].features & OUTPUT_FEATURES] = reason
+            state.outputs_problems[key.kind.features & OUTPUT_FEATURES] = reason
             error = NotCompilableError(f"{reason}; found tracing the {_describe(key)}")
             error.reason, error.loop = reason, None
             raise error from exc
-        kind = key[0].base
+        spec = graph_spec(key.kind)
         # the image encoder, or the forward merging the images where the text's prefill traced: the images' own
         # code, so calls with images run upstream's loop and the others keep the model's route
-        merge = kind == "mm_prefill" and any(k[0].base == "prefill" for k in state.compiled)
-        if kind in VISION_KINDS or merge:
+        merge = spec.images == "merge" and any(k.kind.base == spec.text_base for k in state.compiled)
+        if spec.images == "encoder" or merge:
             part = "forward merging them" if merge else "image encoder (get_image_features)"
             reason = (
                 f"images: {type(model).__name__}'s {part} cannot be compiled as one static-shape graph ({what})"
@@ -547,7 +570,7 @@ def _first_trace(model, state: ModelState, key: tuple, compiled: Callable, args:
             error = NotCompilableError(f"{reason}; found tracing the {_describe(key)}")
             error.reason, error.loop = reason, None
             raise error from exc
-        loop = CACHELESS if kind.startswith("cacheless") else HOST_LENGTH if state.host_length else CACHED
+        loop = CACHELESS if spec.cacheless else HOST_LENGTH if state.host_length else CACHED
         if loop == HOST_LENGTH:  # the second try: the first reason stays first
             reason = f"{state.route.reason}; with its cache length as a host int: {what}"
         else:
@@ -561,47 +584,50 @@ def _first_trace(model, state: ModelState, key: tuple, compiled: Callable, args:
 
 
 def run_graph(model, state: ModelState, key: tuple, *args):
-    """Run the graph of kind ``key[0]`` (a :class:`~hf_tpu.transformers._graph_key.GraphKind`) for the shape ``key``;
-    strict mode refuses a shape warm-up did not compile."""
+    """Run the graph of kind ``key[0]`` (a :class:`~hf_tpu.transformers._graph_key.GraphKind`, whose registered
+    :class:`~hf_tpu.transformers._graph_specs.GraphSpec` gives the body and what to do around it) for the shape
+    ``key``; strict mode refuses a shape warm-up did not compile."""
     import torch
 
+    key = GraphKey.of(key)
+    spec = graph_spec(key.kind)
     first = key not in state.compiled
     cache_name()  # read from upstream's signature here, outside any trace (the graphs then read a plain string)
     if first and state.warmed and state.strict:
         raise RecompileError(
             f"generate needs a {_describe(key)}, which warm-up did not compile (strict mode; "
             f"{len(state.compiled)} graph(s) compiled so far). Warm up for this shape "
-            f"(hf_tpu.warmup(model, max_prompt_len=..., batch_sizes=[{key[1]}], max_new_tokens=...)), "
+            f"(hf_tpu.warmup(model, max_prompt_len=..., batch_sizes=[{key.batch}], max_new_tokens=...)), "
             f"or allow compiles: hf_tpu.transformers.configure(model, strict=False) / unset {STRICT_ENV}."
         )
     from hf_tpu.transformers import _module_state
 
-    kind = key[0]
-    if kind.base in ("prefill", "embeds_prefill", "mm_prefill", "beam_prefill"):
-        _module_state.reset(model, state, key[1])  # a new sequence: module-held state as upstream resets it
-    if first and kind.base == "mm_prefill":
+    kind = key.kind
+    if spec.starts_sequence:
+        _module_state.reset(model, state, key.batch)  # a new sequence: module-held state as upstream resets it
+    if first and spec.images == "merge":
         from hf_tpu.transformers import _deepstack
 
         _deepstack.apply_to(model)  # early vision features added at the image tokens with static shapes (Qwen3-VL)
     # (a vision tower's forward asks for hidden states)
-    if first and (is_variant(kind) or kind.base in VISION_KINDS):
+    if first and (is_variant(kind) or spec.images == "encoder"):
         prepare(model)
     settings = state.settings
     if not settings.compile:
-        result = _graph(kind)(model, *args)
+        result = spec.body(model, *args)
     else:
         limits = {"recompile_limit": max(torch._dynamo.config.recompile_limit, 1024)}
         if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
             limits["accumulated_recompile_limit"] = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
         if not first and state.strict and state.warmed:
             limits["error_on_recompile"] = True
-        if kind.base == "mm_prefill":
+        if spec.images == "merge":
             # the merge's check of image tokens against features (upstream's torch_compilable_check on a tensor) is
             # a host read inside the graph, which torch_tpu refuses to lower: checked on the host instead
             # (hf_tpu.transformers._images.check_image_tokens)
             limits["do_not_emit_runtime_asserts"] = True
         sources = {}
-        if state.host_length and kind.base in ("decode", "seq2seq_decode"):
+        if state.host_length and spec.host_length:
             sources["dynamic_sources"] = _HOST_LENGTH_SOURCES
         with torch._dynamo.config.patch(**limits), torch.compiler.config.patch(**sources):
             fn = state.loaded.get(key)

@@ -28,7 +28,7 @@ from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _images
 from hf_tpu.transformers._cache.static import cache_for, set_decoding, set_length
 from hf_tpu.transformers._graph_key import GraphKind, Variant
-from hf_tpu.transformers._graphs import VISION_KINDS, run_graph
+from hf_tpu.transformers._graphs import run_graph, vision_kinds
 from hf_tpu.transformers._images import ImageLayout
 from hf_tpu.transformers._loops.cached import extra_inputs
 from hf_tpu.transformers._loops.defaults import warm_sampling
@@ -110,9 +110,9 @@ def _check_images(model, batch: int, size: tuple[int, int], count: int, prompt_b
     before = list(state.compile_log)
     with torch.no_grad():
         encoded = _images.encode_images(model, state, kwargs, run_graph)["mm_encoder_outputs"]
-    kinds = tuple(GraphKind(base) for base in VISION_KINDS)
-    keys = [k for k in state.compile_log if k not in before and k[0] in kinds]
-    keys = keys or [k for k in state.compiled if k[0] in kinds and k[1] == batch * count]
+    kinds = tuple(GraphKind(base) for base in vision_kinds())
+    keys = [k for k in state.compile_log if k not in before and k.kind in kinds]
+    keys = keys or [k for k in state.compiled if k.kind in kinds and k.batch == batch * count]
     tokens, rest = divmod(_images.feature_tokens(model, encoded["image"]), batch)
     fitting = [p for p in prompt_buckets if p >= tokens]
     if rest or not fitting:
@@ -310,7 +310,7 @@ def warm_features(model, batch: int, max_new_tokens: int, generate_kwargs: dict)
         model.generate(features, max_new_tokens=max_new_tokens, **generate_kwargs)
     keys = list(state.compile_log[before:])
     # the graphs a call of this batch size and window ran before (a second warm-up of the same shapes)
-    keys += [k for k in seen if k[1] == batch and k[0].base in _FEATURE_KINDS and k not in keys]
+    keys += [k for k in seen if k.batch == batch and k.kind.base in _FEATURE_KINDS and k not in keys]
     return keys
 
 

@@ -446,7 +446,8 @@ def eager_decode_step(model, cache_len: int) -> Callable[[], object]:
     import torch
 
     from hf_tpu.transformers._cache.static import cache_for
-    from hf_tpu.transformers._graphs import GRAPHS
+    from hf_tpu.transformers._graph_specs import graph_spec
+    from hf_tpu.transformers._graphs import run_graph  # noqa: F401 (registers the built-in graph kinds)
 
     cache = cache_for(model, model_state(model), 1, cache_len, None)
     mask = torch.ones(1, cache_len, dtype=torch.bool).to(model.device)
@@ -455,7 +456,7 @@ def eager_decode_step(model, cache_len: int) -> Callable[[], object]:
 
     def run():
         with torch.no_grad():
-            return GRAPHS["decode"](model, step, mask, cache, extra, None)
+            return graph_spec("decode").body(model, step, mask, cache, extra, None)
 
     return run
 

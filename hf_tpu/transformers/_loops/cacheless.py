@@ -224,7 +224,11 @@ def length_for(model, state, batch: int, prompt_len: int, new_tokens: int, varia
     plan = plan_shapes(model, batch, prompt_len, new_tokens, variant=variant)
     need = prompt_len + max(new_tokens, 1) - 1
     kind = GraphKind("cacheless_prefill", variant)
-    compiled = sorted(k[2] for k in state.compiled if k[0] == kind and k[1] == batch and k[2] >= need)
+    compiled = sorted(
+        k.dim("cache bucket")
+        for k in state.compiled
+        if k.kind == kind and k.batch == batch and k.dim("cache bucket") >= need
+    )
     return compiled[0] if compiled else buffer_length(model, plan.cache_bucket, need)
 
 

@@ -119,9 +119,11 @@ def plan_shapes(
             )
         prefill = GraphKind("seq2seq_prefill", variant)
         compiled = sorted(
-            k[4]
+            k.dim("cache bucket")
             for k in state.compiled
-            if k[0] == prefill and k[1:4] == (batch, encoder_bucket, prompt_len) and k[4] >= need
+            if k.kind == prefill
+            and (k.batch, k.dim("encoder bucket"), k.dim("decoder prompt")) == (batch, encoder_bucket, prompt_len)
+            and k.dim("cache bucket") >= need
         )
         cache_bucket = compiled[0] if compiled else _cache_size(state, ladder, need)
         return ShapePlan(batch, prompt_len, prompt_len, cache_bucket, encoder_bucket)
@@ -138,7 +140,11 @@ def plan_shapes(
     if kind == "prefill":
         kinds += (GraphKind("mm_prefill", variant),)  # (an image call's prefill: the same cache shapes)
     compiled = sorted(
-        k[3] for k in state.compiled if k[0] in kinds and k[1:3] == (batch, prompt_bucket) and k[3] >= need
+        k.dim("cache bucket")
+        for k in state.compiled
+        if k.kind in kinds
+        and (k.batch, k.dim("prompt bucket")) == (batch, prompt_bucket)
+        and k.dim("cache bucket") >= need
     )
     cache_bucket = compiled[0] if compiled else _cache_size(state, ladder, need)
     return ShapePlan(batch, prompt_len, prompt_bucket, cache_bucket)
