@@ -1238,7 +1238,7 @@ def _round_spread(ref: dict | None) -> float | None:
 def report(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT))
     from hf_tpu.kernels import experts_forms
-    from hf_tpu.transformers._cache.static import KV_ROWS_AFTER_LAYER_BYTES
+    from hf_tpu.transformers._cache.writes import KV_ROWS_AFTER_LAYER_BYTES
 
     records = _load(args.records)
     bw = max((r["bytes_per_second"] for r in records if r.get("part") == "floor" and "bytes_per_second" in r),

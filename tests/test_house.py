@@ -41,7 +41,7 @@ the module that defines a name; ``hf_tpu.sim`` is the bottom room. The rules:
    ``graph_key`` puts the graph-changing ones in the compile cache's key: outside ``hf_tpu/_env.py`` no
    ``os.environ.get(K)``, ``os.environ[K]`` (read), ``K in os.environ`` or ``os.getenv(K)`` where ``K`` is an
    ``HF_TPU_...`` string or f-string, a variable's ``_env.X.name``, or a name bound anywhere in hf_tpu to one of
-   those (``KV_WRITE_ENV = _env.KV_WRITE.name``, read as ``static.KV_WRITE_ENV``). Writing one for a child process
+   those (``KV_WRITE_ENV = _env.KV_WRITE.name``, read as ``writes.KV_WRITE_ENV``). Writing one for a child process
    (``os.environ[K] = ...``, ``setdefault``) is allowed. A read through another alias of ``os.environ`` is not seen.
 """
 

@@ -49,7 +49,7 @@ def _forward(model, ids, positions, mask, cache, extra):
 def beam_prefill_body(model, packed, mask, cache, extra, spec: Spec, beam: dict, sampling=None):
     """The prompt (``packed``: ids then positions, left-padded to the prompt bucket) through the model, then the
     first beam step."""
-    from hf_tpu.transformers._cache.static import prefill_mask
+    from hf_tpu.transformers._cache.masks import prefill_mask
 
     q = packed.shape[1] // 2
     out = _forward(model, packed[:, :q], packed[:, q:], prefill_mask(cache, mask, q), cache, extra)
@@ -59,7 +59,7 @@ def beam_prefill_body(model, packed, mask, cache, extra, spec: Spec, beam: dict,
 def beam_decode_body(model, mask, cache, extra, spec: Spec, beam: dict, sampling=None):
     """The running beams' last tokens through the model (their positions: the prompt's last plus the tokens
     generated), then a beam step. Nothing comes from the host."""
-    from hf_tpu.transformers._cache.static import decode_mask
+    from hf_tpu.transformers._cache.masks import decode_mask
     from hf_tpu.transformers.sampling import advance
 
     batch, num_beams = spec[0], spec[1]

@@ -37,7 +37,8 @@ Where a change belongs (this module is the public entry point and re-exports the
 * :mod:`hf_tpu.transformers._loops.skeleton`: shape planning (:func:`plan_shapes`, public as
   :mod:`hf_tpu.transformers.shapes`), :mod:`~hf_tpu.transformers.buckets` the ladders;
 * :mod:`hf_tpu.transformers._cache.static`: the static caches, built per layer kind with the shapes
-  :mod:`~hf_tpu.transformers._cache.probe` measures;
+  :mod:`~hf_tpu.transformers._cache.probe` measures (their K/V writes in :mod:`~hf_tpu.transformers._cache.writes`,
+  the masks the graphs hand the model in :mod:`~hf_tpu.transformers._cache.masks`);
 * :mod:`hf_tpu.transformers._graphs`: the compiled graphs and :func:`run_graph` (strict mode, the persistent compile
   cache of :mod:`hf_tpu.compile_cache`);
 * :mod:`hf_tpu.transformers._loops`: the loops, one module each (its docstring says which serves which route and

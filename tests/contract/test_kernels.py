@@ -237,10 +237,10 @@ def test_the_kv_rows_writer_registers_through_the_real_jax_op_with_its_caches_do
     batch-64 cache."""
     from torch_tpu._internal.pallas import pallas as tt_pallas
 
-    from hf_tpu.transformers._cache import static
+    from hf_tpu.transformers._cache import writes
 
-    op = static._jax_rows_writer()
-    assert op is static._jax_rows_writer() and isinstance(op, tt_pallas._JaxCustomOpDef)
+    op = writes._jax_rows_writer()
+    assert op is writes._jax_rows_writer() and isinstance(op, tt_pallas._JaxCustomOpDef)
     assert "Tensor[] caches, Tensor[] rows, Tensor slot" in str(op._opoverload._schema)
     assert tuple(op._init_fn.donate_argnums) == (0,)  # the JaxCallable jax_op wraps: what it hands the runtime
     meta = {"device": "meta", "dtype": torch.bfloat16}

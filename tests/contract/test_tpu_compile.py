@@ -157,7 +157,7 @@ def test_generate_greedy_prefill_and_decode(lowered):
 
 
 def test_a_decode_step_that_leaves_its_rows_to_the_loop_writes_no_cache(lowered):
-    """``HF_TPU_KV_WRITE=after`` (``auto`` picks it from 32 MiB of K and V per layer, _cache/static.py; set in the
+    """``HF_TPU_KV_WRITE=after`` (``auto`` picks it from 32 MiB of K and V per layer, _cache/writes.py; set in the
     lowering process for this entry alone, ``_tpu_compile_entries.lower_with_env``): through torch_tpu's front end
     the decode program holds no scatter into a cache and returns no updated cache (the copy torch_tpu's undonated
     compile makes of one), but each layer's K and V row and their slot, which scripts/chip_bench.py's

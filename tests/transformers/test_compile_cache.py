@@ -76,7 +76,7 @@ def test_a_second_process_compiles_nothing_and_matches_cpu(llama_dir, tmp_path):
 def test_graphs_that_leave_their_rows_to_the_loop_are_stored_and_loaded(llama_dir, tmp_path, monkeypatch):
     """``HF_TPU_KV_WRITE=after``: a decode graph whose rows the loop writes after it (its cache layers keep them as
     attributes, which dynamo sets after the graph) is stored by one process and loaded by the next, which compiles
-    nothing and equals the CPU (hf_tpu/transformers/_cache/static.py)."""
+    nothing and equals the CPU (hf_tpu/transformers/_cache/writes.py)."""
     monkeypatch.setenv("HF_TPU_KV_WRITE", "after")
     cold = _worker(llama_dir, tmp_path / "cache")
     assert cold["equal"] and not cold["problems"] and cold["new_compiles"] == cold["graphs"] > 0

@@ -1,4 +1,4 @@
-"""Where a decode step writes its new K/V rows (``HF_TPU_KV_WRITE``, hf_tpu/transformers/_cache/static.py): in the
+"""Where a decode step writes its new K/V rows (``HF_TPU_KV_WRITE``, hf_tpu/transformers/_cache/writes.py): in the
 graph (upstream's ``index_copy_``), or after it (the graph reads the cache with the row selected in and leaves the
 row to ``write_rows``, an in-place write after the graph). Both against upstream's ``generate`` on CPU."""
 
@@ -10,7 +10,7 @@ import torch
 import hf_tpu
 import hf_tpu.sim
 from hf_tpu.errors import InvalidArgumentError
-from hf_tpu.transformers._cache import static
+from hf_tpu.transformers._cache import writes
 from hf_tpu.transformers._cache.layer_classes import BucketedStaticLayer
 from hf_tpu.transformers._settings import model_state
 
@@ -31,10 +31,10 @@ def test_rows_written_after_the_graph_equal_cpu_and_the_graph_holds_no_cache_wri
     cpu, tpu = llama
     ids, mask = prompts([5, 3, 7], seed=4)
     kwargs = dict(max_new_tokens=NEW, do_sample=sampled, **({"top_k": 20} if sampled else {}))
-    monkeypatch.setenv(static.KV_WRITE_ENV, "graph")
+    monkeypatch.setenv(writes.KV_WRITE_ENV, "graph")
     torch.manual_seed(1)
     in_graph = tpu.generate(ids, attention_mask=mask, **kwargs)
-    monkeypatch.setenv(static.KV_WRITE_ENV, "after")
+    monkeypatch.setenv(writes.KV_WRITE_ENV, "after")
     torch.manual_seed(1)
     after = tpu.generate(ids, attention_mask=mask, **kwargs)
     assert torch.equal(after, in_graph)
@@ -76,7 +76,7 @@ def test_the_decode_step_after_the_graph_writes_the_row_the_graph_would(llama):
     assert torch.equal(k.cpu(), k_ref.cpu()) and torch.equal(v.cpu(), v_ref.cpu())
     assert torch.equal(layer.keys.cpu(), before) and int(layer.cumulative_length) == 6
     cache = type("C", (), {"layers": [layer]})()
-    static.write_rows(cache)
+    writes.write_rows(cache)
     assert torch.equal(layer.keys.cpu(), reference.keys.cpu()) and torch.equal(layer.values.cpu(), reference.values.cpu())
     assert layer.hf_tpu_rows is None
 
@@ -94,18 +94,18 @@ def test_auto_writes_after_the_graph_only_for_large_caches_on_a_tpu(monkeypatch)
             built.append(layer)
         return type("C", (), {"layers": built})()
 
-    monkeypatch.delenv(static.KV_WRITE_ENV, raising=False)
-    monkeypatch.setattr(static, "KV_ROWS_AFTER_LAYER_BYTES", 2 * 16 * 8 * 4)  # float32 K and V of 16 slots x 8
-    assert static.kv_rows_after(cache("tpu", 16)) and not static.kv_rows_after(cache("tpu", 15))
-    assert static.kv_rows_after(cache("tpu", 16, layers=3)) and not static.kv_rows_after(cache("tpu", 15, layers=3))
-    assert not static.kv_rows_after(cache("cpu", 64))
-    monkeypatch.setenv(static.KV_WRITE_ENV, "graph")
-    assert not static.kv_rows_after(cache("tpu", 64))
-    monkeypatch.setenv(static.KV_WRITE_ENV, "after")
-    assert static.kv_rows_after(cache("tpu", 2)) and not static.kv_rows_after(cache("cpu", 2))
-    monkeypatch.setenv(static.KV_WRITE_ENV, "later")
+    monkeypatch.delenv(writes.KV_WRITE_ENV, raising=False)
+    monkeypatch.setattr(writes, "KV_ROWS_AFTER_LAYER_BYTES", 2 * 16 * 8 * 4)  # float32 K and V of 16 slots x 8
+    assert writes.kv_rows_after(cache("tpu", 16)) and not writes.kv_rows_after(cache("tpu", 15))
+    assert writes.kv_rows_after(cache("tpu", 16, layers=3)) and not writes.kv_rows_after(cache("tpu", 15, layers=3))
+    assert not writes.kv_rows_after(cache("cpu", 64))
+    monkeypatch.setenv(writes.KV_WRITE_ENV, "graph")
+    assert not writes.kv_rows_after(cache("tpu", 64))
+    monkeypatch.setenv(writes.KV_WRITE_ENV, "after")
+    assert writes.kv_rows_after(cache("tpu", 2)) and not writes.kv_rows_after(cache("cpu", 2))
+    monkeypatch.setenv(writes.KV_WRITE_ENV, "later")
     with pytest.raises(InvalidArgumentError, match="auto, graph, after"):
-        static.kv_rows_after(cache("tpu", 2))
+        writes.kv_rows_after(cache("tpu", 2))
 
 
 def test_beam_search_keeps_the_write_in_its_graph(llama, prompts, monkeypatch):
@@ -113,7 +113,7 @@ def test_beam_search_keeps_the_write_in_its_graph(llama, prompts, monkeypatch):
     its beams equal the CPU's."""
     cpu, tpu = llama
     ids, mask = prompts([4, 6], seed=2)
-    monkeypatch.setenv(static.KV_WRITE_ENV, "after")
+    monkeypatch.setenv(writes.KV_WRITE_ENV, "after")
     kwargs = dict(max_new_tokens=6, num_beams=2, do_sample=False)
     assert torch.equal(tpu.generate(ids, attention_mask=mask, **kwargs), cpu.generate(ids, attention_mask=mask, **kwargs))
     cache = _cache_of(tpu, 4)
@@ -136,7 +136,7 @@ def test_the_jax_writer_writes_what_index_copy_writes(monkeypatch):
         caches = [torch.randn(2, 3, 8, 4).to(dtype) for _ in range(4)]
         rows = [torch.randn(2, 3, 1, 4).to(dtype) for _ in range(4)]
         want = [c.clone().index_copy_(2, torch.tensor([5]), r) for c, r in zip(caches, rows)]
-        got = static.jax_write_rows([to_jax(c) for c in caches], [to_jax(r) for r in rows], jnp.array([5], jnp.int32))
+        got = writes.jax_write_rows([to_jax(c) for c in caches], [to_jax(r) for r in rows], jnp.array([5], jnp.int32))
         for g, w in zip(got, want):
             assert np.array_equal(np.asarray(g.astype(jnp.float32)), w.float().numpy())
 
@@ -152,31 +152,31 @@ def test_the_jax_writer_writes_what_index_copy_writes(monkeypatch):
             built.append(layer)
         return type("C", (), {"layers": built})()
 
-    monkeypatch.delenv(static.KV_ROWS_WRITER_ENV, raising=False)
+    monkeypatch.delenv(writes.KV_ROWS_WRITER_ENV, raising=False)
     torch.manual_seed(3)
     by_index_copy = layers_with_rows()
-    assert static.kv_rows_writer(by_index_copy.layers[0].keys) == "index_copy"  # the simulator's tpu
-    static.write_rows(by_index_copy)
+    assert writes.kv_rows_writer(by_index_copy.layers[0].keys) == "index_copy"  # the simulator's tpu
+    writes.write_rows(by_index_copy)
 
     def bridge(caches, rows, slot):  # what torch.tpu.pallas.jax_op runs on a chip: the JAX function on the buffers
-        out = static.jax_write_rows([to_jax(c.cpu()) for c in caches], [to_jax(r.cpu()) for r in rows],
+        out = writes.jax_write_rows([to_jax(c.cpu()) for c in caches], [to_jax(r.cpu()) for r in rows],
                                     jnp.asarray(slot.cpu().numpy()))  # fmt: skip
         return [torch.from_numpy(np.asarray(o)).to("tpu") for o in out]
 
-    monkeypatch.setattr(static, "_torch_tpu_tensor", lambda tensor: True)
-    monkeypatch.setattr(static, "_jax_rows_writer", lambda: bridge)
+    monkeypatch.setattr(writes, "_torch_tpu_tensor", lambda tensor: True)
+    monkeypatch.setattr(writes, "_jax_rows_writer", lambda: bridge)
     torch.manual_seed(3)
     by_jax = layers_with_rows()
-    assert static.kv_rows_writer(by_jax.layers[0].keys) == "jax"
+    assert writes.kv_rows_writer(by_jax.layers[0].keys) == "jax"
     before = [layer.keys for layer in by_jax.layers]
-    static.write_rows(by_jax)
+    writes.write_rows(by_jax)
     for layer, ref, tensor in zip(by_jax.layers, by_index_copy.layers, before):
         assert layer.keys is tensor and layer.hf_tpu_rows is None  # the same tensor, set_ to the written buffer
         assert torch.equal(layer.keys.cpu(), ref.keys.cpu()) and torch.equal(layer.values.cpu(), ref.values.cpu())
     monkeypatch.undo()
-    monkeypatch.setenv(static.KV_ROWS_WRITER_ENV, "jax")
+    monkeypatch.setenv(writes.KV_ROWS_WRITER_ENV, "jax")
     with pytest.raises(InvalidArgumentError, match="needs torch_tpu's tpu device"):
-        static.kv_rows_writer(torch.zeros(1, device="tpu"))
-    monkeypatch.setenv(static.KV_ROWS_WRITER_ENV, "scatter")
+        writes.kv_rows_writer(torch.zeros(1, device="tpu"))
+    monkeypatch.setenv(writes.KV_ROWS_WRITER_ENV, "scatter")
     with pytest.raises(InvalidArgumentError, match="auto, index_copy, jax"):
-        static.kv_rows_writer(torch.zeros(1, device="tpu"))
+        writes.kv_rows_writer(torch.zeros(1, device="tpu"))

@@ -78,7 +78,7 @@ class BucketedStaticLayer(cu.StaticLayer):
     Then a one-token update attends over the cache with the new row selected in at its slot
     (``where(slot == position, row, cache)``, which XLA fuses into the attention's reads) and keeps the row and its
     position in ``hf_tpu_rows``; the loop writes them in place after the graph
-    (:func:`~hf_tpu.transformers._cache.static.write_rows`). A graph that does not write its cache returns no updated
+    (:func:`~hf_tpu.transformers._cache.writes.write_rows`). A graph that does not write its cache returns no updated
     cache: torch_tpu 0.2.0's ``torch.compile`` donates no buffers, so a cache the graph updates is copied whole every
     step (docs/planning.md, "Measured on a chip")."""
 

@@ -1,8 +1,14 @@
-"""The static cache of hf_tpu's generation loop: the bucketed form of each of upstream's cache layer kinds, the
-caches built from them (one per (batch, cache length, encoder length, dtype) shape, reset and reused across calls, at
-most ``CACHE_POOL_SIZE`` kept allocated per model), the check that a model's cache can be a bucketed static cache at
-all (:func:`static_cache_problem`), what the loops and graphs tell its layers (the host length, prefill or decode, the
-masks), and how upstream's sdpa mask takes the 2D mask's padding on a tpu device (:func:`apply_padding_mask`).
+"""The static cache of hf_tpu's generation loop: its layout (the bucketed form of each of upstream's cache layer
+kinds, and the check that a model's cache can be a bucketed static cache at all, :func:`static_cache_problem`), the
+caches built from it (one per (batch, cache length, encoder length, dtype) shape, reset and reused across calls, at
+most ``CACHE_POOL_SIZE`` kept allocated per model), what the loops tell its layers on the host (the host length,
+prefill or decode), and how upstream's sdpa mask takes the 2D mask's padding on a tpu device
+(:func:`apply_padding_mask`, a patch through :mod:`hf_tpu._patch`).
+
+Where a decode step writes its K/V rows is :mod:`~hf_tpu.transformers._cache.writes`; the 2D masks the graphs hand
+the model are :mod:`~hf_tpu.transformers._cache.masks`. The padding-mask patch stays here, with what a ``generate``
+call runs before its first graph (the route's check, the cache's allocation, the host length): the cache probe's
+forward runs the patched mask, and tests/transformers/test_engine_path.py holds that path to a ceiling of files.
 
 The bucketed forms are a registry keyed by upstream's layer class. hf_tpu's loop runs one compiled prefill graph per
 (prompt bucket, cache bucket) and one decode graph per cache bucket, so a cache layer may change only tensors inside a
@@ -12,16 +18,17 @@ Upstream's ``StaticCache`` (transformers 5.24) builds its layers from ``config.l
 those classes to its bucketed form:
 
 * full attention (``StaticLayer``): upstream's class (``BucketedStaticLayer``: its own update but for a decode step
-  on a ``tpu`` device with large caches, :func:`kv_rows_after`, whose graph reads the cache with the new row selected
-  in and leaves the row to :func:`write_rows`, written in place after the graph: on torch_tpu by one JAX program for
-  every layer with the caches donated, :data:`KV_ROWS_WRITER_ENV`), ``cache bucket`` slots written at
+  on a ``tpu`` device with large caches, :func:`~hf_tpu.transformers._cache.writes.kv_rows_after`, whose graph
+  reads the cache with the new row selected in and leaves the row to
+  :func:`~hf_tpu.transformers._cache.writes.write_rows`, written in place after the graph: on torch_tpu by one JAX
+  program for every layer with the caches donated), ``cache bucket`` slots written at
   a device-side counter;
 * sliding window (``StaticSlidingWindowLayer``, chunked attention too): upstream's layer tracks the window with a
   Python int (a new graph per step until the window fills). The bucketed layer is a ring of ``sliding_window``
   slots when the cache bucket is longer than the window: the prefill attends to the prompt's own states and keeps
   the last ``window`` of them; a decode step shifts the ring by one and attends to it, its padding read from mask
-  columns :func:`decode_mask` appends inside the decode graph. A cache bucket no longer than the window keeps one
-  slot per position, as upstream does (the sliding mask applies the window);
+  columns :func:`~hf_tpu.transformers._cache.masks.decode_mask` appends inside the decode graph. A cache bucket no
+  longer than the window keeps one slot per position, as upstream does (the sliding mask applies the window);
 * linear attention / SSM (``LinearAttentionLayer``: conv and recurrent states of a fixed size): upstream flips
   ``has_previous_state`` inside the forward; here the loop sets it on the host (:func:`set_decoding`): off for the
   prefill graph, on for the decode graph. The left padding of a bucketed prompt leaves the states as the unpadded
@@ -52,8 +59,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_tpu import _env
-from hf_tpu.errors import InvalidArgumentError
+# (prefill_mask, decode_mask and write_rows live in .masks and .writes: hf_tpu.transformers._graphs still imports them
+# from here, and hashes this module's source into its compile-cache namespace, until it names their homes)
+from hf_tpu.transformers._cache.masks import decode_mask, prefill_mask  # noqa: F401
+from hf_tpu.transformers._cache.writes import kv_rows_after, write_rows  # noqa: F401
 from hf_tpu.transformers._settings import CACHE_POOL_SIZE, ModelState
 
 __all__: list[str] = []
@@ -260,7 +269,8 @@ def set_length(cache, length: int) -> None:
 
 def set_decoding(cache, decoding: bool, rows_after: bool = True) -> None:
     """Tell the layers of ``cache`` whether the next graph decodes (continues from their states) or prefills; a
-    decode step of its full-attention layers leaves their cache to :func:`write_rows` when :func:`kv_rows_after`
+    decode step of its full-attention layers leaves their cache to
+    :func:`~hf_tpu.transformers._cache.writes.write_rows` when :func:`~hf_tpu.transformers._cache.writes.kv_rows_after`
     says so (``rows_after=False``: never, for a loop that reorders the cache in its graphs: beam search)."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
@@ -278,197 +288,6 @@ def set_decoding(cache, decoding: bool, rows_after: bool = True) -> None:
             layer.decoding = decoding
         if isinstance(layer, BucketedStaticLayer):
             layer.hf_tpu_rows_after = after
-
-
-# HF_TPU_KV_WRITE: where a decode step's new K/V rows are written into a full-attention cache on a ``tpu`` device.
-KV_WRITE_ENV = _env.KV_WRITE.name
-KV_WRITES = _env.KV_WRITE.choices
-# auto: after the graph once each full-attention layer's K and V hold this many bytes: then the copy an undonated
-# graph makes of them (~3.2 ms per GB on a v5e) costs more than the layer's two writes after the graph (each a
-# program of its own, ~45-60 us to launch). Measured on a v5e (docs/planning.md, runs 12 and 13), hf_tpu's decode
-# program with the write in its graph against the rows written after it: the Llama-3.2-1B shape at batch 64 (84 MB
-# per layer) 13.78 -> 9.54 ms, the 8-layer Qwen3-30B-A3B shape at batch 64 (84 MB per layer) 18.82 -> 16.01 ms; at
-# batch 8 (10.5 MB per layer) a lean step written that way ran 1.46x one that writes in its graph.
-KV_ROWS_AFTER_LAYER_BYTES = 32 << 20
-
-
-def kv_write_mode() -> str:
-    """``HF_TPU_KV_WRITE`` (``auto`` when unset): ``graph`` (the graph writes the cache, upstream's ``index_copy_``),
-    ``after`` (the rows are written after each decode graph, :func:`write_rows`) or ``auto``."""
-    return _env.KV_WRITE.get()
-
-
-def kv_rows_after(cache) -> bool:
-    """Whether the decode steps of ``cache``'s full-attention layers leave their rows to :func:`write_rows`: on a
-    ``tpu`` device, per :func:`kv_write_mode` (``auto``: when those layers' keys and values hold
-    ``KV_ROWS_AFTER_LAYER_BYTES`` per layer)."""
-    from hf_tpu.transformers._cache.layer_classes import BucketedStaticLayer
-
-    layers = [layer for layer in cache.layers if isinstance(layer, BucketedStaticLayer) and layer.is_initialized]
-    if not layers or layers[0].keys.device.type != "tpu":
-        return False
-    mode = kv_write_mode()
-    if mode != "auto":
-        return mode == "after"
-    held = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
-    return held >= KV_ROWS_AFTER_LAYER_BYTES * len(layers)
-
-
-#: ``HF_TPU_KV_ROWS_WRITER`` (``auto`` when unset): how :func:`write_rows` writes the rows a decode graph left:
-#: ``index_copy`` (one eager in-place ``index_copy_`` per layer's keys and values), ``jax`` (one program for every
-#: layer, its caches donated: :func:`_jax_rows_writer`, torch_tpu's device and ``jax`` needed) or ``auto`` (``jax``
-#: where it can run, else ``index_copy``). On a v5e with torch_tpu 0.2.0 the 32 eager writes of a batch-64
-#: Llama-3.2-1B-shaped cache cost 6.5 ms a step (each a program of its own, run 14); with this writer run 17 measured
-#: that batch-64 ``generate`` step 13.09 -> 8.65 ms, the same tokens (docs/chip_v5e_torch_tpu.jsonl).
-KV_ROWS_WRITER_ENV = _env.KV_ROWS_WRITER.name
-KV_ROWS_WRITERS = _env.KV_ROWS_WRITER.choices
-_JAX_WRITER: list = []  # the jax_op, made once per process (registering it twice under one name fails)
-
-
-def kv_rows_writer(tensor) -> str:
-    """The writer :func:`write_rows` uses for a cache held in ``tensor``'s device, per ``HF_TPU_KV_ROWS_WRITER``.
-
-    Raises:
-        ValueError (InvalidArgumentError): an unknown value, or ``jax`` where it cannot run (not torch_tpu's
-            device, or ``jax`` not installed).
-    """
-    mode = _env.KV_ROWS_WRITER.get()
-    if mode == "index_copy":
-        return mode
-    can = _torch_tpu_tensor(tensor) and _jax_importable()
-    if mode == "jax" and not can:
-        raise InvalidArgumentError(
-            f"{KV_ROWS_WRITER_ENV}=jax writes the KV rows through torch.tpu.pallas.jax_op: it needs torch_tpu's tpu "
-            "device (not the simulator's) and jax (pip install 'hf-tpu[tpu]'); unset it or use index_copy."
-        )
-    return "jax" if can else "index_copy"
-
-
-def _torch_tpu_tensor(tensor) -> bool:
-    import sys
-
-    if tensor.device.type != "tpu":
-        return False
-    sim = sys.modules.get("hf_tpu.sim")
-    return sim is None or not sim.is_sim_tensor(tensor)
-
-
-_JAX_FOUND: list[bool] = []
-
-
-def _jax_importable() -> bool:
-    if not _JAX_FOUND:  # (write_rows asks every decode step: look it up once)
-        import importlib.util
-
-        _JAX_FOUND.append(importlib.util.find_spec("jax") is not None)
-    return _JAX_FOUND[0]
-
-
-def jax_write_rows(caches, rows, slot):
-    """Every cache with its row written at ``slot[0]`` on axis 2 (JAX arrays): ``(batch, heads, slots, dim)`` caches,
-    ``(batch, heads, 1, dim)`` rows. The program :func:`_jax_rows_writer` registers; with its caches donated, XLA
-    writes each in place."""
-    import jax
-
-    return [jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), slot[0], axis=2)
-            for c, r in zip(caches, rows, strict=True)]  # fmt: skip
-
-
-def _jax_rows_writer():
-    """:func:`jax_write_rows` as a torch op through torch_tpu's JAX bridge (``torch.tpu.pallas.jax_op``), its caches
-    donated (``donate_argnums=(0,)``: the bridge's docs say a donated tensor is invalid after the call, and to
-    ``set_`` it to the result), made once per process."""
-    if not _JAX_WRITER:
-        import jax
-        import torch
-
-        def write(caches, rows, slot):
-            return jax_write_rows(caches, rows, slot)
-
-        # jax_op reads the types from the annotations (evaluated here: this module's annotations are strings)
-        write.__annotations__ = {"caches": list[jax.Array], "rows": list[jax.Array], "slot": jax.Array,
-                                 "return": list[jax.Array]}  # fmt: skip
-        _JAX_WRITER.append(torch.tpu.pallas.jax_op("hf_tpu::write_kv_rows", write, donate_argnums=(0,)))
-    return _JAX_WRITER[0]
-
-
-def write_rows(cache) -> None:
-    """Write the rows a decode graph left in ``cache``'s layers (``hf_tpu_rows``) at their slots, in place, with the
-    writer :func:`kv_rows_writer` picks: one ``index_copy_`` per layer's keys and values (on torch_tpu an eager
-    in-place op, which updates its buffer in place: ``torch_tpu._internal.execution_mode.
-    disable_inplace_buffer_donation`` is False by default), or on torch_tpu one JAX program for every layer with the
-    caches donated, each cache then ``set_`` to its written buffer."""
-    self_cache = getattr(cache, "self_attention_cache", cache)
-    layers = [layer for layer in getattr(self_cache, "layers", ()) if getattr(layer, "hf_tpu_rows", None) is not None]
-    if not layers:
-        return
-    if kv_rows_writer(layers[0].keys) == "jax":
-        caches = [t for layer in layers for t in (layer.keys, layer.values)]
-        rows = [r for layer in layers for r in layer.hf_tpu_rows[:2]]
-        for tensor, written in zip(caches, _jax_rows_writer()(caches, rows, layers[0].hf_tpu_rows[3]), strict=True):
-            tensor.set_(written)
-    else:
-        for layer in layers:
-            keys, values, position, _ = layer.hf_tpu_rows
-            layer.keys.index_copy_(2, position, keys)
-            layer.values.index_copy_(2, position, values)
-    for layer in layers:
-        layer.hf_tpu_rows = None
-
-
-def _written(cache, mask, q: int):
-    """``mask`` with the cache positions that hold no token once this graph's ``q`` tokens are written set False.
-
-    The loop's mask marks every position after the prompt True (the tokens to come). A causal mask hides them from
-    each query anyway; a model whose attention is not causal (an encoder's LM head as a decoder: RoBERTa, BERT,
-    ELECTRA with ``is_decoder=False``) builds a bidirectional mask from the 2D mask alone, so without this its
-    queries would also read the empty slots, where upstream's growing cache has no keys at all. Runs inside the
-    graph, from the device-side counter of the first layer that has one: no copy per step."""
-    import torch
-
-    self_cache = getattr(cache, "self_attention_cache", cache)
-    kept = (layer for layer in self_cache.layers if getattr(layer, "is_initialized", False))
-    counters = (getattr(layer, "cumulative_length", None) for layer in kept)
-    counter = next((c for c in counters if isinstance(c, torch.Tensor)), None)
-    if counter is None:  # no layer keeps keys (linear attention / SSM only): nothing reads the columns
-        return mask
-    slots = torch.arange(mask.shape[1], device=mask.device)
-    return mask & (slots < counter + q)
-
-
-def prefill_mask(cache, mask, q: int):
-    """The 2D mask a prefill hands the model: the prompt's own ``q`` columns when the cache has linear-attention
-    layers (upstream zeroes their padded inputs with a mask of one column per input token), else one column per
-    cache position (the keys the attention reads: models that derive a position bias from the mask, such as Bloom's
-    alibi, need one column per key; the causal mask reads either form), the positions after the prompt False
-    (:func:`_written`)."""
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
-
-    self_cache = getattr(cache, "self_attention_cache", cache)
-    if any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self_cache.layers):
-        return mask[:, :q]
-    return _written(cache, mask, q)
-
-
-def decode_mask(cache, mask):
-    """The 2D mask a decode step hands the model: ``mask`` (one column per cache position), followed, when the cache
-    has sliding-window rings, by one column per ring slot saying whether the position it holds is a real token.
-
-    The ring layers report ``(window, cache length)`` as their mask sizes, so upstream's sliding mask reads exactly
-    these columns; the full-attention layers read the first ``cache length`` ones, those after the token this step
-    writes False (:func:`_written`). Runs inside the decode graph (the ring's position is its device-side counter):
-    no copy per step."""
-    import torch
-
-    ring = next((la for la in getattr(cache, "layers", ()) if getattr(la, "ring", False)), None)
-    written = _written(cache, mask, 1)
-    if ring is None:
-        return written
-    window = ring.max_cache_len
-    # the ring holds positions counter - window + 1 ... counter (the token this step writes)
-    positions = ring.cumulative_length + 1 - window + torch.arange(window, device=mask.device)
-    real = mask.index_select(1, positions.clamp(min=0)) & (positions >= 0)
-    return torch.cat([written, real], dim=1)
 
 
 # ---- the padding mask upstream builds from the loop's 2D mask, on a tpu device ----
