@@ -89,7 +89,7 @@ def _model_kwargs(extra: dict) -> dict:
 
 
 def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
-    from hf_tpu.transformers._cache.static import prefill_mask
+    from hf_tpu.transformers._cache.masks import prefill_mask
 
     ids, positions = _split(packed, extra)
     q = ids.shape[1]
@@ -104,7 +104,7 @@ def _decoder_prefill(model, packed, mask, cache, extra, sampling=None):
 
 def _embeds_prefill(model, embeds, positions, mask, cache, extra, sampling=None):
     """The prefill of a prompt given as embeddings (``generate(inputs_embeds=...)``), left-padded with zeros."""
-    from hf_tpu.transformers._cache.static import prefill_mask
+    from hf_tpu.transformers._cache.masks import prefill_mask
 
     out = model(
         inputs_embeds=embeds, position_ids=positions, attention_mask=prefill_mask(cache, mask, embeds.shape[1]),
@@ -117,7 +117,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
     """The prefill of a right-aligned prompt: ``slots`` holds each token's cache slot, -1 for the padding after it."""
     import torch
 
-    from hf_tpu.transformers._cache.static import prefill_mask
+    from hf_tpu.transformers._cache.masks import prefill_mask
 
     length = (slots >= 0).sum(dim=-1)[:1]  # the prompt's length (one per call: every row has it)
     kwargs = _model_kwargs(extra)  # (a copy: ALIGNED is set)
@@ -137,7 +137,7 @@ def _aligned_prefill(model, ids, slots, mask, cache, extra, sampling):
 
 
 def _decoder_decode(model, packed, mask, cache, extra, sampling=None):
-    from hf_tpu.transformers._cache.static import decode_mask
+    from hf_tpu.transformers._cache.masks import decode_mask
 
     ids, positions = _split(packed, extra)
     _mark(sampling, ids)
@@ -424,14 +424,16 @@ def cache_namespace(cache, model, state: ModelState):
     backend = _backend_for(settings, model.device)
     from hf_tpu.transformers import _step_outputs, sampling
     from hf_tpu.transformers._cache import layer_classes as _cache_layer_classes
+    from hf_tpu.transformers._cache import masks as _cache_masks
     from hf_tpu.transformers._cache import static as _cache_static
+    from hf_tpu.transformers._cache import writes as _cache_writes
     from hf_tpu.transformers.sampling import _processors, _registry, _warpers
 
-    # the graphs' own code: this module, the device sampling, the outputs they return, and the cache layers and
-    # masks they trace
+    # the graphs' own code: this module, the device sampling, the outputs they return, and the cache layers, masks
+    # and KV writes they trace
     modules = [
-        inspect.getmodule(run_graph), sampling, _registry, _processors, _warpers, _cache_static, _cache_layer_classes,
-        _step_outputs, _beam_graphs, inspect.getmodule(GraphSpec),
+        inspect.getmodule(run_graph), sampling, _registry, _processors, _warpers, _cache_static, _cache_masks,
+        _cache_writes, _cache_layer_classes, _step_outputs, _beam_graphs, inspect.getmodule(GraphSpec),
     ]  # fmt: skip
     for spec in graph_specs():  # (and the module of a kind registered from elsewhere)
         module = inspect.getmodule(spec.body)
@@ -649,9 +651,9 @@ def run_graph(model, state: ModelState, key: tuple, *args):
                 result = _first_trace(model, state, key, compiled, args) if first else compiled(model, *args)
     from transformers.cache_utils import Cache
 
-    from hf_tpu.transformers._cache.static import write_rows
+    from hf_tpu.transformers._cache.writes import write_rows
 
-    for arg in args:  # the rows a decode graph left unwritten (_cache.static.kv_rows_after), written in place now
+    for arg in args:  # the rows a decode graph left unwritten (_cache.writes.kv_rows_after), written in place now
         if isinstance(arg, Cache):
             write_rows(arg)
     _module_state.settle(state)

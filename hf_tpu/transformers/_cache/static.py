@@ -59,10 +59,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# (prefill_mask, decode_mask and write_rows live in .masks and .writes: hf_tpu.transformers._graphs still imports them
-# from here, and hashes this module's source into its compile-cache namespace, until it names their homes)
-from hf_tpu.transformers._cache.masks import decode_mask, prefill_mask  # noqa: F401
-from hf_tpu.transformers._cache.writes import kv_rows_after, write_rows  # noqa: F401
+from hf_tpu.transformers._cache.writes import kv_rows_after
 from hf_tpu.transformers._settings import CACHE_POOL_SIZE, ModelState
 
 __all__: list[str] = []

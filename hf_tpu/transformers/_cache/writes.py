@@ -32,8 +32,11 @@ KV_ROWS_AFTER_LAYER_BYTES = 32 << 20
 
 def kv_write_mode() -> str:
     """``HF_TPU_KV_WRITE`` (``auto`` when unset): ``graph`` (the graph writes the cache, upstream's ``index_copy_``),
-    ``after`` (the rows are written after each decode graph, :func:`write_rows`) or ``auto``."""
-    return _env.KV_WRITE.get()
+    ``after`` (the rows are written after each decode graph, :func:`write_rows`) or ``auto``: the ``kv_write`` kernel
+    form's lookup (:func:`hf_tpu.kernels.forms.choose_form`)."""
+    from hf_tpu.kernels.forms import choose_form
+
+    return choose_form("kv_write")
 
 
 def kv_rows_after(cache) -> bool:
@@ -70,7 +73,9 @@ def kv_rows_writer(tensor) -> str:
         ValueError (InvalidArgumentError): an unknown value, or ``jax`` where it cannot run (not torch_tpu's
             device, or ``jax`` not installed).
     """
-    mode = _env.KV_ROWS_WRITER.get()
+    from hf_tpu.kernels.forms import choose_form
+
+    mode = choose_form("kv_rows_writer")
     if mode == "index_copy":
         return mode
     can = _torch_tpu_tensor(tensor) and _jax_importable()
