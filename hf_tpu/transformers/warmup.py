@@ -27,9 +27,10 @@ from hf_tpu import _torch_tpu
 from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _mm_warmup, _settings, _upstream, route
 from hf_tpu.transformers._graph_key import GraphKind, Variant, public_key
-from hf_tpu.transformers._loops import beam, cacheless
+from hf_tpu.transformers._loops import beam, cacheless  # noqa: F401 - the loops: each registers its LoopSpec
 from hf_tpu.transformers._loops.defaults import own_variant, warm_read_back
-from hf_tpu.transformers._settings import CACHELESS, UPSTREAM
+from hf_tpu.transformers._loops.skeleton import BEAM, loop_spec, route_spec
+from hf_tpu.transformers._settings import UPSTREAM
 from hf_tpu.transformers.buckets import BucketLadder
 
 __all__ = ["WarmupReport", "warmup"]
@@ -217,7 +218,7 @@ def warmup(
                 image_plans, images_note = [], None
                 break
             for beams in beam_counts if not seq2seq else ():
-                keys = keys + beam.warm(model, plan, beams)
+                keys = keys + loop_spec(BEAM).warm(model, plan, variant, num_beams=beams)
             _add_keys(report, keys)
         for images in image_plans:
             bar.set_postfix_str(f"batch {images.batch}, {images.count} image(s) of {images.size[0]}x{images.size[1]}")
@@ -309,11 +310,8 @@ def _warm_one(model, plan, variant: Variant) -> list[tuple] | None:
     :func:`hf_tpu.transformers.route.attempt` as ``generate`` runs its loop: where a graph does not trace, the model
     moves to its next route and that loop's graphs are warmed. Returns the keys, None where the model's route became
     upstream's loop (no graph to compile)."""
-    from hf_tpu.transformers import generation
-
     def run(found) -> list[tuple]:
-        warm = cacheless.warm if found.loop == CACHELESS else generation.warm_plan
-        keys = warm(model, plan, variant)
+        keys = route_spec(found).warm(model, plan, variant)  # (the warm-up the route's loop registered)
         warm_read_back(model, plan.batch)  # (the eager ops that keep the tokens on the device between read-backs)
         return keys
 

@@ -22,12 +22,14 @@ from hf_tpu.errors import InternalError
 from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._cache.handoff import full_attention_only, returned_cache
 from hf_tpu.transformers._cache.static import cache_for, set_decoding, set_length
-from hf_tpu.transformers._graph_key import GraphKind
+from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._graphs import ALIGNED
 from hf_tpu.transformers._graphs import run_graph as _run_graph
 from hf_tpu.transformers._images import mrope_rows
 from hf_tpu.transformers._loops.cached import extra_inputs
-from hf_tpu.transformers._loops.skeleton import ShapePlan, fill_id, output_vocab, plan_shapes
+from hf_tpu.transformers._loops.skeleton import (
+    BEAM, LoopSpec, ShapePlan, fill_id, output_vocab, plan_shapes, register_loop,
+)  # fmt: skip
 from hf_tpu.transformers._settings import CACHED, CACHELESS, NotCompilableError, model_state
 from hf_tpu.transformers._upstream import numbers_by_cache_length, output_cache_field
 
@@ -392,9 +394,10 @@ def _cacheless_beam(model, input_ids, config, model_kwargs, plan, variant, flags
     return _outputs(config, input_ids, beam, width, steps, scores, raw_logits, outputs, None)
 
 
-def warm(model, plan: ShapePlan, num_beams: int) -> list[tuple]:
+def warm(model, plan: ShapePlan, variant: Variant = NO_VARIANT, *, num_beams: int) -> list[tuple]:
     """Compile (or find compiled) the beam graphs of ``plan`` (its batch: prompts, before the beams) for a call with
-    the model's own ``generation_config`` and ``num_beams``; returns their keys."""
+    the model's own ``generation_config`` and ``num_beams``; returns their keys. (``variant``, the greedy loop's, is
+    not read: a beam graph's is its processors' and its beams'.)"""
     import torch
 
     from hf_tpu.transformers.sampling import device_plan
@@ -448,3 +451,6 @@ def _processors(model, ids, num_beams: int):
         generation_config=config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
         logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={},
     )  # fmt: skip
+
+
+register_loop(LoopSpec(BEAM, beam_loop, warm))

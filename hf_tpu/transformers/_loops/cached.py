@@ -21,8 +21,8 @@ from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._graphs import ALIGNED, MROPE, run_graph
 from hf_tpu.transformers._images import check_image_tokens, features_shape, mrope_rows, positioned
 from hf_tpu.transformers._loops.defaults import warm_sampling
-from hf_tpu.transformers._loops.skeleton import LoopCall, ShapePlan, Steps, loop, plan_shapes
-from hf_tpu.transformers._settings import model_state
+from hf_tpu.transformers._loops.skeleton import LoopCall, LoopSpec, ShapePlan, Steps, loop, plan_shapes, register_loop
+from hf_tpu.transformers._settings import CACHED, HOST_LENGTH, model_state
 from hf_tpu.transformers._upstream import cache_name, numbers_by_cache_length, prompt_first_inputs
 
 __all__: list[str] = []
@@ -277,3 +277,9 @@ def warm_plan(model, plan: ShapePlan, variant: Variant = NO_VARIANT) -> list[tup
         run_graph(model, state, decode_key, step, mask_dev, cache, extra, sampling)
         cache.reset()
         return [prefill_key, decode_key]
+
+
+# The routes "cached" and "host_length" run this loop (the latter's cache layers report their length as a host
+# number: its graphs are its own, the loop is the same).
+register_loop(LoopSpec(CACHED, decode_loop, warm_plan))
+register_loop(LoopSpec(HOST_LENGTH, decode_loop, warm_plan))
