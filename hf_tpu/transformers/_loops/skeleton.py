@@ -31,6 +31,12 @@ The sampling plan of a call (:func:`sampling_plan`, the one decision) is asked h
 for warm-up and :func:`hf_tpu.transformers.explain`, by :mod:`.defaults`. Beam search (:mod:`.beam`) keeps its search
 state on the device and has a host side of its own.
 
+**The loops' registry** (:class:`LoopSpec`, :func:`register_loop`, :func:`loop_spec`): each loop, beam's too,
+registers its spec here once, under its route's name (:data:`BEAM` for beam's), with its ``custom_generate`` and
+its warm-up; :func:`hf_tpu.transformers.generation.run_loop` runs the spec :func:`route_spec` finds for the call's
+route, and :func:`hf_tpu.warmup` its warm-up. It lives in this module, which every call's path passes through
+already.
+
 Example:
     >>> plan_shapes(model, batch=1, prompt_len=500, max_new_tokens=8)      # doctest: +SKIP
     ShapePlan(batch=1, prompt_len=500, prompt_bucket=512, cache_bucket=640, encoder_bucket=None)
