@@ -42,7 +42,9 @@ the module that defines a name; ``hf_tpu.sim`` is the bottom room. The rules:
    ``os.environ.get(K)``, ``os.environ[K]`` (read), ``K in os.environ`` or ``os.getenv(K)`` where ``K`` is an
    ``HF_TPU_...`` string or f-string, a variable's ``_env.X.name``, or a name bound anywhere in hf_tpu to one of
    those (``KV_WRITE_ENV = _env.KV_WRITE.name``, read as ``writes.KV_WRITE_ENV``). Writing one for a child process
-   (``os.environ[K] = ...``, ``setdefault``) is allowed. A read through another alias of ``os.environ`` is not seen.
+   (``os.environ[K] = ...``, ``setdefault``) is allowed. A read through another alias of ``os.environ`` is not seen;
+8. no function of ``hf_tpu.transformers`` is over :data:`LONGEST_FUNCTION` lines, from its ``def`` to its last line,
+   docstring included (issue #66: a long one is split into named steps).
 """
 
 from __future__ import annotations
@@ -558,3 +560,39 @@ def test_the_environment_rule_catches_what_it_names():
     assert caught('import os\nos.environ["HF_TPU_SIM_GENERATION"] = "v5p"') == []  # a write for child processes
     assert caught('import os\nos.environ.setdefault("HF_TPU_SIM_HBM", "1")') == []
     assert caught('import os\nx = _env.DEBUG.get()') == []
+
+
+# Rule 8: the most lines a function of hf_tpu.transformers may take (issue #66).
+LONGEST_FUNCTION = 100
+
+
+def long_functions(source: str, limit: int = LONGEST_FUNCTION) -> list[tuple[int, str, int]]:
+    """``(line, name, lines)`` of each function (nested ones too) of ``source`` over ``limit`` lines."""
+    return [
+        (node.lineno, node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_no_function_of_the_transformers_room_is_over_the_longest():
+    room = PACKAGE_DIR / "transformers"
+    paths = sorted(room.rglob("*.py"))
+    assert len(paths) > 20  # (the room is read)
+    wrong = [
+        f"  {path.relative_to(PACKAGE_DIR.parent).as_posix()}:{line} {name}: {lines} lines"
+        for path in paths
+        for line, name, lines in long_functions(path.read_text())
+    ]
+    assert not wrong, (
+        f"functions of hf_tpu.transformers over {LONGEST_FUNCTION} lines (split each into named steps):\n"
+        + "\n".join(wrong)
+    )
+
+
+def test_the_function_length_rule_catches_what_it_names():
+    body = "".join(f"    x{i} = {i}\n" for i in range(LONGEST_FUNCTION))
+    assert long_functions(f"def f():\n{body}") == [(1, "f", LONGEST_FUNCTION + 1)]
+    nested = "".join(f"        x{i} = {i}\n" for i in range(LONGEST_FUNCTION))
+    assert long_functions(f"class C:\n    async def g(self):\n{nested}") == [(2, "g", LONGEST_FUNCTION + 1)]
+    assert long_functions("def f():\n" + "".join(f"    x{i} = {i}\n" for i in range(LONGEST_FUNCTION - 1))) == []

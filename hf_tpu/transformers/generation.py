@@ -75,14 +75,15 @@ from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _images
 from hf_tpu.transformers._graph_key import GraphKind
 from hf_tpu.transformers._graphs import PENALTY, run_graph
-from hf_tpu.transformers._loops import beam, cacheless
-from hf_tpu.transformers._loops.cached import decode_loop, warm_plan
+from hf_tpu.transformers._loops import beam, cacheless  # noqa: F401 - the loops: each registers its LoopSpec
+from hf_tpu.transformers._loops.cached import warm_plan
 from hf_tpu.transformers._loops.defaults import default_variant
 from hf_tpu.transformers._loops.readback import ReadBacks, read_backs
-from hf_tpu.transformers._loops.skeleton import LADDER_FIX, ShapePlan, fill_id, ladder_figures, plan_shapes
+from hf_tpu.transformers._loops.skeleton import (
+    LADDER_FIX, ShapePlan, fill_id, ladder_figures, plan_shapes, route_spec,
+)  # fmt: skip
 from hf_tpu.transformers._notes import WARNED, warn_once
 from hf_tpu.transformers._settings import (
-    CACHELESS,
     DEVICE_TYPES,
     IMAGES,
     STRICT_EAGER,
@@ -316,20 +317,10 @@ def _float_inputs_on_device(model, args: tuple, kwargs: dict) -> tuple[tuple, di
 
 
 def run_loop(model, *args, hf_tpu_plan: dict, **kwargs):
-    """The ``custom_generate`` callable hf_tpu hands upstream's ``generate``: the loop of the call's route
-    (``hf_tpu_plan["route"]``): :func:`~hf_tpu.transformers._loops.beam.beam_loop` for a beam call (``route.beams``),
-    :func:`~hf_tpu.transformers._loops.cached.decode_loop` for the cached and host-length routes,
-    :func:`~hf_tpu.transformers._loops.cacheless.cacheless_loop` for the loop without a cache (whose reason, where the
-    cached loop cannot serve the model, is said once its graphs ran)."""
-    route = hf_tpu_plan["route"]
-    if route.beams:
-        return beam.beam_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
-    if route.loop != CACHELESS:
-        return decode_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
-    result = cacheless.cacheless_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
-    if route.warn:
-        warn_once(f"no cache:{route.reason}", f"hf_tpu: {route.reason}; {cacheless.NO_CACHE_NOTE}.")
-    return result
+    """The ``custom_generate`` callable hf_tpu hands upstream's ``generate``: the loop registered for the call's
+    route (``hf_tpu_plan["route"]``, :func:`~hf_tpu.transformers._loops.skeleton.route_spec`: beam search's for a
+    beam call, else the route's own loop), which runs the call."""
+    return route_spec(hf_tpu_plan["route"]).run(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
 
 
 def _bos_prompt(model, arguments: dict, model_kwargs: dict):

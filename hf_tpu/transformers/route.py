@@ -23,8 +23,9 @@ through :func:`attempt`, the one demote-and-retry: a step on the call's route, a
 the step again on the route the call takes after :func:`demote`. The architecture sweep and the docs read the route;
 :func:`explain` is the public question.
 
-Adding a fallback: a loop name here, its place in :func:`demote`'s order, the loop's ``custom_generate`` in
-:func:`hf_tpu.transformers.generation.run_loop`, its warm function in :mod:`hf_tpu.transformers.warmup`.
+Adding a fallback: a loop name here and its place in :func:`demote`'s order; the loop itself is one module of
+:mod:`hf_tpu.transformers._loops` registering its spec under that name (its ``custom_generate`` and its warm-up,
+which :func:`hf_tpu.transformers.generation.run_loop` and :mod:`hf_tpu.transformers.warmup` look up).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -27,9 +28,10 @@ from hf_tpu import _torch_tpu
 from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _mm_warmup, _settings, _upstream, route
 from hf_tpu.transformers._graph_key import GraphKind, Variant, public_key
-from hf_tpu.transformers._loops import beam, cacheless
+from hf_tpu.transformers._loops import beam, cacheless  # noqa: F401 - the loops: each registers its LoopSpec
 from hf_tpu.transformers._loops.defaults import own_variant, warm_read_back
-from hf_tpu.transformers._settings import CACHELESS, UPSTREAM
+from hf_tpu.transformers._loops.skeleton import BEAM, loop_spec, route_spec
+from hf_tpu.transformers._settings import UPSTREAM
 from hf_tpu.transformers.buckets import BucketLadder
 
 __all__ = ["WarmupReport", "warmup"]
@@ -143,6 +145,34 @@ def warmup(
     """
     from tqdm.auto import tqdm
 
+    state = _placed(model, buckets, strict, cache_dir)
+    found = route.explain(model)  # the route of a call with the model's own generation_config
+    if found.loop == UPSTREAM:  # no graph of it to compile: said once, as generate says it
+        return WarmupReport(batch_sizes=tuple(batch_sizes), not_warmed=[_upstream_note(found.reason)])
+    ladder = state.ladder(model.config)
+    batch_sizes = _batch_sizes(batch_sizes)
+    images = _image_plan(image_sizes, num_images)
+    if _upstream.encoder_input_name(model):  # (Whisper's: its own generate on silent features of its window)
+        return _warm_calls(model, state, batch_sizes, progress, lambda b: _mm_warmup.warm_features(
+            model, b, max_new_tokens, dict(generate_kwargs or {})))  # fmt: skip
+    prompt_buckets = ladder.up_to(max_prompt_len)
+    notes: list[str] = []
+    beam_counts = _beam_counts(model, num_beams, notes)
+    variant = own_variant(model)
+    plans = _shape_plans(model, state, batch_sizes, prompt_buckets, max_new_tokens, variant)
+    image_plans = [(batch, size, count) for batch in batch_sizes for size, count in images]
+    report = WarmupReport(prompt_buckets=prompt_buckets, batch_sizes=batch_sizes, not_warmed=notes)
+    with _counted(report, state), tqdm(plans, desc="hf_tpu warm-up", unit="shape", disable=not progress) as bar:
+        image_plans, images_note = _check_images(model, state, image_plans, prompt_buckets, bar)
+        if not _warm_shapes(model, report, bar, variant, beam_counts):
+            image_plans, images_note = [], None
+        _warm_image_calls(model, state, report, bar, image_plans, images_note, plans, max_new_tokens, variant)
+    return report
+
+
+def _placed(model, buckets, strict, cache_dir):
+    """The model's state, once ``buckets``, ``strict`` and ``cache_dir`` are set and the model is found on the TPU
+    with hf_tpu's ``generate`` (else the error saying why); a MoE's experts form chosen."""
     from hf_tpu.transformers import generation
 
     if buckets is not None or strict is not None:
@@ -165,90 +195,97 @@ def warmup(
     from hf_tpu.kernels.experts_forms import prefer_measured
 
     prefer_measured(model)  # a MoE on torch_tpu: each bucket's measured-fastest experts form
-    found = route.explain(model)  # the route of a call with the model's own generation_config
-    if found.loop == UPSTREAM:  # no graph of it to compile: said once, as generate says it
-        return WarmupReport(batch_sizes=tuple(batch_sizes), not_warmed=[_upstream_note(found.reason)])
-    ladder = state.ladder(model.config)
-    batch_sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
-    if not batch_sizes or min(batch_sizes) < 1:
-        raise InvalidArgumentError(f"batch_sizes must hold positive integers, got {batch_sizes!r}")
-    images = _image_plan(image_sizes, num_images)
-    if _upstream.encoder_input_name(model):  # (Whisper's: its own generate on silent features of its window)
-        return _warm_calls(model, state, batch_sizes, progress, lambda b: _mm_warmup.warm_features(
-            model, b, max_new_tokens, dict(generate_kwargs or {})))  # fmt: skip
-    prompt_buckets = ladder.up_to(max_prompt_len)
-    seq2seq = bool(model.config.is_encoder_decoder)
+    return state
 
-    notes: list[str] = []
-    beam_counts = _beam_counts(model, num_beams, notes)
-    variant = own_variant(model)
+
+def _shape_plans(model, state, batch_sizes, prompt_buckets, max_new_tokens: int, variant: Variant) -> list:
+    """The shape plans warm-up covers: every batch size with every prompt bucket (an encoder-decoder's: encoder
+    bucket), then those of the compile cache's manifest (what earlier processes needed)."""
+    from hf_tpu.transformers import generation
+
     plans = []
     for batch in batch_sizes:
         for bucket in prompt_buckets:
-            if seq2seq:
+            if model.config.is_encoder_decoder:
                 plans.append(
                     generation.plan_shapes(model, batch, 1, max_new_tokens, encoder_len=bucket, variant=variant)
                 )
             else:
                 plans.append(generation.plan_shapes(model, batch, bucket, max_new_tokens, variant=variant))
-    plans += [p for p in _manifest_plans(model, state) if p not in plans]
-    image_plans = [(batch, size, count) for batch in batch_sizes for size, count in images]
+    return plans + [p for p in _manifest_plans(model, state) if p not in plans]
 
-    before = len(state.compiled)
-    hits_before = _cache_hits()
-    tpu_before = _torch_tpu.cache_stats()
+
+@contextlib.contextmanager
+def _counted(report: WarmupReport, state):
+    """Warm-up's block: the model not counted as warmed inside it (strict mode refuses new graphs only outside
+    warm-up, so a second warm-up, other sampling settings or more batch sizes, compiles what the first did not) and
+    left as it was where the block fails; after it, ``report``'s time and counts (graphs compiled, loaded from the
+    compile cache, torch_tpu's cache requests and misses)."""
+    before, hits_before, tpu_before = len(state.compiled), _cache_hits(), _torch_tpu.cache_stats()
     start = time.perf_counter()
-    report = WarmupReport(prompt_buckets=prompt_buckets, batch_sizes=batch_sizes, not_warmed=notes)
-    bar = tqdm(plans, desc="hf_tpu warm-up", unit="shape", disable=not progress)
-    # A second warm-up (other sampling settings, more batch sizes) compiles what the first did not: strict mode
-    # refuses new graphs only outside warm-up. A warm-up that fails leaves the model as it found it.
     was_warmed, state.warmed = state.warmed, False
     try:
-        # every image request is checked (its vision graph compiled) before any text graph: a request warm-up cannot
-        # serve (a size the processor never returns, more tokens than the largest bucket holds) fails at once, not
-        # after the text graphs' minutes of compiling
-        image_plans, images_note = _check_images(model, state, image_plans, prompt_buckets, bar)
-        for plan in bar:
-            shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
-            bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
-            keys = _warm_one(model, plan, variant)
-            if keys is None:  # a trace demoted the model to upstream's loop: no graph of it to compile
-                notes.append(_upstream_note(route.model_route(model).reason))
-                image_plans, images_note = [], None
-                break
-            for beams in beam_counts if not seq2seq else ():
-                keys = keys + beam.warm(model, plan, beams)
-            _add_keys(report, keys)
-        for images in image_plans:
-            bar.set_postfix_str(f"batch {images.batch}, {images.count} image(s) of {images.size[0]}x{images.size[1]}")
-            loop = route.model_route(model).loop
-            keys = _warm_images(model, state, notes, images, max_new_tokens, variant)
-            if keys is None:  # image calls run upstream's loop (said in notes): no image graph to compile
-                if route.model_route(model).loop not in (loop, UPSTREAM):  # (the image prefill demoted the model)
-                    for plan in plans:  # its text calls' graphs are the new route's
-                        _add_keys(report, _warm_one(model, plan, variant) or ())
-                break
-            _add_keys(report, keys)
-        else:  # every checked request warmed: where the next one found image calls run upstream's loop (its image
-            if images_note is not None:  # encoder not one graph), said now, after their graphs, as it always was
-                notes.append(_upstream_note(images_note, images=True))
+        yield
     except BaseException:
         state.warmed = was_warmed
         raise
-    finally:
-        bar.close()
     state.warmed = True
     report.seconds = time.perf_counter() - start
-    cache = _settings.compile_cache_of(state)
     report.from_cache = _cache_hits() - hits_before
     report.new_compiles = len(state.compiled) - before - report.from_cache
     if tpu_before is not None:
         spent = _torch_tpu.cache_stats() - tpu_before
         report.tpu_cache_requests, report.tpu_cache_misses = spent.requests, spent.misses
+    cache = _settings.compile_cache_of(state)
     if cache is not None:
-        report.cache_dir = str(cache.root)
-        report.cache_problems = list(cache.problems)
-    return report
+        report.cache_dir, report.cache_problems = str(cache.root), list(cache.problems)
+
+
+def _warm_shapes(model, report: WarmupReport, bar, variant: Variant, beam_counts: tuple[int, ...]) -> bool:
+    """Warm each shape plan of ``bar`` with the route's loop (:func:`_warm_one`) and each beam count's loop; False
+    where a trace demoted the model to upstream's loop (said in ``report.not_warmed``: no graph of it to compile)."""
+    seq2seq = bool(model.config.is_encoder_decoder)
+    for plan in bar:
+        shape = f"batch {plan.batch}, {'encoder' if seq2seq else 'prompt'} {plan.encoder_bucket or plan.prompt_bucket}"
+        bar.set_postfix_str(f"{shape}, cache {plan.cache_bucket}")
+        keys = _warm_one(model, plan, variant)
+        if keys is None:  # a trace demoted the model to upstream's loop: no graph of it to compile
+            report.not_warmed.append(_upstream_note(route.model_route(model).reason))
+            return False
+        for beams in beam_counts if not seq2seq else ():
+            keys = keys + loop_spec(BEAM).warm(model, plan, variant, num_beams=beams)
+        _add_keys(report, keys)
+    return True
+
+
+def _warm_image_calls(model, state, report: WarmupReport, bar, image_plans, images_note, plans, max_new_tokens,
+                      variant: Variant) -> None:  # fmt: skip
+    """Warm the image requests :func:`_check_images` checked, until image calls are found to run upstream's loop
+    (said in ``report.not_warmed``; where an image prefill's trace demoted the model, its text ``plans`` are warmed
+    again for its new route)."""
+    notes = report.not_warmed
+    for images in image_plans:
+        bar.set_postfix_str(f"batch {images.batch}, {images.count} image(s) of {images.size[0]}x{images.size[1]}")
+        loop = route.model_route(model).loop
+        keys = _warm_images(model, state, notes, images, max_new_tokens, variant)
+        if keys is None:  # image calls run upstream's loop (said in notes): no image graph to compile
+            if route.model_route(model).loop not in (loop, UPSTREAM):  # (the image prefill demoted the model)
+                for plan in plans:  # its text calls' graphs are the new route's
+                    _add_keys(report, _warm_one(model, plan, variant) or ())
+            return
+        _add_keys(report, keys)
+    # every checked request warmed: where the next one found image calls run upstream's loop (its image encoder not
+    # one graph), said now, after their graphs, as it always was
+    if images_note is not None:
+        notes.append(_upstream_note(images_note, images=True))
+
+
+def _batch_sizes(batch_sizes) -> tuple[int, ...]:
+    """``batch_sizes`` as a tuple of distinct ints, in order (none, or one below 1: the error)."""
+    batch_sizes = tuple(dict.fromkeys(int(b) for b in batch_sizes))
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise InvalidArgumentError(f"batch_sizes must hold positive integers, got {batch_sizes!r}")
+    return batch_sizes
 
 
 def _image_plan(image_sizes, num_images) -> list[tuple[tuple[int, int], int]]:
@@ -273,26 +310,10 @@ def _warm_calls(model, state, batch_sizes, progress: bool, warm) -> WarmupReport
     :func:`warmup` counts its graphs."""
     from tqdm.auto import tqdm
 
-    before, hits_before, tpu_before = len(state.compiled), _cache_hits(), _torch_tpu.cache_stats()
-    start = time.perf_counter()
     report = WarmupReport(batch_sizes=batch_sizes)
-    was_warmed, state.warmed = state.warmed, False
-    try:
+    with _counted(report, state):
         for batch in tqdm(batch_sizes, desc="hf_tpu warm-up", unit="batch size", disable=not progress):
             _add_keys(report, warm(batch))
-    except BaseException:
-        state.warmed = was_warmed
-        raise
-    state.warmed = True
-    report.seconds = time.perf_counter() - start
-    report.from_cache = _cache_hits() - hits_before
-    report.new_compiles = len(state.compiled) - before - report.from_cache
-    if tpu_before is not None:
-        spent = _torch_tpu.cache_stats() - tpu_before
-        report.tpu_cache_requests, report.tpu_cache_misses = spent.requests, spent.misses
-    cache = _settings.compile_cache_of(state)
-    if cache is not None:
-        report.cache_dir, report.cache_problems = str(cache.root), list(cache.problems)
     return report
 
 
@@ -309,11 +330,8 @@ def _warm_one(model, plan, variant: Variant) -> list[tuple] | None:
     :func:`hf_tpu.transformers.route.attempt` as ``generate`` runs its loop: where a graph does not trace, the model
     moves to its next route and that loop's graphs are warmed. Returns the keys, None where the model's route became
     upstream's loop (no graph to compile)."""
-    from hf_tpu.transformers import generation
-
     def run(found) -> list[tuple]:
-        warm = cacheless.warm if found.loop == CACHELESS else generation.warm_plan
-        keys = warm(model, plan, variant)
+        keys = route_spec(found).warm(model, plan, variant)  # (the warm-up the route's loop registered)
         warm_read_back(model, plan.batch)  # (the eager ops that keep the tokens on the device between read-backs)
         return keys
 
@@ -327,7 +345,9 @@ def _check_images(model, state, image_plans, prompt_buckets, bar) -> tuple[list,
     encoder is not one graph, found now or before warm-up): the
     :class:`~hf_tpu.transformers._mm_warmup.ImageWarmup` of the requests checked before, and that reason (None
     where none was found), which :func:`warmup` notes once after warming them, where warming each request in turn
-    found it."""
+    found it. :func:`warmup` checks them before any text graph: a request it cannot serve (a size the processor never
+    returns, more tokens than the largest bucket holds) fails at once, not after the text graphs' minutes of
+    compiling."""
     from hf_tpu.transformers._settings import NotCompilableError
 
     checked = []

@@ -8,6 +8,8 @@ The attribute names are checked against the wheel's in tests/contract/test_compi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ import hf_tpu
 import hf_tpu.sim
 from hf_tpu import _torch_tpu
 from hf_tpu.transformers import generation
+from hf_tpu.transformers._loops import skeleton
 
 
 def test_get_cache_stats_counts_eager_signatures_and_graph_compiles_as_misses():
@@ -74,7 +77,8 @@ def test_warmup_reports_torch_tpu_cache_and_strict_eager_passes_inside_the_ladde
 
 def test_strict_eager_raises_on_an_eager_compile_after_warmup_and_strict_graphs_does_not(warmed, prompts, monkeypatch):
     _, tpu, _ = warmed
-    real_loop = generation.decode_loop
+    spec = skeleton.loop_spec(generation.explain(tpu).loop)  # the loop the calls below take
+    real_loop = spec.run
     calls = []
 
     def loop_with_a_new_eager_op(*args, **kwargs):
@@ -83,7 +87,7 @@ def test_strict_eager_raises_on_an_eager_compile_after_warmup_and_strict_graphs_
         torch.full((3, 5, 1000 + len(calls)), 2.0, device="tpu")
         return real_loop(*args, **kwargs)
 
-    monkeypatch.setattr(generation, "decode_loop", loop_with_a_new_eager_op)
+    monkeypatch.setitem(skeleton.LOOP_SPECS, spec.name, dataclasses.replace(spec, run=loop_with_a_new_eager_op))
     ids, mask = prompts([4, 9])
     generation.configure(tpu, strict=True)  # graphs only: the eager compile goes through
     tpu.generate(ids, attention_mask=mask, max_new_tokens=6)

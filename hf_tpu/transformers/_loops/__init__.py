@@ -22,8 +22,14 @@ the loop of the call's route (decided once, in :mod:`hf_tpu.transformers.route`)
 
 The route ``"upstream"`` has no loop here: upstream's own runs (:mod:`hf_tpu.transformers._upstream` says why).
 
-**A new loop** goes here as a module of its own: its ``custom_generate`` callable (built on ``LoopCall`` where it
-shares that shape), its warm-up, its route in :mod:`hf_tpu.transformers.route` and its dispatch in ``run_loop``. The
-bodies of its graphs go into the graph table (:mod:`hf_tpu.transformers._graphs`, whose ``run_graph`` runs every
-graph: strict mode, the persistent compile cache), never here.
+Each loop module registers its :class:`~.skeleton.LoopSpec` once, at its end (:func:`~.skeleton.register_loop`: its
+name, its ``custom_generate``, its warm-up); ``run_loop`` and :func:`hf_tpu.warmup` look the spec up by the route's
+name (:func:`~.skeleton.route_spec`).
+
+**A new loop** goes here as a module of its own: its ``custom_generate`` callable (``skeleton.loop(its_steps)``
+where it shares the skeleton's shape), its warm-up and its one registration; a built-in one is imported by
+:mod:`hf_tpu.transformers.generation`. Where no route takes it yet, its place in the routes' order is decided in
+:mod:`hf_tpu.transformers.route`. The bodies of its graphs go into the graph table
+(:mod:`hf_tpu.transformers._graphs`, whose ``run_graph`` runs every graph: strict mode, the persistent compile
+cache), never here.
 """

@@ -18,16 +18,21 @@ runs upstream's loop with the reason.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from hf_tpu.errors import InternalError
 from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._cache.handoff import full_attention_only, returned_cache
 from hf_tpu.transformers._cache.static import cache_for, set_decoding, set_length
-from hf_tpu.transformers._graph_key import GraphKind
+from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._graphs import ALIGNED
 from hf_tpu.transformers._graphs import run_graph as _run_graph
 from hf_tpu.transformers._images import mrope_rows
 from hf_tpu.transformers._loops.cached import extra_inputs
-from hf_tpu.transformers._loops.skeleton import ShapePlan, fill_id, output_vocab, plan_shapes
+from hf_tpu.transformers._loops.skeleton import (
+    BEAM, LoopSpec, ShapePlan, fill_id, output_vocab, plan_shapes, register_loop,
+)  # fmt: skip
 from hf_tpu.transformers._settings import CACHED, CACHELESS, NotCompilableError, model_state
 from hf_tpu.transformers._upstream import numbers_by_cache_length, output_cache_field
 
@@ -185,29 +190,45 @@ def _output_fill(config) -> int:
     return int(fill)
 
 
-def beam_loop(
-    model,
-    input_ids,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    synced_gpus: bool = False,
-    streamer=None,
-    hf_tpu_plan: dict | None = None,
-    **model_kwargs,
-):
-    """``custom_generate`` callable for beam search and beam sampling on the bucketed cache."""
-    import torch
-    import torch.nn.functional as F
+@dataclass
+class _BeamCall:
+    """What a beam call's loop reads of its arguments (:func:`_beam_call`), on either route."""
 
+    config: object  # the call's generation config
+    input_ids: object  # (batch * num_beams, prompt_len), on the host
+    num_beams: int
+    batch: int  # prompts, before their beams
+    max_new: int  # the new tokens the stopping criteria allow
+    keep: int  # the continuations kept per step (upstream's beams_to_keep)
+    checked: int  # the end-of-sequence ids checked
+    eos: object  # those ids (None: none)
+    do_sample: bool
+    plan: object  # the device sampling plan of its processors
+    flags: dict  # output_attentions / output_hidden_states: graphs of their own
+    variant: Variant
+    types: object  # token_type_ids (GPT-2's; the beams of a prompt share its types), on the host
+
+    def spec(self, width: int) -> tuple:
+        """The beam graphs' search settings, with ``width`` new-token columns in the beam buffers."""
+        return (self.batch, self.num_beams, self.keep, self.config.early_stopping, self.do_sample, self.checked, width)
+
+    def state(self, width: int, last_position, device) -> dict:
+        """The search's device state (:func:`_beam_state`) with ``width`` columns and the prompts' last positions."""
+        divisors = _divisors(self.config, width, self.max_new)
+        fill = _output_fill(self.config)
+        return _beam_state(self.batch, self.num_beams, width, fill, self.max_new, last_position, self.eos, divisors,
+                           device)  # fmt: skip
+
+
+def _beam_call(model, input_ids, logits_processor, stopping_criteria, config, model_kwargs: dict) -> _BeamCall:
+    """The beam call's settings from what upstream's ``generate`` prepared: the new tokens and eos ids its stopping
+    criteria allow, its processors' device plan (one without a device form: upstream's loop, its reason), the graph
+    variant they make."""
     from hf_tpu.transformers.sampling import device_plan
 
-    config = generation_config
-    state, device = model_state(model), model.device
     input_ids = input_ids.to("cpu")
     rows, prompt_len = input_ids.shape
     num_beams = int(config.num_beams)
-    batch = rows // num_beams
     max_new = config.max_length - prompt_len
     limit, eos = _stopping(stopping_criteria, prompt_len)
     max_new = min(max_new, limit) if limit is not None else max_new
@@ -222,22 +243,94 @@ def beam_loop(
         error = NotCompilableError(f"beam search: {plan}: its processors run in the graph only")
         error.reason = str(error)
         raise error
-    flags = step_outputs.asked(config)  # output_attentions / output_hidden_states: graphs of their own
+    flags = step_outputs.asked(config)
     variant = plan.variant.with_features(*beam_features(num_beams, keep, checked, config.early_stopping, do_sample))
     variant = variant.with_features(*step_outputs.features(flags))
-    types = model_kwargs.get("token_type_ids")  # (GPT-2's; the beams of a prompt share its types)
+    types = model_kwargs.get("token_type_ids")
     if types is not None:
         types = types.to("cpu").long()
         variant = variant.with_features("token_type_ids")  # (graphs taking them: their own kind)
+    return _BeamCall(config, input_ids, num_beams, rows // num_beams, max_new, keep, checked, eos, do_sample, plan,
+                     flags, variant, types)  # fmt: skip
+
+
+def beam_loop(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    hf_tpu_plan: dict | None = None,
+    **model_kwargs,
+):
+    """``custom_generate`` callable for beam search and beam sampling: on the bucketed cache
+    (:func:`_cached_beam`), or on the route without a cache (:func:`_cacheless_beam`)."""
+    call = _beam_call(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
     if (hf_tpu_plan or {}).get("route") is not None and hf_tpu_plan["route"].loop == CACHELESS:
-        return _cacheless_beam(
-            model, input_ids, config, model_kwargs, plan, variant, flags, max_new, keep, checked, eos, do_sample
-        )
-    shapes = plan_shapes(model, rows, prompt_len, max_new, variant=variant, kind="beam_prefill")
-    extra = {**extra_inputs(model), **flags}
+        return _cacheless_beam(model, call, model_kwargs)
+    return _cached_beam(model, call, model_kwargs)
+
+
+def _cached_beam(model, call: _BeamCall, model_kwargs: dict):
+    """Beam search on the bucketed cache: the prompt padded on the left to its bucket, one ``beam_prefill`` graph,
+    then one ``beam_decode`` graph per new token (:func:`_search`)."""
+    import torch
+    import torch.nn.functional as F
+
+    config, input_ids, variant, types = call.config, call.input_ids, call.variant, call.types
+    state, device = model_state(model), model.device
+    rows, prompt_len = input_ids.shape
+    shapes = plan_shapes(model, rows, prompt_len, call.max_new, variant=variant, kind="beam_prefill")
+    extra = {**extra_inputs(model), **call.flags}
     if extra.get(ALIGNED):  # pragma: no cover - route.beam_problem refuses these models
         raise InternalError("the beam loop does not place a prompt-first model's prompt")
+    ids, pos, full_mask, positions = _beam_layout(model, call, model_kwargs, shapes)
+    pad = shapes.prompt_bucket - prompt_len
+    width = shapes.cache_bucket  # the new-token columns of the beam buffers (at least max_new)
+    cache = cache_for(model, state, rows, shapes.cache_bucket, None)
+    mask_dev = full_mask.to(device)
+    decode_extra = extra
+    if types is not None:  # the prompt's (padding: type 0, masked), then its last one for every new token, as
+        # upstream's loop extends them (rows of one prompt share them, so the beams' reorder leaves them alone)
+        extra = {**extra, "token_type_ids": F.pad(types, (pad, 0), value=0).to(device)}
+        decode_extra = {**decode_extra, "token_type_ids": types[:, -1:].to(device)}
+    sampling = call.plan.to_device(device, shapes.cache_bucket + 1, pad)
+    spec = call.spec(width)
+    beam = call.state(width, positions[:, -1].clone(), device)
+    prefill_key = (GraphKind("beam_prefill", variant), rows, shapes.prompt_bucket, shapes.cache_bucket)
+    decode_key = (GraphKind("beam_decode", variant), rows, shapes.cache_bucket)
+    static_len = config.max_length - 1 if config.cache_implementation == "static" else None
+    outputs = step_outputs.StepOutputs(call.flags, key_width=static_len) if call.flags else None
 
+    set_length(cache, 0)
+    packed = torch.cat([ids, pos], dim=1).to(device)
+    first = _run(model, state, prefill_key, packed, mask_dev, cache, extra, spec, beam, sampling)
+    set_decoding(cache, True, rows_after=False)
+
+    def seen(steps: int) -> tuple[slice, slice]:  # this step's forward: the prompt at the prefill, then one token
+        queries = slice(pad, shapes.prompt_bucket) if steps == 0 else slice(0, 1)
+        return queries, slice(pad, shapes.prompt_bucket + steps)
+
+    def step():
+        return _run(model, state, decode_key, mask_dev, cache, decode_extra, spec, beam, sampling)
+
+    steps, scores, raw_logits = _search(config, first, step, call.max_new, outputs, seen)
+    cache_out = None
+    if config.return_dict_in_generate:
+        cache_out = returned_cache(model, cache, pad, shapes.prompt_bucket + steps - 1, static_len)
+    return _outputs(config, input_ids, beam, width, steps, scores, raw_logits, outputs, cache_out)
+
+
+def _beam_layout(model, call: _BeamCall, model_kwargs: dict, shapes: ShapePlan) -> tuple:
+    """The prompt padded on the left to its bucket: ``(ids, positions, mask over the cache, the prompt's
+    positions)``, on the host."""
+    import torch
+    import torch.nn.functional as F
+
+    config, input_ids = call.config, call.input_ids
+    rows, prompt_len = input_ids.shape
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones(rows, prompt_len, dtype=torch.long) if mask is None else mask.to("cpu")
     positions = model_kwargs.get("position_ids")
@@ -254,52 +347,31 @@ def beam_loop(
         ],
         dim=1,
     )
-    width = shapes.cache_bucket  # the new-token columns of the beam buffers (at least max_new)
-    cache = cache_for(model, state, rows, shapes.cache_bucket, None)
-    mask_dev = full_mask.to(device)
-    decode_extra = extra
-    if types is not None:  # the prompt's (padding: type 0, masked), then its last one for every new token, as
-        # upstream's loop extends them (rows of one prompt share them, so the beams' reorder leaves them alone)
-        extra = {**extra, "token_type_ids": F.pad(types, (pad, 0), value=0).to(device)}
-        decode_extra = {**decode_extra, "token_type_ids": types[:, -1:].to(device)}
-    sampling = plan.to_device(device, shapes.cache_bucket + 1, pad)
-    spec = (batch, num_beams, keep, config.early_stopping, do_sample, checked, width)
-    beam = _beam_state(
-        batch, num_beams, width, _output_fill(config), max_new, positions[:, -1].clone(), eos,
-        _divisors(config, width, max_new), device,
-    )  # fmt: skip
-    prefill_key = (GraphKind("beam_prefill", variant), rows, shapes.prompt_bucket, shapes.cache_bucket)
-    decode_key = (GraphKind("beam_decode", variant), rows, shapes.cache_bucket)
+    return ids, pos, full_mask, positions
+
+
+def _search(config, first: tuple, step: Callable, max_new: int, outputs, seen: Callable) -> tuple[int, tuple, tuple]:
+    """The search from the prefill graph's outputs ``first``: ``step()`` (the next decode graph) until the device
+    says the search stopped (one boolean read back per step) or ``max_new`` steps ran; the scores and logits asked
+    copied back each step, the attentions and hidden states kept (``seen(steps)``: the step's queries and keys).
+    Returns the steps run and the scores and logits."""
     want_scores = bool(config.return_dict_in_generate and config.output_scores)
     want_logits = bool(config.return_dict_in_generate and config.output_logits)
     scores, raw_logits = (), ()
-    static_len = config.max_length - 1 if config.cache_implementation == "static" else None
-    outputs = step_outputs.StepOutputs(flags, key_width=static_len) if flags else None
-
-    set_length(cache, 0)
-    packed = torch.cat([ids, pos], dim=1).to(device)
-    result = _run(model, state, prefill_key, packed, mask_dev, cache, extra, spec, beam, sampling)
-    set_decoding(cache, True, rows_after=False)
-    steps = 0
+    result, steps = first, 0
     while True:
         finished, step_scores, step_logits = result[:3]
-        if outputs is not None:  # this step's forward: the prompt at the prefill, then one token per beam
-            first = steps == 0
-            queries = slice(pad, shapes.prompt_bucket) if first else slice(0, 1)
-            outputs.add(result[3], queries, slice(pad, shapes.prompt_bucket + steps))
+        if outputs is not None:
+            outputs.add(result[3], *seen(steps))
         steps += 1
         if want_scores:
             scores += (step_scores.to("cpu"),)
         if want_logits:
             raw_logits += (step_logits.to("cpu"),)
         if bool(finished.to("cpu")[0]) or steps >= max_new:
-            break
-        result = _run(model, state, decode_key, mask_dev, cache, decode_extra, spec, beam, sampling)
+            return steps, scores, raw_logits
+        result = step()
 
-    cache_out = None
-    if config.return_dict_in_generate:
-        cache_out = returned_cache(model, cache, pad, shapes.prompt_bucket + steps - 1, static_len)
-    return _outputs(config, input_ids, beam, width, steps, scores, raw_logits, outputs, cache_out)
 
 
 def _outputs(config, input_ids, beam: dict, width: int, steps: int, scores, raw_logits, outputs, cache_out):
@@ -335,8 +407,7 @@ def _outputs(config, input_ids, beam: dict, width: int, steps: int, scores, raw_
     )
 
 
-def _cacheless_beam(model, input_ids, config, model_kwargs, plan, variant, flags, max_new, keep, checked, eos,
-                    do_sample):
+def _cacheless_beam(model, call: _BeamCall, model_kwargs: dict):
     """Beam search without a cache (``use_cache=False``, a model that keeps none): the loop of
     :mod:`hf_tpu.transformers._loops.cacheless` (the ids in a buffer as long as the bucket, the prompt first, the whole
     buffer through the model each step), its rows following the running beams."""
@@ -344,57 +415,45 @@ def _cacheless_beam(model, input_ids, config, model_kwargs, plan, variant, flags
 
     from hf_tpu.transformers._loops import cacheless
 
+    config, input_ids, variant, types = call.config, call.input_ids, call.variant, call.types
     state, device = model_state(model), model.device
     rows, prompt_len = input_ids.shape
-    num_beams = int(config.num_beams)
-    batch = rows // num_beams
     # (length_for prefers the buffers of compiled "cacheless_prefill" graphs of this variant: a beam variant has none,
     # so the call's shape plan sizes the buffer, as it did when kinds were strings and this passed "beam" + variant)
-    length = cacheless.length_for(model, state, rows, prompt_len, max_new, variant)
+    length = cacheless.length_for(model, state, rows, prompt_len, call.max_new, variant)
     pad_id = fill_id(model, config._pad_token_tensor, config._eos_token_tensor)
-    ids, mask, positions = cacheless.cacheless_layout(model, input_ids, model_kwargs, length, max_new, pad_id)
+    ids, mask, positions = cacheless.cacheless_layout(model, input_ids, model_kwargs, length, call.max_new, pad_id)
     ids_dev, mask_dev = ids.to(device), mask.to(device)
     positions_dev = None if positions is None else positions.to(device)
-    extra = {**cacheless.cacheless_extra(model), **flags}
-    types = model_kwargs.get("token_type_ids")
+    extra = {**cacheless.cacheless_extra(model), **call.flags}
     if types is not None:  # the prompt's, then its last one for every new token (the variant says so already)
-        types = types.to("cpu").long()
         extra["token_type_ids"] = torch.cat([types, types[:, -1:].expand(rows, length - prompt_len)], 1).to(device)
-    sampling = plan.to_device(device, length + 1, 0)
+    sampling = call.plan.to_device(device, length + 1, 0)
     width = length  # the new-token columns of the beam buffers (at least max_new)
     last = positions[:, prompt_len - 1].clone() if positions is not None else torch.zeros(rows, dtype=torch.long)
-    spec = (batch, num_beams, keep, config.early_stopping, do_sample, checked, width)
-    beam = _beam_state(batch, num_beams, width, _output_fill(config), max_new, last, eos,
-                       _divisors(config, width, max_new), device)  # fmt: skip
+    spec = call.spec(width)
+    beam = call.state(width, last, device)
     beam["slot"] = torch.tensor([prompt_len - 1]).to(device)  # the prompt's last slot; each step one more
     prefill_key = (GraphKind("beam_cacheless_prefill", variant), rows, length)
     decode_key = (GraphKind("beam_cacheless_decode", variant), rows, length)
-    want_scores = bool(config.return_dict_in_generate and config.output_scores)
-    want_logits = bool(config.return_dict_in_generate and config.output_logits)
-    scores, raw_logits = (), ()
-    outputs = step_outputs.StepOutputs(flags) if flags else None
+    outputs = step_outputs.StepOutputs(call.flags) if call.flags else None
     args = (mask_dev, positions_dev, extra, spec, beam, sampling)
-    result = _run(model, state, prefill_key, ids_dev, *args)
-    steps = 0
-    while True:
-        finished, step_scores, step_logits = result[:3]
-        if outputs is not None:  # upstream's forward without a cache: the whole sequence each step
-            seen = prompt_len + steps
-            outputs.add(result[3], slice(0, seen), slice(0, seen))
-        steps += 1
-        if want_scores:
-            scores += (step_scores.to("cpu"),)
-        if want_logits:
-            raw_logits += (step_logits.to("cpu"),)
-        if bool(finished.to("cpu")[0]) or steps >= max_new:
-            break
-        result = _run(model, state, decode_key, ids_dev, *args)
+    first = _run(model, state, prefill_key, ids_dev, *args)
+
+    def seen(steps: int) -> tuple[slice, slice]:  # upstream's forward without a cache: the whole sequence each step
+        return slice(0, prompt_len + steps), slice(0, prompt_len + steps)
+
+    def step():
+        return _run(model, state, decode_key, ids_dev, *args)
+
+    steps, scores, raw_logits = _search(config, first, step, call.max_new, outputs, seen)
     return _outputs(config, input_ids, beam, width, steps, scores, raw_logits, outputs, None)
 
 
-def warm(model, plan: ShapePlan, num_beams: int) -> list[tuple]:
+def warm(model, plan: ShapePlan, variant: Variant = NO_VARIANT, *, num_beams: int) -> list[tuple]:
     """Compile (or find compiled) the beam graphs of ``plan`` (its batch: prompts, before the beams) for a call with
-    the model's own ``generation_config`` and ``num_beams``; returns their keys."""
+    the model's own ``generation_config`` and ``num_beams``; returns their keys. (``variant``, the greedy loop's, is
+    not read: a beam graph's is its processors' and its beams'.)"""
     import torch
 
     from hf_tpu.transformers.sampling import device_plan
@@ -448,3 +507,6 @@ def _processors(model, ids, num_beams: int):
         generation_config=config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
         logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={},
     )  # fmt: skip
+
+
+register_loop(LoopSpec(BEAM, beam_loop, warm))

@@ -13,7 +13,7 @@ the loop does around its graphs (the sampling plan, each step's host side, the o
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_cache
 from hf_tpu.transformers._cache.static import cache_for, set_decoding, set_length
@@ -21,60 +21,123 @@ from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._graphs import ALIGNED, MROPE, run_graph
 from hf_tpu.transformers._images import check_image_tokens, features_shape, mrope_rows, positioned
 from hf_tpu.transformers._loops.defaults import warm_sampling
-from hf_tpu.transformers._loops.skeleton import LoopCall, ShapePlan, Steps, loop, plan_shapes
-from hf_tpu.transformers._settings import model_state
+from hf_tpu.transformers._loops.skeleton import LoopCall, LoopSpec, ShapePlan, Steps, loop, plan_shapes, register_loop
+from hf_tpu.transformers._settings import CACHED, HOST_LENGTH, model_state
 from hf_tpu.transformers._upstream import cache_name, numbers_by_cache_length, prompt_first_inputs
 
 __all__: list[str] = []
 
 
 def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
-    """The cached loop's part of a call (:func:`decode_loop`): the prompt padded to its bucket, the static cache, the
-    prefill graph, then one decode graph per new token; the cache the call returns."""
+    """The cached loop's part of a call (:func:`decode_loop`): the prompt padded to its bucket (:func:`_lay_out`),
+    the static cache, the prefill graph (:func:`_prefill`), then one decode graph per new token; the cache the call
+    returns."""
+    if model.config.is_encoder_decoder:
+        return _seq2seq_steps(call, model, model_kwargs)
+    state, device = call.state, model.device
+    prompt = _lay_out(call, model, model_kwargs)
+    plan = prompt.plan
+    static_len = None
+    if call.config.cache_implementation == "static":  # upstream generates with a StaticCache this long
+        static_len = call.config.max_length - 1 + (prompt.length if prompt.length != prompt.ids_len else 0)
+    if call.outputs is not None:
+        call.outputs.key_width = static_len
+    cache = cache_for(model, state, call.batch, plan.cache_bucket, None)
+    mask_dev = prompt.full_mask.to(device)
+    # the history of the sampling plan holds the sequence's ids: after the prompt's embeddings that have none
+    sampling = call.sampling(device, plan.cache_bucket + 1, prompt.pad + prompt.length - prompt.ids_len)
+    extra, decode_extra, prefill_key, decode_key = _graph_inputs(call, model, model_kwargs, prompt)
+    inputs = extra, decode_extra, prefill_key, decode_key
+    first = _prefill(call, model, model_kwargs, prompt, cache, mask_dev, sampling, inputs)
+    set_decoding(cache, True)
+    start, length = prompt.pad, prompt.cache_length  # the prompt's first cache slot; the cache's length now
+    # (batch, rows), on the device: each row goes on by one per token, as upstream's loop does
+    positions = prompt.positions[..., -1].T.contiguous().to(device)
+
+    def step(next_tokens):
+        nonlocal length, positions
+        set_length(cache, length)
+        length += 1
+        packed_step, positions = decode_input(next_tokens, positions)
+        result = run_graph(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
+        return call.take(result, slice(0, 1), slice(start, length))
+
+    def returned():
+        return returned_cache(model, cache, start, length, static_len)
+
+    return Steps(first, plan.cache_bucket - plan.prompt_bucket, step, returned)
+
+
+def _seq2seq_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
+    """:func:`cached_steps` of an encoder-decoder model: the encoder ran (``encoder_outputs``); the decoder's prompt
+    (not bucketed) through the prefill graph, then one decode graph per new token."""
+    import torch
+
+    state, device, variant, batch, prompt_len = call.state, model.device, call.variant, call.batch, call.prompt_len
+    encoder_hidden = model_kwargs["encoder_outputs"].last_hidden_state
+    enc_mask = model_kwargs.get("attention_mask")
+    if enc_mask is None:
+        enc_mask = torch.ones(encoder_hidden.shape[:2], dtype=torch.long)
+    plan = plan_shapes(model, batch, prompt_len, call.new_tokens, encoder_len=encoder_hidden.shape[1], variant=variant)
+    cache = cache_for(model, state, batch, plan.cache_bucket, encoder_hidden.shape[1])
+    enc_mask_dev = enc_mask.to(device)
+    sampling = call.sampling(device, plan.cache_bucket + 1, 0)
+    prefill_kind = GraphKind("seq2seq_prefill", variant)
+    prefill_key = (prefill_kind, batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
+    decode_key = (GraphKind("seq2seq_decode", variant), batch, plan.encoder_bucket, plan.cache_bucket)
+    set_length(cache, 0)
+    ids = call.input_ids.to(device)
+    first = run_graph(model, state, prefill_key, ids, encoder_hidden, enc_mask_dev, cache, sampling)
+    set_decoding(cache, True)
+    length = prompt_len
+
+    def step(next_tokens):
+        nonlocal length
+        set_length(cache, length)
+        length += 1
+        ids = next_tokens.to(device)[:, None]
+        return run_graph(model, state, decode_key, ids, encoder_hidden, enc_mask_dev, cache, sampling)
+
+    def returned():
+        return returned_cache(model, cache, 0, length)
+
+    return Steps(first, plan.cache_bucket - prompt_len, step, returned, seq2seq=True)
+
+
+@dataclass
+class _Prompt:
+    """A decoder-only call's prompt as the cached loop lays it out (:func:`_lay_out`)."""
+
+    plan: ShapePlan
+    variant: Variant  # the call's, with the features its inputs add (token types, rows of positions, image types)
+    length: int  # the prompt's length (its embeddings' where it comes as embeddings)
+    ids_len: int  # the ids given (fewer than ``length`` after embeddings)
+    rows: int  # the rows of positions
+    positions: object  # (rows, batch, length) on the host
+    ids: object  # the ids padded to the bucket
+    pos: object  # their positions, padded the same way: (rows, batch, bucket)
+    full_mask: object  # (batch, cache bucket) bool, on the host
+    pad: int  # the padding before the prompt (0: prompt-first)
+    cache_length: int  # the cache's length after the prefill
+    extra: dict  # the graphs' extra model arguments (:func:`extra_inputs`, the outputs asked)
+    embeds: object = None  # the prompt as embeddings
+    types: object = None  # token_type_ids
+    mm_types: object = None  # the image tokens' marks the prefill's forward reads (Gemma 4's mm_token_type_ids)
+
+
+def _lay_out(call: LoopCall, model, model_kwargs: dict) -> _Prompt:
+    """The call's prompt padded to its bucket: on the left, or for a model whose prompt goes first
+    (:data:`~hf_tpu.transformers._graphs.ALIGNED`) first with the bucket's padding after it; its positions and mask,
+    the graph variant its inputs make."""
     import torch
     import torch.nn.functional as F
 
-    state, device, variant = call.state, model.device, call.variant
-    batch, prompt_len, input_ids = call.batch, call.prompt_len, call.input_ids
-    is_seq2seq = bool(model.config.is_encoder_decoder)
-
-    if is_seq2seq:
-        encoder_hidden = model_kwargs["encoder_outputs"].last_hidden_state
-        enc_mask = model_kwargs.get("attention_mask")
-        if enc_mask is None:
-            enc_mask = torch.ones(encoder_hidden.shape[:2], dtype=torch.long)
-        plan = plan_shapes(
-            model, batch, prompt_len, call.new_tokens, encoder_len=encoder_hidden.shape[1], variant=variant
-        )
-        cache = cache_for(model, state, batch, plan.cache_bucket, encoder_hidden.shape[1])
-        enc_mask_dev = enc_mask.to(device)
-        sampling = call.sampling(device, plan.cache_bucket + 1, 0)
-        prefill_kind = GraphKind("seq2seq_prefill", variant)
-        prefill_key = (prefill_kind, batch, plan.encoder_bucket, prompt_len, plan.cache_bucket)
-        decode_key = (GraphKind("seq2seq_decode", variant), batch, plan.encoder_bucket, plan.cache_bucket)
-        set_length(cache, 0)
-        first = run_graph(model, state, prefill_key, input_ids.to(device), encoder_hidden, enc_mask_dev, cache, sampling)
-        set_decoding(cache, True)
-        length = prompt_len
-
-        def step(next_tokens):
-            nonlocal length
-            set_length(cache, length)
-            length += 1
-            ids = next_tokens.to(device)[:, None]
-            return run_graph(model, state, decode_key, ids, encoder_hidden, enc_mask_dev, cache, sampling)
-
-        def returned():
-            return returned_cache(model, cache, 0, length)
-
-        return Steps(first, plan.cache_bucket - prompt_len, step, returned, seq2seq=True)
-
-    layout = call.route.layout  # (what the call's inputs are, decided with its route)
+    batch, prompt_len, variant = call.batch, call.prompt_len, call.variant
     embeds = model_kwargs.get("inputs_embeds")  # the prompt as embeddings: input_ids holds the ids given, if any
     types = model_kwargs.get("token_type_ids")
     if types is not None:  # (graphs taking them: their own kind)
         variant = variant.with_features("token_type_ids")
-    rows = layout.rows
+    rows = call.route.layout.rows  # (what the call's inputs are, decided with its route)
     if rows > 1:  # (positions in rows, packed after the ids)
         variant = variant.with_features("mrope")
     # Gemma 4's processor marks its image tokens (mm_token_type_ids): its prefill's forward reads them (a mask over
@@ -92,16 +155,8 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
     if mask is None:
         mask = torch.ones(batch, prompt_len, dtype=torch.long)
     mask = mask.to("cpu")
-    positions = model_kwargs.get("position_ids")
-    if positions is None:
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    if rows > 1:  # (rows, batch, prompt): upstream's rows (Qwen2-VL's: the text row first, for masks, then 3)
-        positions = positions.to("cpu").long()
-        positions = positions[-rows:] if positions.ndim == 3 else positions.expand(rows, batch, prompt_len)
-    else:
-        positions = positions.to("cpu").long().expand(batch, prompt_len)[None]
+    positions = _prompt_positions(model_kwargs.get("position_ids"), mask, rows, batch, prompt_len)
     pad = plan.prompt_bucket - prompt_len
-    pad_id = call.fill_id
     extra = {**extra_inputs(model, rows), **call.output_flags}
     if extra.get(ALIGNED) and (embeds is not None or types is not None):  # (its cache length found at a trace)
         from hf_tpu.transformers._settings import NotCompilableError
@@ -111,12 +166,12 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
         raise error
     length = prompt_len if extra.get(ALIGNED) else plan.prompt_bucket  # the cache's length after the prefill
     if extra.get(ALIGNED):  # the prompt first, the bucket's padding after it (slot -1)
-        ids = F.pad(input_ids, (0, pad), value=pad_id)
+        ids = F.pad(call.input_ids, (0, pad), value=call.fill_id)
         pos = F.pad(torch.arange(prompt_len).expand(batch, prompt_len), (0, pad), value=-1)[None]
         full_mask = torch.cat([mask.bool(), torch.ones(batch, plan.cache_bucket - prompt_len, dtype=torch.bool)], 1)
         pad = 0
     else:
-        ids = F.pad(input_ids, (pad, 0), value=pad_id)
+        ids = F.pad(call.input_ids, (pad, 0), value=call.fill_id)
         pos = F.pad(positions, (pad, 0), value=0)  # (rows, batch, bucket)
         full_mask = torch.cat(
             [
@@ -125,36 +180,62 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
             ],
             dim=1,
         )
-    start = pad  # the prompt's first cache slot
-    static_len = None
-    if call.config.cache_implementation == "static":  # upstream generates with a StaticCache this long
-        static_len = call.config.max_length - 1 + (prompt_len if prompt_len != ids_len else 0)
-    if call.outputs is not None:
-        call.outputs.key_width = static_len
-    cache = cache_for(model, state, batch, plan.cache_bucket, None)
-    mask_dev = full_mask.to(device)
-    # the history of the sampling plan holds the sequence's ids: after the prompt's embeddings that have none
-    sampling = call.sampling(device, plan.cache_bucket + 1, pad + prompt_len - ids_len)
-    decode_extra = extra
+    return _Prompt(plan, variant, prompt_len, ids_len, rows, positions, ids, pos, full_mask, pad, length, extra,
+                   embeds, types, mm_types)  # fmt: skip
+
+
+def _prompt_positions(positions, mask, rows: int, batch: int, prompt_len: int):
+    """The prompt's positions on the host, ``(rows, batch, prompt_len)``: the call's ``position_ids``, else as
+    upstream's ``generate`` numbers them from the mask."""
+    if positions is None:
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    if rows > 1:  # (rows, batch, prompt): upstream's rows (Qwen2-VL's: the text row first, for masks, then 3)
+        positions = positions.to("cpu").long()
+        return positions[-rows:] if positions.ndim == 3 else positions.expand(rows, batch, prompt_len)
+    return positions.to("cpu").long().expand(batch, prompt_len)[None]
+
+
+def _graph_inputs(call: LoopCall, model, model_kwargs: dict, prompt: _Prompt) -> tuple[dict, dict, tuple, tuple]:
+    """The prefill's and the decode step's extra model arguments (token types, image tokens' marks, the encoded
+    images) on the device, and the two graphs' keys."""
+    import torch.nn.functional as F
+
+    device, batch, plan, pad, variant = model.device, call.batch, prompt.plan, prompt.pad, prompt.variant
+    extra = decode_extra = prompt.extra
     images = model_kwargs.get("mm_encoder_outputs")  # encoded by the vision graph (_images): the prefill merges them
+    types = prompt.types
     if types is not None:  # upstream repeats the prompt's last token type for every new token
         types = types.to("cpu").long()
         extra = {**extra, "token_type_ids": F.pad(types, (pad, 0), value=0).to(device)}
         if not images:  # (with images they mark image tokens for the prefill's mask: Gemma 3 and PaliGemma pass
             # them to the first forward only)
             decode_extra = {**decode_extra, "token_type_ids": types[:, -1:].to(device)}
-    if mm_types is not None:  # (left-padded as the ids: the padding is text)
-        extra = {**extra, "mm_token_type_ids": F.pad(mm_types.to("cpu").long(), (pad, 0), value=0).to(device)}
-    kind = "prefill" if embeds is None else "embeds_prefill"
+    if prompt.mm_types is not None:  # (left-padded as the ids: the padding is text)
+        mm_types = F.pad(prompt.mm_types.to("cpu").long(), (pad, 0), value=0)
+        extra = {**extra, "mm_token_type_ids": mm_types.to(device)}
+    kind = "prefill" if prompt.embeds is None else "embeds_prefill"
     prefill_key = (GraphKind(kind, variant), batch, plan.prompt_bucket, plan.cache_bucket)
     if images:
-        check_image_tokens(model, input_ids, images)  # (upstream's check in the forward: here, on the host ids)
+        check_image_tokens(model, call.input_ids, images)  # (upstream's check in the forward: here, on the host ids)
         extra = {**extra, "mm_encoder_outputs": images}
         prefill_key = (GraphKind("mm_prefill", variant), batch, plan.prompt_bucket, plan.cache_bucket,
                        features_shape(images))  # fmt: skip
     decode_key = (GraphKind("decode", variant), batch, plan.cache_bucket)
+    return extra, decode_extra, prefill_key, decode_key
+
+
+def _prefill(call: LoopCall, model, model_kwargs: dict, prompt: _Prompt, cache, mask_dev, sampling, inputs: tuple
+             ) -> tuple:  # fmt: skip
+    """The prompt into the cache: the prefill graph (ids, or embeddings), or, continuing from the caller's cache, its
+    tokens copied in and the others through the decode graph; returns the first step's outputs, as
+    :meth:`~hf_tpu.transformers._loops.skeleton.LoopCall.take` keeps them."""
+    import torch
+    import torch.nn.functional as F
+
+    state, device, plan, pad, prompt_len = call.state, model.device, prompt.plan, prompt.pad, prompt.length
+    extra, decode_extra, prefill_key, decode_key = inputs  # (:func:`_graph_inputs`)
     set_length(cache, 0)
-    given = model_kwargs.get(cache_name()) if layout.continues else None  # the caller's cache, if it gave one
+    given = model_kwargs.get(cache_name()) if call.route.layout.continues else None  # the caller's cache, if any
     seen = cached_length(given) if given is not None else 0
     if seen:  # continuing: the cached tokens copied in, the others through the decode graph (_cache.handoff)
         if sampling is not None:  # its history: the cached tokens; each decode step adds its own
@@ -165,36 +246,20 @@ def cached_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
         set_decoding(cache, True)
         for index in range(seen, prompt_len):
             set_length(cache, pad + index)
-            packed_step = torch.cat([input_ids[:, index, None], positions[..., index].T], dim=1).to(device)
+            packed_step = torch.cat([call.input_ids[:, index, None], prompt.positions[..., index].T], dim=1).to(device)
             first = run_graph(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
-            first = call.take(first, slice(0, 1), slice(start, pad + index + 1))
+            first = call.take(first, slice(0, 1), slice(pad, pad + index + 1))
         if call.outputs is not None:  # upstream runs the uncached tokens in one forward
             call.outputs.merge(prompt_len - seen)
-    elif embeds is None:
-        packed = torch.cat([ids, *pos], dim=1).to(device)
+        return first
+    if prompt.embeds is None:
+        packed = torch.cat([prompt.ids, *prompt.pos], dim=1).to(device)
         first = run_graph(model, state, prefill_key, packed, mask_dev, cache, extra, sampling)
     else:  # moved to the device like input_ids, wherever the caller left them; the padding: zero rows, masked out
-        padded = F.pad(embeds.to(device=device, dtype=model.dtype), (0, 0, pad, 0))
-        pos = pos if rows > 1 else pos[0]
+        padded = F.pad(prompt.embeds.to(device=device, dtype=model.dtype), (0, 0, pad, 0))
+        pos = prompt.pos if prompt.rows > 1 else prompt.pos[0]
         first = run_graph(model, state, prefill_key, padded, pos.to(device), mask_dev, cache, extra, sampling)
-    if not seen:
-        first = call.take(first, slice(pad, pad + prompt_len), slice(start, start + prompt_len))
-    set_decoding(cache, True)
-    # (batch, rows), on the device: each row goes on by one per token, as upstream's loop does
-    positions = positions[..., -1].T.contiguous().to(device)
-
-    def step(next_tokens):
-        nonlocal length, positions
-        set_length(cache, length)
-        length += 1
-        packed_step, positions = decode_input(next_tokens, positions)
-        result = run_graph(model, state, decode_key, packed_step, mask_dev, cache, decode_extra, sampling)
-        return call.take(result, slice(0, 1), slice(start, length))
-
-    def returned():
-        return returned_cache(model, cache, start, length, static_len)
-
-    return Steps(first, plan.cache_bucket - plan.prompt_bucket, step, returned)
+    return call.take(first, slice(pad, pad + prompt_len), slice(pad, pad + prompt_len))
 
 
 # ``custom_generate`` callable: greedy/sampling decode with bucketed static shapes and compiled graphs.
@@ -277,3 +342,9 @@ def warm_plan(model, plan: ShapePlan, variant: Variant = NO_VARIANT) -> list[tup
         run_graph(model, state, decode_key, step, mask_dev, cache, extra, sampling)
         cache.reset()
         return [prefill_key, decode_key]
+
+
+# The routes "cached" and "host_length" run this loop (the latter's cache layers report their length as a host
+# number: its graphs are its own, the loop is the same).
+register_loop(LoopSpec(CACHED, decode_loop, warm_plan))
+register_loop(LoopSpec(HOST_LENGTH, decode_loop, warm_plan))

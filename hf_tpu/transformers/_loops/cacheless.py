@@ -35,7 +35,9 @@ import inspect
 from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._images import mrope_rows
 from hf_tpu.transformers._loops.defaults import warm_sampling
-from hf_tpu.transformers._loops.skeleton import LoopCall, Steps, fill_id, loop
+from hf_tpu.transformers._loops.skeleton import LoopCall, LoopSpec, Steps, fill_id, loop, register_loop
+from hf_tpu.transformers._notes import warn_once
+from hf_tpu.transformers._settings import CACHELESS
 
 __all__: list[str] = []
 
@@ -300,6 +302,16 @@ def cacheless_steps(call: LoopCall, model, model_kwargs: dict) -> Steps:
 cacheless_loop = loop(cacheless_steps)
 
 
+def run_cacheless(model, *args, hf_tpu_plan: dict, **kwargs):
+    """The route ``"cacheless"``'s loop: :func:`cacheless_loop`, then, where the cached loop cannot serve the model,
+    its reason said once (after the graphs ran: a graph that fails its first trace moves the model on instead)."""
+    result = cacheless_loop(model, *args, hf_tpu_plan=hf_tpu_plan, **kwargs)
+    route = hf_tpu_plan["route"]
+    if route.warn:
+        warn_once(f"no cache:{route.reason}", f"hf_tpu: {route.reason}; {NO_CACHE_NOTE}.")
+    return result
+
+
 def decode_input(next_tokens, slot: int, device):
     """A decode step's ``(batch, 2)`` input on the device: the next tokens (on the device, where the loop keeps them
     between read-backs, or on the host) and the slot they go to."""
@@ -335,3 +347,6 @@ def warm(model, plan, variant: Variant = NO_VARIANT) -> list[tuple]:
         step = decode_input(torch.zeros(batch, dtype=torch.long), min(plan.prompt_len, length - 1), device)
         run_graph(model, state, decode_key, buffer, step, mask, positions, extra, sampling)
     return [prefill_key, decode_key]
+
+
+register_loop(LoopSpec(CACHELESS, run_cacheless, warm))

@@ -31,6 +31,12 @@ The sampling plan of a call (:func:`sampling_plan`, the one decision) is asked h
 for warm-up and :func:`hf_tpu.transformers.explain`, by :mod:`.defaults`. Beam search (:mod:`.beam`) keeps its search
 state on the device and has a host side of its own.
 
+**The loops' registry** (:class:`LoopSpec`, :func:`register_loop`, :func:`loop_spec`): each loop, beam's too,
+registers its spec here once, under its route's name (:data:`BEAM` for beam's), with its ``custom_generate`` and
+its warm-up; :func:`hf_tpu.transformers.generation.run_loop` runs the spec :func:`route_spec` finds for the call's
+route, and :func:`hf_tpu.warmup` its warm-up. It lives in this module, which every call's path passes through
+already.
+
 Example:
     >>> plan_shapes(model, batch=1, prompt_len=500, max_new_tokens=8)      # doctest: +SKIP
     ShapePlan(batch=1, prompt_len=500, prompt_bucket=512, cache_bucket=640, encoder_bucket=None)
@@ -43,6 +49,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from hf_tpu.errors import InvalidArgumentError, UnknownNameError
 from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._loops import readback
 from hf_tpu.transformers._notes import warn_once
@@ -50,7 +57,10 @@ from hf_tpu.transformers._settings import model_state
 from hf_tpu.transformers._upstream import encoder_input_name, output_cache_field
 from hf_tpu.transformers.buckets import BucketLadder, BucketOverflowError, cache_length
 
-__all__ = ["LADDER_FIX", "ShapePlan", "fill_id", "ladder_figures", "plan_shapes"]
+__all__ = [
+    "BEAM", "LADDER_FIX", "LoopSpec", "ShapePlan", "fill_id", "ladder_figures", "loop_spec", "plan_shapes",
+    "register_loop", "unregister_loop",
+]  # fmt: skip
 
 # The remedy every length error names (it must exist: tests/transformers/test_remedies.py resolves it).
 LADDER_FIX = (
@@ -510,3 +520,69 @@ def loop(steps: Callable[[LoopCall, Any, dict], Steps]) -> Callable:
 
     custom_generate.__doc__ = f"``custom_generate`` callable of hf_tpu's loop on :func:`{steps.__name__}`."
     return custom_generate
+
+
+# The name of beam search's loop: a call whose route says ``beams`` takes it, whatever its route's loop.
+BEAM = "beam"
+
+
+@dataclass(frozen=True)
+class LoopSpec:
+    """One of hf_tpu's loops, as :func:`register_loop` keeps it: everything ``generate`` and warm-up ask of a loop.
+
+    Attributes:
+        name: the loop's name: a route's loop (``route.loop``, :mod:`hf_tpu.transformers.route`) or :data:`BEAM`.
+        run: its ``custom_generate`` callable (``run(model, input_ids, logits_processor, stopping_criteria,
+            generation_config, synced_gpus, streamer, hf_tpu_plan=..., **model_kwargs)``, what :func:`loop` builds),
+            which :func:`hf_tpu.transformers.generation.run_loop` calls for a call on its route.
+        warm: compiles (or finds compiled) the graphs a call of one shape runs, on dummy inputs, and returns their
+            keys: ``warm(model, plan, variant, **options)`` (beam's option: ``num_beams``); what
+            :func:`hf_tpu.warmup` runs for the loop. None only with ``no_warm_up``.
+        no_warm_up: why the loop has no graph to warm (None: ``warm`` warms them).
+    """
+
+    name: str
+    run: Callable
+    warm: Callable[..., list] | None = None
+    no_warm_up: str | None = None
+
+
+# Every registered loop by name (:func:`register_loop`); read through :func:`loop_spec`.
+LOOP_SPECS: dict[str, LoopSpec] = {}
+
+
+def register_loop(spec: LoopSpec) -> LoopSpec:
+    """Register ``spec`` under its name (a loop module does so once, at its end); returns it."""
+    if spec.name in LOOP_SPECS:
+        raise InvalidArgumentError(
+            f"a loop named {spec.name!r} is registered already ({LOOP_SPECS[spec.name].run!r}): give the new loop a "
+            "name of its own, or unregister_loop() the old one first"
+        )
+    if (spec.warm is None) == (spec.no_warm_up is None):
+        raise InvalidArgumentError(
+            f"loop {spec.name!r}: give its warm-up (warm=) or the reason it needs none (no_warm_up=), exactly one"
+        )
+    LOOP_SPECS[spec.name] = spec
+    return spec
+
+
+def unregister_loop(name: str) -> LoopSpec:
+    """Remove the loop registered as ``name`` (a test's own loop); returns its spec."""
+    loop_spec(name)  # (an unknown name: its error)
+    return LOOP_SPECS.pop(name)
+
+
+def loop_spec(name: str) -> LoopSpec:
+    """The loop registered as ``name``."""
+    spec = LOOP_SPECS.get(name)
+    if spec is None:
+        raise UnknownNameError(
+            f"no loop is registered as {name!r}; the registered loops: {sorted(LOOP_SPECS)} (register_loop in "
+            "hf_tpu.transformers._loops.skeleton adds one)"
+        )
+    return spec
+
+
+def route_spec(route) -> LoopSpec:
+    """The loop a call on ``route`` runs: beam search's for a beam call, else the route's own."""
+    return loop_spec(BEAM if route.beams else route.loop)
