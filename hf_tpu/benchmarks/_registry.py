@@ -90,6 +90,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             "structured output: llguidance vs xgrammar: compile, tokenizer prep, mask step at batch 1/32, footprint",
         ),
         Benchmark(
+            "structured_output",
+            "structured output in continuous batching: tokens/s with vs without a JSON schema at 1 and 32 requests",
+            requires=(("llguidance", "pip install 'hf-tpu[serve]'"),),
+        ),
+        Benchmark(
             "training",
             "training steps: eager vs compiled, buckets vs pad-to-longest: steps/s and compiles per step",
         ),
