@@ -20,6 +20,12 @@ from _timeouts import SAFETY_TIMEOUT_S
 
 CEILING = 12
 TARGET = 12  # issue #49
+# Issue #66's measure: a warmed generate, every call counted until Dynamo runs its first compiled frame (run_graph's
+# own path to the compiled function included). 15 files on 2026-12-07 (beyond the 12 above: the environment table's
+# read of HF_TPU_STRICT_COMPILE, the graph key's named dims in _graph_specs, the cache layers' and module state's
+# resets); the target is 12.
+WARMED_CEILING = 15
+WARMED_TARGET = 12  # issue #66
 
 
 def test_a_greedy_generate_reaches_its_first_graph_through_at_most_the_ceiling_of_files():
@@ -35,3 +41,17 @@ def test_a_greedy_generate_reaches_its_first_graph_through_at_most_the_ceiling_o
     # route.py
     assert "generate_on_tpu" in files.get("transformers/generation.py", ()), listing
     assert "transformers/route.py" in files, listing
+
+
+def test_a_warmed_greedy_generate_reaches_dynamos_compiled_frame_through_at_most_the_ceiling_of_files():
+    script = Path(__file__).with_name("_engine_path.py")
+    proc = subprocess.run([sys.executable, str(script), "--warmed"], capture_output=True, text=True,
+                          timeout=SAFETY_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert path["reached_a_graph"], "the traced generate never entered a compiled frame"
+    files = path["files"]
+    listing = "\n".join(f"  {name}: {', '.join(functions)}" for name, functions in files.items())
+    assert len(files) <= WARMED_CEILING, (f"{len(files)} files on the warmed path (ceiling {WARMED_CEILING}, target "
+                                          f"{WARMED_TARGET}):\n{listing}")  # fmt: skip
+    assert "transformers/_graphs.py" in files and "run_graph" in files["transformers/_graphs.py"], listing
