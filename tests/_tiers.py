@@ -251,12 +251,6 @@ _slow(
     "test_a_short_soak_loses_nothing_compiles_nothing_and_keeps_the_queue_bounded",  # 39 s
 )
 _slow(
-    "serving/test_server.py",
-    "lm-eval's hf backend on the tpu device (generate's graphs compiled), beside its CPU run (core: the same "
-    "evaluation through local-completions against the server)",
-    "test_lm_eval_hf_backend_on_the_tpu_device_scores_as_on_cpu",  # 30 s
-)
-_slow(
     "serving/test_serving_compile_cache.py",
     "a second process on the compile cache, for the step graphs (core: "
     "tests/transformers/test_compile_cache.py's second process)",
@@ -533,6 +527,18 @@ def _sweep(module: str, reason: str, *tests: str) -> None:
     SWEEP.extend((f"tests/{module}::{test}" if test else f"tests/{module}", reason) for test in tests or ("",))
 
 
+_sweep(
+    "serving/test_server.py",
+    "lm-eval's hf backend on the tpu device (generate's graphs compiled, 25-30 s), beside its CPU run (core: the same "
+    "evaluation through local-completions against the server, scored against the hf backend on CPU)",
+    "test_lm_eval_hf_backend_on_the_tpu_device_scores_as_on_cpu",
+)
+_sweep(
+    "transformers/test_compile_cache.py",
+    "two processes on one cache with a graph switch set otherwise (28 s; core: tests/test_env.py, each graph switch's "
+    "two values give two namespaces of one cache directory, the second sees none of the first's entries)",
+    "test_a_graph_switch_set_otherwise_loads_no_stored_graph",
+)
 _VLM_SWEPT = ("exaone4_5", "hyperclovax_vision_v2", "lfm3_vl", "qwen2_5_vl", "mistral3", "idefics3")
 _sweep(
     "transformers/test_vision_generate.py",
