@@ -15,7 +15,7 @@ __all__ = ["build_deferred", "label", "lower_generate", "weight_bytes"]
 def label(key: tuple, decodes: int = 1) -> str:
     """A program's name from its graph key (its kind a :class:`~hf_tpu.transformers._graph_key.GraphKind`):
     ``prefill-2048``, ``decode`` (``decode-2304`` when there are several)."""
-    from hf_tpu.transformers._graph_specs import GraphKey
+    from hf_tpu.transformers._graph_key import GraphKey
 
     key = GraphKey.of(key)
     base = key.kind.base

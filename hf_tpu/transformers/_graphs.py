@@ -2,7 +2,7 @@
 
 Each graph kind (prefill, decode, encoder, seq2seq prefill/decode; with a device sampling plan, a variant of one)
 is its own top-level function, so that dynamo keeps one cache of compiled entries per kind, registered here as a
-:class:`~hf_tpu.transformers._graph_specs.GraphSpec` (its body, its key's dims by name, what :func:`run_graph` does
+:class:`~hf_tpu.transformers._graph_key.GraphSpec` (its body, its key's dims by name, what :func:`run_graph` does
 around it). :func:`run_graph` reads the spec, never the kind's name, and runs the graph for one shape key: from the
 model's persistent compile cache when it has one (:mod:`hf_tpu.compile_cache`: loaded without tracing or compiling,
 or compiled ahead of time and stored), else through ``torch.compile``; in strict mode after warm-up it refuses a shape
@@ -21,7 +21,7 @@ from hf_tpu._torch_tpu import HOST_READ_REFUSED
 from hf_tpu.compile_cache import model_identity
 from hf_tpu.transformers import _beam_graphs
 from hf_tpu.transformers._graph_key import GraphKind, Variant, public_key
-from hf_tpu.transformers._graph_specs import GraphKey, GraphSpec, graph_spec, graph_specs, register_graph
+from hf_tpu.transformers._graph_key import GraphKey, GraphSpec, graph_spec, graph_specs, register_graph
 from hf_tpu.transformers._settings import (
     CACHED,
     CACHELESS,
@@ -310,7 +310,7 @@ def _cacheless_decode(model, ids, step, mask, positions, extra, sampling=None):
     return _cacheless_forward(model, ids, slot, mask, positions, extra, sampling)
 
 
-# The built-in graph kinds (hf_tpu.transformers._graph_specs: a new kind is one GraphSpec, registered once)
+# The built-in graph kinds (hf_tpu.transformers._graph_key: a new kind is one GraphSpec, registered once)
 _PREFILL = ("prompt bucket", "cache bucket")
 _CACHE = ("cache bucket",)
 for _spec in (
@@ -587,7 +587,7 @@ def _first_trace(model, state: ModelState, key: GraphKey, compiled: Callable, ar
 
 def run_graph(model, state: ModelState, key: tuple, *args):
     """Run the graph of kind ``key[0]`` (a :class:`~hf_tpu.transformers._graph_key.GraphKind`, whose registered
-    :class:`~hf_tpu.transformers._graph_specs.GraphSpec` gives the body and what to do around it) for the shape
+    :class:`~hf_tpu.transformers._graph_key.GraphSpec` gives the body and what to do around it) for the shape
     ``key``; strict mode refuses a shape warm-up did not compile."""
     import torch
 

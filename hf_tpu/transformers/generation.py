@@ -438,7 +438,7 @@ def eager_decode_step(model, cache_len: int) -> Callable[[], object]:
     import torch
 
     from hf_tpu.transformers._cache.static import cache_for
-    from hf_tpu.transformers._graph_specs import graph_spec
+    from hf_tpu.transformers._graph_key import graph_spec
     from hf_tpu.transformers._graphs import run_graph  # noqa: F401 (registers the built-in graph kinds)
 
     cache = cache_for(model, model_state(model), 1, cache_len, None)

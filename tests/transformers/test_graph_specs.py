@@ -1,4 +1,4 @@
-"""Graph kinds and kernel forms as registered specs (hf_tpu.transformers._graph_specs, hf_tpu.kernels.forms): a
+"""Graph kinds and kernel forms as registered specs (hf_tpu.transformers._graph_key, hf_tpu.kernels.forms): a
 kind and a form registered by a test run end to end through run_graph on the simulator, like the CPU; every kind is
 described and every kind hf_tpu builds is registered."""
 
@@ -14,8 +14,8 @@ from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.kernels.forms import KernelForm, choose_form, register_kernel_form, unregister_kernel_form
 from hf_tpu.transformers import _graphs
 from hf_tpu.transformers._graph_key import GraphKind
-from hf_tpu.transformers._graph_specs import GraphKey, GraphSpec, graph_spec, graph_specs, register_graph
-from hf_tpu.transformers._graph_specs import unregister_graph
+from hf_tpu.transformers._graph_key import GraphKey, GraphSpec, graph_spec, graph_specs, register_graph
+from hf_tpu.transformers._graph_key import unregister_graph
 from hf_tpu.transformers._settings import ModelState
 
 PACKAGE = Path(_graphs.__file__).resolve().parents[1]
