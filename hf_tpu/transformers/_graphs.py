@@ -605,7 +605,7 @@ def run_graph(model, state: ModelState, key: tuple, *args):
     from hf_tpu.transformers import _module_state
 
     kind = key.kind
-    if spec.starts_sequence:
+    if spec.starts_sequence and state.module_states != []:  # ([]: the model keeps none, found at its first prefill)
         _module_state.reset(model, state, key.batch)  # a new sequence: module-held state as upstream resets it
     if first and spec.images == "merge":
         from hf_tpu.transformers import _deepstack
@@ -656,7 +656,8 @@ def run_graph(model, state: ModelState, key: tuple, *args):
     for arg in args:  # the rows a decode graph left unwritten (_cache.writes.kv_rows_after), written in place now
         if isinstance(arg, Cache):
             write_rows(arg)
-    _module_state.settle(state)
+    if state.module_states:
+        _module_state.settle(state)
     if first:
         state.compiled.add(key)
         state.compile_log.append(key)

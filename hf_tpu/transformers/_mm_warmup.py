@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from hf_tpu.errors import InvalidArgumentError
 from hf_tpu.transformers import _images
-from hf_tpu.transformers._cache.static import cache_for, set_decoding, set_length
+from hf_tpu.transformers._cache.static import cache_for, reset_cache, set_decoding, set_length
 from hf_tpu.transformers._graph_key import GraphKind, Variant
 from hf_tpu.transformers._graphs import run_graph, vision_kinds
 from hf_tpu.transformers._images import ImageLayout
@@ -173,7 +173,7 @@ def warm_image_prefills(
             step = torch.tensor([[0, *[p] * rows]], dtype=torch.long).expand(batch, 1 + rows).contiguous().to(device)
             set_length(cache, p)
             run_graph(model, state, decode_key, step, mask_dev, cache, extra, sampling)
-            cache.reset()
+            reset_cache(cache)
             keys += [prefill_key, decode_key]
     return keys
 

@@ -101,10 +101,8 @@ class BucketedStaticLayer(cu.StaticLayer):
         self.hf_tpu_rows = (key_states, value_states, position.view(1), position.view(1).to(torch.int32))
         return torch.where(here, key_states, self.keys), torch.where(here, value_states, self.values)
 
-    def reset(self) -> None:
-        super().reset()
-        self.hf_tpu_rows_after = False
-        self.hf_tpu_rows = None
+    # (no reset of its own: hf_tpu resets its caches with hf_tpu.transformers._cache.static.reset_cache, which clears
+    # both flags too, so a warmed call's reset runs no function of this module)
 
 
 class BucketedSlidingWindowLayer(cu.StaticSlidingWindowLayer):

@@ -199,9 +199,18 @@ def cache_for(model, state: ModelState, batch: int, cache_len: int, encoder_len:
         if encoder_len is not None:
             cache = EncoderDecoderCache(cache, bucketed_cache(model, cross_shapes, batch, encoder_len))
     else:
-        cache.reset()
+        reset_cache(cache)
     state.caches[key] = cache
     return cache
+
+
+def reset_cache(cache) -> None:
+    """Upstream's ``cache.reset()`` and the flags a decode step leaves on its full-attention layers
+    (``hf_tpu_rows_after``, ``hf_tpu_rows``: dynamo guards on the first, so a prefill must find it False)."""
+    cache.reset()
+    for layer in getattr(getattr(cache, "self_attention_cache", cache), "layers", ()):
+        if "hf_tpu_rows_after" in layer.__dict__:  # (a BucketedStaticLayer: build_layers sets both on the instance)
+            layer.hf_tpu_rows_after, layer.hf_tpu_rows = False, None
 
 
 def static_cache_problem(model) -> str | None:

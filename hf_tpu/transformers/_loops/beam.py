@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from hf_tpu.errors import InternalError
 from hf_tpu.transformers import _step_outputs as step_outputs
 from hf_tpu.transformers._cache.handoff import full_attention_only, returned_cache
-from hf_tpu.transformers._cache.static import cache_for, set_decoding, set_length
+from hf_tpu.transformers._cache.static import cache_for, reset_cache, set_decoding, set_length
 from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._graphs import ALIGNED
 from hf_tpu.transformers._graphs import run_graph as _run_graph
@@ -489,7 +489,7 @@ def warm(model, plan: ShapePlan, variant: Variant = NO_VARIANT, *, num_beams: in
         _run(model, state, prefill_key, packed, mask_dev, cache, extra, spec, beam, sampling)
         set_decoding(cache, True, rows_after=False)
         _run(model, state, decode_key, mask_dev, cache, extra, spec, beam, sampling)
-        cache.reset()
+        reset_cache(cache)
     return [prefill_key, decode_key]
 
 

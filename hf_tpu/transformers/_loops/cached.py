@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hf_tpu.transformers._cache.handoff import cached_length, copy_in, returned_cache
-from hf_tpu.transformers._cache.static import cache_for, set_decoding, set_length
+from hf_tpu.transformers._cache.static import cache_for, reset_cache, set_decoding, set_length
 from hf_tpu.transformers._graph_key import NO_VARIANT, GraphKind, Variant
 from hf_tpu.transformers._graphs import ALIGNED, MROPE, run_graph
 from hf_tpu.transformers._images import check_image_tokens, features_shape, mrope_rows, positioned
@@ -319,7 +319,7 @@ def warm_plan(model, plan: ShapePlan, variant: Variant = NO_VARIANT) -> list[tup
             step = torch.full((batch,), start, dtype=torch.long).to(device)[:, None]  # (as the loop's: _loops.cached)
             set_length(cache, plan.prompt_len)
             run_graph(model, state, decode_key, step, hidden, mask_dev, cache, sampling)
-            cache.reset()  # the next call resets it too: meet the eager ops of the reset here
+            reset_cache(cache)  # the next call resets it too: meet the eager ops of the reset here
             return [enc_key, prefill_key, decode_key]
         p, c = plan.prompt_bucket, plan.cache_bucket
         extra = extra_inputs(model)
@@ -340,7 +340,7 @@ def warm_plan(model, plan: ShapePlan, variant: Variant = NO_VARIANT) -> list[tup
         step, _ = decode_input(tokens, torch.full((batch, rows), p - 1, dtype=torch.long).to(device))
         set_length(cache, p)
         run_graph(model, state, decode_key, step, mask_dev, cache, extra, sampling)
-        cache.reset()
+        reset_cache(cache)
         return [prefill_key, decode_key]
 
 
