@@ -36,7 +36,7 @@ from typing import TypeVar
 
 from hf_tpu.transformers import _images, _upstream
 from hf_tpu.transformers._cache import static
-from hf_tpu.transformers._loops import beam, cacheless
+from hf_tpu.transformers._loops import beam, cacheless, skeleton
 from hf_tpu.transformers._settings import (
     CACHED,
     CACHELESS,
@@ -277,6 +277,11 @@ def model_route(model) -> Route:
 
 
 def _decide(model) -> Route:
+    claimed = skeleton.claimed_loop(model)  # (a registered loop that claims the model: its own decision, first)
+    return Route(claimed) if claimed is not None else _built_in(model)
+
+
+def _built_in(model) -> Route:
     name = type(model).__name__
     layout = _layout_problem(model)
     if layout is not None:  # neither hf_tpu loop computes what upstream's does: never other tokens
@@ -395,6 +400,12 @@ def demote(model, error: NotCompilableError) -> Route:
     reason = getattr(error, "reason", None) or str(error)
     if loop is None:
         return current  # this call's inputs only: call_route says so now
+    if current.loop not in LOOPS:  # a loop that claimed the model (LoopSpec.claims): a graph of it failed
+        built = _built_in(model)
+        said = f"the loop {current.loop!r}, which claimed the model, failed: {reason}"
+        state.route = replace(built, reason=said if built.reason is None else f"{said}; {built.reason}", warn=True)
+        state.caches.clear()
+        return state.route
     if loop == CACHELESS:
         if current.loop == CACHELESS:  # the model's own loop failed
             combined = reason if not current.warn else f"{current.reason}; and without a cache: {reason}"

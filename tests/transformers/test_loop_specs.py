@@ -65,19 +65,24 @@ def _counting_warm(model, plan, variant):
     return cached.warm_plan(model, plan, variant)
 
 
-COUNTING = skeleton.LoopSpec("counting", skeleton.loop(_counting_steps), _counting_warm)
+def _spec(claims=None):
+    return skeleton.LoopSpec("counting", skeleton.loop(_counting_steps), _counting_warm, claims=claims)
+
+
+COUNTING = _spec()
 
 
 @pytest.fixture
 def counting(from_config):
-    """A tiny Llama whose route is the test's loop, registered for the test (and unregistered after it)."""
+    """A tiny Llama whose route is the test's loop, registered for the test (and unregistered after it): the loop
+    claims that model (``LoopSpec.claims``), so route.py's decision takes it with nothing else changed."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     cpu, tpu = from_config(LlamaForCausalLM, config)
-    skeleton.register_loop(COUNTING)
-    model_state(tpu).route = Route(COUNTING.name)  # (the model's route, as route.py keeps it: the test's loop)
+    skeleton.register_loop(_spec(claims=lambda model: model is tpu))
+    assert model_state(tpu).route is None  # (decided at the first call: by the claim)
     COUNTED.update(steps=0, warmed=0)
     try:
         yield cpu, tpu
@@ -98,3 +103,29 @@ def test_a_loop_of_one_file_and_one_registration_runs_generate_and_warmup_end_to
     assert torch.equal(got.to("cpu"), want)
     assert COUNTED["steps"] >= 4  # the call ran the test's loop: its decode steps went through the counting step
     assert s.compiles == 0  # on the graphs its warm-up compiled
+
+
+def test_a_claimed_model_whose_loop_fails_its_first_trace_goes_back_to_the_built_in_route(from_config, prompts):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_tpu.transformers._settings import NotCompilableError
+
+    def failing_steps(call, model, model_kwargs):
+        error = NotCompilableError("the test's loop cannot trace this model")
+        error.reason, error.loop = "the test's loop cannot trace this model", "failing"
+        raise error
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    cpu, tpu = from_config(LlamaForCausalLM, config)
+    skeleton.register_loop(skeleton.LoopSpec("failing", skeleton.loop(failing_steps), no_warm_up="a test's",
+                                             claims=lambda model: model is tpu))  # fmt: skip
+    try:
+        assert routes.explain(tpu).loop == "failing"
+        ids, mask = prompts([3, 11])
+        got = tpu.generate(ids, attention_mask=mask, max_new_tokens=5, **GREEDY)
+    finally:
+        skeleton.unregister_loop("failing")
+    assert torch.equal(got.to("cpu"), cpu.generate(ids, attention_mask=mask, max_new_tokens=5, **GREEDY))
+    route = routes.explain(tpu)
+    assert route.loop == "cached" and "'failing', which claimed the model, failed" in route.reason, route

@@ -58,8 +58,8 @@ from hf_tpu.transformers._upstream import encoder_input_name, output_cache_field
 from hf_tpu.transformers.buckets import BucketLadder, BucketOverflowError, cache_length
 
 __all__ = [
-    "BEAM", "LADDER_FIX", "LoopSpec", "ShapePlan", "fill_id", "ladder_figures", "loop_spec", "plan_shapes",
-    "register_loop", "unregister_loop",
+    "BEAM", "LADDER_FIX", "LoopSpec", "ShapePlan", "claimed_loop", "fill_id", "ladder_figures", "loop_spec",
+    "plan_shapes", "register_loop", "unregister_loop",
 ]  # fmt: skip
 
 # The remedy every length error names (it must exist: tests/transformers/test_remedies.py resolves it).
@@ -539,12 +539,17 @@ class LoopSpec:
             keys: ``warm(model, plan, variant, **options)`` (beam's option: ``num_beams``); what
             :func:`hf_tpu.warmup` runs for the loop. None only with ``no_warm_up``.
         no_warm_up: why the loop has no graph to warm (None: ``warm`` warms them).
+        claims: ``claims(model) -> bool``, the models whose route is this loop, asked before the built-in decision
+            of :mod:`hf_tpu.transformers.route` (once per model, in the order the loops were registered); None: the
+            loop runs where that decision names it. A claimed model whose graph fails its first trace goes back to
+            the built-in decision.
     """
 
     name: str
     run: Callable
     warm: Callable[..., list] | None = None
     no_warm_up: str | None = None
+    claims: Callable[[Any], bool] | None = None
 
 
 # Every registered loop by name (:func:`register_loop`); read through :func:`loop_spec`.
@@ -581,6 +586,11 @@ def loop_spec(name: str) -> LoopSpec:
             "hf_tpu.transformers._loops.skeleton adds one)"
         )
     return spec
+
+
+def claimed_loop(model) -> str | None:
+    """The name of the first registered loop that claims ``model`` (:attr:`LoopSpec.claims`), None when none does."""
+    return next((spec.name for spec in LOOP_SPECS.values() if spec.claims is not None and spec.claims(model)), None)
 
 
 def route_spec(route) -> LoopSpec:
