@@ -291,6 +291,18 @@ MEASURED_EXPERTS = _choice(
     graph=True,
 )
 
+# ---- training -----------------------------------------------------------------------------------------------------
+
+OPTIMIZER = _choice(
+    "HF_TPU_OPTIMIZER",
+    ("compiled", "eager"),
+    "an optimizer step mode",
+    "How the optimizer's update and the gradient clipping run on a `tpu` device (`hf_tpu.training.AdamW` and "
+    "`clip_grad_norm_`, which the Trainer uses through `hf_tpu.enable()`): `compiled` (each one compiled graph "
+    "with `torch.compile(backend=\"tpu\")`), `eager` (upstream's eager ops). Not a graph switch: the model's graphs "
+    "are the same either way.",
+)
+
 # ---- serving, commands and checks ---------------------------------------------------------------------------------
 
 KV_CACHE_GIB = _register(

@@ -20,21 +20,25 @@ import importlib
 from typing import Any
 
 __all__ = [
+    "AdamW",
     "BucketingCollator",
     "MemoryReport",
     "StepCounters",
     "TPUTrainingError",
     "check_trainable",
+    "clip_grad_norm_",
     "load_checkpoint",
     "save_checkpoint",
 ]
 
 _EXPORTS = {
+    "AdamW": "hf_tpu.training.optim",
     "BucketingCollator": "hf_tpu.training.collator",
     "MemoryReport": "hf_tpu.training.callbacks",
     "StepCounters": "hf_tpu.training.callbacks",
     "TPUTrainingError": "hf_tpu.training.checks",
     "check_trainable": "hf_tpu.training.checks",
+    "clip_grad_norm_": "hf_tpu.training.optim",
     "load_checkpoint": "hf_tpu.training.checkpoint",
     "save_checkpoint": "hf_tpu.training.checkpoint",
 }

@@ -21,6 +21,14 @@ Upstream state (transformers 5.24, accelerate 1.15 and 1.16), checked on the sim
   wraps with FSDP2's ``fully_shard`` over a ``tpu`` mesh; and under ``fully_shard`` it moves host tensors to the
   chip by swapping them (:func:`hf_tpu.training.fsdp.move_to_tpu`), since torch refuses ``.data`` across CPU and
   PrivateUse1.
+- The optimizer's update and the gradient clipping ran as eager torch_tpu ops (issue #68): AdamW's list ops per
+  parameter group, the clipping's norm and scaling, each a dispatch on the chip, while the model's forward and
+  backward are compiled. On a TPU the Trainer's ``optim="adamw_torch"`` (its default) builds
+  :class:`hf_tpu.training.AdamW` (``torch.optim.AdamW`` whose step is one compiled graph, the learning rate a
+  device tensor) instead of upstream's class (``Trainer.get_optimizer_cls_and_kwargs``), and
+  ``Accelerator.clip_grad_norm_`` clips plain ``tpu`` gradients with :func:`hf_tpu.training.clip_grad_norm_` (one
+  compiled graph). ``HF_TPU_OPTIMIZER=eager`` keeps upstream's classes and eager ops (``adamw_torch_fused``:
+  torch_tpu's ``_fused_adamw_`` kernel and a ``_foreach_add_`` of the step counters).
 - ``Trainer.__init__`` runs :func:`hf_tpu.training.check_trainable` first when its device is a TPU (quantized
   models, CUDA-only optimizers, fp16). Upstream refuses fp16 too (accelerate: "fp16 mixed precision requires a
   device in (...)"), without saying to use bf16; the others fail later, inside bitsandbytes or a CUDA kernel.
@@ -230,6 +238,58 @@ def _ddp_defaults(training_args) -> None:
     training_args.ddp_find_unused_parameters = False
 
 
+def _patch_optimizer_choice() -> None:
+    """``optim="adamw_torch"`` and ``"adamw_torch_fused"`` (the Trainer's default) on a TPU:
+    :class:`hf_tpu.training.AdamW` (same arguments, state and ``state_dict`` as upstream's ``torch.optim.AdamW``; its
+    step is one compiled graph, which is the fused update), unless ``HF_TPU_OPTIMIZER=eager``."""
+    import torch
+    from transformers import Trainer
+
+    upstream = _patch.original(Trainer, "get_optimizer_cls_and_kwargs")
+    upstream_fn = upstream.__func__ if isinstance(upstream, staticmethod) else upstream
+
+    @functools.wraps(upstream_fn)
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        cls, kwargs = upstream_fn(args, model)
+        if cls is not torch.optim.AdamW or getattr(args.device, "type", None) != "tpu":
+            return cls, kwargs
+        from hf_tpu.training import optim
+
+        if not optim.compiled_on():
+            return cls, kwargs
+        # adamw_torch_fused (the Trainer's default) too: the compiled graph is the fused update
+        return optim.AdamW, {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}
+
+    _patch.check_parameters(Trainer, "get_optimizer_cls_and_kwargs", get_optimizer_cls_and_kwargs, feature=FEATURE,
+                            **TRANSFORMERS)  # fmt: skip
+    _patch.patch(Trainer, "get_optimizer_cls_and_kwargs", staticmethod(get_optimizer_cls_and_kwargs), feature=FEATURE,
+                 **TRANSFORMERS)  # fmt: skip
+
+
+def _patch_clip_grad_norm() -> None:
+    """``Accelerator.clip_grad_norm_`` of plain ``tpu`` gradients (one chip, or data-parallel ranks, no gradient
+    scaler): :func:`hf_tpu.training.clip_grad_norm_`, one compiled graph; upstream's otherwise (FSDP, DTensors, a
+    scaler, ``HF_TPU_OPTIMIZER=eager``)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    upstream = _patch.original(Accelerator, "clip_grad_norm_")
+
+    @functools.wraps(upstream)
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        from hf_tpu.training import optim
+
+        parameters = list(parameters)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        plain = self.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU) and self.scaler is None
+        if not (plain and optim.compiled_on() and optim._plain_tpu(grads)):
+            return upstream(self, parameters, max_norm, norm_type)
+        return optim.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    _patch.check_parameters(Accelerator, "clip_grad_norm_", clip_grad_norm_, feature=FEATURE, **ACCELERATE)
+    _patch.patch(Accelerator, "clip_grad_norm_", clip_grad_norm_, feature=FEATURE, **ACCELERATE)
+
+
 def apply() -> None:
     """Apply the training integration (called by :func:`hf_tpu.enable`)."""
     _patch_default_device()
@@ -237,3 +297,5 @@ def apply() -> None:
     _patch_fsdp_state()
     _patch_fully_shard_move()
     _patch_trainer_init()
+    _patch_optimizer_choice()
+    _patch_clip_grad_norm()

@@ -22,7 +22,8 @@ def _base():
 
 
 class StepCounters(_base()):
-    """Per optimizer step: ``compiles``, ``shape_signatures`` (new eager signatures), ``host_syncs``, ``seconds``.
+    """Per optimizer step: ``compiles``, ``shape_signatures`` (new eager signatures), ``host_syncs``, ``eager_ops``
+    (device ops dispatched one by one, outside compiled graphs: each a dispatch on a chip), ``seconds``.
 
     ``steps`` is a list of dicts, one per step; ``after(n)`` sums the steps after the first ``n`` (warm-up). The
     counts are read from the simulated device; on a real TPU only ``seconds`` is measured.
@@ -34,7 +35,7 @@ class StepCounters(_base()):
         0
     """
 
-    FIELDS = ("compiles", "shape_signatures", "host_syncs")
+    FIELDS = ("compiles", "shape_signatures", "host_syncs", "eager_ops")
 
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
@@ -48,7 +49,8 @@ class StepCounters(_base()):
         if runtime.detect().mode == "simulated":
             from hf_tpu.sim import STATE
 
-            snap.update({k: getattr(STATE, k) for k in StepCounters.FIELDS})
+            snap.update({k: getattr(STATE, k) for k in StepCounters.FIELDS if k != "eager_ops"})
+            snap["eager_ops"] = STATE.ops - STATE.graph_ops
         return snap
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -86,8 +88,8 @@ class StepCounters(_base()):
             warmup: how many first steps to leave out (the ones that compile).
 
         Returns:
-            ``{"compiles", "shape_signatures", "host_syncs", "seconds"}`` summed over the remaining steps (the
-            counters present), and ``"steps"``: how many steps that is.
+            ``{"compiles", "shape_signatures", "host_syncs", "eager_ops", "seconds"}`` summed over the remaining
+            steps (the counters present), and ``"steps"``: how many steps that is.
         """
         rest = self.steps[warmup:]
         return {k: sum(s.get(k, 0) for s in rest) for k in (*self.FIELDS, "seconds")} | {"steps": len(rest)}
