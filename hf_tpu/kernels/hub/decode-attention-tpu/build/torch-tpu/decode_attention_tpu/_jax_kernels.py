@@ -153,9 +153,11 @@ def decode_attention_pallas(
     num_blocks = slots // block
 
     def kv_block(b, h, j, starts, ends):
-        first = starts[b] // block
-        last = jnp.maximum((ends[b] + block - 1) // block - 1, first)
-        return jnp.clip(j, first, last)
+        # lax.div (truncating; the operands are not negative): a floor division lowers through sign, which Mosaic
+        # lowers by asking the chip's generation (no export for TPU from a host without one)
+        first = lax.div(starts[b], block)
+        last = jnp.maximum(lax.div(ends[b] + block - 1, block) - 1, first)
+        return jnp.minimum(jnp.maximum(j, first), last)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
