@@ -155,3 +155,20 @@ def test_the_ragged_kernel_form_generates_the_cpus_tokens(from_config, prompts, 
     got = tpu.generate(ids, attention_mask=mask, max_new_tokens=6, **KW)
     assert torch.equal(got, want)
     assert calls and all(shape[0] == 3 and shape[2] == 1 for shape in calls), calls
+
+
+def test_the_ragged_kernel_loads_at_enable_and_a_trace_without_it_says_so(monkeypatch):
+    """Set before ``hf_tpu.enable()``, the variable makes enable load the kernel (outside any trace); a compiled
+    graph that needs it before it is loaded (the variable set later) raises, naming the fix."""
+    import hf_tpu
+    from hf_tpu.errors import SetupError
+
+    monkeypatch.setattr(_decode_attention, "_KERNEL", [])
+    monkeypatch.setenv(_decode_attention.ENV, "ragged_kernel")
+    hf_tpu.disable("generation")
+    hf_tpu.enable("generation")
+    assert len(_decode_attention._KERNEL) == 1 and callable(_decode_attention._KERNEL[0].decode_attention)
+    monkeypatch.setattr(_decode_attention, "_KERNEL", [])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(SetupError, match=r"set after hf_tpu.enable\('generation'\).*load_ragged_kernel\(\)"):
+        _decode_attention.ragged_kernel_decode_attention(*_inputs(), None)
