@@ -274,11 +274,12 @@ KV_ROWS_WRITER = _choice(
 )
 DECODE_ATTENTION = _choice(
     "HF_TPU_DECODE_ATTENTION",
-    ("grouped", "sdpa", "packed"),
+    ("grouped", "sdpa", "packed", "ragged_kernel"),
     "a decode attention form",
     "The one-token attention form on a `tpu` device: `grouped` (two products grouped by KV head), `sdpa` "
-    "(upstream's call, torch_tpu's flash kernel), `packed` (upstream's `pack_gqa`). A graph switch: read while a "
-    "decode graph is traced, it picks the attention that graph computes.",
+    "(upstream's call, torch_tpu's flash kernel), `packed` (upstream's `pack_gqa`), `ragged_kernel` (the "
+    "decode-attention-tpu Hub kernel: a Pallas kernel reading each row's filled cache slots only; not measured on a "
+    "chip). A graph switch: read while a decode graph is traced, it picks the attention that graph computes.",
     graph=True,
 )
 MEASURED_EXPERTS = _choice(

@@ -330,6 +330,10 @@ BUILTIN_RAISES_ALLOWED: dict[str, tuple[frozenset[str], str]] = {
         frozenset({"ImportError", "NotImplementedError", "RuntimeError", "ValueError"}),
         "a Hub kernel package of its own, loaded by `kernels`: it must not import hf_tpu",
     ),
+    "kernels/hub/decode-attention-tpu/build/torch-tpu/decode_attention_tpu/": (
+        frozenset({"ImportError", "NotImplementedError", "RuntimeError", "ValueError"}),
+        "a Hub kernel package of its own, loaded by `kernels`: it must not import hf_tpu",
+    ),
 }
 
 

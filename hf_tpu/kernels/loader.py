@@ -47,11 +47,13 @@ from hf_tpu import _patch
 from hf_tpu.errors import HfTpuError, MissingFileError
 
 __all__ = [
+    "DECODE_ATTENTION_REPO",
     "HUB_DIR",
     "RAGGED_DOT_REPO",
     "KernelsDetectionError",
     "expose_tpu_backend",
     "kernels_backend",
+    "load_decode_attention_kernel",
     "load_local_kernel",
     "load_ragged_dot_kernel",
     "tpu_variant_selection",
@@ -59,6 +61,7 @@ __all__ = [
 
 HUB_DIR = Path(__file__).resolve().parent / "hub"
 RAGGED_DOT_REPO = HUB_DIR / "ragged-dot-tpu"
+DECODE_ATTENTION_REPO = HUB_DIR / "decode-attention-tpu"
 
 _FEATURE = "kernels-variant"
 _PROBE = "kernels-probe"  # expose_tpu_backend's question to kernels, answered and reverted at once
@@ -325,3 +328,20 @@ def load_ragged_dot_kernel() -> ModuleType:
         >>> out = kernel.ragged_dot(x, w, group_sizes)              # doctest: +SKIP
     """
     return load_local_kernel(RAGGED_DOT_REPO)
+
+
+def load_decode_attention_kernel() -> ModuleType:
+    """The ragged decode attention kernel shipped with hf_tpu (same code as the Hub repository
+    ``decode-attention-tpu``), loaded like :func:`load_ragged_dot_kernel`.
+
+    Returns:
+        The kernel module (``decode_attention``, ``reference``, ``decode_attention_op``, ...).
+
+    Raises:
+        FileNotFoundError: the shipped repository's ``build/`` folder is missing (a broken install).
+
+    Example:
+        >>> kernel = load_decode_attention_kernel()                 # doctest: +SKIP
+        >>> out = kernel.decode_attention(query, key, value, lengths)  # doctest: +SKIP
+    """
+    return load_local_kernel(DECODE_ATTENTION_REPO)

@@ -16,10 +16,13 @@ softcapping, attention sinks, a paged cache handed to the call (transformers 5.2
 other devices) goes to upstream's ``sdpa_attention_forward`` unchanged.
 
 ``HF_TPU_DECODE_ATTENTION`` picks the form: ``grouped`` (the default), ``sdpa`` (upstream's call, torch_tpu's flash
-kernel with ``enable_gqa``) or ``packed`` (upstream's own one-token trick, ``pack_gqa``: the query heads of one KV head
-as the kernel's rows, which upstream skips while Dynamo compiles). The chip benchmark lowers each form
-(scripts/chip_bench.py); docs/planning.md has the figures. The choice is :data:`KERNEL_FORM`, registered with
-hf_tpu's kernel forms (:mod:`hf_tpu.kernels.forms`).
+kernel with ``enable_gqa``), ``packed`` (upstream's own one-token trick, ``pack_gqa``: the query heads of one KV head
+as the kernel's rows, which upstream skips while Dynamo compiles) or ``ragged_kernel`` (the Hub kernel shipped in
+``hf_tpu/kernels/hub/decode-attention-tpu``, loaded through ``kernels``: a Pallas kernel that reads only the blocks
+between each row's first and last attended cache slot on torch_tpu's device, its torch reference on the simulator;
+chosen only by the variable, it is not measured on a chip; a call with an additive mask takes ``grouped``). The chip
+benchmark lowers the first three forms (scripts/chip_bench.py); docs/planning.md has the figures. The choice is
+:data:`KERNEL_FORM`, registered with hf_tpu's kernel forms (:mod:`hf_tpu.kernels.forms`).
 """
 
 from __future__ import annotations
@@ -29,9 +32,18 @@ import functools
 import torch
 
 from hf_tpu import _env
+from hf_tpu.errors import SetupError
 from hf_tpu.kernels.forms import KernelForm, choose_form, kernel_form
 
-__all__ = ["FORMS", "KERNEL_FORM", "apply", "decode_attention_form", "grouped_decode_attention"]
+__all__ = [
+    "FORMS",
+    "KERNEL_FORM",
+    "apply",
+    "decode_attention_form",
+    "grouped_decode_attention",
+    "load_ragged_kernel",
+    "ragged_kernel_decode_attention",
+]
 
 FORMS = _env.DECODE_ATTENTION.choices
 ENV = _env.DECODE_ATTENTION.name
@@ -40,7 +52,9 @@ ENV = _env.DECODE_ATTENTION.name
 #: scripts/chip_bench.py; the default is the one measured fastest, docs/planning.md).
 KERNEL_FORM = KernelForm(
     "decode_attention", FORMS, "the one-token attention on a tpu device", override=_env.DECODE_ATTENTION,
-    unmeasured="one form for every shape, set by HF_TPU_DECODE_ATTENTION; scripts/chip_bench.py times each",
+    unmeasured="one form for every shape, set by HF_TPU_DECODE_ATTENTION; scripts/chip_bench.py times grouped, "
+    "sdpa and packed; ragged_kernel (the decode-attention-tpu Hub kernel) is not measured on a chip and is taken "
+    "only when the variable names it",
 )  # fmt: skip
 
 
@@ -92,6 +106,73 @@ def grouped_decode_attention(
     return out.reshape(batch, heads, 1, value.shape[-1])
 
 
+_KERNEL: list = []
+
+
+def _ragged_kernel():
+    """The shipped decode-attention-tpu kernel module, loaded through ``kernels`` once per process: by :func:`apply`
+    when the variable names ``ragged_kernel`` then, else by the first eager call. Loading reads files, which a
+    Dynamo trace cannot hold: a trace that needs the kernel before it is loaded raises."""
+    if not _KERNEL:
+        if torch.compiler.is_compiling():
+            raise SetupError(
+                f"{ENV}=ragged_kernel was set after hf_tpu.enable('generation') and a compiled graph needs the "
+                "decode-attention-tpu kernel, which loads from files (outside a graph): set the variable before "
+                "hf_tpu.enable(), or call hf_tpu.transformers._decode_attention.load_ragged_kernel() first."
+            )
+        from hf_tpu.kernels.loader import load_decode_attention_kernel
+
+        _KERNEL.append(load_decode_attention_kernel())
+    return _KERNEL[0]
+
+
+def load_ragged_kernel():
+    """Load the decode-attention-tpu kernel the ``ragged_kernel`` form runs (once per process), outside any trace.
+
+    :func:`apply` does it when ``HF_TPU_DECODE_ATTENTION`` names the form at ``hf_tpu.enable()``; call it before
+    the first compiled decode step when the variable is set later.
+
+    Returns:
+        The kernel module.
+    """
+    return _ragged_kernel()
+
+
+def _takes_ragged_kernel(key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether the kernel computes this call: no mask, or a boolean one over the key's slots (an additive mask may
+    carry biases the kernel's attended-or-not mask would drop)."""
+    if attention_mask is None:
+        return True
+    return attention_mask.dtype == torch.bool and attention_mask.shape[-1] == key.shape[2]
+
+
+def ragged_kernel_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """The decode-attention-tpu kernel's attention (its Pallas kernel on torch_tpu's device, its torch reference
+    elsewhere), with :func:`grouped_decode_attention`'s arguments.
+
+    Args:
+        query: ``(batch, heads, 1, head_dim)``.
+        key, value: ``(batch, kv_heads, slots, head_dim)``, ``heads`` a multiple of ``kv_heads``.
+        attention_mask: None (every slot attended), or boolean ``(batch or 1, 1, 1, slots)``, True attends.
+        scaling: the scores' factor (``head_dim ** -0.5`` when None).
+
+    Returns:
+        ``(batch, heads, 1, value's head_dim)`` in the query's dtype.
+    """
+    batch, slots = query.shape[0], key.shape[2]
+    if attention_mask is None:
+        valid = torch.full((batch,), slots, dtype=torch.int32, device=key.device)
+    else:
+        valid = attention_mask[:, 0, 0, :]
+    return _ragged_kernel().decode_attention(query, key, value, valid, scaling)
+
+
 def _takes_grouped(module, query, key, value, attention_mask, dropout, kwargs) -> bool:
     if query.device.type != "tpu" or query.dim() != 4 or query.shape[2] != 1 or key.shape[2] < 1:
         return False
@@ -117,6 +198,8 @@ def apply(feature: str) -> None:
     upstream = getattr(upstream, "__hf_tpu_upstream__", upstream)
     _check_version(feature, "transformers", ">=5.23,<6")
     kernel_form("decode_attention")  # (the registry read here, outside any trace: the first read imports the forms)
+    if decode_attention_form() == "ragged_kernel":
+        _ragged_kernel()  # loaded here, outside any trace
 
     @functools.wraps(upstream)
     def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -128,6 +211,12 @@ def apply(feature: str) -> None:
                 return out.transpose(1, 2).contiguous(), None
             if form == "packed":
                 return _packed(upstream, module, query, key, value, attention_mask, scaling, kwargs)
+            if form == "ragged_kernel":
+                if _takes_ragged_kernel(key, attention_mask):
+                    out = ragged_kernel_decode_attention(query, key, value, attention_mask, scaling)
+                else:
+                    out = grouped_decode_attention(query, key, value, attention_mask, scaling)
+                return out.transpose(1, 2).contiguous(), None
         return upstream(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         is_causal=is_causal, **kwargs)  # fmt: skip
 

@@ -14,40 +14,48 @@ import torch
 from _timeouts import SAFETY_TIMEOUT_S
 
 import hf_tpu
-from hf_tpu.kernels import RAGGED_DOT_REPO, load_local_kernel, tpu_variant_selection
+from hf_tpu.kernels import DECODE_ATTENTION_REPO, RAGGED_DOT_REPO, load_local_kernel, tpu_variant_selection
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO_ID = "hf-tpu-test/ragged-dot-tpu"
 
 
-def test_repo_has_the_hub_layout_and_valid_metadata():
+REPOS = [RAGGED_DOT_REPO, DECODE_ATTENTION_REPO]
+
+
+@pytest.mark.parametrize("repo", REPOS, ids=lambda r: r.name)
+def test_repo_has_the_hub_layout_and_valid_metadata(repo):
     from kernels import Metadata
 
-    variant = RAGGED_DOT_REPO / "build" / "torch-tpu"
+    variant = repo / "build" / "torch-tpu"
     metadata = Metadata.read_from_file(variant / "metadata.json")
-    assert str(metadata.name) == "ragged-dot-tpu" and metadata.version == 1
+    assert str(metadata.name) == repo.name and metadata.version == 1
     from kernels._rust import Backend
 
     assert metadata.backend.backend_type == Backend.TPU
     assert (variant / metadata.name.python_name / "__init__.py").is_file()
-    assert (RAGGED_DOT_REPO / "README.md").is_file()
+    assert (repo / "README.md").is_file()
     # python-depends only takes names kernels knows; jax is not one, so the kernel imports it lazily instead
     assert json.loads((variant / "metadata.json").read_text())["python-depends"] == []
 
 
-def test_metadata_records_the_digest_of_the_variants_files():
+@pytest.mark.parametrize("repo", REPOS, ids=lambda r: r.name)
+def test_metadata_records_the_digest_of_the_variants_files(repo):
     """metadata.json's digest (what kernels 0.19 checks on every load, and warns about when it is missing: hf-tpu serve
     printed that warning above its first line) is the sha256 of each file of the variant, base64; an edited kernel
-    file without a new digest fails here, and kernels' own check agrees where it has one."""
+    file without a new digest fails here (python scripts/hub_kernel_digest.py writes it), and kernels' own check
+    agrees where it has one."""
     import base64
     import hashlib
 
-    variant = RAGGED_DOT_REPO / "build" / "torch-tpu"
+    variant = repo / "build" / "torch-tpu"
     digest = json.loads((variant / "metadata.json").read_text())["digest"]
     files = {f.relative_to(variant).as_posix(): base64.b64encode(hashlib.sha256(f.read_bytes()).digest()).decode()
              for f in sorted(variant.rglob("*"))
              if f.is_file() and f.name != "metadata.json" and "__pycache__" not in f.parts}  # fmt: skip
-    assert digest == {"algorithm": "sha256", "files": files}, "metadata.json's digest is stale: recompute it"
+    assert digest == {"algorithm": "sha256", "files": files}, (
+        "metadata.json's digest is stale: python scripts/hub_kernel_digest.py rewrites it"
+    )
     try:
         from kernels._internals.digest import DigestVerificationResult, verify_digest
     except ImportError:  # kernels 0.17 and 0.18 check no digest
@@ -238,8 +246,9 @@ def test_a_kernels_that_reads_something_else_is_named(cpu_host, monkeypatch):
     assert not hasattr(torch.backends, "tpu") and torch.accelerator.current_accelerator is cpu_host
 
 
-def _fake_hub_cache(root, repo_id: str, version: int) -> None:
-    """A Hugging Face Hub cache entry for a kernel repo: refs/v<N> -> commit, snapshots/<commit>/ the files."""
+def _fake_hub_cache(root, repo_id: str, version: int, source=RAGGED_DOT_REPO) -> None:
+    """A Hugging Face Hub cache entry for a kernel repo: refs/v<N> -> commit, snapshots/<commit>/ the files of
+    ``source`` (a shipped kernel folder)."""
     from huggingface_hub.file_download import repo_folder_name
 
     storage = root / repo_folder_name(repo_id=repo_id, repo_type="kernel")
@@ -247,7 +256,7 @@ def _fake_hub_cache(root, repo_id: str, version: int) -> None:
     (storage / "refs" / f"v{version}").write_text(COMMIT)
     (storage / "refs" / "main").write_text(COMMIT)
     snapshot = storage / "snapshots" / COMMIT
-    shutil.copytree(RAGGED_DOT_REPO, snapshot, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(source, snapshot, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
 
 def _point_kernels_at_the_cache(monkeypatch, root) -> None:
@@ -300,7 +309,30 @@ def test_get_kernel_offline_from_the_local_hub_cache(tmp_path, monkeypatch, back
     assert module.ragged_dot_op is shipped.ragged_dot_op
 
 
-def test_kernel_is_standalone_and_loads_without_importing_jax():
+def test_get_kernel_loads_the_decode_attention_kernel_offline_from_the_local_hub_cache(tmp_path, monkeypatch):
+    """The decode-attention-tpu folder as a Hub repository: plain ``kernels.get_kernel`` (the variant selected as
+    hf_tpu's loader does) resolves it from the cache, and it computes the attention (its reference on the CPU)."""
+    import huggingface_hub.constants
+    from kernels import get_kernel
+
+    repo_id = "hf-tpu-test/decode-attention-tpu"
+    _fake_hub_cache(tmp_path, repo_id, version=1, source=DECODE_ATTENTION_REPO)
+    _point_kernels_at_the_cache(monkeypatch, tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.delattr(torch.backends, "tpu", raising=False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+    with tpu_variant_selection():
+        module = get_kernel(repo_id, version=1, trust_remote_code=[repo_id])
+    assert callable(module.decode_attention)
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    mask = torch.arange(16)[None, :] < torch.tensor([[16], [3]])
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :],
+                                                            enable_gqa=True)  # fmt: skip
+    torch.testing.assert_close(module.decode_attention(q, k, v, torch.tensor([16, 3])), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("repo", REPOS, ids=lambda r: r.name)
+def test_kernel_is_standalone_and_loads_without_importing_jax(repo):
     """The Hub kernel must not need hf_tpu, and loading it must not import jax (only running it does)."""
     code = (
         "import sys, types, torch, kernels\n"
@@ -308,8 +340,8 @@ def test_kernel_is_standalone_and_loads_without_importing_jax():
         "# without hf_tpu), torch-tpu's device as the accelerator (kernels 0.18+)\n"
         "torch.backends.tpu = types.ModuleType('torch.backends.tpu')\n"
         "torch.accelerator.current_accelerator = lambda check_available=False: types.SimpleNamespace(type='tpu')\n"
-        f"m = kernels.get_local_kernel(__import__('pathlib').Path({str(RAGGED_DOT_REPO)!r}))\n"
-        "assert callable(m.experts_forward)\n"
+        f"m = kernels.get_local_kernel(__import__('pathlib').Path({str(repo)!r}))\n"
+        "assert callable(getattr(m, 'experts_forward', None) or m.decode_attention)\n"
         "bad = [n for n in ('hf_tpu', 'jax') if n in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -321,6 +353,6 @@ def test_kernel_is_standalone_and_loads_without_importing_jax():
         text=True,
         env=env,
         timeout=SAFETY_TIMEOUT_S,
-        cwd=RAGGED_DOT_REPO,
+        cwd=repo,
     )
     assert result.returncode == 0, result.stderr[-2000:]

@@ -127,3 +127,48 @@ def test_other_devices_reach_upstream_and_disable_restores_it():
     finally:
         hf_tpu.enable("generation")
     assert AttentionInterface._global_mapping["sdpa"].__hf_tpu_upstream__ is upstream
+
+
+def test_the_ragged_kernel_form_generates_the_cpus_tokens(from_config, prompts, monkeypatch):
+    """``HF_TPU_DECODE_ATTENTION=ragged_kernel``: a decode step's attention is the decode-attention-tpu Hub kernel's
+    op (its torch reference on the simulator), and a left-padded batch of a tiny GQA Llama generates the CPU's
+    tokens. A model of its own, so its graphs are traced under the variable."""
+    from transformers import LlamaForCausalLM
+
+    from hf_tpu.testing import tiny_config
+
+    monkeypatch.setenv(_decode_attention.ENV, "ragged_kernel")
+    assert _decode_attention.decode_attention_form() == "ragged_kernel"
+    kernel = _decode_attention.load_ragged_kernel()  # (the variable set after enable: loaded outside the trace)
+    calls = []
+    op = kernel.decode_attention_op
+
+    def spy(*args):
+        calls.append(tuple(args[0].shape))
+        return op(*args)
+
+    monkeypatch.setattr(kernel._ops, "decode_attention_op", spy)
+    cpu, tpu = from_config(LlamaForCausalLM, tiny_config("llama", vocab_size=96))
+    assert tpu.config.num_key_value_heads < tpu.config.num_attention_heads
+    ids, mask = prompts([3, 9, 6])  # batch 3, left padding
+    want = cpu.generate(ids, attention_mask=mask, max_new_tokens=6, **KW)
+    got = tpu.generate(ids, attention_mask=mask, max_new_tokens=6, **KW)
+    assert torch.equal(got, want)
+    assert calls and all(shape[0] == 3 and shape[2] == 1 for shape in calls), calls
+
+
+def test_the_ragged_kernel_loads_at_enable_and_a_trace_without_it_says_so(monkeypatch):
+    """Set before ``hf_tpu.enable()``, the variable makes enable load the kernel (outside any trace); a compiled
+    graph that needs it before it is loaded (the variable set later) raises, naming the fix."""
+    import hf_tpu
+    from hf_tpu.errors import SetupError
+
+    monkeypatch.setattr(_decode_attention, "_KERNEL", [])
+    monkeypatch.setenv(_decode_attention.ENV, "ragged_kernel")
+    hf_tpu.disable("generation")
+    hf_tpu.enable("generation")
+    assert len(_decode_attention._KERNEL) == 1 and callable(_decode_attention._KERNEL[0].decode_attention)
+    monkeypatch.setattr(_decode_attention, "_KERNEL", [])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(SetupError, match=r"set after hf_tpu.enable\('generation'\).*load_ragged_kernel\(\)"):
+        _decode_attention.ragged_kernel_decode_attention(*_inputs(), None)
