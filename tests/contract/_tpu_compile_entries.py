@@ -309,3 +309,122 @@ def lower_vae_decoder(session, latent: int = 16, dtype: str = "bfloat16", fixed:
     finally:
         _patch.revert("contract_vae")
     return {"labels": [f"vae-decoder-{latent}x{latent}"], "table": table}
+
+
+#: The parameter groups of :func:`lower_optimizer`: (dtype, weight decay, amsgrad, shapes). Every shape of every
+#: group distinct, so that the lowered module's arguments map back to the tensors by shape and role order.
+OPTIMIZER_GROUPS = (
+    ("bfloat16", 0.01, False, ((24, 16), (16, 40), (40,))),
+    ("float32", 0.0, False, ((6, 10), (10,))),
+    ("float32", 0.1, True, ((3, 5, 7),)),
+)
+OPTIMIZER_LR = (5e-2, 1e-3, 5e-4)  # (the bfloat16 group's large enough to move its parameters past rounding)
+
+
+def llama_shapes(layers: int, hidden: int = 2048, inner: int = 8192, kv: int = 512, vocab: int = 128256):
+    """The parameter shapes of a Llama-3.2-1B-shaped model (tied embeddings) with ``layers`` decoder layers, split
+    as the Trainer groups them: (decayed: the matrices, not decayed: the norms)."""
+    per_layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inner, hidden), (inner, hidden),
+                 (hidden, inner)]  # fmt: skip
+    return [(vocab, hidden)] + per_layer * layers, [(hidden,)] * (2 * layers + 1)
+
+
+def _tpu_params(shapes, dtype):
+    params = [torch.nn.Parameter(torch.empty(s, dtype=dtype, device="tpu")) for s in shapes]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    return params
+
+
+def lower_optimizer(session, groups=None, lrs=None, steps: int = 3, clip: bool = True):
+    """hf_tpu.training's compiled AdamW step (``hf_tpu.training.optim._adamw`` over every group) and, with ``clip``,
+    its compiled gradient clipping (``_clip``), on deferred ``tpu`` parameters: ``steps`` optimizer steps (the first
+    creates the state, eagerly, and compiles the graph; each later one runs it), then two clips. Returns, per warm
+    step, the eager traffic torch_tpu's runtime met around the compiled call and the ops it was (``warm_eager``), and
+    per graph its inputs as Dynamo ordered them (``sources``: ``L['groups'][g][role][i]``, ``L['lrs'][g]``) and the
+    lowered module's arguments as indices into them (``module_order``: torch_tpu's front end orders the arguments
+    by first use, not as Dynamo does)."""
+    import collections
+
+    from hf_tpu.training import AdamW, clip_grad_norm_, optim
+
+    groups = groups or [list(g) for g in OPTIMIZER_GROUPS]
+    lrs = lrs or OPTIMIZER_LR
+    param_groups = [
+        {"params": _tpu_params([tuple(s) for s in shapes], getattr(torch, dtype)), "weight_decay": wd,
+         "amsgrad": amsgrad, "lr": lr}
+        for (dtype, wd, amsgrad, shapes), lr in zip(groups, lrs)
+    ]  # fmt: skip
+    sources: list[list[str]] = []
+    backend = torch._dynamo.lookup_backend("tpu")
+
+    def recording(gm, example_inputs, **kwargs):
+        sources.append([str(n.meta["grapharg"].source.name) for n in gm.graph.nodes if n.op == "placeholder"])
+        return backend(gm, example_inputs, **kwargs)
+
+    from torch_tpu._internal import export as _export
+
+    fx_to_mlir = _export.fx_to_mlir
+    order: list[list[int]] = []
+
+    def recording_fx(module, *args, **kwargs):  # (AOTAutograd names its K-th input ``argK_1``)
+        order.append([int(n.name[3:].split("_")[0]) for n in module.graph.nodes if n.op == "placeholder"])
+        return fx_to_mlir(module, *args, **kwargs)
+
+    _export.fx_to_mlir = recording_fx
+    saved = dict(optim._COMPILED)
+    optim._COMPILED.clear()
+    optim._COMPILED["adamw"] = torch.compile(optim._adamw, backend=recording, fullgraph=True, dynamic=False)
+    optim._COMPILED["clip"] = torch.compile(optim._clip, backend=recording, fullgraph=True, dynamic=False)
+    labels, warm = [], []
+    mode_class = type(session.mode)
+    dispatch = mode_class.__torch_dispatch__
+    seen: list[str] = []
+
+    def counting(self, func, types, args=(), kwargs=None):
+        seen.append(str(func))
+        return dispatch(self, func, types, args, kwargs)
+
+    try:
+        opt = AdamW(param_groups, lr=lrs[0], betas=(0.9, 0.95), eps=1e-6)
+        with session.mode:
+            for i in range(steps):
+                before, programs = dict(session.counts), len(session.programs)
+                del seen[:]
+                mode_class.__torch_dispatch__ = counting
+                try:
+                    opt.step()
+                finally:
+                    mode_class.__torch_dispatch__ = dispatch
+                labels += ["adamw"] * (len(session.programs) - programs)
+                if i:
+                    warm.append({k: v - before.get(k, 0) for k, v in session.counts.items()})
+                    warm[-1]["ops"] = dict(collections.Counter(seen))
+            if clip:
+                params = [p for g in param_groups for p in g["params"]]
+                for i in range(2):
+                    before, programs = dict(session.counts), len(session.programs)
+                    del seen[:]
+                    mode_class.__torch_dispatch__ = counting
+                    try:
+                        clip_grad_norm_(params, 1.0)
+                    finally:
+                        mode_class.__torch_dispatch__ = dispatch
+                    labels += ["clip"] * (len(session.programs) - programs)
+                    if i:
+                        warm.append({k: v - before.get(k, 0) for k, v in session.counts.items()})
+                        warm[-1]["ops"] = dict(collections.Counter(seen))
+    finally:
+        _export.fx_to_mlir = fx_to_mlir
+        optim._COMPILED.clear()
+        optim._COMPILED.update(saved)
+    tensors = sum(len(g["params"]) for g in param_groups)
+    return {"labels": labels, "warm_eager": warm, "sources": sources, "tensors": tensors, "module_order": order}
+
+
+def lower_llama_optimizer(session, layers: int = 2):
+    """:func:`lower_optimizer` for a Llama-3.2-1B-shaped parameter list (``layers`` decoder layers) in bfloat16, in
+    the Trainer's two groups (weight decay 0.01 on the matrices, none on the norms), no clipping."""
+    decayed, plain = llama_shapes(layers)
+    groups = [["bfloat16", 0.01, False, decayed], ["bfloat16", 0.0, False, plain]]
+    return lower_optimizer(session, groups, (1e-4, 1e-4), steps=2, clip=False)
