@@ -243,6 +243,7 @@ def run_chunk(manager, processor, record: ReadBacks, most: int | None = None) ->
     in one copy, and replay upstream's per-token update (module docstring)."""
     from transformers.generation.continuous_batching.requests import RequestStatus
 
+    from hf_tpu.serving import _staging
     from hf_tpu.serving._sampling import logprob_records
 
     io = processor.inputs_and_outputs
@@ -264,8 +265,9 @@ def run_chunk(manager, processor, record: ReadBacks, most: int | None = None) ->
         if following is None:
             break
         # the next input ids: this step's tokens, on the device (every column: past the requests' rows are the
-        # padding rows, whose ids only feed padding rows)
-        io.input_ids.copy_(kept[done - 1, 0, : io.input_ids.shape[0]])
+        # padding rows, whose ids only feed padding rows); taken by the step graph from output_ids when staged
+        if not _staging.feed_previous(io):
+            io.input_ids.copy_(kept[done - 1, 0, : io.input_ids.shape[0]])
         steps.append(following)
     io.retrieve_device_outputs()  # (upstream's wait for its compute stream, once a chunk; none on one stream)
     read = kept[:done].tolist()  # the chunk's one device->host copy
