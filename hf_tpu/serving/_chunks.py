@@ -11,8 +11,10 @@ request to reach its ``max_new_tokens``, the step where upstream's loop would fr
 
 * step 1 is the step upstream's scheduler just prepared; before each of steps 2..K the host allocates each
   request's KV block for its next token (``PagedAttentionCache.can_store_request_tokens``) and prepares the step's
-  positions, read/write indices and sampling rows with upstream's ``prepare_batch_tensors`` (host->device copies,
-  no wait), and the step's input ids are the previous step's output ids, copied on the device;
+  positions, read/write indices and sampling rows with upstream's ``prepare_batch_tensors`` (on the host, sent in
+  the step's one host->device copy: :mod:`~hf_tpu.serving._staging`; no wait), and the step's input ids are the
+  previous step's output ids, which the step graph takes from ``output_ids`` on the device
+  (:func:`~hf_tpu.serving._staging.feed_previous`);
 * each step's tokens are kept on the device (a copy of row 0 of ``output_ids`` into a buffer of one shape per
   manager, :func:`_buffer`) and come back after the chunk in one device->host copy;
 * the host then replays upstream's update (``update_batch``) step by step, request by request:
@@ -28,6 +30,17 @@ the cache cannot give, or when the KV tokens read would pass the cache's step bu
 manager's ``return_logprobs``, async batching, or under tensor parallelism: those steps take upstream's per-step
 path. A request's own ``logprobs`` are kept: the chunk then keeps every output row of each step (tokens,
 log-probabilities, alternatives) and reads them back in the same one copy.
+
+No read-ahead (issue #69 asked for it): ``generate``'s loop dispatches ``READ_AHEAD`` steps of the next window
+before it waits for a read-back (:mod:`hf_tpu.transformers._loops.readback`), so the device is busy while the host
+reads. A chunk here does not, and cannot without changing tokens: the steps dispatched ahead would have to be
+planned before the host knows which requests ended in the chunk and before it looks at its queues, so a request
+arriving (or a slot freed by an end-of-sequence) would join a step later than it does now. The scheduler would
+then batch other requests together at a given step than upstream's loop does, and the step's numerics (padding,
+batch composition) may pick another of two near-tied tokens: on the tiny test model the tokens of a request
+already depend on which requests share its steps. Doing it also means running upstream's scheduler on a host state
+that is ahead of what it has delivered (positions, blocks and ``tokens_to_process`` advanced past unread tokens),
+which upstream's ``update_batch`` does not expect. Left for a chip measurement to say it is worth that.
 """
 
 from __future__ import annotations
