@@ -83,3 +83,41 @@ def test_eager_ops_per_decode_step_do_not_grow_with_the_batch(pair, monkeypatch)
         assert per_step[1] == per_step[8], per_step  # at 1 request as at 8
     finally:
         serving.configure(slots=saved)
+
+
+def test_the_step_graphs_attention_mask_is_upstreams():
+    """The mask the step graph computes from the cumulative lengths (``_staging.masks``) equals, value for value, what
+    upstream's ``build_attention_mask`` writes on the reset mask: decodes, prefills, chunked prefills, padding
+    sequences and rows, with and without a sliding window, in float32 and bfloat16."""
+    from types import SimpleNamespace
+
+    from transformers.generation.continuous_batching.utils import build_attention_mask
+
+    from hf_tpu.serving import _staging
+
+    cases = [  # (query lengths, key lengths, padded sequences, padded query tokens, padded key tokens)
+        ([1, 1, 1], [5, 9, 2], 4, 16, 32),  # decodes
+        ([3, 6], [3, 6], 2, 16, 16),  # first prefills: no cache read (the keys are the queries)
+        ([4, 1, 2], [10, 7, 2], 5, 8, 24),  # a chunked prefill, a decode, a prefill
+        ([2, 3], [12, 3], 2, 5, 20),  # no padding sequence
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        for window in (1, 4):
+            for lens_q, lens_k, sequences, q, k in cases:
+                cu_q, cu_k = [0], [0]
+                for a, b in zip(lens_q, lens_k, strict=True):
+                    cu_q.append(cu_q[-1] + a)
+                    cu_k.append(cu_k[-1] + b)
+                want = torch.full((1, 1, q, k), torch.finfo(dtype).min, dtype=dtype)
+                build_attention_mask(want, cu_q, cu_k, sliding_window=window)
+                pad = sequences - len(lens_q)
+                layer = "sliding_attention" if window > 1 else "full_attention"
+                batch = {
+                    "input_ids": torch.zeros(1, q, dtype=torch.int32),
+                    "read_index": [torch.zeros(k if k > q else 0, dtype=torch.int32)],
+                    "cu_seq_lens_q": torch.tensor(cu_q + [cu_q[-1]] * pad, dtype=torch.int32),
+                    "cu_seq_lens_k": {layer: torch.tensor(cu_k + [cu_k[-1]] * pad, dtype=torch.int32)},
+                }
+                staging = SimpleNamespace(mask_types={layer: window}, mask_dtype=dtype)
+                got = _staging.masks(staging, batch)
+                assert got.dtype == dtype and torch.equal(got, want), (dtype, window, lens_q, lens_k)
