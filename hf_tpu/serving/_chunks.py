@@ -32,15 +32,17 @@ path. A request's own ``logprobs`` are kept: the chunk then keeps every output r
 log-probabilities, alternatives) and reads them back in the same one copy.
 
 No read-ahead (issue #69 asked for it): ``generate``'s loop dispatches ``READ_AHEAD`` steps of the next window
-before it waits for a read-back (:mod:`hf_tpu.transformers._loops.readback`), so the device is busy while the host
-reads. A chunk here does not, and cannot without changing tokens: the steps dispatched ahead would have to be
-planned before the host knows which requests ended in the chunk and before it looks at its queues, so a request
-arriving (or a slot freed by an end-of-sequence) would join a step later than it does now. The scheduler would
-then batch other requests together at a given step than upstream's loop does, and the step's numerics (padding,
-batch composition) may pick another of two near-tied tokens: on the tiny test model the tokens of a request
-already depend on which requests share its steps. Doing it also means running upstream's scheduler on a host state
-that is ahead of what it has delivered (positions, blocks and ``tokens_to_process`` advanced past unread tokens),
-which upstream's ``update_batch`` does not expect. Left for a chip measurement to say it is worth that.
+before it waits for a read-back (:mod:`hf_tpu.transformers._loops.readback`), so the device stays busy while the host
+reads. Here the next chunk cannot be dispatched before the read-back: upstream's scheduler plans it from the state
+the replay of this chunk leaves (requests finished, blocks freed, requests admitted), and running the scheduler on a
+host state ahead of what it has delivered (positions, blocks, ``tokens_to_process`` advanced past unread tokens) is
+not something upstream's ``update_batch`` expects. What could run ahead are more steps of the same requests, read
+back in a second copy: that is a longer chunk, and a slot freed by an end-of-sequence would then reach a waiting
+request up to ``READ_AHEAD`` steps later than now. That changes which requests share a step, and the step's numerics
+(batch composition, padding rows) can pick the other of two near-tied tokens: on the tiny test model, 2 of 8 and 5
+of 32 requests run together (48 greedy tokens each) already differ from CPU's one-request ``generate`` somewhere
+(at 8 requests the same two with chunks or without). Not done, for that reason and for lack of a chip measurement saying it is worth it: the
+host's work between two chunks is the replay and one scheduling step, no device op.
 """
 
 from __future__ import annotations
