@@ -41,8 +41,8 @@ back in a second copy: that is a longer chunk, and a slot freed by an end-of-seq
 request up to ``READ_AHEAD`` steps later than now. That changes which requests share a step, and the step's numerics
 (batch composition, padding rows) can pick the other of two near-tied tokens: on the tiny test model, 2 of 8 and 5
 of 32 requests run together (48 greedy tokens each) already differ from CPU's one-request ``generate`` somewhere
-(at 8 requests the same two with chunks or without). Not done, for that reason and for lack of a chip measurement saying it is worth it: the
-host's work between two chunks is the replay and one scheduling step, no device op.
+(at 8 requests the same two with chunks or without). Not done, for that reason and for lack of a chip measurement
+saying it is worth it: the host's work between two chunks is the replay and one scheduling step, no device op.
 """
 
 from __future__ import annotations
