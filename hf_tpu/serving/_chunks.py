@@ -11,8 +11,10 @@ request to reach its ``max_new_tokens``, the step where upstream's loop would fr
 
 * step 1 is the step upstream's scheduler just prepared; before each of steps 2..K the host allocates each
   request's KV block for its next token (``PagedAttentionCache.can_store_request_tokens``) and prepares the step's
-  positions, read/write indices and sampling rows with upstream's ``prepare_batch_tensors`` (host->device copies,
-  no wait), and the step's input ids are the previous step's output ids, copied on the device;
+  positions, read/write indices and sampling rows with upstream's ``prepare_batch_tensors`` (on the host, sent in
+  the step's one host->device copy: :mod:`~hf_tpu.serving._staging`; no wait), and the step's input ids are the
+  previous step's output ids, which the step graph takes from ``output_ids`` on the device
+  (:func:`~hf_tpu.serving._staging.feed_previous`);
 * each step's tokens are kept on the device (a copy of row 0 of ``output_ids`` into a buffer of one shape per
   manager, :func:`_buffer`) and come back after the chunk in one device->host copy;
 * the host then replays upstream's update (``update_batch``) step by step, request by request:
@@ -28,6 +30,19 @@ the cache cannot give, or when the KV tokens read would pass the cache's step bu
 manager's ``return_logprobs``, async batching, or under tensor parallelism: those steps take upstream's per-step
 path. A request's own ``logprobs`` are kept: the chunk then keeps every output row of each step (tokens,
 log-probabilities, alternatives) and reads them back in the same one copy.
+
+No read-ahead (issue #69 asked for it): ``generate``'s loop dispatches ``READ_AHEAD`` steps of the next window
+before it waits for a read-back (:mod:`hf_tpu.transformers._loops.readback`), so the device stays busy while the host
+reads. Here the next chunk cannot be dispatched before the read-back: upstream's scheduler plans it from the state
+the replay of this chunk leaves (requests finished, blocks freed, requests admitted), and running the scheduler on a
+host state ahead of what it has delivered (positions, blocks, ``tokens_to_process`` advanced past unread tokens) is
+not something upstream's ``update_batch`` expects. What could run ahead are more steps of the same requests, read
+back in a second copy: that is a longer chunk, and a slot freed by an end-of-sequence would then reach a waiting
+request up to ``READ_AHEAD`` steps later than now. That changes which requests share a step, and the step's numerics
+(batch composition, padding rows) can pick the other of two near-tied tokens: on the tiny test model, 2 of 8 and 5
+of 32 requests run together (48 greedy tokens each) already differ from CPU's one-request ``generate`` somewhere
+(at 8 requests the same two with chunks or without). Not done, for that reason and for lack of a chip measurement
+saying it is worth it: the host's work between two chunks is the replay and one scheduling step, no device op.
 """
 
 from __future__ import annotations
@@ -243,6 +258,7 @@ def run_chunk(manager, processor, record: ReadBacks, most: int | None = None) ->
     in one copy, and replay upstream's per-token update (module docstring)."""
     from transformers.generation.continuous_batching.requests import RequestStatus
 
+    from hf_tpu.serving import _staging
     from hf_tpu.serving._sampling import logprob_records
 
     io = processor.inputs_and_outputs
@@ -264,8 +280,9 @@ def run_chunk(manager, processor, record: ReadBacks, most: int | None = None) ->
         if following is None:
             break
         # the next input ids: this step's tokens, on the device (every column: past the requests' rows are the
-        # padding rows, whose ids only feed padding rows)
-        io.input_ids.copy_(kept[done - 1, 0, : io.input_ids.shape[0]])
+        # padding rows, whose ids only feed padding rows); taken by the step graph from output_ids when staged
+        if not _staging.feed_previous(io):
+            io.input_ids.copy_(kept[done - 1, 0, : io.input_ids.shape[0]])
         steps.append(following)
     io.retrieve_device_outputs()  # (upstream's wait for its compute stream, once a chunk; none on one stream)
     read = kept[:done].tolist()  # the chunk's one device->host copy

@@ -19,6 +19,9 @@ anything is patched):
   ``prepare_batch_update``: per-request sampling and log-probabilities inside the step
   (:mod:`~hf_tpu.serving._sampling`; the manager's logits processing becomes its ``RowSampling``, unless async
   batching is on);
+* ``ContinuousBatchingIOs._setup_static_tensors`` (again), ``_reset_static_tensors`` and ``get_model_kwargs``: with
+  ``RowSampling`` on a ``tpu`` device, the step's inputs are prepared on the host and sent in one copy per step, the
+  attention mask made in the step graph (:mod:`~hf_tpu.serving._staging`);
 * ``PagedAttentionCache.update``: traced by dynamo on a ``tpu`` cache (one graph per step shape, not pieces between
   the layers' cache updates);
 * ``Scheduler._get_waiting_candidates``: with ``RowSampling``, admits a waiting request only when the per-request
@@ -106,7 +109,7 @@ def apply() -> None:
         scheduler,
     )
 
-    from hf_tpu.serving import _chunks, _grammar, _penalties, _runner, _sampling, _step_graphs
+    from hf_tpu.serving import _chunks, _grammar, _penalties, _runner, _sampling, _staging, _step_graphs
 
     manager_cls = continuous_api.ContinuousBatchingManager
     runner_cls = model_runner.ModelRunner
@@ -118,6 +121,8 @@ def apply() -> None:
     cache_update = _unwrap(cache_cls, "update")
     io_cls = input_outputs.ContinuousBatchingIOs
     setup = _unwrap(io_cls, "_setup_static_tensors")
+    reset_static = _unwrap(io_cls, "_reset_static_tensors")
+    model_kwargs = _unwrap(io_cls, "get_model_kwargs")
     batch_update = _unwrap(io_cls, "prepare_batch_update")
     process_and_sample = _unwrap(runner_cls, "_forward_process_and_sample")
     scheduler_cls = scheduler.Scheduler
@@ -155,6 +160,16 @@ def apply() -> None:
             self.output_ids = torch.zeros(shape, dtype=torch.int32, device=self.output_ids.device)
             self._hf_tpu_row_sampling = True
             self.cache._hf_tpu_table = logit_processor.table  # (the scheduler admits by its free rows)
+            if _runner._is_tpu(self.output_ids.device):
+                _staging.install(self)
+
+    @functools.wraps(reset_static)
+    def _reset_static_tensors(self, full_reset=False):
+        return _staging.reset(self, full_reset, reset_static)
+
+    @functools.wraps(model_kwargs)
+    def get_model_kwargs(self, use_padding=False):
+        return _staging.model_kwargs(self, use_padding, model_kwargs)
 
     @functools.wraps(batch_update)
     def prepare_batch_update(self):
@@ -213,6 +228,8 @@ def apply() -> None:
         (runner_cls, "warmup", warmup, warm),
         (runner_cls, "_forward_process_and_sample", _forward_process_and_sample, process_and_sample),
         (io_cls, "_setup_static_tensors", _setup_static_tensors, setup),
+        (io_cls, "_reset_static_tensors", _reset_static_tensors, reset_static),
+        (io_cls, "get_model_kwargs", get_model_kwargs, model_kwargs),
         (io_cls, "prepare_batch_update", prepare_batch_update, batch_update),
         (scheduler_cls, "_get_waiting_candidates", _get_waiting_candidates, candidates),
         (manager_cls, "_generation_loop_body", _generation_loop_body, loop_body),

@@ -46,7 +46,7 @@ from transformers.generation.logits_process import (
 )
 
 from hf_tpu.errors import HfTpuRuntimeError, InvalidArgumentError
-from hf_tpu.serving import _grammar, _penalties
+from hf_tpu.serving import _grammar, _penalties, _staging
 from hf_tpu.serving._openai import GREEDY_BELOW
 
 __all__ = ["ROWS", "RowSampling", "batch_update", "gumbel", "logprob_records", "noise_key", "request_kwargs",
@@ -164,6 +164,9 @@ def step(runner, model, batch_data: dict, carry_over_ids, prev_output_ids, outpu
     ``output_ids`` rows: tokens, the chosen tokens' log-probabilities, then ``top_n`` token ids and ``top_n``
     log-probabilities (floats viewed as int32)."""
     sampler = runner.logit_processor
+    staging = getattr(runner.inputs_and_outputs, "_hf_tpu_staging", None)
+    if staging is not None:  # inputs staged on the host (hf_tpu.serving._staging): ids, indices and masks made here
+        _staging.prepare_in_graph(staging, batch_data, prev_output_ids)
     runner.inputs_and_outputs.carry_over_tokens(batch_data["input_ids"], carry_over_ids, prev_output_ids)
     logits = model(**batch_data).logits
     indices = batch_data["logits_indices"]

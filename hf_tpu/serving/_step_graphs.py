@@ -57,11 +57,12 @@ def _namespace(cache, runner, model):
     from transformers.generation.continuous_batching import input_outputs, model_runner
 
     from hf_tpu.compile_cache import model_identity
-    from hf_tpu.serving import _grammar, _penalties, _runner, _sampling
+    from hf_tpu.serving import _grammar, _penalties, _runner, _sampling, _staging
 
     cb = runner.cb_config
     compile_config = cb.varlen_compile_config
-    modules = (inspect.getmodule(step), _runner, _sampling, _penalties, _grammar, model_runner, input_outputs)
+    modules = (inspect.getmodule(step), _runner, _sampling, _penalties, _grammar, _staging, model_runner,
+               input_outputs)  # fmt: skip
     source = "".join(inspect.getsource(m) for m in modules)
     parts = {
         **model_identity(model),

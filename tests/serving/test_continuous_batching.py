@@ -37,8 +37,8 @@ def test_generate_batch_matches_cpu_greedy_with_static_step_shapes(pair):
         assert cache.num_blocks * 64 == 4 * config.max_position_embeddings
         assert cache.cache_tensor.numel() <= (cache.num_blocks + 2 * 8) * 64 * per_token
         assert cache.cache_tensor.numel() < 2**22
-        # After warm-up, a new mix of lengths compiles nothing. (The host->device fills of the step inputs still
-        # meet eager signatures per distinct unpadded length: see docs/serving.md, "What is not static yet".)
+        # After warm-up, a new mix of lengths compiles nothing (the step inputs go over in one copy of one shape:
+        # docs/serving.md, "Step inputs: one host->device copy per step").
         prompts = random_prompts([3, 29, 8, 50, 14], seed=1)
         with hf_tpu.sim.stats() as s:
             out = tpu.generate_batch(prompts, generation_config=_config(), progress_bar=False, warmup=False)
