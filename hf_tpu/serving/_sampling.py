@@ -166,6 +166,9 @@ def step(runner, model, batch_data: dict, carry_over_ids, prev_output_ids, outpu
     sampler = runner.logit_processor
     staging = getattr(runner.inputs_and_outputs, "_hf_tpu_staging", None)
     if staging is not None:  # inputs staged on the host (hf_tpu.serving._staging): ids, indices and masks made here
+        # in a copy of the dict: a value put into the caller's dict is a side effect dynamo returns from the graph (the
+        # mask, the ids and both int64 indices were outputs of every step, through torch-tpu's real front end)
+        batch_data = dict(batch_data)
         _staging.prepare_in_graph(staging, batch_data, prev_output_ids)
     runner.inputs_and_outputs.carry_over_tokens(batch_data["input_ids"], carry_over_ids, prev_output_ids)
     logits = model(**batch_data).logits

@@ -48,15 +48,17 @@ def _new_name(name: str) -> str:
 
 def _cumsum_as_reduce_window(text: str) -> str:
     """An inclusive cumulative sum from zero along one dimension (``torch.cumsum``: MoE routing's tokens-per-expert
-    offsets, BLOOM's ALiBi positions from the attention mask), which torch_tpu lowers to ``chlo.scan``, rewritten as
-    the equivalent ``stablehlo.reduce_window`` (a window of the whole length along that dimension, padded before by
-    length - 1) and, for the scan's final carry, the last slice. Any other scan is left as it is."""
+    offsets, BLOOM's ALiBi positions from the attention mask, top-p's cumulative probabilities in the serving step's
+    sampling), which torch_tpu lowers to ``chlo.scan``, rewritten as the equivalent ``stablehlo.reduce_window`` (a
+    window of the whole length along that dimension, padded before by length - 1) and, for the scan's final carry,
+    the last slice. Any other scan is left as it is."""
 
     def rewrite(m: re.Match) -> str:
         *dims, elem = m["shape"].split("x")
         dims = [int(d) for d in dims]
         dim, n = int(m["dim"]), int(m["n"])
-        zero = re.search(rf"%{re.escape(m['init'])} = stablehlo\.constant dense<0> : tensor<{m['c']}>", text)
+        zero = re.search(rf"%{re.escape(m['init'])} = stablehlo\.constant dense<0(\.0+e\+00)?> : tensor<{m['c']}>",
+                         text)  # (an integer zero, or a float one: ``dense<0.000000e+00>``)
         if zero is None or not dims or dim >= len(dims) or dims[dim] != n or not elem.isalnum():
             return m.group(0)
         i, name = m["indent"], _new_name(m["name"])
@@ -66,7 +68,7 @@ def _cumsum_as_reduce_window(text: str) -> str:
         last = ", ".join(f"{n - 1}:{n}" if k == dim else f"0:{d}" for k, d in enumerate(dims))
         last_shape = "x".join(str(1 if k == dim else d) for k, d in enumerate(dims)) + f"x{elem}"
         return (
-            f"{i}%{name}_zero = stablehlo.constant dense<0> : {sca}\n"
+            f"{i}%{name}_zero = stablehlo.constant dense<{'0.000000e+00' if zero[1] else 0}> : {sca}\n"
             f"{i}%{name}_cumsum = \"stablehlo.reduce_window\"(%{m['x']}, %{name}_zero) <{{padding = dense<[{pads}]> "
             f": tensor<{len(dims)}x2xi64>, window_dimensions = array<i64: {window}>}}> ({{\n"
             f"{i}^bb0(%{name}_l: {sca}, %{name}_r: {sca}):\n"

@@ -428,3 +428,67 @@ def lower_llama_optimizer(session, layers: int = 2):
     decayed, plain = llama_shapes(layers)
     groups = [["bfloat16", 0.01, False, decayed], ["bfloat16", 0.0, False, plain]]
     return lower_optimizer(session, groups, (1e-4, 1e-4), steps=2, clip=False)
+
+
+#: The continuous-batching ladder of :func:`lower_serving_step` (tests/serving/conftest.py's: one query rung of 32
+#: tokens, KV rungs 0/64/1024, 4 slots, pages of 64 tokens).
+SERVING_SETTINGS = {"max_batch_tokens": 32, "q_min": 32, "slots": 4, "page_size": 64, "kv_factor": 16}
+
+
+def lower_serving_step(session, shapes=((32, 0), (32, 64)), vocab_size: int = 96, num_blocks: int = 16):
+    """The continuous-batching step graph of a tiny Llama as a ``tpu`` manager builds it (hf_tpu's patches: the step
+    inputs staged in one flat int32 tensor, the mask, int64 indices and the previous-tokens flag made in the graph,
+    per-row sampling), run once per ``(query tokens, KV tokens read)`` shape by upstream's own
+    ``ModelRunner.run_one_warmup`` on deferred tpu weights and cache. ``(q, 0)`` is a first prefill (no cache read),
+    ``(q, kv)`` a step that reads ``kv`` cached tokens (decodes, chunked prefills). Each program is labelled
+    ``step-{q}x{kv}``; upstream's warm-up logs a failure instead of raising, which is raised here."""
+    import logging
+
+    import transformers
+
+    import hf_tpu
+    from hf_tpu import serving
+    from hf_tpu.testing import tiny_config
+
+    failures: list[str] = []
+
+    class _Failures(logging.Filter):
+        def filter(self, record):
+            if record.getMessage().startswith("Failed to warm up"):
+                failures.append(record.getMessage())
+            return True
+
+    hf_tpu.enable()
+    serving.configure(**SERVING_SETTINGS, compile_cache=False)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=vocab_size))
+    model = model.to_empty(device="tpu").eval()
+    config = transformers.GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    labels: list[str] = []
+    watcher = _Failures()
+    logger = logging.getLogger("ContinuousBatchingLogger")  # transformers' continuous_batching/utils.py
+    logger.addFilter(watcher)
+    # transformers asks ``torch.get_device_module()`` (the current accelerator) whether to make streams and graphs:
+    # torch_tpu answers that from its PjRt client, which a chipless host has not; the stand-in answers ``tpu`` (as on
+    # a TPU VM), and ``torch.accelerator.is_available()`` answers False here, so no stream is made (none is part of
+    # a graph)
+    get_accelerator = torch._C._get_accelerator
+    torch._C._get_accelerator = lambda: torch.device("tpu")
+    try:
+        with session.mode, torch.no_grad():
+            # (the cache's size given: hf_tpu's sizing asks the chip for its memory)
+            cb = transformers.ContinuousBatchingConfig(num_blocks=num_blocks)
+            manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
+            runner = manager._create_batch_processor().model_runner
+            for q, kv in shapes:
+                first = len(session.programs)
+                runner.run_one_warmup(model=model, num_q_tokens=q, max_kv_read=kv)
+                if failures:
+                    raise RuntimeError(failures[-1])
+                labels += [f"step-{q}x{kv}"] * (len(session.programs) - first)
+    finally:
+        logger.removeFilter(watcher)
+        torch._C._get_accelerator = get_accelerator
+    staging = runner.inputs_and_outputs._hf_tpu_staging
+    return {"labels": labels, "staged": staging is not None, "flat": list(staging.device.shape),
+            "mask_types": staging.mask_types}  # fmt: skip
