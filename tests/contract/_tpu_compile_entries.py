@@ -435,13 +435,19 @@ def lower_llama_optimizer(session, layers: int = 2):
 SERVING_SETTINGS = {"max_batch_tokens": 32, "q_min": 32, "slots": 4, "page_size": 64, "kv_factor": 16}
 
 
-def lower_serving_step(session, shapes=((32, 0), (32, 64)), vocab_size: int = 96, num_blocks: int = 16):
+def lower_serving_step(session, shapes=((32, 0), (32, 64)), vocab_size: int = 96, num_blocks: int = 16,
+                       attn_implementation: str | None = None):
     """The continuous-batching step graph of a tiny Llama as a ``tpu`` manager builds it (hf_tpu's patches: the step
     inputs staged in one flat int32 tensor, the mask, int64 indices and the previous-tokens flag made in the graph,
     per-row sampling), run once per ``(query tokens, KV tokens read)`` shape by upstream's own
     ``ModelRunner.run_one_warmup`` on deferred tpu weights and cache. ``(q, 0)`` is a first prefill (no cache read),
     ``(q, kv)`` a step that reads ``kv`` cached tokens (decodes, chunked prefills). Each program is labelled
-    ``step-{q}x{kv}``; upstream's warm-up logs a failure instead of raising, which is raised here."""
+    ``step-{q}x{kv}``; upstream's warm-up logs a failure instead of raising, which is raised here. Returns, per
+    program, its inputs as Dynamo named them (``sources``), the lowered module's arguments as AOTAutograd's input
+    indices (``module_order``; the cache's per-layer views, which the step writes, are one synthetic base there, so
+    these are not Dynamo's indices), and per shape the eager traffic of a second, warm step
+    (``warm_eager``: the stand-in's counts; a warm-up step, not a steady one: its fake requests' cache pages and
+    table rows are eager work too)."""
     import logging
 
     import transformers
@@ -461,7 +467,8 @@ def lower_serving_step(session, shapes=((32, 0), (32, 64)), vocab_size: int = 96
     hf_tpu.enable()
     serving.configure(**SERVING_SETTINGS, compile_cache=False)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=vocab_size))
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=vocab_size),
+                                                              attn_implementation=attn_implementation)  # fmt: skip
     model = model.to_empty(device="tpu").eval()
     config = transformers.GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     labels: list[str] = []
@@ -474,6 +481,23 @@ def lower_serving_step(session, shapes=((32, 0), (32, 64)), vocab_size: int = 96
     # a graph)
     get_accelerator = torch._C._get_accelerator
     torch._C._get_accelerator = lambda: torch.device("tpu")
+    from torch._dynamo.backends import registry
+    from torch_tpu._internal import export as _export
+
+    backend, fx_to_mlir = registry._COMPILER_FNS["tpu"], _export.fx_to_mlir
+    sources: list[list[str]] = []
+    order: list[list[int]] = []
+
+    def recording(gm, example_inputs, **kwargs):  # (the "tpu" backend upstream's torch.compile looks up)
+        sources.append([str(n.meta["grapharg"].source.name) for n in gm.graph.nodes if n.op == "placeholder"])
+        return backend(gm, example_inputs, **kwargs)
+
+    def recording_fx(module, *args, **kwargs):  # (AOTAutograd names its K-th input ``argK_1``)
+        order.append([int(n.name[3:].split("_")[0]) for n in module.graph.nodes if n.op == "placeholder"])
+        return fx_to_mlir(module, *args, **kwargs)
+
+    registry._COMPILER_FNS["tpu"], _export.fx_to_mlir = recording, recording_fx
+    warm: list[dict] = []
     try:
         with session.mode, torch.no_grad():
             # (the cache's size given: hf_tpu's sizing asks the chip for its memory)
@@ -486,9 +510,13 @@ def lower_serving_step(session, shapes=((32, 0), (32, 64)), vocab_size: int = 96
                 if failures:
                     raise RuntimeError(failures[-1])
                 labels += [f"step-{q}x{kv}"] * (len(session.programs) - first)
+                before = dict(session.counts)  # the same shape again: the compiled step and the traffic around it
+                runner.run_one_warmup(model=model, num_q_tokens=q, max_kv_read=kv)
+                warm.append({k: v - before.get(k, 0) for k, v in session.counts.items()})
     finally:
         logger.removeFilter(watcher)
         torch._C._get_accelerator = get_accelerator
+        registry._COMPILER_FNS["tpu"], _export.fx_to_mlir = backend, fx_to_mlir
     staging = runner.inputs_and_outputs._hf_tpu_staging
     return {"labels": labels, "staged": staging is not None, "flat": list(staging.device.shape),
-            "mask_types": staging.mask_types}  # fmt: skip
+            "mask_types": staging.mask_types, "sources": sources, "module_order": order, "warm_eager": warm}  # fmt: skip
