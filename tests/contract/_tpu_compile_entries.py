@@ -519,4 +519,5 @@ def lower_serving_step(session, shapes=((32, 0), (32, 64)), vocab_size: int = 96
         registry._COMPILER_FNS["tpu"], _export.fx_to_mlir = backend, fx_to_mlir
     staging = runner.inputs_and_outputs._hf_tpu_staging
     return {"labels": labels, "staged": staging is not None, "flat": list(staging.device.shape),
-            "mask_types": staging.mask_types, "sources": sources, "module_order": order, "warm_eager": warm}  # fmt: skip
+            "mask_types": staging.mask_types, "sources": sources, "module_order": order,
+            "warm_eager": warm}  # fmt: skip
