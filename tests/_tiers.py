@@ -517,6 +517,18 @@ _slow(
     "test_a_request_arriving_mid_run_and_one_asking_logprobs",
     "test_requests_waiting_for_a_slot_do_not_stop_chunks",  # about 20 s together
 )
+_slow(
+    "training/test_optimizer.py",
+    "the compiled optimizer's eager ops at two depths, two Trainer runs (core: its loss curve against the CPU's with "
+    "0 compiles after step 2, for both optim names)",
+    "test_eager_ops_per_step_do_not_grow_with_the_parameter_tensors",  # about 17 s
+)
+_slow(
+    "transformers/test_decode_attention.py",
+    "generate through the opt-in ragged_kernel form, a model of its own compiled (core: the kernel's reference "
+    "against CPU sdpa at batch 1-256 and 512-8192 slots, its Pallas kernel interpreted, in tests/kernels)",
+    "test_the_ragged_kernel_form_generates_the_cpus_tokens",  # about 12 s
+)
 
 
 #: (node id prefix, what checks the same inside CI's run): the sweep, out of CI's run (``.ci/run --sweep`` runs it).
