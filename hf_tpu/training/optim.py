@@ -160,7 +160,8 @@ def clip_grad_norm_(
         for bucket in _buckets([p.grad for p in with_grads], 2):
             scaled = _compiled("scale", _scale)([with_grads[i].grad for i in bucket], factor)
             for i, g in zip(bucket, scaled):
-                with_grads[i].grad = g
+                p = with_grads[i]
+                p.grad = g if g.dtype == p.grad.dtype else g.to(p.grad.dtype)  # (as for the parameters: _update)
             del scaled
     return total
 
@@ -262,7 +263,10 @@ class AdamW(torch.optim.AdamW):
             [s["max_exp_avg_sq"] for s in states] if options[0] else [], [s["step"] for s in states], lr, options,
         )  # fmt: skip
         for i, (p, state) in enumerate(zip(params, states)):
-            p.data = new_params[i]
+            new = new_params[i]
+            # (the graph casts to the parameter's dtype; a backend that still returned another: one eager cast here,
+            # never a silent change of the parameter's dtype)
+            p.data = new if new.dtype == p.dtype else new.to(p.dtype)
             for name, values in zip(names, new_states):
                 state[name] = values[i]
             state["step"] = new_steps[i]
