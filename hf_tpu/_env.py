@@ -299,9 +299,9 @@ OPTIMIZER = _choice(
     ("compiled", "eager"),
     "an optimizer step mode",
     "How the optimizer's update and the gradient clipping run on a `tpu` device (`hf_tpu.training.AdamW` and "
-    "`clip_grad_norm_`, which the Trainer uses through `hf_tpu.enable()`): `compiled` (each one compiled graph "
-    "with `torch.compile(backend=\"tpu\")`), `eager` (upstream's eager ops). Not a graph switch: the model's graphs "
-    "are the same either way.",
+    "`clip_grad_norm_`, which the Trainer uses through `hf_tpu.enable()`): `compiled` (graphs compiled with "
+    "`torch.compile(backend=\"tpu\")`, one per bucket of parameters of one shape and dtype), `eager` (upstream's "
+    "eager ops). Not a graph switch: the model's graphs are the same either way.",
 )
 
 # ---- serving, commands and checks ---------------------------------------------------------------------------------

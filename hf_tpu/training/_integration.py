@@ -24,11 +24,12 @@ Upstream state (transformers 5.24, accelerate 1.15 and 1.16), checked on the sim
 - The optimizer's update and the gradient clipping ran as eager torch_tpu ops (issue #68): AdamW's list ops per
   parameter group, the clipping's norm and scaling, each a dispatch on the chip, while the model's forward and
   backward are compiled. On a TPU the Trainer's ``optim="adamw_torch"`` (its default) builds
-  :class:`hf_tpu.training.AdamW` (``torch.optim.AdamW`` whose step is one compiled graph, the learning rate a
-  device tensor) instead of upstream's class (``Trainer.get_optimizer_cls_and_kwargs``), and
-  ``Accelerator.clip_grad_norm_`` clips plain ``tpu`` gradients with :func:`hf_tpu.training.clip_grad_norm_` (one
-  compiled graph). ``HF_TPU_OPTIMIZER=eager`` keeps upstream's classes and eager ops (``adamw_torch_fused``:
-  torch_tpu's ``_fused_adamw_`` kernel and a ``_foreach_add_`` of the step counters).
+  :class:`hf_tpu.training.AdamW` (``torch.optim.AdamW`` whose step is one compiled graph per bucket of parameters
+  of one shape and dtype, the learning rate a device tensor) instead of upstream's class
+  (``Trainer.get_optimizer_cls_and_kwargs``), and ``Accelerator.clip_grad_norm_`` clips plain ``tpu`` gradients with
+  :func:`hf_tpu.training.clip_grad_norm_` (compiled graphs). ``HF_TPU_OPTIMIZER=eager`` keeps upstream's classes
+  and eager ops (``adamw_torch_fused``: torch_tpu's ``_fused_adamw_`` kernel and a ``_foreach_add_`` of the step
+  counters).
 - ``Trainer.__init__`` runs :func:`hf_tpu.training.check_trainable` first when its device is a TPU (quantized
   models, CUDA-only optimizers, fp16). Upstream refuses fp16 too (accelerate: "fp16 mixed precision requires a
   device in (...)"), without saying to use bf16; the others fail later, inside bitsandbytes or a CUDA kernel.
@@ -241,7 +242,7 @@ def _ddp_defaults(training_args) -> None:
 def _patch_optimizer_choice() -> None:
     """``optim="adamw_torch"`` and ``"adamw_torch_fused"`` (the Trainer's default) on a TPU:
     :class:`hf_tpu.training.AdamW` (same arguments, state and ``state_dict`` as upstream's ``torch.optim.AdamW``; its
-    step is one compiled graph, which is the fused update), unless ``HF_TPU_OPTIMIZER=eager``."""
+    step is one compiled graph per bucket of parameters, the fused update), unless ``HF_TPU_OPTIMIZER=eager``."""
     import torch
     from transformers import Trainer
 
@@ -268,7 +269,7 @@ def _patch_optimizer_choice() -> None:
 
 def _patch_clip_grad_norm() -> None:
     """``Accelerator.clip_grad_norm_`` of plain ``tpu`` gradients (one chip, or data-parallel ranks, no gradient
-    scaler): :func:`hf_tpu.training.clip_grad_norm_`, one compiled graph; upstream's otherwise (FSDP, DTensors, a
+    scaler): :func:`hf_tpu.training.clip_grad_norm_`, compiled graphs; upstream's otherwise (FSDP, DTensors, a
     scaler, ``HF_TPU_OPTIMIZER=eager``)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType

@@ -311,10 +311,10 @@ def lower_vae_decoder(session, latent: int = 16, dtype: str = "bfloat16", fixed:
     return {"labels": [f"vae-decoder-{latent}x{latent}"], "table": table}
 
 
-#: The parameter groups of :func:`lower_optimizer`: (dtype, weight decay, amsgrad, shapes). Every shape of every
-#: group distinct, so that the lowered module's arguments map back to the tensors by shape and role order.
+#: The parameter groups of :func:`lower_optimizer`: (dtype, weight decay, amsgrad, shapes). The bfloat16 group has two
+#: tensors of one shape (one bucket of two, one graph); its other shapes, and the other groups', are distinct.
 OPTIMIZER_GROUPS = (
-    ("bfloat16", 0.01, False, ((24, 16), (16, 40), (40,))),
+    ("bfloat16", 0.01, False, ((24, 16), (16, 40), (40,), (24, 16))),
     ("float32", 0.0, False, ((6, 10), (10,))),
     ("float32", 0.1, True, ((3, 5, 7),)),
 )
@@ -336,14 +336,32 @@ def _tpu_params(shapes, dtype):
     return params
 
 
-def lower_optimizer(session, groups=None, lrs=None, steps: int = 3, clip: bool = True):
-    """hf_tpu.training's compiled AdamW step (``hf_tpu.training.optim._adamw`` over every group) and, with ``clip``,
-    its compiled gradient clipping (``_clip``), on deferred ``tpu`` parameters: ``steps`` optimizer steps (the first
-    creates the state, eagerly, and compiles the graph; each later one runs it), then two clips. Returns, per warm
-    step, the eager traffic torch_tpu's runtime met around the compiled call and the ops it was (``warm_eager``), and
-    per graph its inputs as Dynamo ordered them (``sources``: ``L['groups'][g][role][i]``, ``L['lrs'][g]``) and the
-    lowered module's arguments as indices into them (``module_order``: torch_tpu's front end orders the arguments
-    by first use, not as Dynamo does)."""
+class _Holder(torch.nn.Module):
+    """The optimizer's parameters as a module's, with a forward that reads each (compiled as the Trainer's model)."""
+
+    def __init__(self, params):
+        super().__init__()
+        for i, p in enumerate(params):
+            self.register_parameter(f"p{i}", p)
+
+    def forward(self, x):
+        return x + sum(p.float().sum() for p in self.parameters())
+
+
+def lower_optimizer(session, groups=None, lrs=None, steps: int = 3, clip: bool = True, forward: bool = True):
+    """hf_tpu.training's compiled AdamW step (``hf_tpu.training.optim._adamw``, one graph per bucket of parameters:
+    one group, one shape and dtype) and, with ``clip``, its compiled gradient clipping (``_norm`` over every gradient,
+    then ``_scale`` per bucket of gradients), on deferred ``tpu`` parameters: ``steps`` optimizer steps (the first
+    creates the state, eagerly, and compiles the graphs; each later one runs them), then two clips. With ``forward``,
+    a module holding the parameters, compiled as the Trainer's model is, runs once before the steps and once after
+    each step and clip (the rebound ``param.data`` must not recompile it).
+
+    Returns, per warm step and warm clip, the eager traffic torch_tpu's runtime met around the compiled calls and the
+    ops it was (``warm_eager``); per graph, in the order they compiled, its inputs as Dynamo ordered them (``sources``:
+    ``L['params'][i]``, ``L['lr']``, ...), the lowered module's arguments as indices into them (``module_order``:
+    torch_tpu's front end orders the arguments by first use, not as Dynamo does) and the tensors of the call that
+    compiled it (``calls``: ``[group, index in the group]`` per bucket entry; the clipping's indices count over every
+    parameter, group 0)."""
     import collections
 
     from hf_tpu.training import AdamW, clip_grad_norm_, optim
@@ -355,6 +373,8 @@ def lower_optimizer(session, groups=None, lrs=None, steps: int = 3, clip: bool =
          "amsgrad": amsgrad, "lr": lr}
         for (dtype, wd, amsgrad, shapes), lr in zip(groups, lrs)
     ]  # fmt: skip
+    params = [p for g in param_groups for p in g["params"]]
+    where = {id(p): [g, i] for g, group in enumerate(param_groups) for i, p in enumerate(group["params"])}
     sources: list[list[str]] = []
     backend = torch._dynamo.lookup_backend("tpu")
 
@@ -371,63 +391,90 @@ def lower_optimizer(session, groups=None, lrs=None, steps: int = 3, clip: bool =
         order.append([int(n.name[3:].split("_")[0]) for n in module.graph.nodes if n.op == "placeholder"])
         return fx_to_mlir(module, *args, **kwargs)
 
+    labels: list[str] = []
+    calls: list[list[list[int]]] = []
+
+    def labelled(name, fn, key):
+        compiled = torch.compile(fn, backend=recording, fullgraph=True, dynamic=False)
+
+        def run(tensors, *args):
+            first = len(session.programs)
+            out = compiled(tensors, *args)
+            new = len(session.programs) - first
+            labels.extend([name] * new)
+            calls.extend([key(tensors)] * new)
+            return out
+
+        return run
+
+    grads_of = {}  # (the clipping's gradients: id -> index over every parameter)
     _export.fx_to_mlir = recording_fx
     saved = dict(optim._COMPILED)
     optim._COMPILED.clear()
-    optim._COMPILED["adamw"] = torch.compile(optim._adamw, backend=recording, fullgraph=True, dynamic=False)
-    optim._COMPILED["clip"] = torch.compile(optim._clip, backend=recording, fullgraph=True, dynamic=False)
-    labels, warm = [], []
+    optim._COMPILED["adamw"] = labelled("adamw", optim._adamw, lambda ps: [where[id(p)] for p in ps])
+    optim._COMPILED["norm"] = labelled("norm", optim._norm, lambda gs: [[0, grads_of[id(g)]] for g in gs])
+    optim._COMPILED["scale"] = labelled("scale", optim._scale, lambda gs: [[0, grads_of[id(g)]] for g in gs])
+    holder = _Holder(params)
+    holder.compile(backend=recording, fullgraph=True, dynamic=False)
+    x = torch.empty((), device="tpu")
     mode_class = type(session.mode)
     dispatch = mode_class.__torch_dispatch__
     seen: list[str] = []
+    warm = []
 
     def counting(self, func, types, args=(), kwargs=None):
         seen.append(str(func))
         return dispatch(self, func, types, args, kwargs)
 
+    def counted(fn, record: bool) -> None:
+        before = dict(session.counts)
+        del seen[:]
+        mode_class.__torch_dispatch__ = counting
+        try:
+            fn()
+        finally:
+            mode_class.__torch_dispatch__ = dispatch
+        if record:
+            warm.append({k: v - before.get(k, 0) for k, v in session.counts.items()})
+            warm[-1]["ops"] = dict(collections.Counter(seen))
+
+    def run_forward() -> None:
+        if forward:
+            first = len(session.programs)
+            with torch.no_grad():  # (a backward cannot be lowered without a chip: lower_train_forward)
+                holder(x)
+            labels.extend(["forward"] * (len(session.programs) - first))
+            calls.extend([[]] * (len(session.programs) - first))
+
     try:
         opt = AdamW(param_groups, lr=lrs[0], betas=(0.9, 0.95), eps=1e-6)
         with session.mode:
+            run_forward()
             for i in range(steps):
-                before, programs = dict(session.counts), len(session.programs)
-                del seen[:]
-                mode_class.__torch_dispatch__ = counting
-                try:
-                    opt.step()
-                finally:
-                    mode_class.__torch_dispatch__ = dispatch
-                labels += ["adamw"] * (len(session.programs) - programs)
-                if i:
-                    warm.append({k: v - before.get(k, 0) for k, v in session.counts.items()})
-                    warm[-1]["ops"] = dict(collections.Counter(seen))
+                counted(opt.step, record=i > 0)
+                run_forward()
             if clip:
-                params = [p for g in param_groups for p in g["params"]]
                 for i in range(2):
-                    before, programs = dict(session.counts), len(session.programs)
-                    del seen[:]
-                    mode_class.__torch_dispatch__ = counting
-                    try:
-                        clip_grad_norm_(params, 1.0)
-                    finally:
-                        mode_class.__torch_dispatch__ = dispatch
-                    labels += ["clip"] * (len(session.programs) - programs)
-                    if i:
-                        warm.append({k: v - before.get(k, 0) for k, v in session.counts.items()})
-                        warm[-1]["ops"] = dict(collections.Counter(seen))
+                    grads_of.clear()
+                    grads_of.update({id(p.grad): k for k, p in enumerate(params)})
+                    counted(lambda: clip_grad_norm_(params, 1.0), record=i > 0)
+                    run_forward()
+            state = opt.state[params[0]]
+            kept = {"param": str(params[0].dtype), **{k: str(v.dtype) for k, v in state.items()}}
     finally:
         _export.fx_to_mlir = fx_to_mlir
         optim._COMPILED.clear()
         optim._COMPILED.update(saved)
-    tensors = sum(len(g["params"]) for g in param_groups)
-    return {"labels": labels, "warm_eager": warm, "sources": sources, "tensors": tensors, "module_order": order}
+    return {"labels": labels, "warm_eager": warm, "sources": sources, "tensors": len(params), "module_order": order,
+            "calls": calls, "dtypes": kept}  # fmt: skip
 
 
 def lower_llama_optimizer(session, layers: int = 2):
     """:func:`lower_optimizer` for a Llama-3.2-1B-shaped parameter list (``layers`` decoder layers) in bfloat16, in
-    the Trainer's two groups (weight decay 0.01 on the matrices, none on the norms), no clipping."""
+    the Trainer's two groups (weight decay 0.01 on the matrices, none on the norms), and its clipping."""
     decayed, plain = llama_shapes(layers)
     groups = [["bfloat16", 0.01, False, decayed], ["bfloat16", 0.0, False, plain]]
-    return lower_optimizer(session, groups, (1e-4, 1e-4), steps=2, clip=False)
+    return lower_optimizer(session, groups, (1e-4, 1e-4), steps=2, clip=True, forward=False)
 
 
 #: The continuous-batching ladder of :func:`lower_serving_step` (tests/serving/conftest.py's: one query rung of 32

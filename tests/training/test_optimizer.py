@@ -138,3 +138,40 @@ def test_adamw_in_a_plain_loop_equals_upstreams_and_loads_its_state(monkeypatch)
     upstream_norms, upstream, _ = run("cpu", torch.optim.AdamW, 2, state=cpu_opt.state_dict(), weights=cpu_weights)
     torch.testing.assert_close(resumed_norms, upstream_norms, **close)
     torch.testing.assert_close(resumed, upstream, **close)
+
+
+def test_one_graph_per_bucket_and_a_large_bucket_cut_into_sub_lists_of_one_graph(monkeypatch):
+    """The update compiles one graph per bucket (a group's tensors of one shape and dtype), whatever their count; a
+    bucket over ``BUCKET_BYTES`` is cut into sub-lists of one length that share a graph. The parameters keep their
+    dtype and object (their ``.data`` rebound), and the result equals upstream's AdamW on the CPU."""
+    from hf_tpu import sim
+    from hf_tpu.training import AdamW, clip_grad_norm_, optim
+
+    shapes = [(4, 8)] * 6 + [(8,)] * 3
+    monkeypatch.setattr(optim, "BUCKET_BYTES", 2 * 4 * 8 * 2 * 3)  # (two (4, 8) bfloat16 tensors and their moments)
+    assert [len(b) for b in optim._buckets([torch.empty(s, dtype=torch.bfloat16) for s in shapes], 3)] == [2, 2, 2, 3]
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes] for _ in range(3)]
+
+    def run(device, opt_class, clip):
+        params = [torch.nn.Parameter(w.to(device)) for w in weights]
+        opt = opt_class(params, lr=5e-2, weight_decay=0.1)
+        compiles = []
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.to(device)
+            with sim.stats() as s:
+                clip(params, 0.5)
+                opt.step()
+            compiles.append(s.compiles)
+        return params, compiles
+
+    tpu, compiles = run("tpu", AdamW, clip_grad_norm_)
+    cpu, _ = run("cpu", torch.optim.AdamW, torch.nn.utils.clip_grad_norm_)
+    # the update: one graph for the three (4, 8) sub-lists, one for the (8,) bucket; the clipping: the norm and one per
+    # bucket of gradients (its own cut: a gradient and its scaled copy, three to a sub-list: two sub-lists of (4, 8))
+    assert compiles == [2 + 3, 0, 0], compiles
+    assert all(p.dtype == torch.bfloat16 and p.device.type == "tpu" for p in tpu)
+    for p, q in zip(tpu, cpu):  # (bfloat16: upstream's CPU step rounds each intermediate, the graph may not)
+        torch.testing.assert_close(p.detach().cpu().float(), q.detach().float(), rtol=2e-2, atol=2e-2)
